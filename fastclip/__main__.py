@@ -1,0 +1,5 @@
+import sys
+
+from fastclip.cli import main
+
+sys.exit(main())

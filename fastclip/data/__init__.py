@@ -1,0 +1,41 @@
+"""fastclip.data: WebDataset shards with global sample indices -> training batches (images, token ids, indices).
+
+Writing shards (`fastclip data ...`, fastclip/data/cli.py):
+    embedded   Fashion-MNIST + MNIST-5k (or MNIST-5k + Animal-MNIST) -> DIR/train, DIR/val, DIR/zeroshot.json
+    folder     images + CSV/TSV/JSONL captions -> shards
+    scan       existing img2dataset-style shards -> manifest.json, with index checks
+    info       what a data spec resolves to
+
+Training (fastclip/data/stream.py has the rules on order, ranks, workers and resume):
+    stream = build_train_stream(cfg, rank=rank, world_size=world, preprocess=built.preprocess_train,
+                                tokenizer=built.tokenizer)
+        cfg: StreamConfig or any object/dict with train_data (or `train`), batch_size, and optionally seed,
+             workers, shuffle_buffer, dataset_resampled, train_num_samples, train_data_upsampling_factors,
+             data_size, pin_memory. Raises DataSpecError / ManifestError before training for a bad spec.
+    stream.data_size              1 + the largest index (size the per-sample state from it)
+    stream.batches_per_epoch      batches every rank serves in a whole epoch (the same on all ranks)
+    stream.batches_remaining(e)   batches stream.epoch(e) will serve from the current position
+    stream.epoch(e)               iterator of (images float [B,3,H,W], texts int64 [B,ctx], indices int64 [B])
+    stream.state_dict() / stream.load_state_dict(sd)   position (plain types; torch.load(weights_only=True) ok)
+    stream.counters               {reason: samples skipped, ..., "wrapped": samples served twice to fill batches}
+    stream.recent_skips           deque of {"shard", "key", "reason", "detail", "samples", "epoch", "rank"}
+    stream.samples_seen           samples this rank has served
+
+Evaluation:
+    iter_labelled_samples(dir_or_pattern, rank=0, world_size=1, counters=None)
+        -> LabelledSample(image: PIL RGB, caption, index, dataset, label), this rank's share of the manifest order
+    load_zeroshot(dir_or_file) -> {"datasets": {name: {"classnames": [...], "templates": [...]}}}
+"""
+from fastclip.data.catalog import Catalog, DataSpecError, expand_braces, resolve_catalog
+from fastclip.data.labelled import LabelledSample, iter_labelled_samples, load_zeroshot
+from fastclip.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest, write_manifest
+from fastclip.data.samples import REASONS
+from fastclip.data.stream import StreamConfig, TrainStream, build_train_stream
+from fastclip.data.writer import ShardWriter
+
+__all__ = [
+    "build_train_stream", "StreamConfig", "TrainStream", "REASONS",
+    "iter_labelled_samples", "LabelledSample", "load_zeroshot",
+    "resolve_catalog", "expand_braces", "Catalog", "DataSpecError",
+    "Manifest", "ShardInfo", "ManifestError", "read_manifest", "write_manifest", "ShardWriter",
+]

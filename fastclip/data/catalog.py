@@ -1,0 +1,187 @@
+"""From a `--train-data` string to the list of shards an epoch is planned over.
+
+Syntax (OpenCLIP's habits): sources joined with `::`; each source is a shard folder, a manifest.json, or a
+shard pattern with brace expansion (`/d/train-{000000..000041}.tar`, `{a,b}`) or a glob. Each shard's
+manifest.json must sit beside it (it gives the sample counts an epoch is planned with). Everything is checked
+here, before training starts: an empty pattern, a missing shard file, a shard its manifest does not list, and
+index ranges of different sources that overlap (the per-sample state is indexed by global index, so two
+sources must not share indices; data_size is the largest over sources).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastclip.data.format import MANIFEST_NAME
+from fastclip.data.manifest import Manifest, ManifestError, read_manifest
+
+
+class DataSpecError(ValueError):
+    """A bad data specification (pattern, missing shard, overlapping sources); raised before training."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: str  # absolute path of the tar
+    name: str  # path relative to its manifest folder (stable across moves of the data folder)
+    num_samples: int
+    source: int  # index of the `::` source it came from
+    index_min: int | None
+    index_max: int | None
+    skip: tuple[tuple[str, str, str], ...] = ()  # (key, reason, detail) listed in the manifest's problems
+
+
+@dataclass(frozen=True)
+class Source:
+    spec: str
+    shard_ids: tuple[int, ...]
+    data_size: int
+    index_min: int | None
+    index_max: int | None
+
+
+@dataclass(frozen=True)
+class Catalog:
+    sources: tuple[Source, ...]
+    shards: tuple[Shard, ...]
+    data_size: int
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the shard list (names and counts): a saved stream position is only valid for the same."""
+        blob = json.dumps([(s.source, s.name, s.num_samples) for s in self.shards]).encode()
+        return hashlib.sha1(blob).hexdigest()[:16]
+
+
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Bash-style brace expansion: `{000..003}` keeps zero padding, `{a,b}` alternatives, nesting allowed."""
+    start = pattern.find("{")
+    if start < 0:
+        return [pattern]
+    depth = 0
+    for end in range(start, len(pattern)):
+        depth += {"{": 1, "}": -1}.get(pattern[end], 0)
+        if depth == 0:
+            break
+    else:
+        raise DataSpecError(f"pattern {pattern!r}: unbalanced '{{'")
+    body, head, tail = pattern[start + 1:end], pattern[:start], pattern[end + 1:]
+    match = _RANGE.match(body)
+    if match:
+        a, b = match.groups()
+        width = len(a) if a.lstrip("-").startswith("0") and len(a) > 1 else 0
+        step = 1 if int(b) >= int(a) else -1
+        options = [f"{i:0{width}d}" for i in range(int(a), int(b) + step, step)]
+    else:
+        options, depth, cur = [], 0, ""
+        for ch in body:  # split on top-level commas only
+            if ch == "," and depth == 0:
+                options.append(cur)
+                cur = ""
+                continue
+            depth += {"{": 1, "}": -1}.get(ch, 0)
+            cur += ch
+        options.append(cur)
+        if len(options) == 1:  # "{x}" is literal in bash; keep it so
+            return [head + "{" + p for p in expand_braces(body + "}" + tail)]
+    return [p for option in options for p in expand_braces(head + option + tail)]
+
+
+def _shard_paths(spec: str) -> tuple[list[tuple[Path, Path]], dict[Path, Manifest]]:
+    """(shard file, folder of its manifest) for each shard of one source, and those manifests by folder."""
+    path = Path(spec)
+    if path.is_dir() or path.name == MANIFEST_NAME:
+        folder = (path if path.is_dir() else path.parent).resolve()
+        manifest = read_manifest(folder)
+        if not manifest.shards:
+            raise DataSpecError(f"source {spec!r}: manifest {folder / MANIFEST_NAME} lists no shards")
+        return [(folder / s.path, folder) for s in manifest.shards], {folder: manifest}
+    paths = []
+    for p in expand_braces(spec):
+        if any(ch in p for ch in "*?["):
+            paths.extend(sorted(Path(g) for g in glob.glob(p)))
+        else:
+            paths.append(Path(p))
+    if not paths:
+        raise DataSpecError(f"pattern {spec!r} matches no shard file")
+    manifests: dict[Path, Manifest] = {}
+    for p in paths:
+        if not p.is_file():
+            raise DataSpecError(f"shard file {p} (from pattern {spec!r}) does not exist")
+        folder = p.parent.resolve()
+        if folder not in manifests:
+            try:
+                manifests[folder] = read_manifest(folder)
+            except ManifestError as e:
+                raise DataSpecError(f"shard {p} (from pattern {spec!r}): {e}") from None
+    return [(p, p.parent.resolve()) for p in paths], manifests
+
+
+def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
+    if not isinstance(train_data, str) or not train_data.strip():
+        raise DataSpecError(f"empty data pattern {train_data!r}")
+    shards: list[Shard] = []
+    sources: list[Source] = []
+    taken: dict[str, str] = {}
+    for source_id, spec in enumerate(s.strip() for s in train_data.split("::")):
+        if not spec:
+            raise DataSpecError(f"empty source in {train_data!r} (two '::' in a row?)")
+        paths, manifests = _shard_paths(spec)
+        # lookups by path, so 40k-shard patterns stay linear
+        entries = {f: {os.path.normpath(s.path): s for s in m.shards} for f, m in manifests.items()}
+        problems: dict[tuple[Path, str], list] = {}
+        for f, m in manifests.items():
+            for q in m.problems:
+                if q.get("key") is not None:
+                    problems.setdefault((f, os.path.normpath(str(q.get("shard")))), []).append(q)
+        ids = []
+        for p, folder in paths:
+            rel = os.path.normpath(os.path.relpath(p.resolve(), folder))
+            entry = entries[folder].get(rel)
+            if entry is None:
+                raise DataSpecError(f"shard {p} (from pattern {spec!r}) is not listed in {folder / MANIFEST_NAME}; "
+                                    f"run `fastclip data scan {folder}` to rebuild it")
+            if not p.is_file():
+                raise DataSpecError(f"shard file {p} (listed in {folder / MANIFEST_NAME}) does not exist")
+            absolute = str(p.resolve())
+            if absolute in taken:
+                raise DataSpecError(f"shard {p} appears in two sources: {taken[absolute]!r} and {spec!r}")
+            taken[absolute] = spec
+            skip = tuple((str(q["key"]), str(q.get("reason", "manifest_problem")), str(q.get("detail", "")))
+                         for q in problems.get((folder, rel), ()))
+            ids.append(len(shards))
+            shards.append(Shard(absolute, entry.path, entry.num_samples, source_id, entry.index_min,
+                                entry.index_max, skip))
+        lows = [shards[i].index_min for i in ids if shards[i].index_min is not None]
+        highs = [shards[i].index_max for i in ids if shards[i].index_max is not None]
+        sources.append(Source(spec, tuple(ids), max(m.data_size for m in manifests.values()),
+                              min(lows, default=None), max(highs, default=None)))
+    _check_disjoint(sources)
+    size = max(s.data_size for s in sources)
+    if data_size is not None:
+        if data_size < size:
+            raise DataSpecError(f"data_size {data_size} is smaller than the manifests' data_size {size} "
+                                f"(largest index {size - 1} would not fit)")
+        size = data_size
+    return Catalog(tuple(sources), tuple(shards), size)
+
+
+def _check_disjoint(sources: list[Source]) -> None:
+    spans = sorted((s.index_min, s.index_max, s.spec) for s in sources if s.index_min is not None)
+    for (lo_a, hi_a, a), (lo_b, hi_b, b) in zip(spans, spans[1:]):
+        if lo_b <= hi_a:
+            raise DataSpecError(f"sources {a!r} (indices {lo_a}..{hi_a}) and {b!r} (indices {lo_b}..{hi_b}) "
+                                f"overlap: joined sources need disjoint global indices (write one of them with "
+                                f"--index-offset)")

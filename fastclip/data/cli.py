@@ -1,0 +1,127 @@
+"""`fastclip data ...`: write shards with global indices, scan existing shards, inspect a data spec.
+
+  fastclip data embedded --out data/embedded [--datasets auto|fashion-mnist,mnist|mnist,animal-mnist]
+                         [--max-per-class N] [--max-val-per-class N] [--val-fraction 0.2] [--shard-size 2000]
+                         [--seed 0] [--index-offset 0]
+  fastclip data folder --captions caps.csv --out DIR [--images ROOT] [--csv-img-key filepath]
+                       [--csv-caption-key title] [--csv-separator ","] [--shard-size 2000] [--index-offset 0]
+  fastclip data scan DIR|PATTERN [--data-size N] [--strict]
+  fastclip data info "DIR::/other/train-{000..009}.tar" [--batch-size 64 --world-size 8]
+
+Exit status: 0 on success, 1 when `scan --strict` finds problems, 2 on a usage or data-spec error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fastclip.data.catalog import DataSpecError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fastclip data", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("embedded", help="shards from the offline datasets (Fashion-MNIST + MNIST-5k by default)")
+    e.add_argument("--out", required=True, help="writes OUT/train, OUT/val, OUT/zeroshot.json, OUT/embedded.json")
+    e.add_argument("--datasets", default="auto",
+                   help="auto (Fashion-MNIST + MNIST-5k, or MNIST-5k + Animal-MNIST without the Debian files), "
+                        "or a comma list of fashion-mnist, mnist, animal-mnist")
+    e.add_argument("--max-per-class", type=int, default=None, help="cap on training samples per class and dataset")
+    e.add_argument("--max-val-per-class", type=int, default=None,
+                   help="cap on held-out samples per class (default with --max-per-class: its val_fraction share)")
+    e.add_argument("--val-fraction", type=float, default=0.2, help="held out per class where no official split")
+    e.add_argument("--shard-size", type=int, default=2000)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--index-offset", type=int, default=0, help="first global index (to join with other sources)")
+    e.add_argument("--fashion-mnist-root", default=None, help="folder of the Fashion-MNIST .gz files")
+
+    f = sub.add_parser("folder", help="shards from a folder of images and a CSV/TSV/JSONL of captions")
+    f.add_argument("--captions", required=True, help="CSV/TSV/JSONL file with image paths and captions")
+    f.add_argument("--out", required=True)
+    f.add_argument("--images", default=None, help="root of the image paths (default: the captions file's folder)")
+    f.add_argument("--csv-img-key", default="filepath")
+    f.add_argument("--csv-caption-key", default="title")
+    f.add_argument("--csv-separator", default=None, help="default: tab for .tsv, comma otherwise")
+    f.add_argument("--shard-size", type=int, default=2000)
+    f.add_argument("--index-offset", type=int, default=0)
+    f.add_argument("--prefix", default="train", help="shard name prefix")
+
+    s = sub.add_parser("scan", help="write manifest.json for existing shards and check their indices")
+    s.add_argument("shards", help="shard folder or pattern (brace expansion, glob)")
+    s.add_argument("--data-size", type=int, default=None, help="default: 1 + the largest index found")
+    s.add_argument("--strict", action="store_true", help="exit 1 and write nothing if any problem is found")
+
+    i = sub.add_parser("info", help="resolve a training data spec and print what an epoch would be")
+    i.add_argument("train_data", help="as data.train: folders/manifests/patterns joined with '::'")
+    i.add_argument("--batch-size", type=int, default=None)
+    i.add_argument("--world-size", type=int, default=1)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (DataSpecError, FileNotFoundError, ValueError) as e:
+        print(f"fastclip data {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    if args.command == "embedded":
+        from fastclip.data.sources.embedded import FASHION_MNIST_ROOT, build_embedded
+
+        summary = build_embedded(args.out, datasets=args.datasets, max_per_class=args.max_per_class,
+                                 max_val_per_class=args.max_val_per_class, val_fraction=args.val_fraction,
+                                 shard_size=args.shard_size, seed=args.seed, index_offset=args.index_offset,
+                                 fashion_root=args.fashion_mnist_root or FASHION_MNIST_ROOT)
+        print(f"datasets: {', '.join(summary['datasets'])} ({summary['note']})")
+        for split, info in summary["splits"].items():
+            print(f"{args.out}/{split}: {info['num_samples']} samples in {info['shards']} shards, indices "
+                  f"{info['index_range'][0]}..{info['index_range'][1]}")
+        print(f"data_size {summary['data_size']}; class names and templates in {args.out}/zeroshot.json")
+        return 0
+    if args.command == "folder":
+        from fastclip.data.sources.folder import build_folder
+
+        summary = build_folder(args.captions, args.out, images=args.images, img_key=args.csv_img_key,
+                               caption_key=args.csv_caption_key, separator=args.csv_separator,
+                               shard_size=args.shard_size, index_offset=args.index_offset, prefix=args.prefix)
+        for line in summary["skipped"][:50]:
+            print(f"skipped {line}")
+        print(f"{args.out}: {summary['written']} of {summary['rows']} rows written in {summary['shards']} shards "
+              f"({len(summary['skipped'])} skipped), data_size {summary['data_size']}")
+        return 0
+    if args.command == "scan":
+        from fastclip.data.sources.scan import scan_shards
+
+        result = scan_shards(args.shards, data_size=args.data_size, write=not args.strict)
+        print(result.summary())
+        if args.strict and result.problems:
+            print("--strict: problems found, no manifest written", file=sys.stderr)
+            return 1
+        if args.strict:
+            from fastclip.data.manifest import write_manifest
+
+            write_manifest(result.folder, result.manifest)
+        print(f"wrote {result.folder}/manifest.json")
+        return 0
+    if args.command == "info":
+        from fastclip.data.catalog import resolve_catalog
+
+        catalog = resolve_catalog(args.train_data)
+        out = {"data_size": catalog.data_size, "num_samples": catalog.num_samples, "shards": len(catalog.shards),
+               "sources": [{"spec": s.spec, "shards": len(s.shard_ids), "index_min": s.index_min,
+                            "index_max": s.index_max, "data_size": s.data_size} for s in catalog.sources]}
+        if args.batch_size:
+            global_batch = args.batch_size * args.world_size
+            out["batches_per_epoch"] = -(-catalog.num_samples // global_batch)
+        print(json.dumps(out, indent=1))
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

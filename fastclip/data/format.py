@@ -1,0 +1,74 @@
+"""The shard format every component shares (spec/INTERFACES.md, "Shard format").
+
+A sample is a group of tar members with the same key (the member name up to the first dot of its basename,
+as WebDataset groups them): `<key>.png|jpg|jpeg|webp`, `<key>.txt`, `<key>.json`, optionally `<key>.cls`.
+Our writers use the global index zero-padded to 9 digits as the key.
+"""
+from __future__ import annotations
+
+import json
+import posixpath
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "fastclip-shards/1"
+IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")  # in the order a reader looks for them
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
+def sample_key(index: int) -> str:
+    return f"{index:09d}"
+
+
+def split_member_name(name: str) -> tuple[str, str]:
+    """('dir/000000012', 'png') for 'dir/000000012.png'; the extension is everything after the first dot."""
+    folder, base = posixpath.split(name)
+    stem, dot, ext = base.partition(".")
+    return posixpath.join(folder, stem) if folder else stem, ext.lower() if dot else ""
+
+
+def index_from_meta(meta: dict) -> int | None:
+    """The global index of a sample: json["index"], else int(json["key"]) (img2dataset); None if neither."""
+    value = meta.get("index")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    key = meta.get("key")
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return None
+
+
+def parse_meta(data: bytes | None) -> tuple[dict | None, str | None]:
+    """(json dict, None) or (None, why not) for a sample's .json member."""
+    if data is None:
+        return None, "no .json member"
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        return None, f"invalid .json ({e})"
+    if not isinstance(meta, dict):
+        return None, f".json is a {type(meta).__name__}, not an object"
+    return meta, None
+
+
+def caption_of(files: dict[str, bytes], meta: dict | None) -> str | None:
+    """The caption: the .txt member, else json["caption"]; None when absent, empty or not utf-8."""
+    text = files.get("txt")
+    if text is not None:
+        try:
+            caption = text.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            caption = ""
+        if caption:
+            return caption
+    if meta is not None and isinstance(meta.get("caption"), str) and meta["caption"].strip():
+        return meta["caption"].strip()
+    return None
+
+
+def image_of(files: dict[str, bytes]) -> tuple[bytes, str] | None:
+    for ext in IMAGE_EXTS:
+        if ext in files:
+            return files[ext], ext
+    return None

@@ -1,0 +1,84 @@
+"""Checking raw samples and keeping count of the ones skipped.
+
+A sample is skipped, logged with shard and key, and counted under one reason:
+  unreadable_shard   the shard file cannot be opened as a tar (samples its manifest promised are lost)
+  truncated_tar      the tar ends early or breaks (samples after the break are lost)
+  missing_index      no json["index"] and no integer json["key"] (or no/invalid .json)
+  index_out_of_range index < 0 or >= data_size
+  duplicate_index    listed as such by `fastclip data scan` (authoritative: it sees the whole data set), or at
+                     run time an index this worker already read this epoch from another (shard, key); the
+                     run-time check sees one worker's share only, and after a mid-epoch resume it no longer
+                     knows the samples read before the resume point
+  missing_caption    no non-empty utf-8 .txt and no json["caption"]
+  missing_image      no .png/.jpg/.jpeg/.webp member
+  undecodable_image  PIL cannot decode the image (found when the batch is made)
+and a manifest `problems` entry's own reason when scan listed the sample.
+"""
+from __future__ import annotations
+
+import io
+from collections import Counter
+from dataclasses import dataclass
+
+from PIL import Image
+
+from fastclip.data.format import caption_of, image_of, index_from_meta, parse_meta
+from fastclip.data.tario import RawSample
+
+REASONS = ("unreadable_shard", "truncated_tar", "missing_index", "index_out_of_range", "duplicate_index",
+           "missing_caption", "missing_image", "undecodable_image")
+
+
+@dataclass
+class Candidate:
+    """A sample that passed the cheap checks; its image is decoded only when it goes into a batch."""
+    index: int
+    caption: str
+    image: bytes
+    shard: str  # shard name, for messages
+    key: str
+    wrapped: bool
+    meta: dict
+
+
+def check_sample(raw: RawSample, data_size: int) -> tuple[Candidate | None, str, str]:
+    """(candidate, "", "") or (None, reason, detail)."""
+    meta, why = parse_meta(raw.files.get("json"))
+    index = index_from_meta(meta) if meta is not None else None
+    if index is None:
+        return None, "missing_index", why or "json has no integer 'index' and no integer 'key'"
+    if not 0 <= index < data_size:
+        return None, "index_out_of_range", f"index {index} not in [0, {data_size})"
+    caption = caption_of(raw.files, meta)
+    if caption is None:
+        return None, "missing_caption", "no non-empty .txt and no json 'caption'"
+    image = image_of(raw.files)
+    if image is None:
+        return None, "missing_image", f"members present: {', '.join(raw.exts) or 'none'}"
+    return Candidate(index, caption, image[0], "", raw.key, False, meta), "", ""
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """Fully decoded RGB image; raises on a truncated or corrupt file (PIL decodes lazily, so load() here)."""
+    with Image.open(io.BytesIO(data)) as img:
+        img.load()
+        return img.convert("RGB")
+
+
+class SkipLog:
+    """Counts skips by reason and keeps the first few events for the log (counts stay exact)."""
+
+    def __init__(self, max_events: int = 32):
+        self.max_events = max_events
+        self.counts: Counter = Counter()
+        self.events: list[dict] = []
+
+    def add(self, reason: str, shard: str, key: str | None, detail: str = "", n: int = 1) -> None:
+        self.counts[reason] += n
+        if len(self.events) < self.max_events:
+            self.events.append({"shard": shard, "key": key, "reason": reason, "detail": detail, "samples": n})
+
+    def take(self) -> tuple[dict, list[dict]]:
+        counts, events = dict(self.counts), self.events
+        self.counts, self.events = Counter(), []
+        return counts, events

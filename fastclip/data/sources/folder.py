@@ -1,0 +1,105 @@
+"""`fastclip data folder`: a folder of images plus a CSV/TSV/JSONL of captions -> shards + manifest.
+
+OpenCLIP's CSV habits: `--csv-img-key filepath --csv-caption-key title --csv-separator "\\t"`; a .jsonl file
+uses the same key names per line. The separator defaults by extension (.tsv: tab, .csv: comma). Image paths
+are relative to --images (default: the captions file's folder).
+
+The global index of a sample is its row number in the captions file (0-based, data rows only) plus
+--index-offset, so it stays tied to the metadata even when rows are skipped (as img2dataset's keys do);
+data_size = offset + number of rows. Rows whose image is missing or undecodable or whose caption is empty are
+skipped and reported with their line number. png/jpg/jpeg/webp bytes are stored as they are; other formats are
+re-encoded as PNG.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+
+from PIL import Image
+
+from fastclip.data.format import IMAGE_EXTS
+from fastclip.data.writer import ShardWriter
+
+
+class CaptionFileError(ValueError):
+    """The captions file cannot be used as asked (missing column, bad JSON line); names file, line and key."""
+
+
+def read_rows(captions: Path, img_key: str, caption_key: str, separator: str | None):
+    """Yield (line number, image path string or None, caption or None) for each data row."""
+    if captions.suffix.lower() == ".jsonl":
+        with open(captions, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise CaptionFileError(f"{captions}:{line_no}: not valid JSON ({e})") from None
+                if not isinstance(row, dict):
+                    raise CaptionFileError(f"{captions}:{line_no}: expected a JSON object per line")
+                yield line_no, row.get(img_key), row.get(caption_key)
+        return
+    if separator is None:
+        separator = "\t" if captions.suffix.lower() == ".tsv" else ","
+    separator = separator.encode().decode("unicode_escape")  # accept a literal "\t" from the shell
+    with open(captions, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f, delimiter=separator)
+        columns = reader.fieldnames or []
+        for key in (img_key, caption_key):
+            if key not in columns:
+                raise CaptionFileError(f"{captions}: no column {key!r} (columns: {columns}; separator "
+                                       f"{separator!r}; set --csv-img-key/--csv-caption-key/--csv-separator)")
+        for row in reader:
+            yield reader.line_num, row.get(img_key), row.get(caption_key)
+
+
+def _image_bytes(path: Path) -> tuple[bytes, str]:
+    """(bytes, ext); raises on a missing or undecodable file."""
+    data = path.read_bytes()
+    with Image.open(io.BytesIO(data)) as img:
+        img.load()  # full decode: catch truncated files now rather than in every epoch
+        ext = (img.format or "").lower().replace("jpeg", "jpg")
+        if ext in IMAGE_EXTS:
+            return data, ext
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        return buf.getvalue(), "png"
+
+
+def build_folder(captions: str | os.PathLike, out: str | os.PathLike, *, images: str | os.PathLike | None = None,
+                 img_key: str = "filepath", caption_key: str = "title", separator: str | None = None,
+                 shard_size: int = 2000, index_offset: int = 0, prefix: str = "train") -> dict:
+    captions = Path(captions)
+    root = Path(images) if images is not None else captions.parent
+    writer = ShardWriter(out, prefix=prefix, shard_size=shard_size)
+    skipped, rows = [], 0
+    for row, (line_no, rel, caption) in enumerate(read_rows(captions, img_key, caption_key, separator)):
+        rows += 1
+        where = f"{captions.name}:{line_no}"
+        caption = caption.strip() if isinstance(caption, str) else ""
+        if not rel:
+            skipped.append(f"{where}: empty {img_key!r}")
+            continue
+        if not caption:
+            skipped.append(f"{where}: empty {caption_key!r} for {rel}")
+            continue
+        path = root / rel
+        try:
+            data, ext = _image_bytes(path)
+        except FileNotFoundError:
+            skipped.append(f"{where}: image {path} not found")
+            continue
+        except Exception as e:  # PIL raises many kinds for bad files
+            skipped.append(f"{where}: image {path} undecodable ({type(e).__name__}: {e})")
+            continue
+        writer.write(index_offset + row, data, ext, caption)
+    if rows == 0:
+        raise CaptionFileError(f"{captions}: no data rows")
+    manifest = writer.close(index_offset + rows, extra={"created_by": "fastclip data folder",
+                                                        "captions": str(captions)})
+    return {"rows": rows, "written": manifest.num_samples, "skipped": skipped, "data_size": manifest.data_size,
+            "shards": len(manifest.shards)}

@@ -1,0 +1,312 @@
+"""The training stream: shards -> batches of (images, token ids, global indices), resumable, equal per rank.
+
+    stream = build_train_stream(cfg, rank=r, world_size=W, preprocess=built.preprocess_train,
+                                tokenizer=built.tokenizer)
+    for epoch in range(start_epoch, epochs):
+        for images, texts, indices in stream.epoch(epoch):   # exactly stream.batches_remaining(epoch) batches
+            ...
+            if time_to_save: save({"data": stream.state_dict(), ...})
+
+What is decided by what (fastclip/data/plan.py has the arithmetic, fastclip/data/worker.py the worker loop):
+- The epoch's shard order comes from (seed, epoch) alone: every rank computes the same order, a new epoch gets
+  a new order (FastCLIP's reference calls set_epoch(0) every epoch and so never reshuffles shards).
+- Ranks split the epoch's sample sequence at sample granularity, so uneven shards cost at most one sample of
+  imbalance; every rank serves ceil(samples / (W * B)) batches. A rank that runs short (rounding, bad samples)
+  wraps around within its own range; those samples are counted in `counters["wrapped"]`.
+- Batch j of a rank is made by logical worker j % workers; the sample shuffle is a seeded permutation of
+  windows of `shuffle_buffer` samples; augmentations are seeded per batch. So the batches are a function of
+  (data, seed, epoch, world_size, workers, batch_size, shuffle_buffer), whether workers are processes or not
+  (workers=0 loads in the main process and gives the same batches as workers=1).
+
+Resume (state_dict / load_state_dict; everything in it is plain ints, lists and strings):
+- Same world_size, workers, batch_size and shuffle_buffer: exact. Each worker's cursor (window, samples
+  consumed in it) is saved; a resumed stream re-reads at most one window per worker and serves exactly the
+  batches the uninterrupted run would have served, tensor for tensor. Load each rank's own state.
+- Anything of those four changed (e.g. another world size): the current epoch is finished from a documented
+  point, then epochs run normally at the new layout. Pass any old rank's state to every new rank (they only
+  use what all old ranks share: epoch, batches served, old layout). The rule: after b batches at the old
+  layout, every old worker has consumed at least b_w * B samples (b_w = its share of the b batches) and so
+  all of its first floor(b_w * B / shuffle_buffer) windows (all of its share if it made all its batches);
+  those samples count as served. The rest of the epoch (every position not in such a window) is split over
+  the new ranks as a shorter epoch. Nothing is skipped; at most old_world_size * old_workers *
+  (shuffle_buffer - 1) samples are served twice in that epoch (the partly served windows), plus samples that
+  bad data made old workers read past their share, plus the usual wrap (< new_world_size * B) to fill the
+  last batches. `batches_remaining(epoch)` says how many batches the rest of the epoch has; the trainer's
+  step count for that epoch must follow it, not batches_per_epoch.
+- The data (shard names and counts), seed, resampling and epoch length must be the same; load_state_dict
+  raises otherwise. load_state_dict(None) starts fresh.
+
+Bad data never stops training: see fastclip/data/samples.py for the reasons. Counts come back from worker
+processes piggybacked on the batches they belong to, so `stream.counters` counts exactly the samples skipped
+while making the batches handed out so far (and it is restored on resume without double counting).
+`stream.recent_skips` holds the last events (shard, key, reason, detail); the first few per reason and epoch
+are logged as warnings.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterator
+
+import torch
+
+from fastclip.data.catalog import Catalog, DataSpecError, resolve_catalog
+from fastclip.data.plan import (EpochSequence, Layout, Segment, epoch_sequence, num_batches, rank_span,
+                                remainder, window_span, worker_chunk, worker_runs)
+from fastclip.data.samples import REASONS
+from fastclip.data.worker import EpochDataset, EpochJob
+
+log = logging.getLogger(__name__)
+STATE_FORMAT = "fastclip-stream/1"
+
+
+@dataclass
+class StreamConfig:
+    train_data: str  # shard folder, manifest.json or brace pattern; several sources joined with "::"
+    batch_size: int  # per rank
+    seed: int = 0
+    workers: int = 2  # DataLoader worker processes per rank; 0 loads in the main process
+    shuffle_buffer: int = 1000  # samples per shuffle window (raw bytes of this many samples held per worker)
+    dataset_resampled: bool = False  # draw shards with replacement (OpenCLIP's --dataset-resampled)
+    train_num_samples: int | None = None  # samples per epoch; only with dataset_resampled (default: all)
+    train_data_upsampling_factors: str | list | None = None  # "1::2": per-source shard weights (resampled)
+    data_size: int | None = None  # override; must cover the manifests' data_size
+    pin_memory: bool = False
+    prefetch_factor: int = 2
+    log_skips_per_reason: int = 20  # warnings per reason and epoch; counts are always exact
+
+    _ALIASES = {"train_data": ("train",), "dataset_resampled": ("resampled",),
+                "train_num_samples": ("samples_per_epoch",),
+                "train_data_upsampling_factors": ("upsampling_factors",)}
+
+    @classmethod
+    def from_any(cls, cfg: Any) -> "StreamConfig":
+        """A StreamConfig from itself, a dict, or any config object with these (or the trainer's) field names."""
+        if isinstance(cfg, cls):
+            return cfg
+        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        values = {}
+        for f in fields(cls):
+            for name in (f.name,) + cls._ALIASES.get(f.name, ()):
+                value = get(name, None)
+                if value is not None:
+                    values[f.name] = value
+                    break
+        for required in ("train_data", "batch_size"):
+            if required not in values:
+                raise DataSpecError(f"data config has no {required!r} (or its alias)")
+        return cls(**values)
+
+
+def build_train_stream(cfg: Any, *, rank: int = 0, world_size: int = 1, preprocess: Callable,
+                       tokenizer: Callable) -> "TrainStream":
+    return TrainStream(StreamConfig.from_any(cfg), rank=rank, world_size=world_size, preprocess=preprocess,
+                       tokenizer=tokenizer)
+
+
+class TrainStream:
+    def __init__(self, cfg: StreamConfig, *, rank: int, world_size: int, preprocess: Callable,
+                 tokenizer: Callable):
+        _check_positive(cfg, world_size, rank)
+        self.cfg, self.rank = cfg, rank
+        self.preprocess, self.tokenizer = preprocess, tokenizer
+        self.catalog: Catalog = resolve_catalog(cfg.train_data, cfg.data_size)
+        self.data_size = self.catalog.data_size
+        self.layout = Layout(world_size, max(1, cfg.workers), cfg.batch_size, cfg.shuffle_buffer)
+        self._weights = _shard_weights(self.catalog, cfg)
+        if cfg.dataset_resampled:
+            self.epoch_length = cfg.train_num_samples or self.catalog.num_samples
+        else:
+            if cfg.train_num_samples is not None and cfg.train_num_samples != self.catalog.num_samples:
+                raise DataSpecError(
+                    f"train_num_samples={cfg.train_num_samples} but the shards hold {self.catalog.num_samples} "
+                    f"samples: without dataset_resampled an epoch is one pass over all shards (a smaller number "
+                    f"would silently train on a subset, OpenCLIP #993); set dataset_resampled for virtual epochs")
+            self.epoch_length = self.catalog.num_samples
+        if self.epoch_length < world_size:
+            raise DataSpecError(f"{cfg.train_data!r}: {self.epoch_length} samples per epoch for {world_size} ranks")
+        self.batches_per_epoch = num_batches(self.epoch_length, self.layout)
+        # position
+        self._epoch: int | None = None
+        self._segment: Segment | None = None
+        self._batches_seen = 0
+        self._cursors: list[tuple[int, int]] = []
+        self._seq_cache: tuple[int, EpochSequence] | None = None
+        self.samples_seen = 0
+        self.counters: dict[str, int] = {reason: 0 for reason in REASONS} | {"wrapped": 0}
+        self.recent_skips: deque = deque(maxlen=100)
+        self._logged: Counter = Counter()
+
+    def __repr__(self) -> str:
+        return (f"TrainStream(rank {self.rank}/{self.layout.world_size}, {len(self.catalog.shards)} shards, "
+                f"{self.epoch_length} samples/epoch, batch {self.layout.batch_size}, "
+                f"{self.batches_per_epoch} batches/epoch, data_size {self.data_size})")
+
+    # ------------------------------------------------------------------ iteration
+    def _sequence(self, epoch: int) -> EpochSequence:
+        if self._seq_cache is None or self._seq_cache[0] != epoch:
+            sizes = [s.num_samples for s in self.catalog.shards]
+            seq = epoch_sequence(sizes, self.cfg.seed, epoch, resampled=self.cfg.dataset_resampled,
+                                 samples_per_epoch=self.epoch_length, weights=self._weights)
+            self._seq_cache = (epoch, seq)
+        return self._seq_cache[1]
+
+    def _enter(self, epoch: int) -> None:
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if self._epoch != epoch:  # a new epoch (or another one than the saved position's): start it fresh
+            self._epoch, self._segment, self._batches_seen = epoch, Segment.full(self.epoch_length), 0
+            self._cursors = [(0, 0)] * self.layout.workers
+            self._logged.clear()
+
+    def batches_remaining(self, epoch: int) -> int:
+        """How many batches `epoch(epoch)` will yield from the current position."""
+        if self._epoch != epoch:
+            return self.batches_per_epoch
+        return num_batches(self._segment.length, self.layout) - self._batches_seen
+
+    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """This rank's batches of `epoch`, from the current position (the saved one after a resume)."""
+        self._enter(epoch)
+        segment = self._segment
+        n_batches = num_batches(segment.length, self.layout)
+        first = self._batches_seen
+        if first >= n_batches:
+            return
+        job = EpochJob(
+            shard_paths=[s.path for s in self.catalog.shards], shard_names=[s.name for s in self.catalog.shards],
+            skip=[{k: (r, d) for k, r, d in s.skip} for s in self.catalog.shards], seq=self._sequence(epoch),
+            segment=segment, layout=self.layout, rank=self.rank, seed=self.cfg.seed, epoch=epoch,
+            seg_tag=segment.tag(self.epoch_length), data_size=self.data_size, first_batch=first,
+            n_batches=n_batches, cursors=list(self._cursors), preprocess=self.preprocess,
+            tokenizer=self.tokenizer)
+        dataset = EpochDataset(job)
+        if self.cfg.workers == 0:
+            batches = iter(dataset)
+        else:
+            batches = iter(torch.utils.data.DataLoader(
+                dataset, batch_size=None, num_workers=self.layout.workers, collate_fn=_as_is,
+                pin_memory=self.cfg.pin_memory, prefetch_factor=self.cfg.prefetch_factor,
+                persistent_workers=False))  # fresh workers per epoch: the job changes (and wds#365's leak)
+        try:
+            for expected in range(first, n_batches):
+                try:
+                    images, texts, indices, meta = next(batches)
+                except StopIteration:
+                    raise RuntimeError(f"rank {self.rank}: data workers stopped at batch {expected} of "
+                                       f"{n_batches} in epoch {epoch}") from None
+                if meta["batch"] != expected:  # DataLoader must interleave workers round-robin
+                    raise RuntimeError(f"rank {self.rank}: got batch {meta['batch']} from worker "
+                                       f"{meta['worker']}, expected batch {expected}")
+                self._cursors[meta["worker"]] = tuple(meta["cursor"])
+                self._absorb(meta, epoch)
+                self._batches_seen = expected + 1
+                self.samples_seen += self.layout.batch_size
+                yield images, texts, indices
+        finally:
+            del batches  # shuts worker processes down when the trainer stops early
+
+    def _absorb(self, meta: dict, epoch: int) -> None:
+        for reason, n in meta["skips"].items():
+            self.counters[reason] = self.counters.get(reason, 0) + n
+        self.counters["wrapped"] += meta["wrapped"]
+        for event in meta["events"]:
+            event = dict(event, epoch=epoch, rank=self.rank)
+            self.recent_skips.append(event)
+            self._logged[event["reason"]] += 1
+            n = self._logged[event["reason"]]
+            if n <= self.cfg.log_skips_per_reason:
+                log.warning("rank %d skipped %d sample(s): shard %s key %s: %s (%s)%s", self.rank, event["samples"],
+                            event["shard"], event["key"], event["reason"], event["detail"],
+                            "; further skips of this reason are counted, not logged, this epoch"
+                            if n == self.cfg.log_skips_per_reason else "")
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {
+            "format": STATE_FORMAT, "fingerprint": self.catalog.fingerprint, "seed": self.cfg.seed,
+            "resampled": bool(self.cfg.dataset_resampled), "epoch_length": self.epoch_length,
+            "layout": self.layout.as_dict(), "rank": self.rank, "epoch": self._epoch,
+            "segment": [list(iv) for iv in self._segment.intervals] if self._segment is not None else None,
+            "batches_seen": self._batches_seen, "cursors": [list(c) for c in self._cursors],
+            "shard_cursor": self._shard_cursor(),  # for people reading a checkpoint; not used to resume
+            "samples_seen": self.samples_seen, "counters": dict(self.counters),
+        }
+
+    def _shard_cursor(self) -> list[dict]:
+        """Per logical worker: the shard and ordinal where its current shuffle window starts."""
+        if self._epoch is None or not self._segment.length:
+            return []
+        n_batches = num_batches(self._segment.length, self.layout)
+        lo, n_rank, _ = rank_span(self._segment.length, self.rank, self.layout.world_size)
+        out = []
+        for w, (window, consumed) in enumerate(self._cursors):
+            chunk_start, chunk_len = worker_chunk(n_batches, self.layout, w)
+            start, _ = window_span(window, chunk_len, self.layout.window)
+            run = worker_runs(self._sequence(self._epoch), self._segment, lo, n_rank, chunk_start, chunk_len,
+                              start, 1)[0]
+            shard = self.catalog.shards[int(self._sequence(self._epoch).slots[run.slot])]
+            out.append({"worker": w, "window": window, "consumed_in_window": consumed, "window_shard": shard.name,
+                        "window_ordinal": run.ordinal})
+        return out
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            return
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a data stream state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
+        for key, mine in (("fingerprint", self.catalog.fingerprint), ("seed", self.cfg.seed),
+                          ("resampled", bool(self.cfg.dataset_resampled)), ("epoch_length", self.epoch_length)):
+            if state[key] != mine:
+                raise ValueError(f"saved data stream position has {key}={state[key]!r} but this stream has "
+                                 f"{mine!r}: the position is only meaningful for the same shards (names and "
+                                 f"counts), seed, resampling and epoch length")
+        self.samples_seen = int(state["samples_seen"])
+        self.counters = {reason: 0 for reason in REASONS} | {"wrapped": 0} | dict(state["counters"])
+        if state["epoch"] is None:
+            return
+        old = Layout(**state["layout"])
+        epoch, segment = int(state["epoch"]), Segment(tuple(tuple(iv) for iv in state["segment"]))
+        done = int(state["batches_seen"])
+        self._epoch, self._logged = epoch, Counter()
+        if old == self.layout:
+            if state["rank"] != self.rank:
+                raise ValueError(f"data stream state of rank {state['rank']} loaded into rank {self.rank} at the "
+                                 f"same world size: load each rank's own state")
+            self._segment, self._batches_seen = segment, done
+            self._cursors = [tuple(c) for c in state["cursors"]]
+            return
+        self._segment = remainder(segment, old, done) if done < num_batches(segment.length, old) else Segment(())
+        self._batches_seen, self._cursors = 0, [(0, 0)] * self.layout.workers
+        log.info("data stream: epoch %d resumed at another layout (%s -> %s) after %d batches: %d of its samples "
+                 "left, %d batches on this layout", epoch, old.as_dict(), self.layout.as_dict(), done,
+                 self._segment.length, self.batches_remaining(epoch))
+
+
+def _check_positive(cfg: StreamConfig, world_size: int, rank: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} / world_size {world_size} is not a valid rank")
+    for name in ("batch_size", "shuffle_buffer", "prefetch_factor"):
+        if int(getattr(cfg, name)) < 1:
+            raise ValueError(f"data config {name!r} must be >= 1, got {getattr(cfg, name)!r}")
+    for name in ("seed", "workers"):
+        if int(getattr(cfg, name)) < 0:
+            raise ValueError(f"data config {name!r} must be >= 0, got {getattr(cfg, name)!r}")
+
+
+def _shard_weights(catalog: Catalog, cfg: StreamConfig) -> list[float] | None:
+    factors = cfg.train_data_upsampling_factors
+    if factors is None:
+        return None
+    if not cfg.dataset_resampled:
+        raise DataSpecError("train_data_upsampling_factors needs dataset_resampled (as in OpenCLIP)")
+    values = [float(f) for f in (factors.split("::") if isinstance(factors, str) else factors)]
+    if len(values) != len(catalog.sources) or any(v < 0 for v in values):
+        raise DataSpecError(f"train_data_upsampling_factors {factors!r}: need one factor >= 0 per source "
+                            f"({len(catalog.sources)} sources in {cfg.train_data!r})")
+    return [values[s.source] for s in catalog.shards]
+
+
+def _as_is(batch):  # DataLoader collate_fn: our workers already make whole batches
+    return batch

@@ -1,0 +1,144 @@
+"""Reading and writing tar shards, one sample (key group) at a time.
+
+The reader addresses samples by ordinal (position of the key group in tar order) and can skip groups by
+reading their headers only, so a worker can start in the middle of a shard. A shard that breaks (truncated
+file, bad header) raises `TarBroken`; the group being read when it broke is lost, since we cannot tell whether
+it was complete.
+"""
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from fastclip.data.format import split_member_name
+
+_BLOCK = 512
+
+
+class TarBroken(Exception):
+    """The tar ends early or is corrupt; str() says where."""
+
+
+@dataclass
+class RawSample:
+    key: str
+    ordinal: int  # position of the key group in the tar
+    files: dict[str, bytes]  # extension -> bytes, for the extensions asked for
+    exts: tuple[str, ...]  # every extension present, loaded or not
+
+
+class ShardReader:
+    """Walks one tar shard group by group. `want`: extensions to load (None: all)."""
+
+    def __init__(self, path: str | os.PathLike, want: frozenset[str] | None = None):
+        self.path = str(path)
+        self.want = want
+        self.ordinal = 0  # ordinal of the next group
+        self.last_key: str | None = None
+        self._ahead: tarfile.TarInfo | None = None
+        try:
+            self._tar = tarfile.open(self.path, mode="r:*")
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+            raise TarBroken(f"cannot open as tar: {e}") from None
+
+    def close(self) -> None:
+        self._tar.close()
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _peek(self) -> tarfile.TarInfo | None:
+        while self._ahead is None:
+            try:
+                member = self._tar.next()
+            except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+                raise TarBroken(f"{e} after key {self.last_key!r}") from None
+            if member is None:
+                if not self._clean_end():
+                    raise TarBroken(f"tar ends without an end-of-archive block after key {self.last_key!r}")
+                return None
+            if member.isfile():
+                self._ahead = member
+        return self._ahead
+
+    def _clean_end(self) -> bool:
+        # tarfile stops quietly on a truncated or corrupt header; a real end is a full zero block there.
+        fileobj = self._tar.fileobj
+        try:
+            fileobj.seek(self._tar.offset)
+            block = fileobj.read(_BLOCK)
+        except (OSError, EOFError, zlib.error):
+            return False
+        return len(block) == _BLOCK and block.count(0) == _BLOCK
+
+    def next_group(self, load: bool = True) -> RawSample | None:
+        """The next sample, or None at a clean end; raises TarBroken."""
+        member = self._peek()
+        if member is None:
+            return None
+        key = split_member_name(member.name)[0]
+        files: dict[str, bytes] = {}
+        exts: list[str] = []
+        while member is not None and split_member_name(member.name)[0] == key:
+            ext = split_member_name(member.name)[1]
+            exts.append(ext)
+            if load and (self.want is None or ext in self.want):
+                try:
+                    files[ext] = self._tar.extractfile(member).read()
+                except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+                    raise TarBroken(f"{e} in member {member.name!r}") from None
+            self._ahead = None
+            member = self._peek()  # a break here loses this group too: it may be incomplete
+        sample = RawSample(key, self.ordinal, files, tuple(exts))
+        self.ordinal += 1
+        self.last_key = key
+        return sample
+
+    def skip_to(self, ordinal: int) -> bool:
+        """Skip groups (headers only) until the next one has this ordinal; False if the tar ends first."""
+        while self.ordinal < ordinal:
+            if self.next_group(load=False) is None:
+                return False
+        return True
+
+
+def iter_shard(path: str | os.PathLike, want: frozenset[str] | None = None):
+    """All samples of a shard; raises TarBroken at the point where it breaks."""
+    with ShardReader(path, want) as reader:
+        while (sample := reader.next_group()) is not None:
+            yield sample
+
+
+class TarWriter:
+    """Writes members with fixed metadata so the same samples give byte-identical shards."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._tar = tarfile.open(self._tmp, mode="w", format=tarfile.USTAR_FORMAT)
+
+    def add(self, key: str, files: dict[str, bytes]) -> None:
+        for ext, data in files.items():
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            self._tar.addfile(info, io.BytesIO(data))
+
+    def close(self) -> None:
+        self._tar.close()
+        os.replace(self._tmp, self.path)  # only complete shards get their final name
+
+
+def write_tar(path: str | os.PathLike, groups: Iterable[tuple[str, dict[str, bytes]]]) -> None:
+    writer = TarWriter(path)
+    for key, files in groups:
+        writer.add(key, files)
+    writer.close()

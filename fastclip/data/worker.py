@@ -1,0 +1,220 @@
+"""What one DataLoader worker (or the main process, with workers=0) does for one epoch of one rank.
+
+The worker gets an `EpochJob` (the plan of fastclip/data/plan.py plus the preprocess and tokenizer), reads its
+positions window by window, drops bad samples (counting them), serves each window in its seeded order, decodes
+and preprocesses images under per-batch seeded RNGs, tokenizes captions per batch, and yields
+(images, texts, indices, meta). `meta` carries what the main process must know about the batch: its number,
+the worker's cursor after it, and the skips and wraps it cost; the stream strips it before the trainer sees
+the batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from fastclip.data.plan import (TAG_BATCH, TAG_WINDOW, EpochSequence, Layout, Segment, rank_span, rng_for,
+                                window_span, worker_batches, worker_chunk, worker_runs)
+from fastclip.data.samples import Candidate, SkipLog, check_sample, decode_image
+from fastclip.data.tario import ShardReader, TarBroken
+
+_WANT = frozenset({"png", "jpg", "jpeg", "webp", "txt", "json"})
+
+
+@dataclass
+class EpochJob:
+    """Everything a worker needs to make its batches of one epoch (pickled to worker processes if spawned)."""
+    shard_paths: list[str]
+    shard_names: list[str]
+    skip: list[dict[str, tuple[str, str]]]
+    seq: EpochSequence
+    segment: Segment
+    layout: Layout
+    rank: int
+    seed: int
+    epoch: int
+    seg_tag: int
+    data_size: int
+    first_batch: int
+    n_batches: int
+    cursors: list[tuple[int, int]]
+    preprocess: Callable
+    tokenizer: Callable
+
+
+class EpochDataset(torch.utils.data.IterableDataset):
+    def __init__(self, job: EpochJob):
+        self.job = job
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        physical = info.id if info is not None else 0
+        # The DataLoader asks workers round-robin starting at worker 0, but the next batch (first_batch) belongs
+        # to logical worker first_batch % workers: rotate the roles.
+        logical = (self.job.first_batch + physical) % self.job.layout.workers
+        return _Worker(self.job, logical).batches()
+
+
+class _Worker:
+    def __init__(self, job: EpochJob, worker: int):
+        self.job, self.worker = job, worker
+        lay = job.layout
+        self.rank_lo, self.n_rank, self.borrowed = rank_span(job.segment.length, job.rank, lay.world_size)
+        self.chunk_start, self.chunk_len = worker_chunk(job.n_batches, lay, worker)
+        self.window, self.consumed = job.cursors[worker]
+        self.skips = SkipLog()
+        self.seen: dict[int, tuple[int, str]] = {}  # index -> (shard id, key) first read this epoch
+        self.known_len: dict[int, tuple[int, str, str | None]] = {}  # shard -> (readable, reason, last key)
+        self.reader: tuple[int, ShardReader] | None = None
+        self.bad_streak = 0
+
+    def batches(self):
+        job, lay = self.job, self.job.layout
+        samples = self._samples()
+        try:
+            for j in worker_batches(job.n_batches, lay.workers, self.worker, job.first_batch):
+                images, captions, indices, wrapped = [], [], [], 0
+                with _seeded_rngs(job.seed, job.epoch, TAG_BATCH, job.seg_tag, job.rank, j):
+                    while len(images) < lay.batch_size:
+                        c = next(samples)
+                        try:
+                            images.append(job.preprocess(decode_image(c.image)))
+                        except Exception as e:  # any decoder/transform failure is this sample's fault
+                            self.skips.add("undecodable_image", c.shard, c.key, f"{type(e).__name__}: {e}")
+                            self._bad(1)
+                            continue
+                        self.bad_streak = 0
+                        captions.append(c.caption)
+                        indices.append(c.index)
+                        wrapped += c.wrapped
+                texts = job.tokenizer(captions)
+                texts = (texts if torch.is_tensor(texts) else torch.as_tensor(texts)).long()
+                counts, events = self.skips.take()
+                meta = {"batch": j, "worker": self.worker, "cursor": [self.window, self.consumed],
+                        "skips": counts, "events": events, "wrapped": wrapped}
+                yield torch.stack(images), texts, torch.tensor(indices, dtype=torch.int64), meta
+        finally:
+            if self.reader is not None:
+                self.reader[1].close()
+
+    def _bad(self, n: int) -> None:
+        # A rank whose every sample is bad would loop forever wrapping around; fail loudly instead.
+        self.bad_streak += n
+        if self.bad_streak > 2 * (self.n_rank + self.job.layout.window):
+            raise RuntimeError(f"rank {self.job.rank} worker {self.worker}: no usable sample in the last "
+                               f"{self.bad_streak} positions of epoch {self.job.epoch}; last skips: "
+                               f"{self.skips.events[-3:]}")
+
+    def _samples(self) -> Iterator[Candidate]:
+        """Candidates in serving order; keeps (self.window, self.consumed) = position after the last one."""
+        job = self.job
+        k, start = self.window, self.consumed
+        silent = start > 0  # this window was read (and its skips counted) before the saved position
+        while True:
+            items = self._read_window(k, count_skips=not silent)
+            if not items:
+                self._bad(job.layout.window)
+            order = rng_for(job.seed, job.epoch, TAG_WINDOW, job.seg_tag, job.rank, self.worker, k).permutation(
+                len(items))
+            for i in range(start, len(items)):
+                self.window, self.consumed = k, i + 1
+                yield items[order[i]]
+            k, start, silent = k + 1, 0, False
+
+    def _read_window(self, k: int, count_skips: bool) -> list[Candidate]:
+        job = self.job
+        log_ = self.skips if count_skips else SkipLog(0)
+        start, length = window_span(k, self.chunk_len, job.layout.window)
+        runs = worker_runs(job.seq, job.segment, self.rank_lo, self.n_rank, self.chunk_start, self.chunk_len,
+                           start, length, self.borrowed)
+        items = []
+        for run in runs:
+            shard = int(job.seq.slots[run.slot])
+            name, skip = job.shard_names[shard], job.skip[shard]
+            for raw in self._read_run(shard, run.ordinal, run.count, log_):
+                if raw.key in skip:
+                    log_.add(skip[raw.key][0], name, raw.key, skip[raw.key][1] + " (listed in manifest)")
+                    continue
+                cand, reason, detail = check_sample(raw, job.data_size)
+                if cand is not None:
+                    first = self.seen.setdefault(cand.index, (shard, raw.key))
+                    if first != (shard, raw.key):
+                        reason = "duplicate_index"
+                        detail = (f"index {cand.index} already served this epoch from shard "
+                                  f"{job.shard_names[first[0]]} key {first[1]}")
+                        cand = None
+                if cand is None:
+                    log_.add(reason, name, raw.key, detail)
+                    continue
+                cand.shard, cand.wrapped = name, run.wrapped
+                items.append(cand)
+        return items
+
+    def _read_run(self, shard: int, ordinal: int, count: int, log_: SkipLog):
+        """Samples [ordinal, ordinal+count) of a shard; lost ones (broken tar) are counted, not yielded."""
+        name = self.job.shard_names[shard]
+        if shard in self.known_len:
+            readable, reason, last_key = self.known_len[shard]
+            lost = ordinal + count - max(ordinal, readable)
+            if lost > 0:
+                log_.add(reason, name, last_key, f"shard breaks after {readable} samples", lost)
+                count -= lost
+        if count <= 0:
+            return
+        reader = self._reader(shard, ordinal)
+        got = 0
+        try:
+            if reader is not None and reader.skip_to(ordinal):
+                while got < count:
+                    raw = reader.next_group()
+                    if raw is None:
+                        break
+                    got += 1
+                    yield raw
+            if got < count:  # clean early end: fewer samples than the manifest promised
+                readable = reader.ordinal if reader is not None else 0
+                reason = "truncated_tar" if reader is not None else "unreadable_shard"
+                last_key = reader.last_key if reader is not None else None
+                self.known_len.setdefault(shard, (readable, reason, last_key))
+                log_.add(reason, name, last_key, f"{readable} samples readable, manifest says more", count - got)
+        except TarBroken as e:
+            self.known_len[shard] = (reader.ordinal, "truncated_tar", reader.last_key)
+            self._drop_reader()
+            log_.add("truncated_tar", name, reader.last_key, str(e), count - got)
+
+    def _reader(self, shard: int, ordinal: int) -> ShardReader | None:
+        if self.reader is not None and self.reader[0] == shard and self.reader[1].ordinal <= ordinal:
+            return self.reader[1]  # continue sequentially: the common case inside a shard
+        self._drop_reader()
+        try:
+            self.reader = (shard, ShardReader(self.job.shard_paths[shard], _WANT))
+        except TarBroken:
+            return None
+        return self.reader[1]
+
+    def _drop_reader(self) -> None:
+        if self.reader is not None:
+            self.reader[1].close()
+            self.reader = None
+
+
+@contextlib.contextmanager
+def _seeded_rngs(*words: int):
+    """Seed the global RNGs that transforms draw from (torch CPU, random, numpy) for one batch, then restore
+    them, so augmentations are a function of the batch and the caller's RNG streams are untouched."""
+    seed = int(rng_for(*words).integers(2**62))
+    gen = torch.random.default_generator  # CPU only: never touch the trainer's CUDA RNG
+    saved = gen.get_state(), random.getstate(), np.random.get_state()
+    gen.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        gen.set_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])

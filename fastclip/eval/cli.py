@@ -1,0 +1,188 @@
+"""`fastclip eval CKPT --data PATH`: zero-shot classification and image-text retrieval, printed as a table
+and appended to a JSONL file.
+
+PATH is the folder written by `fastclip data embedded` (its val/ split and zeroshot.json are used), a
+labelled shard folder / tar / glob, or an image folder with one subfolder per class. Class names and
+templates come from --classnames (zeroshot.json, a single-dataset JSON, or a .txt with --templates), else
+from a zeroshot.json beside the data, else (image folders) from the class folder names.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fastclip.eval.evaluate import EvalResults, default_zeroshot_file, evaluate
+from fastclip.eval.samples import EvalDataError, image_folder_classes, is_image_folder, iter_image_folder
+from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders
+
+
+def resolve_data(path: Path) -> tuple[Path, Path | None]:
+    """(samples source, default class names file) for an embedded root or a plain source."""
+    if (path / "val").is_dir() and (path / "zeroshot.json").is_file():
+        return path / "val", path / "zeroshot.json"
+    if is_image_folder(path):
+        return path, None  # a zeroshot.json inside would look like a class folder's sibling, not ours
+    return path, default_zeroshot_file(path) if path.is_dir() else None
+
+
+def _norm(name: str) -> str:
+    return name.replace("_", " ").strip().lower()
+
+
+def image_folder_source(root: Path, spec: ZeroShotSpec, names_file):
+    """Samples of an image folder labelled by `spec`'s class order: folders matched to class names by name,
+    else taken in sorted order when the counts agree (torchvision ImageFolder's convention)."""
+    folders = image_folder_classes(root)
+    position = {_norm(c): i for i, c in enumerate(spec.classnames)}
+    if all(_norm(f) in position for f in folders):
+        mapping = [position[_norm(f)] for f in folders]
+    elif len(folders) == len(spec.classnames):
+        mapping = list(range(len(folders)))
+    else:
+        raise ValueError(
+            f"{root}: {len(folders)} class folders, but {names_file} lists {len(spec.classnames)} class names "
+            f"for {spec.name!r} and the folder names do not match them"
+        )
+
+    def source(rank, world_size, skipped):
+        for sample in iter_image_folder(root, rank, world_size, dataset=spec.name, skipped=skipped):
+            sample.label = mapping[sample.label]
+            yield sample
+
+    return source
+
+
+def load_specs(args, data: Path, default_names: Path | None) -> tuple[dict[str, ZeroShotSpec], str | None]:
+    names_file = args.classnames or default_names
+    if names_file is not None:
+        return load_zeroshot_spec(names_file, args.templates), str(names_file)
+    if is_image_folder(data):
+        templates = None
+        if args.templates:
+            from fastclip.eval.spec import load_templates
+
+            templates = load_templates(args.templates)
+        return spec_from_class_folders(data.name, image_folder_classes(data), templates), "class folder names"
+    return {}, None
+
+
+def format_table(results: EvalResults, per_class: bool) -> str:
+    lines = []
+    if results.zeroshot:
+        lines.append(f"{'zero-shot':<24} {'samples':>8} {'top-1':>7} {'top-5':>7} {'mean/class':>10}")
+        for name, r in results.zeroshot.items():
+            lines.append(
+                f"{name:<24} {r.num_samples:>8} {100 * r.top1:>7.2f} {100 * r.top5:>7.2f} "
+                f"{100 * r.mean_per_class_recall:>10.2f}"
+            )
+        for name, r in results.zeroshot.items():
+            if per_class or len(r.classnames) <= 20:
+                lines.append(f"\n{name}: top-1 accuracy per class")
+                for classname, acc in r.per_class.items():
+                    lines.append(f"  {classname:<22} {'-' if acc is None else f'{100 * acc:.2f}':>7}")
+    if results.retrieval:
+        lines.append(f"\nretrieval over {results.retrieval_samples} image-caption pairs")
+        lines.append(f"{'':<14} {'R@1':>7} {'R@5':>7} {'R@10':>7}")
+        for direction in ("image_to_text", "text_to_image"):
+            values = [results.retrieval[f"{direction}_R@{k}"] for k in (1, 5, 10)]
+            lines.append(f"{direction.replace('_to_', '->'):<14} " + " ".join(f"{100 * v:>7.2f}" for v in values))
+    if results.unmatched:
+        lines.append(f"\n{results.unmatched} labelled samples belong to no dataset of the class names file")
+    if results.skipped:
+        lines.append(f"\n{results.skipped} samples skipped as unreadable (see the warnings above)")
+    return "\n".join(lines) if lines else "nothing to report: no labelled samples with class names, no captions"
+
+
+def result_records(results: EvalResults, common: dict) -> list[dict]:
+    """One JSON object per zero-shot dataset and one for retrieval (DataComp-style rows)."""
+    records = []
+    for name, r in results.zeroshot.items():
+        records.append({
+            **common, "task": "zeroshot_classification", "dataset": name, "num_samples": r.num_samples,
+            "top1": r.top1, "top5": r.top5, "mean_per_class_recall": r.mean_per_class_recall,
+            "per_class": r.per_class,
+        })
+    if results.retrieval:
+        records.append({**common, "task": "retrieval", "num_samples": results.retrieval_samples, **results.retrieval})
+    for record in records:
+        record["skipped_samples"] = results.skipped
+    return records
+
+
+def default_results_file(model_file: Path) -> Path:
+    """<run>/checkpoints/results.jsonl for a training checkpoint (OpenCLIP's place), else beside the file."""
+    if model_file.parent.name.startswith("step_"):
+        return model_file.parent.parent / "results.jsonl"
+    return model_file.parent / "results.jsonl"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastclip eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="run dir, checkpoints dir, step dir, model.pt, or an exported file")
+    parser.add_argument("--data", required=True, type=Path,
+                        help="embedded root, shard folder/tar/glob, or image folder")
+    parser.add_argument("--arch", help="architecture of an exported file (open_clip name or <arch>.json path)")
+    parser.add_argument("--classnames", "--zeroshot", dest="classnames", type=Path,
+                        help="zeroshot.json, single-dataset JSON, or classnames .txt")
+    parser.add_argument("--templates", type=Path, help="templates .txt (one per line) or JSON list; '{}' = class")
+    parser.add_argument("--no-retrieval", action="store_true", help="skip image-text retrieval")
+    parser.add_argument("--per-class", action="store_true", help="print per-class accuracy for any class count")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-samples", type=int, help="evaluate only the first N samples")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--results", type=Path, help="JSONL file to append to (default: checkpoints/results.jsonl "
+                        "of a run, else results.jsonl beside the model file)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from fastclip.eval.checkpoint import load_model
+
+    try:
+        source, default_names = resolve_data(args.data)
+        if not source.exists() and not any(ch in str(source) for ch in "*{"):
+            raise FileNotFoundError(f"--data {source}: not found")
+        specs, names_from = load_specs(args, source, default_names)
+        loaded = load_model(args.checkpoint, arch=args.arch, device=args.device)
+        if is_image_folder(source) and specs:
+            if len(specs) != 1:
+                raise ValueError(f"{names_from}: an image folder takes one class list, the file has {sorted(specs)}")
+            source = image_folder_source(source, next(iter(specs.values())), names_from)
+        built = loaded.built
+        started = time.time()
+        results = evaluate(
+            built.model, tokenizer=built.tokenizer, preprocess=built.preprocess_val, source=source, specs=specs,
+            device=args.device, batch_size=args.batch_size, max_samples=args.max_samples,
+            retrieval=not args.no_retrieval,
+        )
+    except (FileNotFoundError, ValueError, EvalDataError) as err:
+        print(f"fastclip eval: {err}", file=sys.stderr)
+        return 1
+    seconds = time.time() - started
+    print(f"model {loaded.file} ({built.arch}, step {loaded.step}); data {args.data}; class names: {names_from}")
+    print(f"{results.num_samples} samples in {seconds:.1f} s\n")
+    print(format_table(results, args.per_class))
+
+    common = {
+        "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "checkpoint": str(loaded.file), "arch": built.arch, "step": loaded.step, "data": str(args.data),
+    }
+    results_file = args.results or default_results_file(loaded.file)
+    results_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(results_file, "a") as f:
+        for record in result_records(results, common):
+            f.write(json.dumps(record) + "\n")
+    print(f"\nappended to {results_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""One pass over a held-out set giving zero-shot accuracy per dataset and image-text retrieval.
+
+Distributed without hangs (OpenCLIP #1121): every rank evaluates its own slice of the samples, zero-shot
+counts are all-reduced and retrieval features all-gathered, so every rank returns the same numbers and
+no rank waits at a barrier while another evaluates alone. An error on one rank (a label outside its class
+list, a failing preprocess or forward) is carried through the same all-reduce and raised on all ranks,
+instead of leaving the others blocked; undecodable samples are skipped and counted.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from fastclip.eval.collectives import all_gather_rows, all_reduce_sum, rank_and_world
+from fastclip.eval.retrieval import retrieval_metrics
+from fastclip.eval.samples import EvalDataError, EvalSample, iter_samples
+from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec
+from fastclip.eval.zeroshot import ZeroShotCounts, ZeroShotResult, zeroshot_classifier
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class EvalResults:
+    zeroshot: dict[str, ZeroShotResult] = field(default_factory=dict)
+    retrieval: dict[str, float] = field(default_factory=dict)
+    retrieval_samples: int = 0
+    num_samples: int = 0
+    unmatched: int = 0  # labelled samples whose dataset has no class names
+    skipped: int = 0  # undecodable samples (and broken shards) left out
+
+    def flat(self, per_class: bool = False) -> dict[str, float]:
+        """Flat `name -> float`, e.g. `zeroshot/mnist/top1`, `retrieval/image_to_text_R@1` (the trainer logs
+        these under `eval/`)."""
+        out: dict[str, float] = {}
+        for name, result in self.zeroshot.items():
+            prefix = f"zeroshot/{name}"
+            out[f"{prefix}/top1"] = result.top1
+            out[f"{prefix}/top5"] = result.top5
+            out[f"{prefix}/mean_per_class_recall"] = result.mean_per_class_recall
+            out[f"{prefix}/num_samples"] = float(result.num_samples)
+            if per_class:
+                out.update({f"{prefix}/class/{c}": a for c, a in result.per_class.items() if a is not None})
+        if len(self.zeroshot) > 1:
+            out["zeroshot/mean_top1"] = sum(r.top1 for r in self.zeroshot.values()) / len(self.zeroshot)
+        out.update({f"retrieval/{k}": v for k, v in self.retrieval.items()})
+        if self.retrieval:
+            out["retrieval/num_samples"] = float(self.retrieval_samples)
+        if self.skipped:
+            out["skipped_samples"] = float(self.skipped)
+        return out
+
+
+def unwrap_model(model):
+    """The plain CLIP module under DDP (`.module`) or torch.compile (`._orig_mod`): evaluating through the
+    DDP wrapper would run its forward hooks, which expect every rank to join a backward."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ == "DataParallel":
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _batches(samples: Iterator[EvalSample], batch_size: int) -> Iterator[list[EvalSample]]:
+    batch = []
+    for sample in samples:
+        batch.append(sample)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _limited(samples: Iterable[EvalSample], limit: int | None) -> Iterator[EvalSample]:
+    for i, sample in enumerate(samples):
+        if limit is not None and i >= limit:
+            return
+        yield sample
+
+
+def _input_dtype(model) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+class _Pass:
+    """State of this rank's pass over its slice."""
+
+    def __init__(self, specs: dict[str, ZeroShotSpec], device, retrieval: bool):
+        self.specs = specs
+        self.names = sorted(specs)  # same order on every rank: the packed counts line up
+        self.counts = {name: ZeroShotCounts(len(specs[name].classnames), device) for name in self.names}
+        self.device = device
+        self.retrieval = retrieval
+        self.pairs: list[torch.Tensor] = []  # [n, 2d] image|text features of captioned samples
+        self.num_samples = 0
+        self.unmatched = 0
+
+    def spec_name(self, sample: EvalSample) -> str | None:
+        if sample.label is None:
+            return None
+        if len(self.names) == 1:  # a single class list applies to every labelled sample
+            return self.names[0]
+        return sample.dataset if sample.dataset in self.specs else None
+
+    def add(self, model, tokenizer, preprocess, batch: list[EvalSample], classifiers) -> None:
+        dtype = _input_dtype(model)
+        images = torch.stack([preprocess(s.image) for s in batch]).to(self.device, dtype)
+        image_features = F.normalize(model.encode_image(images).float(), dim=-1)
+        self.num_samples += len(batch)
+        routed = [self.spec_name(s) for s in batch]
+        self.unmatched += sum(1 for s, r in zip(batch, routed) if s.label is not None and r is None)
+        for name in set(r for r in routed if r is not None):
+            rows = [i for i, r in enumerate(routed) if r == name]
+            labels = torch.tensor([batch[i].label for i in rows], dtype=torch.int64)
+            self.counts[name].update(image_features[rows] @ classifiers[name], labels)
+        captioned = [i for i, s in enumerate(batch) if s.caption is not None]
+        if self.retrieval and captioned:
+            tokens = tokenizer([batch[i].caption for i in captioned]).to(self.device)
+            text_features = F.normalize(model.encode_text(tokens).float(), dim=-1)
+            self.pairs.append(torch.cat([image_features[captioned], text_features], dim=1))
+
+    def packed(self, skipped: int, failed: bool) -> torch.Tensor:
+        parts = [self.counts[name].packed() for name in self.names]
+        extra = [self.num_samples, self.unmatched, skipped, int(failed)]
+        extra = torch.tensor(extra, dtype=torch.int64, device=self.device)
+        return torch.cat(parts + [extra])
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    *,
+    tokenizer,
+    preprocess,
+    source,
+    specs: dict[str, ZeroShotSpec],
+    device,
+    group=None,
+    batch_size: int = 64,
+    max_samples: int | None = None,
+    retrieval: bool = True,
+) -> EvalResults:
+    """Zero-shot (per spec) and retrieval results over `source`; every rank of `group` must call this.
+
+    `source`: a shard folder / tar / glob / image folder path, or a function (rank, world_size, skipped) ->
+    samples that appends a message to the list `skipped` for each sample it leaves out.
+    """
+    model = unwrap_model(model)
+    was_training = model.training
+    model.eval()
+    try:
+        return _evaluate(model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval)
+    finally:
+        model.train(was_training)
+
+
+def _evaluate(model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval):
+    device = torch.device(device)
+    rank, world = rank_and_world(group)
+    state = _Pass(specs, device, retrieval)
+    classifiers = {
+        name: zeroshot_classifier(model, tokenizer, spec.classnames, spec.templates, device)
+        for name, spec in specs.items()
+    }
+    error: BaseException | None = None
+    skipped: list[str] = []
+    try:
+        samples = source(rank, world, skipped) if callable(source) else iter_samples(source, rank, world, skipped)
+        # max_samples caps the total: this rank's share of the first max_samples positions
+        limit = None if max_samples is None else max(0, (max_samples - rank + world - 1) // world)
+        for batch in _batches(_limited(samples, limit), batch_size):
+            state.add(model, tokenizer, preprocess, batch, classifiers)
+    except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
+        error = err
+
+    packed = all_reduce_sum(state.packed(len(skipped), failed=error is not None), group)
+    num_samples, unmatched, num_skipped, failures = packed[-4:].tolist()
+    if failures:
+        if error is not None:
+            raise error
+        raise EvalDataError(f"evaluation failed on {failures} other rank(s); see their logs")
+    offset, results = 0, EvalResults(num_samples=num_samples, unmatched=unmatched, skipped=num_skipped)
+    for name in state.names:
+        counts = state.counts[name]
+        size = counts.packed().numel()
+        counts.unpack(packed[offset : offset + size])
+        offset += size
+        if int(counts.invalid):
+            raise EvalDataError(
+                f"{int(counts.invalid)} samples of dataset {name!r} have a label outside "
+                f"[0, {counts.num_classes}) (its class list has {counts.num_classes} names)"
+            )
+        if int(counts.counts[0].sum()):
+            results.zeroshot[name] = ZeroShotResult.from_counts(name, specs[name].classnames, counts.counts)
+    if unmatched and rank == 0:
+        log.warning("%d labelled samples belong to no dataset of the class names file; not scored", unmatched)
+
+    if retrieval:
+        width = 2 * _embed_dim(model, classifiers)
+        local = torch.cat(state.pairs) if state.pairs else torch.zeros(0, width, device=device)
+        pairs = all_gather_rows(local, group)
+        if pairs.shape[0]:
+            half = pairs.shape[1] // 2
+            results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:])
+            results.retrieval_samples = pairs.shape[0]
+    return results
+
+
+def _embed_dim(model, classifiers) -> int:
+    """Feature width, known on every rank even when its slice is empty (the gather needs equal shapes)."""
+    if classifiers:
+        return next(iter(classifiers.values())).shape[0]
+    projection = getattr(model, "text_projection", None)
+    if isinstance(projection, torch.Tensor):
+        return projection.shape[-1]
+    if isinstance(projection, torch.nn.Linear):
+        return projection.out_features
+    raise ValueError("cannot tell the model's embedding width (no text_projection); pass a class names file")
+
+
+def default_zeroshot_file(val_dir) -> Path | None:
+    """`fastclip data embedded` writes DIR/zeroshot.json beside DIR/val."""
+    for candidate in (Path(val_dir) / "zeroshot.json", Path(val_dir).parent / "zeroshot.json"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def run_evals(
+    model,
+    *,
+    tokenizer,
+    preprocess,
+    val_dir,
+    zeroshot_file=None,
+    device,
+    group=None,
+    batch_size: int = 64,
+    max_samples: int | None = None,
+    per_class: bool = False,
+    retrieval: bool = True,
+) -> dict[str, float]:
+    """Evaluation during training: EVERY rank calls this; all return the same flat dict.
+
+    `val_dir` is the held-out shard folder; `zeroshot_file` defaults to the zeroshot.json beside it. The
+    model may be DDP-wrapped; it is evaluated under no_grad in eval mode, and its train mode restored.
+    """
+    zeroshot_file = zeroshot_file or default_zeroshot_file(val_dir)
+    specs = load_zeroshot_spec(zeroshot_file) if zeroshot_file else {}
+    results = evaluate(
+        model,
+        tokenizer=tokenizer,
+        preprocess=preprocess,
+        source=val_dir,
+        specs=specs,
+        device=device,
+        group=group,
+        batch_size=batch_size,
+        max_samples=max_samples,
+        retrieval=retrieval,
+    )
+    return results.flat(per_class=per_class)

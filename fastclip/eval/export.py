@@ -1,0 +1,120 @@
+"""`fastclip export CKPT --out PATH [--precision fp32|bf16]`: a model-only file that open_clip loads.
+
+The file is `{"state_dict": {name: tensor}}`, nothing else, so `open_clip.create_model_and_transforms(arch,
+pretrained=PATH)` loads it under `torch.load(weights_only=True)` (DataComp and clip_benchmark load models
+that way). The loss owns the temperature during training, so its learned `logit_scale` replaces the
+tower's frozen one. Custom architectures get their config written beside the file as `<arch>.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from fastclip.eval.checkpoint import load_checkpoint, loss_logit_scale, model_state_dict
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _is_builtin(arch: str, model_config: dict | None) -> bool:
+    """A config shipped inside open_clip and equal to the one trained: nothing needs writing beside the file.
+    (The registry itself cannot tell: configs added at run time, ours included, show up in list_models().)"""
+    from fastclip.compat import import_open_clip
+
+    open_clip = import_open_clip()
+    shipped = Path(open_clip.__file__).parent / "model_configs" / f"{arch}.json"
+    if not shipped.is_file():
+        return False
+    with open(shipped) as f:
+        return model_config is None or json.load(f) == model_config
+
+
+def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32") -> dict:
+    """Write the model-only file (and `<arch>.json` if needed); return what was written."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    file, checkpoint = load_checkpoint(checkpoint_path)
+    for key in ("arch", "model_config"):
+        if key not in checkpoint:
+            raise ValueError(f"{file}: training checkpoint has no {key!r} (is it already an exported file?)")
+    arch, model_config = checkpoint["arch"], checkpoint["model_config"]
+    state = model_state_dict(checkpoint)
+
+    scale = loss_logit_scale(checkpoint)
+    if scale is not None:
+        if "logit_scale" not in state:
+            raise ValueError(f"{file}: the loss has a logit_scale but the model state_dict has none to receive it")
+        state["logit_scale"] = scale.detach().reshape(state["logit_scale"].shape)
+    dtype = PRECISIONS[precision]
+    # clone: a tensor that is a view of a larger storage would otherwise save the whole storage
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone().contiguous() for k, v in state.items()}
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save({"state_dict": state}, tmp)
+    os.replace(tmp, out)  # never leave a half-written file under the final name
+
+    config_file = None
+    if not _is_builtin(arch, model_config):
+        config_file = out.parent / f"{arch}.json"
+        config_file.write_text(json.dumps(model_config, indent=4) + "\n")
+    return {
+        "file": out,
+        "arch": arch,
+        "config_file": config_file,
+        "logit_scale": float(state["logit_scale"]) if "logit_scale" in state else None,
+        "temperature_from_loss": scale is not None,
+        "step": checkpoint.get("step"),
+        "source": file,
+    }
+
+
+def loading_code(written: dict) -> str:
+    """The python lines that load the export (printed, and put in the README by the lead)."""
+    lines = [
+        "import open_clip  # on a CPU torch with CUDA torchvision wheels: "
+        "from fastclip.compat import import_open_clip; open_clip = import_open_clip()",
+    ]
+    if written["config_file"] is not None:
+        lines.append(f"open_clip.add_model_config({str(Path(written['config_file']).resolve())!r})")
+    lines += [
+        f"model, _, preprocess = open_clip.create_model_and_transforms("
+        f"{written['arch']!r}, pretrained={str(Path(written['file']).resolve())!r})",
+        f"tokenizer = open_clip.get_tokenizer({written['arch']!r})",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fastclip export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="run dir, checkpoints dir, step dir or model.pt")
+    parser.add_argument("--out", required=True, help="output .pt file")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
+    args = parser.parse_args(argv)
+    try:
+        written = export_model(args.checkpoint, args.out, args.precision)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"fastclip export: {err}", file=sys.stderr)
+        return 1
+    size_mb = written["file"].stat().st_size / 2**20
+    print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}")
+    if written["config_file"] is not None:
+        print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
+    if written["temperature_from_loss"]:
+        scale = written["logit_scale"]
+        print(f"logit_scale = {scale:.4f} (tau = {math.exp(-scale):.4f}) from the loss")
+    else:
+        print("note: the checkpoint's loss has no global logit_scale (per-sample or constant temperature); "
+              "the model's own logit_scale is kept")
+    print("\nload it with:\n" + loading_code(written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

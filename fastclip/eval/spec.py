@@ -1,0 +1,95 @@
+"""Class names and prompt templates for zero-shot classification.
+
+Accepted files:
+  zeroshot.json (written by `fastclip data embedded`):
+      {"datasets": {"fashion-mnist": {"classnames": [...], "templates": ["a photo of a {}.", ...]}, ...}}
+  a single-dataset JSON:  {"classnames": [...], "templates": [...]}  (named by "name", else the file stem)
+  a classnames .txt (one class per line) plus a templates .txt (one template per line) or JSON list.
+Templates use "{}" for the class name; clip_benchmark's "{c}" is accepted too.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TEMPLATES = ("a photo of a {}.",)
+
+
+@dataclass(frozen=True)
+class ZeroShotSpec:
+    name: str
+    classnames: tuple[str, ...]
+    templates: tuple[str, ...]
+
+    def prompts(self, classname: str) -> list[str]:
+        return [t.replace("{c}", "{}").format(classname) for t in self.templates]
+
+
+def _checked(name: str, classnames, templates, where: str) -> ZeroShotSpec:
+    if not isinstance(classnames, list) or not classnames or not all(isinstance(c, str) for c in classnames):
+        raise ValueError(f"{where}: 'classnames' must be a non-empty list of strings")
+    if not isinstance(templates, (list, tuple)) or not templates:
+        raise ValueError(f"{where}: 'templates' must be a non-empty list of strings")
+    for i, template in enumerate(templates):
+        if not isinstance(template, str) or ("{}" not in template and "{c}" not in template):
+            raise ValueError(f"{where}: template {i} ({template!r}) has no '{{}}' placeholder for the class name")
+    if len(set(classnames)) != len(classnames):
+        raise ValueError(f"{where}: duplicate class names")
+    return ZeroShotSpec(name, tuple(classnames), tuple(templates))
+
+
+def _read_lines(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def load_templates(path: str | os.PathLike) -> list[str]:
+    path = Path(path)
+    if path.suffix == ".json":
+        with open(path) as f:
+            templates = json.load(f)
+        if not isinstance(templates, list):
+            raise ValueError(f"{path}: expected a JSON list of templates")
+        return templates
+    return _read_lines(path)
+
+
+def load_zeroshot_spec(path: str | os.PathLike, templates: str | os.PathLike | None = None) -> dict[str, ZeroShotSpec]:
+    """Dataset name -> spec, from any of the accepted files (see the module docstring)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"zero-shot class names file not found: {path}")
+    template_list = load_templates(templates) if templates else None
+    if path.suffix != ".json":
+        classnames = _read_lines(path)
+        return {path.stem: _checked(path.stem, classnames, template_list or list(DEFAULT_TEMPLATES), str(path))}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: invalid JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object with 'datasets' or 'classnames'")
+    if "datasets" in data:
+        if not isinstance(data["datasets"], dict) or not data["datasets"]:
+            raise ValueError(f"{path}: 'datasets' must be a non-empty object of name -> {{classnames, templates}}")
+        return {
+            name: _checked(
+                name,
+                entry.get("classnames") if isinstance(entry, dict) else None,
+                template_list or (entry.get("templates") if isinstance(entry, dict) else None),
+                f"{path}: datasets.{name}",
+            )
+            for name, entry in data["datasets"].items()
+        }
+    if "classnames" in data:
+        name = data.get("name", path.stem)
+        return {name: _checked(name, data["classnames"], template_list or data.get("templates"), str(path))}
+    raise ValueError(f"{path}: expected a 'datasets' or a 'classnames' field, found {sorted(data)}")
+
+
+def spec_from_class_folders(name: str, folders: list[str], templates=None) -> dict[str, ZeroShotSpec]:
+    """An image folder without a names file: the class folder names are the class names ('_' read as ' ')."""
+    classnames = [folder.replace("_", " ") for folder in folders]
+    return {name: _checked(name, classnames, list(templates or DEFAULT_TEMPLATES), f"image folder {name}")}

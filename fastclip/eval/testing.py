@@ -1,0 +1,135 @@
+"""Small fixtures for tests and smoke runs: labelled shards in the INTERFACES.md format, and a "probe" CLIP
+whose embeddings are set by the inputs, so a test knows every similarity (and so every answer) exactly."""
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def _add_file(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = 0  # reproducible bytes
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_labelled_shards(out_dir, samples, *, shard_size: int = 16, prefix: str = "val", first_index: int = 0) -> Path:
+    """Write `samples` = [(PIL image, caption, dataset, label), ...] as shards plus manifest.json."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for shard_no, start in enumerate(range(0, len(samples), shard_size)):
+        path = f"{prefix}-{shard_no:06d}.tar"
+        chunk = samples[start : start + shard_size]
+        with tarfile.open(out_dir / path, "w") as tar:
+            for offset, (image, caption, dataset, label) in enumerate(chunk):
+                index = first_index + start + offset
+                key = f"{index:09d}"
+                png = io.BytesIO()
+                image.save(png, format="PNG")
+                meta = {"index": index, "key": key, "caption": caption, "label": label, "dataset": dataset}
+                _add_file(tar, f"{key}.png", png.getvalue())
+                _add_file(tar, f"{key}.txt", caption.encode())
+                _add_file(tar, f"{key}.json", json.dumps(meta).encode())
+                _add_file(tar, f"{key}.cls", str(label).encode())
+        indices = [first_index + start, first_index + start + len(chunk) - 1]
+        shards.append({"path": path, "num_samples": len(chunk), "index_min": indices[0], "index_max": indices[1]})
+    manifest = {
+        "format": "fastclip-shards/1",
+        "data_size": first_index + len(samples),
+        "num_samples": len(samples),
+        "shards": shards,
+    }
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- the probe CLIP
+def probe_image(scores, size: int = 16) -> Image.Image:
+    """An RGB image whose first row's red channel holds `scores` (0..255): the probe's image embedding."""
+    pixels = np.zeros((size, size, 3), dtype=np.uint8)
+    pixels[0, : len(scores), 0] = scores
+    return Image.fromarray(pixels)
+
+
+def probe_preprocess(image: Image.Image) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1)
+
+
+class ProbeCLIP(torch.nn.Module):
+    """A CLIP-shaped model with known embeddings.
+
+    Image: the red channel of the first `dim` pixels of row 0 (see `probe_image`). Text: the sum of per-token
+    vectors; `word_vectors` maps a word to its vector, every other token (template words, start/end) is 0.
+    So the prompt "a photo of a {word}." embeds to exactly `word_vectors[word]`.
+    """
+
+    def __init__(self, tokenizer, word_vectors: dict[str, torch.Tensor], vocab_size: int = 49408):
+        super().__init__()
+        self.dim = len(next(iter(word_vectors.values())))
+        self.token_vectors = torch.nn.Embedding(vocab_size, self.dim)
+        torch.nn.init.zeros_(self.token_vectors.weight)
+        encode = getattr(tokenizer, "encode", None) or tokenizer.tokenizer.encode
+        with torch.no_grad():
+            for word, vector in word_vectors.items():
+                ids = encode(word)
+                if len(ids) != 1:
+                    raise ValueError(f"probe word {word!r} is {len(ids)} tokens; pick a one-token word")
+                self.token_vectors.weight[ids[0]] = torch.as_tensor(vector, dtype=torch.float32)
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        return images[:, 0, 0, : self.dim]
+
+    def encode_text(self, tokens: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        return self.token_vectors(tokens).sum(dim=1)
+
+
+# ----------------------------------------------------------------------------- a data set with known answers
+FRUITS = ("apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum")
+COLOURS = ("red", "green", "blue")
+FRUIT_TEMPLATES = ("a photo of a {}.", "a blurry picture of {c}.")
+RANK_SCORES = (240, 210, 180, 150, 120, 90, 60, 30)  # distinct, so no two classes tie
+# true class -> the rank its score gets in each of its images
+FRUIT_RANKS = {0: [1, 1, 1], 1: [1, 1, 2], 2: [1, 2, 6], 3: [3, 1, 1],
+               4: [6, 7, 8], 5: [1, 1, 1], 6: [5, 1, 2], 7: [1, 1, 1]}
+COLOUR_RANKS = {0: [1, 1], 1: [1, 2], 2: [2, 3]}
+
+
+def image_with_rank(true_class: int, rank: int, num_classes: int) -> Image.Image:
+    """A probe image over `num_classes` classes in which `true_class` comes `rank`-th (1-based)."""
+    values = RANK_SCORES[:num_classes]
+    scores = [0] * num_classes
+    scores[true_class] = values[rank - 1]
+    rest = [v for i, v in enumerate(values) if i != rank - 1]
+    for cls, value in zip([c for c in range(num_classes) if c != true_class], rest):
+        scores[cls] = value
+    return probe_image(scores)
+
+
+def fruit_samples() -> list:
+    """24 (image, caption, dataset, label) samples, three per fruit, in FRUIT_RANKS order."""
+    return [(image_with_rank(c, r, 8), f"a photo of a {FRUITS[c]}.", "fruits", c)
+            for c, ranks in FRUIT_RANKS.items() for r in ranks]
+
+
+def colour_samples() -> list:
+    return [(image_with_rank(c, r, 3), f"something {COLOURS[c]}", "colours", c)
+            for c, ranks in COLOUR_RANKS.items() for r in ranks]
+
+
+def fruit_probe(tokenizer) -> ProbeCLIP:
+    """The probe for both data sets: fruit i and colour i both embed to the one-hot e_i."""
+    vectors = {w: torch.eye(8)[i] for i, w in enumerate(FRUITS)}
+    vectors.update({w: torch.eye(8)[i] for i, w in enumerate(COLOURS)})
+    return ProbeCLIP(tokenizer, vectors)
+
+
+def zeroshot_json() -> dict:
+    return {"datasets": {"fruits": {"classnames": list(FRUITS), "templates": list(FRUIT_TEMPLATES)},
+                         "colours": {"classnames": list(COLOURS), "templates": ["{}"]}}}

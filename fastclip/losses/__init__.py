@@ -1,0 +1,98 @@
+"""FastCLIP losses (v0-v3) and the OpenCLIP baseline, for one process or any torch.distributed group.
+
+Usage in your own training loop (the model in DDP; the loss holds the temperature and the per-sample state)::
+
+    from fastclip.losses import build_loss
+
+    loss_fn = build_loss("fastclip-v3", data_size=len(dataset), rho=6.5, gamma_min=0.2, gamma_decay_epochs=18)
+    loss_fn.to(device)
+    optimizer = torch.optim.AdamW([{"params": model.parameters()},
+                                   {"params": loss_fn.parameters(), "lr": 2e-4, "weight_decay": 0.0}])
+    for epoch in range(epochs):
+        loss_fn.set_epoch(epoch)                        # γ schedule (and v2's Adam betas)
+        for images, texts, indices in loader:           # indices: int64 global data indices in [0, data_size)
+            image_features, text_features = model(images, texts)   # L2-normalised, [B, d] on this rank
+            loss = loss_fn(image_features, text_features, indices)
+            optimizer.zero_grad()
+            loss.backward()
+            loss_fn.average_grads_()                     # logit_scale is outside DDP: average its gradient
+            optimizer.step()
+            loss_fn.clamp_()                             # logit_scale in [0, ln 100]
+            log(loss_fn.metrics["objective"], loss_fn.temperature(), loss_fn.comm_bytes)
+        torch.save({"loss_state": loss_fn.state_dict()}, f"rank_{rank}.pt")  # this rank's shard
+
+Contract: every rank backpropagates its own loss; once parameter gradients are averaged over ranks (as DDP
+does) they equal the single-process gradient on the rank-major concatenation of the ranks' batches, and the
+per-sample state after the step is the same too. Features travel in one all_gather without autograd (no
+backward collective), plus O(N) scalars; ``loss_fn.comm_bytes`` counts the bytes of the last call.
+
+compat (FastCLIP-v0..v3):
+
+* ``"faithful"`` (default): the gradients of the stated objectives. GCL (v0/v1): (1/2N)Σ log(ε+g);
+  RGCL-g (v3): τ·(1/2N)Σ(log(ε+g1)+log(ε+g2)) + ρτ; RGCL with individual τ (v2): (1/2N)Σ τ_i(log(ε+g_i)+ρ).
+* ``"reference"``: reproduces the two deviations of the reference implementation (Optimization-AI/fast_clip),
+  whose published hyper-parameters (ρ, lr_τ) were tuned with them:
+  (1) v3 (and v0) differentiate the temperature through the candidates' half of the surrogate as well, so the
+      g-term of the τ-gradient is counted twice: dL/dτ = mean log u + ρ + 2·τ·(1/2N)Σ(∂g/∂τ)/u (v3 also drops
+      ε inside log u). For v0 this is a plain factor 2 on the τ-gradient.
+  (2) v2's encoder gradient lacks the τ_i weight of RGCL: weights 1/(u_i+ε) instead of τ_i/(u_i+ε), i.e. the
+      encoders follow (1/2N)Σ log g_i(τ_i).
+
+Options (``build_loss(name, *, data_size, **options)``; an option a version does not take is a TypeError,
+an option passed as None means its default): see ``options.py``. Names: ``openclip``, ``fastclip-v0``,
+``fastclip-v1``, ``fastclip-v2``, ``fastclip-v3``.
+
+Module attributes: ``name``, ``uses_sample_state``, ``metrics`` (detached tensors of the last call: ``loss``,
+``surrogate``, ``objective`` (the estimated global objective from u), ``gamma``, ``tau``; v2: ``tau_q05``,
+``tau_q50``, ``tau_q95`` and ``tau_quantiles`` (shape [3]); all others 0-d), ``comm_bytes``
+(``header``/``features``/``indices``/``state``/``total``), ``set_epoch(e)``, ``clamp_()``, ``temperature()``,
+``tau_param_names()``, ``average_grads_()``. Per-sample state: ``state_dict()`` holds this rank's shard under
+``_extra_state`` (``sharded_state.py``); ``reshard_states`` / ``reshard_for_rank`` change the world size.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from .base import ContrastiveLoss, SampleStateLoss
+from .errors import LossInputError, NonFiniteFeaturesError
+from .gcl import FastCLIPV0Loss, FastCLIPV1Loss, FastCLIPV3Loss
+from .individual import FastCLIPV2Loss
+from .openclip import OpenCLIPLoss
+from .options import (ConstantTemperatureOptions, GlobalTemperatureOptions, IndividualTemperatureOptions,
+                      OpenCLIPOptions, RGCLOptions)
+from .schedules import GammaSchedule
+from .sharded_state import ShardedSampleState, reshard_for_rank, reshard_states
+
+LOSSES = {
+    "openclip": (OpenCLIPLoss, OpenCLIPOptions),
+    "fastclip-v0": (FastCLIPV0Loss, GlobalTemperatureOptions),
+    "fastclip-v1": (FastCLIPV1Loss, ConstantTemperatureOptions),
+    "fastclip-v2": (FastCLIPV2Loss, IndividualTemperatureOptions),
+    "fastclip-v3": (FastCLIPV3Loss, RGCLOptions),
+}
+
+
+def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Module:
+    """The loss ``name`` with its options; ``data_size`` is required by the FastCLIP versions, ignored by openclip."""
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
+    loss_cls, options_cls = LOSSES[name]
+    accepted = {f.name for f in dataclasses.fields(options_cls)}
+    given = {key: value for key, value in options.items() if value is not None}
+    unknown = sorted(set(given) - accepted)
+    if unknown:
+        raise TypeError(f"loss {name!r} does not take option(s) {unknown}; it takes {sorted(accepted)}")
+    if "data_size" in accepted:
+        if data_size is None:
+            raise TypeError(f"loss {name!r} needs data_size= (1 + the largest data index)")
+        given["data_size"] = data_size
+    return loss_cls(options_cls(**given))
+
+
+__all__ = [
+    "build_loss", "LOSSES", "ContrastiveLoss", "SampleStateLoss", "OpenCLIPLoss", "FastCLIPV0Loss",
+    "FastCLIPV1Loss", "FastCLIPV2Loss", "FastCLIPV3Loss", "LossInputError", "NonFiniteFeaturesError",
+    "GammaSchedule", "ShardedSampleState", "reshard_states", "reshard_for_rank",
+]

@@ -1,0 +1,152 @@
+"""What every loss shares: the call sequence (validate, gather, compute), the temperature parameter, metrics,
+byte counts, and (for the FastCLIP versions) the sharded per-sample state kept in ``get_extra_state``."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .batch import GlobalBatch
+from .comm import Comm
+from .errors import LossInputError
+from .options import CommonOptions, SampleStateOptions
+from .sharded_state import ShardedSampleState
+from .validation import validate_inputs
+
+LOGIT_SCALE_MAX = math.log(100.0)  # OpenCLIP's clamp: τ >= 0.01
+
+
+class ContrastiveLoss(nn.Module):
+    """Base of all losses: ``loss_fn(image_features, text_features, indices, *, epoch=None) -> scalar``."""
+
+    name = ""
+    uses_sample_state = False
+    needs_indices = False
+    min_global_batch = 1
+
+    def __init__(self, options: CommonOptions):
+        super().__init__()
+        self.options = options
+        self.group = options.group
+        self.epoch = 0
+        self.metrics: dict[str, torch.Tensor] = {}
+        self.comm_bytes: dict[str, int] = {}
+
+    # -- per call ---------------------------------------------------------------------------------------------
+    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor,
+                indices: torch.Tensor | None = None, *, epoch: int | None = None) -> torch.Tensor:
+        """Per-rank surrogate loss; backward it on every rank and average parameter gradients over ranks."""
+        if epoch is not None:
+            self.set_epoch(epoch)
+        comm = Comm.resolve(self.group)
+        data_size = getattr(self.options, "data_size", None)
+        if isinstance(indices, torch.Tensor) and isinstance(image_features, torch.Tensor):
+            indices = indices.to(image_features.device, non_blocking=True)  # data loaders hand them over on CPU
+        if self.options.validate:
+            validate_inputs(comm, image_features, text_features, indices, data_size=data_size,
+                            need_indices=self.needs_indices, min_global_batch=self.min_global_batch)
+        elif self.needs_indices and indices is None:
+            raise LossInputError(f"{self.name} needs indices (int64 [B] global data indices)")
+        if indices is not None:
+            indices = indices.to(torch.int64)
+        if not self.needs_indices:
+            indices = None  # not needed: do not ship them
+        batch = comm.gather_batch(image_features, text_features, indices)
+        loss, metrics = self._compute(comm, batch)
+        self.metrics = {name: value.detach() for name, value in metrics.items()}
+        self.comm_bytes = comm.bytes_moved()
+        return loss
+
+    def _compute(self, comm: Comm, batch: GlobalBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in vars(self.options).items() if k != "group")
+        return f"name={self.name!r}, {options}"
+
+    # -- schedule and temperature -----------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def _init_logit_scale(self, temperature: float, learnable: bool) -> None:
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)), requires_grad=learnable)
+
+    def temperature(self) -> torch.Tensor | None:
+        """The global τ (detached) for logging; None when τ is per sample."""
+        scale = getattr(self, "logit_scale", None)
+        return None if scale is None else torch.exp(-scale.detach())
+
+    def tau_param_names(self) -> list[str]:
+        """Names of the learnable temperature parameters (all of this module's trainable parameters)."""
+        return [name for name, param in self.named_parameters() if param.requires_grad]
+
+    def clamp_(self) -> None:
+        """Keep logit_scale in [0, ln 100] (τ in [0.01, 1]); call after each optimizer step, as OpenCLIP does."""
+        scale = getattr(self, "logit_scale", None)
+        if scale is not None and scale.requires_grad:
+            with torch.no_grad():
+                scale.clamp_(0.0, LOGIT_SCALE_MAX)
+
+    def average_grads_(self) -> None:
+        """Average this module's parameter gradients over the group (if the loss is not inside DDP)."""
+        Comm.resolve(self.group).average_grads_(self.parameters())
+
+    def _scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """s = exp(logit_scale) = 1/τ in the compute dtype (autograd into logit_scale when it is learnable)."""
+        return torch.exp(self.logit_scale.to(dtype))
+
+
+class SampleStateLoss(ContrastiveLoss):
+    """A FastCLIP loss with per-sample state sharded by owner rank (created on first use)."""
+
+    uses_sample_state = True
+    needs_indices = True
+    min_global_batch = 2  # g averages over the N-1 negatives
+    state_fields: dict[str, float] = {}
+
+    def __init__(self, options: SampleStateOptions):
+        super().__init__(options)
+        self.gamma_schedule = options.gamma()
+        self.reference = options.compat == "reference"
+        self._state: ShardedSampleState | None = None  # plain tensors, not buffers: DDP must not broadcast them
+
+    def initial_state_values(self) -> dict[str, float]:
+        return dict(self.state_fields)
+
+    def gamma(self) -> float:
+        return self.gamma_schedule(self.epoch)
+
+    def _state_dtype(self, feature_dtype: torch.dtype | None) -> torch.dtype:
+        if self.options.state_dtype is not None:
+            return self.options.state_dtype
+        return torch.float64 if feature_dtype == torch.float64 else torch.float32
+
+    def sample_state(self, comm: Comm | None = None, *, device=None, dtype=None) -> ShardedSampleState:
+        """This rank's shard, created for the current group on first use, moved to ``device``/``dtype`` if given."""
+        comm = comm or Comm.resolve(self.group)
+        if self._state is None:
+            self._state = ShardedSampleState(
+                data_size=self.options.data_size, world_size=comm.world_size, rank=comm.rank,
+                fields=self.initial_state_values(), device=self.options.state_device or device or "cpu",
+                dtype=dtype or self._state_dtype(None))
+        elif (self._state.world_size, self._state.rank) != (comm.world_size, comm.rank):
+            raise RuntimeError(
+                f"{self.name}: sample state belongs to rank {self._state.rank} of {self._state.world_size} but this "
+                f"call runs as rank {comm.rank} of {comm.world_size}; reshard the state first (reshard_for_rank)")
+        state = self._state
+        want_device = torch.device(self.options.state_device or device or state.device)
+        want_dtype = dtype or state.dtype
+        if state.device != want_device or state.dtype != want_dtype:
+            state.to_(want_device, want_dtype)
+        return state
+
+    def state_for_batch(self, comm: Comm, batch: GlobalBatch) -> ShardedSampleState:
+        return self.sample_state(comm, device=batch.image.device, dtype=self._state_dtype(batch.image.dtype))
+
+    def get_extra_state(self) -> dict:
+        return self.sample_state().state_dict()
+
+    def set_extra_state(self, state: dict) -> None:
+        saved_dtype = next(iter(state["fields"].values())).dtype if state.get("fields") else None
+        self.sample_state(dtype=self.options.state_dtype or saved_dtype).load_state_dict(state)

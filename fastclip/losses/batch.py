@@ -1,0 +1,48 @@
+"""The data of one loss call: this rank's rows (with autograd) and the gathered global batch (without)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GlobalBatch:
+    """Rank-major global batch: rank r's rows are global positions ``r*B .. r*B+B-1``."""
+
+    image: torch.Tensor                 # [B, d] this rank's image features, autograd
+    text: torch.Tensor                  # [B, d] this rank's text features, autograd
+    indices: torch.Tensor | None        # [B] int64 data indices of this rank's rows
+    all_image: torch.Tensor             # [N, d] gathered image features, no autograd
+    all_text: torch.Tensor              # [N, d]
+    all_indices: torch.Tensor | None    # [N]
+    rank: int
+    world_size: int
+    _positive_cells: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def local_size(self) -> int:
+        return self.image.shape[0]
+
+    @property
+    def global_size(self) -> int:
+        return self.all_image.shape[0]
+
+    @property
+    def offset(self) -> int:
+        return self.rank * self.local_size
+
+    @property
+    def local_rows(self) -> slice:
+        return slice(self.offset, self.offset + self.local_size)
+
+    def positive_cells(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices of the cells (i, offset+i) of a ``[B, N]`` block: local row i with its own global column.
+
+        In a row reading (local anchor i against all candidates) that cell is anchor i's positive; in a column
+        reading (global anchor j against the local candidates) it is the positive of anchor offset+k.
+        """
+        if self._positive_cells is None:
+            rows = torch.arange(self.local_size, device=self.image.device)
+            self._positive_cells = (rows, rows + self.offset)
+        return self._positive_cells

@@ -1,0 +1,129 @@
+"""Every collective the losses make, with a per-call ledger of the bytes each rank moves.
+
+A loss call makes at most these data collectives (spec: LOSSES.md, "Communication per step"):
+
+* ``header``   all_gather of a tiny float64 vector per rank (validation.py), before anything else (and
+  a second one only when some rank's values are bad, to name the row or index);
+* ``features`` + ``indices``: ONE all_gather of ``[image | text | indices]`` packed into a single flat buffer
+  of the feature dtype; the int64 indices travel bit-cast (``Tensor.view(dtype)``), which a copy-only
+  collective preserves exactly. Nothing here carries autograd, so there is no backward collective;
+* ``state``    all_reduce(SUM) of an ``[N, m]`` table in which every entry has exactly one contributing rank
+  (all others add 0), so the sum is exact. FastCLIP-v2 makes two of these.
+
+Bytes are counted per rank with the usual ring formulas (what each rank sends on the wire):
+all_gather ``(K-1)/K * output_bytes``, all_reduce ``2(K-1)/K * bytes``; nothing at K = 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .batch import GlobalBatch
+
+LEDGER_KEYS = ("header", "features", "indices", "state")
+
+
+def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    # torch >= 2.13 renamed all_gather_into_tensor; keep both so older CUDA builds work too.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+@dataclass
+class Comm:
+    """The process group of one loss call (or none: world_size 1) and the bytes moved in that call."""
+
+    group: object | None
+    world_size: int
+    rank: int
+    ledger: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LEDGER_KEYS, 0))
+
+    @classmethod
+    def resolve(cls, group=None) -> "Comm":
+        if dist.is_available() and dist.is_initialized():
+            return cls(group, dist.get_world_size(group), dist.get_rank(group))
+        if group is not None:
+            raise RuntimeError("loss option group= was given but torch.distributed is not initialised")
+        return cls(None, 1, 0)
+
+    def backend(self) -> str | None:
+        return dist.get_backend(self.group) if self.world_size > 1 else None
+
+    def bytes_moved(self) -> dict[str, int]:
+        return {**self.ledger, "total": sum(self.ledger.values())}
+
+    def all_gather(self, tensor: torch.Tensor, *, ledger_key: str) -> torch.Tensor:
+        """Stack of every rank's ``tensor`` (same shape everywhere), ``[K, *tensor.shape]``, no autograd."""
+        tensor = tensor.detach().contiguous()
+        if self.world_size == 1:
+            return tensor.unsqueeze(0)
+        out = tensor.new_empty((self.world_size * tensor.numel(),))
+        _all_gather_single(out, tensor.reshape(-1), self.group)
+        self.ledger[ledger_key] += (self.world_size - 1) * tensor.numel() * tensor.element_size()
+        return out.view(self.world_size, *tensor.shape)
+
+    def all_reduce_sum_(self, tensor: torch.Tensor, *, ledger_key: str) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            nbytes = tensor.numel() * tensor.element_size()
+            self.ledger[ledger_key] += 2 * (self.world_size - 1) * nbytes // self.world_size
+        return tensor
+
+    def gather_batch(self, image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor | None) -> GlobalBatch:
+        """The one feature all_gather: local rows keep autograd, the gathered copies have none."""
+        rows, dim = image.shape
+        with torch.no_grad():
+            parts = [image.reshape(-1), text.reshape(-1)]
+            if indices is not None:
+                parts.append(indices.contiguous().view(image.dtype))  # bit-cast, exact through a copy
+            packed = torch.cat(parts)
+            if self.world_size == 1:
+                gathered = packed.unsqueeze(0)
+            else:
+                gathered = packed.new_empty((self.world_size * packed.numel(),))
+                _all_gather_single(gathered, packed, self.group)
+                gathered = gathered.view(self.world_size, -1)
+        n_feat = rows * dim
+        if self.world_size > 1:
+            item = image.element_size()
+            self.ledger["features"] += (self.world_size - 1) * 2 * n_feat * item
+            if indices is not None:
+                self.ledger["indices"] += (self.world_size - 1) * rows * 8
+        all_image = gathered[:, :n_feat].reshape(-1, dim)
+        all_text = gathered[:, n_feat : 2 * n_feat].reshape(-1, dim)
+        all_indices = None
+        if indices is not None:
+            all_indices = gathered[:, 2 * n_feat :].contiguous().view(torch.int64).reshape(-1)
+        return GlobalBatch(
+            image=image, text=text, indices=indices, all_image=all_image, all_text=all_text,
+            all_indices=all_indices, rank=self.rank, world_size=self.world_size,
+        )
+
+    def share_rows(self, batch: GlobalBatch, anchor_stats: torch.Tensor | None,
+                   owner_values: torch.Tensor | None = None, *, dtype: torch.dtype) -> torch.Tensor:
+        """All_reduce of one ``[N, a+o]`` table: ``[anchor columns | owner columns]`` for the whole global batch.
+
+        ``anchor_stats``: ``[B, a]`` values of this rank's anchors, placed at their global rows.
+        ``owner_values``: ``[N, o]`` values already zero on rows this rank does not own (ShardedSampleState.read).
+        Every entry has exactly one non-zero contributor, so the SUM reproduces it bit for bit.
+        """
+        n_anchor = 0 if anchor_stats is None else anchor_stats.shape[1]
+        n_owner = 0 if owner_values is None else owner_values.shape[1]
+        table = torch.zeros(batch.global_size, n_anchor + n_owner, dtype=dtype, device=batch.all_image.device)
+        if n_anchor:
+            table[batch.local_rows, :n_anchor] = anchor_stats.detach()
+        if n_owner:
+            table[:, n_anchor:] = owner_values
+        return self.all_reduce_sum_(table, ledger_key="state")
+
+    def average_grads_(self, parameters) -> None:
+        """Mean of each parameter's .grad over the group (what DDP does for the model's parameters)."""
+        if self.world_size == 1:
+            return
+        for param in parameters:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.group)
+                param.grad.div_(self.world_size)
+

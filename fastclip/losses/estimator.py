@@ -1,0 +1,20 @@
+"""The moving-average estimator u of each anchor's inner function g (FCCO / SogCLR)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+TINY_U = 1e-35  # as the reference: an old u below this (or inf/nan) is not trusted and restarts from g
+
+
+def update_u(u_old: torch.Tensor, g: torch.Tensor, seen: torch.Tensor, gamma: float,
+             rescale: torch.Tensor | None = None) -> torch.Tensor:
+    """``u = g`` on a first visit (or an untrustworthy old u), else ``(1-γ)·u_old·rescale + γ·g``; elementwise
+    (both modalities at once as ``[N, 2]``; ``seen`` broadcasts).
+
+    ``rescale`` is v2's ``exp(b_old − b_new)``: its u lives in a scale shifted by the per-anchor bound b.
+    """
+    trusted = seen & (u_old >= TINY_U) & (u_old < math.inf)  # False for NaN too
+    carried = u_old if rescale is None else u_old * rescale
+    return torch.where(trusted, torch.lerp(g, carried, 1.0 - gamma), g)

@@ -1,0 +1,123 @@
+"""FastCLIP-v0, v1 and v3: global contrastive losses with one global temperature.
+
+For each anchor i of the global batch (N = K·B) and s = 1/τ:
+    g1_i = 1/(N-1) Σ_{k≠i} exp(s·(e1_i·e2_k − e1_i·e2_i))      (image anchor, text negatives)
+    g2_i = 1/(N-1) Σ_{k≠i} exp(s·(e2_i·e1_k − e1_i·e2_i))      (text anchor, image negatives)
+and u (per sample, sharded state) tracks g across epochs. The encoders follow the FCCO gradient
+(1/2N)Σ_i (∇g1_i/u1_i + ∇g2_i/u2_i), which with u = g is ∇ (1/2N)Σ_i log g_i.
+
+Per rank the surrogate is S_r = ½[(1/B)Σ_{i local}(w1 g1 + w2 g2)_i + (1/B)Σ_{j global}(w1 ĝ1 + w2 ĝ2)_j] with
+w = 1/(u_new+ε) frozen, where ĝ_j only sums this rank's candidates (gradient into local negatives). Averaged
+over ranks (DDP), ∇S_r is exactly the gradient of ½(1/N)Σ_i (w1 g1 + w2 g2)_i on the global batch, with no
+gradient collective. S_r's reported value is its first part (the second only contributes gradient);
+pairwise.WeightedSurrogate writes this gradient out.
+
+* v1 (SogCLR, cosine γ): constant τ.                     objective reported: ½·mean_N(log(u1+ε) + log(u2+ε))
+* v0: learnable τ (``logit_scale``), same loss.          objective: the same
+* v3 (RGCL-g): loss = τ_det·S_r + τ·(½·mean_local(log(u1+ε) + log(u2+ε)) + ρ), learnable τ (the reference
+  drops the ε there); objective: τ·½·mean_N(log(u1+ε) + log(u2+ε)) + ρτ
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import SampleStateLoss
+from .batch import GlobalBatch
+from .comm import Comm
+from .estimator import update_u
+from .options import ConstantTemperatureOptions, GlobalTemperatureOptions, RGCLOptions
+from .pairwise import Block, column_terms, compute_dtype, positives, row_terms, similarity, weighted_surrogate
+
+
+class GlobalTemperatureGCL(SampleStateLoss):
+    """Shared computation of v0/v1/v3; subclasses choose the temperature and the outer objective."""
+
+    state_fields = {"u_img": 0.0, "u_txt": 0.0}
+
+    def __init__(self, options: ConstantTemperatureOptions, *, learnable: bool):
+        super().__init__(options)
+        self._init_logit_scale(options.temperature, learnable)
+
+    def _compute(self, comm: Comm, batch: GlobalBatch):
+        dtype = compute_dtype(batch.image.dtype)
+        state = self.state_for_batch(comm, batch)
+        slots = state.locate(batch.all_indices)
+        eps, gamma = self.options.eps, self.gamma()
+        n_neg, cells, local = batch.global_size - 1, batch.positive_cells(), batch.local_rows
+        scale = self._scale(dtype)                  # s = 1/τ, autograd into logit_scale when learnable
+        learnable = scale.requires_grad
+        s = scale.detach()
+        sim_it = similarity(batch.image, batch.all_text, dtype, s)   # s·(local images vs all texts)
+        sim_ti = similarity(batch.text, batch.all_image, dtype, s)   # s·(local texts vs all images)
+        pos, pos_all = positives(batch, dtype)
+
+        # loss1 terms: this rank's anchors against all N candidates. Columns of [., 2] tensors: (image, text).
+        rows_img = row_terms(sim_it, pos, s, cells, sim_is_scaled=True)
+        rows_txt = row_terms(sim_ti, pos, s, cells, sim_is_scaled=True)
+        g_local = torch.stack([rows_img.total, rows_txt.total], dim=1) / n_neg
+
+        # One all_reduce: each anchor's g from its rank, each sample's old u (and seen) from its owner.
+        table = comm.share_rows(batch, g_local, state.read(slots), dtype=dtype)
+        g, u_old, seen = table[:, 0:2], table[:, 2:4], table[:, 4:5] > 0.5
+        u = update_u(u_old, g, seen, gamma)
+        state.write(slots, u)
+        w = 1.0 / (u + eps)                          # [N, 2], constants for autograd
+
+        # loss2 terms: every global anchor (column) against this rank's candidates: they give the local
+        # negatives the gradient of all anchors; summed over ranks this completes each anchor's g.
+        # The reference also differentiates τ through them, which counts the g-term of the τ-gradient twice.
+        in_columns = learnable and self.reference
+        cols_txt = column_terms(sim_it, pos_all, s, cells, sim_is_scaled=True, total=in_columns)  # text anchors
+        cols_img = column_terms(sim_ti, pos_all, s, cells, sim_is_scaled=True, total=in_columns)  # image anchors
+        kept = dict(positive=pos, positive_all=pos_all) if learnable else {}  # for the τ-gradient
+        blocks = (Block(rows_img, cols_txt, w[local, 0], w[:, 1], batch.all_text, sim_it if learnable else None, **kept),
+                  Block(rows_txt, cols_img, w[local, 1], w[:, 0], batch.all_image, sim_ti if learnable else None, **kept))
+        del sim_it, sim_ti
+        surrogate = weighted_surrogate(batch.image, batch.text, scale if learnable else None, blocks,
+                                       0.5 / (batch.local_size * n_neg), scale_in_columns=in_columns)
+
+        loss, objective = self._outer(surrogate, u, local, dtype)
+        metrics = {"loss": loss, "surrogate": surrogate, "objective": objective,
+                   "gamma": torch.tensor(gamma, dtype=dtype), "tau": 1.0 / s}
+        return loss, metrics
+
+    def _outer(self, surrogate, u, local, dtype):
+        """(loss, estimated objective) for v0/v1: the surrogate itself, and the GCL ½·mean(log(u1+ε) + log(u2+ε))."""
+        return surrogate, torch.log(u + self.options.eps).mean()
+
+
+class FastCLIPV0Loss(GlobalTemperatureGCL):
+    """GCL with a learnable global temperature (``logit_scale``)."""
+
+    name = "fastclip-v0"
+
+    def __init__(self, options: GlobalTemperatureOptions):
+        super().__init__(options, learnable=options.learn_temperature)
+
+
+class FastCLIPV1Loss(GlobalTemperatureGCL):
+    """GCL with a constant temperature (``logit_scale`` is a frozen parameter)."""
+
+    name = "fastclip-v1"
+
+    def __init__(self, options: ConstantTemperatureOptions):
+        super().__init__(options, learnable=False)
+
+
+class FastCLIPV3Loss(GlobalTemperatureGCL):
+    """RGCL-g: τ·(1/2N)Σ(log(ε+g1)+log(ε+g2)) + ρτ with a learnable global τ."""
+
+    name = "fastclip-v3"
+
+    def __init__(self, options: RGCLOptions):
+        super().__init__(options, learnable=options.learn_temperature)
+        self.rho = float(options.rho)
+
+    def _outer(self, surrogate, u, local, dtype):
+        # Faithful: log(u+ε), the stated objective's log(ε+g); the reference takes log u without ε.
+        eps = self.options.eps
+        tau = torch.exp(-self.logit_scale.to(dtype))
+        log_u_local = torch.log(u[local] + (0.0 if self.reference else eps)).mean()  # ½·mean(log u1 + log u2)
+        loss = tau.detach() * surrogate + tau * (log_u_local + self.rho)
+        objective = tau.detach() * (torch.log(u + eps).mean() + self.rho)
+        return loss, objective

@@ -1,0 +1,97 @@
+"""FastCLIP-v2: RGCL with an individual temperature per sample and modality (τ_img_i, τ_txt_i in the state).
+
+For anchor i with its own τ_i (image anchor; the text anchor is the same with roles swapped):
+    d_ik = (e1_i·e2_k − e1_i·e2_i)/τ_i,   b_i = max(b_i_old, max_{k≠i} d_ik)   (b starts at 0)
+    g_i  = 1/(N-1) Σ_{k≠i} exp(d_ik − b_i)                                     (g in a scale shifted by b)
+    u_i  = g_i on a first visit, else (1-γ)·u_i_old·exp(b_old − b_i) + γ·g_i
+Objective (RGCL): (1/2N)Σ_i τ_i(log(ε+g_i) + ρ) per modality, i.e. τ_i·(log u_i + b_i + ρ) in u's scale.
+τ update (no autograd; owner of the sample applies it): grad_i = ∂/∂τ_i [τ_i(log g_i + ρ)] with g → u,
+    grad_i = −[1/(N-1) Σ_{k≠i} exp(d_ik − b_i)·d_ik]/(u_i+ε) + log(u_i+ε) + b_i + ρ, clamped to ±tau_grad_clamp,
+then a per-sample Adam step with betas (0,0) in epoch 0 and per-epoch bias correction, τ clamped to
+[tau_min, tau_max]. The encoders see τ_old (this step's τ before its update) and the new b, with weights
+τ_old_i/(u_i+ε) (faithful: the gradient of Σ τ_i log g_i) or 1/(u_i+ε) (compat="reference").
+
+Communication: the anchors' ranks need τ_old and b_old of their anchors before computing g, so the state is
+fetched by its own all_reduce first, then the per-anchor results (g, b, τ-gradient sums) are shared by a second.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import SampleStateLoss
+from .batch import GlobalBatch
+from .comm import Comm
+from .estimator import update_u
+from .options import IndividualTemperatureOptions
+from .pairwise import Block, column_terms, compute_dtype, positives, row_terms, similarity, weighted_surrogate
+from .schedules import tau_adam_betas
+
+# State columns, (image, text) pairs: u, τ, b, then the Adam moments m, v.
+FIELDS = ("u_img", "u_txt", "tau_img", "tau_txt", "b_img", "b_txt", "m_img", "m_txt", "v_img", "v_txt")
+U, TAU, BOUND, M, V, SEEN = slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8), slice(8, 10), slice(10, 11)
+
+
+class FastCLIPV2Loss(SampleStateLoss):
+    name = "fastclip-v2"
+
+    def __init__(self, options: IndividualTemperatureOptions):
+        super().__init__(options)
+        self.rho = float(options.rho)
+
+    def initial_state_values(self) -> dict[str, float]:
+        return {name: float(self.options.temperature) if name.startswith("tau") else 0.0 for name in FIELDS}
+
+    def temperature(self) -> None:
+        return None
+
+    def _compute(self, comm: Comm, batch: GlobalBatch):
+        opt = self.options
+        dtype = compute_dtype(batch.image.dtype)
+        state = self.state_for_batch(comm, batch)
+        slots = state.locate(batch.all_indices)
+        gamma, eps = self.gamma(), opt.eps
+        n_neg, cells, local = batch.global_size - 1, batch.positive_cells(), batch.local_rows
+        sim_it = similarity(batch.image, batch.all_text, dtype)   # image anchors (rows) vs all texts
+        sim_ti = similarity(batch.text, batch.all_image, dtype)   # text anchors (rows) vs all images
+        pos, pos_all = positives(batch, dtype)
+
+        # 1) old u, τ, b and seen of the whole global batch, filled by the owners ([N, 2] pairs (image, text)).
+        owned = state.read(slots).to(pos.device, dtype)            # this rank's rows only; m, v stay here
+        old = comm.share_rows(batch, None, torch.cat([owned[:, :6], owned[:, SEEN]], dim=1), dtype=dtype)
+        u_old, tau_old, seen = old[:, U], old[:, TAU], old[:, 6:7] > 0.5
+        b_old = torch.where(seen, old[:, BOUND], 0.0)                 # the bound starts at 0
+
+        # 2) this rank's anchors, each with its own τ_old: bound, g and the sum for the τ-gradient.
+        rows = [row_terms(sim, pos, 1.0 / tau_old[local, m], cells, bound_floor=b_old[local, m], moment=True)
+                for m, sim in enumerate((sim_it, sim_ti))]
+        stats = torch.stack([rows[0].total, rows[1].total, rows[0].shift, rows[1].shift,
+                             rows[0].moment, rows[1].moment], dim=1)
+        new = comm.share_rows(batch, stats, dtype=dtype)
+        g, b_new, h = new[:, 0:2] / n_neg, new[:, 2:4], new[:, 4:6] / n_neg
+
+        # 3) u, τ-gradient and the Adam step for the whole batch (cheap, [N, 2]); owners store their rows.
+        u = update_u(u_old, g, seen, gamma, rescale=torch.exp(b_old - b_new))
+        grad = (-h / (u + eps) + torch.log(u + eps) + b_new + self.rho).clamp(-opt.tau_grad_clamp, opt.tau_grad_clamp)
+        beta1, beta2 = tau_adam_betas(self.epoch, opt.tau_betas)
+        m1 = torch.where(seen, owned[:, M], 0.0).lerp(grad, 1 - beta1)        # β1·m + (1-β1)·grad
+        m2 = torch.where(seen, owned[:, V], 0.0).lerp(grad * grad, 1 - beta2)
+        step = (m1 / (1 - beta1 ** (self.epoch + 1))) / ((m2 / (1 - beta2 ** (self.epoch + 1))).sqrt() + opt.tau_eps)
+        tau_new = (tau_old - opt.lr_tau * step).clamp(opt.tau_min, opt.tau_max)
+        state.write(slots, torch.cat([u, tau_new, b_new, m1, m2], dim=1))
+
+        # 4) encoder surrogate with τ_old and the new bounds: the columns of each block are the global anchors
+        #    of the other modality (gradient into this rank's negatives).
+        w = 1.0 / (u + eps) if self.reference else tau_old / (u + eps)
+        cols_txt = column_terms(sim_it, pos_all, 1.0 / tau_old[:, 1], cells, shift=b_new[:, 1])
+        cols_img = column_terms(sim_ti, pos_all, 1.0 / tau_old[:, 0], cells, shift=b_new[:, 0])
+        del sim_it, sim_ti
+        blocks = (Block(rows[0], cols_txt, w[local, 0], w[:, 1], batch.all_text),
+                  Block(rows[1], cols_img, w[local, 1], w[:, 0], batch.all_image))
+        loss = weighted_surrogate(batch.image, batch.text, None, blocks, 0.5 / (batch.local_size * n_neg))
+
+        objective = (tau_old * (torch.log(u + eps) + b_new + self.rho)).mean()   # both modalities averaged
+        quantiles = torch.quantile(tau_old.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=dtype, device=u.device))
+        metrics = {"loss": loss, "surrogate": loss, "objective": objective, "gamma": torch.tensor(gamma, dtype=dtype),
+                   "tau_quantiles": quantiles, "tau_q05": quantiles[0], "tau_q50": quantiles[1],
+                   "tau_q95": quantiles[2]}
+        return loss, metrics

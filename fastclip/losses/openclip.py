@@ -1,0 +1,64 @@
+"""The OpenCLIP baseline: mini-batch InfoNCE over the global batch with local-loss semantics.
+
+Same value and the same per-rank gradients as ``open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True)``,
+without an autograd all_gather (whose backward is a reduce-scatter of K·B·d per modality):
+
+    CE_i = LSE_k(s·e1_i·ẽ2_k) − s·e1_i·e2_i = log(1 + Σ_{k≠i} exp(s(e1_i·ẽ2_k − e1_i·e2_i)))
+
+so the gradient of CE_i is that of the FastCLIP sum over negatives weighted by w_i = 1/(1 + Σ_{k≠i} ...), i.e.
+the softmax probabilities. It runs on the same core (pairwise.py) with a per-anchor shift r_i = max(0, max_k ...)
+(the log-sum-exp trick: ``w_i = 1/(e^{-r_i} + Σ_k exp(... − r_i))``). loss1 = ½(1/B)Σ_{i local}(CE_img_i + CE_txt_i);
+every anchor's weight is shared by the all_reduce (N scalars per modality), so each rank also gives its local
+candidates the gradient they receive from ALL anchors — what ClipLoss's backward all_gather would sum into
+this rank. The logit_scale gradient comes only from this rank's anchors, as in ClipLoss.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import ContrastiveLoss
+from .batch import GlobalBatch
+from .comm import Comm
+from .options import OpenCLIPOptions
+from .pairwise import Block, column_terms, compute_dtype, positives, row_terms, similarity, weighted_surrogate
+
+
+class OpenCLIPLoss(ContrastiveLoss):
+    name = "openclip"
+
+    def __init__(self, options: OpenCLIPOptions):
+        super().__init__(options)
+        self._init_logit_scale(options.temperature, options.learn_temperature)
+
+    def _compute(self, comm: Comm, batch: GlobalBatch):
+        dtype = compute_dtype(batch.image.dtype)
+        scale = self._scale(dtype)
+        learnable = scale.requires_grad
+        s = scale.detach()
+        cells = batch.positive_cells()
+        sim_it = similarity(batch.image, batch.all_text, dtype, s)
+        sim_ti = similarity(batch.text, batch.all_image, dtype, s)
+        pos, pos_all = positives(batch, dtype)
+        zero = torch.zeros(batch.local_size, dtype=dtype, device=pos.device)
+
+        # Per local anchor (columns (image, text)): softmax weight w = 1/(e^{-r} + Σ exp(d − r)), CE, shift r.
+        rows = [row_terms(sim, pos, s, cells, sim_is_scaled=True, bound_floor=zero) for sim in (sim_it, sim_ti)]
+        shift = torch.stack([rows[0].shift, rows[1].shift], dim=1)
+        total = torch.stack([rows[0].total, rows[1].total], dim=1)
+        normaliser = torch.exp(-shift) + total                     # the positive's exp(0), shifted, plus negatives
+        w_local, ce_local = 1.0 / normaliser, shift + torch.log(normaliser)
+        table = comm.share_rows(batch, torch.cat([w_local, ce_local, shift], dim=1), dtype=dtype)
+        w, ce, shift_all = table[:, 0:2], table[:, 2:4], table[:, 4:6]
+
+        # columns: text anchors vs local images (sim_it), image anchors vs local texts (sim_ti)
+        cols_txt = column_terms(sim_it, pos_all, s, cells, sim_is_scaled=True, shift=shift_all[:, 1])
+        cols_img = column_terms(sim_ti, pos_all, s, cells, sim_is_scaled=True, shift=shift_all[:, 0])
+        kept = dict(positive=pos) if learnable else {}  # for the logit_scale gradient
+        blocks = (Block(rows[0], cols_txt, w_local[:, 0], w[:, 1], batch.all_text, sim_it if learnable else None, **kept),
+                  Block(rows[1], cols_img, w_local[:, 1], w[:, 0], batch.all_image, sim_ti if learnable else None, **kept))
+        del sim_it, sim_ti
+        loss = weighted_surrogate(batch.image, batch.text, scale if learnable else None, blocks,
+                                  0.5 / batch.local_size, value=ce_local.mean())
+
+        metrics = {"loss": loss, "surrogate": loss, "objective": ce.mean(), "tau": 1.0 / s}
+        return loss, metrics

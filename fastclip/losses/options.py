@@ -1,0 +1,109 @@
+"""Options of each loss, as dataclasses: ``build_loss`` maps its keyword arguments onto one of these, so an
+option a version does not take is a TypeError naming it, and every value is checked here once."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .schedules import GammaSchedule
+
+COMPAT_MODES = ("faithful", "reference")
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"loss option {name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CommonOptions:
+    group: object | None = None    # process group; None = the default (WORLD) when torch.distributed is initialised
+    validate: bool = True          # header collective + checks that raise the same LossInputError on all ranks
+
+
+@dataclass(frozen=True)
+class OpenCLIPOptions(CommonOptions):
+    temperature: float = 0.07      # initial τ; logit_scale = log(1/τ)
+    learn_temperature: bool = True
+
+    def __post_init__(self):
+        _positive("temperature", self.temperature)
+
+
+@dataclass(frozen=True)
+class SampleStateOptions(CommonOptions):
+    data_size: int = 0             # 1 + the largest index that may appear; required
+    eps: float = 1e-14             # ε in the weights 1/(u+ε)
+    gamma_min: float = 0.8         # reference code default; the published recipes use 0.2
+    gamma_decay_epochs: int = 10
+    gamma_schedule: str = "cosine"
+    compat: str = "faithful"       # "faithful": the stated objectives; "reference": the reference's two deviations
+    state_device: str | torch.device | None = None   # None: the features' device
+    state_dtype: torch.dtype | None = None           # None: float64 for float64 features, else float32
+
+    def __post_init__(self):
+        if isinstance(self.data_size, bool) or not isinstance(self.data_size, int) or self.data_size < 1:
+            raise ValueError(f"loss option data_size must be a positive int (1 + the largest data index), "
+                             f"got {self.data_size!r}")
+        if not (self.eps >= 0):
+            raise ValueError(f"loss option eps must be >= 0, got {self.eps!r}")
+        if self.compat not in COMPAT_MODES:
+            raise ValueError(f"loss option compat must be one of {COMPAT_MODES}, got {self.compat!r}")
+        if self.state_dtype is not None and not (isinstance(self.state_dtype, torch.dtype)
+                                                 and self.state_dtype.is_floating_point):
+            raise ValueError(f"loss option state_dtype must be a floating torch.dtype, got {self.state_dtype!r}")
+        self.gamma()  # validates the schedule options
+
+    def gamma(self) -> GammaSchedule:
+        return GammaSchedule(self.gamma_schedule, float(self.gamma_min), self.gamma_decay_epochs)
+
+
+@dataclass(frozen=True)
+class ConstantTemperatureOptions(SampleStateOptions):
+    """FastCLIP-v1 (SogCLR with the cosine γ schedule): one constant τ."""
+
+    temperature: float = 0.07
+
+    def __post_init__(self):
+        super().__post_init__()
+        _positive("temperature", self.temperature)
+
+
+@dataclass(frozen=True)
+class GlobalTemperatureOptions(ConstantTemperatureOptions):
+    """FastCLIP-v0: one learnable τ (parameter ``logit_scale`` = log 1/τ)."""
+
+    learn_temperature: bool = True
+
+
+@dataclass(frozen=True)
+class RGCLOptions(GlobalTemperatureOptions):
+    """FastCLIP-v3 (RGCL-g): learnable global τ with the τ·log-sum-exp objective plus ρτ."""
+
+    rho: float = 8.0               # reference code default; recipes use 6.5 (CC3M), 8.5 (CC12M), 16 (LAION)
+
+
+@dataclass(frozen=True)
+class IndividualTemperatureOptions(SampleStateOptions):
+    """FastCLIP-v2 (iSogCLR-style RGCL): a τ per sample and modality, updated by a per-sample Adam."""
+
+    temperature: float = 0.03      # initial τ of every sample
+    rho: float = 7.0
+    lr_tau: float = 0.0133
+    tau_betas: tuple[float, float] = (0.9, 0.98)   # used from epoch 1 on; epoch 0 uses (0, 0)
+    tau_eps: float = 1e-6
+    tau_min: float = 0.01
+    tau_max: float = 1.0
+    tau_grad_clamp: float = 5.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("temperature", "lr_tau", "tau_eps", "tau_min", "tau_max", "tau_grad_clamp"):
+            _positive(name, getattr(self, name))
+        if not self.tau_min <= self.temperature <= self.tau_max:
+            raise ValueError(f"loss option temperature={self.temperature} is outside [tau_min, tau_max] = "
+                             f"[{self.tau_min}, {self.tau_max}]")
+        if len(self.tau_betas) != 2 or not all(0 <= b < 1 for b in self.tau_betas):
+            raise ValueError(f"loss option tau_betas must be two numbers in [0, 1), got {self.tau_betas!r}")

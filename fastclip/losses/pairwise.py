@@ -1,0 +1,196 @@
+"""The pairwise core shared by all losses: two ``[B, N]`` similarity blocks, their masked exponentials
+read by row and by column, and one autograd Function that turns them into the weighted surrogate.
+
+A block is ``S = X @ Ỹᵀ``: this rank's rows X of one modality against the gathered rows Ỹ of the other
+(``S_it``: local images vs all texts; ``S_ti``: local texts vs all images). It is read two ways:
+
+* by row: local anchor i (X's modality) against all N candidates, ``rows[i, k] = exp(a_i(S_ik − p_i) − r_i)``
+  with ``p_i = e1_i·e2_i`` its positive ("loss1": gradient into the anchor and its positive);
+* by column: global anchor j (Y's modality, detached) against this rank's candidates,
+  ``cols[k, j] = exp(a'_j(S_kj − P_j) − r'_j)`` ("loss2": gradient into the local negatives only).
+
+The positive pair (local row k, global column offset+k) is excluded in both readings. ``a`` is the scale
+(1/τ, global or per anchor) and ``r`` an optional per-anchor shift (v2's bound b, openclip's log-sum-exp shift).
+
+The similarities are computed without autograd and the surrogate's gradient is written out
+(``WeightedSurrogate``): with ``L = c[Σ_i w_i Σ_k rows_ik + Σ_j w'_j Σ_k cols_kj]``, ``∂L/∂S = c(w_i a_i rows_ik +
+w'_j a'_j cols_kj)``, so the feature gradient is one ``[B, N] @ [N, d]`` matmul per block, plus the positive's
+term; the two exp matrices per block (and S itself when a global scale needs a gradient) are kept for
+backward, which reuses them in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batch import GlobalBatch
+
+
+def compute_dtype(feature_dtype: torch.dtype) -> torch.dtype:
+    """Exponentials and sums run in at least float32 (features may be bf16/fp16)."""
+    return torch.promote_types(feature_dtype, torch.float32)
+
+
+def similarity(local: torch.Tensor, gathered: torch.Tensor, dtype: torch.dtype,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, N]`` block ``scale·(local @ gathered.T)`` without autograd (WeightedSurrogate writes its gradient).
+
+    A global scale is folded in here (on the [B, d] side when no upcast is needed), which saves a pass over
+    the block in ``row_terms``/``column_terms`` (``sim_is_scaled=True``).
+    """
+    with torch.no_grad():
+        local = local.detach()
+        if scale is None:
+            return (local @ gathered.T).to(dtype)
+        if local.dtype == dtype:
+            return ((local * scale) @ gathered.T).to(dtype)  # .to: a matmul under autocast may come back in bf16
+        return (local @ gathered.T).to(dtype).mul_(scale)
+
+
+def positives(batch: GlobalBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e1_i·e2_i for the B local rows, ẽ1_j·ẽ2_j for all N)``, without autograd."""
+    with torch.no_grad():
+        local = (batch.image.detach().to(dtype) * batch.text.detach().to(dtype)).sum(dim=1)
+        everyone = (batch.all_image.to(dtype) * batch.all_text.to(dtype)).sum(dim=1)
+    return local, everyone
+
+
+def _per_row(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 0 else x[:, None]
+
+
+def _per_column(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 0 else x[None, :]
+
+
+@dataclass
+class RowTerms:
+    """Local anchors (rows) against all candidates."""
+
+    exp: torch.Tensor                 # [B, N] exp(a_i(S_ik − p_i) − r_i), 0 at the positive
+    total: torch.Tensor               # [B] Σ_k exp
+    moment: torch.Tensor | None       # [B] Σ_k exp · a_i(S_ik − p_i)   (v2's τ-gradient)
+    shift: torch.Tensor | None        # [B] r_i
+    scale: torch.Tensor               # a: 0-d or [B]
+
+
+@dataclass
+class ColumnTerms:
+    """Global anchors (columns) against this rank's candidates."""
+
+    exp: torch.Tensor                 # [B, N] exp(a'_j(S_kj − P_j) − r'_j), 0 at the positive
+    total: torch.Tensor | None        # [N] Σ_k exp (only for a scale gradient through the columns)
+    scale: torch.Tensor               # a': 0-d or [N]
+
+
+def _scaled_differences(sim: torch.Tensor, positive: torch.Tensor, scale: torch.Tensor, sim_is_scaled: bool):
+    """``a·(S − p)`` (``p``, ``a`` already shaped to broadcast); one pass when ``sim`` already holds ``a·S``.
+
+    (Two simple passes beat one broadcasting ``addcmul`` on CPU.)
+    """
+    if sim_is_scaled:
+        return sim - scale * positive
+    return (sim - positive).mul_(scale)
+
+
+def row_terms(sim: torch.Tensor, positive: torch.Tensor, scale: torch.Tensor, cells, *,
+              sim_is_scaled: bool = False, bound_floor: torch.Tensor | None = None, moment: bool = False) -> RowTerms:
+    """Rows of one block. With ``bound_floor`` (v2, openclip), the shift is ``max(bound_floor_i, max_{k≠i} d_ik)``."""
+    with torch.no_grad():
+        diff = _scaled_differences(sim, positive[:, None], _per_row(scale), sim_is_scaled)
+        diff[cells] = float("-inf")  # exp → 0: the positive is not a negative (cells: batch.positive_cells())
+        shift = None
+        if bound_floor is not None:
+            shift = torch.maximum(bound_floor, diff.amax(dim=1))
+            exp = torch.exp(diff - shift[:, None])
+        else:
+            exp = torch.exp(diff) if moment else diff.exp_()
+        mom = None
+        if moment:
+            diff[cells] = 0.0
+            mom = diff.mul_(exp).sum(dim=1)
+        return RowTerms(exp=exp, total=exp.sum(dim=1), moment=mom, shift=shift, scale=scale)
+
+
+def column_terms(sim: torch.Tensor, positive_all: torch.Tensor, scale: torch.Tensor, cells, *,
+                 sim_is_scaled: bool = False, shift: torch.Tensor | None = None, total: bool = False) -> ColumnTerms:
+    """Columns of one block (global anchors), optionally shifted by ``shift`` ``[N]``."""
+    with torch.no_grad():
+        diff = _scaled_differences(sim, positive_all[None, :], _per_column(scale), sim_is_scaled)
+        diff[cells] = float("-inf")
+        exp = diff.sub_(shift[None, :]).exp_() if shift is not None else diff.exp_()
+        return ColumnTerms(exp=exp, total=exp.sum(dim=0) if total else None, scale=scale)
+
+
+@dataclass
+class Block:
+    """One similarity block with the weights of its anchors: rows are X's modality, columns Ỹ's."""
+
+    rows: RowTerms
+    cols: ColumnTerms
+    row_weight: torch.Tensor          # [B] weights of the local anchors
+    col_weight: torch.Tensor          # [N] weights of the global anchors
+    candidates: torch.Tensor          # Ỹ [N, d], to map ∂L/∂S back to X
+    sim: torch.Tensor | None = None   # s·S (scaled by the global s), kept only when s needs a gradient
+    positive: torch.Tensor | None = None      # [B] p_i, idem
+    positive_all: torch.Tensor | None = None  # [N] P_j, idem (scale gradient through the columns)
+
+
+class WeightedSurrogate(torch.autograd.Function):
+    """``c·Σ_blocks Σ_i w_i Σ_k rows_ik`` (the value: this rank's anchors), with the gradient of
+    ``c·Σ_blocks [Σ_i w_i Σ_k rows_ik + Σ_j w'_j Σ_k cols_kj]`` into the image rows, the text rows and the scale.
+
+    Inputs: ``image`` (X of block 0), ``text`` (X of block 1), ``scale`` (the global s = 1/τ whose gradient
+    is wanted, or None), ``blocks`` (image block, text block), ``coef`` c, ``scale_in_columns``: whether the
+    columns' exponentials count in the scale's gradient (compat="reference"), ``value``: a value to report
+    instead (openclip reports the cross-entropy whose gradient this is).
+    Backward reuses the saved exponentials in place, so it can run once (no retain_graph double backward).
+    """
+
+    @staticmethod
+    def forward(ctx, image, text, scale, blocks, coef, scale_in_columns, value):
+        ctx.blocks, ctx.coef, ctx.scale_in_columns = blocks, coef, scale_in_columns
+        ctx.save_for_backward(image, text, scale)
+        if value is not None:
+            return value.detach().clone()
+        return coef * sum((b.row_weight * b.rows.total).sum() for b in blocks)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.blocks is None:
+            raise RuntimeError("the FastCLIP surrogate's backward can run only once per forward")
+        image, text, scale = ctx.saved_tensors
+        want_scale = scale is not None and ctx.needs_input_grad[2]
+        s = scale.detach() if want_scale else None
+        coef = ctx.coef * grad_out
+        grads, grad_positive, scale_sum = [], 0.0, 0.0
+        for block in ctx.blocks:
+            row_factor = coef * block.row_weight * block.rows.scale       # ∂L/∂S by row, per anchor
+            col_factor = coef * block.col_weight * block.cols.scale
+            grad_sim = block.rows.exp.mul_(_per_row(row_factor))
+            if want_scale and not ctx.scale_in_columns:
+                scale_sum = scale_sum + _scale_term(grad_sim, block, row_factor, s)
+            grad_sim.addcmul_(block.cols.exp, _per_column(col_factor))
+            if want_scale and ctx.scale_in_columns:
+                scale_sum = scale_sum + _scale_term(grad_sim, block, row_factor, s) \
+                    - (col_factor * block.cols.total * block.positive_all).sum()
+            grads.append(grad_sim.to(block.candidates.dtype) @ block.candidates)
+            grad_positive = grad_positive - row_factor * block.rows.total  # p_i enters every row term of anchor i
+        ctx.blocks = None  # free the [B, N] matrices now
+        # d/ds exp(s·(S − p)) = (S − p)·exp: with grad_sim = factor·exp, Σ grad_sim·(S − p) / s.
+        grad_scale = (scale_sum / s).to(scale.dtype) if want_scale else None
+        grad_positive = grad_positive[:, None]
+        grad_image = grads[0] + (grad_positive * text.detach()).to(image.dtype)
+        grad_text = grads[1] + (grad_positive * image.detach()).to(text.dtype)
+        return grad_image.to(image.dtype), grad_text.to(text.dtype), grad_scale, None, None, None, None
+
+
+def _scale_term(grad_sim: torch.Tensor, block: Block, row_factor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``Σ_ik grad_sim_ik·S_ik − Σ_i factor_i·total_i·p_i`` (one dot product over the block; ``block.sim`` = s·S)."""
+    dot = torch.dot(grad_sim.reshape(-1), block.sim.reshape(-1)) / scale
+    return dot - (row_factor * block.rows.total * block.positive).sum()
+
+
+def weighted_surrogate(image, text, scale, blocks, coef, *, scale_in_columns=False, value=None) -> torch.Tensor:
+    return WeightedSurrogate.apply(image, text, scale, blocks, coef, scale_in_columns, value)

@@ -1,0 +1,282 @@
+"""Per-sample state (u, and v2's τ/Adam/bound), sharded by owner: no rank ever holds all ``data_size`` entries.
+
+Entry ``i`` lives on rank ``i % K`` at local slot ``i // K``; rank r has ``ceil((data_size - r) / K)`` slots.
+Within a step, every rank reads (owner fills, all_reduce shares) before anything is written, and a global
+batch that holds the same index twice writes the value of its LAST occurrence (in rank-major global order).
+
+Saved form (``ShardedSampleState.state_dict()``, carried by the loss module's ``get_extra_state``)::
+
+    {"format": "fastclip-sample-state/1", "data_size": int, "world_size": K, "rank": r, "owner": "modulo",
+     "fields": {name: [slots] tensor}, "seen": [slots] bool}
+
+``reshard_for_rank`` builds one new rank's shard from the old shards, read one at a time, and
+``reshard_states`` does all new ranks; ``main`` is ``fastclip reshard``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FORMAT = "fastclip-sample-state/1"
+_CHUNK = 1 << 22  # slots handled at once while resharding, bounds the temporary index tensors
+
+
+def shard_size(data_size: int, world_size: int, rank: int) -> int:
+    return max(0, -(-(data_size - rank) // world_size))
+
+
+def last_occurrence(indices: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool: True where no later position holds the same index (sort-based, deterministic, no sync)."""
+    order = torch.sort(indices, stable=True).indices  # equal indices keep their position order
+    sorted_idx = indices[order]
+    is_last_sorted = torch.ones_like(indices, dtype=torch.bool)
+    is_last_sorted[:-1] = sorted_idx[1:] != sorted_idx[:-1]
+    is_last = torch.empty_like(is_last_sorted)
+    is_last[order] = is_last_sorted
+    return is_last
+
+
+@dataclass
+class BatchSlots:
+    """A global batch's rows in one shard: ``owned`` [N] bool, ``slots`` [N] (spare slot if not owned),
+    ``write_slots`` [N] (spare slot unless owned and the last occurrence of its index)."""
+
+    owned: torch.Tensor
+    slots: torch.Tensor
+    write_slots: torch.Tensor
+
+
+class ShardedSampleState:
+    """One rank's shard of named per-sample fields (one ``[slots, F]`` table) plus a ``seen`` flag per slot."""
+
+    def __init__(self, *, data_size: int, world_size: int, rank: int, fields: Mapping[str, float],
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.data_size, self.world_size, self.rank = int(data_size), int(world_size), int(rank)
+        self.num_slots = shard_size(self.data_size, self.world_size, self.rank)
+        self.names = list(fields)
+        # Fields are the columns of one table, so a step reads and writes all of them with one gather/scatter.
+        # One spare row past the end takes the writes of rows this rank must not write: the write is then a
+        # plain scatter with unique targets among real slots, with no host sync to compact the rows.
+        initial = torch.tensor([float(v) for v in fields.values()], dtype=dtype, device=device)
+        self._table = initial.repeat(self.num_slots + 1, 1)
+        self._seen = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._table.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._table.dtype
+
+    def field(self, name: str) -> torch.Tensor:
+        return self._table[: self.num_slots, self.names.index(name)]
+
+    @property
+    def seen(self) -> torch.Tensor:
+        return self._seen[: self.num_slots]
+
+    def to_(self, device: torch.device | str, dtype: torch.dtype) -> "ShardedSampleState":
+        self._table = self._table.to(device=device, dtype=dtype)
+        self._seen = self._seen.to(device)
+        return self
+
+    def locate(self, indices: torch.Tensor) -> BatchSlots:
+        """Where the global batch's ``indices`` (``[N]``) live in this shard; computed once per step."""
+        indices = indices.to(self.device)
+        owned = indices % self.world_size == self.rank
+        slots = torch.where(owned, indices // self.world_size, self.num_slots)
+        write_slots = torch.where(owned & last_occurrence(indices), slots, self.num_slots)
+        return BatchSlots(owned=owned, slots=slots, write_slots=write_slots)
+
+    def read(self, where: BatchSlots) -> torch.Tensor:
+        """``[N, F+1]``: the fields (in ``names`` order) and ``seen`` (0/1) of the rows this rank owns, 0 elsewhere."""
+        values = torch.cat([self._table[where.slots], self._seen[where.slots, None].to(self.dtype)], dim=1)
+        return torch.where(where.owned[:, None], values, 0)
+
+    def write(self, where: BatchSlots, values: torch.Tensor) -> None:
+        """Store ``values`` ``[N, F]`` for the owned rows, a repeated index keeping its last occurrence; marks seen."""
+        self._table[where.write_slots] = values.detach().to(device=self.device, dtype=self.dtype)
+        self._seen[where.write_slots] = True
+
+    def state_dict(self) -> dict:
+        # Contiguous CPU copies: checkpoints load anywhere (offline resharding on a machine without the GPU),
+        # and a copy never drags the spare row or the whole table into a field's saved storage.
+        def export(column: torch.Tensor) -> torch.Tensor:
+            return column.clone(memory_format=torch.contiguous_format).cpu()
+
+        return {
+            "format": FORMAT, "data_size": self.data_size, "world_size": self.world_size, "rank": self.rank,
+            "owner": "modulo",
+            "fields": {name: export(self._table[: self.num_slots, col]) for col, name in enumerate(self.names)},
+            "seen": export(self.seen),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        check_format(state)
+        saved = (state["data_size"], state["world_size"], state["rank"])
+        if saved != (self.data_size, self.world_size, self.rank):
+            raise ValueError(
+                f"sample state was saved for data_size={saved[0]}, world_size={saved[1]}, rank={saved[2]} but this "
+                f"process has data_size={self.data_size}, world_size={self.world_size}, rank={self.rank}; reshard "
+                f"first (fastclip reshard --in CKPT_DIR --world-size {self.world_size}, or reshard_for_rank())")
+        fields = state["fields"]
+        if set(fields) != set(self.names):
+            raise KeyError(f"sample state fields {sorted(fields)} do not match this loss's {sorted(self.names)}")
+        for name, value in list(fields.items()) + [("seen", state["seen"])]:
+            if value.shape != (self.num_slots,):
+                raise ValueError(f"sample state field {name!r} has shape {tuple(value.shape)}, expected ({self.num_slots},)")
+        with torch.no_grad():
+            for col, name in enumerate(self.names):
+                self._table[: self.num_slots, col].copy_(fields[name])
+            self._seen[: self.num_slots].copy_(state["seen"])
+            self._seen[self.num_slots] = False
+
+
+def check_format(state: Mapping) -> None:
+    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+        got = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"not a {FORMAT} sample state (format: {got!r})")
+    if state.get("owner") != "modulo":
+        raise ValueError(f"sample state owner map {state.get('owner')!r} is not supported (expected 'modulo')")
+
+
+def _split(state: Mapping) -> tuple[str | None, Mapping]:
+    """A sample state given directly, or a loss module's state_dict that carries one under ``*_extra_state``."""
+    if state.get("format") == FORMAT:
+        return None, state
+    keys = [k for k in state if k == "_extra_state" or k.endswith("._extra_state")]
+    if len(keys) != 1:
+        raise ValueError(f"no sample state found: expected a {FORMAT} dict or a loss state_dict with one "
+                         f"'_extra_state' entry, got keys {sorted(state)[:10]}")
+    return keys[0], state[keys[0]]
+
+
+def reshard_for_rank(states: Iterable[Mapping], new_world_size: int, new_rank: int) -> dict:
+    """New rank ``new_rank``'s shard at ``new_world_size`` from all old shards, consumed one at a time.
+
+    ``states`` may be sample-state dicts or loss ``state_dict()``s (then a loss state_dict is returned, with
+    the other entries, e.g. ``logit_scale``, taken from the first one). Peak memory: one old shard plus the
+    new shard. Raises if an old rank is missing or repeated, or the shards disagree.
+    """
+    if not 0 <= new_rank < new_world_size:
+        raise ValueError(f"new_rank={new_rank} is not in [0, new_world_size={new_world_size})")
+    first_wrapper, out, covered, ranks, meta = None, None, None, set(), None
+    for number, given in enumerate(states):
+        key, state = _split(given)
+        check_format(state)
+        this_meta = (state["data_size"], state["world_size"], tuple(sorted(state["fields"])))
+        if out is None:
+            # keep only the first state_dict's other entries (logit_scale), not its shard: peak memory stays at
+            # one old shard plus the new one
+            first_wrapper = (key, None if key is None else {k: v for k, v in given.items() if k != key})
+            meta = this_meta
+            data_size, old_k = this_meta[0], this_meta[1]
+            n_new = shard_size(data_size, new_world_size, new_rank)
+            out = {name: torch.zeros(n_new, dtype=value.dtype) for name, value in state["fields"].items()}
+            out_seen = torch.zeros(n_new, dtype=torch.bool)
+            covered = torch.zeros(n_new, dtype=torch.bool)
+        elif this_meta != meta:
+            raise ValueError(f"old shard #{number} (rank {state['rank']}) has data_size/world_size/fields {this_meta}, "
+                             f"the first has {meta}")
+        old_rank = int(state["rank"])
+        if old_rank in ranks or not 0 <= old_rank < old_k:
+            raise ValueError(f"old rank {old_rank} given twice or outside [0, world_size={old_k})")
+        ranks.add(old_rank)
+        n_old = shard_size(data_size, old_k, old_rank)
+        for start in range(0, n_old, _CHUNK):
+            slots = torch.arange(start, min(start + _CHUNK, n_old))
+            global_index = slots * old_k + old_rank
+            keep = global_index % new_world_size == new_rank
+            new_slots = global_index[keep] // new_world_size
+            for name, value in state["fields"].items():
+                out[name][new_slots] = value[start:start + len(slots)][keep].to(out[name].dtype)
+            out_seen[new_slots] = state["seen"][start:start + len(slots)][keep]
+            covered[new_slots] = True
+    if out is None:
+        raise ValueError("no old shards given")
+    missing = sorted(set(range(old_k)) - ranks)
+    if missing or not bool(covered.all()):
+        raise ValueError(f"old shards of ranks {missing} (of world_size {old_k}) are missing")
+    result = {"format": FORMAT, "data_size": data_size, "world_size": new_world_size, "rank": new_rank,
+              "owner": "modulo", "fields": out, "seen": out_seen}
+    key, wrapper = first_wrapper
+    return result if key is None else {**wrapper, key: result}
+
+
+def reshard_states(states: list[Mapping], new_world_size: int) -> list[dict]:
+    """All ``new_world_size`` shards from the list of old ones (offline tool and tests)."""
+    return [reshard_for_rank(states, new_world_size, rank) for rank in range(new_world_size)]
+
+
+# --- fastclip reshard ----------------------------------------------------------------------------------------
+
+_RANK_FILE = re.compile(r"^rank_(\d+)\.pt$")
+
+
+def _rank_files(folder: Path) -> list[Path]:
+    files = {int(m.group(1)): folder / name for name in os.listdir(folder) if (m := _RANK_FILE.match(name))}
+    if not files:
+        raise FileNotFoundError(f"no rank_<r>.pt files in {folder}")
+    if sorted(files) != list(range(len(files))):
+        raise FileNotFoundError(f"{folder}: rank files {sorted(files)} are not rank_0..rank_{len(files) - 1}")
+    return [files[r] for r in range(len(files))]
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _loss_states(files: list[Path]):
+    for path in files:
+        payload = _load(path)
+        if "loss_state" not in payload:
+            raise KeyError(f"{path}: no 'loss_state' entry")
+        yield payload["loss_state"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fastclip reshard",
+        description="Reshard the per-sample loss state of a folder of rank_<r>.pt files (each with a 'loss_state' "
+                    "entry) to another world size. The new files hold {'loss_state', 'rank', 'world_size'}; other "
+                    "per-rank entries describe the old layout and are not carried over. A training checkpoint "
+                    "needs none of this: `fastclip train --resume` reshards itself at any world size.")
+    parser.add_argument("--in", dest="src", required=True, type=Path, help="folder with rank_<r>.pt files")
+    parser.add_argument("--world-size", required=True, type=int, help="the new number of ranks")
+    parser.add_argument("--out", type=Path, default=None, help="write here instead of rewriting --in in place")
+    args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error("--world-size must be >= 1")
+    files = _rank_files(args.src)
+    out_dir = args.out or args.src
+    if out_dir.resolve() == args.src.resolve() and (args.src / "model.pt").exists():
+        parser.error(f"{args.src} is a training checkpoint (it has model.pt): rewriting its rank files in place "
+                     f"would desynchronise it from model.pt and the data positions; `fastclip train --resume` "
+                     f"reshards the sample state itself, or pass --out DIR for a resharded copy of the loss state")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for rank in range(args.world_size):
+        payload = {"loss_state": reshard_for_rank(_loss_states(files), args.world_size, rank), "rank": rank,
+                   "world_size": args.world_size}
+        tmp = out_dir / f".rank_{rank}.pt.tmp"
+        torch.save(payload, tmp)
+        written.append(tmp)
+    for rank, tmp in enumerate(written):  # replace only after every new shard was built
+        os.replace(tmp, out_dir / f"rank_{rank}.pt")
+    if out_dir.resolve() == args.src.resolve():
+        for stale in files[args.world_size:]:
+            stale.unlink()
+    print(f"resharded the sample state of {len(files)} rank(s) in {args.src} into {args.world_size} rank(s) in {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The trainer (`fastclip train`): one process, torchrun or srun, every mode through the same code.
+
+The path of one batch (fastclip/train/trainer.py, top to bottom):
+
+    shards --fastclip.data.TrainStream.epoch(e)-->  (images [B,3,H,W], texts [B,ctx] int64, indices [B] int64)
+        this rank's B samples of the global batch; the stream's position is part of every checkpoint
+    --> DDP( TowersWithLoss )                       one module holding the towers AND the loss, so the loss's
+        |   encode_image / encode_text              temperature is a DDP parameter averaged with the towers
+        |     (autocast bf16/fp16, optional torch.compile, optional gradient checkpointing)
+        |   F.normalize in fp32
+        |   loss_fn(image_features, text_features, indices, epoch=e)     fastclip.losses.build_loss(...)
+        |     one all_gather of features+indices (no autograd), per-sample state sharded by owner rank,
+        |     gamma schedule by epoch; returns this rank's surrogate
+    --> backward                                    DDP all-reduces (averages) every gradient, temperature too
+    --> optimizer step                              groups decay / no_decay (ndim<2) / temperature (own lr:
+        |                                           cosine, const or step_thresh applied on-device)
+        |   lr = get_lr(samples_seen // global_batch)   pure warmup + cosine to lr_min
+        |   GradScaler (fp16), clip_grad_norm_, loss_fn.clamp_() (logit_scale in [0, ln 100])
+    --> every log_every steps: loss_fn.metrics .item() -> progress line, metrics.jsonl, TensorBoard
+    --> every N steps / M minutes: checkpoints/step_<N>/{model.pt, rank_<r>.pt} + `latest`  (checkpoint.py)
+    --> every N steps: fastclip.eval.run_evals on every rank -> metrics.jsonl "eval/..."
+
+Modules: config.py (every knob, YAML + overrides + checks), trainer.py (the loop), checkpoint.py (atomic
+step folders, RNG states as tensors), metrics.py (rank-0 reporting), cli.py (`main(argv)`). Launch and rank
+discovery (torchrun / SLURM / single process): fastclip/distributed.py; optimizers and schedules: fastclip/optim.
+"""

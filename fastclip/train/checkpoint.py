@@ -1,0 +1,175 @@
+"""Checkpoints: one folder per step, written atomically, a `latest` pointer, the last k kept.
+
+    <run_dir>/checkpoints/
+        step_00001000/model.pt      rank 0: towers (open_clip state_dict), loss parameters, optimizer, scaler,
+                                    step, epoch, world size, resolved config, arch, model config
+        step_00001000/rank_<r>.pt   rank r: its shard of the per-sample state ("loss_state"), its data-stream
+                                    position ("data"), its RNG states ("rng")
+        latest                      text naming the newest complete step folder; written last
+
+A save writes everything into a hidden temporary folder, fsyncs each file, renames the folder into place
+and only then rewrites `latest` (temporary file, fsync, rename): a crash at any point leaves the previous
+checkpoint and pointer intact. The run folder must be on a filesystem every rank sees (one writer per file).
+Every file holds only tensors and primitives, so torch.load(weights_only=True) reads it: RNG states are
+stored as tensors and lists, not pickled objects.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from fastclip.distributed import DistInfo, barrier
+
+STEP_DIR = re.compile(r"step_(\d{8,})")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# ----------------------------------------------------------------------------- RNG states as tensors
+def rng_state(device: torch.device) -> dict:
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
+                   "gauss_next": py_gauss},
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss_next"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ----------------------------------------------------------------------------- atomic files
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not open directories; the renames are still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_file(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def load_file(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file missing: {path}")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ----------------------------------------------------------------------------- save
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete step folders under `root`, oldest first (temporary folders start with a dot)."""
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)]
+    return sorted(dirs, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+
+
+def save_checkpoint(root: Path, step: int, info: DistInfo, *, model_file: dict | None, rank_file: dict,
+                    keep_last: int) -> Path:
+    """Collective: every rank calls it with its rank_file; rank 0 also passes model_file."""
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp_{final.name}"
+    if info.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left over by a crash during an earlier save of this step
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier(info)
+    save_file(rank_file, tmp / f"rank_{info.rank}.pt")
+    if info.is_main:
+        save_file(model_file, tmp / "model.pt")
+    barrier(info)  # all rank files are on disk
+    if info.is_main:
+        _fsync_dir(tmp)
+        old = None
+        if final.exists():  # the same step saved again (a run resumed and stopped at once)
+            old = root / f".old_{final.name}"
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        write_text_atomic(root / "latest", final.name + "\n")
+        if old is not None:
+            shutil.rmtree(old)
+        for stale in list_checkpoints(root)[:-keep_last]:
+            if stale != final:
+                shutil.rmtree(stale)
+    barrier(info)
+    return final
+
+
+# ----------------------------------------------------------------------------- load
+def resolve_resume(resume: str, run_dir: Path) -> Path | None:
+    """"latest" -> the step folder named by <run_dir>/checkpoints/latest (None if there is none yet: a fresh
+    start, so one job script serves the first and every following job); a path -> that step folder, or a
+    run/checkpoints folder -> its latest."""
+    if resume == "latest":
+        pointer = run_dir / "checkpoints" / "latest"
+        if not pointer.is_file():
+            return None
+        return _checked(run_dir / "checkpoints" / pointer.read_text().strip(), f"named by {pointer}")
+    path = Path(resume)
+    for pointer in (path / "latest", path / "checkpoints" / "latest"):
+        if pointer.is_file():
+            return _checked(pointer.parent / pointer.read_text().strip(), f"named by {pointer}")
+    return _checked(path, "given as train.resume")
+
+
+def _checked(step_dir: Path, how: str) -> Path:
+    if not (step_dir / "model.pt").is_file():
+        raise FileNotFoundError(f"checkpoint {step_dir} ({how}) has no model.pt")
+    return step_dir
+
+
+def iter_rank_files(step_dir: Path, world_size: int) -> Iterator[dict]:
+    """The saved ranks' files one at a time (resharding reads them in turn, never all at once)."""
+    for r in range(world_size):
+        yield load_file(step_dir / f"rank_{r}.pt")
+
+
+__all__ = ["rng_state", "set_rng_state", "save_checkpoint", "resolve_resume", "load_file", "iter_rank_files",
+           "list_checkpoints", "step_dir_name", "write_text_atomic"]

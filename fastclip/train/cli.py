@@ -1,0 +1,57 @@
+"""`fastclip train [--config FILE.yaml] [--section.key value ...]`
+
+    fastclip train --config configs/embedded.yaml                                  # one process
+    torchrun --nproc_per_node 2 -m fastclip train --config configs/embedded.yaml    # one node, 2 processes
+    srun fastclip train --config configs/cc3m-fastclip-v3.yaml                      # SLURM (launch/slurm.sbatch)
+
+Without --config the built-in defaults apply (the embedded recipe). `--print-config` shows the resolved config
+and exits. Configuration errors are reported before anything is built, naming the key; exit status 2.
+"""
+from __future__ import annotations
+
+import sys
+
+from fastclip.train.config import ConfigError, dump_config, load_config
+
+USAGE = __doc__
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    while argv and argv[0] == "--":  # torchrun passes a separating "--" through to the script
+        argv.pop(0)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    config_path, print_only, rest = None, False, []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--config", "-c"):
+            if i + 1 >= len(argv):
+                print("fastclip train: --config needs a file", file=sys.stderr)
+                return 2
+            config_path, i = argv[i + 1], i + 2
+        elif a.startswith("--config="):
+            config_path, i = a.split("=", 1)[1], i + 1
+        elif a == "--print-config":
+            print_only, i = True, i + 1
+        else:
+            rest.append(a)
+            i += 1
+    try:
+        cfg = load_config(config_path, rest)
+        if print_only:
+            print(dump_config(cfg), end="")
+            return 0
+        from fastclip.train.trainer import train
+
+        train(cfg)
+    except ConfigError as e:
+        print(f"fastclip train: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

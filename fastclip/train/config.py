@@ -1,0 +1,360 @@
+"""The training configuration: every knob in one place, as dataclasses, loaded from YAML plus command-line
+overrides and checked before anything heavy starts.
+
+    cfg = load_config("configs/cc3m-fastclip-v3.yaml", ["--optim.lr", "5e-4", "--batch_size", "64"])
+
+Overrides are `--section.key value`, `--section.key=value`, or `--key value` when `key` names exactly one field.
+Values are parsed as YAML scalars/lists ("1e-3", "[0.9, 0.98]", "null", "true"). Errors (ConfigError) name the
+key: an unknown key, a value of the wrong type, or an impossible value (negative lr, ...). Checks that need the
+data or the world size (a batch larger than the data) run in the trainer, before the model is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+LOSS_NAMES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key (and the file when there is one)."""
+
+
+@dataclass
+class DataConfig:
+    # Defaults = the embedded recipe (configs/embedded.yaml: tiny-vit, FastCLIP-v3, 2 x 64 samples), except that
+    # the loss knobs default to null (the loss library's defaults) and train.device to auto.
+    train: str = "data/embedded/train"       # shard folder(s) with manifest.json; brace patterns; sources joined by "::"
+    val: Optional[str] = "data/embedded/val"  # labelled held-out shards for evaluation; null: no eval
+    zeroshot: Optional[str] = "data/embedded/zeroshot.json"  # class names + templates for zero-shot eval
+    batch_size: int = 64                      # per process; the global batch is batch_size x world size
+    data_size: Optional[int] = None           # 1 + largest sample index (sizes the per-sample state); null: manifest's
+    workers: int = 1                          # data loader worker processes per rank (0: load in the main process)
+    shuffle_buffer: int = 1000                # samples per seeded shuffle window
+    seed: Optional[int] = None                # shard order / shuffle / augmentation seed; null: train.seed
+    resampled: bool = False                   # draw shards with replacement (OpenCLIP --dataset-resampled)
+    samples_per_epoch: Optional[int] = None   # virtual epoch length; only with resampled (null: all samples)
+    upsampling_factors: Optional[str] = None  # "1::2": per-source weights of "::"-joined sources (resampled)
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "tiny-vit"                    # open_clip name (RN50, ViT-B-32, ...), configs/models/<name>, or a .json
+    grad_checkpointing: bool = False          # recompute activations in backward (less memory, ~30% more compute)
+    compile: bool = False                     # torch.compile the towers (not the loss: it holds collectives)
+
+
+@dataclass
+class LossConfig:
+    name: Literal["openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3"] = "fastclip-v3"
+    # null = the loss library's default (fastclip.losses); each set value is passed to build_loss, which
+    # rejects an option the chosen version does not have.
+    temperature: Optional[float] = None       # initial tau (v0, v3, openclip, per-sample in v2) or the constant (v1)
+    rho: Optional[float] = None               # v2/v3: rho of the robust (RGCL) objective
+    eps: Optional[float] = None               # epsilon in the 1/(u + eps) weights (FastCLIP's --fastclip_eps)
+    gamma_min: Optional[float] = None         # gamma after the decay (reference --gamma)
+    gamma_decay_epochs: Optional[int] = None  # epochs of the cosine decay of gamma from 1 to gamma_min
+    gamma_schedule: Optional[Literal["cosine", "constant"]] = None
+    compat: Optional[Literal["faithful", "reference"]] = None  # reference: reproduce the published code's gradients
+    tau_betas: Optional[list[float]] = None   # v2: Adam betas of the per-sample tau update (reference: the model's betas)
+    tau_eps: Optional[float] = None           # v2: Adam eps of the per-sample tau update
+    tau_min: Optional[float] = None           # v2: per-sample tau bounds
+    tau_max: Optional[float] = None
+    tau_grad_clamp: Optional[float] = None    # v2: clamp of the per-sample tau gradient
+
+
+@dataclass
+class OptimConfig:
+    optimizer: Literal["adamw", "lamb"] = "adamw"
+    lr: float = 1e-3                          # peak lr of the towers
+    lr_min: float = 0.0                       # floor of the cosine decay
+    lr_schedule: Literal["cosine", "const"] = "cosine"
+    warmup_steps: int = 100                   # linear warmup, in optimizer steps
+    wd: float = 0.1                           # AdamW/LAMB decoupled weight decay on ndim >= 2 tensors only
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+    grad_clip: Optional[float] = None         # max global gradient norm; null: no clipping
+    lr_tau: Optional[float] = 2e-4            # temperature lr (v0/v3/openclip group; v2's per-sample update); null: lr
+    lr_tau_schedule: Literal["cosine", "const", "step_thresh"] = "step_thresh"
+    lr_tau_min: float = 0.0                   # floor of the temperature group's cosine
+    tau_threshold: float = 0.03               # step_thresh: lr_tau / tau_threshold_factor once tau <= this
+    tau_threshold_factor: float = 3.0
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/embedded-fastclip-v3"  # metrics.jsonl, config.yaml, tensorboard/, checkpoints/
+    epochs: int = 5
+    max_steps: Optional[int] = None           # stop after this many steps (smoke runs); schedules still span `epochs`
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast; fp16 adds a GradScaler
+    seed: int = 2024
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    resume: Optional[str] = None              # "latest" (of run_dir), or a checkpoint step folder
+    log_every: int = 10                       # steps between metric lines (the only steps that read values back)
+    tensorboard: bool = True                  # also write <run_dir>/tensorboard when tensorboard is installed
+    progress: bool = True                     # progress bar on rank 0 (a plain line when not a terminal)
+    dist_timeout_minutes: float = 30.0
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 200                    # evaluate every N steps (0: never during training)
+    at_end: bool = True                       # evaluate after the last step
+    batch_size: int = 256
+    max_samples: Optional[int] = None         # cap on evaluated val samples (fast checks); null: all
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500                    # 0: never by step count
+    every_minutes: float = 10.0               # 0: never by time (rank 0's clock decides, on logging steps)
+    keep_last: int = 3                        # completed checkpoints kept (older ones are deleted)
+    at_end: bool = True
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- values and types
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return `value` as type `tp` or raise ConfigError naming `key`. Strict: no str->int, no float->int."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"config key '{key}': {value!r} matches none of {tp}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}': expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{key}': expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{key}': expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"config key '{key}': expected a number, got str {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key '{key}': expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key '{key}': expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp} for '{key}'")
+
+
+def _build(cls, data: Any, prefix: str, source: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section '{prefix or '<top>'}'{source}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"'{prefix}{key}'"
+            raise ConfigError(f"unknown config key {where}{source}; known keys{' in ' + prefix[:-1] if prefix else ''}: "
+                              f"{', '.join(sorted(names))}")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data[name], f"{prefix}{name}.", source)
+        else:
+            kwargs[name] = _coerce(data[name], tp, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _deep_update(base: dict, new: dict) -> dict:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _deep_update(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def _field_index() -> dict[str, list[str]]:
+    """field name -> the dotted keys that have it (for `--key value` without a section)."""
+    index: dict[str, list[str]] = {}
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(typing.get_type_hints(Config)[section.name]):
+            index.setdefault(f.name, []).append(f"{section.name}.{f.name}")
+    return index
+
+
+# OpenCLIP / FastCLIP-reference flag names (dashes or underscores) -> our keys, so their commands translate
+FLAG_ALIASES = {
+    "batch_size": "data.batch_size", "train_data": "data.train", "val_data": "data.val", "workers": "data.workers",
+    "dataset_resampled": "data.resampled", "train_num_samples": "data.samples_per_epoch",
+    "train_data_upsampling_factors": "data.upsampling_factors",
+    "data_size": "data.data_size", "model": "model.arch", "grad_checkpointing": "model.grad_checkpointing",
+    "torchcompile": "model.compile", "lr": "optim.lr", "wd": "optim.wd", "warmup": "optim.warmup_steps",
+    "eps": "optim.eps", "grad_clip_norm": "optim.grad_clip", "lr_scheduler": "optim.lr_schedule",
+    "lr_tau_scheduler": "optim.lr_tau_schedule", "opt": "optim.optimizer", "optimizer": "optim.optimizer",
+    "gamma": "loss.gamma_min", "fastclip_eps": "loss.eps", "epochs": "train.epochs", "seed": "train.seed",
+    "precision": "train.precision", "resume": "train.resume", "logs": "train.run_dir",
+}
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """["--optim.lr", "1e-3", "--batch_size=8"] -> {"optim": {"lr": "1e-3"}, "data": {"batch_size": 8}}."""
+    index, out, i = _field_index(), {}, 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"expected --key value, got {arg!r}")
+        if "=" in arg:
+            key, raw = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"config key '{arg[2:]}' has no value")
+            key, raw = arg[2:], args[i + 1]
+            i += 2
+        key = key.replace("-", "_")
+        if "." not in key and key in FLAG_ALIASES:
+            key = FLAG_ALIASES[key]
+        if "." not in key:
+            owners = index.get(key, [])
+            if len(owners) != 1:
+                hint = f"ambiguous, use one of {', '.join(owners)}" if owners else "no such field in any section"
+                raise ConfigError(f"unknown config key '{key}' ({hint})")
+            key = owners[0]
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- value checks
+def _check(cfg: Config) -> None:
+    def need(ok: bool, key: str, why: str):
+        if not ok:
+            raise ConfigError(f"config key '{key}': {why} (got {_get(cfg, key)!r})")
+
+    o, t, d, lo, e, c = cfg.optim, cfg.train, cfg.data, cfg.loss, cfg.eval, cfg.checkpoint
+    need(o.lr >= 0 and math.isfinite(o.lr), "optim.lr", "must be a finite number >= 0")
+    need(0 <= o.lr_min <= o.lr, "optim.lr_min", "must be in [0, optim.lr]")
+    need(o.lr_tau is None or o.lr_tau >= 0, "optim.lr_tau", "must be >= 0")
+    need(o.lr_tau_min >= 0, "optim.lr_tau_min", "must be >= 0")
+    need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    need(o.wd >= 0, "optim.wd", "must be >= 0")
+    need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)")
+    need(o.eps > 0, "optim.eps", "must be > 0")
+    need(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", "must be > 0 or null")
+    need(0 < o.tau_threshold, "optim.tau_threshold", "must be > 0")
+    need(o.tau_threshold_factor >= 1, "optim.tau_threshold_factor", "must be >= 1")
+    need(d.batch_size >= 1, "data.batch_size", "must be >= 1")
+    need(d.data_size is None or d.data_size >= 1, "data.data_size", "must be >= 1 or null")
+    need(d.workers >= 0, "data.workers", "must be >= 0")
+    need(d.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
+    need(d.samples_per_epoch is None or d.samples_per_epoch >= 1, "data.samples_per_epoch", "must be >= 1 or null")
+    need(d.samples_per_epoch is None or d.resampled, "data.samples_per_epoch",
+         "needs data.resampled: true (without resampling an epoch is one pass over all shards)")
+    need(d.upsampling_factors is None or d.resampled, "data.upsampling_factors", "needs data.resampled: true")
+    need(t.epochs >= 1, "train.epochs", "must be >= 1")
+    need(t.max_steps is None or t.max_steps >= 0, "train.max_steps", "must be >= 0 or null")
+    need(t.log_every >= 1, "train.log_every", "must be >= 1")
+    need(t.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")
+    need(lo.temperature is None or lo.temperature > 0, "loss.temperature", "must be > 0")
+    need(lo.eps is None or lo.eps >= 0, "loss.eps", "must be >= 0")
+    need(lo.gamma_min is None or 0 < lo.gamma_min <= 1, "loss.gamma_min", "must be in (0, 1]")
+    need(lo.gamma_decay_epochs is None or lo.gamma_decay_epochs >= 0, "loss.gamma_decay_epochs", "must be >= 0")
+    need(lo.tau_betas is None or (len(lo.tau_betas) == 2 and all(0 <= b < 1 for b in lo.tau_betas)),
+         "loss.tau_betas", "must be two numbers in [0, 1)")
+    need(e.every_steps >= 0, "eval.every_steps", "must be >= 0")
+    need(e.batch_size >= 1, "eval.batch_size", "must be >= 1")
+    need(c.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
+    need(c.every_minutes >= 0, "checkpoint.every_minutes", "must be >= 0")
+    need(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+
+
+def _get(cfg: Config, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+# ----------------------------------------------------------------------------- entry points
+def config_from_dict(data: dict, source: str = "") -> Config:
+    cfg = _build(Config, data, "", source)
+    _check(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- overrides, then type and value checks."""
+    data: dict = {}
+    source = ""
+    if path is not None:
+        source = f" (in {path})"
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(data).__name__}")
+        _build(Config, data, "", source)  # name unknown keys in the file before mixing in overrides
+    if overrides:
+        data = _deep_update(data, parse_overrides(overrides))
+        source = f"{source} (with command-line overrides)" if source else " (command line)"
+    return config_from_dict(data, source)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+__all__ = ["Config", "DataConfig", "ModelConfig", "LossConfig", "OptimConfig", "TrainConfig", "EvalConfig",
+           "CheckpointConfig", "ConfigError", "load_config", "config_from_dict", "parse_overrides", "dump_config",
+           "LOSS_NAMES"]

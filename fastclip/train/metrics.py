@@ -1,0 +1,91 @@
+"""What rank 0 reports: a progress bar (tqdm on a terminal, a plain line otherwise), <run_dir>/metrics.jsonl
+(one JSON object per logging step and per evaluation) and TensorBoard scalars when tensorboard is installed.
+Values arrive as Python numbers: the trainer reads tensors back only on logging steps."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v == 0 or not math.isfinite(v):
+            return f"{v}"
+        return f"{v:.4g}" if 1e-3 <= abs(v) < 1e5 else f"{v:.3e}"
+    return str(v)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")  # a torn last line from a crash: dropped
+
+
+class MetricsLogger:
+    """Rank 0 writes; on other ranks every method is a no-op."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int, tensorboard: bool,
+                 progress: bool):
+        self.enabled = enabled
+        self.file = None
+        self.tb = None
+        self.bar = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / "metrics.jsonl"
+        if path.exists():  # a resumed run continues the file; records past the checkpoint will be written again
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= start_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step or None)
+            except ImportError:  # tensorboard is optional
+                self.tb = None
+        if progress and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step")
+            except ImportError:
+                self.bar = None
+        self.plain = progress and self.bar is None
+        self.last_time = time.time()
+
+    def log(self, record: dict, line_keys: tuple[str, ...] = ()) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = record["step"]
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(k if "/" in k else f"train/{k}", v, step)
+        shown = {k: record[k] for k in line_keys if k in record}
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix({k: _fmt(v) for k, v in shown.items()}, refresh=True)
+        elif self.plain:
+            print(f"step {step} " + " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()), flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.file is not None:
+            self.file.close()

@@ -1,0 +1,345 @@
+"""The trainer, top to bottom: processes -> data checks -> towers + loss -> DDP -> optimizer -> resume -> loop
+(step, log, evaluate, checkpoint). One function, `train(cfg)`, runs the same way as one process, under
+torchrun and under srun; every mode (openclip, fastclip-v0..v3) goes through the same code but the loss.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
+from fastclip.optim import ThresholdRule, build_optimizer, get_lr, get_tau_lr, param_groups
+from fastclip.train import checkpoint as ckpt
+from fastclip.train.config import Config, ConfigError, dump_config
+from fastclip.train.metrics import MetricsLogger
+
+CHECKPOINT_FORMAT = "fastclip-checkpoint/1"
+
+
+class TowersWithLoss(torch.nn.Module):
+    """What DDP wraps: the towers and the loss in one module, so the loss's temperature is a DDP parameter and
+    its gradient is averaged with the towers'. forward: encode under autocast, L2-normalise in fp32, loss in fp32
+    (the loss gathers features itself; its per-sample state is plain tensors, so DDP never broadcasts it)."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: torch.nn.Module, *, precision: str, compile: bool):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+        self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        # compile the towers' encoders only: the loss holds collectives and data-dependent state updates
+        self.encode_image = torch.compile(model.encode_image) if compile else model.encode_image
+        self.encode_text = torch.compile(model.encode_text) if compile else model.encode_text
+
+    def forward(self, images: torch.Tensor, texts: torch.Tensor, indices: torch.Tensor, epoch: int) -> torch.Tensor:
+        with torch.autocast(images.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
+            image_features = self.encode_image(images)
+            text_features = self.encode_text(texts)
+        image_features = F.normalize(image_features.float(), dim=-1)
+        text_features = F.normalize(text_features.float(), dim=-1)
+        return self.loss_fn(image_features, text_features, indices, epoch=epoch)
+
+
+# ----------------------------------------------------------------------------- helpers
+def check_data(cfg: Config, world_size: int) -> int:
+    """Checks that need the data and the world size, before anything heavy is built; returns data_size."""
+    from fastclip.data import DataSpecError, ManifestError, resolve_catalog
+
+    try:
+        catalog = resolve_catalog(cfg.data.train, cfg.data.data_size)
+    except (DataSpecError, ManifestError, FileNotFoundError) as e:
+        key = "data.data_size" if "data_size" in str(e) and cfg.data.data_size is not None else "data.train"
+        raise ConfigError(f"config key '{key}': {e}") from None
+    per_epoch = cfg.data.samples_per_epoch if cfg.data.resampled and cfg.data.samples_per_epoch else catalog.num_samples
+    global_batch = cfg.data.batch_size * world_size
+    if global_batch > per_epoch:
+        raise ConfigError(f"config key 'data.batch_size': {cfg.data.batch_size} per process x {world_size} "
+                          f"process(es) = {global_batch} is larger than the data ({per_epoch} samples per epoch "
+                          f"in {cfg.data.train})")
+    for key in ("val", "zeroshot"):
+        path = getattr(cfg.data, key)
+        evaluating = cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end)
+        if path is not None and evaluating and not Path(path).exists():
+            raise ConfigError(f"config key 'data.{key}': {path!r} does not exist (set it to null to skip eval)")
+    return catalog.data_size
+
+
+def stream_config(cfg: Config, data_size: int, device: torch.device) -> dict:
+    d = cfg.data
+    return {"train_data": d.train, "batch_size": d.batch_size, "seed": cfg.train.seed if d.seed is None else d.seed,
+            "workers": d.workers, "shuffle_buffer": d.shuffle_buffer, "dataset_resampled": d.resampled,
+            "train_num_samples": d.samples_per_epoch, "train_data_upsampling_factors": d.upsampling_factors,
+            "data_size": data_size, "pin_memory": device.type == "cuda"}
+
+
+def loss_options(cfg: Config) -> dict:
+    """The loss section's set values, passed to build_loss (which rejects options a version lacks)."""
+    names = ("temperature", "rho", "eps", "gamma_min", "gamma_decay_epochs", "gamma_schedule", "compat",
+             "tau_betas", "tau_eps", "tau_min", "tau_max", "tau_grad_clamp")
+    opts = {k: getattr(cfg.loss, k) for k in names if getattr(cfg.loss, k) is not None}
+    if "tau_betas" in opts:
+        opts["tau_betas"] = tuple(opts["tau_betas"])
+    if cfg.loss.name == "fastclip-v2":  # v2 updates its per-sample tau itself, at lr_tau
+        opts["lr_tau"] = cfg.optim.lr_tau if cfg.optim.lr_tau is not None else cfg.optim.lr
+    return opts
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:
+    """Host values of the loss's metrics (call on logging steps only: .item() waits for the device)."""
+    out = {"loss": loss.item()}
+    for name, value in getattr(loss_fn, "metrics", {}).items():
+        if not torch.is_tensor(value):
+            continue
+        if value.numel() == 1:
+            out[name] = value.item()
+        elif name == "tau_quantiles":  # v2: 5/50/95 % of the batch's per-sample tau
+            for q, v in zip(("q05", "q50", "q95"), value.flatten().tolist()):
+                out[f"tau_{q}"] = v
+    tau = loss_fn.temperature()
+    if tau is not None:
+        out["tau"] = float(tau)
+    comm = getattr(loss_fn, "comm_bytes", None) or {}
+    if "total" in comm:
+        out["comm_bytes"] = int(comm["total"])
+    return out
+
+
+# ----------------------------------------------------------------------------- the trainer
+def train(cfg: Config) -> dict:
+    info = init_distributed(cfg.train.device, cfg.train.backend, cfg.train.dist_timeout_minutes)
+    try:
+        return _train(cfg, info)
+    finally:
+        cleanup(info)
+
+
+def _train(cfg: Config, info: DistInfo) -> dict:
+    from fastclip.data import build_train_stream
+    from fastclip.losses import build_loss, reshard_for_rank
+    from fastclip.models import build_model
+
+    device, run_dir, o = info.device, Path(cfg.train.run_dir), cfg.optim
+
+    # ---- checks that need the data and the world size, before anything heavy
+    data_size = check_data(cfg, info.world_size)
+    try:
+        resume_dir = ckpt.resolve_resume(cfg.train.resume, run_dir) if cfg.train.resume else None
+    except FileNotFoundError as e:
+        raise ConfigError(f"config key 'train.resume': {e}") from None
+
+    # ---- towers and loss (same seed on every rank: identical init; DDP also broadcasts rank 0's)
+    seed_all(cfg.train.seed)
+    built = build_model(cfg.model.arch)
+    model = built.model.to(device)
+    model.logit_scale.requires_grad_(False)  # the loss owns the temperature
+    if cfg.model.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    try:
+        loss_fn = build_loss(cfg.loss.name, data_size=data_size, **loss_options(cfg)).to(device)
+    except (TypeError, ValueError) as e:  # an option this loss version does not take, or a bad value
+        raise ConfigError(f"config section 'loss' (name {cfg.loss.name}): {e}") from None
+
+    # ---- data: this rank's part of every global batch
+    stream = build_train_stream(stream_config(cfg, data_size, device), rank=info.rank, world_size=info.world_size,
+                                preprocess=built.preprocess_train, tokenizer=built.tokenizer)
+    global_batch = cfg.data.batch_size * info.world_size
+    total_steps = cfg.train.epochs * stream.batches_per_epoch  # horizon of the lr schedules
+
+    # ---- resume: weights and per-sample state before DDP (DDP then broadcasts identical tensors)
+    step, samples_seen, epoch, model_file, rank_file = 0, 0, 0, None, None
+    if resume_dir is not None:
+        model_file = ckpt.load_file(resume_dir / "model.pt")
+        for key in ("model.arch", "loss.name"):
+            section, name = key.split(".")
+            saved, now = model_file["config"][section][name], getattr(getattr(cfg, section), name)
+            if saved != now:
+                raise ConfigError(f"config key '{key}': {now!r} but checkpoint {resume_dir} was trained with {saved!r}")
+        model.load_state_dict(model_file["state_dict"])
+        saved_world = int(model_file["world_size"])
+        if saved_world == info.world_size:
+            rank_file = ckpt.load_file(resume_dir / f"rank_{info.rank}.pt")
+            loss_fn.load_state_dict(rank_file["loss_state"])
+        else:  # another world size: rebuild this rank's shard of the per-sample state, one old file at a time
+            if getattr(loss_fn, "uses_sample_state", False):
+                states = (f["loss_state"] for f in ckpt.iter_rank_files(resume_dir, saved_world))
+                loss_fn.load_state_dict(reshard_for_rank(states, info.world_size, info.rank))
+            else:
+                loss_fn.load_state_dict(model_file["loss"])
+            # the data layer finishes the interrupted epoch from any old rank's position (fastclip/data/stream.py)
+            rank_file = ckpt.load_file(resume_dir / f"rank_{min(info.rank, saved_world - 1)}.pt")
+        step, samples_seen, epoch = int(model_file["step"]), int(model_file["samples_seen"]), int(model_file["epoch"])
+
+    if cfg.model.compile and cfg.model.grad_checkpointing and info.distributed:
+        torch._dynamo.config.optimize_ddp = False  # DDP's graph splitting does not support checkpointed graphs
+    net = TowersWithLoss(model, loss_fn, precision=cfg.train.precision, compile=cfg.model.compile)
+    if info.distributed:
+        net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None,
+                                      broadcast_buffers=True)
+
+    # ---- optimizer, schedules, scaler
+    lr_tau_base = o.lr_tau if o.lr_tau is not None else o.lr
+    groups = param_groups(model, loss_fn, lr=o.lr, wd=o.wd, lr_tau=lr_tau_base)
+    optimizer = build_optimizer(o.optimizer, groups, betas=o.betas, eps=o.eps)
+    tau_params = [p for g in optimizer.param_groups if g["name"] == "temperature" for p in g["params"]]
+    thresh = ThresholdRule(tau_params if o.lr_tau_schedule == "step_thresh" else [],
+                           threshold=o.tau_threshold, factor=o.tau_threshold_factor)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+    trainable = [p for g in optimizer.param_groups for p in g["params"]]
+
+    lr_now = [0.0, 0.0]  # the last step's lr of the towers and of the temperature group
+
+    def set_lrs(samples_seen: int) -> tuple[float, float]:
+        # the schedules run on samples seen, counted in global batches of the current run: equal to the step
+        # count, and still the right place in the schedule after a resume at another world size
+        at = samples_seen // global_batch
+        lr = get_lr(at, base_lr=o.lr, warmup_steps=o.warmup_steps, total_steps=total_steps, lr_min=o.lr_min,
+                    kind=o.lr_schedule)
+        lr_tau = get_tau_lr(at, lr_tau=lr_tau_base, kind=o.lr_tau_schedule, warmup_steps=o.warmup_steps,
+                            total_steps=total_steps, lr_tau_min=o.lr_tau_min)
+        for g in optimizer.param_groups:
+            g["lr"] = lr_tau if g["name"] == "temperature" else lr
+        lr_now[:] = lr, lr_tau
+        return lr, lr_tau
+
+    if model_file is not None:
+        optimizer.load_state_dict(model_file["optimizer"])
+        scaler.load_state_dict(model_file["scaler"])
+        stream.load_state_dict(rank_file["data"])
+    # RNG streams of this rank: restored exactly when the world size is unchanged
+    if rank_file is not None and int(model_file["world_size"]) == info.world_size:
+        ckpt.set_rng_state(rank_file["rng"], device)
+    else:
+        seed_all(cfg.train.seed + 1000 * info.rank + step)
+
+    max_steps = cfg.train.max_steps
+    remaining = sum(stream.batches_remaining(e) for e in range(epoch, cfg.train.epochs))
+    last_step = step + remaining if max_steps is None else min(step + remaining, max_steps)
+
+    # ---- logging
+    log = MetricsLogger(run_dir, enabled=info.is_main, total_steps=last_step, start_step=step,
+                        tensorboard=cfg.train.tensorboard, progress=cfg.train.progress)
+    if info.is_main:
+        (run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
+        n_params = sum(p.numel() for p in model.parameters())
+        log.message(f"fastclip train: {cfg.loss.name}, {built.arch} ({n_params / 1e6:.1f}M parameters), "
+                    f"{info.world_size} process(es) on {device.type} ({info.launcher}), global batch {global_batch}, "
+                    f"{stream.batches_per_epoch} steps/epoch, steps {step} -> {last_step}, run {run_dir}"
+                    + (f", resumed from {resume_dir}" if resume_dir else ""))
+
+    def save(step: int) -> None:
+        with torch.no_grad():  # keep the towers' own (frozen) logit_scale equal to the learned one: open_clip reads it
+            tau = loss_fn.temperature()
+            if tau is not None:
+                model.logit_scale.copy_(-torch.log(tau.to(model.logit_scale)))
+        model_state = None
+        if info.is_main:
+            model_state = {
+                "format": CHECKPOINT_FORMAT, "state_dict": model.state_dict(),
+                "loss": {k: v for k, v in loss_fn.state_dict().items() if not k.endswith("_extra_state")},
+                "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step, "epoch": epoch,
+                "samples_seen": samples_seen, "world_size": info.world_size, "config": cfg.to_dict(),
+                # the schedules are pure functions of samples_seen; their horizon and last values, for reading
+                "schedules": {"total_steps": total_steps, "global_batch": global_batch, "lr": lr_now[0],
+                              "lr_tau": lr_now[1] * thresh.factor_now()},
+                "arch": built.arch, "model_config": built.config,
+            }
+        rank_state = {"rank": info.rank, "world_size": info.world_size, "step": step,
+                      "loss_state": loss_fn.state_dict(), "data": stream.state_dict(), "rng": ckpt.rng_state(device)}
+        path = ckpt.save_checkpoint(run_dir / "checkpoints", step, info, model_file=model_state,
+                                    rank_file=rank_state, keep_last=cfg.checkpoint.keep_last)
+        log.message(f"checkpoint {path}")
+
+    def evaluate(step: int) -> None:
+        from fastclip.eval import run_evals
+
+        if cfg.data.val is None:
+            return
+        results = run_evals(model, tokenizer=built.tokenizer, preprocess=built.preprocess_val, val_dir=cfg.data.val,
+                            zeroshot_file=cfg.data.zeroshot, device=device, batch_size=cfg.eval.batch_size,
+                            max_samples=cfg.eval.max_samples)
+        record = {"step": step, "samples_seen": samples_seen}
+        record.update({f"eval/{k}": v for k, v in results.items() if isinstance(v, (int, float))})
+        log.log(record, tuple(k for k in record if k.endswith("top1")))
+
+    # ---- the loop: epochs of the data stream, one optimizer step per batch
+    model.train()
+    # a checkpoint of this run exists at the resume step; one taken from elsewhere does not (so it is saved here)
+    resumed_here = resume_dir is not None and resume_dir.parent.resolve() == (run_dir / "checkpoints").resolve()
+    last_saved, last_save_time = (step if resumed_here else -1), time.time()
+    window_steps, window_data, window_pause, window_start = 0, 0.0, 0.0, time.perf_counter()
+    train_time, trained_steps, record = 0.0, 0, {}
+    while step < last_step and epoch < cfg.train.epochs:
+        batches = iter(stream.epoch(epoch))
+        while step < last_step:
+            t0 = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                break  # epoch done
+            images, texts, indices = (t.to(device, non_blocking=True) for t in batch)
+            window_data += time.perf_counter() - t0
+
+            lr, lr_tau = set_lrs(samples_seen)
+            loss = net(images, texts, indices, epoch)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if o.grad_clip is not None:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(trainable, o.grad_clip)
+            thresh.before_step(loss_fn.temperature())
+            scaler.step(optimizer)
+            scaler.update()
+            thresh.after_step()
+            loss_fn.clamp_()
+            step, samples_seen, window_steps = step + 1, samples_seen + global_batch, window_steps + 1
+
+            due = False
+            if step % cfg.train.log_every == 0 or step == last_step:
+                values = scalar_metrics(loss_fn, loss)  # the only host reads of the step
+                if not all(math.isfinite(v) for v in values.values()):
+                    raise FloatingPointError(f"non-finite metrics at step {step}: {values}")
+                elapsed = time.perf_counter() - window_start - window_pause
+                train_time, trained_steps = train_time + elapsed, trained_steps + window_steps
+                record = {"step": step, "epoch": epoch, "samples_seen": samples_seen, **values, "lr": lr,
+                          "lr_tau": lr_tau * thresh.factor_now(),
+                          "samples_per_s": window_steps * global_batch / elapsed,
+                          "samples_per_s_per_rank": window_steps * cfg.data.batch_size / elapsed,
+                          "data_time": window_data / window_steps, "step_time": elapsed / window_steps,
+                          "data_skipped": sum(v for k, v in stream.counters.items() if k != "wrapped")}
+                log.log(record, ("loss", "objective", "tau", "tau_q05", "tau_q50", "tau_q95", "lr", "gamma",
+                                 "samples_per_s", "samples_per_s_per_rank", "data_time"))
+                # the wall-clock trigger is rank 0's decision, shared on logging steps (the same on all ranks)
+                due = cfg.checkpoint.every_minutes > 0 and broadcast_flag(
+                    time.time() - last_save_time >= 60 * cfg.checkpoint.every_minutes, info)
+                window_steps, window_data, window_pause, window_start = 0, 0.0, 0.0, time.perf_counter()
+
+            t_pause = time.perf_counter()
+            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != last_step:
+                evaluate(step)
+            if due or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0):
+                save(step)
+                last_saved, last_save_time = step, time.time()
+            window_pause += time.perf_counter() - t_pause
+        if stream.batches_remaining(epoch) == 0:
+            epoch += 1
+        del batches  # stops the epoch's data workers now when training stops early
+
+    # ---- the end
+    if cfg.eval.at_end and step > 0:
+        evaluate(step)
+    if cfg.checkpoint.at_end and last_saved != step:
+        save(step)
+    barrier(info)
+    log.close()
+    return {"step": step, "epoch": epoch, "samples_seen": samples_seen, "run_dir": str(run_dir), "last": record,
+            "samples_per_s": trained_steps * global_batch / train_time if train_time > 0 else float("nan")}

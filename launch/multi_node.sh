@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On every node:  NNODES=2 MASTER_ADDR=node01 bash launch/multi_node.sh configs/cc3m-fastclip-v3.yaml [--key value ...]
+#
+# Several nodes with torchrun's c10d rendezvous: start the same command on each node (any order); ranks are
+# assigned at rendezvous. MASTER_ADDR is a host every node reaches (e.g. the first node); NPROC defaults to
+# the node's GPU count. The run folder (train.run_dir) must be on a filesystem all nodes share.
+set -euo pipefail
+CONFIG=${1:?usage: NNODES=N MASTER_ADDR=host launch/multi_node.sh CONFIG [--section.key value ...]}
+shift
+: "${NNODES:?set NNODES (number of nodes)}"
+: "${MASTER_ADDR:?set MASTER_ADDR (rendezvous host, e.g. the first node)}"
+MASTER_PORT=${MASTER_PORT:-29500}
+NPROC=${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count() or 1)')}
+RDZV_ID=${RDZV_ID:-fastclip-$(basename "$CONFIG" .yaml)}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
+exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC" \
+  --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$RDZV_ID" \
+  -m fastclip train -- --config "$CONFIG" "$@"

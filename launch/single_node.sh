@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# bash launch/single_node.sh configs/embedded.yaml 2 [--section.key value ...]
+#
+# One node, NPROC processes (default: one per GPU, or 2 on a CPU-only machine). Extra arguments are config
+# overrides. The "--" after `train` keeps torchrun from claiming flags of ours that prefix-match its own.
+set -euo pipefail
+CONFIG=${1:?usage: launch/single_node.sh CONFIG [NPROC] [--section.key value ...]}
+shift
+NPROC=${1:-}
+if [[ -n "$NPROC" && "$NPROC" != --* ]]; then shift; else NPROC=""; fi
+if [[ -z "$NPROC" ]]; then
+  NPROC=$(python -c 'import torch; print(torch.cuda.device_count() or 2)')
+fi
+# one intra-op thread pool per process, sized so the processes do not fight over the cores
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
+exec torchrun --standalone --nproc_per_node "$NPROC" -m fastclip train -- --config "$CONFIG" "$@"

@@ -1,0 +1,68 @@
+"""Checkpoint files: atomic step folders, the latest pointer, keep-last-k, RNG states under weights_only."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from fastclip.distributed import DistInfo
+from fastclip.train import checkpoint as ckpt
+
+SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none", owns_group=False)
+
+
+def save(root, step, keep_last=2):
+    return ckpt.save_checkpoint(root, step, SINGLE, model_file={"step": step, "w": torch.full((3,), float(step))},
+                                rank_file={"rank": 0, "x": torch.arange(step)}, keep_last=keep_last)
+
+
+def test_save_latest_and_keep_last(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30):
+        path = save(root, step)
+        assert path == root / f"step_{step:08d}"
+        assert (root / "latest").read_text().strip() == path.name
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000020", "step_00000030"]
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no temporary leftovers
+    model = ckpt.load_file(root / "step_00000030" / "model.pt")
+    assert model["step"] == 30 and torch.equal(model["w"], torch.full((3,), 30.0))
+    assert torch.equal(ckpt.load_file(root / "step_00000030" / "rank_0.pt")["x"], torch.arange(30))
+
+
+def test_crash_leftovers_and_resave_of_same_step(tmp_path):
+    root = tmp_path / "checkpoints"
+    save(root, 5)
+    # a crash mid-save leaves a temporary folder: ignored by listing and resume, cleaned by the next save
+    (root / ".tmp_step_00000007").mkdir()
+    (root / ".tmp_step_00000007" / "rank_0.pt").write_bytes(b"partial")
+    assert ckpt.resolve_resume("latest", tmp_path) == root / "step_00000005"
+    save(root, 7)
+    assert ckpt.load_file(root / "step_00000007" / "rank_0.pt")["rank"] == 0
+    save(root, 7)  # the same step again replaces it
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000005", "step_00000007"]
+
+
+def test_resolve_resume(tmp_path):
+    assert ckpt.resolve_resume("latest", tmp_path) is None  # nothing yet: a fresh start
+    root = tmp_path / "checkpoints"
+    save(root, 3)
+    step_dir = root / "step_00000003"
+    assert ckpt.resolve_resume("latest", tmp_path) == step_dir
+    assert ckpt.resolve_resume(str(step_dir), tmp_path / "elsewhere") == step_dir
+    assert ckpt.resolve_resume(str(tmp_path), tmp_path / "elsewhere") == step_dir  # a run folder -> its latest
+    with pytest.raises(FileNotFoundError, match="no model.pt"):
+        ckpt.resolve_resume(str(tmp_path / "nope"), tmp_path)
+
+
+def test_rng_states_round_trip_through_weights_only(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.standard_normal()  # leaves a cached gaussian in numpy's state
+    state = ckpt.rng_state(torch.device("cpu"))
+    path = tmp_path / "rng.pt"
+    ckpt.save_file(state, path)
+    expected = (random.random(), np.random.standard_normal(3), torch.rand(4))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    ckpt.set_rng_state(torch.load(path, weights_only=True), torch.device("cpu"))
+    got = (random.random(), np.random.standard_normal(3), torch.rand(4))
+    assert got[0] == expected[0]
+    assert np.array_equal(got[1], expected[1]) and torch.equal(got[2], expected[2])

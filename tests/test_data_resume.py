@@ -1,0 +1,162 @@
+"""Resuming the stream: exact at the same layout, bounded repeats and no skips at another world size."""
+from __future__ import annotations
+
+import collections
+import io
+
+import pytest
+import torch
+
+from fastclip.data import build_train_stream
+from fastclip.data.testing import synthetic_image, write_synthetic, write_tar
+from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
+
+UNEVEN = [37, 5, 60, 23, 41, 18, 50]
+
+
+@pytest.fixture(scope="module")
+def model_fns():
+    from fastclip.models import build_model
+
+    built = build_model("tiny-vit")
+    return built.preprocess_train, built.tokenizer
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    write_synthetic(root / "clean", UNEVEN)
+    # the same plus bad samples, so resuming must also keep the skip counts exact (no double counting)
+    bad = root / "bad"
+    write_synthetic(bad, UNEVEN)
+    groups = []
+    for i in range(234, 254):
+        files = {"png": synthetic_image(i), "txt": f"extra {i}".encode(), "json": f'{{"index": {i}}}'.encode()}
+        if i % 5 == 0:
+            files["png"] = b"not a png"
+        if i % 7 == 0:
+            files["txt"] = b""
+        groups.append((f"{i:09d}", files))
+    write_tar(bad / "extra.tar", groups)
+    manifest = Manifest(254, [ShardInfo(f"train-{k:06d}.tar", n) for k, n in enumerate(UNEVEN)]
+                        + [ShardInfo("extra.tar", 20, 234, 253)])
+    write_manifest(bad, manifest)
+    return root
+
+
+def make(model_fns, path, rank=0, world_size=1, **kw):
+    cfg = {"train_data": str(path), "batch_size": 8, "workers": 0, "shuffle_buffer": 16} | kw
+    return build_train_stream(cfg, rank=rank, world_size=world_size, preprocess=model_fns[0], tokenizer=model_fns[1])
+
+
+def saved(state: dict) -> dict:
+    """Through torch.save/torch.load(weights_only=True), as the trainer's checkpoint does."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def assert_same(xs, ys):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        assert all(torch.equal(u, v) for u, v in zip(x, y))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop_after", [5, 13])  # mid-window, and in the epoch's last batches
+def test_resume_gives_the_uninterrupted_batches(model_fns, data, workers, stop_after):
+    kw = dict(rank=1, world_size=2, workers=workers)
+    full = make(model_fns, data / "bad", **kw)
+    reference = [list(full.epoch(0)), list(full.epoch(1))]
+    assert full.counters["undecodable_image"] > 0 and full.counters["missing_caption"] > 0
+
+    first = make(model_fns, data / "bad", **kw)
+    it = iter(first.epoch(0))
+    head = [next(it) for _ in range(stop_after)]
+    state = saved(first.state_dict())
+    del it
+    resumed = make(model_fns, data / "bad", **kw)
+    resumed.load_state_dict(state)
+    assert resumed.batches_remaining(0) == full.batches_per_epoch - stop_after
+    tail = list(resumed.epoch(0))
+    assert_same(head + tail, reference[0])
+    assert_same(list(resumed.epoch(1)), reference[1])
+    assert resumed.counters == full.counters  # skips counted once, wraps too
+    assert resumed.samples_seen == full.samples_seen
+
+
+def test_resume_at_epoch_end_starts_the_next_epoch(model_fns, data):
+    a = make(model_fns, data / "clean", workers=1)
+    list(a.epoch(0))
+    b = make(model_fns, data / "clean", workers=1)
+    b.load_state_dict(saved(a.state_dict()))
+    assert list(b.epoch(0)) == [] and b.batches_remaining(1) == b.batches_per_epoch
+    assert_same(list(b.epoch(1)), list(a.epoch(1)))
+
+
+def test_state_from_other_data_seed_or_rank_is_refused(model_fns, data):
+    a = make(model_fns, data / "clean", rank=0, world_size=2)
+    next(iter(a.epoch(0)))
+    state = a.state_dict()
+    with pytest.raises(ValueError, match="seed"):
+        make(model_fns, data / "clean", rank=0, world_size=2, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="fingerprint"):
+        make(model_fns, data / "bad", rank=0, world_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="rank 0 loaded into rank 1"):
+        make(model_fns, data / "clean", rank=1, world_size=2).load_state_dict(state)
+    fresh = make(model_fns, data / "clean")
+    fresh.load_state_dict(None)  # no saved position: start fresh
+    assert fresh.batches_remaining(0) == fresh.batches_per_epoch
+
+
+@pytest.mark.parametrize("old,new", [((2, 2), (3, 1)), ((3, 1), (1, 2))])
+def test_resume_at_another_world_size_skips_nothing_and_repeats_at_most_the_bound(model_fns, data, old, new):
+    """The documented rule: after b batches at the old layout, each old worker's fully consumed shuffle windows
+    are done; the rest of the epoch is served at the new layout. Nothing is skipped; repeats are at most
+    old_world * old_workers * (shuffle_buffer - 1) plus the wrap that fills the new last batches."""
+    (w_old, k_old), (w_new, k_new) = old, new
+    done_batches, buffer, batch = 9, 16, 8
+    served, states = [], []
+    for r in range(w_old):
+        s = make(model_fns, data / "clean", r, w_old, workers=k_old)
+        it = iter(s.epoch(0))
+        served += [i for _ in range(done_batches) for i in next(it)[2].tolist()]
+        states.append(saved(s.state_dict()))
+        del it
+    after, counts, wrapped = [], set(), 0
+    for r in range(w_new):
+        s = make(model_fns, data / "clean", r, w_new, workers=k_new)
+        s.load_state_dict(states[min(r, w_old - 1)])  # any old rank's state gives the same plan
+        remaining, wrapped_before = s.batches_remaining(0), s.counters["wrapped"]  # counters come with the state
+        batches = list(s.epoch(0))
+        assert len(batches) == remaining < s.batches_per_epoch
+        counts.add(len(batches))
+        after += [i for b in batches for i in b[2].tolist()]
+        wrapped += s.counters["wrapped"] - wrapped_before
+        # the next epoch is a normal one at the new layout
+        assert_same(list(s.epoch(1)), list(make(model_fns, data / "clean", r, w_new, workers=k_new).epoch(1)))
+    assert len(counts) == 1  # equal batch counts on the new ranks too
+    assert set(served) | set(after) == set(range(234))  # nothing skipped
+    twice = sum(n - 1 for n in collections.Counter(served + after).values())
+    old_wrap = len(served) - len(set(served))
+    bound = w_old * k_old * (buffer - 1) + (w_new * batch - 1) + old_wrap
+    assert twice <= bound
+    assert len(after) - len(set(after)) == wrapped  # inside the remainder, only counted wraps repeat
+
+
+def test_resume_with_fewer_samples_left_than_new_ranks(model_fns, data):
+    # 29 of 30 batches at one rank with shuffle windows of 8: only 2 samples are left for 3 new ranks
+    old = make(model_fns, data / "clean", shuffle_buffer=8)
+    it = iter(old.epoch(0))
+    served = [i for _ in range(29) for i in next(it)[2].tolist()]
+    state = old.state_dict()
+    del it
+    after = []
+    for r in range(3):
+        s = make(model_fns, data / "clean", r, 3, shuffle_buffer=8)
+        s.load_state_dict(state)
+        batches = list(s.epoch(0))
+        assert len(batches) == s.batches_remaining(0) + len(batches) == 1  # every rank still makes its batch
+        after += [i for b in batches for i in b[2].tolist()]
+    assert set(served) | set(after) == set(range(234)) and len(set(after)) == 2

@@ -1,0 +1,207 @@
+"""Writing shards: embedded datasets, image folder + captions, scan of existing shards; and the CLI around them."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fastclip.cli import main as fastclip_main
+from fastclip.data import iter_labelled_samples, load_zeroshot, read_manifest
+from fastclip.data.sources.embedded import DATASETS, DatasetCheckError, check_arrays
+from fastclip.data.sources.folder import CaptionFileError, build_folder
+from fastclip.data.tario import iter_shard, write_tar
+from fastclip.data.testing import synthetic_image
+
+TRAIN_PER_CLASS, VAL_PER_CLASS = 6, 2
+
+
+def read_all(folder):
+    """(manifest, [(shard name, key, files)]) of a shard folder, checking the manifest against the tars."""
+    manifest = read_manifest(folder)
+    samples = []
+    for shard in manifest.shards:
+        group = [(shard.path, s.key, s.files) for s in iter_shard(folder / shard.path)]
+        assert len(group) == shard.num_samples
+        idx = [json.loads(f["json"])["index"] for _, _, f in group]
+        assert (min(idx), max(idx)) == (shard.index_min, shard.index_max)
+        samples += group
+    return manifest, samples
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("emb") / "data"
+    rc = fastclip_main(["data", "embedded", "--out", str(out), "--max-per-class", str(TRAIN_PER_CLASS),
+                        "--max-val-per-class", str(VAL_PER_CLASS), "--shard-size", "50"])
+    assert rc == 0
+    return out
+
+
+def test_embedded_round_trip(embedded):
+    zeroshot = load_zeroshot(embedded)
+    names = list(zeroshot["datasets"])
+    assert names == ["fashion-mnist", "mnist"]  # the Debian files are installed on this machine kind
+    train_m, train = read_all(embedded / "train")
+    val_m, val = read_all(embedded / "val")
+    n_train, n_val = 2 * 10 * TRAIN_PER_CLASS, 2 * 10 * VAL_PER_CLASS
+    assert (train_m.num_samples, val_m.num_samples) == (n_train, n_val)
+    assert train_m.data_size == val_m.data_size == n_train + n_val  # one data_size covers both splits
+    assert [s.num_samples for s in train_m.shards] == [50, 50, 20]
+    per_class = {}
+    for split, samples, first in (("train", train, 0), ("val", val, n_train)):
+        indices = []
+        for _, key, files in samples:
+            meta = json.loads(files["json"])
+            assert key == meta["key"] == f"{meta['index']:09d}"
+            assert files["txt"].decode() == meta["caption"] and int(files["cls"]) == meta["label"]
+            entry = zeroshot["datasets"][meta["dataset"]]
+            assert meta["caption"] in [t.format(entry["classnames"][meta["label"]]) for t in entry["templates"]]
+            image = Image.open(io.BytesIO(files["png"]))
+            assert image.size == (28, 28) and image.mode == "L"
+            indices.append(meta["index"])
+            per_class.setdefault((split, meta["dataset"], meta["label"]), 0)
+            per_class[(split, meta["dataset"], meta["label"])] += 1
+        assert sorted(indices) == list(range(first, first + len(samples)))  # unique, contiguous
+    assert {v for (split, _, _), v in per_class.items() if split == "train"} == {TRAIN_PER_CLASS}
+    assert {v for (split, _, _), v in per_class.items() if split == "val"} == {VAL_PER_CLASS}
+    captions = {json.loads(f["json"])["caption"] for _, _, f in train}
+    assert any(c.startswith("a handwritten digit") for c in captions) and any("photo" in c for c in captions)
+    summary = json.loads((embedded / "embedded.json").read_text())
+    assert "default" in summary["note"]
+
+
+def test_embedded_is_seeded(embedded, tmp_path):
+    def digest(folder):
+        return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(folder.glob("*.tar")))).hexdigest()
+
+    again = tmp_path / "again"
+    assert fastclip_main(["data", "embedded", "--out", str(again), "--max-per-class", str(TRAIN_PER_CLASS),
+                          "--max-val-per-class", str(VAL_PER_CLASS), "--shard-size", "50"]) == 0
+    assert digest(again / "train") == digest(embedded / "train")
+    other = tmp_path / "other"
+    assert fastclip_main(["data", "embedded", "--out", str(other), "--max-per-class", str(TRAIN_PER_CLASS),
+                          "--max-val-per-class", str(VAL_PER_CLASS), "--shard-size", "50", "--seed", "1"]) == 0
+    assert digest(other / "train") != digest(embedded / "train")
+    # the held-out split stays disjoint from train: no image bytes in both
+    train_images = {f["png"] for _, _, f in read_all(embedded / "train")[1]}
+    assert not train_images & {f["png"] for _, _, f in read_all(embedded / "val")[1]}
+
+
+def test_embedded_pip_only_fallback(tmp_path, capsys):
+    out = tmp_path / "fallback"
+    assert fastclip_main(["data", "embedded", "--out", str(out), "--max-per-class", "3", "--shard-size", "100",
+                          "--fashion-mnist-root", str(tmp_path / "no-such-dir")]) == 0
+    printed = capsys.readouterr().out
+    assert "fallback" in printed and "mnist, animal-mnist" in printed
+    assert list(load_zeroshot(out)["datasets"]) == ["mnist", "animal-mnist"]
+    assert read_manifest(out / "val").num_samples == 2 * 10 * 1  # ceil(3 * 0.2 / 0.8) = 1 per class
+
+
+def test_array_checks_reject_bad_data():
+    spec = DATASETS["mnist"]
+    images, labels = np.ones((5000, 28, 28), np.uint8), np.repeat(np.arange(10), 500)
+    check_arrays(spec, [(images, labels)])
+    with pytest.raises(DatasetCheckError, match="class counts"):
+        check_arrays(spec, [(images, np.where(labels == 9, 8, labels))])
+    with pytest.raises(DatasetCheckError, match="uint8"):
+        check_arrays(spec, [(images.astype(np.float32), labels)])
+    with pytest.raises(DatasetCheckError, match="28, 28"):
+        check_arrays(spec, [(np.ones((5000, 28, 27), np.uint8), labels)])
+
+
+def test_labelled_reader_splits_over_ranks(embedded):
+    everything = list(iter_labelled_samples(embedded / "val"))
+    parts = [list(iter_labelled_samples(embedded / "val", r, 3)) for r in range(3)]
+    assert sorted(s.index for p in parts for s in p) == sorted(s.index for s in everything)
+    assert {len(p) for p in parts} <= {13, 14}  # 40 samples over 3 ranks
+    sample = everything[0]
+    assert sample.image.mode == "RGB" and sample.dataset in ("fashion-mnist", "mnist") and 0 <= sample.label < 10
+
+
+# ------------------------------------------------------------------ folder
+def make_folder(root):
+    (root / "img").mkdir(parents=True)
+    rows = []
+    for i in range(6):
+        fmt = ["png", "jpg", "bmp"][i % 3]
+        Image.open(io.BytesIO(synthetic_image(i))).save(root / "img" / f"{i}.{fmt}")
+        rows.append((f"img/{i}.{fmt}", f"picture {i}, with a comma"))
+    rows.append(("img/missing.png", "no such file"))
+    (root / "img" / "broken.png").write_bytes(b"\x89PNG broken")
+    rows.append(("img/broken.png", "undecodable"))
+    rows.append(("img/0.png", ""))
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl"])
+def test_folder_round_trip(tmp_path, kind):
+    rows = make_folder(tmp_path)
+    captions = tmp_path / f"caps.{kind}"
+    if kind == "jsonl":
+        captions.write_text("".join(json.dumps({"filepath": p, "title": c}) + "\n" for p, c in rows))
+        args = []
+    else:
+        sep = "," if kind == "csv" else "\t"
+        quote = (lambda s: f'"{s}"') if kind == "csv" else (lambda s: s)
+        captions.write_text("filepath" + sep + "title\n" + "".join(f"{p}{sep}{quote(c)}\n" for p, c in rows))
+        args = ["--csv-separator", "\\t"] if kind == "tsv" else []
+    out = tmp_path / "shards"
+    assert fastclip_main(["data", "folder", "--captions", str(captions), "--out", str(out), "--shard-size", "4",
+                          "--index-offset", "100"] + args) == 0
+    manifest, samples = read_all(out)
+    assert manifest.data_size == 100 + len(rows)
+    got = {json.loads(f["json"])["index"]: (f["txt"].decode(), [e for e in f if e in ("png", "jpg")])
+           for _, _, f in samples}
+    assert sorted(got) == [100 + i for i in range(6)]  # index = row number + offset; bad rows skipped
+    assert got[100] == ("picture 0, with a comma", ["png"]) and got[101][1] == ["jpg"]
+    assert got[102][1] == ["png"]  # bmp re-encoded
+
+
+def test_folder_reports_a_missing_column(tmp_path):
+    make_folder(tmp_path)
+    (tmp_path / "caps.csv").write_text("path,text\nimg/0.png,hello\n")
+    with pytest.raises(CaptionFileError, match="no column 'filepath'"):
+        build_folder(tmp_path / "caps.csv", tmp_path / "out")
+    assert build_folder(tmp_path / "caps.csv", tmp_path / "out", img_key="path", caption_key="text")["written"] == 1
+
+
+# ------------------------------------------------------------------ scan
+def img2dataset_shard(path, keys, indices=None):
+    """Like img2dataset: .jpg, .txt, .json with "key" (no "index")."""
+    groups = []
+    for n, key in enumerate(keys):
+        meta = {"key": key, "caption": f"caption {key}", "status": "success"}
+        groups.append((key, {"jpg": synthetic_image(n, fmt="jpg"), "txt": f"caption {key}".encode(),
+                             "json": json.dumps(meta).encode()}))
+    write_tar(path, groups)
+
+
+def test_scan_writes_a_manifest_and_reports_problems(tmp_path, capsys):
+    img2dataset_shard(tmp_path / "00000.tar", ["000000000", "000000001", "000000002"])
+    img2dataset_shard(tmp_path / "00001.tar", ["000010000", "000010001", "000000001"])  # 1 is a duplicate
+    assert fastclip_main(["data", "scan", str(tmp_path)]) == 0
+    report = capsys.readouterr().out
+    assert "shard 00001.tar key 000000001: duplicate_index (index 1 also at shard 00000.tar key 000000001)" in report
+    manifest = read_manifest(tmp_path)
+    assert manifest.data_size == 10002  # default: 1 + the largest index
+    assert [(s.path, s.num_samples, s.index_min, s.index_max) for s in manifest.shards] == [
+        ("00000.tar", 3, 0, 2), ("00001.tar", 3, 10000, 10001)]
+    assert fastclip_main(["data", "scan", f"{tmp_path}/{{00000..00001}}.tar", "--data-size", "10001"]) == 0
+    report = capsys.readouterr().out
+    assert "shard 00001.tar key 000010001: index_out_of_range" in report
+    reasons = sorted(p["reason"] for p in read_manifest(tmp_path).problems)
+    assert reasons == ["duplicate_index", "index_out_of_range"]
+    (tmp_path / "manifest.json").unlink()
+    assert fastclip_main(["data", "scan", str(tmp_path), "--strict"]) == 1
+    assert not (tmp_path / "manifest.json").exists()
+    assert fastclip_main(["data", "scan", str(tmp_path / "nothing-{0..3}.tar")]) == 2
+
+
+def test_info_resolves_a_spec(embedded, capsys):
+    assert fastclip_main(["data", "info", str(embedded / "train"), "--batch-size", "16", "--world-size", "2"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["num_samples"] == 120 and info["data_size"] == 160 and info["batches_per_epoch"] == 4

@@ -1,0 +1,154 @@
+"""Evaluation inside a 2-process gloo job: every rank takes part, all finish, all agree, and the numbers are
+those of a 1-process run (OpenCLIP #1121 hung with rank 0 evaluating alone behind a barrier)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import tarfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fastclip.compat import import_open_clip
+from fastclip.eval import EvalDataError, run_evals
+from fastclip.eval.testing import (colour_samples, fruit_probe, fruit_samples, image_with_rank, probe_preprocess,
+                                   write_labelled_shards, zeroshot_json)
+
+WORLD = 2
+DEADLINE_S = 150
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def evaluations(root, weights) -> dict:
+    """What the 1-process reference and every rank run, with identical arguments."""
+    from fastclip.models import build_model
+
+    tokenizer = import_open_clip().get_tokenizer("ViT-B-32")
+    out = {"probe": run_evals(fruit_probe(tokenizer), tokenizer=tokenizer, preprocess=probe_preprocess,
+                              val_dir=root / "val", device="cpu", batch_size=4, per_class=True)}
+    built = build_model("tiny-vit")
+    built.model.load_state_dict(torch.load(weights, weights_only=True))
+    model = built.model
+    if dist.is_initialized():
+        model = torch.nn.parallel.DistributedDataParallel(model)  # run_evals must look through the wrapper
+    model.train()
+    # batch size 1: each sample is computed alone, so its features are bitwise those of the 1-process run
+    out["tiny-vit"] = run_evals(model, tokenizer=built.tokenizer, preprocess=built.preprocess_val,
+                                val_dir=root / "val", device="cpu", batch_size=1)
+    out["train_mode_restored"] = model.training and built.model.training
+    return out
+
+
+def bad_data_evaluation(root, name, preprocess=probe_preprocess):
+    tokenizer = import_open_clip().get_tokenizer("ViT-B-32")
+    try:
+        return run_evals(fruit_probe(tokenizer), tokenizer=tokenizer, preprocess=preprocess, val_dir=root / name,
+                         zeroshot_file=root / "zeroshot.json", device="cpu")
+    except (EvalDataError, ValueError) as err:
+        return f"{type(err).__name__}: {err}"
+
+
+def refuse_17_pixel_images(image):
+    if image.size[0] == 17:
+        raise ValueError("preprocess refuses 17-pixel images")
+    return probe_preprocess(image)
+
+
+def worker(rank, root, weights, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        out = evaluations(root, weights)
+        # bad data that only rank 1 sees (position 1): the ranks must agree, and neither may hang
+        out["bad_label"] = bad_data_evaluation(root, "bad_label")
+        out["bad_image"] = bad_data_evaluation(root, "bad_image")
+        out["preprocess_error"] = bad_data_evaluation(root, "odd_size", refuse_17_pixel_images)
+        (root / f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def write_bad_image_shard(folder):
+    """Two samples; the second's PNG bytes are garbage."""
+    folder.mkdir()
+    with tarfile.open(folder / "bad-000000.tar", "w") as tar:
+        good = io.BytesIO()
+        image_with_rank(0, 1, 8).save(good, format="PNG")
+        for key, png in (("000000000", good.getvalue()), ("000000001", b"not a png")):
+            for ext, payload in (("png", png), ("txt", b"a photo of a apple."),
+                                 ("json", json.dumps({"index": int(key), "label": 0, "dataset": "fruits"}).encode())):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from fastclip.models import build_model
+
+    root = tmp_path_factory.mktemp("dist")
+    # 29 samples, an odd count: the ranks get 15 and 14 (unequal slices, as in real held-out sets)
+    write_labelled_shards(root / "val", fruit_samples()[:23] + colour_samples(), shard_size=8)
+    (root / "zeroshot.json").write_text(json.dumps(zeroshot_json()))
+    apple = (image_with_rank(0, 1, 8), "a photo of a apple.", "fruits", 0)
+    write_labelled_shards(root / "bad_label", [apple, apple[:3] + (99,)])
+    write_bad_image_shard(root / "bad_image")
+    write_labelled_shards(root / "odd_size", [apple, (image_with_rank(0, 1, 8).resize((17, 17)),) + apple[1:]])
+    torch.manual_seed(0)
+    weights = root / "tiny-vit.pt"
+    torch.save(build_model("tiny-vit").model.state_dict(), weights)
+    return root, weights
+
+
+def test_two_process_eval_matches_one_process(data, monkeypatch):
+    root, weights = data
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same kernels as the 1-thread workers
+    try:
+        reference = evaluations(root, weights)  # no process group at all
+    finally:
+        torch.set_num_threads(threads)
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two processes on two cores: one thread each
+    context = mp.spawn(worker, args=(root, weights, free_port()), nprocs=WORLD, join=False)
+    deadline = time.time() + DEADLINE_S
+    while not context.join(timeout=5):
+        if time.time() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"distributed evaluation did not finish in {DEADLINE_S} s (a rank hung)")
+    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+    # every rank returns the same dict, equal to the 1-process one
+    for name in ("probe", "tiny-vit"):
+        assert ranks[0][name] == ranks[1][name] == reference[name], name
+    assert ranks[0]["train_mode_restored"] is True and ranks[1]["train_mode_restored"] is True
+    # the known answer survives the split: the first 23 of the 24 fruit samples (the last, a plum
+    # at rank 1, is left out): top-1 14 of 23, top-5 19 of 23
+    probe = ranks[0]["probe"]
+    assert (probe["zeroshot/fruits/top1"], probe["zeroshot/fruits/top5"]) == (14 / 23, 19 / 23)
+    assert probe["zeroshot/fruits/num_samples"] == 23.0
+    assert probe["zeroshot/colours/top1"] == 0.5
+    assert ranks[0]["tiny-vit"]["retrieval/num_samples"] == 29.0
+    assert set(reference["tiny-vit"]) >= {"zeroshot/fruits/top1", "retrieval/image_to_text_R@10"}
+    # a label out of range: counted, all-reduced, raised on both ranks with the same message
+    assert ranks[0]["bad_label"] == ranks[1]["bad_label"]
+    assert "label outside [0, 8)" in ranks[0]["bad_label"]
+    # an undecodable image on rank 1 only: skipped and counted, the same results on both ranks
+    assert ranks[0]["bad_image"] == ranks[1]["bad_image"]
+    assert ranks[0]["bad_image"]["skipped_samples"] == 1.0
+    assert ranks[0]["bad_image"]["zeroshot/fruits/num_samples"] == 1.0
+    # an exception on rank 1 only: rank 1 raises its own, rank 0 is told and raises too
+    assert ranks[1]["preprocess_error"] == "ValueError: preprocess refuses 17-pixel images"
+    assert ranks[0]["preprocess_error"].startswith("EvalDataError: evaluation failed on 1 other rank")

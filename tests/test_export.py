@@ -1,0 +1,132 @@
+"""`fastclip export`: open_clip loads the file (weights_only) and computes the same embeddings as our model;
+`fastclip eval` gives the same numbers from the training checkpoint and from the export."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from fastclip.compat import import_open_clip
+from fastclip.eval import export as export_cli
+from fastclip.eval.checkpoint import load_model
+from fastclip.eval.cli import main as eval_main
+from fastclip.eval.export import export_model
+from fastclip.eval.testing import fruit_samples, write_labelled_shards, zeroshot_json
+
+# a name open_clip does not know: only the exported <arch>.json can tell it how to build the model
+ARCH = "export-test-vit"
+LOSS_LOGIT_SCALE = 3.25
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A training run as the trainer leaves it (INTERFACES.md checkpoint layout), random tiny-vit weights."""
+    from fastclip.models import build_model
+
+    torch.manual_seed(0)
+    built = build_model("tiny-vit")
+    run = tmp_path_factory.mktemp("run")
+    step_dir = run / "checkpoints" / "step_00000007"
+    step_dir.mkdir(parents=True)
+    torch.save({
+        "state_dict": built.model.state_dict(), "arch": ARCH, "model_config": built.config,
+        "loss": {"logit_scale": torch.tensor(LOSS_LOGIT_SCALE)}, "optimizer": {}, "scaler": {}, "step": 7,
+        "epoch": 0, "config": {"model": {"arch": ARCH}},
+    }, step_dir / "model.pt")
+    (run / "checkpoints" / "latest").write_text("step_00000007\n")
+    return run
+
+
+@pytest.fixture(scope="module")
+def images():
+    from PIL import Image
+
+    torch.manual_seed(1)
+    pixels = (torch.rand(4, 40, 40, 3) * 255).to(torch.uint8).numpy()
+    return [Image.fromarray(p) for p in pixels]
+
+
+def embeddings(model, preprocess, tokenizer, images):
+    with torch.no_grad():
+        image = model.encode_image(torch.stack([preprocess(i) for i in images]))
+        text = model.encode_text(tokenizer(["a photo of a cat.", "a sneaker", "a handwritten digit seven"]))
+    return image, text
+
+
+def test_export_loads_in_open_clip_with_the_same_embeddings(run_dir, tmp_path, images):
+    written = export_model(run_dir, tmp_path / "out" / "model.pt")
+    assert written["config_file"] == tmp_path / "out" / f"{ARCH}.json"
+    payload = torch.load(written["file"], weights_only=True)
+    assert set(payload) == {"state_dict"}
+    assert all(isinstance(v, torch.Tensor) for v in payload["state_dict"].values())
+
+    open_clip = import_open_clip()
+    open_clip.add_model_config(str(written["config_file"]))
+    theirs, _, preprocess = open_clip.create_model_and_transforms(ARCH, pretrained=str(written["file"]))
+    theirs.eval()
+    ours = load_model(run_dir).built
+    assert float(theirs.logit_scale.detach()) == LOSS_LOGIT_SCALE  # the loss's temperature, not the tower's frozen one
+    assert float(ours.model.logit_scale.detach()) == LOSS_LOGIT_SCALE
+    ours_image, ours_text = embeddings(ours.model, ours.preprocess_val, ours.tokenizer, images)
+    their_image, their_text = embeddings(theirs, preprocess, open_clip.get_tokenizer(ARCH), images)
+    assert torch.equal(ours_image, their_image)
+    assert torch.equal(ours_text, their_text)
+
+
+def test_bf16_export(run_dir, tmp_path, images):
+    written = export_model(run_dir / "checkpoints" / "step_00000007", tmp_path / "bf16.pt", precision="bf16")
+    state = torch.load(written["file"], weights_only=True)["state_dict"]
+    assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.bfloat16}
+    open_clip = import_open_clip()
+    open_clip.add_model_config(str(written["config_file"]))
+    theirs, _, preprocess = open_clip.create_model_and_transforms(ARCH, pretrained=str(written["file"]))
+    theirs.eval()
+    ours = load_model(run_dir).built
+    ours_image, _ = embeddings(ours.model, ours.preprocess_val, ours.tokenizer, images)
+    their_image, _ = embeddings(theirs, preprocess, open_clip.get_tokenizer(ARCH), images)
+    cosine = torch.nn.functional.cosine_similarity(ours_image, their_image)
+    assert cosine.min() > 0.99  # bf16 weights: ~3 significant digits
+    assert math.isclose(float(theirs.logit_scale.detach()), LOSS_LOGIT_SCALE, rel_tol=1e-2)
+
+
+def test_export_cli_prints_the_loading_code(run_dir, tmp_path, capsys):
+    assert export_cli.main([str(run_dir), "--out", str(tmp_path / "m.pt")]) == 0
+    out = capsys.readouterr().out
+    assert f"open_clip.add_model_config('{tmp_path / (ARCH + '.json')}')" in out
+    assert f"create_model_and_transforms('{ARCH}', pretrained='{tmp_path / 'm.pt'}')" in out
+    assert "logit_scale = 3.2500" in out
+    # an exported file is not a training checkpoint: say what is missing
+    assert export_cli.main([str(tmp_path / "m.pt"), "--out", str(tmp_path / "again.pt")]) == 1
+    assert "no 'arch'" in capsys.readouterr().err
+
+
+def test_eval_cli_same_numbers_from_checkpoint_and_export(run_dir, tmp_path, capsys):
+    data = tmp_path / "embedded"
+    write_labelled_shards(data / "val", fruit_samples(), shard_size=10)
+    (data / "zeroshot.json").write_text(json.dumps(zeroshot_json()))
+    exported = export_model(run_dir, tmp_path / "export" / "model.pt")["file"]
+    results = tmp_path / "results.jsonl"
+
+    assert eval_main([str(run_dir), "--data", str(data), "--results", str(results)]) == 0
+    table = capsys.readouterr().out
+    assert "fruits" in table and "image->text" in table and "apple" in table  # per-class rows for <= 20 classes
+    # the export's architecture is found from the <arch>.json written beside it
+    assert eval_main([str(exported), "--data", str(data), "--results", str(results)]) == 0
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    expected = [("zeroshot_classification", "fruits"), ("retrieval", None)] * 2
+    assert [(r["task"], r.get("dataset")) for r in rows] == expected
+    assert rows[0]["step"] == 7 and rows[0]["num_samples"] == 24 and rows[1]["num_samples"] == 24
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("time", "checkpoint", "step")}  # noqa: E731
+    assert [strip(r) for r in rows[:2]] == [strip(r) for r in rows[2:]]
+    assert set(rows[0]["per_class"]) == {"apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum"}
+
+
+def test_eval_cli_errors_name_the_file(tmp_path, run_dir, capsys):
+    assert eval_main([str(tmp_path / "nope"), "--data", str(tmp_path)]) == 1
+    assert "checkpoint not found" in capsys.readouterr().err
+    (tmp_path / "names.json").write_text(json.dumps({"classnames": ["a"], "templates": ["no slot"]}))
+    write_labelled_shards(tmp_path / "val", fruit_samples()[:2])
+    assert eval_main([str(run_dir), "--data", str(tmp_path / "val"), "--classnames", str(tmp_path / "names.json")]) == 1
+    assert "names.json: template 0" in capsys.readouterr().err

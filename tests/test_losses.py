@@ -1,0 +1,356 @@
+"""Single-process tests of fastclip.losses (float64): gradients against the stated objectives written out
+directly here, options, schedules, input validation, state save/load and resharding."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastclip.losses import (LossInputError, NonFiniteFeaturesError, build_loss, reshard_for_rank, reshard_states)
+from fastclip.losses.schedules import GammaSchedule
+from fastclip.losses.sharded_state import ShardedSampleState, last_occurrence, shard_size
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def features(n, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    e1 = F.normalize(torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1)
+    e2 = F.normalize(e1 + 0.7 * torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1)  # paired
+    return e1.requires_grad_(), e2.requires_grad_()
+
+
+# --- the stated objectives, written directly on the full N x N similarity matrix ------------------------------
+
+def direct_g(e1, e2, scale_img, scale_txt):
+    """g1_i, g2_i of every anchor of the batch; scales are scalars or per-anchor [N] tensors."""
+    n = e1.shape[0]
+    sim = e1 @ e2.T                                  # sim[i, k] = e1_i . e2_k
+    pos = torch.diagonal(sim)
+    off_diagonal = ~torch.eye(n, dtype=torch.bool)
+    d_img = (sim - pos[:, None]) * torch.as_tensor(scale_img).reshape(-1, 1)
+    d_txt = (sim.T - pos[:, None]) * torch.as_tensor(scale_txt).reshape(-1, 1)
+    g1 = (torch.exp(d_img) * off_diagonal).sum(1) / (n - 1)
+    g2 = (torch.exp(d_txt) * off_diagonal).sum(1) / (n - 1)
+    return g1, g2
+
+
+def gcl_objective(e1, e2, logit_scale, eps=1e-14):
+    s = logit_scale.exp()
+    g1, g2 = direct_g(e1, e2, s, s)
+    return (torch.log(eps + g1) + torch.log(eps + g2)).sum() / (2 * e1.shape[0])
+
+
+def grads(value, *tensors):
+    return torch.autograd.grad(value, tensors)
+
+
+def run_loss(loss_fn, e1, e2, idx, epoch=0):
+    e1 = e1.detach().clone().requires_grad_()
+    e2 = e2.detach().clone().requires_grad_()
+    loss = loss_fn(e1, e2, idx, epoch=epoch)
+    params = [p for p in loss_fn.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    loss.backward()
+    return loss.detach(), e1.grad, e2.grad, (params[0].grad if params else None)
+
+
+N, D = 6, 5
+IDX = torch.tensor([3, 0, 9, 4, 7, 1])
+
+
+@pytest.mark.parametrize("name", ["fastclip-v0", "fastclip-v1"])
+def test_gcl_gradient_equals_direct_objective(name):
+    e1, e2 = features(N, D, seed=1)
+    loss_fn = build_loss(name, data_size=10, temperature=0.1).double()
+    _, g_e1, g_e2, g_theta = run_loss(loss_fn, e1, e2, IDX)
+    theta = loss_fn.logit_scale.detach().clone().requires_grad_()  # log(1/0.1), as stored
+    want = grads(gcl_objective(e1, e2, theta), e1, e2, theta)
+    torch.testing.assert_close(g_e1, want[0], **TOL)
+    torch.testing.assert_close(g_e2, want[1], **TOL)
+    if name == "fastclip-v0":
+        torch.testing.assert_close(g_theta, want[2], **TOL)
+        ref = build_loss(name, data_size=10, temperature=0.1, compat="reference").double()
+        _, r_e1, _, r_theta = run_loss(ref, e1, e2, IDX)
+        torch.testing.assert_close(r_e1, want[0], **TOL)
+        torch.testing.assert_close(r_theta, 2 * want[2], **TOL)   # the reference's doubled τ-gradient
+    else:
+        assert g_theta is None and not loss_fn.logit_scale.requires_grad
+
+
+def test_v3_gradient_equals_rgcl_g_objective_and_reference_doubles_the_g_term():
+    e1, e2 = features(N, D, seed=2)
+    rho = 6.5
+    loss_fn = build_loss("fastclip-v3", data_size=10, temperature=0.1, rho=rho).double()
+    theta = loss_fn.logit_scale.detach().clone().requires_grad_()
+    tau = torch.exp(-theta)
+    objective = tau * gcl_objective(e1, e2, theta) + rho * tau          # τ(1/2N)Σ(log(ε+g1)+log(ε+g2)) + ρτ
+    want = grads(objective, e1, e2, theta)
+    loss, g_e1, g_e2, g_theta = run_loss(loss_fn, e1, e2, IDX)
+    torch.testing.assert_close(g_e1, want[0], **TOL)
+    torch.testing.assert_close(g_e2, want[1], **TOL)
+    torch.testing.assert_close(g_theta, want[2], **TOL)
+    torch.testing.assert_close(loss_fn.metrics["objective"], objective.detach(), **TOL)
+
+    # compat="reference": the g-term of the τ-gradient counted twice, encoders unchanged.
+    g_term = grads(tau.detach() * gcl_objective(e1, e2, theta), theta)[0]
+    ref = build_loss("fastclip-v3", data_size=10, temperature=0.1, rho=rho, compat="reference").double()
+    _, r_e1, r_e2, r_theta = run_loss(ref, e1, e2, IDX)
+    torch.testing.assert_close(r_e1, want[0], **TOL)
+    torch.testing.assert_close(r_e2, want[1], **TOL)
+    torch.testing.assert_close(r_theta, want[2] + g_term, **TOL)
+    assert abs(float(g_term)) > 1e-3  # the two modes really differ here
+
+
+def v2_with_taus(tau_img, tau_txt, **options):
+    loss_fn = build_loss("fastclip-v2", data_size=10, state_dtype=torch.float64, **options).double()
+    state = loss_fn.state_dict()
+    fields = state["_extra_state"]["fields"]
+    fields["tau_img"][IDX] = tau_img      # world size 1: slot == index
+    fields["tau_txt"][IDX] = tau_txt
+    loss_fn.load_state_dict(state)
+    return loss_fn
+
+
+@pytest.mark.parametrize("compat", ["faithful", "reference"])
+def test_v2_gradient_state_and_tau_update(compat):
+    e1, e2 = features(N, D, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    tau_img = (0.2 + 0.6 * torch.rand(N, generator=gen, dtype=torch.float64))
+    tau_txt = (0.2 + 0.6 * torch.rand(N, generator=gen, dtype=torch.float64))
+    rho, lr_tau, tau_eps = 0.5, 0.05, 1.0  # a large tau_eps makes the Adam step depend on the gradient's value
+    loss_fn = v2_with_taus(tau_img, tau_txt, rho=rho, lr_tau=lr_tau, tau_eps=tau_eps, compat=compat)
+    _, g_e1, g_e2, _ = run_loss(loss_fn, e1, e2, IDX)
+
+    g1, g2 = direct_g(e1, e2, 1 / tau_img, 1 / tau_txt)
+    weight_img, weight_txt = (tau_img, tau_txt) if compat == "faithful" else (1.0, 1.0)
+    objective = (weight_img * torch.log(1e-14 + g1) + weight_txt * torch.log(1e-14 + g2)).sum() / (2 * N)
+    want = grads(objective, e1, e2)
+    torch.testing.assert_close(g_e1, want[0], **TOL)
+    torch.testing.assert_close(g_e2, want[1], **TOL)
+
+    # τ-gradient: ∂/∂τ_i [τ_i (log g_i(τ_i) + ρ)], then one epoch-0 Adam step (betas 0: m = grad, v = grad²).
+    saved = loss_fn.state_dict()["_extra_state"]["fields"]
+    e1d, e2d = e1.detach(), e2.detach()
+    for name, tau0, column in (("img", tau_img, 0), ("txt", tau_txt, 1)):
+        tau = tau0.clone().requires_grad_()
+        g = direct_g(e1d, e2d, 1 / tau, 1 / tau)[column]
+        grad = grads((tau * (torch.log(g) + rho)).sum(), tau)[0]
+        assert grad.abs().max() < 5.0  # not clamped, so the value itself is tested
+        expected = (tau0 - lr_tau * grad / (grad.abs() + tau_eps)).clamp(0.01, 1.0)
+        torch.testing.assert_close(saved[f"tau_{name}"][IDX], expected, **TOL)
+        # u and the bound b in their shifted scale: b = max(0, max_{k≠i} d_ik), u = g·exp(-b)
+        sim = e1d @ e2d.T if name == "img" else e2d @ e1d.T
+        diff = (sim - torch.diagonal(sim)[:, None]) / tau0[:, None]
+        bound = diff.masked_fill(torch.eye(N, dtype=torch.bool), -math.inf).amax(1).clamp(min=0.0)
+        torch.testing.assert_close(saved[f"b_{name}"][IDX], bound, **TOL)
+        torch.testing.assert_close(saved[f"u_{name}"][IDX], g.detach() * torch.exp(-bound), **TOL)
+
+
+def test_openclip_equals_clip_cross_entropy():
+    e1, e2 = features(N, D, seed=5)
+    loss_fn = build_loss("openclip").double()
+    theta = loss_fn.logit_scale.detach().clone().requires_grad_()
+    s = theta.exp()
+    labels = torch.arange(N)
+    clip = 0.5 * (F.cross_entropy(s * e1 @ e2.T, labels) + F.cross_entropy(s * e2 @ e1.T, labels))
+    want = grads(clip, e1, e2, theta)
+    loss, g_e1, g_e2, g_theta = run_loss(loss_fn, e1, e2, None)
+    torch.testing.assert_close(loss, clip.detach(), **TOL)
+    for got, expected in zip((g_e1, g_e2, g_theta), want):
+        torch.testing.assert_close(got, expected, **TOL)
+    torch.testing.assert_close(loss_fn.metrics["objective"], clip.detach(), **TOL)
+    assert loss_fn.comm_bytes["total"] == 0
+
+
+def test_u_moving_average_and_repeated_index_keeps_last_occurrence():
+    e1, e2 = features(N, D, seed=6)
+    loss_fn = build_loss("fastclip-v1", data_size=10, temperature=0.2, gamma_min=0.3, gamma_decay_epochs=2).double()
+    idx = torch.tensor([3, 0, 3, 4, 7, 1])  # 3 twice: the later row (2) wins
+    loss_fn(e1, e2, idx, epoch=0)
+    s = loss_fn.logit_scale.detach().exp()
+    g1, _ = direct_g(e1.detach(), e2.detach(), s, s)
+    u = loss_fn.state_dict()["_extra_state"]["fields"]["u_img"]
+    torch.testing.assert_close(u[[0, 3, 4, 7, 1]], g1[[1, 2, 3, 4, 5]], **TOL)
+    e1b, e2b = features(N, D, seed=7)
+    loss_fn(e1b, e2b, idx, epoch=1)
+    gamma = GammaSchedule("cosine", 0.3, 2)(1)
+    g1b, _ = direct_g(e1b.detach(), e2b.detach(), s, s)
+    u2 = loss_fn.state_dict()["_extra_state"]["fields"]["u_img"]
+    torch.testing.assert_close(u2[3], (1 - gamma) * u[3] + gamma * g1b[2], **TOL)
+    assert loss_fn.metrics["gamma"].item() == pytest.approx(0.65)
+
+
+def test_gamma_schedule():
+    cosine = GammaSchedule("cosine", gamma_min=0.2, decay_epochs=4)
+    assert cosine(0) == 1.0 and cosine(4) == cosine(9) == pytest.approx(0.2)
+    assert cosine(2) == pytest.approx(0.2 + 0.5 * 0.8 * (1 + math.cos(math.pi / 2)))
+    assert GammaSchedule("constant", gamma_min=0.3)(1) == 0.3
+    with pytest.raises(ValueError, match="gamma_schedule"):
+        GammaSchedule("linear")
+
+
+def test_build_loss_options():
+    with pytest.raises(TypeError, match="'rho'"):
+        build_loss("fastclip-v0", data_size=10, rho=1.0)
+    with pytest.raises(TypeError, match="'lr_tau'"):
+        build_loss("openclip", lr_tau=0.1)
+    with pytest.raises(TypeError, match="data_size"):
+        build_loss("fastclip-v3")
+    with pytest.raises(ValueError, match="compat"):
+        build_loss("fastclip-v3", data_size=10, compat="exact")
+    with pytest.raises(ValueError, match="unknown loss"):
+        build_loss("fastclip-v9", data_size=10)
+    loss_fn = build_loss("fastclip-v3", data_size=10, rho=None, temperature=0.05)  # None = default
+    assert loss_fn.rho == 8.0 and loss_fn.temperature().item() == pytest.approx(0.05)
+    assert loss_fn.tau_param_names() == ["logit_scale"]
+    assert build_loss("fastclip-v2", data_size=10).temperature() is None
+    with torch.no_grad():
+        loss_fn.logit_scale.fill_(10.0)
+    loss_fn.clamp_()
+    assert loss_fn.logit_scale.item() == pytest.approx(math.log(100))
+
+
+def test_bad_input_single_process():
+    e1, e2 = features(N, D, seed=8)
+    loss_fn = build_loss("fastclip-v3", data_size=10).double()
+    cases = [
+        ((e1, e2, torch.tensor([0, 1, 2, 3, 4, 10])), LossInputError, r"indices\[5\] = 10 is out of range"),
+        ((e1, e2, torch.tensor([0, 1, -2, 3, 4, 5])), LossInputError, r"indices\[2\] = -2"),
+        ((e1, e2, IDX.double()), LossInputError, "integer"),
+        ((e1, e2, IDX[:5]), LossInputError, "length B=6"),
+        ((e1, e2, None), LossInputError, "indices"),
+        ((e1[:, :, None], e2, IDX), LossInputError, "image_features must be a 2-D"),
+        ((e1, e2[:, :4], IDX), LossInputError, "shapes differ"),
+        ((e1, e2.float(), IDX), LossInputError, "dtypes differ"),
+        ((e1, e2.long(), IDX), LossInputError, "text_features must be floating point"),
+        ((e1[:1], e2[:1], IDX[:1]), LossInputError, "at least 2"),
+    ]
+    for args, error, pattern in cases:
+        with pytest.raises(error, match=pattern):
+            loss_fn(*args)
+    bad = e1.detach().clone()
+    bad[4, 1] = float("nan")
+    with pytest.raises(NonFiniteFeaturesError, match="image_features has non-finite values.*row 4"):
+        loss_fn(bad, e2, IDX)
+
+
+def test_state_dict_round_trip_and_wrong_world_size():
+    e1, e2 = features(N, D, seed=9)
+    loss_fn = build_loss("fastclip-v2", data_size=10).double()
+    loss_fn(e1, e2, IDX)
+    saved = loss_fn.state_dict()
+    assert saved["_extra_state"]["format"] == "fastclip-sample-state/1"
+    assert saved["_extra_state"]["seen"].sum() == N
+    fresh = build_loss("fastclip-v2", data_size=10).double()
+    fresh.load_state_dict(saved)
+    for name, value in fresh.state_dict()["_extra_state"]["fields"].items():
+        torch.testing.assert_close(value, saved["_extra_state"]["fields"][name], rtol=0, atol=0)
+    as_if_two_ranks = reshard_states([saved], 2)[0]
+    with pytest.raises(ValueError, match="reshard first"):
+        build_loss("fastclip-v2", data_size=10).load_state_dict(as_if_two_ranks)
+
+
+def test_last_occurrence():
+    idx = torch.tensor([5, 2, 5, 9, 2, 5, 1])
+    assert last_occurrence(idx).tolist() == [False, False, False, True, True, True, True]
+
+
+def random_shards(data_size, world_size, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shards = []
+    for rank in range(world_size):
+        state = ShardedSampleState(data_size=data_size, world_size=world_size, rank=rank,
+                                   fields={"u_img": 0.0, "u_txt": 0.0}).state_dict()
+        n = shard_size(data_size, world_size, rank)
+        state["fields"] = {k: torch.rand(n, generator=gen) for k in state["fields"]}
+        state["seen"] = torch.rand(n, generator=gen) > 0.5
+        shards.append(state)
+    return shards
+
+
+def assemble(shards):
+    """Global view for the test only (data_size is small here)."""
+    k = shards[0]["world_size"]
+    full = {name: torch.empty(shards[0]["data_size"]) for name in shards[0]["fields"]}
+    seen = torch.empty(shards[0]["data_size"], dtype=torch.bool)
+    for s in shards:
+        for name, value in s["fields"].items():
+            full[name][s["rank"]::k] = value
+        seen[s["rank"]::k] = s["seen"]
+    return full, seen
+
+
+def test_reshard_keeps_every_entry():
+    shards = random_shards(101, 4)
+    original = assemble(shards)
+    for k in (1, 3, 4, 7):
+        resharded = reshard_states(shards, k)
+        assert [s["fields"]["u_img"].numel() for s in resharded] == [shard_size(101, k, r) for r in range(k)]
+        got = assemble(resharded)
+        for name in original[0]:
+            assert torch.equal(got[0][name], original[0][name])
+        assert torch.equal(got[1], original[1])
+    # streaming form on loss state_dicts (the per-rank checkpoint entry), reading shards lazily
+    wrapped = ({"logit_scale": torch.tensor(2.0), "_extra_state": s} for s in shards)
+    one = reshard_for_rank(wrapped, 2, 1)
+    assert one["logit_scale"].item() == 2.0 and one["_extra_state"]["rank"] == 1
+    with pytest.raises(ValueError, match=r"ranks \[2\]"):
+        reshard_for_rank([shards[0], shards[1], shards[3]], 2, 0)
+
+
+def test_reshard_cli(tmp_path):
+    from fastclip.losses.sharded_state import main
+
+    shards = random_shards(50, 2)
+    for r, s in enumerate(shards):
+        torch.save({"loss_state": {"_extra_state": s}, "data_position": r}, tmp_path / f"rank_{r}.pt")
+    assert main(["--in", str(tmp_path), "--world-size", "3"]) == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["rank_0.pt", "rank_1.pt", "rank_2.pt"]
+    loaded = [torch.load(tmp_path / f, weights_only=True)["loss_state"]["_extra_state"] for f in files]
+    got, want = assemble(loaded), assemble(shards)
+    assert torch.equal(got[0]["u_txt"], want[0]["u_txt"]) and torch.equal(got[1], want[1])
+    assert main(["--in", str(tmp_path), "--world-size", "1"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_0.pt"]
+    (tmp_path / "model.pt").write_bytes(b"")  # a training checkpoint: not rewritten in place
+    with pytest.raises(SystemExit):
+        main(["--in", str(tmp_path), "--world-size", "2"])
+    assert main(["--in", str(tmp_path), "--world-size", "2", "--out", str(tmp_path / "copy")]) == 0
+    assert torch.load(tmp_path / "copy" / "rank_1.pt", weights_only=True)["world_size"] == 2
+
+
+@pytest.mark.parametrize("name", ["openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3"])
+def test_low_precision_features_follow_float64(name):
+    """float32 and bfloat16 features: same code path, gradients in the features' dtype, close to float64."""
+    e1, e2 = features(N, D, seed=10)
+    results = {}
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        loss_fn = build_loss(name, data_size=10, temperature=0.1)
+        if dtype == torch.float64:
+            loss_fn = loss_fn.double()
+        x1 = e1.detach().to(dtype).requires_grad_()
+        x2 = e2.detach().to(dtype).requires_grad_()
+        for epoch in range(2):
+            x1.grad = x2.grad = None
+            loss = loss_fn(x1, x2, IDX.int(), epoch=epoch)   # int32 indices are accepted too
+            loss.backward()
+        assert x1.grad.dtype == dtype and torch.isfinite(x1.grad).all() and torch.isfinite(x2.grad).all()
+        results[dtype] = (loss.detach().double(), x1.grad.double(), loss_fn.metrics["objective"].double())
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
+        for got, want in zip(results[dtype], results[torch.float64]):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_validate_false_and_no_process_group():
+    e1, e2 = features(N, D, seed=11)
+    checked = build_loss("fastclip-v3", data_size=10).double()
+    unchecked = build_loss("fastclip-v3", data_size=10, validate=False).double()
+    a, b = checked(e1, e2, IDX), unchecked(e1, e2, IDX)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert checked.comm_bytes == {"header": 0, "features": 0, "indices": 0, "state": 0, "total": 0}
+    with pytest.raises(RuntimeError, match="not initialised"):
+        build_loss("fastclip-v3", data_size=10, group=object())(e1, e2, IDX)

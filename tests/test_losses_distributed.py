@@ -1,0 +1,325 @@
+"""fastclip.losses under real torch.distributed (gloo) processes, float64.
+
+Two spawns in all (each runs many configurations in a loop): 2 ranks and 3 ranks. Contract checked: with
+every rank back-propagating its own loss and gradients averaged over ranks (as DDP does), feature and
+temperature gradients, loss values, objectives and the reassembled per-sample state equal those of ONE
+process on the rank-major concatenated batch, to 1e-10, over 3 steps with γ < 1 and repeated indices.
+"""
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dist_utils import run_distributed
+from fastclip.losses import LossInputError, NonFiniteFeaturesError, build_loss, reshard_states
+from fastclip.losses.byte_counter import CollectiveByteCounter
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+D = 5
+DATA_SIZE = 16
+# Global batches of 8 (2 ranks x 4); 7 sits on both ranks in step 0, 3 twice in step 1, 7 twice on rank 1 in step 2.
+STEPS_2 = [([3, 7, 12, 5, 9, 7, 0, 14], 0), ([7, 3, 15, 2, 12, 11, 5, 3], 1), ([0, 1, 3, 7, 7, 8, 9, 10], 2)]
+# Global batches of 9 (3 ranks x 3) for the 3-rank run.
+STEPS_3 = [([1, 4, 9, 4, 13, 2, 15, 0, 6], 0), ([4, 6, 2, 11, 1, 3, 9, 9, 14], 1), ([2, 5, 4, 0, 6, 7, 8, 12, 1], 2)]
+CONFIGS_2 = [(name, compat) for name in ("fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
+             for compat in ("faithful", "reference")] + [("openclip", None)]
+CONFIGS_3 = [("fastclip-v3", "faithful"), ("fastclip-v2", "reference"), ("fastclip-v0", "reference"),
+             ("openclip", None)]
+
+
+def make_loss(name, compat, **extra):
+    options = dict(gamma_min=0.3, gamma_decay_epochs=2, compat=compat)
+    if name == "fastclip-v2":
+        options.update(temperature=0.3, lr_tau=0.05, rho=1.0)
+    elif name != "openclip":
+        options.update(temperature=0.1)
+    else:
+        options = {}
+    return build_loss(name, data_size=DATA_SIZE, **options, **extra).double()
+
+
+def step_batch(step: int, n: int):
+    gen = torch.Generator().manual_seed(100 + step)
+    e1 = F.normalize(torch.randn(n, D, generator=gen, dtype=torch.float64), dim=1)
+    e2 = F.normalize(e1 + 0.8 * torch.randn(n, D, generator=gen, dtype=torch.float64), dim=1)
+    return e1, e2
+
+
+def run_steps(loss_fn, steps, rows: slice):
+    """Per step: this process's rows of the global batch; returns losses, gradients, metrics, bytes, state."""
+    records = []
+    for step, (indices, epoch) in enumerate(steps):
+        e1, e2 = step_batch(step, len(indices))
+        e1 = e1[rows].clone().requires_grad_()
+        e2 = e2[rows].clone().requires_grad_()
+        for p in loss_fn.parameters():
+            p.grad = None
+        loss = loss_fn(e1, e2, torch.tensor(indices)[rows], epoch=epoch)
+        loss.backward()
+        scale = getattr(loss_fn, "logit_scale", None)
+        records.append({"loss": loss.detach(), "e1": e1.grad, "e2": e2.grad,
+                        "theta": None if scale is None or scale.grad is None else scale.grad.clone(),
+                        "metrics": dict(loss_fn.metrics), "bytes": dict(loss_fn.comm_bytes)})
+    state = loss_fn.state_dict().get("_extra_state")
+    return {"steps": records, "state": state}
+
+
+def run_configs(configs, steps, rank, world_size):
+    b = len(steps[0][0]) // world_size
+    rows = slice(rank * b, (rank + 1) * b)
+    return {(name, compat): run_steps(make_loss(name, compat), steps, rows) for name, compat in configs}
+
+
+# --- the 2-rank suite ------------------------------------------------------------------------------------------
+
+def clip_loss_comparison(rank, world_size):
+    from fastclip.compat import import_open_clip
+
+    open_clip = import_open_clip()
+    e1_all, e2_all = step_batch(7, 4 * world_size)
+    rows = slice(4 * rank, 4 * rank + 4)
+    out = {}
+    ours = build_loss("openclip").double()
+    theta0 = ours.logit_scale.detach().clone()
+    for who in ("theirs", "ours"):
+        e1 = e1_all[rows].clone().requires_grad_()
+        e2 = e2_all[rows].clone().requires_grad_()
+        if who == "theirs":
+            theta = theta0.clone().requires_grad_()
+            clip = open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world_size)
+            with CollectiveByteCounter() as counter:
+                value = clip(e1, e2, theta.exp())
+                value.backward()
+            out["clip_bytes"] = counter.total
+        else:
+            theta = ours.logit_scale
+            value = ours(e1, e2, None)
+            value.backward()
+        out[who] = (value.detach(), e1.grad, e2.grad, theta.grad.clone())
+    ours.average_grads_()  # what DDP would do with logit_scale if the loss is not inside DDP
+    out["averaged_theta_grad"] = ours.logit_scale.grad.clone()
+    v3 = build_loss("fastclip-v3", data_size=DATA_SIZE).double()
+    e1 = e1_all[rows].clone().requires_grad_()
+    v3(e1, e2_all[rows].clone().requires_grad_(), torch.arange(4) + 4 * rank).backward()
+    out["v3_bytes"] = dict(v3.comm_bytes)
+    return out
+
+
+BAD_CASES = {
+    # name: (rank that misbehaves, how) -- every rank must raise the same error
+    "index_out_of_range": 1, "negative_index": 0, "float_indices": 1, "features_3d": 0,
+    "batch_size_differs": 1, "feature_size_differs": 0, "nan_features": 1,
+}
+
+
+def bad_inputs(rank, world_size):
+    loss_fn = build_loss("fastclip-v3", data_size=DATA_SIZE).double()
+    results = {}
+    for case, culprit in BAD_CASES.items():
+        e1, e2 = step_batch(0, 4)
+        idx = torch.arange(4) + 4 * rank
+        if rank == culprit:
+            if case == "index_out_of_range":
+                idx[2] = DATA_SIZE
+            elif case == "negative_index":
+                idx[1] = -3
+            elif case == "float_indices":
+                idx = idx.double()
+            elif case == "features_3d":
+                e1 = e1[:, :, None]
+            elif case == "batch_size_differs":
+                e1, e2, idx = *step_batch(0, 5), torch.arange(5) + 4
+            elif case == "feature_size_differs":
+                e1, e2 = e1[:, :4], e2[:, :4]
+            elif case == "nan_features":
+                e1[3, 0] = float("nan")
+        try:
+            loss_fn(e1, e2, idx)
+            results[case] = ("no error", "")
+        except LossInputError as error:
+            results[case] = (type(error).__name__, str(error))
+    e1, e2 = step_batch(0, 4)  # the group is still usable afterwards
+    results["after"] = float(loss_fn(e1, e2, torch.arange(4) + 4 * rank))
+    return results
+
+
+BIG = 10**6
+
+
+def big_data_size(rank, world_size):
+    out = {}
+    for name in ("fastclip-v3", "fastclip-v2"):
+        loss_fn = build_loss(name, data_size=BIG)
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(2):
+            e1 = F.normalize(torch.randn(16, 8, generator=gen), dim=1).requires_grad_()
+            e2 = F.normalize(torch.randn(16, 8, generator=gen), dim=1).requires_grad_()
+            idx = torch.randint(0, BIG, (16,), generator=gen)
+            idx[0], idx[1] = BIG - 1 - rank, rank  # both ends of the range
+            loss_fn(e1, e2, idx, epoch=step).backward()
+        state = loss_fn.state_dict()["_extra_state"]
+        out[name] = {"slots": {k: v.numel() for k, v in state["fields"].items()} | {"seen": state["seen"].numel()},
+                     "seen_total": int(state["seen"].sum())}
+        if name == "fastclip-v3":
+            out["v3_state"] = state
+    # the longest tensor on this rank (a per-sample table is [slots, fields]: its length is its slot count)
+    out["longest_tensor"] = max(o.shape[0] for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dim())
+    return out
+
+
+def two_rank_suite(rank, world_size):
+    torch.manual_seed(0)
+    return {"configs": run_configs(CONFIGS_2, STEPS_2, rank, world_size),
+            "clip": clip_loss_comparison(rank, world_size),
+            "bad": bad_inputs(rank, world_size),
+            "big": big_data_size(rank, world_size)}
+
+
+def three_rank_suite(rank, world_size):
+    out = {"configs": run_configs(CONFIGS_3, STEPS_3, rank, world_size)}
+    # group= option: ranks 0 and 2 form their own group; rank 1 sits it out.
+    group = dist.new_group([0, 2])
+    if rank != 1:
+        member = [0, 2].index(rank)
+        out["subgroup"] = run_steps(make_loss("fastclip-v3", "faithful", group=group), STEPS_2,
+                                    slice(4 * member, 4 * member + 4))
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(two_rank_suite, 2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return run_distributed(three_rank_suite, 3, timeout=240)
+
+
+# --- comparisons against one process on the concatenated batch -------------------------------------------------
+
+def assert_matches_single_process(per_rank, single, world_size, label):
+    """DDP-averaged gradients, mean loss, objective and reassembled state equal to the single process."""
+    b = single["steps"][0]["e1"].shape[0] // world_size
+    for step, want in enumerate(single["steps"]):
+        got = [r["steps"][step] for r in per_rank]
+        where = f"{label} step {step}"
+        for r, rec in enumerate(got):
+            rows = slice(r * b, (r + 1) * b)
+            torch.testing.assert_close(rec["e1"] / world_size, want["e1"][rows], **TOL, msg=f"{where} rank {r} image grad")
+            torch.testing.assert_close(rec["e2"] / world_size, want["e2"][rows], **TOL, msg=f"{where} rank {r} text grad")
+            torch.testing.assert_close(rec["metrics"]["objective"], want["metrics"]["objective"], **TOL,
+                                       msg=f"{where} objective")
+        torch.testing.assert_close(sum(rec["loss"] for rec in got) / world_size, want["loss"], **TOL,
+                                   msg=f"{where} mean loss")
+        if want["theta"] is not None:
+            torch.testing.assert_close(sum(rec["theta"] for rec in got) / world_size, want["theta"], **TOL,
+                                       msg=f"{where} temperature grad")
+        else:
+            assert all(rec["theta"] is None for rec in got)
+    if single["state"] is not None:
+        merged = reshard_states([r["state"] for r in per_rank], 1)[0]
+        assert torch.equal(merged["seen"], single["state"]["seen"]), label
+        for field, value in single["state"]["fields"].items():
+            torch.testing.assert_close(merged["fields"][field], value, **TOL, msg=f"{label} state {field}")
+
+
+@pytest.mark.parametrize("name,compat", CONFIGS_2)
+def test_two_ranks_equal_one_process(two_ranks, name, compat):
+    per_rank = [r["configs"][(name, compat)] for r in two_ranks]
+    single = run_steps(make_loss(name, compat), STEPS_2, slice(None))
+    assert_matches_single_process(per_rank, single, 2, f"{name}/{compat}")
+    if single["state"] is not None:
+        assert single["state"]["seen"].sum() == len(set(sum((s[0] for s in STEPS_2), [])))
+    if name == "fastclip-v2":  # τ really moved, so its state comparison is not trivial
+        assert not torch.allclose(single["state"]["fields"]["tau_img"][0], torch.tensor(0.3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name,compat", CONFIGS_3)
+def test_three_ranks_equal_one_process(three_ranks, name, compat):
+    per_rank = [r["configs"][(name, compat)] for r in three_ranks]
+    single = run_steps(make_loss(name, compat), STEPS_3, slice(None))
+    assert_matches_single_process(per_rank, single, 3, f"{name}/{compat} K=3")
+
+
+def test_group_option_uses_the_subgroup(three_ranks):
+    per_rank = [three_ranks[0]["subgroup"], three_ranks[2]["subgroup"]]
+    single = run_steps(make_loss("fastclip-v3", "faithful"), STEPS_2, slice(None))
+    assert_matches_single_process(per_rank, single, 2, "v3 on group [0, 2]")
+    assert "subgroup" not in three_ranks[1]
+
+
+def test_openclip_equals_open_clip_cliploss(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        theirs, ours = result["clip"]["theirs"], result["clip"]["ours"]
+        for what, got, want in zip(("value", "image grad", "text grad", "logit_scale grad"), ours, theirs):
+            torch.testing.assert_close(got, want, **TOL, msg=f"rank {rank} {what}")
+
+
+def test_average_grads_is_the_rank_mean(two_ranks):
+    mean = sum(r["clip"]["ours"][3] for r in two_ranks) / 2
+    for result in two_ranks:
+        torch.testing.assert_close(result["clip"]["averaged_theta_grad"], mean, **TOL)
+
+
+def test_comm_bytes_v3_half_of_cliploss(two_ranks):
+    k, b, item = 2, 4, 8
+    for result in two_ranks:
+        v3 = result["clip"]["v3_bytes"]
+        assert v3["features"] == (k - 1) * 2 * b * D * item          # one all_gather of [image | text]
+        assert v3["indices"] == (k - 1) * b * 8
+        assert v3["state"] == 2 * (k - 1) * (k * b) * 5 * item // k  # all_reduce of [N, 5]
+        assert v3["header"] == (k - 1) * 16 * 8
+        assert v3["total"] == sum(v3[key] for key in ("features", "indices", "state", "header"))
+        # ClipLoss, measured by wrapping torch.distributed: 2 all_gathers forward + their backward
+        assert result["clip"]["clip_bytes"] == 4 * (k - 1) * b * D * item
+        assert 2 * v3["features"] == result["clip"]["clip_bytes"]
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_input_raises_the_same_error_on_every_rank(two_ranks, case):
+    (kind0, msg0), (kind1, msg1) = (r["bad"][case] for r in two_ranks)
+    assert kind0 == kind1 and msg0 == msg1, (case, msg0, msg1)
+    expected = {
+        "index_out_of_range": (LossInputError, f"rank 1: indices[2] = {DATA_SIZE} is out of range"),
+        "negative_index": (LossInputError, "rank 0: indices[1] = -3 is out of range"),
+        "float_indices": (LossInputError, "rank 1: indices must be an integer tensor (int64), got dtype float64"),
+        "features_3d": (LossInputError, "rank 0: image_features must be a 2-D [B, d] tensor"),
+        "batch_size_differs": (LossInputError, "local batch size B differs across ranks (rank 0: 4, rank 1: 5)"),
+        "feature_size_differs": (LossInputError, "feature size d differs across ranks (rank 0: 4, rank 1: 5)"),
+        "nan_features": (NonFiniteFeaturesError, "rank 1: image_features has non-finite values (NaN/Inf), first in row 3"),
+    }[case]
+    assert kind0 == expected[0].__name__
+    assert expected[1] in msg0, msg0
+    assert all(math.isfinite(r["bad"]["after"]) for r in two_ranks)
+
+
+def test_data_size_million_is_sharded_and_reshards_losslessly(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        big = result["big"]
+        for name in ("fastclip-v3", "fastclip-v2"):
+            assert set(big[name]["slots"].values()) == {BIG // 2}, (name, big[name]["slots"])
+            assert big[name]["seen_total"] >= 2
+        assert big["longest_tensor"] <= BIG // 2 + 1, "a tensor longer than this rank's shard exists on a rank"
+    shards = [r["big"]["v3_state"] for r in two_ranks]
+    seen_before = sum(int(s["seen"].sum()) for s in shards)
+
+    def same(a_shards, b_shards):
+        for a, b in zip(a_shards, b_shards):
+            assert a["rank"] == b["rank"] and torch.equal(a["seen"], b["seen"])
+            for field in a["fields"]:
+                assert torch.equal(a["fields"][field], b["fields"][field]), field
+
+    one = reshard_states(shards, 1)
+    three = reshard_states(one, 3)
+    assert [s["seen"].numel() for s in three] == [333334, 333333, 333333]
+    assert sum(int(s["seen"].sum()) for s in three) == seen_before
+    same(reshard_states(three, 2), shards)          # 2 -> 1 -> 3 -> 2
+    same(reshard_states(shards, 3), three)          # 2 -> 3 directly agrees
+    same(reshard_states(three, 1), one)             # 3 -> 1

@@ -1,0 +1,294 @@
+"""The trainer end to end on tiny embedded shards: every mode at 2 processes, exact resume, resume at another
+world size, one process, torchrun and SLURM launches, and errors found before training.
+
+Process launches are few (each start imports torch + open_clip): one 2-process spawn runs all modes and the
+resume runs in a loop; torchrun and the SLURM-style launch are one 2-process run each; the rest runs here.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import free_port, run_distributed
+from fastclip.losses import reshard_states
+from fastclip.optim import get_lr
+from fastclip.train.cli import main
+from fastclip.train.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+EMBEDDED = REPO / "configs" / "embedded.yaml"
+MODES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
+BATCH = 8  # per process: 2 x 8 = 16 per step, 80 training samples -> 5 steps per epoch
+STEPS = 7  # crosses into epoch 1, where gamma < 1
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory) -> Path:
+    from fastclip.data.cli import main as data_main
+
+    out = tmp_path_factory.mktemp("embedded")
+    assert data_main(["embedded", "--out", str(out), "--max-per-class", "4", "--max-val-per-class", "1",
+                      "--shard-size", "30", "--seed", "0"]) == 0
+    return out
+
+
+def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v3", **extra) -> list[str]:
+    """The embedded recipe, shrunk: tiny data, a few steps, frequent logs and checkpoints."""
+    opts = {"data.train": data / "train", "data.val": data / "val", "data.zeroshot": data / "zeroshot.json",
+            "data.batch_size": BATCH, "data.workers": 0, "train.run_dir": run_dir, "train.epochs": 3, "train.log_every": 1,
+            "train.progress": False, "train.tensorboard": False, "optim.warmup_steps": 2, "loss.name": mode,
+            "loss.gamma_decay_epochs": 2, "checkpoint.every_steps": 2, "checkpoint.every_minutes": 0,
+            "checkpoint.keep_last": 10, "eval.every_steps": 0, "eval.at_end": False}
+    if mode != "fastclip-v3":  # the recipe's v3 knobs: keep those the mode takes
+        opts["loss.rho"] = "null" if mode not in ("fastclip-v2",) else 7.0
+        if mode == "openclip":
+            opts.update({"loss.gamma_min": "null", "loss.gamma_decay_epochs": "null", "loss.gamma_schedule": "null"})
+        if mode == "fastclip-v2":
+            opts.update({"loss.temperature": 0.03, "optim.lr_tau": 0.0133, "optim.lr_tau_schedule": "const"})
+    opts.update(extra)
+    return [x for k, v in opts.items() for x in (f"--{k}", str(v))]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same(a, b, where: str = ""):
+    """Bitwise equality of nested checkpoint contents."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+# ----------------------------------------------------------------------------- 2 processes: modes + resume
+def _train_runs(rank, world_size, runs):
+    from fastclip.train.trainer import train
+
+    return [train(load_config(EMBEDDED, args))["step"] for args in runs]
+
+
+@pytest.fixture(scope="session")
+def two_process_runs(data, tmp_path_factory):
+    """Per mode: an uninterrupted run of STEPS steps, and the same run stopped then resumed from step 4."""
+    root = tmp_path_factory.mktemp("runs2")
+    runs = []
+    for mode in MODES:
+        runs.append(overrides(data, root / mode / "full", mode, **{"train.max_steps": STEPS}))
+        # stopped after step 5 with the last checkpoint at step 4 (as a crash would leave it)
+        runs.append(overrides(data, root / mode / "split", mode, **{"train.max_steps": 5, "checkpoint.at_end": False}))
+        runs.append(overrides(data, root / mode / "split", mode, **{"train.max_steps": STEPS, "train.resume": "latest"}))
+    steps = run_distributed(_train_runs, 2, runs, timeout=400)
+    assert steps == [[STEPS, 5, STEPS] * len(MODES)] * 2
+    return root
+
+
+def _rank_state(step_dir: Path, rank: int) -> dict:
+    return load(step_dir / f"rank_{rank}.pt")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_process_run_of_every_mode(two_process_runs, mode):
+    run = two_process_runs / mode / "full"
+    recs = records(run)
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    assert [r["samples_seen"] for r in recs] == [16 * s for s in range(1, STEPS + 1)]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["objective"]) for r in recs)
+    assert recs[0]["samples_per_s"] > 0 and recs[0]["samples_per_s_per_rank"] == pytest.approx(recs[0]["samples_per_s"] / 2)
+    total = 3 * 5  # epochs x steps per epoch: the lr schedule's horizon
+    for r in recs:
+        assert r["lr"] == pytest.approx(get_lr(r["step"] - 1, base_lr=1e-3, warmup_steps=2, total_steps=total))
+    assert [r["epoch"] for r in recs] == [0] * 5 + [1] * (STEPS - 5)
+    if mode != "openclip":  # gamma: 1 in epoch 0, the cosine at epoch 1 of 2 (gamma_min 0.2) -> 0.6
+        assert [r["gamma"] for r in recs] == pytest.approx([1.0] * 5 + [0.6] * (STEPS - 5))
+
+    final = run / "checkpoints" / f"step_{STEPS:08d}"
+    assert (run / "checkpoints" / "latest").read_text().strip() == final.name
+    model = load(final / "model.pt")
+    assert (model["step"], model["world_size"], model["arch"], model["config"]["loss"]["name"]) == (STEPS, 2, "tiny-vit", mode)
+    assert not model["state_dict"]["logit_scale"].requires_grad
+    ranks = [_rank_state(final, r) for r in range(2)]
+    tau = [r["loss_state"].get("logit_scale") for r in ranks]
+    if mode == "fastclip-v2":
+        state = [r["loss_state"]["_extra_state"] for r in ranks]
+        assert [s["rank"] for s in state] == [0, 1] and [s["world_size"] for s in state] == [2, 2]
+        # every one of the 80 samples was served in epoch 0; each rank holds only its owner shard
+        assert sum(int(s["seen"].sum()) for s in state) == 80
+        size = state[0]["data_size"]  # train + val indices; shard r holds ceil((size - r) / 2) slots
+        assert [s["seen"].numel() for s in state] == [-(-(size - r) // 2) for r in range(2)]
+        taus = torch.cat([s["fields"]["tau_img"][s["seen"]] for s in state])
+        assert (taus != 0.03).all() and (taus >= 0.01).all()
+        assert "tau_q50" in recs[-1] and 0.01 <= recs[-1]["tau_q50"] <= 1.0
+    else:
+        # the temperature parameter is averaged by DDP like the towers: identical on both ranks
+        assert torch.equal(tau[0], tau[1])
+        assert torch.equal(model["loss"]["logit_scale"], tau[0])
+        # the towers' frozen logit_scale carries the learned value (open_clip reads it)
+        torch.testing.assert_close(model["state_dict"]["logit_scale"], tau[0])
+        learned = mode != "fastclip-v1"
+        assert (float(tau[0]) != pytest.approx(math.log(1 / 0.07), abs=1e-7)) == learned
+        if mode != "openclip":
+            state = [r["loss_state"]["_extra_state"] for r in ranks]
+            assert sum(int(s["seen"].sum()) for s in state) == 80
+    # towers' weights are trained (not the init) and the optimizer has one state per trainable tensor
+    n_groups = {g["name"]: len(g["params"]) for g in model["optimizer"]["param_groups"]}
+    assert ("temperature" in n_groups) == (mode in ("openclip", "fastclip-v0", "fastclip-v3"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_continues_exactly(two_process_runs, mode):
+    """Resumed from step 4 (after running on to step 5 uncheckpointed): parameters, optimizer, scaler,
+    per-sample state, data position and RNG at the end equal the uninterrupted run's, bitwise (CPU, fp32)."""
+    full = two_process_runs / mode / "full" / "checkpoints" / f"step_{STEPS:08d}"
+    split = two_process_runs / mode / "split" / "checkpoints" / f"step_{STEPS:08d}"
+    a, b = load(full / "model.pt"), load(split / "model.pt")
+    for key in ("state_dict", "loss", "optimizer", "scaler", "step", "epoch", "samples_seen"):
+        assert_same(a[key], b[key], key)
+    for r in range(2):
+        ra, rb = _rank_state(full, r), _rank_state(split, r)
+        for key in ("loss_state", "data", "rng"):
+            assert_same(ra[key], rb[key], f"rank {r} {key}")
+    # the resumed run continues the metrics file (dropping the uncheckpointed step 5), with the same values
+    ra, rb = records(full.parents[1]), records(split.parents[1])
+    assert [r["step"] for r in rb] == list(range(1, STEPS + 1))
+    for x, y in zip(ra, rb):
+        assert (x["loss"], x["objective"], x.get("tau"), x["lr"]) == (y["loss"], y["objective"], y.get("tau"), y["lr"])
+
+
+def test_resume_at_another_world_size(two_process_runs, data, tmp_path):
+    """2 -> 1: the per-sample state is resharded (every entry kept), weights and optimizer carry over, the data
+    position follows the data layer's rule, and training continues."""
+    old = two_process_runs / "fastclip-v2" / "split" / "checkpoints" / "step_00000004"
+    data_dir = data
+    # resume with no further step: the new run's checkpoint holds exactly what was loaded
+    args = overrides(data_dir, tmp_path / "one", "fastclip-v2", **{"train.max_steps": 4, "train.resume": old})
+    assert main(["--config", str(EMBEDDED), *args]) == 0
+    new = tmp_path / "one" / "checkpoints" / "step_00000004"
+    m_old, m_new = load(old / "model.pt"), load(new / "model.pt")
+    assert m_new["world_size"] == 1
+    for key in ("state_dict", "loss", "optimizer", "step", "samples_seen"):
+        assert_same(m_old[key], m_new[key], key)
+    expected = reshard_states([_rank_state(old, r)["loss_state"] for r in range(2)], 1)[0]
+    got = _rank_state(new, 0)["loss_state"]
+    assert_same(expected, got, "loss_state")
+    assert got["_extra_state"]["world_size"] == 1 and int(got["_extra_state"]["seen"].sum()) == 64
+    # the interrupted epoch 0 (80 samples) is finished at the new layout: 64 served at 2 x 8, the rest here
+    data_state = _rank_state(new, 0)["data"]
+    assert data_state["layout"]["world_size"] == 1 and data_state["epoch"] == 0
+    # and it trains on: 3 more steps at batch 8 on one process
+    args = overrides(data_dir, tmp_path / "one", "fastclip-v2", **{"train.max_steps": 7, "train.resume": "latest"})
+    assert main(["--config", str(EMBEDDED), *args]) == 0
+    recs = records(tmp_path / "one")
+    assert [r["step"] for r in recs] == [5, 6, 7] and all(math.isfinite(r["loss"]) for r in recs)
+    assert [r["samples_seen"] for r in recs] == [64 + 8, 64 + 16, 64 + 24]
+
+
+# ----------------------------------------------------------------------------- one process
+def test_single_process_run_with_eval_and_grad_checkpointing(data, tmp_path):
+    run = tmp_path / "single"
+    # checkpoints by wall clock only (every 1e-6 minutes: every logging step), keeping the last 2
+    args = overrides(data, run, "fastclip-v3", **{"train.max_steps": 3, "data.batch_size": 16, "eval.at_end": True,
+                                                    "model.grad_checkpointing": True, "optim.grad_clip": 1.0,
+                                                    "optim.optimizer": "lamb", "train.tensorboard": True,
+                                                    "checkpoint.every_steps": 0, "checkpoint.every_minutes": 1e-6,
+                                                    "checkpoint.keep_last": 2})
+    assert main(["--config", str(EMBEDDED), *args]) == 0
+    recs = records(run)
+    train_recs = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in train_recs] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in train_recs)
+    evals = [r for r in recs if any(k.startswith("eval/") for k in r)]
+    assert len(evals) == 1 and evals[0]["step"] == 3
+    top1 = {k: v for k, v in evals[0].items() if k.endswith("/top1")}
+    assert top1 and all(0.0 <= v <= 1.0 for v in top1.values())
+    assert (run / "config.yaml").is_file() and load_config(run / "config.yaml").loss.name == "fastclip-v3"
+    assert any((run / "tensorboard").iterdir())
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    model = load(run / "checkpoints" / "step_00000003" / "model.pt")
+    assert model["world_size"] == 1 and model["optimizer"]["param_groups"][0]["name"] == "decay"
+    assert model["schedules"]["lr"] == pytest.approx(get_lr(2, base_lr=1e-3, warmup_steps=2, total_steps=3 * 5))
+
+
+def test_fp16_grad_scaler(data, tmp_path):
+    """fp16 autocast with a GradScaler (and gradient clipping after unscaling); the scaler state is saved."""
+    run = tmp_path / "fp16"
+    args = overrides(data, run, "fastclip-v3", **{"train.max_steps": 2, "train.precision": "fp16",
+                                                    "optim.grad_clip": 0.5})
+    assert main(["--config", str(EMBEDDED), *args]) == 0
+    assert all(math.isfinite(r["loss"]) for r in records(run))
+    scaler = load(run / "checkpoints" / "step_00000002" / "model.pt")["scaler"]
+    assert scaler["scale"] == 65536.0 and scaler["_growth_tracker"] == 2  # two finite steps at the initial scale
+
+
+def test_errors_before_training(data, tmp_path, capsys):
+    base = overrides(data, tmp_path / "err", "fastclip-v3")
+    assert main(["--config", str(EMBEDDED), *base, "--data.batch_size", "81"]) == 2  # 80 training samples
+    err = capsys.readouterr().err
+    assert "data.batch_size" in err and "80" in err
+    assert main(["--config", str(EMBEDDED), *base, "--data.train", str(tmp_path / "none")]) == 2
+    assert "data.train" in capsys.readouterr().err
+    assert main(["--config", str(EMBEDDED), *base, "--loss.name", "fastclip-v1"]) == 2  # rho: not a v1 option
+    assert "rho" in capsys.readouterr().err
+    assert main(["--config", str(EMBEDDED), *base, "--train.resume", str(tmp_path / "no-such-checkpoint")]) == 2
+    assert "train.resume" in capsys.readouterr().err
+    assert not (tmp_path / "err" / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- launchers
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def test_torchrun_two_processes(data, tmp_path):
+    run = tmp_path / "torchrun"
+    args = overrides(data, run, "fastclip-v3", **{"train.max_steps": 3, "eval.at_end": True, "data.workers": 1})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "fastclip", "train", "--", "--config", str(EMBEDDED), *args]
+    out = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "2 process(es) on cpu (torchrun)" in out.stdout
+    recs = records(run)
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3]
+    assert any(k.startswith("eval/zeroshot/") for k in recs[-1])
+    step_dir = run / "checkpoints" / "step_00000003"
+    assert sorted(p.name for p in step_dir.iterdir()) == ["model.pt", "rank_0.pt", "rank_1.pt"]
+
+
+def test_slurm_environment_launch(data, tmp_path):
+    """Two plain processes that only know SLURM's variables (as under srun) form the group and train."""
+    run = tmp_path / "slurm"
+    args = overrides(data, run, "fastclip-v2", **{"train.max_steps": 2, "train.precision": "bf16"})
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "fastclip", "train", "--config", str(EMBEDDED), *args],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r),
+                                       SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port)))
+             for r in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert "2 process(es) on cpu (slurm)" in outs[0]
+    recs = records(run)
+    assert [r["step"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    state = [load(run / "checkpoints" / "step_00000002" / f"rank_{r}.pt")["loss_state"]["_extra_state"] for r in range(2)]
+    assert [s["rank"] for s in state] == [0, 1]

@@ -21,6 +21,11 @@ Training (fastclip/data/stream.py has the rules on order, ranks, workers and res
     stream.recent_skips           deque of {"shard", "key", "reason", "detail", "samples", "epoch", "rank"}
     stream.samples_seen           samples this rank has served
 
+Modules, in the order a sample travels: format.py (shard format), tario.py (tar read/write), writer.py and
+sources/ (embedded, folder, scan), manifest.py, catalog.py (patterns, `::`, manifests, checks), plan.py (epoch
+order, ranks, workers, windows, resume arithmetic), samples.py (checks, skip reasons), worker.py (one
+worker's epoch), stream.py (the trainer's object), labelled.py (eval reader), testing.py (synthetic shards).
+
 Evaluation:
     iter_labelled_samples(dir_or_pattern, rank=0, world_size=1, counters=None)
         -> LabelledSample(image: PIL RGB, caption, index, dataset, label), this rank's share of the manifest order

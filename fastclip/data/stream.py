@@ -203,6 +203,8 @@ class TrainStream:
                 self._absorb(meta, epoch)
                 self._batches_seen = expected + 1
                 self.samples_seen += self.layout.batch_size
+                if self.cfg.pin_memory and self.cfg.workers == 0 and torch.cuda.is_available():
+                    images, texts, indices = images.pin_memory(), texts.pin_memory(), indices.pin_memory()
                 yield images, texts, indices
         finally:
             del batches  # shuts worker processes down when the trainer stops early

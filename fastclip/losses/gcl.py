@@ -69,9 +69,12 @@ class GlobalTemperatureGCL(SampleStateLoss):
         in_columns = learnable and self.reference
         cols_txt = column_terms(sim_it, pos_all, s, cells, sim_is_scaled=True, total=in_columns)  # text anchors
         cols_img = column_terms(sim_ti, pos_all, s, cells, sim_is_scaled=True, total=in_columns)  # image anchors
-        kept = dict(positive=pos, positive_all=pos_all) if learnable else {}  # for the τ-gradient
-        blocks = (Block(rows_img, cols_txt, w[local, 0], w[:, 1], batch.all_text, sim_it if learnable else None, **kept),
-                  Block(rows_txt, cols_img, w[local, 1], w[:, 0], batch.all_image, sim_ti if learnable else None, **kept))
+        # the τ-gradient needs the (scaled) similarities and the positives in backward
+        kept = dict(positive=pos, positive_all=pos_all) if learnable else {}
+        blocks = (Block(rows_img, cols_txt, w[local, 0], w[:, 1], batch.all_text,
+                        sim=sim_it if learnable else None, **kept),
+                  Block(rows_txt, cols_img, w[local, 1], w[:, 0], batch.all_image,
+                        sim=sim_ti if learnable else None, **kept))
         del sim_it, sim_ti
         surrogate = weighted_surrogate(batch.image, batch.text, scale if learnable else None, blocks,
                                        0.5 / (batch.local_size * n_neg), scale_in_columns=in_columns)

@@ -54,8 +54,10 @@ class OpenCLIPLoss(ContrastiveLoss):
         cols_txt = column_terms(sim_it, pos_all, s, cells, sim_is_scaled=True, shift=shift_all[:, 1])
         cols_img = column_terms(sim_ti, pos_all, s, cells, sim_is_scaled=True, shift=shift_all[:, 0])
         kept = dict(positive=pos) if learnable else {}  # for the logit_scale gradient
-        blocks = (Block(rows[0], cols_txt, w_local[:, 0], w[:, 1], batch.all_text, sim_it if learnable else None, **kept),
-                  Block(rows[1], cols_img, w_local[:, 1], w[:, 0], batch.all_image, sim_ti if learnable else None, **kept))
+        blocks = (Block(rows[0], cols_txt, w_local[:, 0], w[:, 1], batch.all_text,
+                        sim=sim_it if learnable else None, **kept),
+                  Block(rows[1], cols_img, w_local[:, 1], w[:, 0], batch.all_image,
+                        sim=sim_ti if learnable else None, **kept))
         del sim_it, sim_ti
         loss = weighted_surrogate(batch.image, batch.text, scale if learnable else None, blocks,
                                   0.5 / batch.local_size, value=ce_local.mean())

@@ -11,11 +11,13 @@ A save writes everything into a hidden temporary folder, fsyncs each file, renam
 and only then rewrites `latest` (temporary file, fsync, rename): a crash at any point leaves the previous
 checkpoint and pointer intact. The run folder must be on a filesystem every rank sees (one writer per file).
 Every file holds only tensors and primitives, so torch.load(weights_only=True) reads it: RNG states are
-stored as tensors and lists, not pickled objects.
+stored as tensors and lists, not pickled objects. Loading is always weights_only: a file that carries pickled
+objects (code that would run on load) is refused with a CheckpointError naming it.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
@@ -26,6 +28,8 @@ import numpy as np
 import torch
 
 from fastclip.distributed import DistInfo, barrier
+from fastclip.train import faults
+from fastclip.train.errors import CheckpointError
 
 STEP_DIR = re.compile(r"step_(\d{8,})")
 
@@ -95,7 +99,20 @@ def write_text_atomic(path: Path, text: str) -> None:
 def load_file(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file missing: {path}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # what weights_only raises for anything but tensors and primitives
+        detail = str(e).strip().splitlines()
+        reason = next((line.strip() for line in detail if "Unsupported" in line or "GLOBAL" in line), detail[0] if detail else "")
+        raise CheckpointError(f"{path}: refusing to load pickled objects: checkpoints are loaded with "
+                              f"torch.load(weights_only=True) and this file carries more than tensors and plain "
+                              f"values ({reason[:300]}); only a file from a source you trust should be converted "
+                              f"by hand") from None
+    except (RuntimeError, EOFError, OSError) as e:  # torn or foreign file
+        raise CheckpointError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {str(e)[:300]})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a fastclip checkpoint file (holds a {type(obj).__name__}, not a dict)")
+    return obj
 
 
 # ----------------------------------------------------------------------------- save
@@ -108,19 +125,24 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def save_checkpoint(root: Path, step: int, info: DistInfo, *, model_file: dict | None, rank_file: dict,
-                    keep_last: int) -> Path:
-    """Collective: every rank calls it with its rank_file; rank 0 also passes model_file."""
+                    keep_last: int, write_extra=None) -> Path:
+    """Collective: every rank calls it with its rank_file; rank 0 also passes model_file. write_extra(folder),
+    called on every rank, adds files to the step folder before it is renamed into place (DeepSpeed's shards)."""
     final = root / step_dir_name(step)
     tmp = root / f".tmp_{final.name}"
     if info.is_main:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # left over by a crash during an earlier save of this step
-            shutil.rmtree(tmp)
+        for stale in root.glob(".tmp_step_*"):  # left over by a crash during an earlier save
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     barrier(info)
     save_file(rank_file, tmp / f"rank_{info.rank}.pt")
+    faults.hook("checkpoint.rank_files", step=step, rank=info.rank)
     if info.is_main:
+        faults.hook("checkpoint.model_file", step=step, rank=info.rank)
         save_file(model_file, tmp / "model.pt")
+    if write_extra is not None:
+        write_extra(tmp)
     barrier(info)  # all rank files are on disk
     if info.is_main:
         _fsync_dir(tmp)
@@ -132,6 +154,7 @@ def save_checkpoint(root: Path, step: int, info: DistInfo, *, model_file: dict |
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(root)
+        faults.hook("checkpoint.renamed", step=step, rank=info.rank)
         write_text_atomic(root / "latest", final.name + "\n")
         if old is not None:
             shutil.rmtree(old)

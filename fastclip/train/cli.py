@@ -6,12 +6,15 @@
 
 Without --config the built-in defaults apply (the embedded recipe). `--print-config` shows the resolved config
 and exits. Configuration errors are reported before anything is built, naming the key; exit status 2.
+A run stopped for a known reason (a failed collective, too many NaN/Inf steps, an untrusted or unreadable
+checkpoint: fastclip/train/errors.py) prints one line naming it; exit status 1.
 """
 from __future__ import annotations
 
 import sys
 
 from fastclip.train.config import ConfigError, dump_config, load_config
+from fastclip.train.errors import TrainingError
 
 USAGE = __doc__
 
@@ -50,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"fastclip train: config error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:
+        print(f"fastclip train: error: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -86,6 +86,11 @@ class OptimConfig:
     lr_tau_min: float = 0.0                   # floor of the temperature group's cosine
     tau_threshold: float = 0.03               # step_thresh: lr_tau / tau_threshold_factor once tau <= this
     tau_threshold_factor: float = 3.0
+    accum_steps: int = 1                      # gradient accumulation (GradCache, fastclip/train/accumulate.py): the
+                                              # per-process batch data.batch_size is split into this many micro-
+                                              # batches; the loss still sees the whole global batch at once. Not
+                                              # OpenCLIP's meaning of --accum-freq: there --batch-size is the micro-
+                                              # batch; here data.batch_size stays the per-process batch of one step
 
 
 @dataclass
@@ -101,7 +106,13 @@ class TrainConfig:
     log_every: int = 10                       # steps between metric lines (the only steps that read values back)
     tensorboard: bool = True                  # also write <run_dir>/tensorboard when tensorboard is installed
     progress: bool = True                     # progress bar on rank 0 (a plain line when not a terminal)
-    dist_timeout_minutes: float = 30.0
+    dist_timeout_minutes: float = 30.0        # collectives while starting, saving checkpoints and evaluating
+    collective_timeout_seconds: float = 300.0  # collectives once the first step is done: a dead or hung rank
+                                              # makes the others stop with an error within this time
+    max_nonfinite_steps: int = 20             # NaN/Inf loss, gradients or features: the step is skipped; stop
+                                              # after this many in a row (the last checkpoint is a good one)
+    distributed: Literal["ddp", "deepspeed"] = "ddp"  # data-parallel backend (fastclip/train/engine.py); deepspeed:
+                                              # ZeRO sharding, knobs in the `deepspeed` section
 
 
 @dataclass
@@ -121,6 +132,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    # Used when train.distributed is deepspeed (fastclip/train/engine.py; needs `pip install deepspeed`).
+    stage: int = 2                            # ZeRO stage: 1 shards the optimizer state, 2 also the gradients,
+                                              # 3 also the parameters (gathered for the forward, for model.pt, eval)
+    reduce_bucket_size: int = 500_000_000     # elements per gradient reduce(-scatter) bucket
+    allgather_bucket_size: int = 500_000_000  # elements per parameter all-gather bucket after the step (stages 1-2)
+    overlap_comm: bool = False                # overlap gradient reduction with the backward (GPU streams)
+    contiguous_gradients: bool = True         # copy reduced gradients into one buffer (less fragmentation)
+    param_persistence_threshold: int = 100_000  # stage 3: parameters with fewer elements stay whole on every rank
+    config_file: Optional[str] = None         # a DeepSpeed JSON merged over the generated config (for the knobs
+                                              # not listed here); it may not set batch sizes, optimizer, fp16/bf16
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -129,6 +154,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -236,6 +262,7 @@ FLAG_ALIASES = {
     "lr_tau_scheduler": "optim.lr_tau_schedule", "opt": "optim.optimizer", "optimizer": "optim.optimizer",
     "gamma": "loss.gamma_min", "fastclip_eps": "loss.eps", "epochs": "train.epochs", "seed": "train.seed",
     "precision": "train.precision", "resume": "train.resume", "logs": "train.run_dir",
+    "accum_freq": "optim.accum_steps",  # same key, other batch semantics: see OptimConfig.accum_steps
 }
 
 
@@ -302,6 +329,8 @@ def _check(cfg: Config) -> None:
     need(t.max_steps is None or t.max_steps >= 0, "train.max_steps", "must be >= 0 or null")
     need(t.log_every >= 1, "train.log_every", "must be >= 1")
     need(t.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")
+    need(t.collective_timeout_seconds > 0, "train.collective_timeout_seconds", "must be > 0")
+    need(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
     need(lo.temperature is None or lo.temperature > 0, "loss.temperature", "must be > 0")
     need(lo.eps is None or lo.eps >= 0, "loss.eps", "must be >= 0")
     need(lo.gamma_min is None or 0 < lo.gamma_min <= 1, "loss.gamma_min", "must be in (0, 1]")
@@ -313,6 +342,22 @@ def _check(cfg: Config) -> None:
     need(c.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
     need(c.every_minutes >= 0, "checkpoint.every_minutes", "must be >= 0")
     need(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    need(o.accum_steps >= 1, "optim.accum_steps", "must be >= 1")
+    need(d.batch_size % o.accum_steps == 0, "optim.accum_steps",
+         f"must divide data.batch_size ({d.batch_size}): each step's per-process batch is split into this many "
+         f"equal micro-batches")
+    ds = cfg.deepspeed
+    need(ds.stage in (0, 1, 2, 3) and not isinstance(ds.stage, bool), "deepspeed.stage", "must be 0, 1, 2 or 3")
+    need(ds.reduce_bucket_size >= 1, "deepspeed.reduce_bucket_size", "must be >= 1")
+    need(ds.allgather_bucket_size >= 1, "deepspeed.allgather_bucket_size", "must be >= 1")
+    need(ds.param_persistence_threshold >= 0, "deepspeed.param_persistence_threshold", "must be >= 0")
+    if t.distributed == "deepspeed":
+        need(t.precision != "fp16", "train.precision", "fp16 (GradScaler) is not supported with train.distributed: "
+             "deepspeed; use bf16 (autocast, fp32 master weights) or fp32")
+        need(o.optimizer == "adamw" or ds.stage == 0, "optim.optimizer",
+             "lamb's per-tensor trust ratio needs whole tensors; ZeRO shards flattened ones: use adamw (or ddp)")
+        need(not (cfg.model.compile and ds.stage == 3), "model.compile",
+             "torch.compile of the towers is not supported with ZeRO stage 3 (parameters gathered by hooks)")
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -356,5 +401,5 @@ def dump_config(cfg: Config) -> str:
 
 
 __all__ = ["Config", "DataConfig", "ModelConfig", "LossConfig", "OptimConfig", "TrainConfig", "EvalConfig",
-           "CheckpointConfig", "ConfigError", "load_config", "config_from_dict", "parse_overrides", "dump_config",
+           "CheckpointConfig", "DeepSpeedConfig", "ConfigError", "load_config", "config_from_dict", "parse_overrides", "dump_config",
            "LOSS_NAMES"]

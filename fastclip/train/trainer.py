@@ -12,12 +12,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
-from fastclip.optim import ThresholdRule, build_optimizer, get_lr, get_tau_lr, param_groups
+from fastclip.optim import ThresholdRule, get_lr, get_tau_lr
 from fastclip.train import checkpoint as ckpt
+from fastclip.train import faults
 from fastclip.train.config import Config, ConfigError, dump_config
+from fastclip.train.engine import build_engine
+from fastclip.train.guards import CollectiveTimeouts, DataSkipReport, NonFiniteGuard
 from fastclip.train.metrics import MetricsLogger
 
 CHECKPOINT_FORMAT = "fastclip-checkpoint/1"
@@ -36,12 +38,17 @@ class TowersWithLoss(torch.nn.Module):
         self.encode_image = torch.compile(model.encode_image) if compile else model.encode_image
         self.encode_text = torch.compile(model.encode_text) if compile else model.encode_text
 
-    def forward(self, images: torch.Tensor, texts: torch.Tensor, indices: torch.Tensor, epoch: int) -> torch.Tensor:
+    def encode(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(images.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             image_features = self.encode_image(images)
             text_features = self.encode_text(texts)
-        image_features = F.normalize(image_features.float(), dim=-1)
-        text_features = F.normalize(text_features.float(), dim=-1)
+        return F.normalize(image_features.float(), dim=-1), F.normalize(text_features.float(), dim=-1)
+
+    def forward(self, images: torch.Tensor, texts: torch.Tensor, indices: torch.Tensor | None, epoch: int,
+                features_only: bool = False):
+        image_features, text_features = self.encode(images, texts)
+        if features_only:  # gradient accumulation calls the loss itself, once per step (fastclip/train/accumulate.py)
+            return image_features, text_features
         return self.loss_fn(image_features, text_features, indices, epoch=epoch)
 
 
@@ -118,15 +125,22 @@ def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:
 # ----------------------------------------------------------------------------- the trainer
 def train(cfg: Config) -> dict:
     info = init_distributed(cfg.train.device, cfg.train.backend, cfg.train.dist_timeout_minutes)
+    timeouts = CollectiveTimeouts(info, start_seconds=60 * cfg.train.dist_timeout_minutes,
+                                  train_seconds=cfg.train.collective_timeout_seconds)
     try:
-        return _train(cfg, info)
+        return _train(cfg, info, timeouts)
+    except RuntimeError as e:  # a failed collective becomes a CollectiveFailure naming rank, step and phase
+        explained = timeouts.explain(e)
+        if explained is e:
+            raise
+        raise explained from e
     finally:
         cleanup(info)
 
 
-def _train(cfg: Config, info: DistInfo) -> dict:
-    from fastclip.data import build_train_stream
-    from fastclip.losses import build_loss, reshard_for_rank
+def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
+    from fastclip.data import REASONS, build_train_stream
+    from fastclip.losses import NonFiniteFeaturesError, build_loss, reshard_for_rank
     from fastclip.models import build_model
 
     device, run_dir, o = info.device, Path(cfg.train.run_dir), cfg.optim
@@ -183,19 +197,14 @@ def _train(cfg: Config, info: DistInfo) -> dict:
     if cfg.model.compile and cfg.model.grad_checkpointing and info.distributed:
         torch._dynamo.config.optimize_ddp = False  # DDP's graph splitting does not support checkpointed graphs
     net = TowersWithLoss(model, loss_fn, precision=cfg.train.precision, compile=cfg.model.compile)
-    if info.distributed:
-        net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None,
-                                      broadcast_buffers=True)
+    # ---- DDP or DeepSpeed ZeRO around it, with its optimizer(s) and scaler (fastclip/train/engine.py)
+    engine = build_engine(net, cfg, info)
 
-    # ---- optimizer, schedules, scaler
+    # ---- schedules
     lr_tau_base = o.lr_tau if o.lr_tau is not None else o.lr
-    groups = param_groups(model, loss_fn, lr=o.lr, wd=o.wd, lr_tau=lr_tau_base)
-    optimizer = build_optimizer(o.optimizer, groups, betas=o.betas, eps=o.eps)
-    tau_params = [p for g in optimizer.param_groups if g["name"] == "temperature" for p in g["params"]]
-    thresh = ThresholdRule(tau_params if o.lr_tau_schedule == "step_thresh" else [],
+    thresh = ThresholdRule(engine.tau_params if o.lr_tau_schedule == "step_thresh" else [],
                            threshold=o.tau_threshold, factor=o.tau_threshold_factor)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-    trainable = [p for g in optimizer.param_groups for p in g["params"]]
+    scaler, trainable = engine.scaler, engine.trainable
 
     lr_now = [0.0, 0.0]  # the last step's lr of the towers and of the temperature group
 
@@ -207,13 +216,13 @@ def _train(cfg: Config, info: DistInfo) -> dict:
                     kind=o.lr_schedule)
         lr_tau = get_tau_lr(at, lr_tau=lr_tau_base, kind=o.lr_tau_schedule, warmup_steps=o.warmup_steps,
                             total_steps=total_steps, lr_tau_min=o.lr_tau_min)
-        for g in optimizer.param_groups:
+        for g in engine.param_groups:
             g["lr"] = lr_tau if g["name"] == "temperature" else lr
         lr_now[:] = lr, lr_tau
         return lr, lr_tau
 
     if model_file is not None:
-        optimizer.load_state_dict(model_file["optimizer"])
+        engine.load_checkpoint(model_file, resume_dir)  # the optimizer(s); DeepSpeed: its shards too
         scaler.load_state_dict(model_file["scaler"])
         stream.load_state_dict(rank_file["data"])
     # RNG streams of this rank: restored exactly when the world size is unchanged
@@ -233,31 +242,39 @@ def _train(cfg: Config, info: DistInfo) -> dict:
         (run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
         n_params = sum(p.numel() for p in model.parameters())
         log.message(f"fastclip train: {cfg.loss.name}, {built.arch} ({n_params / 1e6:.1f}M parameters), "
-                    f"{info.world_size} process(es) on {device.type} ({info.launcher}), global batch {global_batch}, "
+                    f"{info.world_size} process(es) on {device.type} ({info.launcher}, {engine.describe()}), "
+                    f"global batch {global_batch}"
+                    + (f" in {o.accum_steps} micro-batches per process" if o.accum_steps > 1 else "") + ", "
                     f"{stream.batches_per_epoch} steps/epoch, steps {step} -> {last_step}, run {run_dir}"
                     + (f", resumed from {resume_dir}" if resume_dir else ""))
+    # fault handling (fastclip/train/guards.py): NaN/Inf steps skipped, skipped samples reported over ranks
+    guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, info, log=log, checkpoints=run_dir / "checkpoints")
+    skips = DataSkipReport(stream, info, REASONS)
+    if model_file is not None:
+        guard.load_state_dict(model_file.get("guards"))
 
     def save(step: int) -> None:
         with torch.no_grad():  # keep the towers' own (frozen) logit_scale equal to the learned one: open_clip reads it
             tau = loss_fn.temperature()
             if tau is not None:
                 model.logit_scale.copy_(-torch.log(tau.to(model.logit_scale)))
-        model_state = None
+        model_state, state_dict = None, engine.model_state_dict()  # collective under ZeRO-3 (gathers)
         if info.is_main:
             model_state = {
-                "format": CHECKPOINT_FORMAT, "state_dict": model.state_dict(),
+                "format": CHECKPOINT_FORMAT, "state_dict": state_dict,
                 "loss": {k: v for k, v in loss_fn.state_dict().items() if not k.endswith("_extra_state")},
-                "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step, "epoch": epoch,
+                "optimizer": engine.optimizer_state_dict(), "scaler": scaler.state_dict(), "step": step, "epoch": epoch,
                 "samples_seen": samples_seen, "world_size": info.world_size, "config": cfg.to_dict(),
                 # the schedules are pure functions of samples_seen; their horizon and last values, for reading
                 "schedules": {"total_steps": total_steps, "global_batch": global_batch, "lr": lr_now[0],
                               "lr_tau": lr_now[1] * thresh.factor_now()},
-                "arch": built.arch, "model_config": built.config,
+                "arch": built.arch, "model_config": built.config, "guards": guard.state_dict(),
             }
         rank_state = {"rank": info.rank, "world_size": info.world_size, "step": step,
                       "loss_state": loss_fn.state_dict(), "data": stream.state_dict(), "rng": ckpt.rng_state(device)}
         path = ckpt.save_checkpoint(run_dir / "checkpoints", step, info, model_file=model_state,
-                                    rank_file=rank_state, keep_last=cfg.checkpoint.keep_last)
+                                    rank_file=rank_state, keep_last=cfg.checkpoint.keep_last,
+                                    write_extra=engine.save_shards)
         log.message(f"checkpoint {path}")
 
     def evaluate(step: int) -> None:
@@ -265,9 +282,10 @@ def _train(cfg: Config, info: DistInfo) -> dict:
 
         if cfg.data.val is None:
             return
-        results = run_evals(model, tokenizer=built.tokenizer, preprocess=built.preprocess_val, val_dir=cfg.data.val,
-                            zeroshot_file=cfg.data.zeroshot, device=device, batch_size=cfg.eval.batch_size,
-                            max_samples=cfg.eval.max_samples)
+        with engine.full_params():  # ZeRO-3: whole parameters for the evaluation
+            results = run_evals(model, tokenizer=built.tokenizer, preprocess=built.preprocess_val, val_dir=cfg.data.val,
+                                zeroshot_file=cfg.data.zeroshot, device=device, batch_size=cfg.eval.batch_size,
+                                max_samples=cfg.eval.max_samples)
         record = {"step": step, "samples_seen": samples_seen}
         record.update({f"eval/{k}": v for k, v in results.items() if isinstance(v, (int, float))})
         log.log(record, tuple(k for k in record if k.endswith("top1")))
@@ -290,22 +308,35 @@ def _train(cfg: Config, info: DistInfo) -> dict:
             window_data += time.perf_counter() - t0
 
             lr, lr_tau = set_lrs(samples_seen)
-            loss = net(images, texts, indices, epoch)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            if o.grad_clip is not None:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(trainable, o.grad_clip)
-            thresh.before_step(loss_fn.temperature())
-            scaler.step(optimizer)
-            scaler.update()
-            thresh.after_step()
-            loss_fn.clamp_()
+            timeouts.at(step + 1)
+            faults.hook("batch", step=step + 1, rank=info.rank, tensors=(images,))  # test-only: FASTCLIP_FAULTS
+            guard.remember(loss_fn, indices)  # the per-sample state rows a skipped step puts back
+            try:
+                loss = engine.forward(images, texts, indices, epoch)  # accum_steps > 1: one loss call, k micro-batches
+            except NonFiniteFeaturesError as e:  # raised alike on every rank, before the loss writes its state
+                loss, skip = None, f"non-finite features: {e}"
+            if loss is not None:
+                faults.hook("step", step=step + 1, rank=info.rank)
+                engine.backward(loss)
+                faults.hook("grads", step=step + 1, rank=info.rank, tensors=(p.grad for p in trainable))
+                grad_norm = engine.grad_norm(o.grad_clip)  # fp16: unscaled first; clipped when optim.grad_clip is set
+                skip = guard.verdict(loss, grad_norm)  # NaN/Inf on any rank: the same answer on every rank
+            if skip is None:
+                thresh.before_step(loss_fn.temperature())
+                engine.step()
+                thresh.after_step()
+                loss_fn.clamp_()
+                guard.passed()
+            else:  # no optimizer step; the per-sample state rows are put back; stops after N in a row
+                if loss is not None:
+                    engine.skip_step()  # fp16: lower the loss scale after the overflow; DeepSpeed: drop its gradients
+                guard.skip(step + 1, skip, epoch=epoch, samples_seen=samples_seen + global_batch)
             step, samples_seen, window_steps = step + 1, samples_seen + global_batch, window_steps + 1
+            timeouts.first_step_done()  # from now on a dead or hung rank fails collectives within the short timeout
 
             due = False
             if step % cfg.train.log_every == 0 or step == last_step:
-                values = scalar_metrics(loss_fn, loss)  # the only host reads of the step
+                values = scalar_metrics(loss_fn, loss) if skip is None else {}  # the only host reads of the step
                 if not all(math.isfinite(v) for v in values.values()):
                     raise FloatingPointError(f"non-finite metrics at step {step}: {values}")
                 elapsed = time.perf_counter() - window_start - window_pause
@@ -315,7 +346,15 @@ def _train(cfg: Config, info: DistInfo) -> dict:
                           "samples_per_s": window_steps * global_batch / elapsed,
                           "samples_per_s_per_rank": window_steps * cfg.data.batch_size / elapsed,
                           "data_time": window_data / window_steps, "step_time": elapsed / window_steps,
-                          "data_skipped": sum(v for k, v in stream.counters.items() if k != "wrapped")}
+                          "nonfinite_skipped": guard.skipped}
+                if skip is None:
+                    record["grad_norm"] = float(grad_norm)
+                data_counts, data_events = skips.collect()  # summed over ranks: a collective on logging steps
+                record.update(data_counts)
+                if data_events:
+                    record["data_skips"] = skips.as_metrics(data_events)
+                    for line in skips.describe(data_events):
+                        log.message(line)
                 log.log(record, ("loss", "objective", "tau", "tau_q05", "tau_q50", "tau_q95", "lr", "gamma",
                                  "samples_per_s", "samples_per_s_per_rank", "data_time"))
                 # the wall-clock trigger is rank 0's decision, shared on logging steps (the same on all ranks)
@@ -325,9 +364,12 @@ def _train(cfg: Config, info: DistInfo) -> dict:
 
             t_pause = time.perf_counter()
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != last_step:
-                evaluate(step)
-            if due or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0):
-                save(step)
+                with timeouts.relaxed("evaluation"):
+                    evaluate(step)
+            # no checkpoint on a skipped step: after too many in a row the last checkpoint is a good one
+            if skip is None and (due or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0)):
+                with timeouts.relaxed("checkpoint save"):
+                    save(step)
                 last_saved, last_save_time = step, time.time()
             window_pause += time.perf_counter() - t_pause
         if stream.batches_remaining(epoch) == 0:
@@ -335,11 +377,12 @@ def _train(cfg: Config, info: DistInfo) -> dict:
         del batches  # stops the epoch's data workers now when training stops early
 
     # ---- the end
-    if cfg.eval.at_end and step > 0:
-        evaluate(step)
-    if cfg.checkpoint.at_end and last_saved != step:
-        save(step)
-    barrier(info)
+    with timeouts.relaxed("final evaluation and checkpoint"):
+        if cfg.eval.at_end and step > 0:
+            evaluate(step)
+        if cfg.checkpoint.at_end and last_saved != step:
+            save(step)
+        barrier(info)
     log.close()
     return {"step": step, "epoch": epoch, "samples_seen": samples_seen, "run_dir": str(run_dir), "last": record,
             "samples_per_s": trained_steps * global_batch / train_time if train_time > 0 else float("nan")}

@@ -1,0 +1,172 @@
+"""Every benchmark that fits this machine, then benchmarks/RESULTS.md with the tables and plots (issue #8).
+
+    python benchmarks/run_all.py                 # the full set (long: ~30 min on 2 cores), -> benchmarks/RESULTS.md
+    python benchmarks/run_all.py --smoke         # every program in its --quick form (CI), -> benchmarks/out/RESULTS.md
+    python benchmarks/run_all.py --only e2e,scaling     # some items; the others' last results are reused
+    python benchmarks/run_all.py --report-only   # rebuild RESULTS.md from the results already there
+
+Items (each its own program, run in a fresh process, writing <name>.{json,md,png} to benchmarks/results/):
+  e2e          bench_e2e.py           end to end against OpenCLIP's own trainer (throughput, memory, accuracy)
+  loss         bench_loss.py          the loss alone: time and bytes per step, fastclip-v3 vs ClipLoss
+  state        bench_state_memory.py  per-rank bytes of the per-sample state, measured and at LAION scale
+  scaling      bench_scaling.py       compute/communication split at 1 and 2 processes + a scaling MODEL
+  stat_eff     bench_stat_eff.py      zero-shot accuracy against samples seen at global batch 64/128/256
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, RESULTS, SMOKE_OUT, machine_info, stamp
+
+HERE = REPO / "benchmarks"
+ITEMS = {  # name -> (program, result stem, title)
+    "e2e": ("bench_e2e.py", "e2e", "1. End to end against OpenCLIP's own trainer"),
+    "loss": ("bench_loss.py", "loss_bench", "2. Loss and communication"),
+    "state": ("bench_state_memory.py", "state_memory", "3. Per-sample state memory"),
+    "stat_eff": ("bench_stat_eff.py", "stat_eff", "4. Statistical efficiency at small batch"),
+    "scaling": ("bench_scaling.py", "scaling", "5. Scaling: compute vs communication, and a model to 256 GPUs"),
+}
+ORDER = ("e2e", "loss", "state", "scaling", "stat_eff")  # the most important first, the longest last
+
+GPU_COMMANDS = """\
+# item 1 on one GPU node (nccl, bf16 autocast in ours, amp_bf16 in OpenCLIP's trainer), ViT-B-32, 256 per GPU:
+python benchmarks/bench_e2e.py --arch ViT-B-32 --batch 256 --precision bf16 --device cuda --nproc 8 \\
+    --workers 6 --samples 204800 --reps 2 --out benchmarks/results/gpu
+# (--nproc 1 on a single-GPU machine; same shards: fastclip data embedded --out data/embedded)
+# item 5's model with a measured GPU compute time: run bench_scaling.py there (it is CPU/gloo-only today)"""
+
+
+def run_item(name: str, smoke: bool, out: Path) -> dict:
+    program = HERE / ITEMS[name][0]
+    cmd = [sys.executable, str(program)] + (["--quick"] if smoke else [])
+    if name == "loss" or name == "e2e" or smoke:
+        cmd += ["--out", str(out)]
+    start = time.perf_counter()
+    print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+    proc = subprocess.run(cmd, cwd=REPO)
+    seconds = time.perf_counter() - start
+    print(f"== {name}: rc {proc.returncode} in {seconds:.0f} s", flush=True)
+    return {"item": name, "rc": proc.returncode, "seconds": seconds, "command": " ".join(["python"] + cmd[1:])}
+
+
+def _section(name: str, out: Path, runs: dict) -> list[str]:
+    program, stem, title = ITEMS[name]
+    lines = [f"## {title}", ""]
+    md, png, js = out / f"{stem}.md", out / f"{stem}.png", out / f"{stem}.json"
+    if not md.is_file():
+        return lines + ["Not run (no results yet).", ""]
+    when = ""
+    if js.is_file():
+        data = json.loads(js.read_text())
+        machine = data.get("machine", {})
+        if isinstance(machine, dict) and "date" in machine:
+            when = f"Run {machine['date']}; load average before {machine.get('loadavg')} / after " \
+                   f"{machine.get('loadavg_after', '-')}. "
+    run = runs.get(name)
+    lines.append(f"{when}Produced by `python benchmarks/{program}`"
+                 + (f" ({run['seconds']:.0f} s in this run)." if run else " (results of an earlier run)."))
+    lines.append("")
+    body = md.read_text().strip()
+    if body.startswith("# "):  # bench_loss's own title
+        body = body.split("\n", 1)[1].strip()
+    lines += [body, ""]
+    if png.is_file():
+        lines += [f"![{title}]({png.relative_to(out.parent if out.name == 'results' else out).as_posix()})", ""]
+    return lines
+
+
+def headline(out: Path) -> list[str]:
+    lines = []
+    e2e = out / "e2e.json"
+    if e2e.is_file():
+        d = json.loads(e2e.read_text())
+        p = d["params"]
+        lines += [f"**End to end, {p['arch']}, {p['nproc']} processes x {p['batch']} per step, {p['device']} "
+                  f"{p['precision']}, {p['samples']} samples per run, {p['reps']} interleaved runs each (median):**", "",
+                  "| system | samples/s | vs OpenCLIP's trainer | peak PSS sum | zero-shot top-1 at equal samples |",
+                  "|---|---:|---:|---:|---:|"]
+        for s in d["summary"]:
+            lines.append(f"| {s['system']} | {s['samples_per_s']:.1f} | {s.get('throughput_ratio', 1):.2f}x | "
+                         f"{s['peak_pss_sum_mb']:.0f} MB | {100 * s['zeroshot_mean_top1']:.1f}% |")
+        lines.append("")
+    state = out / "state_memory.json"
+    if state.is_file():
+        d = json.loads(state.read_text())
+        for r in d["projected"]:
+            if r["ranks"] == 32:
+                lines.append(f"- {r['version']} per-sample state at LAION-315M on 32 ranks: "
+                             f"{r['ours_per_rank_bytes'] / 2**20:.0f} MB per rank (reference, replicated: "
+                             f"{r['replicated_per_process_bytes'] / 2**30:.2f} GB per process).")
+    stat = out / "stat_eff.json"
+    if stat.is_file():
+        d = json.loads(stat.read_text())
+        for row in d["summary"]:
+            need = row.get("v3_samples_to_openclip_final")
+            if "openclip_final" in row:
+                lines.append(f"- global batch {row['global_batch']}: openclip final top-1 "
+                             f"{100 * row['openclip_final']:.1f}%, fastclip-v3 "
+                             f"{100 * row.get('fastclip-v3', float('nan')):.1f}%; v3 reaches openclip's final after "
+                             + (f"{need:,.0f} samples ({row['v3_fraction']:.2f}x)" if need is not None
+                                else f"- (not within {row['total_samples']:,})") + ".")
+    return lines
+
+
+def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
+    info = machine_info()
+    report = (out.parent if out.name == "results" else out) / "RESULTS.md"
+    lines = ["# fastclip benchmarks against OpenCLIP", "",
+             f"Machine: {stamp(info)}; {info['platform']}, Python {info['python']}. Written by `{command}`"
+             + (" (SMOKE run: tiny sizes, not measurements)." if smoke else "."), "",
+             "**No GPU was available for this run**: everything below ran on CPU (gloo), 2 processes with "
+             "OMP_NUM_THREADS=1 on a 2-core machine that other jobs were using at the same time (load averages "
+             "are given per item; runs are interleaved and ratios are what to read, not absolute numbers). "
+             "The GPU runs of items 1 and 2 are left for a session with a GPU:" if not info["gpu"] else
+             f"GPU: {info['gpu']}.", ""]
+    if not info["gpu"]:
+        lines += ["```bash", GPU_COMMANDS, "```", ""]
+    lines += ["## Headline", ""] + headline(out) + [""]
+    for name in ITEMS:
+        lines += _section(name, out, runs)
+    loader = out / "loader_bench.md"
+    if loader.is_file():
+        lines += ["## Data loader (earlier run of benchmarks/bench_loader.py)", "",
+                  loader.read_text().split("\n", 1)[1].strip(), ""]
+    if runs:
+        lines += ["## This run", "", "| item | command | rc | seconds |", "|---|---|---:|---:|"]
+        lines += [f"| {r['item']} | `{r['command']}` | {r['rc']} | {r['seconds']:.0f} |" for r in runs.values()]
+    report.write_text("\n".join(lines) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="every program with --quick, into benchmarks/out/")
+    parser.add_argument("--only", help=f"comma list of items to run ({', '.join(ORDER)})")
+    parser.add_argument("--skip", default="", help="comma list of items not to run")
+    parser.add_argument("--report-only", action="store_true", help="only rebuild RESULTS.md")
+    args = parser.parse_args(argv)
+    out = SMOKE_OUT if args.smoke else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = [n for n in ORDER if (not args.only or n in args.only.split(",")) and n not in args.skip.split(",")]
+    unknown = set((args.only or "").split(",") + args.skip.split(",")) - set(ORDER) - {""}
+    if unknown:
+        parser.error(f"unknown item(s) {sorted(unknown)}; items: {', '.join(ORDER)}")
+    runs = {} if args.report_only else {n: run_item(n, args.smoke, out) for n in chosen}
+    command = "python benchmarks/run_all.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    report = write_report(out, args.smoke, runs, command.strip())
+    print(f"wrote {report}")
+    failed = [r["item"] for r in runs.values() if r["rc"] != 0]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Errors that stop a training run on purpose, each with a message that says what happened and what to do.
+
+`fastclip train` prints them as one line (no traceback) and exits with status 1; configuration errors
+(ConfigError, fastclip/train/config.py) exit with status 2 before anything is built.
+"""
+from __future__ import annotations
+
+
+class TrainingError(RuntimeError):
+    """A run stopped for a known reason (the message names it)."""
+
+
+class CheckpointError(TrainingError):
+    """A checkpoint file that cannot be trusted or read: pickled objects, a torn or foreign file."""
+
+
+class CollectiveFailure(TrainingError):
+    """A collective failed or timed out: another process of the job died, stopped or lost its network."""
+
+
+class NonFiniteStepsError(TrainingError):
+    """Too many optimizer steps in a row were skipped for NaN/Inf loss, gradients or features."""
+
+
+__all__ = ["TrainingError", "CheckpointError", "CollectiveFailure", "NonFiniteStepsError"]

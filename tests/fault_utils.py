@@ -1,0 +1,164 @@
+"""Helpers of the fault tests: tiny embedded data, the shrunk recipe, whole jobs as real process groups,
+and bitwise comparison of checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dist_utils import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+EMBEDDED = REPO / "configs" / "embedded.yaml"
+BATCH = 8  # per process; 80 training samples: 5 steps per epoch at 2 processes, 10 at 1
+
+
+def make_embedded(out: Path) -> Path:
+    from fastclip.data.cli import main as data_main
+
+    assert data_main(["embedded", "--out", str(out), "--max-per-class", "4", "--max-val-per-class", "1",
+                      "--shard-size", "30", "--seed", "0"]) == 0
+    return out
+
+
+def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v2", **extra) -> list[str]:
+    """The embedded recipe shrunk to seconds: tiny data, logs every step, checkpoints every 2 steps, no eval."""
+    opts = {"data.train": data / "train", "data.val": "null", "data.batch_size": BATCH, "data.workers": 0,
+            "train.run_dir": run_dir, "train.epochs": 3, "train.log_every": 1, "train.progress": False,
+            "train.tensorboard": False, "optim.warmup_steps": 2, "loss.name": mode, "loss.gamma_decay_epochs": 2,
+            "checkpoint.every_steps": 2, "checkpoint.every_minutes": 0, "checkpoint.keep_last": 20,
+            "eval.every_steps": 0, "eval.at_end": False}
+    if mode == "fastclip-v2":  # the embedded recipe's v3 knobs, as v2 takes them
+        opts.update({"loss.rho": 7.0, "loss.temperature": 0.03, "optim.lr_tau": 0.0133,
+                     "optim.lr_tau_schedule": "const"})
+    opts.update(extra)
+    return [x for k, v in opts.items() for x in (f"--{k}", str(v))]
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    return [r for r in records(run_dir) if "loss" in r]
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+def latest(run_dir: Path) -> str:
+    return (Path(run_dir) / "checkpoints" / "latest").read_text().strip()
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Bitwise equality of nested checkpoint contents."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_training_state(a: Path, b: Path, world_size: int, *, rank_keys=("loss_state", "data", "rng")) -> None:
+    """Two step folders hold the same parameters, optimizer, scaler, position and per-sample state, bitwise."""
+    ma, mb = load(a / "model.pt"), load(b / "model.pt")
+    for key in ("state_dict", "loss", "optimizer", "scaler", "step", "epoch", "samples_seen"):
+        assert_same(ma[key], mb[key], key)
+    for r in range(world_size):
+        ra, rb = load(a / f"rank_{r}.pt"), load(b / f"rank_{r}.pt")
+        for key in rank_keys:
+            assert_same(ra[key], rb[key], f"rank {r} {key}")
+
+
+# ----------------------------------------------------------------------------- whole jobs
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC",
+                                "FASTCLIP_FAULTS"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+class Job:
+    """`fastclip train` as N processes with torchrun's variables, all in one new process group (as a cluster
+    job is: killing the group kills every rank and its data workers). Output goes to files (no pipe stalls)."""
+
+    def __init__(self, args: list[str], nprocs: int, log_dir: Path, *, env: dict | None = None):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.procs: list[subprocess.Popen] = []
+        self.started = time.monotonic()
+        for rank in range(nprocs):
+            rank_env = clean_env(**(env or {}))
+            if nprocs > 1:
+                rank_env.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            out = open(self.log_dir / f"rank_{rank}.log", "w")
+            group = 0 if rank == 0 else self.procs[0].pid  # rank 0 leads a new group; the others join it
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "fastclip", "train", "--config",
+                                                str(EMBEDDED), *args], cwd=self.log_dir, env=rank_env,
+                                               stdout=out, stderr=subprocess.STDOUT, process_group=group))
+            out.close()
+
+    @property
+    def pgid(self) -> int:
+        return self.procs[0].pid
+
+    def output(self, rank: int) -> str:
+        return (self.log_dir / f"rank_{rank}.log").read_text()
+
+    def outputs(self) -> str:
+        return "\n".join(f"--- rank {r}:\n{self.output(r)[-4000:]}" for r in range(len(self.procs)))
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"job did not finish within {timeout:.0f}s\n{self.outputs()}") from None
+        return [p.returncode for p in self.procs]
+
+    def kill(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def wait_for(predicate, timeout: float, what: str, job: Job | None = None, poll: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if job is not None and all(p.poll() is not None for p in job.procs):
+            break
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}" + (f"\n{job.outputs()}" if job else ""))

@@ -1,0 +1,91 @@
+"""The benchmark programs (issue #8): their arithmetic, and a smoke run of every program that writes RESULTS.md."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_e2e  # noqa: E402
+import bench_scaling  # noqa: E402
+import bench_stat_eff  # noqa: E402
+from common import shard_pattern  # noqa: E402
+
+
+def test_samples_to_reach_interpolates_and_reports_never():
+    curve = [(100, 0.2), (200, 0.4), (300, 0.5)]
+    assert bench_stat_eff.samples_to_reach(curve, 0.3) == pytest.approx(150)
+    assert bench_stat_eff.samples_to_reach(curve, 0.1) == pytest.approx(50)  # from (0, 0) to the first point
+    assert bench_stat_eff.samples_to_reach(curve, 0.5) == pytest.approx(300)
+    assert bench_stat_eff.samples_to_reach(curve, 0.51) is None
+
+
+def test_ring_costs_and_fit_recover_alpha_and_bandwidth():
+    alpha, bw = 50e-6, 2e9
+    assert bench_scaling.ring_cost("all_reduce", 1e6, 1, alpha, bw) == 0
+    # K=4 all_reduce: 6 steps, 1.5 x n on the wire
+    assert bench_scaling.ring_cost("all_reduce", 1e6, 4, alpha, bw) == pytest.approx(6 * alpha + 1.5e6 / bw)
+    assert bench_scaling.ring_cost("all_gather", 1e6, 4, alpha, bw) == pytest.approx(3 * alpha + 3e6 / bw)
+    assert bench_scaling.ring_cost("reduce_scatter", 4e6, 4, alpha, bw) == pytest.approx(3 * alpha + 3e6 / bw)
+    sweep = [{"op": op, "bytes": n, "seconds": bench_scaling.ring_cost(op, n, 2, alpha, bw)}
+             for op in ("all_reduce", "all_gather") for n in (1e3, 1e5, 1e7)]
+    fit = bench_scaling.fit_collectives(sweep)
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+    assert fit["bw_Bps"] == pytest.approx(bw, rel=1e-6)
+
+
+def test_model_rows_openclip_moves_more_loss_bytes_than_v3_at_scale():
+    rows = bench_scaling.model_rows(dict(bench_scaling.NCCL_IB))
+    assert rows[0]["ranks"] == 1 and rows[0]["step_v3_s"] == rows[0]["compute_s"]
+    big = rows[-1]
+    assert big["loss_comm_openclip_s"] > big["loss_comm_v3_s"] > 0
+    assert 0 < big["efficiency_openclip"] <= big["efficiency_v3"] < 1
+
+
+def test_steady_throughput_parsers_skip_warmup(tmp_path):
+    log = tmp_path / "out.log"
+    log.write_text("\n".join(
+        f"2026 | INFO | Train Epoch: 0 [{seen:>5}/1280 (1%)] Data (t): 0.1 Batch (t): {t}, 1/s, 1/s/gpu LR: 0"
+        for seen, t in ((128, 5.0), (640, 9.0), (1280, 0.5))))
+    # windows: step 1 (warm-up, skipped), steps 1->5 (skipped: starts before step 2), 5->10 at 0.5 s per step
+    assert bench_e2e.steady_openclip(log, 128, skip_steps=2) == pytest.approx(128 / 0.5)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(r) for r in (
+        {"step": 2, "samples_per_s": 10.0}, {"step": 4, "samples_per_s": 100.0}, {"step": 4, "eval/x": 1},
+        {"step": 8, "samples_per_s": 50.0})))
+    # after step 2: 2 steps at 100/s and 4 steps at 50/s -> 6 steps in 2/100 + 4/50 units
+    assert bench_e2e.steady_ours(metrics, skip_steps=2) == pytest.approx(6 / (2 / 100 + 4 / 50))
+
+
+def test_shard_pattern_is_openclip_brace_syntax(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"num_samples": 30, "shards": [
+        {"path": f"train-{i:06d}.tar", "num_samples": 10} for i in range(3)]}))
+    assert shard_pattern(tmp_path) == (f"{tmp_path}/train-{{000000..000002}}.tar", 30)
+
+
+def test_run_all_smoke_writes_results_and_plots():
+    """Every program in its --quick form (tiny sizes); RESULTS.md names the machine and links readable PNGs."""
+    out = REPO / "benchmarks" / "out"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--smoke"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = (out / "RESULTS.md").read_text()
+    assert "No GPU was available" in report or "GPU:" in report
+    for stem in ("e2e", "state_memory", "stat_eff", "scaling"):
+        png = out / f"{stem}.png"
+        assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+        assert f"]({stem}.png)" in report
+    e2e = json.loads((out / "e2e.json").read_text())
+    systems = {s["system"]: s for s in e2e["summary"]}
+    assert set(systems) == set(bench_e2e.SYSTEMS)
+    for s in systems.values():
+        assert s["samples_per_s"] > 0 and s["peak_pss_sum_mb"] > 100 and 0 <= s["zeroshot_mean_top1"] <= 1
+    state = json.loads((out / "state_memory.json").read_text())
+    for row in state["measured"]:  # each of 2 ranks owns half the ids: never a table of data_size entries
+        assert row["owned_samples"] == math.ceil((row["data_size"] - row["rank"]) / 2)
+        per = {"fastclip-v3": 9, "fastclip-v2": 41}[row["version"]]
+        assert row["shard_tensor_bytes"] == per * row["owned_samples"]

@@ -161,12 +161,11 @@ def ring_cost(op: str, n: float, k: int, alpha: float, bw: float) -> float:
     return steps * alpha + wire / bw
 
 
-def fit_collectives(sweep: list[dict], k: int = 2) -> dict:
-    """Least-squares α (per ring step) and bw from the sweep: time = steps·α + wire/bw, all ops together."""
+def _fit(points: list[dict], k: int) -> dict:
     import numpy as np
 
     rows, ys = [], []
-    for s in sweep:
+    for s in points:
         steps = 2 * (k - 1) if s["op"] == "all_reduce" else k - 1
         wire = 2 * (k - 1) / k * s["bytes"] if s["op"] == "all_reduce" else (k - 1) * s["bytes"]
         rows.append([steps, wire])
@@ -174,19 +173,29 @@ def fit_collectives(sweep: list[dict], k: int = 2) -> dict:
     a, rel = np.asarray(rows, dtype=float), np.asarray(ys)
     # relative least squares: small and large messages weigh alike
     coef, *_ = np.linalg.lstsq(a / rel[:, None], np.ones_like(rel), rcond=None)
-    alpha, inv_bw = max(coef[0], 1e-7), max(coef[1], 1e-12)
-    return {"alpha_s": float(alpha), "bw_Bps": float(1 / inv_bw)}
+    return {"alpha_s": float(max(coef[0], 1e-7)), "bw_Bps": float(1 / max(coef[1], 1e-12))}
+
+
+def fit_collectives(sweep: list[dict], k: int = 2) -> dict:
+    """Least-squares α (per ring step) and bw of time = steps·α + wire/bw: one pair per op (gloo's all_gather
+    is slower per byte than its all_reduce; reduce_scatter is modelled with the all_gather pair) and one for all."""
+    per_op = {op: _fit([s for s in sweep if s["op"] == op], k) for op in ("all_reduce", "all_gather")}
+    per_op["reduce_scatter"] = per_op["all_gather"]
+    return {**_fit(sweep, k), "per_op": per_op}
+
+
+def cost(scenario: dict, op: str, n: float, k: int) -> float:
+    params = scenario.get("per_op", {}).get(op, scenario)
+    return ring_cost(op, n, k, params["alpha_s"], params["bw_Bps"])
 
 
 def model_rows(s: dict) -> list[dict]:
     rows = []
     for k in MODEL_RANKS:
         b, d = s["batch"], s["dim"]
-        grad = ring_cost("all_reduce", 4 * s["params"], k, s["alpha_s"], s["bw_Bps"])
-        v3 = (ring_cost("all_gather", 2 * b * d * 4 + b * 8, k, s["alpha_s"], s["bw_Bps"])
-              + ring_cost("all_reduce", 2 * k * b * 4, k, s["alpha_s"], s["bw_Bps"]))
-        oc = 2 * ring_cost("all_gather", b * d * 4, k, s["alpha_s"], s["bw_Bps"]) + \
-            2 * ring_cost("reduce_scatter", k * b * d * 4, k, s["alpha_s"], s["bw_Bps"])
+        grad = cost(s, "all_reduce", 4 * s["params"], k)
+        v3 = cost(s, "all_gather", 2 * b * d * 4 + b * 8, k) + cost(s, "all_reduce", 2 * k * b * 4, k)
+        oc = 2 * cost(s, "all_gather", b * d * 4, k) + 2 * cost(s, "reduce_scatter", k * b * d * 4, k)
         step_v3, step_oc = s["compute_s"] + grad + v3, s["compute_s"] + grad + oc
         rows.append({"ranks": k, "compute_s": s["compute_s"], "grad_all_reduce_s": grad, "loss_comm_v3_s": v3,
                      "loss_comm_openclip_s": oc, "step_v3_s": step_v3, "step_openclip_s": step_oc,
@@ -228,16 +237,19 @@ def markdown(result: dict) -> str:
                      f"{ms(m['loss_alone_1proc_s'])} / {ms(m['loss_alone_2proc_s'])} | {ms(m['loss_comm_s'])} | "
                      f"{ms(m['other_s'])} |")
     f = result["fit"]
-    lines += ["", f"Collective sweep on gloo (2 processes, {len(result['sweep'])} points) fitted to "
-              f"steps·α + wire/bw: **α = {1e6 * f['alpha_s']:.1f} µs per ring step, bw = {f['bw_Bps'] / 1e9:.2f} GB/s**.",
-              "", "| op | bytes per rank | measured ms | model ms |", "|---|---:|---:|---:|"]
+    fits = ", ".join(f"{op}: α = {1e6 * v['alpha_s']:.1f} µs per ring step, bw = {v['bw_Bps'] / 1e9:.2f} GB/s"
+                     for op, v in f["per_op"].items() if op != "reduce_scatter")
+    lines += ["", f"Collective sweep on gloo (2 processes, {len(result['sweep'])} points) fitted per op to "
+              f"steps·α + wire/bw: **{fits}** (reduce_scatter modelled with all_gather's pair).",
+              "", "| op | bytes per rank | measured ms | fit ms |", "|---|---:|---:|---:|"]
     for s in result["sweep"]:
         lines.append(f"| {s['op']} | {s['bytes']:,} | {1000 * s['seconds']:.3f} | "
-                     f"{1000 * ring_cost(s['op'], s['bytes'], 2, f['alpha_s'], f['bw_Bps']):.3f} |")
+                     f"{1000 * cost(f, s['op'], s['bytes'], 2):.3f} |")
     for sc in result["scenarios"]:
         a = sc["assumptions"]
-        lines += ["", f"**MODEL, not a measurement** - {a['name']}: α = {1e6 * a['alpha_s']:.1f} µs, "
-                  f"bw = {a['bw_Bps'] / 1e9:.2f} GB/s, P = {a['params'] / 1e6:.1f} M parameters (fp32 gradients), "
+        pair = "the fitted pairs above" if "per_op" in a else \
+            f"α = {1e6 * a['alpha_s']:.1f} µs per ring step, bw = {a['bw_Bps'] / 1e9:.2f} GB/s"
+        lines += ["", f"**MODEL, not a measurement** - {a['name']}: {pair}, P = {a['params'] / 1e6:.1f} M parameters (fp32 gradients), "
                   f"B = {a['batch']} per rank, d = {a['dim']}, compute = {ms(a['compute_s'])} ms per step; "
                   f"no overlap of communication with compute (upper bound).", "",
                   "| ranks | compute ms | grad all_reduce ms | loss comm v3 ms | loss comm openclip ms | step v3 ms | "
@@ -261,8 +273,7 @@ def plot(result: dict, path: Path) -> None:
         xs = [s["bytes"] for s in pts]
         dense = [xs[0] * (xs[-1] / xs[0]) ** (i / 40) for i in range(41)]
         ax.scatter(xs, [1000 * s["seconds"] for s in pts], marker=marker, label=f"{op} measured")
-        ax.plot(dense, [1000 * ring_cost(op, x, 2, result["fit"]["alpha_s"], result["fit"]["bw_Bps"])
-                        for x in dense], ls="--", label=f"{op} fit")
+        ax.plot(dense, [1000 * cost(result["fit"], op, x, 2) for x in dense], ls="--", label=f"{op} fit")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("bytes per rank", fontsize=8)

@@ -46,14 +46,16 @@ python benchmarks/bench_e2e.py --arch ViT-B-32 --batch 256 --precision bf16 --de
 def run_item(name: str, smoke: bool, out: Path) -> dict:
     program = HERE / ITEMS[name][0]
     cmd = [sys.executable, str(program)] + (["--quick"] if smoke else [])
-    if name == "loss" or name == "e2e" or smoke:
+    if out != RESULTS:  # each program's default for a full run is benchmarks/results/
         cmd += ["--out", str(out)]
     start = time.perf_counter()
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, cwd=REPO)
     seconds = time.perf_counter() - start
     print(f"== {name}: rc {proc.returncode} in {seconds:.0f} s", flush=True)
-    return {"item": name, "rc": proc.returncode, "seconds": seconds, "command": " ".join(["python"] + cmd[1:])}
+    finished = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    command = " ".join(["python", str(program.relative_to(REPO))] + cmd[2:])
+    return {"item": name, "rc": proc.returncode, "seconds": seconds, "command": command, "finished": finished}
 
 
 def _section(name: str, out: Path, runs: dict) -> list[str]:
@@ -71,7 +73,7 @@ def _section(name: str, out: Path, runs: dict) -> list[str]:
                    f"{machine.get('loadavg_after', '-')}. "
     run = runs.get(name)
     lines.append(f"{when}Produced by `python benchmarks/{program}`"
-                 + (f" ({run['seconds']:.0f} s in this run)." if run else " (results of an earlier run)."))
+                 + (f" ({run['seconds']:.0f} s)." if run else "."))
     lines.append("")
     body = md.read_text().strip()
     if body.startswith("# "):  # bench_loss's own title
@@ -139,8 +141,9 @@ def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
         lines += ["## Data loader (earlier run of benchmarks/bench_loader.py)", "",
                   loader.read_text().split("\n", 1)[1].strip(), ""]
     if runs:
-        lines += ["## This run", "", "| item | command | rc | seconds |", "|---|---|---:|---:|"]
-        lines += [f"| {r['item']} | `{r['command']}` | {r['rc']} | {r['seconds']:.0f} |" for r in runs.values()]
+        lines += ["## Runs", "", "| item | command | finished | rc | seconds |", "|---|---|---|---:|---:|"]
+        lines += [f"| {r['item']} | `{r['command']}` | {r.get('finished', '-')} | {r['rc']} | {r['seconds']:.0f} |"
+                  for r in runs.values()]
     report.write_text("\n".join(lines) + "\n")
     return report
 
@@ -158,11 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set((args.only or "").split(",") + args.skip.split(",")) - set(ORDER) - {""}
     if unknown:
         parser.error(f"unknown item(s) {sorted(unknown)}; items: {', '.join(ORDER)}")
-    runs = {} if args.report_only else {n: run_item(n, args.smoke, out) for n in chosen}
+    log_file = out / "run_all_log.json"  # the last run of each item, kept across partial runs (--only)
+    runs = json.loads(log_file.read_text()) if log_file.is_file() else {}
+    for name in ([] if args.report_only else chosen):
+        runs[name] = run_item(name, args.smoke, out)
+        log_file.write_text(json.dumps(runs, indent=1))
     command = "python benchmarks/run_all.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
     report = write_report(out, args.smoke, runs, command.strip())
     print(f"wrote {report}")
-    failed = [r["item"] for r in runs.values() if r["rc"] != 0]
+    failed = [n for n in ([] if args.report_only else chosen) if runs[n]["rc"] != 0]
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

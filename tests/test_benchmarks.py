@@ -31,11 +31,14 @@ def test_ring_costs_and_fit_recover_alpha_and_bandwidth():
     assert bench_scaling.ring_cost("all_reduce", 1e6, 4, alpha, bw) == pytest.approx(6 * alpha + 1.5e6 / bw)
     assert bench_scaling.ring_cost("all_gather", 1e6, 4, alpha, bw) == pytest.approx(3 * alpha + 3e6 / bw)
     assert bench_scaling.ring_cost("reduce_scatter", 4e6, 4, alpha, bw) == pytest.approx(3 * alpha + 3e6 / bw)
-    sweep = [{"op": op, "bytes": n, "seconds": bench_scaling.ring_cost(op, n, 2, alpha, bw)}
-             for op in ("all_reduce", "all_gather") for n in (1e3, 1e5, 1e7)]
+    truth = {"all_reduce": (alpha, bw), "all_gather": (2 * alpha, bw / 3)}
+    sweep = [{"op": op, "bytes": n, "seconds": bench_scaling.ring_cost(op, n, 2, *truth[op])}
+             for op in truth for n in (1e3, 1e5, 1e7)]
     fit = bench_scaling.fit_collectives(sweep)
-    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6)
-    assert fit["bw_Bps"] == pytest.approx(bw, rel=1e-6)
+    for op, (a, b) in truth.items():
+        assert fit["per_op"][op]["alpha_s"] == pytest.approx(a, rel=1e-6)
+        assert fit["per_op"][op]["bw_Bps"] == pytest.approx(b, rel=1e-6)
+        assert bench_scaling.cost(fit, op, 1e6, 8) == pytest.approx(bench_scaling.ring_cost(op, 1e6, 8, a, b))
 
 
 def test_model_rows_openclip_moves_more_loss_bytes_than_v3_at_scale():

@@ -188,7 +188,10 @@ class TrainStream:
             batches = iter(torch.utils.data.DataLoader(
                 dataset, batch_size=None, num_workers=self.layout.workers, collate_fn=_as_is,
                 pin_memory=self.cfg.pin_memory, prefetch_factor=self.cfg.prefetch_factor,
-                persistent_workers=False))  # fresh workers per epoch: the job changes (and wds#365's leak)
+                persistent_workers=False,  # fresh workers per epoch: the job changes (and wds#365's leak)
+                # its base seed from its own generator, not the caller's torch RNG: a resume mid-epoch starts one
+                # more loader than the uninterrupted run did, and must not shift the trainer's RNG stream
+                generator=torch.Generator().manual_seed(self.cfg.seed)))
         try:
             for expected in range(first, n_batches):
                 try:

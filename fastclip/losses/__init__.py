@@ -40,7 +40,17 @@ compat (FastCLIP-v0..v3):
 
 Options (``build_loss(name, *, data_size, **options)``; an option a version does not take is a TypeError,
 an option passed as None means its default): see ``options.py``. Names: ``openclip``, ``fastclip-v0``,
-``fastclip-v1``, ``fastclip-v2``, ``fastclip-v3``.
+``fastclip-v1``, ``fastclip-v2``, ``fastclip-v3``, ``siglip``.
+
+Beyond the reference:
+
+* ``similarity="atanh"`` (openclip, fastclip-v0/v1/v3; ``similarity_clamp``, default 1e-6): the temperature-free
+  loss (Kim & Kim, ICML 2025): logits 2·atanh(cos)/τ instead of cos/τ (similarity.py). For it ``temperature``
+  defaults to 1 and openclip's ``learn_temperature`` to False, so ``openclip`` and ``fastclip-v1`` with it have
+  no temperature at all; v0/v3 learn τ as a scale on top (see gcl.py for what that means); v2 rejects it.
+* ``siglip``: the sigmoid loss (Zhai et al. 2023) with learnable scale t = 1/τ (``temperature``, init 0.1) and
+  bias (``bias``, init −10; ``learn_temperature``, ``learn_bias``), OpenCLIP ``SigLipLoss``'s per-rank value
+  and gradients on the same single all_gather (siglip.py). Parameters ``logit_scale`` and ``logit_bias``.
 
 Module attributes: ``name``, ``uses_sample_state``, ``metrics`` (detached tensors of the last call: ``loss``,
 ``surrogate``, ``objective`` (the estimated global objective from u), ``gamma``, ``tau``; v2: ``tau_q05``,
@@ -61,7 +71,8 @@ from .gcl import FastCLIPV0Loss, FastCLIPV1Loss, FastCLIPV3Loss
 from .individual import FastCLIPV2Loss
 from .openclip import OpenCLIPLoss
 from .options import (ConstantTemperatureOptions, GlobalTemperatureOptions, IndividualTemperatureOptions,
-                      OpenCLIPOptions, RGCLOptions)
+                      OpenCLIPOptions, RGCLOptions, SigLIPOptions)
+from .siglip import SigLIPLoss
 from .schedules import GammaSchedule
 from .sharded_state import ShardedSampleState, reshard_for_rank, reshard_states
 
@@ -71,7 +82,17 @@ LOSSES = {
     "fastclip-v1": (FastCLIPV1Loss, ConstantTemperatureOptions),
     "fastclip-v2": (FastCLIPV2Loss, IndividualTemperatureOptions),
     "fastclip-v3": (FastCLIPV3Loss, RGCLOptions),
+    "siglip": (SigLIPLoss, SigLIPOptions),
 }
+
+# Options a loss rejects on purpose, with the reason (added to the TypeError).
+WHY_NOT = {
+    "fastclip-v2": {"similarity": "the temperature-free map replaces a temperature, and v2's per-sample τ_i "
+                                  "exist to adapt exactly that; use openclip or fastclip-v0/v1/v3"},
+    "siglip": {"similarity": "not implemented for the sigmoid loss"},
+}
+# similarity="atanh" is the temperature-free loss: no temperature unless one is given (then it scales 2·atanh).
+TEMPERATURE_FREE_DEFAULTS = {"temperature": 1.0, "learn_temperature": False}
 
 
 def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Module:
@@ -83,7 +104,12 @@ def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Modu
     given = {key: value for key, value in options.items() if value is not None}
     unknown = sorted(set(given) - accepted)
     if unknown:
-        raise TypeError(f"loss {name!r} does not take option(s) {unknown}; it takes {sorted(accepted)}")
+        why = "".join(f"; {key}: {reason}" for key, reason in WHY_NOT.get(name, {}).items() if key in unknown)
+        raise TypeError(f"loss {name!r} does not take option(s) {unknown}; it takes {sorted(accepted)}{why}")
+    if given.get("similarity") == "atanh":
+        for key, value in TEMPERATURE_FREE_DEFAULTS.items():
+            if key in accepted and (key != "learn_temperature" or name == "openclip"):  # v0/v3 learn τ on top
+                given.setdefault(key, value)
     if "data_size" in accepted:
         if data_size is None:
             raise TypeError(f"loss {name!r} needs data_size= (1 + the largest data index)")
@@ -93,6 +119,6 @@ def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Modu
 
 __all__ = [
     "build_loss", "LOSSES", "ContrastiveLoss", "SampleStateLoss", "OpenCLIPLoss", "FastCLIPV0Loss",
-    "FastCLIPV1Loss", "FastCLIPV2Loss", "FastCLIPV3Loss", "LossInputError", "NonFiniteFeaturesError",
+    "FastCLIPV1Loss", "FastCLIPV2Loss", "FastCLIPV3Loss", "SigLIPLoss", "LossInputError", "NonFiniteFeaturesError",
     "GammaSchedule", "ShardedSampleState", "reshard_states", "reshard_for_rank",
 ]

@@ -16,6 +16,17 @@ pairwise.WeightedSurrogate writes this gradient out.
 * v0: learnable τ (``logit_scale``), same loss.          objective: the same
 * v3 (RGCL-g): loss = τ_det·S_r + τ·(½·mean_local(log(u1+ε) + log(u2+ε)) + ρ), learnable τ (the reference
   drops the ε there); objective: τ·½·mean_N(log(u1+ε) + log(u2+ε)) + ρτ
+
+Temperature-free (option ``similarity="atanh"``, Kim & Kim 2025; similarity.py): every cosine c becomes
+φ(c) = 2·atanh(c) = log((1+c)/(1−c)) before the scale, g1_i = 1/(N-1) Σ_{k≠i} exp(s·(φ(e1_i·e2_k) − φ(e1_i·e2_i))).
+* v1 with s = 1 (build_loss's default temperature for atanh) is the temperature-free GCL: exp(φ(a) − φ(b)) =
+  odds(a)/odds(b) with odds(c) = (1+c)/(1−c), so g_i is the mean odds ratio of anchor i's negatives to its
+  positive and (1/2N)Σ log g has no temperature at all. A given temperature τ divides φ (a fixed sharpening).
+* v0/v3 keep their learnable τ as a scale on top of φ (init τ = 1, clamp_ keeps τ in [0.01, 1]): v0 learns a
+  sharpening of the temperature-free logits, v3 is RGCL-g (the DRO form τ·log mean exp(d/τ) + ρτ) over the
+  φ-differences d, so its ρ is on the φ scale and needs its own tuning. Neither is temperature-free any more.
+* v2 does not take the option: its per-sample τ_i adapt exactly what the map is meant to replace.
+The gradient chains ∂L/∂φ with φ'(c) = 2/(1−c²) (0 where c is clamped to ±(1 − similarity_clamp)).
 """
 from __future__ import annotations
 
@@ -26,7 +37,8 @@ from .batch import GlobalBatch
 from .comm import Comm
 from .estimator import update_u
 from .options import ConstantTemperatureOptions, GlobalTemperatureOptions, RGCLOptions
-from .pairwise import Block, column_terms, compute_dtype, positives, row_terms, similarity, weighted_surrogate
+from .pairwise import Block, column_terms, compute_dtype, row_terms, weighted_surrogate
+from .similarity import pair_logits
 
 
 class GlobalTemperatureGCL(SampleStateLoss):
@@ -47,9 +59,10 @@ class GlobalTemperatureGCL(SampleStateLoss):
         scale = self._scale(dtype)                  # s = 1/τ, autograd into logit_scale when learnable
         learnable = scale.requires_grad
         s = scale.detach()
-        sim_it = similarity(batch.image, batch.all_text, dtype, s)   # s·(local images vs all texts)
-        sim_ti = similarity(batch.text, batch.all_image, dtype, s)   # s·(local texts vs all images)
-        pos, pos_all = positives(batch, dtype)
+        # s·(local images vs all texts), s·(local texts vs all images), positives; cosines mapped by φ = 2·atanh
+        # for similarity="atanh" (then φ' rides along in the blocks for backward)
+        logits = pair_logits(batch, dtype, s, self.options.similarity, self.options.similarity_clamp)
+        sim_it, sim_ti, pos, pos_all = logits.sim_it, logits.sim_ti, logits.pos, logits.pos_all
 
         # loss1 terms: this rank's anchors against all N candidates. Columns of [., 2] tensors: (image, text).
         rows_img = row_terms(sim_it, pos, s, cells, sim_is_scaled=True)
@@ -72,10 +85,10 @@ class GlobalTemperatureGCL(SampleStateLoss):
         # the τ-gradient needs the (scaled) similarities and the positives in backward
         kept = dict(positive=pos, positive_all=pos_all) if learnable else {}
         blocks = (Block(rows_img, cols_txt, w[local, 0], w[:, 1], batch.all_text,
-                        sim=sim_it if learnable else None, **kept),
+                        sim=sim_it if learnable else None, **kept, **logits.block_grads(0)),
                   Block(rows_txt, cols_img, w[local, 1], w[:, 0], batch.all_image,
-                        sim=sim_ti if learnable else None, **kept))
-        del sim_it, sim_ti
+                        sim=sim_ti if learnable else None, **kept, **logits.block_grads(1)))
+        del sim_it, sim_ti, logits
         surrogate = weighted_surrogate(batch.image, batch.text, scale if learnable else None, blocks,
                                        0.5 / (batch.local_size * n_neg), scale_in_columns=in_columns)
 

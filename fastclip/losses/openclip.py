@@ -11,6 +11,9 @@ the softmax probabilities. It runs on the same core (pairwise.py) with a per-anc
 every anchor's weight is shared by the all_reduce (N scalars per modality), so each rank also gives its local
 candidates the gradient they receive from ALL anchors — what ClipLoss's backward all_gather would sum into
 this rank. The logit_scale gradient comes only from this rank's anchors, as in ClipLoss.
+
+Option ``similarity="atanh"``: the temperature-free loss of Kim & Kim (ICML 2025): logits s·2·atanh(cos) instead
+of s·cos, with s = 1 and not learned by default (build_loss), i.e. CE_i = −log softmax_k(2·atanh(e1_i·ẽ2_k))_i.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from .base import ContrastiveLoss
 from .batch import GlobalBatch
 from .comm import Comm
 from .options import OpenCLIPOptions
-from .pairwise import Block, column_terms, compute_dtype, positives, row_terms, similarity, weighted_surrogate
+from .pairwise import Block, column_terms, compute_dtype, row_terms, weighted_surrogate
+from .similarity import pair_logits
 
 
 class OpenCLIPLoss(ContrastiveLoss):
@@ -36,9 +40,8 @@ class OpenCLIPLoss(ContrastiveLoss):
         learnable = scale.requires_grad
         s = scale.detach()
         cells = batch.positive_cells()
-        sim_it = similarity(batch.image, batch.all_text, dtype, s)
-        sim_ti = similarity(batch.text, batch.all_image, dtype, s)
-        pos, pos_all = positives(batch, dtype)
+        logits = pair_logits(batch, dtype, s, self.options.similarity, self.options.similarity_clamp)
+        sim_it, sim_ti, pos, pos_all = logits.sim_it, logits.sim_ti, logits.pos, logits.pos_all  # s·φ(S), φ(p)
         zero = torch.zeros(batch.local_size, dtype=dtype, device=pos.device)
 
         # Per local anchor (columns (image, text)): softmax weight w = 1/(e^{-r} + Σ exp(d − r)), CE, shift r.
@@ -55,10 +58,10 @@ class OpenCLIPLoss(ContrastiveLoss):
         cols_img = column_terms(sim_ti, pos_all, s, cells, sim_is_scaled=True, shift=shift_all[:, 0])
         kept = dict(positive=pos) if learnable else {}  # for the logit_scale gradient
         blocks = (Block(rows[0], cols_txt, w_local[:, 0], w[:, 1], batch.all_text,
-                        sim=sim_it if learnable else None, **kept),
+                        sim=sim_it if learnable else None, **kept, **logits.block_grads(0)),
                   Block(rows[1], cols_img, w_local[:, 1], w[:, 0], batch.all_image,
-                        sim=sim_ti if learnable else None, **kept))
-        del sim_it, sim_ti
+                        sim=sim_ti if learnable else None, **kept, **logits.block_grads(1)))
+        del sim_it, sim_ti, logits
         loss = weighted_surrogate(batch.image, batch.text, scale if learnable else None, blocks,
                                   0.5 / batch.local_size, value=ce_local.mean())
 

@@ -10,11 +10,19 @@ import torch
 from .schedules import GammaSchedule
 
 COMPAT_MODES = ("faithful", "reference")
+SIMILARITIES = ("cosine", "atanh")  # logits s·cos, or s·2·atanh(cos) (temperature-free; similarity.py)
 
 
 def _positive(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ValueError(f"loss option {name} must be a positive number, got {value!r}")
+
+
+def _check_similarity(options) -> None:
+    if options.similarity not in SIMILARITIES:
+        raise ValueError(f"loss option similarity must be one of {SIMILARITIES}, got {options.similarity!r}")
+    if not (isinstance(options.similarity_clamp, (int, float)) and 0 < options.similarity_clamp < 1):
+        raise ValueError(f"loss option similarity_clamp must be in (0, 1), got {options.similarity_clamp!r}")
 
 
 @dataclass(frozen=True)
@@ -27,9 +35,12 @@ class CommonOptions:
 class OpenCLIPOptions(CommonOptions):
     temperature: float = 0.07      # initial τ; logit_scale = log(1/τ)
     learn_temperature: bool = True
+    similarity: str = "cosine"     # "atanh": logits 2·atanh(cos)/τ (temperature-free with τ = 1, see similarity.py)
+    similarity_clamp: float = 1e-6  # "atanh": the cosine is clamped to ±(1 − this)
 
     def __post_init__(self):
         _positive("temperature", self.temperature)
+        _check_similarity(self)
 
 
 @dataclass(frozen=True)
@@ -65,10 +76,13 @@ class ConstantTemperatureOptions(SampleStateOptions):
     """FastCLIP-v1 (SogCLR with the cosine γ schedule): one constant τ."""
 
     temperature: float = 0.07
+    similarity: str = "cosine"     # as OpenCLIPOptions (v1/v0/v3): "atanh" maps the cosine to 2·atanh(cos)
+    similarity_clamp: float = 1e-6
 
     def __post_init__(self):
         super().__post_init__()
         _positive("temperature", self.temperature)
+        _check_similarity(self)
 
 
 @dataclass(frozen=True)
@@ -107,3 +121,18 @@ class IndividualTemperatureOptions(SampleStateOptions):
                              f"[{self.tau_min}, {self.tau_max}]")
         if len(self.tau_betas) != 2 or not all(0 <= b < 1 for b in self.tau_betas):
             raise ValueError(f"loss option tau_betas must be two numbers in [0, 1), got {self.tau_betas!r}")
+
+
+@dataclass(frozen=True)
+class SigLIPOptions(CommonOptions):
+    """SigLIP: sigmoid loss with a learnable scale t = 1/τ (init 10) and bias b (init −10), as Zhai et al. 2023."""
+
+    temperature: float = 0.1       # initial 1/t; logit_scale = log t = log(1/τ)
+    bias: float = -10.0            # initial logit_bias
+    learn_temperature: bool = True
+    learn_bias: bool = True
+
+    def __post_init__(self):
+        _positive("temperature", self.temperature)
+        if not (isinstance(self.bias, (int, float)) and math.isfinite(self.bias)):
+            raise ValueError(f"loss option bias must be a finite number, got {self.bias!r}")

@@ -135,6 +135,8 @@ class Block:
     sim: torch.Tensor | None = None   # s·S (scaled by the global s), kept only when s needs a gradient
     positive: torch.Tensor | None = None      # [B] p_i, idem
     positive_all: torch.Tensor | None = None  # [N] P_j, idem (scale gradient through the columns)
+    sim_grad: torch.Tensor | None = None       # [B, N] φ'(S) when the logits map S (similarity.py), else 1
+    positive_grad: torch.Tensor | None = None  # [B] φ'(p_i), idem
 
 
 class WeightedSurrogate(torch.autograd.Function):
@@ -175,8 +177,13 @@ class WeightedSurrogate(torch.autograd.Function):
             if want_scale and ctx.scale_in_columns:
                 scale_sum = scale_sum + _scale_term(grad_sim, block, row_factor, s) \
                     - (col_factor * block.cols.total * block.positive_all).sum()
+            if block.sim_grad is not None:  # chain rule through the similarity map (0 where it clamps)
+                grad_sim.mul_(block.sim_grad)
             grads.append(grad_sim.to(block.candidates.dtype) @ block.candidates)
-            grad_positive = grad_positive - row_factor * block.rows.total  # p_i enters every row term of anchor i
+            positive_term = row_factor * block.rows.total  # p_i enters every row term of anchor i
+            if block.positive_grad is not None:
+                positive_term = positive_term * block.positive_grad
+            grad_positive = grad_positive - positive_term
         ctx.blocks = None  # free the [B, N] matrices now
         # d/ds exp(s·(S − p)) = (S − p)·exp: with grad_sim = factor·exp, Σ grad_sim·(S − p) / s.
         grad_scale = (scale_sum / s).to(scale.dtype) if want_scale else None

@@ -48,7 +48,8 @@ class _SampleRows:
         all_indices = indices.detach().to(torch.int64).contiguous()
         if info.distributed:  # every rank owns some of the global batch's rows: it needs all ranks' indices
             gathered = all_indices.new_empty(info.world_size * all_indices.numel())
-            dist.all_gather_into_tensor(gathered, all_indices)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+            gather(gathered, all_indices)
             all_indices = gathered
         self.state = loss_fn.sample_state(device=indices.device)
         self.where = self.state.locate(all_indices)

@@ -69,11 +69,13 @@ def _section(name: str, out: Path, runs: dict) -> list[str]:
         data = json.loads(js.read_text())
         machine = data.get("machine", {})
         if isinstance(machine, dict) and "date" in machine:
-            when = f"Run {machine['date']}; load average before {machine.get('loadavg')} / after " \
-                   f"{machine.get('loadavg_after', '-')}. "
+            load = lambda v: "/".join(f"{x:.1f}" for x in v) if isinstance(v, list) else "-"  # noqa: E731
+            when = f"Run {machine['date']}; load average (1/5/15 min) before {load(machine.get('loadavg'))}, " \
+                   f"after {load(machine.get('loadavg_after'))}. "
     run = runs.get(name)
-    lines.append(f"{when}Produced by `python benchmarks/{program}`"
-                 + (f" ({run['seconds']:.0f} s)." if run else "."))
+    lines.append(f"{when}Program: `python benchmarks/{program}`"
+                 + (f"; its last run from run_all took {run['seconds']:.0f} s (finished {run['finished']})."
+                    if run else "."))
     lines.append("")
     body = md.read_text().strip()
     if body.startswith("# "):  # bench_loss's own title
@@ -124,8 +126,9 @@ def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
     info = machine_info()
     report = (out.parent if out.name == "results" else out) / "RESULTS.md"
     lines = ["# fastclip benchmarks against OpenCLIP", "",
-             f"Machine: {stamp(info)}; {info['platform']}, Python {info['python']}. Written by `{command}`"
-             + (" (SMOKE run: tiny sizes, not measurements)." if smoke else "."), "",
+             f"Machine: {stamp(info)}; {info['platform']}, Python {info['python']}. Assembled by `{command}` "
+             f"from each item's latest results (every section gives its run's date; the table at the end lists "
+             f"the runs)" + (" - SMOKE run: tiny sizes, not measurements." if smoke else "."), "",
              "**No GPU was available for this run**: everything below ran on CPU (gloo), 2 processes with "
              "OMP_NUM_THREADS=1 on a 2-core machine that other jobs were using at the same time (load averages "
              "are given per item; runs are interleaved and ratios are what to read, not absolute numbers). "

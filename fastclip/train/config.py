@@ -53,7 +53,7 @@ class ModelConfig:
 
 @dataclass
 class LossConfig:
-    name: Literal["openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3"] = "fastclip-v3"
+    name: Literal["openclip", "siglip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3"] = "fastclip-v3"
     # null = the loss library's default (fastclip.losses); each set value is passed to build_loss, which
     # rejects an option the chosen version does not have.
     temperature: Optional[float] = None       # initial tau (v0, v3, openclip, per-sample in v2) or the constant (v1)
@@ -68,6 +68,9 @@ class LossConfig:
     tau_min: Optional[float] = None           # v2: per-sample tau bounds
     tau_max: Optional[float] = None
     tau_grad_clamp: Optional[float] = None    # v2: clamp of the per-sample tau gradient
+    similarity: Optional[Literal["cosine", "atanh"]] = None  # openclip/v0/v1/v3: "atanh" = temperature-free 2·atanh(cos)
+    similarity_clamp: Optional[float] = None  # atanh: the cosine is clamped to ±(1 − this)
+    bias: Optional[float] = None              # siglip: initial logit bias (-10)
 
 
 @dataclass

@@ -87,7 +87,7 @@ def stream_config(cfg: Config, data_size: int, device: torch.device) -> dict:
 def loss_options(cfg: Config) -> dict:
     """The loss section's set values, passed to build_loss (which rejects options a version lacks)."""
     names = ("temperature", "rho", "eps", "gamma_min", "gamma_decay_epochs", "gamma_schedule", "compat",
-             "tau_betas", "tau_eps", "tau_min", "tau_max", "tau_grad_clamp")
+             "tau_betas", "tau_eps", "tau_min", "tau_max", "tau_grad_clamp", "similarity", "similarity_clamp", "bias")
     opts = {k: getattr(cfg.loss, k) for k in names if getattr(cfg.loss, k) is not None}
     if "tau_betas" in opts:
         opts["tau_betas"] = tuple(opts["tau_betas"])
@@ -242,7 +242,7 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
         (run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
         n_params = sum(p.numel() for p in model.parameters())
         log.message(f"fastclip train: {cfg.loss.name}, {built.arch} ({n_params / 1e6:.1f}M parameters), "
-                    f"{info.world_size} process(es) on {device.type} ({info.launcher}, {engine.describe()}), "
+                    f"{info.world_size} process(es) on {device.type} ({info.launcher}), {engine.describe()}, "
                     f"global batch {global_batch}"
                     + (f" in {o.accum_steps} micro-batches per process" if o.accum_steps > 1 else "") + ", "
                     f"{stream.batches_per_epoch} steps/epoch, steps {step} -> {last_step}, run {run_dir}"

@@ -33,8 +33,10 @@ def _torchvision_extension_loads() -> bool:
     return False
 
 
-def ensure_torchvision_importable() -> bool:
-    """Make `import torchvision` (and so `import open_clip`) work; returns True if the guard was needed."""
+def ensure_torchvision_importable(*, announce: bool = True) -> bool:
+    """Make `import torchvision` (and so `import open_clip`) work; returns True if the guard was needed.
+
+    ``announce=False`` keeps quiet (data-loader worker processes: the parent has said it once)."""
     global _applied
     if _applied:
         return True
@@ -49,7 +51,7 @@ def ensure_torchvision_importable() -> bool:
     lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     ensure_torchvision_importable._lib = lib  # keep the registration alive
     _applied = True
-    log.warning(
+    (log.warning if announce else log.debug)(
         "torchvision's C extension does not load with this torch build (CPU torch with a CUDA torchvision "
         "wheel); declared torchvision::nms/qnms so open_clip imports. torchvision's C++ ops are unavailable."
     )

@@ -50,7 +50,8 @@ RUNS = {  # name -> overrides; "split" stops after step 3 (last checkpoint at 2)
     "zero2": ZERO[2],
     "zero2-split": {**ZERO[2], "train.max_steps": 3, "checkpoint.at_end": False},
     "zero2-split@": {**ZERO[2], "train.resume": "latest"},
-    "zero1": ZERO[1],
+    "ddp-clip": {"optim.grad_clip": 0.5},  # the norm is ~1-2: every step is clipped
+    "zero1-clip": {**ZERO[1], "optim.grad_clip": 0.5},
     # stage 3 with every parameter sharded (no small-parameter exemption), evaluated at the end
     "zero3": {**ZERO[3], "deepspeed.param_persistence_threshold": 0, "eval.at_end": True},
     "zero2-accum2": {**ZERO[2], "optim.accum_steps": 2},
@@ -142,8 +143,9 @@ def test_zero2_equals_ddp(runs):
     assert_same_training(runs, "zero2")
 
 
-def test_zero1_equals_ddp(runs):
-    assert_same_training(runs, "zero1")
+def test_zero1_with_gradient_clipping_equals_ddp(runs):
+    """Towers (sharded, clipped inside DeepSpeed's step) and temperature (outside) clipped by their joint norm."""
+    assert_same_training(runs, "zero1-clip", ref="ddp-clip")
 
 
 def test_zero3_equals_ddp(runs):
@@ -169,7 +171,7 @@ def test_checkpoint_layout_and_sharded_optimizer(runs):
 
     # every trainable tower tensor (the towers' own logit_scale is frozen: the loss owns the temperature)
     model_numel = sum(p.numel() for n, p in build_model("tiny-vit").model.named_parameters() if n != "logit_scale")
-    for name, stage in (("zero1", 1), ("zero2", 2), ("zero3", 3)):
+    for name, stage in (("zero1-clip", 1), ("zero2", 2), ("zero3", 3)):
         root = runs / name / "checkpoints"
         step_dir = root / f"step_{STEPS:08d}"
         assert (root / "latest").read_text().strip() == step_dir.name

@@ -57,6 +57,7 @@ from fastclip.data.plan import (EpochSequence, Layout, Segment, epoch_sequence, 
 from fastclip.data.samples import REASONS
 from fastclip.data.worker import EpochDataset, EpochJob
 
+
 log = logging.getLogger(__name__)
 STATE_FORMAT = "fastclip-stream/1"
 

@@ -22,6 +22,13 @@ from fastclip.data.plan import (TAG_BATCH, TAG_WINDOW, EpochSequence, Layout, Se
 from fastclip.data.samples import Candidate, SkipLog, check_sample, decode_image
 from fastclip.data.tario import ShardReader, TarBroken
 
+# A spawned DataLoader worker unpickles the preprocess transforms (torchvision objects) right after importing
+# this module (pickle loads EpochDataset's class before its state) and before any worker_init_fn runs: apply
+# the CPU-torch guard here, or such a worker dies importing torchvision and the loader waits for it forever.
+from fastclip.compat import ensure_torchvision_importable  # noqa: E402
+
+ensure_torchvision_importable(announce=False)
+
 _WANT = frozenset({"png", "jpg", "jpeg", "webp", "txt", "json"})
 
 

@@ -350,14 +350,15 @@ def _check(cfg: Config) -> None:
          f"must divide data.batch_size ({d.batch_size}): each step's per-process batch is split into this many "
          f"equal micro-batches")
     ds = cfg.deepspeed
-    need(ds.stage in (0, 1, 2, 3) and not isinstance(ds.stage, bool), "deepspeed.stage", "must be 0, 1, 2 or 3")
+    need(ds.stage in (1, 2, 3) and not isinstance(ds.stage, bool), "deepspeed.stage",
+         "must be 1, 2 or 3 (ZeRO without sharding, stage 0, is what train.distributed: ddp does)")
     need(ds.reduce_bucket_size >= 1, "deepspeed.reduce_bucket_size", "must be >= 1")
     need(ds.allgather_bucket_size >= 1, "deepspeed.allgather_bucket_size", "must be >= 1")
     need(ds.param_persistence_threshold >= 0, "deepspeed.param_persistence_threshold", "must be >= 0")
     if t.distributed == "deepspeed":
         need(t.precision != "fp16", "train.precision", "fp16 (GradScaler) is not supported with train.distributed: "
              "deepspeed; use bf16 (autocast, fp32 master weights) or fp32")
-        need(o.optimizer == "adamw" or ds.stage == 0, "optim.optimizer",
+        need(o.optimizer == "adamw", "optim.optimizer",
              "lamb's per-tensor trust ratio needs whole tensors; ZeRO shards flattened ones: use adamw (or ddp)")
         need(not (cfg.model.compile and ds.stage == 3), "model.compile",
              "torch.compile of the towers is not supported with ZeRO stage 3 (parameters gathered by hooks)")

@@ -30,8 +30,9 @@ state_dict keys, and so open_clip loading, are unchanged.
 DeepSpeed specifics: torch's AdamW (the fused kernel where available) is the client optimizer, so nothing is
 compiled on CPU (DeepSpeed's own CPU Adam builds a C++ kernel, ~50 s); its shared-memory all-reduce kernel
 (used only by tensor-parallel inference, minutes to compile on a small CPU machine) is switched off on CPU.
-grad_clip: DeepSpeed clips the towers' gradient by their global norm; the temperature's gradient is clipped
-on its own to the same bound (DDP clips both together). accum_steps = k: DeepSpeed's
+grad_clip: as under DDP, towers and temperature are clipped together by their joint norm (DeepSpeed clips the
+towers in step() by their own norm; each step it is handed the bound that gives the joint coefficient, its
+`clip_grad` attribute). accum_steps = k: DeepSpeed's
 gradient_accumulation_steps = k with micro-batch data.batch_size / k; ZeRO-1 reduces gradients once per step,
 ZeRO-2/3 after every micro-batch (they keep only their gradient partition). DeepSpeed's files are read
 through torch.load(weights_only=True) with DeepSpeed's three plain classes allow-listed. fp16 (GradScaler)
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -338,15 +340,23 @@ class DeepSpeedEngine:
         opt = self.optimizer
         if hasattr(opt, "scaled_global_norm"):         # ZeRO-1/2: partitions of the averaged gradients
             return opt.scaled_global_norm() / float(getattr(opt, "loss_scale", 1.0))
-        if hasattr(opt, "_get_norm_groups"):           # ZeRO-3
-            return combine_grad_norm_groups(opt._get_norm_groups()) / float(getattr(opt, "loss_scale", 1.0))
-        return total_grad_norm([p for p in self.model.parameters() if p.requires_grad])  # stage 0: whole grads
+        return combine_grad_norm_groups(opt._get_norm_groups()) / float(getattr(opt, "loss_scale", 1.0))  # ZeRO-3
 
     def grad_norm(self, clip: float | None) -> torch.Tensor:
         towers = self._towers_grad_norm().float()
-        tau = (torch.nn.utils.clip_grad_norm_(self.tau_params, clip) if clip is not None and self.tau_params
-               else total_grad_norm(self.tau_params)).float().to(towers.device)
-        return torch.sqrt(towers ** 2 + tau ** 2)
+        tau = total_grad_norm(self.tau_params).float().to(towers.device)
+        total = torch.sqrt(towers ** 2 + tau ** 2)
+        if clip is not None:  # clip towers and temperature by their joint norm, with clip_grad_norm_'s coefficient
+            coef = torch.clamp(clip / (total + 1e-6), max=1.0)
+            for p in self.tau_params:
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.device))
+            # DeepSpeed clips the towers by their own norm in step(): hand it the bound that gives the joint
+            # coefficient, clip * towers / total (a host read; the step's NaN/Inf check reads back anyway)
+            bound = float(clip * (towers + 1e-6) / (total + 1e-6))
+            if math.isfinite(bound):
+                self.optimizer.clip_grad = bound
+        return total
 
     def step(self) -> None:
         self.engine.step()

@@ -167,6 +167,7 @@ def _table(result: dict, info: dict, steps: int, warmup: int) -> tuple[str, list
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few steps (CI smoke); results to benchmarks/out/")
+    parser.add_argument("--out", type=Path, help="folder for engines_bench.{md,json} (default: benchmarks/results/)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         result = torch.load(Path(out) / "result.pt", weights_only=True)
     info["loadavg_after"] = list(os.getloadavg())
     text, rows = _table(result, info, plan["steps"], plan["warmup"])
-    folder = SMOKE_OUT if args.quick else RESULTS
+    folder = args.out or (SMOKE_OUT if args.quick else RESULTS)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "engines_bench.md").write_text(text)
     write_json(folder / "engines_bench.json", {"machine": info, "plan": plan, "world_size": WORLD_SIZE,

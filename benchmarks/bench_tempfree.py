@@ -142,6 +142,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data", type=Path, help="a `fastclip data embedded` folder (default: built under benchmarks/out)")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--runs", nargs="*", choices=list(RUNS), help="a subset of the runs")
+    parser.add_argument("--out", type=Path, help="folder for the results (default: benchmarks/results/)")
     args = parser.parse_args(argv)
     p = dict(QUICK if args.quick else FULL)
     if args.steps:
@@ -158,8 +159,9 @@ def main(argv=None) -> int:
     print(f"{data[0].shape[0]} training samples, {len(args.runs or RUNS)} runs of {p['steps']} steps", flush=True)
     info = machine_info()
     runs = [train_and_eval(label, data_dir, data, init_state, p) for label in (args.runs or RUNS)]
-    out_dir = SMOKE_OUT if args.quick else RESULTS
-    stem = "tempfree_bench_quick" if args.quick else "tempfree_bench"
+    out_dir = args.out or (SMOKE_OUT if args.quick else RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "tempfree_bench"
     write_json(out_dir / f"{stem}.json", {"machine": info, "params": p, "data": str(data_dir), "runs": runs})
     (out_dir / f"{stem}.md").write_text(table(runs, info, p))
     print(table(runs, info, p))

@@ -11,6 +11,8 @@ Items (each its own program, run in a fresh process, writing <name>.{json,md,png
   state        bench_state_memory.py  per-rank bytes of the per-sample state, measured and at LAION scale
   scaling      bench_scaling.py       compute/communication split at 1 and 2 processes + a scaling MODEL
   stat_eff     bench_stat_eff.py      zero-shot accuracy against samples seen at global batch 64/128/256
+  engines      bench_engines.py       DDP vs DeepSpeed ZeRO-1/2/3 and gradient accumulation: throughput, memory
+  tempfree     bench_tempfree.py      zero-shot of the temperature-free (atanh) loss against tuned temperatures
 """
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ ITEMS = {  # name -> (program, result stem, title)
     "state": ("bench_state_memory.py", "state_memory", "3. Per-sample state memory"),
     "stat_eff": ("bench_stat_eff.py", "stat_eff", "4. Statistical efficiency at small batch"),
     "scaling": ("bench_scaling.py", "scaling", "5. Scaling: compute vs communication, and a model to 256 GPUs"),
+    "engines": ("bench_engines.py", "engines_bench", "6. DDP vs DeepSpeed ZeRO, and gradient accumulation"),
+    "tempfree": ("bench_tempfree.py", "tempfree_bench", "7. Temperature-free loss against tuned temperatures"),
 }
-ORDER = ("e2e", "loss", "state", "scaling", "stat_eff")  # the most important first, the longest last
+ORDER = ("e2e", "loss", "state", "scaling", "engines", "tempfree", "stat_eff")  # the most important first, the longest last
 
 GPU_COMMANDS = """\
 # item 1 on one GPU node (nccl, bf16 autocast in ours, amp_bf16 in OpenCLIP's trainer), ViT-B-32, 256 per GPU:

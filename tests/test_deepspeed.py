@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
+from fault_utils import assert_same  # bitwise equality of nested checkpoint contents
 from dist_utils import run_distributed  # noqa: E402
 from fastclip.train.cli import main  # noqa: E402
 from fastclip.train.config import ConfigError, load_config  # noqa: E402
@@ -108,21 +109,6 @@ def assert_same_training(root: Path, name: str, ref: str = "ddp", **tol):
     for key in ("loss", "grad_norm"):  # DeepSpeed's pre-step norm (towers' partitions + temperature) = DDP's
         assert [r[key] for r in rb] == pytest.approx([r[key] for r in ra], rel=10 * tol.get("rtol", 1e-5)), key
 
-
-def assert_same(a, b, where: str = ""):
-    """Bitwise equality of nested checkpoint contents."""
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def optimizer_shard_numel(step_dir: Path, rank: int) -> int:

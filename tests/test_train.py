@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fault_utils import assert_same  # bitwise equality of nested checkpoint contents
 from dist_utils import free_port, run_distributed
 from fastclip.losses import reshard_states
 from fastclip.optim import get_lr
@@ -63,21 +64,6 @@ def records(run_dir: Path) -> list[dict]:
 def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
-
-def assert_same(a, b, where: str = ""):
-    """Bitwise equality of nested checkpoint contents."""
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 # ----------------------------------------------------------------------------- 2 processes: modes + resume

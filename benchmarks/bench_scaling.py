@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, SMOKE_OUT, free_port, label_figure, machine_info, write_json
+from common import RESULTS, SMOKE_OUT, free_port, label_figure, machine_info, slowest_rank_seconds, write_json
 
 FULL = dict(losses=("fastclip-v3", "openclip"), batch=64, arch="tiny-vit", reps=12, warmup=3, sweep_sizes=[2**k for k in range(10, 25, 2)], sweep_reps=7)
 QUICK = dict(losses=("fastclip-v3",), batch=16, arch="tiny-vit", reps=2, warmup=1, sweep_sizes=[2**10, 2**16, 2**20], sweep_reps=2)
@@ -55,13 +55,6 @@ NCCL_IB = {
 
 
 # ----------------------------------------------------------------------------- measurement (in the workers)
-def _slowest(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
 
 
 def _worker(rank: int, world: int, port: int, p: dict, queue) -> None:
@@ -118,7 +111,7 @@ def _worker(rank: int, world: int, port: int, p: dict, queue) -> None:
         times = {k: [] for k in variants}
         for rep in range(p["warmup"] + p["reps"]):
             for name, fn in variants.items():
-                t = _slowest(fn)
+                t = slowest_rank_seconds(fn)
                 if rep >= p["warmup"]:
                     times[name].append(t)
         out["times"][loss_name] = {k: statistics.median(v) for k, v in times.items()}
@@ -129,7 +122,7 @@ def _worker(rank: int, world: int, port: int, p: dict, queue) -> None:
             x = torch.randn(n // 4)
             outs = [torch.empty_like(x) for _ in range(world)]
             for op, fn in (("all_reduce", lambda: dist.all_reduce(x)), ("all_gather", lambda: dist.all_gather(outs, x))):
-                ts = [_slowest(fn) for _ in range(p["sweep_reps"] + 1)][1:]
+                ts = [slowest_rank_seconds(fn) for _ in range(p["sweep_reps"] + 1)][1:]
                 sweep.append({"op": op, "bytes": n, "seconds": statistics.median(ts)})
         out["sweep"] = sweep
     if rank == 0:

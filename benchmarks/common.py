@@ -217,3 +217,16 @@ def evaluate_checkpoint(path: Path, data_root: Path, *, arch: str | None = None,
     return run_evals(built.model, tokenizer=built.tokenizer, preprocess=built.preprocess_val,
                      val_dir=str(data_root / "val"), zeroshot_file=str(data_root / "zeroshot.json"), device=device,
                      batch_size=batch_size, max_samples=max_samples, retrieval=False)
+
+
+def slowest_rank_seconds(fn) -> float:
+    """Wall time of fn() on this rank, started together with the other ranks; returns the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)

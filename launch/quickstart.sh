@@ -11,7 +11,7 @@ DATA=data/embedded
 if [ ! -f "$DATA/zeroshot.json" ]; then
     fastclip data embedded --out "$DATA"
 fi
-RUN=runs/quickstart-fastclip-v3
+RUN=${RUN:-runs/quickstart-fastclip-v3}
 export OMP_NUM_THREADS=1   # two processes on two cores: one thread each, or they fight for the cores
 torchrun --standalone --nproc_per_node 2 -m fastclip train -- --config configs/embedded.yaml \
     --train.run_dir "$RUN" "$@"

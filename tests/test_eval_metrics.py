@@ -183,3 +183,14 @@ def test_spec_files(tmp_path):
     bad.write_text(json.dumps({"labels": []}))
     with pytest.raises(ValueError, match="'datasets' or a 'classnames' field"):
         load_zeroshot_spec(bad)
+
+
+def test_report_explains_retrieval_with_repeated_captions():
+    from fastclip.eval.cli import format_table
+    from fastclip.eval.evaluate import EvalResults
+
+    metrics = {f"{d}_R@{k}": 0.0 for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)}
+    templated = EvalResults(retrieval=dict(metrics), retrieval_samples=10, retrieval_distinct_captions=3)
+    assert "only 3 distinct captions for 10 images" in format_table(templated, per_class=False)
+    distinct = EvalResults(retrieval=dict(metrics), retrieval_samples=10, retrieval_distinct_captions=10)
+    assert "distinct captions" not in format_table(distinct, per_class=False)

@@ -92,6 +92,11 @@ def format_table(results: EvalResults, per_class: bool) -> str:
         for direction in ("image_to_text", "text_to_image"):
             values = [results.retrieval[f"{direction}_R@{k}"] for k in (1, 5, 10)]
             lines.append(f"{direction.replace('_to_', '->'):<14} " + " ".join(f"{100 * v:>7.2f}" for v in values))
+        repeated = results.retrieval_samples - results.retrieval_distinct_captions
+        if results.retrieval_distinct_captions and repeated > 0:
+            lines.append(f"note: only {results.retrieval_distinct_captions} distinct captions for "
+                         f"{results.retrieval_samples} images (templated captions); a caption shared by several "
+                         f"images ties, and ties count against the pair, so image->text recall is near 0 here")
     if results.unmatched:
         lines.append(f"\n{results.unmatched} labelled samples belong to no dataset of the class names file")
     if results.skipped:

@@ -29,6 +29,7 @@ class EvalResults:
     zeroshot: dict[str, ZeroShotResult] = field(default_factory=dict)
     retrieval: dict[str, float] = field(default_factory=dict)
     retrieval_samples: int = 0
+    retrieval_distinct_captions: int = 0  # captions with distinct embeddings: templated captions repeat
     num_samples: int = 0
     unmatched: int = 0  # labelled samples whose dataset has no class names
     skipped: int = 0  # undecodable samples (and broken shards) left out
@@ -213,6 +214,7 @@ def _evaluate(model, tokenizer, preprocess, source, specs, device, group, batch_
             half = pairs.shape[1] // 2
             results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:])
             results.retrieval_samples = pairs.shape[0]
+            results.retrieval_distinct_captions = int(torch.unique(pairs[:, half:], dim=0).shape[0])
     return results
 
 

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     fresh_data = not (REPO / "data" / "embedded" / "zeroshot.json").exists()
     info = machine_info()
     start = time.time()
-    proc = subprocess.Popen(["bash", "launch/quickstart.sh"], cwd=REPO, env={**os.environ, "RUN": str(run)},
+    proc = subprocess.Popen(["bash", "launch/quickstart.sh"], cwd=REPO, env={**os.environ, "RUN": str(run), "PYTHONUNBUFFERED": "1"},  # phase marks need lines as printed
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marks: dict[str, float] = {}
     for line in proc.stdout:  # phase boundaries from the script's own output

@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             marks.setdefault("setup", now)
         elif line.startswith("fastclip train:"):
             marks.setdefault("data", now)
-        elif line.startswith("model ") and "step" in line:
-            marks.setdefault("train", now)
+        elif line.startswith("checkpoint "):  # the trainer's last save ends training; `fastclip eval` follows
+            marks["train"] = now
     rc = proc.wait()
     total = time.time() - start
     if rc != 0:

@@ -23,14 +23,9 @@ EMBEDDED = REPO / "configs" / "embedded.yaml"
 BATCH, STEPS = 8, 4  # 2 x 8 per step; 80 training samples -> 5 steps per epoch
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    from fastclip.data.cli import main as data_main
-
-    out = tmp_path_factory.mktemp("embedded-ds")
-    assert data_main(["embedded", "--out", str(out), "--max-per-class", "4", "--max-val-per-class", "1",
-                      "--shard-size", "30", "--seed", "0"]) == 0
-    return out
+@pytest.fixture(scope="session")
+def data(tiny_embedded) -> Path:
+    return tiny_embedded
 
 
 def overrides(data: Path, run_dir: Path, **extra) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from dist_utils import run_distributed
-from fault_utils import (EMBEDDED, Job, assert_same, assert_same_training_state, latest, load, make_embedded,
+from fault_utils import (EMBEDDED, Job, assert_same, assert_same_training_state, latest, load,
                          overrides, records, step_dir, train_records, wait_for)
 from fastclip.losses import reshard_states
 from fastclip.train.cli import main
@@ -30,9 +30,9 @@ from fastclip.train.cli import main
 STEPS = 8  # of the killed job and its reference: 5 steps per epoch at 2 x 8, so it crosses into epoch 1
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    return make_embedded(tmp_path_factory.mktemp("embedded"))
+@pytest.fixture(scope="session")
+def data(tiny_embedded) -> Path:
+    return tiny_embedded
 
 
 # ----------------------------------------------------------------------------- rotten shards

@@ -31,13 +31,8 @@ STEPS = 7  # crosses into epoch 1, where gamma < 1
 
 
 @pytest.fixture(scope="session")
-def data(tmp_path_factory) -> Path:
-    from fastclip.data.cli import main as data_main
-
-    out = tmp_path_factory.mktemp("embedded")
-    assert data_main(["embedded", "--out", str(out), "--max-per-class", "4", "--max-val-per-class", "1",
-                      "--shard-size", "30", "--seed", "0"]) == 0
-    return out
+def data(tiny_embedded) -> Path:
+    return tiny_embedded
 
 
 def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v3", **extra) -> list[str]:

@@ -19,14 +19,9 @@ from test_train import EMBEDDED, overrides
 STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from fastclip.data.cli import main as data_main
-
-    out = tmp_path_factory.mktemp("embedded-beyond")
-    assert data_main(["embedded", "--out", str(out), "--max-per-class", "4", "--max-val-per-class", "1",
-                      "--shard-size", "30", "--seed", "0"]) == 0
-    return out
+@pytest.fixture(scope="session")
+def tiny(tiny_embedded):
+    return tiny_embedded
 
 
 def run(tiny, tmp_path, name, **extra):

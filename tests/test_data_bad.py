@@ -57,14 +57,6 @@ def write_bad_folder(folder) -> int:
 
 
 @pytest.fixture(scope="module")
-def model_fns():
-    from fastclip.models import build_model
-
-    built = build_model("tiny-vit")
-    return built.preprocess_train, built.tokenizer
-
-
-@pytest.fixture(scope="module")
 def bad(tmp_path_factory):
     """Two copies: one with a plain manifest (every check happens at run time), one scanned."""
     root = tmp_path_factory.mktemp("bad")

@@ -15,14 +15,6 @@ UNEVEN = [37, 5, 60, 23, 41, 18, 50]
 
 
 @pytest.fixture(scope="module")
-def model_fns():
-    from fastclip.models import build_model
-
-    built = build_model("tiny-vit")
-    return built.preprocess_train, built.tokenizer
-
-
-@pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     write_synthetic(root / "clean", UNEVEN)

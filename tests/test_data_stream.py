@@ -18,14 +18,6 @@ UNEVEN = [37, 5, 60, 23, 41, 18, 50]  # 234 samples in uneven shards
 
 
 @pytest.fixture(scope="module")
-def model_fns():
-    from fastclip.models import build_model
-
-    built = build_model("tiny-vit")
-    return built.preprocess_train, built.tokenizer
-
-
-@pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     root = tmp_path_factory.mktemp("stream")
     write_synthetic(root / "uneven", UNEVEN)

@@ -30,6 +30,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, SMOKE_OUT, free_port, machine_info, write_json  # noqa: E402
 
+from fastclip.distributed import destroy_process_group
+
 WORLD_SIZE = 2
 PER_RANK = 64            # samples per process per step (the embedded recipe's batch)
 DATA_SIZE = 10_000
@@ -122,7 +124,7 @@ def _worker(rank: int, port: int, out: str, steps: int, warmup: int):
         diffs = [max((s[k].float() - ref[k].float()).abs().max().item() for k in ref) for s in states]
         torch.save({"times": times, "memory": memory, "param_diff": diffs}, Path(out) / "result.pt")
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def _table(result: dict, info: dict, steps: int, warmup: int) -> tuple[str, list[dict]]:

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from fastclip.compat import import_open_clip
+from fastclip.distributed import destroy_process_group
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -92,7 +93,7 @@ def _worker(rank: int, port: int, plan: dict, out_file: str) -> None:
     rows = [_bench_config(rank, b, d, plan["reps"], plan["warmup"]) for b in plan["batch_sizes"] for d in plan["dims"]]
     if rank == 0:
         Path(out_file).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def _free_port() -> int:

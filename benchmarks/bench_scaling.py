@@ -37,6 +37,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, SMOKE_OUT, free_port, label_figure, machine_info, slowest_rank_seconds, write_json
 
+from fastclip.distributed import destroy_process_group
+
 FULL = dict(losses=("fastclip-v3", "openclip"), batch=64, arch="tiny-vit", reps=12, warmup=3, sweep_sizes=[2**k for k in range(10, 25, 2)], sweep_reps=7)
 QUICK = dict(losses=("fastclip-v3",), batch=16, arch="tiny-vit", reps=2, warmup=1, sweep_sizes=[2**10, 2**16, 2**20], sweep_reps=2)
 MODEL_RANKS = (1, 2, 8, 16, 32, 64, 128, 256)
@@ -128,7 +130,7 @@ def _worker(rank: int, world: int, port: int, p: dict, queue) -> None:
     if rank == 0:
         queue.put(out)
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def measure(world: int, p: dict) -> dict:

@@ -28,6 +28,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, SMOKE_OUT, free_port, label_figure, machine_info, write_json
 
+from fastclip.distributed import destroy_process_group
+
 WORLD = 2
 LAION_DATA_SIZE, LAION_RANKS = 414_080_000, 32
 REPLICATED_BYTES_PER_SAMPLE = {"fastclip-v3": 8, "fastclip-v2": 40}  # reference §3: per process, whole data set
@@ -76,7 +78,7 @@ def _worker(rank: int, port: int, sizes: tuple[int, ...], queue) -> None:
             del loss_fn, shard, state
             dist.barrier()
     queue.put(rows)
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def measure(sizes: tuple[int, ...]) -> list[dict]:

@@ -11,6 +11,7 @@ MASTER_PORT or derived from the job id, so every task computes the same address 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import re
 import shutil
@@ -221,12 +222,32 @@ def broadcast_flag(flag: bool, info: DistInfo) -> bool:
     return bool(t.item())
 
 
-def cleanup(info: DistInfo) -> None:
-    if info.owns_group and dist.is_initialized():
+def release_wrappers() -> None:
+    """Free unreachable DistributedDataParallel wrappers now, while their process group still exists.
+
+    DDP's reducer sits in reference cycles, so only the cycle collector frees it; freed after the group is
+    destroyed (often at interpreter exit), gloo aborts the process now and then: SIGABRT, "terminate called
+    without an active exception" (measured: 5 of 60 two-process runs; 0 of 60 with this collection first).
+    """
+    gc.collect()
+
+
+def destroy_process_group() -> None:
+    """`dist.destroy_process_group()` after `release_wrappers()`; a no-op without a group."""
+    release_wrappers()
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def cleanup(info: DistInfo) -> None:
+    """End of `fastclip train`: drop its DDP wrapper; destroy the group only if the trainer created it."""
+    if info.owns_group:
+        destroy_process_group()
+    else:
+        release_wrappers()  # the caller's group lives on and may be destroyed without a collection first
 
 
 __all__ = [
     "DistEnv", "DistInfo", "parse_slurm_nodelist", "slurm_master_addr", "dist_env_from", "init_distributed",
-    "pick_device", "barrier", "broadcast_flag", "cleanup",
+    "pick_device", "barrier", "broadcast_flag", "cleanup", "release_wrappers", "destroy_process_group",
 ]

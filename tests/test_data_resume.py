@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from fastclip.data import build_train_stream
+from fastclip.data import build_train_stream, state_for_new_world_size
 from fastclip.data.testing import synthetic_image, write_synthetic, write_tar
 from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
 
@@ -135,6 +135,33 @@ def test_resume_at_another_world_size_skips_nothing_and_repeats_at_most_the_boun
     bound = w_old * k_old * (buffer - 1) + (w_new * batch - 1) + old_wrap
     assert twice <= bound
     assert len(after) - len(set(after)) == wrapped  # inside the remainder, only counted wraps repeat
+
+
+@pytest.mark.parametrize("w_new", [1, 3])
+def test_skip_counters_and_samples_served_are_split_not_repeated_at_another_world_size(model_fns, data, w_new):
+    """Each old rank's tallies go to exactly one new rank: the job-wide sums are those saved, not counted twice."""
+    states = []
+    for r in range(2):
+        s = make(model_fns, data / "bad", r, 2)
+        it = iter(s.epoch(0))
+        for _ in range(12):  # the bad samples sit in the last shard: reach into it
+            next(it)
+        states.append(saved(s.state_dict()))
+        del it
+    old_skips = collections.Counter()
+    for st in states:
+        old_skips.update(st["counters"])
+    assert sum(v for k, v in old_skips.items() if k != "wrapped") > 0  # the test needs some skips to split
+    new = [make(model_fns, data / "bad", r, w_new) for r in range(w_new)]
+    for r, s in enumerate(new):
+        s.load_state_dict(state_for_new_world_size(states, r, w_new))
+    new_skips = collections.Counter()
+    for s in new:
+        new_skips.update(s.counters)
+    assert +new_skips == +old_skips
+    assert sum(s.samples_seen for s in new) == sum(st["samples_seen"] for st in states) == 2 * 12 * 8
+    # the position is the old one: the new ranks finish epoch 0 with the same, shorter, number of batches
+    assert len({s.batches_remaining(0) for s in new}) == 1
 
 
 def test_resume_with_fewer_samples_left_than_new_ranks(model_fns, data):

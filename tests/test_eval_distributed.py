@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import socket
 import tarfile
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from dist_utils import run_distributed
 from fastclip.compat import import_open_clip
 from fastclip.eval import EvalDataError, run_evals
 from fastclip.eval.testing import (colour_samples, fruit_probe, fruit_samples, image_with_rank, probe_preprocess,
@@ -21,12 +18,6 @@ from fastclip.eval.testing import (colour_samples, fruit_probe, fruit_samples, i
 
 WORLD = 2
 DEADLINE_S = 150
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def evaluations(root, weights) -> dict:
@@ -64,19 +55,13 @@ def refuse_17_pixel_images(image):
     return probe_preprocess(image)
 
 
-def worker(rank, root, weights, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        out = evaluations(root, weights)
-        # bad data that only rank 1 sees (position 1): the ranks must agree, and neither may hang
-        out["bad_label"] = bad_data_evaluation(root, "bad_label")
-        out["bad_image"] = bad_data_evaluation(root, "bad_image")
-        out["preprocess_error"] = bad_data_evaluation(root, "odd_size", refuse_17_pixel_images)
-        (root / f"rank{rank}.json").write_text(json.dumps(out))
-    finally:
-        dist.destroy_process_group()
+def worker(rank, world_size, root, weights):
+    out = evaluations(root, weights)
+    # bad data that only rank 1 sees (position 1): the ranks must agree, and neither may hang
+    out["bad_label"] = bad_data_evaluation(root, "bad_label")
+    out["bad_image"] = bad_data_evaluation(root, "bad_image")
+    out["preprocess_error"] = bad_data_evaluation(root, "odd_size", refuse_17_pixel_images)
+    return out
 
 
 def write_bad_image_shard(folder):
@@ -111,7 +96,7 @@ def data(tmp_path_factory):
     return root, weights
 
 
-def test_two_process_eval_matches_one_process(data, monkeypatch):
+def test_two_process_eval_matches_one_process(data):
     root, weights = data
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same kernels as the 1-thread workers
@@ -120,15 +105,8 @@ def test_two_process_eval_matches_one_process(data, monkeypatch):
     finally:
         torch.set_num_threads(threads)
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two processes on two cores: one thread each
-    context = mp.spawn(worker, args=(root, weights, free_port()), nprocs=WORLD, join=False)
-    deadline = time.time() + DEADLINE_S
-    while not context.join(timeout=5):
-        if time.time() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"distributed evaluation did not finish in {DEADLINE_S} s (a rank hung)")
-    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    # one thread per process (two processes on two cores); a rank that hangs fails the run by the deadline
+    ranks = run_distributed(worker, WORLD, root, weights, timeout=DEADLINE_S)
 
     # every rank returns the same dict, equal to the 1-process one
     for name in ("probe", "tiny-vit"):

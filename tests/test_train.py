@@ -6,6 +6,7 @@ resume runs in a loop; torchrun and the SLURM-style launch are one 2-process run
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -62,10 +63,15 @@ def load(path: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- 2 processes: modes + resume
+def _live_ddp_wrappers() -> int:
+    return sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+
+
 def _train_runs(rank, world_size, runs):
+    """Each run's last step, and how many DDP wrappers are still alive once train() has returned."""
     from fastclip.train.trainer import train
 
-    return [train(load_config(EMBEDDED, args))["step"] for args in runs]
+    return [(train(load_config(EMBEDDED, args))["step"], _live_ddp_wrappers()) for args in runs]
 
 
 @pytest.fixture(scope="session")
@@ -78,9 +84,38 @@ def two_process_runs(data, tmp_path_factory):
         # stopped after step 5 with the last checkpoint at step 4 (as a crash would leave it)
         runs.append(overrides(data, root / mode / "split", mode, **{"train.max_steps": 5, "checkpoint.at_end": False}))
         runs.append(overrides(data, root / mode / "split", mode, **{"train.max_steps": STEPS, "train.resume": "latest"}))
-    steps = run_distributed(_train_runs, 2, runs, timeout=400)
-    assert steps == [[STEPS, 5, STEPS] * len(MODES)] * 2
+    results = run_distributed(_train_runs, 2, runs, timeout=400)
+    assert [[step for step, _ in rank] for rank in results] == [[STEPS, 5, STEPS] * len(MODES)] * 2
+    (root / "live_ddp_wrappers.json").write_text(json.dumps([[live for _, live in rank] for rank in results]))
     return root
+
+
+def _failing_train(rank, world_size, args):
+    """train() stopped by its non-finite guard; the caught error (and its traceback) is still held here."""
+    from fastclip.train.trainer import train
+
+    os.environ["FASTCLIP_FAULTS"] = "nan@batch:step=2; nan@batch:step=3"
+    try:
+        train(load_config(EMBEDDED, args))
+    except Exception as error:  # noqa: BLE001 - what the CLI does too: hold the error while reporting it
+        return type(error).__name__, _live_ddp_wrappers()
+    finally:
+        del os.environ["FASTCLIP_FAULTS"]
+    return None, _live_ddp_wrappers()
+
+
+def test_no_ddp_wrapper_outlives_a_failed_train(data, tmp_path):
+    """The traceback of train()'s error does not keep the DDP wrapper (its frames are cleared): the wrapper is
+    freed while the group exists, not after the caller destroys it."""
+    args = overrides(data, tmp_path / "run", **{"train.max_steps": 4, "train.max_nonfinite_steps": 2})
+    assert run_distributed(_failing_train, 2, args, timeout=200) == [("NonFiniteStepsError", 0)] * 2
+
+
+def test_no_ddp_wrapper_outlives_train(two_process_runs):
+    """train() frees its DDP wrapper before returning: one freed after the group is destroyed makes gloo abort
+    the process at exit now and then (SIGABRT, "terminate called without an active exception")."""
+    live = json.loads((two_process_runs / "live_ddp_wrappers.json").read_text())
+    assert live == [[0] * 3 * len(MODES)] * 2
 
 
 def _rank_state(step_dir: Path, rank: int) -> dict:
@@ -175,6 +210,10 @@ def test_resume_at_another_world_size(two_process_runs, data, tmp_path):
     # the interrupted epoch 0 (80 samples) is finished at the new layout: 64 served at 2 x 8, the rest here
     data_state = _rank_state(new, 0)["data"]
     assert data_state["layout"]["world_size"] == 1 and data_state["epoch"] == 0
+    # the one new rank carries both old ranks' tallies (samples served, skip and wrap counters), once each
+    old_data = [_rank_state(old, r)["data"] for r in range(2)]
+    assert data_state["samples_seen"] == sum(d["samples_seen"] for d in old_data) == 64
+    assert data_state["counters"] == {k: sum(d["counters"][k] for d in old_data) for k in old_data[0]["counters"]}
     # and it trains on: 3 more steps at batch 8 on one process
     args = overrides(data_dir, tmp_path / "one", "fastclip-v2", **{"train.max_steps": 7, "train.resume": "latest"})
     assert main(["--config", str(EMBEDDED), *args]) == 0

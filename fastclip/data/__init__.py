@@ -35,7 +35,7 @@ from fastclip.data.catalog import Catalog, DataSpecError, expand_braces, resolve
 from fastclip.data.labelled import LabelledSample, iter_labelled_samples, load_zeroshot
 from fastclip.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest, write_manifest
 from fastclip.data.samples import REASONS
-from fastclip.data.stream import StreamConfig, TrainStream, build_train_stream
+from fastclip.data.stream import StreamConfig, TrainStream, build_train_stream, state_for_new_world_size
 from fastclip.data.writer import ShardWriter
 
 __all__ = [

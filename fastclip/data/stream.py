@@ -290,6 +290,23 @@ class TrainStream:
                  self._segment.length, self.batches_remaining(epoch))
 
 
+def state_for_new_world_size(old_states: list[dict], rank: int, world_size: int) -> dict:
+    """What new rank `rank` of `world_size` loads when resuming from every old rank's state (in rank order).
+
+    The position (epoch, batches served, old layout) is the same in every old state, so any one serves; the
+    per-rank tallies (samples served, skip counters) are split so that their sums over ranks are kept: new rank
+    r takes those of the old ranks j with j % world_size == r (none, when there are more new ranks than old).
+    """
+    if not old_states:
+        raise ValueError("no saved data stream states to resume from")
+    mine = [s for j, s in enumerate(old_states) if j % world_size == rank]
+    counters: Counter = Counter()
+    for s in mine:
+        counters.update({k: int(v) for k, v in s["counters"].items()})
+    return {**old_states[0], "samples_seen": sum(int(s["samples_seen"]) for s in mine),
+            "counters": {k: counters[k] for k in old_states[0]["counters"]} | dict(counters)}
+
+
 def _check_positive(cfg: StreamConfig, world_size: int, rank: int) -> None:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} / world_size {world_size} is not a valid rank")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -129,17 +130,19 @@ def train(cfg: Config) -> dict:
                                   train_seconds=cfg.train.collective_timeout_seconds)
     try:
         return _train(cfg, info, timeouts)
-    except RuntimeError as e:  # a failed collective becomes a CollectiveFailure naming rank, step and phase
+    except BaseException as e:
+        # the traceback's frames hold the DDP wrapper; cleared, it can be freed before the group goes
+        traceback.clear_frames(e.__traceback__)
         explained = timeouts.explain(e)
         if explained is e:
             raise
-        raise explained from e
+        raise explained from e  # a failed collective becomes a CollectiveFailure naming rank, step and phase
     finally:
         cleanup(info)
 
 
 def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
-    from fastclip.data import REASONS, build_train_stream
+    from fastclip.data import REASONS, build_train_stream, state_for_new_world_size
     from fastclip.losses import NonFiniteFeaturesError, build_loss, reshard_for_rank
     from fastclip.models import build_model
 
@@ -185,13 +188,21 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
             rank_file = ckpt.load_file(resume_dir / f"rank_{info.rank}.pt")
             loss_fn.load_state_dict(rank_file["loss_state"])
         else:  # another world size: rebuild this rank's shard of the per-sample state, one old file at a time
+            old_data = []  # every old rank's data stream state (small), read on the way
+
+            def old_loss_states():
+                for f in ckpt.iter_rank_files(resume_dir, saved_world):
+                    old_data.append(f["data"])
+                    yield f["loss_state"]
+
             if getattr(loss_fn, "uses_sample_state", False):
-                states = (f["loss_state"] for f in ckpt.iter_rank_files(resume_dir, saved_world))
-                loss_fn.load_state_dict(reshard_for_rank(states, info.world_size, info.rank))
+                loss_fn.load_state_dict(reshard_for_rank(old_loss_states(), info.world_size, info.rank))
             else:
+                old_data.extend(f["data"] for f in ckpt.iter_rank_files(resume_dir, saved_world))
                 loss_fn.load_state_dict(model_file["loss"])
-            # the data layer finishes the interrupted epoch from any old rank's position (fastclip/data/stream.py)
-            rank_file = ckpt.load_file(resume_dir / f"rank_{min(info.rank, saved_world - 1)}.pt")
+            # the data layer finishes the interrupted epoch from the old position and splits the old ranks' skip
+            # counters over the new ranks (fastclip/data/stream.py)
+            rank_file = {"data": state_for_new_world_size(old_data, info.rank, info.world_size)}
         step, samples_seen, epoch = int(model_file["step"]), int(model_file["samples_seen"]), int(model_file["epoch"])
 
     if cfg.model.compile and cfg.model.grad_checkpointing and info.distributed:

@@ -354,3 +354,24 @@ def test_validate_false_and_no_process_group():
     assert checked.comm_bytes == {"header": 0, "features": 0, "indices": 0, "state": 0, "total": 0}
     with pytest.raises(RuntimeError, match="not initialised"):
         build_loss("fastclip-v3", data_size=10, group=object())(e1, e2, IDX)
+
+
+def test_fp32_overflow_at_tau_001_is_loud_for_v0_v1_v3_and_absent_for_v2_and_openclip():
+    """The documented limit: v0/v1/v3 take exp((s_ik - s_ii)/tau) unshifted (as the reference does), so at tau = 0.01
+    a negative that beats its positive by more than 0.88 in cosine overflows float32. The result is a non-finite
+    loss (which the trainer's non-finite guard skips on every rank), never a finite wrong one; v2 and openclip
+    shift by a per-anchor maximum and stay finite on the same batch."""
+    img = F.normalize(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), dim=-1)
+    txt = img.clone()
+    txt[0] = -img[0]  # pair 0's positive has cosine -1: every other text beats it by about 1
+    options = {"fastclip-v0": {}, "fastclip-v1": {}, "fastclip-v3": {"rho": 6.5}, "fastclip-v2": {"rho": 6.5},
+               "openclip": {}}
+    finite = {}
+    for name, extra in options.items():
+        loss_fn = build_loss(name, data_size=8, temperature=0.01, **extra)
+        x1, x2 = img.clone().requires_grad_(), txt.clone().requires_grad_()
+        loss = loss_fn(x1, x2, torch.arange(4))
+        loss.backward()
+        finite[name] = bool(torch.isfinite(loss)) and bool(torch.isfinite(x1.grad).all())
+    assert finite == {"fastclip-v0": False, "fastclip-v1": False, "fastclip-v3": False, "fastclip-v2": True,
+                      "openclip": True}

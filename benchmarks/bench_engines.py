@@ -99,6 +99,12 @@ def _worker(rank: int, port: int, out: str, steps: int, warmup: int):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
                             timeout=datetime.timedelta(minutes=10))
+    _measure(rank, out, steps, warmup)  # its engines are gone when it returns: none may outlive the group
+    dist.barrier()
+    destroy_process_group()
+
+
+def _measure(rank: int, out: str, steps: int, warmup: int) -> None:
     gen = torch.Generator().manual_seed(123)
     batches = []
     for _ in range(warmup + steps):  # the same global batches for every configuration; this rank's rows
@@ -123,8 +129,6 @@ def _worker(rank: int, port: int, out: str, steps: int, warmup: int):
         ref = states[0]
         diffs = [max((s[k].float() - ref[k].float()).abs().max().item() for k in ref) for s in states]
         torch.save({"times": times, "memory": memory, "param_diff": diffs}, Path(out) / "result.pt")
-    dist.barrier()
-    destroy_process_group()
 
 
 def _table(result: dict, info: dict, steps: int, warmup: int) -> tuple[str, list[dict]]:

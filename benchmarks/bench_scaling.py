@@ -63,6 +63,14 @@ def _worker(rank: int, world: int, port: int, p: dict, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = _measure(rank, world, p)  # its DDP wrappers are gone when it returns: none may outlive the group
+    if rank == 0:
+        queue.put(out)
+    dist.barrier()
+    destroy_process_group()
+
+
+def _measure(rank: int, world: int, p: dict) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from fastclip.losses import build_loss
@@ -127,10 +135,7 @@ def _worker(rank: int, world: int, port: int, p: dict, queue) -> None:
                 ts = [slowest_rank_seconds(fn) for _ in range(p["sweep_reps"] + 1)][1:]
                 sweep.append({"op": op, "bytes": n, "seconds": statistics.median(ts)})
         out["sweep"] = sweep
-    if rank == 0:
-        queue.put(out)
-    dist.barrier()
-    destroy_process_group()
+    return out
 
 
 def measure(world: int, p: dict) -> dict:

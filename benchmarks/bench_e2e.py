@@ -27,8 +27,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO, RESULTS, SMOKE_OUT, ensure_embedded, evaluate_checkpoint, label_figure, loss_overrides,
-                    machine_info, read_jsonl, run_monitored, shard_pattern, torchrun, write_json)
+from common import (REPO, RESULTS, SMOKE_OUT, ensure_embedded, evaluate_checkpoint, loss_overrides, machine_info,
+                    publish, read_jsonl, run_monitored, save_figure, shard_pattern, torchrun)
 
 SYSTEMS = ("OpenCLIP trainer", "fastclip openclip", "fastclip fastclip-v3")
 RUNTIME = dict(arch="tiny-vit", nproc=2, device="cpu", precision="fp32", workers=1)
@@ -177,11 +177,9 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
         ax.set_ylabel(label, fontsize=8)
     p = result["params"]
-    label_figure(fig, result["machine"], f"End to end vs OpenCLIP's trainer: {p['arch']}, {p['nproc']} x {p['batch']} "
-                 f"per step, {p['device']} {p['precision']}, {p['samples']} samples per run")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = (f"End to end vs OpenCLIP's trainer: {p['arch']}, {p['nproc']} x {p['batch']} per step, "
+             f"{p['device']} {p['precision']}, {p['samples']} samples per run")
+    save_figure(fig, path, result["machine"], title)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,10 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [one_run(system, rep, data, work, p) for rep in range(p["reps"]) for system in SYSTEMS]
     result = {"machine": info, "params": p, "rows": rows, "summary": summarize(rows)}
     result["machine"]["loadavg_after"] = list(__import__("os").getloadavg())
-    write_json(out / "e2e.json", result)
-    (out / "e2e.md").write_text(markdown(result) + "\n")
-    plot(result, out / "e2e.png")
-    print(markdown(result))
+    publish(out, "e2e", result, markdown, plot)
     return 0
 
 

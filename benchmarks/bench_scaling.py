@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, SMOKE_OUT, free_port, label_figure, machine_info, slowest_rank_seconds, write_json
+from common import RESULTS, SMOKE_OUT, free_port, machine_info, publish, save_figure, slowest_rank_seconds
 
 from fastclip.distributed import destroy_process_group
 
@@ -295,11 +295,8 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title("MODEL: " + sc["assumptions"]["name"], fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5)
-    label_figure(fig, result["machine"], "Scaling: measured collective costs (left) and a latency-bandwidth "
-                 "MODEL of the step (middle, right; not measurements)")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.93))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, result["machine"], "Scaling: measured collective costs (left) and a latency-bandwidth "
+                "MODEL of the step (middle, right; not measurements)", top=0.93)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,10 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     w1, w2 = measure(1, p), measure(2, p)
     result = build_result(w1, w2, p, info)
-    write_json(out / "scaling.json", result)
-    (out / "scaling.md").write_text(markdown(result) + "\n")
-    plot(result, out / "scaling.png")
-    print(markdown(result))
+    publish(out, "scaling", result, markdown, plot)
     return 0
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO, RESULTS, SMOKE_OUT, ensure_embedded, label_figure, loss_overrides, machine_info,
-                    read_jsonl, run_monitored, torchrun, write_json)
+from common import (REPO, RESULTS, SMOKE_OUT, ensure_embedded, loss_overrides, machine_info, publish, read_jsonl,
+                    run_monitored, save_figure, torchrun)
 
 LOSSES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
 FULL = dict(losses=LOSSES, global_batches=(64, 128, 256), max_per_class=150, epochs=3, eval_max=2000)
@@ -126,11 +126,8 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel("zero-shot top-1 (%)", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    label_figure(fig, result["machine"], f"Statistical efficiency: tiny-vit, 2 processes, {result['train_samples']} "
-                 f"samples x {p['epochs']} epochs")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.94))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"Statistical efficiency: tiny-vit, 2 processes, {result['train_samples']} samples x {p['epochs']} epochs"
+    save_figure(fig, path, result["machine"], title, top=0.94)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,10 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": info, "params": p, "train_samples": train_samples, "runs": runs,
               "summary": summarize(runs, p)}
     result["machine"]["loadavg_after"] = list(os.getloadavg())
-    write_json(out / "stat_eff.json", result)
-    (out / "stat_eff.md").write_text(markdown(result) + "\n")
-    plot(result, out / "stat_eff.png")
-    print(markdown(result))
+    publish(out, "stat_eff", result, markdown, plot)
     return 0
 
 

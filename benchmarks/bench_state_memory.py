@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, SMOKE_OUT, free_port, label_figure, machine_info, write_json
+from common import RESULTS, SMOKE_OUT, free_port, machine_info, publish, save_figure
 
 from fastclip.distributed import destroy_process_group
 
@@ -171,10 +171,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("per-sample state bytes per rank / process")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=6.5, loc="upper left")
-    label_figure(fig, result["machine"], "Per-sample state memory: sharded (ours) vs replicated (reference)")
-    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, result["machine"], "Per-sample state memory: sharded (ours) vs replicated (reference)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,10 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (SMOKE_OUT if args.quick else RESULTS)
     measured = measure(QUICK_SIZES if args.quick else FULL_SIZES)
     result = {"machine": machine_info(), "measured": measured, "projected": project(measured)}
-    write_json(out / "state_memory.json", result)
-    (out / "state_memory.md").write_text(markdown(result) + "\n")
-    plot(result, out / "state_memory.png")
-    print(markdown(result))
+    publish(out, "state_memory", result, markdown, plot)
     return 0
 
 

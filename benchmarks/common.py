@@ -55,14 +55,29 @@ def stamp(info: dict) -> str:
     return f"{device}, torch {info['torch']}, {info['date'][:16].replace('T', ' ')} UTC"
 
 
-def label_figure(fig, info: dict, title: str) -> None:
+def save_figure(fig, path: Path, info: dict, title: str, *, top: float = 0.95) -> None:
+    """Title the figure, stamp it with the machine and date, lay it out below the title (`top`), save, close."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title, fontsize=11)
     fig.text(0.99, 0.005, stamp(info), ha="right", va="bottom", fontsize=7, color="0.35")
+    fig.tight_layout(rect=(0, 0.03, 1, top))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write_json(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def publish(out: Path, stem: str, result: dict, markdown, plot) -> None:
+    """`<stem>.json`, `<stem>.md` and `<stem>.png` in `out`, and the table on stdout."""
+    write_json(out / f"{stem}.json", result)
+    text = markdown(result)
+    (out / f"{stem}.md").write_text(text + "\n")
+    plot(result, out / f"{stem}.png")
+    print(text)
 
 
 # ----------------------------------------------------------------------------- memory of a process tree

@@ -3,6 +3,8 @@
   fastclip data embedded --out data/embedded [--datasets auto|fashion-mnist,mnist|mnist,animal-mnist]
                          [--max-per-class N] [--max-val-per-class N] [--val-fraction 0.2] [--shard-size 2000]
                          [--seed 0] [--index-offset 0]
+  fastclip data embedded --source scenes --out data/scenes [--num-train 100000] [--num-val 2000]
+                         [--num-test 5000] [--num-novel 2000] [--workers N] [--seed 0] [--shard-size 2000]
   fastclip data folder --captions caps.csv --out DIR [--images ROOT] [--csv-img-key filepath]
                        [--csv-caption-key title] [--csv-separator ","] [--shard-size 2000] [--index-offset 0]
   fastclip data scan DIR|PATTERN [--data-size N] [--strict]
@@ -24,7 +26,17 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     e = sub.add_parser("embedded", help="shards from the offline datasets (Fashion-MNIST + MNIST-5k by default)")
-    e.add_argument("--out", required=True, help="writes OUT/train, OUT/val, OUT/zeroshot.json, OUT/embedded.json")
+    e.add_argument("--out", required=True, help="writes OUT/train, OUT/val, OUT/zeroshot.json, OUT/embedded.json "
+                                                 "(scenes: also OUT/test, OUT/novel and OUT/scenes.json)")
+    e.add_argument("--source", choices=("glyphs", "scenes"), default="glyphs",
+                   help="glyphs: one 28x28 image per sample, templated class captions (default); scenes: 64x64 "
+                        "compositional scenes of 1-3 coloured glyphs with distinct captions")
+    e.add_argument("--num-train", type=int, default=100_000, help="scenes: training pairs")
+    e.add_argument("--num-val", type=int, default=2_000, help="scenes: i.i.d. held-out pairs for tuning")
+    e.add_argument("--num-test", type=int, default=5_000, help="scenes: i.i.d. held-out pairs for reporting")
+    e.add_argument("--num-novel", type=int, default=2_000,
+                   help="scenes: held-out pairs with (class, colour) combinations never seen in training")
+    e.add_argument("--workers", type=int, default=None, help="scenes: generating processes (default: all cores)")
     e.add_argument("--datasets", default="auto",
                    help="auto (Fashion-MNIST + MNIST-5k, or MNIST-5k + Animal-MNIST without the Debian files), "
                         "or a comma list of fashion-mnist, mnist, animal-mnist")
@@ -70,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    if args.command == "embedded" and args.source == "scenes":
+        return _scenes(args)
     if args.command == "embedded":
         from fastclip.data.sources.embedded import FASHION_MNIST_ROOT, build_embedded
 
@@ -121,6 +135,31 @@ def _run(args) -> int:
         print(json.dumps(out, indent=1))
         return 0
     raise AssertionError(args.command)
+
+
+def _scenes(args) -> int:
+    import time
+
+    from fastclip.data.sources.embedded import FASHION_MNIST_ROOT
+    from fastclip.data.sources.scenes import build_scenes
+    from fastclip.progress import Progress
+
+    start = time.perf_counter()
+    total = args.num_train + args.num_val + args.num_test + args.num_novel
+    with Progress(total, "scenes", unit="scene") as bar:
+        summary = build_scenes(args.out, num_train=args.num_train, num_val=args.num_val, num_test=args.num_test,
+                               num_novel=args.num_novel, shard_size=args.shard_size, seed=args.seed,
+                               index_offset=args.index_offset, datasets=args.datasets, workers=args.workers,
+                               fashion_root=args.fashion_mnist_root or FASHION_MNIST_ROOT, progress=bar.update)
+    print(f"scenes of {', '.join(summary['datasets'])} glyphs ({summary['note']}), "
+          f"{time.perf_counter() - start:.0f} s")
+    for split, info in summary["splits"].items():
+        print(f"{args.out}/{split}: {info['num_samples']} scenes ({info['distinct_captions']} distinct captions, "
+              f"{info['labelled_single_object']} single-object for zero-shot) in {info['shards']} shards, indices "
+              f"{info['index_range'][0]}..{info['index_range'][1]}")
+    print(f"data_size {summary['data_size']}; {len(summary['held_out_pairs'])} (class, colour) pairs held out of "
+          f"training; class names and prompts in {args.out}/zeroshot.json")
+    return 0
 
 
 if __name__ == "__main__":

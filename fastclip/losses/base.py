@@ -36,7 +36,16 @@ class ContrastiveLoss(nn.Module):
     # -- per call ---------------------------------------------------------------------------------------------
     def forward(self, image_features: torch.Tensor, text_features: torch.Tensor,
                 indices: torch.Tensor | None = None, *, epoch: int | None = None) -> torch.Tensor:
-        """Per-rank surrogate loss; backward it on every rank and average parameter gradients over ranks."""
+        """Per-rank surrogate loss; backward it on every rank and average parameter gradients over ranks.
+
+        Safe inside ``torch.autocast``: autocast is off in here and similarities are computed in float32 (or
+        float64) whatever the features' dtype, since a bf16 matmul with 1/τ = 100 applied is off by several %.
+        """
+        device_type = image_features.device.type if isinstance(image_features, torch.Tensor) else "cpu"
+        with torch.autocast(device_type, enabled=False):
+            return self._forward(image_features, text_features, indices, epoch)
+
+    def _forward(self, image_features, text_features, indices, epoch):
         if epoch is not None:
             self.set_epoch(epoch)
         comm = Comm.resolve(self.group)

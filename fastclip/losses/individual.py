@@ -10,11 +10,15 @@ Objective (RGCL): (1/2N)Σ_i τ_i(log(ε+g_i) + ρ) per modality, i.e. τ_i·(lo
 then a per-sample Adam step with betas (0,0) in epoch 0 and per-epoch bias correction, τ clamped to
 [tau_min, tau_max]. The encoders see τ_old (this step's τ before its update) and the new b, with weights
 τ_old_i/(u_i+ε) (faithful: the gradient of Σ τ_i log g_i) or 1/(u_i+ε) (compat="reference").
+ε is the objective's (log(ε + g) in the true scale): with u stored shifted by b it enters as ε·e^−b. The
+reference adds ε in the shifted scale instead (an effective ε·e^b); compat="reference" keeps that.
 
 Communication: the anchors' ranks need τ_old and b_old of their anchors before computing g, so the state is
 fetched by its own all_reduce first, then the per-anchor results (g, b, τ-gradient sums) are shared by a second.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,6 +35,15 @@ FIELDS = ("u_img", "u_txt", "tau_img", "tau_txt", "b_img", "b_txt", "m_img", "m_
 U, TAU, BOUND, M, V, SEEN = slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8), slice(8, 10), slice(10, 11)
 
 
+def objective_eps_shifted(u: torch.Tensor, b: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u + ε·e^−b, its log) for u kept in the scale shifted by b: u_true + ε = e^b·(u + ε·e^−b), so the
+    objective's ε enters as ε·e^−b. The log is a logaddexp, finite where ε·e^−b underflows; the sum is floored
+    at the dtype's tiny so that a weight 1/(u + ε·e^−b) never divides by zero."""
+    log_eps = math.log(eps) if eps > 0 else -math.inf
+    log_denom = torch.logaddexp(torch.log(u), log_eps - b)
+    return torch.exp(log_denom).clamp_min(torch.finfo(u.dtype).tiny), log_denom
+
+
 class FastCLIPV2Loss(SampleStateLoss):
     name = "fastclip-v2"
 
@@ -43,6 +56,14 @@ class FastCLIPV2Loss(SampleStateLoss):
 
     def temperature(self) -> None:
         return None
+
+    def _shifted_eps(self, u: torch.Tensor, b: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(denominator, its log) of the weights 1/(u + ε) in u's shifted scale. Faithful: the objective's ε
+        (ε·e^−b in this scale). Reference: ε added in the shifted scale, i.e. an effective ε·e^b, which after a
+        large similarity gap (b in the tens) swamps u, saturates the τ-gradient and shrinks encoder gradients."""
+        if self.reference:
+            return u + eps, torch.log(u + eps)
+        return objective_eps_shifted(u, b, eps)
 
     def _compute(self, comm: Comm, batch: GlobalBatch):
         opt = self.options
@@ -71,7 +92,8 @@ class FastCLIPV2Loss(SampleStateLoss):
 
         # 3) u, τ-gradient and the Adam step for the whole batch (cheap, [N, 2]); owners store their rows.
         u = update_u(u_old, g, seen, gamma, rescale=torch.exp(b_old - b_new))
-        grad = (-h / (u + eps) + torch.log(u + eps) + b_new + self.rho).clamp(-opt.tau_grad_clamp, opt.tau_grad_clamp)
+        denom, log_denom = self._shifted_eps(u, b_new, eps)
+        grad = (-h / denom + log_denom + b_new + self.rho).clamp(-opt.tau_grad_clamp, opt.tau_grad_clamp)
         beta1, beta2 = tau_adam_betas(self.epoch, opt.tau_betas)
         m1 = torch.where(seen, owned[:, M], 0.0).lerp(grad, 1 - beta1)        # β1·m + (1-β1)·grad
         m2 = torch.where(seen, owned[:, V], 0.0).lerp(grad * grad, 1 - beta2)
@@ -81,7 +103,7 @@ class FastCLIPV2Loss(SampleStateLoss):
 
         # 4) encoder surrogate with τ_old and the new bounds: the columns of each block are the global anchors
         #    of the other modality (gradient into this rank's negatives).
-        w = 1.0 / (u + eps) if self.reference else tau_old / (u + eps)
+        w = 1.0 / denom if self.reference else tau_old / denom
         cols_txt = column_terms(sim_it, pos_all, 1.0 / tau_old[:, 1], cells, shift=b_new[:, 1])
         cols_img = column_terms(sim_ti, pos_all, 1.0 / tau_old[:, 0], cells, shift=b_new[:, 0])
         del sim_it, sim_ti
@@ -89,7 +111,7 @@ class FastCLIPV2Loss(SampleStateLoss):
                   Block(rows[1], cols_img, w[local, 1], w[:, 0], batch.all_image))
         loss = weighted_surrogate(batch.image, batch.text, None, blocks, 0.5 / (batch.local_size * n_neg))
 
-        objective = (tau_old * (torch.log(u + eps) + b_new + self.rho)).mean()   # both modalities averaged
+        objective = (tau_old * (log_denom + b_new + self.rho)).mean()   # both modalities averaged
         quantiles = torch.quantile(tau_old.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=dtype, device=u.device))
         metrics = {"loss": loss, "surrogate": loss, "objective": objective, "gamma": torch.tensor(gamma, dtype=dtype),
                    "tau_quantiles": quantiles, "tau_q05": quantiles[0], "tau_q50": quantiles[1],

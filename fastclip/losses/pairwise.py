@@ -40,12 +40,11 @@ def similarity(local: torch.Tensor, gathered: torch.Tensor, dtype: torch.dtype,
     the block in ``row_terms``/``column_terms`` (``sim_is_scaled=True``).
     """
     with torch.no_grad():
-        local = local.detach()
+        # upcast first: bf16/fp16 features are multiplied in the compute dtype (the loss runs with autocast off)
+        local, gathered = local.detach().to(dtype), gathered.to(dtype)
         if scale is None:
-            return (local @ gathered.T).to(dtype)
-        if local.dtype == dtype:
-            return ((local * scale) @ gathered.T).to(dtype)  # .to: a matmul under autocast may come back in bf16
-        return (local @ gathered.T).to(dtype).mul_(scale)
+            return local @ gathered.T
+        return (local * scale) @ gathered.T
 
 
 def positives(batch: GlobalBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +159,11 @@ class WeightedSurrogate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):  # a backward called inside autocast
+            return WeightedSurrogate._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         if ctx.blocks is None:
             raise RuntimeError("the FastCLIP surrogate's backward can run only once per forward")
         image, text, scale = ctx.saved_tensors
@@ -179,7 +183,7 @@ class WeightedSurrogate(torch.autograd.Function):
                     - (col_factor * block.cols.total * block.positive_all).sum()
             if block.sim_grad is not None:  # chain rule through the similarity map (0 where it clamps)
                 grad_sim.mul_(block.sim_grad)
-            grads.append(grad_sim.to(block.candidates.dtype) @ block.candidates)
+            grads.append(grad_sim @ block.candidates.to(grad_sim.dtype))
             positive_term = row_factor * block.rows.total  # p_i enters every row term of anchor i
             if block.positive_grad is not None:
                 positive_term = positive_term * block.positive_grad

@@ -55,15 +55,19 @@ class SigmoidPairs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):  # a backward called inside autocast
+            return SigmoidPairs._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         d_it, d_ti, all_text, all_image, sim_it = ctx.saved_tensors
         image_dtype, text_dtype, scale_dtype, bias_dtype = ctx.dtypes
         factor = ctx.coef * grad_out
         grads = [None] * 11
         if ctx.needs_input_grad[0]:
-            grads[0] = ((factor * ctx.scale) * d_it).to(all_text.dtype) @ all_text
-            grads[0] = grads[0].to(image_dtype)
+            grads[0] = (((factor * ctx.scale) * d_it) @ all_text.to(d_it.dtype)).to(image_dtype)
         if ctx.needs_input_grad[1]:
-            grads[1] = (((factor * ctx.scale) * d_ti).to(all_image.dtype) @ all_image).to(text_dtype)
+            grads[1] = (((factor * ctx.scale) * d_ti) @ all_image.to(d_ti.dtype)).to(text_dtype)
         if ctx.needs_input_grad[2]:
             grads[2] = (factor * torch.dot(d_it.reshape(-1), sim_it.reshape(-1))).to(scale_dtype)
         if ctx.needs_input_grad[3]:

@@ -18,3 +18,15 @@ def update_u(u_old: torch.Tensor, g: torch.Tensor, seen: torch.Tensor, gamma: fl
     trusted = seen & (u_old >= TINY_U) & (u_old < math.inf)  # False for NaN too
     carried = u_old if rescale is None else u_old * rescale
     return torch.where(trusted, torch.lerp(g, carried, 1.0 - gamma), g)
+
+
+LOG_TINY_U = math.log(TINY_U)
+
+
+def update_log_u(log_u_old: torch.Tensor, log_g: torch.Tensor, seen: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``update_u`` in log space: ``log((1-γ)·u_old + γ·g)`` by logaddexp, so u = exp(log u) may exceed the
+    float range (a negative beating its positive at τ = 0.01 makes g ~ e^200) without overflowing."""
+    trusted = seen & (log_u_old >= LOG_TINY_U) & (log_u_old < math.inf)  # False for NaN too
+    log_keep = math.log(1.0 - gamma) if gamma < 1.0 else -math.inf
+    log_new = math.log(gamma) if gamma > 0.0 else -math.inf
+    return torch.where(trusted, torch.logaddexp(log_u_old + log_keep, log_g + log_new), log_g)

@@ -6,6 +6,12 @@ For each anchor i of the global batch (N = K·B) and s = 1/τ:
 and u (per sample, sharded state) tracks g across epochs. The encoders follow the FCCO gradient
 (1/2N)Σ_i (∇g1_i/u1_i + ∇g2_i/u2_i), which with u = g is ∇ (1/2N)Σ_i log g_i.
 
+Stabilised in log space (so τ → 0.01 with a negative beating its positive by more than 0.88 in cosine does not
+overflow float32): the state keeps log u, each anchor's row is computed shifted by its own maximum b_i
+(g_i = e^{b_i}·Σ_k exp(d_ik − b_i)/(N-1), shared as log g), and the weights 1/(u+ε) are applied as
+exp(b_i − log(u_i+ε)) on the shifted rows and as a shift of log(u_j+ε) on the columns. Both are bounded by
+(N-1)/γ, since u ≥ γ·g ≥ γ·exp(d_ik)/(N-1); the gradient is the same function, only its evaluation changes.
+
 Per rank the surrogate is S_r = ½[(1/B)Σ_{i local}(w1 g1 + w2 g2)_i + (1/B)Σ_{j global}(w1 ĝ1 + w2 ĝ2)_j] with
 w = 1/(u_new+ε) frozen, where ĝ_j only sums this rank's candidates (gradient into local negatives). Averaged
 over ranks (DDP), ∇S_r is exactly the gradient of ½(1/N)Σ_i (w1 g1 + w2 g2)_i on the global batch, with no
@@ -30,12 +36,14 @@ The gradient chains ∂L/∂φ with φ'(c) = 2/(1−c²) (0 where c is clamped t
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import SampleStateLoss
 from .batch import GlobalBatch
 from .comm import Comm
-from .estimator import update_u
+from .estimator import update_log_u
 from .options import ConstantTemperatureOptions, GlobalTemperatureOptions, RGCLOptions
 from .pairwise import Block, column_terms, compute_dtype, row_terms, weighted_surrogate
 from .similarity import pair_logits
@@ -44,17 +52,22 @@ from .similarity import pair_logits
 class GlobalTemperatureGCL(SampleStateLoss):
     """Shared computation of v0/v1/v3; subclasses choose the temperature and the outer objective."""
 
-    state_fields = {"u_img": 0.0, "u_txt": 0.0}
+    state_fields = {"log_u_img": 0.0, "log_u_txt": 0.0}
 
     def __init__(self, options: ConstantTemperatureOptions, *, learnable: bool):
         super().__init__(options)
         self._init_logit_scale(options.temperature, learnable)
 
+    def log_u_eps(self, log_u: torch.Tensor) -> torch.Tensor:
+        """log(u + ε) from log u."""
+        eps = self.options.eps
+        return torch.logaddexp(log_u, torch.tensor(math.log(eps), dtype=log_u.dtype)) if eps > 0 else log_u
+
     def _compute(self, comm: Comm, batch: GlobalBatch):
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
         slots = state.locate(batch.all_indices)
-        eps, gamma = self.options.eps, self.gamma()
+        gamma = self.gamma()
         n_neg, cells, local = batch.global_size - 1, batch.positive_cells(), batch.local_rows
         scale = self._scale(dtype)                  # s = 1/τ, autograd into logit_scale when learnable
         learnable = scale.requires_grad
@@ -64,42 +77,57 @@ class GlobalTemperatureGCL(SampleStateLoss):
         logits = pair_logits(batch, dtype, s, self.options.similarity, self.options.similarity_clamp)
         sim_it, sim_ti, pos, pos_all = logits.sim_it, logits.sim_ti, logits.pos, logits.pos_all
 
-        # loss1 terms: this rank's anchors against all N candidates. Columns of [., 2] tensors: (image, text).
-        rows_img = row_terms(sim_it, pos, s, cells, sim_is_scaled=True)
-        rows_txt = row_terms(sim_ti, pos, s, cells, sim_is_scaled=True)
-        g_local = torch.stack([rows_img.total, rows_txt.total], dim=1) / n_neg
+        # loss1 terms: this rank's anchors against all N candidates, each row shifted by its maximum b_i.
+        # Columns of [., 2] tensors: (image, text).
+        no_floor = torch.tensor(-math.inf, dtype=dtype, device=s.device)
+        rows_img = row_terms(sim_it, pos, s, cells, sim_is_scaled=True, bound_floor=no_floor)
+        rows_txt = row_terms(sim_ti, pos, s, cells, sim_is_scaled=True, bound_floor=no_floor)
+        shift = torch.stack([rows_img.shift, rows_txt.shift], dim=1)
+        log_g_local = shift + torch.log(torch.stack([rows_img.total, rows_txt.total], dim=1) / n_neg)
 
-        # One all_reduce: each anchor's g from its rank, each sample's old u (and seen) from its owner.
-        table = comm.share_rows(batch, g_local, state.read(slots), dtype=dtype)
-        g, u_old, seen = table[:, 0:2], table[:, 2:4], table[:, 4:5] > 0.5
-        u = update_u(u_old, g, seen, gamma)
-        state.write(slots, u)
-        w = 1.0 / (u + eps)                          # [N, 2], constants for autograd
+        # One all_reduce: each anchor's log g from its rank, each sample's old log u (and seen) from its owner.
+        table = comm.share_rows(batch, log_g_local, state.read(slots), dtype=dtype)
+        log_g, log_u_old, seen = table[:, 0:2], table[:, 2:4], table[:, 4:5] > 0.5
+        log_u = update_log_u(log_u_old, log_g, seen, gamma)
+        state.write(slots, log_u)
+        log_w = self.log_u_eps(log_u)              # weights 1/(u+ε) = exp(−log_w), constants for autograd
 
         # loss2 terms: every global anchor (column) against this rank's candidates: they give the local
-        # negatives the gradient of all anchors; summed over ranks this completes each anchor's g.
+        # negatives the gradient of all anchors; summed over ranks this completes each anchor's g. Shifted by
+        # log(u_j+ε), their weight is 1.
         # The reference also differentiates τ through them, which counts the g-term of the τ-gradient twice.
         in_columns = learnable and self.reference
-        cols_txt = column_terms(sim_it, pos_all, s, cells, sim_is_scaled=True, total=in_columns)  # text anchors
-        cols_img = column_terms(sim_ti, pos_all, s, cells, sim_is_scaled=True, total=in_columns)  # image anchors
+        cols_txt = column_terms(sim_it, pos_all, s, cells, sim_is_scaled=True, shift=log_w[:, 1],
+                                total=in_columns)  # text anchors
+        cols_img = column_terms(sim_ti, pos_all, s, cells, sim_is_scaled=True, shift=log_w[:, 0],
+                                total=in_columns)  # image anchors
+        ones = torch.ones_like(log_w[:, 0])
+        row_w = torch.exp(shift - log_w[local])   # bounded by (N-1)/γ
         # the τ-gradient needs the (scaled) similarities and the positives in backward
         kept = dict(positive=pos, positive_all=pos_all) if learnable else {}
-        blocks = (Block(rows_img, cols_txt, w[local, 0], w[:, 1], batch.all_text,
+        blocks = (Block(rows_img, cols_txt, row_w[:, 0], ones, batch.all_text,
                         sim=sim_it if learnable else None, **kept, **logits.block_grads(0)),
-                  Block(rows_txt, cols_img, w[local, 1], w[:, 0], batch.all_image,
+                  Block(rows_txt, cols_img, row_w[:, 1], ones, batch.all_image,
                         sim=sim_ti if learnable else None, **kept, **logits.block_grads(1)))
         del sim_it, sim_ti, logits
         surrogate = weighted_surrogate(batch.image, batch.text, scale if learnable else None, blocks,
                                        0.5 / (batch.local_size * n_neg), scale_in_columns=in_columns)
 
-        loss, objective = self._outer(surrogate, u, local, dtype)
+        loss, objective = self._outer(surrogate, log_u, log_w, local)
         metrics = {"loss": loss, "surrogate": surrogate, "objective": objective,
                    "gamma": torch.tensor(gamma, dtype=dtype), "tau": 1.0 / s}
         return loss, metrics
 
-    def _outer(self, surrogate, u, local, dtype):
+    def _outer(self, surrogate, log_u, log_w, local):
         """(loss, estimated objective) for v0/v1: the surrogate itself, and the GCL ½·mean(log(u1+ε) + log(u2+ε))."""
-        return surrogate, torch.log(u + self.options.eps).mean()
+        return surrogate, log_w.mean()
+
+    def set_extra_state(self, state: dict) -> None:
+        """Checkpoints written before the state kept log u held u itself: converted on load."""
+        fields = state.get("fields", {})
+        if "u_img" in fields and "log_u_img" not in fields:
+            state = dict(state, fields={f"log_{name}": torch.log(value) for name, value in fields.items()})
+        super().set_extra_state(state)
 
 
 class FastCLIPV0Loss(GlobalTemperatureGCL):
@@ -129,11 +157,10 @@ class FastCLIPV3Loss(GlobalTemperatureGCL):
         super().__init__(options, learnable=options.learn_temperature)
         self.rho = float(options.rho)
 
-    def _outer(self, surrogate, u, local, dtype):
+    def _outer(self, surrogate, log_u, log_w, local):
         # Faithful: log(u+ε), the stated objective's log(ε+g); the reference takes log u without ε.
-        eps = self.options.eps
-        tau = torch.exp(-self.logit_scale.to(dtype))
-        log_u_local = torch.log(u[local] + (0.0 if self.reference else eps)).mean()  # ½·mean(log u1 + log u2)
+        tau = torch.exp(-self.logit_scale.to(log_u.dtype))
+        log_u_local = (log_u if self.reference else log_w)[local].mean()  # ½·mean(log u1 + log u2)
         loss = tau.detach() * surrogate + tau * (log_u_local + self.rho)
-        objective = tau.detach() * (torch.log(u + eps).mean() + self.rho)
+        objective = tau.detach() * (log_w.mean() + self.rho)
         return loss, objective

@@ -166,24 +166,58 @@ def test_openclip_equals_clip_cross_entropy():
     assert loss_fn.comm_bytes["total"] == 0
 
 
+def direct_g_distinct(e1, e2, scale, idx):
+    """g1_i over the negatives whose data index differs from the anchor's (a repeated sample's copies are not
+    its negatives), normalised by N - 1 as always."""
+    n = e1.shape[0]
+    sim = e1 @ e2.T
+    negative = idx[:, None] != idx[None, :]
+    g1 = (torch.exp((sim - torch.diagonal(sim)[:, None]) * scale) * negative).sum(1) / (n - 1)
+    return g1
+
+
 def test_u_moving_average_and_repeated_index_keeps_last_occurrence():
     e1, e2 = features(N, D, seed=6)
     loss_fn = build_loss("fastclip-v1", data_size=10, temperature=0.2, gamma_min=0.3, gamma_decay_epochs=2).double()
     idx = torch.tensor([3, 0, 3, 4, 7, 1])  # 3 twice: the later row (2) wins
     loss_fn(e1, e2, idx, epoch=0)
     s = loss_fn.logit_scale.detach().exp()
-    g1, _ = direct_g(e1.detach(), e2.detach(), s, s)
+    g1 = direct_g_distinct(e1.detach(), e2.detach(), s, idx)
     u = loss_fn.state_dict()["_extra_state"]["fields"]["log_u_img"].exp()  # the state keeps log u
     torch.testing.assert_close(u[[0, 3, 4, 7, 1]], g1[[1, 2, 3, 4, 5]], **TOL)
     e1b, e2b = features(N, D, seed=7)
     loss_fn(e1b, e2b, idx, epoch=1)
     gamma = GammaSchedule("cosine", 0.3, 2)(1)
-    g1b, _ = direct_g(e1b.detach(), e2b.detach(), s, s)
+    g1b = direct_g_distinct(e1b.detach(), e2b.detach(), s, idx)
     u2 = loss_fn.state_dict()["_extra_state"]["fields"]["log_u_img"].exp()
     torch.testing.assert_close(u2[3], (1 - gamma) * u[3] + gamma * g1b[2], **TOL)
     assert loss_fn.metrics["gamma"].item() == pytest.approx(0.65)
 
 
+@pytest.mark.parametrize("name", ["fastclip-v1", "fastclip-v3", "fastclip-v2"])
+def test_repeated_index_copies_are_not_negatives(name):
+    """A sample twice in one global batch: the copies do not count each other as negatives, so the stored u
+    is what a batch holding the sample once gives for that anchor (not ~(N-1+1)/(N-1)·e^0 higher), and the
+    encoder gradient is that of the objective with same-index pairs left out."""
+    e1, e2 = features(N, D, seed=14)
+    e2 = e2.detach().clone()
+    e1 = e1.detach().clone()
+    e1[4], e2[4] = e1[1], e2[1]          # row 4 is a copy of row 1's pair
+    idx = torch.tensor([0, 1, 2, 3, 1, 5])
+    extra = {"rho": 1.0} if name != "fastclip-v1" else {}
+    loss_fn = build_loss(name, data_size=10, temperature=0.2, **extra).double()
+    loss_fn(e1, e2, idx)
+    fields = loss_fn.state_dict()["_extra_state"]["fields"]
+    scale = getattr(loss_fn, "logit_scale", None)
+    s = torch.tensor(5.0, dtype=torch.float64) if scale is None else scale.detach().exp()
+    g1 = direct_g_distinct(e1, e2, s, idx)
+    if name == "fastclip-v2":
+        u = fields["u_img"] * torch.exp(fields["b_img"])  # v2 keeps u shifted by its bound b
+    else:
+        u = fields["log_u_img"].exp()
+    torch.testing.assert_close(u[[0, 1, 2, 3, 5]], g1[[0, 4, 2, 3, 5]], **TOL)
+    # with the same-index pair included (the old behaviour) u[1] would be larger by exp(0)/(N-1)
+    assert (u[1] - g1[4]).abs() < 1e-12 < 1 / (N - 1)
 def test_gamma_schedule():
     cosine = GammaSchedule("cosine", gamma_min=0.2, decay_epochs=4)
     assert cosine(0) == 1.0 and cosine(4) == cosine(9) == pytest.approx(0.2)
@@ -392,3 +426,36 @@ def test_state_saved_as_u_before_log_u_loads_as_log_u():
     for name, value in fresh.state_dict()["_extra_state"]["fields"].items():
         seen = extra["seen"]
         torch.testing.assert_close(value[seen], extra["fields"][name][seen], **TOL)
+
+
+@pytest.mark.parametrize("bad", [10, -1])
+def test_validate_false_never_writes_the_spare_row(bad):
+    """With validate=False an index == data_size or -1 stops the step (a device-side assert, no host sync) and
+    leaves every stored entry as it was."""
+    e1, e2 = features(N, D, seed=13)
+    loss_fn = build_loss("fastclip-v1", data_size=10, validate=False).double()
+    loss_fn(e1, e2, IDX)
+    before = {k: v.clone() for k, v in loss_fn.state_dict()["_extra_state"]["fields"].items()}
+    with pytest.raises(RuntimeError, match=r"outside \[0, data_size\)"):
+        loss_fn(e1, e2, torch.tensor([0, 1, 2, 3, 4, bad]))
+    state = loss_fn.sample_state()
+    assert not state._seen[state.num_slots]  # the spare row was never marked as a sample
+    for k, v in loss_fn.state_dict()["_extra_state"]["fields"].items():
+        assert torch.equal(v, before[k])
+
+
+def test_repeated_index_gradient_is_the_objective_without_same_index_pairs():
+    e1, e2 = features(N, D, seed=15)
+    e1, e2 = e1.detach().clone(), e2.detach().clone()
+    e1[4], e2[4] = e1[1], e2[1]
+    idx = torch.tensor([0, 1, 2, 3, 1, 5])
+    loss_fn = build_loss("fastclip-v1", data_size=10, temperature=0.2).double()
+    _, g_e1, g_e2, _ = run_loss(loss_fn, e1, e2, idx)
+    s = loss_fn.logit_scale.detach().exp()
+    w1, w2 = e1.clone().requires_grad_(), e2.clone().requires_grad_()
+    g1 = direct_g_distinct(w1, w2, s, idx)
+    g2 = direct_g_distinct(w2, w1, s, idx)
+    objective = (torch.log(1e-14 + g1) + torch.log(1e-14 + g2)).sum() / (2 * N)
+    want = grads(objective, w1, w2)
+    torch.testing.assert_close(g_e1, want[0], **TOL)
+    torch.testing.assert_close(g_e2, want[1], **TOL)

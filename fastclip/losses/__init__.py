@@ -42,6 +42,12 @@ Options (``build_loss(name, *, data_size, **options)``; an option a version does
 an option passed as None means its default): see ``options.py``. Names: ``openclip``, ``fastclip-v0``,
 ``fastclip-v1``, ``fastclip-v2``, ``fastclip-v3``, ``siglip``.
 
+Numerics (beyond the reference): autocast is off inside every loss and similarities are multiplied in at least
+fp32; v0/v1/v3 keep log u and shift rows by their maximum (no fp32 overflow at τ = 0.01); v2 adds the
+objective's ε in its shifted scale (``compat="reference"``: the published ε·e^b); copies of one data index in a
+global batch are not each other's negatives (g keeps its 1/(N-1) normalisation) and the state keeps the last
+occurrence; with ``validate=False`` an out-of-range index trips a device-side assert and writes nothing.
+
 Beyond the reference:
 
 * ``similarity="atanh"`` (openclip, fastclip-v0/v1/v3; ``similarity_clamp``, default 1e-6): the temperature-free

@@ -46,3 +46,9 @@ class GlobalBatch:
             rows = torch.arange(self.local_size, device=self.image.device)
             self._positive_cells = (rows, rows + self.offset)
         return self._positive_cells
+
+    def same_sample_cells(self) -> torch.Tensor:
+        """``[B, N]`` bool: local row i and global column j hold the same data index. It contains the positive
+        cells, and also the copies of a sample that occurs more than once in the global batch (a resampled
+        stream, a user's sampler): a copy of the anchor's own pair is not one of its negatives."""
+        return self.indices[:, None] == self.all_indices[None, :]

@@ -68,7 +68,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
         state = self.state_for_batch(comm, batch)
         slots = state.locate(batch.all_indices)
         gamma = self.gamma()
-        n_neg, cells, local = batch.global_size - 1, batch.positive_cells(), batch.local_rows
+        n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
         scale = self._scale(dtype)                  # s = 1/τ, autograd into logit_scale when learnable
         learnable = scale.requires_grad
         s = scale.detach()

@@ -71,7 +71,7 @@ class FastCLIPV2Loss(SampleStateLoss):
         state = self.state_for_batch(comm, batch)
         slots = state.locate(batch.all_indices)
         gamma, eps = self.gamma(), opt.eps
-        n_neg, cells, local = batch.global_size - 1, batch.positive_cells(), batch.local_rows
+        n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
         sim_it = similarity(batch.image, batch.all_text, dtype)   # image anchors (rows) vs all texts
         sim_ti = similarity(batch.text, batch.all_image, dtype)   # text anchors (rows) vs all images
         pos, pos_all = positives(batch, dtype)

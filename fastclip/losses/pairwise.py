@@ -98,7 +98,8 @@ def row_terms(sim: torch.Tensor, positive: torch.Tensor, scale: torch.Tensor, ce
     """Rows of one block. With ``bound_floor`` (v2, openclip), the shift is ``max(bound_floor_i, max_{k≠i} d_ik)``."""
     with torch.no_grad():
         diff = _scaled_differences(sim, positive[:, None], _per_row(scale), sim_is_scaled)
-        diff[cells] = float("-inf")  # exp → 0: the positive is not a negative (cells: batch.positive_cells())
+        diff[cells] = float("-inf")  # exp → 0: the positive is not a negative (batch.positive_cells(), or the
+        #                              [B, N] mask batch.same_sample_cells() that also drops a repeated sample)
         shift = None
         if bound_floor is not None:
             shift = torch.maximum(bound_floor, diff.amax(dim=1))

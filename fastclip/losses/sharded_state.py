@@ -91,7 +91,13 @@ class ShardedSampleState:
     def locate(self, indices: torch.Tensor) -> BatchSlots:
         """Where the global batch's ``indices`` (``[N]``) live in this shard; computed once per step."""
         indices = indices.to(self.device)
-        owned = indices % self.world_size == self.rank
+        in_range = (indices >= 0) & (indices < self.data_size)
+        # The loss's validation (validate=True) names a bad index; without it, a device-side assert still
+        # stops the step (no host sync on CUDA), and an out-of-range index is never "owned", so it can
+        # neither read nor write the spare row (index == data_size) or wrap to the last slot (index -1).
+        torch._assert_async(in_range.all(), "fastclip: a sample index is outside [0, data_size) "
+                                            "(run the loss with validate=True to name it)")
+        owned = (indices % self.world_size == self.rank) & in_range
         slots = torch.where(owned, indices // self.world_size, self.num_slots)
         write_slots = torch.where(owned & last_occurrence(indices), slots, self.num_slots)
         return BatchSlots(owned=owned, slots=slots, write_slots=write_slots)

@@ -459,3 +459,45 @@ def test_repeated_index_gradient_is_the_objective_without_same_index_pairs():
     want = grads(objective, w1, w2)
     torch.testing.assert_close(g_e1, want[0], **TOL)
     torch.testing.assert_close(g_e2, want[1], **TOL)
+
+
+def test_v3_separate_temperatures_follow_the_textbook_objective():
+    """RGCL-g with τ1 (image-anchored) and τ2 (text-anchored): ½[τ1(mean log(ε+g1(τ1)) + ρ) + τ2(mean log(ε+g2(τ2))
+    + ρ)]; gradients into both features and both temperatures, float64."""
+    e1, e2 = features(N, D, seed=16)
+    rho = 1.5
+    loss_fn = build_loss("fastclip-v3", data_size=10, rho=rho, separate_temperatures=True).double()
+    with torch.no_grad():
+        loss_fn.logit_scale.copy_(torch.tensor([math.log(1 / 0.1), math.log(1 / 0.25)]))
+    theta = loss_fn.logit_scale.detach().clone().requires_grad_()
+    w1, w2 = e1.detach().clone().requires_grad_(), e2.detach().clone().requires_grad_()
+    s = theta.exp()
+    g1, g2 = direct_g(w1, w2, s[0], s[1])
+    tau = 1 / s
+    objective = 0.5 * (tau[0] * (torch.log(1e-14 + g1).mean() + rho) + tau[1] * (torch.log(1e-14 + g2).mean() + rho))
+    want = grads(objective, w1, w2, theta)
+    value, g_e1, g_e2, g_theta = run_loss(loss_fn, e1, e2, IDX)
+    torch.testing.assert_close(g_e1, want[0], **TOL)
+    torch.testing.assert_close(g_e2, want[1], **TOL)
+    torch.testing.assert_close(g_theta, want[2], **TOL)
+    torch.testing.assert_close(loss_fn.metrics["objective"], objective.detach(), **TOL)
+    assert loss_fn.metrics["tau_img"].item() == pytest.approx(0.1) and loss_fn.metrics["tau_txt"].item() == pytest.approx(0.25)
+    # with τ1 = τ2 it is the shared-τ loss
+    shared = build_loss("fastclip-v3", data_size=10, rho=rho, temperature=0.1).double()
+    both = build_loss("fastclip-v3", data_size=10, rho=rho, temperature=0.1, separate_temperatures=True).double()
+    a, b = run_loss(shared, e1, e2, IDX), run_loss(both, e1, e2, IDX)
+    for x, y in zip(a[:3], b[:3]):
+        torch.testing.assert_close(x, y, **TOL)
+    torch.testing.assert_close(b[3].sum(), a[3], **TOL)
+
+
+def test_tau_min_bounds_the_global_temperature():
+    loss_fn = build_loss("fastclip-v3", data_size=10, temperature=0.07, tau_min=0.03, separate_temperatures=True)
+    with torch.no_grad():
+        loss_fn.logit_scale.fill_(10.0)
+    loss_fn.clamp_()
+    torch.testing.assert_close(loss_fn.logit_scale.detach(), torch.full((2,), math.log(1 / 0.03)))
+    with pytest.raises(ValueError, match="tau_min"):
+        build_loss("fastclip-v0", data_size=10, temperature=0.05, tau_min=0.1)
+    with pytest.raises(ValueError, match="compat='faithful'"):
+        build_loss("fastclip-v3", data_size=10, separate_temperatures=True, compat="reference")

@@ -27,13 +27,15 @@ STEPS_2 = [([3, 7, 12, 5, 9, 7, 0, 14], 0), ([7, 3, 15, 2, 12, 11, 5, 3], 1), ([
 # Global batches of 9 (3 ranks x 3) for the 3-rank run.
 STEPS_3 = [([1, 4, 9, 4, 13, 2, 15, 0, 6], 0), ([4, 6, 2, 11, 1, 3, 9, 9, 14], 1), ([2, 5, 4, 0, 6, 7, 8, 12, 1], 2)]
 CONFIGS_2 = [(name, compat) for name in ("fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
-             for compat in ("faithful", "reference")] + [("openclip", None)]
+             for compat in ("faithful", "reference")] + [("openclip", None), ("fastclip-v3", "separate")]
 CONFIGS_3 = [("fastclip-v3", "faithful"), ("fastclip-v2", "reference"), ("fastclip-v0", "reference"),
              ("openclip", None)]
 
 
 def make_loss(name, compat, **extra):
     options = dict(gamma_min=0.3, gamma_decay_epochs=2, compat=compat)
+    if compat == "separate":  # v3 with one τ per modality (faithful only)
+        options.update(compat="faithful", separate_temperatures=True)
     if name == "fastclip-v2":
         options.update(temperature=0.3, lr_tau=0.05, rho=1.0)
     elif name != "openclip":

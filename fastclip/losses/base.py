@@ -78,24 +78,33 @@ class ContrastiveLoss(nn.Module):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
-    def _init_logit_scale(self, temperature: float, learnable: bool) -> None:
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)), requires_grad=learnable)
+    def _init_logit_scale(self, temperature: float, learnable: bool, count: int = 0) -> None:
+        """``logit_scale`` = log(1/τ): 0-d, or ``[count]`` (one τ per modality's anchors)."""
+        value = torch.full((count,), math.log(1.0 / temperature)) if count else torch.tensor(math.log(1 / temperature))
+        self.logit_scale = nn.Parameter(value, requires_grad=learnable)
 
     def temperature(self) -> torch.Tensor | None:
-        """The global τ (detached) for logging; None when τ is per sample."""
+        """The global τ (detached) for logging (with one τ per modality: their geometric mean); None when τ is
+        per sample."""
         scale = getattr(self, "logit_scale", None)
-        return None if scale is None else torch.exp(-scale.detach())
+        return None if scale is None else torch.exp(-scale.detach().mean())
+
+    def logit_scale_max(self) -> float:
+        """The clamp of logit_scale: log(1/τ0) with τ0 the loss's tau_min where it has one, else ln 100."""
+        tau_min = getattr(self.options, "tau_min", None)
+        return LOGIT_SCALE_MAX if tau_min is None or self.name == "fastclip-v2" else math.log(1.0 / tau_min)
 
     def tau_param_names(self) -> list[str]:
         """Names of the learnable temperature parameters (all of this module's trainable parameters)."""
         return [name for name, param in self.named_parameters() if param.requires_grad]
 
     def clamp_(self) -> None:
-        """Keep logit_scale in [0, ln 100] (τ in [0.01, 1]); call after each optimizer step, as OpenCLIP does."""
+        """Keep logit_scale in [0, log 1/τ0] (τ in [τ0, 1], τ0 = 0.01 by default as OpenCLIP's cap of 100); call
+        after each optimizer step."""
         scale = getattr(self, "logit_scale", None)
         if scale is not None and scale.requires_grad:
             with torch.no_grad():
-                scale.clamp_(0.0, LOGIT_SCALE_MAX)
+                scale.clamp_(0.0, self.logit_scale_max())
 
     def average_grads_(self) -> None:
         """Average this module's parameter gradients over the group (if the loss is not inside DDP)."""

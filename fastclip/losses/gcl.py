@@ -22,6 +22,9 @@ pairwise.WeightedSurrogate writes this gradient out.
 * v0: learnable τ (``logit_scale``), same loss.          objective: the same
 * v3 (RGCL-g): loss = τ_det·S_r + τ·(½·mean_local(log(u1+ε) + log(u2+ε)) + ρ), learnable τ (the reference
   drops the ε there); objective: τ·½·mean_N(log(u1+ε) + log(u2+ε)) + ρτ
+* v3 with separate_temperatures (the textbook's RGCL-g): τ1 for the image-anchored terms, τ2 for the
+  text-anchored ones, objective ½[τ1(mean log(u1+ε) + ρ) + τ2(mean log(u2+ε) + ρ)]; each term of S_r carries
+  its anchor's τ as a weight. τ ≥ τ0 (tau_min) for v0/v3 alike.
 
 Temperature-free (option ``similarity="atanh"``, Kim & Kim 2025; similarity.py): every cosine c becomes
 φ(c) = 2·atanh(c) = log((1+c)/(1−c)) before the scale, g1_i = 1/(N-1) Σ_{k≠i} exp(s·(φ(e1_i·e2_k) − φ(e1_i·e2_i))).
@@ -56,7 +59,8 @@ class GlobalTemperatureGCL(SampleStateLoss):
 
     def __init__(self, options: ConstantTemperatureOptions, *, learnable: bool):
         super().__init__(options)
-        self._init_logit_scale(options.temperature, learnable)
+        self.separate = bool(getattr(options, "separate_temperatures", False))
+        self._init_logit_scale(options.temperature, learnable, count=2 if self.separate else 0)
 
     def log_u_eps(self, log_u: torch.Tensor) -> torch.Tensor:
         """log(u + ε) from log u."""
@@ -74,14 +78,19 @@ class GlobalTemperatureGCL(SampleStateLoss):
         s = scale.detach()
         # s·(local images vs all texts), s·(local texts vs all images), positives; cosines mapped by φ = 2·atanh
         # for similarity="atanh" (then φ' rides along in the blocks for backward)
-        logits = pair_logits(batch, dtype, s, self.options.similarity, self.options.similarity_clamp)
+        # With one τ per modality (v3, separate_temperatures) the blocks stay unscaled: block 0's rows (image
+        # anchors) take s_img and its columns (text anchors) s_txt, block 1 the other way round.
+        s_img, s_txt = (s[0], s[1]) if self.separate else (s, s)
+        logits = pair_logits(batch, dtype, None if self.separate else s, self.options.similarity,
+                             self.options.similarity_clamp)
         sim_it, sim_ti, pos, pos_all = logits.sim_it, logits.sim_ti, logits.pos, logits.pos_all
+        scaled = not self.separate
 
         # loss1 terms: this rank's anchors against all N candidates, each row shifted by its maximum b_i.
         # Columns of [., 2] tensors: (image, text).
         no_floor = torch.tensor(-math.inf, dtype=dtype, device=s.device)
-        rows_img = row_terms(sim_it, pos, s, cells, sim_is_scaled=True, bound_floor=no_floor)
-        rows_txt = row_terms(sim_ti, pos, s, cells, sim_is_scaled=True, bound_floor=no_floor)
+        rows_img = row_terms(sim_it, pos, s_img, cells, sim_is_scaled=scaled, bound_floor=no_floor)
+        rows_txt = row_terms(sim_ti, pos, s_txt, cells, sim_is_scaled=scaled, bound_floor=no_floor)
         shift = torch.stack([rows_img.shift, rows_txt.shift], dim=1)
         log_g_local = shift + torch.log(torch.stack([rows_img.total, rows_txt.total], dim=1) / n_neg)
 
@@ -97,25 +106,33 @@ class GlobalTemperatureGCL(SampleStateLoss):
         # log(u_j+ε), their weight is 1.
         # The reference also differentiates τ through them, which counts the g-term of the τ-gradient twice.
         in_columns = learnable and self.reference
-        cols_txt = column_terms(sim_it, pos_all, s, cells, sim_is_scaled=True, shift=log_w[:, 1],
+        cols_txt = column_terms(sim_it, pos_all, s_txt, cells, sim_is_scaled=scaled, shift=log_w[:, 1],
                                 total=in_columns)  # text anchors
-        cols_img = column_terms(sim_ti, pos_all, s, cells, sim_is_scaled=True, shift=log_w[:, 0],
+        cols_img = column_terms(sim_ti, pos_all, s_img, cells, sim_is_scaled=scaled, shift=log_w[:, 0],
                                 total=in_columns)  # image anchors
+        # each modality's terms weighted by its τ when the temperatures are separate (the shared τ multiplies
+        # the whole surrogate in _outer instead)
+        tau_img, tau_txt = (1.0 / s_img, 1.0 / s_txt) if self.separate else (1.0, 1.0)
         ones = torch.ones_like(log_w[:, 0])
         row_w = torch.exp(shift - log_w[local])   # bounded by (N-1)/γ
-        # the τ-gradient needs the (scaled) similarities and the positives in backward
+        # the τ-gradient needs the scaled similarities and the positives in backward
         kept = dict(positive=pos, positive_all=pos_all) if learnable else {}
-        blocks = (Block(rows_img, cols_txt, row_w[:, 0], ones, batch.all_text,
-                        sim=sim_it if learnable else None, **kept, **logits.block_grads(0)),
-                  Block(rows_txt, cols_img, row_w[:, 1], ones, batch.all_image,
-                        sim=sim_ti if learnable else None, **kept, **logits.block_grads(1)))
+        sims = (sim_it, sim_ti) if scaled else (sim_it * s_img, sim_ti * s_txt)
+        blocks = (Block(rows_img, cols_txt, row_w[:, 0] * tau_img, ones * tau_txt, batch.all_text,
+                        sim=sims[0] if learnable else None, **kept, **logits.block_grads(0)),
+                  Block(rows_txt, cols_img, row_w[:, 1] * tau_txt, ones * tau_img, batch.all_image,
+                        sim=sims[1] if learnable else None, **kept, **logits.block_grads(1)))
+        del sims
         del sim_it, sim_ti, logits
         surrogate = weighted_surrogate(batch.image, batch.text, scale if learnable else None, blocks,
                                        0.5 / (batch.local_size * n_neg), scale_in_columns=in_columns)
 
         loss, objective = self._outer(surrogate, log_u, log_w, local)
         metrics = {"loss": loss, "surrogate": surrogate, "objective": objective,
-                   "gamma": torch.tensor(gamma, dtype=dtype), "tau": 1.0 / s}
+                   "gamma": torch.tensor(gamma, dtype=dtype), "tau": 1.0 / s.mean() if not self.separate
+                   else torch.exp(-torch.log(s).mean())}
+        if self.separate:
+            metrics.update(tau_img=1.0 / s_img, tau_txt=1.0 / s_txt)
         return loss, metrics
 
     def _outer(self, surrogate, log_u, log_w, local):
@@ -160,6 +177,11 @@ class FastCLIPV3Loss(GlobalTemperatureGCL):
     def _outer(self, surrogate, log_u, log_w, local):
         # Faithful: log(u+ε), the stated objective's log(ε+g); the reference takes log u without ε.
         tau = torch.exp(-self.logit_scale.to(log_u.dtype))
+        if self.separate:  # ½[τ1(mean log(u1+ε) + ρ) + τ2(mean log(u2+ε) + ρ)]; the surrogate is τ-weighted
+            per_modality = log_w[local].mean(dim=0) + self.rho
+            loss = surrogate + 0.5 * (tau * per_modality).sum()
+            objective = 0.5 * (tau.detach() * (log_w.mean(dim=0) + self.rho)).sum()
+            return loss, objective
         log_u_local = (log_u if self.reference else log_w)[local].mean()  # ½·mean(log u1 + log u2)
         loss = tau.detach() * surrogate + tau * (log_u_local + self.rho)
         objective = tau.detach() * (log_w.mean() + self.rho)

@@ -87,9 +87,15 @@ class ConstantTemperatureOptions(SampleStateOptions):
 
 @dataclass(frozen=True)
 class GlobalTemperatureOptions(ConstantTemperatureOptions):
-    """FastCLIP-v0: one learnable τ (parameter ``logit_scale`` = log 1/τ)."""
+    """FastCLIP-v0: one learnable τ (parameter ``logit_scale`` = log 1/τ), kept in [tau_min, 1]."""
 
     learn_temperature: bool = True
+    tau_min: float = 0.01          # τ0: the lower bound of τ (clamp_; OpenCLIP's logit-scale cap of 100)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.tau_min, (int, float)) and 0 < self.tau_min <= min(1.0, self.temperature)):
+            raise ValueError(f"loss option tau_min must be in (0, min(1, temperature)], got {self.tau_min!r}")
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,17 @@ class RGCLOptions(GlobalTemperatureOptions):
     """FastCLIP-v3 (RGCL-g): learnable global τ with the τ·log-sum-exp objective plus ρτ."""
 
     rho: float = 8.0               # reference code default; recipes use 6.5 (CC3M), 8.5 (CC12M), 16 (LAION)
+    # RGCL-g as the textbook writes it: τ1 for the image-anchored term, τ2 for the text-anchored one (logit_scale
+    # becomes [2]); False: one shared τ, as the reference implementation (and its published ρ) has it.
+    separate_temperatures: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.separate_temperatures and self.compat == "reference":
+            raise ValueError("loss option separate_temperatures is the textbook objective; the reference "
+                             "implementation has one shared τ: use compat='faithful'")
+        if self.separate_temperatures and self.similarity != "cosine":
+            raise ValueError("loss option separate_temperatures works with similarity='cosine' only")
 
 
 @dataclass(frozen=True)

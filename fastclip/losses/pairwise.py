@@ -144,7 +144,7 @@ class WeightedSurrogate(torch.autograd.Function):
     ``c·Σ_blocks [Σ_i w_i Σ_k rows_ik + Σ_j w'_j Σ_k cols_kj]`` into the image rows, the text rows and the scale.
 
     Inputs: ``image`` (X of block 0), ``text`` (X of block 1), ``scale`` (the global s = 1/τ whose gradient
-    is wanted, or None), ``blocks`` (image block, text block), ``coef`` c, ``scale_in_columns``: whether the
+    is wanted, or None; ``[2]`` when each block's rows have their own scale, with ``block.sim`` = s[b]·S), ``blocks`` (image block, text block), ``coef`` c, ``scale_in_columns``: whether the
     columns' exponentials count in the scale's gradient (compat="reference"), ``value``: a value to report
     instead (openclip reports the cross-entropy whose gradient this is).
     Backward reuses the saved exponentials in place, so it can run once (no retain_graph double backward).
@@ -170,18 +170,20 @@ class WeightedSurrogate(torch.autograd.Function):
         image, text, scale = ctx.saved_tensors
         want_scale = scale is not None and ctx.needs_input_grad[2]
         s = scale.detach() if want_scale else None
+        per_block = want_scale and s.dim() == 1  # [2]: block b's rows have their own scale s[b]
         coef = ctx.coef * grad_out
-        grads, grad_positive, scale_sum = [], 0.0, 0.0
-        for block in ctx.blocks:
+        grads, grad_positive, scale_sums = [], 0.0, []
+        for b, block in enumerate(ctx.blocks):
+            s_b = s[b] if per_block else s
             row_factor = coef * block.row_weight * block.rows.scale       # ∂L/∂S by row, per anchor
             col_factor = coef * block.col_weight * block.cols.scale
             grad_sim = block.rows.exp.mul_(_per_row(row_factor))
             if want_scale and not ctx.scale_in_columns:
-                scale_sum = scale_sum + _scale_term(grad_sim, block, row_factor, s)
+                scale_sums.append(_scale_term(grad_sim, block, row_factor, s_b) / s_b)
             grad_sim.addcmul_(block.cols.exp, _per_column(col_factor))
             if want_scale and ctx.scale_in_columns:
-                scale_sum = scale_sum + _scale_term(grad_sim, block, row_factor, s) \
-                    - (col_factor * block.cols.total * block.positive_all).sum()
+                scale_sums.append((_scale_term(grad_sim, block, row_factor, s_b)
+                                   - (col_factor * block.cols.total * block.positive_all).sum()) / s_b)
             if block.sim_grad is not None:  # chain rule through the similarity map (0 where it clamps)
                 grad_sim.mul_(block.sim_grad)
             grads.append(grad_sim @ block.candidates.to(grad_sim.dtype))
@@ -191,7 +193,9 @@ class WeightedSurrogate(torch.autograd.Function):
             grad_positive = grad_positive - positive_term
         ctx.blocks = None  # free the [B, N] matrices now
         # d/ds exp(s·(S − p)) = (S − p)·exp: with grad_sim = factor·exp, Σ grad_sim·(S − p) / s.
-        grad_scale = (scale_sum / s).to(scale.dtype) if want_scale else None
+        grad_scale = None
+        if want_scale:
+            grad_scale = (torch.stack(scale_sums) if per_block else sum(scale_sums)).to(scale.dtype)
         grad_positive = grad_positive[:, None]
         grad_image = grads[0] + (grad_positive * text.detach()).to(image.dtype)
         grad_text = grads[1] + (grad_positive * image.detach()).to(text.dtype)

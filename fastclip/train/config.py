@@ -65,7 +65,8 @@ class LossConfig:
     compat: Optional[Literal["faithful", "reference"]] = None  # reference: reproduce the published code's gradients
     tau_betas: Optional[list[float]] = None   # v2: Adam betas of the per-sample tau update (reference: the model's betas)
     tau_eps: Optional[float] = None           # v2: Adam eps of the per-sample tau update
-    tau_min: Optional[float] = None           # v2: per-sample tau bounds
+    tau_min: Optional[float] = None           # v2: per-sample tau bounds; v0/v3: the lower bound tau0 (0.01)
+    separate_temperatures: Optional[bool] = None  # v3: tau1 (image-anchored) and tau2 (text-anchored), textbook RGCL-g
     tau_max: Optional[float] = None
     tau_grad_clamp: Optional[float] = None    # v2: clamp of the per-sample tau gradient
     similarity: Optional[Literal["cosine", "atanh"]] = None  # openclip/v0/v1/v3: "atanh" = temperature-free 2·atanh(cos)

@@ -88,7 +88,8 @@ def stream_config(cfg: Config, data_size: int, device: torch.device) -> dict:
 def loss_options(cfg: Config) -> dict:
     """The loss section's set values, passed to build_loss (which rejects options a version lacks)."""
     names = ("temperature", "rho", "eps", "gamma_min", "gamma_decay_epochs", "gamma_schedule", "compat",
-             "tau_betas", "tau_eps", "tau_min", "tau_max", "tau_grad_clamp", "similarity", "similarity_clamp", "bias")
+             "tau_betas", "tau_eps", "tau_min", "tau_max", "tau_grad_clamp", "similarity", "similarity_clamp", "bias",
+             "separate_temperatures")
     opts = {k: getattr(cfg.loss, k) for k in names if getattr(cfg.loss, k) is not None}
     if "tau_betas" in opts:
         opts["tau_betas"] = tuple(opts["tau_betas"])

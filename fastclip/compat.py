@@ -51,7 +51,8 @@ def ensure_torchvision_importable(*, announce: bool = True) -> bool:
     lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     ensure_torchvision_importable._lib = lib  # keep the registration alive
     _applied = True
-    (log.warning if announce else log.debug)(
+    # nothing for the user to act on (open_clip uses none of the C++ ops): logged, not printed
+    (log.info if announce else log.debug)(
         "torchvision's C extension does not load with this torch build (CPU torch with a CUDA torchvision "
         "wheel); declared torchvision::nms/qnms so open_clip imports. torchvision's C++ ops are unavailable."
     )

@@ -101,6 +101,21 @@ def test_embedded_pip_only_fallback(tmp_path, capsys):
     assert read_manifest(out / "val").num_samples == 2 * 10 * 1  # ceil(3 * 0.2 / 0.8) = 1 per class
 
 
+def test_animal_mnist_loads_from_a_folder_with_its_two_files(tmp_path):
+    """Set-up unpacks only the data files of the animal-mnist wheel (its metadata declares tensorflow)."""
+    import shutil
+
+    from fastclip.data.sources.embedded import ANIMAL_MNIST_SHA256, animal_mnist_folder, load_animal_mnist
+
+    for name in ANIMAL_MNIST_SHA256:
+        shutil.copy(animal_mnist_folder() / name, tmp_path / name)
+    [(images, labels)], origin = load_animal_mnist(tmp_path)
+    assert origin == str(tmp_path) and images.shape == (10000, 28, 28) and np.bincount(labels).tolist() == [1000] * 10
+    (tmp_path / "animal_label_version_3.gz").write_bytes(b"not the pinned file")
+    with pytest.raises(DatasetCheckError, match="refusing to unpickle"):
+        load_animal_mnist(tmp_path)
+
+
 def test_array_checks_reject_bad_data():
     spec = DATASETS["mnist"]
     images, labels = np.ones((5000, 28, 28), np.uint8), np.repeat(np.arange(10), 500)

@@ -288,6 +288,11 @@ def test_torchrun_two_processes(data, tmp_path):
     out = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 process(es) on cpu (torchrun)" in out.stdout
+    # what a user reads: random init said once in our words; no library warnings (DDP's deprecated
+    # broadcast_buffers, open_clip's "No pretrained weights loaded" per rank and loader worker)
+    assert out.stdout.count("random init") == 1
+    for noise in ("FutureWarning", "No pretrained weights", "WARNING:root", "torchvision's C extension"):
+        assert noise not in out.stdout + out.stderr, noise
     recs = records(run)
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3]
     assert any(k.startswith("eval/zeroshot/") for k in recs[-1])

@@ -8,6 +8,7 @@ overwritten at export.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,12 +53,25 @@ class BuiltModel:
     tokenizer: Callable
 
 
+class _RandomInitNotice(logging.Filter):
+    """Drops open_clip's "No pretrained weights loaded ... initialized randomly" warning: random init is what
+    pretraining starts from (the trainer says so once in its first line), not something to warn about."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No pretrained weights loaded")
+
+
 def build_model(arch: str, *, precision: str = "fp32", device: str = "cpu", **overrides) -> BuiltModel:
     open_clip = import_open_clip()
     name, config = resolve_arch(arch)
-    model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
-        name, pretrained=None, precision=precision, device=device, **overrides
-    )
+    notice, root = _RandomInitNotice(), logging.getLogger()  # open_clip logs on the root logger
+    root.addFilter(notice)
+    try:
+        model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
+            name, pretrained=None, precision=precision, device=device, **overrides
+        )
+    finally:
+        root.removeFilter(notice)
     if config is None:
         config = open_clip.get_model_config(name)
     tokenizer = open_clip.get_tokenizer(name)

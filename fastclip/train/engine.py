@@ -79,8 +79,10 @@ class DDPEngine:
         o = cfg.optim
         self.info, self.model, self.loss_fn = info, net.model, net.loss_fn
         self.ddp = info.distributed
-        self.net = (DistributedDataParallel(net, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-                                            broadcast_buffers=True) if self.ddp else net)
+        # buffers are synced from rank 0 at init and before each forward: DDP's default (its broadcast_buffers
+        # argument is deprecated since torch 2.13; forward_sync_buffers does not exist before it)
+        self.net = (DistributedDataParallel(net, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+                    if self.ddp else net)
         groups = param_groups(self.model, self.loss_fn, lr=o.lr, wd=o.wd, lr_tau=lr_tau_base(cfg))
         self.optimizer = build_optimizer(o.optimizer, groups, betas=o.betas, eps=o.eps)
         self.scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16")

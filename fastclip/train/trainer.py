@@ -253,7 +253,8 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
     if info.is_main:
         (run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
-        log.message(f"fastclip train: {cfg.loss.name}, {built.arch} ({n_params / 1e6:.1f}M parameters), "
+        # open_clip's own "No pretrained weights loaded" warning is dropped (fastclip/models): said here once
+        log.message(f"fastclip train: {cfg.loss.name}, {built.arch} ({n_params / 1e6:.1f}M parameters, random init), "
                     f"{info.world_size} process(es) on {device.type} ({info.launcher}), {engine.describe()}, "
                     f"global batch {global_batch}"
                     + (f" in {o.accum_steps} micro-batches per process" if o.accum_steps > 1 else "") + ", "

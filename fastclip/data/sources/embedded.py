@@ -23,6 +23,7 @@ import json
 import math
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -111,8 +112,22 @@ def load_mnist_5k():
     return [(table[:, :-1].reshape(-1, 28, 28), table[:, -1])], str(path)
 
 
-def load_animal_mnist():
-    folder = _package_dir("animal_mnist") / "data" / "Animal_MNIST"
+# launch/setup.sh unpacks the two data files of the animal-mnist==0.4 wheel here instead of installing the package:
+# its metadata requires tensorflow, which pip would report as a broken dependency in every later install
+ANIMAL_MNIST_DIR = Path(sys.prefix) / "share" / "fastclip" / "animal-mnist"
+
+
+def animal_mnist_folder() -> Path:
+    """Where the Animal-MNIST files are: unpacked by set-up, else inside an installed animal_mnist package."""
+    if all((ANIMAL_MNIST_DIR / name).is_file() for name in ANIMAL_MNIST_SHA256):
+        return ANIMAL_MNIST_DIR
+    if importlib.util.find_spec("animal_mnist") is None:
+        raise FileNotFoundError(f"Animal-MNIST not found in {ANIMAL_MNIST_DIR} (bash launch/setup.sh unpacks it there)")
+    return _package_dir("animal_mnist") / "data" / "Animal_MNIST"
+
+
+def load_animal_mnist(folder: str | os.PathLike | None = None):
+    folder = animal_mnist_folder() if folder is None else Path(folder)
     arrays = []
     for name in ("animal_data_version_3.gz", "animal_label_version_3.gz"):
         raw = (folder / name).read_bytes()

@@ -27,7 +27,8 @@ STEPS_2 = [([3, 7, 12, 5, 9, 7, 0, 14], 0), ([7, 3, 15, 2, 12, 11, 5, 3], 1), ([
 # Global batches of 9 (3 ranks x 3) for the 3-rank run.
 STEPS_3 = [([1, 4, 9, 4, 13, 2, 15, 0, 6], 0), ([4, 6, 2, 11, 1, 3, 9, 9, 14], 1), ([2, 5, 4, 0, 6, 7, 8, 12, 1], 2)]
 CONFIGS_2 = [(name, compat) for name in ("fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
-             for compat in ("faithful", "reference")] + [("openclip", None), ("fastclip-v3", "separate")]
+             for compat in ("faithful", "reference")] + [("openclip", None), ("fastclip-v3", "separate"),
+                                                         ("fastclip-tempnet", "faithful")]
 CONFIGS_3 = [("fastclip-v3", "faithful"), ("fastclip-v2", "reference"), ("fastclip-v0", "reference"),
              ("openclip", None)]
 
@@ -38,11 +39,19 @@ def make_loss(name, compat, **extra):
         options.update(compat="faithful", separate_temperatures=True)
     if name == "fastclip-v2":
         options.update(temperature=0.3, lr_tau=0.05, rho=1.0)
+    elif name == "fastclip-tempnet":
+        options.update(temperature=0.3, rho=1.0, embed_dim=D, tempnet_hidden=6)
     elif name != "openclip":
         options.update(temperature=0.1)
     else:
         options = {}
-    return build_loss(name, data_size=DATA_SIZE, **options, **extra).double()
+    loss_fn = build_loss(name, data_size=DATA_SIZE, **options, **extra).double()
+    if name == "fastclip-tempnet":  # the same non-constant heads on every rank
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in (p for head in (loss_fn.tempnet_img, loss_fn.tempnet_txt) for p in head.parameters()):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    return loss_fn
 
 
 def step_batch(step: int, n: int):
@@ -64,7 +73,8 @@ def run_steps(loss_fn, steps, rows: slice):
         loss = loss_fn(e1, e2, torch.tensor(indices)[rows], epoch=epoch)
         loss.backward()
         scale = getattr(loss_fn, "logit_scale", None)
-        records.append({"loss": loss.detach(), "e1": e1.grad, "e2": e2.grad,
+        heads = {n: p.grad.clone() for n, p in loss_fn.named_parameters() if n.startswith("tempnet_")}
+        records.append({"loss": loss.detach(), "e1": e1.grad, "e2": e2.grad, "heads": heads,
                         "theta": None if scale is None or scale.grad is None else scale.grad.clone(),
                         "metrics": dict(loss_fn.metrics), "bytes": dict(loss_fn.comm_bytes)})
     state = loss_fn.state_dict().get("_extra_state")
@@ -220,6 +230,9 @@ def assert_matches_single_process(per_rank, single, world_size, label):
                                        msg=f"{where} objective")
         torch.testing.assert_close(sum(rec["loss"] for rec in got) / world_size, want["loss"], **TOL,
                                    msg=f"{where} mean loss")
+        for head_param, grad in want["heads"].items():  # TempNet's heads: averaged like DDP would
+            torch.testing.assert_close(sum(rec["heads"][head_param] for rec in got) / world_size, grad, **TOL,
+                                       msg=f"{where} {head_param} grad")
         if want["theta"] is not None:
             torch.testing.assert_close(sum(rec["theta"] for rec in got) / world_size, want["theta"], **TOL,
                                        msg=f"{where} temperature grad")

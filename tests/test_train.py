@@ -26,7 +26,7 @@ from fastclip.train.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED = REPO / "configs" / "embedded.yaml"
-MODES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
+MODES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-tempnet")
 BATCH = 8  # per process: 2 x 8 = 16 per step, 80 training samples -> 5 steps per epoch
 STEPS = 7  # crosses into epoch 1, where gamma < 1
 
@@ -44,11 +44,14 @@ def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v3", **extra) -> 
             "loss.gamma_decay_epochs": 2, "checkpoint.every_steps": 2, "checkpoint.every_minutes": 0,
             "checkpoint.keep_last": 10, "eval.every_steps": 0, "eval.at_end": False}
     if mode != "fastclip-v3":  # the recipe's v3 knobs: keep those the mode takes
-        opts["loss.rho"] = "null" if mode not in ("fastclip-v2",) else 7.0
+        opts["loss.rho"] = "null" if mode not in ("fastclip-v2", "fastclip-tempnet") else 7.0
         if mode == "openclip":
             opts.update({"loss.gamma_min": "null", "loss.gamma_decay_epochs": "null", "loss.gamma_schedule": "null"})
         if mode == "fastclip-v2":
             opts.update({"loss.temperature": 0.03, "optim.lr_tau": 0.0133, "optim.lr_tau_schedule": "const"})
+        if mode == "fastclip-tempnet":
+            opts.update({"loss.temperature": 0.03, "loss.tempnet_hidden": 16, "optim.lr_tau": 1e-3,
+                         "optim.lr_tau_schedule": "const"})
     opts.update(extra)
     return [x for k, v in opts.items() for x in (f"--{k}", str(v))]
 
@@ -154,6 +157,14 @@ def test_two_process_run_of_every_mode(two_process_runs, mode):
         taus = torch.cat([s["fields"]["tau_img"][s["seen"]] for s in state])
         assert (taus != 0.03).all() and (taus >= 0.01).all()
         assert "tau_q50" in recs[-1] and 0.01 <= recs[-1]["tau_q50"] <= 1.0
+    elif mode == "fastclip-tempnet":
+        heads = [{k: v for k, v in r["loss_state"].items() if k.startswith("tempnet_")} for r in ranks]
+        assert heads[0] and all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])  # averaged over ranks
+        assert all(torch.equal(model["loss"][k], v) for k, v in heads[0].items())
+        assert heads[0]["tempnet_img.out.weight"].abs().sum() > 0  # trained: the output layer started at zero
+        state = [r["loss_state"]["_extra_state"] for r in ranks]
+        assert sum(int(s["seen"].sum()) for s in state) == 80
+        assert 0.01 <= recs[-1]["tau_q05"] <= recs[-1]["tau_q95"] <= 1.0
     else:
         # the temperature parameter is averaged by DDP like the towers: identical on both ranks
         assert torch.equal(tau[0], tau[1])
@@ -167,7 +178,7 @@ def test_two_process_run_of_every_mode(two_process_runs, mode):
             assert sum(int(s["seen"].sum()) for s in state) == 80
     # towers' weights are trained (not the init) and the optimizer has one state per trainable tensor
     n_groups = {g["name"]: len(g["params"]) for g in model["optimizer"]["param_groups"]}
-    assert ("temperature" in n_groups) == (mode in ("openclip", "fastclip-v0", "fastclip-v3"))
+    assert ("temperature" in n_groups) == (mode in ("openclip", "fastclip-v0", "fastclip-v3", "fastclip-tempnet"))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -60,10 +60,11 @@ def model_state_dict(checkpoint: dict) -> dict[str, torch.Tensor]:
 
 
 def loss_logit_scale(checkpoint: dict) -> torch.Tensor | None:
-    """The temperature the loss learned (log 1/tau), if the loss has a global one."""
+    """The temperature the loss learned (log 1/tau), if the loss has a global one; with one τ per modality
+    (v3's separate_temperatures) the mean of their logs, since open_clip's model holds a single scale."""
     loss = checkpoint.get("loss")
     if isinstance(loss, dict) and isinstance(loss.get("logit_scale"), torch.Tensor):
-        return loss["logit_scale"]
+        return loss["logit_scale"].mean()
     return None
 
 

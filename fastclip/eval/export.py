@@ -60,6 +60,15 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     torch.save({"state_dict": state}, tmp)
     os.replace(tmp, out)  # never leave a half-written file under the final name
 
+    # fastclip-tempnet: its temperature heads belong to training, not to the CLIP model open_clip loads, so
+    # they are written beside the export (weights only) for whoever continues training from it
+    loss = checkpoint.get("loss") if isinstance(checkpoint.get("loss"), dict) else {}
+    heads = {k: v.detach().clone() for k, v in loss.items() if k.startswith("tempnet_")}
+    tempnet_file = None
+    if heads:
+        tempnet_file = out.with_name(out.stem + ".tempnet.pt")
+        torch.save({"state_dict": heads}, tempnet_file)
+
     config_file = None
     if not _is_builtin(arch, model_config):
         config_file = out.parent / f"{arch}.json"
@@ -68,6 +77,7 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
         "file": out,
         "arch": arch,
         "config_file": config_file,
+        "tempnet_file": tempnet_file,
         "logit_scale": float(state["logit_scale"]) if "logit_scale" in state else None,
         "temperature_from_loss": scale is not None,
         "step": checkpoint.get("step"),
@@ -106,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}")
     if written["config_file"] is not None:
         print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
+    if written.get("tempnet_file") is not None:
+        print(f"wrote {written['tempnet_file']} (the temperature network's heads, for further training)")
     if written["temperature_from_loss"]:
         scale = written["logit_scale"]
         print(f"logit_scale = {scale:.4f} (tau = {math.exp(-scale):.4f}) from the loss")

@@ -40,7 +40,8 @@ compat (FastCLIP-v0..v3):
 
 Options (``build_loss(name, *, data_size, **options)``; an option a version does not take is a TypeError,
 an option passed as None means its default): see ``options.py``. Names: ``openclip``, ``fastclip-v0``,
-``fastclip-v1``, ``fastclip-v2``, ``fastclip-v3``, ``siglip``.
+``fastclip-v1``, ``fastclip-v2``, ``fastclip-v3``, ``fastclip-tempnet`` (RGCL with τ_i predicted by an MLP head
+per modality from the features, ``embed_dim=`` required; tempnet.py), ``siglip``.
 
 Numerics (beyond the reference): autocast is off inside every loss and similarities are multiplied in at least
 fp32; v0/v1/v3 keep log u and shift rows by their maximum (no fp32 overflow at τ = 0.01); v2 adds the
@@ -77,8 +78,9 @@ from .gcl import FastCLIPV0Loss, FastCLIPV1Loss, FastCLIPV3Loss
 from .individual import FastCLIPV2Loss
 from .openclip import OpenCLIPLoss
 from .options import (ConstantTemperatureOptions, GlobalTemperatureOptions, IndividualTemperatureOptions,
-                      OpenCLIPOptions, RGCLOptions, SigLIPOptions)
+                      OpenCLIPOptions, RGCLOptions, SigLIPOptions, TempNetOptions)
 from .siglip import SigLIPLoss
+from .tempnet import TempNetLoss
 from .schedules import GammaSchedule
 from .sharded_state import ShardedSampleState, reshard_for_rank, reshard_states
 
@@ -88,6 +90,7 @@ LOSSES = {
     "fastclip-v1": (FastCLIPV1Loss, ConstantTemperatureOptions),
     "fastclip-v2": (FastCLIPV2Loss, IndividualTemperatureOptions),
     "fastclip-v3": (FastCLIPV3Loss, RGCLOptions),
+    "fastclip-tempnet": (TempNetLoss, TempNetOptions),
     "siglip": (SigLIPLoss, SigLIPOptions),
 }
 
@@ -95,6 +98,7 @@ LOSSES = {
 WHY_NOT = {
     "fastclip-v2": {"similarity": "the temperature-free map replaces a temperature, and v2's per-sample τ_i "
                                   "exist to adapt exactly that; use openclip or fastclip-v0/v1/v3"},
+    "fastclip-tempnet": {"similarity": "the temperature network predicts exactly what the map replaces"},
     "siglip": {"similarity": "not implemented for the sigmoid loss"},
 }
 # similarity="atanh" is the temperature-free loss: no temperature unless one is given (then it scales 2·atanh).
@@ -125,6 +129,6 @@ def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Modu
 
 __all__ = [
     "build_loss", "LOSSES", "ContrastiveLoss", "SampleStateLoss", "OpenCLIPLoss", "FastCLIPV0Loss",
-    "FastCLIPV1Loss", "FastCLIPV2Loss", "FastCLIPV3Loss", "SigLIPLoss", "LossInputError", "NonFiniteFeaturesError",
+    "FastCLIPV1Loss", "FastCLIPV2Loss", "FastCLIPV3Loss", "TempNetLoss", "SigLIPLoss", "LossInputError", "NonFiniteFeaturesError",
     "GammaSchedule", "ShardedSampleState", "reshard_states", "reshard_for_rank",
 ]

@@ -141,6 +141,31 @@ class IndividualTemperatureOptions(SampleStateOptions):
 
 
 @dataclass(frozen=True)
+class TempNetOptions(SampleStateOptions):
+    """FastCLIP with a temperature network: RGCL with τ_i predicted from the features by a small MLP per
+    modality (tempnet.py)."""
+
+    embed_dim: int = 0             # feature dimension (the towers' embed_dim); required
+    tempnet_hidden: int = 256      # hidden width of each head
+    temperature: float = 0.03      # the heads' initial τ (output layer starts at zero)
+    rho: float = 7.0
+    tau_min: float = 0.01
+    tau_max: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("embed_dim", "tempnet_hidden"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"loss option {name} must be a positive int, got {value!r}")
+        for name in ("temperature", "tau_min", "tau_max"):
+            _positive(name, getattr(self, name))
+        if not self.tau_min < self.temperature < self.tau_max:
+            raise ValueError(f"loss option temperature={self.temperature} must lie strictly inside "
+                             f"(tau_min, tau_max) = ({self.tau_min}, {self.tau_max})")
+
+
+@dataclass(frozen=True)
 class SigLIPOptions(CommonOptions):
     """SigLIP: sigmoid loss with a learnable scale t = 1/τ (init 10) and bias b (init −10), as Zhai et al. 2023."""
 

@@ -53,7 +53,8 @@ class ModelConfig:
 
 @dataclass
 class LossConfig:
-    name: Literal["openclip", "siglip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3"] = "fastclip-v3"
+    name: Literal["openclip", "siglip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3",
+                  "fastclip-tempnet"] = "fastclip-v3"
     # null = the loss library's default (fastclip.losses); each set value is passed to build_loss, which
     # rejects an option the chosen version does not have.
     temperature: Optional[float] = None       # initial tau (v0, v3, openclip, per-sample in v2) or the constant (v1)
@@ -67,6 +68,7 @@ class LossConfig:
     tau_eps: Optional[float] = None           # v2: Adam eps of the per-sample tau update
     tau_min: Optional[float] = None           # v2: per-sample tau bounds; v0/v3: the lower bound tau0 (0.01)
     separate_temperatures: Optional[bool] = None  # v3: tau1 (image-anchored) and tau2 (text-anchored), textbook RGCL-g
+    tempnet_hidden: Optional[int] = None      # fastclip-tempnet: hidden width of the temperature heads (256)
     tau_max: Optional[float] = None
     tau_grad_clamp: Optional[float] = None    # v2: clamp of the per-sample tau gradient
     similarity: Optional[Literal["cosine", "atanh"]] = None  # openclip/v0/v1/v3: "atanh" = temperature-free 2·atanh(cos)

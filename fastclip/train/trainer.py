@@ -85,16 +85,19 @@ def stream_config(cfg: Config, data_size: int, device: torch.device) -> dict:
             "data_size": data_size, "pin_memory": device.type == "cuda"}
 
 
-def loss_options(cfg: Config) -> dict:
-    """The loss section's set values, passed to build_loss (which rejects options a version lacks)."""
+def loss_options(cfg: Config, embed_dim: int | None = None) -> dict:
+    """The loss section's set values, passed to build_loss (which rejects options a version lacks); the
+    temperature network also gets the towers' embed_dim."""
     names = ("temperature", "rho", "eps", "gamma_min", "gamma_decay_epochs", "gamma_schedule", "compat",
              "tau_betas", "tau_eps", "tau_min", "tau_max", "tau_grad_clamp", "similarity", "similarity_clamp", "bias",
-             "separate_temperatures")
+             "separate_temperatures", "tempnet_hidden")
     opts = {k: getattr(cfg.loss, k) for k in names if getattr(cfg.loss, k) is not None}
     if "tau_betas" in opts:
         opts["tau_betas"] = tuple(opts["tau_betas"])
     if cfg.loss.name == "fastclip-v2":  # v2 updates its per-sample tau itself, at lr_tau
         opts["lr_tau"] = cfg.optim.lr_tau if cfg.optim.lr_tau is not None else cfg.optim.lr
+    if cfg.loss.name == "fastclip-tempnet" and embed_dim is not None:
+        opts["embed_dim"] = embed_dim
     return opts
 
 
@@ -164,7 +167,8 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
     try:
-        loss_fn = build_loss(cfg.loss.name, data_size=data_size, **loss_options(cfg)).to(device)
+        loss_fn = build_loss(cfg.loss.name, data_size=data_size,
+                             **loss_options(cfg, built.config.get("embed_dim"))).to(device)
     except (TypeError, ValueError) as e:  # an option this loss version does not take, or a bad value
         raise ConfigError(f"config section 'loss' (name {cfg.loss.name}): {e}") from None
 

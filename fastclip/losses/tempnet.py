@@ -1,0 +1,129 @@
+"""FastCLIP with a temperature prediction network (TempNet): RGCL whose per-anchor temperatures are predicted
+from the features by a small MLP head per modality, trained jointly with the encoders.
+
+    τ_i = τ(w'; x_i) = τ_min + (τ_max − τ_min)·sigmoid(MLP_img(x_i))      (text anchors: MLP_txt(t_i))
+    objective: (1/2N) Σ_i [τ_i^img (log(ε + g1_i(τ_i^img)) + ρ) + τ_i^txt (log(ε + g2_i(τ_i^txt)) + ρ)]
+
+g1_i/g2_i, u (moving average, kept shifted by the running bound b) and the encoder surrogate are those of
+FastCLIP-v2 (individual.py): the encoders follow the RGCL gradient at fixed τ, with weights τ_i/(u_i+ε). The
+difference is where τ comes from: instead of a per-sample table updated by its own Adam (which only moves a
+sample's τ when that sample is visited, and knows nothing of a sample never seen), τ is a function of the
+features, so it is defined for unseen samples too and learns from every anchor of every batch. The head
+reads the features detached: its gradient is ∂/∂τ_i [τ_i(log g_i(τ_i) + ρ)] (with g → u, as v2's τ step)
+pushed through τ(w'; ·) by autograd; the towers are not trained through the temperature.
+
+The head's parameters are the loss module's parameters (like the global logit_scale of v0/v3): they go into
+the optimizer's temperature group, are averaged over ranks with ``average_grads_`` (each rank back-propagates
+its own anchors' term, scaled so the average is the global gradient), and are saved with the loss state.
+Every rank evaluates the head on the gathered features for the columns (global anchors), without autograd.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .base import SampleStateLoss
+from .batch import GlobalBatch
+from .comm import Comm
+from .estimator import update_u
+from .individual import objective_eps_shifted
+from .options import TempNetOptions
+from .pairwise import Block, column_terms, compute_dtype, positives, row_terms, similarity, weighted_surrogate
+
+FIELDS = ("u_img", "u_txt", "b_img", "b_txt")
+
+
+class TemperatureHead(nn.Module):
+    """d -> hidden -> 1 MLP with a sigmoid mapped onto [tau_min, tau_max]; starts at `temperature` everywhere
+    (zero output layer, bias at the logit of the initial τ)."""
+
+    def __init__(self, embed_dim: int, hidden: int, temperature: float, tau_min: float, tau_max: float):
+        super().__init__()
+        self.tau_min, self.tau_max = float(tau_min), float(tau_max)
+        self.hidden = nn.Linear(embed_dim, hidden)
+        self.out = nn.Linear(hidden, 1)
+        frac = (temperature - tau_min) / (tau_max - tau_min)
+        nn.init.zeros_(self.out.weight)
+        nn.init.constant_(self.out.bias, math.log(frac / (1 - frac)))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        z = self.out(torch.nn.functional.gelu(self.hidden(features))).squeeze(-1)
+        return self.tau_min + (self.tau_max - self.tau_min) * torch.sigmoid(z)
+
+
+class TempNetLoss(SampleStateLoss):
+    name = "fastclip-tempnet"
+    state_fields = {name: 0.0 for name in FIELDS}
+
+    def __init__(self, options: TempNetOptions):
+        super().__init__(options)
+        self.rho = float(options.rho)
+        head = dict(embed_dim=options.embed_dim, hidden=options.tempnet_hidden, temperature=options.temperature,
+                    tau_min=options.tau_min, tau_max=options.tau_max)
+        self.tempnet_img = TemperatureHead(**head)
+        self.tempnet_txt = TemperatureHead(**head)
+
+    def temperature(self) -> None:
+        return None
+
+    def _compute(self, comm: Comm, batch: GlobalBatch):
+        eps = self.options.eps
+        dtype = compute_dtype(batch.image.dtype)
+        state = self.state_for_batch(comm, batch)
+        slots = state.locate(batch.all_indices)
+        gamma = self.gamma()
+        n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
+        head_dtype = self.tempnet_img.out.weight.dtype
+        # τ of this rank's anchors, with autograd into the heads; of all N anchors (the columns) without
+        tau_local = torch.stack([self.tempnet_img(batch.image.detach().to(head_dtype)),
+                                 self.tempnet_txt(batch.text.detach().to(head_dtype))], dim=1)
+        with torch.no_grad():
+            tau = torch.stack([self.tempnet_img(batch.all_image.to(head_dtype)),
+                               self.tempnet_txt(batch.all_text.to(head_dtype))], dim=1).to(dtype)
+        sim_it = similarity(batch.image, batch.all_text, dtype)
+        sim_ti = similarity(batch.text, batch.all_image, dtype)
+        pos, pos_all = positives(batch, dtype)
+
+        old = state.read(slots).to(pos.device, dtype)   # [N, u_img, u_txt, b_img, b_txt, seen], owners' rows
+        no_floor = torch.tensor(-math.inf, dtype=dtype, device=pos.device)
+        rows = [row_terms(sim, pos, 1.0 / tau[local, m], cells, bound_floor=no_floor, moment=True)
+                for m, sim in enumerate((sim_it, sim_ti))]
+        # rows are shifted by their own maximum; the shared table carries each anchor's (log-free) g, shift and
+        # τ-moment, plus the owners' old u, b and seen
+        stats = torch.stack([rows[0].total, rows[1].total, rows[0].shift, rows[1].shift,
+                             rows[0].moment, rows[1].moment], dim=1)
+        table = comm.share_rows(batch, stats, old, dtype=dtype)
+        g_shifted, shift, h = table[:, 0:2] / n_neg, table[:, 2:4], table[:, 4:6] / n_neg
+        u_old, b_old, seen = table[:, 6:8], table[:, 8:10], table[:, 10:11] > 0.5
+        b_old = torch.where(seen, b_old, -math.inf)
+        b_new = torch.maximum(b_old, shift)                       # the running bound, as v2
+        g = g_shifted * torch.exp(shift - b_new)                  # g in b_new's scale
+        u = update_u(u_old, g, seen, gamma, rescale=torch.exp(b_old - b_new))
+        state.write(slots, torch.cat([u, b_new], dim=1))
+        denom, log_denom = objective_eps_shifted(u, b_new, eps)
+
+        # ∂/∂τ [τ(log g(τ) + ρ)] with g → u (v2's τ-gradient, unclamped), pushed into the heads by autograd:
+        # each rank its own anchors, scaled so that the ranks' average is the global (1/2N)Σ
+        h_new = h * torch.exp(shift - b_new)
+        grad_tau = -h_new / denom + log_denom + b_new + self.rho
+        tau_term = (tau_local * grad_tau[local].to(tau_local.dtype)).sum() / (2 * batch.local_size)
+
+        # the encoders: RGCL at fixed τ, weights τ_i/(u_i+ε) (rows rescaled to b_new, as the columns)
+        w = tau / denom
+        w_rows = w[local] * torch.exp(shift[local] - b_new[local])
+        cols_txt = column_terms(sim_it, pos_all, 1.0 / tau[:, 1], cells, shift=b_new[:, 1])
+        cols_img = column_terms(sim_ti, pos_all, 1.0 / tau[:, 0], cells, shift=b_new[:, 0])
+        del sim_it, sim_ti
+        blocks = (Block(rows[0], cols_txt, w_rows[:, 0], w[:, 1], batch.all_text),
+                  Block(rows[1], cols_img, w_rows[:, 1], w[:, 0], batch.all_image))
+        surrogate = weighted_surrogate(batch.image, batch.text, None, blocks, 0.5 / (batch.local_size * n_neg))
+        loss = surrogate + tau_term - tau_term.detach()          # value: the surrogate; gradient: both
+
+        objective = (tau * (log_denom + b_new + self.rho)).mean()
+        quantiles = torch.quantile(tau.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=dtype, device=u.device))
+        metrics = {"loss": loss, "surrogate": surrogate, "objective": objective, "gamma": torch.tensor(gamma, dtype=dtype),
+                   "tau_quantiles": quantiles, "tau_q05": quantiles[0], "tau_q50": quantiles[1],
+                   "tau_q95": quantiles[2]}
+        return loss, metrics

@@ -1,109 +1,431 @@
-"""Statistical efficiency at small batch: zero-shot accuracy against samples seen for openclip and fastclip-v0..v3
-at global batch 64, 128 and 256, and the samples v3 needs to reach openclip's final accuracy.
+"""Statistical efficiency at small batch: a budgeted, resumable study of openclip against fastclip-v0..v3.
 
-    python benchmarks/bench_stat_eff.py          # writes benchmarks/results/stat_eff.{json,md,png}
-    python benchmarks/bench_stat_eff.py --quick  # 2 losses, 1 batch size, a few steps (CI smoke) -> benchmarks/out/
+    python benchmarks/bench_stat_eff.py                  # the whole study; hours; resumes where it stopped
+    python benchmarks/bench_stat_eff.py --report         # tables and figures from the runs done so far
+    python benchmarks/bench_stat_eff.py --quick          # tiny sizes, 2 losses (CI smoke) -> benchmarks/out/
 
-Our trainer, 2 processes on gloo (per-rank batch = global / 2), fp32, tiny-vit, the loss settings of
-configs/embedded.yaml (τ0 0.07, ρ 6.5, γ_min 0.2, cosine γ decay; options a version lacks are left out).
-FastCLIP's per-sample estimators only pay off when samples come back, so each run makes `epochs` passes over a
-small training set (`fastclip data embedded --max-per-class`), with γ decaying over the first epochs - 1
-epochs (the recipe decays over 3 of 5). Warmup: 10% of the steps. Evaluation after every epoch on the first
-`eval_max` held-out samples (`eval.max_samples`), by the trainer's own eval (every rank its slice).
+Protocol (every knob is in STUDY below):
+- data: a training subset that is revisited many times (`epochs` passes: per-sample estimators only pay off
+  when samples come back), plus held-out splits. `scenes` (fastclip data embedded --source scenes: distinct
+  captions, real retrieval) comes first; `glyphs` (the templated Fashion-MNIST/MNIST captions) after it.
+- model and optimiser shared by all losses: tiny-vit-64 (scenes) / tiny-vit (glyphs), AdamW, cosine lr with 5 %
+  warmup, one process per run (1 process = 2 processes exactly: tests/test_losses_distributed.py), fp32.
+  γ decays (cosine) from 1 to γ_min over the first half of the epochs.
+- tuning: every loss gets the same budget, the same 3 learning rates x 2 values of its own key knob, run
+  with seed 0 and scored on the `val` split at the end (scenes: mean R@1 of both retrieval directions; glyphs:
+  mean zero-shot top-1). The best setting per loss is then run with SEEDS fresh seeds evaluated on `test`
+  after every epoch (the curves) and on `novel` (unseen attribute combinations) at the end.
+- headline: the samples fastclip-v3 (mean over seeds) needs to reach openclip's final score, as a ratio.
+
+Each run is a `fastclip train` process; its result is one JSON file in benchmarks/results/stat_eff/runs/, so a
+stopped study (or a killed run: checkpoints every epoch, `--train.resume latest`) picks up where it was. Two
+runs go at once (one core each).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
+import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO, RESULTS, SMOKE_OUT, ensure_embedded, loss_overrides, machine_info, publish, read_jsonl,
-                    run_monitored, save_figure, torchrun)
+from common import REPO, RESULTS, SMOKE_OUT, machine_info, publish, read_jsonl, save_figure
 
-LOSSES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
-FULL = dict(losses=LOSSES, global_batches=(64, 128, 256), max_per_class=150, epochs=3, eval_max=2000)
-QUICK = dict(losses=("openclip", "fastclip-v3"), global_batches=(32,), max_per_class=16, epochs=2, eval_max=100)
-METRIC = "eval/zeroshot/mean_top1"
+LOSSES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-v3-separate",
+          "fastclip-tempnet")
+
+# The whole protocol in one place. rho is given as a fraction of log(global batch - 1): in the faithful RGCL
+# objective the optimal tau makes KL(softmax over negatives || uniform) = rho, which cannot exceed
+# log(negatives), so a fixed rho means a different regime at each batch size.
+STUDY = dict(
+    datasets={
+        "scenes": dict(arch="tiny-vit-64", num_train=6000, num_val=2000, num_test=3000, num_novel=2000),
+        "glyphs": dict(arch="tiny-vit", max_per_class=300),
+    },
+    order=[("scenes", 64), ("scenes", 128), ("scenes", 32), ("glyphs", 64), ("glyphs", 128), ("glyphs", 32)],
+    epochs=16, warmup_frac=0.05, gamma_min=0.2, seeds=(1, 2, 3), tune_seed=0,
+    lrs=(2.5e-4, 5e-4, 1e-3),  # 2e-3 was tried first and is far worse for openclip at batch 64 (RESULTS)
+    knobs={
+        "openclip": ("temperature", (0.07, 0.03)),    # initial tau; learnable, lr_tau = lr (cosine), as OpenCLIP
+        "fastclip-v3": ("rho_frac", (0.6, 0.85)),      # global tau from 0.07, lr_tau 1e-3 step_thresh
+        "fastclip-v1": ("temperature", (0.07, 0.03)),  # the constant tau
+        "fastclip-v2": ("rho_frac", (0.6, 0.85)),      # per-sample tau from 0.03, lr_tau 0.0133 (recipe)
+        "fastclip-v0": ("temperature", (0.07, 0.03)),  # initial tau; learnable, lr_tau = lr (cosine), as the recipe
+        "fastclip-v3-separate": ("rho_frac", (0.6, 0.85)),  # v3 with tau1 (image-anchored), tau2 (text-anchored)
+        "fastclip-tempnet": ("rho_frac", (0.6, 0.85)),  # tau_i from an MLP head per modality, from 0.03, lr_tau 1e-3
+    },
+    parallel=2,
+)
+QUICK = dict(STUDY, datasets={"scenes": dict(arch="tiny-vit-64", num_train=256, num_val=128, num_test=128,
+                                             num_novel=64)},
+             order=[("scenes", 32)], epochs=2, seeds=(1,), lrs=(1e-3,),
+             knobs={"openclip": ("temperature", (0.07,)), "fastclip-v3": ("rho_frac", (0.6,))})
 
 
-def run_one(loss: str, global_batch: int, data: Path, work: Path, p: dict) -> dict:
-    manifest = json.loads((data / "train" / "manifest.json").read_text())
-    steps_per_epoch = manifest["num_samples"] // global_batch
-    run_dir = work / f"{loss}_gb{global_batch}"
-    cmd = torchrun(2) + [
-        "-m", "fastclip", "train", "--", "--config", str(REPO / "configs" / "embedded.yaml"),
-        "--data.train", str(data / "train"), "--data.val", str(data / "val"),
-        "--data.zeroshot", str(data / "zeroshot.json"), "--data.batch_size", str(global_batch // 2),
-        "--train.epochs", str(p["epochs"]), "--optim.warmup_steps", str(max(1, steps_per_epoch * p["epochs"] // 10)),
-        "--train.run_dir", str(run_dir), "--train.device", "cpu", "--train.backend", "gloo",
-        "--train.log_every", str(max(1, steps_per_epoch // 2)), "--train.progress", "false",
-        "--train.tensorboard", "false", "--eval.every_steps", str(steps_per_epoch), "--eval.at_end", "true",
-        "--eval.max_samples", str(p["eval_max"]), "--checkpoint.every_steps", "0",
-        "--checkpoint.every_minutes", "0", "--checkpoint.at_end", "false",
-        *loss_overrides(loss, gamma_decay_epochs=max(1, p["epochs"] - 1)),
-    ]
-    if run_dir.exists():
-        import shutil
-        shutil.rmtree(run_dir)
-    mem = run_monitored(cmd, work / f"{run_dir.name}.log")
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    curve = []
+# ----------------------------------------------------------------------------- runs
+@dataclass(frozen=True)
+class Run:
+    dataset: str
+    global_batch: int
+    loss: str
+    lr: float
+    knob: str
+    value: float
+    seed: int
+    phase: str  # "tune" (eval on val) or "seed" (eval on test, then novel)
+
+    @property
+    def id(self) -> str:
+        return (f"{self.dataset}_gb{self.global_batch}_{self.loss}_lr{self.lr:g}_{self.knob}{self.value:g}_"
+                f"s{self.seed}_{self.phase}")
+
+    @property
+    def group(self) -> tuple[str, int]:
+        return self.dataset, self.global_batch
+
+
+def loss_args(run: Run, study: dict) -> list[str]:
+    """Overrides of configs/embedded.yaml for this run's loss (the options a loss does not take are nulled)."""
+    epochs = study["epochs"]
+    gamma = ["--loss.gamma_min", str(study["gamma_min"]), "--loss.gamma_decay_epochs", str(max(1, epochs // 2)),
+             "--loss.gamma_schedule", "cosine"]
+    no_gamma = ["--loss.gamma_min", "null", "--loss.gamma_decay_epochs", "null", "--loss.gamma_schedule", "null"]
+    rho = f"{run.value * math.log(run.global_batch - 1):.4f}" if run.knob == "rho_frac" else "null"
+    if run.loss == "openclip":
+        return ["--loss.temperature", str(run.value), "--loss.rho", "null", *no_gamma, "--optim.lr_tau", "null",
+                "--optim.lr_tau_schedule", "cosine"]
+    if run.loss in ("fastclip-v0", "fastclip-v1"):
+        return ["--loss.temperature", str(run.value), "--loss.rho", "null", *gamma, "--optim.lr_tau", "null",
+                "--optim.lr_tau_schedule", "cosine"]
+    if run.loss == "fastclip-v2":
+        return ["--loss.temperature", "0.03", "--loss.rho", rho, *gamma, "--optim.lr_tau", "0.0133",
+                "--optim.lr_tau_schedule", "const"]
+    if run.loss in ("fastclip-v3", "fastclip-v3-separate"):
+        separate = ["--loss.separate_temperatures", "true"] if run.loss == "fastclip-v3-separate" else []
+        return ["--loss.temperature", "0.07", "--loss.rho", rho, *gamma, "--optim.lr_tau", "1e-3",
+                "--optim.lr_tau_schedule", "step_thresh", *separate]
+    if run.loss == "fastclip-tempnet":
+        return ["--loss.temperature", "0.03", "--loss.rho", rho, *gamma, "--optim.lr_tau", "1e-3",
+                "--optim.lr_tau_schedule", "const"]
+    raise ValueError(run.loss)
+
+
+def loss_name(variant: str) -> str:
+    """The `loss.name` of a study variant (variants are a loss plus options, e.g. fastclip-v3-separate)."""
+    return "fastclip-v3" if variant == "fastclip-v3-separate" else variant
+
+
+def command(run: Run, study: dict, data: Path, run_dir: Path) -> list[str]:
+    train_samples = json.loads((data / "train" / "manifest.json").read_text())["num_samples"]
+    steps = train_samples // run.global_batch * study["epochs"]
+    eval_split = "val" if run.phase == "tune" else "test"
+    return [sys.executable, "-m", "fastclip", "train", "--config", str(REPO / "configs" / "embedded.yaml"),
+            "--data.train", str(data / "train"), "--data.val", str(data / eval_split),
+            "--data.zeroshot", str(data / "zeroshot.json"), "--data.batch_size", str(run.global_batch),
+            "--data.workers", "0", "--model.arch", study["datasets"][run.dataset]["arch"],
+            "--loss.name", loss_name(run.loss), *loss_args(run, study), "--optim.lr", str(run.lr),
+            "--optim.warmup_steps", str(max(1, int(steps * study["warmup_frac"]))),
+            "--train.epochs", str(study["epochs"]), "--train.seed", str(run.seed), "--train.run_dir", str(run_dir),
+            "--train.device", "cpu", "--train.progress", "false", "--train.tensorboard", "false",
+            "--train.log_every", "25", "--eval.every_steps", str(train_samples // run.global_batch),
+            "--eval.at_end", "true", "--eval.max_samples", "null",
+            "--checkpoint.every_steps", str(train_samples // run.global_batch), "--checkpoint.every_minutes", "0",
+            "--checkpoint.keep_last", "1", "--checkpoint.at_end", "true"]
+
+
+def plan(study: dict, results: Path) -> list[Run]:
+    """Every run of the study in priority order; seed runs need their group's tuning to be complete."""
+    runs = []
+    for dataset, gb in study["order"]:
+        for loss, (knob, values) in study["knobs"].items():  # a loss's seeds right after its own tuning
+            for lr in study["lrs"]:
+                for value in values:
+                    runs.append(Run(dataset, gb, loss, lr, knob, value, study["tune_seed"], "tune"))
+            best = chosen(study, results, dataset, gb, loss)
+            if best is not None:
+                runs += [Run(dataset, gb, loss, best.lr, best.knob, best.value, s, "seed") for s in study["seeds"]]
+    return runs
+
+
+def score(record: dict, dataset: str) -> float:
+    """The tuning criterion: mean R@1 of both retrieval directions (scenes), mean zero-shot top-1 (glyphs)."""
+    if dataset == "scenes":
+        return 0.5 * (record["retrieval/image_to_text_R@1"] + record["retrieval/text_to_image_R@1"])
+    tops = [v for k, v in record.items() if k.startswith("zeroshot/") and k.endswith("/top1")]
+    return sum(tops) / len(tops)
+
+
+def load_result(results: Path, run: Run) -> dict | None:
+    path = results / "runs" / f"{run.id}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def chosen(study: dict, results: Path, dataset: str, gb: int, loss: str) -> Run | None:
+    """The best tuning run of `loss` (final val score), once all of its tuning runs are done."""
+    knob, values = study["knobs"][loss]
+    tune = [Run(dataset, gb, loss, lr, knob, v, study["tune_seed"], "tune") for lr in study["lrs"] for v in values]
+    done = [(load_result(results, r), r) for r in tune]
+    if any(res is None for res, _ in done):
+        return None
+    return max(done, key=lambda d: d[0]["final_score"])[1]
+
+
+# ----------------------------------------------------------------------------- data
+def ensure_data(study: dict, dataset: str, work: Path) -> Path:
+    spec = study["datasets"][dataset]
+    if dataset == "scenes":
+        root = work / f"scenes_{spec['num_train']}"
+        args = ["--source", "scenes", "--num-train", str(spec["num_train"]), "--num-val", str(spec["num_val"]),
+                "--num-test", str(spec["num_test"]), "--num-novel", str(spec["num_novel"]), "--shard-size", "500"]
+    else:  # the glyphs data has train/val only: val is split in two halves by the study (see _split_val)
+        root = work / f"glyphs_{spec['max_per_class']}"
+        args = ["--max-per-class", str(spec["max_per_class"]), "--shard-size", "500"]
+    if not (root / "zeroshot.json").is_file():
+        subprocess.run([sys.executable, "-m", "fastclip", "data", "embedded", "--out", str(root), *args],
+                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    if dataset == "glyphs" and not (root / "test").is_dir():
+        _split_val(root)
+    return root
+
+
+def _split_val(root: Path) -> None:
+    """glyphs: val's shards split into val (tuning) and test (reporting) halves; no novel split."""
+    manifest = json.loads((root / "val" / "manifest.json").read_text())
+    shards = manifest["shards"]
+    half = max(1, len(shards) // 2)
+    (root / "test").mkdir()
+    for entry in shards[half:]:
+        shutil.move(str(root / "val" / entry["path"]), str(root / "test" / entry["path"]))
+    for folder, part in (("val", shards[:half]), ("test", shards[half:])):
+        m = dict(manifest, shards=part, num_samples=sum(s["num_samples"] for s in part))
+        (root / folder / "manifest.json").write_text(json.dumps(m, indent=1))
+
+
+# ----------------------------------------------------------------------------- running
+def metric_curve(records: list[dict]) -> list[dict]:
+    """[{samples_seen, <eval metrics without the eval/ prefix>}], one point per evaluated step."""
+    points: dict[int, dict] = {}
     for rec in records:
-        if METRIC in rec:
-            curve.append((rec["samples_seen"], rec[METRIC]))
-    curve = sorted(dict(curve).items())  # the at-end eval repeats the last epoch's step: keep one
-    print(f"  stat-eff {loss} global batch {global_batch}: final top1 {curve[-1][1]:.4f} "
-          f"({mem['wall_s']:.0f} s)", flush=True)
-    return {"loss": loss, "global_batch": global_batch, "curve": curve, "final_top1": curve[-1][1],
-            "wall_s": mem["wall_s"]}
+        evals = {k[5:]: v for k, v in rec.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        if evals:
+            points[rec["samples_seen"]] = {"samples_seen": rec["samples_seen"], **evals}
+    return [points[k] for k in sorted(points)]
 
 
+def tau_trace(records: list[dict]) -> list[list[float]]:
+    return [[r["samples_seen"], r["tau"]] for r in records if "tau" in r and "samples_seen" in r]
+
+
+def evaluate_novel(run_dir: Path, data: Path) -> dict:
+    from fastclip.eval import run_evals
+    from fastclip.eval.checkpoint import load_model
+
+    built = load_model(run_dir, device="cpu").built
+    return run_evals(built.model, tokenizer=built.tokenizer, preprocess=built.preprocess_val,
+                     val_dir=str(data / "novel"), zeroshot_file=str(data / "zeroshot.json"), device="cpu",
+                     batch_size=256)
+
+
+@dataclass
+class Active:
+    run: Run
+    proc: subprocess.Popen
+    run_dir: Path
+    data: Path
+    start: float = field(default_factory=time.perf_counter)
+
+
+def start(run: Run, study: dict, data: Path, work: Path) -> Active:
+    run_dir = work / "runs" / run.id
+    cmd = command(run, study, data, run_dir)
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*")):
+        cmd += ["--train.resume", "latest"]  # a run that was stopped: go on from its last epoch
+    elif run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = open(run_dir / "stdout.log", "a")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    print(f"[{time.strftime('%H:%M:%S')}] start {run.id}", flush=True)
+    return Active(run, proc, run_dir, data)
+
+
+def code_version() -> str:
+    """The commit the run's code came from (+ "-dirty" with uncommitted changes under fastclip/)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("-dirty" if git("status", "--porcelain", "--", "fastclip") else "")
+
+
+def finish(active: Active, study: dict, results: Path) -> None:
+    run, run_dir = active.run, active.run_dir
+    if active.proc.returncode != 0:
+        tail = (run_dir / "stdout.log").read_text()[-2000:]
+        raise RuntimeError(f"run {run.id} failed (rc {active.proc.returncode}); log {run_dir}/stdout.log:\n{tail}")
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    curve = metric_curve(records)
+    out = {"run": run.__dict__, "id": run.id, "code": code_version(), "curve": curve, "tau": tau_trace(records),
+           "final": curve[-1], "final_score": score(curve[-1], run.dataset),
+           "wall_s": time.perf_counter() - active.start,
+           "samples_per_s": [r["samples_per_s"] for r in records if "samples_per_s" in r][-1]}
+    if run.phase == "seed" and (active.data / "novel").is_dir():
+        novel = evaluate_novel(run_dir, active.data)
+        out["novel"] = {k: v for k, v in novel.items() if isinstance(v, (int, float))}
+    (results / "runs").mkdir(parents=True, exist_ok=True)
+    (results / "runs" / f"{run.id}.json").write_text(json.dumps(out, indent=1))
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    print(f"[{time.strftime('%H:%M:%S')}] done  {run.id}: score {out['final_score']:.4f} "
+          f"({out['wall_s']:.0f} s)", flush=True)
+
+
+def run_study(study: dict, results: Path, work: Path, max_runs: int | None = None) -> None:
+    active: list[Active] = []
+    started = 0
+    while True:
+        for a in [a for a in active if a.proc.poll() is not None]:
+            active.remove(a)
+            finish(a, study, results)
+        busy = {a.run.id for a in active}
+        todo = [r for r in plan(study, results) if r.id not in busy and load_result(results, r) is None]
+        if not todo and not active:
+            return
+        while todo and len(active) < study["parallel"] and (max_runs is None or started < max_runs):
+            run = todo.pop(0)
+            active.append(start(run, study, ensure_data(study, run.dataset, work), work))
+            started += 1
+        if not active:
+            return
+        time.sleep(2)
+
+
+# ----------------------------------------------------------------------------- summary
 def samples_to_reach(curve: list, target: float) -> float | None:
-    """Samples seen at which `curve` first reaches `target` (linear between evaluations); None if it never does."""
-    prev = (0, 0.0)
-    for seen, acc in curve:
-        if acc >= target:
-            if prev[1] >= target or acc == prev[1]:
-                return float(seen)
-            return prev[0] + (target - prev[1]) / (acc - prev[1]) * (seen - prev[0])
-        prev = (seen, acc)
-    return None
+    """Samples seen from which `curve` [(samples, value)] reaches `target` and stays there to the end (linear
+    between evaluations, from (0, 0) before the first): an early spike that falls back does not count. None if
+    the final value is below `target`."""
+    points = [(0, 0.0)] + [(float(x), float(y)) for x, y in curve]
+    if points[-1][1] < target:
+        return None
+    k = len(points) - 1
+    while k > 0 and points[k - 1][1] >= target:  # the last stretch that stays at or above target
+        k -= 1
+    if k == 0:
+        return 0.0
+    (x0, y0), (x1, y1) = points[k - 1], points[k]
+    return x0 + (target - y0) / (y1 - y0) * (x1 - x0)
 
 
-def summarize(runs: list[dict], p: dict) -> list[dict]:
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
+
+
+METRICS = {"zeroshot_top1": lambda rec: sum(v for k, v in rec.items() if k.startswith("zeroshot/")
+                                            and k.endswith("/top1")) / max(1, sum(
+                                                1 for k in rec if k.startswith("zeroshot/") and k.endswith("/top1"))),
+           "retrieval_R@1": lambda rec: 0.5 * (rec.get("retrieval/image_to_text_R@1", 0.0)
+                                               + rec.get("retrieval/text_to_image_R@1", 0.0))}
+
+
+def mean_curve(results: list[dict], metric: str) -> list[tuple[int, float, float]]:
+    """(samples, mean, std) over seeds at the evaluation points all seeds share."""
+    shared = set.intersection(*(set(p["samples_seen"] for p in r["curve"]) for r in results))
     out = []
-    for gb in p["global_batches"]:
-        ref = next((r for r in runs if r["loss"] == "openclip" and r["global_batch"] == gb), None)
-        v3 = next((r for r in runs if r["loss"] == "fastclip-v3" and r["global_batch"] == gb), None)
-        row = {"global_batch": gb, **{r["loss"]: r["final_top1"] for r in runs if r["global_batch"] == gb}}
-        if ref and v3:
-            total = v3["curve"][-1][0]
-            need = samples_to_reach(v3["curve"], ref["final_top1"])
-            row.update(openclip_final=ref["final_top1"], total_samples=total, v3_samples_to_openclip_final=need,
-                       v3_fraction=None if need is None else need / ref["curve"][-1][0])
-        out.append(row)
+    for seen in sorted(shared):
+        vals = [METRICS[metric](next(p for p in r["curve"] if p["samples_seen"] == seen)) for r in results]
+        out.append((seen, *_mean_std(vals)))
     return out
 
 
+def summarize(study: dict, results: Path) -> dict:
+    groups = []
+    for dataset, gb in study["order"]:
+        tune, seeds = {}, {}
+        for loss, (knob, values) in study["knobs"].items():
+            rows = []
+            for lr in study["lrs"]:
+                for v in values:
+                    res = load_result(results, Run(dataset, gb, loss, lr, knob, v, study["tune_seed"], "tune"))
+                    rows.append({"lr": lr, knob: v, "val_score": None if res is None else res["final_score"]})
+            tune[loss] = rows
+            best = chosen(study, results, dataset, gb, loss)
+            if best is None:
+                continue
+            done = [res for s in study["seeds"]
+                    if (res := load_result(results, Run(dataset, gb, loss, best.lr, best.knob, best.value, s,
+                                                        "seed"))) is not None]
+            if not done:
+                continue
+            entry = {"setting": {"lr": best.lr, best.knob: best.value}, "seeds_done": len(done),
+                     "curves": {m: mean_curve(done, m) for m in METRICS}}
+            for m in METRICS:
+                entry[f"test_{m}"] = _mean_std([METRICS[m](r["final"]) for r in done])
+                if all("novel" in r for r in done):
+                    entry[f"novel_{m}"] = _mean_std([METRICS[m](r["novel"]) for r in done])
+            entry["final_tau"] = _mean_std([r["tau"][-1][1] for r in done if r["tau"]]) if done[0]["tau"] else None
+            seeds[loss] = entry
+        group = {"dataset": dataset, "global_batch": gb, "tune": tune, "seeds": seeds}
+        if "openclip" in seeds and "fastclip-v3" in seeds:
+            for m in METRICS:
+                ref = seeds["openclip"]["curves"][m]
+                v3 = seeds["fastclip-v3"]["curves"][m]
+                need = samples_to_reach([(s, mu) for s, mu, _ in v3], ref[-1][1])
+                group[f"v3_speedup_{m}"] = None if need is None else ref[-1][0] / need
+        groups.append(group)
+    return {"study": {k: v for k, v in study.items() if k != "order"} | {"order": [list(o) for o in study["order"]]},
+            "groups": groups}
+
+
+def _fmt(ms) -> str:
+    return "-" if ms is None else f"{100 * ms[0]:.1f} ± {100 * ms[1]:.1f}"
+
+
 def markdown(result: dict) -> str:
-    p, losses = result["params"], result["params"]["losses"]
-    lines = [f"Our trainer, 2 processes (gloo, per-rank batch = global / 2), fp32, tiny-vit, "
-             f"{result['train_samples']} training samples (`--max-per-class {p['max_per_class']}`) x {p['epochs']} "
-             f"epochs, γ decay over {max(1, p['epochs'] - 1)} epoch(s), evaluation after every epoch on the first "
-             f"{p['eval_max']} held-out samples. Final zero-shot top-1 (mean of Fashion-MNIST and MNIST):", "",
-             "| global batch | " + " | ".join(losses) + " | v3 samples to reach openclip's final | of openclip's |",
-             "|---:|" + "---:|" * len(losses) + "---:|---:|"]
-    for row in result["summary"]:
-        need = row.get("v3_samples_to_openclip_final")
-        frac = row.get("v3_fraction")
-        lines.append(f"| {row['global_batch']} | " + " | ".join(
-            f"{100 * row[l]:.2f}%" if l in row else "-" for l in losses) + " | " +
-            (f"{need:,.0f}" if need is not None else f"not reached in {row.get('total_samples', 0):,}") +
-            " | " + (f"{frac:.2f}x" if frac is not None else "-") + " |")
+    s = result["summary"]["study"]
+    lines = [f"Study protocol in `benchmarks/bench_stat_eff.py` (STUDY): {s['epochs']} epochs over a fixed training "
+             f"subset, γ from 1 to {s['gamma_min']} over the first {s['epochs'] // 2} epochs, tuning budget "
+             f"{len(s['lrs'])} lr x 2 values of each loss's own knob (seed {s['tune_seed']}, scored on val), "
+             f"then {len(s['seeds'])} seeds of the chosen setting on test (mean ± std, in %).", ""]
+    for g in result["summary"]["groups"]:
+        if not any(r["val_score"] is not None for rows in g["tune"].values() for r in rows):
+            continue
+        lines += [f"### {g['dataset']}, global batch {g['global_batch']}", "",
+                  "| loss | chosen setting | seeds | test zero-shot top-1 | test retrieval R@1 | novel zero-shot "
+                  "top-1 | novel retrieval R@1 | final τ |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for loss, e in g["seeds"].items():
+            tau = e.get("final_tau")
+            lines.append(f"| {loss} | {', '.join(f'{k} {v:g}' for k, v in e['setting'].items())} | "
+                         f"{e['seeds_done']} | {_fmt(e.get('test_zeroshot_top1'))} | "
+                         f"{_fmt(e.get('test_retrieval_R@1'))} | {_fmt(e.get('novel_zeroshot_top1'))} | "
+                         f"{_fmt(e.get('novel_retrieval_R@1'))} | {'-' if not tau else f'{tau[0]:.4f}'} |")
+        for m in METRICS:
+            if f"v3_speedup_{m}" in g:
+                sp = g[f"v3_speedup_{m}"]
+                lines.append(f"\nfastclip-v3 reaches openclip's final {m} "
+                             + (f"with **{sp:.2f}x** fewer samples." if sp else "**not** within the run."))
+        n_settings = max(len(rows) for rows in g["tune"].values())
+        lines += ["", "Tuning (final val score of each setting, %):", "",
+                  "| loss | " + " | ".join(f"setting {i + 1}" for i in range(n_settings)) + " |",
+                  "|---|" + "---|" * n_settings]
+        for loss, rows in g["tune"].items():
+            cells = []
+            for r in rows:
+                knob = next(k for k in r if k not in ("lr", "val_score"))
+                val = "running" if r["val_score"] is None else f"{100 * r['val_score']:.1f}"
+                cells.append(f"lr {r['lr']:g}, {knob} {r[knob]:g}: {val}")
+            lines.append(f"| {loss} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.append(f"Runs done: {result['runs_done']} of {result['runs_planned']} planned so far"
+                 + ("" if result["runs_done"] == result["runs_planned"] else
+                    " (the study resumes with `python benchmarks/bench_stat_eff.py`)") + ".")
     return "\n".join(lines)
 
 
@@ -112,45 +434,55 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p = result["params"]
-    batches = p["global_batches"]
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.9), squeeze=False)
-    colors = dict(zip(LOSSES, ("#222222", "#55a868", "#8172b2", "#4c72b0", "#dd8452")))
-    for ax, gb in zip(axes[0], batches):
-        for run in (r for r in result["runs"] if r["global_batch"] == gb):
-            xs, ys = zip(*run["curve"])
-            ax.plot(xs, [100 * y for y in ys], marker="o", ms=3, color=colors[run["loss"]], label=run["loss"],
-                    lw=2 if run["loss"] in ("openclip", "fastclip-v3") else 1)
-        ax.set_title(f"global batch {gb}", fontsize=9)
-        ax.set_xlabel("samples seen", fontsize=8)
-        ax.set_ylabel("zero-shot top-1 (%)", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    title = f"Statistical efficiency: tiny-vit, 2 processes, {result['train_samples']} samples x {p['epochs']} epochs"
-    save_figure(fig, path, result["machine"], title, top=0.94)
+    groups = [g for g in result["summary"]["groups"] if g["seeds"]]
+    if not groups:
+        groups = result["summary"]["groups"][:1]
+    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 3.6 * len(groups)), squeeze=False)
+    colors = dict(zip(LOSSES, ("#222222", "#55a868", "#8172b2", "#4c72b0", "#dd8452", "#c44e52", "#937860")))
+    for row, g in zip(axes, groups):
+        for ax, m in zip(row, METRICS):
+            for loss, e in g["seeds"].items():
+                xs, mu, sd = zip(*e["curves"][m]) if e["curves"][m] else ((), (), ())
+                ax.plot(xs, [100 * y for y in mu], color=colors[loss], label=f"{loss} ({e['seeds_done']} seeds)",
+                        lw=2 if loss in ("openclip", "fastclip-v3") else 1)
+                ax.fill_between(xs, [100 * (a - b) for a, b in zip(mu, sd)], [100 * (a + b) for a, b in zip(mu, sd)],
+                                color=colors[loss], alpha=0.15)
+            ax.set_title(f"{g['dataset']}, global batch {g['global_batch']}: test {m}", fontsize=9)
+            ax.set_xlabel("samples seen", fontsize=8)
+            ax.set_ylabel(f"{m} (%)", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    save_figure(fig, path, result["machine"], "Statistical efficiency: mean ± std over seeds", top=0.95)
+
+
+def report(study: dict, results: Path, out: Path) -> dict:
+    planned = plan(study, results)
+    done = sum(load_result(results, r) is not None for r in planned)
+    result = {"machine": machine_info(), "summary": summarize(study, results), "runs_done": done,
+              "runs_planned": len(planned)}
+    publish(out, "stat_eff", result, markdown, plot)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 losses, 1 batch size, tiny data (CI smoke)")
-    parser.add_argument("--epochs", type=int)
-    parser.add_argument("--max-per-class", type=int, help="training samples per class and dataset")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 losses (CI smoke)")
+    parser.add_argument("--report", action="store_true", help="only tables and figures from the runs done")
+    parser.add_argument("--max-runs", type=int, default=None, help="start at most this many runs, then report")
+    parser.add_argument("--parallel", type=int, default=None, help="runs at once (default 2: one per core)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    p = dict(QUICK if args.quick else FULL)
-    p.update({k: v for k, v in (("epochs", args.epochs), ("max_per_class", args.max_per_class)) if v})
+    study = dict(QUICK if args.quick else STUDY)
+    if args.parallel:
+        study["parallel"] = args.parallel
     out = args.out or (SMOKE_OUT if args.quick else RESULTS)
-    work = SMOKE_OUT / ("stat_eff_runs_quick" if args.quick else "stat_eff_runs")
-    data = ensure_embedded(work.parent / f"embedded_mpc{p['max_per_class']}", max_per_class=p["max_per_class"],
-                           shard_size=200)
-    train_samples = json.loads((data / "train" / "manifest.json").read_text())["num_samples"]
-    info = machine_info()
-    # batch sizes in the outer loop: a run for each loss before the next batch size, so noise spreads evenly
-    runs = [run_one(loss, gb, data, work, p) for gb in p["global_batches"] for loss in p["losses"]]
-    result = {"machine": info, "params": p, "train_samples": train_samples, "runs": runs,
-              "summary": summarize(runs, p)}
-    result["machine"]["loadavg_after"] = list(os.getloadavg())
-    publish(out, "stat_eff", result, markdown, plot)
+    results = out / ("stat_eff_quick" if args.quick else "stat_eff")
+    work = SMOKE_OUT / ("stat_eff_work_quick" if args.quick else "stat_eff_work")
+    if args.quick and results.exists():
+        shutil.rmtree(results)
+    if not args.report:
+        run_study(study, results, work, args.max_runs)
+    report(study, results, out)
     return 0
 
 

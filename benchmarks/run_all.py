@@ -10,7 +10,7 @@ Items (each its own program, run in a fresh process, writing <name>.{json,md,png
   loss         bench_loss.py          the loss alone: time and bytes per step, fastclip-v3 vs ClipLoss
   state        bench_state_memory.py  per-rank bytes of the per-sample state, measured and at LAION scale
   scaling      bench_scaling.py       compute/communication split at 1 and 2 processes + a scaling MODEL
-  stat_eff     bench_stat_eff.py      zero-shot accuracy against samples seen at global batch 64/128/256
+  stat_eff     bench_stat_eff.py      tuned study: zero-shot and retrieval against samples seen (hours)
   engines      bench_engines.py       DDP vs DeepSpeed ZeRO-1/2/3 and gradient accumulation: throughput, memory
   tempfree     bench_tempfree.py      zero-shot of the temperature-free (atanh) loss against tuned temperatures
 """
@@ -115,14 +115,19 @@ def headline(out: Path) -> list[str]:
     stat = out / "stat_eff.json"
     if stat.is_file():
         d = json.loads(stat.read_text())
-        for row in d["summary"]:
-            need = row.get("v3_samples_to_openclip_final")
-            if "openclip_final" in row:
-                lines.append(f"- global batch {row['global_batch']}: openclip final top-1 "
-                             f"{100 * row['openclip_final']:.1f}%, fastclip-v3 "
-                             f"{100 * row.get('fastclip-v3', float('nan')):.1f}%; v3 reaches openclip's final after "
-                             + (f"{need:,.0f} samples ({row['v3_fraction']:.2f}x)" if need is not None
-                                else f"- (not within {row['total_samples']:,})") + ".")
+        for g in d["summary"]["groups"]:
+            seeds = g["seeds"]
+            if "openclip" not in seeds or "fastclip-v3" not in seeds:
+                continue
+            for metric in ("retrieval_R@1", "zeroshot_top1"):
+                ref, v3 = seeds["openclip"][f"test_{metric}"], seeds["fastclip-v3"][f"test_{metric}"]
+                speedup = g.get(f"v3_speedup_{metric}")
+                lines.append(f"- {g['dataset']}, global batch {g['global_batch']}, test {metric}: openclip "
+                             f"{100 * ref[0]:.1f} ± {100 * ref[1]:.1f}%, fastclip-v3 {100 * v3[0]:.1f} ± "
+                             f"{100 * v3[1]:.1f}% ({seeds['fastclip-v3']['seeds_done']} seeds); v3 reaches "
+                             f"openclip's final " + (f"with {speedup:.2f}x fewer samples." if speedup else
+                                                     "value: not within the run."))
+        lines.append(f"- study progress: {d['runs_done']} of {d['runs_planned']} runs done.")
     return lines
 
 

@@ -22,6 +22,9 @@ def test_samples_to_reach_interpolates_and_reports_never():
     assert bench_stat_eff.samples_to_reach(curve, 0.1) == pytest.approx(50)  # from (0, 0) to the first point
     assert bench_stat_eff.samples_to_reach(curve, 0.5) == pytest.approx(300)
     assert bench_stat_eff.samples_to_reach(curve, 0.51) is None
+    spiky = [(100, 0.6), (200, 0.2), (300, 0.4), (400, 0.5)]  # the early spike does not count: reached at 350
+    assert bench_stat_eff.samples_to_reach(spiky, 0.45) == pytest.approx(350)
+    assert bench_stat_eff.samples_to_reach(spiky, 0.55) is None
 
 
 def test_ring_costs_and_fit_recover_alpha_and_bandwidth():

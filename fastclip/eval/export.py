@@ -71,6 +71,10 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
 
     config_file = None
     if not _is_builtin(arch, model_config):
+        from fastclip.models import copy_hf_folders
+
+        # a Hugging Face text tower's folder (its config.json, tokenizer files) goes beside the export too
+        model_config = copy_hf_folders(model_config, out.parent)
         config_file = out.parent / f"{arch}.json"
         config_file.write_text(json.dumps(model_config, indent=4) + "\n")
     return {

@@ -1,7 +1,11 @@
 """OpenCLIP towers by architecture name, random init; nothing is downloaded.
 
 An architecture is an open_clip name (`RN50`, `ViT-B-32`, ...), the name of a JSON file in the repo's
-`configs/models/` (`tiny-vit`), or a path to such a JSON file. The model knows nothing about parallelism or
+`configs/models/` (`tiny-vit`), or a path to such a JSON file. A config whose text_cfg has `hf_model_name` gets
+open_clip's Hugging Face text tower (HFTextEncoder, random init from the folder's config.json) and its HFTokenizer
+(from the tokenizer files there); the folder is named relative to the config file (`tiny-vit-hf`: a 2-layer BERT
+in configs/models/hf/tiny-bert whose vocab.txt holds the special tokens, characters, `##` characters and the words
+of our embedded and scenes captions). The model knows nothing about parallelism or
 losses: the loss module owns the temperature, so the tower's own `logit_scale` is frozen by the trainer and
 overwritten at export.
 """
@@ -10,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -38,9 +44,74 @@ def resolve_arch(arch: str) -> tuple[str, dict | None]:
             )
     if path is None:
         return arch, None
-    open_clip.add_model_config(str(path))
     with open(path) as f:
-        return path.stem, json.load(f)
+        config = json.load(f)
+    if not any(key in config.get("text_cfg", {}) for key in HF_FOLDER_KEYS):
+        open_clip.add_model_config(str(path))
+        return path.stem, config
+    # a Hugging Face text tower: its folders are resolved against the config file's folder, so open_clip (which
+    # takes them as given) builds it from any working directory; registered as resolved, never from the file
+    config = resolve_hf_folders(config, path)
+    with tempfile.TemporaryDirectory() as tmp:
+        resolved = Path(tmp) / path.name
+        resolved.write_text(json.dumps(config))
+        open_clip.add_model_config(str(resolved))  # read now; a later rescan skips the vanished file
+    return path.stem, config
+
+
+HF_FOLDER_KEYS = ("hf_model_name", "hf_tokenizer_name")
+
+
+def resolve_hf_folders(config: dict, config_file: Path) -> dict:
+    """A copy of `config` whose text_cfg.hf_model_name / hf_tokenizer_name are absolute folder paths.
+
+    A relative name is taken from the config file's folder; an absolute one that no longer exists (an export
+    moved elsewhere) is looked for by its last part beside the config file. Hub ids are refused: the text tower
+    is built from its folder's config.json with random weights and the tokenizer from the files there, and
+    nothing is downloaded."""
+    config = json.loads(json.dumps(config))
+    text = config["text_cfg"]
+    for key in HF_FOLDER_KEYS:
+        name = text.get(key)
+        if not name:
+            continue
+        given = Path(name)
+        candidates = [given, config_file.parent / given.name] if given.is_absolute() else [config_file.parent / given]
+        found = next((c for c in candidates if (c / "config.json").is_file() or (c / "tokenizer_config.json").is_file()),
+                     None)
+        if found is None:
+            raise FileNotFoundError(
+                f"model config {config_file}: text_cfg.{key} {name!r} is not a folder with config.json / "
+                f"tokenizer files (looked in {', '.join(str(c) for c in candidates)}); Hugging Face text towers are "
+                f"built from a local folder, nothing is downloaded")
+        text[key] = str(found.resolve())
+    # the folders are local: transformers must not ask the hub about them either
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return config
+
+
+def copy_hf_folders(config: dict, dest: Path) -> dict:
+    """For an export: copy the local Hugging Face folders a config names (text tower config, tokenizer files)
+    into `dest` and return the config naming the copies by absolute path (what open_clip needs to build it;
+    if the export is moved, fastclip finds the folder beside the moved config). Other configs come back as is."""
+    text = config.get("text_cfg", {})
+    names = {text[key] for key in HF_FOLDER_KEYS if text.get(key)}
+    if not names:
+        return config
+    config = json.loads(json.dumps(config))
+    for name in names:
+        source = Path(name)
+        if not source.is_dir():
+            raise FileNotFoundError(f"model config: text_cfg folder {name!r} (Hugging Face text tower) does not exist")
+        copy = dest / source.name
+        copy.mkdir(parents=True, exist_ok=True)
+        for file in source.iterdir():
+            if file.is_file():
+                shutil.copyfile(file, copy / file.name)
+        for key in HF_FOLDER_KEYS:
+            if config["text_cfg"].get(key) == name:
+                config["text_cfg"][key] = str(copy.resolve())
+    return config
 
 
 @dataclass
@@ -68,7 +139,8 @@ def build_model(arch: str, *, precision: str = "fp32", device: str = "cpu", **ov
     root.addFilter(notice)
     try:
         model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
-            name, pretrained=None, precision=precision, device=device, **overrides
+            # pretrained_text=False: a Hugging Face text tower starts from its config with random weights too
+            name, pretrained=None, pretrained_text=False, precision=precision, device=device, **overrides
         )
     finally:
         root.removeFilter(notice)
@@ -83,4 +155,4 @@ def image_size(model) -> int:
     return size[0] if isinstance(size, (tuple, list)) else int(size)
 
 
-__all__ = ["build_model", "resolve_arch", "BuiltModel", "image_size", "REPO_MODEL_CONFIGS"]
+__all__ = ["build_model", "resolve_arch", "copy_hf_folders", "resolve_hf_folders", "BuiltModel", "image_size", "REPO_MODEL_CONFIGS"]

@@ -1,0 +1,110 @@
+"""Hugging Face text towers (`hf_model_name` in a model config): configs/models/tiny-vit-hf.json names a tiny
+BERT folder shipped in the repo (config.json, vocab.txt); built with random weights and nothing downloaded,
+trained, checkpointed, evaluated, and exported so that a plain open_clip loads it."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastclip.eval.checkpoint import load_model
+from fastclip.eval.export import export_model
+from fastclip.models import REPO_MODEL_CONFIGS, build_model
+
+REPO = Path(__file__).resolve().parents[1]
+CAPTIONS = ["a photo of a coat.", "a handwritten digit seven.", "a small red sandal in the top left corner"]
+
+
+def test_builds_offline_with_its_own_tokenizer_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the folder is found from the config file, not the working directory
+    built = build_model("tiny-vit-hf")
+    assert type(built.model.text).__name__ == "HFTextEncoder" and type(built.tokenizer).__name__ == "HFTokenizer"
+    assert built.config["text_cfg"]["hf_model_name"] == str(REPO_MODEL_CONFIGS / "hf" / "tiny-bert")
+    ids = built.tokenizer(CAPTIONS[:1])
+    # [CLS] a photo of a coat . [SEP], then [PAD] up to the context length: words of the shipped vocab.txt
+    assert ids.shape == (1, 32) and ids[0, :9].tolist() == [2, 18, 137, 132, 18, 106, 5, 3, 0]
+    ids = built.tokenizer(["zebra xylophone"])[0]
+    pieces = built.tokenizer.tokenizer.convert_ids_to_tokens(ids[ids != 0].tolist())
+    assert pieces == ["[CLS]", "zebra", "x", "##y", "##l", "##o", "##p", "##h", "##o", "##n", "##e", "[SEP]"]  # no [UNK]
+    assert built.model.encode_text(built.tokenizer(CAPTIONS)).shape == (3, 64)
+
+
+def test_a_missing_folder_is_named(tmp_path):
+    config = json.loads((REPO_MODEL_CONFIGS / "tiny-vit-hf.json").read_text())
+    config["text_cfg"]["hf_model_name"] = "roberta-base"  # a hub id: not fetched
+    path = tmp_path / "hub-bert.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match=r"text_cfg.hf_model_name 'roberta-base' is not a folder"):
+        build_model(str(path))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_embedded, tmp_path_factory):
+    """3 steps of fastclip-v3 on the tiny embedded shards, one process, a data worker (the tokenizer is pickled)."""
+    from fastclip.train.config import load_config
+    from fastclip.train.trainer import train
+
+    run = tmp_path_factory.mktemp("hf") / "run"
+    opts = {"model.arch": "tiny-vit-hf", "data.train": tiny_embedded / "train", "data.val": tiny_embedded / "val",
+            "data.zeroshot": tiny_embedded / "zeroshot.json", "data.batch_size": 16, "data.workers": 1,
+            "train.run_dir": run, "train.max_steps": 3, "train.log_every": 1, "train.progress": False,
+            "train.tensorboard": False, "optim.warmup_steps": 1, "eval.every_steps": 0, "eval.at_end": True,
+            "checkpoint.every_steps": 0, "checkpoint.every_minutes": 0}
+    result = train(load_config(REPO / "configs" / "embedded.yaml", [x for k, v in opts.items() for x in (f"--{k}", str(v))]))
+    assert result["step"] == 3
+    return run
+
+
+def test_trains_checkpoints_and_evaluates(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert 0.0 <= records[-1]["eval/zeroshot/mean_top1"] <= 1.0
+    saved = torch.load(run_dir / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
+    assert saved["arch"] == "tiny-vit-hf" and "text.transformer.encoder.layer.1.output.dense.weight" in saved["state_dict"]
+    loaded = load_model(run_dir).built
+    assert torch.equal(loaded.model.state_dict()["text.proj.weight"], saved["state_dict"]["text.proj.weight"])
+
+
+OPEN_CLIP_LOAD = """
+import json, sys, torch
+from fastclip.compat import import_open_clip
+open_clip = import_open_clip()
+config, weights, captions = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+open_clip.add_model_config(config)
+model, _, _ = open_clip.create_model_and_transforms("tiny-vit-hf", pretrained=weights)
+model.eval()
+with torch.no_grad():
+    print(json.dumps(model.encode_text(open_clip.get_tokenizer("tiny-vit-hf")(captions)).tolist()))
+"""
+
+
+def test_export_loads_in_plain_open_clip_and_survives_a_move(run_dir, tmp_path):
+    written = export_model(run_dir, tmp_path / "export" / "model.pt")
+    copied = tmp_path / "export" / "tiny-bert"
+    assert sorted(p.name for p in copied.iterdir()) == ["config.json", "tokenizer_config.json", "vocab.txt"]
+    assert json.loads(written["config_file"].read_text())["text_cfg"]["hf_model_name"] == str(copied)
+
+    ours = load_model(run_dir).built
+    with torch.no_grad():
+        expected = ours.model.encode_text(ours.tokenizer(CAPTIONS))
+    # a fresh interpreter elsewhere, open_clip alone, no offline switch set: builds from the copied folder
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "-c", OPEN_CLIP_LOAD, str(written["config_file"]), str(written["file"]),
+                          json.dumps(CAPTIONS)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert torch.allclose(torch.tensor(json.loads(out.stdout)), expected, atol=1e-5, rtol=0)
+
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "export", moved)  # the config still names the old absolute folder
+    again = load_model(moved / "model.pt", arch=str(moved / "tiny-vit-hf.json")).built
+    with torch.no_grad():
+        assert torch.allclose(again.model.encode_text(again.tokenizer(CAPTIONS)), expected, atol=1e-6, rtol=0)

@@ -110,14 +110,19 @@ def test_eval_cli_same_numbers_from_checkpoint_and_export(run_dir, tmp_path, cap
     results = tmp_path / "results.jsonl"
 
     assert eval_main([str(run_dir), "--data", str(data), "--results", str(results)]) == 0
-    table = capsys.readouterr().out
-    assert "fruits" in table and "image->text" in table and "apple" in table  # per-class rows for <= 20 classes
+    printed = capsys.readouterr()
+    table = printed.out
+    assert printed.err.splitlines()[-1].startswith("eval: 24/24 samples (")  # progress: a line when not a terminal
+    assert "fruits" in table and "apple" in table  # per-class rows for <= 20 classes
+    # one caption per fruit: retrieval is written to the results file but not shown as a result
+    assert "retrieval omitted: 24 images share 8 distinct captions" in table and "image->text" not in table
     # the export's architecture is found from the <arch>.json written beside it
     assert eval_main([str(exported), "--data", str(data), "--results", str(results)]) == 0
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     expected = [("zeroshot_classification", "fruits"), ("retrieval", None)] * 2
     assert [(r["task"], r.get("dataset")) for r in rows] == expected
     assert rows[0]["step"] == 7 and rows[0]["num_samples"] == 24 and rows[1]["num_samples"] == 24
+    assert rows[1]["distinct_captions"] == 8
     strip = lambda r: {k: v for k, v in r.items() if k not in ("time", "checkpoint", "step")}  # noqa: E731
     assert [strip(r) for r in rows[:2]] == [strip(r) for r in rows[2:]]
     assert set(rows[0]["per_class"]) == {"apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum"}

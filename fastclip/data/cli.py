@@ -86,11 +86,13 @@ def _run(args) -> int:
         return _scenes(args)
     if args.command == "embedded":
         from fastclip.data.sources.embedded import FASHION_MNIST_ROOT, build_embedded
+        from fastclip.progress import Progress
 
         summary = build_embedded(args.out, datasets=args.datasets, max_per_class=args.max_per_class,
                                  max_val_per_class=args.max_val_per_class, val_fraction=args.val_fraction,
                                  shard_size=args.shard_size, seed=args.seed, index_offset=args.index_offset,
-                                 fashion_root=args.fashion_mnist_root or FASHION_MNIST_ROOT)
+                                 fashion_root=args.fashion_mnist_root or FASHION_MNIST_ROOT,
+                                 progress=lambda total: Progress(total, "embedded", unit="sample"))
         print(f"datasets: {', '.join(summary['datasets'])} ({summary['note']})")
         for split, info in summary["splits"].items():
             print(f"{args.out}/{split}: {info['num_samples']} samples in {info['shards']} shards, indices "

@@ -9,6 +9,7 @@ from a zeroshot.json beside the data, else (image folders) from the class folder
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -20,6 +21,7 @@ import torch
 from fastclip.eval.evaluate import EvalResults, default_zeroshot_file, evaluate
 from fastclip.eval.samples import EvalDataError, image_folder_classes, is_image_folder, iter_image_folder
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders
+from fastclip.progress import Progress
 
 
 def resolve_data(path: Path) -> tuple[Path, Path | None]:
@@ -72,6 +74,15 @@ def load_specs(args, data: Path, default_names: Path | None) -> tuple[dict[str, 
     return {}, None
 
 
+# below this share of distinct captions, image->text recall is near 0 by construction (a templated caption ties
+# with every image of its class), so retrieval is not reported as a result
+MIN_DISTINCT_CAPTIONS = 0.9
+
+
+def retrieval_meaningful(results: EvalResults) -> bool:
+    return results.retrieval_distinct_captions >= MIN_DISTINCT_CAPTIONS * results.retrieval_samples
+
+
 def format_table(results: EvalResults, per_class: bool) -> str:
     lines = []
     if results.zeroshot:
@@ -86,7 +97,11 @@ def format_table(results: EvalResults, per_class: bool) -> str:
                 lines.append(f"\n{name}: top-1 accuracy per class")
                 for classname, acc in r.per_class.items():
                     lines.append(f"  {classname:<22} {'-' if acc is None else f'{100 * acc:.2f}':>7}")
-    if results.retrieval:
+    if results.retrieval and not retrieval_meaningful(results):
+        lines.append(f"\nretrieval omitted: {results.retrieval_samples} images share "
+                     f"{results.retrieval_distinct_captions} distinct captions (class templates), so a caption cannot "
+                     f"single out its image; data with distinct captions: fastclip data embedded --source scenes")
+    elif results.retrieval:
         lines.append(f"\nretrieval over {results.retrieval_samples} image-caption pairs")
         lines.append(f"{'':<14} {'R@1':>7} {'R@5':>7} {'R@10':>7}")
         for direction in ("image_to_text", "text_to_image"):
@@ -94,9 +109,7 @@ def format_table(results: EvalResults, per_class: bool) -> str:
             lines.append(f"{direction.replace('_to_', '->'):<14} " + " ".join(f"{100 * v:>7.2f}" for v in values))
         repeated = results.retrieval_samples - results.retrieval_distinct_captions
         if results.retrieval_distinct_captions and repeated > 0:
-            lines.append(f"note: only {results.retrieval_distinct_captions} distinct captions for "
-                         f"{results.retrieval_samples} images (templated captions); a caption shared by several "
-                         f"images ties, and ties count against the pair, so image->text recall is near 0 here")
+            lines.append(f"({repeated} of the captions repeat another; tied captions count against the pair)")
     if results.unmatched:
         lines.append(f"\n{results.unmatched} labelled samples belong to no dataset of the class names file")
     if results.skipped:
@@ -114,7 +127,8 @@ def result_records(results: EvalResults, common: dict) -> list[dict]:
             "per_class": r.per_class,
         })
     if results.retrieval:
-        records.append({**common, "task": "retrieval", "num_samples": results.retrieval_samples, **results.retrieval})
+        records.append({**common, "task": "retrieval", "num_samples": results.retrieval_samples,
+                        "distinct_captions": results.retrieval_distinct_captions, **results.retrieval})
     for record in records:
         record["skipped_samples"] = results.skipped
     return records
@@ -125,6 +139,16 @@ def default_results_file(model_file: Path) -> Path:
     if model_file.parent.name.startswith("step_"):
         return model_file.parent.parent / "results.jsonl"
     return model_file.parent / "results.jsonl"
+
+
+def _count_samples(source, max_samples: int | None) -> int | None:
+    """Samples to evaluate, for the progress bar: from a shard folder's manifest (else unknown: no bar)."""
+    if not isinstance(source, Path) or not (source / "manifest.json").is_file():
+        return None
+    from fastclip.data.manifest import read_manifest
+
+    count = read_manifest(source).num_samples
+    return count if max_samples is None else min(count, max_samples)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,11 +187,13 @@ def main(argv: list[str] | None = None) -> int:
             source = image_folder_source(source, next(iter(specs.values())), names_from)
         built = loaded.built
         started = time.time()
-        results = evaluate(
-            built.model, tokenizer=built.tokenizer, preprocess=built.preprocess_val, source=source, specs=specs,
-            device=args.device, batch_size=args.batch_size, max_samples=args.max_samples,
-            retrieval=not args.no_retrieval,
-        )
+        total = _count_samples(source, args.max_samples)
+        with (Progress(total, "eval", unit="sample") if total else contextlib.nullcontext()) as bar:
+            results = evaluate(
+                built.model, tokenizer=built.tokenizer, preprocess=built.preprocess_val, source=source, specs=specs,
+                device=args.device, batch_size=args.batch_size, max_samples=args.max_samples,
+                retrieval=not args.no_retrieval, progress=bar.update if bar is not None else None,
+            )
     except (FileNotFoundError, ValueError, EvalDataError) as err:
         print(f"fastclip eval: {err}", file=sys.stderr)
         return 1

@@ -150,22 +150,26 @@ def evaluate(
     batch_size: int = 64,
     max_samples: int | None = None,
     retrieval: bool = True,
+    progress=None,
 ) -> EvalResults:
     """Zero-shot (per spec) and retrieval results over `source`; every rank of `group` must call this.
 
     `source`: a shard folder / tar / glob / image folder path, or a function (rank, world_size, skipped) ->
-    samples that appends a message to the list `skipped` for each sample it leaves out.
+    samples that appends a message to the list `skipped` for each sample it leaves out. `progress(n)`, if given,
+    is called after each batch of this rank's n samples.
     """
     model = unwrap_model(model)
     was_training = model.training
     model.eval()
     try:
-        return _evaluate(model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval)
+        return _evaluate(model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval,
+                         progress)
     finally:
         model.train(was_training)
 
 
-def _evaluate(model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval):
+def _evaluate(model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval,
+              progress=None):
     device = torch.device(device)
     rank, world = rank_and_world(group)
     state = _Pass(specs, device, retrieval)
@@ -181,6 +185,8 @@ def _evaluate(model, tokenizer, preprocess, source, specs, device, group, batch_
         limit = None if max_samples is None else max(0, (max_samples - rank + world - 1) // world)
         for batch in _batches(_limited(samples, limit), batch_size):
             state.add(model, tokenizer, preprocess, batch, classifiers)
+            if progress is not None:
+                progress(len(batch))
     except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
         error = err
 

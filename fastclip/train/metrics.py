@@ -51,11 +51,21 @@ class MetricsLogger:
         if progress and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
-                self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step")
+                self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step",
+                                desc="train")
             except ImportError:
                 self.bar = None
         self.plain = progress and self.bar is None
-        self.last_time = time.time()
+        self.total_steps, self.start_step = total_steps, start_step
+        self.last_time = self.start_time = time.time()
+
+    def _eta(self, step: int) -> str:
+        """Time left at the pace since this run (re)started, pauses for evaluation and checkpoints included."""
+        done, elapsed = step - self.start_step, time.time() - self.start_time
+        if done <= 0 or step >= self.total_steps:
+            return ""
+        left = (self.total_steps - step) * elapsed / done
+        return f" eta {int(left) // 60}:{int(left) % 60:02d}"
 
     def log(self, record: dict, line_keys: tuple[str, ...] = ()) -> None:
         if not self.enabled:
@@ -69,10 +79,17 @@ class MetricsLogger:
                     self.tb.add_scalar(k if "/" in k else f"train/{k}", v, step)
         shown = {k: record[k] for k in line_keys if k in record}
         if self.bar is not None:
-            self.bar.n = step
-            self.bar.set_postfix({k: _fmt(v) for k, v in shown.items()}, refresh=True)
+            if "loss" in record:  # the bar itself gives steps, elapsed and ETA; beside it what one reads at a glance
+                brief = {k: _fmt(record[k]) for k in ("loss", "tau") if k in record}
+                if "samples_per_s" in record:
+                    brief["samples/s"] = f"{record['samples_per_s']:.0f}"
+                self.bar.n = step
+                self.bar.set_postfix(brief, refresh=True)
+            else:  # evaluation and other records: a line above the bar
+                self.bar.write(f"step {step} " + " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()))
         elif self.plain:
-            print(f"step {step} " + " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()), flush=True)
+            print(f"step {step}/{self.total_steps} " + " ".join(f"{k}={_fmt(v)}" for k, v in shown.items())
+                  + (self._eta(step) if "loss" in record else ""), flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:

@@ -210,8 +210,9 @@ def _png(image: np.ndarray) -> bytes:
 def build_embedded(out: str | os.PathLike, *, datasets: str | list[str] = "auto", max_per_class: int | None = None,
                    max_val_per_class: int | None = None, val_fraction: float = 0.2, shard_size: int = 2000,
                    seed: int = 0, index_offset: int = 0,
-                   fashion_root: str | os.PathLike = FASHION_MNIST_ROOT) -> dict:
-    """Write OUT/train, OUT/val (shards + manifests), OUT/zeroshot.json and OUT/embedded.json; returns the summary."""
+                   fashion_root: str | os.PathLike = FASHION_MNIST_ROOT, progress: Callable | None = None) -> dict:
+    """Write OUT/train, OUT/val (shards + manifests), OUT/zeroshot.json and OUT/embedded.json; returns the summary.
+    `progress(total)`, if given, returns a fastclip.progress.Progress-like object updated once per sample written."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if max_per_class is not None and max_val_per_class is None:
@@ -233,6 +234,7 @@ def build_embedded(out: str | os.PathLike, *, datasets: str | list[str] = "auto"
     out = Path(out)
     summary = {"datasets": names, "note": note, "seed": seed, "data_size": data_size,
                "origins": {n: loaded[n][2] for n in names}, "splits": {}}
+    bar = progress(len(train) + len(val)) if progress is not None else None
     for split, items, first in (("train", train, index_offset), ("val", val, index_offset + len(train))):
         writer = ShardWriter(out / split, prefix=split, shard_size=shard_size)
         per_class: dict[str, list[int]] = {n: [0] * len(loaded[n][0].classnames) for n in names}
@@ -242,10 +244,14 @@ def build_embedded(out: str | os.PathLike, *, datasets: str | list[str] = "auto"
             caption = template.format(spec.classnames[label])
             writer.write(first + offset, _png(parts[part][0][row]), "png", caption, label=label, dataset=name)
             per_class[name][label] += 1
+            if bar is not None:
+                bar.update(1)
         writer.close(data_size, extra={"created_by": "fastclip data embedded", "split": split,
                                        "datasets": names, "seed": seed})
         summary["splits"][split] = {"num_samples": len(items), "index_range": [first, first + len(items) - 1],
                                     "shards": len(writer.shards), "per_class": per_class}
+    if bar is not None:
+        bar.__exit__(None, None, None)
     zeroshot = {"datasets": {n: {"classnames": list(loaded[n][0].classnames),
                                  "templates": list(loaded[n][0].templates)} for n in names}}
     (out / "zeroshot.json").write_text(json.dumps(zeroshot, indent=1) + "\n")

@@ -1,0 +1,30 @@
+"""What a long command prints when its output is not a terminal: training lines with the position, loss,
+samples/s and the time left; data writing and evaluation with fastclip.progress lines (their bars on a
+terminal are tqdm's)."""
+from __future__ import annotations
+
+import json
+import re
+
+from fastclip.cli import main as fastclip_main
+from fastclip.train.metrics import MetricsLogger
+
+
+def test_training_lines_give_position_loss_rate_and_eta(tmp_path, capsys):
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=40, start_step=10, tensorboard=False, progress=True)
+    keys = ("loss", "samples_per_s")
+    log.log({"step": 20, "loss": 0.5, "samples_per_s": 512.0, "lr": 1e-3}, keys)
+    log.log({"step": 20, "eval/zeroshot/mean_top1": 0.25}, ("eval/zeroshot/mean_top1",))
+    log.log({"step": 40, "loss": 0.25, "samples_per_s": 500.0}, keys)
+    log.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"step 20/40 loss=0\.5 samples_per_s=512 eta \d+:\d\d", lines[0]), lines[0]
+    assert lines[1:] == ["step 20/40 eval/zeroshot/mean_top1=0.25", "step 40/40 loss=0.25 samples_per_s=500"]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [20, 20, 40]
+
+
+def test_embedded_data_prints_progress(tmp_path, capsys):
+    assert fastclip_main(["data", "embedded", "--out", str(tmp_path / "d"), "--max-per-class", "2",
+                          "--max-val-per-class", "1", "--shard-size", "100"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("embedded: 60/60 samples (")  # 2 x 10 classes x (2 train + 1 val)

@@ -12,7 +12,9 @@
    rest of an epoch after a resume can have, a rank with an empty range borrows the whole segment.)
 4. Workers. Batch j of a rank is made by logical worker j % workers. Worker w owns the contiguous chunk of
    its rank's virtual positions that its batches need; if it loses samples to bad data it reads on past its
-   chunk (also counted as wrapped).
+   chunk (refill windows of at most a chunk, also counted as wrapped: see `window_span`). Every position of the rank's range lies, unwrapped, in exactly one
+   worker's chunk, and that worker reads all of it: it alone counts the position's bad samples, so each lost
+   sample is counted once per epoch whatever the wraps and refills re-read.
 5. Windows. A worker reads its positions in windows of `window` (the shuffle buffer; the last window of its
    chunk is cut at the chunk's end) and serves each window in an order drawn from (seed, epoch, rank, worker,
    window): a seeded shuffle whose state is just (window, consumed), so a resume re-reads at most one window.
@@ -168,13 +170,17 @@ def worker_runs(seq: EpochSequence, segment: Segment, rank_lo: int, n_rank: int,
     return runs
 
 
-def window_span(k: int, chunk_len: int, window: int) -> tuple[int, int]:
+def window_span(k: int, chunk_len: int, window: int, n_rank: int) -> tuple[int, int]:
     """(first worker position, length) of window k. Windows tile the worker's chunk, the last one cut at the
-    chunk's end so that a worker without bad samples serves exactly its chunk; refill windows follow."""
+    chunk's end so that a worker without bad samples serves exactly its chunk; refill windows follow, each at
+    most a chunk long: worker w's first refill window is then the next worker's chunk, its second the one
+    after, so the workers' refills draw on different samples (a window as long as the rank's range would let
+    every worker pick from all of it: the same sample served three times, or read twice in one window)."""
     inside = -(-chunk_len // window)
     if k < inside:
         return k * window, min(window, chunk_len - k * window)
-    return chunk_len + (k - inside) * window, window
+    refill = max(1, min(window, chunk_len, n_rank))
+    return chunk_len + (k - inside) * refill, refill
 
 
 def remainder(segment: Segment, old: Layout, batches_done: int) -> Segment:

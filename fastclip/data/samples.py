@@ -27,6 +27,11 @@ from fastclip.data.tario import RawSample
 
 REASONS = ("unreadable_shard", "truncated_tar", "missing_index", "index_out_of_range", "duplicate_index",
            "missing_caption", "missing_image", "undecodable_image")
+SHARD_REASONS = frozenset({"unreadable_shard", "truncated_tar"})  # one problem of a shard, many samples lost
+
+
+class DataExhausted(RuntimeError):
+    """A rank found no usable sample in its whole share of an epoch; the message names the rank and shards."""
 
 
 @dataclass
@@ -73,9 +78,9 @@ class SkipLog:
         self.counts: Counter = Counter()
         self.events: list[dict] = []
 
-    def add(self, reason: str, shard: str, key: str | None, detail: str = "", n: int = 1) -> None:
+    def add(self, reason: str, shard: str, key: str | None, detail: str = "", n: int = 1, event: bool = True) -> None:
         self.counts[reason] += n
-        if len(self.events) < self.max_events:
+        if event and len(self.events) < self.max_events:
             self.events.append({"shard": shard, "key": key, "reason": reason, "detail": detail, "samples": n})
 
     def take(self) -> tuple[dict, list[dict]]:

@@ -36,11 +36,15 @@ Resume (state_dict / load_state_dict; everything in it is plain ints, lists and 
 - The data (shard names and counts), seed, resampling and epoch length must be the same; load_state_dict
   raises otherwise. load_state_dict(None) starts fresh.
 
-Bad data never stops training: see fastclip/data/samples.py for the reasons. Counts come back from worker
-processes piggybacked on the batches they belong to, so `stream.counters` counts exactly the samples skipped
-while making the batches handed out so far (and it is restored on resume without double counting).
-`stream.recent_skips` holds the last events (shard, key, reason, detail); the first few per reason and epoch
-are logged as warnings.
+Bad data does not stop training (fastclip/data/samples.py has the reasons), except when a rank's whole share
+of an epoch is bad: then `epoch()` raises DataExhausted naming the rank and its shards (the trainer stops with
+that one line, exit status 1). Each lost sample is counted once per epoch, by the worker whose chunk holds it,
+however often refills and wraps re-read it (fastclip/data/plan.py). Counts come back from worker processes
+piggybacked on the batches they belong to, so `stream.counters` counts exactly the samples skipped while making
+the batches handed out so far (and it is restored on resume without double counting; a resume at another
+layout re-reads the partly served windows, whose skips are then counted again). `stream.recent_skips` holds
+the last events (shard, key, reason, detail); each bad sample, and each broken shard, is logged once per epoch
+(the first `log_skips_per_reason` per reason; 0: not logged, as the trainer does, which logs on rank 0).
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ import torch
 from fastclip.data.catalog import Catalog, DataSpecError, resolve_catalog
 from fastclip.data.plan import (EpochSequence, Layout, Segment, epoch_sequence, num_batches, rank_span,
                                 remainder, window_span, worker_chunk, worker_runs)
-from fastclip.data.samples import REASONS
+from fastclip.data.samples import REASONS, SHARD_REASONS, DataExhausted
 from fastclip.data.worker import EpochDataset, EpochJob
 
 
@@ -177,6 +181,7 @@ class TrainStream:
             return
         job = EpochJob(
             shard_paths=[s.path for s in self.catalog.shards], shard_names=[s.name for s in self.catalog.shards],
+            shard_sizes=[s.num_samples for s in self.catalog.shards],
             skip=[{k: (r, d) for k, r, d in s.skip} for s in self.catalog.shards], seq=self._sequence(epoch),
             segment=segment, layout=self.layout, rank=self.rank, seed=self.cfg.seed, epoch=epoch,
             seg_tag=segment.tag(self.epoch_length), data_size=self.data_size, first_batch=first,
@@ -200,6 +205,8 @@ class TrainStream:
                 except StopIteration:
                     raise RuntimeError(f"rank {self.rank}: data workers stopped at batch {expected} of "
                                        f"{n_batches} in epoch {epoch}") from None
+                if "error" in meta:
+                    raise DataExhausted(meta["error"])
                 if meta["batch"] != expected:  # DataLoader must interleave workers round-robin
                     raise RuntimeError(f"rank {self.rank}: got batch {meta['batch']} from worker "
                                        f"{meta['worker']}, expected batch {expected}")
@@ -220,13 +227,17 @@ class TrainStream:
         for event in meta["events"]:
             event = dict(event, epoch=epoch, rank=self.rank)
             self.recent_skips.append(event)
+            # one line per bad sample, one per bad shard (its workers may each report it) and epoch
+            what = (event["shard"], event["reason"]) if event["reason"] in SHARD_REASONS else (
+                event["shard"], event["key"], event["reason"])
+            if what in self._logged:
+                continue
+            self._logged[what] = 1
             self._logged[event["reason"]] += 1
             n = self._logged[event["reason"]]
             if n <= self.cfg.log_skips_per_reason:
-                log.warning("rank %d skipped %d sample(s): shard %s key %s: %s (%s)%s", self.rank, event["samples"],
-                            event["shard"], event["key"], event["reason"], event["detail"],
-                            "; further skips of this reason are counted, not logged, this epoch"
-                            if n == self.cfg.log_skips_per_reason else "")
+                log.warning("%s%s", describe_skip(event), "; further skips of this reason are counted, not logged, "
+                            "this epoch" if n == self.cfg.log_skips_per_reason else "")
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -249,7 +260,7 @@ class TrainStream:
         out = []
         for w, (window, consumed) in enumerate(self._cursors):
             chunk_start, chunk_len = worker_chunk(n_batches, self.layout, w)
-            start, _ = window_span(window, chunk_len, self.layout.window)
+            start, _ = window_span(window, chunk_len, self.layout.window, n_rank)
             run = worker_runs(self._sequence(self._epoch), self._segment, lo, n_rank, chunk_start, chunk_len,
                               start, 1)[0]
             shard = self.catalog.shards[int(self._sequence(self._epoch).slots[run.slot])]
@@ -288,6 +299,16 @@ class TrainStream:
         log.info("data stream: epoch %d resumed at another layout (%s -> %s) after %d batches: %d of its samples "
                  "left, %d batches on this layout", epoch, old.as_dict(), self.layout.as_dict(), done,
                  self._segment.length, self.batches_remaining(epoch))
+
+
+def describe_skip(event: dict) -> str:
+    """One line for a skip event: shard, key and reason (a shard-wide problem: the shard, once)."""
+    if event.get("reason") in SHARD_REASONS:
+        where = f" after key {event['key']}" if event.get("key") is not None else ""
+        return (f"rank {event.get('rank')}: shard {event.get('shard')}: {event.get('reason')}{where} "
+                f"({event.get('detail')}); its unreadable samples are skipped this epoch")
+    return (f"rank {event.get('rank')} skipped shard {event.get('shard')} key {event.get('key')}: "
+            f"{event.get('reason')} ({event.get('detail')})")
 
 
 def state_for_new_world_size(old_states: list[dict], rank: int, world_size: int) -> dict:

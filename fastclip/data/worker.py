@@ -19,7 +19,7 @@ import torch
 
 from fastclip.data.plan import (TAG_BATCH, TAG_WINDOW, EpochSequence, Layout, Segment, rank_span, rng_for,
                                 window_span, worker_batches, worker_chunk, worker_runs)
-from fastclip.data.samples import Candidate, SkipLog, check_sample, decode_image
+from fastclip.data.samples import SHARD_REASONS, Candidate, DataExhausted, SkipLog, check_sample, decode_image
 from fastclip.data.tario import ShardReader, TarBroken
 
 # A spawned DataLoader worker unpickles the preprocess transforms (torchvision objects) right after importing
@@ -37,6 +37,7 @@ class EpochJob:
     """Everything a worker needs to make its batches of one epoch (pickled to worker processes if spawned)."""
     shard_paths: list[str]
     shard_names: list[str]
+    shard_sizes: list[int]  # samples each shard's manifest promises (for messages)
     skip: list[dict[str, tuple[str, str]]]
     seq: EpochSequence
     segment: Segment
@@ -78,6 +79,8 @@ class _Worker:
         self.known_len: dict[int, tuple[int, str, str | None]] = {}  # shard -> (readable, reason, last key)
         self.reader: tuple[int, ShardReader] | None = None
         self.bad_streak = 0
+        self.shard_events: set[tuple[str, str]] = set()  # (shard, reason) already reported this epoch
+        self.bad_by_shard: dict[str, set[str]] = {}  # shard -> reasons seen (for the message if all is bad)
 
     def batches(self):
         job, lay = self.job, self.job.layout
@@ -87,11 +90,17 @@ class _Worker:
                 images, captions, indices, wrapped = [], [], [], 0
                 with _seeded_rngs(job.seed, job.epoch, TAG_BATCH, job.seg_tag, job.rank, j):
                     while len(images) < lay.batch_size:
-                        c = next(samples)
+                        try:
+                            c = next(samples)
+                        except DataExhausted as e:  # handed over as data: an exception from a worker process
+                            yield None, None, None, {"batch": j, "worker": self.worker, "error": str(e)}
+                            return  # would reach the trainer wrapped in the DataLoader's traceback
                         try:
                             images.append(job.preprocess(decode_image(c.image)))
                         except Exception as e:  # any decoder/transform failure is this sample's fault
-                            self.skips.add("undecodable_image", c.shard, c.key, f"{type(e).__name__}: {e}")
+                            # a wrapped re-read was counted by the position's owner (fastclip/data/plan.py)
+                            self._skip(SkipLog(0) if c.wrapped else self.skips, "undecodable_image", c.shard,
+                                       c.key, f"{type(e).__name__}: {e}")
                             self._bad(1)
                             continue
                         self.bad_streak = 0
@@ -108,13 +117,28 @@ class _Worker:
             if self.reader is not None:
                 self.reader[1].close()
 
+    def _skip(self, log_: SkipLog, reason: str, shard: str, key: str | None, detail: str, n: int = 1) -> None:
+        """Count (into log_) and remember a skip; a shard-wide problem gets one event per shard and epoch."""
+        self.bad_by_shard.setdefault(shard, set()).add(reason)
+        event = True
+        if reason in SHARD_REASONS:
+            event = (shard, reason) not in self.shard_events and log_.max_events > 0
+            if event:
+                self.shard_events.add((shard, reason))
+        log_.add(reason, shard, key, detail, n, event=event)
+
     def _bad(self, n: int) -> None:
-        # A rank whose every sample is bad would loop forever wrapping around; fail loudly instead.
+        # A rank whose every sample is bad would loop forever wrapping around: after two passes over its whole
+        # range without one usable sample, stop the run with what is wrong with its shards.
         self.bad_streak += n
         if self.bad_streak > 2 * (self.n_rank + self.job.layout.window):
-            raise RuntimeError(f"rank {self.job.rank} worker {self.worker}: no usable sample in the last "
-                               f"{self.bad_streak} positions of epoch {self.job.epoch}; last skips: "
-                               f"{self.skips.events[-3:]}")
+            shards = "; ".join(f"{name} ({', '.join(f'{r}' for r in sorted(reasons))})"
+                               for name, reasons in sorted(self.bad_by_shard.items()))
+            raise DataExhausted(
+                f"rank {self.job.rank}: no usable sample in its share of epoch {self.job.epoch} "
+                f"({self.n_rank} samples): every one is bad. Shards: {shards or 'none read'}. Replace or remove "
+                f"these shards (`fastclip data scan` lists what is wrong in each), then restart with "
+                f"--train.resume latest")
 
     def _samples(self) -> Iterator[Candidate]:
         """Candidates in serving order; keeps (self.window, self.consumed) = position after the last one."""
@@ -135,16 +159,19 @@ class _Worker:
     def _read_window(self, k: int, count_skips: bool) -> list[Candidate]:
         job = self.job
         log_ = self.skips if count_skips else SkipLog(0)
-        start, length = window_span(k, self.chunk_len, job.layout.window)
+        start, length = window_span(k, self.chunk_len, job.layout.window, self.n_rank)
         runs = worker_runs(job.seq, job.segment, self.rank_lo, self.n_rank, self.chunk_start, self.chunk_len,
                            start, length, self.borrowed)
         items = []
         for run in runs:
             shard = int(job.seq.slots[run.slot])
             name, skip = job.shard_names[shard], job.skip[shard]
-            for raw in self._read_run(shard, run.ordinal, run.count, log_):
+            # only the position's owner counts its skips: a wrapped or refill read repeats positions whose
+            # skips were (or will be) counted once this epoch by the worker whose chunk holds them
+            run_log = SkipLog(0) if run.wrapped else log_
+            for raw in self._read_run(shard, run.ordinal, run.count, run_log):
                 if raw.key in skip:
-                    log_.add(skip[raw.key][0], name, raw.key, skip[raw.key][1] + " (listed in manifest)")
+                    self._skip(run_log, skip[raw.key][0], name, raw.key, skip[raw.key][1] + " (listed in manifest)")
                     continue
                 cand, reason, detail = check_sample(raw, job.data_size)
                 if cand is not None:
@@ -155,7 +182,7 @@ class _Worker:
                                   f"{job.shard_names[first[0]]} key {first[1]}")
                         cand = None
                 if cand is None:
-                    log_.add(reason, name, raw.key, detail)
+                    self._skip(run_log, reason, name, raw.key, detail)
                     continue
                 cand.shard, cand.wrapped = name, run.wrapped
                 items.append(cand)
@@ -168,7 +195,7 @@ class _Worker:
             readable, reason, last_key = self.known_len[shard]
             lost = ordinal + count - max(ordinal, readable)
             if lost > 0:
-                log_.add(reason, name, last_key, f"shard breaks after {readable} samples", lost)
+                self._skip(log_, reason, name, last_key, self._broken(shard, readable), lost)
                 count -= lost
         if count <= 0:
             return
@@ -187,11 +214,15 @@ class _Worker:
                 reason = "truncated_tar" if reader is not None else "unreadable_shard"
                 last_key = reader.last_key if reader is not None else None
                 self.known_len.setdefault(shard, (readable, reason, last_key))
-                log_.add(reason, name, last_key, f"{readable} samples readable, manifest says more", count - got)
+                self._skip(log_, reason, name, last_key, self._broken(shard, readable), count - got)
         except TarBroken as e:
             self.known_len[shard] = (reader.ordinal, "truncated_tar", reader.last_key)
             self._drop_reader()
-            log_.add("truncated_tar", name, reader.last_key, str(e), count - got)
+            self._skip(log_, "truncated_tar", name, reader.last_key, f"{self._broken(shard, reader.ordinal)}: {e}",
+                       count - got)
+
+    def _broken(self, shard: int, readable: int) -> str:
+        return f"{readable} of {self.job.shard_sizes[shard]} samples readable"
 
     def _reader(self, shard: int, ordinal: int) -> ShardReader | None:
         if self.reader is not None and self.reader[0] == shard and self.reader[1].ordinal <= ordinal:

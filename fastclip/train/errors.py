@@ -18,8 +18,12 @@ class CollectiveFailure(TrainingError):
     """A collective failed or timed out: another process of the job died, stopped or lost its network."""
 
 
+class DataFailure(TrainingError):
+    """A rank has no usable training sample left (every shard of its share is bad)."""
+
+
 class NonFiniteStepsError(TrainingError):
     """Too many optimizer steps in a row were skipped for NaN/Inf loss, gradients or features."""
 
 
-__all__ = ["TrainingError", "CheckpointError", "CollectiveFailure", "NonFiniteStepsError"]
+__all__ = ["TrainingError", "CheckpointError", "CollectiveFailure", "DataFailure", "NonFiniteStepsError"]

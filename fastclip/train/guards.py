@@ -1,8 +1,9 @@
 """What keeps a run going, or stops it cleanly, when something goes wrong (the trainer's fault handling).
 
 NonFiniteGuard   A step whose loss or gradient norm is NaN/Inf on any rank (one all_reduce of two flags, so
-                 every rank decides the same), or whose features the loss refused (NonFiniteFeaturesError,
-                 raised alike on every rank before the loss touches its state), is skipped: no optimizer
+                 every rank decides the same; a third carries the stop-signal request, preemption.py), or
+                 whose features the loss refused (NonFiniteFeaturesError, raised alike on every rank before
+                 the loss touches its state), is skipped: no optimizer
                  step, and the per-sample state rows the forward already wrote are put back, so the step
                  leaves the model, optimizer and per-sample state as they were. Skips are counted and logged;
                  after train.max_nonfinite_steps in a row the run stops (NonFiniteStepsError) without saving,
@@ -13,7 +14,9 @@ CollectiveTimeouts  Collectives get train.dist_timeout_minutes while the job sta
                  time instead of waiting for half an hour. The failure is re-raised as CollectiveFailure,
                  naming the rank, step and phase.
 DataSkipReport   On logging steps: the data stream's skip counters summed over ranks, and the skipped
-                 samples (rank, shard, key, reason) since the last report, for metrics.jsonl and the log.
+                 samples (rank, shard, key, reason) since the last report, for metrics.jsonl and the log
+                 (rank 0 logs each bad sample, and each broken shard, once per epoch); at the end of each
+                 epoch and of the run, one line with the per-reason totals.
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ class NonFiniteGuard:
         self.max_in_a_row, self.info, self.log, self.checkpoints = max_in_a_row, info, log, checkpoints
         self.skipped = 0      # steps skipped in this run (carried over by checkpoints)
         self.in_a_row = 0
+        self.stop = False     # a stop signal reached some rank (combined in verdict's all_reduce)
         self._rows: list[_SampleRows] = []
 
     def remember(self, loss_fn, indices: torch.Tensor) -> None:
@@ -78,13 +82,18 @@ class NonFiniteGuard:
         if getattr(loss_fn, "uses_sample_state", False):
             self._rows.append(_SampleRows(loss_fn, indices, self.info))
 
-    def verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> str | None:
-        """None if the step may be taken, else why not; the same answer on every rank (one host sync)."""
-        bad = torch.stack([~torch.isfinite(loss.detach()).all(), ~torch.isfinite(grad_norm.detach().to(loss.device))])
+    def verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor, *, stop_requested: bool = False) -> str | None:
+        """None if the step may be taken, else why not; the same answer on every rank (one host sync).
+        `stop_requested` (this rank got a stop signal) rides in the same all_reduce: afterwards `self.stop` says
+        whether any rank asked (fastclip/train/preemption.py)."""
+        device = loss.device
+        bad = torch.stack([~torch.isfinite(loss.detach()).all(), ~torch.isfinite(grad_norm.detach().to(device)),
+                           torch.tensor(bool(stop_requested), device=device)])
         bad = bad.to(torch.float32)
         if self.info.distributed:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        loss_bad, grad_bad = (v > 0 for v in bad.tolist())
+        loss_bad, grad_bad, stop = (v > 0 for v in bad.tolist())
+        self.stop = self.stop or stop
         if loss_bad:
             return "non-finite loss (NaN/Inf) on at least one rank"
         if grad_bad:
@@ -205,6 +214,8 @@ class DataSkipReport:
         self.stream, self.info, self.max_events = stream, info, max_events
         self.reasons = [r for r in reasons if r != "wrapped"]
         self.last_total = 0
+        self.logged: set = set()  # what was logged this epoch: (epoch, shard, reason) or (epoch, shard, key, reason)
+        self.epoch_start: dict = {}  # the job-wide counts when the current epoch started (kept in checkpoints)
 
     def _counts(self) -> list[int]:
         counters = self.stream.counters
@@ -238,11 +249,47 @@ class DataSkipReport:
         return record, events
 
     def describe(self, events: list[dict]) -> list[str]:
-        lines = [f"data: rank {e.get('rank')} skipped {e.get('samples', 1)} sample(s): shard {e.get('shard')} "
-                 f"key {e.get('key')}: {e.get('reason')} ({e.get('detail')})" for e in events[:self.max_events]]
-        if len(events) > self.max_events:
-            lines.append(f"data: ... and {len(events) - self.max_events} more skip events (counts in metrics.jsonl)")
+        """A line per bad sample and per broken shard not yet logged this epoch (a shard split over ranks or
+        workers is reported by each of them: logged once)."""
+        from fastclip.data.samples import SHARD_REASONS
+        from fastclip.data.stream import describe_skip
+
+        new = []
+        for e in events:
+            what = (e.get("epoch"), e.get("shard"), e.get("reason")) if e.get("reason") in SHARD_REASONS else (
+                e.get("epoch"), e.get("shard"), e.get("key"), e.get("reason"))
+            if what not in self.logged:
+                self.logged.add(what)
+                new.append(e)
+        lines = [f"data: {describe_skip(e)}" for e in new[:self.max_events]]
+        if len(new) > self.max_events:
+            lines.append(f"data: ... and {len(new) - self.max_events} more skip events (counts in metrics.jsonl)")
         return lines
+
+    def totals(self, record: dict, since: dict | None = None) -> str:
+        """'N samples skipped (reason n, ...)' from a collect() record, minus the counts in `since`."""
+        since = since or {}
+        parts = {k.split("/", 1)[1]: v - since.get(k, 0) for k, v in record.items() if k.startswith("data_skipped/")}
+        parts = {k: v for k, v in parts.items() if v}
+        total = record.get("data_skipped", 0) - since.get("data_skipped", 0)
+        wrapped = record.get("data_wrapped", 0) - since.get("data_wrapped", 0)
+        return (f"{total} sample(s) skipped, summed over ranks"
+                + (f" ({', '.join(f'{k} {v}' for k, v in sorted(parts.items()))})" if parts else "")
+                + f"; {wrapped} served twice to fill the batches")
+
+    def end_of_epoch(self, epoch: int, record: dict) -> str:
+        """The epoch's per-reason totals (call with a collect() record at its end, on every rank)."""
+        line = f"data: epoch {epoch}: {self.totals(record, self.epoch_start)}"
+        self.epoch_start = {k: v for k, v in record.items() if k.startswith("data_")}
+        self.logged = {w for w in self.logged if w[0] != epoch}
+        return line
+
+    def state_dict(self) -> dict:
+        return {"epoch_start": {k: int(v) for k, v in self.epoch_start.items() if not isinstance(v, list)}}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:
+            self.epoch_start = dict(state.get("epoch_start", {}))
 
     def as_metrics(self, events: list[dict]) -> list[dict]:
         keys = ("rank", "epoch", "shard", "key", "reason", "detail", "samples")

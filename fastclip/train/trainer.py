@@ -20,8 +20,10 @@ from fastclip.train import checkpoint as ckpt
 from fastclip.train import faults
 from fastclip.train.config import Config, ConfigError, dump_config
 from fastclip.train.engine import build_engine
+from fastclip.train.errors import DataFailure
 from fastclip.train.guards import CollectiveTimeouts, DataSkipReport, NonFiniteGuard
 from fastclip.train.metrics import MetricsLogger
+from fastclip.train.preemption import EXIT_PREEMPTED, StopSignals
 
 CHECKPOINT_FORMAT = "fastclip-checkpoint/1"
 
@@ -82,7 +84,8 @@ def stream_config(cfg: Config, data_size: int, device: torch.device) -> dict:
     return {"train_data": d.train, "batch_size": d.batch_size, "seed": cfg.train.seed if d.seed is None else d.seed,
             "workers": d.workers, "shuffle_buffer": d.shuffle_buffer, "dataset_resampled": d.resampled,
             "train_num_samples": d.samples_per_epoch, "train_data_upsampling_factors": d.upsampling_factors,
-            "data_size": data_size, "pin_memory": device.type == "cuda"}
+            "data_size": data_size, "pin_memory": device.type == "cuda",
+            "log_skips_per_reason": 0}  # rank 0 logs every rank's skips, once per epoch (DataSkipReport)
 
 
 def loss_options(cfg: Config, embed_dim: int | None = None) -> dict:
@@ -132,20 +135,29 @@ def train(cfg: Config) -> dict:
     info = init_distributed(cfg.train.device, cfg.train.backend, cfg.train.dist_timeout_minutes)
     timeouts = CollectiveTimeouts(info, start_seconds=60 * cfg.train.dist_timeout_minutes,
                                   train_seconds=cfg.train.collective_timeout_seconds)
+    # SIGUSR1/SIGTERM: checkpoint at the next step on every rank, then stop (fastclip/train/preemption.py)
+    stop, stopped = StopSignals(cfg.train.stop_signals).install(), False
     try:
-        return _train(cfg, info, timeouts)
+        result = _train(cfg, info, timeouts, stop)
+        stopped = result["preempted"]
+        return result
     except BaseException as e:
         # the traceback's frames hold the DDP wrapper; cleared, it can be freed before the group goes
         traceback.clear_frames(e.__traceback__)
+        from fastclip.data.samples import DataExhausted
+
+        if isinstance(e, DataExhausted):  # this rank has nothing to train on: its message names the shards
+            raise DataFailure(str(e)) from None
         explained = timeouts.explain(e)
         if explained is e:
             raise
         raise explained from e  # a failed collective becomes a CollectiveFailure naming rank, step and phase
     finally:
         cleanup(info)
+        stop.release(stopped=stopped)
 
 
-def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
+def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts, stop: StopSignals) -> dict:
     from fastclip.data import REASONS, build_train_stream, state_for_new_world_size
     from fastclip.losses import NonFiniteFeaturesError, build_loss, reshard_for_rank
     from fastclip.models import build_model
@@ -269,6 +281,7 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
     skips = DataSkipReport(stream, info, REASONS)
     if model_file is not None:
         guard.load_state_dict(model_file.get("guards"))
+        skips.load_state_dict(model_file.get("data_skip_report"))
 
     def save(step: int) -> None:
         with torch.no_grad():  # keep the towers' own (frozen) logit_scale equal to the learned one: open_clip reads it
@@ -286,6 +299,7 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
                 "schedules": {"total_steps": total_steps, "global_batch": global_batch, "lr": lr_now[0],
                               "lr_tau": lr_now[1] * thresh.factor_now()},
                 "arch": built.arch, "model_config": built.config, "guards": guard.state_dict(),
+                "data_skip_report": skips.state_dict(),
             }
         rank_state = {"rank": info.rank, "world_size": info.world_size, "step": step,
                       "loss_state": loss_fn.state_dict(), "data": stream.state_dict(), "rng": ckpt.rng_state(device)}
@@ -314,7 +328,7 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
     last_saved, last_save_time = (step if resumed_here else -1), time.time()
     window_steps, window_data, window_pause, window_start = 0, 0.0, 0.0, time.perf_counter()
     train_time, trained_steps, record = 0.0, 0, {}
-    while step < last_step and epoch < cfg.train.epochs:
+    while step < last_step and epoch < cfg.train.epochs and not guard.stop:
         batches = iter(stream.epoch(epoch))
         while step < last_step:
             t0 = time.perf_counter()
@@ -337,7 +351,8 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
                 engine.backward(loss)
                 faults.hook("grads", step=step + 1, rank=info.rank, tensors=(p.grad for p in trainable))
                 grad_norm = engine.grad_norm(o.grad_clip)  # fp16: unscaled first; clipped when optim.grad_clip is set
-                skip = guard.verdict(loss, grad_norm)  # NaN/Inf on any rank: the same answer on every rank
+                # NaN/Inf on any rank: the same answer on every rank; a stop signal of any rank rides along
+                skip = guard.verdict(loss, grad_norm, stop_requested=stop.requested)
             if skip is None:
                 thresh.before_step(loss_fn.temperature())
                 engine.step()
@@ -380,7 +395,7 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
                 window_steps, window_data, window_pause, window_start = 0, 0.0, 0.0, time.perf_counter()
 
             t_pause = time.perf_counter()
-            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != last_step:
+            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != last_step and not guard.stop:
                 with timeouts.relaxed("evaluation"):
                     evaluate(step)
             # no checkpoint on a skipped step: after too many in a row the last checkpoint is a good one
@@ -389,17 +404,29 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts) -> dict:
                     save(step)
                 last_saved, last_save_time = step, time.time()
             window_pause += time.perf_counter() - t_pause
+            if guard.stop:  # every rank saw the request at this step (verdict): checkpoint here and leave
+                if last_saved != step:
+                    with timeouts.relaxed("checkpoint save"):
+                        save(step)
+                    last_saved = step
+                log.message(f"stopped at step {step} by {stop.received or 'a signal to another rank'}: checkpoint "
+                            f"saved; exit status {EXIT_PREEMPTED}, continue with --train.resume latest")
+                break
         if stream.batches_remaining(epoch) == 0:
+            data_counts, data_events = skips.collect()  # collective: every rank ends the epoch here
+            for line in skips.describe(data_events) + [skips.end_of_epoch(epoch, data_counts)]:
+                log.message(line)
             epoch += 1
         del batches  # stops the epoch's data workers now when training stops early
 
     # ---- the end
     with timeouts.relaxed("final evaluation and checkpoint"):
-        if cfg.eval.at_end and step > 0:
+        if cfg.eval.at_end and step > 0 and not guard.stop:  # a stopped run evaluates when it completes
             evaluate(step)
         if cfg.checkpoint.at_end and last_saved != step:
             save(step)
         barrier(info)
     log.close()
     return {"step": step, "epoch": epoch, "samples_seen": samples_seen, "run_dir": str(run_dir), "last": record,
+            "preempted": guard.stop,
             "samples_per_s": trained_steps * global_batch / train_time if train_time > 0 else float("nan")}

@@ -1,0 +1,62 @@
+"""`fastclip summary`: the quickstart's last lines, from a run folder as the trainer and `fastclip eval` leave it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fastclip.cli import main as fastclip_main
+from fastclip.train.config import dump_config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run_folder(root: Path, data: Path, distinct_captions: int) -> Path:
+    run = root / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    cfg = load_config(REPO / "configs" / "embedded.yaml", ["--data.train", str(data / "train"), "--data.batch_size", "8"])
+    (run / "config.yaml").write_text(dump_config(cfg))
+    rows = [{"step": 5, "samples_seen": 80, "loss": 0.6, "samples_per_s": 100.0, "samples_per_s_per_rank": 50.0,
+             "step_time": 0.2},
+            {"step": 10, "samples_seen": 160, "loss": 0.5, "samples_per_s": 120.0, "samples_per_s_per_rank": 60.0,
+             "step_time": 0.1},
+            {"step": 10, "samples_seen": 160, "eval/zeroshot/mean_top1": 0.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = {"step": 10, "arch": "tiny-vit"}
+    results = [{**common, "step": 5, "task": "zeroshot_classification", "dataset": "mnist", "num_samples": 20,
+                "top1": 0.1},  # an older checkpoint's evaluation: not reported
+               {**common, "task": "zeroshot_classification", "dataset": "fashion-mnist", "num_samples": 10,
+                "top1": 0.8567},
+               {**common, "task": "zeroshot_classification", "dataset": "mnist", "num_samples": 10, "top1": 0.75},
+               {**common, "task": "retrieval", "num_samples": 20, "distinct_captions": distinct_captions,
+                **{f"{d}_R@{k}": k / 20 for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)}}]
+    (run / "checkpoints" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    return run
+
+
+def test_summary_reads_at_a_glance(tiny_embedded, tmp_path, capsys):
+    run = _run_folder(tmp_path, tiny_embedded, distinct_captions=4)
+    (run / "plots").mkdir()
+    (run / "plots" / "overview.png").write_bytes(b"png")
+    assert fastclip_main(["summary", str(run), "--plots", str(run / "plots"), "--export", str(run / "none.pt")]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"summary of {run}",
+        f"  trained    fastclip-v3 on tiny-vit (random init), {tiny_embedded / 'train'} (80 pairs)",
+        "             10 steps, 160 samples (2.0 epochs), batch 8 per process x 2 processes",
+        "  time       2 s training, median 120 samples/s",  # 5 x 0.2 s + 5 x 0.1 s, rounded (no --train-seconds)
+        "  zero-shot  fashion-mnist   85.7% top-1  (10 held-out images, step 10)",
+        "             mnist           75.0% top-1  (10 held-out images, step 10)",
+        "  retrieval  not reported: 4 distinct captions for 20 images (templated)",
+        f"  run        {run}/ (config.yaml, metrics.jsonl, checkpoints/)",
+        f"  plots      {run / 'plots' / 'overview.png'} (loss, objective, temperature, zero-shot accuracy)",
+        f"  model      not exported ({run / 'none.pt'} missing)",
+    ]
+
+
+def test_summary_shows_retrieval_with_distinct_captions(tiny_embedded, tmp_path, capsys):
+    run = _run_folder(tmp_path, tiny_embedded, distinct_captions=20)
+    assert fastclip_main(["summary", str(run), "--train-seconds", "421"]) == 0
+    out = capsys.readouterr().out
+    assert "  time       7 min 01 s training, median 120 samples/s" in out
+    assert "  retrieval  R@1/5/10 image->text 5.0/25.0/50.0%, text->image 5.0/25.0/50.0%  (20 pairs)" in out
+    assert fastclip_main(["summary", str(tmp_path)]) == 1
+    assert "no config.yaml" in capsys.readouterr().err

@@ -7,7 +7,9 @@
 Without --config the built-in defaults apply (the embedded recipe). `--print-config` shows the resolved config
 and exits. Configuration errors are reported before anything is built, naming the key; exit status 2.
 A run stopped for a known reason (a failed collective, too many NaN/Inf steps, an untrusted or unreadable
-checkpoint: fastclip/train/errors.py) prints one line naming it; exit status 1.
+checkpoint: fastclip/train/errors.py) prints one line naming it; exit status 1. Stopped by a signal in
+train.stop_signals (SIGUSR1, SIGTERM: preemption, the end of a SLURM time slot) after writing a checkpoint at
+that step on every rank: exit status 75 (launch/slurm.sbatch requeues the job on it; fastclip/train/preemption.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import sys
 
 from fastclip.train.config import ConfigError, dump_config, load_config
 from fastclip.train.errors import TrainingError
+from fastclip.train.preemption import EXIT_PREEMPTED
 
 USAGE = __doc__
 
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from fastclip.train.trainer import train
 
-        train(cfg)
+        if train(cfg)["preempted"]:
+            return EXIT_PREEMPTED
     except ConfigError as e:
         print(f"fastclip train: config error: {e}", file=sys.stderr)
         return 2

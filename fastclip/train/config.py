@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from fastclip.train.preemption import signal_number
+
 LOSS_NAMES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
 
 
@@ -49,6 +51,10 @@ class ModelConfig:
     arch: str = "tiny-vit"                    # open_clip name (RN50, ViT-B-32, ...), configs/models/<name>, or a .json
     grad_checkpointing: bool = False          # recompute activations in backward (less memory, ~30% more compute)
     compile: bool = False                     # torch.compile the towers (not the loss: it holds collectives)
+    pretrained: Optional[str] = None          # start the towers from this file (OpenCLIP's --pretrained): an
+                                              # OpenCLIP epoch_N.pt, an open_clip state dict, a fastclip export or
+                                              # model.pt; shapes must match; fresh optimizer and per-sample state;
+                                              # ignored when --train.resume finds a checkpoint to continue
 
 
 @dataclass
@@ -119,6 +125,8 @@ class TrainConfig:
                                               # after this many in a row (the last checkpoint is a good one)
     distributed: Literal["ddp", "deepspeed"] = "ddp"  # data-parallel backend (fastclip/train/engine.py); deepspeed:
                                               # ZeRO sharding, knobs in the `deepspeed` section
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])  # checkpoint at the next
+                                              # step on every rank, then exit 75 (fastclip/train/preemption.py)
 
 
 @dataclass
@@ -337,6 +345,11 @@ def _check(cfg: Config) -> None:
     need(t.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")
     need(t.collective_timeout_seconds > 0, "train.collective_timeout_seconds", "must be > 0")
     need(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
+    for name in t.stop_signals:
+        try:
+            signal_number(name)
+        except ValueError as e:
+            raise ConfigError(f"config key 'train.stop_signals': {e}") from None
     need(lo.temperature is None or lo.temperature > 0, "loss.temperature", "must be > 0")
     need(lo.eps is None or lo.eps >= 0, "loss.eps", "must be >= 0")
     need(lo.gamma_min is None or 0 < lo.gamma_min <= 1, "loss.gamma_min", "must be in (0, 1]")
@@ -387,13 +400,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     source = ""
     if path is not None:
         source = f" (in {path})"
+        if Path(path).is_dir():
+            raise ConfigError(f"--config {path}: is a directory; give a YAML file (e.g. configs/embedded.yaml)")
         try:
             with open(path) as f:
-                data = yaml.safe_load(f) or {}
+                data = yaml.safe_load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--config {path}: cannot read it ({e}); give a readable YAML file") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if data is None:  # silently training the built-in defaults would not be what was asked for
+            raise ConfigError(f"config file {path} is empty: give the sections to set (see configs/embedded.yaml), "
+                              f"or leave --config out to train the built-in defaults")
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(data).__name__}")
         _build(Config, data, "", source)  # name unknown keys in the file before mixing in overrides

@@ -10,6 +10,8 @@ step being saved) and `rank=R` (default: every rank). Actions:
            the loss see NaN; point `grads`: this rank's gradients, after the all-reduce of backward)
     kill   SIGKILL this process (as the OOM killer or a node failure would)
     stop   SIGSTOP this process (a hung rank: alive, holding its connections, never answering)
+    usr1   SIGUSR1 to this process only (SLURM's warning before the time limit, reaching one rank first)
+    term   SIGTERM to this process only (preemption)
 Points the trainer calls: `batch` (before the forward), `step` (between forward and backward: mid-step, after
 the loss's collectives), `grads` (after backward); the checkpoint writer calls `checkpoint.<stage>` with stage
 `rank_files` (this rank's file written into the temporary folder), `model_file` (before rank 0 writes
@@ -23,7 +25,8 @@ import signal
 from dataclasses import dataclass
 
 ENV = "FASTCLIP_FAULTS"
-ACTIONS = ("nan", "kill", "stop")
+ACTIONS = ("nan", "kill", "stop", "usr1", "term")
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "usr1": signal.SIGUSR1, "term": signal.SIGTERM}
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def hook(point: str, *, step: int | None = None, rank: int | None = None, tensor
                         t.fill_(float("nan"))
         else:
             print(f"{ENV}: {fault.action} at {point}, step {step}, rank {rank}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
+            os.kill(os.getpid(), SIGNALS[fault.action])
 
 
 __all__ = ["ENV", "Fault", "parse", "active", "hook"]

@@ -1,0 +1,70 @@
+"""Stopping cleanly when the cluster asks: a signal -> a checkpoint at the next step boundary on every rank ->
+exit status 75, so the requeued job continues with `--train.resume latest`.
+
+Who sends what. launch/slurm.sbatch asks SLURM for SIGUSR1 two minutes before the time limit
+(`--signal=USR1@120`, delivered to every task of the job step); SLURM sends SIGTERM when it preempts or
+cancels a job (then SIGKILL after KillWait/GraceTime, 30 s by default). `train.stop_signals` lists the
+signals that stop training (default SIGUSR1 and SIGTERM; [] keeps Python's defaults).
+
+The handler only records the signal. Every rank must stop at the same step (a checkpoint is a collective),
+but the signal reaches the ranks at different moments, or only some of them. The request is combined in the
+all_reduce that NonFiniteGuard.verdict already makes every step (its tensor of two flags gets a third), so
+there is no extra collective and no extra host sync, and the stop follows within one step of the signal (a
+separate all_reduce on logging steps only would wait up to train.log_every steps: 100 steps of the recipes
+can take longer than the 120 s SLURM leaves). A step whose features were refused (non-finite) makes no
+verdict; the request then rides in the next one.
+
+After the stop checkpoint `fastclip train` exits with EXIT_PREEMPTED = 75 on every rank (EX_TEMPFAIL of
+sysexits.h: "temporary failure, try again"); launch/slurm.sbatch requeues the job on that status. From then
+on the stop signals are ignored: the process is leaving anyway, and srun (--kill-on-bad-exit) signals the
+ranks that exit a moment later than the first; dying of that signal would turn status 75 into 143.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+EXIT_PREEMPTED = 75
+DEFAULT_SIGNALS = ("SIGUSR1", "SIGTERM")
+
+
+def signal_number(name: str) -> int:
+    """"SIGUSR1" or "USR1" -> its number; ValueError naming the signal if this platform lacks it."""
+    full = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
+    number = getattr(signal, full, None)
+    if not isinstance(number, signal.Signals) or full in ("SIGKILL", "SIGSTOP"):
+        raise ValueError(f"{name!r} is not a signal that can be caught here")
+    return int(number)
+
+
+class StopSignals:
+    """Records the first stop signal this process receives; installed for the duration of one training run."""
+
+    def __init__(self, names=DEFAULT_SIGNALS):
+        self.numbers = [signal_number(n) for n in names]
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def install(self) -> "StopSignals":
+        # signal.signal works only in the main thread; elsewhere (a caller's thread) training runs without it
+        if threading.current_thread() is threading.main_thread():
+            for number in self.numbers:
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def release(self, *, stopped: bool) -> None:
+        """Put the previous handlers back; after a stop, ignore the signals instead (see the module doc)."""
+        for number, previous in self._previous.items():
+            signal.signal(number, signal.SIG_IGN if stopped else previous)
+        self._previous.clear()
+
+
+__all__ = ["EXIT_PREEMPTED", "DEFAULT_SIGNALS", "StopSignals", "signal_number"]

@@ -1,0 +1,124 @@
+"""Preemption with real processes: SIGUSR1/SIGTERM reaching a running 2-process job stops every rank at the
+same step with a checkpoint there and exit status 75, and `--train.resume latest` then ends bitwise where an
+uninterrupted run ends (fastclip/train/preemption.py, launch/slurm.sbatch)."""
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fault_utils import (Job, assert_same_training_state, latest, overrides, step_dir, train_records, wait_for)
+from fastclip.train.preemption import EXIT_PREEMPTED
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 8  # 5 steps per epoch at 2 x 8: the runs cross into epoch 1
+
+
+@pytest.fixture(scope="session")
+def data(tiny_embedded) -> Path:
+    return tiny_embedded
+
+
+def _args(data: Path, run: Path, **extra) -> list[str]:
+    # no checkpoints by step count or time: the only checkpoint before the end is the one the signal asks for
+    return overrides(data, run, **{"train.max_steps": STEPS, "data.workers": 1, "checkpoint.every_steps": 0,
+                                   "train.resume": "latest", **extra})
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory) -> Path:
+    """The uninterrupted 2-process run the stopped and resumed ones must end equal to."""
+    root = tmp_path_factory.mktemp("reference")
+    job = Job(_args(data, root / "run"), 2, root / "job")
+    assert job.wait(300) == [0, 0], job.outputs()
+    return root / "run"
+
+
+def _resume_and_compare(data, run: Path, stopped_at: int, reference: Path, log_dir: Path) -> None:
+    job = Job(_args(data, run), 2, log_dir)
+    assert job.wait(300) == [0, 0], job.outputs()
+    assert f"resumed from {step_dir(run, stopped_at)}" in job.output(0)
+    assert_same_training_state(step_dir(reference, STEPS), step_dir(run, STEPS), 2)
+    expected, got = train_records(reference), train_records(run)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for x, y in zip(expected, got):
+        assert (x["loss"], x["objective"], x["lr"], x["samples_seen"]) == (y["loss"], y["objective"], y["lr"],
+                                                                           y["samples_seen"])
+
+
+@pytest.mark.parametrize("action", ["usr1", "term"])
+def test_a_signal_to_one_rank_stops_both_at_that_step_and_the_resume_is_exact(data, reference, tmp_path, action):
+    """The signal reaches rank 1 only, before step 3's forward: both ranks agree (the request rides in the
+    step's all_reduce), checkpoint step 3 and exit 75; nothing else was checkpointed; the resume is exact."""
+    run = tmp_path / "run"
+    job = Job(_args(data, run), 2, tmp_path / "stopped", env={"FASTCLIP_FAULTS": f"{action}@batch:step=3:rank=1"})
+    codes = job.wait(300)
+    assert codes == [EXIT_PREEMPTED] * 2, job.outputs()
+    assert latest(run) == "step_00000003"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000003"]
+    assert [r["step"] for r in train_records(run)] == [1, 2, 3]
+    assert ("stopped at step 3 by a signal to another rank: checkpoint saved; exit status 75, continue with "
+            "--train.resume latest") in job.output(0)
+    assert "Traceback" not in job.outputs()
+    _resume_and_compare(data, run, 3, reference, tmp_path / "resumed")
+
+
+def test_sigusr1_to_the_whole_job_at_a_random_moment(data, reference, tmp_path):
+    """As SLURM's --signal=USR1@120 does: the signal goes to every process of the job (both ranks and their
+    data workers) at a random moment; the job checkpoints the step it is on, exits 75, and resumes exactly."""
+    seed = random.SystemRandom().randrange(1 << 30)
+    rng = random.Random(seed)
+    after, delay = rng.randint(1, STEPS - 3), rng.uniform(0.0, 0.1)
+    where = f"(seed {seed}: SIGUSR1 after step {after} + {delay:.2f}s)"
+    run = tmp_path / "run"
+    job = Job(_args(data, run), 2, tmp_path / "stopped")
+    try:
+        wait_for(lambda: any(r["step"] >= after for r in train_records(run)), 240, f"step {after}", job)
+        import os
+        import time
+
+        time.sleep(delay)
+        os.killpg(job.pgid, signal.SIGUSR1)
+        codes = job.wait(120)
+    finally:
+        job.kill()
+    assert codes == [EXIT_PREEMPTED] * 2, f"{where}\n{job.outputs()}"
+    stopped_at = max(r["step"] for r in train_records(run))
+    assert stopped_at < STEPS, where
+    assert latest(run) == f"step_{stopped_at:08d}", where  # the checkpoint is at the step the job stopped on
+    assert "by SIGUSR1" in job.output(0), where
+    _resume_and_compare(data, run, stopped_at, reference, tmp_path / "resumed")
+
+
+def test_stop_signals_config_error_is_one_line_with_exit_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fastclip", "train", "--train.stop_signals", "[SIGUSR1, SIGFOO]",
+                          "--print-config"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("fastclip train: config error: config key 'train.stop_signals': 'SIGFOO' is not a "
+                                  "signal that can be caught here")
+
+
+@pytest.mark.parametrize("srun_status, requeued", [(EXIT_PREEMPTED, True), (0, False), (1, False)])
+def test_sbatch_script_passes_cpus_to_srun_and_requeues_on_exit_75(tmp_path, srun_status, requeued):
+    """launch/slurm.sbatch run by bash outside SLURM, with `srun` and `scontrol` as two-line stand-ins on PATH
+    that record their arguments (no SLURM here): srun gets --cpus-per-task, and the job is requeued exactly
+    when the trainer exited 75; the script's status is the trainer's."""
+    text = (REPO / "launch" / "slurm.sbatch").read_text()
+    assert "#SBATCH --signal=USR1@120" in text and "#SBATCH --requeue" in text
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, status in (("srun", srun_status), ("scontrol", 0)):
+        (bin_dir / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "{tmp_path}/calls"\nexit {status}\n')
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_CPUS_PER_TASK": "6", "SLURM_JOB_ID": "4242"}
+    out = subprocess.run(["bash", str(REPO / "launch" / "slurm.sbatch"), "configs/cc3m-fastclip-v3.yaml",
+                          "--optim.lr", "5e-4"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == srun_status, out.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0] == ("srun --kill-on-bad-exit=1 --cpus-per-task=6 python -u -m fastclip train --config "
+                        "configs/cc3m-fastclip-v3.yaml --train.resume latest --optim.lr 5e-4")
+    assert calls[1:] == (["scontrol requeue 4242"] if requeued else [])

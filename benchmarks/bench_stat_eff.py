@@ -220,7 +220,17 @@ def metric_curve(records: list[dict]) -> list[dict]:
 
 
 def tau_trace(records: list[dict]) -> list[list[float]]:
-    return [[r["samples_seen"], r["tau"]] for r in records if "tau" in r and "samples_seen" in r]
+    """(samples, τ) at every logged step: the global τ, or the median of the batch's per-sample τ (v2, TempNet)."""
+    return [[r["samples_seen"], r["tau"] if "tau" in r else r["tau_q50"]] for r in records
+            if ("tau" in r or "tau_q50" in r) and "samples_seen" in r]
+
+
+def mean_tau_curve(results: list[dict], points: int = 40) -> list[tuple[int, float]]:
+    """τ against samples, averaged over seeds at (up to) `points` logged steps they share."""
+    shared = sorted(set.intersection(*(set(x for x, _ in r["tau"]) for r in results)))
+    keep = shared[:: max(1, len(shared) // points)]
+    by_run = [dict((x, t) for x, t in r["tau"]) for r in results]
+    return [(x, sum(d[x] for d in by_run) / len(by_run)) for x in keep]
 
 
 def evaluate_novel(run_dir: Path, data: Path) -> dict:
@@ -371,6 +381,7 @@ def summarize(study: dict, results: Path) -> dict:
                 if all("novel" in r for r in done):
                     entry[f"novel_{m}"] = _mean_std([METRICS[m](r["novel"]) for r in done])
             entry["final_tau"] = _mean_std([r["tau"][-1][1] for r in done if r["tau"]]) if done[0]["tau"] else None
+            entry["tau_curve"] = mean_tau_curve(done) if all(r["tau"] for r in done) else []
             seeds[loss] = entry
         group = {"dataset": dataset, "global_batch": gb, "tune": tune, "seeds": seeds}
         if "openclip" in seeds and "fastclip-v3" in seeds:
@@ -437,7 +448,7 @@ def plot(result: dict, path: Path) -> None:
     groups = [g for g in result["summary"]["groups"] if g["seeds"]]
     if not groups:
         groups = result["summary"]["groups"][:1]
-    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 3.6 * len(groups)), squeeze=False)
+    fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.6 * len(groups)), squeeze=False)
     colors = dict(zip(LOSSES, ("#222222", "#55a868", "#8172b2", "#4c72b0", "#dd8452", "#c44e52", "#937860")))
     for row, g in zip(axes, groups):
         for ax, m in zip(row, METRICS):
@@ -452,6 +463,16 @@ def plot(result: dict, path: Path) -> None:
             ax.set_ylabel(f"{m} (%)", fontsize=8)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
+        ax = row[2]
+        for loss, e in g["seeds"].items():
+            if e.get("tau_curve"):
+                xs, ts = zip(*e["tau_curve"])
+                ax.plot(xs, ts, color=colors[loss], label=loss, lw=2 if loss in ("openclip", "fastclip-v3") else 1)
+        ax.set_yscale("log")
+        ax.set_title(f"{g['dataset']}, global batch {g['global_batch']}: τ (per-sample losses: median)", fontsize=9)
+        ax.set_xlabel("samples seen", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     save_figure(fig, path, result["machine"], "Statistical efficiency: mean ± std over seeds", top=0.95)
 
 

@@ -49,7 +49,7 @@ STUDY = dict(
         "scenes": dict(arch="tiny-vit-64", num_train=6000, num_val=2000, num_test=3000, num_novel=2000),
         "glyphs": dict(arch="tiny-vit", max_per_class=300),
     },
-    order=[("scenes", 64), ("scenes", 128), ("scenes", 32), ("glyphs", 64), ("glyphs", 128), ("glyphs", 32)],
+    order=[("scenes", 64), ("glyphs", 64), ("scenes", 128), ("glyphs", 128), ("scenes", 32), ("glyphs", 32)],
     epochs=16, warmup_frac=0.05, gamma_min=0.2, seeds=(1, 2, 3), tune_seed=0,
     lrs=(2.5e-4, 5e-4, 1e-3),  # 2e-3 was tried first and is far worse for openclip at batch 64 (RESULTS)
     knobs={

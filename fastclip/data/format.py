@@ -1,4 +1,4 @@
-"""The shard format every component shares (spec/INTERFACES.md, "Shard format").
+"""The shard format every component shares (this module is its definition).
 
 A sample is a group of tar members with the same key (the member name up to the first dot of its basename,
 as WebDataset groups them): `<key>.png|jpg|jpeg|webp`, `<key>.txt`, `<key>.json`, optionally `<key>.cls`.

@@ -1,4 +1,4 @@
-"""Reading evaluation samples: WebDataset shards (INTERFACES.md format; labels optional) or an image folder.
+"""Reading evaluation samples: WebDataset shards (fastclip/data/format.py; labels optional) or an image folder.
 
 Every rank reads the same ordered stream and keeps the samples at positions `rank, rank + world, ...`:
 the slices are disjoint, cover everything, and need no communication. Only a rank's own images are

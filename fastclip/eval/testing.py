@@ -1,4 +1,4 @@
-"""Small fixtures for tests and smoke runs: labelled shards in the INTERFACES.md format, and a "probe" CLIP
+"""Small fixtures for tests and smoke runs: labelled shards in the format of fastclip/data/format.py, and a "probe" CLIP
 whose embeddings are set by the inputs, so a test knows every similarity (and so every answer) exactly."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every collective the losses make, with a per-call ledger of the bytes each rank moves.
 
-A loss call makes at most these data collectives (spec: LOSSES.md, "Communication per step"):
+A loss call makes at most these data collectives:
 
 * ``header``   all_gather of a tiny float64 vector per rank (validation.py), before anything else (and
   a second one only when some rank's values are bad, to name the row or index);

@@ -98,7 +98,7 @@ def test_export_cli_prints_the_loading_code(run_dir, tmp_path, capsys):
     assert f"create_model_and_transforms('{ARCH}', pretrained='{tmp_path / 'm.pt'}')" in out
     assert "logit_scale = 3.2500" in out
     # an exported file is not a training checkpoint: say what is missing
-    assert export_cli.main([str(tmp_path / "m.pt"), "--out", str(tmp_path / "again.pt")]) == 1
+    assert export_cli.main([str(tmp_path / "m.pt"), "--out", str(tmp_path / "again.pt")]) == 2
     assert "no 'arch'" in capsys.readouterr().err
 
 
@@ -129,9 +129,9 @@ def test_eval_cli_same_numbers_from_checkpoint_and_export(run_dir, tmp_path, cap
 
 
 def test_eval_cli_errors_name_the_file(tmp_path, run_dir, capsys):
-    assert eval_main([str(tmp_path / "nope"), "--data", str(tmp_path)]) == 1
+    assert eval_main([str(tmp_path / "nope"), "--data", str(tmp_path)]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
     (tmp_path / "names.json").write_text(json.dumps({"classnames": ["a"], "templates": ["no slot"]}))
     write_labelled_shards(tmp_path / "val", fruit_samples()[:2])
-    assert eval_main([str(run_dir), "--data", str(tmp_path / "val"), "--classnames", str(tmp_path / "names.json")]) == 1
+    assert eval_main([str(run_dir), "--data", str(tmp_path / "val"), "--classnames", str(tmp_path / "names.json")]) == 2
     assert "names.json: template 0" in capsys.readouterr().err

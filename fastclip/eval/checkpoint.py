@@ -40,11 +40,14 @@ def resolve_checkpoint_file(path: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
+    from fastclip.train.checkpoint import load_file
+    from fastclip.train.errors import CheckpointError
+
     file = resolve_checkpoint_file(path)
-    try:
-        checkpoint = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle errors come in many classes
-        raise ValueError(f"{file}: cannot load with torch.load(weights_only=True) ({err})") from err
+    try:  # the trainer's loader: weights_only, and its one-line refusal of pickled objects
+        checkpoint = load_file(file)
+    except CheckpointError as err:
+        raise ValueError(str(err)) from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         found = sorted(checkpoint) if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise ValueError(f"{file}: expected a dict with a 'state_dict' key, found {found}")
@@ -118,12 +121,12 @@ def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu"
     scale = loss_logit_scale(checkpoint)
     if scale is not None and "logit_scale" in state:
         state["logit_scale"] = scale.detach().reshape(state["logit_scale"].shape).to(state["logit_scale"].dtype)
-    result = built.model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise ValueError(
-            f"{file}: weights do not fit architecture {built.arch!r}: missing {result.missing_keys[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]}"
-        )
+    from fastclip.train.preflight import shape_mismatches
+
+    mismatch = shape_mismatches(built.model.state_dict(), state)
+    if mismatch:  # checked first: load_state_dict's own error is a multi-line RuntimeError
+        raise ValueError(f"{file}: weights do not fit architecture {built.arch!r}: {mismatch}")
+    built.model.load_state_dict(state)
     built.model.eval()
     step = checkpoint.get("step")
     return LoadedModel(built, file, int(step) if isinstance(step, (int, torch.Tensor)) else None)

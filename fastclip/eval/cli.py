@@ -194,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                 device=args.device, batch_size=args.batch_size, max_samples=args.max_samples,
                 retrieval=not args.no_retrieval, progress=bar.update if bar is not None else None,
             )
-    except (FileNotFoundError, ValueError, EvalDataError) as err:
+    except (FileNotFoundError, ValueError, EvalDataError) as err:  # a checkpoint or data named that is unusable
         print(f"fastclip eval: {err}", file=sys.stderr)
-        return 1
+        return 2
     seconds = time.time() - started
     print(f"model {loaded.file} ({built.arch}, step {loaded.step}); data {args.data}; class names: {names_from}")
     print(f"{results.num_samples} samples in {seconds:.1f} s\n")

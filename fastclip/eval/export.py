@@ -38,10 +38,13 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     """Write the model-only file (and `<arch>.json` if needed); return what was written."""
     if precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    from fastclip.eval.checkpoint import load_model
+
     file, checkpoint = load_checkpoint(checkpoint_path)
     for key in ("arch", "model_config"):
         if key not in checkpoint:
             raise ValueError(f"{file}: training checkpoint has no {key!r} (is it already an exported file?)")
+    load_model(file)  # the tensors fit the architecture they claim (a one-line ValueError otherwise)
     arch, model_config = checkpoint["arch"], checkpoint["model_config"]
     state = model_state_dict(checkpoint)
 
@@ -57,8 +60,11 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    torch.save({"state_dict": state}, tmp)
-    os.replace(tmp, out)  # never leave a half-written file under the final name
+    try:
+        torch.save({"state_dict": state}, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
     # fastclip-tempnet: its temperature heads belong to training, not to the CLIP model open_clip loads, so
     # they are written beside the export (weights only) for whoever continues training from it
@@ -77,6 +83,12 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
         model_config = copy_hf_folders(model_config, out.parent)
         config_file = out.parent / f"{arch}.json"
         config_file.write_text(json.dumps(model_config, indent=4) + "\n")
+    try:  # success only once open_clip itself has loaded the file back, tensor for tensor
+        _verify_in_open_clip(tmp, arch, config_file, state)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out)  # never leave a half-written or unverified file under the final name
     return {
         "file": out,
         "arch": arch,
@@ -87,6 +99,26 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
         "step": checkpoint.get("step"),
         "source": file,
     }
+
+
+def _verify_in_open_clip(file: Path, arch: str, config_file: Path | None, state: dict) -> None:
+    """Load `file` as a user would (open_clip.create_model(arch, pretrained=file)) and compare every tensor."""
+    from fastclip.compat import import_open_clip
+
+    open_clip = import_open_clip()
+    if config_file is not None:
+        open_clip.add_model_config(str(config_file))
+    try:
+        model = open_clip.create_model(arch, pretrained=str(file), device="cpu")
+    except Exception as e:  # open_clip's errors are long: keep the first line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"the export of {arch!r} does not load back in open_clip ({first[:300]}); nothing "
+                         f"written") from None
+    loaded = model.state_dict()
+    differ = [k for k, v in state.items() if k not in loaded or not torch.equal(loaded[k].to(v.dtype), v)]
+    if differ:
+        raise ValueError(f"the export of {arch!r} loads back in open_clip with other values for {differ[:5]}; "
+                         f"nothing written")
 
 
 def loading_code(written: dict) -> str:
@@ -113,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         written = export_model(args.checkpoint, args.out, args.precision)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError) as err:  # the checkpoint named is missing, foreign or unusable
         print(f"fastclip export: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # writing failed (disk full, read-only): the checkpoint is fine, try elsewhere
+        print(f"fastclip export: cannot write {args.out}: {err}", file=sys.stderr)
         return 1
     size_mb = written["file"].stat().st_size / 2**20
     print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}")

@@ -130,6 +130,24 @@ def save_checkpoint(root: Path, step: int, info: DistInfo, *, model_file: dict |
     called on every rank, adds files to the step folder before it is renamed into place (DeepSpeed's shards)."""
     final = root / step_dir_name(step)
     tmp = root / f".tmp_{final.name}"
+    try:
+        return _save(root, final, tmp, step, info, model_file, rank_file, keep_last, write_extra)
+    except BaseException as e:
+        if info.is_main:  # never leave a half-written folder behind; `latest` still names the last good one
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            pointer = root / "latest"
+            last = (f"{pointer} still names {pointer.read_text().strip()}" if pointer.is_file()
+                    else "no earlier checkpoint exists")
+            raise CheckpointError(
+                f"rank {info.rank}: cannot write checkpoint {final} ({e.strerror or e}"
+                f"{': ' + str(e.filename) if e.filename else ''}); nothing of it was kept and {last}. Free space "
+                f"or make {root} writable, then restart with --train.resume latest") from None
+        raise
+
+
+def _save(root: Path, final: Path, tmp: Path, step: int, info: DistInfo, model_file: dict | None,
+          rank_file: dict, keep_last: int, write_extra) -> Path:
     if info.is_main:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp_step_*"):  # left over by a crash during an earlier save

@@ -12,6 +12,7 @@ step being saved) and `rank=R` (default: every rank). Actions:
     stop   SIGSTOP this process (a hung rank: alive, holding its connections, never answering)
     usr1   SIGUSR1 to this process only (SLURM's warning before the time limit, reaching one rank first)
     term   SIGTERM to this process only (preemption)
+    enospc raise OSError(ENOSPC) here (the disk filled up while a checkpoint was written)
 Points the trainer calls: `batch` (before the forward), `step` (between forward and backward: mid-step, after
 the loss's collectives), `grads` (after backward); the checkpoint writer calls `checkpoint.<stage>` with stage
 `rank_files` (this rank's file written into the temporary folder), `model_file` (before rank 0 writes
@@ -25,7 +26,7 @@ import signal
 from dataclasses import dataclass
 
 ENV = "FASTCLIP_FAULTS"
-ACTIONS = ("nan", "kill", "stop", "usr1", "term")
+ACTIONS = ("nan", "kill", "stop", "usr1", "term", "enospc")
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "usr1": signal.SIGUSR1, "term": signal.SIGTERM}
 
 
@@ -78,6 +79,11 @@ def hook(point: str, *, step: int | None = None, rank: int | None = None, tensor
                 for t in tensors:
                     if t is not None and t.is_floating_point():
                         t.fill_(float("nan"))
+        elif fault.action == "enospc":
+            import errno
+
+            print(f"{ENV}: {fault.action} at {point}, step {step}, rank {rank}", flush=True)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         else:
             print(f"{ENV}: {fault.action} at {point}, step {step}, rank {rank}", flush=True)
             os.kill(os.getpid(), SIGNALS[fault.action])

@@ -155,6 +155,7 @@ class CollectiveTimeouts:
         self.now = start_seconds
         self.step, self.phase = 0, "start-up"
         self._training = False
+        self.failed_in: tuple[str, float] | None = None  # (phase, timeout) when a relaxed phase raised
 
     def _set(self, seconds: float) -> None:
         if self.info.distributed and seconds != self.now:
@@ -177,6 +178,10 @@ class CollectiveTimeouts:
         self._set(max(self.start_seconds, self.train_seconds))
         try:
             yield
+        except BaseException:
+            # explain() runs after this block has put the training phase back: keep what applied here
+            self.failed_in = (self.phase, self.now)
+            raise
         finally:
             self._set(before)
             self.phase = before_phase
@@ -190,12 +195,14 @@ class CollectiveTimeouts:
         if not (isinstance(error, dist_error) or any(s in text.lower() for s in _COLLECTIVE_SIGNS)):
             return error
         first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        phase, seconds = self.failed_in or (self.phase, self.now)
+        key = "train.dist_timeout_minutes" if seconds == self.start_seconds else "train.collective_timeout_seconds"
         return CollectiveFailure(
-            f"rank {self.info.rank} of {self.info.world_size}: a collective failed during the {self.phase} at step "
+            f"rank {self.info.rank} of {self.info.world_size}: a collective failed during the {phase} at step "
             f"{self.step}: {first[:400]}. Another process of this job most likely died, was killed or stopped "
-            f"responding (collectives time out after {_seconds(self.now)}: train.collective_timeout_seconds, "
-            f"train.dist_timeout_minutes while starting, saving and evaluating); this process stops too. "
-            f"Restart the whole job with --train.resume latest to continue from the last checkpoint")
+            f"responding (in the {phase} collectives time out after {_seconds(seconds)}, set by {key}); this "
+            f"process stops too. Restart the whole job with --train.resume latest to continue from the last "
+            f"checkpoint")
 
 
 def _seconds(s: float) -> str:

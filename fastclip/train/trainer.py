@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
 from fastclip.optim import ThresholdRule, get_lr, get_tau_lr
 from fastclip.train import checkpoint as ckpt
-from fastclip.train import faults
+from fastclip.train import faults, preflight
 from fastclip.train.config import Config, ConfigError, dump_config
 from fastclip.train.engine import build_engine
+from fastclip.train.gpu import apply_backend_flags, to_channels_last, wants_channels_last
 from fastclip.train.errors import DataFailure
 from fastclip.train.guards import CollectiveTimeouts, DataSkipReport, NonFiniteGuard
 from fastclip.train.metrics import MetricsLogger
@@ -132,6 +133,10 @@ def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:
 
 # ----------------------------------------------------------------------------- the trainer
 def train(cfg: Config) -> dict:
+    # what the operator typed, before a process group, a tower or a data worker exists (ConfigError: exit 2)
+    preflight.check_device(cfg)
+    preflight.check_arch(cfg)
+    preflight.check_run_dir(cfg)
     info = init_distributed(cfg.train.device, cfg.train.backend, cfg.train.dist_timeout_minutes)
     timeouts = CollectiveTimeouts(info, start_seconds=60 * cfg.train.dist_timeout_minutes,
                                   train_seconds=cfg.train.collective_timeout_seconds)
@@ -166,15 +171,37 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts, stop: Stop
 
     # ---- checks that need the data and the world size, before anything heavy
     data_size = check_data(cfg, info.world_size)
+    if cfg.train.resume and cfg.train.resume != "latest" and Path(cfg.train.resume).is_file():
+        raise preflight.describe_resume_file(Path(cfg.train.resume))  # an OpenCLIP epoch_N.pt, a state dict, ...
     try:
         resume_dir = ckpt.resolve_resume(cfg.train.resume, run_dir) if cfg.train.resume else None
     except FileNotFoundError as e:
         raise ConfigError(f"config key 'train.resume': {e}") from None
+    model_file, pretrained = None, None
+    if resume_dir is not None:  # same model, loss, data, seed and epoch length, or a one-line error now
+        from fastclip.data import resolve_catalog
+
+        model_file = preflight.read_resume(resume_dir, cfg.train.resume)
+        catalog = resolve_catalog(cfg.data.train, cfg.data.data_size)
+        preflight.check_resume(cfg, resume_dir, model_file, fingerprint=catalog.fingerprint,
+                               num_samples=catalog.num_samples, data_size=data_size)
+    elif cfg.model.pretrained:
+        pretrained = preflight.read_pretrained(cfg.model.pretrained)
 
     # ---- towers and loss (same seed on every rank: identical init; DDP also broadcasts rank 0's)
     seed_all(cfg.train.seed)
     built = build_model(cfg.model.arch)
     model = built.model.to(device)
+    speedups = apply_backend_flags(cfg, device)  # CUDA: TF32, cudnn.benchmark (fastclip/train/gpu.py)
+    if wants_channels_last(cfg, model, device):  # convolutional towers on CUDA
+        to_channels_last(model)
+        speedups.append("channels_last")
+    if model_file is not None:
+        preflight.check_fits(model, preflight.strip_module(model_file["state_dict"]),
+                             f"checkpoint {resume_dir / 'model.pt'}", "train.resume")
+    if pretrained is not None:  # strict: a partial load would train a half-random model without a word
+        preflight.check_fits(model, pretrained, cfg.model.pretrained, "model.pretrained")
+        model.load_state_dict(pretrained)
     model.logit_scale.requires_grad_(False)  # the loss owns the temperature
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
@@ -191,15 +218,9 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts, stop: Stop
     total_steps = cfg.train.epochs * stream.batches_per_epoch  # horizon of the lr schedules
 
     # ---- resume: weights and per-sample state before DDP (DDP then broadcasts identical tensors)
-    step, samples_seen, epoch, model_file, rank_file = 0, 0, 0, None, None
-    if resume_dir is not None:
-        model_file = ckpt.load_file(resume_dir / "model.pt")
-        for key in ("model.arch", "loss.name"):
-            section, name = key.split(".")
-            saved, now = model_file["config"][section][name], getattr(getattr(cfg, section), name)
-            if saved != now:
-                raise ConfigError(f"config key '{key}': {now!r} but checkpoint {resume_dir} was trained with {saved!r}")
-        model.load_state_dict(model_file["state_dict"])
+    step, samples_seen, epoch, rank_file = 0, 0, 0, None
+    if resume_dir is not None:  # model_file was read and checked above
+        model.load_state_dict(preflight.strip_module(model_file["state_dict"]))
         saved_world = int(model_file["world_size"])
         if saved_world == info.world_size:
             rank_file = ckpt.load_file(resume_dir / f"rank_{info.rank}.pt")
@@ -270,9 +291,11 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts, stop: Stop
         (run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: full sizes
         # open_clip's own "No pretrained weights loaded" warning is dropped (fastclip/models): said here once
-        log.message(f"fastclip train: {cfg.loss.name}, {built.arch} ({n_params / 1e6:.1f}M parameters, random init), "
+        log.message(f"fastclip train: {cfg.loss.name}, {built.arch} ({n_params / 1e6:.1f}M parameters, "
+                    f"{'towers from ' + cfg.model.pretrained if pretrained is not None else 'random init'}), "
                     f"{info.world_size} process(es) on {device.type} ({info.launcher}), {engine.describe()}, "
-                    f"global batch {global_batch}"
+                    + "".join(f"{s}, " for s in speedups)
+                    + f"global batch {global_batch}"
                     + (f" in {o.accum_steps} micro-batches per process" if o.accum_steps > 1 else "") + ", "
                     f"{stream.batches_per_epoch} steps/epoch, steps {step} -> {last_step}, run {run_dir}"
                     + (f", resumed from {resume_dir}" if resume_dir else ""))

@@ -1,0 +1,242 @@
+"""What the operator typed, checked before anything expensive (towers, data workers, process groups).
+
+Each failure is a ConfigError: one line naming the key or file and what to do; `fastclip train` exits 2.
+
+    check_device(cfg)                   train.device cuda on a machine without a GPU
+    check_arch(cfg)                     model.arch that is no known architecture (lists the known ones)
+    check_run_dir(cfg)                  a run folder that cannot be written
+    describe_checkpoint(obj)            what a loaded file is: our training checkpoint, our export, an OpenCLIP
+                                        epoch_N.pt, a bare state dict, or something else
+    read_resume(cfg, step_dir)          the resume's model.pt, refused with a pointer to --model.pretrained
+                                        when it is not one of our training checkpoints
+    check_resume(cfg, ...)              a resume whose model, loss, seed, epoch length or data differ
+    read_pretrained(path)               the towers' tensors of --model.pretrained (any of the formats above)
+    check_fits(model, state, what)      every tensor present with the model's shape (strict: no partial loads)
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import torch
+
+from fastclip.train.config import Config, ConfigError
+
+CHECKPOINT_FORMAT = "fastclip-checkpoint/1"
+
+
+# ----------------------------------------------------------------------------- machine and names
+def check_device(cfg: Config) -> None:
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        built = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU visible"
+        raise ConfigError(f"config key 'train.device': cuda, but this machine has {built} "
+                          f"(torch.cuda.is_available() is False); use --train.device cpu, or auto to take a GPU "
+                          f"when there is one")
+
+
+def known_archs() -> tuple[list[str], list[str]]:
+    """(our configs in configs/models, open_clip's built-in names)."""
+    from fastclip.compat import import_open_clip
+    from fastclip.models import REPO_MODEL_CONFIGS
+
+    ours = sorted(p.stem for p in REPO_MODEL_CONFIGS.glob("*.json"))
+    return ours, sorted(import_open_clip().list_models())
+
+
+def check_arch(cfg: Config) -> None:
+    from fastclip.models import resolve_arch
+
+    arch = cfg.model.arch
+    try:
+        resolve_arch(arch)
+        return
+    except FileNotFoundError:
+        raise ConfigError(f"config key 'model.arch': model config file {arch!r} does not exist") from None
+    except (ValueError, KeyError, OSError) as e:
+        if arch.endswith(".json"):
+            raise ConfigError(f"config key 'model.arch': {arch}: not a usable model config ({e})") from None
+    ours, theirs = known_archs()
+    theirs = [n for n in theirs if n not in ours]
+    close = difflib.get_close_matches(arch, ours + theirs, n=3)
+    raise ConfigError(f"config key 'model.arch': unknown architecture {arch!r}"
+                      + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else "")
+                      + f"; known: ours (configs/models) {', '.join(ours)}; open_clip's {', '.join(theirs)}; "
+                        f"or a path to a model config .json")
+
+
+def check_run_dir(cfg: Config) -> None:
+    """The run folder (and its checkpoints/) can be created and written: probe with a real file, since
+    permissions alone do not tell (a read-only mount, root, ACLs)."""
+    run_dir = Path(cfg.train.run_dir)
+    for folder in (run_dir, run_dir / "checkpoints"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".write_probe.{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"config key 'train.run_dir': cannot write in {folder} ({e.strerror or e}); make it "
+                              f"writable or choose another --train.run_dir") from None
+
+
+# ----------------------------------------------------------------------------- checkpoint files
+def describe_checkpoint(obj) -> str:
+    """What a loaded checkpoint file is, in words."""
+    if not isinstance(obj, dict):
+        return f"not a checkpoint (holds a {type(obj).__name__})"
+    if obj.get("format") == CHECKPOINT_FORMAT and "config" in obj:
+        return "a fastclip training checkpoint"
+    if isinstance(obj.get("state_dict"), dict):
+        if "epoch" in obj and ("optimizer" in obj or "name" in obj):
+            return f"an OpenCLIP training checkpoint (epoch_N.pt, epoch {obj.get('epoch')})"
+        if set(obj) == {"state_dict"}:
+            return "a model-only checkpoint (fastclip export, or an open_clip weights file)"
+        return f"a checkpoint with a state_dict but no fastclip training state (keys {sorted(obj)[:8]})"
+    if obj and all(torch.is_tensor(v) for v in obj.values()):
+        return f"a bare state dict ({len(obj)} tensors)"
+    return f"not a model checkpoint (a dict with keys {sorted(map(str, obj))[:8]})"
+
+
+def _load(path: Path, key: str):
+    from fastclip.train.checkpoint import load_file
+
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file as load_safetensors
+        except ImportError:
+            raise ConfigError(f"config key '{key}': {path} is a .safetensors file and the safetensors package is "
+                              f"not installed (pip install safetensors)") from None
+        return load_safetensors(str(path))
+    try:  # a file carrying pickled objects stays a CheckpointError: the refusal `train` always printed (exit 1)
+        return load_file(path)
+    except FileNotFoundError:
+        raise ConfigError(f"config key '{key}': {path} does not exist") from None
+
+
+def read_resume(step_dir: Path, given: str) -> dict:
+    """The resume's model.pt; a file that is not our training checkpoint is refused, saying what it is."""
+    obj = _load(step_dir / "model.pt", "train.resume")
+    kind = describe_checkpoint(obj)
+    if not kind.startswith("a fastclip training checkpoint"):
+        raise foreign_resume(step_dir / "model.pt", kind)
+    return obj
+
+
+def foreign_resume(path: Path, kind: str) -> ConfigError:
+    start = (f"to start from its weights with a fresh optimizer and per-sample state, pass --model.pretrained {path} "
+             f"(and no --train.resume)" if "checkpoint" in kind or "state dict" in kind else
+             "pass a run folder, its checkpoints folder or a step_XXXXXXXX folder of `fastclip train`")
+    return ConfigError(f"config key 'train.resume': {path} is {kind}, not a fastclip training checkpoint: it has "
+                       f"no optimizer, per-sample state or data position to resume; {start}")
+
+
+def describe_resume_file(path: Path) -> ConfigError:
+    """--train.resume given a file: say what it is (our model.pt belongs in its step folder)."""
+    obj = _load(path, "train.resume")
+    kind = describe_checkpoint(obj)
+    if kind.startswith("a fastclip training checkpoint"):
+        return ConfigError(f"config key 'train.resume': {path} is a fastclip training checkpoint file; pass its "
+                           f"folder ({path.parent}), which also holds the ranks' files")
+    return foreign_resume(path, kind)
+
+
+def check_resume(cfg: Config, step_dir: Path, model_file: dict, *, fingerprint: str, num_samples: int,
+                 data_size: int) -> None:
+    """A resume continues the same run: same towers, loss, data, seed and epoch length (the data stream's
+    position and the per-sample state mean nothing otherwise)."""
+    from fastclip.train.checkpoint import load_file
+
+    saved_cfg = model_file["config"]
+    for key in ("model.arch", "loss.name"):
+        section, name = key.split(".")
+        saved, now = saved_cfg[section][name], getattr(getattr(cfg, section), name)
+        if saved != now:
+            raise ConfigError(f"config key '{key}': {now!r} but checkpoint {step_dir} was trained with {saved!r}; "
+                              f"resume with the same value, or start a new run from its weights with "
+                              f"--model.pretrained {step_dir / 'model.pt'}")
+    rank0 = load_file(step_dir / "rank_0.pt")
+    data = rank0.get("data") or {}
+    seed = cfg.train.seed if cfg.data.seed is None else cfg.data.seed
+    resampled = bool(cfg.data.resampled)
+    length = (cfg.data.samples_per_epoch or num_samples) if resampled else num_samples
+    extra = (rank0.get("loss_state") or {}).get("_extra_state")
+    saved_size = extra.get("data_size") if isinstance(extra, dict) else None
+    checks = [
+        ("data.seed" if cfg.data.seed is not None else "train.seed", "seed", seed,
+         "the data order and the shuffle come from it"),
+        ("data.resampled", "resampled", resampled, "the data order depends on it"),
+        ("data.samples_per_epoch" if resampled else "data.train", "epoch_length", length,
+         "samples per epoch: the saved position is a place in an epoch of that length"),
+        ("data.train", "fingerprint", fingerprint,
+         "the shards (names and sample counts) differ from the ones the saved position refers to"),
+    ]
+    for key, field, now, why in checks:
+        if field in data and data[field] != now:
+            shown = (f"{data[field]!r}", f"{now!r}") if field != "fingerprint" else ("other shards", "these")
+            raise ConfigError(f"config key '{key}': checkpoint {step_dir} was trained with {shown[0]}, this config "
+                              f"gives {shown[1]} ({why}); resume with the same data and value, or start a new run "
+                              f"from its weights with --model.pretrained {step_dir / 'model.pt'}")
+    if saved_size is not None and int(saved_size) != int(data_size):
+        raise ConfigError(f"config key 'data.data_size': checkpoint {step_dir} holds per-sample state for "
+                          f"{int(saved_size)} samples, this data gives {data_size}; resume with the same data, or "
+                          f"start a new run from its weights with --model.pretrained {step_dir / 'model.pt'}")
+
+
+# ----------------------------------------------------------------------------- pretrained towers
+def read_pretrained(path: str) -> dict[str, torch.Tensor]:
+    """The towers' tensors of an OpenCLIP epoch_N.pt, an open_clip state dict, our export or our training
+    checkpoint (its towers only); a DDP `module.` prefix is dropped."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config key 'model.pretrained': {path} does not exist (or is not a file)")
+    obj = _load(file, "model.pretrained")
+    kind = describe_checkpoint(obj)
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        state = obj["state_dict"]
+    elif kind.startswith("a bare state dict"):
+        state = obj
+    else:
+        raise ConfigError(f"config key 'model.pretrained': {path} is {kind}; expected an OpenCLIP checkpoint, an "
+                          f"open_clip state dict or a fastclip export/checkpoint")
+    state = strip_module(state)
+    bad = [k for k, v in state.items() if not torch.is_tensor(v)]
+    if bad:
+        raise ConfigError(f"config key 'model.pretrained': {path}: entries that are not tensors: {bad[:5]}")
+    return dict(state)
+
+
+def strip_module(state: dict) -> dict:
+    """Without a DDP `module.` prefix on every key (OpenCLIP #33)."""
+    if state and all(k.startswith("module.") for k in state):
+        return {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def check_fits(model: torch.nn.Module, state: dict, what: str, key: str | None = None) -> None:
+    """Every tensor of the model present in `state` with its shape, nothing extra: a partial load would train
+    a half-random model without a word. Raises ConfigError (or ValueError with key=None) naming the file."""
+    mismatches = shape_mismatches(model.state_dict(), state)
+    if mismatches:
+        message = f"{what} does not fit architecture: {mismatches}"
+        raise ConfigError(f"config key '{key}': {message}") if key else ValueError(message)
+
+
+def shape_mismatches(expected: dict, state: dict) -> str:
+    """'' when `state` has exactly the keys and shapes of `expected`, else a short description."""
+    missing = [k for k in expected if k not in state]
+    extra = [k for k in state if k not in expected]
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+              if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    parts = []
+    if shapes:
+        parts.append(f"{len(shapes)} tensor(s) of another shape (checkpoint vs model), e.g. {'; '.join(shapes[:3])}")
+    if missing:
+        parts.append(f"{len(missing)} missing, e.g. {missing[:3]}")
+    if extra:
+        parts.append(f"{len(extra)} unexpected, e.g. {extra[:3]}")
+    return ", ".join(parts)
+
+
+__all__ = ["check_device", "check_arch", "check_run_dir", "describe_checkpoint", "read_resume", "check_resume",
+           "describe_resume_file", "read_pretrained", "check_fits", "strip_module", "shape_mismatches", "known_archs"]

@@ -1,0 +1,232 @@
+"""What an operator types wrong ends in one line naming the key or file and what to do, exit status 2, before the
+towers are built or data is read (issue #15, item 3); --model.pretrained starts the towers from an OpenCLIP or
+fastclip file. One short real training run (1 process) provides the checkpoint the cases start from."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fault_utils import EMBEDDED, load, overrides, step_dir
+from fastclip.train.cli import main
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_embedded, tmp_path_factory) -> Path:
+    """fastclip-v2 on one process for 2 steps: the checkpoint every case below starts from."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    assert main(["--config", str(EMBEDDED), *overrides(tiny_embedded, run, **{"train.max_steps": 2})]) == 0
+    return run
+
+
+def _fails(capsys, args, key, *words, code=2) -> str:
+    assert main(args) == code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err  # one line, no traceback
+    assert "Traceback" not in err and (key is None or f"'{key}'" in err or key in err), err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
+def _args(data, run, **extra) -> list[str]:
+    return ["--config", str(EMBEDDED), *overrides(data, run, **extra)]
+
+
+# ----------------------------------------------------------------------------- names, machine, files
+def test_unknown_arch_lists_the_known_ones(tiny_embedded, tmp_path, capsys):
+    err = _fails(capsys, _args(tiny_embedded, tmp_path / "run", **{"model.arch": "tiny-vitt"}), "model.arch",
+                 "unknown architecture 'tiny-vitt'", "did you mean 'tiny-vit'", "tiny-vit-hf", "RN50", "ViT-B-32")
+    assert not (tmp_path / "run").exists()  # nothing was created: checked first
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")
+def test_cuda_without_a_gpu(tiny_embedded, tmp_path, capsys):
+    _fails(capsys, _args(tiny_embedded, tmp_path / "run", **{"train.device": "cuda"}), "train.device",
+           "--train.device cpu")
+
+
+def test_config_that_is_a_directory_or_empty(tmp_path, capsys):
+    _fails(capsys, ["--config", str(tmp_path)], None, "is a directory")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here\n")
+    _fails(capsys, ["--config", str(empty)], None, f"config file {empty} is empty", "leave --config out")
+
+
+def test_run_dir_that_cannot_be_written(tiny_embedded, capsys):
+    run = Path("/sys/fastclip-unwritable-run")  # sysfs: nobody, root included, creates folders there
+    try:
+        run.mkdir()
+    except OSError:
+        pass
+    else:
+        run.rmdir()
+        pytest.skip("/sys is writable here")
+    _fails(capsys, _args(tiny_embedded, run), "train.run_dir", "cannot write in", "choose another --train.run_dir")
+
+
+# ----------------------------------------------------------------------------- resuming
+def test_resume_with_another_seed_or_data_is_refused_before_building(tiny_embedded, trained, tmp_path, capsys):
+    ckpt = step_dir(trained, 2)
+    _fails(capsys, _args(tiny_embedded, tmp_path / "a", **{"train.resume": ckpt, "train.seed": 7}), "train.seed",
+           "was trained with 2024, this config gives 7", f"--model.pretrained {ckpt / 'model.pt'}")
+    _fails(capsys, _args(tiny_embedded, tmp_path / "b", **{"train.resume": ckpt, "data.seed": 7}), "data.seed")
+    _fails(capsys, _args(tiny_embedded, tmp_path / "c", **{"train.resume": ckpt, "data.resampled": True,
+                                                          "data.samples_per_epoch": 40}), "data.resampled")
+    other = tmp_path / "other"  # the same samples in other shards: the saved position means nothing there
+    shutil.copytree(tiny_embedded, other)
+    from fastclip.data.manifest import read_manifest, write_manifest
+
+    manifest = read_manifest(other / "train")
+    manifest.shards = manifest.shards[:-1]
+    write_manifest(other / "train", manifest)
+    _fails(capsys, _args(tiny_embedded, tmp_path / "d", **{"train.resume": ckpt, "data.train": other / "train"}),
+           "data.train", "epoch of that length")
+
+
+def _openclip_checkpoint(trained: Path, path: Path, **change) -> Path:
+    """What OpenCLIP's trainer writes as epoch_N.pt (DDP `module.` keys, its own optimizer state)."""
+    state = {f"module.{k}": v for k, v in load(step_dir(trained, 2) / "model.pt")["state_dict"].items()}
+    for key, shape in change.items():
+        state[f"module.{key}"] = torch.zeros(shape)
+    torch.save({"epoch": 3, "name": "openclip-run", "state_dict": state,
+                "optimizer": {"state": {}, "param_groups": []}}, path)
+    return path
+
+
+def test_foreign_checkpoints_given_to_resume_say_what_they_are(tiny_embedded, trained, tmp_path, capsys):
+    epoch = _openclip_checkpoint(trained, tmp_path / "epoch_3.pt")
+    _fails(capsys, _args(tiny_embedded, tmp_path / "a", **{"train.resume": epoch}), "train.resume",
+           "an OpenCLIP training checkpoint (epoch_N.pt, epoch 3)", f"--model.pretrained {epoch}")
+    bare = tmp_path / "weights.pt"
+    torch.save(load(step_dir(trained, 2) / "model.pt")["state_dict"], bare)
+    _fails(capsys, _args(tiny_embedded, tmp_path / "b", **{"train.resume": bare}), "train.resume",
+           "a bare state dict", "--model.pretrained")
+    folder = tmp_path / "step_00000009"  # a step folder whose model.pt is not ours
+    folder.mkdir()
+    shutil.copy(bare, folder / "model.pt")
+    _fails(capsys, _args(tiny_embedded, tmp_path / "c", **{"train.resume": folder}), "train.resume",
+           "a bare state dict (", "not a fastclip training checkpoint")
+    ours = step_dir(trained, 2) / "model.pt"
+    _fails(capsys, _args(tiny_embedded, tmp_path / "d", **{"train.resume": ours}), "train.resume",
+           f"pass its folder ({ours.parent})")
+
+
+def test_resume_whose_tensors_do_not_fit_the_model(tiny_embedded, trained, tmp_path, capsys):
+    ckpt = tmp_path / "step_00000002"
+    shutil.copytree(step_dir(trained, 2), ckpt)
+    model = load(ckpt / "model.pt")
+    model["state_dict"]["text_projection"] = torch.zeros(3, 5)
+    torch.save(model, ckpt / "model.pt")
+    _fails(capsys, _args(tiny_embedded, tmp_path / "run", **{"train.resume": ckpt}), "train.resume",
+           "does not fit architecture", "text_projection (3, 5) vs")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- --model.pretrained
+def test_pretrained_starts_the_towers_from_an_openclip_checkpoint(tiny_embedded, trained, tmp_path, capsys):
+    epoch = _openclip_checkpoint(trained, tmp_path / "epoch_3.pt")
+    run = tmp_path / "run"
+    # lr 0: the towers after one step are the loaded ones, so the saved weights show exactly what was loaded
+    assert main(_args(tiny_embedded, run, **{"model.pretrained": epoch, "train.max_steps": 1, "optim.lr": 0.0,
+                                             "checkpoint.every_steps": 1})) == 0
+    assert f"towers from {epoch}" in capsys.readouterr().out
+    source = load(step_dir(trained, 2) / "model.pt")
+    got = load(step_dir(run, 1) / "model.pt")
+    for k, v in source["state_dict"].items():
+        if k != "logit_scale":  # the loss owns the temperature: the saved scale is the loss's
+            assert torch.equal(got["state_dict"][k], v), k
+    assert got["step"] == 1 and got["optimizer"]["state"]  # a fresh optimizer that took one step
+    state = load(step_dir(run, 1) / "rank_0.pt")["loss_state"]["_extra_state"]
+    assert int(state["seen"].sum()) == 8  # fresh per-sample state: only this step's batch
+    # an export of our own and a bare state dict work the same way; shapes are strict
+    bare = tmp_path / "weights.pt"
+    torch.save(source["state_dict"], bare)
+    assert main(_args(tiny_embedded, tmp_path / "run2", **{"model.pretrained": bare, "train.max_steps": 1})) == 0
+    capsys.readouterr()
+    wrong = _openclip_checkpoint(trained, tmp_path / "epoch_4.pt", text_projection=(3, 5))
+    _fails(capsys, _args(tiny_embedded, tmp_path / "run3", **{"model.pretrained": wrong}), "model.pretrained",
+           "does not fit architecture", "text_projection (3, 5) vs")
+    unrelated = tmp_path / "notes.pt"
+    torch.save({"notes": "hello", "n": 3}, unrelated)
+    _fails(capsys, _args(tiny_embedded, tmp_path / "run4", **{"model.pretrained": unrelated}), "model.pretrained",
+           "not a model checkpoint")
+    _fails(capsys, _args(tiny_embedded, tmp_path / "run5", **{"model.pretrained": tmp_path / "missing.pt"}),
+           "model.pretrained", "does not exist")
+
+
+# ----------------------------------------------------------------------------- eval and export
+def test_eval_and_export_refuse_unusable_checkpoints_in_one_line(trained, tmp_path, capsys):
+    from fastclip.eval.cli import main as eval_main
+    from fastclip.eval.export import main as export_main
+
+    class _Payload:  # what a malicious checkpoint would carry: code that runs on unpickling
+        def __reduce__(self):
+            return (print, ("pickled code ran",))
+
+    pickled = tmp_path / "pickled" / "step_00000002"
+    shutil.copytree(step_dir(trained, 2), pickled)
+    torch.save({**load(pickled / "model.pt"), "extra": _Payload()}, pickled / "model.pt")
+    wrong = tmp_path / "wrong" / "step_00000002"
+    shutil.copytree(step_dir(trained, 2), wrong)
+    model = load(wrong / "model.pt")
+    model["state_dict"]["text_projection"] = torch.zeros(3, 5)
+    torch.save(model, wrong / "model.pt")
+    data = tmp_path / "no-data"
+    data.mkdir()
+    for ckpt, words in ((pickled, "refusing to load pickled objects"),
+                        (wrong, "weights do not fit architecture 'tiny-vit': 1 tensor(s) of another shape")):
+        assert export_main([str(ckpt), "--out", str(tmp_path / "export" / "model.pt")]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1 and words in err and "weights_only=False" not in err, err
+        assert "pickled code ran" not in captured.out
+        assert not (tmp_path / "export" / "model.pt").exists()  # nothing unusable is left to load
+        assert not (tmp_path / "export" / "model.pt.tmp").exists()
+        assert eval_main([str(ckpt), "--data", str(data)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
+    # a good checkpoint exports, is loaded back in open_clip before success is reported
+    assert export_main([str(step_dir(trained, 2)), "--out", str(tmp_path / "export" / "model.pt")]) == 0
+    assert (tmp_path / "export" / "model.pt").is_file()
+
+
+# ----------------------------------------------------------------------------- a disk that fills during a save
+def test_disk_full_during_a_save_keeps_the_last_checkpoint(tiny_embedded, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setenv("FASTCLIP_FAULTS", "enospc@checkpoint.model_file:step=4")
+    err = _fails(capsys, _args(tiny_embedded, run, **{"train.max_steps": 6}), None,
+                 f"cannot write checkpoint {run / 'checkpoints' / 'step_00000004'} (No space left on device)",
+                 "still names step_00000002", "--train.resume latest", code=1)
+    assert err.startswith("fastclip train: error: rank 0:")
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000002"]  # no .tmp_ left behind
+    monkeypatch.delenv("FASTCLIP_FAULTS")
+    assert main(_args(tiny_embedded, run, **{"train.max_steps": 6, "train.resume": "latest"})) == 0
+    assert (checkpoints / "latest").read_text().strip() == "step_00000006"
+
+
+def test_a_rank_that_fails_in_a_save_the_others_name_the_save_and_its_timeout(tiny_embedded, tmp_path):
+    from fault_utils import Job
+
+    run = tmp_path / "run"
+    args = overrides(tiny_embedded, run, **{"train.max_steps": 6, "train.dist_timeout_minutes": 10})
+    job = Job(args, 2, tmp_path / "job", env={"FASTCLIP_FAULTS": "enospc@checkpoint.model_file:step=4:rank=0"})
+    try:
+        codes = job.wait(240)
+    finally:
+        job.kill()
+    assert codes == [1, 1], job.outputs()
+    lines0 = [x for x in job.output(0).splitlines() if x.startswith("fastclip train: error")]
+    assert len(lines0) == 1 and "cannot write checkpoint" in lines0[0], job.outputs()
+    lines1 = [x for x in job.output(1).splitlines() if x.startswith("fastclip train: error")]
+    assert len(lines1) == 1, job.outputs()
+    # before issue #15 this said "during the training step" and the step timeout
+    assert "during the checkpoint save at step 4" in lines1[0], lines1[0]
+    assert "time out after 10 min, set by train.dist_timeout_minutes" in lines1[0], lines1[0]
+    assert "Traceback" not in job.output(0) + job.output(1)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert not list((run / "checkpoints").glob(".tmp_*"))

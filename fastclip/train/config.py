@@ -51,6 +51,7 @@ class ModelConfig:
     arch: str = "tiny-vit"                    # open_clip name (RN50, ViT-B-32, ...), configs/models/<name>, or a .json
     grad_checkpointing: bool = False          # recompute activations in backward (less memory, ~30% more compute)
     compile: bool = False                     # torch.compile the towers (not the loss: it holds collectives)
+    channels_last: Optional[bool] = None      # NHWC convolutional image towers; null: on for CUDA (fastclip/train/gpu.py)
     pretrained: Optional[str] = None          # start the towers from this file (OpenCLIP's --pretrained): an
                                               # OpenCLIP epoch_N.pt, an open_clip state dict, a fastclip export or
                                               # model.pt; shapes must match; fresh optimizer and per-sample state;
@@ -127,6 +128,11 @@ class TrainConfig:
                                               # ZeRO sharding, knobs in the `deepspeed` section
     stop_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])  # checkpoint at the next
                                               # step on every rank, then exit 75 (fastclip/train/preemption.py)
+    # GPU speed defaults (fastclip/train/gpu.py); no effect on CPU
+    tf32: bool = True                         # CUDA: TF32 fp32 matmuls/convolutions (also the loss's fp32 matmul)
+    cudnn_benchmark: bool = True              # CUDA: cuDNN picks the fastest convolution algorithms once
+    ddp_bucket_view: bool = True              # DDP gradient_as_bucket_view
+    ddp_static_graph: Optional[bool] = None   # DDP static_graph; null: on with accum_steps 1 and no compile
 
 
 @dataclass
@@ -152,7 +158,7 @@ class DeepSpeedConfig:
                                               # 3 also the parameters (gathered for the forward, for model.pt, eval)
     reduce_bucket_size: int = 500_000_000     # elements per gradient reduce(-scatter) bucket
     allgather_bucket_size: int = 500_000_000  # elements per parameter all-gather bucket after the step (stages 1-2)
-    overlap_comm: bool = False                # overlap gradient reduction with the backward (GPU streams)
+    overlap_comm: Optional[bool] = None       # overlap gradient reduction with the backward; null: on for CUDA
     contiguous_gradients: bool = True         # copy reduced gradients into one buffer (less fragmentation)
     param_persistence_threshold: int = 100_000  # stage 3: parameters with fewer elements stay whole on every rank
     config_file: Optional[str] = None         # a DeepSpeed JSON merged over the generated config (for the knobs

@@ -55,6 +55,7 @@ from fastclip.distributed import DistInfo
 from fastclip.optim import build_optimizer, param_groups
 from fastclip.train.accumulate import GradCache
 from fastclip.train.config import Config, ConfigError
+from fastclip.train.gpu import ddp_options, overlap_comm
 from fastclip.train.guards import total_grad_norm
 
 DEEPSPEED_TAG = "deepspeed"  # DeepSpeed's files go to <step dir>/deepspeed/
@@ -81,7 +82,8 @@ class DDPEngine:
         self.ddp = info.distributed
         # buffers are synced from rank 0 at init and before each forward: DDP's default (its broadcast_buffers
         # argument is deprecated since torch 2.13; forward_sync_buffers does not exist before it)
-        self.net = (DistributedDataParallel(net, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+        self.net = (DistributedDataParallel(net, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+                                            **ddp_options(cfg))  # bucket views, static graph: fastclip/train/gpu.py
                     if self.ddp else net)
         groups = param_groups(self.model, self.loss_fn, lr=o.lr, wd=o.wd, lr_tau=lr_tau_base(cfg))
         self.optimizer = build_optimizer(o.optimizer, groups, betas=o.betas, eps=o.eps)
@@ -186,9 +188,10 @@ def frozen_scalars_to_buffers(model: torch.nn.Module) -> list[str]:
     return moved
 
 
-def deepspeed_config(cfg: Config, world_size: int) -> dict:
+def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> dict:
     ds, o = cfg.deepspeed, cfg.optim
-    zero = {"stage": ds.stage, "reduce_bucket_size": ds.reduce_bucket_size, "overlap_comm": ds.overlap_comm,
+    zero = {"stage": ds.stage, "reduce_bucket_size": ds.reduce_bucket_size,
+            "overlap_comm": overlap_comm(cfg, torch.device(device_type)),
             "contiguous_gradients": ds.contiguous_gradients}
     if ds.stage == 3:
         zero["stage3_param_persistence_threshold"] = ds.param_persistence_threshold
@@ -295,7 +298,7 @@ class DeepSpeedEngine:
         self.tau_optimizer = build_optimizer("adamw", tau_groups, betas=o.betas, eps=o.eps) if tau_groups else None
         self.tau_params = [p for g in tau_groups for p in g["params"]]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=self.towers, optimizer=client, config=deepspeed_config(cfg, info.world_size),
+            model=self.towers, optimizer=client, config=deepspeed_config(cfg, info.world_size, info.device.type),
             dist_init_required=False)
         self.engine.checkpoint_engine = _weights_only_checkpoint_engine(self.engine.checkpoint_engine)
         self.scaler = torch.amp.GradScaler(info.device.type, enabled=False)  # model.pt's "scaler" entry

@@ -14,7 +14,8 @@ train.ddp_static_graph (null) DDP static_graph: the reducer learns the graph in 
                               search afterwards. null = on where valid: one forward/backward per step
                               (optim.accum_steps 1: GradCache's extra no-grad forwards change the graph) and no
                               torch.compile (compiled DDP splits the graph itself). A step whose features are
-                              refused (forward, no backward) is fine (tested bitwise against DDP without it).
+                              refused (forward, no backward) is fine: tests/test_faults.py's skipped steps run
+                              with it (and gave parameters bitwise equal to DDP without it, checked by hand).
 deepspeed.overlap_comm (null) ZeRO overlaps gradient reduction with the backward; null = on for CUDA (CUDA
                               streams), off on CPU where it has nothing to overlap with.
 """

@@ -283,7 +283,38 @@ FLAG_ALIASES = {
     "gamma": "loss.gamma_min", "fastclip_eps": "loss.eps", "epochs": "train.epochs", "seed": "train.seed",
     "precision": "train.precision", "resume": "train.resume", "logs": "train.run_dir",
     "accum_freq": "optim.accum_steps",  # same key, other batch semantics: see OptimConfig.accum_steps
+    "log_every_n_steps": "train.log_every",
 }
+# OpenCLIP's --precision values that mean what one of ours means. Its fp16/bf16 (model.half(): weights in half
+# precision) and pure_fp16/pure_bf16 mean something else and are not mapped; our fp16/bf16 are its amp/amp_bf16.
+PRECISION_ALIASES = {"amp": "fp16", "amp_bf16": "bf16", "amp_bfloat16": "bf16"}
+# OpenCLIP flags without a value that change nothing here, and why
+NO_OP_FLAGS = {
+    "local_loss": "every loss gathers the features once and computes the global-batch gradient exactly",
+    "gather_with_grad": "every loss gathers the features once and computes the global-batch gradient exactly",
+}
+REPORT_TO = ("tensorboard", "wandb")
+
+
+def _note(line: str) -> None:
+    """One line on stderr, from the first process only (every rank parses the same command line)."""
+    import os
+    import sys
+
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(line, file=sys.stderr)
+
+
+def _report_to(raw: str) -> bool:
+    """OpenCLIP's --report-to list -> train.tensorboard."""
+    targets = [t.strip() for t in str(raw or "").split(",") if t.strip()]
+    for t in targets:
+        if t not in REPORT_TO:
+            raise ConfigError(f"config key 'report_to': {t!r} is not one of {', '.join(REPORT_TO)}")
+    if "wandb" in targets:
+        raise ConfigError("config key 'report_to': wandb is not supported yet; metrics go to "
+                          "<run_dir>/metrics.jsonl and, with --report-to tensorboard, to TensorBoard")
+    return "tensorboard" in targets
 
 
 def parse_overrides(args: list[str]) -> dict:
@@ -293,6 +324,11 @@ def parse_overrides(args: list[str]) -> dict:
         arg = args[i]
         if not arg.startswith("--") or arg == "--":
             raise ConfigError(f"expected --key value, got {arg!r}")
+        flag = arg[2:].replace("-", "_")
+        if flag in NO_OP_FLAGS:  # OpenCLIP switches: no value follows
+            _note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
+            i += 1
+            continue
         if "=" in arg:
             key, raw = arg[2:].split("=", 1)
             i += 1
@@ -302,6 +338,9 @@ def parse_overrides(args: list[str]) -> dict:
             key, raw = arg[2:], args[i + 1]
             i += 2
         key = key.replace("-", "_")
+        if key == "report_to":
+            out.setdefault("train", {})["tensorboard"] = _report_to(raw)
+            continue
         if "." not in key and key in FLAG_ALIASES:
             key = FLAG_ALIASES[key]
         if "." not in key:
@@ -311,6 +350,11 @@ def parse_overrides(args: list[str]) -> dict:
                 raise ConfigError(f"unknown config key '{key}' ({hint})")
             key = owners[0]
         value = yaml.safe_load(raw) if raw != "" else ""
+        if key == "train.precision" and value in PRECISION_ALIASES:
+            value = PRECISION_ALIASES[value]
+        elif key == "train.precision" and value in ("pure_bf16", "pure_fp16"):
+            raise ConfigError(f"config key 'train.precision': {value!r} (OpenCLIP: weights in half precision) is not "
+                              f"supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is 'fp16'")
         node = out
         *parents, leaf = key.split(".")
         for p in parents:

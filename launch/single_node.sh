@@ -13,4 +13,7 @@ if [[ -z "$NPROC" ]]; then
 fi
 # one intra-op thread pool per process, sized so the processes do not fight over the cores
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
+# the config, data and checkpoint checks first, in this shell: an error is then one line and exit status 2
+# (from inside torchrun it would be followed by torchrun's own ChildFailedError traceback and status 1)
+python -m fastclip train --check --world-size "$NPROC" --config "$CONFIG" "$@" >/dev/null
 exec torchrun --standalone --nproc_per_node "$NPROC" -m fastclip train -- --config "$CONFIG" "$@"

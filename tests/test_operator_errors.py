@@ -230,3 +230,52 @@ def test_a_rank_that_fails_in_a_save_the_others_name_the_save_and_its_timeout(ti
     assert "Traceback" not in job.output(0) + job.output(1)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert not list((run / "checkpoints").glob(".tmp_*"))
+
+
+# ----------------------------------------------------------------------------- launchers (torchrun)
+def test_launcher_checks_the_config_before_torchrun(tiny_embedded, tmp_path):
+    import subprocess
+
+    from fault_utils import REPO, clean_env
+
+    out = subprocess.run(["bash", str(REPO / "launch" / "single_node.sh"), str(EMBEDDED), "2",
+                          *overrides(tiny_embedded, tmp_path / "run", **{"data.batch_size": 41})],
+                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr  # one line, no torchrun traceback
+    assert out.stderr.startswith("fastclip train: config error: config key 'data.batch_size': 41 per process x 2")
+    assert "ChildFailedError" not in out.stderr and out.stdout == ""
+    # --check itself: 0 and one line for a good config, at the world size asked
+    from fastclip.train.cli import main as train_main
+
+    assert train_main(["--check", "--world-size", "2", *_args(tiny_embedded, tmp_path / "ok")]) == 0
+    assert train_main(["--check", "--world-size", "3", *_args(tiny_embedded, tmp_path / "ok",
+                                                              **{"data.batch_size": 27})]) == 2
+
+
+def test_a_rank_whose_every_shard_is_bad_stops_the_job_with_one_line(tmp_path):
+    from fault_utils import Job
+
+    from fastclip.data import build_train_stream
+    from fastclip.data.testing import write_synthetic
+
+    data = tmp_path / "data"
+    write_synthetic(data / "train", [16] * 4)  # overrides() trains on data/train
+    stream = build_train_stream({"train_data": str(data / "train"), "batch_size": 4, "seed": 2024}, rank=1, world_size=2,
+                                preprocess=lambda x: x, tokenizer=lambda x: x)
+    shards = sorted((data / "train").glob("*.tar"))
+    bad = [shards[int(s)] for s in stream._sequence(0).slots[2:]]  # rank 1's half of epoch 0
+    for shard in bad:
+        shard.write_bytes(b"not a tar")
+    args = overrides(data, tmp_path / "run", **{"data.batch_size": 4, "train.max_steps": 4})
+    job = Job(args, 2, tmp_path / "job")
+    try:
+        codes = job.wait(240)
+    finally:
+        job.kill()
+    assert codes == [1, 1], job.outputs()
+    lines = [x for x in job.output(1).splitlines() if x.startswith("fastclip train: error")]
+    assert len(lines) == 1 and lines[0].startswith("fastclip train: error: rank 1: no usable sample"), job.outputs()
+    for shard in bad:
+        assert f"{shard.name} (unreadable_shard)" in lines[0]
+    assert "Traceback" not in job.output(0) + job.output(1)

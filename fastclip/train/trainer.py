@@ -80,6 +80,30 @@ def check_data(cfg: Config, world_size: int) -> int:
     return catalog.data_size
 
 
+def check_inputs(cfg: Config, world_size: int) -> tuple[int, Path | None, dict | None, dict | None]:
+    """Everything checkable before a tower is built: the data for this world size, the resume (a foreign file,
+    another seed or data) and --model.pretrained. Returns (data_size, resume_dir, its model.pt, pretrained
+    tensors); raises ConfigError. `fastclip train --check` runs it before a launcher starts the processes."""
+    data_size = check_data(cfg, world_size)
+    if cfg.train.resume and cfg.train.resume != "latest" and Path(cfg.train.resume).is_file():
+        raise preflight.describe_resume_file(Path(cfg.train.resume))  # an OpenCLIP epoch_N.pt, a state dict, ...
+    try:
+        resume_dir = ckpt.resolve_resume(cfg.train.resume, Path(cfg.train.run_dir)) if cfg.train.resume else None
+    except FileNotFoundError as e:
+        raise ConfigError(f"config key 'train.resume': {e}") from None
+    model_file, pretrained = None, None
+    if resume_dir is not None:  # same model, loss, data, seed and epoch length, or a one-line error now
+        from fastclip.data import resolve_catalog
+
+        model_file = preflight.read_resume(resume_dir, cfg.train.resume)
+        catalog = resolve_catalog(cfg.data.train, cfg.data.data_size)
+        preflight.check_resume(cfg, resume_dir, model_file, fingerprint=catalog.fingerprint,
+                               num_samples=catalog.num_samples, data_size=data_size)
+    elif cfg.model.pretrained:
+        pretrained = preflight.read_pretrained(cfg.model.pretrained)
+    return data_size, resume_dir, model_file, pretrained
+
+
 def stream_config(cfg: Config, data_size: int, device: torch.device) -> dict:
     d = cfg.data
     return {"train_data": d.train, "batch_size": d.batch_size, "seed": cfg.train.seed if d.seed is None else d.seed,
@@ -170,23 +194,7 @@ def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts, stop: Stop
     device, run_dir, o = info.device, Path(cfg.train.run_dir), cfg.optim
 
     # ---- checks that need the data and the world size, before anything heavy
-    data_size = check_data(cfg, info.world_size)
-    if cfg.train.resume and cfg.train.resume != "latest" and Path(cfg.train.resume).is_file():
-        raise preflight.describe_resume_file(Path(cfg.train.resume))  # an OpenCLIP epoch_N.pt, a state dict, ...
-    try:
-        resume_dir = ckpt.resolve_resume(cfg.train.resume, run_dir) if cfg.train.resume else None
-    except FileNotFoundError as e:
-        raise ConfigError(f"config key 'train.resume': {e}") from None
-    model_file, pretrained = None, None
-    if resume_dir is not None:  # same model, loss, data, seed and epoch length, or a one-line error now
-        from fastclip.data import resolve_catalog
-
-        model_file = preflight.read_resume(resume_dir, cfg.train.resume)
-        catalog = resolve_catalog(cfg.data.train, cfg.data.data_size)
-        preflight.check_resume(cfg, resume_dir, model_file, fingerprint=catalog.fingerprint,
-                               num_samples=catalog.num_samples, data_size=data_size)
-    elif cfg.model.pretrained:
-        pretrained = preflight.read_pretrained(cfg.model.pretrained)
+    data_size, resume_dir, model_file, pretrained = check_inputs(cfg, info.world_size)
 
     # ---- towers and loss (same seed on every rank: identical init; DDP also broadcasts rank 0's)
     seed_all(cfg.train.seed)

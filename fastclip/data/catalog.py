@@ -34,6 +34,7 @@ class Shard:
     index_min: int | None
     index_max: int | None
     skip: tuple[tuple[str, str, str], ...] = ()  # (key, reason, detail) listed in the manifest's problems
+    index_base: int | None = None  # plain WebDataset shard: index = index_base + position in the tar (manifest)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                          for q in problems.get((folder, rel), ()))
             ids.append(len(shards))
             shards.append(Shard(absolute, entry.path, entry.num_samples, source_id, entry.index_min,
-                                entry.index_max, skip))
+                                entry.index_max, skip, entry.index_base))
         lows = [shards[i].index_min for i in ids if shards[i].index_min is not None]
         highs = [shards[i].index_max for i in ids if shards[i].index_max is not None]
         sources.append(Source(spec, tuple(ids), max(m.data_size for m in manifests.values()),

@@ -29,6 +29,9 @@ class ShardInfo:
     num_samples: int
     index_min: int | None = None  # None: the shard has no sample with a usable index
     index_max: int | None = None
+    # plain WebDataset shard (no .json members): sample k of the tar has global index index_base + k (written by
+    # `fastclip data scan`: its position in the manifest's shard order); None: indices come from the .json
+    index_base: int | None = None
 
 
 @dataclass
@@ -45,7 +48,8 @@ class Manifest:
     def to_json(self) -> dict:
         out = {"format": MANIFEST_FORMAT, "data_size": self.data_size, "num_samples": self.num_samples,
                "shards": [{"path": s.path, "num_samples": s.num_samples, "index_min": s.index_min,
-                           "index_max": s.index_max} for s in self.shards]}
+                           "index_max": s.index_max, **({} if s.index_base is None else {"index_base": s.index_base})}
+                          for s in self.shards]}
         if self.problems:
             out["problems"] = self.problems
         out.update({k: v for k, v in self.extra.items() if k not in out})
@@ -72,7 +76,8 @@ class Manifest:
             if not isinstance(entry, dict):
                 raise ManifestError(f"{where}: shards[{i}] is not an object")
             info = ShardInfo(need(entry, "path", str, ctx), need(entry, "num_samples", int, ctx),
-                             entry.get("index_min"), entry.get("index_max"))
+                             entry.get("index_min"), entry.get("index_max"),
+                             need(entry, "index_base", int, ctx) if "index_base" in entry else None)
             if info.num_samples < 0:
                 raise ManifestError(f"{where}: {ctx}num_samples is negative ({info.num_samples})")
             if info.path in seen:

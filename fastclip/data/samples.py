@@ -46,10 +46,13 @@ class Candidate:
     meta: dict
 
 
-def check_sample(raw: RawSample, data_size: int) -> tuple[Candidate | None, str, str]:
-    """(candidate, "", "") or (None, reason, detail)."""
+def check_sample(raw: RawSample, data_size: int, index_base: int | None = None) -> tuple[Candidate | None, str, str]:
+    """(candidate, "", "") or (None, reason, detail). index_base: the shard's (plain WebDataset, from the
+    manifest): a sample without a .json member gets index index_base + its position in the tar."""
     meta, why = parse_meta(raw.files.get("json"))
     index = index_from_meta(meta) if meta is not None else None
+    if index is None and index_base is not None and "json" not in raw.exts:
+        index = index_base + raw.ordinal
     if index is None:
         return None, "missing_index", why or "json has no integer 'index' and no integer 'key'"
     if not 0 <= index < data_size:

@@ -183,6 +183,7 @@ class TrainStream:
             shard_paths=[s.path for s in self.catalog.shards], shard_names=[s.name for s in self.catalog.shards],
             shard_sizes=[s.num_samples for s in self.catalog.shards],
             skip=[{k: (r, d) for k, r, d in s.skip} for s in self.catalog.shards], seq=self._sequence(epoch),
+            index_base=[s.index_base for s in self.catalog.shards],
             segment=segment, layout=self.layout, rank=self.rank, seed=self.cfg.seed, epoch=epoch,
             seg_tag=segment.tag(self.epoch_length), data_size=self.data_size, first_batch=first,
             n_batches=n_batches, cursors=list(self._cursors), preprocess=self.preprocess,

@@ -39,6 +39,7 @@ class EpochJob:
     shard_names: list[str]
     shard_sizes: list[int]  # samples each shard's manifest promises (for messages)
     skip: list[dict[str, tuple[str, str]]]
+    index_base: list[int | None]  # per shard: plain WebDataset shards take their index from the position
     seq: EpochSequence
     segment: Segment
     layout: Layout
@@ -173,7 +174,7 @@ class _Worker:
                 if raw.key in skip:
                     self._skip(run_log, skip[raw.key][0], name, raw.key, skip[raw.key][1] + " (listed in manifest)")
                     continue
-                cand, reason, detail = check_sample(raw, job.data_size)
+                cand, reason, detail = check_sample(raw, job.data_size, job.index_base[shard])
                 if cand is not None:
                     first = self.seen.setdefault(cand.index, (shard, raw.key))
                     if first != (shard, raw.key):

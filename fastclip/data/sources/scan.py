@@ -1,7 +1,9 @@
 """`fastclip data scan`: a manifest for existing shards (img2dataset and the like).
 
 Reads every tar once (json and txt members only; images are not decoded), takes each sample's global index
-from json["index"] or, as img2dataset writes it, int(json["key"]), and checks that indices are unique and below
+from json["index"] or, as img2dataset writes it, int(json["key"]); a plain WebDataset shard (`{key}.jpg` +
+`{key}.txt`, no .json) gets the indices of its samples' positions in the manifest's shard order (recorded as
+the shard's `index_base`, which the loader adds to a sample's position in the tar), and checks that indices are unique and below
 data_size (--data-size; default 1 + the largest index found). Every problem is reported with shard and key
 and recorded in the manifest's "problems" list: the training stream skips exactly those samples. Of two
 samples with the same index, the first in manifest order (shard, then tar order) is kept.
@@ -32,6 +34,8 @@ class ScanResult:
         counts = Counter(p["reason"] for p in self.problems)
         lines = [f"{self.folder}: {len(self.manifest.shards)} shards, {self.manifest.num_samples} samples, "
                  f"data_size {self.manifest.data_size}, "
+                 + (f"{plain} plain WebDataset shard(s) indexed by position, " if (plain := sum(
+                     s.index_base is not None for s in self.manifest.shards)) else "")
                  + (f"{len(self.problems)} problems ({dict(counts)})" if self.problems else "no problems")]
         lines += [f"  shard {p['shard']} key {p['key']}: {p['reason']} ({p['detail']})" for p in self.problems[:50]]
         if len(self.problems) > 50:
@@ -71,31 +75,43 @@ def scan_shards(spec: str, data_size: int | None = None, write: bool = True) -> 
     def problem(shard: str, key: str | None, reason: str, detail: str, index: int | None = None) -> None:
         problems.append({"shard": shard, "key": key, "reason": reason, "detail": detail, "index": index})
 
+    position = 0  # samples in the shards before this one, in manifest order
     for path in paths:
         name = os.path.relpath(path.resolve(), folder.resolve())
         info = ShardInfo(name, 0)
+        groups = []  # (key, members present, json meta or None, why not, caption found)
         try:
             with ShardReader(path, _WANT) as reader:
                 while (raw := reader.next_group()) is not None:
-                    info.num_samples += 1
                     meta, why = parse_meta(raw.files.get("json"))
-                    index = index_from_meta(meta) if meta is not None else None
-                    if index is None:
-                        problem(name, raw.key, "missing_index", why or "json has no integer 'index' or 'key'")
-                        continue
-                    if index in owner:
-                        first = owner[index]
-                        problem(name, raw.key, "duplicate_index",
-                                f"index {index} also at shard {first[0]} key {first[1]}", index)
-                        continue
-                    owner[index] = (name, raw.key)
-                    found.append((name, raw.key, index))
-                    if caption_of(raw.files, meta) is None:
-                        problem(name, raw.key, "missing_caption", "no non-empty .txt and no json 'caption'", index)
-                    if image_of({e: b"" for e in raw.exts}) is None:
-                        problem(name, raw.key, "missing_image", f"members present: {', '.join(raw.exts)}", index)
+                    groups.append((raw.key, raw.exts, meta, why, caption_of(raw.files, meta) is not None))
         except TarBroken as e:
-            problem(name, None, "truncated_tar", f"{e}; manifest counts the {info.num_samples} complete samples")
+            problem(name, None, "truncated_tar", f"{e}; manifest counts the {len(groups)} complete samples")
+        info.num_samples = len(groups)
+        # a plain WebDataset shard ({key}.jpg + {key}.txt, no .json at all): each sample's index is its position
+        # in the manifest's shard order; the manifest records the shard's first one and the loader adds the
+        # sample's position in the tar (a shard with some .json members keeps the per-sample rule)
+        if groups and not any("json" in exts for _, exts, _, _, _ in groups):
+            info.index_base = position
+        for ordinal, (key, exts, meta, why, has_caption) in enumerate(groups):
+            if info.index_base is not None:
+                index = info.index_base + ordinal
+            else:
+                index = index_from_meta(meta) if meta is not None else None
+            if index is None:
+                problem(name, key, "missing_index", why or "json has no integer 'index' or 'key'")
+                continue
+            if index in owner:
+                first = owner[index]
+                problem(name, key, "duplicate_index", f"index {index} also at shard {first[0]} key {first[1]}", index)
+                continue
+            owner[index] = (name, key)
+            found.append((name, key, index))
+            if not has_caption:
+                problem(name, key, "missing_caption", "no non-empty .txt and no json 'caption'", index)
+            if image_of({e: b"" for e in exts}) is None:
+                problem(name, key, "missing_image", f"members present: {', '.join(exts)}", index)
+        position += info.num_samples
         shards.append(info)
     largest = max((i for _, _, i in found), default=-1)
     data_size = largest + 1 if data_size is None else data_size

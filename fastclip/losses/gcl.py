@@ -131,6 +131,10 @@ class GlobalTemperatureGCL(SampleStateLoss):
         metrics = {"loss": loss, "surrogate": surrogate, "objective": objective,
                    "gamma": torch.tensor(gamma, dtype=dtype), "tau": 1.0 / s.mean() if not self.separate
                    else torch.exp(-torch.log(s).mean())}
+        # how far the moving average lags this batch's estimate (log u − log g, mean and mean |.|): the
+        # staleness of u, a diagnostic of the estimator (the study logs it)
+        lag = log_u - log_g
+        metrics.update(u_lag=lag.mean(), u_lag_abs=lag.abs().mean())
         if self.separate:
             metrics.update(tau_img=1.0 / s_img, tau_txt=1.0 / s_txt)
         return loss, metrics

@@ -50,3 +50,21 @@ def test_bf16_features_are_multiplied_in_fp32(name):
     for got, want in zip(low[1:], ref[1:]):
         rel = (got.double() - want).norm() / want.norm()
         assert rel < 1e-2, rel  # bf16 storage of the gradient itself: ~0.4 % per element
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (TF32 exists only there)")
+@pytest.mark.parametrize("name", ["openclip", "fastclip-v3"])
+def test_tf32_setting_does_not_reach_the_loss(name):
+    """train.tf32 speeds up the towers; the loss still multiplies in IEEE fp32 and restores the setting."""
+    e1, e2 = (x.cuda() for x in features())
+    results = []
+    for precision in ("highest", "high"):  # "high": TF32 matmuls
+        torch.set_float32_matmul_precision(precision)
+        loss_fn = build_loss(name, data_size=N, temperature=0.01, **OPTIONS[name]).cuda()
+        x1, x2 = e1.clone().requires_grad_(), e2.clone().requires_grad_()
+        loss_fn(x1, x2, torch.arange(N, device="cuda")).backward()
+        assert torch.get_float32_matmul_precision() == precision
+        results.append((x1.grad, x2.grad))
+    torch.set_float32_matmul_precision("highest")
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -11,6 +11,7 @@ from .batch import GlobalBatch
 from .comm import Comm
 from .errors import LossInputError
 from .options import CommonOptions, SampleStateOptions
+from .pairwise import exact_float32
 from .sharded_state import ShardedSampleState
 from .validation import validate_inputs
 
@@ -38,11 +39,12 @@ class ContrastiveLoss(nn.Module):
                 indices: torch.Tensor | None = None, *, epoch: int | None = None) -> torch.Tensor:
         """Per-rank surrogate loss; backward it on every rank and average parameter gradients over ranks.
 
-        Safe inside ``torch.autocast``: autocast is off in here and similarities are computed in float32 (or
-        float64) whatever the features' dtype, since a bf16 matmul with 1/τ = 100 applied is off by several %.
+        Safe inside ``torch.autocast`` and with TF32 enabled: autocast is off in here, similarities are computed
+        in float32 (or float64) whatever the features' dtype, and float32 matmuls run in IEEE precision on CUDA,
+        since a bf16 (or TF32) matmul with 1/τ = 100 applied is off by several %.
         """
         device_type = image_features.device.type if isinstance(image_features, torch.Tensor) else "cpu"
-        with torch.autocast(device_type, enabled=False):
+        with exact_float32(device_type):
             return self._forward(image_features, text_features, indices, epoch)
 
     def _forward(self, image_features, text_features, indices, epoch):

@@ -20,11 +20,28 @@ backward, which reuses them in place.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from .batch import GlobalBatch
+
+
+@contextmanager
+def exact_float32(device_type: str):
+    """Autocast off and float32 matmuls in IEEE precision (not TF32) on CUDA, restored afterwards: the loss's
+    similarities and gradients must not depend on the towers' speed settings (train.tf32, a user's autocast)."""
+    with torch.autocast(device_type, enabled=False):
+        if device_type != "cuda":
+            yield
+            return
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(previous)
 
 
 def compute_dtype(feature_dtype: torch.dtype) -> torch.dtype:
@@ -160,7 +177,7 @@ class WeightedSurrogate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        with torch.autocast(grad_out.device.type, enabled=False):  # a backward called inside autocast
+        with exact_float32(grad_out.device.type):  # a backward called inside autocast, or with TF32 on
             return WeightedSurrogate._backward(ctx, grad_out)
 
     @staticmethod

@@ -27,7 +27,7 @@ from .base import ContrastiveLoss
 from .batch import GlobalBatch
 from .comm import Comm
 from .options import SigLIPOptions
-from .pairwise import compute_dtype, similarity
+from .pairwise import compute_dtype, exact_float32, similarity
 
 
 def _pair_terms(sim: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, cells):
@@ -55,7 +55,7 @@ class SigmoidPairs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        with torch.autocast(grad_out.device.type, enabled=False):  # a backward called inside autocast
+        with exact_float32(grad_out.device.type):  # a backward called inside autocast, or with TF32 on
             return SigmoidPairs._backward(ctx, grad_out)
 
     @staticmethod

@@ -300,14 +300,24 @@ def finish(active: Active, study: dict, results: Path) -> None:
 
 
 def run_study(study: dict, results: Path, work: Path, max_runs: int | None = None) -> None:
+    """Runs the plan `parallel` at a time. A run that fails is reported and retried once (from its last
+    checkpoint); after a second failure it is left out of this invocation, so one bad run cannot stop hours of
+    others."""
     active: list[Active] = []
+    failures: dict[str, int] = {}
     started = 0
     while True:
         for a in [a for a in active if a.proc.poll() is not None]:
             active.remove(a)
-            finish(a, study, results)
+            try:
+                finish(a, study, results)
+            except (RuntimeError, OSError, KeyError, IndexError, ValueError) as error:
+                failures[a.run.id] = failures.get(a.run.id, 0) + 1
+                print(f"[{time.strftime('%H:%M:%S')}] FAILED {a.run.id} (attempt {failures[a.run.id]}): "
+                      f"{str(error).splitlines()[0]}", flush=True)
         busy = {a.run.id for a in active}
-        todo = [r for r in plan(study, results) if r.id not in busy and load_result(results, r) is None]
+        todo = [r for r in plan(study, results) if r.id not in busy and load_result(results, r) is None
+                and failures.get(r.id, 0) < 2]
         if not todo and not active:
             return
         while todo and len(active) < study["parallel"] and (max_runs is None or started < max_runs):

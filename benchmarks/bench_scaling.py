@@ -75,7 +75,7 @@ def _measure(rank: int, world: int, p: dict) -> dict:
 
     from fastclip.losses import build_loss
     from fastclip.models import build_model
-    from fastclip.train.trainer import TowersWithLoss
+    from fastclip.train.net import TowersWithLoss
 
     torch.manual_seed(rank)
     b = p["batch"]

@@ -87,10 +87,7 @@ def steps_with(loss_name: str, k: int, rank: int, world_size: int, n_steps: int 
     """n_steps optimizer steps of the trainer's engine (tiny-vit, fp32) with accum_steps = k on this rank's
     batches (the same global batches whatever k); gradients after each backward, then the final state."""
     from fastclip.distributed import DistInfo
-    from fastclip.losses import build_loss
-    from fastclip.models import build_model
-    from fastclip.train.engine import build_engine
-    from fastclip.train.trainer import TowersWithLoss, loss_options
+    from fastclip.train.net import build_net
 
     per_rank = 8
     cfg = load_config(None, ["--loss.name", loss_name, *LOSSES[loss_name], "--loss.gamma_decay_epochs",
@@ -98,14 +95,10 @@ def steps_with(loss_name: str, k: int, rank: int, world_size: int, n_steps: int 
                              "--optim.accum_steps", str(k), "--optim.lr_tau_schedule", "const",
                              # Adam's eps well above float noise: gradients that are zero in exact arithmetic
                              # (attention key biases) must not turn rounding noise into +-lr steps
-                             "--optim.eps", "1e-4"])
-    torch.manual_seed(0)
-    model = build_model("tiny-vit").model
-    model.logit_scale.requires_grad_(False)
-    loss_fn = build_loss(loss_name, data_size=64, **loss_options(cfg))
-    net = TowersWithLoss(model, loss_fn, precision="fp32", compile=False)
+                             "--optim.eps", "1e-4", "--train.seed", "0", "--model.arch", "tiny-vit"])
     info = DistInfo(rank, world_size, rank, torch.device("cpu"), "none", False)
-    engine = build_engine(net, cfg, info)
+    net = build_net(cfg, info, data_size=64)
+    model, loss_fn, engine = net.model, net.loss_fn, net.engine
     for g in engine.param_groups:
         g["lr"] = 1e-3
     data = torch.Generator().manual_seed(7)

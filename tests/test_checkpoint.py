@@ -57,12 +57,28 @@ def test_resolve_resume(tmp_path):
 def test_rng_states_round_trip_through_weights_only(tmp_path):
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     np.random.standard_normal()  # leaves a cached gaussian in numpy's state
-    state = ckpt.rng_state(torch.device("cpu"))
+    state = ckpt.capture_rng_states(torch.device("cpu"))
     path = tmp_path / "rng.pt"
     ckpt.save_file(state, path)
     expected = (random.random(), np.random.standard_normal(3), torch.rand(4))
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    ckpt.set_rng_state(torch.load(path, weights_only=True), torch.device("cpu"))
+    ckpt.restore_rng_states(torch.load(path, weights_only=True), torch.device("cpu"))
     got = (random.random(), np.random.standard_normal(3), torch.rand(4))
     assert got[0] == expected[0]
     assert np.array_equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
+
+
+def test_model_file_of_another_format_version_is_refused(tmp_path):
+    from fastclip.train.errors import CheckpointError
+
+    path = tmp_path / ckpt.MODEL_FILE
+    contents = ckpt.model_file_contents(
+        towers={"w": torch.ones(2)}, loss={"logit_scale": torch.tensor(2.0), "_extra_state": {}}, optimizer={},
+        scaler={}, step=3, epoch=0, samples_seen=48, world_size=1, config={}, schedules={}, arch="tiny-vit",
+        model_config={}, guards={}, data_skip_report={})
+    assert contents["format"] == ckpt.CHECKPOINT_FORMAT and "_extra_state" not in contents["loss"]
+    ckpt.save_file(contents, path)
+    assert ckpt.saved_step(ckpt.read_model_file(path)) == 3
+    ckpt.save_file({**contents, "format": "fastclip-checkpoint/999"}, path)
+    with pytest.raises(CheckpointError, match="fastclip-checkpoint/999"):
+        ckpt.read_model_file(path)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from fastclip.eval.checkpoint import load_checkpoint, loss_logit_scale, model_state_dict
+from fastclip.eval.checkpoint import load_checkpoint
+from fastclip.train import checkpoint as ckpt
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -45,10 +46,10 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
         if key not in checkpoint:
             raise ValueError(f"{file}: training checkpoint has no {key!r} (is it already an exported file?)")
     load_model(file)  # the tensors fit the architecture they claim (a one-line ValueError otherwise)
-    arch, model_config = checkpoint["arch"], checkpoint["model_config"]
-    state = model_state_dict(checkpoint)
+    arch, model_config = ckpt.architecture(checkpoint)
+    state = ckpt.towers_state(checkpoint)
 
-    scale = loss_logit_scale(checkpoint)
+    scale = ckpt.loss_logit_scale(checkpoint)
     if scale is not None:
         if "logit_scale" not in state:
             raise ValueError(f"{file}: the loss has a logit_scale but the model state_dict has none to receive it")
@@ -68,8 +69,7 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
 
     # fastclip-tempnet: its temperature heads belong to training, not to the CLIP model open_clip loads, so
     # they are written beside the export (weights only) for whoever continues training from it
-    loss = checkpoint.get("loss") if isinstance(checkpoint.get("loss"), dict) else {}
-    heads = {k: v.detach().clone() for k, v in loss.items() if k.startswith("tempnet_")}
+    heads = {k: v.detach().clone() for k, v in ckpt.loss_parameters(checkpoint).items() if k.startswith("tempnet_")}
     tempnet_file = None
     if heads:
         tempnet_file = out.with_name(out.stem + ".tempnet.pt")
@@ -96,7 +96,7 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
         "tempnet_file": tempnet_file,
         "logit_scale": float(state["logit_scale"]) if "logit_scale" in state else None,
         "temperature_from_loss": scale is not None,
-        "step": checkpoint.get("step"),
+        "step": ckpt.saved_step(checkpoint),
         "source": file,
     }
 

@@ -20,9 +20,11 @@ The path of one batch (fastclip/train/trainer.py, top to bottom):
     --> every N steps / M minutes: checkpoints/step_<N>/{model.pt, rank_<r>.pt} + `latest`  (checkpoint.py)
     --> every N steps: fastclip.eval.run_evals on every rank -> metrics.jsonl "eval/..."
 
-Modules: config.py (every knob, YAML + overrides + checks), trainer.py (the loop), engine.py (the backend:
+Modules: config.py (every knob, YAML + overrides + checks), trainer.py (the loop), net.py (towers + loss +
+engine, built once: build_net), engine.py (the backend:
 DDP or DeepSpeed ZeRO-1/2/3, train.distributed), accumulate.py (gradient accumulation, GradCache, exact for the
-FastCLIP estimator: optim.accum_steps), checkpoint.py (atomic step folders, RNG states as tensors), metrics.py
+FastCLIP estimator: optim.accum_steps), checkpoint.py (the checkpoint layout: atomic step folders, model.pt and
+rank files written and read, format version checked, resume and resharding; RNG states as tensors), metrics.py
 (rank-0 reporting), cli.py (`main(argv)`). Launch and rank discovery (torchrun / SLURM / single process):
 fastclip/distributed.py; optimizers and schedules: fastclip/optim.
 """

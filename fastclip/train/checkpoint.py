@@ -13,6 +13,11 @@ checkpoint and pointer intact. The run folder must be on a filesystem every rank
 Every file holds only tensors and primitives, so torch.load(weights_only=True) reads it: RNG states are
 stored as tensors and lists, not pickled objects. Loading is always weights_only: a file that carries pickled
 objects (code that would run on load) is refused with a CheckpointError naming it.
+
+This module owns the layout: `model_file_contents` and `rank_file_contents` write the two records, the
+accessors below read them (the trainer, `fastclip eval` and `fastclip export` never index model.pt by
+string), `read_model_file` checks CHECKPOINT_FORMAT, and `restore_rank` resumes one rank, resharding the
+per-sample state when the world size changed.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import pickle
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -32,14 +38,21 @@ from fastclip.train import faults
 from fastclip.train.errors import CheckpointError
 
 STEP_DIR = re.compile(r"step_(\d{8,})")
+CHECKPOINT_FORMAT = "fastclip-checkpoint/1"  # model.pt's "format"; bump when a key changes meaning
+MODEL_FILE = "model.pt"
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
 # ----------------------------------------------------------------------------- RNG states as tensors
-def rng_state(device: torch.device) -> dict:
+def capture_rng_states(device: torch.device) -> dict:
+    """Python's, numpy's, torch's (and the GPU's) generators, as tensors and primitives (weights_only)."""
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     state = {
@@ -54,7 +67,7 @@ def rng_state(device: torch.device) -> dict:
     return state
 
 
-def set_rng_state(state: dict, device: torch.device) -> None:
+def restore_rng_states(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
@@ -154,11 +167,11 @@ def _save(root: Path, final: Path, tmp: Path, step: int, info: DistInfo, model_f
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     barrier(info)
-    save_file(rank_file, tmp / f"rank_{info.rank}.pt")
+    save_file(rank_file, tmp / rank_file_name(info.rank))
     faults.hook("checkpoint.rank_files", step=step, rank=info.rank)
     if info.is_main:
         faults.hook("checkpoint.model_file", step=step, rank=info.rank)
-        save_file(model_file, tmp / "model.pt")
+        save_file(model_file, tmp / MODEL_FILE)
     if write_extra is not None:
         write_extra(tmp)
     barrier(info)  # all rank files are on disk
@@ -201,16 +214,188 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
 
 
 def _checked(step_dir: Path, how: str) -> Path:
-    if not (step_dir / "model.pt").is_file():
-        raise FileNotFoundError(f"checkpoint {step_dir} ({how}) has no model.pt")
+    if not (step_dir / MODEL_FILE).is_file():
+        raise FileNotFoundError(f"checkpoint {step_dir} ({how}) has no {MODEL_FILE}")
     return step_dir
 
 
 def iter_rank_files(step_dir: Path, world_size: int) -> Iterator[dict]:
     """The saved ranks' files one at a time (resharding reads them in turn, never all at once)."""
     for r in range(world_size):
-        yield load_file(step_dir / f"rank_{r}.pt")
+        yield load_file(step_dir / rank_file_name(r))
 
 
-__all__ = ["rng_state", "set_rng_state", "save_checkpoint", "resolve_resume", "load_file", "iter_rank_files",
-           "list_checkpoints", "step_dir_name", "write_text_atomic"]
+# ----------------------------------------------------------------------------- the records
+def model_file_contents(*, towers: dict, loss: dict, optimizer: dict, scaler: dict, step: int, epoch: int,
+                        samples_seen: int, world_size: int, config: dict, schedules: dict, arch: str,
+                        model_config: dict, guards: dict, data_skip_report: dict) -> dict:
+    """model.pt (rank 0): open_clip reads "state_dict" as is; the loss's parameters without per-sample state
+    (that is in the rank files); the schedules' horizon and last values, for reading only."""
+    return {"format": CHECKPOINT_FORMAT, "state_dict": towers,
+            "loss": {k: v for k, v in loss.items() if not k.endswith("_extra_state")},
+            "optimizer": optimizer, "scaler": scaler, "step": step, "epoch": epoch, "samples_seen": samples_seen,
+            "world_size": world_size, "config": config, "schedules": schedules, "arch": arch,
+            "model_config": model_config, "guards": guards, "data_skip_report": data_skip_report}
+
+
+def rank_file_contents(*, rank: int, world_size: int, step: int, loss_state: dict, data: dict, rng: dict) -> dict:
+    """rank_<r>.pt: this rank's shard of the per-sample state, its data-stream position and RNG states."""
+    return {"rank": rank, "world_size": world_size, "step": step, "loss_state": loss_state, "data": data,
+            "rng": rng}
+
+
+def is_training_checkpoint(obj) -> bool:
+    """A model.pt of `fastclip train` (an export or an OpenCLIP file is not)."""
+    return isinstance(obj, dict) and obj.get("format") == CHECKPOINT_FORMAT and "config" in obj
+
+
+def check_format(obj, path: Path) -> None:
+    """Refuse a model.pt of another checkpoint format version: its keys may mean something else."""
+    found = obj.get("format") if isinstance(obj, dict) else None
+    if isinstance(found, str) and found.startswith("fastclip-checkpoint/") and found != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {found!r}; this version of fastclip reads "
+                              f"{CHECKPOINT_FORMAT!r}")
+
+
+def read_model_file(path: Path) -> dict:
+    """A model.pt (ours, an export, or another tool's), weights_only, its format version checked."""
+    obj = load_file(path)
+    check_format(obj, path)
+    return obj
+
+
+def strip_module_prefix(state: dict) -> dict:
+    """Without a DDP `module.` prefix on every key (OpenCLIP #33)."""
+    if state and all(k.startswith("module.") for k in state):
+        return {k[len("module."):]: v for k, v in state.items()}
+    return state
+
+
+def towers_state(model_file: dict) -> dict[str, torch.Tensor]:
+    """The towers' tensors (open_clip names), without a DDP `module.` prefix."""
+    return dict(strip_module_prefix(model_file["state_dict"]))
+
+
+def loss_parameters(model_file: dict) -> dict[str, torch.Tensor]:
+    """The loss's own parameters (temperature, tempnet heads); empty for an export."""
+    loss = model_file.get("loss")
+    return loss if isinstance(loss, dict) else {}
+
+
+def loss_logit_scale(model_file: dict) -> torch.Tensor | None:
+    """The temperature the loss learned (log 1/tau), if the loss has a global one; with one tau per modality
+    (v3's separate_temperatures) the mean of their logs, since open_clip's model holds a single scale."""
+    scale = loss_parameters(model_file).get("logit_scale")
+    return scale.mean() if isinstance(scale, torch.Tensor) else None
+
+
+def architecture(model_file: dict) -> tuple[str | None, dict | None]:
+    """(arch, model config) a training checkpoint records; (None, None) for an export."""
+    config = model_file.get("model_config")
+    return model_file.get("arch"), config if isinstance(config, dict) else None
+
+
+def saved_step(model_file: dict) -> int | None:
+    step = model_file.get("step")
+    return int(step) if isinstance(step, (int, torch.Tensor)) else None
+
+
+def saved_world_size(model_file: dict) -> int:
+    return int(model_file["world_size"])
+
+
+def saved_optimizer(model_file: dict) -> dict:
+    """The engine's optimizer record (DDP: torch's state_dict; DeepSpeed: the temperature's and where its shards are)."""
+    return model_file["optimizer"]
+
+
+def saved_config(model_file: dict) -> dict:
+    """The resolved config the run trained with (Config.to_dict())."""
+    return model_file["config"]
+
+
+def saved_backend(model_file: dict) -> str:
+    """The backend that wrote a checkpoint (files from before train.distributed existed are DDP's)."""
+    return model_file.get("config", {}).get("train", {}).get("distributed", "ddp")
+
+
+def find_model_file(path: str | os.PathLike) -> Path:
+    """A model file from a run folder, its checkpoints/ folder, a step folder or the file itself."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if (path / MODEL_FILE).is_file():
+        return path / MODEL_FILE
+    for checkpoints in (path / "checkpoints", path):
+        latest = checkpoints / "latest"
+        if latest.is_file():
+            step_dir = checkpoints / latest.read_text().strip()
+            if not (step_dir / MODEL_FILE).is_file():
+                raise FileNotFoundError(f"{latest} names {step_dir}, which has no {MODEL_FILE}")
+            return step_dir / MODEL_FILE
+    raise FileNotFoundError(
+        f"{path}: no {MODEL_FILE}, no checkpoints/latest: pass a run directory, a step directory or a .pt file"
+    )
+
+
+# ----------------------------------------------------------------------------- resume one rank
+@dataclass
+class RankResume:
+    """Where a resumed rank continues: the run's position, this rank's data-stream state, and its RNG states
+    (None at another world size: the streams are reseeded)."""
+
+    step: int
+    samples_seen: int
+    epoch: int
+    data: dict
+    rng: dict | None
+
+
+def restore_rank(step_dir: Path, model_file: dict, model: torch.nn.Module, loss_fn: torch.nn.Module,
+                 info: DistInfo) -> RankResume:
+    """Load the towers and this rank's per-sample state; at another world size rebuild this rank's shard from
+    the old ranks' files, read one at a time, and split the old data positions over the new ranks."""
+    from fastclip.data import state_for_new_world_size
+    from fastclip.losses import reshard_for_rank
+
+    model.load_state_dict(towers_state(model_file))
+    saved_world = saved_world_size(model_file)
+    rng = None
+    if saved_world == info.world_size:
+        rank_file = load_file(step_dir / rank_file_name(info.rank))
+        loss_fn.load_state_dict(rank_file["loss_state"])
+        data, rng = rank_file["data"], rank_file["rng"]
+    else:
+        old_data = []  # every old rank's data stream state (small), read on the way
+
+        def old_loss_states():
+            for f in iter_rank_files(step_dir, saved_world):
+                old_data.append(f["data"])
+                yield f["loss_state"]
+
+        if getattr(loss_fn, "uses_sample_state", False):
+            loss_fn.load_state_dict(reshard_for_rank(old_loss_states(), info.world_size, info.rank))
+        else:
+            old_data.extend(f["data"] for f in iter_rank_files(step_dir, saved_world))
+            loss_fn.load_state_dict(model_file["loss"])
+        # the data layer finishes the interrupted epoch from the old position and splits the old ranks' skip
+        # counters over the new ranks (fastclip/data/stream.py)
+        data = state_for_new_world_size(old_data, info.rank, info.world_size)
+    return RankResume(int(model_file["step"]), int(model_file["samples_seen"]), int(model_file["epoch"]), data, rng)
+
+
+def restore_training_state(model_file: dict, *, scaler, guard, skip_report) -> None:
+    """The small state model.pt carries beside the weights (the optimizer is the engine's: engine.load_checkpoint)."""
+    scaler.load_state_dict(model_file["scaler"])
+    guard.load_state_dict(model_file.get("guards"))
+    skip_report.load_state_dict(model_file.get("data_skip_report"))
+
+
+__all__ = ["CHECKPOINT_FORMAT", "MODEL_FILE", "capture_rng_states", "restore_rng_states", "save_checkpoint",
+           "resolve_resume", "load_file", "read_model_file", "check_format", "is_training_checkpoint",
+           "iter_rank_files", "list_checkpoints", "step_dir_name", "rank_file_name", "write_text_atomic",
+           "model_file_contents", "rank_file_contents", "towers_state", "loss_parameters", "loss_logit_scale",
+           "architecture", "saved_step", "saved_world_size", "saved_optimizer", "saved_config", "saved_backend", "strip_module_prefix", "find_model_file", "RankResume",
+           "restore_rank", "restore_training_state"]

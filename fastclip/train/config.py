@@ -105,6 +105,11 @@ class OptimConfig:
                                               # OpenCLIP's meaning of --accum-freq: there --batch-size is the micro-
                                               # batch; here data.batch_size stays the per-process batch of one step
 
+    @property
+    def base_lr_tau(self) -> float:
+        """The temperature's peak lr: lr_tau, or lr when lr_tau is null."""
+        return self.lr if self.lr_tau is None else self.lr_tau
+
 
 @dataclass
 class TrainConfig:

@@ -54,20 +54,12 @@ from torch.nn.parallel import DistributedDataParallel
 from fastclip.distributed import DistInfo
 from fastclip.optim import build_optimizer, param_groups
 from fastclip.train.accumulate import GradCache
+from fastclip.train.checkpoint import saved_backend, saved_optimizer, saved_world_size
 from fastclip.train.config import Config, ConfigError
 from fastclip.train.gpu import ddp_options, overlap_comm
 from fastclip.train.guards import total_grad_norm
 
 DEEPSPEED_TAG = "deepspeed"  # DeepSpeed's files go to <step dir>/deepspeed/
-
-
-def lr_tau_base(cfg: Config) -> float:
-    return cfg.optim.lr_tau if cfg.optim.lr_tau is not None else cfg.optim.lr
-
-
-def saved_backend(model_file: dict) -> str:
-    """The backend that wrote a checkpoint (files from before train.distributed existed are DDP's)."""
-    return model_file.get("config", {}).get("train", {}).get("distributed", "ddp")
 
 
 # ----------------------------------------------------------------------------- DDP
@@ -85,7 +77,7 @@ class DDPEngine:
         self.net = (DistributedDataParallel(net, device_ids=[info.device.index] if info.device.type == "cuda" else None,
                                             **ddp_options(cfg))  # bucket views, static graph: fastclip/train/gpu.py
                     if self.ddp else net)
-        groups = param_groups(self.model, self.loss_fn, lr=o.lr, wd=o.wd, lr_tau=lr_tau_base(cfg))
+        groups = param_groups(self.model, self.loss_fn, lr=o.lr, wd=o.wd, lr_tau=o.base_lr_tau)
         self.optimizer = build_optimizer(o.optimizer, groups, betas=o.betas, eps=o.eps)
         self.scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16")
         self.trainable = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -150,7 +142,7 @@ class DDPEngine:
             raise ConfigError(f"config key 'train.distributed': ddp, but checkpoint {step_dir} was written with "
                               f"{saved_backend(model_file)} (its optimizer state is in DeepSpeed's shards); resume "
                               f"with --train.distributed {saved_backend(model_file)}")
-        self.optimizer.load_state_dict(model_file["optimizer"])
+        self.optimizer.load_state_dict(saved_optimizer(model_file))
 
     def full_params(self):
         return contextlib.nullcontext()
@@ -291,7 +283,7 @@ class DeepSpeedEngine:
             for p in self.model.parameters(recurse=False):
                 deepspeed.zero.register_external_parameter(self.towers, p)
 
-        groups = param_groups(self.model, self.loss_fn, lr=o.lr, wd=o.wd, lr_tau=lr_tau_base(cfg))
+        groups = param_groups(self.model, self.loss_fn, lr=o.lr, wd=o.wd, lr_tau=o.base_lr_tau)
         tower_groups = [g for g in groups if g["name"] != "temperature"]
         tau_groups = [g for g in groups if g["name"] == "temperature"]
         client = build_optimizer("adamw", tower_groups, betas=o.betas, eps=o.eps)
@@ -408,7 +400,7 @@ class DeepSpeedEngine:
         _fsync_tree(step_dir / DEEPSPEED_TAG)
 
     def load_checkpoint(self, model_file: dict, step_dir: Path) -> None:
-        saved = model_file["optimizer"]
+        saved = saved_optimizer(model_file)
         if saved_backend(model_file) != "deepspeed" or not (step_dir / DEEPSPEED_TAG).is_dir():
             raise ConfigError(f"config key 'train.distributed': deepspeed, but checkpoint {step_dir} was written with "
                               f"{saved_backend(model_file)} (no {DEEPSPEED_TAG}/ shard folder); resume with "
@@ -416,9 +408,9 @@ class DeepSpeedEngine:
         if (saved["stage"] == 3) != (self.stage == 3):
             raise ConfigError(f"config key 'deepspeed.stage': {self.stage}, but checkpoint {step_dir} holds ZeRO-"
                               f"{saved['stage']} shards (stages 1-2 and 3 store them differently)")
-        if int(model_file["world_size"]) != self.info.world_size:
+        if saved_world_size(model_file) != self.info.world_size:
             raise ConfigError(f"config key 'train.distributed': deepspeed checkpoint {step_dir} was written by "
-                              f"{model_file['world_size']} processes, this run has {self.info.world_size}; ZeRO shards "
+                              f"{saved_world_size(model_file)} processes, this run has {self.info.world_size}; ZeRO shards "
                               f"are per rank (convert with DeepSpeed's ds_to_universal, or resume at the same size)")
         path, _ = self.engine.load_checkpoint(str(step_dir), tag=DEEPSPEED_TAG, load_module_strict=True,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)

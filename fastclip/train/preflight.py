@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from fastclip.train.checkpoint import (MODEL_FILE, is_training_checkpoint, load_file, rank_file_name, read_model_file,
+                                       saved_config, strip_module_prefix)
 from fastclip.train.config import Config, ConfigError
-
-CHECKPOINT_FORMAT = "fastclip-checkpoint/1"
 
 
 # ----------------------------------------------------------------------------- machine and names
@@ -85,7 +85,7 @@ def describe_checkpoint(obj) -> str:
     """What a loaded checkpoint file is, in words."""
     if not isinstance(obj, dict):
         return f"not a checkpoint (holds a {type(obj).__name__})"
-    if obj.get("format") == CHECKPOINT_FORMAT and "config" in obj:
+    if is_training_checkpoint(obj):
         return "a fastclip training checkpoint"
     if isinstance(obj.get("state_dict"), dict):
         if "epoch" in obj and ("optimizer" in obj or "name" in obj):
@@ -99,8 +99,6 @@ def describe_checkpoint(obj) -> str:
 
 
 def _load(path: Path, key: str):
-    from fastclip.train.checkpoint import load_file
-
     if path.suffix == ".safetensors":
         try:
             from safetensors.torch import load_file as load_safetensors
@@ -109,17 +107,17 @@ def _load(path: Path, key: str):
                               f"not installed (pip install safetensors)") from None
         return load_safetensors(str(path))
     try:  # a file carrying pickled objects stays a CheckpointError: the refusal `train` always printed (exit 1)
-        return load_file(path)
+        return read_model_file(path)
     except FileNotFoundError:
         raise ConfigError(f"config key '{key}': {path} does not exist") from None
 
 
 def read_resume(step_dir: Path, given: str) -> dict:
     """The resume's model.pt; a file that is not our training checkpoint is refused, saying what it is."""
-    obj = _load(step_dir / "model.pt", "train.resume")
+    obj = _load(step_dir / MODEL_FILE, "train.resume")
     kind = describe_checkpoint(obj)
     if not kind.startswith("a fastclip training checkpoint"):
-        raise foreign_resume(step_dir / "model.pt", kind)
+        raise foreign_resume(step_dir / MODEL_FILE, kind)
     return obj
 
 
@@ -145,9 +143,7 @@ def check_resume(cfg: Config, step_dir: Path, model_file: dict, *, fingerprint: 
                  data_size: int) -> None:
     """A resume continues the same run: same towers, loss, data, seed and epoch length (the data stream's
     position and the per-sample state mean nothing otherwise)."""
-    from fastclip.train.checkpoint import load_file
-
-    saved_cfg = model_file["config"]
+    saved_cfg = saved_config(model_file)
     for key in ("model.arch", "loss.name"):
         section, name = key.split(".")
         saved, now = saved_cfg[section][name], getattr(getattr(cfg, section), name)
@@ -155,7 +151,7 @@ def check_resume(cfg: Config, step_dir: Path, model_file: dict, *, fingerprint: 
             raise ConfigError(f"config key '{key}': {now!r} but checkpoint {step_dir} was trained with {saved!r}; "
                               f"resume with the same value, or start a new run from its weights with "
                               f"--model.pretrained {step_dir / 'model.pt'}")
-    rank0 = load_file(step_dir / "rank_0.pt")
+    rank0 = load_file(step_dir / rank_file_name(0))
     data = rank0.get("data") or {}
     seed = cfg.train.seed if cfg.data.seed is None else cfg.data.seed
     resampled = bool(cfg.data.resampled)
@@ -199,18 +195,11 @@ def read_pretrained(path: str) -> dict[str, torch.Tensor]:
     else:
         raise ConfigError(f"config key 'model.pretrained': {path} is {kind}; expected an OpenCLIP checkpoint, an "
                           f"open_clip state dict or a fastclip export/checkpoint")
-    state = strip_module(state)
+    state = strip_module_prefix(state)
     bad = [k for k, v in state.items() if not torch.is_tensor(v)]
     if bad:
         raise ConfigError(f"config key 'model.pretrained': {path}: entries that are not tensors: {bad[:5]}")
     return dict(state)
-
-
-def strip_module(state: dict) -> dict:
-    """Without a DDP `module.` prefix on every key (OpenCLIP #33)."""
-    if state and all(k.startswith("module.") for k in state):
-        return {k[len("module."):]: v for k, v in state.items()}
-    return state
 
 
 def check_fits(model: torch.nn.Module, state: dict, what: str, key: str | None = None) -> None:
@@ -239,4 +228,4 @@ def shape_mismatches(expected: dict, state: dict) -> str:
 
 
 __all__ = ["check_device", "check_arch", "check_run_dir", "describe_checkpoint", "read_resume", "check_resume",
-           "describe_resume_file", "read_pretrained", "check_fits", "strip_module", "shape_mismatches", "known_archs"]
+           "describe_resume_file", "read_pretrained", "check_fits", "shape_mismatches", "known_archs"]

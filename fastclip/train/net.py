@@ -1,0 +1,109 @@
+"""The network a run trains: the towers, the loss and the data-parallel engine around them, built in one place
+(`build_net`) for the trainer, the tests and the benchmarks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fastclip.distributed import DistInfo
+from fastclip.train.config import Config, ConfigError, LossConfig
+
+
+class TowersWithLoss(torch.nn.Module):
+    """What DDP wraps: the towers and the loss in one module, so the loss's temperature is a DDP parameter and
+    its gradient is averaged with the towers'. forward: encode under autocast, L2-normalise in fp32, loss in fp32
+    (the loss gathers features itself; its per-sample state is plain tensors, so DDP never broadcasts it)."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: torch.nn.Module, *, precision: str, compile: bool):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+        self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        # compile the towers' encoders only: the loss holds collectives and data-dependent state updates
+        self.encode_image = torch.compile(model.encode_image) if compile else model.encode_image
+        self.encode_text = torch.compile(model.encode_text) if compile else model.encode_text
+
+    def encode(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(images.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
+            image_features = self.encode_image(images)
+            text_features = self.encode_text(texts)
+        return F.normalize(image_features.float(), dim=-1), F.normalize(text_features.float(), dim=-1)
+
+    def forward(self, images: torch.Tensor, texts: torch.Tensor, indices: torch.Tensor | None, epoch: int,
+                features_only: bool = False):
+        image_features, text_features = self.encode(images, texts)
+        if features_only:  # gradient accumulation calls the loss itself, once per step (fastclip/train/accumulate.py)
+            return image_features, text_features
+        return self.loss_fn(image_features, text_features, indices, epoch=epoch)
+
+
+def loss_options(cfg: Config, embed_dim: int | None = None) -> dict:
+    """The loss section's set values (every LossConfig field but the name), passed to build_loss, which rejects
+    options a version lacks; v2 also gets the temperature lr, the temperature network the towers' embed_dim."""
+    opts = {f.name: getattr(cfg.loss, f.name) for f in dataclasses.fields(LossConfig)
+            if f.name != "name" and getattr(cfg.loss, f.name) is not None}
+    if "tau_betas" in opts:
+        opts["tau_betas"] = tuple(opts["tau_betas"])
+    if cfg.loss.name == "fastclip-v2":  # v2 updates its per-sample tau itself, at lr_tau
+        opts["lr_tau"] = cfg.optim.base_lr_tau
+    if cfg.loss.name == "fastclip-tempnet" and embed_dim is not None:
+        opts["embed_dim"] = embed_dim
+    return opts
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Net:
+    built: object                   # fastclip.models.BuiltModel: arch, model config, preprocessing, tokenizer
+    model: torch.nn.Module          # the towers (open_clip)
+    loss_fn: torch.nn.Module
+    engine: object                  # DDPEngine or DeepSpeedEngine (fastclip/train/engine.py)
+    speedups: list[str]             # GPU choices applied, for the start-up line
+    loaded: object = None           # what build_net's `load` returned (the trainer: where a resume continues)
+
+
+def build_net(cfg: Config, info: DistInfo, data_size: int, *,
+              load: Callable[[torch.nn.Module, torch.nn.Module], None] | None = None) -> Net:
+    """Towers (seeded by train.seed: the same init on every rank) + loss + the engine of train.distributed.
+    `load(model, loss_fn)` runs before the engine wraps them (resume, pretrained towers), so DDP broadcasts
+    identical tensors."""
+    from fastclip.losses import build_loss
+    from fastclip.models import build_model
+    from fastclip.train.engine import build_engine
+    from fastclip.train.gpu import apply_backend_flags, to_channels_last, wants_channels_last
+
+    device = info.device
+    seed_all(cfg.train.seed)
+    built = build_model(cfg.model.arch)
+    model = built.model.to(device)
+    speedups = apply_backend_flags(cfg, device)  # CUDA: TF32, cudnn.benchmark (fastclip/train/gpu.py)
+    if wants_channels_last(cfg, model, device):  # convolutional towers on CUDA
+        to_channels_last(model)
+        speedups.append("channels_last")
+    model.logit_scale.requires_grad_(False)  # the loss owns the temperature
+    if cfg.model.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    try:
+        loss_fn = build_loss(cfg.loss.name, data_size=data_size,
+                             **loss_options(cfg, built.config.get("embed_dim"))).to(device)
+    except (TypeError, ValueError) as e:  # an option this loss version does not take, or a bad value
+        raise ConfigError(f"config section 'loss' (name {cfg.loss.name}): {e}") from None
+    loaded = load(model, loss_fn) if load is not None else None
+    if cfg.model.compile and cfg.model.grad_checkpointing and info.distributed:
+        torch._dynamo.config.optimize_ddp = False  # DDP's graph splitting does not support checkpointed graphs
+    net = TowersWithLoss(model, loss_fn, precision=cfg.train.precision, compile=cfg.model.compile)
+    return Net(built, model, loss_fn, build_engine(net, cfg, info), speedups, loaded)
+
+
+__all__ = ["TowersWithLoss", "Net", "build_net", "loss_options", "seed_all"]

@@ -60,7 +60,7 @@ def shard_urls(folder: Path) -> list[str]:
 
 
 def run_fastclip(folder: Path, built, batch_size: int, workers: int, max_batches: int) -> dict:
-    stream = build_train_stream({"train_data": str(folder), "batch_size": batch_size, "workers": workers,
+    stream = build_train_stream({"train": str(folder), "batch_size": batch_size, "workers": workers,
                                  "shuffle_buffer": 1000, "seed": 0},
                                 preprocess=built.preprocess_train, tokenizer=built.tokenizer)
     return _measure(lambda: stream.epoch(0), max_batches)

@@ -45,7 +45,7 @@ def load_training_set(train_dir: Path, built, batch: int, seed: int):
     """All training samples as tensors (one augmented pass through the data layer's stream)."""
     from fastclip.data import build_train_stream
 
-    stream = build_train_stream({"train_data": str(train_dir), "batch_size": batch, "workers": 0, "seed": seed},
+    stream = build_train_stream({"train": str(train_dir), "batch_size": batch, "workers": 0, "seed": seed},
                                 preprocess=built.preprocess_train, tokenizer=built.tokenizer)
     images, texts, indices = zip(*stream.epoch(0))
     return torch.cat(images), torch.cat(texts), torch.cat(indices), stream.data_size

@@ -78,7 +78,7 @@ def bad(tmp_path_factory):
 
 
 def run_epoch(model_fns, path, workers):
-    stream = build_train_stream({"train_data": str(path), "batch_size": 8, "workers": workers, "shuffle_buffer": 16},
+    stream = build_train_stream({"train": str(path), "batch_size": 8, "workers": workers, "shuffle_buffer": 16},
                                 preprocess=model_fns[0], tokenizer=model_fns[1])
     batches = list(stream.epoch(0))
     return stream, batches, [i for _, _, idx in batches for i in idx.tolist()]
@@ -132,7 +132,7 @@ def test_shard_unreadable_at_run_time_is_counted(model_fns, bad, tmp_path):
     folder.mkdir()
     write_bad_folder(folder)
     write_manifest(folder, Manifest(DATA_SIZE, [ShardInfo("c.tar", 13, 27, 39), ShardInfo("a.tar", 12, 0, 11)]))
-    stream = build_train_stream({"train_data": str(folder), "batch_size": 4, "workers": 0, "shuffle_buffer": 8},
+    stream = build_train_stream({"train": str(folder), "batch_size": 4, "workers": 0, "shuffle_buffer": 8},
                                 preprocess=model_fns[0], tokenizer=model_fns[1])
     (folder / "c.tar").write_bytes(b"garbage, not a tar")  # replaced after the checks at start
     batches = list(stream.epoch(0))
@@ -147,7 +147,7 @@ def test_missing_shard_file_is_an_error_before_training(model_fns, bad, tmp_path
     write_bad_folder(folder)
     write_manifest(folder, Manifest(DATA_SIZE, [ShardInfo("c.tar", 13, 27, 39), ShardInfo("d.tar", 3, 0, 2)]))
     with pytest.raises(DataSpecError, match="d.tar"):
-        build_train_stream({"train_data": str(folder), "batch_size": 4}, preprocess=model_fns[0],
+        build_train_stream({"train": str(folder), "batch_size": 4}, preprocess=model_fns[0],
                            tokenizer=model_fns[1])
 
 
@@ -214,7 +214,7 @@ def _epochs(root, world, workers, epochs=1, shuffle_buffer=1000, batch=16):
     """Every rank's stream after `epochs` epochs and the indices each rank served per epoch."""
     streams, served = [], []
     for rank in range(world):
-        stream = build_train_stream({"train_data": str(root), "batch_size": batch, "workers": workers,
+        stream = build_train_stream({"train": str(root), "batch_size": batch, "workers": workers,
                                      "shuffle_buffer": shuffle_buffer}, rank=rank, world_size=world,
                                     preprocess=_cheap_image, tokenizer=_cheap_tokens)
         served.append([[i for _, _, idx in stream.epoch(e) for i in idx.tolist()] for e in range(epochs)])
@@ -263,14 +263,14 @@ def test_each_bad_sample_and_shard_is_logged_once_per_epoch(faulty, caplog):
 def test_a_rank_whose_every_shard_is_bad_stops_with_one_line(tmp_path):
     write_synthetic(tmp_path, [SHARD] * 4)
     shards = sorted(tmp_path.glob("*.tar"))
-    stream = build_train_stream({"train_data": str(tmp_path), "batch_size": 16, "workers": 0}, rank=1,
+    stream = build_train_stream({"train": str(tmp_path), "batch_size": 16, "workers": 0}, rank=1,
                                 world_size=2, preprocess=_cheap_image, tokenizer=_cheap_tokens)
     seq = stream._sequence(0)
     mine = [shards[int(s)] for s in seq.slots[2:]]  # rank 1's range: the second half of the epoch order
     mine[0].write_bytes(b"")
     _rewrite(mine[1], _no_caption)
     for workers in (0, 2):
-        stream = build_train_stream({"train_data": str(tmp_path), "batch_size": 16, "workers": workers}, rank=1,
+        stream = build_train_stream({"train": str(tmp_path), "batch_size": 16, "workers": workers}, rank=1,
                                     world_size=2, preprocess=_cheap_image, tokenizer=_cheap_tokens)
         with pytest.raises(DataExhausted) as info:
             next(iter(stream.epoch(0)))
@@ -278,6 +278,6 @@ def test_a_rank_whose_every_shard_is_bad_stops_with_one_line(tmp_path):
         assert "\n" not in message and message.startswith("rank 1: no usable sample")
         assert f"{mine[0].name} (unreadable_shard)" in message and f"{mine[1].name} (missing_caption)" in message
     # rank 0's shards are fine: it trains (and its collective then fails when rank 1 exits)
-    stream = build_train_stream({"train_data": str(tmp_path), "batch_size": 16, "workers": 0}, rank=0,
+    stream = build_train_stream({"train": str(tmp_path), "batch_size": 16, "workers": 0}, rank=0,
                                 world_size=2, preprocess=_cheap_image, tokenizer=_cheap_tokens)
     assert len(list(stream.epoch(0))) == stream.batches_per_epoch

@@ -52,7 +52,7 @@ def test_scan_indexes_plain_shards_by_position(plain, capsys):
 
 def test_the_stream_attaches_each_sample_its_position_index(plain):
     assert data_main(["scan", str(plain)]) == 0
-    stream = build_train_stream({"train_data": str(plain), "batch_size": 4, "workers": 0, "shuffle_buffer": 16},
+    stream = build_train_stream({"train": str(plain), "batch_size": 4, "workers": 0, "shuffle_buffer": 16},
                                 rank=0, world_size=1, preprocess=lambda image: torch.from_numpy(np.array(image)),
                                 tokenizer=lambda texts: torch.zeros(len(texts), 1, dtype=torch.long))
     served = {}

@@ -37,7 +37,7 @@ def data(tmp_path_factory):
 
 
 def make(model_fns, path, rank=0, world_size=1, **kw):
-    cfg = {"train_data": str(path), "batch_size": 8, "workers": 0, "shuffle_buffer": 16} | kw
+    cfg = {"train": str(path), "batch_size": 8, "workers": 0, "shuffle_buffer": 16} | kw
     return build_train_stream(cfg, rank=rank, world_size=world_size, preprocess=model_fns[0], tokenizer=model_fns[1])
 
 

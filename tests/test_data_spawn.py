@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
         assert data_main(["embedded", "--out", out, "--max-per-class", "2", "--max-val-per-class", "1",
                           "--shard-size", "20"]) == 0
         built = build_model("tiny-vit")
-        stream = build_train_stream({"train_data": out + "/train", "batch_size": 4, "workers": 1, "seed": 0},
+        stream = build_train_stream({"train": out + "/train", "batch_size": 4, "workers": 1, "seed": 0},
                                     preprocess=built.preprocess_train, tokenizer=built.tokenizer)
         batches = list(stream.epoch(0))
         assert len(batches) == stream.batches_per_epoch == 10, len(batches)

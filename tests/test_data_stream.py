@@ -25,7 +25,7 @@ def shards(tmp_path_factory):
 
 
 def make(model_fns, train_data, rank=0, world_size=1, **kw):
-    cfg = {"train_data": str(train_data), "batch_size": 8, "workers": 0, "shuffle_buffer": 32} | kw
+    cfg = {"train": str(train_data), "batch_size": 8, "workers": 0, "shuffle_buffer": 32} | kw
     return build_train_stream(cfg, rank=rank, world_size=world_size, preprocess=model_fns[0], tokenizer=model_fns[1])
 
 
@@ -91,20 +91,20 @@ def test_worker_processes_give_the_in_process_batches(model_fns, shards):
 
 def test_resampled_draws_shards_with_replacement_weighted_by_source(model_fns, shards):
     spec = f"{shards / 'uneven'}::{shards / 'second'}"
-    s = make(model_fns, spec, dataset_resampled=True, train_num_samples=100)
+    s = make(model_fns, spec, resampled=True, samples_per_epoch=100)
     assert s.batches_per_epoch == 13  # ceil(100 / 8)
     e0, e1 = indices_of(s.epoch(0)), indices_of(s.epoch(1))
     assert len(e0) == 104 and e0 != e1
-    assert e0 == indices_of(make(model_fns, spec, dataset_resampled=True, train_num_samples=100).epoch(0))
-    only_second = make(model_fns, spec, dataset_resampled=True, train_num_samples=100,
-                       train_data_upsampling_factors="0::1")
+    assert e0 == indices_of(make(model_fns, spec, resampled=True, samples_per_epoch=100).epoch(0))
+    only_second = make(model_fns, spec, resampled=True, samples_per_epoch=100,
+                       upsampling_factors="0::1")
     drawn = indices_of(only_second.epoch(0))
     assert all(1000 <= i < 1050 for i in drawn)
     assert len(set(drawn)) < len(drawn)  # 100 samples from 50: shards come back within the epoch
-    with pytest.raises(DataSpecError, match="needs dataset_resampled"):
-        make(model_fns, spec, train_data_upsampling_factors="1::1")
+    with pytest.raises(DataSpecError, match="needs resampled"):
+        make(model_fns, spec, upsampling_factors="1::1")
     with pytest.raises(DataSpecError, match="#993"):
-        make(model_fns, spec, train_num_samples=100)
+        make(model_fns, spec, samples_per_epoch=100)
 
 
 def test_sources_joined_with_braces_and_double_colon(model_fns, shards):
@@ -154,7 +154,7 @@ def _light_tokenizer(captions):
 def _ddp_rank(rank, world_size, train_data):
     import torch.distributed as dist
 
-    stream = build_train_stream({"train_data": train_data, "batch_size": 8, "workers": 1, "shuffle_buffer": 16},
+    stream = build_train_stream({"train": train_data, "batch_size": 8, "workers": 1, "shuffle_buffer": 16},
                                 rank=rank, world_size=world_size, preprocess=_light_preprocess,
                                 tokenizer=_light_tokenizer)
     steps = 0

@@ -261,7 +261,7 @@ def test_a_rank_whose_every_shard_is_bad_stops_the_job_with_one_line(tmp_path):
 
     data = tmp_path / "data"
     write_synthetic(data / "train", [16] * 4)  # overrides() trains on data/train
-    stream = build_train_stream({"train_data": str(data / "train"), "batch_size": 4, "seed": 2024}, rank=1, world_size=2,
+    stream = build_train_stream({"train": str(data / "train"), "batch_size": 4, "seed": 2024}, rank=1, world_size=2,
                                 preprocess=lambda x: x, tokenizer=lambda x: x)
     shards = sorted((data / "train").glob("*.tar"))
     bad = [shards[int(s)] for s in stream._sequence(0).slots[2:]]  # rank 1's half of epoch 0

@@ -38,7 +38,7 @@ def shards(tmp_path_factory) -> Path:
 
 
 def _ours(shards: Path, shuffle_buffer: int) -> list[int]:
-    stream = build_train_stream({"train_data": str(shards), "batch_size": BATCH, "workers": 0, "seed": 2024,
+    stream = build_train_stream({"train": str(shards), "batch_size": BATCH, "workers": 0, "seed": 2024,
                                  "shuffle_buffer": shuffle_buffer}, rank=0, world_size=1,
                                 preprocess=lambda image: torch.zeros(1),
                                 tokenizer=lambda texts: torch.zeros(len(texts), 1, dtype=torch.long))

@@ -9,9 +9,8 @@ Writing shards (`fastclip data ...`, fastclip/data/cli.py):
 Training (fastclip/data/stream.py has the rules on order, ranks, workers and resume):
     stream = build_train_stream(cfg, rank=rank, world_size=world, preprocess=built.preprocess_train,
                                 tokenizer=built.tokenizer)
-        cfg: StreamConfig or any object/dict with train_data (or `train`), batch_size, and optionally seed,
-             workers, shuffle_buffer, dataset_resampled, train_num_samples, train_data_upsampling_factors,
-             data_size, pin_memory. Raises DataSpecError / ManifestError before training for a bad spec.
+        cfg: StreamConfig or any object/dict with train, batch_size, and optionally seed, workers,
+             shuffle_buffer, resampled, samples_per_epoch, upsampling_factors, data_size, pin_memory. Raises DataSpecError / ManifestError before training for a bad spec.
     stream.data_size              1 + the largest index (size the per-sample state from it)
     stream.batches_per_epoch      batches every rank serves in a whole epoch (the same on all ranks)
     stream.batches_remaining(e)   batches stream.epoch(e) will serve from the current position

@@ -68,39 +68,34 @@ STATE_FORMAT = "fastclip-stream/1"
 
 @dataclass
 class StreamConfig:
-    train_data: str  # shard folder, manifest.json or brace pattern; several sources joined with "::"
+    train: str  # shard folder, manifest.json or brace pattern; several sources joined with "::"
     batch_size: int  # per rank
     seed: int = 0
     workers: int = 2  # DataLoader worker processes per rank; 0 loads in the main process
     shuffle_buffer: int = 1000  # samples per shuffle window (raw bytes of this many samples held per worker)
-    dataset_resampled: bool = False  # draw shards with replacement (OpenCLIP's --dataset-resampled)
-    train_num_samples: int | None = None  # samples per epoch; only with dataset_resampled (default: all)
-    train_data_upsampling_factors: str | list | None = None  # "1::2": per-source shard weights (resampled)
+    resampled: bool = False  # draw shards with replacement (OpenCLIP's --dataset-resampled)
+    samples_per_epoch: int | None = None  # only with resampled (default: all samples; OpenCLIP's --train-num-samples)
+    upsampling_factors: str | list | None = None  # "1::2": per-source shard weights (resampled)
     data_size: int | None = None  # override; must cover the manifests' data_size
     pin_memory: bool = False
     prefetch_factor: int = 2
     log_skips_per_reason: int = 20  # warnings per reason and epoch; counts are always exact
 
-    _ALIASES = {"train_data": ("train",), "dataset_resampled": ("resampled",),
-                "train_num_samples": ("samples_per_epoch",),
-                "train_data_upsampling_factors": ("upsampling_factors",)}
-
     @classmethod
     def from_any(cls, cfg: Any) -> "StreamConfig":
-        """A StreamConfig from itself, a dict, or any config object with these (or the trainer's) field names."""
+        """A StreamConfig from itself, a dict, or any config object with these field names (the trainer's data
+        section's; OpenCLIP's spellings are command-line aliases only, fastclip/train/config.py)."""
         if isinstance(cfg, cls):
             return cfg
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         values = {}
         for f in fields(cls):
-            for name in (f.name,) + cls._ALIASES.get(f.name, ()):
-                value = get(name, None)
-                if value is not None:
-                    values[f.name] = value
-                    break
-        for required in ("train_data", "batch_size"):
+            value = get(f.name, None)
+            if value is not None:
+                values[f.name] = value
+        for required in ("train", "batch_size"):
             if required not in values:
-                raise DataSpecError(f"data config has no {required!r} (or its alias)")
+                raise DataSpecError(f"data config has no {required!r}")
         return cls(**values)
 
 
@@ -116,21 +111,21 @@ class TrainStream:
         _check_positive(cfg, world_size, rank)
         self.cfg, self.rank = cfg, rank
         self.preprocess, self.tokenizer = preprocess, tokenizer
-        self.catalog: Catalog = resolve_catalog(cfg.train_data, cfg.data_size)
+        self.catalog: Catalog = resolve_catalog(cfg.train, cfg.data_size)
         self.data_size = self.catalog.data_size
         self.layout = Layout(world_size, max(1, cfg.workers), cfg.batch_size, cfg.shuffle_buffer)
         self._weights = _shard_weights(self.catalog, cfg)
-        if cfg.dataset_resampled:
-            self.epoch_length = cfg.train_num_samples or self.catalog.num_samples
+        if cfg.resampled:
+            self.epoch_length = cfg.samples_per_epoch or self.catalog.num_samples
         else:
-            if cfg.train_num_samples is not None and cfg.train_num_samples != self.catalog.num_samples:
+            if cfg.samples_per_epoch is not None and cfg.samples_per_epoch != self.catalog.num_samples:
                 raise DataSpecError(
-                    f"train_num_samples={cfg.train_num_samples} but the shards hold {self.catalog.num_samples} "
-                    f"samples: without dataset_resampled an epoch is one pass over all shards (a smaller number "
-                    f"would silently train on a subset, OpenCLIP #993); set dataset_resampled for virtual epochs")
+                    f"samples_per_epoch={cfg.samples_per_epoch} but the shards hold {self.catalog.num_samples} "
+                    f"samples: without resampled an epoch is one pass over all shards (a smaller number "
+                    f"would silently train on a subset, OpenCLIP #993); set resampled for virtual epochs")
             self.epoch_length = self.catalog.num_samples
         if self.epoch_length < world_size:
-            raise DataSpecError(f"{cfg.train_data!r}: {self.epoch_length} samples per epoch for {world_size} ranks")
+            raise DataSpecError(f"{cfg.train!r}: {self.epoch_length} samples per epoch for {world_size} ranks")
         self.batches_per_epoch = num_batches(self.epoch_length, self.layout)
         # position
         self._epoch: int | None = None
@@ -152,7 +147,7 @@ class TrainStream:
     def _sequence(self, epoch: int) -> EpochSequence:
         if self._seq_cache is None or self._seq_cache[0] != epoch:
             sizes = [s.num_samples for s in self.catalog.shards]
-            seq = epoch_sequence(sizes, self.cfg.seed, epoch, resampled=self.cfg.dataset_resampled,
+            seq = epoch_sequence(sizes, self.cfg.seed, epoch, resampled=self.cfg.resampled,
                                  samples_per_epoch=self.epoch_length, weights=self._weights)
             self._seq_cache = (epoch, seq)
         return self._seq_cache[1]
@@ -244,7 +239,7 @@ class TrainStream:
     def state_dict(self) -> dict:
         return {
             "format": STATE_FORMAT, "fingerprint": self.catalog.fingerprint, "seed": self.cfg.seed,
-            "resampled": bool(self.cfg.dataset_resampled), "epoch_length": self.epoch_length,
+            "resampled": bool(self.cfg.resampled), "epoch_length": self.epoch_length,
             "layout": self.layout.as_dict(), "rank": self.rank, "epoch": self._epoch,
             "segment": [list(iv) for iv in self._segment.intervals] if self._segment is not None else None,
             "batches_seen": self._batches_seen, "cursors": [list(c) for c in self._cursors],
@@ -275,7 +270,7 @@ class TrainStream:
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a data stream state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
         for key, mine in (("fingerprint", self.catalog.fingerprint), ("seed", self.cfg.seed),
-                          ("resampled", bool(self.cfg.dataset_resampled)), ("epoch_length", self.epoch_length)):
+                          ("resampled", bool(self.cfg.resampled)), ("epoch_length", self.epoch_length)):
             if state[key] != mine:
                 raise ValueError(f"saved data stream position has {key}={state[key]!r} but this stream has "
                                  f"{mine!r}: the position is only meaningful for the same shards (names and "
@@ -341,15 +336,15 @@ def _check_positive(cfg: StreamConfig, world_size: int, rank: int) -> None:
 
 
 def _shard_weights(catalog: Catalog, cfg: StreamConfig) -> list[float] | None:
-    factors = cfg.train_data_upsampling_factors
+    factors = cfg.upsampling_factors
     if factors is None:
         return None
-    if not cfg.dataset_resampled:
-        raise DataSpecError("train_data_upsampling_factors needs dataset_resampled (as in OpenCLIP)")
+    if not cfg.resampled:
+        raise DataSpecError("upsampling_factors needs resampled (as in OpenCLIP)")
     values = [float(f) for f in (factors.split("::") if isinstance(factors, str) else factors)]
     if len(values) != len(catalog.sources) or any(v < 0 for v in values):
-        raise DataSpecError(f"train_data_upsampling_factors {factors!r}: need one factor >= 0 per source "
-                            f"({len(catalog.sources)} sources in {cfg.train_data!r})")
+        raise DataSpecError(f"upsampling_factors {factors!r}: need one factor >= 0 per source "
+                            f"({len(catalog.sources)} sources in {cfg.train!r})")
     return [values[s.source] for s in catalog.shards]
 
 

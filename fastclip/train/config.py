@@ -22,7 +22,9 @@ import yaml
 
 from fastclip.train.preemption import signal_number
 
-LOSS_NAMES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
+from fastclip.losses import LOSSES
+
+LOSS_NAMES = tuple(LOSSES)  # loss.name's choices: the losses build_loss knows
 
 
 class ConfigError(ValueError):
@@ -60,8 +62,7 @@ class ModelConfig:
 
 @dataclass
 class LossConfig:
-    name: Literal["openclip", "siglip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3",
-                  "fastclip-tempnet"] = "fastclip-v3"
+    name: Literal[LOSS_NAMES] = "fastclip-v3"
     # null = the loss library's default (fastclip.losses); each set value is passed to build_loss, which
     # rejects an option the chosen version does not have.
     temperature: Optional[float] = None       # initial tau (v0, v3, openclip, per-sample in v2) or the constant (v1)

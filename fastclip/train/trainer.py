@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from fastclip.data import StreamConfig
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
 from fastclip.losses import NonFiniteFeaturesError
 from fastclip.optim import ThresholdRule, get_lr, get_tau_lr
@@ -73,13 +74,14 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[int, Path | None, dict |
     return data_size, resume_dir, model_file, pretrained
 
 
-def stream_config(cfg: Config, data_size: int, device: torch.device) -> dict:
+def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamConfig:
+    """The data section (the same field names) plus what the trainer decides: seed, data_size, pinning."""
     d = cfg.data
-    return {"train_data": d.train, "batch_size": d.batch_size, "seed": cfg.train.seed if d.seed is None else d.seed,
-            "workers": d.workers, "shuffle_buffer": d.shuffle_buffer, "dataset_resampled": d.resampled,
-            "train_num_samples": d.samples_per_epoch, "train_data_upsampling_factors": d.upsampling_factors,
-            "data_size": data_size, "pin_memory": device.type == "cuda",
-            "log_skips_per_reason": 0}  # rank 0 logs every rank's skips, once per epoch (DataSkipReport)
+    return StreamConfig(train=d.train, batch_size=d.batch_size, seed=cfg.train.seed if d.seed is None else d.seed,
+                        workers=d.workers, shuffle_buffer=d.shuffle_buffer, resampled=d.resampled,
+                        samples_per_epoch=d.samples_per_epoch, upsampling_factors=d.upsampling_factors,
+                        data_size=data_size, pin_memory=device.type == "cuda",
+                        log_skips_per_reason=0)  # rank 0 logs every rank's skips, once per epoch (DataSkipReport)
 
 
 def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:

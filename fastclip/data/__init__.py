@@ -17,7 +17,8 @@ Training (fastclip/data/stream.py has the rules on order, ranks, workers and res
     stream.epoch(e)               iterator of (images float [B,3,H,W], texts int64 [B,ctx], indices int64 [B])
     stream.state_dict() / stream.load_state_dict(sd)   position (plain types; torch.load(weights_only=True) ok)
     stream.counters               {reason: samples skipped, ..., "wrapped": samples served twice to fill batches}
-    stream.recent_skips           deque of {"shard", "key", "reason", "detail", "samples", "epoch", "rank"}
+    stream.drain_skips()          the skipped samples since the last call: {"shard", "key", "reason", "detail",
+                                  "samples", "epoch", "rank"} (the last 100 are kept in stream.recent_skips)
     stream.samples_seen           samples this rank has served
 
 Modules, in the order a sample travels: format.py (shard format), tario.py (tar read/write), writer.py and

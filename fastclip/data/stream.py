@@ -216,6 +216,12 @@ class TrainStream:
         finally:
             del batches  # shuts worker processes down when the trainer stops early
 
+    def drain_skips(self) -> list[dict]:
+        """The skipped samples recorded since the last call (copies), forgetting them."""
+        events = [dict(e) for e in self.recent_skips]
+        self.recent_skips.clear()
+        return events
+
     def _absorb(self, meta: dict, epoch: int) -> None:
         for reason, n in meta["skips"].items():
             self.counters[reason] = self.counters.get(reason, 0) + n

@@ -25,7 +25,8 @@ from .batch import GlobalBatch
 LEDGER_KEYS = ("header", "features", "indices", "state")
 
 
-def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
+    """Every rank's `tensor`, concatenated into `output` (one collective; no autograd)."""
     # torch >= 2.13 renamed all_gather_into_tensor; keep both so older CUDA builds work too.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, tensor, group=group)
@@ -60,7 +61,7 @@ class Comm:
         if self.world_size == 1:
             return tensor.unsqueeze(0)
         out = tensor.new_empty((self.world_size * tensor.numel(),))
-        _all_gather_single(out, tensor.reshape(-1), self.group)
+        all_gather_single(out, tensor.reshape(-1), self.group)
         self.ledger[ledger_key] += (self.world_size - 1) * tensor.numel() * tensor.element_size()
         return out.view(self.world_size, *tensor.shape)
 
@@ -83,7 +84,7 @@ class Comm:
                 gathered = packed.unsqueeze(0)
             else:
                 gathered = packed.new_empty((self.world_size * packed.numel(),))
-                _all_gather_single(gathered, packed, self.group)
+                all_gather_single(gathered, packed, self.group)
                 gathered = gathered.view(self.world_size, -1)
         n_feat = rows * dim
         if self.world_size > 1:

@@ -107,6 +107,14 @@ class ShardedSampleState:
         values = torch.cat([self._table[where.slots], self._seen[where.slots, None].to(self.dtype)], dim=1)
         return torch.where(where.owned[:, None], values, 0)
 
+    @torch.no_grad()
+    def restore(self, where: BatchSlots, saved: torch.Tensor) -> None:
+        """Put back the owned rows ``saved = read(where)`` held (fields and ``seen``): undoes a step's ``write``."""
+        rows = where.owned.nonzero().squeeze(1)
+        slots = where.slots[rows]
+        self._table[slots] = saved[rows, :-1].to(self.dtype)
+        self._seen[slots] = saved[rows, -1] > 0.5
+
     def write(self, where: BatchSlots, values: torch.Tensor) -> None:
         """Store ``values`` ``[N, F]`` for the owned rows, a repeated index keeping its last occurrence; marks seen."""
         self._table[where.write_slots] = values.detach().to(device=self.device, dtype=self.dtype)

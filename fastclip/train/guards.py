@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fastclip.distributed import DistInfo
+from fastclip.losses.comm import all_gather_single
 from fastclip.train.errors import CollectiveFailure, NonFiniteStepsError, TrainingError
 
 
@@ -51,20 +52,14 @@ class _SampleRows:
         all_indices = indices.detach().to(torch.int64).contiguous()
         if info.distributed:  # every rank owns some of the global batch's rows: it needs all ranks' indices
             gathered = all_indices.new_empty(info.world_size * all_indices.numel())
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-            gather(gathered, all_indices)
+            all_gather_single(gathered, all_indices)
             all_indices = gathered
         self.state = loss_fn.sample_state(device=indices.device)
         self.where = self.state.locate(all_indices)
         self.saved = self.state.read(self.where)  # [N, fields + seen], this rank's rows only
 
-    @torch.no_grad()
     def restore(self) -> None:
-        rows = self.where.owned.nonzero().squeeze(1)
-        slots = self.where.slots[rows]
-        for col, name in enumerate(self.state.names):
-            self.state.field(name)[slots] = self.saved[rows, col].to(self.state.dtype)
-        self.state.seen[slots] = self.saved[rows, -1] > 0.5
+        self.state.restore(self.where, self.saved)
 
 
 class NonFiniteGuard:
@@ -245,8 +240,7 @@ class DataSkipReport:
             record["data_skipped/other"] = other
         events: list[dict] = []
         if total > self.last_total:  # the same decision on every rank
-            mine = [dict(e) for e in self.stream.recent_skips]
-            self.stream.recent_skips.clear()
+            mine = self.stream.drain_skips()
             if self.info.distributed:
                 everyone: list = [None] * self.info.world_size
                 dist.all_gather_object(everyone, mine)

@@ -1,4 +1,4 @@
-"""Every benchmark that fits this machine, then benchmarks/RESULTS.md with the tables and plots (issue #8).
+"""Every benchmark that fits this machine, then benchmarks/RESULTS.md with the tables and plots.
 
     python benchmarks/run_all.py                 # the full set (long: ~30 min on 2 cores), -> benchmarks/RESULTS.md
     python benchmarks/run_all.py --smoke         # every program in its --quick form (CI), -> benchmarks/out/RESULTS.md

@@ -1,4 +1,4 @@
-"""The benchmark programs (issue #8): their arithmetic, and a smoke run of every program that writes RESULTS.md."""
+"""The benchmark programs: their arithmetic, and a smoke run of every program that writes RESULTS.md."""
 import json
 import math
 import subprocess

@@ -160,7 +160,7 @@ def test_labelled_reader_skips_and_counts_too(bad):
     assert {k: v for k, v in counters.items() if k != "truncated_tar"} == {r: 1 for r in BROKEN.values()}
 
 
-# ----------------------------------------------------------------------------- exact counts (issue #15)
+# ----------------------------------------------------------------------------- exact skip counts
 def _cheap_image(img):  # the stream decodes every image itself; a constant tensor keeps these tests fast
     return torch.zeros(1)
 

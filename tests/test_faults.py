@@ -257,7 +257,7 @@ def test_rotten_shards_are_skipped_counted_and_logged_with_shard_and_key(batch):
     last = recs[-1]
     lost_in_b = 15 - batch["rotten_readable"]
     # each lost sample is counted once per epoch, summed over ranks, however often a rank re-reads it to fill
-    # its batches (before issue #15: every re-read was counted again)
+    # its batches (a re-read is not counted again)
     by_reason = {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("data_skipped/")}
     assert by_reason == {**{reason: 2 for reason in ROTTEN.values()}, "truncated_tar": 2 * lost_in_b}, last
     assert last["data_skipped"] == sum(by_reason.values()), last

@@ -1,5 +1,5 @@
 """What an operator types wrong ends in one line naming the key or file and what to do, exit status 2, before the
-towers are built or data is read (issue #15, item 3); --model.pretrained starts the towers from an OpenCLIP or
+towers are built or data is read; --model.pretrained starts the towers from an OpenCLIP or
 fastclip file. One short real training run (1 process) provides the checkpoint the cases start from."""
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def test_a_rank_that_fails_in_a_save_the_others_name_the_save_and_its_timeout(ti
     assert len(lines0) == 1 and "cannot write checkpoint" in lines0[0], job.outputs()
     lines1 = [x for x in job.output(1).splitlines() if x.startswith("fastclip train: error")]
     assert len(lines1) == 1, job.outputs()
-    # before issue #15 this said "during the training step" and the step timeout
+    # the save phase and its own timeout are named, not "during the training step" with the step timeout
     assert "during the checkpoint save at step 4" in lines1[0], lines1[0]
     assert "time out after 10 min, set by train.dist_timeout_minutes" in lines1[0], lines1[0]
     assert "Traceback" not in job.output(0) + job.output(1)

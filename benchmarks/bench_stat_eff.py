@@ -236,14 +236,17 @@ def mean_tau_curve(results: list[dict], points: int = 40) -> list[tuple[int, flo
     return [(x, sum(d[x] for d in by_run) / len(by_run)) for x in keep]
 
 
-def evaluate_novel(run_dir: Path, data: Path) -> dict:
+def evaluate_split(run_dir: Path, data: Path, split: str, max_samples: int | None = None) -> dict:
+    """The final checkpoint on another split: `novel` (unseen attribute combinations), or the first
+    `max_samples` training pairs (how much of the training set is memorised: the generalisation gap)."""
     from fastclip.eval import run_evals
     from fastclip.eval.checkpoint import load_model
 
     built = load_model(run_dir, device="cpu").built
-    return run_evals(built.model, tokenizer=built.tokenizer, preprocess=built.preprocess_val,
-                     val_dir=str(data / "novel"), zeroshot_file=str(data / "zeroshot.json"), device="cpu",
-                     batch_size=256)
+    results = run_evals(built.model, tokenizer=built.tokenizer, preprocess=built.preprocess_val,
+                        val_dir=str(data / split), zeroshot_file=str(data / "zeroshot.json"), device="cpu",
+                        batch_size=256, max_samples=max_samples)
+    return {k: v for k, v in results.items() if isinstance(v, (int, float))}
 
 
 @dataclass
@@ -289,9 +292,11 @@ def finish(active: Active, study: dict, results: Path) -> None:
            "final": curve[-1], "final_score": score(curve[-1], run.dataset),
            "wall_s": time.perf_counter() - active.start,
            "samples_per_s": [r["samples_per_s"] for r in records if "samples_per_s" in r][-1]}
-    if run.phase == "seed" and (active.data / "novel").is_dir():
-        novel = evaluate_novel(run_dir, active.data)
-        out["novel"] = {k: v for k, v in novel.items() if isinstance(v, (int, float))}
+    if run.phase == "seed":
+        if (active.data / "novel").is_dir():
+            out["novel"] = evaluate_split(run_dir, active.data, "novel")
+        eval_samples = json.loads((active.data / "test" / "manifest.json").read_text())["num_samples"]
+        out["train"] = evaluate_split(run_dir, active.data, "train", max_samples=eval_samples)
     (results / "runs").mkdir(parents=True, exist_ok=True)
     (results / "runs" / f"{run.id}.json").write_text(json.dumps(out, indent=1))
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -391,8 +396,9 @@ def summarize(study: dict, results: Path) -> dict:
                      "curves": {m: mean_curve(done, m) for m in METRICS}}
             for m in METRICS:
                 entry[f"test_{m}"] = _mean_std([METRICS[m](r["final"]) for r in done])
-                if all("novel" in r for r in done):
-                    entry[f"novel_{m}"] = _mean_std([METRICS[m](r["novel"]) for r in done])
+                for split in ("novel", "train"):
+                    if all(split in r for r in done):
+                        entry[f"{split}_{m}"] = _mean_std([METRICS[m](r[split]) for r in done])
             entry["final_tau"] = _mean_std([r["tau"][-1][1] for r in done if r["tau"]]) if done[0]["tau"] else None
             entry["tau_curve"] = mean_tau_curve(done) if all(r["tau"] for r in done) else []
             seeds[loss] = entry
@@ -423,17 +429,19 @@ def markdown(result: dict) -> str:
             continue
         lines += [f"### {g['dataset']}, global batch {g['global_batch']}", "",
                   "| loss | chosen setting | seeds | test zero-shot top-1 | test retrieval R@1 | novel zero-shot "
-                  "top-1 | novel retrieval R@1 | final τ |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "top-1 | novel retrieval R@1 | train retrieval R@1 (same size as test) | final τ |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         if g["dataset"] == "glyphs":  # templated captions repeat: retrieval is not a measurement there
             for e in g["seeds"].values():
-                for key in ("test_retrieval_R@1", "novel_retrieval_R@1"):
+                for key in ("test_retrieval_R@1", "novel_retrieval_R@1", "train_retrieval_R@1"):
                     e.pop(key, None)
         for loss, e in g["seeds"].items():
             tau = e.get("final_tau")
             lines.append(f"| {loss} | {', '.join(f'{k} {v:g}' for k, v in e['setting'].items())} | "
                          f"{e['seeds_done']} | {_fmt(e.get('test_zeroshot_top1'))} | "
                          f"{_fmt(e.get('test_retrieval_R@1'))} | {_fmt(e.get('novel_zeroshot_top1'))} | "
-                         f"{_fmt(e.get('novel_retrieval_R@1'))} | {'-' if not tau else f'{tau[0]:.4f}'} |")
+                         f"{_fmt(e.get('novel_retrieval_R@1'))} | {_fmt(e.get('train_retrieval_R@1'))} | "
+                         f"{'-' if not tau else f'{tau[0]:.4f}'} |")
         for m in METRICS:
             if f"v3_speedup_{m}" in g:
                 sp = g[f"v3_speedup_{m}"]

@@ -6,6 +6,10 @@ manifest.json must sit beside it (it gives the sample counts an epoch is planned
 here, before training starts: an empty pattern, a missing shard file, a shard its manifest does not list, and
 index ranges of different sources that overlap (the per-sample state is indexed by global index, so two
 sources must not share indices; data_size is the largest over sources).
+
+A remote source (`pipe:CMD`, `s3://`, `http(s)://`, as OpenCLIP writes them; fastclip/data/remote.py) is a
+brace pattern of shard locations, or an http(s)/s3 URL of a manifest.json: the manifest beside the shards is
+read through the same transport, and the shards are neither opened nor stat'ed before they are read.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastclip.data import remote
 from fastclip.data.format import MANIFEST_NAME
 from fastclip.data.manifest import Manifest, ManifestError, read_manifest
 
@@ -100,8 +105,33 @@ def expand_braces(pattern: str) -> list[str]:
     return [p for option in options for p in expand_braces(head + option + tail)]
 
 
+def _remote_shards(spec: str) -> tuple[list[tuple[str, str]], dict[str, Manifest]]:
+    """(shard location, location of its manifest) for each shard of a remote source, and those manifests (read
+    through the shards' own transport, once per folder; no shard is opened or stat'ed here)."""
+    if spec.endswith("/" + MANIFEST_NAME) and not spec.startswith("pipe:"):
+        locations = None
+        manifest_locs = [spec]
+    else:
+        locations = expand_braces(spec)
+        manifest_locs = list(dict.fromkeys(remote.sibling(loc, MANIFEST_NAME) for loc in locations))
+    manifests = {}
+    for loc in manifest_locs:
+        try:
+            data = json.loads(remote.read_bytes(loc).decode("utf-8"))
+        except remote.RemoteError as e:
+            raise DataSpecError(f"source {spec!r}: cannot read its manifest: {e}") from None
+        except ValueError as e:
+            raise DataSpecError(f"source {spec!r}: manifest {loc} is not valid JSON ({e})") from None
+        manifests[loc] = Manifest.from_json(data, loc)
+    if locations is None:
+        return [(remote.sibling(spec, s.path), spec) for s in manifests[spec].shards], manifests
+    return [(loc, remote.sibling(loc, MANIFEST_NAME)) for loc in locations], manifests
+
+
 def _shard_paths(spec: str) -> tuple[list[tuple[Path, Path]], dict[Path, Manifest]]:
     """(shard file, folder of its manifest) for each shard of one source, and those manifests by folder."""
+    if remote.is_remote(spec):
+        return _remote_shards(spec)
     path = Path(spec)
     if path.is_dir() or path.name == MANIFEST_NAME:
         folder = (path if path.is_dir() else path.parent).resolve()
@@ -149,14 +179,19 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                     problems.setdefault((f, os.path.normpath(str(q.get("shard")))), []).append(q)
         ids = []
         for p, folder in paths:
-            rel = os.path.normpath(os.path.relpath(p.resolve(), folder))
+            if isinstance(p, str):  # remote: named by its file name in the manifest beside it
+                rel, absolute, where = remote.shard_basename(p), p, folder
+            else:
+                rel = os.path.normpath(os.path.relpath(p.resolve(), folder))
+                absolute, where = None, folder / MANIFEST_NAME
             entry = entries[folder].get(rel)
             if entry is None:
-                raise DataSpecError(f"shard {p} (from pattern {spec!r}) is not listed in {folder / MANIFEST_NAME}; "
-                                    f"run `fastclip data scan {folder}` to rebuild it")
-            if not p.is_file():
-                raise DataSpecError(f"shard file {p} (listed in {folder / MANIFEST_NAME}) does not exist")
-            absolute = str(p.resolve())
+                raise DataSpecError(f"shard {p} (from pattern {spec!r}) is not listed in {where}; "
+                                    f"run `fastclip data scan` on its folder to rebuild it")
+            if absolute is None:
+                if not p.is_file():
+                    raise DataSpecError(f"shard file {p} (listed in {where}) does not exist")
+                absolute = str(p.resolve())
             if absolute in taken:
                 raise DataSpecError(f"shard {p} appears in two sources: {taken[absolute]!r} and {spec!r}")
             taken[absolute] = spec

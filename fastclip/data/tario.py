@@ -3,7 +3,8 @@
 The reader addresses samples by ordinal (position of the key group in tar order) and can skip groups by
 reading their headers only, so a worker can start in the middle of a shard. A shard that breaks (truncated
 file, bad header) raises `TarBroken`; the group being read when it broke is lost, since we cannot tell whether
-it was complete.
+it was complete. A remote shard (`pipe:`, `s3://`, `http(s)://`; fastclip/data/remote.py) is streamed front
+to back: skipping reads and discards, and a failure's message is the remote one (location, stderr tail).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Iterable
 
 from fastclip.data.format import split_member_name
+from fastclip.data.remote import RemoteError, StreamFile, is_remote
 
 _BLOCK = 512
 
@@ -38,16 +40,30 @@ class ShardReader:
     def __init__(self, path: str | os.PathLike, want: frozenset[str] | None = None):
         self.path = str(path)
         self.want = want
+        self._tar = None
         self.ordinal = 0  # ordinal of the next group
         self.last_key: str | None = None
         self._ahead: tarfile.TarInfo | None = None
+        self._stream = None  # a remote shard's stream (fastclip/data/remote.py): read front to back
         try:
-            self._tar = tarfile.open(self.path, mode="r:*")
+            if is_remote(self.path):
+                self._stream = StreamFile(self.path)
+                self._tar = tarfile.open(fileobj=self._stream, mode="r:")
+            else:
+                self._tar = tarfile.open(self.path, mode="r:*")
+        except RemoteError as e:  # already one line naming the location
+            self.close()
+            raise TarBroken(str(e)) from None
         except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+            self.close()
             raise TarBroken(f"cannot open as tar: {e}") from None
 
     def close(self) -> None:
-        self._tar.close()
+        if getattr(self, "_tar", None) is not None:
+            self._tar.close()
+        if self._stream is not None:
+            self._stream.close()  # tarfile leaves a passed file object open; this also stops a pipe's command
+            self._stream = None
 
     def __enter__(self) -> "ShardReader":
         return self
@@ -75,6 +91,8 @@ class ShardReader:
         try:
             fileobj.seek(self._tar.offset)
             block = fileobj.read(_BLOCK)
+        except RemoteError as e:  # a remote command that failed at the very end: say so, not "truncated"
+            raise TarBroken(str(e)) from None
         except (OSError, EOFError, zlib.error):
             return False
         return len(block) == _BLOCK and block.count(0) == _BLOCK

@@ -79,6 +79,7 @@ class _Worker:
         self.seen: dict[int, tuple[int, str]] = {}  # index -> (shard id, key) first read this epoch
         self.known_len: dict[int, tuple[int, str, str | None]] = {}  # shard -> (readable, reason, last key)
         self.reader: tuple[int, ShardReader] | None = None
+        self.open_errors: dict[int, str] = {}  # shard -> why it could not be opened
         self.bad_streak = 0
         self.shard_events: set[tuple[str, str]] = set()  # (shard, reason) already reported this epoch
         self.bad_by_shard: dict[str, set[str]] = {}  # shard -> reasons seen (for the message if all is bad)
@@ -201,6 +202,7 @@ class _Worker:
         if count <= 0:
             return
         reader = self._reader(shard, ordinal)
+        why = self.open_errors.get(shard)
         got = 0
         try:
             if reader is not None and reader.skip_to(ordinal):
@@ -215,7 +217,8 @@ class _Worker:
                 reason = "truncated_tar" if reader is not None else "unreadable_shard"
                 last_key = reader.last_key if reader is not None else None
                 self.known_len.setdefault(shard, (readable, reason, last_key))
-                self._skip(log_, reason, name, last_key, self._broken(shard, readable), count - got)
+                detail = self._broken(shard, readable) + (f": {why}" if reader is None and why else "")
+                self._skip(log_, reason, name, last_key, detail, count - got)
         except TarBroken as e:
             self.known_len[shard] = (reader.ordinal, "truncated_tar", reader.last_key)
             self._drop_reader()
@@ -231,7 +234,8 @@ class _Worker:
         self._drop_reader()
         try:
             self.reader = (shard, ShardReader(self.job.shard_paths[shard], _WANT))
-        except TarBroken:
+        except TarBroken as e:  # kept for the skip's detail: a remote shard's URL and stderr tail
+            self.open_errors[shard] = str(e)
             return None
         return self.reader[1]
 

@@ -9,13 +9,14 @@ from collections import Counter
 import pytest
 import torch
 
-from fastclip.data import DataSpecError, build_train_stream, iter_labelled_samples
+from fastclip.data import DataSpecError, build_train_stream
 from fastclip.data.format import split_member_name
 from fastclip.data.samples import SHARD_REASONS, DataExhausted
 from fastclip.data.manifest import Manifest, ShardInfo, read_manifest, write_manifest
 from fastclip.data.sources.scan import scan_shards
 from fastclip.data.tario import ShardReader, TarBroken
 from fastclip.data.testing import synthetic_image, truncate_file, write_synthetic, write_tar
+from fastclip.eval.samples import iter_samples
 
 DATA_SIZE = 40
 # key -> (reason) of the broken samples in a.tar; the rest of a.tar, b.tar (truncated) and c.tar are fine
@@ -151,13 +152,20 @@ def test_missing_shard_file_is_an_error_before_training(model_fns, bad, tmp_path
                            tokenizer=model_fns[1])
 
 
-def test_labelled_reader_skips_and_counts_too(bad):
-    plain, _, readable, valid = bad
-    counters = {}
-    got = [s for r in range(2) for s in iter_labelled_samples(plain, r, 2, counters=counters)]
-    assert sorted(s.index for s in got) == sorted(valid)
-    assert counters["truncated_tar"] == 15 - readable
-    assert {k: v for k, v in counters.items() if k != "truncated_tar"} == {r: 1 for r in BROKEN.values()}
+def test_eval_reader_skips_and_counts_too(bad):
+    """Eval keeps what it can score (no index or caption is fine for zero-shot, index checks are training's);
+    an image that does not decode, a sample without one and the rest of a broken tar are skipped and listed."""
+    plain, _, readable, _ = bad
+    skipped = []
+    got = [s for r in range(2) for s in iter_samples(plain, r, 2, skipped)]
+    unscorable = {2, 11}  # undecodable_image, missing_image
+    assert sorted(int(s.source.rsplit(":", 1)[1]) for s in got) == sorted(
+        set(range(12)) - unscorable | set(range(12, 12 + readable)) | set(range(27, 40)))
+    assert len(skipped) == 3 and sum("unreadable tar shard" in m and "b.tar" in m for m in skipped) == 1
+    assert any("000000002.png: cannot decode" in m for m in skipped)
+    assert any("000000011: no image" in m for m in skipped)
+    by_key = {s.source.rsplit(":", 1)[1]: s for s in got}
+    assert by_key["000000004"].caption is None and by_key["000000006"].index is None
 
 
 # ----------------------------------------------------------------------------- exact skip counts

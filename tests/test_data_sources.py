@@ -10,11 +10,13 @@ import pytest
 from PIL import Image
 
 from fastclip.cli import main as fastclip_main
-from fastclip.data import iter_labelled_samples, load_zeroshot, read_manifest
+from fastclip.data import read_manifest
 from fastclip.data.sources.embedded import DATASETS, DatasetCheckError, check_arrays
 from fastclip.data.sources.folder import CaptionFileError, build_folder
 from fastclip.data.tario import iter_shard, write_tar
 from fastclip.data.testing import synthetic_image
+from fastclip.eval.samples import iter_samples
+from fastclip.eval.spec import load_zeroshot_spec
 
 TRAIN_PER_CLASS, VAL_PER_CLASS = 6, 2
 
@@ -42,8 +44,8 @@ def embedded(tmp_path_factory):
 
 
 def test_embedded_round_trip(embedded):
-    zeroshot = load_zeroshot(embedded)
-    names = list(zeroshot["datasets"])
+    specs = load_zeroshot_spec(embedded / "zeroshot.json")
+    names = list(specs)
     assert names == ["fashion-mnist", "mnist"]  # the Debian files are installed on this machine kind
     train_m, train = read_all(embedded / "train")
     val_m, val = read_all(embedded / "val")
@@ -58,8 +60,8 @@ def test_embedded_round_trip(embedded):
             meta = json.loads(files["json"])
             assert key == meta["key"] == f"{meta['index']:09d}"
             assert files["txt"].decode() == meta["caption"] and int(files["cls"]) == meta["label"]
-            entry = zeroshot["datasets"][meta["dataset"]]
-            assert meta["caption"] in [t.format(entry["classnames"][meta["label"]]) for t in entry["templates"]]
+            spec = specs[meta["dataset"]]
+            assert meta["caption"] in spec.prompts(spec.classnames[meta["label"]])
             image = Image.open(io.BytesIO(files["png"]))
             assert image.size == (28, 28) and image.mode == "L"
             indices.append(meta["index"])
@@ -97,7 +99,7 @@ def test_embedded_pip_only_fallback(tmp_path, capsys):
                           "--fashion-mnist-root", str(tmp_path / "no-such-dir")]) == 0
     printed = capsys.readouterr().out
     assert "fallback" in printed and "mnist, animal-mnist" in printed
-    assert list(load_zeroshot(out)["datasets"]) == ["mnist", "animal-mnist"]
+    assert list(load_zeroshot_spec(out / "zeroshot.json")) == ["mnist", "animal-mnist"]
     assert read_manifest(out / "val").num_samples == 2 * 10 * 1  # ceil(3 * 0.2 / 0.8) = 1 per class
 
 
@@ -128,9 +130,9 @@ def test_array_checks_reject_bad_data():
         check_arrays(spec, [(np.ones((5000, 28, 27), np.uint8), labels)])
 
 
-def test_labelled_reader_splits_over_ranks(embedded):
-    everything = list(iter_labelled_samples(embedded / "val"))
-    parts = [list(iter_labelled_samples(embedded / "val", r, 3)) for r in range(3)]
+def test_eval_reader_splits_over_ranks(embedded):
+    everything = list(iter_samples(embedded / "val"))
+    parts = [list(iter_samples(embedded / "val", r, 3)) for r in range(3)]
     assert sorted(s.index for p in parts for s in p) == sorted(s.index for s in everything)
     assert {len(p) for p in parts} <= {13, 14}  # 40 samples over 3 ranks
     sample = everything[0]

@@ -24,15 +24,11 @@ Training (fastclip/data/stream.py has the rules on order, ranks, workers and res
 Modules, in the order a sample travels: format.py (shard format), tario.py (tar read/write), writer.py and
 sources/ (embedded, folder, scan), manifest.py, catalog.py (patterns, `::`, manifests, checks), plan.py (epoch
 order, ranks, workers, windows, resume arithmetic), samples.py (checks, skip reasons), worker.py (one
-worker's epoch), stream.py (the trainer's object), labelled.py (eval reader), testing.py (synthetic shards).
+worker's epoch), stream.py (the trainer's object), testing.py (synthetic shards).
 
-Evaluation:
-    iter_labelled_samples(dir_or_pattern, rank=0, world_size=1, counters=None)
-        -> LabelledSample(image: PIL RGB, caption, index, dataset, label), this rank's share of the manifest order
-    load_zeroshot(dir_or_file) -> {"datasets": {name: {"classnames": [...], "templates": [...]}}}
+Evaluation reads held-out shards through format.py, tario.py and manifest.py: fastclip/eval/samples.py.
 """
 from fastclip.data.catalog import Catalog, DataSpecError, expand_braces, resolve_catalog
-from fastclip.data.labelled import LabelledSample, iter_labelled_samples, load_zeroshot
 from fastclip.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest, write_manifest
 from fastclip.data.samples import REASONS
 from fastclip.data.stream import StreamConfig, TrainStream, build_train_stream, state_for_new_world_size
@@ -40,7 +36,6 @@ from fastclip.data.writer import ShardWriter
 
 __all__ = [
     "build_train_stream", "StreamConfig", "TrainStream", "REASONS",
-    "iter_labelled_samples", "LabelledSample", "load_zeroshot",
     "resolve_catalog", "expand_braces", "Catalog", "DataSpecError",
     "Manifest", "ShardInfo", "ManifestError", "read_manifest", "write_manifest", "ShardWriter",
 ]

@@ -72,3 +72,17 @@ def image_of(files: dict[str, bytes]) -> tuple[bytes, str] | None:
         if ext in files:
             return files[ext], ext
     return None
+
+
+def label_of(files: dict[str, bytes], meta: dict | None) -> int | None:
+    """The class label: json["label"], else the .cls member; None when neither. Raises ValueError when the one
+    present is not an integer."""
+    label = meta.get("label") if meta else None
+    if label is None and "cls" in files:
+        label = files["cls"].decode("utf-8", "replace").strip()
+    if label is None:
+        return None
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        raise ValueError(f"label {label!r} is not an integer") from None

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from fastclip.data.format import IMAGE_EXTS
 from fastclip.data.plan import (TAG_BATCH, TAG_WINDOW, EpochSequence, Layout, Segment, rank_span, rng_for,
                                 window_span, worker_batches, worker_chunk, worker_runs)
 from fastclip.data.samples import SHARD_REASONS, Candidate, DataExhausted, SkipLog, check_sample, decode_image
@@ -29,7 +30,7 @@ from fastclip.compat import ensure_torchvision_importable  # noqa: E402
 
 ensure_torchvision_importable(announce=False)
 
-_WANT = frozenset({"png", "jpg", "jpeg", "webp", "txt", "json"})
+_WANT = frozenset({*IMAGE_EXTS, "txt", "json"})
 
 
 @dataclass

@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-import tarfile
 from pathlib import Path
 
+from fastclip.data.format import sample_key
+from fastclip.data.tario import TarWriter
 from fastclip.eval.evaluate import default_zeroshot_file
 from fastclip.eval.samples import iter_samples
 from fastclip.eval.spec import load_zeroshot_spec
@@ -35,6 +36,8 @@ SHARD_SIZE = 1000
 
 
 class _ShardWriter:
+    """`{0..n-1}.tar` of SHARD_SIZE samples each, keys counting from 0 (the layout clip_benchmark reads)."""
+
     def __init__(self, split_dir: Path):
         self.dir = split_dir
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -43,12 +46,8 @@ class _ShardWriter:
     def write(self, files: dict[str, bytes]) -> None:
         if self.count % SHARD_SIZE == 0:
             self.close()
-            self.tar = tarfile.open(self.dir / f"{self.count // SHARD_SIZE}.tar", "w")
-        key = f"{self.count:09d}"
-        for ext, data in files.items():
-            info = tarfile.TarInfo(f"{key}.{ext}")
-            info.size = len(data)
-            self.tar.addfile(info, io.BytesIO(data))
+            self.tar = TarWriter(self.dir / f"{self.count // SHARD_SIZE}.tar")
+        self.tar.add(sample_key(self.count), files)
         self.count += 1
 
     def close(self) -> None:

@@ -1,10 +1,11 @@
-"""Reading evaluation samples: WebDataset shards (fastclip/data/format.py; labels optional) or an image folder.
+"""Reading evaluation samples: shards (read through fastclip.data: format.py, tario.py, manifest.py, catalog.py;
+labels optional) or an image folder.
 
 Every rank reads the same ordered stream and keeps the samples at positions `rank, rank + world, ...`:
 the slices are disjoint, cover everything, and need no communication. Only a rank's own images are
 decoded, so the cost of the shared pass is reading tar bytes, which is small for a held-out set.
-(fastclip.data's `iter_labelled_samples` needs a manifest and a label on every sample; this reader also
-takes plain tar folders, globs and captioned-only samples for retrieval.)
+Unlike training data, eval also takes plain tar folders and globs without a manifest, and captioned-only
+or unindexed samples (retrieval needs no label, zero-shot no caption).
 
 A sample that cannot be decoded is skipped, logged with its shard and key, and reported through the
 `skipped` list: one corrupt held-out image should not stop a training run at its next evaluation.
@@ -12,18 +13,20 @@ A sample that cannot be decoded is skipped, logged with its shard and key, and r
 from __future__ import annotations
 
 import glob
-import io
-import json
 import logging
 import os
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from PIL import Image
 
-IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
+from fastclip.data.catalog import expand_braces
+from fastclip.data.format import IMAGE_EXTS, MANIFEST_NAME, caption_of, image_of, index_from_meta, label_of, parse_meta
+from fastclip.data.manifest import read_manifest
+from fastclip.data.samples import decode_image
+from fastclip.data.tario import ShardReader, TarBroken
+
 log = logging.getLogger(__name__)
 
 
@@ -33,7 +36,7 @@ class EvalDataError(ValueError):
 
 @dataclass
 class EvalSample:
-    image: Image.Image
+    image: Image.Image  # RGB
     caption: str | None
     index: int | None  # global data index (shards) or position (image folder)
     dataset: str | None
@@ -47,37 +50,22 @@ def shard_paths(source: str | os.PathLike) -> list[Path]:
     text = str(source)
     path = Path(text)
     if path.is_dir():
-        manifest = path / "manifest.json"
-        if manifest.is_file():
-            return _manifest_shards(manifest)
+        if (path / MANIFEST_NAME).is_file():
+            paths = [path / s.path for s in read_manifest(path).shards]
+            missing = [p for p in paths if not p.is_file()]
+            if missing:
+                raise EvalDataError(f"{path / MANIFEST_NAME}: shard {missing[0]} listed but not found")
+            return paths
         tars = sorted(path.glob("*.tar"))
         if not tars:
-            raise EvalDataError(f"{path}: no manifest.json and no .tar shards in this folder")
+            raise EvalDataError(f"{path}: no {MANIFEST_NAME} and no .tar shards in this folder")
         return tars
     if path.is_file():
         return [path]
-    if "{" in text:
-        from braceexpand import braceexpand  # a webdataset dependency
-
-        paths = [Path(p) for p in braceexpand(text)]
-    else:
-        paths = [Path(p) for p in sorted(glob.glob(text))]
+    paths = [Path(g) for p in expand_braces(text) for g in (sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p])]
     missing = [p for p in paths if not p.is_file()]
     if not paths or missing:
         raise EvalDataError(f"no shards found for {text!r}" + (f" (missing: {missing[0]})" if missing else ""))
-    return paths
-
-
-def _manifest_shards(manifest: Path) -> list[Path]:
-    try:
-        with open(manifest) as f:
-            entries = json.load(f)["shards"]
-        paths = [manifest.parent / entry["path"] for entry in entries]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise EvalDataError(f"{manifest}: expected {{'shards': [{{'path': ...}}, ...]}} ({err!r})") from err
-    for p in paths:
-        if not p.is_file():
-            raise EvalDataError(f"{manifest}: shard {p} listed but not found")
     return paths
 
 
@@ -86,71 +74,36 @@ def is_image_folder(path: str | os.PathLike) -> bool:
     path = Path(path)
     return (
         path.is_dir()
-        and not (path / "manifest.json").exists()
+        and not (path / MANIFEST_NAME).exists()
         and not any(path.glob("*.tar"))
         and any(p.is_dir() for p in path.iterdir())
     )
 
 
 # ----------------------------------------------------------------------------- shards
-def _tar_groups(path: Path, skipped: list[str]) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """Yield (key, {extension: bytes}) for consecutive members sharing a key (the WebDataset convention).
-    A broken tar ends its shard early (every rank reads every shard, so all stop at the same place)."""
-    key, group = None, {}
-    try:
-        with tarfile.open(path, mode="r|*") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                dirname, basename = os.path.split(member.name)
-                if "." not in basename or basename.startswith("."):
-                    continue
-                stem, ext = basename.split(".", 1)
-                member_key = os.path.join(dirname, stem) if dirname else stem
-                if member_key != key:
-                    if group:
-                        yield key, group
-                    key, group = member_key, {}
-                group[ext.lower()] = tar.extractfile(member).read()
-    except (tarfile.TarError, OSError) as err:
-        _skip(skipped, f"{path}: unreadable tar shard after key {key} ({err}); rest of the shard skipped")
-        return
-    if group:
-        yield key, group
-
-
 def _skip(skipped: list[str], message: str) -> None:
     log.warning("eval data: skipped %s", message)
     skipped.append(message)
 
 
-def _decode_shard_sample(group: dict[str, bytes], where: str) -> EvalSample:
-    image_ext = next((ext for ext in IMAGE_EXTENSIONS if ext in group), None)
-    if image_ext is None:
-        raise EvalDataError(f"{where}: no image (.png/.jpg/.jpeg/.webp) in sample, has {sorted(group)}")
+def _decode_shard_sample(files: dict[str, bytes], where: str) -> EvalSample:
+    image = image_of(files)
+    if image is None:
+        raise EvalDataError(f"{where}: no image ({'/'.join('.' + e for e in IMAGE_EXTS)}) in sample, has {sorted(files)}")
     meta = {}
-    if "json" in group:
-        try:
-            meta = json.loads(group["json"])
-        except json.JSONDecodeError as err:
-            raise EvalDataError(f"{where}.json: invalid JSON ({err})") from err
-    caption = group["txt"].decode("utf-8") if "txt" in group else meta.get("caption")
-    label = meta.get("label")
-    if label is None and "cls" in group:
-        label = group["cls"].decode().strip()
+    if "json" in files:
+        meta, why = parse_meta(files["json"])
+        if meta is None:
+            raise EvalDataError(f"{where}.json: {why}")
     try:
-        label = None if label is None else int(label)
+        label = label_of(files, meta)
     except ValueError as err:
-        raise EvalDataError(f"{where}: label {label!r} is not an integer") from err
-    index = meta.get("index")
-    if index is None and "key" in meta:
-        index = int(meta["key"])
+        raise EvalDataError(f"{where}: {err}") from None
     try:
-        image = Image.open(io.BytesIO(group[image_ext]))
-        image.load()
-    except OSError as err:
-        raise EvalDataError(f"{where}.{image_ext}: cannot decode image ({err})") from err
-    return EvalSample(image, caption, index, meta.get("dataset"), label, where)
+        decoded = decode_image(image[0])
+    except Exception as err:  # PIL raises several types on corrupt files
+        raise EvalDataError(f"{where}.{image[1]}: cannot decode image ({err})") from err
+    return EvalSample(decoded, caption_of(files, meta), index_from_meta(meta), meta.get("dataset"), label, where)
 
 
 def iter_shard_samples(source, rank: int = 0, world_size: int = 1,
@@ -158,14 +111,22 @@ def iter_shard_samples(source, rank: int = 0, world_size: int = 1,
     skipped = [] if skipped is None else skipped
     position = 0
     for path in shard_paths(source):
-        # every rank reads every tar: only rank 0 counts a broken one, so the all-reduced count is right
-        for key, group in _tar_groups(path, skipped if rank == 0 else []):
-            if position % world_size == rank:
-                try:
-                    yield _decode_shard_sample(group, f"{path}:{key}")
-                except EvalDataError as err:
-                    _skip(skipped, str(err))
-            position += 1
+        # every rank reads every tar: only rank 0 counts a broken one, so the all-reduced count is right.
+        # A broken tar ends its shard early, at the same place on every rank.
+        reader = None
+        try:
+            with ShardReader(path) as reader:
+                while (raw := reader.next_group(load=position % world_size == rank)) is not None:
+                    if position % world_size == rank:
+                        try:
+                            yield _decode_shard_sample(raw.files, f"{path}:{raw.key}")
+                        except EvalDataError as err:
+                            _skip(skipped, str(err))
+                    position += 1
+        except TarBroken as err:
+            if rank == 0:
+                after = reader.last_key if reader is not None else None
+                _skip(skipped, f"{path}: unreadable tar shard after key {after} ({err}); rest of the shard skipped")
 
 
 # ----------------------------------------------------------------------------- image folders
@@ -182,13 +143,12 @@ def iter_image_folder(root, rank: int = 0, world_size: int = 1, dataset: str | N
     skipped = [] if skipped is None else skipped
     position = 0
     for label, name in enumerate(image_folder_classes(root)):
-        files = sorted(p for p in (root / name).iterdir() if p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)
+        files = sorted(p for p in (root / name).iterdir() if p.suffix.lower().lstrip(".") in IMAGE_EXTS)
         for file in files:
             if position % world_size == rank:
                 try:
-                    image = Image.open(file)
-                    image.load()
-                except OSError as err:
+                    image = decode_image(file.read_bytes())
+                except Exception as err:  # PIL raises several types on corrupt files
                     _skip(skipped, f"{file}: cannot decode image ({err})")
                 else:
                     caption_file = file.with_suffix(".txt")

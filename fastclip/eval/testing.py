@@ -3,51 +3,24 @@ whose embeddings are set by the inputs, so a test knows every similarity (and so
 from __future__ import annotations
 
 import io
-import json
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-
-def _add_file(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mtime = 0  # reproducible bytes
-    tar.addfile(info, io.BytesIO(data))
+from fastclip.data.writer import ShardWriter
 
 
 def write_labelled_shards(out_dir, samples, *, shard_size: int = 16, prefix: str = "val", first_index: int = 0) -> Path:
     """Write `samples` = [(PIL image, caption, dataset, label), ...] as shards plus manifest.json."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shards = []
-    for shard_no, start in enumerate(range(0, len(samples), shard_size)):
-        path = f"{prefix}-{shard_no:06d}.tar"
-        chunk = samples[start : start + shard_size]
-        with tarfile.open(out_dir / path, "w") as tar:
-            for offset, (image, caption, dataset, label) in enumerate(chunk):
-                index = first_index + start + offset
-                key = f"{index:09d}"
-                png = io.BytesIO()
-                image.save(png, format="PNG")
-                meta = {"index": index, "key": key, "caption": caption, "label": label, "dataset": dataset}
-                _add_file(tar, f"{key}.png", png.getvalue())
-                _add_file(tar, f"{key}.txt", caption.encode())
-                _add_file(tar, f"{key}.json", json.dumps(meta).encode())
-                _add_file(tar, f"{key}.cls", str(label).encode())
-        indices = [first_index + start, first_index + start + len(chunk) - 1]
-        shards.append({"path": path, "num_samples": len(chunk), "index_min": indices[0], "index_max": indices[1]})
-    manifest = {
-        "format": "fastclip-shards/1",
-        "data_size": first_index + len(samples),
-        "num_samples": len(samples),
-        "shards": shards,
-    }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return out_dir
+    writer = ShardWriter(out_dir, prefix=prefix, shard_size=shard_size)
+    for index, (image, caption, dataset, label) in enumerate(samples, start=first_index):
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        writer.write(index, png.getvalue(), "png", caption, label=label, dataset=dataset)
+    writer.close(first_index + len(samples))
+    return Path(out_dir)
 
 
 # ----------------------------------------------------------------------------- the probe CLIP

@@ -470,9 +470,16 @@ def markdown(result: dict) -> str:
             cells = []
             for r in rows:
                 knob = next(k for k in r if k not in ("lr", "val_score"))
-                val = "running" if r["val_score"] is None else f"{100 * r['val_score']:.1f}"
+                val = "to run" if r["val_score"] is None else f"{100 * r['val_score']:.1f}"
                 cells.append(f"lr {r['lr']:g}, {knob} {r[knob]:g}: {val}")
             lines.append(f"| {loss} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if result.get("extra_runs"):
+        lines += ["### Runs outside the current protocol (ablations, superseded grid points)", "",
+                  "| run | final val score (tuning runs) / test score (seed runs), % | final τ |", "|---|---:|---:|"]
+        for r in result["extra_runs"]:
+            tau = "-" if r["final_tau"] is None else f"{r['final_tau']:.4f}"
+            lines.append(f"| `{r['id']}` | {100 * r['final_score']:.1f} | {tau} |")
         lines.append("")
     lines.append(f"Runs done: {result['runs_done']} of {result['runs_planned']} planned so far"
                  + ("" if result["runs_done"] == result["runs_planned"] else
@@ -516,11 +523,24 @@ def plot(result: dict, path: Path) -> None:
     save_figure(fig, path, result["machine"], "Statistical efficiency: mean ± std over seeds", top=0.95)
 
 
+def extra_runs(study: dict, results: Path) -> list[dict]:
+    """Finished runs outside the current plan: ablations (e.g. γ_min 0.2) and settings the grid no longer
+    holds, with their final score, so nothing measured disappears from the report."""
+    planned = {r.id for r in plan(study, results)}
+    out = []
+    for path in sorted((results / "runs").glob("*.json")):
+        r = json.loads(path.read_text())
+        if r["id"] not in planned:
+            out.append({"id": r["id"], "phase": r["run"]["phase"], "final_score": r["final_score"],
+                        "final_tau": r["tau"][-1][1] if r["tau"] else None})
+    return out
+
+
 def report(study: dict, results: Path, out: Path) -> dict:
     planned = plan(study, results)
     done = sum(load_result(results, r) is not None for r in planned)
     result = {"machine": machine_info(), "summary": summarize(study, results), "runs_done": done,
-              "runs_planned": len(planned)}
+              "runs_planned": len(planned), "extra_runs": extra_runs(study, results)}
     publish(out, "stat_eff", result, markdown, plot)
     return result
 

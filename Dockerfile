@@ -1,10 +1,13 @@
-# docker build -t fastclip . && docker run --gpus all --ipc=host -v $PWD/data:/opt/fastclip/data fastclip \
+# docker build -t fastclip .
+# docker run --gpus all --ipc=host -v $PWD/data:/opt/fastclip/data -v $PWD/runs:/opt/fastclip/runs fastclip \
 #     torchrun --standalone --nproc_per_node 8 -m fastclip train -- --config configs/cc3m-fastclip-v3.yaml
+# (runs/ is mounted so checkpoints, metrics and `--train.resume latest` outlive the container)
 #
 # CUDA PyTorch base image: torch and a matching torchvision are already installed, so pip keeps them and
-# adds open_clip_torch, webdataset and the rest from pyproject.toml. The editable install keeps configs/
-# (model configs under configs/models) where fastclip.models looks for them.
-FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# adds open_clip_torch, webdataset and the rest from pyproject.toml. The -devel variant carries nvcc and gcc:
+# torch.compile (Triton) and DeepSpeed's JIT-built ops need a compiler at run time. The editable install keeps
+# configs/ (model configs under configs/models) where fastclip.models looks for them.
+FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-devel
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -15,6 +18,8 @@ COPY pyproject.toml README.md ./
 COPY fastclip ./fastclip
 COPY configs ./configs
 COPY launch ./launch
-RUN pip install -e ".[log]" && python -c "import fastclip, open_clip, webdataset; print('fastclip ok')"
+# deepspeed: train.distributed deepspeed (ZeRO 1-3); awscli: `pipe:aws s3 cp ... -` and s3:// shards
+RUN pip install -e ".[log,deepspeed]" awscli \
+    && python -c "import fastclip, open_clip, webdataset, deepspeed; print('fastclip ok')"
 
 CMD ["fastclip", "--help"]

@@ -14,6 +14,7 @@ Items (each its own program, run in a fresh process, writing <name>.{json,md,png
   engines      bench_engines.py       DDP vs DeepSpeed ZeRO-1/2/3 and gradient accumulation: throughput, memory
   tempfree     bench_tempfree.py      zero-shot of the temperature-free (atanh) loss against tuned temperatures
   scenes       bench_scenes.py        the scenes data at 100k: generation time, distinct captions, held-out pairs
+  scan         bench_scan.py          fastclip data scan: shards/s, samples/s, bytes per sample, projected to 400M
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ ITEMS = {  # name -> (program, result stem, title)
     "engines": ("bench_engines.py", "engines_bench", "6. DDP vs DeepSpeed ZeRO, and gradient accumulation"),
     "tempfree": ("bench_tempfree.py", "tempfree_bench", "7. Temperature-free loss against tuned temperatures"),
     "scenes": ("bench_scenes.py", "scenes", "8. The scenes data: generation time and distinct captions"),
+    "scan": ("bench_scan.py", "scan", "9. Preparing data at scale: fastclip data scan"),
 }
-ORDER = ("e2e", "loss", "state", "scaling", "engines", "tempfree", "scenes", "stat_eff")  # the most important first, the longest last
+ORDER = ("e2e", "loss", "state", "scaling", "engines", "tempfree", "scenes", "scan", "stat_eff")  # the most important first, the longest last
 
 GPU_COMMANDS = """\
 # item 1 on one GPU node (nccl, bf16 autocast in ours, amp_bf16 in OpenCLIP's trainer), ViT-B-32, 256 per GPU:

@@ -7,7 +7,7 @@
                          [--num-test 5000] [--num-novel 2000] [--workers N] [--seed 0] [--shard-size 2000]
   fastclip data folder --captions caps.csv --out DIR [--images ROOT] [--csv-img-key filepath]
                        [--csv-caption-key title] [--csv-separator ","] [--shard-size 2000] [--index-offset 0]
-  fastclip data scan DIR|PATTERN [--data-size N] [--strict]
+  fastclip data scan DIR|PATTERN [--data-size N] [--strict] [--workers N] [--from-tars] [--samples-per-shard N]
   fastclip data info "DIR::/other/train-{000..009}.tar" [--batch-size 64 --world-size 8]
 
 Exit status: 0 on success, 1 when `scan --strict` finds problems, 2 on a usage or data-spec error.
@@ -64,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("shards", help="shard folder or pattern (brace expansion, glob)")
     s.add_argument("--data-size", type=int, default=None, help="default: 1 + the largest index found")
     s.add_argument("--strict", action="store_true", help="exit 1 and write nothing if any problem is found")
+    s.add_argument("--workers", type=int, default=None, help="processes reading shards (default: all cores)")
+    s.add_argument("--from-tars", action="store_true",
+                   help="read every tar even where img2dataset's {shard}.parquet or {shard}_stats.json is present")
+    s.add_argument("--samples-per-shard", type=int, default=None,
+                   help="img2dataset's --number_sample_per_shard (default 10000): the key range of a shard counted "
+                        "from its _stats.json")
 
     i = sub.add_parser("info", help="resolve a training data spec and print what an epoch would be")
     i.add_argument("train_data", help="as data.train: folders/manifests/patterns joined with '::'")
@@ -113,7 +119,8 @@ def _run(args) -> int:
     if args.command == "scan":
         from fastclip.data.sources.scan import scan_shards
 
-        result = scan_shards(args.shards, data_size=args.data_size, write=not args.strict)
+        result = scan_shards(args.shards, data_size=args.data_size, write=not args.strict, workers=args.workers,
+                             from_tars=args.from_tars, samples_per_shard=args.samples_per_shard)
         print(result.summary())
         if args.strict and result.problems:
             print("--strict: problems found, no manifest written", file=sys.stderr)

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -100,18 +100,26 @@ class StreamConfig:
 
 
 def build_train_stream(cfg: Any, *, rank: int = 0, world_size: int = 1, preprocess: Callable,
-                       tokenizer: Callable) -> "TrainStream":
+                       tokenizer: Callable, catalog: Catalog | None = None) -> "TrainStream":
+    """catalog: the shards of cfg.train as resolved once (by rank 0, broadcast); None: resolve them here."""
     return TrainStream(StreamConfig.from_any(cfg), rank=rank, world_size=world_size, preprocess=preprocess,
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, catalog=catalog)
 
 
 class TrainStream:
     def __init__(self, cfg: StreamConfig, *, rank: int, world_size: int, preprocess: Callable,
-                 tokenizer: Callable):
+                 tokenizer: Callable, catalog: Catalog | None = None):
         _check_positive(cfg, world_size, rank)
         self.cfg, self.rank = cfg, rank
         self.preprocess, self.tokenizer = preprocess, tokenizer
-        self.catalog: Catalog = resolve_catalog(cfg.train, cfg.data_size)
+        if catalog is None:
+            catalog = resolve_catalog(cfg.train, cfg.data_size)
+        elif cfg.data_size is not None and cfg.data_size != catalog.data_size:
+            if cfg.data_size < catalog.data_size:
+                raise DataSpecError(f"data_size {cfg.data_size} is smaller than the manifests' data_size "
+                                    f"{catalog.data_size}")
+            catalog = replace(catalog, data_size=cfg.data_size)
+        self.catalog: Catalog = catalog
         self.data_size = self.catalog.data_size
         self.layout = Layout(world_size, max(1, cfg.workers), cfg.batch_size, cfg.shuffle_buffer)
         self._weights = _shard_weights(self.catalog, cfg)

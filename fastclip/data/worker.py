@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from fastclip.data.format import IMAGE_EXTS
+from fastclip.data.bits import IndexBits
 from fastclip.data.plan import (TAG_BATCH, TAG_WINDOW, EpochSequence, Layout, Segment, rank_span, rng_for,
                                 window_span, worker_batches, worker_chunk, worker_runs)
 from fastclip.data.samples import SHARD_REASONS, Candidate, DataExhausted, SkipLog, check_sample, decode_image
@@ -77,7 +78,10 @@ class _Worker:
         self.chunk_start, self.chunk_len = worker_chunk(job.n_batches, lay, worker)
         self.window, self.consumed = job.cursors[worker]
         self.skips = SkipLog()
-        self.seen: dict[int, tuple[int, str]] = {}  # index -> (shard id, key) first read this epoch
+        # this epoch's owners, compactly: the indices served (a bitmap) and, per shard, a bit per position for
+        # the sample that owns its index, so a re-read of it (wrap, refill) is not taken for a duplicate
+        self.seen = IndexBits()
+        self.owners: dict[int, bytearray] = {}
         self.known_len: dict[int, tuple[int, str, str | None]] = {}  # shard -> (readable, reason, last key)
         self.reader: tuple[int, ShardReader] | None = None
         self.open_errors: dict[int, str] = {}  # shard -> why it could not be opened
@@ -177,19 +181,31 @@ class _Worker:
                     self._skip(run_log, skip[raw.key][0], name, raw.key, skip[raw.key][1] + " (listed in manifest)")
                     continue
                 cand, reason, detail = check_sample(raw, job.data_size, job.index_base[shard])
-                if cand is not None:
-                    first = self.seen.setdefault(cand.index, (shard, raw.key))
-                    if first != (shard, raw.key):
-                        reason = "duplicate_index"
-                        detail = (f"index {cand.index} already served this epoch from shard "
-                                  f"{job.shard_names[first[0]]} key {first[1]}")
-                        cand = None
+                if cand is not None and not self._owns(shard, raw.ordinal, cand.index):
+                    reason = "duplicate_index"
+                    detail = (f"index {cand.index} already served this epoch from another sample (`fastclip data "
+                              f"scan` names both)")
+                    cand = None
                 if cand is None:
                     self._skip(run_log, reason, name, raw.key, detail)
                     continue
                 cand.shard, cand.wrapped = name, run.wrapped
                 items.append(cand)
         return items
+
+    def _owns(self, shard: int, ordinal: int, index: int) -> bool:
+        """Whether the sample at (shard, ordinal) is the one serving `index` this epoch (claiming it if free)."""
+        bits = self.owners.get(shard)
+        if bits is None or len(bits) * 8 <= ordinal:
+            bits = self.owners[shard] = (bits or bytearray()) + bytearray(
+                max(self.job.shard_sizes[shard], ordinal + 1) // 8 + 1 - len(bits or b""))
+        byte, bit = ordinal >> 3, 1 << (ordinal & 7)
+        if bits[byte] & bit:
+            return True
+        if self.seen.add(index):
+            bits[byte] |= bit
+            return True
+        return False
 
     def _read_run(self, shard: int, ordinal: int, count: int, log_: SkipLog):
         """Samples [ordinal, ordinal+count) of a shard; lost ones (broken tar) are counted, not yielded."""

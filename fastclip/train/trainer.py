@@ -27,15 +27,42 @@ from fastclip.train.preemption import EXIT_PREEMPTED, StopSignals
 
 
 # ----------------------------------------------------------------------------- helpers
-def check_data(cfg: Config, world_size: int) -> int:
-    """Checks that need the data and the world size, before anything heavy is built; returns data_size."""
+def read_catalog(cfg: Config):
+    """The shard list of data.train from its manifests (ConfigError naming the key if it is wrong)."""
     from fastclip.data import DataSpecError, ManifestError, resolve_catalog
 
     try:
-        catalog = resolve_catalog(cfg.data.train, cfg.data.data_size)
+        return resolve_catalog(cfg.data.train, cfg.data.data_size)
     except (DataSpecError, ManifestError, FileNotFoundError) as e:
         key = "data.data_size" if "data_size" in str(e) and cfg.data.data_size is not None else "data.train"
         raise ConfigError(f"config key '{key}': {e}") from None
+
+
+def shared_catalog(cfg: Config, info: DistInfo):
+    """Rank 0 reads the manifests (and checks local shard files exist); the other ranks get its catalog, or its
+    one-line error, by one broadcast: a 1,000-rank start does not read every manifest and stat every shard 1,000
+    times over (a shared file system or an object store would feel it)."""
+    result = None
+    if info.rank == 0:
+        try:
+            result = read_catalog(cfg)
+        except ConfigError as e:
+            result = str(e)
+    if info.distributed:
+        import torch.distributed as dist
+
+        box = [result]
+        dist.broadcast_object_list(box, src=0, device=info.device if info.device.type == "cuda" else None)
+        result = box[0]
+    if isinstance(result, str):
+        raise ConfigError(result)
+    return result
+
+
+def check_data(cfg: Config, world_size: int, catalog=None) -> int:
+    """Checks that need the data and the world size, before anything heavy is built; returns data_size.
+    catalog: the shards as read by rank 0 (shared_catalog); None: read them here."""
+    catalog = read_catalog(cfg) if catalog is None else catalog
     per_epoch = cfg.data.samples_per_epoch if cfg.data.resampled and cfg.data.samples_per_epoch else catalog.num_samples
     global_batch = cfg.data.batch_size * world_size
     if global_batch > per_epoch:
@@ -50,11 +77,12 @@ def check_data(cfg: Config, world_size: int) -> int:
     return catalog.data_size
 
 
-def check_inputs(cfg: Config, world_size: int) -> tuple[int, Path | None, dict | None, dict | None]:
+def check_inputs(cfg: Config, world_size: int, catalog=None) -> tuple[int, Path | None, dict | None, dict | None]:
     """Everything checkable before a tower is built: the data for this world size, the resume (a foreign file,
     another seed or data) and --model.pretrained. Returns (data_size, resume_dir, its model.pt, pretrained
     tensors); raises ConfigError. `fastclip train --check` runs it before a launcher starts the processes."""
-    data_size = check_data(cfg, world_size)
+    catalog = read_catalog(cfg) if catalog is None else catalog
+    data_size = check_data(cfg, world_size, catalog)
     if cfg.train.resume and cfg.train.resume != "latest" and Path(cfg.train.resume).is_file():
         raise preflight.describe_resume_file(Path(cfg.train.resume))  # an OpenCLIP epoch_N.pt, a state dict, ...
     try:
@@ -63,10 +91,7 @@ def check_inputs(cfg: Config, world_size: int) -> tuple[int, Path | None, dict |
         raise ConfigError(f"config key 'train.resume': {e}") from None
     model_file, pretrained = None, None
     if resume_dir is not None:  # same model, loss, data, seed and epoch length, or a one-line error now
-        from fastclip.data import resolve_catalog
-
         model_file = preflight.read_resume(resume_dir, cfg.train.resume)
-        catalog = resolve_catalog(cfg.data.train, cfg.data.data_size)
         preflight.check_resume(cfg, resume_dir, model_file, fingerprint=catalog.fingerprint,
                                num_samples=catalog.num_samples, data_size=data_size)
     elif cfg.model.pretrained:
@@ -198,7 +223,8 @@ class Run:
         self.cfg, self.info, self.timeouts, self.stop = cfg, info, timeouts, stop
         self.device, self.run_dir = info.device, Path(cfg.train.run_dir)
         # checks that need the data and the world size, before anything heavy
-        data_size, self.resume_dir, model_file, pretrained = check_inputs(cfg, info.world_size)
+        catalog = shared_catalog(cfg, info)
+        data_size, self.resume_dir, model_file, pretrained = check_inputs(cfg, info.world_size, catalog)
         self.pretrained = pretrained is not None
 
         def load(model, loss_fn):  # before the engine wraps them: DDP then broadcasts identical tensors
@@ -217,7 +243,7 @@ class Run:
         # this rank's part of every global batch
         self.stream = build_train_stream(stream_config(cfg, data_size, self.device), rank=info.rank,
                                          world_size=info.world_size, preprocess=net.built.preprocess_train,
-                                         tokenizer=net.built.tokenizer)
+                                         tokenizer=net.built.tokenizer, catalog=catalog)
         self.global_batch = cfg.data.batch_size * info.world_size
         self.schedules = Schedules(cfg, self.engine, total_steps=cfg.train.epochs * self.stream.batches_per_epoch,
                                    global_batch=self.global_batch)

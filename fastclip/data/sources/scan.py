@@ -7,15 +7,28 @@ the shard's `index_base`, which the loader adds to a sample's position in the ta
 data_size (--data-size; default 1 + the largest index found). Every problem is reported with shard and key
 and recorded in the manifest's "problems" list: the training stream skips exactly those samples. Of two
 samples with the same index, the first in manifest order (shard, then tar order) is kept.
+
+At LAION scale: shards are summarised in parallel processes (--workers, default all cores) and streamed back
+one at a time in manifest order; what stays in memory is one bit per index (fastclip/data/bits.py) and each
+shard's entry, not an object per sample (benchmarks/bench_scan.py measures both). Where img2dataset left
+`{shard}.parquet` (read with pyarrow, if installed: the keys of its `status == "success"` rows, which are the
+tar's samples in order) or `{shard}_stats.json` (`successes` samples; the indices bounded by img2dataset's key
+scheme, shard_id * 10**digits(samples_per_shard - 1) + row, so nothing per sample is checked) the tar is not
+opened; --from-tars reads the tars anyway.
 """
 from __future__ import annotations
 
 import glob
+import json
+import multiprocessing as mp
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from fastclip.data.bits import IndexBits
 from fastclip.data.catalog import DataSpecError, expand_braces
 from fastclip.data.format import SHARD_SUFFIXES, caption_of, image_of, index_from_meta, parse_meta
 from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
@@ -37,6 +50,11 @@ class ScanResult:
                  + (f"{plain} plain WebDataset shard(s) indexed by position, " if (plain := sum(
                      s.index_base is not None for s in self.manifest.shards)) else "")
                  + (f"{len(self.problems)} problems ({dict(counts)})" if self.problems else "no problems")]
+        via = self.manifest.extra.get("scanned_from", {})
+        if via.get("stats") or via.get("parquet"):
+            lines.append(f"  counted from img2dataset's files without opening the tars: {via.get('parquet', 0)} "
+                         f"shard(s) from .parquet (keys checked), {via.get('stats', 0)} from _stats.json (counts and key "
+                         f"ranges only)")
         lines += [f"  shard {p['shard']} key {p['key']}: {p['reason']} ({p['detail']})" for p in self.problems[:50]]
         if len(self.problems) > 50:
             lines.append(f"  ... {len(self.problems) - 50} more in the manifest's 'problems'")
@@ -65,66 +83,229 @@ def find_shards(spec: str) -> tuple[Path, list[Path]]:
     return paths[0].parent, paths
 
 
-def scan_shards(spec: str, data_size: int | None = None, write: bool = True) -> ScanResult:
-    folder, paths = find_shards(spec)
-    shards: list[ShardInfo] = []
-    problems: list[dict] = []
-    owner: dict[int, tuple[str, str]] = {}  # index -> (shard, key) of its first occurrence
-    found: list[tuple[str, str, int]] = []  # (shard, key, index) in order, for the range check below
+@dataclass
+class ShardSummary:
+    """What a scan keeps of one shard while it is checked (then only its ShardInfo and index range remain)."""
+    name: str
+    num_samples: int
+    via: str  # "tar", "parquet" (img2dataset's {shard}.parquet) or "stats" ({shard}_stats.json: counts only)
+    indices: np.ndarray | None = None  # int64 per sample in tar order, MISSING where none; None: via stats
+    keys: list[str] | None = None
+    notes: list[tuple[int, str, str]] = field(default_factory=list)  # (ordinal, reason, detail)
+    plain: bool = False  # no .json member at all: indexed by position (fastclip/data/catalog.py)
+    bounds: tuple[int, int] | None = None  # via stats: the shard's key range (img2dataset's key scheme)
+    broken: str | None = None
 
-    def problem(shard: str, key: str | None, reason: str, detail: str, index: int | None = None) -> None:
-        problems.append({"shard": shard, "key": key, "reason": reason, "detail": detail, "index": index})
 
-    position = 0  # samples in the shards before this one, in manifest order
+MISSING = np.iinfo(np.int64).min
+IMG2DATASET_SAMPLES_PER_SHARD = 10_000  # img2dataset's --number_sample_per_shard default
+
+
+def _stem(path: Path) -> str:
+    name = path.name
+    for suffix in SHARD_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
+def _summarise(task: tuple) -> ShardSummary:
+    """One shard's summary (runs in a pool process). task: (path, name, via, key_base, wanted indices)."""
+    path, name, via, key_base = task[:4]
+    if via == "stats":
+        with open(path, encoding="utf-8") as f:
+            stats = json.load(f)
+        count, successes = int(stats["count"]), int(stats["successes"])
+        return ShardSummary(name, successes, via, bounds=(key_base, key_base + max(count, 1) - 1))
+    if via == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path, columns=["key", "status"]).to_pydict()
+        keys = [str(k) for k, st in zip(table["key"], table["status"]) if st == "success"]  # the tar's samples
+        indices = np.array([int(k) if k.strip().lstrip("-").isdigit() else MISSING for k in keys], dtype=np.int64)
+        notes = [(o, "missing_index", f"parquet key {k!r} is not an integer") for o, k in enumerate(keys)
+                 if indices[o] == MISSING]
+        return ShardSummary(name, len(keys), via, indices, keys, notes)
+    keys, values, notes, missing, any_json, broken = [], [], [], [], False, None
+    try:
+        with ShardReader(path, _WANT) as reader:
+            while (raw := reader.next_group()) is not None:
+                ordinal = len(keys)
+                keys.append(raw.key)
+                any_json |= "json" in raw.exts
+                meta, why = parse_meta(raw.files.get("json"))
+                index = index_from_meta(meta) if meta is not None else None
+                values.append(MISSING if index is None else index)
+                if index is None:
+                    missing.append((ordinal, "missing_index", why or "json has no integer 'index' or 'key'"))
+                if caption_of(raw.files, meta) is None:
+                    notes.append((ordinal, "missing_caption", "no non-empty .txt and no json 'caption'"))
+                if image_of({e: b"" for e in raw.exts}) is None:
+                    notes.append((ordinal, "missing_image", f"members present: {', '.join(raw.exts)}"))
+    except TarBroken as e:
+        broken = f"{e}; manifest counts the {len(keys)} complete samples"
+    summary = ShardSummary(name, len(keys), via, np.array(values, dtype=np.int64), keys, notes, broken=broken)
+    # a plain WebDataset shard ({key}.jpg + {key}.txt, no .json at all): indexed by position in the manifest's
+    # shard order (a shard with some .json members keeps the per-sample rule, its json-less samples missing one)
+    summary.plain = bool(keys) and not any_json
+    if not summary.plain:
+        summary.notes += missing
+    return summary
+
+
+def _owner_keys(task: tuple) -> dict[int, str]:
+    """{index: key} of the first sample with each wanted index in one shard (to name a duplicate's first copy)."""
+    summary, wanted = _summarise(task), task[4]
+    out: dict[int, str] = {}
+    for key, index in zip(summary.keys or (), (summary.indices if summary.indices is not None else ()).tolist()):
+        if index in wanted and index not in out:
+            out[index] = key
+    return out
+
+
+def _plan(folder: Path, paths: list[Path], from_tars: bool, samples_per_shard: int | None) -> list[tuple]:
+    """Per shard: where its summary comes from. img2dataset's {shard}.parquet (needs pyarrow) or
+    {shard}_stats.json when present (the tar is not opened), else the tar."""
+    try:
+        import pyarrow.parquet  # noqa: F401
+        parquet_ok = True
+    except ImportError:
+        parquet_ok = False
+    per_shard = samples_per_shard or IMG2DATASET_SAMPLES_PER_SHARD
+    oom = len(str(per_shard - 1)) if per_shard > 1 else 1  # img2dataset: key = shard_id * 10**oom + position
+    tasks = []
     for path in paths:
         name = os.path.relpath(path.resolve(), folder.resolve())
-        info = ShardInfo(name, 0)
-        groups = []  # (key, members present, json meta or None, why not, caption found)
-        try:
-            with ShardReader(path, _WANT) as reader:
-                while (raw := reader.next_group()) is not None:
-                    meta, why = parse_meta(raw.files.get("json"))
-                    groups.append((raw.key, raw.exts, meta, why, caption_of(raw.files, meta) is not None))
-        except TarBroken as e:
-            problem(name, None, "truncated_tar", f"{e}; manifest counts the {len(groups)} complete samples")
-        info.num_samples = len(groups)
-        # a plain WebDataset shard ({key}.jpg + {key}.txt, no .json at all): each sample's index is its position
-        # in the manifest's shard order; the manifest records the shard's first one and the loader adds the
-        # sample's position in the tar (a shard with some .json members keeps the per-sample rule)
-        if groups and not any("json" in exts for _, exts, _, _, _ in groups):
-            info.index_base = position
-        for ordinal, (key, exts, meta, why, has_caption) in enumerate(groups):
-            if info.index_base is not None:
-                index = info.index_base + ordinal
+        stem = path.parent / _stem(path)
+        if not from_tars and parquet_ok and stem.with_name(stem.name + ".parquet").is_file():
+            tasks.append((str(stem.with_name(stem.name + ".parquet")), name, "parquet", 0, frozenset()))
+        elif not from_tars and stem.with_name(stem.name + "_stats.json").is_file() and stem.name.isdigit():
+            tasks.append((str(stem.with_name(stem.name + "_stats.json")), name, "stats", int(stem.name) * 10**oom,
+                          frozenset()))
+        else:
+            tasks.append((str(path), name, "tar", 0, frozenset()))
+    return tasks
+
+
+def _map(fn, tasks: list, workers: int):
+    """fn over tasks in order, in `workers` processes (1: here); results stream back one shard at a time."""
+    if workers <= 1 or len(tasks) <= 1:
+        yield from map(fn, tasks)
+        return
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(min(workers, len(tasks))) as pool:
+        yield from pool.imap(fn, tasks, chunksize=1)
+
+
+def scan_shards(spec: str, data_size: int | None = None, write: bool = True, *, workers: int | None = None,
+                from_tars: bool = False, samples_per_shard: int | None = None, progress=None) -> ScanResult:
+    """Scan in `workers` processes (default: all cores), one shard summary at a time: what stays in memory is a
+    bitmap of the indices seen (fastclip/data/bits.py), each shard's ShardInfo and the problems found."""
+    folder, paths = find_shards(spec)
+    tasks = _plan(folder, paths, from_tars, samples_per_shard)
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    shards: list[ShardInfo] = []
+    problems: list[dict] = []
+    seen = IndexBits()
+    spans: list[tuple[int, int] | None] = []  # per shard: min/max of the indices it owns (to find a first copy)
+    pending: list[tuple[dict, int, int]] = []  # (duplicate problem, its index, its shard) whose first copy is earlier
+    via = Counter()
+
+    def problem(shard: str, key: str | None, reason: str, detail: str, index: int | None = None) -> dict:
+        entry = {"shard": shard, "key": key, "reason": reason, "detail": detail, "index": index}
+        problems.append(entry)
+        return entry
+
+    position, largest = 0, -1  # samples in the shards before this one, in manifest order
+    for s_id, summary in enumerate(_map(_summarise, tasks, workers)):
+        via[summary.via] += 1
+        info = ShardInfo(summary.name, summary.num_samples)
+        if summary.broken:
+            problem(summary.name, None, "truncated_tar", summary.broken)
+        if summary.bounds is not None:  # counts only: the key range bounds the indices, nothing per sample
+            info.index_min, info.index_max = summary.bounds
+            largest = max(largest, summary.bounds[1])
+            spans.append(summary.bounds)
+        else:
+            idx = summary.indices
+            if summary.plain:
+                info.index_base = position
+                idx = position + np.arange(summary.num_samples, dtype=np.int64)
+            valid = idx != MISSING
+            ok = valid & (idx >= 0)
+            dup = np.zeros(len(idx), dtype=bool)
+            dup[ok] = seen.add_many(idx[ok])
+            keep = ok & ~dup
+            if data_size is not None:
+                out = keep & (idx >= data_size)
             else:
-                index = index_from_meta(meta) if meta is not None else None
-            if index is None:
-                problem(name, key, "missing_index", why or "json has no integer 'index' or 'key'")
-                continue
-            if index in owner:
-                first = owner[index]
-                problem(name, key, "duplicate_index", f"index {index} also at shard {first[0]} key {first[1]}", index)
-                continue
-            owner[index] = (name, key)
-            found.append((name, key, index))
-            if not has_caption:
-                problem(name, key, "missing_caption", "no non-empty .txt and no json 'caption'", index)
-            if image_of({e: b"" for e in exts}) is None:
-                problem(name, key, "missing_image", f"members present: {', '.join(exts)}", index)
+                out = np.zeros(len(idx), dtype=bool)
+            rows: list[tuple[int, str, str, int | None]] = [(o, r, d, None) for o, r, d in summary.notes
+                                                             if r == "missing_index"]
+            rows += [(o, r, d, int(idx[o])) for o, r, d in summary.notes if r != "missing_index" and keep[o]]
+            rows += [(o, "index_out_of_range", f"index {int(idx[o])} not in [0, {data_size})", int(idx[o]))
+                     for o in np.nonzero((valid & (idx < 0)) | out)[0].tolist()]
+            first_here = {}
+            for o in np.nonzero(keep)[0].tolist():
+                first_here.setdefault(int(idx[o]), o)
+            for o in np.nonzero(dup)[0].tolist():
+                i = int(idx[o])
+                if i in first_here and first_here[i] < o:
+                    rows.append((o, "duplicate_index", f"index {i} also at shard {summary.name} key "
+                                 f"{summary.keys[first_here[i]]}", i))
+                else:
+                    rows.append((o, "duplicate_index", None, i))
+            for o, reason, detail, index in sorted(rows, key=lambda r: r[0]):
+                entry = problem(summary.name, summary.keys[o], reason, detail, index)
+                if detail is None:
+                    pending.append((entry, index, s_id))
+            owned = idx[ok & ~dup]
+            spans.append((int(owned.min()), int(owned.max())) if len(owned) else None)
+            kept = idx[keep & ~out]
+            if len(kept):
+                info.index_min, info.index_max = int(kept.min()), int(kept.max())
+                largest = max(largest, info.index_max)
         position += info.num_samples
         shards.append(info)
-    largest = max((i for _, _, i in found), default=-1)
+        if progress is not None:
+            progress(1)
+    _name_first_copies(pending, spans, tasks, workers, shards)
+    _check_stats_ranges(tasks, spans, shards)
     data_size = largest + 1 if data_size is None else data_size
-    bounds: dict[str, list[int]] = {}
-    for shard, key, index in found:
-        if not 0 <= index < data_size:
-            problem(shard, key, "index_out_of_range", f"index {index} not in [0, {data_size})", index)
-            continue
-        lo_hi = bounds.setdefault(shard, [index, index])
-        lo_hi[0], lo_hi[1] = min(lo_hi[0], index), max(lo_hi[1], index)
-    for info in shards:
-        info.index_min, info.index_max = bounds.get(info.path, (None, None))
-    manifest = Manifest(data_size, shards, problems, {"created_by": "fastclip data scan"})
+    extra = {"created_by": "fastclip data scan"}
+    if via["stats"] or via["parquet"]:
+        extra["scanned_from"] = dict(via)
+    manifest = Manifest(data_size, shards, problems, extra)
     if write:
         write_manifest(folder, manifest)
     return ScanResult(manifest, folder, problems)
+
+
+def _name_first_copies(pending, spans, tasks, workers, shards) -> None:
+    """A duplicate whose first copy is in an earlier shard: re-read the earlier shards whose index range holds
+    it (usually one, usually none) for that copy's key, so the problem names both samples."""
+    wanted: dict[int, set[int]] = {}
+    for _, index, s_id in pending:
+        for t in range(s_id):
+            if spans[t] is not None and spans[t][0] <= index <= spans[t][1] and tasks[t][2] != "stats":
+                wanted.setdefault(t, set()).add(index)
+    owners: dict[int, tuple[str, str]] = {}
+    order = sorted(wanted)
+    jobs = [tasks[t][:4] + (frozenset(wanted[t]),) for t in order]
+    for t, found in zip(order, _map(_owner_keys, jobs, workers)):
+        for index, key in found.items():
+            owners.setdefault(index, (shards[t].path, key))
+    for entry, index, _ in pending:
+        shard, key = owners.get(index, ("(earlier shard)", "?"))
+        entry["detail"] = f"index {index} also at shard {shard} key {key}"
+
+
+def _check_stats_ranges(tasks, spans, shards) -> None:
+    """A shard counted from img2dataset's stats has only a key range: it must not overlap another shard's."""
+    ranges = sorted((lo, hi, shards[t].path, tasks[t][2]) for t, span in enumerate(spans) if span is not None
+                    for lo, hi in [span])
+    for (lo_a, hi_a, a, via_a), (lo_b, hi_b, b, via_b) in zip(ranges, ranges[1:]):
+        if lo_b <= hi_a and "stats" in (via_a, via_b):
+            raise DataSpecError(f"shards {a} (key range {lo_a}..{hi_a}) and {b} (key range {lo_b}..{hi_b}) overlap "
+                                f"by img2dataset's _stats.json: pass --samples-per-shard as given to img2dataset, or "
+                                f"--from-tars to read the indices from the tars")

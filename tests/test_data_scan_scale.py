@@ -1,0 +1,159 @@
+"""Preparing data at LAION scale: `fastclip data scan` in parallel processes with per-shard summaries (the same
+manifest as one process), from img2dataset's `{shard}_stats.json` / `.parquet` without opening the tars, the
+compact index sets of scan and of the loader workers, and the catalog read once by rank 0 and broadcast."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from fastclip.data import build_train_stream, read_manifest
+from fastclip.data.bits import IndexBits
+from fastclip.data.cli import main as data_main
+from fastclip.data.sources.scan import scan_shards
+from fastclip.data.sources.synthetic import synthetic_image
+from fastclip.data.tario import write_tar
+
+PER_SHARD = 100  # img2dataset --number_sample_per_shard: keys are shard_id * 100 + row
+
+
+def img2dataset_folder(folder: Path, rows: list[int], failed: set[int], *, stats: bool, parquet: bool = False,
+                       dup: tuple[int, int] | None = None) -> None:
+    """Shards as img2dataset writes them: rows that failed to download are absent from the tar; keys
+    {shard:05d}{row:02d}; optionally {shard}_stats.json and {shard}.parquet beside each tar."""
+    folder.mkdir(parents=True)
+    for sid, count in enumerate(rows):
+        groups, table = [], {"key": [], "status": [], "caption": []}
+        for row in range(count):
+            key = f"{sid:05d}{row:02d}"
+            if dup and (sid, row) == dup:
+                key = f"{0:05d}{3:02d}"  # the key (index 3) of shard 0 row 3 again
+            ok = (sid * PER_SHARD + row) not in failed
+            table["key"].append(key)
+            table["status"].append("success" if ok else "failed_to_download")
+            table["caption"].append(f"caption {key}")
+            if ok:
+                groups.append((key, {"jpg": synthetic_image(row, 8, "jpg"), "txt": f"caption {key}".encode(),
+                                     "json": json.dumps({"key": key, "status": "success"}).encode()}))
+        write_tar(folder / f"{sid:05d}.tar", groups)
+        if stats:
+            (folder / f"{sid:05d}_stats.json").write_text(json.dumps(
+                {"count": count, "successes": len(groups), "failed_to_download": count - len(groups),
+                 "failed_to_resize": 0, "duration": 1.0, "status_dict": {}}))
+        if parquet:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table(table), folder / f"{sid:05d}.parquet")
+
+
+def summary_of(manifest) -> list[tuple]:
+    return [(s.path, s.num_samples, s.index_min, s.index_max) for s in manifest.shards]
+
+
+def test_index_bits_numbers():
+    bits = IndexBits()
+    assert bits.add(5) and not bits.add(5) and 5 in bits and 6 not in bits
+    dup = bits.add_many(np.array([7, 5, 7, 1 << 20, 9, 1 << 20]))
+    assert dup.tolist() == [False, True, True, False, False, True]
+    assert bits.nbytes == 2 * 8192  # two chunks of 65,536 indices touched: 8 KiB each
+    many = IndexBits()
+    many.add_many(np.arange(1_000_000, 1_100_000))  # 100,000 indices in chunks 15 and 16: 0.16 byte per index
+    assert many.nbytes == 2 * 8192
+
+
+def test_parallel_scan_equals_one_process(tmp_path):
+    # 5 shards, keys with failures (gaps), a duplicate across shards, one tar truncated
+    img2dataset_folder(tmp_path / "d", [10, 10, 7, 10, 10], failed={4, 103, 104, 205}, stats=False,
+                       dup=(3, 6))
+    tar = tmp_path / "d" / "00004.tar"
+    tar.write_bytes(tar.read_bytes()[:9000])
+    one = scan_shards(str(tmp_path / "d"), workers=1, write=False)
+    two = scan_shards(str(tmp_path / "d"), workers=2, write=False)
+    assert one.manifest.to_json() == two.manifest.to_json()
+    m = two.manifest
+    assert summary_of(m)[:4] == [("00000.tar", 9, 0, 9), ("00001.tar", 8, 100, 109), ("00002.tar", 6, 200, 206),
+                                 ("00003.tar", 10, 300, 309)]  # a duplicate is a sample of its tar, skipped
+    assert m.shards[4].num_samples < 10 and m.data_size == 1 + m.shards[4].index_max
+    dups = [p for p in m.problems if p["reason"] == "duplicate_index"]
+    assert dups == [{"shard": "00003.tar", "key": "0000003", "reason": "duplicate_index",
+                     "detail": "index 3 also at shard 00000.tar key 0000003", "index": 3}]
+    assert [p["shard"] for p in m.problems if p["reason"] == "truncated_tar"] == ["00004.tar"]
+
+
+def test_scan_from_img2dataset_stats_without_opening_the_tars(tmp_path, model_fns, capsys):
+    folder = tmp_path / "d"
+    img2dataset_folder(folder, [10, 10, 6], failed={2, 105, 205}, stats=True)
+    tars = {p.name: p.read_bytes() for p in folder.glob("*.tar")}
+    for p in folder.glob("*.tar"):
+        p.write_bytes(b"not a tar")  # a scan that opened one would fail here
+    assert data_main(["scan", str(folder), "--samples-per-shard", str(PER_SHARD), "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "3 shards, 23 samples, data_size 206, no problems" in out and "0 shard(s) from .parquet" in out
+    m = read_manifest(folder)
+    # counts are the successes; the index range of a shard is its key range (no key read)
+    assert summary_of(m) == [("00000.tar", 9, 0, 9), ("00001.tar", 9, 100, 109), ("00002.tar", 5, 200, 205)]
+    assert m.extra["scanned_from"] == {"stats": 3}
+    for name, data in tars.items():
+        (folder / name).write_bytes(data)
+    # the loader reads the samples' own keys, inside those ranges: every sample once, nothing skipped
+    stream = build_train_stream({"train": str(folder), "batch_size": 23, "workers": 0, "shuffle_buffer": 23},
+                                rank=0, world_size=1, preprocess=model_fns[0], tokenizer=model_fns[1])
+    (_, _, indices), = list(stream.epoch(0))
+    assert sorted(indices.tolist()) == [i for s, n in enumerate([10, 10, 6]) for i in range(s * 100, s * 100 + n)
+                                        if i not in {2, 105, 205}]
+    assert sum(stream.counters.values()) == 0
+    # --from-tars reads the keys: exact ranges
+    exact = scan_shards(str(folder), from_tars=True, workers=1).manifest
+    assert summary_of(exact) == [("00000.tar", 9, 0, 9), ("00001.tar", 9, 100, 109), ("00002.tar", 5, 200, 204)]
+    # img2dataset's default of 10,000 per shard when not told: ranges 0.., 10000.., 20000.. (bounds, too wide)
+    assert scan_shards(str(folder), workers=1, write=False).manifest.data_size == 20006
+
+
+def test_scan_from_img2dataset_parquet_checks_keys(tmp_path):
+    pytest.importorskip("pyarrow")
+    folder = tmp_path / "d"
+    img2dataset_folder(folder, [10, 8], failed={1, 107}, stats=True, parquet=True, dup=(1, 3))
+    for p in folder.glob("*.tar"):
+        p.write_bytes(b"not a tar")
+    m = scan_shards(str(folder), workers=2).manifest
+    assert m.extra["scanned_from"] == {"parquet": 2}
+    assert summary_of(m) == [("00000.tar", 9, 0, 9), ("00001.tar", 7, 100, 106)]
+    assert [(p["shard"], p["key"], p["reason"], p["detail"]) for p in m.problems] == [
+        ("00001.tar", "0000003", "duplicate_index", "index 3 also at shard 00000.tar key 0000003")]
+
+
+def _broadcast_catalog(rank, world_size, data):
+    """Rank 1 cannot read manifests at all here: it must get rank 0's catalog."""
+    import fastclip.data
+    from fastclip.distributed import DistInfo
+    from fastclip.train.config import ConfigError, load_config
+    from fastclip.train.trainer import shared_catalog
+
+    if rank == 1:
+        def refuse(*a, **k):
+            raise AssertionError("rank 1 read the manifests")
+        fastclip.data.resolve_catalog = refuse
+    info = DistInfo(rank, world_size, rank, torch.device("cpu"), "test", True)
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml",
+                      ["--data.train", str(data / "train")])
+    catalog = shared_catalog(cfg, info)
+    bad = load_config(Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml",
+                      ["--data.train", str(data / "nowhere-{0..3}.tar")])
+    try:
+        shared_catalog(bad, info)
+        error = None
+    except ConfigError as e:
+        error = str(e)
+    return catalog.fingerprint, catalog.num_samples, len(catalog.shards), error
+
+
+def test_rank_0_reads_the_catalog_and_broadcasts_it(tiny_embedded):
+    results = run_distributed(_broadcast_catalog, 2, tiny_embedded)
+    assert results[0] == results[1]
+    assert results[0][1:3] == (80, 3)
+    assert results[0][3].startswith("config key 'data.train': shard file ") and "nowhere-0.tar" in results[0][3]

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from fastclip.data import build_train_stream, read_manifest  # noqa: E402
 from fastclip.data.sources.embedded import build_embedded  # noqa: E402
-from fastclip.data.testing import write_synthetic  # noqa: E402
+from fastclip.data.sources.synthetic import write_synthetic  # noqa: E402
 
 
 def make_datasets(root: Path, quick: bool) -> dict[str, Path]:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_utils import make_embedded
+from helpers import make_embedded
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""Helpers of the fault tests: tiny embedded data, the shrunk recipe, whole jobs as real process groups,
-and bitwise comparison of checkpoints."""
+"""Helpers shared by the tests: tiny embedded data, the shrunk recipe as command-line overrides, run records and
+checkpoints, bitwise comparison, whole jobs as real process groups, data streams, and loss gradients."""
 from __future__ import annotations
 
 import json
@@ -26,18 +26,33 @@ def make_embedded(out: Path) -> Path:
     return out
 
 
-def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v2", **extra) -> list[str]:
-    """The embedded recipe shrunk to seconds: tiny data, logs every step, checkpoints every 2 steps, no eval."""
-    opts = {"data.train": data / "train", "data.val": "null", "data.batch_size": BATCH, "data.workers": 0,
-            "train.run_dir": run_dir, "train.epochs": 3, "train.log_every": 1, "train.progress": False,
-            "train.tensorboard": False, "optim.warmup_steps": 2, "loss.name": mode, "loss.gamma_decay_epochs": 2,
-            "checkpoint.every_steps": 2, "checkpoint.every_minutes": 0, "checkpoint.keep_last": 20,
-            "eval.every_steps": 0, "eval.at_end": False}
-    if mode == "fastclip-v2":  # the embedded recipe's v3 knobs, as v2 takes them
-        opts.update({"loss.rho": 7.0, "loss.temperature": 0.03, "optim.lr_tau": 0.0133,
-                     "optim.lr_tau_schedule": "const"})
+_UNSET = object()  # an override value that leaves the key to the config file
+
+
+def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v3", **extra) -> list[str]:
+    """The embedded recipe, shrunk: tiny data, a few steps, frequent logs and checkpoints, no evaluation."""
+    opts = {"data.train": data / "train", "data.val": data / "val", "data.zeroshot": data / "zeroshot.json",
+            "data.batch_size": BATCH, "data.workers": 0, "train.run_dir": run_dir, "train.epochs": 3, "train.log_every": 1,
+            "train.progress": False, "train.tensorboard": False, "optim.warmup_steps": 2, "loss.name": mode,
+            "loss.gamma_decay_epochs": 2, "checkpoint.every_steps": 2, "checkpoint.every_minutes": 0,
+            "checkpoint.keep_last": 10, "eval.every_steps": 0, "eval.at_end": False}
+    if mode != "fastclip-v3":  # the recipe's v3 knobs: keep those the mode takes
+        opts["loss.rho"] = "null" if mode not in ("fastclip-v2", "fastclip-tempnet") else 7.0
+        if mode == "openclip":
+            opts.update({"loss.gamma_min": "null", "loss.gamma_decay_epochs": "null", "loss.gamma_schedule": "null"})
+        if mode == "fastclip-v2":
+            opts.update({"loss.temperature": 0.03, "optim.lr_tau": 0.0133, "optim.lr_tau_schedule": "const"})
+        if mode == "fastclip-tempnet":
+            opts.update({"loss.temperature": 0.03, "loss.tempnet_hidden": 16, "optim.lr_tau": 1e-3,
+                         "optim.lr_tau_schedule": "const"})
     opts.update(extra)
-    return [x for k, v in opts.items() for x in (f"--{k}", str(v))]
+    return [x for k, v in opts.items() if v is not _UNSET for x in (f"--{k}", str(v))]
+
+
+def fault_overrides(data: Path, run_dir: Path, mode: str = "fastclip-v2", **extra) -> list[str]:
+    """`overrides` for the fault and operator tests: v2 by default, no held-out data, 20 checkpoints kept."""
+    return overrides(data, run_dir, mode, **{"data.val": "null", "data.zeroshot": _UNSET, "checkpoint.keep_last": 20,
+                                             **extra})
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -162,3 +177,46 @@ def wait_for(predicate, timeout: float, what: str, job: Job | None = None, poll:
             break
         time.sleep(poll)
     raise AssertionError(f"timed out waiting for {what}" + (f"\n{job.outputs()}" if job else ""))
+
+
+# ----------------------------------------------------------------------------- data streams
+def make_stream(model_fns, path, rank: int = 0, world_size: int = 1, **kw):
+    """A training stream over `path` with the tiny model's preprocess and tokenizer (fixture `model_fns`)."""
+    from fastclip.data import build_train_stream
+
+    cfg = {"train": str(path), "batch_size": 8, "workers": 0} | kw
+    return build_train_stream(cfg, rank=rank, world_size=world_size, preprocess=model_fns[0], tokenizer=model_fns[1])
+
+
+def truncate_file(path, keep_bytes: int) -> None:
+    Path(path).write_bytes(Path(path).read_bytes()[:keep_bytes])
+
+
+# ----------------------------------------------------------------------------- loss gradients
+def features(n, d, seed, *, clamped_pair=None):
+    """Paired unit features (float64, requiring grad); ``clamped_pair=(i, k)``: text k := image i, a negative
+    pair with cosine 1."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(seed)
+    e1 = F.normalize(torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1)
+    e2 = F.normalize(e1 + 0.7 * torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1)
+    if clamped_pair is not None:
+        i, k = clamped_pair
+        e2[k] = e1[i]
+    return e1.requires_grad_(), e2.requires_grad_()
+
+
+def grads(value, *tensors):
+    return torch.autograd.grad(value, tensors)
+
+
+def run_loss(loss_fn, e1, e2, idx, epoch=0):
+    """(value, image grad, text grad, {parameter name: grad}) of one call, with fresh gradients."""
+    e1 = e1.detach().clone().requires_grad_()
+    e2 = e2.detach().clone().requires_grad_()
+    for p in loss_fn.parameters():
+        p.grad = None
+    loss = loss_fn(e1, e2, idx, epoch=epoch)
+    loss.backward()
+    return loss.detach(), e1.grad, e2.grad, {n: p.grad for n, p in loss_fn.named_parameters() if p.requires_grad}

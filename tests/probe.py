@@ -1,5 +1,5 @@
-"""Small fixtures for tests and smoke runs: labelled shards in the format of fastclip/data/format.py, and a "probe" CLIP
-whose embeddings are set by the inputs, so a test knows every similarity (and so every answer) exactly."""
+"""Fixtures of the evaluation tests: labelled shards, and a "probe" CLIP whose embeddings are set by the inputs,
+so a test knows every similarity (and so every answer) exactly."""
 from __future__ import annotations
 
 import io

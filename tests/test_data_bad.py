@@ -15,7 +15,9 @@ from fastclip.data.samples import SHARD_REASONS, DataExhausted
 from fastclip.data.manifest import Manifest, ShardInfo, read_manifest, write_manifest
 from fastclip.data.sources.scan import scan_shards
 from fastclip.data.tario import ShardReader, TarBroken
-from fastclip.data.testing import synthetic_image, truncate_file, write_synthetic, write_tar
+from fastclip.data.sources.synthetic import synthetic_image, write_synthetic
+from fastclip.data.tario import write_tar
+from helpers import truncate_file
 from fastclip.eval.samples import iter_samples
 
 DATA_SIZE = 40

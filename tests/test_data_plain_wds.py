@@ -13,7 +13,7 @@ import torch
 from fastclip.data import build_train_stream
 from fastclip.data.cli import main as data_main
 from fastclip.data.samples import decode_image
-from fastclip.data.testing import synthetic_image
+from fastclip.data.sources.synthetic import synthetic_image
 from fastclip.data.tario import write_tar
 
 SIZES = [5, 7, 4]  # three shards, 16 samples

@@ -15,9 +15,9 @@ import torch
 from fastclip.data import DataSpecError, build_train_stream, resolve_catalog
 from fastclip.data.remote import RemoteError, StreamFile, read_bytes, shard_basename, sibling
 from fastclip.data.stream import describe_skip
-from fastclip.data.testing import write_synthetic
+from fastclip.data.sources.synthetic import write_synthetic
 from fastclip.data.tario import ShardReader, TarBroken, iter_shard
-from fault_utils import overrides, records
+from helpers import fault_overrides, records
 from fastclip.train.cli import main as train_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_training_from_pipe_and_http_equals_local(tiny_embedded, http_root, tmp_
              "http": pattern("", f"{http_root[1]}/embedded", train)}
     losses = {}
     for name, spec in specs.items():
-        args = overrides(tiny_embedded, tmp_path / name, "fastclip-v3",
+        args = fault_overrides(tiny_embedded, tmp_path / name, "fastclip-v3",
                          **{"data.train": spec, "train.max_steps": 4, "checkpoint.every_steps": 0})
         assert train_main(["--config", str(REPO / "configs" / "embedded.yaml"), *args]) == 0
         losses[name] = [r["loss"] for r in records(tmp_path / name) if "loss" in r]

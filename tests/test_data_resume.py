@@ -1,15 +1,18 @@
 """Resuming the stream: exact at the same layout, bounded repeats and no skips at another world size."""
 from __future__ import annotations
 
+import functools
 import collections
 import io
 
 import pytest
 import torch
 
-from fastclip.data import build_train_stream, state_for_new_world_size
-from fastclip.data.testing import synthetic_image, write_synthetic, write_tar
+from fastclip.data import state_for_new_world_size
+from fastclip.data.sources.synthetic import synthetic_image, write_synthetic
+from fastclip.data.tario import write_tar
 from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
+from helpers import make_stream
 
 UNEVEN = [37, 5, 60, 23, 41, 18, 50]
 
@@ -36,9 +39,7 @@ def data(tmp_path_factory):
     return root
 
 
-def make(model_fns, path, rank=0, world_size=1, **kw):
-    cfg = {"train": str(path), "batch_size": 8, "workers": 0, "shuffle_buffer": 16} | kw
-    return build_train_stream(cfg, rank=rank, world_size=world_size, preprocess=model_fns[0], tokenizer=model_fns[1])
+make = functools.partial(make_stream, shuffle_buffer=16)
 
 
 def saved(state: dict) -> dict:

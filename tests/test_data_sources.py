@@ -14,7 +14,7 @@ from fastclip.data import read_manifest
 from fastclip.data.sources.embedded import DATASETS, DatasetCheckError, check_arrays
 from fastclip.data.sources.folder import CaptionFileError, build_folder
 from fastclip.data.tario import iter_shard, write_tar
-from fastclip.data.testing import synthetic_image
+from fastclip.data.sources.synthetic import synthetic_image
 from fastclip.eval.samples import iter_samples
 from fastclip.eval.spec import load_zeroshot_spec
 

@@ -1,6 +1,7 @@
 """The training stream: batch format, coverage, determinism, equal batches per rank, sources and spec errors."""
 from __future__ import annotations
 
+import functools
 import collections
 
 import numpy as np
@@ -10,7 +11,8 @@ import torch
 from dist_utils import run_distributed
 from fastclip.data import DataSpecError, build_train_stream, expand_braces, resolve_catalog
 from fastclip.data.plan import epoch_sequence
-from fastclip.data.testing import synthetic_caption, write_synthetic
+from fastclip.data.sources.synthetic import synthetic_caption, write_synthetic
+from helpers import make_stream
 
 UNEVEN = [37, 5, 60, 23, 41, 18, 50]  # 234 samples in uneven shards
 
@@ -24,9 +26,7 @@ def shards(tmp_path_factory):
     return root
 
 
-def make(model_fns, train_data, rank=0, world_size=1, **kw):
-    cfg = {"train": str(train_data), "batch_size": 8, "workers": 0, "shuffle_buffer": 32} | kw
-    return build_train_stream(cfg, rank=rank, world_size=world_size, preprocess=model_fns[0], tokenizer=model_fns[1])
+make = functools.partial(make_stream, shuffle_buffer=32)
 
 
 def indices_of(batches) -> list[int]:

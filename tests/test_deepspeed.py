@@ -13,14 +13,13 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from fault_utils import assert_same  # bitwise equality of nested checkpoint contents
+from helpers import EMBEDDED, assert_same, load, records, train_records  # noqa: E402
+from helpers import overrides as shared_overrides  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
 from fastclip.train.cli import main  # noqa: E402
 from fastclip.train.config import ConfigError, load_config  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-EMBEDDED = REPO / "configs" / "embedded.yaml"
-BATCH, STEPS = 8, 4  # 2 x 8 per step; 80 training samples -> 5 steps per epoch
+STEPS = 4  # 2 x 8 per step; 80 training samples -> 5 steps per epoch
 
 
 @pytest.fixture(scope="session")
@@ -29,13 +28,7 @@ def data(tiny_embedded) -> Path:
 
 
 def overrides(data: Path, run_dir: Path, **extra) -> list[str]:
-    opts = {"data.train": data / "train", "data.val": data / "val", "data.zeroshot": data / "zeroshot.json",
-            "data.batch_size": BATCH, "data.workers": 0, "train.run_dir": run_dir, "train.epochs": 3,
-            "train.log_every": 1, "train.progress": False, "train.tensorboard": False, "optim.warmup_steps": 2,
-            "loss.gamma_decay_epochs": 2, "checkpoint.every_steps": 2, "checkpoint.every_minutes": 0,
-            "checkpoint.keep_last": 10, "eval.every_steps": 0, "eval.at_end": False, "train.max_steps": STEPS}
-    opts.update(extra)
-    return [x for k, v in opts.items() for x in (f"--{k}", str(v))]
+    return shared_overrides(data, run_dir, **{"train.max_steps": STEPS, **extra})
 
 
 V2 = {"loss.name": "fastclip-v2", "loss.rho": 7.0, "loss.temperature": 0.03, "optim.lr_tau": 0.0133,
@@ -71,10 +64,6 @@ def runs(data, tmp_path_factory) -> Path:
     return root
 
 
-def load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
 def final(root: Path, name: str, file: str = "model.pt") -> dict:
     return load(root / name / "checkpoints" / f"step_{STEPS:08d}" / file)
 
@@ -100,8 +89,7 @@ def assert_same_training(root: Path, name: str, ref: str = "ddp", **tol):
             # v3 keeps log u: an absolute error in log u is a relative error in u, held to the same rtol
             field_tol = dict(tol, atol=max(tol.get("rtol", 1e-5), 1e-5)) if field.startswith("log_") else tol
             close(sb["fields"][field], sa["fields"][field], f"{name} rank {r} state {field}", **field_tol)
-    ra, rb = ([r for r in map(json.loads, (root / run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-              for run in (ref, name))
+    ra, rb = (train_records(root / run) for run in (ref, name))
     assert len(ra) == len(rb) == STEPS
     for key in ("loss", "grad_norm"):  # DeepSpeed's pre-step norm (towers' partitions + temperature) = DDP's
         assert [r[key] for r in rb] == pytest.approx([r[key] for r in ra], rel=10 * tol.get("rtol", 1e-5)), key
@@ -184,7 +172,7 @@ def test_zero3_model_file_is_consolidated_and_loads_into_open_clip(runs):
     sizes = [p.stat().st_size for p in ds_dir.glob("zero_pp_rank_*_model_states.pt")]
     assert len(sizes) == 2 and max(sizes) < 4 * 2**20 / 10  # well under the 7.2M-parameter model's 29 MB
     # the end-of-run evaluation ran with whole parameters on both ranks
-    evals = [json.loads(x) for x in (runs / "zero3" / "metrics.jsonl").read_text().splitlines() if "eval/" in x]
+    evals = [r for r in records(runs / "zero3") if any("eval/" in k for k in r)]
     top1 = [v for k, v in evals[-1].items() if k.endswith("top1")]
     assert top1 and all(0.0 <= v <= 1.0 for v in top1)
 
@@ -210,8 +198,7 @@ def test_zero2_resume_equals_uninterrupted(runs):
                                  map_location="cpu", weights_only=True)["optimizer_state_dict"] for d in (full, split))
         assert_same(oa["base_optimizer_state"], ob["base_optimizer_state"], f"rank {r} ZeRO Adam moments")
         assert_same(oa["single_partition_of_fp32_groups"], ob["single_partition_of_fp32_groups"], f"rank {r} fp32")
-    records = [json.loads(x) for x in (runs / "zero2-split" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records(runs / "zero2-split")] == list(range(1, STEPS + 1))
 
 
 # ----------------------------------------------------------------------------- refused combinations

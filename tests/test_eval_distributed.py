@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from fastclip.compat import import_open_clip
 from fastclip.eval import EvalDataError, run_evals
-from fastclip.eval.testing import (colour_samples, fruit_probe, fruit_samples, image_with_rank, probe_preprocess,
+from probe import (colour_samples, fruit_probe, fruit_samples, image_with_rank, probe_preprocess,
                                    write_labelled_shards, zeroshot_json)
 
 WORLD = 2

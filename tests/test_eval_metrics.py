@@ -1,6 +1,6 @@
 """Zero-shot and retrieval numbers on constructed data whose answers are known in advance.
 
-The probe CLIP (fastclip.eval.testing) embeds an image as the pixel values of its first row and a prompt
+The probe CLIP (tests/probe.py) embeds an image as the pixel values of its first row and a prompt
 "... {fruit} ..." as the fruit's one-hot vector, so the rank of the true class for each image is chosen
 when the image is drawn. Everything else (shard reading, preprocessing, prompt ensembling, normalisation,
 top-k, counting) is the real code.
@@ -16,10 +16,10 @@ from fastclip.compat import import_open_clip
 from fastclip.eval import EvalDataError, ZeroShotSpec, evaluate, evaluate_zeroshot, load_zeroshot_spec
 from fastclip.eval import retrieval_metrics, run_evals, zeroshot_classifier
 from fastclip.eval.cli import image_folder_source
-from fastclip.eval.testing import (FRUIT_TEMPLATES, FRUITS, colour_samples, fruit_probe, fruit_samples, image_with_rank,
+from probe import (FRUIT_TEMPLATES, FRUITS, colour_samples, fruit_probe, fruit_samples, image_with_rank,
                                    probe_preprocess, write_labelled_shards, zeroshot_json)
 
-# The data set (fastclip.eval.testing): per fruit class, the rank its score gets in each of its 3 images
+# The data set (tests/probe.py): per fruit class, the rank its score gets in each of its 3 images
 #   FRUIT_RANKS = {0: [1, 1, 1], 1: [1, 1, 2], 2: [1, 2, 6], 3: [3, 1, 1], 4: [6, 7, 8], 5: [1, 1, 1],
 #                  6: [5, 1, 2], 7: [1, 1, 1]}
 # so top-1 hits per class are 3,2,1,2,0,3,1,3 = 15 of 24 and top-5 hits 3,3,2,3,0,3,3,3 = 20 of 24.

@@ -13,7 +13,7 @@ from fastclip.eval import export as export_cli
 from fastclip.eval.checkpoint import load_model
 from fastclip.eval.cli import main as eval_main
 from fastclip.eval.export import export_model
-from fastclip.eval.testing import fruit_samples, write_labelled_shards, zeroshot_json
+from probe import fruit_samples, write_labelled_shards, zeroshot_json
 
 # a name open_clip does not know: only the exported <arch>.json can tell it how to build the model
 ARCH = "export-test-vit"

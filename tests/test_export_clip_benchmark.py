@@ -19,7 +19,7 @@ from fastclip.compat import ensure_torchvision_importable
 from fastclip.eval.clip_benchmark import prepare
 from fastclip.eval.cli import main as eval_main
 from fastclip.eval.export import export_model
-from fastclip.eval.testing import COLOURS, FRUITS, write_labelled_shards, zeroshot_json
+from probe import COLOURS, FRUITS, write_labelled_shards, zeroshot_json
 
 ensure_torchvision_importable()  # clip_benchmark imports torchvision before open_clip
 pytest.importorskip("clip_benchmark.cli", reason="clip_benchmark is not installed (optional)")

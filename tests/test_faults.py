@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from dist_utils import run_distributed
-from fault_utils import (EMBEDDED, Job, assert_same, assert_same_training_state, latest, load,
-                         overrides, records, step_dir, train_records, wait_for)
+from helpers import (EMBEDDED, Job, assert_same, assert_same_training_state, latest, load,
+                         fault_overrides, records, step_dir, train_records, wait_for)
 from fastclip.losses import reshard_states
 from fastclip.train.cli import main
 
@@ -37,7 +37,7 @@ def data(tiny_embedded) -> Path:
 
 # ----------------------------------------------------------------------------- rotten shards
 def _sample(i: int, **override) -> dict:
-    from fastclip.data.testing import synthetic_image
+    from fastclip.data.sources.synthetic import synthetic_image
 
     meta = {"index": i, "key": f"{i:09d}", "caption": f"a picture number {i}"}
     files = {"png": synthetic_image(i), "txt": meta["caption"].encode()}
@@ -55,7 +55,8 @@ def make_rotten(folder: Path) -> int:
     The manifest (as written before the damage) promises 40. Returns how many samples of b.tar survive."""
     from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
     from fastclip.data.tario import ShardReader, TarBroken
-    from fastclip.data.testing import truncate_file, write_tar
+    from fastclip.data.tario import write_tar
+    from helpers import truncate_file
 
     folder.mkdir(parents=True)
     a = [_sample(i) for i in range(12)]
@@ -108,7 +109,7 @@ def _runs(rank, world_size, specs):
 def one_process_run(data, tmp_path_factory) -> Path:
     """fastclip-v2 on one process for 4 steps (batch 8): the checkpoint the 1 -> 2 resume starts from."""
     run = tmp_path_factory.mktemp("one") / "run"
-    assert main(["--config", str(EMBEDDED), *overrides(data, run, **{"train.max_steps": 4})]) == 0
+    assert main(["--config", str(EMBEDDED), *fault_overrides(data, run, **{"train.max_steps": 4})]) == 0
     return run
 
 
@@ -118,20 +119,20 @@ def batch(data, one_process_run, tmp_path_factory) -> dict:
     rotten_readable = make_rotten(root / "rotten")
     runs = {
         # the reference for the killed job: uninterrupted, with data worker processes
-        "reference": (overrides(data, root / "reference", **{"train.max_steps": STEPS, "data.workers": 1}), None, None),
+        "reference": (fault_overrides(data, root / "reference", **{"train.max_steps": STEPS, "data.workers": 1}), None, None),
         # 1 -> 2 processes: resume the one-process checkpoint without a further step, then train on to step 7
-        "grow": (overrides(data, root / "grow", **{"train.max_steps": 4, "train.resume": step_dir(one_process_run, 4)}),
+        "grow": (fault_overrides(data, root / "grow", **{"train.max_steps": 4, "train.resume": step_dir(one_process_run, 4)}),
                  None, None),
-        "grow_on": (overrides(data, root / "grow", **{"train.max_steps": 7, "train.resume": "latest"}), None, None),
+        "grow_on": (fault_overrides(data, root / "grow", **{"train.max_steps": 7, "train.resume": "latest"}), None, None),
         # NaN features at step 2 (rank 0's batch), NaN gradients at step 3 (rank 1 only, after backward's all-reduce)
-        "nan": (overrides(data, root / "nan", **{"train.max_steps": 3, "checkpoint.every_steps": 1}),
+        "nan": (fault_overrides(data, root / "nan", **{"train.max_steps": 3, "checkpoint.every_steps": 1}),
                 "nan@batch:step=2:rank=0; nan@grads:step=3:rank=1", None),
         # resumed: step 4 is fine, then NaN at 5 and 6 with at most 2 in a row allowed
-        "nan_stop": (overrides(data, root / "nan", **{"train.max_steps": 9, "checkpoint.every_steps": 1,
+        "nan_stop": (fault_overrides(data, root / "nan", **{"train.max_steps": 9, "checkpoint.every_steps": 1,
                                                       "train.resume": "latest", "train.max_nonfinite_steps": 2}),
                      "nan@batch:step=5:rank=1; nan@batch:step=6:rank=0", None),
         # rotten shards, 2 data workers per rank: 4 workers over 3 shards, no resampling
-        "rotten": (overrides(data, root / "rotten_run", **{"data.train": root / "rotten", "data.batch_size": 4,
+        "rotten": (fault_overrides(data, root / "rotten_run", **{"data.train": root / "rotten", "data.batch_size": 4,
                                                            "data.workers": 2, "train.epochs": 2, "data.shuffle_buffer": 8}),
                    None, str(root / "rotten.log")),
     }
@@ -151,7 +152,7 @@ def test_job_killed_at_a_random_step_resumes_exactly(data, batch, tmp_path):
     rng = random.Random(seed)
     kill_after, delay = rng.randint(1, STEPS - 3), rng.uniform(0.0, 0.1)
     run = tmp_path / "run"
-    args = overrides(data, run, **{"train.max_steps": STEPS, "data.workers": 1, "train.resume": "latest"})
+    args = fault_overrides(data, run, **{"train.max_steps": STEPS, "data.workers": 1, "train.resume": "latest"})
     job = Job(args, 2, tmp_path / "killed")
     try:
         wait_for(lambda: any(r["step"] >= kill_after for r in train_records(run)), 240,
@@ -284,7 +285,7 @@ def test_rotten_shards_are_skipped_counted_and_logged_with_shard_and_key(batch):
 # ----------------------------------------------------------------------------- a rank dies or hangs
 def _one_rank_fails(data, tmp_path, action: str, timeout_s: float) -> tuple[Job, float]:
     run = tmp_path / "run"
-    args = overrides(data, run, **{"train.max_steps": 8, "train.collective_timeout_seconds": timeout_s})
+    args = fault_overrides(data, run, **{"train.max_steps": 8, "train.collective_timeout_seconds": timeout_s})
     job = Job(args, 2, tmp_path / "job", env={"FASTCLIP_FAULTS": f"{action}@step:step=4:rank=1"})
     try:
         wait_for(lambda: f"{action} at step, step 4, rank 1" in job.output(1), 240, f"rank 1 to {action}", job)
@@ -319,7 +320,7 @@ def test_a_hung_rank_stops_the_others_after_the_collective_timeout(data, tmp_pat
 @pytest.fixture(scope="module")
 def uninterrupted_v3(data, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("v3") / "run"
-    assert main(["--config", str(EMBEDDED), *overrides(data, run, "fastclip-v3", **{"train.max_steps": 6})]) == 0
+    assert main(["--config", str(EMBEDDED), *fault_overrides(data, run, "fastclip-v3", **{"train.max_steps": 6})]) == 0
     return run
 
 
@@ -329,7 +330,7 @@ def test_kill_during_a_checkpoint_write_leaves_latest_complete(data, uninterrupt
     names the complete step-2 checkpoint, which loads; a resume from it ends exactly where an uninterrupted run
     ends."""
     run = tmp_path / "run"
-    args = overrides(data, run, "fastclip-v3", **{"train.max_steps": 6, "train.resume": "latest"})
+    args = fault_overrides(data, run, "fastclip-v3", **{"train.max_steps": 6, "train.resume": "latest"})
     job = Job(args, 1, tmp_path / "job", env={"FASTCLIP_FAULTS": f"kill@checkpoint.{stage}:step=4"})
     assert job.wait(240) == [-signal.SIGKILL], job.outputs()
     assert f"kill at checkpoint.{stage}, step 4" in job.output(0)
@@ -371,7 +372,7 @@ def test_a_checkpoint_with_pickled_objects_is_refused(data, one_process_run, tmp
     marker = tmp_path / "pwned"
     torch.save({**load(ckpt / file), "extra": _Payload(marker)}, ckpt / file)
     run = tmp_path / "run"
-    assert main(["--config", str(EMBEDDED), *overrides(data, run, **{"train.max_steps": 6,
+    assert main(["--config", str(EMBEDDED), *fault_overrides(data, run, **{"train.max_steps": 6,
                                                                       "train.resume": ckpt})]) == 1
     err = capsys.readouterr().err
     assert f"fastclip train: error: {ckpt / file}: refusing to load pickled objects" in err, err
@@ -393,7 +394,7 @@ def test_a_checkpoint_with_pickled_objects_is_refused(data, one_process_run, tmp
 def test_bad_configuration_is_an_error_before_training(data, one_process_run, tmp_path, capsys, extra, key, words):
     extra = {k: (step_dir(one_process_run, 4) if v == "RESUME" else v) for k, v in extra.items()}
     run = tmp_path / "run"
-    assert main(["--config", str(EMBEDDED), *overrides(data, run, **extra)]) == 2
+    assert main(["--config", str(EMBEDDED), *fault_overrides(data, run, **extra)]) == 2
     err = capsys.readouterr().err
     assert f"'{key}'" in err and words in err, err
     assert not (run / "metrics.jsonl").exists()

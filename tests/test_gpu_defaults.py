@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fault_utils import EMBEDDED, overrides, train_records
+from helpers import EMBEDDED, fault_overrides, train_records
 from fastclip.models import build_model
 from fastclip.train import gpu
 from fastclip.train.cli import main
@@ -64,7 +64,7 @@ def test_training_with_channels_last_follows_the_nchw_run(tiny_embedded, tiny_rn
     runs = {}
     for flag in ("false", "true"):
         run = tmp_path / flag
-        assert main(["--config", str(EMBEDDED), *overrides(tiny_embedded, run, "fastclip-v3", **{
+        assert main(["--config", str(EMBEDDED), *fault_overrides(tiny_embedded, run, "fastclip-v3", **{
             "model.arch": tiny_rn, "model.channels_last": flag, "train.max_steps": 3})]) == 0
         runs[flag] = train_records(run)
     assert [r["step"] for r in runs["true"]] == [r["step"] for r in runs["false"]] == [1, 2, 3]

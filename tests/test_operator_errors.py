@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fault_utils import EMBEDDED, load, overrides, step_dir
+from helpers import EMBEDDED, load, fault_overrides, step_dir
 from fastclip.train.cli import main
 
 
@@ -17,7 +17,7 @@ from fastclip.train.cli import main
 def trained(tiny_embedded, tmp_path_factory) -> Path:
     """fastclip-v2 on one process for 2 steps: the checkpoint every case below starts from."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    assert main(["--config", str(EMBEDDED), *overrides(tiny_embedded, run, **{"train.max_steps": 2})]) == 0
+    assert main(["--config", str(EMBEDDED), *fault_overrides(tiny_embedded, run, **{"train.max_steps": 2})]) == 0
     return run
 
 
@@ -32,7 +32,7 @@ def _fails(capsys, args, key, *words, code=2) -> str:
 
 
 def _args(data, run, **extra) -> list[str]:
-    return ["--config", str(EMBEDDED), *overrides(data, run, **extra)]
+    return ["--config", str(EMBEDDED), *fault_overrides(data, run, **extra)]
 
 
 # ----------------------------------------------------------------------------- names, machine, files
@@ -210,10 +210,10 @@ def test_disk_full_during_a_save_keeps_the_last_checkpoint(tiny_embedded, tmp_pa
 
 
 def test_a_rank_that_fails_in_a_save_the_others_name_the_save_and_its_timeout(tiny_embedded, tmp_path):
-    from fault_utils import Job
+    from helpers import Job
 
     run = tmp_path / "run"
-    args = overrides(tiny_embedded, run, **{"train.max_steps": 6, "train.dist_timeout_minutes": 10})
+    args = fault_overrides(tiny_embedded, run, **{"train.max_steps": 6, "train.dist_timeout_minutes": 10})
     job = Job(args, 2, tmp_path / "job", env={"FASTCLIP_FAULTS": "enospc@checkpoint.model_file:step=4:rank=0"})
     try:
         codes = job.wait(240)
@@ -236,10 +236,10 @@ def test_a_rank_that_fails_in_a_save_the_others_name_the_save_and_its_timeout(ti
 def test_launcher_checks_the_config_before_torchrun(tiny_embedded, tmp_path):
     import subprocess
 
-    from fault_utils import REPO, clean_env
+    from helpers import REPO, clean_env
 
     out = subprocess.run(["bash", str(REPO / "launch" / "single_node.sh"), str(EMBEDDED), "2",
-                          *overrides(tiny_embedded, tmp_path / "run", **{"data.batch_size": 41})],
+                          *fault_overrides(tiny_embedded, tmp_path / "run", **{"data.batch_size": 41})],
                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr  # one line, no torchrun traceback
@@ -254,20 +254,20 @@ def test_launcher_checks_the_config_before_torchrun(tiny_embedded, tmp_path):
 
 
 def test_a_rank_whose_every_shard_is_bad_stops_the_job_with_one_line(tmp_path):
-    from fault_utils import Job
+    from helpers import Job
 
     from fastclip.data import build_train_stream
-    from fastclip.data.testing import write_synthetic
+    from fastclip.data.sources.synthetic import write_synthetic
 
     data = tmp_path / "data"
-    write_synthetic(data / "train", [16] * 4)  # overrides() trains on data/train
+    write_synthetic(data / "train", [16] * 4)  # fault_overrides() trains on data/train
     stream = build_train_stream({"train": str(data / "train"), "batch_size": 4, "seed": 2024}, rank=1, world_size=2,
                                 preprocess=lambda x: x, tokenizer=lambda x: x)
     shards = sorted((data / "train").glob("*.tar"))
     bad = [shards[int(s)] for s in stream._sequence(0).slots[2:]]  # rank 1's half of epoch 0
     for shard in bad:
         shard.write_bytes(b"not a tar")
-    args = overrides(data, tmp_path / "run", **{"data.batch_size": 4, "train.max_steps": 4})
+    args = fault_overrides(data, tmp_path / "run", **{"data.batch_size": 4, "train.max_steps": 4})
     job = Job(args, 2, tmp_path / "job")
     try:
         codes = job.wait(240)

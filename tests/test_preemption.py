@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_utils import (Job, assert_same_training_state, latest, overrides, step_dir, train_records, wait_for)
+from helpers import (Job, assert_same_training_state, latest, fault_overrides, step_dir, train_records, wait_for)
 from fastclip.train.preemption import EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def data(tiny_embedded) -> Path:
 
 def _args(data: Path, run: Path, **extra) -> list[str]:
     # no checkpoints by step count or time: the only checkpoint before the end is the one the signal asks for
-    return overrides(data, run, **{"train.max_steps": STEPS, "data.workers": 1, "checkpoint.every_steps": 0,
+    return fault_overrides(data, run, **{"train.max_steps": STEPS, "data.workers": 1, "checkpoint.every_steps": 0,
                                    "train.resume": "latest", **extra})
 
 

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from fastclip.data import build_train_stream
-from fastclip.data.testing import synthetic_image
+from fastclip.data.sources.synthetic import synthetic_image
 from fastclip.data.writer import ShardWriter
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,52 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from fault_utils import assert_same  # bitwise equality of nested checkpoint contents
+from helpers import EMBEDDED, assert_same, load, overrides, records
 from dist_utils import free_port, run_distributed
 from fastclip.losses import reshard_states
 from fastclip.optim import get_lr
 from fastclip.train.cli import main
 from fastclip.train.config import load_config
 
-REPO = Path(__file__).resolve().parents[1]
-EMBEDDED = REPO / "configs" / "embedded.yaml"
 MODES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-tempnet")
-BATCH = 8  # per process: 2 x 8 = 16 per step, 80 training samples -> 5 steps per epoch
 STEPS = 7  # crosses into epoch 1, where gamma < 1
 
 
 @pytest.fixture(scope="session")
 def data(tiny_embedded) -> Path:
     return tiny_embedded
-
-
-def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v3", **extra) -> list[str]:
-    """The embedded recipe, shrunk: tiny data, a few steps, frequent logs and checkpoints."""
-    opts = {"data.train": data / "train", "data.val": data / "val", "data.zeroshot": data / "zeroshot.json",
-            "data.batch_size": BATCH, "data.workers": 0, "train.run_dir": run_dir, "train.epochs": 3, "train.log_every": 1,
-            "train.progress": False, "train.tensorboard": False, "optim.warmup_steps": 2, "loss.name": mode,
-            "loss.gamma_decay_epochs": 2, "checkpoint.every_steps": 2, "checkpoint.every_minutes": 0,
-            "checkpoint.keep_last": 10, "eval.every_steps": 0, "eval.at_end": False}
-    if mode != "fastclip-v3":  # the recipe's v3 knobs: keep those the mode takes
-        opts["loss.rho"] = "null" if mode not in ("fastclip-v2", "fastclip-tempnet") else 7.0
-        if mode == "openclip":
-            opts.update({"loss.gamma_min": "null", "loss.gamma_decay_epochs": "null", "loss.gamma_schedule": "null"})
-        if mode == "fastclip-v2":
-            opts.update({"loss.temperature": 0.03, "optim.lr_tau": 0.0133, "optim.lr_tau_schedule": "const"})
-        if mode == "fastclip-tempnet":
-            opts.update({"loss.temperature": 0.03, "loss.tempnet_hidden": 16, "optim.lr_tau": 1e-3,
-                         "optim.lr_tau_schedule": "const"})
-    opts.update(extra)
-    return [x for k, v in opts.items() for x in (f"--{k}", str(v))]
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
 
 
 # ----------------------------------------------------------------------------- 2 processes: modes + resume

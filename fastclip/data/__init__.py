@@ -22,9 +22,9 @@ Training (fastclip/data/stream.py has the rules on order, ranks, workers and res
     stream.samples_seen           samples this rank has served
 
 Modules, in the order a sample travels: format.py (shard format), tario.py (tar read/write), writer.py and
-sources/ (embedded, folder, scan), manifest.py, catalog.py (patterns, `::`, manifests, checks), plan.py (epoch
+sources/ (embedded, folder, scan, synthetic), manifest.py, catalog.py (patterns, `::`, manifests, checks), plan.py (epoch
 order, ranks, workers, windows, resume arithmetic), samples.py (checks, skip reasons), worker.py (one
-worker's epoch), stream.py (the trainer's object), testing.py (synthetic shards).
+worker's epoch), stream.py (the trainer's object).
 
 Evaluation reads held-out shards through format.py, tario.py and manifest.py: fastclip/eval/samples.py.
 """

@@ -1,15 +1,14 @@
-"""Synthetic shards for tests and benchmarks (no dataset needed): chosen shard sizes, index offsets, formats."""
+"""Synthetic shards (no dataset needed): chosen shard sizes, index offsets and image formats, for the loader
+benchmark (benchmarks/bench_loader.py) and the tests."""
 from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from fastclip.data.manifest import Manifest
-from fastclip.data.tario import write_tar  # noqa: F401  (re-exported: tests write raw, broken shards with it)
 from fastclip.data.writer import ShardWriter
 
 COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "black", "white", "grey", "pink")
@@ -46,7 +45,3 @@ def write_synthetic(out_dir: str | os.PathLike, shard_sizes: list[int], *, index
                          label=index % 10 if labelled else None, dataset="synthetic" if labelled else None)
             index += 1
     return writer.close(data_size if data_size is not None else index)
-
-
-def truncate_file(path: str | os.PathLike, keep_bytes: int) -> None:
-    Path(path).write_bytes(Path(path).read_bytes()[:keep_bytes])

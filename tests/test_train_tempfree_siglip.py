@@ -2,11 +2,10 @@
 
 One process, in-process, a few steps on tiny embedded shards: the config reaches build_loss, the loss's own
 parameters (SigLIP's scale and bias) are trained in the temperature group, and what is learnt is checkpointed.
-The losses' numerics are pinned in tests/test_losses_beyond.py; this checks the wiring.
+The losses' numerics are pinned in tests/test_losses_tempfree_siglip.py; this checks the wiring.
 """
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from fastclip.train.config import ConfigError, load_config
 from fastclip.train.trainer import train
-from test_train import EMBEDDED, overrides
+from helpers import EMBEDDED, overrides, records
 
 STEPS = 4
 
@@ -28,7 +27,7 @@ def run(tiny, tmp_path, name, **extra):
     args = overrides(tiny, tmp_path / name, name.split(":")[0], **{"train.max_steps": STEPS, "loss.rho": "null",
                                                                   "loss.temperature": "null", **extra})
     result = train(load_config(EMBEDDED, args))
-    recs = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    recs = records(tmp_path / name)
     final = torch.load(tmp_path / name / "checkpoints" / f"step_{STEPS:08d}" / "model.pt", weights_only=True)
     return result, recs, final
 

@@ -1,4 +1,4 @@
-"""The losses beyond the reference (issue 7): the temperature-free map (``similarity="atanh"``) and SigLIP.
+"""The losses beyond the reference: the temperature-free map (``similarity="atanh"``) and SigLIP.
 
 float64 throughout. Single process: gradients against objectives written out here with autograd. Then ONE
 spawn of 2 real processes (gloo): every new configuration over 3 steps (γ < 1, repeated indices) against one
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_utils import run_distributed
+from helpers import features, grads, run_loss
 from fastclip.losses import build_loss, reshard_states
 from fastclip.losses.similarity import atanh_logit_
 
@@ -25,32 +26,6 @@ IDX = torch.tensor([3, 0, 9, 4, 7, 1])
 def phi(c, clamp=CLAMP):
     """The temperature-free logit 2·atanh(c), c clamped to ±(1 − clamp), written with autograd."""
     return 2 * torch.atanh(torch.clamp(c, -(1 - clamp), 1 - clamp))
-
-
-def features(n, d, seed, *, clamped_pair=None):
-    """Paired unit features; ``clamped_pair=(i, k)``: text k := image i, a negative pair with cosine 1."""
-    gen = torch.Generator().manual_seed(seed)
-    e1 = F.normalize(torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1)
-    e2 = F.normalize(e1 + 0.7 * torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1)
-    if clamped_pair is not None:
-        i, k = clamped_pair
-        e2[k] = e1[i]
-    return e1.requires_grad_(), e2.requires_grad_()
-
-
-def grads(value, *tensors):
-    return torch.autograd.grad(value, tensors)
-
-
-def run_loss(loss_fn, e1, e2, idx, epoch=0):
-    """(value, image grad, text grad, {parameter name: grad})."""
-    e1 = e1.detach().clone().requires_grad_()
-    e2 = e2.detach().clone().requires_grad_()
-    for p in loss_fn.parameters():
-        p.grad = None
-    loss = loss_fn(e1, e2, idx, epoch=epoch)
-    loss.backward()
-    return loss.detach(), e1.grad, e2.grad, {n: p.grad for n, p in loss_fn.named_parameters() if p.requires_grad}
 
 
 # --- the map ------------------------------------------------------------------------------------------------------

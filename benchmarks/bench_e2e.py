@@ -15,10 +15,10 @@ wait for data). Memory: peak over the run of the summed RSS and PSS of torchrun 
 sampled from /proc every 0.25 s. Accuracy: each final checkpoint through fastclip.eval (same code, same
 held-out samples).
 """
+
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import statistics
@@ -27,8 +27,21 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO, RESULTS, SMOKE_OUT, ensure_embedded, evaluate_checkpoint, loss_overrides, machine_info,
-                    publish, read_jsonl, run_monitored, save_figure, shard_pattern, torchrun)
+from common import (
+    REPO,
+    RESULTS,
+    SMOKE_OUT,
+    ensure_embedded,
+    evaluate_checkpoint,
+    loss_overrides,
+    machine_info,
+    publish,
+    read_jsonl,
+    run_monitored,
+    save_figure,
+    shard_pattern,
+    torchrun,
+)
 
 SYSTEMS = ("OpenCLIP trainer", "fastclip openclip", "fastclip fastclip-v3")
 RUNTIME = dict(arch="tiny-vit", nproc=2, device="cpu", precision="fp32", workers=1)
@@ -42,28 +55,108 @@ def openclip_cmd(data: Path, run_dir: Path, p: dict, warmup: int) -> list[str]:
     pattern, _ = shard_pattern(data / "train")
     backend = "nccl" if p["device"] == "cuda" else "gloo"
     return torchrun(p["nproc"]) + [
-        str(REPO / "benchmarks" / "openclip_peer.py"), "--", "--model", p["arch"], "--dataset-type", "webdataset",
-        "--train-data", pattern, "--train-num-samples", str(p["samples"]), "--dataset-resampled",
-        "--batch-size", str(p["batch"]), "--workers", str(p["workers"]),
-        "--precision", OPENCLIP_PRECISION[p["precision"]], "--dist-backend", backend, "--device", p["device"], "--epochs", "1", "--lr", "1e-3", "--warmup", str(warmup), "--wd", "0.1",
-        "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6", "--local-loss", "--gather-with-grad",
-        "--logs", str(run_dir.parent), "--name", run_dir.name, "--save-frequency", "1",
-        "--log-every-n-steps", str(p["log_every"]), "--seed", "2024", "--report-to", "",
+        str(REPO / "benchmarks" / "openclip_peer.py"),
+        "--",
+        "--model",
+        p["arch"],
+        "--dataset-type",
+        "webdataset",
+        "--train-data",
+        pattern,
+        "--train-num-samples",
+        str(p["samples"]),
+        "--dataset-resampled",
+        "--batch-size",
+        str(p["batch"]),
+        "--workers",
+        str(p["workers"]),
+        "--precision",
+        OPENCLIP_PRECISION[p["precision"]],
+        "--dist-backend",
+        backend,
+        "--device",
+        p["device"],
+        "--epochs",
+        "1",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        str(warmup),
+        "--wd",
+        "0.1",
+        "--beta1",
+        "0.9",
+        "--beta2",
+        "0.98",
+        "--eps",
+        "1e-6",
+        "--local-loss",
+        "--gather-with-grad",
+        "--logs",
+        str(run_dir.parent),
+        "--name",
+        run_dir.name,
+        "--save-frequency",
+        "1",
+        "--log-every-n-steps",
+        str(p["log_every"]),
+        "--seed",
+        "2024",
+        "--report-to",
+        "",
     ]
 
 
 def ours_cmd(loss: str, data: Path, run_dir: Path, p: dict, warmup: int) -> list[str]:
-    return torchrun(p["nproc"]) + ["-m", "fastclip", "train", "--", "--config", str(REPO / "configs" / "embedded.yaml"),
-                          "--data.train", str(data / "train"), "--data.val", str(data / "val"),
-                          "--data.zeroshot", str(data / "zeroshot.json"), "--data.batch_size", str(p["batch"]),
-                          "--data.resampled", "true", "--data.samples_per_epoch", str(p["samples"]),
-                          "--model.arch", p["arch"], "--train.epochs", "1", "--optim.warmup_steps", str(warmup),
-                          "--train.run_dir", str(run_dir), "--train.device", p["device"], "--train.precision", p["precision"],
-                          "--data.workers", str(p["workers"]),
-                          "--train.log_every", str(p["log_every"]), "--train.progress", "false",
-                          "--train.tensorboard", "false", "--eval.every_steps", "0", "--eval.at_end", "false",
-                          "--checkpoint.every_steps", "0", "--checkpoint.every_minutes", "0",
-                          *loss_overrides(loss)]
+    return torchrun(p["nproc"]) + [
+        "-m",
+        "fastclip",
+        "train",
+        "--",
+        "--config",
+        str(REPO / "configs" / "embedded.yaml"),
+        "--data.train",
+        str(data / "train"),
+        "--data.val",
+        str(data / "val"),
+        "--data.zeroshot",
+        str(data / "zeroshot.json"),
+        "--data.batch_size",
+        str(p["batch"]),
+        "--data.resampled",
+        "true",
+        "--data.samples_per_epoch",
+        str(p["samples"]),
+        "--model.arch",
+        p["arch"],
+        "--train.epochs",
+        "1",
+        "--optim.warmup_steps",
+        str(warmup),
+        "--train.run_dir",
+        str(run_dir),
+        "--train.device",
+        p["device"],
+        "--train.precision",
+        p["precision"],
+        "--data.workers",
+        str(p["workers"]),
+        "--train.log_every",
+        str(p["log_every"]),
+        "--train.progress",
+        "false",
+        "--train.tensorboard",
+        "false",
+        "--eval.every_steps",
+        "0",
+        "--eval.at_end",
+        "false",
+        "--checkpoint.every_steps",
+        "0",
+        "--checkpoint.every_minutes",
+        "0",
+        *loss_overrides(loss),
+    ]
 
 
 def steady_openclip(log: Path, global_batch: int, skip_steps: int) -> float:
@@ -107,12 +200,22 @@ def one_run(system: str, rep: int, data: Path, work: Path, p: dict) -> dict:
         sps = steady_ours(run_dir / "metrics.jsonl", p["skip_steps"])
         ckpt, arch = run_dir, None
     acc = evaluate_checkpoint(ckpt, data, arch=arch, max_samples=p["eval_max"], device=p["device"])
-    row = {"system": system, "rep": rep, "samples": steps * global_batch, "samples_per_s": sps, **mem,
-           "zeroshot_mean_top1": acc.get("zeroshot/mean_top1"),
-           "zeroshot_fashion_mnist_top1": acc.get("zeroshot/fashion-mnist/top1"),
-           "zeroshot_mnist_top1": acc.get("zeroshot/mnist/top1"), "eval_samples": p["eval_max"]}
-    print(f"  e2e {system} rep {rep}: {sps:.1f} samples/s, PSS {mem['peak_pss_sum_mb']:.0f} MB, "
-          f"top1 {row['zeroshot_mean_top1']}", flush=True)
+    row = {
+        "system": system,
+        "rep": rep,
+        "samples": steps * global_batch,
+        "samples_per_s": sps,
+        **mem,
+        "zeroshot_mean_top1": acc.get("zeroshot/mean_top1"),
+        "zeroshot_fashion_mnist_top1": acc.get("zeroshot/fashion-mnist/top1"),
+        "zeroshot_mnist_top1": acc.get("zeroshot/mnist/top1"),
+        "eval_samples": p["eval_max"],
+    }
+    print(
+        f"  e2e {system} rep {rep}: {sps:.1f} samples/s, PSS {mem['peak_pss_sum_mb']:.0f} MB, "
+        f"top1 {row['zeroshot_mean_top1']}",
+        flush=True,
+    )
     return row
 
 
@@ -123,12 +226,20 @@ def summarize(rows: list[dict]) -> list[dict]:
         if not mine:
             continue
         med = lambda k: statistics.median(r[k] for r in mine if r[k] is not None)  # noqa: E731
-        out.append({"system": system, "runs": len(mine), "samples_per_s": med("samples_per_s"),
-                    "samples_per_s_all": [round(r["samples_per_s"], 1) for r in mine],
-                    "peak_pss_sum_mb": med("peak_pss_sum_mb"), "peak_rss_sum_mb": med("peak_rss_sum_mb"),
-                    "wall_s": med("wall_s"), "zeroshot_mean_top1": med("zeroshot_mean_top1"),
-                    "zeroshot_fashion_mnist_top1": med("zeroshot_fashion_mnist_top1"),
-                    "zeroshot_mnist_top1": med("zeroshot_mnist_top1")})
+        out.append(
+            {
+                "system": system,
+                "runs": len(mine),
+                "samples_per_s": med("samples_per_s"),
+                "samples_per_s_all": [round(r["samples_per_s"], 1) for r in mine],
+                "peak_pss_sum_mb": med("peak_pss_sum_mb"),
+                "peak_rss_sum_mb": med("peak_rss_sum_mb"),
+                "wall_s": med("wall_s"),
+                "zeroshot_mean_top1": med("zeroshot_mean_top1"),
+                "zeroshot_fashion_mnist_top1": med("zeroshot_fashion_mnist_top1"),
+                "zeroshot_mnist_top1": med("zeroshot_mnist_top1"),
+            }
+        )
     peer = next((s for s in out if s["system"] == "OpenCLIP trainer"), None)
     for s in out:
         if peer:
@@ -140,27 +251,33 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def markdown(result: dict) -> str:
     p = result["params"]
-    lines = [f"Same shards (`fastclip data embedded`), model `{p['arch']}`, {p['batch']} samples per rank "
-             f"(global {p['nproc'] * p['batch']}), {p['nproc']} processes on {p['device']} "
-             f"({'nccl' if p['device'] == 'cuda' else 'gloo'}), {p['precision']}, {p['samples']} samples per run (1 epoch of "
-             f"resampled shards), {p['reps']} interleaved runs per system (median shown; all runs in the JSON). "
-             f"Zero-shot: mean of Fashion-MNIST and MNIST top-1 on the first {p['eval_max']} held-out samples, "
-             f"each final checkpoint evaluated by fastclip.eval. Memory: peak of the summed PSS (RSS in "
-             f"brackets) of torchrun, both ranks and their loader workers, sampled from /proc every 0.25 s.", "",
-             "| system | samples/s (steady) | runs | ratio vs OpenCLIP | peak PSS sum MB (RSS) | memory ratio | "
-             "zero-shot top-1 (mean) | Fashion-MNIST | MNIST | wall s |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Same shards (`fastclip data embedded`), model `{p['arch']}`, {p['batch']} samples per rank "
+        f"(global {p['nproc'] * p['batch']}), {p['nproc']} processes on {p['device']} "
+        f"({'nccl' if p['device'] == 'cuda' else 'gloo'}), {p['precision']}, {p['samples']} samples per run "
+        f"(1 epoch of resampled shards), {p['reps']} interleaved runs per system (median shown; all runs in the JSON). "
+        f"Zero-shot: mean of Fashion-MNIST and MNIST top-1 on the first {p['eval_max']} held-out samples, "
+        f"each final checkpoint evaluated by fastclip.eval. Memory: peak of the summed PSS (RSS in "
+        f"brackets) of torchrun, both ranks and their loader workers, sampled from /proc every 0.25 s.",
+        "",
+        "| system | samples/s (steady) | runs | ratio vs OpenCLIP | peak PSS sum MB (RSS) | memory ratio | "
+        "zero-shot top-1 (mean) | Fashion-MNIST | MNIST | wall s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for s in result["summary"]:
-        lines.append(f"| {s['system']} | {s['samples_per_s']:.1f} | {s['samples_per_s_all']} | "
-                     f"{s.get('throughput_ratio', float('nan')):.2f}x | {s['peak_pss_sum_mb']:.0f} "
-                     f"({s['peak_rss_sum_mb']:.0f}) | {s.get('pss_ratio', float('nan')):.2f} | "
-                     f"{100 * s['zeroshot_mean_top1']:.2f}% | {100 * s['zeroshot_fashion_mnist_top1']:.2f}% | "
-                     f"{100 * s['zeroshot_mnist_top1']:.2f}% | {s['wall_s']:.0f} |")
+        lines.append(
+            f"| {s['system']} | {s['samples_per_s']:.1f} | {s['samples_per_s_all']} | "
+            f"{s.get('throughput_ratio', float('nan')):.2f}x | {s['peak_pss_sum_mb']:.0f} "
+            f"({s['peak_rss_sum_mb']:.0f}) | {s.get('pss_ratio', float('nan')):.2f} | "
+            f"{100 * s['zeroshot_mean_top1']:.2f}% | {100 * s['zeroshot_fashion_mnist_top1']:.2f}% | "
+            f"{100 * s['zeroshot_mnist_top1']:.2f}% | {s['wall_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -168,17 +285,21 @@ def plot(result: dict, path: Path) -> None:
     names = [s["system"] for s in summary]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     colors = ["#888888", "#4c72b0", "#dd8452"][: len(names)]
-    for ax, key, label, scale in ((axes[0], "samples_per_s", "samples/s (steady state)", 1),
-                                  (axes[1], "peak_pss_sum_mb", "peak PSS summed over processes (MB)", 1),
-                                  (axes[2], "zeroshot_mean_top1", "zero-shot top-1 (%), equal samples", 100)):
+    for ax, key, label, scale in (
+        (axes[0], "samples_per_s", "samples/s (steady state)", 1),
+        (axes[1], "peak_pss_sum_mb", "peak PSS summed over processes (MB)", 1),
+        (axes[2], "zeroshot_mean_top1", "zero-shot top-1 (%), equal samples", 100),
+    ):
         values = [scale * s[key] for s in summary]
         bars = ax.bar(range(len(names)), values, color=colors)
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
         ax.set_ylabel(label, fontsize=8)
     p = result["params"]
-    title = (f"End to end vs OpenCLIP's trainer: {p['arch']}, {p['nproc']} x {p['batch']} per step, "
-             f"{p['device']} {p['precision']}, {p['samples']} samples per run")
+    title = (
+        f"End to end vs OpenCLIP's trainer: {p['arch']}, {p['nproc']} x {p['batch']} per step, "
+        f"{p['device']} {p['precision']}, {p['samples']} samples per run"
+    )
     save_figure(fig, path, result["machine"], title)
 
 

@@ -12,6 +12,7 @@ clamp; its time is the slowest rank's, the table shows the median. Data loading 
 timed steps every configuration has trained on the same batches: the last column is its largest parameter
 difference to DDP (ZeRO: the same arithmetic; accumulation: another float summation order).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, SMOKE_OUT, free_port, machine_info, write_json  # noqa: E402
-
 from fastclip.distributed import destroy_process_group
 
+from common import RESULTS, SMOKE_OUT, free_port, machine_info, write_json  # noqa: E402
+
 WORLD_SIZE = 2
-PER_RANK = 64            # samples per process per step (the embedded recipe's batch)
+PER_RANK = 64  # samples per process per step (the embedded recipe's batch)
 DATA_SIZE = 10_000
 CONFIGS = [  # label, train.distributed, deepspeed.stage, accum_steps
     ("DDP", "ddp", 0, 1),
@@ -52,13 +53,31 @@ def _build(label: str, distributed: str, stage: int, accum: int, rank: int):
     from fastclip.train.config import load_config
     from fastclip.train.net import build_net
 
-    cfg = load_config(None, ["--train.distributed", distributed, "--deepspeed.stage", str(stage or 2),
-                             "--data.batch_size", str(PER_RANK), "--optim.accum_steps", str(accum),
-                             "--loss.rho", "6.5", "--loss.gamma_min", "0.2", "--loss.temperature", "0.07",
-                             # stage 3: shard every tensor (the tiny model has none above the default threshold
-                             # of 1e5 elements but the token embedding)
-                             "--deepspeed.param_persistence_threshold", "0",
-                             "--train.seed", "0"])  # the towers' init the published numbers were measured with
+    cfg = load_config(
+        None,
+        [
+            "--train.distributed",
+            distributed,
+            "--deepspeed.stage",
+            str(stage or 2),
+            "--data.batch_size",
+            str(PER_RANK),
+            "--optim.accum_steps",
+            str(accum),
+            "--loss.rho",
+            "6.5",
+            "--loss.gamma_min",
+            "0.2",
+            "--loss.temperature",
+            "0.07",
+            # stage 3: shard every tensor (the tiny model has none above the default threshold
+            # of 1e5 elements but the token embedding)
+            "--deepspeed.param_persistence_threshold",
+            "0",
+            "--train.seed",
+            "0",
+        ],
+    )  # the towers' init the published numbers were measured with
     engine = build_net(cfg, DistInfo(rank, WORLD_SIZE, rank, torch.device("cpu"), "bench", False), DATA_SIZE).engine
     for g in engine.param_groups:
         g["lr"] = 2e-4 if g["name"] == "temperature" else 1e-3
@@ -73,7 +92,9 @@ def _memory(engine) -> dict:
     else:
         zero = engine.optimizer
         opt = getattr(zero, "optimizer", zero)  # ZeRO's wrapped torch AdamW
-        flat = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_partitioned_groups_flat", [])
+        flat = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(
+            zero, "fp32_partitioned_groups_flat", []
+        )
         master = sum(t.numel() for t in flat)  # ZeRO-1/2 / ZeRO-3 fp32 master partitions
     moments = sum(t.numel() for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
     return {"params_held": params, "optimizer_state": moments + master}
@@ -90,8 +111,13 @@ def _step(engine, batch, epoch: int) -> None:
 
 def _worker(rank: int, port: int, out: str, steps: int, warmup: int):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-                            timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(minutes=10),
+    )
     _measure(rank, out, steps, warmup)  # its engines are gone when it returns: none may outlive the group
     dist.barrier()
     destroy_process_group()
@@ -102,9 +128,13 @@ def _measure(rank: int, out: str, steps: int, warmup: int) -> None:
     batches = []
     for _ in range(warmup + steps):  # the same global batches for every configuration; this rank's rows
         rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        batches.append((torch.randn(WORLD_SIZE * PER_RANK, 3, 32, 32, generator=gen)[rows],
-                        torch.randint(0, 49408, (WORLD_SIZE * PER_RANK, 32), generator=gen)[rows],
-                        torch.randperm(DATA_SIZE, generator=gen)[: WORLD_SIZE * PER_RANK][rows]))
+        batches.append(
+            (
+                torch.randn(WORLD_SIZE * PER_RANK, 3, 32, 32, generator=gen)[rows],
+                torch.randint(0, 49408, (WORLD_SIZE * PER_RANK, 32), generator=gen)[rows],
+                torch.randperm(DATA_SIZE, generator=gen)[: WORLD_SIZE * PER_RANK][rows],
+            )
+        )
     engines = [_build(*config, rank) for config in CONFIGS]
     times = [[] for _ in CONFIGS]
     for i, batch in enumerate(batches):
@@ -126,40 +156,62 @@ def _measure(rank: int, out: str, steps: int, warmup: int) -> None:
 
 def _table(result: dict, info: dict, steps: int, warmup: int) -> tuple[str, list[dict]]:
     rows, ddp_rate = [], None
-    for (label, distributed, stage, accum), times, memory, diff in zip(CONFIGS, result["times"], result["memory"],
-                                                                      result["param_diff"]):
+    for (label, distributed, stage, accum), times, memory, diff in zip(
+        CONFIGS, result["times"], result["memory"], result["param_diff"]
+    ):
         median = statistics.median(times)
         rate = WORLD_SIZE * PER_RANK / median
         if label == "DDP":
             ddp_rate = rate
-        rows.append({"config": label, "distributed": distributed, "stage": stage if distributed == "deepspeed" else None,
-                     "accum_steps": accum, "micro_batch_per_rank": PER_RANK // accum, "global_batch": WORLD_SIZE * PER_RANK,
-                     "step_ms_median": 1000 * median, "step_ms_min": 1000 * min(times), "samples_per_s": rate,
-                     "vs_ddp": rate / ddp_rate, "params_held_per_rank": memory["params_held"],
-                     "optimizer_state_per_rank": memory["optimizer_state"], "max_param_diff_vs_ddp": diff})
-    head = (f"# Backend benchmark: DDP vs DeepSpeed ZeRO-1/2/3, gradient accumulation\n\n"
-            f"{info['date']} - {info['cpu']}, {info['cores']} cores - torch {info['torch']}, deepspeed "
-            f"{info.get('deepspeed')} - gloo (CPU), {WORLD_SIZE} processes x 1 thread - tiny-vit (7.2M parameters) + "
-            f"fastclip-v3, fp32, global batch {WORLD_SIZE * PER_RANK} - median of {steps} steps after {warmup} warm-up "
-            f"steps, configurations interleaved step by step. 1-min load average before/after: "
-            f"{info['loadavg'][0]:.2f}/{info['loadavg_after'][0]:.2f} (other jobs on the machine inflate absolute "
-            f"times; interleaving keeps the comparison fair).\n\n"
-            "Step = forward + backward + gradient norm + optimizer step (the trainer's, fastclip/train/engine.py), "
-            "no data loading. Params held / optimizer state: elements on one rank (optimizer state = Adam moments "
-            "plus ZeRO's separate fp32 master partition). Last column: largest parameter difference to DDP after "
-            "all steps (the same batches for every configuration).\n\n")
-    lines = ["| config | micro-batch/rank | step ms (median) | samples/s | vs DDP | params held/rank (M) | "
-             "optimizer state/rank (M) | max abs param diff vs DDP |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        rows.append(
+            {
+                "config": label,
+                "distributed": distributed,
+                "stage": stage if distributed == "deepspeed" else None,
+                "accum_steps": accum,
+                "micro_batch_per_rank": PER_RANK // accum,
+                "global_batch": WORLD_SIZE * PER_RANK,
+                "step_ms_median": 1000 * median,
+                "step_ms_min": 1000 * min(times),
+                "samples_per_s": rate,
+                "vs_ddp": rate / ddp_rate,
+                "params_held_per_rank": memory["params_held"],
+                "optimizer_state_per_rank": memory["optimizer_state"],
+                "max_param_diff_vs_ddp": diff,
+            }
+        )
+    head = (
+        f"# Backend benchmark: DDP vs DeepSpeed ZeRO-1/2/3, gradient accumulation\n\n"
+        f"{info['date']} - {info['cpu']}, {info['cores']} cores - torch {info['torch']}, deepspeed "
+        f"{info.get('deepspeed')} - gloo (CPU), {WORLD_SIZE} processes x 1 thread - tiny-vit (7.2M parameters) + "
+        f"fastclip-v3, fp32, global batch {WORLD_SIZE * PER_RANK} - median of {steps} steps after {warmup} warm-up "
+        f"steps, configurations interleaved step by step. 1-min load average before/after: "
+        f"{info['loadavg'][0]:.2f}/{info['loadavg_after'][0]:.2f} (other jobs on the machine inflate absolute "
+        f"times; interleaving keeps the comparison fair).\n\n"
+        "Step = forward + backward + gradient norm + optimizer step (the trainer's, fastclip/train/engine.py), "
+        "no data loading. Params held / optimizer state: elements on one rank (optimizer state = Adam moments "
+        "plus ZeRO's separate fp32 master partition). Last column: largest parameter difference to DDP after "
+        "all steps (the same batches for every configuration).\n\n"
+    )
+    lines = [
+        "| config | micro-batch/rank | step ms (median) | samples/s | vs DDP | params held/rank (M) | "
+        "optimizer state/rank (M) | max abs param diff vs DDP |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['micro_batch_per_rank']} | {r['step_ms_median']:.0f} | "
-                     f"{r['samples_per_s']:.0f} | {r['vs_ddp']:.2f} | {r['params_held_per_rank'] / 1e6:.2f} | "
-                     f"{r['optimizer_state_per_rank'] / 1e6:.2f} | {r['max_param_diff_vs_ddp']:.1e} |")
-    notes = ("\nReading: with K ranks and P trainable elements, DDP holds P parameters and 2P Adam moments per rank; "
-             "ZeRO-1/2 hold P parameters plus 3P/K (moments and an fp32 master partition, which fp32 training does "
-             "not need but ZeRO keeps), ZeRO-3 P/K parameters plus 3P/K. ZeRO-2 also frees the full gradient after "
-             "its reduce-scatter (not counted here). On 2 CPU processes over gloo ZeRO's extra collectives and "
-             "copies cost time; its point is memory at scale. Accumulation (GradCache) runs the towers' forward "
-             "twice: the price of activation memory for batch/k samples; the estimator is unchanged.\n")
+        lines.append(
+            f"| {r['config']} | {r['micro_batch_per_rank']} | {r['step_ms_median']:.0f} | "
+            f"{r['samples_per_s']:.0f} | {r['vs_ddp']:.2f} | {r['params_held_per_rank'] / 1e6:.2f} | "
+            f"{r['optimizer_state_per_rank'] / 1e6:.2f} | {r['max_param_diff_vs_ddp']:.1e} |"
+        )
+    notes = (
+        "\nReading: with K ranks and P trainable elements, DDP holds P parameters and 2P Adam moments per rank; "
+        "ZeRO-1/2 hold P parameters plus 3P/K (moments and an fp32 master partition, which fp32 training does "
+        "not need but ZeRO keeps), ZeRO-3 P/K parameters plus 3P/K. ZeRO-2 also frees the full gradient after "
+        "its reduce-scatter (not counted here). On 2 CPU processes over gloo ZeRO's extra collectives and "
+        "copies cost time; its point is memory at scale. Accumulation (GradCache) runs the towers' forward "
+        "twice: the price of activation memory for batch/k samples; the estimator is unchanged.\n"
+    )
     return head + "\n".join(lines) + "\n" + notes, rows
 
 
@@ -186,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.out or (SMOKE_OUT if args.quick else RESULTS)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "engines_bench.md").write_text(text)
-    write_json(folder / "engines_bench.json", {"machine": info, "plan": plan, "world_size": WORLD_SIZE,
-                                               "per_rank_batch": PER_RANK, "rows": rows})
+    write_json(
+        folder / "engines_bench.json",
+        {"machine": info, "plan": plan, "world_size": WORLD_SIZE, "per_rank_batch": PER_RANK, "rows": rows},
+    )
     print(text)
     return 0
 

@@ -15,6 +15,7 @@ Two figures per loader:
 - wall-clock samples/s after the first batch, and the time to the first batch.
 Each cell keeps the run with the best CPU figure of --repeats runs; the two loaders alternate.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,9 +61,11 @@ def shard_urls(folder: Path) -> list[str]:
 
 
 def run_fastclip(folder: Path, built, batch_size: int, workers: int, max_batches: int) -> dict:
-    stream = build_train_stream({"train": str(folder), "batch_size": batch_size, "workers": workers,
-                                 "shuffle_buffer": 1000, "seed": 0},
-                                preprocess=built.preprocess_train, tokenizer=built.tokenizer)
+    stream = build_train_stream(
+        {"train": str(folder), "batch_size": batch_size, "workers": workers, "shuffle_buffer": 1000, "seed": 0},
+        preprocess=built.preprocess_train,
+        tokenizer=built.tokenizer,
+    )
     return _measure(lambda: stream.epoch(0), max_batches)
 
 
@@ -70,13 +73,15 @@ def run_wds(folder: Path, built, batch_size: int, workers: int, max_batches: int
     import webdataset as wds
 
     tokenizer = built.tokenizer
-    dataset = (wds.WebDataset(shard_urls(folder), shardshuffle=False, handler=wds.warn_and_continue)
-               .shuffle(1000, rng=random.Random(0))  # seeded (OpenCLIP's is not, #734), same buffer as ours
-               .decode("pil", handler=wds.warn_and_continue)
-               .rename(image="jpg;png;jpeg;webp", text="txt")
-               .to_tuple("image", "text")
-               .map_tuple(built.preprocess_train, lambda text: tokenizer([text])[0])
-               .batched(batch_size, partial=False))
+    dataset = (
+        wds.WebDataset(shard_urls(folder), shardshuffle=False, handler=wds.warn_and_continue)
+        .shuffle(1000, rng=random.Random(0))  # seeded (OpenCLIP's is not, #734), same buffer as ours
+        .decode("pil", handler=wds.warn_and_continue)
+        .rename(image="jpg;png;jpeg;webp", text="txt")
+        .to_tuple("image", "text")
+        .map_tuple(built.preprocess_train, lambda text: tokenizer([text])[0])
+        .batched(batch_size, partial=False)
+    )
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=False)
     return _measure(lambda: iter(loader), max_batches)
 
@@ -119,9 +124,16 @@ def machine() -> dict:
     import PIL
     import webdataset
 
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "webdataset": webdataset.__version__, "pillow": PIL.__version__}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "webdataset": webdataset.__version__,
+        "pillow": PIL.__version__,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,12 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="runs per cell, best kept (default 3, quick 1)")
     p.add_argument("--max-batches", type=int, default=10**9, help="stop each run after this many batches")
     p.add_argument("--data", default=None, help="where to build/keep the benchmark shards (default: a temp dir)")
-    p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/loader_bench, quick: "
-                                               "benchmarks/out/loader_bench_quick)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output prefix (default benchmarks/results/loader_bench, quick: benchmarks/out/loader_bench_quick)",
+    )
     args = p.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
-    out = Path(args.out or REPO / ("benchmarks/out/loader_bench_quick" if args.quick else
-                                   "benchmarks/results/loader_bench"))
+    out = Path(
+        args.out or REPO / ("benchmarks/out/loader_bench_quick" if args.quick else "benchmarks/results/loader_bench")
+    )
     torch.set_num_threads(1)  # loaders are per-core work; keep the main process from spreading its transforms
 
     from fastclip.models import build_model
@@ -177,26 +193,34 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(result: dict) -> str:
     m = result["machine"]
-    lines = [f"# Loader throughput: fastclip stream vs OpenCLIP-style WebDataset pipeline",
-             "",
-             f"{m['date']}, {m['cpu']}, {m['cores']} cores, {m['platform']}; Python {m['python']}, torch "
-             f"{m['torch']}, webdataset {m['webdataset']}, Pillow {m['pillow']}. Preprocess and tokenizer of "
-             f"`{result['arch']}` (train transform: RandomResizedCrop to the model's size, normalise). "
-             f"Load average (1/5/15 min) before {m['load_before']}, after {m['load_after']}. "
-             f"Best of {result['repeats']} alternating runs"
-             + (" (quick smoke run: small data, not a measurement)" if result["quick"] else "") + ".",
-             "",
-             "| shards | samples | workers | fastclip samples/CPU-s | wds samples/CPU-s | ratio (CPU) | "
-             "fastclip samples/s | wds samples/s | ratio (wall) | first batch s (fastclip / wds) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Loader throughput: fastclip stream vs OpenCLIP-style WebDataset pipeline",
+        "",
+        f"{m['date']}, {m['cpu']}, {m['cores']} cores, {m['platform']}; Python {m['python']}, torch "
+        f"{m['torch']}, webdataset {m['webdataset']}, Pillow {m['pillow']}. Preprocess and tokenizer of "
+        f"`{result['arch']}` (train transform: RandomResizedCrop to the model's size, normalise). "
+        f"Load average (1/5/15 min) before {m['load_before']}, after {m['load_after']}. "
+        f"Best of {result['repeats']} alternating runs"
+        + (" (quick smoke run: small data, not a measurement)" if result["quick"] else "")
+        + ".",
+        "",
+        "| shards | samples | workers | fastclip samples/CPU-s | wds samples/CPU-s | ratio (CPU) | "
+        "fastclip samples/s | wds samples/s | ratio (wall) | first batch s (fastclip / wds) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['dataset']} | {r['samples']} | {r['workers']} | {r['fastclip_samples_per_cpu_s']} | "
-                     f"{r['wds_samples_per_cpu_s']} | {r['ratio_cpu']} | {r['fastclip_samples_per_s']} | "
-                     f"{r['wds_samples_per_s']} | {r['ratio_wall']} | {r['fastclip_first_batch_s']} / "
-                     f"{r['wds_first_batch_s']} |")
-    lines += ["", "samples/CPU-s: samples per CPU-second summed over the main process and its DataLoader workers "
-              "(whole epoch, start-up included) = per-worker throughput. samples/s: wall clock after the first "
-              "batch. workers=0: everything in the main process."]
+        lines.append(
+            f"| {r['dataset']} | {r['samples']} | {r['workers']} | {r['fastclip_samples_per_cpu_s']} | "
+            f"{r['wds_samples_per_cpu_s']} | {r['ratio_cpu']} | {r['fastclip_samples_per_s']} | "
+            f"{r['wds_samples_per_s']} | {r['ratio_wall']} | {r['fastclip_first_batch_s']} / "
+            f"{r['wds_first_batch_s']} |"
+        )
+    lines += [
+        "",
+        "samples/CPU-s: samples per CPU-second summed over the main process and its DataLoader workers "
+        "(whole epoch, start-up included) = per-worker throughput. samples/s: wall clock after the first "
+        "batch. workers=0: everything in the main process.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ repetitions. Bytes are per rank per step, by ring formulas (all_gather (K-1)/K·
 reduce-scatter/all-to-all (K-1)/K·input): fastclip's from ``loss_fn.comm_bytes``; ClipLoss's measured by
 wrapping the torch.distributed calls it makes (forward all_gathers, backward scatters on gloo).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,10 @@ from fastclip.distributed import destroy_process_group
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import slowest_rank_seconds  # noqa: E402
 from fastclip.losses import build_loss
 from fastclip.losses.byte_counter import CollectiveByteCounter
+
+from common import slowest_rank_seconds  # noqa: E402
 
 WORLD_SIZE = 2
 DATA_SIZE = 10**6
@@ -50,8 +52,6 @@ def _features(batch: int, dim: int, seed: int):
     text = F.normalize(torch.randn(batch, dim, generator=gen), dim=1).requires_grad_()
     indices = torch.randint(0, DATA_SIZE, (batch,), generator=gen)
     return image, text, indices
-
-
 
 
 def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> dict:
@@ -76,12 +76,15 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
     with CollectiveByteCounter() as counter:
         steps["openclip"]()
     return {
-        "B": batch, "d": dim, "reps": reps,
+        "B": batch,
+        "d": dim,
+        "reps": reps,
         "fastclip_ms": 1e3 * statistics.median(times["fastclip-v3"]),
         "fastclip_unchecked_ms": 1e3 * statistics.median(times["fastclip-v3-unchecked"]),
         "openclip_ms": 1e3 * statistics.median(times["openclip"]),
         "fastclip_bytes": dict(fast.comm_bytes),
-        "openclip_bytes": counter.total, "openclip_bytes_by_call": dict(counter.bytes),
+        "openclip_bytes": counter.total,
+        "openclip_bytes_by_call": dict(counter.bytes),
     }
 
 
@@ -111,8 +114,10 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         fb, tb, cb = r["fastclip_bytes"]["features"], r["fastclip_bytes"]["total"], r["openclip_bytes"]
         v3, raw, clip = r["fastclip_ms"], r["fastclip_unchecked_ms"], r["openclip_ms"]
-        lines.append(f"| {r['B']} | {r['d']} | {v3:.2f} | {raw:.2f} | {clip:.2f} | {v3 / clip:.2f} | {raw / clip:.2f} | "
-                     f"{fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} |")
+        lines.append(
+            f"| {r['B']} | {r['d']} | {v3:.2f} | {raw:.2f} | {clip:.2f} | {v3 / clip:.2f} | {raw / clip:.2f} | "
+            f"{fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -135,29 +140,41 @@ def main(argv: list[str] | None = None) -> int:
     raw.unlink()
     header = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPU cores, {platform.processor() or ''}".strip(", "),
-        "python": sys.version.split()[0], "torch": torch.__version__, "backend": "gloo (CPU)",
-        "world_size": WORLD_SIZE, "threads_per_process": 1, "dtype": "float32", "plan": plan,
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{platform.processor() or ''}".strip(", "),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "backend": "gloo (CPU)",
+        "world_size": WORLD_SIZE,
+        "threads_per_process": 1,
+        "dtype": "float32",
+        "plan": plan,
         "wall_s": round(time.time() - started, 1),
         # other work on the machine inflates absolute times; interleaving keeps the ratios fair
         "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
     }
     table = _table(rows)
-    md = "\n".join([
-        "# Loss benchmark: fastclip-v3 vs open_clip ClipLoss(local_loss=True, gather_with_grad=True)", "",
-        f"{header['date']} - {header['machine']} - torch {header['torch']} - {header['backend']}, "
-        f"{WORLD_SIZE} processes x 1 thread, float32 features, median of {plan['reps']} steps after "
-        f"{plan['warmup']} warm-up steps, interleaved. 1-min load average before/after: "
-        f"{header['load_average_1min']['before']}/{header['load_average_1min']['after']} (other jobs on the machine "
-        "inflate absolute times; the interleaving keeps the ratios comparable).", "",
-        "Time: forward + backward + communication of the loss alone (features are leaf tensors), slowest rank. "
-        "`v3` is the default (validate=True: one extra tiny all_gather and a host sync per step to check the "
-        "inputs on all ranks); `v3 unchecked` is validate=False. "
-        "Bytes: per rank per step, ring formulas; ClipLoss counted by wrapping its torch.distributed calls "
-        "(2 all_gathers forward, 2 x K scatters backward on gloo). v3 total = features + indices + "
-        "validation header + state all_reduce.", "",
-        table, "",
-    ])
+    md = "\n".join(
+        [
+            "# Loss benchmark: fastclip-v3 vs open_clip ClipLoss(local_loss=True, gather_with_grad=True)",
+            "",
+            f"{header['date']} - {header['machine']} - torch {header['torch']} - {header['backend']}, "
+            f"{WORLD_SIZE} processes x 1 thread, float32 features, median of {plan['reps']} steps after "
+            f"{plan['warmup']} warm-up steps, interleaved. 1-min load average before/after: "
+            f"{header['load_average_1min']['before']}/{header['load_average_1min']['after']} "
+            "(other jobs on the machine inflate absolute times; the interleaving keeps the ratios comparable).",
+            "",
+            "Time: forward + backward + communication of the loss alone (features are leaf tensors), slowest rank. "
+            "`v3` is the default (validate=True: one extra tiny all_gather and a host sync per step to check the "
+            "inputs on all ranks); `v3 unchecked` is validate=False. "
+            "Bytes: per rank per step, ring formulas; ClipLoss counted by wrapping its torch.distributed calls "
+            "(2 all_gathers forward, 2 x K scatters backward on gloo). v3 total = features + indices + "
+            "validation header + state all_reduce.",
+            "",
+            table,
+            "",
+        ]
+    )
     (out_dir / "loss_bench.md").write_text(md)
     (out_dir / "loss_bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2))
     print(md)

@@ -6,11 +6,11 @@ processes, zero-shot evaluation), with its wall time per phase and the zero-shot
 The run goes to a fresh folder (benchmarks/out/quickstart-run); the set-up and the shards are reused when they
 exist (the time of a fresh machine's set-up, a pip install of about 1 GB, is not included then: the table says).
 """
+
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -29,8 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     fresh_data = not (REPO / "data" / "embedded" / "zeroshot.json").exists()
     info = machine_info()
     start = time.time()
-    proc = subprocess.Popen(["bash", "launch/quickstart.sh"], cwd=REPO, env={**os.environ, "RUN": str(run), "PYTHONUNBUFFERED": "1"},  # phase marks need lines as printed
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["bash", "launch/quickstart.sh"],
+        cwd=REPO,
+        env={**os.environ, "RUN": str(run), "PYTHONUNBUFFERED": "1"},  # phase marks need lines as printed
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     marks: dict[str, float] = {}
     for line in proc.stdout:  # phase boundaries from the script's own output
         sys.stdout.write(line)
@@ -50,18 +56,39 @@ def main(argv: list[str] | None = None) -> int:
     zeroshot = {r["dataset"]: r["top1"] for r in records if r.get("task") == "zeroshot_classification"}
     speeds = [json.loads(x).get("samples_per_s") for x in (run / "metrics.jsonl").read_text().splitlines()]
     speeds = sorted(s for s in speeds if s)
-    result = {"machine": info, "seconds_total": total, "marks": marks, "fresh_setup": fresh_setup,
-              "fresh_data": fresh_data, "zeroshot_top1": zeroshot,
-              "median_samples_per_s": speeds[len(speeds) // 2] if speeds else None}
-    phases = {"set-up": marks.get("setup", 0.0), "shards": marks.get("data", 0.0) - marks.get("setup", 0.0),
-              "training": marks.get("train", total) - marks.get("data", 0.0), "evaluation": total - marks.get("train", total)}
-    lines = ["# Quickstart: `bash launch/quickstart.sh`", "", stamp(info), "",
-             f"set-up {'from scratch' if fresh_setup else 'already done (re-run: seconds)'}, shards "
-             f"{'written' if fresh_data else 'reused'}.", "",
-             "| phase | seconds |", "|---|---:|"]
+    result = {
+        "machine": info,
+        "seconds_total": total,
+        "marks": marks,
+        "fresh_setup": fresh_setup,
+        "fresh_data": fresh_data,
+        "zeroshot_top1": zeroshot,
+        "median_samples_per_s": speeds[len(speeds) // 2] if speeds else None,
+    }
+    phases = {
+        "set-up": marks.get("setup", 0.0),
+        "shards": marks.get("data", 0.0) - marks.get("setup", 0.0),
+        "training": marks.get("train", total) - marks.get("data", 0.0),
+        "evaluation": total - marks.get("train", total),
+    }
+    lines = [
+        "# Quickstart: `bash launch/quickstart.sh`",
+        "",
+        stamp(info),
+        "",
+        f"set-up {'from scratch' if fresh_setup else 'already done (re-run: seconds)'}, shards "
+        f"{'written' if fresh_data else 'reused'}.",
+        "",
+        "| phase | seconds |",
+        "|---|---:|",
+    ]
     lines += [f"| {k} | {v:.0f} |" for k, v in phases.items()] + [f"| **total** | **{total:.0f}** |", ""]
-    lines += [f"Training: median {result['median_samples_per_s']:.0f} samples/s over the logged windows.", "",
-              "| dataset | zero-shot top-1 |", "|---|---:|"]
+    lines += [
+        f"Training: median {result['median_samples_per_s']:.0f} samples/s over the logged windows.",
+        "",
+        "| dataset | zero-shot top-1 |",
+        "|---|---:|",
+    ]
     lines += [f"| {name} | {100 * top1:.2f}% |" for name, top1 in zeroshot.items()]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "quickstart.md").write_text("\n".join(lines) + "\n")

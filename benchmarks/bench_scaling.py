@@ -20,13 +20,13 @@ Model (NOT a measurement): ring collectives, each costing steps·α + wire_bytes
   2 × reduce_scatter(K·B·d·4) backward. α and bw are fitted here from an all_reduce / all_gather sweep on gloo
   (2 processes), and, as a second variant, taken from typical NCCL-over-InfiniBand figures (stated assumptions).
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,21 +35,38 @@ import torch.multiprocessing as mp
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, SMOKE_OUT, free_port, machine_info, publish, save_figure, slowest_rank_seconds
-
 from fastclip.distributed import destroy_process_group
 
-FULL = dict(losses=("fastclip-v3", "openclip"), batch=64, arch="tiny-vit", reps=12, warmup=3, sweep_sizes=[2**k for k in range(10, 25, 2)], sweep_reps=7)
-QUICK = dict(losses=("fastclip-v3",), batch=16, arch="tiny-vit", reps=2, warmup=1, sweep_sizes=[2**10, 2**16, 2**20], sweep_reps=2)
+from common import RESULTS, SMOKE_OUT, free_port, machine_info, publish, save_figure, slowest_rank_seconds
+
+FULL = dict(
+    losses=("fastclip-v3", "openclip"),
+    batch=64,
+    arch="tiny-vit",
+    reps=12,
+    warmup=3,
+    sweep_sizes=[2**k for k in range(10, 25, 2)],
+    sweep_reps=7,
+)
+QUICK = dict(
+    losses=("fastclip-v3",),
+    batch=16,
+    arch="tiny-vit",
+    reps=2,
+    warmup=1,
+    sweep_sizes=[2**10, 2**16, 2**20],
+    sweep_reps=2,
+)
 MODEL_RANKS = (1, 2, 8, 16, 32, 64, 128, 256)
 
 # Second model variant: published / typical figures, stated as assumptions (not measured here)
 NCCL_IB = {
     "name": "assumed: NCCL over InfiniBand, ViT-B-32, 256 per GPU, bf16",
-    "alpha_s": 10e-6,          # per ring step: NCCL inter-node latency is typically 5-20 µs
-    "bw_Bps": 20e9,            # per-GPU ring (bus) bandwidth: HDR 200 Gb/s IB = 25 GB/s line rate, ~80% achieved
-    "params": 151_277_313,     # ViT-B-32 CLIP (open_clip); DDP all-reduces fp32 gradients under bf16 autocast
-    "batch": 256, "dim": 512,
+    "alpha_s": 10e-6,  # per ring step: NCCL inter-node latency is typically 5-20 µs
+    "bw_Bps": 20e9,  # per-GPU ring (bus) bandwidth: HDR 200 Gb/s IB = 25 GB/s line rate, ~80% achieved
+    "params": 151_277_313,  # ViT-B-32 CLIP (open_clip); DDP all-reduces fp32 gradients under bf16 autocast
+    "batch": 256,
+    "dim": 512,
     # 3 x forward FLOPs (2 x params x tokens: image 88M x 50 patches, text 63M x 77 tokens) x 256 samples at
     # 40% of an A100's 312 TFLOP/s bf16 peak: ~0.11 s. An assumption until the GPU session measures it.
     "compute_s": 3 * 2 * (88e6 * 50 + 63e6 * 77) * 256 / (0.4 * 312e12),
@@ -113,8 +130,10 @@ def _measure(rank: int, world: int, p: dict) -> dict:
         feats = [torch.nn.functional.normalize(torch.randn(b, dim), dim=1).requires_grad_() for _ in range(2)]
         loss_alone = build_loss(loss_name, data_size=10**6)
         grad_flat = torch.randn(params)
-        variants = {"step": lambda: step(True), "loss_alone": lambda: loss_alone(
-            feats[0], feats[1], torch.arange(b) * world + rank, epoch=1).backward()}
+        variants = {
+            "step": lambda: step(True),
+            "loss_alone": lambda: loss_alone(feats[0], feats[1], torch.arange(b) * world + rank, epoch=1).backward(),
+        }
         if world > 1:
             variants["step_no_sync"] = lambda: step(False)
             variants["grad_all_reduce"] = lambda: dist.all_reduce(grad_flat)
@@ -131,7 +150,10 @@ def _measure(rank: int, world: int, p: dict) -> dict:
         for n in p["sweep_sizes"]:
             x = torch.randn(n // 4)
             outs = [torch.empty_like(x) for _ in range(world)]
-            for op, fn in (("all_reduce", lambda: dist.all_reduce(x)), ("all_gather", lambda: dist.all_gather(outs, x))):
+            for op, fn in (
+                ("all_reduce", lambda: dist.all_reduce(x)),
+                ("all_gather", lambda: dist.all_gather(outs, x)),
+            ):
                 ts = [slowest_rank_seconds(fn) for _ in range(p["sweep_reps"] + 1)][1:]
                 sweep.append({"op": op, "bytes": n, "seconds": statistics.median(ts)})
         out["sweep"] = sweep
@@ -156,8 +178,11 @@ def measure(world: int, p: dict) -> dict:
 def ring_cost(op: str, n: float, k: int, alpha: float, bw: float) -> float:
     if k <= 1:
         return 0.0
-    steps, wire = {"all_reduce": (2 * (k - 1), 2 * (k - 1) / k * n), "all_gather": (k - 1, (k - 1) * n),
-                   "reduce_scatter": (k - 1, (k - 1) / k * n)}[op]
+    steps, wire = {
+        "all_reduce": (2 * (k - 1), 2 * (k - 1) / k * n),
+        "all_gather": (k - 1, (k - 1) * n),
+        "reduce_scatter": (k - 1, (k - 1) / k * n),
+    }[op]
     return steps * alpha + wire / bw
 
 
@@ -197,10 +222,21 @@ def model_rows(s: dict) -> list[dict]:
         v3 = cost(s, "all_gather", 2 * b * d * 4 + b * 8, k) + cost(s, "all_reduce", 2 * k * b * 4, k)
         oc = 2 * cost(s, "all_gather", b * d * 4, k) + 2 * cost(s, "reduce_scatter", k * b * d * 4, k)
         step_v3, step_oc = s["compute_s"] + grad + v3, s["compute_s"] + grad + oc
-        rows.append({"ranks": k, "compute_s": s["compute_s"], "grad_all_reduce_s": grad, "loss_comm_v3_s": v3,
-                     "loss_comm_openclip_s": oc, "step_v3_s": step_v3, "step_openclip_s": step_oc,
-                     "efficiency_v3": s["compute_s"] / step_v3, "efficiency_openclip": s["compute_s"] / step_oc,
-                     "samples_per_s_v3": k * b / step_v3, "samples_per_s_openclip": k * b / step_oc})
+        rows.append(
+            {
+                "ranks": k,
+                "compute_s": s["compute_s"],
+                "grad_all_reduce_s": grad,
+                "loss_comm_v3_s": v3,
+                "loss_comm_openclip_s": oc,
+                "step_v3_s": step_v3,
+                "step_openclip_s": step_oc,
+                "efficiency_v3": s["compute_s"] / step_v3,
+                "efficiency_openclip": s["compute_s"] / step_oc,
+                "samples_per_s_v3": k * b / step_v3,
+                "samples_per_s_openclip": k * b / step_oc,
+            }
+        )
     return rows
 
 
@@ -210,59 +246,107 @@ def build_result(w1: dict, w2: dict, p: dict, info: dict) -> dict:
         t1, t2 = w1["times"][loss], w2["times"][loss]
         grad = max(0.0, t2["step"] - t2["step_no_sync"])
         loss_comm = max(0.0, t2["loss_alone"] - t1["loss_alone"])
-        measured.append({"loss": loss, "step_1proc_s": t1["step"], "step_2proc_s": t2["step"],
-                         "step_2proc_no_sync_s": t2["step_no_sync"], "grad_sync_s": grad,
-                         "grad_all_reduce_alone_s": t2["grad_all_reduce"], "loss_alone_1proc_s": t1["loss_alone"],
-                         "loss_alone_2proc_s": t2["loss_alone"], "loss_comm_s": loss_comm,
-                         "other_s": t2["step"] - t1["step"] - grad - loss_comm})
+        measured.append(
+            {
+                "loss": loss,
+                "step_1proc_s": t1["step"],
+                "step_2proc_s": t2["step"],
+                "step_2proc_no_sync_s": t2["step_no_sync"],
+                "grad_sync_s": grad,
+                "grad_all_reduce_alone_s": t2["grad_all_reduce"],
+                "loss_alone_1proc_s": t1["loss_alone"],
+                "loss_alone_2proc_s": t2["loss_alone"],
+                "loss_comm_s": loss_comm,
+                "other_s": t2["step"] - t1["step"] - grad - loss_comm,
+            }
+        )
     fit = fit_collectives(w2["sweep"])
-    local = {"name": "fitted: gloo on this machine, tiny-vit", **fit, "params": w2["params"], "batch": p["batch"],
-             "dim": w2["dim"], "compute_s": w1["times"]["fastclip-v3"]["step"]}
-    return {"machine": info, "params": p, "measured": measured, "sweep": w2["sweep"], "fit": fit,
-            "scenarios": [{"assumptions": local, "rows": model_rows(local)},
-                          {"assumptions": dict(NCCL_IB), "rows": model_rows(NCCL_IB)}]}
+    local = {
+        "name": "fitted: gloo on this machine, tiny-vit",
+        **fit,
+        "params": w2["params"],
+        "batch": p["batch"],
+        "dim": w2["dim"],
+        "compute_s": w1["times"]["fastclip-v3"]["step"],
+    }
+    return {
+        "machine": info,
+        "params": p,
+        "measured": measured,
+        "sweep": w2["sweep"],
+        "fit": fit,
+        "scenarios": [
+            {"assumptions": local, "rows": model_rows(local)},
+            {"assumptions": dict(NCCL_IB), "rows": model_rows(NCCL_IB)},
+        ],
+    }
 
 
 def markdown(result: dict) -> str:
     p = result["params"]
     ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
-    lines = [f"**Measured** (gloo, 1 thread per process, {p['arch']}, {p['batch']} per process, synthetic batches, "
-             f"median of {p['reps']} interleaved repetitions, slowest rank), ms per step:", "",
-             "| loss | step, 1 proc (compute) | step, 2 procs | 2 procs, DDP no_sync | gradient sync (= diff.) | "
-             "grad all_reduce alone | loss alone 1 / 2 procs | loss comm (= diff.) | other (contention) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"**Measured** (gloo, 1 thread per process, {p['arch']}, {p['batch']} per process, synthetic batches, "
+        f"median of {p['reps']} interleaved repetitions, slowest rank), ms per step:",
+        "",
+        "| loss | step, 1 proc (compute) | step, 2 procs | 2 procs, DDP no_sync | gradient sync (= diff.) | "
+        "grad all_reduce alone | loss alone 1 / 2 procs | loss comm (= diff.) | other (contention) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for m in result["measured"]:
-        lines.append(f"| {m['loss']} | {ms(m['step_1proc_s'])} | {ms(m['step_2proc_s'])} | "
-                     f"{ms(m['step_2proc_no_sync_s'])} | {ms(m['grad_sync_s'])} | {ms(m['grad_all_reduce_alone_s'])} | "
-                     f"{ms(m['loss_alone_1proc_s'])} / {ms(m['loss_alone_2proc_s'])} | {ms(m['loss_comm_s'])} | "
-                     f"{ms(m['other_s'])} |")
+        lines.append(
+            f"| {m['loss']} | {ms(m['step_1proc_s'])} | {ms(m['step_2proc_s'])} | "
+            f"{ms(m['step_2proc_no_sync_s'])} | {ms(m['grad_sync_s'])} | {ms(m['grad_all_reduce_alone_s'])} | "
+            f"{ms(m['loss_alone_1proc_s'])} / {ms(m['loss_alone_2proc_s'])} | {ms(m['loss_comm_s'])} | "
+            f"{ms(m['other_s'])} |"
+        )
     f = result["fit"]
-    fits = ", ".join(f"{op}: α = {1e6 * v['alpha_s']:.1f} µs per ring step, bw = {v['bw_Bps'] / 1e9:.2f} GB/s"
-                     for op, v in f["per_op"].items() if op != "reduce_scatter")
-    lines += ["", f"Collective sweep on gloo (2 processes, {len(result['sweep'])} points) fitted per op to "
-              f"steps·α + wire/bw: **{fits}** (reduce_scatter modelled with all_gather's pair).",
-              "", "| op | bytes per rank | measured ms | fit ms |", "|---|---:|---:|---:|"]
+    fits = ", ".join(
+        f"{op}: α = {1e6 * v['alpha_s']:.1f} µs per ring step, bw = {v['bw_Bps'] / 1e9:.2f} GB/s"
+        for op, v in f["per_op"].items()
+        if op != "reduce_scatter"
+    )
+    lines += [
+        "",
+        f"Collective sweep on gloo (2 processes, {len(result['sweep'])} points) fitted per op to "
+        f"steps·α + wire/bw: **{fits}** (reduce_scatter modelled with all_gather's pair).",
+        "",
+        "| op | bytes per rank | measured ms | fit ms |",
+        "|---|---:|---:|---:|",
+    ]
     for s in result["sweep"]:
-        lines.append(f"| {s['op']} | {s['bytes']:,} | {1000 * s['seconds']:.3f} | "
-                     f"{1000 * cost(f, s['op'], s['bytes'], 2):.3f} |")
+        lines.append(
+            f"| {s['op']} | {s['bytes']:,} | {1000 * s['seconds']:.3f} | {1000 * cost(f, s['op'], s['bytes'], 2):.3f} |"
+        )
     for sc in result["scenarios"]:
         a = sc["assumptions"]
-        pair = "the fitted pairs above" if "per_op" in a else \
-            f"α = {1e6 * a['alpha_s']:.1f} µs per ring step, bw = {a['bw_Bps'] / 1e9:.2f} GB/s"
-        lines += ["", f"**MODEL, not a measurement** - {a['name']}: {pair}, P = {a['params'] / 1e6:.1f} M parameters (fp32 gradients), "
-                  f"B = {a['batch']} per rank, d = {a['dim']}, compute = {ms(a['compute_s'])} ms per step; "
-                  f"no overlap of communication with compute (upper bound).", "",
-                  "| ranks | compute ms | grad all_reduce ms | loss comm v3 ms | loss comm openclip ms | step v3 ms | "
-                  "step openclip ms | efficiency v3 | efficiency openclip |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        pair = (
+            "the fitted pairs above"
+            if "per_op" in a
+            else f"α = {1e6 * a['alpha_s']:.1f} µs per ring step, bw = {a['bw_Bps'] / 1e9:.2f} GB/s"
+        )
+        lines += [
+            "",
+            f"**MODEL, not a measurement** - {a['name']}: {pair}, P = {a['params'] / 1e6:.1f} M parameters "
+            f"(fp32 gradients), B = {a['batch']} per rank, d = {a['dim']}, compute = {ms(a['compute_s'])} ms per step; "
+            f"no overlap of communication with compute (upper bound).",
+            "",
+            "| ranks | compute ms | grad all_reduce ms | loss comm v3 ms | loss comm openclip ms | step v3 ms | "
+            "step openclip ms | efficiency v3 | efficiency openclip |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in sc["rows"]:
-            lines.append(f"| {r['ranks']} | {ms(r['compute_s'])} | {ms(r['grad_all_reduce_s'])} | "
-                         f"{ms(r['loss_comm_v3_s'])} | {ms(r['loss_comm_openclip_s'])} | {ms(r['step_v3_s'])} | "
-                         f"{ms(r['step_openclip_s'])} | {r['efficiency_v3']:.2f} | {r['efficiency_openclip']:.2f} |")
+            lines.append(
+                f"| {r['ranks']} | {ms(r['compute_s'])} | {ms(r['grad_all_reduce_s'])} | "
+                f"{ms(r['loss_comm_v3_s'])} | {ms(r['loss_comm_openclip_s'])} | {ms(r['step_v3_s'])} | "
+                f"{ms(r['step_openclip_s'])} | {r['efficiency_v3']:.2f} | {r['efficiency_openclip']:.2f} |"
+            )
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -283,10 +367,14 @@ def plot(result: dict, path: Path) -> None:
     for ax, sc in zip(axes[1:], result["scenarios"]):
         rows = [r for r in sc["rows"] if r["ranks"] > 1]  # nothing to communicate at 1
         ks = [r["ranks"] for r in rows]
-        for key, label, style in (("step_openclip_s", "step, openclip loss", "-"), ("step_v3_s", "step, fastclip-v3", "-"),
-                                  ("compute_s", "compute", ":"), ("grad_all_reduce_s", "gradient all_reduce", "--"),
-                                  ("loss_comm_openclip_s", "loss comm, openclip", "-."),
-                                  ("loss_comm_v3_s", "loss comm, fastclip-v3", "-.")):
+        for key, label, style in (
+            ("step_openclip_s", "step, openclip loss", "-"),
+            ("step_v3_s", "step, fastclip-v3", "-"),
+            ("compute_s", "compute", ":"),
+            ("grad_all_reduce_s", "gradient all_reduce", "--"),
+            ("loss_comm_openclip_s", "loss comm, openclip", "-."),
+            ("loss_comm_v3_s", "loss comm, fastclip-v3", "-."),
+        ):
             ax.plot(ks, [1000 * max(r[key], 1e-9) for r in rows], ls=style, marker=".", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -295,8 +383,14 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title("MODEL: " + sc["assumptions"]["name"], fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5)
-    save_figure(fig, path, result["machine"], "Scaling: measured collective costs (left) and a latency-bandwidth "
-                "MODEL of the step (middle, right; not measurements)", top=0.93)
+    save_figure(
+        fig,
+        path,
+        result["machine"],
+        "Scaling: measured collective costs (left) and a latency-bandwidth "
+        "MODEL of the step (middle, right; not measurements)",
+        top=0.93,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

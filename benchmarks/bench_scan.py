@@ -6,12 +6,14 @@
 Shards are written as img2dataset writes them (`{shard:05d}.tar` with .jpg/.txt/.json per sample, plus
 `{shard}_stats.json` and, when pyarrow is installed, `{shard}.parquet`). Each scan runs in a fresh process and
 reports its wall time and the growth of its peak RSS during the scan (VmHWM after, reset to the RSS before it
-through /proc/self/clear_refs, minus that RSS: the imports are not counted) divided by the samples: the memory the scan keeps per sample. Modes: the tars in one
+through /proc/self/clear_refs, minus that RSS: the imports are not counted) divided by the samples: the memory the
+scan keeps per sample. Modes: the tars in one
 process and in all cores, the img2dataset stats files (the tars are not opened), the parquet files, and the
 previous implementation (one process keeping a Python object per sample, from git) for comparison. The
 projection multiplies the measured rates and bytes per sample up to 400M samples (40,000 shards of 10,000) on
 the same number of cores; it is arithmetic, not a measurement.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,11 +50,18 @@ def write_shards(folder: Path, shards: int, per_shard: int) -> None:
         for row in range(per_shard):
             key = f"{sid:05d}{row:0{digits}d}"
             keys.append(key)
-            writer.add(key, {"jpg": image, "txt": f"a caption for sample {key}".encode(),
-                             "json": json.dumps({"key": key, "status": "success", "caption": "x"}).encode()})
+            writer.add(
+                key,
+                {
+                    "jpg": image,
+                    "txt": f"a caption for sample {key}".encode(),
+                    "json": json.dumps({"key": key, "status": "success", "caption": "x"}).encode(),
+                },
+            )
         writer.close()
-        (folder / f"{sid:05d}_stats.json").write_text(json.dumps(
-            {"count": per_shard, "successes": per_shard, "failed_to_download": 0, "failed_to_resize": 0}))
+        (folder / f"{sid:05d}_stats.json").write_text(
+            json.dumps({"count": per_shard, "successes": per_shard, "failed_to_download": 0, "failed_to_resize": 0})
+        )
         if pa is not None:
             pq.write_table(pa.table({"key": keys, "status": ["success"] * per_shard}), folder / f"{sid:05d}.parquet")
 
@@ -96,45 +105,74 @@ print(json.dumps({"seconds": seconds, "peak_rss_delta": (after - before) * 1024,
 def run_mode(mode: str, folder: Path, workers: int, per_shard: int) -> dict:
     stdin = None
     if mode == "old":
-        stdin = subprocess.run(["git", "show", f"{OLD_COMMIT}:fastclip/data/sources/scan.py"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout
-    proc = subprocess.run([sys.executable, "-c", _CHILD, mode, str(folder), str(workers), str(per_shard)],
-                          input=stdin, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+        stdin = subprocess.run(
+            ["git", "show", f"{OLD_COMMIT}:fastclip/data/sources/scan.py"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, mode, str(folder), str(workers), str(per_shard)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if proc.returncode != 0:
         raise SystemExit(f"bench_scan: mode {mode} failed: {proc.stderr.strip().splitlines()[-1:]}")
     row = json.loads(proc.stdout.strip().splitlines()[-1])
-    row.update(mode=mode, workers=workers, samples_per_s=row["samples"] / row["seconds"],
-               shards_per_s=row["shards"] / row["seconds"], bytes_per_sample=row["peak_rss_delta"] / row["samples"])
+    row.update(
+        mode=mode,
+        workers=workers,
+        samples_per_s=row["samples"] / row["seconds"],
+        shards_per_s=row["shards"] / row["seconds"],
+        bytes_per_sample=row["peak_rss_delta"] / row["samples"],
+    )
     shards_400m = PROJECT_SAMPLES // PROJECT_PER_SHARD
-    row["projected_400m"] = {"hours": shards_400m / row["shards_per_s"] / 3600,
-                             "memory_gb": row["bytes_per_sample"] * PROJECT_SAMPLES / 1e9}
-    print(f"{mode:>8} x{workers}: {row['shards_per_s']:.1f} shards/s, {row['samples_per_s']:,.0f} samples/s, "
-          f"{row['bytes_per_sample']:.2f} B/sample (peak RSS +{row['peak_rss_delta'] / 2**20:.1f} MiB)", flush=True)
+    row["projected_400m"] = {
+        "hours": shards_400m / row["shards_per_s"] / 3600,
+        "memory_gb": row["bytes_per_sample"] * PROJECT_SAMPLES / 1e9,
+    }
+    print(
+        f"{mode:>8} x{workers}: {row['shards_per_s']:.1f} shards/s, {row['samples_per_s']:,.0f} samples/s, "
+        f"{row['bytes_per_sample']:.2f} B/sample (peak RSS +{row['peak_rss_delta'] / 2**20:.1f} MiB)",
+        flush=True,
+    )
     return row
 
 
-LABELS = {"old": "previous: tars, one process, an object per sample", "tars": "tars (per-shard summaries)",
-          "stats": "img2dataset _stats.json (tars not opened)", "parquet": "img2dataset .parquet (tars not opened)"}
+LABELS = {
+    "old": "previous: tars, one process, an object per sample",
+    "tars": "tars (per-shard summaries)",
+    "stats": "img2dataset _stats.json (tars not opened)",
+    "parquet": "img2dataset .parquet (tars not opened)",
+}
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Scan of {result['shards']} img2dataset-style shards x {result['per_shard']:,} samples "
-             f"({result['shards'] * result['per_shard']:,} samples) on {result['machine']['cores']} cores "
-             f"({result['machine']['date'][:10]}); other jobs shared the machine. Memory: growth of the scanning "
-             f"process's peak RSS during the scan / samples (page-granular; the pool's workers hold one shard "
-             f"each, not counted). Projection to 400M samples (40,000 shards): arithmetic from these rates. The previous "
-             f"scan's growth is per sample (a tuple, a dict entry and an int each); the new modes' is mostly a fixed "
-             f"cost (one shard's summary in flight, the pool), so their linear projection is an upper bound: what "
-             f"grows with the data is a bit per index (8 KiB chunks; 50 MB for 400M indices) and one entry per "
-             f"shard.", "",
-             "| mode | processes | shards/s | samples/s | peak RSS growth | bytes/sample | 400M: hours | "
-             "400M: memory |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Scan of {result['shards']} img2dataset-style shards x {result['per_shard']:,} samples "
+        f"({result['shards'] * result['per_shard']:,} samples) on {result['machine']['cores']} cores "
+        f"({result['machine']['date'][:10]}); other jobs shared the machine. Memory: growth of the scanning "
+        f"process's peak RSS during the scan / samples (page-granular; the pool's workers hold one shard "
+        f"each, not counted). Projection to 400M samples (40,000 shards): arithmetic from these rates. The previous "
+        f"scan's growth is per sample (a tuple, a dict entry and an int each); the new modes' is mostly a fixed "
+        f"cost (one shard's summary in flight, the pool), so their linear projection is an upper bound: what "
+        f"grows with the data is a bit per index (8 KiB chunks; 50 MB for 400M indices) and one entry per "
+        f"shard.",
+        "",
+        "| mode | processes | shards/s | samples/s | peak RSS growth | bytes/sample | 400M: hours | 400M: memory |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["rows"]:
         p = r["projected_400m"]
-        lines.append(f"| {LABELS[r['mode']]} | {r['workers']} | {r['shards_per_s']:.1f} | {r['samples_per_s']:,.0f} "
-                     f"| {r['peak_rss_delta'] / 2**20:.1f} MiB | {r['bytes_per_sample']:.2f} | {p['hours']:.2f} "
-                     f"| {p['memory_gb']:.2f} GB |")
+        lines.append(
+            f"| {LABELS[r['mode']]} | {r['workers']} | {r['shards_per_s']:.1f} | {r['samples_per_s']:,.0f} "
+            f"| {r['peak_rss_delta'] / 2**20:.1f} MiB | {r['bytes_per_sample']:.2f} | {p['hours']:.2f} "
+            f"| {p['memory_gb']:.2f} GB |"
+        )
     return "\n".join(lines)
 
 
@@ -163,8 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_mode(mode, work, workers, per_shard) for mode, workers in modes]
     for r in rows:  # every mode must describe the same data
         assert r["samples"] == shards * per_shard and r["shards"] == shards, r
-    result = {"machine": machine_info(), "shards": shards, "per_shard": per_shard, "rows": rows,
-              "projection": {"samples": PROJECT_SAMPLES, "per_shard": PROJECT_PER_SHARD}}
+    result = {
+        "machine": machine_info(),
+        "shards": shards,
+        "per_shard": per_shard,
+        "rows": rows,
+        "projection": {"samples": PROJECT_SAMPLES, "per_shard": PROJECT_PER_SHARD},
+    }
     result["machine"]["loadavg_after"] = list(os.getloadavg())
     write_json(out / "scan.json", result)
     text = markdown(result)

@@ -7,6 +7,7 @@ Runs `fastclip data embedded --source scenes` as a user would (all cores), then 
 and counts distinct captions per split, distinct scene descriptions (attributes without the phrasing), the
 (class, colour) pairs of each split, and checks that no held-out pair occurs in training.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,18 @@ def read_meta(split_dir: Path) -> list[dict]:
 def measure(sizes: dict, out_dir: Path) -> dict:
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    cmd = [sys.executable, "-m", "fastclip", "data", "embedded", "--source", "scenes", "--out", str(out_dir),
-           *[x for k, v in sizes.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastclip",
+        "data",
+        "embedded",
+        "--source",
+        "scenes",
+        "--out",
+        str(out_dir),
+        *[x for k, v in sizes.items() for x in (f"--{k.replace('_', '-')}", str(v))],
+    ]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - start
@@ -52,32 +63,48 @@ def measure(sizes: dict, out_dir: Path) -> dict:
     for split in ("train", "val", "test", "novel"):
         metas = read_meta(out_dir / split)
         captions = [m["caption"] for m in metas]
-        scenes = [json.dumps(sorted(map(tuple, m["scene"]["objects"])) + [m["scene"]["background"],
-                                                                         m["scene"]["texture"]]) for m in metas]
+        scenes = [
+            json.dumps(sorted(map(tuple, m["scene"]["objects"])) + [m["scene"]["background"], m["scene"]["texture"]])
+            for m in metas
+        ]
         pairs = [{(o[0], o[1]) for o in m["scene"]["objects"]} for m in metas]
         counts = [len(m["scene"]["objects"]) for m in metas]
-        splits[split] = {"samples": len(metas), "distinct_captions": len(set(captions)),
-                         "distinct_scenes": len(set(scenes)),
-                         "with_held_out_pair": sum(bool(p & held) for p in pairs),
-                         "objects": {n: counts.count(n) for n in (1, 2, 3)},
-                         "labelled": sum("label" in m for m in metas)}
+        splits[split] = {
+            "samples": len(metas),
+            "distinct_captions": len(set(captions)),
+            "distinct_scenes": len(set(scenes)),
+            "with_held_out_pair": sum(bool(p & held) for p in pairs),
+            "objects": {n: counts.count(n) for n in (1, 2, 3)},
+            "labelled": sum("label" in m for m in metas),
+        }
     total = sum(sizes.values())
-    return {"sizes": sizes, "wall_s": wall, "scenes_per_s": total / wall, "cores": os.cpu_count(),
-            "bytes": sum(p.stat().st_size for p in out_dir.rglob("*.tar")), "splits": splits,
-            "held_out_pairs": len(held)}
+    return {
+        "sizes": sizes,
+        "wall_s": wall,
+        "scenes_per_s": total / wall,
+        "cores": os.cpu_count(),
+        "bytes": sum(p.stat().st_size for p in out_dir.rglob("*.tar")),
+        "splits": splits,
+        "held_out_pairs": len(held),
+    }
 
 
 def markdown(r: dict) -> str:
-    lines = [f"`fastclip data embedded --source scenes` with {r['sizes']['num_train']:,} training scenes on "
-             f"{r['cores']} cores: {r['wall_s']:.0f} s ({r['scenes_per_s']:,.0f} scenes/s, "
-             f"{r['bytes'] / 2**20:.0f} MiB of shards); {r['held_out_pairs']} (class, colour) pairs held out of "
-             f"training.", "",
-             "| split | scenes | distinct captions | distinct scenes (attributes) | with a held-out pair | 1/2/3 objects |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        f"`fastclip data embedded --source scenes` with {r['sizes']['num_train']:,} training scenes on "
+        f"{r['cores']} cores: {r['wall_s']:.0f} s ({r['scenes_per_s']:,.0f} scenes/s, "
+        f"{r['bytes'] / 2**20:.0f} MiB of shards); {r['held_out_pairs']} (class, colour) pairs held out of "
+        f"training.",
+        "",
+        "| split | scenes | distinct captions | distinct scenes (attributes) | with a held-out pair | 1/2/3 objects |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for split, s in r["splits"].items():
-        lines.append(f"| {split} | {s['samples']:,} | {s['distinct_captions']:,} "
-                     f"({100 * s['distinct_captions'] / s['samples']:.2f}%) | {s['distinct_scenes']:,} | "
-                     f"{s['with_held_out_pair']:,} | {s['objects'][1]}/{s['objects'][2]}/{s['objects'][3]} |")
+        lines.append(
+            f"| {split} | {s['samples']:,} | {s['distinct_captions']:,} "
+            f"({100 * s['distinct_captions'] / s['samples']:.2f}%) | {s['distinct_scenes']:,} | "
+            f"{s['with_held_out_pair']:,} | {s['objects'][1]}/{s['objects'][2]}/{s['objects'][3]} |"
+        )
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ Each run is a `fastclip train` process; its result is one JSON file in benchmark
 stopped study (or a killed run: checkpoints every epoch, `--train.resume latest`) picks up where it was. Two
 runs go at once (one core each).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,15 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, RESULTS, SMOKE_OUT, machine_info, publish, read_jsonl, save_figure
 
-LOSSES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-v3-separate",
-          "fastclip-tempnet")
+LOSSES = (
+    "openclip",
+    "fastclip-v0",
+    "fastclip-v1",
+    "fastclip-v2",
+    "fastclip-v3",
+    "fastclip-v3-separate",
+    "fastclip-tempnet",
+)
 
 # The whole protocol in one place. rho is given as a fraction of log(global batch - 1): in the faithful RGCL
 # objective the optimal tau makes KL(softmax over negatives || uniform) = rho, which cannot exceed
@@ -54,23 +62,32 @@ STUDY = dict(
     # the model moves enough between visits that at γ 0.2 the stored u exceeds the batch's g by e^1-e^2.4
     # (measured: u_lag in metrics.jsonl); at 0.8 the lag is e^0.1-e^0.5 and v3's val R@1 rose from 64.2 to
     # 69.8 % (RESULTS.md, "γ ablation"). Runs at 0.2 are kept under their own ids (_g0.2).
-    epochs=16, warmup_frac=0.05, gamma_min=0.8, seeds=(1, 2, 3), tune_seed=0,
+    epochs=16,
+    warmup_frac=0.05,
+    gamma_min=0.8,
+    seeds=(1, 2, 3),
+    tune_seed=0,
     lrs=(2.5e-4, 5e-4, 1e-3),  # 2e-3 was tried first and is far worse for openclip at batch 64 (RESULTS)
     knobs={
-        "openclip": ("temperature", (0.07, 0.03)),    # initial tau; learnable, lr_tau = lr (cosine), as OpenCLIP
-        "fastclip-v3": ("rho_frac", (0.6, 0.85)),      # global tau from 0.07, lr_tau 1e-3 step_thresh
+        "openclip": ("temperature", (0.07, 0.03)),  # initial tau; learnable, lr_tau = lr (cosine), as OpenCLIP
+        "fastclip-v3": ("rho_frac", (0.6, 0.85)),  # global tau from 0.07, lr_tau 1e-3 step_thresh
         "fastclip-v1": ("temperature", (0.07, 0.03)),  # the constant tau
-        "fastclip-v2": ("rho_frac", (0.6, 0.85)),      # per-sample tau from 0.03, lr_tau 0.0133 (recipe)
+        "fastclip-v2": ("rho_frac", (0.6, 0.85)),  # per-sample tau from 0.03, lr_tau 0.0133 (recipe)
         "fastclip-v0": ("temperature", (0.07, 0.03)),  # initial tau; learnable, lr_tau = lr (cosine), as the recipe
         "fastclip-v3-separate": ("rho_frac", (0.6, 0.85)),  # v3 with tau1 (image-anchored), tau2 (text-anchored)
         "fastclip-tempnet": ("rho_frac", (0.6, 0.85)),  # tau_i from an MLP head per modality, from 0.03, lr_tau 1e-3
     },
     parallel=2,
 )
-QUICK = dict(STUDY, datasets={"scenes": dict(arch="tiny-vit-64", num_train=256, num_val=128, num_test=128,
-                                             num_novel=64)},
-             order=[("scenes", 32)], epochs=2, seeds=(1,), lrs=(1e-3,),
-             knobs={"openclip": ("temperature", (0.07,)), "fastclip-v3": ("rho_frac", (0.6,))})
+QUICK = dict(
+    STUDY,
+    datasets={"scenes": dict(arch="tiny-vit-64", num_train=256, num_val=128, num_test=128, num_novel=64)},
+    order=[("scenes", 32)],
+    epochs=2,
+    seeds=(1,),
+    lrs=(1e-3,),
+    knobs={"openclip": ("temperature", (0.07,)), "fastclip-v3": ("rho_frac", (0.6,))},
+)
 
 
 # ----------------------------------------------------------------------------- runs
@@ -89,8 +106,10 @@ class Run:
     @property
     def id(self) -> str:
         gamma = "" if self.gamma_min is None else f"_g{self.gamma_min:g}"
-        return (f"{self.dataset}_gb{self.global_batch}_{self.loss}_lr{self.lr:g}_{self.knob}{self.value:g}{gamma}_"
-                f"s{self.seed}_{self.phase}")
+        return (
+            f"{self.dataset}_gb{self.global_batch}_{self.loss}_lr{self.lr:g}_{self.knob}{self.value:g}{gamma}_"
+            f"s{self.seed}_{self.phase}"
+        )
 
     @property
     def group(self) -> tuple[str, int]:
@@ -104,27 +123,79 @@ def gamma_of(loss: str, study: dict) -> float | None:
 def loss_args(run: Run, study: dict) -> list[str]:
     """Overrides of configs/embedded.yaml for this run's loss (the options a loss does not take are nulled)."""
     epochs = study["epochs"]
-    gamma = ["--loss.gamma_min", str(study["gamma_min"]), "--loss.gamma_decay_epochs", str(max(1, epochs // 2)),
-             "--loss.gamma_schedule", "cosine"]
+    gamma = [
+        "--loss.gamma_min",
+        str(study["gamma_min"]),
+        "--loss.gamma_decay_epochs",
+        str(max(1, epochs // 2)),
+        "--loss.gamma_schedule",
+        "cosine",
+    ]
     no_gamma = ["--loss.gamma_min", "null", "--loss.gamma_decay_epochs", "null", "--loss.gamma_schedule", "null"]
     rho = f"{run.value * math.log(run.global_batch - 1):.4f}" if run.knob == "rho_frac" else "null"
     gamma[1] = str(run.gamma_min)
     if run.loss == "openclip":
-        return ["--loss.temperature", str(run.value), "--loss.rho", "null", *no_gamma, "--optim.lr_tau", "null",
-                "--optim.lr_tau_schedule", "cosine"]
+        return [
+            "--loss.temperature",
+            str(run.value),
+            "--loss.rho",
+            "null",
+            *no_gamma,
+            "--optim.lr_tau",
+            "null",
+            "--optim.lr_tau_schedule",
+            "cosine",
+        ]
     if run.loss in ("fastclip-v0", "fastclip-v1"):
-        return ["--loss.temperature", str(run.value), "--loss.rho", "null", *gamma, "--optim.lr_tau", "null",
-                "--optim.lr_tau_schedule", "cosine"]
+        return [
+            "--loss.temperature",
+            str(run.value),
+            "--loss.rho",
+            "null",
+            *gamma,
+            "--optim.lr_tau",
+            "null",
+            "--optim.lr_tau_schedule",
+            "cosine",
+        ]
     if run.loss == "fastclip-v2":
-        return ["--loss.temperature", "0.03", "--loss.rho", rho, *gamma, "--optim.lr_tau", "0.0133",
-                "--optim.lr_tau_schedule", "const"]
+        return [
+            "--loss.temperature",
+            "0.03",
+            "--loss.rho",
+            rho,
+            *gamma,
+            "--optim.lr_tau",
+            "0.0133",
+            "--optim.lr_tau_schedule",
+            "const",
+        ]
     if run.loss in ("fastclip-v3", "fastclip-v3-separate"):
         separate = ["--loss.separate_temperatures", "true"] if run.loss == "fastclip-v3-separate" else []
-        return ["--loss.temperature", "0.07", "--loss.rho", rho, *gamma, "--optim.lr_tau", "1e-3",
-                "--optim.lr_tau_schedule", "step_thresh", *separate]
+        return [
+            "--loss.temperature",
+            "0.07",
+            "--loss.rho",
+            rho,
+            *gamma,
+            "--optim.lr_tau",
+            "1e-3",
+            "--optim.lr_tau_schedule",
+            "step_thresh",
+            *separate,
+        ]
     if run.loss == "fastclip-tempnet":
-        return ["--loss.temperature", "0.03", "--loss.rho", rho, *gamma, "--optim.lr_tau", "1e-3",
-                "--optim.lr_tau_schedule", "const"]
+        return [
+            "--loss.temperature",
+            "0.03",
+            "--loss.rho",
+            rho,
+            *gamma,
+            "--optim.lr_tau",
+            "1e-3",
+            "--optim.lr_tau_schedule",
+            "const",
+        ]
     raise ValueError(run.loss)
 
 
@@ -137,18 +208,61 @@ def command(run: Run, study: dict, data: Path, run_dir: Path) -> list[str]:
     train_samples = json.loads((data / "train" / "manifest.json").read_text())["num_samples"]
     steps = train_samples // run.global_batch * study["epochs"]
     eval_split = "val" if run.phase == "tune" else "test"
-    return [sys.executable, "-m", "fastclip", "train", "--config", str(REPO / "configs" / "embedded.yaml"),
-            "--data.train", str(data / "train"), "--data.val", str(data / eval_split),
-            "--data.zeroshot", str(data / "zeroshot.json"), "--data.batch_size", str(run.global_batch),
-            "--data.workers", "0", "--model.arch", study["datasets"][run.dataset]["arch"],
-            "--loss.name", loss_name(run.loss), *loss_args(run, study), "--optim.lr", str(run.lr),
-            "--optim.warmup_steps", str(max(1, int(steps * study["warmup_frac"]))),
-            "--train.epochs", str(study["epochs"]), "--train.seed", str(run.seed), "--train.run_dir", str(run_dir),
-            "--train.device", "cpu", "--train.progress", "false", "--train.tensorboard", "false",
-            "--train.log_every", "25", "--eval.every_steps", str(train_samples // run.global_batch),
-            "--eval.at_end", "true", "--eval.max_samples", "null",
-            "--checkpoint.every_steps", str(train_samples // run.global_batch), "--checkpoint.every_minutes", "0",
-            "--checkpoint.keep_last", "1", "--checkpoint.at_end", "true"]
+    return [
+        sys.executable,
+        "-m",
+        "fastclip",
+        "train",
+        "--config",
+        str(REPO / "configs" / "embedded.yaml"),
+        "--data.train",
+        str(data / "train"),
+        "--data.val",
+        str(data / eval_split),
+        "--data.zeroshot",
+        str(data / "zeroshot.json"),
+        "--data.batch_size",
+        str(run.global_batch),
+        "--data.workers",
+        "0",
+        "--model.arch",
+        study["datasets"][run.dataset]["arch"],
+        "--loss.name",
+        loss_name(run.loss),
+        *loss_args(run, study),
+        "--optim.lr",
+        str(run.lr),
+        "--optim.warmup_steps",
+        str(max(1, int(steps * study["warmup_frac"]))),
+        "--train.epochs",
+        str(study["epochs"]),
+        "--train.seed",
+        str(run.seed),
+        "--train.run_dir",
+        str(run_dir),
+        "--train.device",
+        "cpu",
+        "--train.progress",
+        "false",
+        "--train.tensorboard",
+        "false",
+        "--train.log_every",
+        "25",
+        "--eval.every_steps",
+        str(train_samples // run.global_batch),
+        "--eval.at_end",
+        "true",
+        "--eval.max_samples",
+        "null",
+        "--checkpoint.every_steps",
+        str(train_samples // run.global_batch),
+        "--checkpoint.every_minutes",
+        "0",
+        "--checkpoint.keep_last",
+        "1",
+        "--checkpoint.at_end",
+        "true",
+    ]
 
 
 def plan(study: dict, results: Path) -> list[Run]:
@@ -158,12 +272,15 @@ def plan(study: dict, results: Path) -> list[Run]:
         for loss, (knob, values) in study["knobs"].items():  # a loss's seeds right after its own tuning
             for lr in study["lrs"]:
                 for value in values:
-                    runs.append(Run(dataset, gb, loss, lr, knob, value, study["tune_seed"], "tune",
-                                    gamma_of(loss, study)))
+                    runs.append(
+                        Run(dataset, gb, loss, lr, knob, value, study["tune_seed"], "tune", gamma_of(loss, study))
+                    )
             best = chosen(study, results, dataset, gb, loss)
             if best is not None:
-                runs += [Run(dataset, gb, loss, best.lr, best.knob, best.value, s, "seed", best.gamma_min)
-                         for s in study["seeds"]]
+                runs += [
+                    Run(dataset, gb, loss, best.lr, best.knob, best.value, s, "seed", best.gamma_min)
+                    for s in study["seeds"]
+                ]
     return runs
 
 
@@ -183,8 +300,11 @@ def load_result(results: Path, run: Run) -> dict | None:
 def chosen(study: dict, results: Path, dataset: str, gb: int, loss: str) -> Run | None:
     """The best tuning run of `loss` (final val score), once all of its tuning runs are done."""
     knob, values = study["knobs"][loss]
-    tune = [Run(dataset, gb, loss, lr, knob, v, study["tune_seed"], "tune", gamma_of(loss, study))
-            for lr in study["lrs"] for v in values]
+    tune = [
+        Run(dataset, gb, loss, lr, knob, v, study["tune_seed"], "tune", gamma_of(loss, study))
+        for lr in study["lrs"]
+        for v in values
+    ]
     done = [(load_result(results, r), r) for r in tune]
     if any(res is None for res, _ in done):
         return None
@@ -196,14 +316,30 @@ def ensure_data(study: dict, dataset: str, work: Path) -> Path:
     spec = study["datasets"][dataset]
     if dataset == "scenes":
         root = work / f"scenes_{spec['num_train']}"
-        args = ["--source", "scenes", "--num-train", str(spec["num_train"]), "--num-val", str(spec["num_val"]),
-                "--num-test", str(spec["num_test"]), "--num-novel", str(spec["num_novel"]), "--shard-size", "500"]
+        args = [
+            "--source",
+            "scenes",
+            "--num-train",
+            str(spec["num_train"]),
+            "--num-val",
+            str(spec["num_val"]),
+            "--num-test",
+            str(spec["num_test"]),
+            "--num-novel",
+            str(spec["num_novel"]),
+            "--shard-size",
+            "500",
+        ]
     else:  # the glyphs data has train/val only: val is split in two halves by the study (see _split_val)
         root = work / f"glyphs_{spec['max_per_class']}"
         args = ["--max-per-class", str(spec["max_per_class"]), "--shard-size", "250"]
     if not (root / "zeroshot.json").is_file():
-        subprocess.run([sys.executable, "-m", "fastclip", "data", "embedded", "--out", str(root), *args],
-                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "fastclip", "data", "embedded", "--out", str(root), *args],
+            check=True,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+        )
     if dataset == "glyphs" and not (root / "test").is_dir():
         _split_val(root)
     return root
@@ -214,8 +350,10 @@ def _split_val(root: Path) -> None:
     manifest = json.loads((root / "val" / "manifest.json").read_text())
     shards = manifest["shards"]
     if len(shards) < 2:
-        raise SystemExit(f"{root / 'val'}: {len(shards)} shard(s); the study needs at least 2 to split val/test "
-                         f"(raise max_per_class)")
+        raise SystemExit(
+            f"{root / 'val'}: {len(shards)} shard(s); the study needs at least 2 to split val/test "
+            f"(raise max_per_class)"
+        )
     half = len(shards) // 2
     (root / "test").mkdir()
     for entry in shards[half:]:
@@ -238,8 +376,11 @@ def metric_curve(records: list[dict]) -> list[dict]:
 
 def tau_trace(records: list[dict]) -> list[list[float]]:
     """(samples, τ) at every logged step: the global τ, or the median of the batch's per-sample τ (v2, TempNet)."""
-    return [[r["samples_seen"], r["tau"] if "tau" in r else r["tau_q50"]] for r in records
-            if ("tau" in r or "tau_q50" in r) and "samples_seen" in r]
+    return [
+        [r["samples_seen"], r["tau"] if "tau" in r else r["tau_q50"]]
+        for r in records
+        if ("tau" in r or "tau_q50" in r) and "samples_seen" in r
+    ]
 
 
 def mean_tau_curve(results: list[dict], points: int = 40) -> list[tuple[int, float]]:
@@ -257,9 +398,16 @@ def evaluate_split(run_dir: Path, data: Path, split: str, max_samples: int | Non
     from fastclip.eval.checkpoint import load_model
 
     built = load_model(run_dir, device="cpu").built
-    results = run_evals(built.model, tokenizer=built.tokenizer, preprocess=built.preprocess_val,
-                        val_dir=str(data / split), zeroshot_file=str(data / "zeroshot.json"), device="cpu",
-                        batch_size=256, max_samples=max_samples)
+    results = run_evals(
+        built.model,
+        tokenizer=built.tokenizer,
+        preprocess=built.preprocess_val,
+        val_dir=str(data / split),
+        zeroshot_file=str(data / "zeroshot.json"),
+        device="cpu",
+        batch_size=256,
+        max_samples=max_samples,
+    )
     return {k: v for k, v in results.items() if isinstance(v, (int, float))}
 
 
@@ -289,8 +437,10 @@ def start(run: Run, study: dict, data: Path, work: Path) -> Active:
 
 def code_version() -> str:
     """The commit the run's code came from (+ "-dirty" with uncommitted changes under fastclip/)."""
+
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     return head + ("-dirty" if git("status", "--porcelain", "--", "fastclip") else "")
 
@@ -302,10 +452,17 @@ def finish(active: Active, study: dict, results: Path) -> None:
         raise RuntimeError(f"run {run.id} failed (rc {active.proc.returncode}); log {run_dir}/stdout.log:\n{tail}")
     records = read_jsonl(run_dir / "metrics.jsonl")
     curve = metric_curve(records)
-    out = {"run": run.__dict__, "id": run.id, "code": code_version(), "curve": curve, "tau": tau_trace(records),
-           "final": curve[-1], "final_score": score(curve[-1], run.dataset),
-           "wall_s": time.perf_counter() - active.start,
-           "samples_per_s": [r["samples_per_s"] for r in records if "samples_per_s" in r][-1]}
+    out = {
+        "run": run.__dict__,
+        "id": run.id,
+        "code": code_version(),
+        "curve": curve,
+        "tau": tau_trace(records),
+        "final": curve[-1],
+        "final_score": score(curve[-1], run.dataset),
+        "wall_s": time.perf_counter() - active.start,
+        "samples_per_s": [r["samples_per_s"] for r in records if "samples_per_s" in r][-1],
+    }
     if run.phase == "seed":
         if (active.data / "novel").is_dir():
             out["novel"] = evaluate_split(run_dir, active.data, "novel")
@@ -314,8 +471,10 @@ def finish(active: Active, study: dict, results: Path) -> None:
     (results / "runs").mkdir(parents=True, exist_ok=True)
     (results / "runs" / f"{run.id}.json").write_text(json.dumps(out, indent=1))
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    print(f"[{time.strftime('%H:%M:%S')}] done  {run.id}: score {out['final_score']:.4f} "
-          f"({out['wall_s']:.0f} s)", flush=True)
+    print(
+        f"[{time.strftime('%H:%M:%S')}] done  {run.id}: score {out['final_score']:.4f} ({out['wall_s']:.0f} s)",
+        flush=True,
+    )
 
 
 def run_study(study: dict, results: Path, work: Path, max_runs: int | None = None) -> None:
@@ -332,11 +491,17 @@ def run_study(study: dict, results: Path, work: Path, max_runs: int | None = Non
                 finish(a, study, results)
             except (RuntimeError, OSError, KeyError, IndexError, ValueError) as error:
                 failures[a.run.id] = failures.get(a.run.id, 0) + 1
-                print(f"[{time.strftime('%H:%M:%S')}] FAILED {a.run.id} (attempt {failures[a.run.id]}): "
-                      f"{str(error).splitlines()[0]}", flush=True)
+                print(
+                    f"[{time.strftime('%H:%M:%S')}] FAILED {a.run.id} (attempt {failures[a.run.id]}): "
+                    f"{str(error).splitlines()[0]}",
+                    flush=True,
+                )
         busy = {a.run.id for a in active}
-        todo = [r for r in plan(study, results) if r.id not in busy and load_result(results, r) is None
-                and failures.get(r.id, 0) < 2]
+        todo = [
+            r
+            for r in plan(study, results)
+            if r.id not in busy and load_result(results, r) is None and failures.get(r.id, 0) < 2
+        ]
         if not todo and not active:
             return
         while todo and len(active) < study["parallel"] and (max_runs is None or started < max_runs):
@@ -370,11 +535,15 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
     return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
 
 
-METRICS = {"zeroshot_top1": lambda rec: sum(v for k, v in rec.items() if k.startswith("zeroshot/")
-                                            and k.endswith("/top1")) / max(1, sum(
-                                                1 for k in rec if k.startswith("zeroshot/") and k.endswith("/top1"))),
-           "retrieval_R@1": lambda rec: 0.5 * (rec.get("retrieval/image_to_text_R@1", 0.0)
-                                               + rec.get("retrieval/text_to_image_R@1", 0.0))}
+METRICS = {
+    "zeroshot_top1": lambda rec: (
+        sum(v for k, v in rec.items() if k.startswith("zeroshot/") and k.endswith("/top1"))
+        / max(1, sum(1 for k in rec if k.startswith("zeroshot/") and k.endswith("/top1")))
+    ),
+    "retrieval_R@1": lambda rec: (
+        0.5 * (rec.get("retrieval/image_to_text_R@1", 0.0) + rec.get("retrieval/text_to_image_R@1", 0.0))
+    ),
+}
 
 
 def mean_curve(results: list[dict], metric: str) -> list[tuple[int, float, float]]:
@@ -395,20 +564,31 @@ def summarize(study: dict, results: Path) -> dict:
             rows = []
             for lr in study["lrs"]:
                 for v in values:
-                    res = load_result(results, Run(dataset, gb, loss, lr, knob, v, study["tune_seed"], "tune",
-                                                   gamma_of(loss, study)))
+                    res = load_result(
+                        results, Run(dataset, gb, loss, lr, knob, v, study["tune_seed"], "tune", gamma_of(loss, study))
+                    )
                     rows.append({"lr": lr, knob: v, "val_score": None if res is None else res["final_score"]})
             tune[loss] = rows
             best = chosen(study, results, dataset, gb, loss)
             if best is None:
                 continue
-            done = [res for s in study["seeds"]
-                    if (res := load_result(results, Run(dataset, gb, loss, best.lr, best.knob, best.value, s,
-                                                        "seed", best.gamma_min))) is not None]
+            done = [
+                res
+                for s in study["seeds"]
+                if (
+                    res := load_result(
+                        results, Run(dataset, gb, loss, best.lr, best.knob, best.value, s, "seed", best.gamma_min)
+                    )
+                )
+                is not None
+            ]
             if not done:
                 continue
-            entry = {"setting": {"lr": best.lr, best.knob: best.value}, "seeds_done": len(done),
-                     "curves": {m: mean_curve(done, m) for m in METRICS}}
+            entry = {
+                "setting": {"lr": best.lr, best.knob: best.value},
+                "seeds_done": len(done),
+                "curves": {m: mean_curve(done, m) for m in METRICS},
+            }
             for m in METRICS:
                 entry[f"test_{m}"] = _mean_std([METRICS[m](r["final"]) for r in done])
                 for split in ("novel", "train"):
@@ -425,8 +605,10 @@ def summarize(study: dict, results: Path) -> dict:
                 need = samples_to_reach([(s, mu) for s, mu, _ in v3], ref[-1][1])
                 group[f"v3_speedup_{m}"] = None if need is None else ref[-1][0] / need
         groups.append(group)
-    return {"study": {k: v for k, v in study.items() if k != "order"} | {"order": [list(o) for o in study["order"]]},
-            "groups": groups}
+    return {
+        "study": {k: v for k, v in study.items() if k != "order"} | {"order": [list(o) for o in study["order"]]},
+        "groups": groups,
+    }
 
 
 def _fmt(ms) -> str:
@@ -435,37 +617,51 @@ def _fmt(ms) -> str:
 
 def markdown(result: dict) -> str:
     s = result["summary"]["study"]
-    lines = [f"Study protocol in `benchmarks/bench_stat_eff.py` (STUDY): {s['epochs']} epochs over a fixed training "
-             f"subset, γ from 1 to {s['gamma_min']} over the first {s['epochs'] // 2} epochs, tuning budget "
-             f"{len(s['lrs'])} lr x 2 values of each loss's own knob (seed {s['tune_seed']}, scored on val), "
-             f"then {len(s['seeds'])} seeds of the chosen setting on test (mean ± std, in %).", ""]
+    lines = [
+        f"Study protocol in `benchmarks/bench_stat_eff.py` (STUDY): {s['epochs']} epochs over a fixed training "
+        f"subset, γ from 1 to {s['gamma_min']} over the first {s['epochs'] // 2} epochs, tuning budget "
+        f"{len(s['lrs'])} lr x 2 values of each loss's own knob (seed {s['tune_seed']}, scored on val), "
+        f"then {len(s['seeds'])} seeds of the chosen setting on test (mean ± std, in %).",
+        "",
+    ]
     for g in result["summary"]["groups"]:
         if not any(r["val_score"] is not None for rows in g["tune"].values() for r in rows):
             continue
-        lines += [f"### {g['dataset']}, global batch {g['global_batch']}", "",
-                  "| loss | chosen setting | seeds | test zero-shot top-1 | test retrieval R@1 | novel zero-shot "
-                  "top-1 | novel retrieval R@1 | train retrieval R@1 (same size as test) | final τ |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"### {g['dataset']}, global batch {g['global_batch']}",
+            "",
+            "| loss | chosen setting | seeds | test zero-shot top-1 | test retrieval R@1 | novel zero-shot "
+            "top-1 | novel retrieval R@1 | train retrieval R@1 (same size as test) | final τ |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         if g["dataset"] == "glyphs":  # templated captions repeat: retrieval is not a measurement there
             for e in g["seeds"].values():
                 for key in ("test_retrieval_R@1", "novel_retrieval_R@1", "train_retrieval_R@1"):
                     e.pop(key, None)
         for loss, e in g["seeds"].items():
             tau = e.get("final_tau")
-            lines.append(f"| {loss} | {', '.join(f'{k} {v:g}' for k, v in e['setting'].items())} | "
-                         f"{e['seeds_done']} | {_fmt(e.get('test_zeroshot_top1'))} | "
-                         f"{_fmt(e.get('test_retrieval_R@1'))} | {_fmt(e.get('novel_zeroshot_top1'))} | "
-                         f"{_fmt(e.get('novel_retrieval_R@1'))} | {_fmt(e.get('train_retrieval_R@1'))} | "
-                         f"{'-' if not tau else f'{tau[0]:.4f}'} |")
+            lines.append(
+                f"| {loss} | {', '.join(f'{k} {v:g}' for k, v in e['setting'].items())} | "
+                f"{e['seeds_done']} | {_fmt(e.get('test_zeroshot_top1'))} | "
+                f"{_fmt(e.get('test_retrieval_R@1'))} | {_fmt(e.get('novel_zeroshot_top1'))} | "
+                f"{_fmt(e.get('novel_retrieval_R@1'))} | {_fmt(e.get('train_retrieval_R@1'))} | "
+                f"{'-' if not tau else f'{tau[0]:.4f}'} |"
+            )
         for m in METRICS:
             if f"v3_speedup_{m}" in g:
                 sp = g[f"v3_speedup_{m}"]
-                lines.append(f"\nfastclip-v3 reaches openclip's final {m} "
-                             + (f"with **{sp:.2f}x** fewer samples." if sp else "**not** within the run."))
+                lines.append(
+                    f"\nfastclip-v3 reaches openclip's final {m} "
+                    + (f"with **{sp:.2f}x** fewer samples." if sp else "**not** within the run.")
+                )
         n_settings = max(len(rows) for rows in g["tune"].values())
-        lines += ["", "Tuning (final val score of each setting, %):", "",
-                  "| loss | " + " | ".join(f"setting {i + 1}" for i in range(n_settings)) + " |",
-                  "|---|" + "---|" * n_settings]
+        lines += [
+            "",
+            "Tuning (final val score of each setting, %):",
+            "",
+            "| loss | " + " | ".join(f"setting {i + 1}" for i in range(n_settings)) + " |",
+            "|---|" + "---|" * n_settings,
+        ]
         for loss, rows in g["tune"].items():
             cells = []
             for r in rows:
@@ -475,20 +671,31 @@ def markdown(result: dict) -> str:
             lines.append(f"| {loss} | " + " | ".join(cells) + " |")
         lines.append("")
     if result.get("extra_runs"):
-        lines += ["### Runs outside the current protocol (ablations, superseded grid points)", "",
-                  "| run | final val score (tuning runs) / test score (seed runs), % | final τ |", "|---|---:|---:|"]
+        lines += [
+            "### Runs outside the current protocol (ablations, superseded grid points)",
+            "",
+            "| run | final val score (tuning runs) / test score (seed runs), % | final τ |",
+            "|---|---:|---:|",
+        ]
         for r in result["extra_runs"]:
             tau = "-" if r["final_tau"] is None else f"{r['final_tau']:.4f}"
             lines.append(f"| `{r['id']}` | {100 * r['final_score']:.1f} | {tau} |")
         lines.append("")
-    lines.append(f"Runs done: {result['runs_done']} of {result['runs_planned']} planned so far"
-                 + ("" if result["runs_done"] == result["runs_planned"] else
-                    " (the study resumes with `python benchmarks/bench_stat_eff.py`)") + ".")
+    lines.append(
+        f"Runs done: {result['runs_done']} of {result['runs_planned']} planned so far"
+        + (
+            ""
+            if result["runs_done"] == result["runs_planned"]
+            else " (the study resumes with `python benchmarks/bench_stat_eff.py`)"
+        )
+        + "."
+    )
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -501,10 +708,20 @@ def plot(result: dict, path: Path) -> None:
         for ax, m in zip(row, METRICS):
             for loss, e in g["seeds"].items():
                 xs, mu, sd = zip(*e["curves"][m]) if e["curves"][m] else ((), (), ())
-                ax.plot(xs, [100 * y for y in mu], color=colors[loss], label=f"{loss} ({e['seeds_done']} seeds)",
-                        lw=2 if loss in ("openclip", "fastclip-v3") else 1)
-                ax.fill_between(xs, [100 * (a - b) for a, b in zip(mu, sd)], [100 * (a + b) for a, b in zip(mu, sd)],
-                                color=colors[loss], alpha=0.15)
+                ax.plot(
+                    xs,
+                    [100 * y for y in mu],
+                    color=colors[loss],
+                    label=f"{loss} ({e['seeds_done']} seeds)",
+                    lw=2 if loss in ("openclip", "fastclip-v3") else 1,
+                )
+                ax.fill_between(
+                    xs,
+                    [100 * (a - b) for a, b in zip(mu, sd)],
+                    [100 * (a + b) for a, b in zip(mu, sd)],
+                    color=colors[loss],
+                    alpha=0.15,
+                )
             ax.set_title(f"{g['dataset']}, global batch {g['global_batch']}: test {m}", fontsize=9)
             ax.set_xlabel("samples seen", fontsize=8)
             ax.set_ylabel(f"{m} (%)", fontsize=8)
@@ -531,16 +748,27 @@ def extra_runs(study: dict, results: Path) -> list[dict]:
     for path in sorted((results / "runs").glob("*.json")):
         r = json.loads(path.read_text())
         if r["id"] not in planned:
-            out.append({"id": r["id"], "phase": r["run"]["phase"], "final_score": r["final_score"],
-                        "final_tau": r["tau"][-1][1] if r["tau"] else None})
+            out.append(
+                {
+                    "id": r["id"],
+                    "phase": r["run"]["phase"],
+                    "final_score": r["final_score"],
+                    "final_tau": r["tau"][-1][1] if r["tau"] else None,
+                }
+            )
     return out
 
 
 def report(study: dict, results: Path, out: Path) -> dict:
     planned = plan(study, results)
     done = sum(load_result(results, r) is not None for r in planned)
-    result = {"machine": machine_info(), "summary": summarize(study, results), "runs_done": done,
-              "runs_planned": len(planned), "extra_runs": extra_runs(study, results)}
+    result = {
+        "machine": machine_info(),
+        "summary": summarize(study, results),
+        "runs_done": done,
+        "runs_planned": len(planned),
+        "extra_runs": extra_runs(study, results),
+    }
     publish(out, "stat_eff", result, markdown, plot)
     return result
 

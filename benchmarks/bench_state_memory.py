@@ -12,6 +12,7 @@ process per version). The measured bytes per owned sample then give the per-rank
 replicated design: every process holds 8 bytes (v3: u_im, u_tt fp32) or 40 bytes (v2: + τ, Adam m, v and a
 bound per image and text) per sample of the whole data set.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,9 @@ import torch.multiprocessing as mp
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, SMOKE_OUT, free_port, machine_info, publish, save_figure
-
 from fastclip.distributed import destroy_process_group
+
+from common import RESULTS, SMOKE_OUT, free_port, machine_info, publish, save_figure
 
 WORLD = 2
 LAION_DATA_SIZE, LAION_RANKS = 414_080_000, 32
@@ -72,9 +73,18 @@ def _worker(rank: int, port: int, sizes: tuple[int, ...], queue) -> None:
             shard = loss_fn.sample_state()  # what the first step creates: this rank's shard only
             rss_delta = _rss_bytes() - before
             state = loss_fn.get_extra_state()
-            rows.append({"version": version, "data_size": data_size, "rank": rank, "world_size": WORLD,
-                         "owned_samples": shard.num_slots, "shard_tensor_bytes": _tensor_bytes(state),
-                         "fields": list(state["fields"]), "rss_delta_bytes": rss_delta})
+            rows.append(
+                {
+                    "version": version,
+                    "data_size": data_size,
+                    "rank": rank,
+                    "world_size": WORLD,
+                    "owned_samples": shard.num_slots,
+                    "shard_tensor_bytes": _tensor_bytes(state),
+                    "fields": list(state["fields"]),
+                    "rss_delta_bytes": rss_delta,
+                }
+            )
             del loss_fn, shard, state
             dist.barrier()
     queue.put(rows)
@@ -101,13 +111,24 @@ def project(rows: list[dict]) -> list[dict]:
     for version, replicated in REPLICATED_BYTES_PER_SAMPLE.items():
         largest = max((r for r in rows if r["version"] == version), key=lambda r: r["data_size"])
         per_sample = largest["shard_tensor_bytes"] / largest["owned_samples"]
-        for data_size, ranks in ((largest["data_size"], WORLD), (LAION_DATA_SIZE, WORLD), (LAION_DATA_SIZE, 8),
-                                 (LAION_DATA_SIZE, LAION_RANKS)):
+        for data_size, ranks in (
+            (largest["data_size"], WORLD),
+            (LAION_DATA_SIZE, WORLD),
+            (LAION_DATA_SIZE, 8),
+            (LAION_DATA_SIZE, LAION_RANKS),
+        ):
             ours = per_sample * -(-data_size // ranks)
-            out.append({"version": version, "data_size": data_size, "ranks": ranks,
-                        "bytes_per_owned_sample": per_sample, "ours_per_rank_bytes": ours,
-                        "replicated_per_process_bytes": replicated * data_size,
-                        "ratio_replicated_over_ours": replicated * data_size / ours})
+            out.append(
+                {
+                    "version": version,
+                    "data_size": data_size,
+                    "ranks": ranks,
+                    "bytes_per_owned_sample": per_sample,
+                    "ours_per_rank_bytes": ours,
+                    "replicated_per_process_bytes": replicated * data_size,
+                    "ratio_replicated_over_ours": replicated * data_size / ours,
+                }
+            )
     return out
 
 
@@ -120,29 +141,44 @@ def _fmt_bytes(n: float) -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = ["Measured on 2 processes (gloo): this rank's shard after `loss_fn.sample_state()`.", "",
-             "| version | data_size | rank | owned samples | shard tensor bytes | bytes/owned sample | RSS delta | "
-             "replicated design (reference) per process |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "Measured on 2 processes (gloo): this rank's shard after `loss_fn.sample_state()`.",
+        "",
+        "| version | data_size | rank | owned samples | shard tensor bytes | bytes/owned sample | RSS delta | "
+        "replicated design (reference) per process |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in result["measured"]:
         rep = REPLICATED_BYTES_PER_SAMPLE[r["version"]] * r["data_size"]
-        lines.append(f"| {r['version']} | {r['data_size']:,} | {r['rank']} | {r['owned_samples']:,} | "
-                     f"{r['shard_tensor_bytes']:,} ({_fmt_bytes(r['shard_tensor_bytes'])}) | "
-                     f"{r['shard_tensor_bytes'] / r['owned_samples']:.2f} | {_fmt_bytes(r['rss_delta_bytes'])} | "
-                     f"{_fmt_bytes(rep)} |")
-    lines += ["", "Projected per rank (measured bytes per owned sample x ceil(data_size / ranks)); the reference "
-              "replicates the whole table in every process:", "",
-              "| version | data_size | ranks | ours per rank | reference per process | reference / ours |",
-              "|---|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {r['version']} | {r['data_size']:,} | {r['rank']} | {r['owned_samples']:,} | "
+            f"{r['shard_tensor_bytes']:,} ({_fmt_bytes(r['shard_tensor_bytes'])}) | "
+            f"{r['shard_tensor_bytes'] / r['owned_samples']:.2f} | {_fmt_bytes(r['rss_delta_bytes'])} | "
+            f"{_fmt_bytes(rep)} |"
+        )
+    lines += [
+        "",
+        "Projected per rank (measured bytes per owned sample x ceil(data_size / ranks)); the reference "
+        "replicates the whole table in every process:",
+        "",
+        "| version | data_size | ranks | ours per rank | reference per process | reference / ours |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in result["projected"]:
-        lines.append(f"| {r['version']} | {r['data_size']:,} | {r['ranks']} | {_fmt_bytes(r['ours_per_rank_bytes'])} "
-                     f"| {_fmt_bytes(r['replicated_per_process_bytes'])} | {r['ratio_replicated_over_ours']:.1f}x |")
-    lines.append(f"\nOur shard stores one `seen` byte per owned sample besides the fp32 fields (hence 9 and 41 "
-                 f"bytes per owned sample against the reference's 8 and 40 per sample of the whole data set).")
+        lines.append(
+            f"| {r['version']} | {r['data_size']:,} | {r['ranks']} | {_fmt_bytes(r['ours_per_rank_bytes'])} "
+            f"| {_fmt_bytes(r['replicated_per_process_bytes'])} | {r['ratio_replicated_over_ours']:.1f}x |"
+        )
+    lines.append(
+        "\nOur shard stores one `seen` byte per owned sample besides the fp32 fields (hence 9 and 41 "
+        "bytes per owned sample against the reference's 8 and 40 per sample of the whole data set)."
+    )
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -153,15 +189,30 @@ def plot(result: dict, path: Path) -> None:
     for version, color in colors.items():
         per = next(r for r in result["projected"] if r["version"] == version)["bytes_per_owned_sample"]
         rep = REPLICATED_BYTES_PER_SAMPLE[version]
-        ax.plot(sizes, rep * sizes, color=color, ls=":", label=f"{version}: reference, replicated ({rep}·N per process)")
+        ax.plot(
+            sizes, rep * sizes, color=color, ls=":", label=f"{version}: reference, replicated ({rep}·N per process)"
+        )
         ax.plot(sizes, per * np.ceil(sizes / 2), color=color, ls="--", label=f"{version}: ours, 2 ranks (formula)")
         ax.plot(sizes, per * np.ceil(sizes / 32), color=color, ls="-", label=f"{version}: ours, 32 ranks (formula)")
         measured = [r for r in result["measured"] if r["version"] == version and r["rank"] == 0]
-        ax.scatter([r["data_size"] for r in measured], [r["shard_tensor_bytes"] for r in measured], color=color,
-                   marker="o", zorder=3, label=f"{version}: measured shard, 2 ranks")
+        ax.scatter(
+            [r["data_size"] for r in measured],
+            [r["shard_tensor_bytes"] for r in measured],
+            color=color,
+            marker="o",
+            zorder=3,
+            label=f"{version}: measured shard, 2 ranks",
+        )
         grown = [r for r in measured if r["rss_delta_bytes"] > 0]  # the allocator may reuse freed pages: 0
-        ax.scatter([r["data_size"] for r in grown], [r["rss_delta_bytes"] for r in grown],
-                   color=color, marker="x", s=60, zorder=3, label=f"{version}: measured RSS delta, 2 ranks")
+        ax.scatter(
+            [r["data_size"] for r in grown],
+            [r["rss_delta_bytes"] for r in grown],
+            color=color,
+            marker="x",
+            s=60,
+            zorder=3,
+            label=f"{version}: measured RSS delta, 2 ranks",
+        )
     ax.set_ylim(1e4, 1e11)
     ax.axvline(LAION_DATA_SIZE, color="0.5", lw=0.8)
     ax.text(LAION_DATA_SIZE, 3e4, "LAION-315M (414M ids) ", fontsize=7, ha="right")

@@ -13,6 +13,7 @@ eps 1e-6, linear warmup 10% then cosine), the loss's parameters in their own gro
 clamped after each step. Every run starts from the same initial weights and sees the same batches. At the end:
 ``fastclip.eval.run_evals`` on the held-out split (zero-shot top-1 per dataset and their mean, retrieval R@1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, SMOKE_OUT, ensure_embedded, machine_info, stamp, write_json
+from common import RESULTS, SMOKE_OUT, ensure_embedded, machine_info, stamp, write_json
 
 # label -> (loss name, options). τ "learnable" = OpenCLIP's default; the others are fixed.
 RUNS = {
@@ -45,8 +46,11 @@ def load_training_set(train_dir: Path, built, batch: int, seed: int):
     """All training samples as tensors (one augmented pass through the data layer's stream)."""
     from fastclip.data import build_train_stream
 
-    stream = build_train_stream({"train": str(train_dir), "batch_size": batch, "workers": 0, "seed": seed},
-                                preprocess=built.preprocess_train, tokenizer=built.tokenizer)
+    stream = build_train_stream(
+        {"train": str(train_dir), "batch_size": batch, "workers": 0, "seed": seed},
+        preprocess=built.preprocess_train,
+        tokenizer=built.tokenizer,
+    )
     images, texts, indices = zip(*stream.epoch(0))
     return torch.cat(images), torch.cat(texts), torch.cat(indices), stream.data_size
 
@@ -72,7 +76,7 @@ def train_and_eval(label, data_dir: Path, data, init_state, p) -> dict:
     built = build_model("tiny-vit")
     model = built.model
     model.load_state_dict(init_state)
-    model.logit_scale.requires_grad_(False)       # the loss owns the temperature
+    model.logit_scale.requires_grad_(False)  # the loss owns the temperature
     loss_fn = build_loss(name, data_size=data_size, **options)
     decay = [q for q in model.parameters() if q.requires_grad and q.ndim >= 2]
     no_decay = [q for q in model.parameters() if q.requires_grad and q.ndim < 2]
@@ -101,45 +105,78 @@ def train_and_eval(label, data_dir: Path, data, init_state, p) -> dict:
             step += 1
         epoch += 1
     train_s = time.perf_counter() - start
-    results = run_evals(model, tokenizer=built.tokenizer, preprocess=built.preprocess_val,
-                        val_dir=data_dir / "val", zeroshot_file=data_dir / "zeroshot.json",
-                        device=torch.device("cpu"), max_samples=p["eval_max"])
+    results = run_evals(
+        model,
+        tokenizer=built.tokenizer,
+        preprocess=built.preprocess_val,
+        val_dir=data_dir / "val",
+        zeroshot_file=data_dir / "zeroshot.json",
+        device=torch.device("cpu"),
+        max_samples=p["eval_max"],
+    )
     tau = loss_fn.temperature()
-    out = {"label": label, "loss": name, "options": {k: v for k, v in options.items()},
-           "steps": step, "epochs": epoch, "train_s": round(train_s, 1),
-           "final_objective": sum(losses[-10:]) / len(losses[-10:]), "final_tau": None if tau is None else float(tau),
-           "eval": results}
+    out = {
+        "label": label,
+        "loss": name,
+        "options": {k: v for k, v in options.items()},
+        "steps": step,
+        "epochs": epoch,
+        "train_s": round(train_s, 1),
+        "final_objective": sum(losses[-10:]) / len(losses[-10:]),
+        "final_tau": None if tau is None else float(tau),
+        "eval": results,
+    }
     top1 = results.get("zeroshot/mean_top1")
     print(f"  {label:28s} mean top1 {top1:.4f}  ({train_s:.0f} s train)", flush=True)
     return out
 
 
 def table(runs: list[dict], info: dict, p: dict) -> str:
-    datasets = sorted({k.split("/")[1] for r in runs for k in r["eval"] if k.startswith("zeroshot/")
-                       and k.endswith("/top1") and k != "zeroshot/mean_top1"})
+    datasets = sorted(
+        {
+            k.split("/")[1]
+            for r in runs
+            for k in r["eval"]
+            if k.startswith("zeroshot/") and k.endswith("/top1") and k != "zeroshot/mean_top1"
+        }
+    )
     head = ["run", "mean top-1", *[f"{d} top-1" for d in datasets], "final τ", "train s"]
-    lines = [f"# Temperature-free loss vs tuned temperatures ({stamp(info)})", "",
-             f"tiny-vit, embedded data (max {p['max_per_class']} per class), global batch {p['batch']}, "
-             f"{p['steps']} steps, one process, zero-shot on {p['eval_max']} held-out samples; seed {p['seed']}. "
-             "One seed: differences of a point or two are within run-to-run noise at this size.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"# Temperature-free loss vs tuned temperatures ({stamp(info)})",
+        "",
+        f"tiny-vit, embedded data (max {p['max_per_class']} per class), global batch {p['batch']}, "
+        f"{p['steps']} steps, one process, zero-shot on {p['eval_max']} held-out samples; seed {p['seed']}. "
+        "One seed: differences of a point or two are within run-to-run noise at this size.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for r in runs:
         e = r["eval"]
-        cells = [r["label"], f"{e.get('zeroshot/mean_top1', float('nan')):.4f}",
-                 *[f"{e.get(f'zeroshot/{d}/top1', float('nan')):.4f}" for d in datasets],
-                 "—" if r["final_tau"] is None else f"{r['final_tau']:.4f}", f"{r['train_s']:.0f}"]
+        cells = [
+            r["label"],
+            f"{e.get('zeroshot/mean_top1', float('nan')):.4f}",
+            *[f"{e.get(f'zeroshot/{d}/top1', float('nan')):.4f}" for d in datasets],
+            "—" if r["final_tau"] is None else f"{r['final_tau']:.4f}",
+            f"{r['train_s']:.0f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "atanh runs: logits 2·atanh(cos) (cos clamped to ±(1−1e-6)), τ = 1 fixed (their 'final τ' is that "
-              "constant scale). fastclip-v1: γ_min 0.2, cosine γ decay over half the epochs. Retrieval (in the json) is "
-              "left out: the captions are per-class templates, so instance retrieval is mostly ties. 'train s': wall time on a "
-              "shared, loaded machine (not a speed comparison)."]
+    lines += [
+        "",
+        "atanh runs: logits 2·atanh(cos) (cos clamped to ±(1−1e-6)), τ = 1 fixed (their 'final τ' is that "
+        "constant scale). fastclip-v1: γ_min 0.2, cosine γ decay over half the epochs. Retrieval (in the json) is "
+        "left out: the captions are per-class templates, so instance retrieval is mostly ties. "
+        "'train s': wall time on a shared, loaded machine (not a speed comparison).",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few steps per run (CI smoke), output to benchmarks/out")
-    parser.add_argument("--data", type=Path, help="a `fastclip data embedded` folder (default: built under benchmarks/out)")
+    parser.add_argument(
+        "--data", type=Path, help="a `fastclip data embedded` folder (default: built under benchmarks/out)"
+    )
     parser.add_argument("--steps", type=int)
     parser.add_argument("--runs", nargs="*", choices=list(RUNS), help="a subset of the runs")
     parser.add_argument("--out", type=Path, help="folder for the results (default: benchmarks/results/)")
@@ -148,8 +185,9 @@ def main(argv=None) -> int:
     if args.steps:
         p["steps"] = args.steps
     torch.set_num_threads(1)  # a shared 2-core machine: one thread per process is the fastest and the steadiest
-    data_dir = args.data or ensure_embedded(SMOKE_OUT / f"embedded_mpc{p['max_per_class']}",
-                                            max_per_class=p["max_per_class"])
+    data_dir = args.data or ensure_embedded(
+        SMOKE_OUT / f"embedded_mpc{p['max_per_class']}", max_per_class=p["max_per_class"]
+    )
     from fastclip.models import build_model
 
     torch.manual_seed(p["seed"])

@@ -1,5 +1,6 @@
 """Shared pieces of the benchmark programs: machine description, a process-tree memory monitor, launching
 torchrun jobs, free ports, and the stamp every figure carries (machine + date)."""
+
 from __future__ import annotations
 
 import datetime
@@ -43,10 +44,16 @@ def gpu_name() -> str | None:
 def machine_info() -> dict:
     import torch
 
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": cpu_name(), "cores": os.cpu_count(), "gpu": gpu_name(),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "loadavg": list(os.getloadavg())}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "gpu": gpu_name(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loadavg": list(os.getloadavg()),
+    }
 
 
 def stamp(info: dict) -> str:
@@ -145,8 +152,11 @@ class TreeMemoryMonitor:
         self._thread.join()
 
     def result(self) -> dict:
-        return {"peak_rss_sum_mb": self.peak_rss_kb / 1024, "peak_pss_sum_mb": self.peak_pss_kb / 1024,
-                "max_processes": self.max_processes}
+        return {
+            "peak_rss_sum_mb": self.peak_rss_kb / 1024,
+            "peak_pss_sum_mb": self.peak_pss_kb / 1024,
+            "max_processes": self.max_processes,
+        }
 
 
 def run_monitored(cmd: list[str], log_file: Path, *, env: dict | None = None, timeout: float | None = None) -> dict:
@@ -171,8 +181,17 @@ def run_monitored(cmd: list[str], log_file: Path, *, env: dict | None = None, ti
 
 
 def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
 
 
 def ensure_embedded(root: Path, *, max_per_class: int | None = None, shard_size: int | None = None) -> Path:
@@ -199,8 +218,7 @@ def shard_pattern(split_dir: Path) -> tuple[str, int]:
     width = len(paths[0].rsplit("-", 1)[1].split(".")[0])
     if len(numbers) == 1:
         return str(split_dir / paths[0]), manifest["num_samples"]
-    return (f"{split_dir}/{stem}-{{{numbers[0]:0{width}d}..{numbers[-1]:0{width}d}}}{ext}",
-            manifest["num_samples"])
+    return (f"{split_dir}/{stem}-{{{numbers[0]:0{width}d}..{numbers[-1]:0{width}d}}}{ext}", manifest["num_samples"])
 
 
 def loss_overrides(name: str, *, gamma_decay_epochs: int | None = None) -> list[str]:
@@ -220,8 +238,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def evaluate_checkpoint(path: Path, data_root: Path, *, arch: str | None = None, max_samples: int | None = None,
-                        batch_size: int = 256, device: str = "cpu") -> dict:
+def evaluate_checkpoint(
+    path: Path,
+    data_root: Path,
+    *,
+    arch: str | None = None,
+    max_samples: int | None = None,
+    batch_size: int = 256,
+    device: str = "cpu",
+) -> dict:
     """Zero-shot accuracy of a checkpoint (ours or OpenCLIP's epoch_N.pt, whose "module." prefixes
     fastclip.eval strips) on the held-out split, through fastclip.eval like `fastclip eval` does."""
     from fastclip.eval import run_evals
@@ -229,9 +254,17 @@ def evaluate_checkpoint(path: Path, data_root: Path, *, arch: str | None = None,
 
     loaded = load_model(path, arch=arch, device=device)
     built = loaded.built
-    return run_evals(built.model, tokenizer=built.tokenizer, preprocess=built.preprocess_val,
-                     val_dir=str(data_root / "val"), zeroshot_file=str(data_root / "zeroshot.json"), device=device,
-                     batch_size=batch_size, max_samples=max_samples, retrieval=False)
+    return run_evals(
+        built.model,
+        tokenizer=built.tokenizer,
+        preprocess=built.preprocess_val,
+        val_dir=str(data_root / "val"),
+        zeroshot_file=str(data_root / "zeroshot.json"),
+        device=device,
+        batch_size=batch_size,
+        max_samples=max_samples,
+        retrieval=False,
+    )
 
 
 def slowest_rank_seconds(fn) -> float:

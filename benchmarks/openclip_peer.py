@@ -5,6 +5,7 @@ first (its trainer has no flag for a config file), and on CPU its `DistributedDa
 device_ids=[device])` call gets `device_ids=None` (torch rejects a CPU device there). Launch like the original:
     torchrun --nproc_per_node 2 benchmarks/openclip_peer.py -- --model tiny-vit --train-data ... (OpenCLIP flags)
 """
+
 import sys
 from pathlib import Path
 

@@ -16,6 +16,7 @@ Items (each its own program, run in a fresh process, writing <name>.{json,md,png
   scenes       bench_scenes.py        the scenes data at 100k: generation time, distinct captions, held-out pairs
   scan         bench_scan.py          fastclip data scan: shards/s, samples/s, bytes per sample, projected to 400M
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,17 @@ ITEMS = {  # name -> (program, result stem, title)
     "scenes": ("bench_scenes.py", "scenes", "8. The scenes data: generation time and distinct captions"),
     "scan": ("bench_scan.py", "scan", "9. Preparing data at scale: fastclip data scan"),
 }
-ORDER = ("e2e", "loss", "state", "scaling", "engines", "tempfree", "scenes", "scan", "stat_eff")  # the most important first, the longest last
+ORDER = (
+    "e2e",
+    "loss",
+    "state",
+    "scaling",
+    "engines",
+    "tempfree",
+    "scenes",
+    "scan",
+    "stat_eff",
+)  # the most important first, the longest last
 
 GPU_COMMANDS = """\
 # item 1 on one GPU node (nccl, bf16 autocast in ours, amp_bf16 in OpenCLIP's trainer), ViT-B-32, 256 per GPU:
@@ -78,12 +89,15 @@ def _section(name: str, out: Path, runs: dict) -> list[str]:
         machine = data.get("machine", {})
         if isinstance(machine, dict) and "date" in machine:
             load = lambda v: "/".join(f"{x:.1f}" for x in v) if isinstance(v, list) else "-"  # noqa: E731
-            when = f"Run {machine['date']}; load average (1/5/15 min) before {load(machine.get('loadavg'))}, " \
-                   f"after {load(machine.get('loadavg_after'))}. "
+            when = (
+                f"Run {machine['date']}; load average (1/5/15 min) before {load(machine.get('loadavg'))}, "
+                f"after {load(machine.get('loadavg_after'))}. "
+            )
     run = runs.get(name)
-    lines.append(f"{when}Program: `python benchmarks/{program}`"
-                 + (f"; its last run from run_all took {run['seconds']:.0f} s (finished {run['finished']})."
-                    if run else "."))
+    lines.append(
+        f"{when}Program: `python benchmarks/{program}`"
+        + (f"; its last run from run_all took {run['seconds']:.0f} s (finished {run['finished']})." if run else ".")
+    )
     lines.append("")
     body = md.read_text().strip()
     if body.startswith("# "):  # bench_loss's own title
@@ -100,22 +114,29 @@ def headline(out: Path) -> list[str]:
     if e2e.is_file():
         d = json.loads(e2e.read_text())
         p = d["params"]
-        lines += [f"**End to end, {p['arch']}, {p['nproc']} processes x {p['batch']} per step, {p['device']} "
-                  f"{p['precision']}, {p['samples']} samples per run, {p['reps']} interleaved runs each (median):**", "",
-                  "| system | samples/s | vs OpenCLIP's trainer | peak PSS sum | zero-shot top-1 at equal samples |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += [
+            f"**End to end, {p['arch']}, {p['nproc']} processes x {p['batch']} per step, {p['device']} "
+            f"{p['precision']}, {p['samples']} samples per run, {p['reps']} interleaved runs each (median):**",
+            "",
+            "| system | samples/s | vs OpenCLIP's trainer | peak PSS sum | zero-shot top-1 at equal samples |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for s in d["summary"]:
-            lines.append(f"| {s['system']} | {s['samples_per_s']:.1f} | {s.get('throughput_ratio', 1):.2f}x | "
-                         f"{s['peak_pss_sum_mb']:.0f} MB | {100 * s['zeroshot_mean_top1']:.1f}% |")
+            lines.append(
+                f"| {s['system']} | {s['samples_per_s']:.1f} | {s.get('throughput_ratio', 1):.2f}x | "
+                f"{s['peak_pss_sum_mb']:.0f} MB | {100 * s['zeroshot_mean_top1']:.1f}% |"
+            )
         lines.append("")
     state = out / "state_memory.json"
     if state.is_file():
         d = json.loads(state.read_text())
         for r in d["projected"]:
             if r["ranks"] == 32:
-                lines.append(f"- {r['version']} per-sample state at LAION-315M on 32 ranks: "
-                             f"{r['ours_per_rank_bytes'] / 2**20:.0f} MB per rank (reference, replicated: "
-                             f"{r['replicated_per_process_bytes'] / 2**30:.2f} GB per process).")
+                lines.append(
+                    f"- {r['version']} per-sample state at LAION-315M on 32 ranks: "
+                    f"{r['ours_per_rank_bytes'] / 2**20:.0f} MB per rank (reference, replicated: "
+                    f"{r['replicated_per_process_bytes'] / 2**30:.2f} GB per process)."
+                )
     stat = out / "stat_eff.json"
     if stat.is_file():
         d = json.loads(stat.read_text())
@@ -126,11 +147,13 @@ def headline(out: Path) -> list[str]:
             for metric in ("retrieval_R@1", "zeroshot_top1"):
                 ref, v3 = seeds["openclip"][f"test_{metric}"], seeds["fastclip-v3"][f"test_{metric}"]
                 speedup = g.get(f"v3_speedup_{metric}")
-                lines.append(f"- {g['dataset']}, global batch {g['global_batch']}, test {metric}: openclip "
-                             f"{100 * ref[0]:.1f} ± {100 * ref[1]:.1f}%, fastclip-v3 {100 * v3[0]:.1f} ± "
-                             f"{100 * v3[1]:.1f}% ({seeds['fastclip-v3']['seeds_done']} seeds); v3 reaches "
-                             f"openclip's final " + (f"with {speedup:.2f}x fewer samples." if speedup else
-                                                     "value: not within the run."))
+                lines.append(
+                    f"- {g['dataset']}, global batch {g['global_batch']}, test {metric}: openclip "
+                    f"{100 * ref[0]:.1f} ± {100 * ref[1]:.1f}%, fastclip-v3 {100 * v3[0]:.1f} ± "
+                    f"{100 * v3[1]:.1f}% ({seeds['fastclip-v3']['seeds_done']} seeds); v3 reaches "
+                    f"openclip's final "
+                    + (f"with {speedup:.2f}x fewer samples." if speedup else "value: not within the run.")
+                )
         lines.append(f"- study progress: {d['runs_done']} of {d['runs_planned']} runs done.")
     return lines
 
@@ -138,15 +161,21 @@ def headline(out: Path) -> list[str]:
 def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
     info = machine_info()
     report = (out.parent if out.name == "results" else out) / "RESULTS.md"
-    lines = ["# fastclip benchmarks against OpenCLIP", "",
-             f"Machine: {stamp(info)}; {info['platform']}, Python {info['python']}. Assembled by `{command}` "
-             f"from each item's latest results (every section gives its run's date; the table at the end lists "
-             f"the runs)" + (" - SMOKE run: tiny sizes, not measurements." if smoke else "."), "",
-             "**No GPU was available for this run**: everything below ran on CPU (gloo), 2 processes with "
-             "OMP_NUM_THREADS=1 on a 2-core machine that other jobs were using at the same time (load averages "
-             "are given per item; runs are interleaved and ratios are what to read, not absolute numbers). "
-             "The GPU runs of items 1 and 2 are left for a session with a GPU:" if not info["gpu"] else
-             f"GPU: {info['gpu']}.", ""]
+    lines = [
+        "# fastclip benchmarks against OpenCLIP",
+        "",
+        f"Machine: {stamp(info)}; {info['platform']}, Python {info['python']}. Assembled by `{command}` "
+        f"from each item's latest results (every section gives its run's date; the table at the end lists "
+        f"the runs)" + (" - SMOKE run: tiny sizes, not measurements." if smoke else "."),
+        "",
+        "**No GPU was available for this run**: everything below ran on CPU (gloo), 2 processes with "
+        "OMP_NUM_THREADS=1 on a 2-core machine that other jobs were using at the same time (load averages "
+        "are given per item; runs are interleaved and ratios are what to read, not absolute numbers). "
+        "The GPU runs of items 1 and 2 are left for a session with a GPU:"
+        if not info["gpu"]
+        else f"GPU: {info['gpu']}.",
+        "",
+    ]
     if not info["gpu"]:
         lines += ["```bash", GPU_COMMANDS, "```", ""]
     lines += ["## Headline", ""] + headline(out) + [""]
@@ -154,12 +183,18 @@ def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
         lines += _section(name, out, runs)
     loader = out / "loader_bench.md"
     if loader.is_file():
-        lines += ["## Data loader (earlier run of benchmarks/bench_loader.py)", "",
-                  loader.read_text().split("\n", 1)[1].strip(), ""]
+        lines += [
+            "## Data loader (earlier run of benchmarks/bench_loader.py)",
+            "",
+            loader.read_text().split("\n", 1)[1].strip(),
+            "",
+        ]
     if runs:
         lines += ["## Runs", "", "| item | command | finished | rc | seconds |", "|---|---|---|---:|---:|"]
-        lines += [f"| {r['item']} | `{r['command']}` | {r.get('finished', '-')} | {r['rc']} | {r['seconds']:.0f} |"
-                  for r in runs.values()]
+        lines += [
+            f"| {r['item']} | `{r['command']}` | {r.get('finished', '-')} | {r['rc']} | {r['seconds']:.0f} |"
+            for r in runs.values()
+        ]
     report.write_text("\n".join(lines) + "\n")
     return report
 
@@ -179,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown item(s) {sorted(unknown)}; items: {', '.join(ORDER)}")
     log_file = out / "run_all_log.json"  # the last run of each item, kept across partial runs (--only)
     runs = json.loads(log_file.read_text()) if log_file.is_file() else {}
-    for name in ([] if args.report_only else chosen):
+    for name in [] if args.report_only else chosen:
         runs[name] = run_item(name, args.smoke, out)
         log_file.write_text(json.dumps(runs, indent=1))
     command = "python benchmarks/run_all.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()

@@ -1,4 +1,5 @@
 """`fastclip <command> ...`: one entry point, each command lives beside the code it drives."""
+
 from __future__ import annotations
 
 import importlib

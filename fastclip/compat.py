@@ -6,6 +6,7 @@ imports torchvision, so it fails too. Declaring the two operator schemas first l
 only the C++ ops (nms, roi_align, video/image decoding in torchvision.io) stay unusable, and open_clip uses
 none of them: its transforms work on PIL images.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -8,6 +8,7 @@ torchrun's variables win when both are present (torchrun inside an allocation). 
 first host of the job's node list (parsed here, `scontrol show hostnames` as a fallback) and the port is
 MASTER_PORT or derived from the job id, so every task computes the same address without talking.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -53,7 +54,7 @@ def _split_top_level(text: str) -> list[str]:
 
 
 def _expand_range_list(body: str, nodelist: str) -> list[str]:
-    """"01-03,07" -> ["01", "02", "03", "07"]; zero padding follows the width of the range's start."""
+    """ "01-03,07" -> ["01", "02", "03", "07"]; zero padding follows the width of the range's start."""
     out = []
     for item in body.split(","):
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())
@@ -198,11 +199,17 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_minute
         backend = "nccl" if dev.type == "cuda" else "gloo"
     # init_method env:// reads these; for SLURM they were not set by a launcher
     os.environ.update(
-        RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
-        MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port),
+        RANK=str(env.rank),
+        WORLD_SIZE=str(env.world_size),
+        LOCAL_RANK=str(env.local_rank),
+        MASTER_ADDR=env.master_addr,
+        MASTER_PORT=str(env.master_port),
     )
     dist.init_process_group(
-        backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+        backend=backend,
+        init_method="env://",
+        rank=env.rank,
+        world_size=env.world_size,
         timeout=datetime.timedelta(minutes=timeout_minutes),
     )
     return DistInfo(env.rank, env.world_size, env.local_rank, dev, env.launcher, True)
@@ -249,6 +256,16 @@ def cleanup(info: DistInfo) -> None:
 
 
 __all__ = [
-    "DistEnv", "DistInfo", "parse_slurm_nodelist", "slurm_master_addr", "dist_env_from", "init_distributed",
-    "pick_device", "barrier", "broadcast_flag", "cleanup", "release_wrappers", "destroy_process_group",
+    "DistEnv",
+    "DistInfo",
+    "parse_slurm_nodelist",
+    "slurm_master_addr",
+    "dist_env_from",
+    "init_distributed",
+    "pick_device",
+    "barrier",
+    "broadcast_flag",
+    "cleanup",
+    "release_wrappers",
+    "destroy_process_group",
 ]

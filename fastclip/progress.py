@@ -1,5 +1,6 @@
 """Progress for long commands: a tqdm bar on a terminal, a plain line every `every_s` seconds otherwise (logs
 and CI output should not fill with carriage returns)."""
+
 from __future__ import annotations
 
 import sys
@@ -28,10 +29,13 @@ class Progress:
             self._last = now
             rate = self.done / max(now - self._start, 1e-9)
             eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            print(f"{self.desc}: {self.done}/{self.total} {self.unit}s ({rate:.0f}/s, eta {eta:.0f} s)",
-                  file=self.stream, flush=True)
+            print(
+                f"{self.desc}: {self.done}/{self.total} {self.unit}s ({rate:.0f}/s, eta {eta:.0f} s)",
+                file=self.stream,
+                flush=True,
+            )
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite: bash launch/test.sh [pytest args]
+# Set up (if needed), lint, and run the whole test suite: bash launch/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
+.venv/bin/ruff check .           # lint (rules in pyproject.toml); fails on any violation
+.venv/bin/ruff format --check .  # formatting; `ruff format .` fixes it
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec .venv/bin/python -m pytest -q "$@"

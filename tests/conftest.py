@@ -1,4 +1,5 @@
 """Fixtures shared by the trainer-level tests."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -13,6 +13,7 @@ Each process gets one CPU thread, a fresh free TCP port is used for the rendezvo
 process is re-raised here with its traceback, and the whole run is killed after ``timeout`` seconds (so a
 test that would hang in a collective fails instead).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -52,8 +53,13 @@ def exit_without_finalizing() -> None:
 def _entry(rank, fn, world_size, port, backend, out_dir, args, timeout):
     faulthandler.enable(all_threads=True)  # a native crash prints each thread's Python stack
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank_{rank}.pt")
@@ -66,14 +72,21 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
     """``[fn(rank, world_size, *args) for each rank]``, each computed in its own process of one group."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned processes
     with tempfile.TemporaryDirectory(prefix="fastclip-dist-") as out_dir:
-        context = mp.start_processes(_entry, args=(fn, world_size, free_port(), backend, out_dir, args, timeout),
-                                     nprocs=world_size, join=False, start_method="spawn")
+        context = mp.start_processes(
+            _entry,
+            args=(fn, world_size, free_port(), backend, out_dir, args, timeout),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + timeout
         while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
             if time.monotonic() > deadline:
                 for process in context.processes:
                     if process.is_alive():
                         process.kill()
-                raise TimeoutError(f"run_distributed({fn.__name__}, world_size={world_size}) did not finish "
-                                   f"within {timeout:.0f}s (a hang in a collective?)")
+                raise TimeoutError(
+                    f"run_distributed({fn.__name__}, world_size={world_size}) did not finish "
+                    f"within {timeout:.0f}s (a hang in a collective?)"
+                )
         return [torch.load(Path(out_dir) / f"rank_{rank}.pt", weights_only=False) for rank in range(world_size)]

@@ -1,5 +1,6 @@
 """Helpers shared by the tests: tiny embedded data, the shrunk recipe as command-line overrides, run records and
 checkpoints, bitwise comparison, whole jobs as real process groups, data streams, and loss gradients."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,24 @@ BATCH = 8  # per process; 80 training samples: 5 steps per epoch at 2 processes,
 def make_embedded(out: Path) -> Path:
     from fastclip.data.cli import main as data_main
 
-    assert data_main(["embedded", "--out", str(out), "--max-per-class", "4", "--max-val-per-class", "1",
-                      "--shard-size", "30", "--seed", "0"]) == 0
+    assert (
+        data_main(
+            [
+                "embedded",
+                "--out",
+                str(out),
+                "--max-per-class",
+                "4",
+                "--max-val-per-class",
+                "1",
+                "--shard-size",
+                "30",
+                "--seed",
+                "0",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -31,11 +48,26 @@ _UNSET = object()  # an override value that leaves the key to the config file
 
 def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v3", **extra) -> list[str]:
     """The embedded recipe, shrunk: tiny data, a few steps, frequent logs and checkpoints, no evaluation."""
-    opts = {"data.train": data / "train", "data.val": data / "val", "data.zeroshot": data / "zeroshot.json",
-            "data.batch_size": BATCH, "data.workers": 0, "train.run_dir": run_dir, "train.epochs": 3, "train.log_every": 1,
-            "train.progress": False, "train.tensorboard": False, "optim.warmup_steps": 2, "loss.name": mode,
-            "loss.gamma_decay_epochs": 2, "checkpoint.every_steps": 2, "checkpoint.every_minutes": 0,
-            "checkpoint.keep_last": 10, "eval.every_steps": 0, "eval.at_end": False}
+    opts = {
+        "data.train": data / "train",
+        "data.val": data / "val",
+        "data.zeroshot": data / "zeroshot.json",
+        "data.batch_size": BATCH,
+        "data.workers": 0,
+        "train.run_dir": run_dir,
+        "train.epochs": 3,
+        "train.log_every": 1,
+        "train.progress": False,
+        "train.tensorboard": False,
+        "optim.warmup_steps": 2,
+        "loss.name": mode,
+        "loss.gamma_decay_epochs": 2,
+        "checkpoint.every_steps": 2,
+        "checkpoint.every_minutes": 0,
+        "checkpoint.keep_last": 10,
+        "eval.every_steps": 0,
+        "eval.at_end": False,
+    }
     if mode != "fastclip-v3":  # the recipe's v3 knobs: keep those the mode takes
         opts["loss.rho"] = "null" if mode not in ("fastclip-v2", "fastclip-tempnet") else 7.0
         if mode == "openclip":
@@ -43,16 +75,23 @@ def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v3", **extra) -> 
         if mode == "fastclip-v2":
             opts.update({"loss.temperature": 0.03, "optim.lr_tau": 0.0133, "optim.lr_tau_schedule": "const"})
         if mode == "fastclip-tempnet":
-            opts.update({"loss.temperature": 0.03, "loss.tempnet_hidden": 16, "optim.lr_tau": 1e-3,
-                         "optim.lr_tau_schedule": "const"})
+            opts.update(
+                {
+                    "loss.temperature": 0.03,
+                    "loss.tempnet_hidden": 16,
+                    "optim.lr_tau": 1e-3,
+                    "optim.lr_tau_schedule": "const",
+                }
+            )
     opts.update(extra)
     return [x for k, v in opts.items() if v is not _UNSET for x in (f"--{k}", str(v))]
 
 
 def fault_overrides(data: Path, run_dir: Path, mode: str = "fastclip-v2", **extra) -> list[str]:
     """`overrides` for the fault and operator tests: v2 by default, no held-out data, 20 checkpoints kept."""
-    return overrides(data, run_dir, mode, **{"data.val": "null", "data.zeroshot": _UNSET, "checkpoint.keep_last": 20,
-                                             **extra})
+    return overrides(
+        data, run_dir, mode, **{"data.val": "null", "data.zeroshot": _UNSET, "checkpoint.keep_last": 20, **extra}
+    )
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -105,9 +144,13 @@ def assert_same_training_state(a: Path, b: Path, world_size: int, *, rank_keys=(
 
 # ----------------------------------------------------------------------------- whole jobs
 def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC",
-                                "FASTCLIP_FAULTS"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            ("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC", "FASTCLIP_FAULTS")
+        )
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
 
@@ -125,13 +168,25 @@ class Job:
         for rank in range(nprocs):
             rank_env = clean_env(**(env or {}))
             if nprocs > 1:
-                rank_env.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
-                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                rank_env.update(
+                    RANK=str(rank),
+                    WORLD_SIZE=str(nprocs),
+                    LOCAL_RANK=str(rank),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                )
             out = open(self.log_dir / f"rank_{rank}.log", "w")
             group = 0 if rank == 0 else self.procs[0].pid  # rank 0 leads a new group; the others join it
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "fastclip", "train", "--config",
-                                                str(EMBEDDED), *args], cwd=self.log_dir, env=rank_env,
-                                               stdout=out, stderr=subprocess.STDOUT, process_group=group))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "fastclip", "train", "--config", str(EMBEDDED), *args],
+                    cwd=self.log_dir,
+                    env=rank_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    process_group=group,
+                )
+            )
             out.close()
 
     @property

@@ -1,5 +1,6 @@
 """Fixtures of the evaluation tests: labelled shards, and a "probe" CLIP whose embeddings are set by the inputs,
 so a test knows every similarity (and so every answer) exactly."""
+
 from __future__ import annotations
 
 import io
@@ -69,8 +70,16 @@ COLOURS = ("red", "green", "blue")
 FRUIT_TEMPLATES = ("a photo of a {}.", "a blurry picture of {c}.")
 RANK_SCORES = (240, 210, 180, 150, 120, 90, 60, 30)  # distinct, so no two classes tie
 # true class -> the rank its score gets in each of its images
-FRUIT_RANKS = {0: [1, 1, 1], 1: [1, 1, 2], 2: [1, 2, 6], 3: [3, 1, 1],
-               4: [6, 7, 8], 5: [1, 1, 1], 6: [5, 1, 2], 7: [1, 1, 1]}
+FRUIT_RANKS = {
+    0: [1, 1, 1],
+    1: [1, 1, 2],
+    2: [1, 2, 6],
+    3: [3, 1, 1],
+    4: [6, 7, 8],
+    5: [1, 1, 1],
+    6: [5, 1, 2],
+    7: [1, 1, 1],
+}
 COLOUR_RANKS = {0: [1, 1], 1: [1, 2], 2: [2, 3]}
 
 
@@ -87,13 +96,19 @@ def image_with_rank(true_class: int, rank: int, num_classes: int) -> Image.Image
 
 def fruit_samples() -> list:
     """24 (image, caption, dataset, label) samples, three per fruit, in FRUIT_RANKS order."""
-    return [(image_with_rank(c, r, 8), f"a photo of a {FRUITS[c]}.", "fruits", c)
-            for c, ranks in FRUIT_RANKS.items() for r in ranks]
+    return [
+        (image_with_rank(c, r, 8), f"a photo of a {FRUITS[c]}.", "fruits", c)
+        for c, ranks in FRUIT_RANKS.items()
+        for r in ranks
+    ]
 
 
 def colour_samples() -> list:
-    return [(image_with_rank(c, r, 3), f"something {COLOURS[c]}", "colours", c)
-            for c, ranks in COLOUR_RANKS.items() for r in ranks]
+    return [
+        (image_with_rank(c, r, 3), f"something {COLOURS[c]}", "colours", c)
+        for c, ranks in COLOUR_RANKS.items()
+        for r in ranks
+    ]
 
 
 def fruit_probe(tokenizer) -> ProbeCLIP:
@@ -104,5 +119,9 @@ def fruit_probe(tokenizer) -> ProbeCLIP:
 
 
 def zeroshot_json() -> dict:
-    return {"datasets": {"fruits": {"classnames": list(FRUITS), "templates": list(FRUIT_TEMPLATES)},
-                         "colours": {"classnames": list(COLOURS), "templates": ["{}"]}}}
+    return {
+        "datasets": {
+            "fruits": {"classnames": list(FRUITS), "templates": list(FRUIT_TEMPLATES)},
+            "colours": {"classnames": list(COLOURS), "templates": ["{}"]},
+        }
+    }

@@ -2,22 +2,32 @@
 global batch: k micro-batches give the gradients, temperature, per-sample state and parameters of one batch k
 times larger, for fastclip-v3, openclip and v2, in one process and in 2 processes (DDP, no_sync for all but
 the last micro-batch); re-forwards replay the cached forwards' random numbers (dropout)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_utils import run_distributed
 from fastclip.train import accumulate
 from fastclip.train.accumulate import GradCache, split_batch
 from fastclip.train.config import load_config
 
+from dist_utils import run_distributed
+
 LOSSES = {
     "fastclip-v3": ["--loss.rho", "6.5"],
     "openclip": ["--loss.gamma_min", "null", "--loss.gamma_decay_epochs", "null", "--loss.gamma_schedule", "null"],
-    "fastclip-v2": ["--loss.rho", "7.0", "--loss.temperature", "0.03", "--optim.lr_tau", "0.0133",
-                    "--optim.lr_tau_schedule", "const"],
+    "fastclip-v2": [
+        "--loss.rho",
+        "7.0",
+        "--loss.temperature",
+        "0.03",
+        "--optim.lr_tau",
+        "0.0133",
+        "--optim.lr_tau_schedule",
+        "const",
+    ],
 }
 
 
@@ -51,8 +61,13 @@ def _dropout_grads(k: int, *, replay_rng: bool, monkeypatch) -> tuple[list[torch
     else:
         cache = GradCache(k)
         loss = cache.forward(towers, loss_fn, images, texts, indices, epoch=0)
-        cache.backward(loss, towers, tau_params=[loss_fn.logit_scale], tau_in_last_backward=True,
-                       run_backward=lambda surrogate, last: surrogate.backward())
+        cache.backward(
+            loss,
+            towers,
+            tau_params=[loss_fn.logit_scale],
+            tau_in_last_backward=True,
+            run_backward=lambda surrogate, last: surrogate.backward(),
+        )
     return [p.grad.clone() for p in towers.parameters()], loss_fn.logit_scale.grad.clone()
 
 
@@ -90,12 +105,30 @@ def steps_with(loss_name: str, k: int, rank: int, world_size: int, n_steps: int 
     from fastclip.train.net import build_net
 
     per_rank = 8
-    cfg = load_config(None, ["--loss.name", loss_name, *LOSSES[loss_name], "--loss.gamma_decay_epochs",
-                             "null" if loss_name == "openclip" else "2", "--data.batch_size", str(per_rank),
-                             "--optim.accum_steps", str(k), "--optim.lr_tau_schedule", "const",
-                             # Adam's eps well above float noise: gradients that are zero in exact arithmetic
-                             # (attention key biases) must not turn rounding noise into +-lr steps
-                             "--optim.eps", "1e-4", "--train.seed", "0", "--model.arch", "tiny-vit"])
+    cfg = load_config(
+        None,
+        [
+            "--loss.name",
+            loss_name,
+            *LOSSES[loss_name],
+            "--loss.gamma_decay_epochs",
+            "null" if loss_name == "openclip" else "2",
+            "--data.batch_size",
+            str(per_rank),
+            "--optim.accum_steps",
+            str(k),
+            "--optim.lr_tau_schedule",
+            "const",
+            # Adam's eps well above float noise: gradients that are zero in exact arithmetic
+            # (attention key biases) must not turn rounding noise into +-lr steps
+            "--optim.eps",
+            "1e-4",
+            "--train.seed",
+            "0",
+            "--model.arch",
+            "tiny-vit",
+        ],
+    )
     info = DistInfo(rank, world_size, rank, torch.device("cpu"), "none", False)
     net = build_net(cfg, info, data_size=64)
     model, loss_fn, engine = net.model, net.loss_fn, net.engine
@@ -137,22 +170,28 @@ def assert_equivalent(got: dict, ref: dict, where: str):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=lambda m: f"{where} temperature grad: {m}")
     torch.testing.assert_close(torch.stack(got["losses"]), torch.stack(ref["losses"]), rtol=1e-5, atol=1e-7)
     for n in ref["params"]:
-        torch.testing.assert_close(got["params"][n], ref["params"][n], rtol=1e-4, atol=2e-6,
-                                   msg=lambda m: f"{where} parameter {n}: {m}")
+        torch.testing.assert_close(
+            got["params"][n], ref["params"][n], rtol=1e-4, atol=2e-6, msg=lambda m: f"{where} parameter {n}: {m}"
+        )
     for n in ref["loss_params"]:
         torch.testing.assert_close(got["loss_params"][n], ref["loss_params"][n], rtol=1e-6, atol=1e-7)
     if "state" not in ref:  # openclip: no per-sample state
         return
     assert torch.equal(got["seen"], ref["seen"]) and int(ref["seen"].sum()) > 0, where
     for field in ref["state"]:
-        torch.testing.assert_close(got["state"][field], ref["state"][field], rtol=1e-4, atol=1e-7,
-                                   msg=lambda m: f"{where} per-sample state {field}: {m}")
+        torch.testing.assert_close(
+            got["state"][field],
+            ref["state"][field],
+            rtol=1e-4,
+            atol=1e-7,
+            msg=lambda m: f"{where} per-sample state {field}: {m}",
+        )
 
 
 @pytest.mark.parametrize("loss_name", list(LOSSES))
 def test_k_micro_batches_equal_one_batch_single_process(loss_name):
     ref = steps_with(loss_name, 1, 0, 1)
-    for k in ((2, 4) if loss_name == "fastclip-v3" else (2,)):
+    for k in (2, 4) if loss_name == "fastclip-v3" else (2,):
         assert_equivalent(steps_with(loss_name, k, 0, 1), ref, f"{loss_name} k={k}")
     if loss_name != "fastclip-v2":  # a learnable temperature that moved
         assert ref["tau_grads"][0][0].abs() > 0

@@ -1,4 +1,5 @@
 """The benchmark programs: their arithmetic, and a smoke run of every program that writes RESULTS.md."""
+
 import json
 import math
 import subprocess
@@ -13,6 +14,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_e2e  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_stat_eff  # noqa: E402
+
 from common import shard_pattern  # noqa: E402
 
 
@@ -35,8 +37,11 @@ def test_ring_costs_and_fit_recover_alpha_and_bandwidth():
     assert bench_scaling.ring_cost("all_gather", 1e6, 4, alpha, bw) == pytest.approx(3 * alpha + 3e6 / bw)
     assert bench_scaling.ring_cost("reduce_scatter", 4e6, 4, alpha, bw) == pytest.approx(3 * alpha + 3e6 / bw)
     truth = {"all_reduce": (alpha, bw), "all_gather": (2 * alpha, bw / 3)}
-    sweep = [{"op": op, "bytes": n, "seconds": bench_scaling.ring_cost(op, n, 2, *truth[op])}
-             for op in truth for n in (1e3, 1e5, 1e7)]
+    sweep = [
+        {"op": op, "bytes": n, "seconds": bench_scaling.ring_cost(op, n, 2, *truth[op])}
+        for op in truth
+        for n in (1e3, 1e5, 1e7)
+    ]
     fit = bench_scaling.fit_collectives(sweep)
     for op, (a, b) in truth.items():
         assert fit["per_op"][op]["alpha_s"] == pytest.approx(a, rel=1e-6)
@@ -54,30 +59,47 @@ def test_model_rows_openclip_moves_more_loss_bytes_than_v3_at_scale():
 
 def test_steady_throughput_parsers_skip_warmup(tmp_path):
     log = tmp_path / "out.log"
-    log.write_text("\n".join(
-        f"2026 | INFO | Train Epoch: 0 [{seen:>5}/1280 (1%)] Data (t): 0.1 Batch (t): {t}, 1/s, 1/s/gpu LR: 0"
-        for seen, t in ((128, 5.0), (640, 9.0), (1280, 0.5))))
+    log.write_text(
+        "\n".join(
+            f"2026 | INFO | Train Epoch: 0 [{seen:>5}/1280 (1%)] Data (t): 0.1 Batch (t): {t}, 1/s, 1/s/gpu LR: 0"
+            for seen, t in ((128, 5.0), (640, 9.0), (1280, 0.5))
+        )
+    )
     # windows: step 1 (warm-up, skipped), steps 1->5 (skipped: starts before step 2), 5->10 at 0.5 s per step
     assert bench_e2e.steady_openclip(log, 128, skip_steps=2) == pytest.approx(128 / 0.5)
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("\n".join(json.dumps(r) for r in (
-        {"step": 2, "samples_per_s": 10.0}, {"step": 4, "samples_per_s": 100.0}, {"step": 4, "eval/x": 1},
-        {"step": 8, "samples_per_s": 50.0})))
+    metrics.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in (
+                {"step": 2, "samples_per_s": 10.0},
+                {"step": 4, "samples_per_s": 100.0},
+                {"step": 4, "eval/x": 1},
+                {"step": 8, "samples_per_s": 50.0},
+            )
+        )
+    )
     # after step 2: 2 steps at 100/s and 4 steps at 50/s -> 6 steps in 2/100 + 4/50 units
     assert bench_e2e.steady_ours(metrics, skip_steps=2) == pytest.approx(6 / (2 / 100 + 4 / 50))
 
 
 def test_shard_pattern_is_openclip_brace_syntax(tmp_path):
-    (tmp_path / "manifest.json").write_text(json.dumps({"num_samples": 30, "shards": [
-        {"path": f"train-{i:06d}.tar", "num_samples": 10} for i in range(3)]}))
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"num_samples": 30, "shards": [{"path": f"train-{i:06d}.tar", "num_samples": 10} for i in range(3)]})
+    )
     assert shard_pattern(tmp_path) == (f"{tmp_path}/train-{{000000..000002}}.tar", 30)
 
 
 def test_run_all_smoke_writes_results_and_plots():
     """Every program in its --quick form (tiny sizes); RESULTS.md names the machine and links readable PNGs."""
     out = REPO / "benchmarks" / "out"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--smoke"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--smoke"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (out / "RESULTS.md").read_text()
     assert "No GPU was available" in report or "GPU:" in report

@@ -1,4 +1,5 @@
 """Checkpoint files: atomic step folders, the latest pointer, keep-last-k, RNG states under weights_only."""
+
 import random
 
 import numpy as np
@@ -12,8 +13,14 @@ SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")
 
 
 def save(root, step, keep_last=2):
-    return ckpt.save_checkpoint(root, step, SINGLE, model_file={"step": step, "w": torch.full((3,), float(step))},
-                                rank_file={"rank": 0, "x": torch.arange(step)}, keep_last=keep_last)
+    return ckpt.save_checkpoint(
+        root,
+        step,
+        SINGLE,
+        model_file={"step": step, "w": torch.full((3,), float(step))},
+        rank_file={"rank": 0, "x": torch.arange(step)},
+        keep_last=keep_last,
+    )
 
 
 def test_save_latest_and_keep_last(tmp_path):
@@ -73,9 +80,21 @@ def test_model_file_of_another_format_version_is_refused(tmp_path):
 
     path = tmp_path / ckpt.MODEL_FILE
     contents = ckpt.model_file_contents(
-        towers={"w": torch.ones(2)}, loss={"logit_scale": torch.tensor(2.0), "_extra_state": {}}, optimizer={},
-        scaler={}, step=3, epoch=0, samples_seen=48, world_size=1, config={}, schedules={}, arch="tiny-vit",
-        model_config={}, guards={}, data_skip_report={})
+        towers={"w": torch.ones(2)},
+        loss={"logit_scale": torch.tensor(2.0), "_extra_state": {}},
+        optimizer={},
+        scaler={},
+        step=3,
+        epoch=0,
+        samples_seen=48,
+        world_size=1,
+        config={},
+        schedules={},
+        arch="tiny-vit",
+        model_config={},
+        guards={},
+        data_skip_report={},
+    )
     assert contents["format"] == ckpt.CHECKPOINT_FORMAT and "_extra_state" not in contents["loss"]
     ckpt.save_file(contents, path)
     assert ckpt.saved_step(ckpt.read_model_file(path)) == 3

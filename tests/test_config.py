@@ -1,4 +1,5 @@
 """Config loading: YAML + overrides, every shipped config valid, errors that name the key."""
+
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,16 @@ def write(tmp_path, data, name="c.yaml"):
 
 def test_every_shipped_config_loads_and_starts_with_its_command():
     files = sorted(CONFIGS.glob("*.yaml"))
-    assert {f.stem for f in files} >= {"embedded", "cc3m-openclip", "cc3m-fastclip-v0", "cc3m-fastclip-v1",
-                                       "cc3m-fastclip-v2", "cc3m-fastclip-v3", "cc12m-fastclip-v3",
-                                       "laion315m-fastclip-v3"}
+    assert {f.stem for f in files} >= {
+        "embedded",
+        "cc3m-openclip",
+        "cc3m-fastclip-v0",
+        "cc3m-fastclip-v1",
+        "cc3m-fastclip-v2",
+        "cc3m-fastclip-v3",
+        "cc12m-fastclip-v3",
+        "laion315m-fastclip-v3",
+    }
     for f in files:
         first = f.read_text().splitlines()[0]
         assert first.startswith("# ") and ("fastclip train" in first or "launch/" in first), f
@@ -29,48 +37,92 @@ def test_every_shipped_config_loads_and_starts_with_its_command():
 
 def test_published_recipes_carry_reference_hyperparameters():
     v3 = load_config(CONFIGS / "cc3m-fastclip-v3.yaml")
-    assert (v3.model.arch, v3.data.batch_size, v3.optim.lr, v3.optim.wd, v3.optim.warmup_steps, v3.train.epochs) == \
-        ("RN50", 128, 1e-3, 0.1, 10000, 37)
-    assert (v3.loss.rho, v3.loss.gamma_min, v3.loss.gamma_decay_epochs, v3.optim.lr_tau, v3.optim.lr_tau_schedule,
-            v3.data.data_size) == (6.5, 0.2, 18, 2e-4, "step_thresh", 3318333)
+    assert (v3.model.arch, v3.data.batch_size, v3.optim.lr, v3.optim.wd, v3.optim.warmup_steps, v3.train.epochs) == (
+        "RN50",
+        128,
+        1e-3,
+        0.1,
+        10000,
+        37,
+    )
+    assert (
+        v3.loss.rho,
+        v3.loss.gamma_min,
+        v3.loss.gamma_decay_epochs,
+        v3.optim.lr_tau,
+        v3.optim.lr_tau_schedule,
+        v3.data.data_size,
+    ) == (6.5, 0.2, 18, 2e-4, "step_thresh", 3318333)
     v2 = load_config(CONFIGS / "cc3m-fastclip-v2.yaml")
     assert (v2.loss.temperature, v2.loss.rho, v2.optim.lr_tau, v2.optim.lr_tau_schedule) == (0.03, 7.0, 0.0133, "const")
     c12 = load_config(CONFIGS / "cc12m-fastclip-v3.yaml")
-    assert (c12.model.arch, c12.data.batch_size, c12.optim.lr, c12.loss.rho, c12.optim.lr_tau, c12.train.epochs) == \
-        ("ViT-B-32", 256, 4e-4, 8.5, 1e-4, 33)
+    assert (c12.model.arch, c12.data.batch_size, c12.optim.lr, c12.loss.rho, c12.optim.lr_tau, c12.train.epochs) == (
+        "ViT-B-32",
+        256,
+        4e-4,
+        8.5,
+        1e-4,
+        33,
+    )
     laion = load_config(CONFIGS / "laion315m-fastclip-v3.yaml")
-    assert (laion.model.arch, laion.data.batch_size, laion.optim.lr, laion.optim.lr_min, laion.optim.wd,
-            laion.optim.warmup_steps, laion.loss.rho, laion.loss.gamma_min, laion.loss.gamma_decay_epochs,
-            laion.loss.eps, laion.optim.lr_tau) == \
-        ("ViT-B-16", 320, 2e-4, 4e-5, 0.2, 13200, 16.0, 0.8, 10, 1e-6, 5e-5)
+    assert (
+        laion.model.arch,
+        laion.data.batch_size,
+        laion.optim.lr,
+        laion.optim.lr_min,
+        laion.optim.wd,
+        laion.optim.warmup_steps,
+        laion.loss.rho,
+        laion.loss.gamma_min,
+        laion.loss.gamma_decay_epochs,
+        laion.loss.eps,
+        laion.optim.lr_tau,
+    ) == ("ViT-B-16", 320, 2e-4, 4e-5, 0.2, 13200, 16.0, 0.8, 10, 1e-6, 5e-5)
     emb = load_config(CONFIGS / "embedded.yaml")
     assert (emb.model.arch, emb.train.device, emb.loss.name) == ("tiny-vit", "cpu", "fastclip-v3")
 
 
 def test_overrides_section_alias_and_types(tmp_path):
     path = write(tmp_path, {"optim": {"lr": 0.5}, "loss": {"name": "fastclip-v1"}})
-    cfg = load_config(path, ["--optim.lr=1e-3", "--batch-size", "8", "--loss.tau_betas", "[0.9, 0.99]",
-                             "--train.max_steps", "null", "--lr_tau_scheduler", "const", "--warmup", "5"])
+    cfg = load_config(
+        path,
+        [
+            "--optim.lr=1e-3",
+            "--batch-size",
+            "8",
+            "--loss.tau_betas",
+            "[0.9, 0.99]",
+            "--train.max_steps",
+            "null",
+            "--lr_tau_scheduler",
+            "const",
+            "--warmup",
+            "5",
+        ],
+    )
     assert (cfg.optim.lr, cfg.data.batch_size, cfg.loss.tau_betas, cfg.train.max_steps) == (1e-3, 8, [0.9, 0.99], None)
     assert (cfg.optim.lr_tau_schedule, cfg.optim.warmup_steps, cfg.loss.name) == ("const", 5, "fastclip-v1")
     assert parse_overrides(["--rho", "2"]) == {"loss": {"rho": 2}}
     assert Config() == load_config()
 
 
-@pytest.mark.parametrize("data, overrides, key", [
-    ({"optim": {"lrr": 0.1}}, [], "optim.lrr"),                     # unknown key in the file
-    ({"optimizer": {"lr": 0.1}}, [], "optimizer"),                  # unknown section
-    ({}, ["--optim.nope", "1"], "optim.nope"),                      # unknown key on the command line
-    ({"optim": {"lr": "fast"}}, [], "optim.lr"),                    # wrong type
-    ({"data": {"batch_size": 1.5}}, [], "data.batch_size"),         # float for an int
-    ({"train": {"tensorboard": "yes"}}, [], "train.tensorboard"),  # str for a bool
-    ({"loss": {"name": "fastclip-v9"}}, [], "loss.name"),          # not a choice
-    ({"optim": {"lr": -0.1}}, [], "optim.lr"),                      # negative lr
-    ({}, ["--optim.wd", "-1"], "optim.wd"),
-    ({"optim": {"betas": [0.9]}}, [], "optim.betas"),
-    ({"loss": {"gamma_min": 0}}, [], "loss.gamma_min"),
-    ({"checkpoint": {"keep_last": 0}}, [], "checkpoint.keep_last"),
-])
+@pytest.mark.parametrize(
+    "data, overrides, key",
+    [
+        ({"optim": {"lrr": 0.1}}, [], "optim.lrr"),  # unknown key in the file
+        ({"optimizer": {"lr": 0.1}}, [], "optimizer"),  # unknown section
+        ({}, ["--optim.nope", "1"], "optim.nope"),  # unknown key on the command line
+        ({"optim": {"lr": "fast"}}, [], "optim.lr"),  # wrong type
+        ({"data": {"batch_size": 1.5}}, [], "data.batch_size"),  # float for an int
+        ({"train": {"tensorboard": "yes"}}, [], "train.tensorboard"),  # str for a bool
+        ({"loss": {"name": "fastclip-v9"}}, [], "loss.name"),  # not a choice
+        ({"optim": {"lr": -0.1}}, [], "optim.lr"),  # negative lr
+        ({}, ["--optim.wd", "-1"], "optim.wd"),
+        ({"optim": {"betas": [0.9]}}, [], "optim.betas"),
+        ({"loss": {"gamma_min": 0}}, [], "loss.gamma_min"),
+        ({"checkpoint": {"keep_last": 0}}, [], "checkpoint.keep_last"),
+    ],
+)
 def test_errors_name_the_key(tmp_path, data, overrides, key):
     path = write(tmp_path, data)
     with pytest.raises(ConfigError, match=f"'{key}'"):

@@ -1,4 +1,5 @@
 """Bad data is skipped, logged with shard and key, counted (also from worker processes), and training goes on."""
+
 from __future__ import annotations
 
 import json
@@ -11,19 +12,25 @@ import torch
 
 from fastclip.data import DataSpecError, build_train_stream
 from fastclip.data.format import split_member_name
-from fastclip.data.samples import SHARD_REASONS, DataExhausted
 from fastclip.data.manifest import Manifest, ShardInfo, read_manifest, write_manifest
+from fastclip.data.samples import SHARD_REASONS, DataExhausted
 from fastclip.data.sources.scan import scan_shards
-from fastclip.data.tario import ShardReader, TarBroken
 from fastclip.data.sources.synthetic import synthetic_image, write_synthetic
-from fastclip.data.tario import write_tar
-from helpers import truncate_file
+from fastclip.data.tario import ShardReader, TarBroken, write_tar
 from fastclip.eval.samples import iter_samples
+
+from helpers import truncate_file
 
 DATA_SIZE = 40
 # key -> (reason) of the broken samples in a.tar; the rest of a.tar, b.tar (truncated) and c.tar are fine
-BROKEN = {"000000002": "undecodable_image", "000000004": "missing_caption", "000000006": "missing_index",
-          "000000008": "index_out_of_range", "000000010": "duplicate_index", "000000011": "missing_image"}
+BROKEN = {
+    "000000002": "undecodable_image",
+    "000000004": "missing_caption",
+    "000000006": "missing_index",
+    "000000008": "index_out_of_range",
+    "000000010": "duplicate_index",
+    "000000011": "missing_image",
+}
 
 
 def sample(i: int, **override) -> dict:
@@ -73,16 +80,23 @@ def bad(tmp_path_factory):
     scanned.mkdir()
     readable = write_bad_folder(plain)
     write_bad_folder(scanned)
-    write_manifest(plain, Manifest(DATA_SIZE, [ShardInfo("a.tar", 12, 0, 11), ShardInfo("b.tar", 15, 12, 26),
-                                               ShardInfo("c.tar", 13, 27, 39)]))
+    write_manifest(
+        plain,
+        Manifest(
+            DATA_SIZE, [ShardInfo("a.tar", 12, 0, 11), ShardInfo("b.tar", 15, 12, 26), ShardInfo("c.tar", 13, 27, 39)]
+        ),
+    )
     scan_shards(str(scanned), data_size=DATA_SIZE)
     valid = {0, 1, 3, 5, 7, 9} | set(range(12, 12 + readable)) | set(range(27, 40))
     return plain, scanned, readable, valid
 
 
 def run_epoch(model_fns, path, workers):
-    stream = build_train_stream({"train": str(path), "batch_size": 8, "workers": workers, "shuffle_buffer": 16},
-                                preprocess=model_fns[0], tokenizer=model_fns[1])
+    stream = build_train_stream(
+        {"train": str(path), "batch_size": 8, "workers": workers, "shuffle_buffer": 16},
+        preprocess=model_fns[0],
+        tokenizer=model_fns[1],
+    )
     batches = list(stream.epoch(0))
     return stream, batches, [i for _, _, idx in batches for i in idx.tolist()]
 
@@ -122,7 +136,8 @@ def test_scanned_problems_are_skipped_and_counts_come_back_from_workers(model_fn
     assert [s.num_samples for s in manifest.shards] == [12, readable, 13]  # scan counts what is readable
     listed = {(p["reason"], p["shard"], p["key"]) for p in manifest.problems}
     assert listed == {(r, "a.tar", k) for k, r in BROKEN.items() if r != "undecodable_image"} | {
-        ("truncated_tar", "b.tar", None)}
+        ("truncated_tar", "b.tar", None)
+    }
     stream, batches, served = run_epoch(model_fns, scanned, workers)
     assert len(batches) == stream.batches_per_epoch and set(served) == valid
     seen = check_events_match_counts(stream)
@@ -135,8 +150,11 @@ def test_shard_unreadable_at_run_time_is_counted(model_fns, bad, tmp_path):
     folder.mkdir()
     write_bad_folder(folder)
     write_manifest(folder, Manifest(DATA_SIZE, [ShardInfo("c.tar", 13, 27, 39), ShardInfo("a.tar", 12, 0, 11)]))
-    stream = build_train_stream({"train": str(folder), "batch_size": 4, "workers": 0, "shuffle_buffer": 8},
-                                preprocess=model_fns[0], tokenizer=model_fns[1])
+    stream = build_train_stream(
+        {"train": str(folder), "batch_size": 4, "workers": 0, "shuffle_buffer": 8},
+        preprocess=model_fns[0],
+        tokenizer=model_fns[1],
+    )
     (folder / "c.tar").write_bytes(b"garbage, not a tar")  # replaced after the checks at start
     batches = list(stream.epoch(0))
     assert len(batches) == stream.batches_per_epoch
@@ -150,8 +168,7 @@ def test_missing_shard_file_is_an_error_before_training(model_fns, bad, tmp_path
     write_bad_folder(folder)
     write_manifest(folder, Manifest(DATA_SIZE, [ShardInfo("c.tar", 13, 27, 39), ShardInfo("d.tar", 3, 0, 2)]))
     with pytest.raises(DataSpecError, match="d.tar"):
-        build_train_stream({"train": str(folder), "batch_size": 4}, preprocess=model_fns[0],
-                           tokenizer=model_fns[1])
+        build_train_stream({"train": str(folder), "batch_size": 4}, preprocess=model_fns[0], tokenizer=model_fns[1])
 
 
 def test_eval_reader_skips_and_counts_too(bad):
@@ -162,7 +179,8 @@ def test_eval_reader_skips_and_counts_too(bad):
     got = [s for r in range(2) for s in iter_samples(plain, r, 2, skipped)]
     unscorable = {2, 11}  # undecodable_image, missing_image
     assert sorted(int(s.source.rsplit(":", 1)[1]) for s in got) == sorted(
-        set(range(12)) - unscorable | set(range(12, 12 + readable)) | set(range(27, 40)))
+        set(range(12)) - unscorable | set(range(12, 12 + readable)) | set(range(27, 40))
+    )
     assert len(skipped) == 3 and sum("unreadable tar shard" in m and "b.tar" in m for m in skipped) == 1
     assert any("000000002.png: cannot decode" in m for m in skipped)
     assert any("000000011: no image" in m for m in skipped)
@@ -224,9 +242,13 @@ def _epochs(root, world, workers, epochs=1, shuffle_buffer=1000, batch=16):
     """Every rank's stream after `epochs` epochs and the indices each rank served per epoch."""
     streams, served = [], []
     for rank in range(world):
-        stream = build_train_stream({"train": str(root), "batch_size": batch, "workers": workers,
-                                     "shuffle_buffer": shuffle_buffer}, rank=rank, world_size=world,
-                                    preprocess=_cheap_image, tokenizer=_cheap_tokens)
+        stream = build_train_stream(
+            {"train": str(root), "batch_size": batch, "workers": workers, "shuffle_buffer": shuffle_buffer},
+            rank=rank,
+            world_size=world,
+            preprocess=_cheap_image,
+            tokenizer=_cheap_tokens,
+        )
         served.append([[i for _, _, idx in stream.epoch(e) for i in idx.tolist()] for e in range(epochs)])
         streams.append(stream)
     return streams, served
@@ -243,7 +265,7 @@ def test_each_lost_sample_is_counted_once_per_epoch_summed_over_ranks(faulty, wo
     others = {k: v for s in streams for k, v in s.counters.items() if k not in lost and k != "wrapped" and v}
     assert others == {}
     per_rank_batches = streams[0].batches_per_epoch
-    for rank, epochs in enumerate(served):
+    for epochs in served:
         for indices in epochs:
             assert len(indices) == per_rank_batches * 16
             # a repeat only fills a batch that lost samples (or rounding) left short: never three times
@@ -266,28 +288,44 @@ def test_each_bad_sample_and_shard_is_logged_once_per_epoch(faulty, caplog):
     assert len([x for x in lines if "truncated_tar" in x]) == 1
     assert len([x for x in lines if "missing_caption" in x]) == 3
     assert len(lines) == 5
-    assert any("train-000005.tar" in x and f"{SHARD - lost['truncated_tar']} of {SHARD} samples readable" in x
-               for x in lines)
+    assert any(
+        "train-000005.tar" in x and f"{SHARD - lost['truncated_tar']} of {SHARD} samples readable" in x for x in lines
+    )
 
 
 def test_a_rank_whose_every_shard_is_bad_stops_with_one_line(tmp_path):
     write_synthetic(tmp_path, [SHARD] * 4)
     shards = sorted(tmp_path.glob("*.tar"))
-    stream = build_train_stream({"train": str(tmp_path), "batch_size": 16, "workers": 0}, rank=1,
-                                world_size=2, preprocess=_cheap_image, tokenizer=_cheap_tokens)
+    stream = build_train_stream(
+        {"train": str(tmp_path), "batch_size": 16, "workers": 0},
+        rank=1,
+        world_size=2,
+        preprocess=_cheap_image,
+        tokenizer=_cheap_tokens,
+    )
     seq = stream._sequence(0)
     mine = [shards[int(s)] for s in seq.slots[2:]]  # rank 1's range: the second half of the epoch order
     mine[0].write_bytes(b"")
     _rewrite(mine[1], _no_caption)
     for workers in (0, 2):
-        stream = build_train_stream({"train": str(tmp_path), "batch_size": 16, "workers": workers}, rank=1,
-                                    world_size=2, preprocess=_cheap_image, tokenizer=_cheap_tokens)
+        stream = build_train_stream(
+            {"train": str(tmp_path), "batch_size": 16, "workers": workers},
+            rank=1,
+            world_size=2,
+            preprocess=_cheap_image,
+            tokenizer=_cheap_tokens,
+        )
         with pytest.raises(DataExhausted) as info:
             next(iter(stream.epoch(0)))
         message = str(info.value)
         assert "\n" not in message and message.startswith("rank 1: no usable sample")
         assert f"{mine[0].name} (unreadable_shard)" in message and f"{mine[1].name} (missing_caption)" in message
     # rank 0's shards are fine: it trains (and its collective then fails when rank 1 exits)
-    stream = build_train_stream({"train": str(tmp_path), "batch_size": 16, "workers": 0}, rank=0,
-                                world_size=2, preprocess=_cheap_image, tokenizer=_cheap_tokens)
+    stream = build_train_stream(
+        {"train": str(tmp_path), "batch_size": 16, "workers": 0},
+        rank=0,
+        world_size=2,
+        preprocess=_cheap_image,
+        tokenizer=_cheap_tokens,
+    )
     assert len(list(stream.epoch(0))) == stream.batches_per_epoch

@@ -1,6 +1,7 @@
 """Plain WebDatasets (`{key}.jpg` + `{key}.txt`, no .json): `fastclip data scan` indexes each sample by its
 position in the manifest's shard order, records it per shard, and the training stream attaches that index
 to the very sample it was given for."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,12 @@ def write_plain(folder: Path) -> None:
     for s, size in enumerate(SIZES):
         groups = []
         for _ in range(size):  # keys as a crawler names them: no index in them
-            groups.append((f"img_{s}_{position * 7919 % 1000:03d}",
-                           {"jpg": synthetic_image(position, 8, "jpg"), "txt": f"a picture number {position}".encode()}))
+            groups.append(
+                (
+                    f"img_{s}_{position * 7919 % 1000:03d}",
+                    {"jpg": synthetic_image(position, 8, "jpg"), "txt": f"a picture number {position}".encode()},
+                )
+            )
             position += 1
         write_tar(folder / f"shard-{s:05d}.tar", groups)
 
@@ -47,14 +52,21 @@ def test_scan_indexes_plain_shards_by_position(plain, capsys):
     assert "3 shards, 16 samples, data_size 16, 3 plain WebDataset shard(s) indexed by position, no problems" in out
     manifest = json.loads((plain / "manifest.json").read_text())
     assert [(s["index_base"], s["index_min"], s["index_max"]) for s in manifest["shards"]] == [
-        (0, 0, 4), (5, 5, 11), (12, 12, 15)]
+        (0, 0, 4),
+        (5, 5, 11),
+        (12, 12, 15),
+    ]
 
 
 def test_the_stream_attaches_each_sample_its_position_index(plain):
     assert data_main(["scan", str(plain)]) == 0
-    stream = build_train_stream({"train": str(plain), "batch_size": 4, "workers": 0, "shuffle_buffer": 16},
-                                rank=0, world_size=1, preprocess=lambda image: torch.from_numpy(np.array(image)),
-                                tokenizer=lambda texts: torch.zeros(len(texts), 1, dtype=torch.long))
+    stream = build_train_stream(
+        {"train": str(plain), "batch_size": 4, "workers": 0, "shuffle_buffer": 16},
+        rank=0,
+        world_size=1,
+        preprocess=lambda image: torch.from_numpy(np.array(image)),
+        tokenizer=lambda texts: torch.zeros(len(texts), 1, dtype=torch.long),
+    )
     served = {}
     for images, _, indices in stream.epoch(0):
         for image, index in zip(images, indices.tolist()):
@@ -70,4 +82,5 @@ def test_positions_beyond_data_size_are_problems_the_loader_skips(plain, capsys)
     manifest = json.loads((plain / "manifest.json").read_text())
     bad = [(p["shard"], p["index"], p["reason"]) for p in manifest["problems"]]
     assert bad == [("shard-00001.tar", 10, "index_out_of_range"), ("shard-00001.tar", 11, "index_out_of_range")] + [
-        ("shard-00002.tar", i, "index_out_of_range") for i in range(12, 16)]
+        ("shard-00002.tar", i, "index_out_of_range") for i in range(12, 16)
+    ]

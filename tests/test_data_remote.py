@@ -1,5 +1,6 @@
 """Remote shards (`pipe:CMD`, `http(s)://`): streamed, the manifest read beside them by the same transport, and
 training from them equal to training from the local folder; a failing shard is named in one line."""
+
 from __future__ import annotations
 
 import functools
@@ -14,11 +15,12 @@ import torch
 
 from fastclip.data import DataSpecError, build_train_stream, resolve_catalog
 from fastclip.data.remote import RemoteError, StreamFile, read_bytes, shard_basename, sibling
-from fastclip.data.stream import describe_skip
 from fastclip.data.sources.synthetic import write_synthetic
+from fastclip.data.stream import describe_skip
 from fastclip.data.tario import ShardReader, TarBroken, iter_shard
-from helpers import fault_overrides, records
 from fastclip.train.cli import main as train_main
+
+from helpers import fault_overrides, records
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = [7, 5, 9]
@@ -58,8 +60,10 @@ def pattern(prefix: str, folder_part: str, folder: Path) -> str:
 
 
 def test_locations():
-    assert sibling("pipe:aws s3 cp s3://b/cc3m/00001.tar -", "manifest.json") == \
-        "pipe:aws s3 cp s3://b/cc3m/manifest.json -"
+    assert (
+        sibling("pipe:aws s3 cp s3://b/cc3m/00001.tar -", "manifest.json")
+        == "pipe:aws s3 cp s3://b/cc3m/manifest.json -"
+    )
     assert sibling("pipe:cat '/x y/0.tar'", "manifest.json") == "pipe:cat '/x y/manifest.json'"
     assert sibling("https://h:8/a/b/00001.tar", "manifest.json") == "https://h:8/a/b/manifest.json"
     assert sibling("s3://b/c/0.tar.gz", "manifest.json") == "s3://b/c/manifest.json"
@@ -98,15 +102,23 @@ def test_stream_batches_equal_local(synth, http_root, model_fns, workers):
     preprocess, tokenizer = model_fns
 
     def batches(spec):
-        stream = build_train_stream({"train": spec, "batch_size": 4, "workers": workers, "shuffle_buffer": 8,
-                                     "seed": 3}, rank=0, world_size=1, preprocess=preprocess, tokenizer=tokenizer)
+        stream = build_train_stream(
+            {"train": spec, "batch_size": 4, "workers": workers, "shuffle_buffer": 8, "seed": 3},
+            rank=0,
+            world_size=1,
+            preprocess=preprocess,
+            tokenizer=tokenizer,
+        )
         out = [b for e in range(2) for b in stream.epoch(e)]
         assert stream.counters["unreadable_shard"] == 0 and stream.catalog.data_size == 21
         return out
 
     local = batches(str(synth))
-    for spec in (pattern("pipe:cat ", str(synth), synth), pattern("", f"{http_root[1]}/synth", synth),
-                 f"{http_root[1]}/synth/manifest.json"):
+    for spec in (
+        pattern("pipe:cat ", str(synth), synth),
+        pattern("", f"{http_root[1]}/synth", synth),
+        f"{http_root[1]}/synth/manifest.json",
+    ):
         remote = batches(spec)
         assert len(remote) == len(local) == 2 * 6
         for a, b in zip(local, remote):
@@ -119,12 +131,19 @@ def test_training_from_pipe_and_http_equals_local(tiny_embedded, http_root, tmp_
     if not served.exists():
         served.symlink_to(tiny_embedded / "train", target_is_directory=True)
     train = tiny_embedded / "train"
-    specs = {"local": str(train), "pipe": pattern("pipe:cat ", str(train), train),
-             "http": pattern("", f"{http_root[1]}/embedded", train)}
+    specs = {
+        "local": str(train),
+        "pipe": pattern("pipe:cat ", str(train), train),
+        "http": pattern("", f"{http_root[1]}/embedded", train),
+    }
     losses = {}
     for name, spec in specs.items():
-        args = fault_overrides(tiny_embedded, tmp_path / name, "fastclip-v3",
-                         **{"data.train": spec, "train.max_steps": 4, "checkpoint.every_steps": 0})
+        args = fault_overrides(
+            tiny_embedded,
+            tmp_path / name,
+            "fastclip-v3",
+            **{"data.train": spec, "train.max_steps": 4, "checkpoint.every_steps": 0},
+        )
         assert train_main(["--config", str(REPO / "configs" / "embedded.yaml"), *args]) == 0
         losses[name] = [r["loss"] for r in records(tmp_path / name) if "loss" in r]
     assert len(losses["local"]) == 4 and np.isfinite(losses["local"]).all()
@@ -134,7 +153,7 @@ def test_training_from_pipe_and_http_equals_local(tiny_embedded, http_root, tmp_
 def test_a_failing_remote_shard_is_named_in_one_line(synth, http_root, model_fns, tmp_path):
     # the command fails part way: the first 3000 bytes, then exit 4 with a message on stderr
     shard = synth / names(synth)[0]
-    loc = f"pipe:sh -c 'head -c 3000 \"$0\"; echo \"access denied for bucket\" >&2; exit 4' {shard}"
+    loc = f'pipe:sh -c \'head -c 3000 "$0"; echo "access denied for bucket" >&2; exit 4\' {shard}'
     with pytest.raises(TarBroken) as e:
         list(iter_shard(loc))
     assert "command exited with status 4: access denied for bucket" in str(e.value) and loc in str(e.value)
@@ -148,16 +167,21 @@ def test_a_failing_remote_shard_is_named_in_one_line(synth, http_root, model_fns
     (http_root[0] / "gone").mkdir(exist_ok=True)
     (http_root[0] / "gone" / "manifest.json").write_text((gone / "manifest.json").read_text())
     (http_root[0] / "gone" / names(gone)[0]).write_bytes((gone / names(gone)[0]).read_bytes())  # 2nd not served
-    stream = build_train_stream({"train": pattern("", f"{http_root[1]}/gone", gone), "batch_size": 2, "workers": 0,
-                                 "shuffle_buffer": 4}, rank=0, world_size=1, preprocess=model_fns[0],
-                                tokenizer=model_fns[1])
+    stream = build_train_stream(
+        {"train": pattern("", f"{http_root[1]}/gone", gone), "batch_size": 2, "workers": 0, "shuffle_buffer": 4},
+        rank=0,
+        world_size=1,
+        preprocess=model_fns[0],
+        tokenizer=model_fns[1],
+    )
     assert len(list(stream.epoch(0))) == 4
     assert stream.counters["unreadable_shard"] == 4
     event = next(e for e in stream.recent_skips if e["reason"] == "unreadable_shard")
     line = describe_skip(event)
     assert f"{http_root[1]}/gone/{names(gone)[1]}: HTTP 404" in line and "\n" not in line
     # a manifest that cannot be read stops before training, naming its URL
-    with pytest.raises(DataSpecError, match=f"cannot read its manifest: {http_root[1]}/nowhere/manifest.json: "
-                                            f"HTTP 404"):
+    with pytest.raises(
+        DataSpecError, match=f"cannot read its manifest: {http_root[1]}/nowhere/manifest.json: HTTP 404"
+    ):
         resolve_catalog(f"{http_root[1]}/nowhere/{{0,1}}.tar")
     assert json.loads(read_bytes(f"pipe:cat {synth}/manifest.json"))["num_samples"] == sum(SIZES)

@@ -1,17 +1,19 @@
 """Resuming the stream: exact at the same layout, bounded repeats and no skips at another world size."""
+
 from __future__ import annotations
 
-import functools
 import collections
+import functools
 import io
 
 import pytest
 import torch
 
 from fastclip.data import state_for_new_world_size
+from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
 from fastclip.data.sources.synthetic import synthetic_image, write_synthetic
 from fastclip.data.tario import write_tar
-from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
+
 from helpers import make_stream
 
 UNEVEN = [37, 5, 60, 23, 41, 18, 50]
@@ -33,8 +35,9 @@ def data(tmp_path_factory):
             files["txt"] = b""
         groups.append((f"{i:09d}", files))
     write_tar(bad / "extra.tar", groups)
-    manifest = Manifest(254, [ShardInfo(f"train-{k:06d}.tar", n) for k, n in enumerate(UNEVEN)]
-                        + [ShardInfo("extra.tar", 20, 234, 253)])
+    manifest = Manifest(
+        254, [ShardInfo(f"train-{k:06d}.tar", n) for k, n in enumerate(UNEVEN)] + [ShardInfo("extra.tar", 20, 234, 253)]
+    )
     write_manifest(bad, manifest)
     return root
 

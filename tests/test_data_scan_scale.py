@@ -1,6 +1,7 @@
 """Preparing data at LAION scale: `fastclip data scan` in parallel processes with per-shard summaries (the same
 manifest as one process), from img2dataset's `{shard}_stats.json` / `.parquet` without opening the tars, the
 compact index sets of scan and of the loader workers, and the catalog read once by rank 0 and broadcast."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from dist_utils import run_distributed
 from fastclip.data import build_train_stream, read_manifest
 from fastclip.data.bits import IndexBits
 from fastclip.data.cli import main as data_main
@@ -18,11 +18,20 @@ from fastclip.data.sources.scan import scan_shards
 from fastclip.data.sources.synthetic import synthetic_image
 from fastclip.data.tario import write_tar
 
+from dist_utils import run_distributed
+
 PER_SHARD = 100  # img2dataset --number_sample_per_shard: keys are shard_id * 100 + row
 
 
-def img2dataset_folder(folder: Path, rows: list[int], failed: set[int], *, stats: bool, parquet: bool = False,
-                       dup: tuple[int, int] | None = None) -> None:
+def img2dataset_folder(
+    folder: Path,
+    rows: list[int],
+    failed: set[int],
+    *,
+    stats: bool,
+    parquet: bool = False,
+    dup: tuple[int, int] | None = None,
+) -> None:
     """Shards as img2dataset writes them: rows that failed to download are absent from the tar; keys
     {shard:05d}{row:02d}; optionally {shard}_stats.json and {shard}.parquet beside each tar."""
     folder.mkdir(parents=True)
@@ -37,13 +46,30 @@ def img2dataset_folder(folder: Path, rows: list[int], failed: set[int], *, stats
             table["status"].append("success" if ok else "failed_to_download")
             table["caption"].append(f"caption {key}")
             if ok:
-                groups.append((key, {"jpg": synthetic_image(row, 8, "jpg"), "txt": f"caption {key}".encode(),
-                                     "json": json.dumps({"key": key, "status": "success"}).encode()}))
+                groups.append(
+                    (
+                        key,
+                        {
+                            "jpg": synthetic_image(row, 8, "jpg"),
+                            "txt": f"caption {key}".encode(),
+                            "json": json.dumps({"key": key, "status": "success"}).encode(),
+                        },
+                    )
+                )
         write_tar(folder / f"{sid:05d}.tar", groups)
         if stats:
-            (folder / f"{sid:05d}_stats.json").write_text(json.dumps(
-                {"count": count, "successes": len(groups), "failed_to_download": count - len(groups),
-                 "failed_to_resize": 0, "duration": 1.0, "status_dict": {}}))
+            (folder / f"{sid:05d}_stats.json").write_text(
+                json.dumps(
+                    {
+                        "count": count,
+                        "successes": len(groups),
+                        "failed_to_download": count - len(groups),
+                        "failed_to_resize": 0,
+                        "duration": 1.0,
+                        "status_dict": {},
+                    }
+                )
+            )
         if parquet:
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -68,20 +94,30 @@ def test_index_bits_numbers():
 
 def test_parallel_scan_equals_one_process(tmp_path):
     # 5 shards, keys with failures (gaps), a duplicate across shards, one tar truncated
-    img2dataset_folder(tmp_path / "d", [10, 10, 7, 10, 10], failed={4, 103, 104, 205}, stats=False,
-                       dup=(3, 6))
+    img2dataset_folder(tmp_path / "d", [10, 10, 7, 10, 10], failed={4, 103, 104, 205}, stats=False, dup=(3, 6))
     tar = tmp_path / "d" / "00004.tar"
     tar.write_bytes(tar.read_bytes()[:9000])
     one = scan_shards(str(tmp_path / "d"), workers=1, write=False)
     two = scan_shards(str(tmp_path / "d"), workers=2, write=False)
     assert one.manifest.to_json() == two.manifest.to_json()
     m = two.manifest
-    assert summary_of(m)[:4] == [("00000.tar", 9, 0, 9), ("00001.tar", 8, 100, 109), ("00002.tar", 6, 200, 206),
-                                 ("00003.tar", 10, 300, 309)]  # a duplicate is a sample of its tar, skipped
+    assert summary_of(m)[:4] == [
+        ("00000.tar", 9, 0, 9),
+        ("00001.tar", 8, 100, 109),
+        ("00002.tar", 6, 200, 206),
+        ("00003.tar", 10, 300, 309),
+    ]  # a duplicate is a sample of its tar, skipped
     assert m.shards[4].num_samples < 10 and m.data_size == 1 + m.shards[4].index_max
     dups = [p for p in m.problems if p["reason"] == "duplicate_index"]
-    assert dups == [{"shard": "00003.tar", "key": "0000003", "reason": "duplicate_index",
-                     "detail": "index 3 also at shard 00000.tar key 0000003", "index": 3}]
+    assert dups == [
+        {
+            "shard": "00003.tar",
+            "key": "0000003",
+            "reason": "duplicate_index",
+            "detail": "index 3 also at shard 00000.tar key 0000003",
+            "index": 3,
+        }
+    ]
     assert [p["shard"] for p in m.problems if p["reason"] == "truncated_tar"] == ["00004.tar"]
 
 
@@ -101,11 +137,17 @@ def test_scan_from_img2dataset_stats_without_opening_the_tars(tmp_path, model_fn
     for name, data in tars.items():
         (folder / name).write_bytes(data)
     # the loader reads the samples' own keys, inside those ranges: every sample once, nothing skipped
-    stream = build_train_stream({"train": str(folder), "batch_size": 23, "workers": 0, "shuffle_buffer": 23},
-                                rank=0, world_size=1, preprocess=model_fns[0], tokenizer=model_fns[1])
-    (_, _, indices), = list(stream.epoch(0))
-    assert sorted(indices.tolist()) == [i for s, n in enumerate([10, 10, 6]) for i in range(s * 100, s * 100 + n)
-                                        if i not in {2, 105, 205}]
+    stream = build_train_stream(
+        {"train": str(folder), "batch_size": 23, "workers": 0, "shuffle_buffer": 23},
+        rank=0,
+        world_size=1,
+        preprocess=model_fns[0],
+        tokenizer=model_fns[1],
+    )
+    ((_, _, indices),) = list(stream.epoch(0))
+    assert sorted(indices.tolist()) == [
+        i for s, n in enumerate([10, 10, 6]) for i in range(s * 100, s * 100 + n) if i not in {2, 105, 205}
+    ]
     assert sum(stream.counters.values()) == 0
     # --from-tars reads the keys: exact ranges
     exact = scan_shards(str(folder), from_tars=True, workers=1).manifest
@@ -124,7 +166,8 @@ def test_scan_from_img2dataset_parquet_checks_keys(tmp_path):
     assert m.extra["scanned_from"] == {"parquet": 2}
     assert summary_of(m) == [("00000.tar", 9, 0, 9), ("00001.tar", 7, 100, 106)]
     assert [(p["shard"], p["key"], p["reason"], p["detail"]) for p in m.problems] == [
-        ("00001.tar", "0000003", "duplicate_index", "index 3 also at shard 00000.tar key 0000003")]
+        ("00001.tar", "0000003", "duplicate_index", "index 3 also at shard 00000.tar key 0000003")
+    ]
 
 
 def _broadcast_catalog(rank, world_size, data):
@@ -135,15 +178,20 @@ def _broadcast_catalog(rank, world_size, data):
     from fastclip.train.trainer import shared_catalog
 
     if rank == 1:
+
         def refuse(*a, **k):
             raise AssertionError("rank 1 read the manifests")
+
         fastclip.data.resolve_catalog = refuse
     info = DistInfo(rank, world_size, rank, torch.device("cpu"), "test", True)
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml",
-                      ["--data.train", str(data / "train")])
+    cfg = load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml", ["--data.train", str(data / "train")]
+    )
     catalog = shared_catalog(cfg, info)
-    bad = load_config(Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml",
-                      ["--data.train", str(data / "nowhere-{0..3}.tar")])
+    bad = load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml",
+        ["--data.train", str(data / "nowhere-{0..3}.tar")],
+    )
     try:
         shared_catalog(bad, info)
         error = None

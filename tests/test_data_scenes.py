@@ -1,5 +1,6 @@
 """`fastclip data embedded --source scenes`: deterministic generation, captions that parse back into their
 scenes, disjoint splits, held-out attribute combinations, and shards the trainer and eval read."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,8 +12,15 @@ import numpy as np
 import pytest
 
 from fastclip.data.cli import main as data_main
-from fastclip.data.sources.scenes import (COLOURS, SPLITS, SceneObject, build_scenes, glyph_pools,
-                                          sample_scene, scene_rng)
+from fastclip.data.sources.scenes import (
+    COLOURS,
+    SPLITS,
+    SceneObject,
+    build_scenes,
+    glyph_pools,
+    sample_scene,
+    scene_rng,
+)
 
 SIZES = dict(num_train=120, num_val=40, num_test=40, num_novel=40, shard_size=50)
 
@@ -27,8 +35,9 @@ def read_split(root: Path, split: str) -> list[dict]:
                 key, ext = member.name.split(".", 1)
                 files.setdefault(key, {})[ext] = tar.extractfile(member).read()
         for key, group in files.items():
-            samples.append({"key": key, "meta": json.loads(group["json"]), "png": group["png"],
-                            "txt": group["txt"].decode()})
+            samples.append(
+                {"key": key, "meta": json.loads(group["json"]), "png": group["png"], "txt": group["txt"].decode()}
+            )
     return samples
 
 
@@ -62,8 +71,10 @@ def test_every_caption_parses_back_into_its_scene(scenes):
         for s in read_split(root, split):
             objects, background, texture = vocab.parse_caption(s["txt"])
             scene = s["meta"]["scene"]
-            want = {SceneObject(vocab.nouns.index(noun), colour, size, position)
-                    for noun, colour, size, position in scene["objects"]}
+            want = {
+                SceneObject(vocab.nouns.index(noun), colour, size, position)
+                for noun, colour, size, position in scene["objects"]
+            }
             assert objects == want and len(objects) == len(scene["objects"])
             assert (background, texture) == (scene["background"], scene["texture"])
             assert s["meta"]["caption"] == s["txt"]
@@ -79,8 +90,12 @@ def test_splits_are_disjoint_and_held_out_pairs_stay_out_of_training(scenes):
     for split in SPLITS:
         manifest = json.loads((root / split / "manifest.json").read_text())
         assert manifest["data_size"] == summary["data_size"] == 240
-    pairs = {split: [{(noun, colour) for noun, colour, _, _ in s["meta"]["scene"]["objects"]}
-                     for s in read_split(root, split)] for split in SPLITS}
+    pairs = {
+        split: [
+            {(noun, colour) for noun, colour, _, _ in s["meta"]["scene"]["objects"]} for s in read_split(root, split)
+        ]
+        for split in SPLITS
+    }
     assert not any(p & held for p in pairs["train"])
     assert all(p & held for p in pairs["novel"])
     # held-out splits draw their glyphs from the held-out pools: no training glyph image appears there
@@ -107,8 +122,17 @@ def test_render_puts_each_colour_in_its_cell_on_the_background():
     from fastclip.data.sources.scenes import BACKGROUNDS, POSITIONS, Scene, render
 
     solid = [np.full((1, 28, 28), 255, np.uint8) for _ in range(3)]
-    scene = Scene((SceneObject(0, "red", "small", "top left"), SceneObject(1, "cyan", "large", "centre"),
-                   SceneObject(2, "yellow", "small", "bottom right")), "navy", "plain", 0, (0, 0, 0))
+    scene = Scene(
+        (
+            SceneObject(0, "red", "small", "top left"),
+            SceneObject(1, "cyan", "large", "centre"),
+            SceneObject(2, "yellow", "small", "bottom right"),
+        ),
+        "navy",
+        "plain",
+        0,
+        (0, 0, 0),
+    )
     image = render(scene, solid)
     for obj in scene.objects:
         (cx, cy), _ = POSITIONS[obj.position]
@@ -131,8 +155,28 @@ def test_sampling_respects_split_rules():
 
 def test_cli_writes_scenes_and_rejects_bad_counts(tmp_path, capsys):
     out = tmp_path / "s"
-    assert data_main(["embedded", "--source", "scenes", "--out", str(out), "--num-train", "30", "--num-val", "10",
-                      "--num-test", "10", "--num-novel", "10", "--workers", "1"]) == 0
+    assert (
+        data_main(
+            [
+                "embedded",
+                "--source",
+                "scenes",
+                "--out",
+                str(out),
+                "--num-train",
+                "30",
+                "--num-val",
+                "10",
+                "--num-test",
+                "10",
+                "--num-novel",
+                "10",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "distinct captions" in text and (out / "novel" / "manifest.json").is_file()
     assert data_main(["embedded", "--source", "scenes", "--out", str(tmp_path / "bad"), "--num-train", "0"]) == 2

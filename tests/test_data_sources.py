@@ -1,4 +1,5 @@
 """Writing shards: embedded datasets, image folder + captions, scan of existing shards; and the CLI around them."""
+
 from __future__ import annotations
 
 import hashlib
@@ -13,8 +14,8 @@ from fastclip.cli import main as fastclip_main
 from fastclip.data import read_manifest
 from fastclip.data.sources.embedded import DATASETS, DatasetCheckError, check_arrays
 from fastclip.data.sources.folder import CaptionFileError, build_folder
-from fastclip.data.tario import iter_shard, write_tar
 from fastclip.data.sources.synthetic import synthetic_image
+from fastclip.data.tario import iter_shard, write_tar
 from fastclip.eval.samples import iter_samples
 from fastclip.eval.spec import load_zeroshot_spec
 
@@ -37,8 +38,20 @@ def read_all(folder):
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     out = tmp_path_factory.mktemp("emb") / "data"
-    rc = fastclip_main(["data", "embedded", "--out", str(out), "--max-per-class", str(TRAIN_PER_CLASS),
-                        "--max-val-per-class", str(VAL_PER_CLASS), "--shard-size", "50"])
+    rc = fastclip_main(
+        [
+            "data",
+            "embedded",
+            "--out",
+            str(out),
+            "--max-per-class",
+            str(TRAIN_PER_CLASS),
+            "--max-val-per-class",
+            str(VAL_PER_CLASS),
+            "--shard-size",
+            "50",
+        ]
+    )
     assert rc == 0
     return out
 
@@ -81,12 +94,44 @@ def test_embedded_is_seeded(embedded, tmp_path):
         return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(folder.glob("*.tar")))).hexdigest()
 
     again = tmp_path / "again"
-    assert fastclip_main(["data", "embedded", "--out", str(again), "--max-per-class", str(TRAIN_PER_CLASS),
-                          "--max-val-per-class", str(VAL_PER_CLASS), "--shard-size", "50"]) == 0
+    assert (
+        fastclip_main(
+            [
+                "data",
+                "embedded",
+                "--out",
+                str(again),
+                "--max-per-class",
+                str(TRAIN_PER_CLASS),
+                "--max-val-per-class",
+                str(VAL_PER_CLASS),
+                "--shard-size",
+                "50",
+            ]
+        )
+        == 0
+    )
     assert digest(again / "train") == digest(embedded / "train")
     other = tmp_path / "other"
-    assert fastclip_main(["data", "embedded", "--out", str(other), "--max-per-class", str(TRAIN_PER_CLASS),
-                          "--max-val-per-class", str(VAL_PER_CLASS), "--shard-size", "50", "--seed", "1"]) == 0
+    assert (
+        fastclip_main(
+            [
+                "data",
+                "embedded",
+                "--out",
+                str(other),
+                "--max-per-class",
+                str(TRAIN_PER_CLASS),
+                "--max-val-per-class",
+                str(VAL_PER_CLASS),
+                "--shard-size",
+                "50",
+                "--seed",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert digest(other / "train") != digest(embedded / "train")
     # the held-out split stays disjoint from train: no image bytes in both
     train_images = {f["png"] for _, _, f in read_all(embedded / "train")[1]}
@@ -95,8 +140,23 @@ def test_embedded_is_seeded(embedded, tmp_path):
 
 def test_embedded_pip_only_fallback(tmp_path, capsys):
     out = tmp_path / "fallback"
-    assert fastclip_main(["data", "embedded", "--out", str(out), "--max-per-class", "3", "--shard-size", "100",
-                          "--fashion-mnist-root", str(tmp_path / "no-such-dir")]) == 0
+    assert (
+        fastclip_main(
+            [
+                "data",
+                "embedded",
+                "--out",
+                str(out),
+                "--max-per-class",
+                "3",
+                "--shard-size",
+                "100",
+                "--fashion-mnist-root",
+                str(tmp_path / "no-such-dir"),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "fallback" in printed and "mnist, animal-mnist" in printed
     assert list(load_zeroshot_spec(out / "zeroshot.json")) == ["mnist", "animal-mnist"]
@@ -167,12 +227,30 @@ def test_folder_round_trip(tmp_path, kind):
         captions.write_text("filepath" + sep + "title\n" + "".join(f"{p}{sep}{quote(c)}\n" for p, c in rows))
         args = ["--csv-separator", "\\t"] if kind == "tsv" else []
     out = tmp_path / "shards"
-    assert fastclip_main(["data", "folder", "--captions", str(captions), "--out", str(out), "--shard-size", "4",
-                          "--index-offset", "100"] + args) == 0
+    assert (
+        fastclip_main(
+            [
+                "data",
+                "folder",
+                "--captions",
+                str(captions),
+                "--out",
+                str(out),
+                "--shard-size",
+                "4",
+                "--index-offset",
+                "100",
+            ]
+            + args
+        )
+        == 0
+    )
     manifest, samples = read_all(out)
     assert manifest.data_size == 100 + len(rows)
-    got = {json.loads(f["json"])["index"]: (f["txt"].decode(), [e for e in f if e in ("png", "jpg")])
-           for _, _, f in samples}
+    got = {
+        json.loads(f["json"])["index"]: (f["txt"].decode(), [e for e in f if e in ("png", "jpg")])
+        for _, _, f in samples
+    }
     assert sorted(got) == [100 + i for i in range(6)]  # index = row number + offset; bad rows skipped
     assert got[100] == ("picture 0, with a comma", ["png"]) and got[101][1] == ["jpg"]
     assert got[102][1] == ["png"]  # bmp re-encoded
@@ -192,8 +270,16 @@ def img2dataset_shard(path, keys, indices=None):
     groups = []
     for n, key in enumerate(keys):
         meta = {"key": key, "caption": f"caption {key}", "status": "success"}
-        groups.append((key, {"jpg": synthetic_image(n, fmt="jpg"), "txt": f"caption {key}".encode(),
-                             "json": json.dumps(meta).encode()}))
+        groups.append(
+            (
+                key,
+                {
+                    "jpg": synthetic_image(n, fmt="jpg"),
+                    "txt": f"caption {key}".encode(),
+                    "json": json.dumps(meta).encode(),
+                },
+            )
+        )
     write_tar(path, groups)
 
 
@@ -206,7 +292,9 @@ def test_scan_writes_a_manifest_and_reports_problems(tmp_path, capsys):
     manifest = read_manifest(tmp_path)
     assert manifest.data_size == 10002  # default: 1 + the largest index
     assert [(s.path, s.num_samples, s.index_min, s.index_max) for s in manifest.shards] == [
-        ("00000.tar", 3, 0, 2), ("00001.tar", 3, 10000, 10001)]
+        ("00000.tar", 3, 0, 2),
+        ("00001.tar", 3, 10000, 10001),
+    ]
     assert fastclip_main(["data", "scan", f"{tmp_path}/{{00000..00001}}.tar", "--data-size", "10001"]) == 0
     report = capsys.readouterr().out
     assert "shard 00001.tar key 000010001: index_out_of_range" in report

@@ -5,6 +5,7 @@ torch with a CUDA torchvision wheel that import fails unless the compat guard al
 loader then waits forever for the dead worker. The test runs in a subprocess with a deadline so a regression
 fails instead of hanging the suite.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -36,7 +37,12 @@ SCRIPT = textwrap.dedent("""
 def test_spawned_loader_workers_start(tmp_path):
     script = tmp_path / "spawn_loader.py"
     script.write_text(SCRIPT)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "spawned-worker-ok" in done.stdout

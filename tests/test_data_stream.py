@@ -1,17 +1,19 @@
 """The training stream: batch format, coverage, determinism, equal batches per rank, sources and spec errors."""
+
 from __future__ import annotations
 
-import functools
 import collections
+import functools
 
 import numpy as np
 import pytest
 import torch
 
-from dist_utils import run_distributed
 from fastclip.data import DataSpecError, build_train_stream, expand_braces, resolve_catalog
 from fastclip.data.plan import epoch_sequence
 from fastclip.data.sources.synthetic import synthetic_caption, write_synthetic
+
+from dist_utils import run_distributed
 from helpers import make_stream
 
 UNEVEN = [37, 5, 60, 23, 41, 18, 50]  # 234 samples in uneven shards
@@ -96,8 +98,7 @@ def test_resampled_draws_shards_with_replacement_weighted_by_source(model_fns, s
     e0, e1 = indices_of(s.epoch(0)), indices_of(s.epoch(1))
     assert len(e0) == 104 and e0 != e1
     assert e0 == indices_of(make(model_fns, spec, resampled=True, samples_per_epoch=100).epoch(0))
-    only_second = make(model_fns, spec, resampled=True, samples_per_epoch=100,
-                       upsampling_factors="0::1")
+    only_second = make(model_fns, spec, resampled=True, samples_per_epoch=100, upsampling_factors="0::1")
     drawn = indices_of(only_second.epoch(0))
     assert all(1000 <= i < 1050 for i in drawn)
     assert len(set(drawn)) < len(drawn)  # 100 samples from 50: shards come back within the epoch
@@ -154,9 +155,13 @@ def _light_tokenizer(captions):
 def _ddp_rank(rank, world_size, train_data):
     import torch.distributed as dist
 
-    stream = build_train_stream({"train": train_data, "batch_size": 8, "workers": 1, "shuffle_buffer": 16},
-                                rank=rank, world_size=world_size, preprocess=_light_preprocess,
-                                tokenizer=_light_tokenizer)
+    stream = build_train_stream(
+        {"train": train_data, "batch_size": 8, "workers": 1, "shuffle_buffer": 16},
+        rank=rank,
+        world_size=world_size,
+        preprocess=_light_preprocess,
+        tokenizer=_light_tokenizer,
+    )
     steps = 0
     for _, _, indices in stream.epoch(0):
         total = indices.sum()

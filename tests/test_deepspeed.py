@@ -3,6 +3,7 @@ on gloo/CPU: the same parameters, temperature and per-sample state as DDP, exact
 shards, sharded optimizer state (ZeRO-1/2/3), a consolidated open_clip-loadable model.pt under ZeRO-3, and the
 combinations that are refused. One 2-process spawn runs every trainer run (each start imports torch, open_clip
 and deepspeed)."""
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,12 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from helpers import EMBEDDED, assert_same, load, records, train_records  # noqa: E402
-from helpers import overrides as shared_overrides  # noqa: E402
-from dist_utils import run_distributed  # noqa: E402
 from fastclip.train.cli import main  # noqa: E402
 from fastclip.train.config import ConfigError, load_config  # noqa: E402
+
+from dist_utils import run_distributed  # noqa: E402
+from helpers import EMBEDDED, assert_same, load, records, train_records  # noqa: E402
+from helpers import overrides as shared_overrides  # noqa: E402
 
 STEPS = 4  # 2 x 8 per step; 80 training samples -> 5 steps per epoch
 
@@ -31,8 +33,13 @@ def overrides(data: Path, run_dir: Path, **extra) -> list[str]:
     return shared_overrides(data, run_dir, **{"train.max_steps": STEPS, **extra})
 
 
-V2 = {"loss.name": "fastclip-v2", "loss.rho": 7.0, "loss.temperature": 0.03, "optim.lr_tau": 0.0133,
-      "optim.lr_tau_schedule": "const"}
+V2 = {
+    "loss.name": "fastclip-v2",
+    "loss.rho": 7.0,
+    "loss.temperature": 0.03,
+    "optim.lr_tau": 0.0133,
+    "optim.lr_tau_schedule": "const",
+}
 ZERO = {s: {"train.distributed": "deepspeed", "deepspeed.stage": s} for s in (1, 2, 3)}
 RUNS = {  # name -> overrides; "split" stops after step 3 (last checkpoint at 2) and is resumed to STEPS
     "ddp": {},
@@ -95,7 +102,6 @@ def assert_same_training(root: Path, name: str, ref: str = "ddp", **tol):
         assert [r[key] for r in rb] == pytest.approx([r[key] for r in ra], rel=10 * tol.get("rtol", 1e-5)), key
 
 
-
 def optimizer_shard_numel(step_dir: Path, rank: int) -> int:
     """Elements of the fp32 master partition in rank `rank`'s ZeRO optimizer file."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
@@ -103,8 +109,11 @@ def optimizer_shard_numel(step_dir: Path, rank: int) -> int:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
-        state = torch.load(step_dir / "deepspeed" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
-                           map_location="cpu", weights_only=True)["optimizer_state_dict"]
+        state = torch.load(
+            step_dir / "deepspeed" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+            map_location="cpu",
+            weights_only=True,
+        )["optimizer_state_dict"]
     groups = state.get("single_partition_of_fp32_groups") or state["fp32_flat_groups"]  # stages 1-2 / 3
     return sum(t.numel() for t in groups)
 
@@ -194,8 +203,14 @@ def test_zero2_resume_equals_uninterrupted(runs):
         for key in ("loss_state", "data", "rng"):
             assert_same(ra[key], rb[key], f"rank {r} {key}")
         with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
-            oa, ob = (torch.load(d / "deepspeed" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
-                                 map_location="cpu", weights_only=True)["optimizer_state_dict"] for d in (full, split))
+            oa, ob = (
+                torch.load(
+                    d / "deepspeed" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                    map_location="cpu",
+                    weights_only=True,
+                )["optimizer_state_dict"]
+                for d in (full, split)
+            )
         assert_same(oa["base_optimizer_state"], ob["base_optimizer_state"], f"rank {r} ZeRO Adam moments")
         assert_same(oa["single_partition_of_fp32_groups"], ob["single_partition_of_fp32_groups"], f"rank {r} fp32")
     assert [r["step"] for r in records(runs / "zero2-split")] == list(range(1, STEPS + 1))
@@ -204,10 +219,12 @@ def test_zero2_resume_equals_uninterrupted(runs):
 # ----------------------------------------------------------------------------- refused combinations
 def test_config_errors_name_the_key(tmp_path):
     base = ["--train.distributed", "deepspeed"]
-    for extra, key in ((["--train.precision", "fp16"], "train.precision"),
-                       (["--optim.optimizer", "lamb"], "optim.optimizer"),
-                       (["--deepspeed.stage", "4"], "deepspeed.stage"),
-                       (["--deepspeed.stage", "3", "--model.compile", "true"], "model.compile")):
+    for extra, key in (
+        (["--train.precision", "fp16"], "train.precision"),
+        (["--optim.optimizer", "lamb"], "optim.optimizer"),
+        (["--deepspeed.stage", "4"], "deepspeed.stage"),
+        (["--deepspeed.stage", "3", "--model.compile", "true"], "model.compile"),
+    ):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(EMBEDDED, base + extra)
     ds_file = tmp_path / "ds.json"

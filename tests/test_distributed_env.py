@@ -1,4 +1,5 @@
 """SLURM / torchrun environment -> rank, world size, local rank, master address (no processes started)."""
+
 import os
 import stat
 
@@ -7,15 +8,18 @@ import pytest
 from fastclip.distributed import dist_env_from, parse_slurm_nodelist, slurm_master_addr
 
 
-@pytest.mark.parametrize("nodelist, hosts", [
-    ("node01", ["node01"]),
-    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
-    ("gpu-a[1-2],gpu-b3", ["gpu-a1", "gpu-a2", "gpu-b3"]),
-    ("c[8-11]", ["c8", "c9", "c10", "c11"]),
-    ("rack[1-2]-n[09-10]", ["rack1-n09", "rack1-n10", "rack2-n09", "rack2-n10"]),
-    ("a,b[009-010],c", ["a", "b009", "b010", "c"]),
-    ("node[7]", ["node7"]),
-])
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("gpu-a[1-2],gpu-b3", ["gpu-a1", "gpu-a2", "gpu-b3"]),
+        ("c[8-11]", ["c8", "c9", "c10", "c11"]),
+        ("rack[1-2]-n[09-10]", ["rack1-n09", "rack1-n10", "rack2-n09", "rack2-n10"]),
+        ("a,b[009-010],c", ["a", "b009", "b010", "c"]),
+        ("node[7]", ["node7"]),
+    ],
+)
 def test_parse_slurm_nodelist(nodelist, hosts):
     assert parse_slurm_nodelist(nodelist) == hosts
 
@@ -27,11 +31,22 @@ def test_parse_slurm_nodelist_rejects(bad):
 
 
 def test_slurm_env_maps_to_ranks_and_master():
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "123456",
-           "SLURM_JOB_NODELIST": "gpu[07-08],cpu1"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_ID": "123456",
+        "SLURM_JOB_NODELIST": "gpu[07-08],cpu1",
+    }
     e = dist_env_from(env)
-    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == \
-        (5, 8, 1, "gpu07", 20000 + 123456 % 20000, "slurm")
+    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == (
+        5,
+        8,
+        1,
+        "gpu07",
+        20000 + 123456 % 20000,
+        "slurm",
+    )
     # explicit MASTER_ADDR / MASTER_PORT win; SLURM_NODELIST is the older name of the same variable
     env2 = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "x[3-4]", "MASTER_PORT": "4242"}
     e2 = dist_env_from(env2)
@@ -40,10 +55,25 @@ def test_slurm_env_maps_to_ranks_and_master():
 
 
 def test_torchrun_env_wins_and_plain_process_is_single():
-    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1234",
-           "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1"}
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1234",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "1",
+        "SLURM_JOB_NODELIST": "n1",
+    }
     e = dist_env_from(env)
-    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == (3, 4, 1, "h", 1234, "torchrun")
+    assert (e.rank, e.world_size, e.local_rank, e.master_addr, e.master_port, e.launcher) == (
+        3,
+        4,
+        1,
+        "h",
+        1234,
+        "torchrun",
+    )
     single = dist_env_from({})
     assert (single.rank, single.world_size, single.launcher) == (0, 1, "none")
 

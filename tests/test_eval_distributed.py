@@ -1,5 +1,6 @@
 """Evaluation inside a 2-process gloo job: every rank takes part, all finish, all agree, and the numbers are
 those of a 1-process run (OpenCLIP #1121 hung with rank 0 evaluating alone behind a barrier)."""
+
 from __future__ import annotations
 
 import io
@@ -10,11 +11,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_distributed
 from fastclip.compat import import_open_clip
 from fastclip.eval import EvalDataError, run_evals
-from probe import (colour_samples, fruit_probe, fruit_samples, image_with_rank, probe_preprocess,
-                                   write_labelled_shards, zeroshot_json)
+
+from dist_utils import run_distributed
+from probe import (
+    colour_samples,
+    fruit_probe,
+    fruit_samples,
+    image_with_rank,
+    probe_preprocess,
+    write_labelled_shards,
+    zeroshot_json,
+)
 
 WORLD = 2
 DEADLINE_S = 150
@@ -25,8 +34,17 @@ def evaluations(root, weights) -> dict:
     from fastclip.models import build_model
 
     tokenizer = import_open_clip().get_tokenizer("ViT-B-32")
-    out = {"probe": run_evals(fruit_probe(tokenizer), tokenizer=tokenizer, preprocess=probe_preprocess,
-                              val_dir=root / "val", device="cpu", batch_size=4, per_class=True)}
+    out = {
+        "probe": run_evals(
+            fruit_probe(tokenizer),
+            tokenizer=tokenizer,
+            preprocess=probe_preprocess,
+            val_dir=root / "val",
+            device="cpu",
+            batch_size=4,
+            per_class=True,
+        )
+    }
     built = build_model("tiny-vit")
     built.model.load_state_dict(torch.load(weights, weights_only=True))
     model = built.model
@@ -34,8 +52,14 @@ def evaluations(root, weights) -> dict:
         model = torch.nn.parallel.DistributedDataParallel(model)  # run_evals must look through the wrapper
     model.train()
     # batch size 1: each sample is computed alone, so its features are bitwise those of the 1-process run
-    out["tiny-vit"] = run_evals(model, tokenizer=built.tokenizer, preprocess=built.preprocess_val,
-                                val_dir=root / "val", device="cpu", batch_size=1)
+    out["tiny-vit"] = run_evals(
+        model,
+        tokenizer=built.tokenizer,
+        preprocess=built.preprocess_val,
+        val_dir=root / "val",
+        device="cpu",
+        batch_size=1,
+    )
     out["train_mode_restored"] = model.training and built.model.training
     return out
 
@@ -43,8 +67,14 @@ def evaluations(root, weights) -> dict:
 def bad_data_evaluation(root, name, preprocess=probe_preprocess):
     tokenizer = import_open_clip().get_tokenizer("ViT-B-32")
     try:
-        return run_evals(fruit_probe(tokenizer), tokenizer=tokenizer, preprocess=preprocess, val_dir=root / name,
-                         zeroshot_file=root / "zeroshot.json", device="cpu")
+        return run_evals(
+            fruit_probe(tokenizer),
+            tokenizer=tokenizer,
+            preprocess=preprocess,
+            val_dir=root / name,
+            zeroshot_file=root / "zeroshot.json",
+            device="cpu",
+        )
     except (EvalDataError, ValueError) as err:
         return f"{type(err).__name__}: {err}"
 
@@ -71,8 +101,11 @@ def write_bad_image_shard(folder):
         good = io.BytesIO()
         image_with_rank(0, 1, 8).save(good, format="PNG")
         for key, png in (("000000000", good.getvalue()), ("000000001", b"not a png")):
-            for ext, payload in (("png", png), ("txt", b"a photo of a apple."),
-                                 ("json", json.dumps({"index": int(key), "label": 0, "dataset": "fruits"}).encode())):
+            for ext, payload in (
+                ("png", png),
+                ("txt", b"a photo of a apple."),
+                ("json", json.dumps({"index": int(key), "label": 0, "dataset": "fruits"}).encode()),
+            ):
                 info = tarfile.TarInfo(f"{key}.{ext}")
                 info.size = len(payload)
                 tar.addfile(info, io.BytesIO(payload))

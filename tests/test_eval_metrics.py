@@ -5,6 +5,7 @@ The probe CLIP (tests/probe.py) embeds an image as the pixel values of its first
 when the image is drawn. Everything else (shard reading, preprocessing, prompt ensembling, normalisation,
 top-k, counting) is the real code.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,19 +14,45 @@ import pytest
 import torch
 
 from fastclip.compat import import_open_clip
-from fastclip.eval import EvalDataError, ZeroShotSpec, evaluate, evaluate_zeroshot, load_zeroshot_spec
-from fastclip.eval import retrieval_metrics, run_evals, zeroshot_classifier
+from fastclip.eval import (
+    EvalDataError,
+    ZeroShotSpec,
+    evaluate,
+    evaluate_zeroshot,
+    load_zeroshot_spec,
+    retrieval_metrics,
+    run_evals,
+    zeroshot_classifier,
+)
 from fastclip.eval.cli import image_folder_source
-from probe import (FRUIT_TEMPLATES, FRUITS, colour_samples, fruit_probe, fruit_samples, image_with_rank,
-                                   probe_preprocess, write_labelled_shards, zeroshot_json)
+
+from probe import (
+    FRUIT_TEMPLATES,
+    FRUITS,
+    colour_samples,
+    fruit_probe,
+    fruit_samples,
+    image_with_rank,
+    probe_preprocess,
+    write_labelled_shards,
+    zeroshot_json,
+)
 
 # The data set (tests/probe.py): per fruit class, the rank its score gets in each of its 3 images
 #   FRUIT_RANKS = {0: [1, 1, 1], 1: [1, 1, 2], 2: [1, 2, 6], 3: [3, 1, 1], 4: [6, 7, 8], 5: [1, 1, 1],
 #                  6: [5, 1, 2], 7: [1, 1, 1]}
 # so top-1 hits per class are 3,2,1,2,0,3,1,3 = 15 of 24 and top-5 hits 3,3,2,3,0,3,3,3 = 20 of 24.
 # Colours: COLOUR_RANKS = {0: [1, 1], 1: [1, 2], 2: [2, 3]} -> top-1 3 of 6; top-5 (= top-3) all.
-EXPECTED_PER_CLASS = {"apple": 1.0, "banana": 2 / 3, "cherry": 1 / 3, "grape": 2 / 3, "lemon": 0.0, "mango": 1.0,
-                      "peach": 1 / 3, "plum": 1.0}
+EXPECTED_PER_CLASS = {
+    "apple": 1.0,
+    "banana": 2 / 3,
+    "cherry": 1 / 3,
+    "grape": 2 / 3,
+    "lemon": 0.0,
+    "mango": 1.0,
+    "peach": 1 / 3,
+    "plum": 1.0,
+}
 TEMPLATES = list(FRUIT_TEMPLATES)
 
 
@@ -51,8 +78,15 @@ def embedded(tmp_path_factory):
 
 
 def test_zeroshot_known_answer_per_dataset(embedded, probe, tokenizer):
-    results = evaluate(probe, tokenizer=tokenizer, preprocess=probe_preprocess, source=embedded / "val",
-                       specs=load_zeroshot_spec(embedded / "zeroshot.json"), device="cpu", batch_size=5)
+    results = evaluate(
+        probe,
+        tokenizer=tokenizer,
+        preprocess=probe_preprocess,
+        source=embedded / "val",
+        specs=load_zeroshot_spec(embedded / "zeroshot.json"),
+        device="cpu",
+        batch_size=5,
+    )
     fruits = results.zeroshot["fruits"]
     assert fruits.num_samples == 24
     assert fruits.top1 == 15 / 24
@@ -67,8 +101,15 @@ def test_zeroshot_known_answer_per_dataset(embedded, probe, tokenizer):
 
 def test_run_evals_flat_dict_and_train_mode(embedded, probe, tokenizer):
     probe.train()
-    flat = run_evals(probe, tokenizer=tokenizer, preprocess=probe_preprocess, val_dir=embedded / "val",
-                     device="cpu", batch_size=7, per_class=True)  # zeroshot.json found beside val/
+    flat = run_evals(
+        probe,
+        tokenizer=tokenizer,
+        preprocess=probe_preprocess,
+        val_dir=embedded / "val",
+        device="cpu",
+        batch_size=7,
+        per_class=True,
+    )  # zeroshot.json found beside val/
     assert probe.training  # restored
     assert flat["zeroshot/fruits/top1"] == 15 / 24
     assert flat["zeroshot/colours/top1"] == 0.5
@@ -79,8 +120,15 @@ def test_run_evals_flat_dict_and_train_mode(embedded, probe, tokenizer):
 
 
 def test_max_samples_takes_the_first_positions(embedded, probe, tokenizer):
-    results = evaluate(probe, tokenizer=tokenizer, preprocess=probe_preprocess, source=embedded / "val",
-                       specs=load_zeroshot_spec(embedded / "zeroshot.json"), device="cpu", max_samples=6)
+    results = evaluate(
+        probe,
+        tokenizer=tokenizer,
+        preprocess=probe_preprocess,
+        source=embedded / "val",
+        specs=load_zeroshot_spec(embedded / "zeroshot.json"),
+        device="cpu",
+        max_samples=6,
+    )
     # the first 6 samples are apple x3 (all rank 1) and banana ranks 1, 1, 2
     assert results.zeroshot["fruits"].num_samples == 6
     assert results.zeroshot["fruits"].top1 == 5 / 6
@@ -104,8 +152,9 @@ def test_label_outside_class_list_is_named(tmp_path, probe, tokenizer):
     write_labelled_shards(tmp_path / "val", [(image_with_rank(0, 1, 8), "x", "fruits", 8)])
     specs = {"fruits": ZeroShotSpec("fruits", tuple(FRUITS), tuple(TEMPLATES))}
     with pytest.raises(EvalDataError, match=r"'fruits'.*outside \[0, 8\)"):
-        evaluate(probe, tokenizer=tokenizer, preprocess=probe_preprocess, source=tmp_path / "val", specs=specs,
-                 device="cpu")
+        evaluate(
+            probe, tokenizer=tokenizer, preprocess=probe_preprocess, source=tmp_path / "val", specs=specs, device="cpu"
+        )
 
 
 def test_image_folder_labels_follow_the_class_names_file(tmp_path, probe, tokenizer):
@@ -146,8 +195,12 @@ def test_retrieval_known_ranks():
     # other rows/columns: the 0.9s sit below their own diagonal 1.0, so nothing else moves
     metrics = retrieval_metrics(torch.eye(n), s.T.contiguous())
     assert metrics == {
-        "image_to_text_R@1": 17 / 20, "image_to_text_R@5": 18 / 20, "image_to_text_R@10": 19 / 20,
-        "text_to_image_R@1": 18 / 20, "text_to_image_R@5": 19 / 20, "text_to_image_R@10": 19 / 20,
+        "image_to_text_R@1": 17 / 20,
+        "image_to_text_R@5": 18 / 20,
+        "image_to_text_R@10": 19 / 20,
+        "text_to_image_R@1": 18 / 20,
+        "text_to_image_R@5": 19 / 20,
+        "text_to_image_R@10": 19 / 20,
     }
     # chunking the similarity matrix changes nothing
     assert retrieval_metrics(torch.eye(n), s.T.contiguous(), chunk=3) == metrics
@@ -191,14 +244,19 @@ def test_report_omits_retrieval_with_templated_captions():
 
     metrics = {f"{d}_R@{k}": 0.0 for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)}
     # templated captions: recall is ~0 by construction, so no numbers, one line saying why
-    templated = format_table(EvalResults(retrieval=dict(metrics), retrieval_samples=10, retrieval_distinct_captions=3),
-                             per_class=False)
-    assert templated.strip() == ("retrieval omitted: 10 images share 3 distinct captions (class templates), so a "
-                                 "caption cannot single out its image; data with distinct captions: fastclip data "
-                                 "embedded --source scenes")
+    templated = format_table(
+        EvalResults(retrieval=dict(metrics), retrieval_samples=10, retrieval_distinct_captions=3), per_class=False
+    )
+    assert templated.strip() == (
+        "retrieval omitted: 10 images share 3 distinct captions (class templates), so a "
+        "caption cannot single out its image; data with distinct captions: fastclip data "
+        "embedded --source scenes"
+    )
     # distinct captions (9 of 10 at least): the table, with the repeats counted
     for distinct, note in ((10, False), (9, True)):
-        table = format_table(EvalResults(retrieval=dict(metrics), retrieval_samples=10,
-                                         retrieval_distinct_captions=distinct), per_class=False)
+        table = format_table(
+            EvalResults(retrieval=dict(metrics), retrieval_samples=10, retrieval_distinct_captions=distinct),
+            per_class=False,
+        )
         assert "image->text       0.00    0.00    0.00" in table and "omitted" not in table
         assert ("1 of the captions repeat another" in table) == note

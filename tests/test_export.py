@@ -1,5 +1,6 @@
 """`fastclip export`: open_clip loads the file (weights_only) and computes the same embeddings as our model;
 `fastclip eval` gives the same numbers from the training checkpoint and from the export."""
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from fastclip.eval import export as export_cli
 from fastclip.eval.checkpoint import load_model
 from fastclip.eval.cli import main as eval_main
 from fastclip.eval.export import export_model
+
 from probe import fruit_samples, write_labelled_shards, zeroshot_json
 
 # a name open_clip does not know: only the exported <arch>.json can tell it how to build the model
@@ -30,11 +32,20 @@ def run_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
     step_dir = run / "checkpoints" / "step_00000007"
     step_dir.mkdir(parents=True)
-    torch.save({
-        "state_dict": built.model.state_dict(), "arch": ARCH, "model_config": built.config,
-        "loss": {"logit_scale": torch.tensor(LOSS_LOGIT_SCALE)}, "optimizer": {}, "scaler": {}, "step": 7,
-        "epoch": 0, "config": {"model": {"arch": ARCH}},
-    }, step_dir / "model.pt")
+    torch.save(
+        {
+            "state_dict": built.model.state_dict(),
+            "arch": ARCH,
+            "model_config": built.config,
+            "loss": {"logit_scale": torch.tensor(LOSS_LOGIT_SCALE)},
+            "optimizer": {},
+            "scaler": {},
+            "step": 7,
+            "epoch": 0,
+            "config": {"model": {"arch": ARCH}},
+        },
+        step_dir / "model.pt",
+    )
     (run / "checkpoints" / "latest").write_text("step_00000007\n")
     return run
 

@@ -4,6 +4,7 @@ clip_benchmark is not a fastclip dependency (it pulls scikit-learn, pycocoevalca
 test runs only where it is installed, e.g. `pip install --no-deps clip_benchmark scikit-learn scipy joblib
 threadpoolctl narwhals cloudpickle pycocoevalcap requests urllib3 idna certifi charset-normalizer`.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,10 @@ import torch
 from PIL import Image
 
 from fastclip.compat import ensure_torchvision_importable
-from fastclip.eval.clip_benchmark import prepare
 from fastclip.eval.cli import main as eval_main
+from fastclip.eval.clip_benchmark import prepare
 from fastclip.eval.export import export_model
+
 from probe import COLOURS, FRUITS, write_labelled_shards, zeroshot_json
 
 ensure_torchvision_importable()  # clip_benchmark imports torchvision before open_clip
@@ -44,8 +46,16 @@ def test_clip_benchmark_agrees_with_fastclip_eval(tmp_path):
     built = build_model("tiny-vit")
     step_dir = tmp_path / "run" / "checkpoints" / "step_00000001"
     step_dir.mkdir(parents=True)
-    torch.save({"state_dict": built.model.state_dict(), "arch": "cb-tiny-vit", "model_config": built.config,
-                "loss": {"logit_scale": torch.tensor(2.0)}, "step": 1}, step_dir / "model.pt")
+    torch.save(
+        {
+            "state_dict": built.model.state_dict(),
+            "arch": "cb-tiny-vit",
+            "model_config": built.config,
+            "loss": {"logit_scale": torch.tensor(2.0)},
+            "step": 1,
+        },
+        step_dir / "model.pt",
+    )
     written = export_model(step_dir, tmp_path / "export" / "model.pt")
 
     data = tmp_path / "embedded"
@@ -62,13 +72,40 @@ def test_clip_benchmark_agrees_with_fastclip_eval(tmp_path):
 
     def clip_benchmark(dataset: str, root, task: str = "zeroshot_classification") -> dict:
         out = tmp_path / f"{dataset}.json"
-        args = ["run", "--model-config", str(written["config_file"]), "--", "eval", "--model", "cb-tiny-vit",
-                "--pretrained", str(written["file"]), "--task", task,
-                "--dataset", f"wds/{dataset}", "--dataset_root", str(root),
-                "--no_amp", "--num_workers", "0", "--recall_k", "1", "5", "10", "--output", str(out)]
+        args = [
+            "run",
+            "--model-config",
+            str(written["config_file"]),
+            "--",
+            "eval",
+            "--model",
+            "cb-tiny-vit",
+            "--pretrained",
+            str(written["file"]),
+            "--task",
+            task,
+            "--dataset",
+            f"wds/{dataset}",
+            "--dataset_root",
+            str(root),
+            "--no_amp",
+            "--num_workers",
+            "0",
+            "--recall_k",
+            "1",
+            "5",
+            "10",
+            "--output",
+            str(out),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, "-m", "fastclip.eval.clip_benchmark", *args], env=env,
-                              capture_output=True, text=True, timeout=240)
+        done = subprocess.run(
+            [sys.executable, "-m", "fastclip.eval.clip_benchmark", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(out.read_text())["metrics"]
 

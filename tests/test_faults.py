@@ -7,6 +7,7 @@ Process launches are kept few (each imports torch + open_clip): one 2-process sp
 the world-size change, the NaN runs and the rotten-data run one after the other; the killed job, its resume
 and the dying/hanging ranks are real process groups started here (as a cluster would run them).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,11 +22,23 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import run_distributed
-from helpers import (EMBEDDED, Job, assert_same, assert_same_training_state, latest, load,
-                         fault_overrides, records, step_dir, train_records, wait_for)
 from fastclip.losses import reshard_states
 from fastclip.train.cli import main
+
+from dist_utils import run_distributed
+from helpers import (
+    EMBEDDED,
+    Job,
+    assert_same,
+    assert_same_training_state,
+    fault_overrides,
+    latest,
+    load,
+    records,
+    step_dir,
+    train_records,
+    wait_for,
+)
 
 STEPS = 8  # of the killed job and its reference: 5 steps per epoch at 2 x 8, so it crosses into epoch 1
 
@@ -54,21 +67,23 @@ def make_rotten(folder: Path) -> int:
     """a.tar: 12 samples, 3 of them bad (ROTTEN); b.tar: 15 samples, truncated; c.tar: 13 good ones.
     The manifest (as written before the damage) promises 40. Returns how many samples of b.tar survive."""
     from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
-    from fastclip.data.tario import ShardReader, TarBroken
-    from fastclip.data.tario import write_tar
+    from fastclip.data.tario import ShardReader, TarBroken, write_tar
+
     from helpers import truncate_file
 
     folder.mkdir(parents=True)
     a = [_sample(i) for i in range(12)]
     a[3]["png"] = b"\x89PNG\r\n\x1a\n and then nothing an image decoder wants"
-    a[5] = _sample(5, txt=b"", caption="")           # empty caption, in the .txt and in the json
-    a[7] = _sample(7, index=10_000)                   # far outside data_size
+    a[5] = _sample(5, txt=b"", caption="")  # empty caption, in the .txt and in the json
+    a[7] = _sample(7, index=10_000)  # far outside data_size
     write_tar(folder / "a.tar", [(f"{i:09d}", f) for i, f in enumerate(a)])
     write_tar(folder / "b.tar", [(f"{i:09d}", _sample(i)) for i in range(12, 27)])
     write_tar(folder / "c.tar", [(f"{i:09d}", _sample(i)) for i in range(27, 40)])
     truncate_file(folder / "b.tar", int((folder / "b.tar").stat().st_size * 0.5))
-    write_manifest(folder, Manifest(40, [ShardInfo("a.tar", 12, 0, 11), ShardInfo("b.tar", 15, 12, 26),
-                                         ShardInfo("c.tar", 13, 27, 39)]))
+    write_manifest(
+        folder,
+        Manifest(40, [ShardInfo("a.tar", 12, 0, 11), ShardInfo("b.tar", 15, 12, 26), ShardInfo("c.tar", 13, 27, 39)]),
+    )
     readable = 0
     with contextlib.suppress(TarBroken), ShardReader(folder / "b.tar") as reader:
         while reader.next_group() is not None:
@@ -119,28 +134,71 @@ def batch(data, one_process_run, tmp_path_factory) -> dict:
     rotten_readable = make_rotten(root / "rotten")
     runs = {
         # the reference for the killed job: uninterrupted, with data worker processes
-        "reference": (fault_overrides(data, root / "reference", **{"train.max_steps": STEPS, "data.workers": 1}), None, None),
+        "reference": (
+            fault_overrides(data, root / "reference", **{"train.max_steps": STEPS, "data.workers": 1}),
+            None,
+            None,
+        ),
         # 1 -> 2 processes: resume the one-process checkpoint without a further step, then train on to step 7
-        "grow": (fault_overrides(data, root / "grow", **{"train.max_steps": 4, "train.resume": step_dir(one_process_run, 4)}),
-                 None, None),
-        "grow_on": (fault_overrides(data, root / "grow", **{"train.max_steps": 7, "train.resume": "latest"}), None, None),
+        "grow": (
+            fault_overrides(
+                data, root / "grow", **{"train.max_steps": 4, "train.resume": step_dir(one_process_run, 4)}
+            ),
+            None,
+            None,
+        ),
+        "grow_on": (
+            fault_overrides(data, root / "grow", **{"train.max_steps": 7, "train.resume": "latest"}),
+            None,
+            None,
+        ),
         # NaN features at step 2 (rank 0's batch), NaN gradients at step 3 (rank 1 only, after backward's all-reduce)
-        "nan": (fault_overrides(data, root / "nan", **{"train.max_steps": 3, "checkpoint.every_steps": 1}),
-                "nan@batch:step=2:rank=0; nan@grads:step=3:rank=1", None),
+        "nan": (
+            fault_overrides(data, root / "nan", **{"train.max_steps": 3, "checkpoint.every_steps": 1}),
+            "nan@batch:step=2:rank=0; nan@grads:step=3:rank=1",
+            None,
+        ),
         # resumed: step 4 is fine, then NaN at 5 and 6 with at most 2 in a row allowed
-        "nan_stop": (fault_overrides(data, root / "nan", **{"train.max_steps": 9, "checkpoint.every_steps": 1,
-                                                      "train.resume": "latest", "train.max_nonfinite_steps": 2}),
-                     "nan@batch:step=5:rank=1; nan@batch:step=6:rank=0", None),
+        "nan_stop": (
+            fault_overrides(
+                data,
+                root / "nan",
+                **{
+                    "train.max_steps": 9,
+                    "checkpoint.every_steps": 1,
+                    "train.resume": "latest",
+                    "train.max_nonfinite_steps": 2,
+                },
+            ),
+            "nan@batch:step=5:rank=1; nan@batch:step=6:rank=0",
+            None,
+        ),
         # rotten shards, 2 data workers per rank: 4 workers over 3 shards, no resampling
-        "rotten": (fault_overrides(data, root / "rotten_run", **{"data.train": root / "rotten", "data.batch_size": 4,
-                                                           "data.workers": 2, "train.epochs": 2, "data.shuffle_buffer": 8}),
-                   None, str(root / "rotten.log")),
+        "rotten": (
+            fault_overrides(
+                data,
+                root / "rotten_run",
+                **{
+                    "data.train": root / "rotten",
+                    "data.batch_size": 4,
+                    "data.workers": 2,
+                    "train.epochs": 2,
+                    "data.shuffle_buffer": 8,
+                },
+            ),
+            None,
+            str(root / "rotten.log"),
+        ),
     }
     started = time.monotonic()
     results = run_distributed(_runs, 2, list(runs.values()), timeout=420)
     assert results[0] == results[1], results
-    return {"root": root, "results": dict(zip(runs, results[0])), "seconds": time.monotonic() - started,
-            "rotten_readable": rotten_readable}
+    return {
+        "root": root,
+        "results": dict(zip(runs, results[0])),
+        "seconds": time.monotonic() - started,
+        "rotten_readable": rotten_readable,
+    }
 
 
 # ----------------------------------------------------------------------------- kill the whole job, resume
@@ -155,8 +213,12 @@ def test_job_killed_at_a_random_step_resumes_exactly(data, batch, tmp_path):
     args = fault_overrides(data, run, **{"train.max_steps": STEPS, "data.workers": 1, "train.resume": "latest"})
     job = Job(args, 2, tmp_path / "killed")
     try:
-        wait_for(lambda: any(r["step"] >= kill_after for r in train_records(run)), 240,
-                 f"step {kill_after} of the job to be killed", job)
+        wait_for(
+            lambda: any(r["step"] >= kill_after for r in train_records(run)),
+            240,
+            f"step {kill_after} of the job to be killed",
+            job,
+        )
         time.sleep(delay)
         os.killpg(job.pgid, signal.SIGKILL)
         codes = job.wait(30)
@@ -166,7 +228,7 @@ def test_job_killed_at_a_random_step_resumes_exactly(data, batch, tmp_path):
     assert codes == [-signal.SIGKILL] * 2, where
     done = [r["step"] for r in train_records(run)]
     assert max(done) < STEPS, f"the job finished before the kill {where}"
-    pointer = (run / "checkpoints" / "latest")
+    pointer = run / "checkpoints" / "latest"
     resumed_from = pointer.read_text().strip() if pointer.exists() else None
 
     job = Job(args, 2, tmp_path / "resumed")
@@ -179,8 +241,12 @@ def test_job_killed_at_a_random_step_resumes_exactly(data, batch, tmp_path):
     expected, got = train_records(reference), train_records(run)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)), where
     for x, y in zip(expected, got):
-        assert (x["loss"], x["objective"], x["lr"], x["samples_seen"]) == (y["loss"], y["objective"], y["lr"],
-                                                                           y["samples_seen"]), where
+        assert (x["loss"], x["objective"], x["lr"], x["samples_seen"]) == (
+            y["loss"],
+            y["objective"],
+            y["lr"],
+            y["samples_seen"],
+        ), where
 
 
 # ----------------------------------------------------------------------------- world size 1 -> 2
@@ -223,7 +289,11 @@ def test_nonfinite_steps_are_skipped_without_any_update(batch):
     assert sorted(skipped)[:2] == [2, 3]
     assert "non-finite features" in skipped[2]["skipped"] and "rank 0" in skipped[2]["skipped"]
     assert "non-finite gradients" in skipped[3]["skipped"]
-    assert (skipped[2]["nonfinite_skipped"], skipped[3]["nonfinite_skipped"], skipped[3]["nonfinite_in_a_row"]) == (1, 2, 2)
+    assert (skipped[2]["nonfinite_skipped"], skipped[3]["nonfinite_skipped"], skipped[3]["nonfinite_in_a_row"]) == (
+        1,
+        2,
+        2,
+    )
     one, three = step_dir(run, 1), step_dir(run, 3)
     assert not step_dir(run, 2).exists()  # no checkpoint on a skipped step
     m1, m3 = load(one / "model.pt"), load(three / "model.pt")
@@ -275,8 +345,10 @@ def test_rotten_shards_are_skipped_counted_and_logged_with_shard_and_key(batch):
     assert log.count("shard b.tar: truncated_tar after key") == 2, log
     per_epoch = 3 + lost_in_b
     for epoch in (0, 1):
-        assert (f"data: epoch {epoch}: {per_epoch} sample(s) skipped, summed over ranks (index_out_of_range 1, "
-                f"missing_caption 1, truncated_tar {lost_in_b}, undecodable_image 1)") in log, log
+        assert (
+            f"data: epoch {epoch}: {per_epoch} sample(s) skipped, summed over ranks (index_out_of_range 1, "
+            f"missing_caption 1, truncated_tar {lost_in_b}, undecodable_image 1)"
+        ) in log, log
     rank1 = Path(f"{root / 'rotten.log'}.rank1").read_text()
     assert "a.tar" not in rank1 and "b.tar" not in rank1, rank1  # logged once: by rank 0, not by every rank
     assert batch["seconds"] < 400
@@ -372,8 +444,10 @@ def test_a_checkpoint_with_pickled_objects_is_refused(data, one_process_run, tmp
     marker = tmp_path / "pwned"
     torch.save({**load(ckpt / file), "extra": _Payload(marker)}, ckpt / file)
     run = tmp_path / "run"
-    assert main(["--config", str(EMBEDDED), *fault_overrides(data, run, **{"train.max_steps": 6,
-                                                                      "train.resume": ckpt})]) == 1
+    assert (
+        main(["--config", str(EMBEDDED), *fault_overrides(data, run, **{"train.max_steps": 6, "train.resume": ckpt})])
+        == 1
+    )
     err = capsys.readouterr().err
     assert f"fastclip train: error: {ckpt / file}: refusing to load pickled objects" in err, err
     assert "weights_only=True" in err and "posix.system" in err
@@ -381,16 +455,28 @@ def test_a_checkpoint_with_pickled_objects_is_refused(data, one_process_run, tmp
 
 
 # ----------------------------------------------------------------------------- bad configuration
-@pytest.mark.parametrize("extra, key, words", [
-    ({"train.max_nonfinite_step": 3}, "train.max_nonfinite_step", "unknown config key"),   # a typo
-    ({"train.max_nonfinite_steps": 0}, "train.max_nonfinite_steps", ">= 1"),
-    ({"train.collective_timeout_seconds": 0}, "train.collective_timeout_seconds", "> 0"),
-    ({"data.data_size": 50}, "data.data_size", "largest index 99"),                         # manifests say 100
-    ({"data.samples_per_epoch": 40}, "data.samples_per_epoch", "data.resampled"),
-    ({"data.batch_size": 81}, "data.batch_size", "80 samples"),                             # 80 training samples
-    ({"loss.name": "fastclip-v3", "loss.rho": 6.5, "loss.temperature": "null", "optim.lr_tau_schedule": "step_thresh",
-      "train.resume": "RESUME"}, "loss.name", "was trained with 'fastclip-v2'"),
-])
+@pytest.mark.parametrize(
+    "extra, key, words",
+    [
+        ({"train.max_nonfinite_step": 3}, "train.max_nonfinite_step", "unknown config key"),  # a typo
+        ({"train.max_nonfinite_steps": 0}, "train.max_nonfinite_steps", ">= 1"),
+        ({"train.collective_timeout_seconds": 0}, "train.collective_timeout_seconds", "> 0"),
+        ({"data.data_size": 50}, "data.data_size", "largest index 99"),  # manifests say 100
+        ({"data.samples_per_epoch": 40}, "data.samples_per_epoch", "data.resampled"),
+        ({"data.batch_size": 81}, "data.batch_size", "80 samples"),  # 80 training samples
+        (
+            {
+                "loss.name": "fastclip-v3",
+                "loss.rho": 6.5,
+                "loss.temperature": "null",
+                "optim.lr_tau_schedule": "step_thresh",
+                "train.resume": "RESUME",
+            },
+            "loss.name",
+            "was trained with 'fastclip-v2'",
+        ),
+    ],
+)
 def test_bad_configuration_is_an_error_before_training(data, one_process_run, tmp_path, capsys, extra, key, words):
     extra = {k: (step_dir(one_process_run, 4) if v == "RESUME" else v) for k, v in extra.items()}
     run = tmp_path / "run"

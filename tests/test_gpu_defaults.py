@@ -1,6 +1,7 @@
 """GPU speed defaults (fastclip/train/gpu.py): what CPU can check runs here (channels_last numerics and a
 training run, convolutional-tower detection, DDP and DeepSpeed options, flags left alone on CPU); the CUDA
 paths run only where CUDA is."""
+
 from __future__ import annotations
 
 import json
@@ -9,16 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EMBEDDED, fault_overrides, train_records
 from fastclip.models import build_model
 from fastclip.train import gpu
 from fastclip.train.cli import main
 from fastclip.train.config import load_config
 from fastclip.train.engine import deepspeed_config
 
+from helpers import EMBEDDED, fault_overrides, train_records
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-TINY_RN = {"embed_dim": 64, "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "patch_size": None},
-           "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 1}}
+TINY_RN = {
+    "embed_dim": 64,
+    "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "patch_size": None},
+    "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 1},
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +69,21 @@ def test_training_with_channels_last_follows_the_nchw_run(tiny_embedded, tiny_rn
     runs = {}
     for flag in ("false", "true"):
         run = tmp_path / flag
-        assert main(["--config", str(EMBEDDED), *fault_overrides(tiny_embedded, run, "fastclip-v3", **{
-            "model.arch": tiny_rn, "model.channels_last": flag, "train.max_steps": 3})]) == 0
+        assert (
+            main(
+                [
+                    "--config",
+                    str(EMBEDDED),
+                    *fault_overrides(
+                        tiny_embedded,
+                        run,
+                        "fastclip-v3",
+                        **{"model.arch": tiny_rn, "model.channels_last": flag, "train.max_steps": 3},
+                    ),
+                ]
+            )
+            == 0
+        )
         runs[flag] = train_records(run)
     assert [r["step"] for r in runs["true"]] == [r["step"] for r in runs["false"]] == [1, 2, 3]
     for a, b in zip(runs["false"], runs["true"]):
@@ -83,15 +101,21 @@ def test_ddp_options_where_valid():
     assert gpu.ddp_options(cfg("--optim.accum_steps", "2"))["static_graph"] is False  # GradCache's extra forwards
     assert gpu.ddp_options(cfg("--model.compile", "true"))["static_graph"] is False
     assert gpu.ddp_options(cfg("--train.ddp_static_graph", "false", "--train.ddp_bucket_view", "false")) == {
-        "gradient_as_bucket_view": False, "static_graph": False}
+        "gradient_as_bucket_view": False,
+        "static_graph": False,
+    }
 
 
 def test_deepspeed_overlap_comm_on_for_cuda_only():
     base = ["--train.distributed", "deepspeed"]
     assert deepspeed_config(cfg(*base), 2, "cpu")["zero_optimization"]["overlap_comm"] is False
     assert deepspeed_config(cfg(*base), 2, "cuda")["zero_optimization"]["overlap_comm"] is True
-    assert deepspeed_config(cfg(*base, "--deepspeed.overlap_comm", "false"), 2, "cuda")[
-        "zero_optimization"]["overlap_comm"] is False
+    assert (
+        deepspeed_config(cfg(*base, "--deepspeed.overlap_comm", "false"), 2, "cuda")["zero_optimization"][
+            "overlap_comm"
+        ]
+        is False
+    )
 
 
 @CUDA
@@ -99,8 +123,12 @@ def test_cuda_gets_tf32_and_cudnn_benchmark():
     assert gpu.apply_backend_flags(cfg(), torch.device("cuda", 0)) == ["TF32", "cudnn.benchmark"]
     assert torch.backends.cudnn.benchmark
     assert torch.backends.cuda.matmul.fp32_precision == "tf32" and torch.backends.cudnn.conv.fp32_precision == "tf32"
-    assert gpu.apply_backend_flags(cfg("--train.tf32", "false", "--train.cudnn_benchmark", "false"),
-                                   torch.device("cuda", 0)) == []
+    assert (
+        gpu.apply_backend_flags(
+            cfg("--train.tf32", "false", "--train.cudnn_benchmark", "false"), torch.device("cuda", 0)
+        )
+        == []
+    )
     assert torch.backends.cuda.matmul.fp32_precision == "ieee" and not torch.backends.cudnn.benchmark
 
 

@@ -1,6 +1,7 @@
 """Hugging Face text towers (`hf_model_name` in a model config): configs/models/tiny-vit-hf.json names a tiny
 BERT folder shipped in the repo (config.json, vocab.txt); built with random weights and nothing downloaded,
 trained, checkpointed, evaluated, and exported so that a plain open_clip loads it."""
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,20 @@ def test_builds_offline_with_its_own_tokenizer_from_any_directory(tmp_path, monk
     assert ids.shape == (1, 32) and ids[0, :9].tolist() == [2, 18, 137, 132, 18, 106, 5, 3, 0]
     ids = built.tokenizer(["zebra xylophone"])[0]
     pieces = built.tokenizer.tokenizer.convert_ids_to_tokens(ids[ids != 0].tolist())
-    assert pieces == ["[CLS]", "zebra", "x", "##y", "##l", "##o", "##p", "##h", "##o", "##n", "##e", "[SEP]"]  # no [UNK]
+    assert pieces == [
+        "[CLS]",
+        "zebra",
+        "x",
+        "##y",
+        "##l",
+        "##o",
+        "##p",
+        "##h",
+        "##o",
+        "##n",
+        "##e",
+        "[SEP]",
+    ]  # no [UNK]
     assert built.model.encode_text(built.tokenizer(CAPTIONS)).shape == (3, 64)
 
 
@@ -52,12 +66,27 @@ def run_dir(tiny_embedded, tmp_path_factory):
     from fastclip.train.trainer import train
 
     run = tmp_path_factory.mktemp("hf") / "run"
-    opts = {"model.arch": "tiny-vit-hf", "data.train": tiny_embedded / "train", "data.val": tiny_embedded / "val",
-            "data.zeroshot": tiny_embedded / "zeroshot.json", "data.batch_size": 16, "data.workers": 1,
-            "train.run_dir": run, "train.max_steps": 3, "train.log_every": 1, "train.progress": False,
-            "train.tensorboard": False, "optim.warmup_steps": 1, "eval.every_steps": 0, "eval.at_end": True,
-            "checkpoint.every_steps": 0, "checkpoint.every_minutes": 0}
-    result = train(load_config(REPO / "configs" / "embedded.yaml", [x for k, v in opts.items() for x in (f"--{k}", str(v))]))
+    opts = {
+        "model.arch": "tiny-vit-hf",
+        "data.train": tiny_embedded / "train",
+        "data.val": tiny_embedded / "val",
+        "data.zeroshot": tiny_embedded / "zeroshot.json",
+        "data.batch_size": 16,
+        "data.workers": 1,
+        "train.run_dir": run,
+        "train.max_steps": 3,
+        "train.log_every": 1,
+        "train.progress": False,
+        "train.tensorboard": False,
+        "optim.warmup_steps": 1,
+        "eval.every_steps": 0,
+        "eval.at_end": True,
+        "checkpoint.every_steps": 0,
+        "checkpoint.every_minutes": 0,
+    }
+    result = train(
+        load_config(REPO / "configs" / "embedded.yaml", [x for k, v in opts.items() for x in (f"--{k}", str(v))])
+    )
     assert result["step"] == 3
     return run
 
@@ -68,7 +97,9 @@ def test_trains_checkpoints_and_evaluates(run_dir):
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     assert 0.0 <= records[-1]["eval/zeroshot/mean_top1"] <= 1.0
     saved = torch.load(run_dir / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
-    assert saved["arch"] == "tiny-vit-hf" and "text.transformer.encoder.layer.1.output.dense.weight" in saved["state_dict"]
+    assert (
+        saved["arch"] == "tiny-vit-hf" and "text.transformer.encoder.layer.1.output.dense.weight" in saved["state_dict"]
+    )
     loaded = load_model(run_dir).built
     assert torch.equal(loaded.model.state_dict()["text.proj.weight"], saved["state_dict"]["text.proj.weight"])
 
@@ -98,8 +129,14 @@ def test_export_loads_in_plain_open_clip_and_survives_a_move(run_dir, tmp_path):
     # a fresh interpreter elsewhere, open_clip alone, no offline switch set: builds from the copied folder
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env["PYTHONPATH"] = str(REPO)
-    out = subprocess.run([sys.executable, "-c", OPEN_CLIP_LOAD, str(written["config_file"]), str(written["file"]),
-                          json.dumps(CAPTIONS)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", OPEN_CLIP_LOAD, str(written["config_file"]), str(written["file"]), json.dumps(CAPTIONS)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert torch.allclose(torch.tensor(json.loads(out.stdout)), expected, atol=1e-5, rtol=0)
 

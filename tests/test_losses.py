@@ -1,5 +1,6 @@
 """Single-process tests of fastclip.losses (float64): gradients against the stated objectives written out
 directly here, options, schedules, input validation, state save/load and resharding."""
+
 from __future__ import annotations
 
 import math
@@ -8,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastclip.losses import (LossInputError, NonFiniteFeaturesError, build_loss, reshard_for_rank, reshard_states)
+from fastclip.losses import LossInputError, NonFiniteFeaturesError, build_loss, reshard_for_rank, reshard_states
 from fastclip.losses.schedules import GammaSchedule
 from fastclip.losses.sharded_state import ShardedSampleState, last_occurrence, shard_size
+
 from helpers import features, grads, run_loss
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -18,10 +20,11 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 
 # --- the stated objectives, written directly on the full N x N similarity matrix ------------------------------
 
+
 def direct_g(e1, e2, scale_img, scale_txt):
     """g1_i, g2_i of every anchor of the batch; scales are scalars or per-anchor [N] tensors."""
     n = e1.shape[0]
-    sim = e1 @ e2.T                                  # sim[i, k] = e1_i . e2_k
+    sim = e1 @ e2.T  # sim[i, k] = e1_i . e2_k
     pos = torch.diagonal(sim)
     off_diagonal = ~torch.eye(n, dtype=torch.bool)
     d_img = (sim - pos[:, None]) * torch.as_tensor(scale_img).reshape(-1, 1)
@@ -57,7 +60,7 @@ def test_gcl_gradient_equals_direct_objective(name):
         _, r_e1, _, r = run_loss(ref, e1, e2, IDX)
         r_theta = r["logit_scale"]
         torch.testing.assert_close(r_e1, want[0], **TOL)
-        torch.testing.assert_close(r_theta, 2 * want[2], **TOL)   # the reference's doubled τ-gradient
+        torch.testing.assert_close(r_theta, 2 * want[2], **TOL)  # the reference's doubled τ-gradient
     else:
         assert g_theta is None and not loss_fn.logit_scale.requires_grad
 
@@ -68,7 +71,7 @@ def test_v3_gradient_equals_rgcl_g_objective_and_reference_doubles_the_g_term():
     loss_fn = build_loss("fastclip-v3", data_size=10, temperature=0.1, rho=rho).double()
     theta = loss_fn.logit_scale.detach().clone().requires_grad_()
     tau = torch.exp(-theta)
-    objective = tau * gcl_objective(e1, e2, theta) + rho * tau          # τ(1/2N)Σ(log(ε+g1)+log(ε+g2)) + ρτ
+    objective = tau * gcl_objective(e1, e2, theta) + rho * tau  # τ(1/2N)Σ(log(ε+g1)+log(ε+g2)) + ρτ
     want = grads(objective, e1, e2, theta)
     loss, g_e1, g_e2, g = run_loss(loss_fn, e1, e2, IDX)
     g_theta = g["logit_scale"]
@@ -92,7 +95,7 @@ def v2_with_taus(tau_img, tau_txt, **options):
     loss_fn = build_loss("fastclip-v2", data_size=10, state_dtype=torch.float64, **options).double()
     state = loss_fn.state_dict()
     fields = state["_extra_state"]["fields"]
-    fields["tau_img"][IDX] = tau_img      # world size 1: slot == index
+    fields["tau_img"][IDX] = tau_img  # world size 1: slot == index
     fields["tau_txt"][IDX] = tau_txt
     loss_fn.load_state_dict(state)
     return loss_fn
@@ -102,8 +105,8 @@ def v2_with_taus(tau_img, tau_txt, **options):
 def test_v2_gradient_state_and_tau_update(compat):
     e1, e2 = features(N, D, seed=3)
     gen = torch.Generator().manual_seed(4)
-    tau_img = (0.2 + 0.6 * torch.rand(N, generator=gen, dtype=torch.float64))
-    tau_txt = (0.2 + 0.6 * torch.rand(N, generator=gen, dtype=torch.float64))
+    tau_img = 0.2 + 0.6 * torch.rand(N, generator=gen, dtype=torch.float64)
+    tau_txt = 0.2 + 0.6 * torch.rand(N, generator=gen, dtype=torch.float64)
     rho, lr_tau, tau_eps = 0.5, 0.05, 1.0  # a large tau_eps makes the Adam step depend on the gradient's value
     loss_fn = v2_with_taus(tau_img, tau_txt, rho=rho, lr_tau=lr_tau, tau_eps=tau_eps, compat=compat)
     _, g_e1, g_e2, _ = run_loss(loss_fn, e1, e2, IDX)
@@ -186,7 +189,7 @@ def test_repeated_index_copies_are_not_negatives(name):
     e1, e2 = features(N, D, seed=14)
     e2 = e2.detach().clone()
     e1 = e1.detach().clone()
-    e1[4], e2[4] = e1[1], e2[1]          # row 4 is a copy of row 1's pair
+    e1[4], e2[4] = e1[1], e2[1]  # row 4 is a copy of row 1's pair
     idx = torch.tensor([0, 1, 2, 3, 1, 5])
     extra = {"rho": 1.0} if name != "fastclip-v1" else {}
     loss_fn = build_loss(name, data_size=10, temperature=0.2, **extra).double()
@@ -202,6 +205,8 @@ def test_repeated_index_copies_are_not_negatives(name):
     torch.testing.assert_close(u[[0, 1, 2, 3, 5]], g1[[0, 4, 2, 3, 5]], **TOL)
     # with the same-index pair included (the old behaviour) u[1] would be larger by exp(0)/(N-1)
     assert (u[1] - g1[4]).abs() < 1e-12 < 1 / (N - 1)
+
+
 def test_gamma_schedule():
     cosine = GammaSchedule("cosine", gamma_min=0.2, decay_epochs=4)
     assert cosine(0) == 1.0 and cosine(4) == cosine(9) == pytest.approx(0.2)
@@ -281,8 +286,9 @@ def random_shards(data_size, world_size, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shards = []
     for rank in range(world_size):
-        state = ShardedSampleState(data_size=data_size, world_size=world_size, rank=rank,
-                                   fields={"u_img": 0.0, "u_txt": 0.0}).state_dict()
+        state = ShardedSampleState(
+            data_size=data_size, world_size=world_size, rank=rank, fields={"u_img": 0.0, "u_txt": 0.0}
+        ).state_dict()
         n = shard_size(data_size, world_size, rank)
         state["fields"] = {k: torch.rand(n, generator=gen) for k in state["fields"]}
         state["seen"] = torch.rand(n, generator=gen) > 0.5
@@ -297,8 +303,8 @@ def assemble(shards):
     seen = torch.empty(shards[0]["data_size"], dtype=torch.bool)
     for s in shards:
         for name, value in s["fields"].items():
-            full[name][s["rank"]::k] = value
-        seen[s["rank"]::k] = s["seen"]
+            full[name][s["rank"] :: k] = value
+        seen[s["rank"] :: k] = s["seen"]
     return full, seen
 
 
@@ -354,7 +360,7 @@ def test_low_precision_features_follow_float64(name):
         x2 = e2.detach().to(dtype).requires_grad_()
         for epoch in range(2):
             x1.grad = x2.grad = None
-            loss = loss_fn(x1, x2, IDX.int(), epoch=epoch)   # int32 indices are accepted too
+            loss = loss_fn(x1, x2, IDX.int(), epoch=epoch)  # int32 indices are accepted too
             loss.backward()
         assert x1.grad.dtype == dtype and torch.isfinite(x1.grad).all() and torch.isfinite(x2.grad).all()
         results[dtype] = (loss.detach().double(), x1.grad.double(), loss_fn.metrics["objective"].double())
@@ -381,8 +387,13 @@ def test_no_fp32_overflow_at_tau_001():
     img = F.normalize(torch.randn(4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64), dim=-1)
     txt = img.clone()
     txt[0] = -img[0]  # pair 0's positive has cosine -1: every other text beats it by about 1
-    options = {"fastclip-v0": {}, "fastclip-v1": {}, "fastclip-v3": {"rho": 6.5}, "fastclip-v2": {"rho": 6.5},
-               "openclip": {}}
+    options = {
+        "fastclip-v0": {},
+        "fastclip-v1": {},
+        "fastclip-v3": {"rho": 6.5},
+        "fastclip-v2": {"rho": 6.5},
+        "openclip": {},
+    }
     for name, extra in options.items():
         got = {}
         for dtype in (torch.float32, torch.float64):
@@ -405,7 +416,7 @@ def test_state_saved_as_u_before_log_u_loads_as_log_u():
     loss_fn(e1, e2, IDX)
     saved = loss_fn.state_dict()
     extra = saved["_extra_state"]
-    old = dict(extra, fields={name[len("log_"):]: value.exp() for name, value in extra["fields"].items()})
+    old = dict(extra, fields={name[len("log_") :]: value.exp() for name, value in extra["fields"].items()})
     fresh = build_loss("fastclip-v3", data_size=10).double()
     fresh.load_state_dict({**saved, "_extra_state": old})
     for name, value in fresh.state_dict()["_extra_state"]["fields"].items():
@@ -467,7 +478,9 @@ def test_v3_separate_temperatures_follow_the_textbook_objective():
     torch.testing.assert_close(g_e2, want[1], **TOL)
     torch.testing.assert_close(g_theta, want[2], **TOL)
     torch.testing.assert_close(loss_fn.metrics["objective"], objective.detach(), **TOL)
-    assert loss_fn.metrics["tau_img"].item() == pytest.approx(0.1) and loss_fn.metrics["tau_txt"].item() == pytest.approx(0.25)
+    assert loss_fn.metrics["tau_img"].item() == pytest.approx(0.1) and loss_fn.metrics[
+        "tau_txt"
+    ].item() == pytest.approx(0.25)
     # with τ1 = τ2 it is the shared-τ loss
     shared = build_loss("fastclip-v3", data_size=10, rho=rho, temperature=0.1).double()
     both = build_loss("fastclip-v3", data_size=10, rho=rho, temperature=0.1, separate_temperatures=True).double()

@@ -1,5 +1,6 @@
 """The losses inside torch.autocast(bf16), as OpenCLIP's training loop calls its loss: autocast is off inside
 the loss, so fp32 features give exactly the fp32 result, and bf16 features are multiplied in fp32."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,14 @@ import torch.nn.functional as F
 from fastclip.losses import build_loss
 
 N, D = 64, 16
-OPTIONS = {"openclip": {}, "fastclip-v0": {}, "fastclip-v1": {}, "fastclip-v2": {"rho": 3.0},
-           "fastclip-v3": {"rho": 3.0}, "siglip": {}}
+OPTIONS = {
+    "openclip": {},
+    "fastclip-v0": {},
+    "fastclip-v1": {},
+    "fastclip-v2": {"rho": 3.0},
+    "fastclip-v3": {"rho": 3.0},
+    "siglip": {},
+}
 
 
 def features(dtype=torch.float32):

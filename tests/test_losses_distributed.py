@@ -5,6 +5,7 @@ every rank back-propagating its own loss and gradients averaged over ranks (as D
 temperature gradients, loss values, objectives and the reassembled per-sample state equal those of ONE
 process on the rank-major concatenated batch, to 1e-10, over 3 steps with γ < 1 and repeated indices.
 """
+
 from __future__ import annotations
 
 import gc
@@ -15,9 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import run_distributed
 from fastclip.losses import LossInputError, NonFiniteFeaturesError, build_loss, reshard_states
 from fastclip.losses.byte_counter import CollectiveByteCounter
+
+from dist_utils import run_distributed
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 D = 5
@@ -26,11 +28,17 @@ DATA_SIZE = 16
 STEPS_2 = [([3, 7, 12, 5, 9, 7, 0, 14], 0), ([7, 3, 15, 2, 12, 11, 5, 3], 1), ([0, 1, 3, 7, 7, 8, 9, 10], 2)]
 # Global batches of 9 (3 ranks x 3) for the 3-rank run.
 STEPS_3 = [([1, 4, 9, 4, 13, 2, 15, 0, 6], 0), ([4, 6, 2, 11, 1, 3, 9, 9, 14], 1), ([2, 5, 4, 0, 6, 7, 8, 12, 1], 2)]
-CONFIGS_2 = [(name, compat) for name in ("fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
-             for compat in ("faithful", "reference")] + [("openclip", None), ("fastclip-v3", "separate"),
-                                                         ("fastclip-tempnet", "faithful")]
-CONFIGS_3 = [("fastclip-v3", "faithful"), ("fastclip-v2", "reference"), ("fastclip-v0", "reference"),
-             ("openclip", None)]
+CONFIGS_2 = [
+    (name, compat)
+    for name in ("fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
+    for compat in ("faithful", "reference")
+] + [("openclip", None), ("fastclip-v3", "separate"), ("fastclip-tempnet", "faithful")]
+CONFIGS_3 = [
+    ("fastclip-v3", "faithful"),
+    ("fastclip-v2", "reference"),
+    ("fastclip-v0", "reference"),
+    ("openclip", None),
+]
 
 
 def make_loss(name, compat, **extra):
@@ -74,9 +82,17 @@ def run_steps(loss_fn, steps, rows: slice):
         loss.backward()
         scale = getattr(loss_fn, "logit_scale", None)
         heads = {n: p.grad.clone() for n, p in loss_fn.named_parameters() if n.startswith("tempnet_")}
-        records.append({"loss": loss.detach(), "e1": e1.grad, "e2": e2.grad, "heads": heads,
-                        "theta": None if scale is None or scale.grad is None else scale.grad.clone(),
-                        "metrics": dict(loss_fn.metrics), "bytes": dict(loss_fn.comm_bytes)})
+        records.append(
+            {
+                "loss": loss.detach(),
+                "e1": e1.grad,
+                "e2": e2.grad,
+                "heads": heads,
+                "theta": None if scale is None or scale.grad is None else scale.grad.clone(),
+                "metrics": dict(loss_fn.metrics),
+                "bytes": dict(loss_fn.comm_bytes),
+            }
+        )
     state = loss_fn.state_dict().get("_extra_state")
     return {"steps": records, "state": state}
 
@@ -88,6 +104,7 @@ def run_configs(configs, steps, rank, world_size):
 
 
 # --- the 2-rank suite ------------------------------------------------------------------------------------------
+
 
 def clip_loss_comparison(rank, world_size):
     from fastclip.compat import import_open_clip
@@ -124,8 +141,13 @@ def clip_loss_comparison(rank, world_size):
 
 BAD_CASES = {
     # name: (rank that misbehaves, how) -- every rank must raise the same error
-    "index_out_of_range": 1, "negative_index": 0, "float_indices": 1, "features_3d": 0,
-    "batch_size_differs": 1, "feature_size_differs": 0, "nan_features": 1,
+    "index_out_of_range": 1,
+    "negative_index": 0,
+    "float_indices": 1,
+    "features_3d": 0,
+    "batch_size_differs": 1,
+    "feature_size_differs": 0,
+    "nan_features": 1,
 }
 
 
@@ -175,8 +197,10 @@ def big_data_size(rank, world_size):
             idx[0], idx[1] = BIG - 1 - rank, rank  # both ends of the range
             loss_fn(e1, e2, idx, epoch=step).backward()
         state = loss_fn.state_dict()["_extra_state"]
-        out[name] = {"slots": {k: v.numel() for k, v in state["fields"].items()} | {"seen": state["seen"].numel()},
-                     "seen_total": int(state["seen"].sum())}
+        out[name] = {
+            "slots": {k: v.numel() for k, v in state["fields"].items()} | {"seen": state["seen"].numel()},
+            "seen_total": int(state["seen"].sum()),
+        }
         if name == "fastclip-v3":
             out["v3_state"] = state
     # the longest tensor on this rank (a per-sample table is [slots, fields]: its length is its slot count)
@@ -186,10 +210,12 @@ def big_data_size(rank, world_size):
 
 def two_rank_suite(rank, world_size):
     torch.manual_seed(0)
-    return {"configs": run_configs(CONFIGS_2, STEPS_2, rank, world_size),
-            "clip": clip_loss_comparison(rank, world_size),
-            "bad": bad_inputs(rank, world_size),
-            "big": big_data_size(rank, world_size)}
+    return {
+        "configs": run_configs(CONFIGS_2, STEPS_2, rank, world_size),
+        "clip": clip_loss_comparison(rank, world_size),
+        "bad": bad_inputs(rank, world_size),
+        "big": big_data_size(rank, world_size),
+    }
 
 
 def three_rank_suite(rank, world_size):
@@ -198,8 +224,9 @@ def three_rank_suite(rank, world_size):
     group = dist.new_group([0, 2])
     if rank != 1:
         member = [0, 2].index(rank)
-        out["subgroup"] = run_steps(make_loss("fastclip-v3", "faithful", group=group), STEPS_2,
-                                    slice(4 * member, 4 * member + 4))
+        out["subgroup"] = run_steps(
+            make_loss("fastclip-v3", "faithful", group=group), STEPS_2, slice(4 * member, 4 * member + 4)
+        )
     dist.barrier()
     return out
 
@@ -216,6 +243,7 @@ def three_ranks():
 
 # --- comparisons against one process on the concatenated batch -------------------------------------------------
 
+
 def assert_matches_single_process(per_rank, single, world_size, label):
     """DDP-averaged gradients, mean loss, objective and reassembled state equal to the single process."""
     b = single["steps"][0]["e1"].shape[0] // world_size
@@ -224,18 +252,26 @@ def assert_matches_single_process(per_rank, single, world_size, label):
         where = f"{label} step {step}"
         for r, rec in enumerate(got):
             rows = slice(r * b, (r + 1) * b)
-            torch.testing.assert_close(rec["e1"] / world_size, want["e1"][rows], **TOL, msg=f"{where} rank {r} image grad")
-            torch.testing.assert_close(rec["e2"] / world_size, want["e2"][rows], **TOL, msg=f"{where} rank {r} text grad")
-            torch.testing.assert_close(rec["metrics"]["objective"], want["metrics"]["objective"], **TOL,
-                                       msg=f"{where} objective")
-        torch.testing.assert_close(sum(rec["loss"] for rec in got) / world_size, want["loss"], **TOL,
-                                   msg=f"{where} mean loss")
+            torch.testing.assert_close(
+                rec["e1"] / world_size, want["e1"][rows], **TOL, msg=f"{where} rank {r} image grad"
+            )
+            torch.testing.assert_close(
+                rec["e2"] / world_size, want["e2"][rows], **TOL, msg=f"{where} rank {r} text grad"
+            )
+            torch.testing.assert_close(
+                rec["metrics"]["objective"], want["metrics"]["objective"], **TOL, msg=f"{where} objective"
+            )
+        torch.testing.assert_close(
+            sum(rec["loss"] for rec in got) / world_size, want["loss"], **TOL, msg=f"{where} mean loss"
+        )
         for head_param, grad in want["heads"].items():  # TempNet's heads: averaged like DDP would
-            torch.testing.assert_close(sum(rec["heads"][head_param] for rec in got) / world_size, grad, **TOL,
-                                       msg=f"{where} {head_param} grad")
+            torch.testing.assert_close(
+                sum(rec["heads"][head_param] for rec in got) / world_size, grad, **TOL, msg=f"{where} {head_param} grad"
+            )
         if want["theta"] is not None:
-            torch.testing.assert_close(sum(rec["theta"] for rec in got) / world_size, want["theta"], **TOL,
-                                       msg=f"{where} temperature grad")
+            torch.testing.assert_close(
+                sum(rec["theta"] for rec in got) / world_size, want["theta"], **TOL, msg=f"{where} temperature grad"
+            )
         else:
             assert all(rec["theta"] is None for rec in got)
     if single["state"] is not None:
@@ -287,7 +323,7 @@ def test_comm_bytes_v3_half_of_cliploss(two_ranks):
     k, b, item = 2, 4, 8
     for result in two_ranks:
         v3 = result["clip"]["v3_bytes"]
-        assert v3["features"] == (k - 1) * 2 * b * D * item          # one all_gather of [image | text]
+        assert v3["features"] == (k - 1) * 2 * b * D * item  # one all_gather of [image | text]
         assert v3["indices"] == (k - 1) * b * 8
         assert v3["state"] == 2 * (k - 1) * (k * b) * 5 * item // k  # all_reduce of [N, 5]
         assert v3["header"] == (k - 1) * 16 * 8
@@ -308,7 +344,10 @@ def test_bad_input_raises_the_same_error_on_every_rank(two_ranks, case):
         "features_3d": (LossInputError, "rank 0: image_features must be a 2-D [B, d] tensor"),
         "batch_size_differs": (LossInputError, "local batch size B differs across ranks (rank 0: 4, rank 1: 5)"),
         "feature_size_differs": (LossInputError, "feature size d differs across ranks (rank 0: 4, rank 1: 5)"),
-        "nan_features": (NonFiniteFeaturesError, "rank 1: image_features has non-finite values (NaN/Inf), first in row 3"),
+        "nan_features": (
+            NonFiniteFeaturesError,
+            "rank 1: image_features has non-finite values (NaN/Inf), first in row 3",
+        ),
     }[case]
     assert kind0 == expected[0].__name__
     assert expected[1] in msg0, msg0
@@ -316,7 +355,7 @@ def test_bad_input_raises_the_same_error_on_every_rank(two_ranks, case):
 
 
 def test_data_size_million_is_sharded_and_reshards_losslessly(two_ranks):
-    for rank, result in enumerate(two_ranks):
+    for result in two_ranks:
         big = result["big"]
         for name in ("fastclip-v3", "fastclip-v2"):
             assert set(big[name]["slots"].values()) == {BIG // 2}, (name, big[name]["slots"])
@@ -335,6 +374,6 @@ def test_data_size_million_is_sharded_and_reshards_losslessly(two_ranks):
     three = reshard_states(one, 3)
     assert [s["seen"].numel() for s in three] == [333334, 333333, 333333]
     assert sum(int(s["seen"].sum()) for s in three) == seen_before
-    same(reshard_states(three, 2), shards)          # 2 -> 1 -> 3 -> 2
-    same(reshard_states(shards, 3), three)          # 2 -> 3 directly agrees
-    same(reshard_states(three, 1), one)             # 3 -> 1
+    same(reshard_states(three, 2), shards)  # 2 -> 1 -> 3 -> 2
+    same(reshard_states(shards, 3), three)  # 2 -> 3 directly agrees
+    same(reshard_states(three, 1), one)  # 3 -> 1

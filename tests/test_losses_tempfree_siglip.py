@@ -4,6 +4,7 @@ float64 throughout. Single process: gradients against objectives written out her
 spawn of 2 real processes (gloo): every new configuration over 3 steps (γ < 1, repeated indices) against one
 process on the concatenated batch, and SigLIP against open_clip's ``SigLipLoss`` rank by rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,10 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_utils import run_distributed
-from helpers import features, grads, run_loss
 from fastclip.losses import build_loss, reshard_states
 from fastclip.losses.similarity import atanh_logit_
+
+from dist_utils import run_distributed
+from helpers import features, grads, run_loss
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 CLAMP = 1e-6
@@ -30,10 +32,10 @@ def phi(c, clamp=CLAMP):
 
 # --- the map ------------------------------------------------------------------------------------------------------
 
+
 def test_atanh_map_and_its_derivative_match_autograd():
     limit = 1 - CLAMP
-    c = torch.tensor([-1.0, -1 + 1e-9, -limit, -0.9, -0.3, 0.0, 0.25, 0.999, limit, 1 - 1e-8, 1.0],
-                     dtype=torch.float64)
+    c = torch.tensor([-1.0, -1 + 1e-9, -limit, -0.9, -0.3, 0.0, 0.25, 0.999, limit, 1 - 1e-8, 1.0], dtype=torch.float64)
     value, derivative = atanh_logit_(c.clone(), CLAMP)
     leaf = c.clone().requires_grad_()
     want = phi(leaf)
@@ -48,6 +50,7 @@ def test_atanh_map_and_its_derivative_match_autograd():
 
 
 # --- temperature-free losses against the directly written objectives ------------------------------------------
+
 
 def mapped_g(e1, e2, scale):
     """GCL's g1_i, g2_i with logits scale·φ(cos)."""
@@ -69,7 +72,7 @@ def test_openclip_atanh_is_the_temperature_free_cross_entropy():
     e1, e2 = features(N, D, seed=1, clamped_pair=(1, 4))
     labels = torch.arange(N)
     loss_fn = build_loss("openclip", similarity="atanh").double()
-    assert loss_fn.tau_param_names() == [] and loss_fn.temperature().item() == 1.0   # nothing to tune
+    assert loss_fn.tau_param_names() == [] and loss_fn.temperature().item() == 1.0  # nothing to tune
     logit = phi(e1 @ e2.T)
     ce = 0.5 * (F.cross_entropy(logit, labels) + F.cross_entropy(logit.T, labels))
     want = grads(ce, e1, e2)
@@ -149,8 +152,9 @@ def test_gcl_atanh_gradient_equals_direct_objective(name):
         return
     torch.testing.assert_close(g_params["logit_scale"], want[2], **TOL)
     # compat="reference" counts the g-term of the scale gradient twice (as with the cosine)
-    ref = build_loss(name, data_size=10, similarity="atanh", temperature=temperature, compat="reference",
-                     **extra).double()
+    ref = build_loss(
+        name, data_size=10, similarity="atanh", temperature=temperature, compat="reference", **extra
+    ).double()
     _, r_e1, _, r_params = run_loss(ref, e1, e2, IDX)
     outer = torch.exp(-theta).detach() if name == "fastclip-v3" else 1.0
     g_term = grads(outer * mapped_gcl(e1, e2, theta.exp()), theta)[0]
@@ -160,6 +164,7 @@ def test_gcl_atanh_gradient_equals_direct_objective(name):
 
 
 # --- SigLIP -------------------------------------------------------------------------------------------------------
+
 
 def siglip_objective(e1, e2, theta, bias):
     """−(1/N) Σ_ij log σ(z_ij (t e1_i·e2_j + b)), z = +1 on the diagonal (one process: B_local = N)."""
@@ -190,8 +195,9 @@ def test_siglip_gradient_equals_direct_objective():
     assert f_params == {} and torch.isfinite(f_e1).all()
 
 
-@pytest.mark.parametrize("name,options", [("siglip", {}), ("openclip", {"similarity": "atanh"}),
-                                          ("fastclip-v3", {"similarity": "atanh"})])
+@pytest.mark.parametrize(
+    "name,options", [("siglip", {}), ("openclip", {"similarity": "atanh"}), ("fastclip-v3", {"similarity": "atanh"})]
+)
 def test_low_precision_follows_float64(name, options):
     e1, e2 = features(N, D, seed=5)
     results = {}
@@ -218,7 +224,7 @@ def test_options_of_the_new_losses():
     v3 = build_loss("fastclip-v3", data_size=10, similarity="atanh")
     assert v3.temperature().item() == 1.0 and v3.tau_param_names() == ["logit_scale"]
     assert build_loss("fastclip-v1", data_size=10, similarity="atanh", temperature=0.5).temperature().item() == 0.5
-    assert build_loss("openclip").options.similarity == "cosine"   # the default is unchanged
+    assert build_loss("openclip").options.similarity == "cosine"  # the default is unchanged
     assert build_loss("openclip").temperature().item() == pytest.approx(0.07)
 
 
@@ -255,8 +261,16 @@ def run_steps(loss_fn, rows):
     for step, (indices, epoch) in enumerate(STEPS):
         e1, e2 = step_batch(step, len(indices))
         loss, g_e1, g_e2, g_params = run_loss(loss_fn, e1[rows], e2[rows], torch.tensor(indices)[rows], epoch)
-        records.append({"loss": loss, "e1": g_e1, "e2": g_e2, "params": {k: v.clone() for k, v in g_params.items()},
-                        "objective": loss_fn.metrics["objective"], "bytes": dict(loss_fn.comm_bytes)})
+        records.append(
+            {
+                "loss": loss,
+                "e1": g_e1,
+                "e2": g_e2,
+                "params": {k: v.clone() for k, v in g_params.items()},
+                "objective": loss_fn.metrics["objective"],
+                "bytes": dict(loss_fn.comm_bytes),
+            }
+        )
     return {"steps": records, "state": loss_fn.state_dict().get("_extra_state")}
 
 
@@ -280,8 +294,10 @@ def siglip_against_open_clip(rank, world_size):
 
 def two_rank_suite(rank, world_size):
     rows = slice(4 * rank, 4 * rank + 4)
-    return {"configs": {label: run_steps(make(label), rows) for label in CONFIGS},
-            "siglip_open_clip": siglip_against_open_clip(rank, world_size)}
+    return {
+        "configs": {label: run_steps(make(label), rows) for label in CONFIGS},
+        "siglip_open_clip": siglip_against_open_clip(rank, world_size),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -304,8 +320,9 @@ def test_two_ranks_equal_one_process(two_ranks, label):
         torch.testing.assert_close(sum(rec["loss"] for rec in got) / k, want["loss"], **TOL, msg=f"{where} loss")
         assert set(want["params"]) == set(got[0]["params"])
         for name, value in want["params"].items():
-            torch.testing.assert_close(sum(rec["params"][name] for rec in got) / k, value, **TOL,
-                                       msg=f"{where} {name} grad")
+            torch.testing.assert_close(
+                sum(rec["params"][name] for rec in got) / k, value, **TOL, msg=f"{where} {name} grad"
+            )
     if single["state"] is not None:
         merged = reshard_states([r["configs"][label]["state"] for r in two_ranks], 1)[0]
         assert torch.equal(merged["seen"], single["state"]["seen"])
@@ -328,7 +345,7 @@ def test_siglip_comm_bytes(two_ranks):
     k, b, item = 2, 4, 8
     for result in two_ranks:
         sent = result["configs"]["siglip"]["steps"][0]["bytes"]
-        assert sent["features"] == (k - 1) * 2 * b * D * item    # one all_gather of [image | text]
-        assert sent["indices"] == 0                              # no indices shipped
-        assert sent["state"] == 2 * (k - 1) * (k * b) * item // k   # the objective's N row sums
+        assert sent["features"] == (k - 1) * 2 * b * D * item  # one all_gather of [image | text]
+        assert sent["indices"] == 0  # no indices shipped
+        assert sent["state"] == 2 * (k - 1) * (k * b) * item // k  # the objective's N row sums
         assert sent["total"] == sum(sent[key] for key in ("header", "features", "indices", "state"))

@@ -1,5 +1,6 @@
 """fastclip-tempnet: RGCL with per-anchor temperatures predicted by an MLP head per modality (float64, against
 the objective written out directly)."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,9 @@ def features(seed):
 
 
 def tempnet(seed=0):
-    loss_fn = build_loss("fastclip-tempnet", data_size=10, embed_dim=D, tempnet_hidden=7, rho=RHO,
-                         temperature=0.2).double()
+    loss_fn = build_loss(
+        "fastclip-tempnet", data_size=10, embed_dim=D, tempnet_hidden=7, rho=RHO, temperature=0.2
+    ).double()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # the heads start constant; give them a slope so τ differs between anchors
         for head in (loss_fn.tempnet_img, loss_fn.tempnet_txt):
@@ -68,8 +70,9 @@ def test_tempnet_predicts_bounded_temperatures_for_unseen_samples_and_round_trip
     unseen = F.normalize(torch.randn(50, D, dtype=torch.float64), dim=1)
     tau = loss_fn.tempnet_img(unseen)
     assert ((tau > 0.01) & (tau < 1.0)).all() and tau.std() > 0
-    fresh = build_loss("fastclip-tempnet", data_size=10, embed_dim=D, tempnet_hidden=7, rho=RHO,
-                       temperature=0.2).double()
+    fresh = build_loss(
+        "fastclip-tempnet", data_size=10, embed_dim=D, tempnet_hidden=7, rho=RHO, temperature=0.2
+    ).double()
     fresh.load_state_dict(loss_fn.state_dict())
     torch.testing.assert_close(fresh.tempnet_img(unseen), tau, rtol=0, atol=0)
     assert fresh.state_dict()["_extra_state"]["seen"].sum() == N
@@ -91,12 +94,23 @@ def test_export_writes_the_heads_beside_a_model_open_clip_loads(tmp_path):
     from fastclip.models import build_model
 
     built = build_model("tiny-vit")
-    heads = {k: v for k, v in build_loss("fastclip-tempnet", data_size=4, embed_dim=64).state_dict().items()
-             if k.startswith("tempnet_")}
+    heads = {
+        k: v
+        for k, v in build_loss("fastclip-tempnet", data_size=4, embed_dim=64).state_dict().items()
+        if k.startswith("tempnet_")
+    }
     step = tmp_path / "run" / "checkpoints" / "step_00000001"
     step.mkdir(parents=True)
-    torch.save({"state_dict": built.model.state_dict(), "arch": "tempnet-export-vit", "model_config": built.config,
-                "loss": heads, "step": 1}, step / "model.pt")
+    torch.save(
+        {
+            "state_dict": built.model.state_dict(),
+            "arch": "tempnet-export-vit",
+            "model_config": built.config,
+            "loss": heads,
+            "step": 1,
+        },
+        step / "model.pt",
+    )
     (step.parent / "latest").write_text(step.name)
     written = export_model(tmp_path / "run", tmp_path / "out" / "model.pt")
     saved = torch.load(written["tempnet_file"], weights_only=True)["state_dict"]

@@ -1,5 +1,6 @@
 """FastCLIP-v2's ε: the objective's log(ε + g) in the true scale, although u is stored shifted by the running
 bound b (float64, against the objective written out directly)."""
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,9 @@ def after_a_large_gap(compat):
     """Step 1 on the reversed-pair batch (the bound of anchor 0 jumps to about 75), step 2 on an ordinary batch
     of the same samples: b never decreases, so in step 2 u is tiny in the shifted scale. Returns step 2's
     encoder gradients, the loss, its inputs and the τ step 2 used. γ = 1 in epoch 0, so u = g."""
-    loss_fn = build_loss("fastclip-v2", data_size=N, temperature=TAU, eps=EPS, rho=2.0, compat=compat,
-                         state_dtype=torch.float64).double()
+    loss_fn = build_loss(
+        "fastclip-v2", data_size=N, temperature=TAU, eps=EPS, rho=2.0, compat=compat, state_dtype=torch.float64
+    ).double()
     loss_fn(*reversed_pair_batch(), IDX)
     fields = loss_fn.state_dict()["_extra_state"]["fields"]
     tau_img, tau_txt = fields["tau_img"].clone(), fields["tau_txt"].clone()

@@ -1,5 +1,6 @@
 """What OpenCLIP users type: its spellings are accepted where they mean what ours mean, the rest is refused
 in one line naming the key (exit status 2)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -18,44 +19,65 @@ def same(openclip: list[str], ours: list[str]) -> None:
     assert load_config(RECIPE, openclip).to_dict() == load_config(RECIPE, ours).to_dict()
 
 
-@pytest.mark.parametrize("theirs, ours", [("amp", "fp16"), ("amp_bf16", "bf16"), ("amp_bfloat16", "bf16"),
-                                          ("fp32", "fp32")])
+@pytest.mark.parametrize(
+    "theirs, ours", [("amp", "fp16"), ("amp_bf16", "bf16"), ("amp_bfloat16", "bf16"), ("fp32", "fp32")]
+)
 def test_precision_spellings(theirs, ours):
     same(["--precision", theirs], ["--train.precision", ours])
     same([f"--precision={theirs}"], ["--train.precision", ours])
 
 
 def test_report_to_resume_and_log_every():
-    same(["--report-to", "tensorboard", "--resume", "latest", "--log-every-n-steps", "5"],
-         ["--train.tensorboard", "true", "--train.resume", "latest", "--train.log_every", "5"])
+    same(
+        ["--report-to", "tensorboard", "--resume", "latest", "--log-every-n-steps", "5"],
+        ["--train.tensorboard", "true", "--train.resume", "latest", "--train.log_every", "5"],
+    )
     same(["--report-to", ""], ["--train.tensorboard", "false"])  # OpenCLIP's default: no reporting
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fastclip", "train", "--config", str(RECIPE), *args,
-                           "--print-config"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "RANK": "0"})
+    return subprocess.run(
+        [sys.executable, "-m", "fastclip", "train", "--config", str(RECIPE), *args, "--print-config"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "RANK": "0"},
+    )
 
 
 def test_local_loss_and_gather_with_grad_are_accepted_with_one_note_each():
     out = _cli("--local-loss", "--gather-with-grad", "--batch-size", "64")
     assert out.returncode == 0, out.stderr
-    note = "is accepted and changes nothing: every loss gathers the features once and computes the global-batch " \
-           "gradient exactly"
-    assert out.stderr.splitlines() == [f"fastclip train: note: --local-loss {note}",
-                                       f"fastclip train: note: --gather-with-grad {note}"]
+    note = (
+        "is accepted and changes nothing: every loss gathers the features once and computes the global-batch "
+        "gradient exactly"
+    )
+    assert out.stderr.splitlines() == [
+        f"fastclip train: note: --local-loss {note}",
+        f"fastclip train: note: --gather-with-grad {note}",
+    ]
     assert "batch_size: 64" in out.stdout
     same(["--local-loss", "--gather-with-grad"], [])
 
 
-@pytest.mark.parametrize("args, line", [
-    (["--precision", "pure_bf16"], "config key 'train.precision': 'pure_bf16' (OpenCLIP: weights in half precision) "
-                                   "is not supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is "
-                                   "'fp16'"),
-    (["--report-to", "tensorboard,wandb"], "config key 'report_to': wandb is not supported yet; metrics go to "
-                                           "<run_dir>/metrics.jsonl and, with --report-to tensorboard, to TensorBoard"),
-    (["--report-to", "mlflow"], "config key 'report_to': 'mlflow' is not one of tensorboard, wandb"),
-])
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["--precision", "pure_bf16"],
+            "config key 'train.precision': 'pure_bf16' (OpenCLIP: weights in half precision) "
+            "is not supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is "
+            "'fp16'",
+        ),
+        (
+            ["--report-to", "tensorboard,wandb"],
+            "config key 'report_to': wandb is not supported yet; metrics go to "
+            "<run_dir>/metrics.jsonl and, with --report-to tensorboard, to TensorBoard",
+        ),
+        (["--report-to", "mlflow"], "config key 'report_to': 'mlflow' is not one of tensorboard, wandb"),
+    ],
+)
 def test_what_means_something_else_is_one_line_and_exit_2(args, line):
     out = _cli(*args)
     assert out.returncode == 2

@@ -1,6 +1,7 @@
 """What an operator types wrong ends in one line naming the key or file and what to do, exit status 2, before the
 towers are built or data is read; --model.pretrained starts the towers from an OpenCLIP or
 fastclip file. One short real training run (1 process) provides the checkpoint the cases start from."""
+
 from __future__ import annotations
 
 import shutil
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EMBEDDED, load, fault_overrides, step_dir
 from fastclip.train.cli import main
+
+from helpers import EMBEDDED, fault_overrides, load, step_dir
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +39,24 @@ def _args(data, run, **extra) -> list[str]:
 
 # ----------------------------------------------------------------------------- names, machine, files
 def test_unknown_arch_lists_the_known_ones(tiny_embedded, tmp_path, capsys):
-    err = _fails(capsys, _args(tiny_embedded, tmp_path / "run", **{"model.arch": "tiny-vitt"}), "model.arch",
-                 "unknown architecture 'tiny-vitt'", "did you mean 'tiny-vit'", "tiny-vit-hf", "RN50", "ViT-B-32")
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "run", **{"model.arch": "tiny-vitt"}),
+        "model.arch",
+        "unknown architecture 'tiny-vitt'",
+        "did you mean 'tiny-vit'",
+        "tiny-vit-hf",
+        "RN50",
+        "ViT-B-32",
+    )
     assert not (tmp_path / "run").exists()  # nothing was created: checked first
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")
 def test_cuda_without_a_gpu(tiny_embedded, tmp_path, capsys):
-    _fails(capsys, _args(tiny_embedded, tmp_path / "run", **{"train.device": "cuda"}), "train.device",
-           "--train.device cpu")
+    _fails(
+        capsys, _args(tiny_embedded, tmp_path / "run", **{"train.device": "cuda"}), "train.device", "--train.device cpu"
+    )
 
 
 def test_config_that_is_a_directory_or_empty(tmp_path, capsys):
@@ -70,11 +81,23 @@ def test_run_dir_that_cannot_be_written(tiny_embedded, capsys):
 # ----------------------------------------------------------------------------- resuming
 def test_resume_with_another_seed_or_data_is_refused_before_building(tiny_embedded, trained, tmp_path, capsys):
     ckpt = step_dir(trained, 2)
-    _fails(capsys, _args(tiny_embedded, tmp_path / "a", **{"train.resume": ckpt, "train.seed": 7}), "train.seed",
-           "was trained with 2024, this config gives 7", f"--model.pretrained {ckpt / 'model.pt'}")
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "a", **{"train.resume": ckpt, "train.seed": 7}),
+        "train.seed",
+        "was trained with 2024, this config gives 7",
+        f"--model.pretrained {ckpt / 'model.pt'}",
+    )
     _fails(capsys, _args(tiny_embedded, tmp_path / "b", **{"train.resume": ckpt, "data.seed": 7}), "data.seed")
-    _fails(capsys, _args(tiny_embedded, tmp_path / "c", **{"train.resume": ckpt, "data.resampled": True,
-                                                          "data.samples_per_epoch": 40}), "data.resampled")
+    _fails(
+        capsys,
+        _args(
+            tiny_embedded,
+            tmp_path / "c",
+            **{"train.resume": ckpt, "data.resampled": True, "data.samples_per_epoch": 40},
+        ),
+        "data.resampled",
+    )
     other = tmp_path / "other"  # the same samples in other shards: the saved position means nothing there
     shutil.copytree(tiny_embedded, other)
     from fastclip.data.manifest import read_manifest, write_manifest
@@ -82,8 +105,12 @@ def test_resume_with_another_seed_or_data_is_refused_before_building(tiny_embedd
     manifest = read_manifest(other / "train")
     manifest.shards = manifest.shards[:-1]
     write_manifest(other / "train", manifest)
-    _fails(capsys, _args(tiny_embedded, tmp_path / "d", **{"train.resume": ckpt, "data.train": other / "train"}),
-           "data.train", "epoch of that length")
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "d", **{"train.resume": ckpt, "data.train": other / "train"}),
+        "data.train",
+        "epoch of that length",
+    )
 
 
 def _openclip_checkpoint(trained: Path, path: Path, **change) -> Path:
@@ -91,27 +118,47 @@ def _openclip_checkpoint(trained: Path, path: Path, **change) -> Path:
     state = {f"module.{k}": v for k, v in load(step_dir(trained, 2) / "model.pt")["state_dict"].items()}
     for key, shape in change.items():
         state[f"module.{key}"] = torch.zeros(shape)
-    torch.save({"epoch": 3, "name": "openclip-run", "state_dict": state,
-                "optimizer": {"state": {}, "param_groups": []}}, path)
+    torch.save(
+        {"epoch": 3, "name": "openclip-run", "state_dict": state, "optimizer": {"state": {}, "param_groups": []}}, path
+    )
     return path
 
 
 def test_foreign_checkpoints_given_to_resume_say_what_they_are(tiny_embedded, trained, tmp_path, capsys):
     epoch = _openclip_checkpoint(trained, tmp_path / "epoch_3.pt")
-    _fails(capsys, _args(tiny_embedded, tmp_path / "a", **{"train.resume": epoch}), "train.resume",
-           "an OpenCLIP training checkpoint (epoch_N.pt, epoch 3)", f"--model.pretrained {epoch}")
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "a", **{"train.resume": epoch}),
+        "train.resume",
+        "an OpenCLIP training checkpoint (epoch_N.pt, epoch 3)",
+        f"--model.pretrained {epoch}",
+    )
     bare = tmp_path / "weights.pt"
     torch.save(load(step_dir(trained, 2) / "model.pt")["state_dict"], bare)
-    _fails(capsys, _args(tiny_embedded, tmp_path / "b", **{"train.resume": bare}), "train.resume",
-           "a bare state dict", "--model.pretrained")
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "b", **{"train.resume": bare}),
+        "train.resume",
+        "a bare state dict",
+        "--model.pretrained",
+    )
     folder = tmp_path / "step_00000009"  # a step folder whose model.pt is not ours
     folder.mkdir()
     shutil.copy(bare, folder / "model.pt")
-    _fails(capsys, _args(tiny_embedded, tmp_path / "c", **{"train.resume": folder}), "train.resume",
-           "a bare state dict (", "not a fastclip training checkpoint")
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "c", **{"train.resume": folder}),
+        "train.resume",
+        "a bare state dict (",
+        "not a fastclip training checkpoint",
+    )
     ours = step_dir(trained, 2) / "model.pt"
-    _fails(capsys, _args(tiny_embedded, tmp_path / "d", **{"train.resume": ours}), "train.resume",
-           f"pass its folder ({ours.parent})")
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "d", **{"train.resume": ours}),
+        "train.resume",
+        f"pass its folder ({ours.parent})",
+    )
 
 
 def test_resume_whose_tensors_do_not_fit_the_model(tiny_embedded, trained, tmp_path, capsys):
@@ -120,8 +167,13 @@ def test_resume_whose_tensors_do_not_fit_the_model(tiny_embedded, trained, tmp_p
     model = load(ckpt / "model.pt")
     model["state_dict"]["text_projection"] = torch.zeros(3, 5)
     torch.save(model, ckpt / "model.pt")
-    _fails(capsys, _args(tiny_embedded, tmp_path / "run", **{"train.resume": ckpt}), "train.resume",
-           "does not fit architecture", "text_projection (3, 5) vs")
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "run", **{"train.resume": ckpt}),
+        "train.resume",
+        "does not fit architecture",
+        "text_projection (3, 5) vs",
+    )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -130,8 +182,16 @@ def test_pretrained_starts_the_towers_from_an_openclip_checkpoint(tiny_embedded,
     epoch = _openclip_checkpoint(trained, tmp_path / "epoch_3.pt")
     run = tmp_path / "run"
     # lr 0: the towers after one step are the loaded ones, so the saved weights show exactly what was loaded
-    assert main(_args(tiny_embedded, run, **{"model.pretrained": epoch, "train.max_steps": 1, "optim.lr": 0.0,
-                                             "checkpoint.every_steps": 1})) == 0
+    assert (
+        main(
+            _args(
+                tiny_embedded,
+                run,
+                **{"model.pretrained": epoch, "train.max_steps": 1, "optim.lr": 0.0, "checkpoint.every_steps": 1},
+            )
+        )
+        == 0
+    )
     assert f"towers from {epoch}" in capsys.readouterr().out
     source = load(step_dir(trained, 2) / "model.pt")
     got = load(step_dir(run, 1) / "model.pt")
@@ -147,14 +207,27 @@ def test_pretrained_starts_the_towers_from_an_openclip_checkpoint(tiny_embedded,
     assert main(_args(tiny_embedded, tmp_path / "run2", **{"model.pretrained": bare, "train.max_steps": 1})) == 0
     capsys.readouterr()
     wrong = _openclip_checkpoint(trained, tmp_path / "epoch_4.pt", text_projection=(3, 5))
-    _fails(capsys, _args(tiny_embedded, tmp_path / "run3", **{"model.pretrained": wrong}), "model.pretrained",
-           "does not fit architecture", "text_projection (3, 5) vs")
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "run3", **{"model.pretrained": wrong}),
+        "model.pretrained",
+        "does not fit architecture",
+        "text_projection (3, 5) vs",
+    )
     unrelated = tmp_path / "notes.pt"
     torch.save({"notes": "hello", "n": 3}, unrelated)
-    _fails(capsys, _args(tiny_embedded, tmp_path / "run4", **{"model.pretrained": unrelated}), "model.pretrained",
-           "not a model checkpoint")
-    _fails(capsys, _args(tiny_embedded, tmp_path / "run5", **{"model.pretrained": tmp_path / "missing.pt"}),
-           "model.pretrained", "does not exist")
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "run4", **{"model.pretrained": unrelated}),
+        "model.pretrained",
+        "not a model checkpoint",
+    )
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "run5", **{"model.pretrained": tmp_path / "missing.pt"}),
+        "model.pretrained",
+        "does not exist",
+    )
 
 
 # ----------------------------------------------------------------------------- eval and export
@@ -176,8 +249,10 @@ def test_eval_and_export_refuse_unusable_checkpoints_in_one_line(trained, tmp_pa
     torch.save(model, wrong / "model.pt")
     data = tmp_path / "no-data"
     data.mkdir()
-    for ckpt, words in ((pickled, "refusing to load pickled objects"),
-                        (wrong, "weights do not fit architecture 'tiny-vit': 1 tensor(s) of another shape")):
+    for ckpt, words in (
+        (pickled, "refusing to load pickled objects"),
+        (wrong, "weights do not fit architecture 'tiny-vit': 1 tensor(s) of another shape"),
+    ):
         assert export_main([str(ckpt), "--out", str(tmp_path / "export" / "model.pt")]) == 2
         captured = capsys.readouterr()
         err = captured.err.strip()
@@ -197,9 +272,15 @@ def test_eval_and_export_refuse_unusable_checkpoints_in_one_line(trained, tmp_pa
 def test_disk_full_during_a_save_keeps_the_last_checkpoint(tiny_embedded, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     monkeypatch.setenv("FASTCLIP_FAULTS", "enospc@checkpoint.model_file:step=4")
-    err = _fails(capsys, _args(tiny_embedded, run, **{"train.max_steps": 6}), None,
-                 f"cannot write checkpoint {run / 'checkpoints' / 'step_00000004'} (No space left on device)",
-                 "still names step_00000002", "--train.resume latest", code=1)
+    err = _fails(
+        capsys,
+        _args(tiny_embedded, run, **{"train.max_steps": 6}),
+        None,
+        f"cannot write checkpoint {run / 'checkpoints' / 'step_00000004'} (No space left on device)",
+        "still names step_00000002",
+        "--train.resume latest",
+        code=1,
+    )
     assert err.startswith("fastclip train: error: rank 0:")
     checkpoints = run / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_00000002"
@@ -238,9 +319,20 @@ def test_launcher_checks_the_config_before_torchrun(tiny_embedded, tmp_path):
 
     from helpers import REPO, clean_env
 
-    out = subprocess.run(["bash", str(REPO / "launch" / "single_node.sh"), str(EMBEDDED), "2",
-                          *fault_overrides(tiny_embedded, tmp_path / "run", **{"data.batch_size": 41})],
-                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            "bash",
+            str(REPO / "launch" / "single_node.sh"),
+            str(EMBEDDED),
+            "2",
+            *fault_overrides(tiny_embedded, tmp_path / "run", **{"data.batch_size": 41}),
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr  # one line, no torchrun traceback
     assert out.stderr.startswith("fastclip train: config error: config key 'data.batch_size': 41 per process x 2")
@@ -249,20 +341,27 @@ def test_launcher_checks_the_config_before_torchrun(tiny_embedded, tmp_path):
     from fastclip.train.cli import main as train_main
 
     assert train_main(["--check", "--world-size", "2", *_args(tiny_embedded, tmp_path / "ok")]) == 0
-    assert train_main(["--check", "--world-size", "3", *_args(tiny_embedded, tmp_path / "ok",
-                                                              **{"data.batch_size": 27})]) == 2
+    assert (
+        train_main(["--check", "--world-size", "3", *_args(tiny_embedded, tmp_path / "ok", **{"data.batch_size": 27})])
+        == 2
+    )
 
 
 def test_a_rank_whose_every_shard_is_bad_stops_the_job_with_one_line(tmp_path):
-    from helpers import Job
-
     from fastclip.data import build_train_stream
     from fastclip.data.sources.synthetic import write_synthetic
 
+    from helpers import Job
+
     data = tmp_path / "data"
     write_synthetic(data / "train", [16] * 4)  # fault_overrides() trains on data/train
-    stream = build_train_stream({"train": str(data / "train"), "batch_size": 4, "seed": 2024}, rank=1, world_size=2,
-                                preprocess=lambda x: x, tokenizer=lambda x: x)
+    stream = build_train_stream(
+        {"train": str(data / "train"), "batch_size": 4, "seed": 2024},
+        rank=1,
+        world_size=2,
+        preprocess=lambda x: x,
+        tokenizer=lambda x: x,
+    )
     shards = sorted((data / "train").glob("*.tar"))
     bad = [shards[int(s)] for s in stream._sequence(0).slots[2:]]  # rank 1's half of epoch 0
     for shard in bad:

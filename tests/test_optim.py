@@ -1,4 +1,5 @@
 """Parameter groups, the pure lr schedules, LAMB and the step_thresh rule."""
+
 import math
 
 import pytest
@@ -58,6 +59,7 @@ def test_lamb_step_matches_formula():
     torch.testing.assert_close(w.detach(), expected, rtol=1e-6, atol=1e-7)
     # state is tensors only and round-trips through a weights_only load
     import io
+
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
@@ -77,8 +79,12 @@ def test_threshold_rule_equals_lr_over_factor(opt_name):
     for tau_value, factor in ((0.02, 1 / 3), (0.05, 1.0)):
         p_rule = torch.nn.Parameter(torch.tensor([math.log(1 / tau_value)], dtype=torch.float64))
         p_ref = torch.nn.Parameter(p_rule.detach().clone())
-        opt_rule = build_optimizer(opt_name, [{"params": [p_rule], "lr": 0.01, "weight_decay": 0.0}], betas=(0.9, 0.98), eps=1e-6)
-        opt_ref = build_optimizer(opt_name, [{"params": [p_ref], "lr": 0.01 * factor, "weight_decay": 0.0}], betas=(0.9, 0.98), eps=1e-6)
+        opt_rule = build_optimizer(
+            opt_name, [{"params": [p_rule], "lr": 0.01, "weight_decay": 0.0}], betas=(0.9, 0.98), eps=1e-6
+        )
+        opt_ref = build_optimizer(
+            opt_name, [{"params": [p_ref], "lr": 0.01 * factor, "weight_decay": 0.0}], betas=(0.9, 0.98), eps=1e-6
+        )
         rule = ThresholdRule([p_rule], threshold=0.03, factor=3.0)
         for k in range(3):
             grad = torch.tensor([0.7 - 0.4 * k], dtype=torch.float64)

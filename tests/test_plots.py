@@ -1,4 +1,5 @@
 """`fastclip plot`: PNGs from metrics.jsonl for one or several runs; eval rows placed by samples seen."""
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,15 @@ def write_run(run_dir, *, speed: float, with_tau: bool = True, eval_samples: boo
         rows.append(row)
         if step in (50, 100):
             # the trainer logs eval rows as {"step", "eval/<name>"}, usually without samples_seen
-            rows.append({"step": step, "eval/zeroshot/mnist/top1": speed * step / 200,
-                         "eval/zeroshot/fashion-mnist/top1": step / 300, "eval/zeroshot/mean_top1": 0.5,
-                         **({"samples_seen": step * 64} if eval_samples else {})})
+            rows.append(
+                {
+                    "step": step,
+                    "eval/zeroshot/mnist/top1": speed * step / 200,
+                    "eval/zeroshot/fashion-mnist/top1": step / 300,
+                    "eval/zeroshot/mean_top1": 0.5,
+                    **({"samples_seen": step * 64} if eval_samples else {}),
+                }
+            )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 

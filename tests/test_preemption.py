@@ -1,6 +1,7 @@
 """Preemption with real processes: SIGUSR1/SIGTERM reaching a running 2-process job stops every rank at the
 same step with a checkpoint there and exit status 75, and `--train.resume latest` then ends bitwise where an
 uninterrupted run ends (fastclip/train/preemption.py, launch/slurm.sbatch)."""
+
 from __future__ import annotations
 
 import random
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (Job, assert_same_training_state, latest, fault_overrides, step_dir, train_records, wait_for)
 from fastclip.train.preemption import EXIT_PREEMPTED
+
+from helpers import Job, assert_same_training_state, fault_overrides, latest, step_dir, train_records, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8  # 5 steps per epoch at 2 x 8: the runs cross into epoch 1
@@ -25,8 +27,11 @@ def data(tiny_embedded) -> Path:
 
 def _args(data: Path, run: Path, **extra) -> list[str]:
     # no checkpoints by step count or time: the only checkpoint before the end is the one the signal asks for
-    return fault_overrides(data, run, **{"train.max_steps": STEPS, "data.workers": 1, "checkpoint.every_steps": 0,
-                                   "train.resume": "latest", **extra})
+    return fault_overrides(
+        data,
+        run,
+        **{"train.max_steps": STEPS, "data.workers": 1, "checkpoint.every_steps": 0, "train.resume": "latest", **extra},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +51,12 @@ def _resume_and_compare(data, run: Path, stopped_at: int, reference: Path, log_d
     expected, got = train_records(reference), train_records(run)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for x, y in zip(expected, got):
-        assert (x["loss"], x["objective"], x["lr"], x["samples_seen"]) == (y["loss"], y["objective"], y["lr"],
-                                                                           y["samples_seen"])
+        assert (x["loss"], x["objective"], x["lr"], x["samples_seen"]) == (
+            y["loss"],
+            y["objective"],
+            y["lr"],
+            y["samples_seen"],
+        )
 
 
 @pytest.mark.parametrize("action", ["usr1", "term"])
@@ -61,8 +70,10 @@ def test_a_signal_to_one_rank_stops_both_at_that_step_and_the_resume_is_exact(da
     assert latest(run) == "step_00000003"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000003"]
     assert [r["step"] for r in train_records(run)] == [1, 2, 3]
-    assert ("stopped at step 3 by a signal to another rank: checkpoint saved; exit status 75, continue with "
-            "--train.resume latest") in job.output(0)
+    assert (
+        "stopped at step 3 by a signal to another rank: checkpoint saved; exit status 75, continue with "
+        "--train.resume latest"
+    ) in job.output(0)
     assert "Traceback" not in job.outputs()
     _resume_and_compare(data, run, 3, reference, tmp_path / "resumed")
 
@@ -95,11 +106,18 @@ def test_sigusr1_to_the_whole_job_at_a_random_moment(data, reference, tmp_path):
 
 
 def test_stop_signals_config_error_is_one_line_with_exit_2(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fastclip", "train", "--train.stop_signals", "[SIGUSR1, SIGFOO]",
-                          "--print-config"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "fastclip", "train", "--train.stop_signals", "[SIGUSR1, SIGFOO]", "--print-config"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip() == ("fastclip train: config error: config key 'train.stop_signals': 'SIGFOO' is not a "
-                                  "signal that can be caught here")
+    assert out.stderr.strip() == (
+        "fastclip train: config error: config key 'train.stop_signals': 'SIGFOO' is not a "
+        "signal that can be caught here"
+    )
 
 
 @pytest.mark.parametrize("srun_status, requeued", [(EXIT_PREEMPTED, True), (0, False), (1, False)])
@@ -115,10 +133,17 @@ def test_sbatch_script_passes_cpus_to_srun_and_requeues_on_exit_75(tmp_path, sru
         (bin_dir / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "{tmp_path}/calls"\nexit {status}\n')
         (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_CPUS_PER_TASK": "6", "SLURM_JOB_ID": "4242"}
-    out = subprocess.run(["bash", str(REPO / "launch" / "slurm.sbatch"), "configs/cc3m-fastclip-v3.yaml",
-                          "--optim.lr", "5e-4"], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["bash", str(REPO / "launch" / "slurm.sbatch"), "configs/cc3m-fastclip-v3.yaml", "--optim.lr", "5e-4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == srun_status, out.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert calls[0] == ("srun --kill-on-bad-exit=1 --cpus-per-task=6 python -u -m fastclip train --config "
-                        "configs/cc3m-fastclip-v3.yaml --train.resume latest --optim.lr 5e-4")
+    assert calls[0] == (
+        "srun --kill-on-bad-exit=1 --cpus-per-task=6 python -u -m fastclip train --config "
+        "configs/cc3m-fastclip-v3.yaml --train.resume latest --optim.lr 5e-4"
+    )
     assert calls[1:] == (["scontrol requeue 4242"] if requeued else [])

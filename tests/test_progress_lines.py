@@ -1,6 +1,7 @@
 """What a long command prints when its output is not a terminal: training lines with the position, loss,
 samples/s and the time left; data writing and evaluation with fastclip.progress lines (their bars on a
 terminal are tqdm's)."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,22 @@ def test_training_lines_give_position_loss_rate_and_eta(tmp_path, capsys):
 
 
 def test_embedded_data_prints_progress(tmp_path, capsys):
-    assert fastclip_main(["data", "embedded", "--out", str(tmp_path / "d"), "--max-per-class", "2",
-                          "--max-val-per-class", "1", "--shard-size", "100"]) == 0
+    assert (
+        fastclip_main(
+            [
+                "data",
+                "embedded",
+                "--out",
+                str(tmp_path / "d"),
+                "--max-per-class",
+                "2",
+                "--max-val-per-class",
+                "1",
+                "--shard-size",
+                "100",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("embedded: 60/60 samples (")  # 2 x 10 classes x (2 train + 1 val)

@@ -7,6 +7,7 @@ The shape is the recipes' worst case: img2dataset's full shards of 10,000 sample
 60,000 samples (the CC3M recipe: 2.72M samples over 8 GPUs x 6 workers = 56,700 per worker). Our stream
 shuffles a worker's contiguous positions in windows of data.shuffle_buffer samples, so a batch draws from the
 shards one window spans; OpenCLIP's buffer keeps a tail of older shards."""
+
 from __future__ import annotations
 
 import json
@@ -38,10 +39,13 @@ def shards(tmp_path_factory) -> Path:
 
 
 def _ours(shards: Path, shuffle_buffer: int) -> list[int]:
-    stream = build_train_stream({"train": str(shards), "batch_size": BATCH, "workers": 0, "seed": 2024,
-                                 "shuffle_buffer": shuffle_buffer}, rank=0, world_size=1,
-                                preprocess=lambda image: torch.zeros(1),
-                                tokenizer=lambda texts: torch.zeros(len(texts), 1, dtype=torch.long))
+    stream = build_train_stream(
+        {"train": str(shards), "batch_size": BATCH, "workers": 0, "seed": 2024, "shuffle_buffer": shuffle_buffer},
+        rank=0,
+        world_size=1,
+        preprocess=lambda image: torch.zeros(1),
+        tokenizer=lambda texts: torch.zeros(len(texts), 1, dtype=torch.long),
+    )
     return [len(set((indices // SHARD).tolist())) for _, _, indices in stream.epoch(0)]
 
 
@@ -51,16 +55,24 @@ def _openclip(shards: Path) -> list[int]:
     # open_clip's get_wds_dataset (training/data.py, not resampled) with its default sizes
     urls = [str(p) for p in sorted(shards.glob("*.tar"))]
     pipeline = wds.DataPipeline(
-        wds.SimpleShardList(urls), wds.detshuffle(bufsize=2000, initial=500, seed=2024, epoch=0),
-        wds.split_by_node, wds.split_by_worker, wds.tarfile_to_samples(),
-        wds.shuffle(bufsize=5000, initial=1000, rng=random.Random(2024)), wds.to_tuple("json"),
-        wds.batched(BATCH, collation_fn=list, partial=False))
+        wds.SimpleShardList(urls),
+        wds.detshuffle(bufsize=2000, initial=500, seed=2024, epoch=0),
+        wds.split_by_node,
+        wds.split_by_worker,
+        wds.tarfile_to_samples(),
+        wds.shuffle(bufsize=5000, initial=1000, rng=random.Random(2024)),
+        wds.to_tuple("json"),
+        wds.batched(BATCH, collation_fn=list, partial=False),
+    )
     return [len({json.loads(j)["index"] // SHARD for (j,) in batch}) for batch in pipeline]
 
 
 def _summary(counts: list[int]) -> dict:
-    return {"mean": sum(counts) / len(counts), "one_shard": sum(c == 1 for c in counts) / len(counts),
-            "batches": len(counts)}
+    return {
+        "mean": sum(counts) / len(counts),
+        "one_shard": sum(c == 1 for c in counts) / len(counts),
+        "batches": len(counts),
+    }
 
 
 def test_recipe_shuffle_mixes_shards_at_least_as_well_as_openclip(shards):

@@ -1,4 +1,5 @@
 """`fastclip summary`: the quickstart's last lines, from a run folder as the trainer and `fastclip eval` leave it."""
+
 from __future__ import annotations
 
 import json
@@ -13,22 +14,50 @@ REPO = Path(__file__).resolve().parents[1]
 def _run_folder(root: Path, data: Path, distinct_captions: int) -> Path:
     run = root / "run"
     (run / "checkpoints").mkdir(parents=True)
-    cfg = load_config(REPO / "configs" / "embedded.yaml", ["--data.train", str(data / "train"), "--data.batch_size", "8"])
+    cfg = load_config(
+        REPO / "configs" / "embedded.yaml", ["--data.train", str(data / "train"), "--data.batch_size", "8"]
+    )
     (run / "config.yaml").write_text(dump_config(cfg))
-    rows = [{"step": 5, "samples_seen": 80, "loss": 0.6, "samples_per_s": 100.0, "samples_per_s_per_rank": 50.0,
-             "step_time": 0.2},
-            {"step": 10, "samples_seen": 160, "loss": 0.5, "samples_per_s": 120.0, "samples_per_s_per_rank": 60.0,
-             "step_time": 0.1},
-            {"step": 10, "samples_seen": 160, "eval/zeroshot/mean_top1": 0.5}]
+    rows = [
+        {
+            "step": 5,
+            "samples_seen": 80,
+            "loss": 0.6,
+            "samples_per_s": 100.0,
+            "samples_per_s_per_rank": 50.0,
+            "step_time": 0.2,
+        },
+        {
+            "step": 10,
+            "samples_seen": 160,
+            "loss": 0.5,
+            "samples_per_s": 120.0,
+            "samples_per_s_per_rank": 60.0,
+            "step_time": 0.1,
+        },
+        {"step": 10, "samples_seen": 160, "eval/zeroshot/mean_top1": 0.5},
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = {"step": 10, "arch": "tiny-vit"}
-    results = [{**common, "step": 5, "task": "zeroshot_classification", "dataset": "mnist", "num_samples": 20,
-                "top1": 0.1},  # an older checkpoint's evaluation: not reported
-               {**common, "task": "zeroshot_classification", "dataset": "fashion-mnist", "num_samples": 10,
-                "top1": 0.8567},
-               {**common, "task": "zeroshot_classification", "dataset": "mnist", "num_samples": 10, "top1": 0.75},
-               {**common, "task": "retrieval", "num_samples": 20, "distinct_captions": distinct_captions,
-                **{f"{d}_R@{k}": k / 20 for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)}}]
+    results = [
+        {
+            **common,
+            "step": 5,
+            "task": "zeroshot_classification",
+            "dataset": "mnist",
+            "num_samples": 20,
+            "top1": 0.1,
+        },  # an older checkpoint's evaluation: not reported
+        {**common, "task": "zeroshot_classification", "dataset": "fashion-mnist", "num_samples": 10, "top1": 0.8567},
+        {**common, "task": "zeroshot_classification", "dataset": "mnist", "num_samples": 10, "top1": 0.75},
+        {
+            **common,
+            "task": "retrieval",
+            "num_samples": 20,
+            "distinct_captions": distinct_captions,
+            **{f"{d}_R@{k}": k / 20 for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)},
+        },
+    ]
     (run / "checkpoints" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     return run
 

@@ -4,6 +4,7 @@ world size, one process, torchrun and SLURM launches, and errors found before tr
 Process launches are few (each start imports torch + open_clip): one 2-process spawn runs all modes and the
 resume runs in a loop; torchrun and the SLURM-style launch are one 2-process run each; the rest runs here.
 """
+
 from __future__ import annotations
 
 import gc
@@ -17,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import EMBEDDED, assert_same, load, overrides, records
-from dist_utils import free_port, run_distributed
 from fastclip.losses import reshard_states
 from fastclip.optim import get_lr
 from fastclip.train.cli import main
 from fastclip.train.config import load_config
+
+from dist_utils import free_port, run_distributed
+from helpers import EMBEDDED, assert_same, load, overrides, records
 
 MODES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-tempnet")
 STEPS = 7  # crosses into epoch 1, where gamma < 1
@@ -54,7 +56,9 @@ def two_process_runs(data, tmp_path_factory):
         runs.append(overrides(data, root / mode / "full", mode, **{"train.max_steps": STEPS}))
         # stopped after step 5 with the last checkpoint at step 4 (as a crash would leave it)
         runs.append(overrides(data, root / mode / "split", mode, **{"train.max_steps": 5, "checkpoint.at_end": False}))
-        runs.append(overrides(data, root / mode / "split", mode, **{"train.max_steps": STEPS, "train.resume": "latest"}))
+        runs.append(
+            overrides(data, root / mode / "split", mode, **{"train.max_steps": STEPS, "train.resume": "latest"})
+        )
     results = run_distributed(_train_runs, 2, runs, timeout=400)
     assert [[step for step, _ in rank] for rank in results] == [[STEPS, 5, STEPS] * len(MODES)] * 2
     (root / "live_ddp_wrappers.json").write_text(json.dumps([[live for _, live in rank] for rank in results]))
@@ -100,7 +104,9 @@ def test_two_process_run_of_every_mode(two_process_runs, mode):
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert [r["samples_seen"] for r in recs] == [16 * s for s in range(1, STEPS + 1)]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["objective"]) for r in recs)
-    assert recs[0]["samples_per_s"] > 0 and recs[0]["samples_per_s_per_rank"] == pytest.approx(recs[0]["samples_per_s"] / 2)
+    assert recs[0]["samples_per_s"] > 0 and recs[0]["samples_per_s_per_rank"] == pytest.approx(
+        recs[0]["samples_per_s"] / 2
+    )
     total = 3 * 5  # epochs x steps per epoch: the lr schedule's horizon
     for r in recs:
         assert r["lr"] == pytest.approx(get_lr(r["step"] - 1, base_lr=1e-3, warmup_steps=2, total_steps=total))
@@ -111,7 +117,12 @@ def test_two_process_run_of_every_mode(two_process_runs, mode):
     final = run / "checkpoints" / f"step_{STEPS:08d}"
     assert (run / "checkpoints" / "latest").read_text().strip() == final.name
     model = load(final / "model.pt")
-    assert (model["step"], model["world_size"], model["arch"], model["config"]["loss"]["name"]) == (STEPS, 2, "tiny-vit", mode)
+    assert (model["step"], model["world_size"], model["arch"], model["config"]["loss"]["name"]) == (
+        STEPS,
+        2,
+        "tiny-vit",
+        mode,
+    )
     assert not model["state_dict"]["logit_scale"].requires_grad
     ranks = [_rank_state(final, r) for r in range(2)]
     tau = [r["loss_state"].get("logit_scale") for r in ranks]
@@ -205,11 +216,23 @@ def test_resume_at_another_world_size(two_process_runs, data, tmp_path):
 def test_single_process_run_with_eval_and_grad_checkpointing(data, tmp_path):
     run = tmp_path / "single"
     # checkpoints by wall clock only (every 1e-6 minutes: every logging step), keeping the last 2
-    args = overrides(data, run, "fastclip-v3", **{"train.max_steps": 3, "data.batch_size": 16, "eval.at_end": True,
-                                                    "model.grad_checkpointing": True, "optim.grad_clip": 1.0,
-                                                    "optim.optimizer": "lamb", "train.tensorboard": True,
-                                                    "checkpoint.every_steps": 0, "checkpoint.every_minutes": 1e-6,
-                                                    "checkpoint.keep_last": 2})
+    args = overrides(
+        data,
+        run,
+        "fastclip-v3",
+        **{
+            "train.max_steps": 3,
+            "data.batch_size": 16,
+            "eval.at_end": True,
+            "model.grad_checkpointing": True,
+            "optim.grad_clip": 1.0,
+            "optim.optimizer": "lamb",
+            "train.tensorboard": True,
+            "checkpoint.every_steps": 0,
+            "checkpoint.every_minutes": 1e-6,
+            "checkpoint.keep_last": 2,
+        },
+    )
     assert main(["--config", str(EMBEDDED), *args]) == 0
     recs = records(run)
     train_recs = [r for r in recs if "loss" in r]
@@ -229,8 +252,9 @@ def test_single_process_run_with_eval_and_grad_checkpointing(data, tmp_path):
 def test_fp16_grad_scaler(data, tmp_path):
     """fp16 autocast with a GradScaler (and gradient clipping after unscaling); the scaler state is saved."""
     run = tmp_path / "fp16"
-    args = overrides(data, run, "fastclip-v3", **{"train.max_steps": 2, "train.precision": "fp16",
-                                                    "optim.grad_clip": 0.5})
+    args = overrides(
+        data, run, "fastclip-v3", **{"train.max_steps": 2, "train.precision": "fp16", "optim.grad_clip": 0.5}
+    )
     assert main(["--config", str(EMBEDDED), *args]) == 0
     assert all(math.isfinite(r["loss"]) for r in records(run))
     scaler = load(run / "checkpoints" / "step_00000002" / "model.pt")["scaler"]
@@ -253,8 +277,11 @@ def test_errors_before_training(data, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- launchers
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
 
@@ -262,8 +289,21 @@ def _env(**extra) -> dict:
 def test_torchrun_two_processes(data, tmp_path):
     run = tmp_path / "torchrun"
     args = overrides(data, run, "fastclip-v3", **{"train.max_steps": 3, "eval.at_end": True, "data.workers": 1})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "fastclip", "train", "--", "--config", str(EMBEDDED), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "fastclip",
+        "train",
+        "--",
+        "--config",
+        str(EMBEDDED),
+        *args,
+    ]
     out = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 process(es) on cpu (torchrun)" in out.stdout
@@ -284,15 +324,30 @@ def test_slurm_environment_launch(data, tmp_path):
     run = tmp_path / "slurm"
     args = overrides(data, run, "fastclip-v2", **{"train.max_steps": 2, "train.precision": "bf16"})
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "fastclip", "train", "--config", str(EMBEDDED), *args],
-                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r),
-                                       SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port)))
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fastclip", "train", "--config", str(EMBEDDED), *args],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(
+                SLURM_PROCID=str(r),
+                SLURM_NTASKS="2",
+                SLURM_LOCALID=str(r),
+                SLURM_JOB_ID="4242",
+                SLURM_JOB_NODELIST="localhost",
+                MASTER_PORT=str(port),
+            ),
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert "2 process(es) on cpu (slurm)" in outs[0]
     recs = records(run)
     assert [r["step"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
-    state = [load(run / "checkpoints" / "step_00000002" / f"rank_{r}.pt")["loss_state"]["_extra_state"] for r in range(2)]
+    state = [
+        load(run / "checkpoints" / "step_00000002" / f"rank_{r}.pt")["loss_state"]["_extra_state"] for r in range(2)
+    ]
     assert [s["rank"] for s in state] == [0, 1]

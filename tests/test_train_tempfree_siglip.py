@@ -4,6 +4,7 @@ One process, in-process, a few steps on tiny embedded shards: the config reaches
 parameters (SigLIP's scale and bias) are trained in the temperature group, and what is learnt is checkpointed.
 The losses' numerics are pinned in tests/test_losses_tempfree_siglip.py; this checks the wiring.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,6 +14,7 @@ import torch
 
 from fastclip.train.config import ConfigError, load_config
 from fastclip.train.trainer import train
+
 from helpers import EMBEDDED, overrides, records
 
 STEPS = 4
@@ -24,8 +26,12 @@ def tiny(tiny_embedded):
 
 
 def run(tiny, tmp_path, name, **extra):
-    args = overrides(tiny, tmp_path / name, name.split(":")[0], **{"train.max_steps": STEPS, "loss.rho": "null",
-                                                                  "loss.temperature": "null", **extra})
+    args = overrides(
+        tiny,
+        tmp_path / name,
+        name.split(":")[0],
+        **{"train.max_steps": STEPS, "loss.rho": "null", "loss.temperature": "null", **extra},
+    )
     result = train(load_config(EMBEDDED, args))
     recs = records(tmp_path / name)
     final = torch.load(tmp_path / name / "checkpoints" / f"step_{STEPS:08d}" / "model.pt", weights_only=True)
@@ -33,9 +39,19 @@ def run(tiny, tmp_path, name, **extra):
 
 
 def test_siglip_trains_scale_and_bias(tiny, tmp_path):
-    result, recs, final = run(tiny, tmp_path, "siglip", **{
-        "loss.gamma_min": "null", "loss.gamma_decay_epochs": "null", "loss.gamma_schedule": "null",
-        "loss.bias": -10.0, "optim.lr_tau": 1e-2, "optim.lr_tau_schedule": "const"})
+    result, recs, final = run(
+        tiny,
+        tmp_path,
+        "siglip",
+        **{
+            "loss.gamma_min": "null",
+            "loss.gamma_decay_epochs": "null",
+            "loss.gamma_schedule": "null",
+            "loss.bias": -10.0,
+            "optim.lr_tau": 1e-2,
+            "optim.lr_tau_schedule": "const",
+        },
+    )
     assert result["step"] == STEPS and all(math.isfinite(r["loss"]) for r in recs)
     loss_params = final["loss"]
     assert set(loss_params) == {"logit_scale", "logit_bias"}

@@ -10,7 +10,8 @@ Training (fastclip/data/stream.py has the rules on order, ranks, workers and res
     stream = build_train_stream(cfg, rank=rank, world_size=world, preprocess=built.preprocess_train,
                                 tokenizer=built.tokenizer)
         cfg: StreamConfig or any object/dict with train, batch_size, and optionally seed, workers,
-             shuffle_buffer, resampled, samples_per_epoch, upsampling_factors, data_size, pin_memory. Raises DataSpecError / ManifestError before training for a bad spec.
+             shuffle_buffer, resampled, samples_per_epoch, upsampling_factors, data_size, pin_memory. Raises
+             DataSpecError / ManifestError before training for a bad spec.
     stream.data_size              1 + the largest index (size the per-sample state from it)
     stream.batches_per_epoch      batches every rank serves in a whole epoch (the same on all ranks)
     stream.batches_remaining(e)   batches stream.epoch(e) will serve from the current position
@@ -22,12 +23,14 @@ Training (fastclip/data/stream.py has the rules on order, ranks, workers and res
     stream.samples_seen           samples this rank has served
 
 Modules, in the order a sample travels: format.py (shard format), tario.py (tar read/write), writer.py and
-sources/ (embedded, folder, scan, synthetic), manifest.py, catalog.py (patterns, `::`, manifests, checks), plan.py (epoch
+sources/ (embedded, folder, scan, synthetic), manifest.py, catalog.py (patterns, `::`, manifests, checks), plan.py
+(epoch
 order, ranks, workers, windows, resume arithmetic), samples.py (checks, skip reasons), worker.py (one
 worker's epoch), stream.py (the trainer's object).
 
 Evaluation reads held-out shards through format.py, tario.py and manifest.py: fastclip/eval/samples.py.
 """
+
 from fastclip.data.catalog import Catalog, DataSpecError, expand_braces, resolve_catalog
 from fastclip.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest, write_manifest
 from fastclip.data.samples import REASONS
@@ -35,7 +38,19 @@ from fastclip.data.stream import StreamConfig, TrainStream, build_train_stream, 
 from fastclip.data.writer import ShardWriter
 
 __all__ = [
-    "build_train_stream", "StreamConfig", "TrainStream", "REASONS",
-    "resolve_catalog", "expand_braces", "Catalog", "DataSpecError",
-    "Manifest", "ShardInfo", "ManifestError", "read_manifest", "write_manifest", "ShardWriter",
+    "build_train_stream",
+    "StreamConfig",
+    "TrainStream",
+    "state_for_new_world_size",
+    "REASONS",
+    "resolve_catalog",
+    "expand_braces",
+    "Catalog",
+    "DataSpecError",
+    "Manifest",
+    "ShardInfo",
+    "ManifestError",
+    "read_manifest",
+    "write_manifest",
+    "ShardWriter",
 ]

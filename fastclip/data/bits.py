@@ -3,6 +3,7 @@ touched: one bit per index in a touched chunk, instead of a Python int and tuple
 Used by `fastclip data scan` (every index of the data set) and by each loader worker (the indices it served
 this epoch). A shard's indices are mostly contiguous, so a shard touches one or two chunks.
 """
+
 from __future__ import annotations
 
 import numpy as np

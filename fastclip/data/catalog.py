@@ -11,6 +11,7 @@ A remote source (`pipe:CMD`, `s3://`, `http(s)://`, as OpenCLIP writes them; fas
 brace pattern of shard locations, or an http(s)/s3 URL of a manifest.json: the manifest beside the shards is
 read through the same transport, and the shards are neither opened nor stat'ed before they are read.
 """
+
 from __future__ import annotations
 
 import glob
@@ -83,7 +84,7 @@ def expand_braces(pattern: str) -> list[str]:
             break
     else:
         raise DataSpecError(f"pattern {pattern!r}: unbalanced '{{'")
-    body, head, tail = pattern[start + 1:end], pattern[:start], pattern[end + 1:]
+    body, head, tail = pattern[start + 1 : end], pattern[:start], pattern[end + 1 :]
     match = _RANGE.match(body)
     if match:
         a, b = match.groups()
@@ -186,8 +187,10 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                 absolute, where = None, folder / MANIFEST_NAME
             entry = entries[folder].get(rel)
             if entry is None:
-                raise DataSpecError(f"shard {p} (from pattern {spec!r}) is not listed in {where}; "
-                                    f"run `fastclip data scan` on its folder to rebuild it")
+                raise DataSpecError(
+                    f"shard {p} (from pattern {spec!r}) is not listed in {where}; "
+                    f"run `fastclip data scan` on its folder to rebuild it"
+                )
             if absolute is None:
                 if not p.is_file():
                     raise DataSpecError(f"shard file {p} (listed in {where}) does not exist")
@@ -195,21 +198,42 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
             if absolute in taken:
                 raise DataSpecError(f"shard {p} appears in two sources: {taken[absolute]!r} and {spec!r}")
             taken[absolute] = spec
-            skip = tuple((str(q["key"]), str(q.get("reason", "manifest_problem")), str(q.get("detail", "")))
-                         for q in problems.get((folder, rel), ()))
+            skip = tuple(
+                (str(q["key"]), str(q.get("reason", "manifest_problem")), str(q.get("detail", "")))
+                for q in problems.get((folder, rel), ())
+            )
             ids.append(len(shards))
-            shards.append(Shard(absolute, entry.path, entry.num_samples, source_id, entry.index_min,
-                                entry.index_max, skip, entry.index_base))
+            shards.append(
+                Shard(
+                    absolute,
+                    entry.path,
+                    entry.num_samples,
+                    source_id,
+                    entry.index_min,
+                    entry.index_max,
+                    skip,
+                    entry.index_base,
+                )
+            )
         lows = [shards[i].index_min for i in ids if shards[i].index_min is not None]
         highs = [shards[i].index_max for i in ids if shards[i].index_max is not None]
-        sources.append(Source(spec, tuple(ids), max(m.data_size for m in manifests.values()),
-                              min(lows, default=None), max(highs, default=None)))
+        sources.append(
+            Source(
+                spec,
+                tuple(ids),
+                max(m.data_size for m in manifests.values()),
+                min(lows, default=None),
+                max(highs, default=None),
+            )
+        )
     _check_disjoint(sources)
     size = max(s.data_size for s in sources)
     if data_size is not None:
         if data_size < size:
-            raise DataSpecError(f"data_size {data_size} is smaller than the manifests' data_size {size} "
-                                f"(largest index {size - 1} would not fit)")
+            raise DataSpecError(
+                f"data_size {data_size} is smaller than the manifests' data_size {size} "
+                f"(largest index {size - 1} would not fit)"
+            )
         size = data_size
     return Catalog(tuple(sources), tuple(shards), size)
 
@@ -218,6 +242,8 @@ def _check_disjoint(sources: list[Source]) -> None:
     spans = sorted((s.index_min, s.index_max, s.spec) for s in sources if s.index_min is not None)
     for (lo_a, hi_a, a), (lo_b, hi_b, b) in zip(spans, spans[1:]):
         if lo_b <= hi_a:
-            raise DataSpecError(f"sources {a!r} (indices {lo_a}..{hi_a}) and {b!r} (indices {lo_b}..{hi_b}) "
-                                f"overlap: joined sources need disjoint global indices (write one of them with "
-                                f"--index-offset)")
+            raise DataSpecError(
+                f"sources {a!r} (indices {lo_a}..{hi_a}) and {b!r} (indices {lo_b}..{hi_b}) "
+                f"overlap: joined sources need disjoint global indices (write one of them with "
+                f"--index-offset)"
+            )

@@ -12,6 +12,7 @@
 
 Exit status: 0 on success, 1 when `scan --strict` finds problems, 2 on a usage or data-spec error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,23 +27,42 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     e = sub.add_parser("embedded", help="shards from the offline datasets (Fashion-MNIST + MNIST-5k by default)")
-    e.add_argument("--out", required=True, help="writes OUT/train, OUT/val, OUT/zeroshot.json, OUT/embedded.json "
-                                                 "(scenes: also OUT/test, OUT/novel and OUT/scenes.json)")
-    e.add_argument("--source", choices=("glyphs", "scenes"), default="glyphs",
-                   help="glyphs: one 28x28 image per sample, templated class captions (default); scenes: 64x64 "
-                        "compositional scenes of 1-3 coloured glyphs with distinct captions")
+    e.add_argument(
+        "--out",
+        required=True,
+        help="writes OUT/train, OUT/val, OUT/zeroshot.json, OUT/embedded.json "
+        "(scenes: also OUT/test, OUT/novel and OUT/scenes.json)",
+    )
+    e.add_argument(
+        "--source",
+        choices=("glyphs", "scenes"),
+        default="glyphs",
+        help="glyphs: one 28x28 image per sample, templated class captions (default); scenes: 64x64 "
+        "compositional scenes of 1-3 coloured glyphs with distinct captions",
+    )
     e.add_argument("--num-train", type=int, default=100_000, help="scenes: training pairs")
     e.add_argument("--num-val", type=int, default=2_000, help="scenes: i.i.d. held-out pairs for tuning")
     e.add_argument("--num-test", type=int, default=5_000, help="scenes: i.i.d. held-out pairs for reporting")
-    e.add_argument("--num-novel", type=int, default=2_000,
-                   help="scenes: held-out pairs with (class, colour) combinations never seen in training")
+    e.add_argument(
+        "--num-novel",
+        type=int,
+        default=2_000,
+        help="scenes: held-out pairs with (class, colour) combinations never seen in training",
+    )
     e.add_argument("--workers", type=int, default=None, help="scenes: generating processes (default: all cores)")
-    e.add_argument("--datasets", default="auto",
-                   help="auto (Fashion-MNIST + MNIST-5k, or MNIST-5k + Animal-MNIST without the Debian files), "
-                        "or a comma list of fashion-mnist, mnist, animal-mnist")
+    e.add_argument(
+        "--datasets",
+        default="auto",
+        help="auto (Fashion-MNIST + MNIST-5k, or MNIST-5k + Animal-MNIST without the Debian files), "
+        "or a comma list of fashion-mnist, mnist, animal-mnist",
+    )
     e.add_argument("--max-per-class", type=int, default=None, help="cap on training samples per class and dataset")
-    e.add_argument("--max-val-per-class", type=int, default=None,
-                   help="cap on held-out samples per class (default with --max-per-class: its val_fraction share)")
+    e.add_argument(
+        "--max-val-per-class",
+        type=int,
+        default=None,
+        help="cap on held-out samples per class (default with --max-per-class: its val_fraction share)",
+    )
     e.add_argument("--val-fraction", type=float, default=0.2, help="held out per class where no official split")
     e.add_argument("--shard-size", type=int, default=2000)
     e.add_argument("--seed", type=int, default=0)
@@ -65,11 +85,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--data-size", type=int, default=None, help="default: 1 + the largest index found")
     s.add_argument("--strict", action="store_true", help="exit 1 and write nothing if any problem is found")
     s.add_argument("--workers", type=int, default=None, help="processes reading shards (default: all cores)")
-    s.add_argument("--from-tars", action="store_true",
-                   help="read every tar even where img2dataset's {shard}.parquet or {shard}_stats.json is present")
-    s.add_argument("--samples-per-shard", type=int, default=None,
-                   help="img2dataset's --number_sample_per_shard (default 10000): the key range of a shard counted "
-                        "from its _stats.json")
+    s.add_argument(
+        "--from-tars",
+        action="store_true",
+        help="read every tar even where img2dataset's {shard}.parquet or {shard}_stats.json is present",
+    )
+    s.add_argument(
+        "--samples-per-shard",
+        type=int,
+        default=None,
+        help="img2dataset's --number_sample_per_shard (default 10000): the key range of a shard counted "
+        "from its _stats.json",
+    )
 
     i = sub.add_parser("info", help="resolve a training data spec and print what an epoch would be")
     i.add_argument("train_data", help="as data.train: folders/manifests/patterns joined with '::'")
@@ -94,33 +121,58 @@ def _run(args) -> int:
         from fastclip.data.sources.embedded import FASHION_MNIST_ROOT, build_embedded
         from fastclip.progress import Progress
 
-        summary = build_embedded(args.out, datasets=args.datasets, max_per_class=args.max_per_class,
-                                 max_val_per_class=args.max_val_per_class, val_fraction=args.val_fraction,
-                                 shard_size=args.shard_size, seed=args.seed, index_offset=args.index_offset,
-                                 fashion_root=args.fashion_mnist_root or FASHION_MNIST_ROOT,
-                                 progress=lambda total: Progress(total, "embedded", unit="sample"))
+        summary = build_embedded(
+            args.out,
+            datasets=args.datasets,
+            max_per_class=args.max_per_class,
+            max_val_per_class=args.max_val_per_class,
+            val_fraction=args.val_fraction,
+            shard_size=args.shard_size,
+            seed=args.seed,
+            index_offset=args.index_offset,
+            fashion_root=args.fashion_mnist_root or FASHION_MNIST_ROOT,
+            progress=lambda total: Progress(total, "embedded", unit="sample"),
+        )
         print(f"datasets: {', '.join(summary['datasets'])} ({summary['note']})")
         for split, info in summary["splits"].items():
-            print(f"{args.out}/{split}: {info['num_samples']} samples in {info['shards']} shards, indices "
-                  f"{info['index_range'][0]}..{info['index_range'][1]}")
+            print(
+                f"{args.out}/{split}: {info['num_samples']} samples in {info['shards']} shards, indices "
+                f"{info['index_range'][0]}..{info['index_range'][1]}"
+            )
         print(f"data_size {summary['data_size']}; class names and templates in {args.out}/zeroshot.json")
         return 0
     if args.command == "folder":
         from fastclip.data.sources.folder import build_folder
 
-        summary = build_folder(args.captions, args.out, images=args.images, img_key=args.csv_img_key,
-                               caption_key=args.csv_caption_key, separator=args.csv_separator,
-                               shard_size=args.shard_size, index_offset=args.index_offset, prefix=args.prefix)
+        summary = build_folder(
+            args.captions,
+            args.out,
+            images=args.images,
+            img_key=args.csv_img_key,
+            caption_key=args.csv_caption_key,
+            separator=args.csv_separator,
+            shard_size=args.shard_size,
+            index_offset=args.index_offset,
+            prefix=args.prefix,
+        )
         for line in summary["skipped"][:50]:
             print(f"skipped {line}")
-        print(f"{args.out}: {summary['written']} of {summary['rows']} rows written in {summary['shards']} shards "
-              f"({len(summary['skipped'])} skipped), data_size {summary['data_size']}")
+        print(
+            f"{args.out}: {summary['written']} of {summary['rows']} rows written in {summary['shards']} shards "
+            f"({len(summary['skipped'])} skipped), data_size {summary['data_size']}"
+        )
         return 0
     if args.command == "scan":
         from fastclip.data.sources.scan import scan_shards
 
-        result = scan_shards(args.shards, data_size=args.data_size, write=not args.strict, workers=args.workers,
-                             from_tars=args.from_tars, samples_per_shard=args.samples_per_shard)
+        result = scan_shards(
+            args.shards,
+            data_size=args.data_size,
+            write=not args.strict,
+            workers=args.workers,
+            from_tars=args.from_tars,
+            samples_per_shard=args.samples_per_shard,
+        )
         print(result.summary())
         if args.strict and result.problems:
             print("--strict: problems found, no manifest written", file=sys.stderr)
@@ -135,9 +187,21 @@ def _run(args) -> int:
         from fastclip.data.catalog import resolve_catalog
 
         catalog = resolve_catalog(args.train_data)
-        out = {"data_size": catalog.data_size, "num_samples": catalog.num_samples, "shards": len(catalog.shards),
-               "sources": [{"spec": s.spec, "shards": len(s.shard_ids), "index_min": s.index_min,
-                            "index_max": s.index_max, "data_size": s.data_size} for s in catalog.sources]}
+        out = {
+            "data_size": catalog.data_size,
+            "num_samples": catalog.num_samples,
+            "shards": len(catalog.shards),
+            "sources": [
+                {
+                    "spec": s.spec,
+                    "shards": len(s.shard_ids),
+                    "index_min": s.index_min,
+                    "index_max": s.index_max,
+                    "data_size": s.data_size,
+                }
+                for s in catalog.sources
+            ],
+        }
         if args.batch_size:
             global_batch = args.batch_size * args.world_size
             out["batches_per_epoch"] = -(-catalog.num_samples // global_batch)
@@ -156,18 +220,31 @@ def _scenes(args) -> int:
     start = time.perf_counter()
     total = args.num_train + args.num_val + args.num_test + args.num_novel
     with Progress(total, "scenes", unit="scene") as bar:
-        summary = build_scenes(args.out, num_train=args.num_train, num_val=args.num_val, num_test=args.num_test,
-                               num_novel=args.num_novel, shard_size=args.shard_size, seed=args.seed,
-                               index_offset=args.index_offset, datasets=args.datasets, workers=args.workers,
-                               fashion_root=args.fashion_mnist_root or FASHION_MNIST_ROOT, progress=bar.update)
-    print(f"scenes of {', '.join(summary['datasets'])} glyphs ({summary['note']}), "
-          f"{time.perf_counter() - start:.0f} s")
+        summary = build_scenes(
+            args.out,
+            num_train=args.num_train,
+            num_val=args.num_val,
+            num_test=args.num_test,
+            num_novel=args.num_novel,
+            shard_size=args.shard_size,
+            seed=args.seed,
+            index_offset=args.index_offset,
+            datasets=args.datasets,
+            workers=args.workers,
+            fashion_root=args.fashion_mnist_root or FASHION_MNIST_ROOT,
+            progress=bar.update,
+        )
+    print(f"scenes of {', '.join(summary['datasets'])} glyphs ({summary['note']}), {time.perf_counter() - start:.0f} s")
     for split, info in summary["splits"].items():
-        print(f"{args.out}/{split}: {info['num_samples']} scenes ({info['distinct_captions']} distinct captions, "
-              f"{info['labelled_single_object']} single-object for zero-shot) in {info['shards']} shards, indices "
-              f"{info['index_range'][0]}..{info['index_range'][1]}")
-    print(f"data_size {summary['data_size']}; {len(summary['held_out_pairs'])} (class, colour) pairs held out of "
-          f"training; class names and prompts in {args.out}/zeroshot.json")
+        print(
+            f"{args.out}/{split}: {info['num_samples']} scenes ({info['distinct_captions']} distinct captions, "
+            f"{info['labelled_single_object']} single-object for zero-shot) in {info['shards']} shards, indices "
+            f"{info['index_range'][0]}..{info['index_range'][1]}"
+        )
+    print(
+        f"data_size {summary['data_size']}; {len(summary['held_out_pairs'])} (class, colour) pairs held out of "
+        f"training; class names and prompts in {args.out}/zeroshot.json"
+    )
     return 0
 
 

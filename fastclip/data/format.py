@@ -4,6 +4,7 @@ A sample is a group of tar members with the same key (the member name up to the 
 as WebDataset groups them): `<key>.png|jpg|jpeg|webp`, `<key>.txt`, `<key>.json`, optionally `<key>.cls`.
 Our writers use the global index zero-padded to 9 digits as the key.
 """
+
 from __future__ import annotations
 
 import json

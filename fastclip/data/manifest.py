@@ -9,6 +9,7 @@ by (shard, ordinal), so this must match what a reader walking the tar sees. `pro
 `fastclip data scan`: the stream skips the samples listed there (a duplicate index can only be decided with
 the whole data set in view, so scan decides it once and the stream follows).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,17 +47,28 @@ class Manifest:
         return sum(s.num_samples for s in self.shards)
 
     def to_json(self) -> dict:
-        out = {"format": MANIFEST_FORMAT, "data_size": self.data_size, "num_samples": self.num_samples,
-               "shards": [{"path": s.path, "num_samples": s.num_samples, "index_min": s.index_min,
-                           "index_max": s.index_max, **({} if s.index_base is None else {"index_base": s.index_base})}
-                          for s in self.shards]}
+        out = {
+            "format": MANIFEST_FORMAT,
+            "data_size": self.data_size,
+            "num_samples": self.num_samples,
+            "shards": [
+                {
+                    "path": s.path,
+                    "num_samples": s.num_samples,
+                    "index_min": s.index_min,
+                    "index_max": s.index_max,
+                    **({} if s.index_base is None else {"index_base": s.index_base}),
+                }
+                for s in self.shards
+            ],
+        }
         if self.problems:
             out["problems"] = self.problems
         out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
 
     @classmethod
-    def from_json(cls, data: dict, where: str) -> "Manifest":
+    def from_json(cls, data: dict, where: str) -> Manifest:
         def need(d: dict, key: str, kind, ctx: str):
             if key not in d:
                 raise ManifestError(f"{where}: missing field {ctx}{key!r}")
@@ -75,16 +87,21 @@ class Manifest:
             ctx = f"shards[{i}]."
             if not isinstance(entry, dict):
                 raise ManifestError(f"{where}: shards[{i}] is not an object")
-            info = ShardInfo(need(entry, "path", str, ctx), need(entry, "num_samples", int, ctx),
-                             entry.get("index_min"), entry.get("index_max"),
-                             need(entry, "index_base", int, ctx) if "index_base" in entry else None)
+            info = ShardInfo(
+                need(entry, "path", str, ctx),
+                need(entry, "num_samples", int, ctx),
+                entry.get("index_min"),
+                entry.get("index_max"),
+                need(entry, "index_base", int, ctx) if "index_base" in entry else None,
+            )
             if info.num_samples < 0:
                 raise ManifestError(f"{where}: {ctx}num_samples is negative ({info.num_samples})")
             if info.path in seen:
                 raise ManifestError(f"{where}: shard {info.path!r} listed twice")
             if info.index_max is not None and info.index_max >= data_size:
-                raise ManifestError(f"{where}: shard {info.path!r} has index_max {info.index_max} >= data_size "
-                                    f"{data_size}")
+                raise ManifestError(
+                    f"{where}: shard {info.path!r} has index_max {info.index_max} >= data_size {data_size}"
+                )
             seen.add(info.path)
             shards.append(info)
         problems = data.get("problems", [])
@@ -103,8 +120,10 @@ def read_manifest(folder_or_file: str | os.PathLike) -> Manifest:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise ManifestError(f"no manifest at {path}: write shards with `fastclip data embedded|folder` or run "
-                            f"`fastclip data scan {path.parent}`") from None
+        raise ManifestError(
+            f"no manifest at {path}: write shards with `fastclip data embedded|folder` or run "
+            f"`fastclip data scan {path.parent}`"
+        ) from None
     except ValueError as e:
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
     return Manifest.from_json(data, str(path))

@@ -12,13 +12,15 @@
    rest of an epoch after a resume can have, a rank with an empty range borrows the whole segment.)
 4. Workers. Batch j of a rank is made by logical worker j % workers. Worker w owns the contiguous chunk of
    its rank's virtual positions that its batches need; if it loses samples to bad data it reads on past its
-   chunk (refill windows of at most a chunk, also counted as wrapped: see `window_span`). Every position of the rank's range lies, unwrapped, in exactly one
+   chunk (refill windows of at most a chunk, also counted as wrapped: see `window_span`). Every position of the
+   rank's range lies, unwrapped, in exactly one
    worker's chunk, and that worker reads all of it: it alone counts the position's bad samples, so each lost
    sample is counted once per epoch whatever the wraps and refills re-read.
 5. Windows. A worker reads its positions in windows of `window` (the shuffle buffer; the last window of its
    chunk is cut at the chunk's end) and serves each window in an order drawn from (seed, epoch, rank, worker,
    window): a seeded shuffle whose state is just (window, consumed), so a resume re-reads at most one window.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,14 +40,19 @@ def rng_for(*words: int) -> np.random.Generator:
 @dataclass(frozen=True)
 class Layout:
     """What decides the batches besides the data and the seed; an exact resume needs the same layout."""
+
     world_size: int
     workers: int  # logical workers per rank (DataLoader workers, 1 when loading in the main process)
     batch_size: int
     window: int  # shuffle buffer: samples per window
 
     def as_dict(self) -> dict:
-        return {"world_size": self.world_size, "workers": self.workers, "batch_size": self.batch_size,
-                "window": self.window}
+        return {
+            "world_size": self.world_size,
+            "workers": self.workers,
+            "batch_size": self.batch_size,
+            "window": self.window,
+        }
 
 
 @dataclass(frozen=True)
@@ -60,8 +67,15 @@ class EpochSequence:
         return slot, pos - int(self.starts[slot]), int(self.starts[slot + 1]) - pos
 
 
-def epoch_sequence(sizes: list[int], seed: int, epoch: int, *, resampled: bool = False,
-                   samples_per_epoch: int | None = None, weights: list[float] | None = None) -> EpochSequence:
+def epoch_sequence(
+    sizes: list[int],
+    seed: int,
+    epoch: int,
+    *,
+    resampled: bool = False,
+    samples_per_epoch: int | None = None,
+    weights: list[float] | None = None,
+) -> EpochSequence:
     sizes_arr = np.asarray(sizes, dtype=np.int64)
     rng = rng_for(seed, epoch, TAG_SHARDS)
     if not resampled:
@@ -90,10 +104,11 @@ def epoch_sequence(sizes: list[int], seed: int, epoch: int, *, resampled: bool =
 @dataclass(frozen=True)
 class Segment:
     """Sorted, disjoint [lo, hi) intervals of the epoch sequence, served in order."""
+
     intervals: tuple[tuple[int, int], ...]
 
     @classmethod
-    def full(cls, length: int) -> "Segment":
+    def full(cls, length: int) -> Segment:
         return cls(((0, length),) if length > 0 else ())
 
     @property
@@ -153,8 +168,17 @@ class Run:
     wrapped: bool  # served a second time this epoch (rank wrap or read past the worker's chunk)
 
 
-def worker_runs(seq: EpochSequence, segment: Segment, rank_lo: int, n_rank: int, chunk_start: int,
-                chunk_len: int, start: int, count: int, borrowed: bool = False) -> list[Run]:
+def worker_runs(
+    seq: EpochSequence,
+    segment: Segment,
+    rank_lo: int,
+    n_rank: int,
+    chunk_start: int,
+    chunk_len: int,
+    start: int,
+    count: int,
+    borrowed: bool = False,
+) -> list[Run]:
     """Worker positions [start, start+count) as contiguous runs of shard samples."""
     runs, a, end = [], start, start + count
     while a < end:

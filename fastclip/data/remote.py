@@ -10,6 +10,7 @@ the command's argument that names the shard).
 A failure (a command that exits non-zero, an HTTP error, a connection that drops) raises `RemoteError` whose
 message is one line: the location and the command's stderr tail or the HTTP status.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -50,8 +51,10 @@ def _shard_token(command: str) -> tuple[int, int]:
         if token.strip("'\"").endswith(SHARD_SUFFIXES):
             best = (start, pos)
     if best is None:
-        raise RemoteError(f"pipe:{command}: no argument ends in {'/'.join(SHARD_SUFFIXES)}, so the shard (and the "
-                          f"manifest.json beside it) cannot be located")
+        raise RemoteError(
+            f"pipe:{command}: no argument ends in {'/'.join(SHARD_SUFFIXES)}, so the shard (and the "
+            f"manifest.json beside it) cannot be located"
+        )
     return best
 
 
@@ -69,8 +72,8 @@ def sibling(location: str, name: str) -> str:
         command = location[5:]
         a, b = _shard_token(command)
         token = command[a:b]
-        trail = token[len(token.rstrip("'\"")):]  # a closing quote stays where it was
-        folder = posixpath.dirname(token[:len(token) - len(trail)])
+        trail = token[len(token.rstrip("'\"")) :]  # a closing quote stays where it was
+        folder = posixpath.dirname(token[: len(token) - len(trail)])
         return "pipe:" + command[:a] + (folder + "/" if folder else "") + name + trail + command[b:]
     parts = urllib.parse.urlsplit(location)
     path = posixpath.join(posixpath.dirname(parts.path), name)
@@ -96,8 +99,9 @@ class _Pipe:
         self.where = where
         self._err = tempfile.TemporaryFile()
         try:
-            self._proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=self._err,
-                                          stdin=subprocess.DEVNULL)
+            self._proc = subprocess.Popen(
+                command, shell=True, stdout=subprocess.PIPE, stderr=self._err, stdin=subprocess.DEVNULL
+            )
         except OSError as e:
             self._err.close()
             raise RemoteError(f"{where}: cannot start the command ({e})") from None
@@ -193,7 +197,7 @@ class StreamFile:
         out = b""
         if self._back:
             start = len(self._tail) - self._back
-            out = bytes(self._tail[start:start + (self._back if n < 0 else min(n, self._back))])
+            out = bytes(self._tail[start : start + (self._back if n < 0 else min(n, self._back))])
             self._back -= len(out)
             if n >= 0:
                 n -= len(out)

@@ -14,6 +14,7 @@ A sample is skipped, logged with shard and key, and counted under one reason:
   undecodable_image  PIL cannot decode the image (found when the batch is made)
 and a manifest `problems` entry's own reason when scan listed the sample.
 """
+
 from __future__ import annotations
 
 import io
@@ -25,8 +26,16 @@ from PIL import Image
 from fastclip.data.format import caption_of, image_of, index_from_meta, parse_meta
 from fastclip.data.tario import RawSample
 
-REASONS = ("unreadable_shard", "truncated_tar", "missing_index", "index_out_of_range", "duplicate_index",
-           "missing_caption", "missing_image", "undecodable_image")
+REASONS = (
+    "unreadable_shard",
+    "truncated_tar",
+    "missing_index",
+    "index_out_of_range",
+    "duplicate_index",
+    "missing_caption",
+    "missing_image",
+    "undecodable_image",
+)
 SHARD_REASONS = frozenset({"unreadable_shard", "truncated_tar"})  # one problem of a shard, many samples lost
 
 
@@ -37,6 +46,7 @@ class DataExhausted(RuntimeError):
 @dataclass
 class Candidate:
     """A sample that passed the cheap checks; its image is decoded only when it goes into a batch."""
+
     index: int
     caption: str
     image: bytes

@@ -46,21 +46,32 @@ layout re-reads the partly served windows, whose skips are then counted again). 
 the last events (shard, key, reason, detail); each bad sample, and each broken shard, is logged once per epoch
 (the first `log_skips_per_reason` per reason; 0: not logged, as the trainer does, which logs on rank 0).
 """
+
 from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
 from fastclip.data.catalog import Catalog, DataSpecError, resolve_catalog
-from fastclip.data.plan import (EpochSequence, Layout, Segment, epoch_sequence, num_batches, rank_span,
-                                remainder, window_span, worker_chunk, worker_runs)
+from fastclip.data.plan import (
+    EpochSequence,
+    Layout,
+    Segment,
+    epoch_sequence,
+    num_batches,
+    rank_span,
+    remainder,
+    window_span,
+    worker_chunk,
+    worker_runs,
+)
 from fastclip.data.samples import REASONS, SHARD_REASONS, DataExhausted
 from fastclip.data.worker import EpochDataset, EpochJob
-
 
 log = logging.getLogger(__name__)
 STATE_FORMAT = "fastclip-stream/1"
@@ -82,7 +93,7 @@ class StreamConfig:
     log_skips_per_reason: int = 20  # warnings per reason and epoch; counts are always exact
 
     @classmethod
-    def from_any(cls, cfg: Any) -> "StreamConfig":
+    def from_any(cls, cfg: Any) -> StreamConfig:
         """A StreamConfig from itself, a dict, or any config object with these field names (the trainer's data
         section's; OpenCLIP's spellings are command-line aliases only, fastclip/train/config.py)."""
         if isinstance(cfg, cls):
@@ -99,16 +110,37 @@ class StreamConfig:
         return cls(**values)
 
 
-def build_train_stream(cfg: Any, *, rank: int = 0, world_size: int = 1, preprocess: Callable,
-                       tokenizer: Callable, catalog: Catalog | None = None) -> "TrainStream":
+def build_train_stream(
+    cfg: Any,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    preprocess: Callable,
+    tokenizer: Callable,
+    catalog: Catalog | None = None,
+) -> TrainStream:
     """catalog: the shards of cfg.train as resolved once (by rank 0, broadcast); None: resolve them here."""
-    return TrainStream(StreamConfig.from_any(cfg), rank=rank, world_size=world_size, preprocess=preprocess,
-                       tokenizer=tokenizer, catalog=catalog)
+    return TrainStream(
+        StreamConfig.from_any(cfg),
+        rank=rank,
+        world_size=world_size,
+        preprocess=preprocess,
+        tokenizer=tokenizer,
+        catalog=catalog,
+    )
 
 
 class TrainStream:
-    def __init__(self, cfg: StreamConfig, *, rank: int, world_size: int, preprocess: Callable,
-                 tokenizer: Callable, catalog: Catalog | None = None):
+    def __init__(
+        self,
+        cfg: StreamConfig,
+        *,
+        rank: int,
+        world_size: int,
+        preprocess: Callable,
+        tokenizer: Callable,
+        catalog: Catalog | None = None,
+    ):
         _check_positive(cfg, world_size, rank)
         self.cfg, self.rank = cfg, rank
         self.preprocess, self.tokenizer = preprocess, tokenizer
@@ -116,8 +148,9 @@ class TrainStream:
             catalog = resolve_catalog(cfg.train, cfg.data_size)
         elif cfg.data_size is not None and cfg.data_size != catalog.data_size:
             if cfg.data_size < catalog.data_size:
-                raise DataSpecError(f"data_size {cfg.data_size} is smaller than the manifests' data_size "
-                                    f"{catalog.data_size}")
+                raise DataSpecError(
+                    f"data_size {cfg.data_size} is smaller than the manifests' data_size {catalog.data_size}"
+                )
             catalog = replace(catalog, data_size=cfg.data_size)
         self.catalog: Catalog = catalog
         self.data_size = self.catalog.data_size
@@ -130,7 +163,8 @@ class TrainStream:
                 raise DataSpecError(
                     f"samples_per_epoch={cfg.samples_per_epoch} but the shards hold {self.catalog.num_samples} "
                     f"samples: without resampled an epoch is one pass over all shards (a smaller number "
-                    f"would silently train on a subset, OpenCLIP #993); set resampled for virtual epochs")
+                    f"would silently train on a subset, OpenCLIP #993); set resampled for virtual epochs"
+                )
             self.epoch_length = self.catalog.num_samples
         if self.epoch_length < world_size:
             raise DataSpecError(f"{cfg.train!r}: {self.epoch_length} samples per epoch for {world_size} ranks")
@@ -147,16 +181,24 @@ class TrainStream:
         self._logged: Counter = Counter()
 
     def __repr__(self) -> str:
-        return (f"TrainStream(rank {self.rank}/{self.layout.world_size}, {len(self.catalog.shards)} shards, "
-                f"{self.epoch_length} samples/epoch, batch {self.layout.batch_size}, "
-                f"{self.batches_per_epoch} batches/epoch, data_size {self.data_size})")
+        return (
+            f"TrainStream(rank {self.rank}/{self.layout.world_size}, {len(self.catalog.shards)} shards, "
+            f"{self.epoch_length} samples/epoch, batch {self.layout.batch_size}, "
+            f"{self.batches_per_epoch} batches/epoch, data_size {self.data_size})"
+        )
 
     # ------------------------------------------------------------------ iteration
     def _sequence(self, epoch: int) -> EpochSequence:
         if self._seq_cache is None or self._seq_cache[0] != epoch:
             sizes = [s.num_samples for s in self.catalog.shards]
-            seq = epoch_sequence(sizes, self.cfg.seed, epoch, resampled=self.cfg.resampled,
-                                 samples_per_epoch=self.epoch_length, weights=self._weights)
+            seq = epoch_sequence(
+                sizes,
+                self.cfg.seed,
+                epoch,
+                resampled=self.cfg.resampled,
+                samples_per_epoch=self.epoch_length,
+                weights=self._weights,
+            )
             self._seq_cache = (epoch, seq)
         return self._seq_cache[1]
 
@@ -183,37 +225,58 @@ class TrainStream:
         if first >= n_batches:
             return
         job = EpochJob(
-            shard_paths=[s.path for s in self.catalog.shards], shard_names=[s.name for s in self.catalog.shards],
+            shard_paths=[s.path for s in self.catalog.shards],
+            shard_names=[s.name for s in self.catalog.shards],
             shard_sizes=[s.num_samples for s in self.catalog.shards],
-            skip=[{k: (r, d) for k, r, d in s.skip} for s in self.catalog.shards], seq=self._sequence(epoch),
+            skip=[{k: (r, d) for k, r, d in s.skip} for s in self.catalog.shards],
+            seq=self._sequence(epoch),
             index_base=[s.index_base for s in self.catalog.shards],
-            segment=segment, layout=self.layout, rank=self.rank, seed=self.cfg.seed, epoch=epoch,
-            seg_tag=segment.tag(self.epoch_length), data_size=self.data_size, first_batch=first,
-            n_batches=n_batches, cursors=list(self._cursors), preprocess=self.preprocess,
-            tokenizer=self.tokenizer)
+            segment=segment,
+            layout=self.layout,
+            rank=self.rank,
+            seed=self.cfg.seed,
+            epoch=epoch,
+            seg_tag=segment.tag(self.epoch_length),
+            data_size=self.data_size,
+            first_batch=first,
+            n_batches=n_batches,
+            cursors=list(self._cursors),
+            preprocess=self.preprocess,
+            tokenizer=self.tokenizer,
+        )
         dataset = EpochDataset(job)
         if self.cfg.workers == 0:
             batches = iter(dataset)
         else:
-            batches = iter(torch.utils.data.DataLoader(
-                dataset, batch_size=None, num_workers=self.layout.workers, collate_fn=_as_is,
-                pin_memory=self.cfg.pin_memory, prefetch_factor=self.cfg.prefetch_factor,
-                persistent_workers=False,  # fresh workers per epoch: the job changes (and wds#365's leak)
-                # its base seed from its own generator, not the caller's torch RNG: a resume mid-epoch starts one
-                # more loader than the uninterrupted run did, and must not shift the trainer's RNG stream
-                generator=torch.Generator().manual_seed(self.cfg.seed)))
+            batches = iter(
+                torch.utils.data.DataLoader(
+                    dataset,
+                    batch_size=None,
+                    num_workers=self.layout.workers,
+                    collate_fn=_as_is,
+                    pin_memory=self.cfg.pin_memory,
+                    prefetch_factor=self.cfg.prefetch_factor,
+                    persistent_workers=False,  # fresh workers per epoch: the job changes (and wds#365's leak)
+                    # its base seed from its own generator, not the caller's torch RNG: a resume mid-epoch starts one
+                    # more loader than the uninterrupted run did, and must not shift the trainer's RNG stream
+                    generator=torch.Generator().manual_seed(self.cfg.seed),
+                )
+            )
         try:
             for expected in range(first, n_batches):
                 try:
                     images, texts, indices, meta = next(batches)
                 except StopIteration:
-                    raise RuntimeError(f"rank {self.rank}: data workers stopped at batch {expected} of "
-                                       f"{n_batches} in epoch {epoch}") from None
+                    raise RuntimeError(
+                        f"rank {self.rank}: data workers stopped at batch {expected} of {n_batches} in epoch {epoch}"
+                    ) from None
                 if "error" in meta:
                     raise DataExhausted(meta["error"])
                 if meta["batch"] != expected:  # DataLoader must interleave workers round-robin
-                    raise RuntimeError(f"rank {self.rank}: got batch {meta['batch']} from worker "
-                                       f"{meta['worker']}, expected batch {expected}")
+                    raise RuntimeError(
+                        f"rank {self.rank}: got batch {meta['batch']} from worker "
+                        f"{meta['worker']}, expected batch {expected}"
+                    )
                 self._cursors[meta["worker"]] = tuple(meta["cursor"])
                 self._absorb(meta, epoch)
                 self._batches_seen = expected + 1
@@ -238,27 +301,42 @@ class TrainStream:
             event = dict(event, epoch=epoch, rank=self.rank)
             self.recent_skips.append(event)
             # one line per bad sample, one per bad shard (its workers may each report it) and epoch
-            what = (event["shard"], event["reason"]) if event["reason"] in SHARD_REASONS else (
-                event["shard"], event["key"], event["reason"])
+            what = (
+                (event["shard"], event["reason"])
+                if event["reason"] in SHARD_REASONS
+                else (event["shard"], event["key"], event["reason"])
+            )
             if what in self._logged:
                 continue
             self._logged[what] = 1
             self._logged[event["reason"]] += 1
             n = self._logged[event["reason"]]
             if n <= self.cfg.log_skips_per_reason:
-                log.warning("%s%s", describe_skip(event), "; further skips of this reason are counted, not logged, "
-                            "this epoch" if n == self.cfg.log_skips_per_reason else "")
+                log.warning(
+                    "%s%s",
+                    describe_skip(event),
+                    "; further skips of this reason are counted, not logged, this epoch"
+                    if n == self.cfg.log_skips_per_reason
+                    else "",
+                )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {
-            "format": STATE_FORMAT, "fingerprint": self.catalog.fingerprint, "seed": self.cfg.seed,
-            "resampled": bool(self.cfg.resampled), "epoch_length": self.epoch_length,
-            "layout": self.layout.as_dict(), "rank": self.rank, "epoch": self._epoch,
+            "format": STATE_FORMAT,
+            "fingerprint": self.catalog.fingerprint,
+            "seed": self.cfg.seed,
+            "resampled": bool(self.cfg.resampled),
+            "epoch_length": self.epoch_length,
+            "layout": self.layout.as_dict(),
+            "rank": self.rank,
+            "epoch": self._epoch,
             "segment": [list(iv) for iv in self._segment.intervals] if self._segment is not None else None,
-            "batches_seen": self._batches_seen, "cursors": [list(c) for c in self._cursors],
+            "batches_seen": self._batches_seen,
+            "cursors": [list(c) for c in self._cursors],
             "shard_cursor": self._shard_cursor(),  # for people reading a checkpoint; not used to resume
-            "samples_seen": self.samples_seen, "counters": dict(self.counters),
+            "samples_seen": self.samples_seen,
+            "counters": dict(self.counters),
         }
 
     def _shard_cursor(self) -> list[dict]:
@@ -271,11 +349,19 @@ class TrainStream:
         for w, (window, consumed) in enumerate(self._cursors):
             chunk_start, chunk_len = worker_chunk(n_batches, self.layout, w)
             start, _ = window_span(window, chunk_len, self.layout.window, n_rank)
-            run = worker_runs(self._sequence(self._epoch), self._segment, lo, n_rank, chunk_start, chunk_len,
-                              start, 1)[0]
+            run = worker_runs(self._sequence(self._epoch), self._segment, lo, n_rank, chunk_start, chunk_len, start, 1)[
+                0
+            ]
             shard = self.catalog.shards[int(self._sequence(self._epoch).slots[run.slot])]
-            out.append({"worker": w, "window": window, "consumed_in_window": consumed, "window_shard": shard.name,
-                        "window_ordinal": run.ordinal})
+            out.append(
+                {
+                    "worker": w,
+                    "window": window,
+                    "consumed_in_window": consumed,
+                    "window_shard": shard.name,
+                    "window_ordinal": run.ordinal,
+                }
+            )
         return out
 
     def load_state_dict(self, state: dict | None) -> None:
@@ -283,12 +369,18 @@ class TrainStream:
             return
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a data stream state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
-        for key, mine in (("fingerprint", self.catalog.fingerprint), ("seed", self.cfg.seed),
-                          ("resampled", bool(self.cfg.resampled)), ("epoch_length", self.epoch_length)):
+        for key, mine in (
+            ("fingerprint", self.catalog.fingerprint),
+            ("seed", self.cfg.seed),
+            ("resampled", bool(self.cfg.resampled)),
+            ("epoch_length", self.epoch_length),
+        ):
             if state[key] != mine:
-                raise ValueError(f"saved data stream position has {key}={state[key]!r} but this stream has "
-                                 f"{mine!r}: the position is only meaningful for the same shards (names and "
-                                 f"counts), seed, resampling and epoch length")
+                raise ValueError(
+                    f"saved data stream position has {key}={state[key]!r} but this stream has "
+                    f"{mine!r}: the position is only meaningful for the same shards (names and "
+                    f"counts), seed, resampling and epoch length"
+                )
         self.samples_seen = int(state["samples_seen"])
         self.counters = {reason: 0 for reason in REASONS} | {"wrapped": 0} | dict(state["counters"])
         if state["epoch"] is None:
@@ -299,26 +391,39 @@ class TrainStream:
         self._epoch, self._logged = epoch, Counter()
         if old == self.layout:
             if state["rank"] != self.rank:
-                raise ValueError(f"data stream state of rank {state['rank']} loaded into rank {self.rank} at the "
-                                 f"same world size: load each rank's own state")
+                raise ValueError(
+                    f"data stream state of rank {state['rank']} loaded into rank {self.rank} at the "
+                    f"same world size: load each rank's own state"
+                )
             self._segment, self._batches_seen = segment, done
             self._cursors = [tuple(c) for c in state["cursors"]]
             return
         self._segment = remainder(segment, old, done) if done < num_batches(segment.length, old) else Segment(())
         self._batches_seen, self._cursors = 0, [(0, 0)] * self.layout.workers
-        log.info("data stream: epoch %d resumed at another layout (%s -> %s) after %d batches: %d of its samples "
-                 "left, %d batches on this layout", epoch, old.as_dict(), self.layout.as_dict(), done,
-                 self._segment.length, self.batches_remaining(epoch))
+        log.info(
+            "data stream: epoch %d resumed at another layout (%s -> %s) after %d batches: %d of its samples "
+            "left, %d batches on this layout",
+            epoch,
+            old.as_dict(),
+            self.layout.as_dict(),
+            done,
+            self._segment.length,
+            self.batches_remaining(epoch),
+        )
 
 
 def describe_skip(event: dict) -> str:
     """One line for a skip event: shard, key and reason (a shard-wide problem: the shard, once)."""
     if event.get("reason") in SHARD_REASONS:
         where = f" after key {event['key']}" if event.get("key") is not None else ""
-        return (f"rank {event.get('rank')}: shard {event.get('shard')}: {event.get('reason')}{where} "
-                f"({event.get('detail')}); its unreadable samples are skipped this epoch")
-    return (f"rank {event.get('rank')} skipped shard {event.get('shard')} key {event.get('key')}: "
-            f"{event.get('reason')} ({event.get('detail')})")
+        return (
+            f"rank {event.get('rank')}: shard {event.get('shard')}: {event.get('reason')}{where} "
+            f"({event.get('detail')}); its unreadable samples are skipped this epoch"
+        )
+    return (
+        f"rank {event.get('rank')} skipped shard {event.get('shard')} key {event.get('key')}: "
+        f"{event.get('reason')} ({event.get('detail')})"
+    )
 
 
 def state_for_new_world_size(old_states: list[dict], rank: int, world_size: int) -> dict:
@@ -334,8 +439,11 @@ def state_for_new_world_size(old_states: list[dict], rank: int, world_size: int)
     counters: Counter = Counter()
     for s in mine:
         counters.update({k: int(v) for k, v in s["counters"].items()})
-    return {**old_states[0], "samples_seen": sum(int(s["samples_seen"]) for s in mine),
-            "counters": {k: counters[k] for k in old_states[0]["counters"]} | dict(counters)}
+    return {
+        **old_states[0],
+        "samples_seen": sum(int(s["samples_seen"]) for s in mine),
+        "counters": {k: counters[k] for k in old_states[0]["counters"]} | dict(counters),
+    }
 
 
 def _check_positive(cfg: StreamConfig, world_size: int, rank: int) -> None:
@@ -357,8 +465,10 @@ def _shard_weights(catalog: Catalog, cfg: StreamConfig) -> list[float] | None:
         raise DataSpecError("upsampling_factors needs resampled (as in OpenCLIP)")
     values = [float(f) for f in (factors.split("::") if isinstance(factors, str) else factors)]
     if len(values) != len(catalog.sources) or any(v < 0 for v in values):
-        raise DataSpecError(f"upsampling_factors {factors!r}: need one factor >= 0 per source "
-                            f"({len(catalog.sources)} sources in {cfg.train!r})")
+        raise DataSpecError(
+            f"upsampling_factors {factors!r}: need one factor >= 0 per source "
+            f"({len(catalog.sources)} sources in {cfg.train!r})"
+        )
     return [values[s.source] for s in catalog.shards]
 
 

@@ -6,15 +6,16 @@ file, bad header) raises `TarBroken`; the group being read when it broke is lost
 it was complete. A remote shard (`pipe:`, `s3://`, `http(s)://`; fastclip/data/remote.py) is streamed front
 to back: skipping reads and discards, and a failure's message is the remote one (location, stderr tail).
 """
+
 from __future__ import annotations
 
 import io
 import os
 import tarfile
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from fastclip.data.format import split_member_name
 from fastclip.data.remote import RemoteError, StreamFile, is_remote
@@ -65,7 +66,7 @@ class ShardReader:
             self._stream.close()  # tarfile leaves a passed file object open; this also stops a pipe's command
             self._stream = None
 
-    def __enter__(self) -> "ShardReader":
+    def __enter__(self) -> ShardReader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -7,27 +7,38 @@ and preprocesses images under per-batch seeded RNGs, tokenizes captions per batc
 the worker's cursor after it, and the skips and wraps it cost; the stream strips it before the trainer sees
 the batch.
 """
+
 from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
-
-from fastclip.data.format import IMAGE_EXTS
-from fastclip.data.bits import IndexBits
-from fastclip.data.plan import (TAG_BATCH, TAG_WINDOW, EpochSequence, Layout, Segment, rank_span, rng_for,
-                                window_span, worker_batches, worker_chunk, worker_runs)
-from fastclip.data.samples import SHARD_REASONS, Candidate, DataExhausted, SkipLog, check_sample, decode_image
-from fastclip.data.tario import ShardReader, TarBroken
 
 # A spawned DataLoader worker unpickles the preprocess transforms (torchvision objects) right after importing
 # this module (pickle loads EpochDataset's class before its state) and before any worker_init_fn runs: apply
 # the CPU-torch guard here, or such a worker dies importing torchvision and the loader waits for it forever.
 from fastclip.compat import ensure_torchvision_importable  # noqa: E402
+from fastclip.data.bits import IndexBits
+from fastclip.data.format import IMAGE_EXTS
+from fastclip.data.plan import (
+    TAG_BATCH,
+    TAG_WINDOW,
+    EpochSequence,
+    Layout,
+    Segment,
+    rank_span,
+    rng_for,
+    window_span,
+    worker_batches,
+    worker_chunk,
+    worker_runs,
+)
+from fastclip.data.samples import SHARD_REASONS, Candidate, DataExhausted, SkipLog, check_sample, decode_image
+from fastclip.data.tario import ShardReader, TarBroken
 
 ensure_torchvision_importable(announce=False)
 
@@ -37,6 +48,7 @@ _WANT = frozenset({*IMAGE_EXTS, "txt", "json"})
 @dataclass
 class EpochJob:
     """Everything a worker needs to make its batches of one epoch (pickled to worker processes if spawned)."""
+
     shard_paths: list[str]
     shard_names: list[str]
     shard_sizes: list[int]  # samples each shard's manifest promises (for messages)
@@ -106,8 +118,13 @@ class _Worker:
                             images.append(job.preprocess(decode_image(c.image)))
                         except Exception as e:  # any decoder/transform failure is this sample's fault
                             # a wrapped re-read was counted by the position's owner (fastclip/data/plan.py)
-                            self._skip(SkipLog(0) if c.wrapped else self.skips, "undecodable_image", c.shard,
-                                       c.key, f"{type(e).__name__}: {e}")
+                            self._skip(
+                                SkipLog(0) if c.wrapped else self.skips,
+                                "undecodable_image",
+                                c.shard,
+                                c.key,
+                                f"{type(e).__name__}: {e}",
+                            )
                             self._bad(1)
                             continue
                         self.bad_streak = 0
@@ -117,8 +134,14 @@ class _Worker:
                 texts = job.tokenizer(captions)
                 texts = (texts if torch.is_tensor(texts) else torch.as_tensor(texts)).long()
                 counts, events = self.skips.take()
-                meta = {"batch": j, "worker": self.worker, "cursor": [self.window, self.consumed],
-                        "skips": counts, "events": events, "wrapped": wrapped}
+                meta = {
+                    "batch": j,
+                    "worker": self.worker,
+                    "cursor": [self.window, self.consumed],
+                    "skips": counts,
+                    "events": events,
+                    "wrapped": wrapped,
+                }
                 yield torch.stack(images), texts, torch.tensor(indices, dtype=torch.int64), meta
         finally:
             if self.reader is not None:
@@ -139,13 +162,16 @@ class _Worker:
         # range without one usable sample, stop the run with what is wrong with its shards.
         self.bad_streak += n
         if self.bad_streak > 2 * (self.n_rank + self.job.layout.window):
-            shards = "; ".join(f"{name} ({', '.join(f'{r}' for r in sorted(reasons))})"
-                               for name, reasons in sorted(self.bad_by_shard.items()))
+            shards = "; ".join(
+                f"{name} ({', '.join(f'{r}' for r in sorted(reasons))})"
+                for name, reasons in sorted(self.bad_by_shard.items())
+            )
             raise DataExhausted(
                 f"rank {self.job.rank}: no usable sample in its share of epoch {self.job.epoch} "
                 f"({self.n_rank} samples): every one is bad. Shards: {shards or 'none read'}. Replace or remove "
                 f"these shards (`fastclip data scan` lists what is wrong in each), then restart with "
-                f"--train.resume latest")
+                f"--train.resume latest"
+            )
 
     def _samples(self) -> Iterator[Candidate]:
         """Candidates in serving order; keeps (self.window, self.consumed) = position after the last one."""
@@ -157,7 +183,8 @@ class _Worker:
             if not items:
                 self._bad(job.layout.window)
             order = rng_for(job.seed, job.epoch, TAG_WINDOW, job.seg_tag, job.rank, self.worker, k).permutation(
-                len(items))
+                len(items)
+            )
             for i in range(start, len(items)):
                 self.window, self.consumed = k, i + 1
                 yield items[order[i]]
@@ -167,8 +194,17 @@ class _Worker:
         job = self.job
         log_ = self.skips if count_skips else SkipLog(0)
         start, length = window_span(k, self.chunk_len, job.layout.window, self.n_rank)
-        runs = worker_runs(job.seq, job.segment, self.rank_lo, self.n_rank, self.chunk_start, self.chunk_len,
-                           start, length, self.borrowed)
+        runs = worker_runs(
+            job.seq,
+            job.segment,
+            self.rank_lo,
+            self.n_rank,
+            self.chunk_start,
+            self.chunk_len,
+            start,
+            length,
+            self.borrowed,
+        )
         items = []
         for run in runs:
             shard = int(job.seq.slots[run.slot])
@@ -183,8 +219,10 @@ class _Worker:
                 cand, reason, detail = check_sample(raw, job.data_size, job.index_base[shard])
                 if cand is not None and not self._owns(shard, raw.ordinal, cand.index):
                     reason = "duplicate_index"
-                    detail = (f"index {cand.index} already served this epoch from another sample (`fastclip data "
-                              f"scan` names both)")
+                    detail = (
+                        f"index {cand.index} already served this epoch from another sample (`fastclip data "
+                        f"scan` names both)"
+                    )
                     cand = None
                 if cand is None:
                     self._skip(run_log, reason, name, raw.key, detail)
@@ -198,7 +236,8 @@ class _Worker:
         bits = self.owners.get(shard)
         if bits is None or len(bits) * 8 <= ordinal:
             bits = self.owners[shard] = (bits or bytearray()) + bytearray(
-                max(self.job.shard_sizes[shard], ordinal + 1) // 8 + 1 - len(bits or b""))
+                max(self.job.shard_sizes[shard], ordinal + 1) // 8 + 1 - len(bits or b"")
+            )
         byte, bit = ordinal >> 3, 1 << (ordinal & 7)
         if bits[byte] & bit:
             return True
@@ -239,8 +278,9 @@ class _Worker:
         except TarBroken as e:
             self.known_len[shard] = (reader.ordinal, "truncated_tar", reader.last_key)
             self._drop_reader()
-            self._skip(log_, "truncated_tar", name, reader.last_key, f"{self._broken(shard, reader.ordinal)}: {e}",
-                       count - got)
+            self._skip(
+                log_, "truncated_tar", name, reader.last_key, f"{self._broken(shard, reader.ordinal)}: {e}", count - got
+            )
 
     def _broken(self, shard: int, readable: int) -> str:
         return f"{readable} of {self.job.shard_sizes[shard]} samples readable"

@@ -1,4 +1,5 @@
 """ShardWriter: samples in, fastclip shards + manifest out (the format in fastclip/data/format.py)."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,17 @@ class ShardWriter:
         self._tar: TarWriter | None = None
         self._seen: set[int] = set()
 
-    def write(self, index: int, image: bytes, image_ext: str, caption: str, *, label: int | None = None,
-              dataset: str | None = None, extra: dict | None = None) -> None:
+    def write(
+        self,
+        index: int,
+        image: bytes,
+        image_ext: str,
+        caption: str,
+        *,
+        label: int | None = None,
+        dataset: str | None = None,
+        extra: dict | None = None,
+    ) -> None:
         if image_ext not in IMAGE_EXTS:
             raise ValueError(f"sample {index}: image extension {image_ext!r} not one of {IMAGE_EXTS}")
         if index < 0 or index in self._seen:

@@ -4,6 +4,7 @@ The layout of training checkpoints belongs to fastclip/train/checkpoint.py (`<ru
 `latest` naming the last step folder); it is read here through that module. Exported files (`fastclip export`)
 hold only {"state_dict"}; their architecture comes from `--arch` or the `<arch>.json` written beside them.
 """
+
 from __future__ import annotations
 
 import json

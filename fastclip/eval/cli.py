@@ -6,6 +6,7 @@ labelled shard folder / tar / glob, or an image folder with one subfolder per cl
 templates come from --classnames (zeroshot.json, a single-dataset JSON, or a .txt with --templates), else
 from a zeroshot.json beside the data, else (image folders) from the class folder names.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,9 +99,11 @@ def format_table(results: EvalResults, per_class: bool) -> str:
                 for classname, acc in r.per_class.items():
                     lines.append(f"  {classname:<22} {'-' if acc is None else f'{100 * acc:.2f}':>7}")
     if results.retrieval and not retrieval_meaningful(results):
-        lines.append(f"\nretrieval omitted: {results.retrieval_samples} images share "
-                     f"{results.retrieval_distinct_captions} distinct captions (class templates), so a caption cannot "
-                     f"single out its image; data with distinct captions: fastclip data embedded --source scenes")
+        lines.append(
+            f"\nretrieval omitted: {results.retrieval_samples} images share "
+            f"{results.retrieval_distinct_captions} distinct captions (class templates), so a caption cannot "
+            f"single out its image; data with distinct captions: fastclip data embedded --source scenes"
+        )
     elif results.retrieval:
         lines.append(f"\nretrieval over {results.retrieval_samples} image-caption pairs")
         lines.append(f"{'':<14} {'R@1':>7} {'R@5':>7} {'R@10':>7}")
@@ -121,14 +124,28 @@ def result_records(results: EvalResults, common: dict) -> list[dict]:
     """One JSON object per zero-shot dataset and one for retrieval (DataComp-style rows)."""
     records = []
     for name, r in results.zeroshot.items():
-        records.append({
-            **common, "task": "zeroshot_classification", "dataset": name, "num_samples": r.num_samples,
-            "top1": r.top1, "top5": r.top5, "mean_per_class_recall": r.mean_per_class_recall,
-            "per_class": r.per_class,
-        })
+        records.append(
+            {
+                **common,
+                "task": "zeroshot_classification",
+                "dataset": name,
+                "num_samples": r.num_samples,
+                "top1": r.top1,
+                "top5": r.top5,
+                "mean_per_class_recall": r.mean_per_class_recall,
+                "per_class": r.per_class,
+            }
+        )
     if results.retrieval:
-        records.append({**common, "task": "retrieval", "num_samples": results.retrieval_samples,
-                        "distinct_captions": results.retrieval_distinct_captions, **results.retrieval})
+        records.append(
+            {
+                **common,
+                "task": "retrieval",
+                "num_samples": results.retrieval_samples,
+                "distinct_captions": results.retrieval_distinct_captions,
+                **results.retrieval,
+            }
+        )
     for record in records:
         record["skipped_samples"] = results.skipped
     return records
@@ -152,22 +169,33 @@ def _count_samples(source, max_samples: int | None) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastclip eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="fastclip eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", help="run dir, checkpoints dir, step dir, model.pt, or an exported file")
-    parser.add_argument("--data", required=True, type=Path,
-                        help="embedded root, shard folder/tar/glob, or image folder")
+    parser.add_argument(
+        "--data", required=True, type=Path, help="embedded root, shard folder/tar/glob, or image folder"
+    )
     parser.add_argument("--arch", help="architecture of an exported file (open_clip name or <arch>.json path)")
-    parser.add_argument("--classnames", "--zeroshot", dest="classnames", type=Path,
-                        help="zeroshot.json, single-dataset JSON, or classnames .txt")
+    parser.add_argument(
+        "--classnames",
+        "--zeroshot",
+        dest="classnames",
+        type=Path,
+        help="zeroshot.json, single-dataset JSON, or classnames .txt",
+    )
     parser.add_argument("--templates", type=Path, help="templates .txt (one per line) or JSON list; '{}' = class")
     parser.add_argument("--no-retrieval", action="store_true", help="skip image-text retrieval")
     parser.add_argument("--per-class", action="store_true", help="print per-class accuracy for any class count")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-samples", type=int, help="evaluate only the first N samples")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--results", type=Path, help="JSONL file to append to (default: checkpoints/results.jsonl "
-                        "of a run, else results.jsonl beside the model file)")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        help="JSONL file to append to (default: checkpoints/results.jsonl "
+        "of a run, else results.jsonl beside the model file)",
+    )
     return parser
 
 
@@ -188,11 +216,18 @@ def main(argv: list[str] | None = None) -> int:
         built = loaded.built
         started = time.time()
         total = _count_samples(source, args.max_samples)
-        with (Progress(total, "eval", unit="sample") if total else contextlib.nullcontext()) as bar:
+        with Progress(total, "eval", unit="sample") if total else contextlib.nullcontext() as bar:
             results = evaluate(
-                built.model, tokenizer=built.tokenizer, preprocess=built.preprocess_val, source=source, specs=specs,
-                device=args.device, batch_size=args.batch_size, max_samples=args.max_samples,
-                retrieval=not args.no_retrieval, progress=bar.update if bar is not None else None,
+                built.model,
+                tokenizer=built.tokenizer,
+                preprocess=built.preprocess_val,
+                source=source,
+                specs=specs,
+                device=args.device,
+                batch_size=args.batch_size,
+                max_samples=args.max_samples,
+                retrieval=not args.no_retrieval,
+                progress=bar.update if bar is not None else None,
             )
     except (FileNotFoundError, ValueError, EvalDataError) as err:  # a checkpoint or data named that is unusable
         print(f"fastclip eval: {err}", file=sys.stderr)
@@ -204,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
 
     common = {
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
-        "checkpoint": str(loaded.file), "arch": built.arch, "step": loaded.step, "data": str(args.data),
+        "checkpoint": str(loaded.file),
+        "arch": built.arch,
+        "step": loaded.step,
+        "data": str(args.data),
     }
     results_file = args.results or default_results_file(loaded.file)
     results_file.parent.mkdir(parents=True, exist_ok=True)

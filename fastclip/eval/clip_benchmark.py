@@ -19,6 +19,7 @@ and transformers; what its import needs, into an environment that already has to
     pip install --no-deps clip_benchmark==1.6.2 scikit-learn scipy joblib threadpoolctl narwhals cloudpickle \\
         pycocoevalcap requests urllib3 idna certifi charset-normalizer
 """
+
 from __future__ import annotations
 
 import argparse

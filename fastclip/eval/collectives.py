@@ -3,6 +3,7 @@
 Every rank calls these the same number of times with tensors of the same dtype; that is what keeps
 evaluation from hanging (OpenCLIP #1121: rank 0 evaluated alone while the others waited at a barrier).
 """
+
 from __future__ import annotations
 
 import torch

@@ -6,12 +6,13 @@ no rank waits at a barrier while another evaluates alone. An error on one rank (
 list, a failing preprocess or forward) is carried through the same all-reduce and raised on all ranks,
 instead of leaving the others blocked; undecodable samples are skipped and counted.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec
 from fastclip.eval.zeroshot import ZeroShotCounts, ZeroShotResult, zeroshot_classifier
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class EvalResults:
@@ -162,14 +164,16 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        return _evaluate(model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval,
-                         progress)
+        return _evaluate(
+            model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval, progress
+        )
     finally:
         model.train(was_training)
 
 
-def _evaluate(model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval,
-              progress=None):
+def _evaluate(
+    model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval, progress=None
+):
     device = torch.device(device)
     rank, world = rank_and_world(group)
     state = _Pass(specs, device, retrieval)

@@ -5,6 +5,7 @@ pretrained=PATH)` loads it under `torch.load(weights_only=True)` (DataComp and c
 that way). The loss owns the temperature during training, so its learned `logit_scale` replaces the
 tower's frozen one. Custom architectures get their config written beside the file as `<arch>.json`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -112,13 +113,15 @@ def _verify_in_open_clip(file: Path, arch: str, config_file: Path | None, state:
         model = open_clip.create_model(arch, pretrained=str(file), device="cpu")
     except Exception as e:  # open_clip's errors are long: keep the first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"the export of {arch!r} does not load back in open_clip ({first[:300]}); nothing "
-                         f"written") from None
+        raise ValueError(
+            f"the export of {arch!r} does not load back in open_clip ({first[:300]}); nothing written"
+        ) from None
     loaded = model.state_dict()
     differ = [k for k, v in state.items() if k not in loaded or not torch.equal(loaded[k].to(v.dtype), v)]
     if differ:
-        raise ValueError(f"the export of {arch!r} loads back in open_clip with other values for {differ[:5]}; "
-                         f"nothing written")
+        raise ValueError(
+            f"the export of {arch!r} loads back in open_clip with other values for {differ[:5]}; nothing written"
+        )
 
 
 def loading_code(written: dict) -> str:
@@ -161,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         scale = written["logit_scale"]
         print(f"logit_scale = {scale:.4f} (tau = {math.exp(-scale):.4f}) from the loss")
     else:
-        print("note: the checkpoint's loss has no global logit_scale (per-sample or constant temperature); "
-              "the model's own logit_scale is kept")
+        print(
+            "note: the checkpoint's loss has no global logit_scale (per-sample or constant temperature); "
+            "the model's own logit_scale is kept"
+        )
     print("\nload it with:\n" + loading_code(written))
     return 0
 

@@ -4,6 +4,7 @@ Reads each run's metrics.jsonl (training rows: step, samples_seen, loss, objecti
 step plus `eval/<name>` values) and draws loss, estimated objective, temperature and zero-shot top-1
 accuracy, every run on the same axes so runs compare side by side; plus overview.png with all four panels.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,9 @@ class Run:
 
     def _step_to_samples(self):
         """Eval rows may carry only `step`: place them by the training rows' step -> samples_seen."""
-        known = sorted({(r["step"], r["samples_seen"]) for r in self.rows
-                        if _num(r.get("step")) and _num(r.get("samples_seen"))})
+        known = sorted(
+            {(r["step"], r["samples_seen"]) for r in self.rows if _num(r.get("step")) and _num(r.get("samples_seen"))}
+        )
         if not known:
             return None
         steps, samples = zip(*known)

@@ -1,4 +1,5 @@
 """Image-text retrieval recall@k in both directions, for one caption per image (pairs share a row index)."""
+
 from __future__ import annotations
 
 import torch

@@ -10,14 +10,15 @@ or unindexed samples (retrieval needs no label, zero-shot no caption).
 A sample that cannot be decoded is skipped, logged with its shard and key, and reported through the
 `skipped` list: one corrupt held-out image should not stop a training run at its next evaluation.
 """
+
 from __future__ import annotations
 
 import glob
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from PIL import Image
 
@@ -62,7 +63,9 @@ def shard_paths(source: str | os.PathLike) -> list[Path]:
         return tars
     if path.is_file():
         return [path]
-    paths = [Path(g) for p in expand_braces(text) for g in (sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p])]
+    paths = [
+        Path(g) for p in expand_braces(text) for g in (sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p])
+    ]
     missing = [p for p in paths if not p.is_file()]
     if not paths or missing:
         raise EvalDataError(f"no shards found for {text!r}" + (f" (missing: {missing[0]})" if missing else ""))
@@ -89,7 +92,9 @@ def _skip(skipped: list[str], message: str) -> None:
 def _decode_shard_sample(files: dict[str, bytes], where: str) -> EvalSample:
     image = image_of(files)
     if image is None:
-        raise EvalDataError(f"{where}: no image ({'/'.join('.' + e for e in IMAGE_EXTS)}) in sample, has {sorted(files)}")
+        raise EvalDataError(
+            f"{where}: no image ({'/'.join('.' + e for e in IMAGE_EXTS)}) in sample, has {sorted(files)}"
+        )
     meta = {}
     if "json" in files:
         meta, why = parse_meta(files["json"])
@@ -106,8 +111,9 @@ def _decode_shard_sample(files: dict[str, bytes], where: str) -> EvalSample:
     return EvalSample(decoded, caption_of(files, meta), index_from_meta(meta), meta.get("dataset"), label, where)
 
 
-def iter_shard_samples(source, rank: int = 0, world_size: int = 1,
-                       skipped: list[str] | None = None) -> Iterator[EvalSample]:
+def iter_shard_samples(
+    source, rank: int = 0, world_size: int = 1, skipped: list[str] | None = None
+) -> Iterator[EvalSample]:
     skipped = [] if skipped is None else skipped
     position = 0
     for path in shard_paths(source):
@@ -135,8 +141,9 @@ def image_folder_classes(root: str | os.PathLike) -> list[str]:
     return sorted(p.name for p in Path(root).iterdir() if p.is_dir())
 
 
-def iter_image_folder(root, rank: int = 0, world_size: int = 1, dataset: str | None = None,
-                      skipped: list[str] | None = None) -> Iterator[EvalSample]:
+def iter_image_folder(
+    root, rank: int = 0, world_size: int = 1, dataset: str | None = None, skipped: list[str] | None = None
+) -> Iterator[EvalSample]:
     """One subfolder per class; an optional `<image stem>.txt` beside an image is its caption."""
     root = Path(root)
     dataset = dataset or root.name

@@ -7,6 +7,7 @@ Accepted files:
   a classnames .txt (one class per line) plus a templates .txt (one template per line) or JSON list.
 Templates use "{}" for the class name; clip_benchmark's "{c}" is accepted too.
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ From the run folder alone: its resolved config.yaml (loss, model, data, batch), 
 speed) and checkpoints/results.jsonl (what `fastclip eval` appended: zero-shot per dataset, retrieval, shown only
 where the captions are distinct). The quickstart ends with it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,13 @@ def _num_samples(spec: str) -> int | None:
         return None
 
 
-def summarize(run: str | Path, *, export: str | Path | None = None, plots: str | Path | None = None,
-              train_seconds: float | None = None) -> str:
+def summarize(
+    run: str | Path,
+    *,
+    export: str | Path | None = None,
+    plots: str | Path | None = None,
+    train_seconds: float | None = None,
+) -> str:
     from fastclip.eval.cli import MIN_DISTINCT_CAPTIONS
 
     run = Path(run)
@@ -65,21 +71,26 @@ def summarize(run: str | Path, *, export: str | Path | None = None, plots: str |
     speeds = sorted(r["samples_per_s"] for r in train_rows if r.get("samples_per_s"))
     per_rank = [r["samples_per_s"] / r["samples_per_s_per_rank"] for r in train_rows if r.get("samples_per_s_per_rank")]
     processes = round(per_rank[-1]) if per_rank else None
-    data, train = cfg["data"], cfg["train"]
+    data = cfg["data"]
     pairs = _num_samples(data["train"])
 
     lines = [f"summary of {run}"]
-    what = (f"{cfg['loss']['name']} on {cfg['model']['arch']} (random init), {data['train']}"
-            + (f" ({pairs:,} pairs)" if pairs else ""))
+    what = f"{cfg['loss']['name']} on {cfg['model']['arch']} (random init), {data['train']}" + (
+        f" ({pairs:,} pairs)" if pairs else ""
+    )
     lines.append(f"  trained    {what}")
     epochs = last["samples_seen"] / pairs if pairs else None
-    lines.append(f"             {last['step']} steps, {last['samples_seen']:,} samples"
-                 + (f" ({epochs:.1f} epochs)" if epochs else "")
-                 + f", batch {data['batch_size']} per process"
-                 + (f" x {processes} process{'es' if processes > 1 else ''}" if processes else ""))
+    lines.append(
+        f"             {last['step']} steps, {last['samples_seen']:,} samples"
+        + (f" ({epochs:.1f} epochs)" if epochs else "")
+        + f", batch {data['batch_size']} per process"
+        + (f" x {processes} process{'es' if processes > 1 else ''}" if processes else "")
+    )
     seconds = train_seconds if train_seconds is not None else _training_seconds(train_rows)
-    lines.append(f"  time       {_duration(seconds)} training"
-                 + (f", median {speeds[len(speeds) // 2]:.0f} samples/s" if speeds else ""))
+    lines.append(
+        f"  time       {_duration(seconds)} training"
+        + (f", median {speeds[len(speeds) // 2]:.0f} samples/s" if speeds else "")
+    )
 
     results = _rows(run / "checkpoints" / "results.jsonl")
     if results:
@@ -91,35 +102,53 @@ def summarize(run: str | Path, *, export: str | Path | None = None, plots: str |
         zeroshot = [r for (task, _), r in latest.items() if task == "zeroshot_classification"]
         width = max((len(r["dataset"]) for r in zeroshot), default=0)
         for i, r in enumerate(zeroshot):
-            lines.append(f"  {'zero-shot' if i == 0 else '':<10} {r['dataset']:<{width}}  {100 * r['top1']:5.1f}% top-1"
-                         f"  ({r['num_samples']:,} held-out images, step {newest})")
+            lines.append(
+                f"  {'zero-shot' if i == 0 else '':<10} {r['dataset']:<{width}}  {100 * r['top1']:5.1f}% top-1"
+                f"  ({r['num_samples']:,} held-out images, step {newest})"
+            )
         retrieval = latest.get(("retrieval", None))
         if retrieval is not None:
             distinct = retrieval.get("distinct_captions")
             if distinct is not None and distinct < MIN_DISTINCT_CAPTIONS * retrieval["num_samples"]:
-                lines.append(f"  retrieval  not reported: {distinct} distinct captions for {retrieval['num_samples']:,}"
-                             f" images (templated)")
+                lines.append(
+                    f"  retrieval  not reported: {distinct} distinct captions for {retrieval['num_samples']:,}"
+                    f" images (templated)"
+                )
             else:
-                values = {d: "/".join(f"{100 * retrieval[f'{d}_R@{k}']:.1f}" for k in (1, 5, 10))
-                          for d in ("image_to_text", "text_to_image")}
-                lines.append(f"  retrieval  R@1/5/10 image->text {values['image_to_text']}%, text->image "
-                             f"{values['text_to_image']}%  ({retrieval['num_samples']:,} pairs)")
+                values = {
+                    d: "/".join(f"{100 * retrieval[f'{d}_R@{k}']:.1f}" for k in (1, 5, 10))
+                    for d in ("image_to_text", "text_to_image")
+                }
+                lines.append(
+                    f"  retrieval  R@1/5/10 image->text {values['image_to_text']}%, text->image "
+                    f"{values['text_to_image']}%  ({retrieval['num_samples']:,} pairs)"
+                )
     else:
         lines.append(f"  zero-shot  not evaluated yet: fastclip eval {run} --data DIR")
 
-    contents = [name for name in ("config.yaml", "metrics.jsonl", "checkpoints/", "tensorboard/")
-                if (run / name.rstrip("/")).exists()]
+    contents = [
+        name
+        for name in ("config.yaml", "metrics.jsonl", "checkpoints/", "tensorboard/")
+        if (run / name.rstrip("/")).exists()
+    ]
     lines.append(f"  run        {run}/ ({', '.join(contents)})")
     if plots is not None:
         plot = Path(plots) / "overview.png"
-        lines.append(f"  plots      {plot} (loss, objective, temperature, zero-shot accuracy)"
-                     if plot.is_file() else f"  plots      none in {plots}")
+        lines.append(
+            f"  plots      {plot} (loss, objective, temperature, zero-shot accuracy)"
+            if plot.is_file()
+            else f"  plots      none in {plots}"
+        )
     if export is not None:
         export = Path(export)
         configs = sorted(p.name for p in export.parent.glob("*.json"))
-        lines.append(f"  model      {export}" + (f" + {configs[0]}" if len(configs) == 1 else "")
-                     + " (open_clip.create_model_and_transforms(arch, pretrained=file) loads it)"
-                     if export.is_file() else f"  model      not exported ({export} missing)")
+        lines.append(
+            f"  model      {export}"
+            + (f" + {configs[0]}" if len(configs) == 1 else "")
+            + " (open_clip.create_model_and_transforms(arch, pretrained=file) loads it)"
+            if export.is_file()
+            else f"  model      not exported ({export} missing)"
+        )
     return "\n".join(lines)
 
 

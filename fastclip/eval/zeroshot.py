@@ -3,6 +3,7 @@
 Accuracies are computed from integer counts (per class: samples, top-1 hits, top-k hits) summed over
 ranks, so a K-process evaluation gives exactly the numbers of a 1-process one over the same samples.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ class ZeroShotResult:
     per_class: dict[str, float | None]  # top-1 accuracy per class; None where the class has no sample
 
     @classmethod
-    def from_counts(cls, name: str, classnames, counts: torch.Tensor) -> "ZeroShotResult":
+    def from_counts(cls, name: str, classnames, counts: torch.Tensor) -> ZeroShotResult:
         total, hit1, hitk = counts.tolist()
         n = sum(total)
         per_class = {c: (h / t if t else None) for c, h, t in zip(classnames, hit1, total)}

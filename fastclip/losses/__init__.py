@@ -66,6 +66,7 @@ Module attributes: ``name``, ``uses_sample_state``, ``metrics`` (detached tensor
 ``tau_param_names()``, ``average_grads_()``. Per-sample state: ``state_dict()`` holds this rank's shard under
 ``_extra_state`` (``sharded_state.py``); ``reshard_states`` / ``reshard_for_rank`` change the world size.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -77,12 +78,19 @@ from .errors import LossInputError, NonFiniteFeaturesError
 from .gcl import FastCLIPV0Loss, FastCLIPV1Loss, FastCLIPV3Loss
 from .individual import FastCLIPV2Loss
 from .openclip import OpenCLIPLoss
-from .options import (ConstantTemperatureOptions, GlobalTemperatureOptions, IndividualTemperatureOptions,
-                      OpenCLIPOptions, RGCLOptions, SigLIPOptions, TempNetOptions)
-from .siglip import SigLIPLoss
-from .tempnet import TempNetLoss
+from .options import (
+    ConstantTemperatureOptions,
+    GlobalTemperatureOptions,
+    IndividualTemperatureOptions,
+    OpenCLIPOptions,
+    RGCLOptions,
+    SigLIPOptions,
+    TempNetOptions,
+)
 from .schedules import GammaSchedule
 from .sharded_state import ShardedSampleState, reshard_for_rank, reshard_states
+from .siglip import SigLIPLoss
+from .tempnet import TempNetLoss
 
 LOSSES = {
     "openclip": (OpenCLIPLoss, OpenCLIPOptions),
@@ -96,8 +104,10 @@ LOSSES = {
 
 # Options a loss rejects on purpose, with the reason (added to the TypeError).
 WHY_NOT = {
-    "fastclip-v2": {"similarity": "the temperature-free map replaces a temperature, and v2's per-sample τ_i "
-                                  "exist to adapt exactly that; use openclip or fastclip-v0/v1/v3"},
+    "fastclip-v2": {
+        "similarity": "the temperature-free map replaces a temperature, and v2's per-sample τ_i "
+        "exist to adapt exactly that; use openclip or fastclip-v0/v1/v3"
+    },
     "fastclip-tempnet": {"similarity": "the temperature network predicts exactly what the map replaces"},
     "siglip": {"similarity": "not implemented for the sigmoid loss"},
 }
@@ -128,7 +138,21 @@ def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Modu
 
 
 __all__ = [
-    "build_loss", "LOSSES", "ContrastiveLoss", "SampleStateLoss", "OpenCLIPLoss", "FastCLIPV0Loss",
-    "FastCLIPV1Loss", "FastCLIPV2Loss", "FastCLIPV3Loss", "TempNetLoss", "SigLIPLoss", "LossInputError", "NonFiniteFeaturesError",
-    "GammaSchedule", "ShardedSampleState", "reshard_states", "reshard_for_rank",
+    "build_loss",
+    "LOSSES",
+    "ContrastiveLoss",
+    "SampleStateLoss",
+    "OpenCLIPLoss",
+    "FastCLIPV0Loss",
+    "FastCLIPV1Loss",
+    "FastCLIPV2Loss",
+    "FastCLIPV3Loss",
+    "TempNetLoss",
+    "SigLIPLoss",
+    "LossInputError",
+    "NonFiniteFeaturesError",
+    "GammaSchedule",
+    "ShardedSampleState",
+    "reshard_states",
+    "reshard_for_rank",
 ]

@@ -1,5 +1,6 @@
 """What every loss shares: the call sequence (validate, gather, compute), the temperature parameter, metrics,
 byte counts, and (for the FastCLIP versions) the sharded per-sample state kept in ``get_extra_state``."""
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,14 @@ class ContrastiveLoss(nn.Module):
         self.comm_bytes: dict[str, int] = {}
 
     # -- per call ---------------------------------------------------------------------------------------------
-    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor,
-                indices: torch.Tensor | None = None, *, epoch: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        indices: torch.Tensor | None = None,
+        *,
+        epoch: int | None = None,
+    ) -> torch.Tensor:
         """Per-rank surrogate loss; backward it on every rank and average parameter gradients over ranks.
 
         Safe inside ``torch.autocast`` and with TF32 enabled: autocast is off in here, similarities are computed
@@ -55,8 +62,15 @@ class ContrastiveLoss(nn.Module):
         if isinstance(indices, torch.Tensor) and isinstance(image_features, torch.Tensor):
             indices = indices.to(image_features.device, non_blocking=True)  # data loaders hand them over on CPU
         if self.options.validate:
-            validate_inputs(comm, image_features, text_features, indices, data_size=data_size,
-                            need_indices=self.needs_indices, min_global_batch=self.min_global_batch)
+            validate_inputs(
+                comm,
+                image_features,
+                text_features,
+                indices,
+                data_size=data_size,
+                need_indices=self.needs_indices,
+                min_global_batch=self.min_global_batch,
+            )
         elif self.needs_indices and indices is None:
             raise LossInputError(f"{self.name} needs indices (int64 [B] global data indices)")
         if indices is not None:
@@ -147,13 +161,18 @@ class SampleStateLoss(ContrastiveLoss):
         comm = comm or Comm.resolve(self.group)
         if self._state is None:
             self._state = ShardedSampleState(
-                data_size=self.options.data_size, world_size=comm.world_size, rank=comm.rank,
-                fields=self.initial_state_values(), device=self.options.state_device or device or "cpu",
-                dtype=dtype or self._state_dtype(None))
+                data_size=self.options.data_size,
+                world_size=comm.world_size,
+                rank=comm.rank,
+                fields=self.initial_state_values(),
+                device=self.options.state_device or device or "cpu",
+                dtype=dtype or self._state_dtype(None),
+            )
         elif (self._state.world_size, self._state.rank) != (comm.world_size, comm.rank):
             raise RuntimeError(
                 f"{self.name}: sample state belongs to rank {self._state.rank} of {self._state.world_size} but this "
-                f"call runs as rank {comm.rank} of {comm.world_size}; reshard the state first (reshard_for_rank)")
+                f"call runs as rank {comm.rank} of {comm.world_size}; reshard the state first (reshard_for_rank)"
+            )
         state = self._state
         want_device = torch.device(self.options.state_device or device or state.device)
         want_dtype = dtype or state.dtype

@@ -1,4 +1,5 @@
 """The data of one loss call: this rank's rows (with autograd) and the gathered global batch (without)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,12 +11,12 @@ import torch
 class GlobalBatch:
     """Rank-major global batch: rank r's rows are global positions ``r*B .. r*B+B-1``."""
 
-    image: torch.Tensor                 # [B, d] this rank's image features, autograd
-    text: torch.Tensor                  # [B, d] this rank's text features, autograd
-    indices: torch.Tensor | None        # [B] int64 data indices of this rank's rows
-    all_image: torch.Tensor             # [N, d] gathered image features, no autograd
-    all_text: torch.Tensor              # [N, d]
-    all_indices: torch.Tensor | None    # [N]
+    image: torch.Tensor  # [B, d] this rank's image features, autograd
+    text: torch.Tensor  # [B, d] this rank's text features, autograd
+    indices: torch.Tensor | None  # [B] int64 data indices of this rank's rows
+    all_image: torch.Tensor  # [N, d] gathered image features, no autograd
+    all_text: torch.Tensor  # [N, d]
+    all_indices: torch.Tensor | None  # [N]
     rank: int
     world_size: int
     _positive_cells: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)

@@ -1,5 +1,6 @@
 """Counting the wire bytes of collectives made by code we do not own (e.g. open_clip's ClipLoss), with the
 same ring formulas as ``comm.Comm``: for the benchmark and the tests' byte comparisons."""
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,17 @@ class CollectiveByteCounter:
         counter.bytes  # {"all_gather": ..., "reduce_scatter": ..., "scatter": ..., ...}
     """
 
-    _FUNCTIONS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce", "reduce_scatter",
-                  "reduce_scatter_tensor", "scatter", "all_to_all", "all_to_all_single")
+    _FUNCTIONS = (
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "all_reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "all_to_all",
+        "all_to_all_single",
+    )
 
     def __init__(self, group=None):
         self.group = group
@@ -33,16 +43,16 @@ class CollectiveByteCounter:
     def _wire_bytes(self, name: str, args, kwargs) -> int:
         k, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if name in ("all_gather", "all_gather_into_tensor", "all_gather_single"):
-            return (k - 1) * self._nbytes(args[0]) // k             # output: list or flat tensor
+            return (k - 1) * self._nbytes(args[0]) // k  # output: list or flat tensor
         if name == "all_reduce":
             return 2 * (k - 1) * self._nbytes(args[0]) // k
         if name in ("reduce_scatter", "reduce_scatter_tensor"):
-            return (k - 1) * self._nbytes(args[1]) // k             # input: list or flat tensor
+            return (k - 1) * self._nbytes(args[1]) // k  # input: list or flat tensor
         if name == "scatter":
             src = kwargs.get("src", args[2] if len(args) > 2 else 0)
             chunks = kwargs.get("scatter_list", args[1] if len(args) > 1 else None)
             return (k - 1) * self._nbytes(chunks) // k if rank == src and chunks else 0
-        return (k - 1) * self._nbytes(args[1]) // k                # all_to_all*: input
+        return (k - 1) * self._nbytes(args[1]) // k  # all_to_all*: input
 
     def __enter__(self):
         for name in self._FUNCTIONS:

@@ -13,6 +13,7 @@ A loss call makes at most these data collectives:
 Bytes are counted per rank with the usual ring formulas (what each rank sends on the wire):
 all_gather ``(K-1)/K * output_bytes``, all_reduce ``2(K-1)/K * bytes``; nothing at K = 1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ class Comm:
     ledger: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LEDGER_KEYS, 0))
 
     @classmethod
-    def resolve(cls, group=None) -> "Comm":
+    def resolve(cls, group=None) -> Comm:
         if dist.is_available() and dist.is_initialized():
             return cls(group, dist.get_world_size(group), dist.get_rank(group))
         if group is not None:
@@ -98,12 +99,24 @@ class Comm:
         if indices is not None:
             all_indices = gathered[:, 2 * n_feat :].contiguous().view(torch.int64).reshape(-1)
         return GlobalBatch(
-            image=image, text=text, indices=indices, all_image=all_image, all_text=all_text,
-            all_indices=all_indices, rank=self.rank, world_size=self.world_size,
+            image=image,
+            text=text,
+            indices=indices,
+            all_image=all_image,
+            all_text=all_text,
+            all_indices=all_indices,
+            rank=self.rank,
+            world_size=self.world_size,
         )
 
-    def share_rows(self, batch: GlobalBatch, anchor_stats: torch.Tensor | None,
-                   owner_values: torch.Tensor | None = None, *, dtype: torch.dtype) -> torch.Tensor:
+    def share_rows(
+        self,
+        batch: GlobalBatch,
+        anchor_stats: torch.Tensor | None,
+        owner_values: torch.Tensor | None = None,
+        *,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         """All_reduce of one ``[N, a+o]`` table: ``[anchor columns | owner columns]`` for the whole global batch.
 
         ``anchor_stats``: ``[B, a]`` values of this rank's anchors, placed at their global rows.
@@ -127,4 +140,3 @@ class Comm:
             if param.grad is not None:
                 dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.group)
                 param.grad.div_(self.world_size)
-

@@ -3,6 +3,7 @@
 Both are raised on EVERY rank of the group whenever any rank detects the problem (see validation.py), so a
 bad batch on one rank never leaves the other ranks waiting in a collective.
 """
+
 from __future__ import annotations
 
 

@@ -1,4 +1,5 @@
 """The moving-average estimator u of each anchor's inner function g (FCCO / SogCLR)."""
+
 from __future__ import annotations
 
 import math
@@ -8,8 +9,9 @@ import torch
 TINY_U = 1e-35  # as the reference: an old u below this (or inf/nan) is not trusted and restarts from g
 
 
-def update_u(u_old: torch.Tensor, g: torch.Tensor, seen: torch.Tensor, gamma: float,
-             rescale: torch.Tensor | None = None) -> torch.Tensor:
+def update_u(
+    u_old: torch.Tensor, g: torch.Tensor, seen: torch.Tensor, gamma: float, rescale: torch.Tensor | None = None
+) -> torch.Tensor:
     """``u = g`` on a first visit (or an untrustworthy old u), else ``(1-γ)·u_old·rescale + γ·g``; elementwise
     (both modalities at once as ``[N, 2]``; ``seen`` broadcasts).
 

@@ -37,6 +37,7 @@ Temperature-free (option ``similarity="atanh"``, Kim & Kim 2025; similarity.py):
 * v2 does not take the option: its per-sample τ_i adapt exactly what the map is meant to replace.
 The gradient chains ∂L/∂φ with φ'(c) = 2/(1−c²) (0 where c is clamped to ±(1 − similarity_clamp)).
 """
+
 from __future__ import annotations
 
 import math
@@ -73,7 +74,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
         slots = state.locate(batch.all_indices)
         gamma = self.gamma()
         n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
-        scale = self._scale(dtype)                  # s = 1/τ, autograd into logit_scale when learnable
+        scale = self._scale(dtype)  # s = 1/τ, autograd into logit_scale when learnable
         learnable = scale.requires_grad
         s = scale.detach()
         # s·(local images vs all texts), s·(local texts vs all images), positives; cosines mapped by φ = 2·atanh
@@ -81,8 +82,9 @@ class GlobalTemperatureGCL(SampleStateLoss):
         # With one τ per modality (v3, separate_temperatures) the blocks stay unscaled: block 0's rows (image
         # anchors) take s_img and its columns (text anchors) s_txt, block 1 the other way round.
         s_img, s_txt = (s[0], s[1]) if self.separate else (s, s)
-        logits = pair_logits(batch, dtype, None if self.separate else s, self.options.similarity,
-                             self.options.similarity_clamp)
+        logits = pair_logits(
+            batch, dtype, None if self.separate else s, self.options.similarity, self.options.similarity_clamp
+        )
         sim_it, sim_ti, pos, pos_all = logits.sim_it, logits.sim_ti, logits.pos, logits.pos_all
         scaled = not self.separate
 
@@ -99,38 +101,68 @@ class GlobalTemperatureGCL(SampleStateLoss):
         log_g, log_u_old, seen = table[:, 0:2], table[:, 2:4], table[:, 4:5] > 0.5
         log_u = update_log_u(log_u_old, log_g, seen, gamma)
         state.write(slots, log_u)
-        log_w = self.log_u_eps(log_u)              # weights 1/(u+ε) = exp(−log_w), constants for autograd
+        log_w = self.log_u_eps(log_u)  # weights 1/(u+ε) = exp(−log_w), constants for autograd
 
         # loss2 terms: every global anchor (column) against this rank's candidates: they give the local
         # negatives the gradient of all anchors; summed over ranks this completes each anchor's g. Shifted by
         # log(u_j+ε), their weight is 1.
         # The reference also differentiates τ through them, which counts the g-term of the τ-gradient twice.
         in_columns = learnable and self.reference
-        cols_txt = column_terms(sim_it, pos_all, s_txt, cells, sim_is_scaled=scaled, shift=log_w[:, 1],
-                                total=in_columns)  # text anchors
-        cols_img = column_terms(sim_ti, pos_all, s_img, cells, sim_is_scaled=scaled, shift=log_w[:, 0],
-                                total=in_columns)  # image anchors
+        cols_txt = column_terms(
+            sim_it, pos_all, s_txt, cells, sim_is_scaled=scaled, shift=log_w[:, 1], total=in_columns
+        )  # text anchors
+        cols_img = column_terms(
+            sim_ti, pos_all, s_img, cells, sim_is_scaled=scaled, shift=log_w[:, 0], total=in_columns
+        )  # image anchors
         # each modality's terms weighted by its τ when the temperatures are separate (the shared τ multiplies
         # the whole surrogate in _outer instead)
         tau_img, tau_txt = (1.0 / s_img, 1.0 / s_txt) if self.separate else (1.0, 1.0)
         ones = torch.ones_like(log_w[:, 0])
-        row_w = torch.exp(shift - log_w[local])   # bounded by (N-1)/γ
+        row_w = torch.exp(shift - log_w[local])  # bounded by (N-1)/γ
         # the τ-gradient needs the scaled similarities and the positives in backward
         kept = dict(positive=pos, positive_all=pos_all) if learnable else {}
         sims = (sim_it, sim_ti) if scaled else (sim_it * s_img, sim_ti * s_txt)
-        blocks = (Block(rows_img, cols_txt, row_w[:, 0] * tau_img, ones * tau_txt, batch.all_text,
-                        sim=sims[0] if learnable else None, **kept, **logits.block_grads(0)),
-                  Block(rows_txt, cols_img, row_w[:, 1] * tau_txt, ones * tau_img, batch.all_image,
-                        sim=sims[1] if learnable else None, **kept, **logits.block_grads(1)))
+        blocks = (
+            Block(
+                rows_img,
+                cols_txt,
+                row_w[:, 0] * tau_img,
+                ones * tau_txt,
+                batch.all_text,
+                sim=sims[0] if learnable else None,
+                **kept,
+                **logits.block_grads(0),
+            ),
+            Block(
+                rows_txt,
+                cols_img,
+                row_w[:, 1] * tau_txt,
+                ones * tau_img,
+                batch.all_image,
+                sim=sims[1] if learnable else None,
+                **kept,
+                **logits.block_grads(1),
+            ),
+        )
         del sims
         del sim_it, sim_ti, logits
-        surrogate = weighted_surrogate(batch.image, batch.text, scale if learnable else None, blocks,
-                                       0.5 / (batch.local_size * n_neg), scale_in_columns=in_columns)
+        surrogate = weighted_surrogate(
+            batch.image,
+            batch.text,
+            scale if learnable else None,
+            blocks,
+            0.5 / (batch.local_size * n_neg),
+            scale_in_columns=in_columns,
+        )
 
         loss, objective = self._outer(surrogate, log_u, log_w, local)
-        metrics = {"loss": loss, "surrogate": surrogate, "objective": objective,
-                   "gamma": torch.tensor(gamma, dtype=dtype), "tau": 1.0 / s.mean() if not self.separate
-                   else torch.exp(-torch.log(s).mean())}
+        metrics = {
+            "loss": loss,
+            "surrogate": surrogate,
+            "objective": objective,
+            "gamma": torch.tensor(gamma, dtype=dtype),
+            "tau": 1.0 / s.mean() if not self.separate else torch.exp(-torch.log(s).mean()),
+        }
         # how far the moving average lags this batch's estimate (log u − log g, mean and mean |.|): the
         # staleness of u, a diagnostic of the estimator (the study logs it)
         lag = log_u - log_g

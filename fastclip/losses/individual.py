@@ -16,6 +16,7 @@ reference adds ε in the shifted scale instead (an effective ε·e^b); compat="r
 Communication: the anchors' ranks need τ_old and b_old of their anchors before computing g, so the state is
 fetched by its own all_reduce first, then the per-anchor results (g, b, τ-gradient sums) are shared by a second.
 """
+
 from __future__ import annotations
 
 import math
@@ -72,21 +73,24 @@ class FastCLIPV2Loss(SampleStateLoss):
         slots = state.locate(batch.all_indices)
         gamma, eps = self.gamma(), opt.eps
         n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
-        sim_it = similarity(batch.image, batch.all_text, dtype)   # image anchors (rows) vs all texts
-        sim_ti = similarity(batch.text, batch.all_image, dtype)   # text anchors (rows) vs all images
+        sim_it = similarity(batch.image, batch.all_text, dtype)  # image anchors (rows) vs all texts
+        sim_ti = similarity(batch.text, batch.all_image, dtype)  # text anchors (rows) vs all images
         pos, pos_all = positives(batch, dtype)
 
         # 1) old u, τ, b and seen of the whole global batch, filled by the owners ([N, 2] pairs (image, text)).
-        owned = state.read(slots).to(pos.device, dtype)            # this rank's rows only; m, v stay here
+        owned = state.read(slots).to(pos.device, dtype)  # this rank's rows only; m, v stay here
         old = comm.share_rows(batch, None, torch.cat([owned[:, :6], owned[:, SEEN]], dim=1), dtype=dtype)
         u_old, tau_old, seen = old[:, U], old[:, TAU], old[:, 6:7] > 0.5
-        b_old = torch.where(seen, old[:, BOUND], 0.0)                 # the bound starts at 0
+        b_old = torch.where(seen, old[:, BOUND], 0.0)  # the bound starts at 0
 
         # 2) this rank's anchors, each with its own τ_old: bound, g and the sum for the τ-gradient.
-        rows = [row_terms(sim, pos, 1.0 / tau_old[local, m], cells, bound_floor=b_old[local, m], moment=True)
-                for m, sim in enumerate((sim_it, sim_ti))]
-        stats = torch.stack([rows[0].total, rows[1].total, rows[0].shift, rows[1].shift,
-                             rows[0].moment, rows[1].moment], dim=1)
+        rows = [
+            row_terms(sim, pos, 1.0 / tau_old[local, m], cells, bound_floor=b_old[local, m], moment=True)
+            for m, sim in enumerate((sim_it, sim_ti))
+        ]
+        stats = torch.stack(
+            [rows[0].total, rows[1].total, rows[0].shift, rows[1].shift, rows[0].moment, rows[1].moment], dim=1
+        )
         new = comm.share_rows(batch, stats, dtype=dtype)
         g, b_new, h = new[:, 0:2] / n_neg, new[:, 2:4], new[:, 4:6] / n_neg
 
@@ -95,7 +99,7 @@ class FastCLIPV2Loss(SampleStateLoss):
         denom, log_denom = self._shifted_eps(u, b_new, eps)
         grad = (-h / denom + log_denom + b_new + self.rho).clamp(-opt.tau_grad_clamp, opt.tau_grad_clamp)
         beta1, beta2 = tau_adam_betas(self.epoch, opt.tau_betas)
-        m1 = torch.where(seen, owned[:, M], 0.0).lerp(grad, 1 - beta1)        # β1·m + (1-β1)·grad
+        m1 = torch.where(seen, owned[:, M], 0.0).lerp(grad, 1 - beta1)  # β1·m + (1-β1)·grad
         m2 = torch.where(seen, owned[:, V], 0.0).lerp(grad * grad, 1 - beta2)
         step = (m1 / (1 - beta1 ** (self.epoch + 1))) / ((m2 / (1 - beta2 ** (self.epoch + 1))).sqrt() + opt.tau_eps)
         tau_new = (tau_old - opt.lr_tau * step).clamp(opt.tau_min, opt.tau_max)
@@ -107,13 +111,22 @@ class FastCLIPV2Loss(SampleStateLoss):
         cols_txt = column_terms(sim_it, pos_all, 1.0 / tau_old[:, 1], cells, shift=b_new[:, 1])
         cols_img = column_terms(sim_ti, pos_all, 1.0 / tau_old[:, 0], cells, shift=b_new[:, 0])
         del sim_it, sim_ti
-        blocks = (Block(rows[0], cols_txt, w[local, 0], w[:, 1], batch.all_text),
-                  Block(rows[1], cols_img, w[local, 1], w[:, 0], batch.all_image))
+        blocks = (
+            Block(rows[0], cols_txt, w[local, 0], w[:, 1], batch.all_text),
+            Block(rows[1], cols_img, w[local, 1], w[:, 0], batch.all_image),
+        )
         loss = weighted_surrogate(batch.image, batch.text, None, blocks, 0.5 / (batch.local_size * n_neg))
 
-        objective = (tau_old * (log_denom + b_new + self.rho)).mean()   # both modalities averaged
+        objective = (tau_old * (log_denom + b_new + self.rho)).mean()  # both modalities averaged
         quantiles = torch.quantile(tau_old.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=dtype, device=u.device))
-        metrics = {"loss": loss, "surrogate": loss, "objective": objective, "gamma": torch.tensor(gamma, dtype=dtype),
-                   "tau_quantiles": quantiles, "tau_q05": quantiles[0], "tau_q50": quantiles[1],
-                   "tau_q95": quantiles[2]}
+        metrics = {
+            "loss": loss,
+            "surrogate": loss,
+            "objective": objective,
+            "gamma": torch.tensor(gamma, dtype=dtype),
+            "tau_quantiles": quantiles,
+            "tau_q05": quantiles[0],
+            "tau_q50": quantiles[1],
+            "tau_q95": quantiles[2],
+        }
         return loss, metrics

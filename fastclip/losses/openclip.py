@@ -15,6 +15,7 @@ this rank. The logit_scale gradient comes only from this rank's anchors, as in C
 Option ``similarity="atanh"``: the temperature-free loss of Kim & Kim (ICML 2025): logits s·2·atanh(cos) instead
 of s·cos, with s = 1 and not learned by default (build_loss), i.e. CE_i = −log softmax_k(2·atanh(e1_i·ẽ2_k))_i.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,7 +49,7 @@ class OpenCLIPLoss(ContrastiveLoss):
         rows = [row_terms(sim, pos, s, cells, sim_is_scaled=True, bound_floor=zero) for sim in (sim_it, sim_ti)]
         shift = torch.stack([rows[0].shift, rows[1].shift], dim=1)
         total = torch.stack([rows[0].total, rows[1].total], dim=1)
-        normaliser = torch.exp(-shift) + total                     # the positive's exp(0), shifted, plus negatives
+        normaliser = torch.exp(-shift) + total  # the positive's exp(0), shifted, plus negatives
         w_local, ce_local = 1.0 / normaliser, shift + torch.log(normaliser)
         table = comm.share_rows(batch, torch.cat([w_local, ce_local, shift], dim=1), dtype=dtype)
         w, ce, shift_all = table[:, 0:2], table[:, 2:4], table[:, 4:6]
@@ -57,13 +58,32 @@ class OpenCLIPLoss(ContrastiveLoss):
         cols_txt = column_terms(sim_it, pos_all, s, cells, sim_is_scaled=True, shift=shift_all[:, 1])
         cols_img = column_terms(sim_ti, pos_all, s, cells, sim_is_scaled=True, shift=shift_all[:, 0])
         kept = dict(positive=pos) if learnable else {}  # for the logit_scale gradient
-        blocks = (Block(rows[0], cols_txt, w_local[:, 0], w[:, 1], batch.all_text,
-                        sim=sim_it if learnable else None, **kept, **logits.block_grads(0)),
-                  Block(rows[1], cols_img, w_local[:, 1], w[:, 0], batch.all_image,
-                        sim=sim_ti if learnable else None, **kept, **logits.block_grads(1)))
+        blocks = (
+            Block(
+                rows[0],
+                cols_txt,
+                w_local[:, 0],
+                w[:, 1],
+                batch.all_text,
+                sim=sim_it if learnable else None,
+                **kept,
+                **logits.block_grads(0),
+            ),
+            Block(
+                rows[1],
+                cols_img,
+                w_local[:, 1],
+                w[:, 0],
+                batch.all_image,
+                sim=sim_ti if learnable else None,
+                **kept,
+                **logits.block_grads(1),
+            ),
+        )
         del sim_it, sim_ti, logits
-        loss = weighted_surrogate(batch.image, batch.text, scale if learnable else None, blocks,
-                                  0.5 / batch.local_size, value=ce_local.mean())
+        loss = weighted_surrogate(
+            batch.image, batch.text, scale if learnable else None, blocks, 0.5 / batch.local_size, value=ce_local.mean()
+        )
 
         metrics = {"loss": loss, "surrogate": loss, "objective": ce.mean(), "tau": 1.0 / s}
         return loss, metrics

@@ -1,5 +1,6 @@
 """Options of each loss, as dataclasses: ``build_loss`` maps its keyword arguments onto one of these, so an
 option a version does not take is a TypeError naming it, and every value is checked here once."""
+
 from __future__ import annotations
 
 import math
@@ -27,15 +28,15 @@ def _check_similarity(options) -> None:
 
 @dataclass(frozen=True)
 class CommonOptions:
-    group: object | None = None    # process group; None = the default (WORLD) when torch.distributed is initialised
-    validate: bool = True          # header collective + checks that raise the same LossInputError on all ranks
+    group: object | None = None  # process group; None = the default (WORLD) when torch.distributed is initialised
+    validate: bool = True  # header collective + checks that raise the same LossInputError on all ranks
 
 
 @dataclass(frozen=True)
 class OpenCLIPOptions(CommonOptions):
-    temperature: float = 0.07      # initial τ; logit_scale = log(1/τ)
+    temperature: float = 0.07  # initial τ; logit_scale = log(1/τ)
     learn_temperature: bool = True
-    similarity: str = "cosine"     # "atanh": logits 2·atanh(cos)/τ (temperature-free with τ = 1, see similarity.py)
+    similarity: str = "cosine"  # "atanh": logits 2·atanh(cos)/τ (temperature-free with τ = 1, see similarity.py)
     similarity_clamp: float = 1e-6  # "atanh": the cosine is clamped to ±(1 − this)
 
     def __post_init__(self):
@@ -45,25 +46,27 @@ class OpenCLIPOptions(CommonOptions):
 
 @dataclass(frozen=True)
 class SampleStateOptions(CommonOptions):
-    data_size: int = 0             # 1 + the largest index that may appear; required
-    eps: float = 1e-14             # ε in the weights 1/(u+ε)
-    gamma_min: float = 0.8         # reference code default; the published recipes use 0.2
+    data_size: int = 0  # 1 + the largest index that may appear; required
+    eps: float = 1e-14  # ε in the weights 1/(u+ε)
+    gamma_min: float = 0.8  # reference code default; the published recipes use 0.2
     gamma_decay_epochs: int = 10
     gamma_schedule: str = "cosine"
-    compat: str = "faithful"       # "faithful": the stated objectives; "reference": the reference's two deviations
-    state_device: str | torch.device | None = None   # None: the features' device
-    state_dtype: torch.dtype | None = None           # None: float64 for float64 features, else float32
+    compat: str = "faithful"  # "faithful": the stated objectives; "reference": the reference's two deviations
+    state_device: str | torch.device | None = None  # None: the features' device
+    state_dtype: torch.dtype | None = None  # None: float64 for float64 features, else float32
 
     def __post_init__(self):
         if isinstance(self.data_size, bool) or not isinstance(self.data_size, int) or self.data_size < 1:
-            raise ValueError(f"loss option data_size must be a positive int (1 + the largest data index), "
-                             f"got {self.data_size!r}")
+            raise ValueError(
+                f"loss option data_size must be a positive int (1 + the largest data index), got {self.data_size!r}"
+            )
         if not (self.eps >= 0):
             raise ValueError(f"loss option eps must be >= 0, got {self.eps!r}")
         if self.compat not in COMPAT_MODES:
             raise ValueError(f"loss option compat must be one of {COMPAT_MODES}, got {self.compat!r}")
-        if self.state_dtype is not None and not (isinstance(self.state_dtype, torch.dtype)
-                                                 and self.state_dtype.is_floating_point):
+        if self.state_dtype is not None and not (
+            isinstance(self.state_dtype, torch.dtype) and self.state_dtype.is_floating_point
+        ):
             raise ValueError(f"loss option state_dtype must be a floating torch.dtype, got {self.state_dtype!r}")
         self.gamma()  # validates the schedule options
 
@@ -76,7 +79,7 @@ class ConstantTemperatureOptions(SampleStateOptions):
     """FastCLIP-v1 (SogCLR with the cosine γ schedule): one constant τ."""
 
     temperature: float = 0.07
-    similarity: str = "cosine"     # as OpenCLIPOptions (v1/v0/v3): "atanh" maps the cosine to 2·atanh(cos)
+    similarity: str = "cosine"  # as OpenCLIPOptions (v1/v0/v3): "atanh" maps the cosine to 2·atanh(cos)
     similarity_clamp: float = 1e-6
 
     def __post_init__(self):
@@ -90,7 +93,7 @@ class GlobalTemperatureOptions(ConstantTemperatureOptions):
     """FastCLIP-v0: one learnable τ (parameter ``logit_scale`` = log 1/τ), kept in [tau_min, 1]."""
 
     learn_temperature: bool = True
-    tau_min: float = 0.01          # τ0: the lower bound of τ (clamp_; OpenCLIP's logit-scale cap of 100)
+    tau_min: float = 0.01  # τ0: the lower bound of τ (clamp_; OpenCLIP's logit-scale cap of 100)
 
     def __post_init__(self):
         super().__post_init__()
@@ -102,7 +105,7 @@ class GlobalTemperatureOptions(ConstantTemperatureOptions):
 class RGCLOptions(GlobalTemperatureOptions):
     """FastCLIP-v3 (RGCL-g): learnable global τ with the τ·log-sum-exp objective plus ρτ."""
 
-    rho: float = 8.0               # reference code default; recipes use 6.5 (CC3M), 8.5 (CC12M), 16 (LAION)
+    rho: float = 8.0  # reference code default; recipes use 6.5 (CC3M), 8.5 (CC12M), 16 (LAION)
     # RGCL-g as the textbook writes it: τ1 for the image-anchored term, τ2 for the text-anchored one (logit_scale
     # becomes [2]); False: one shared τ, as the reference implementation (and its published ρ) has it.
     separate_temperatures: bool = False
@@ -110,8 +113,10 @@ class RGCLOptions(GlobalTemperatureOptions):
     def __post_init__(self):
         super().__post_init__()
         if self.separate_temperatures and self.compat == "reference":
-            raise ValueError("loss option separate_temperatures is the textbook objective; the reference "
-                             "implementation has one shared τ: use compat='faithful'")
+            raise ValueError(
+                "loss option separate_temperatures is the textbook objective; the reference "
+                "implementation has one shared τ: use compat='faithful'"
+            )
         if self.separate_temperatures and self.similarity != "cosine":
             raise ValueError("loss option separate_temperatures works with similarity='cosine' only")
 
@@ -120,10 +125,10 @@ class RGCLOptions(GlobalTemperatureOptions):
 class IndividualTemperatureOptions(SampleStateOptions):
     """FastCLIP-v2 (iSogCLR-style RGCL): a τ per sample and modality, updated by a per-sample Adam."""
 
-    temperature: float = 0.03      # initial τ of every sample
+    temperature: float = 0.03  # initial τ of every sample
     rho: float = 7.0
     lr_tau: float = 0.0133
-    tau_betas: tuple[float, float] = (0.9, 0.98)   # used from epoch 1 on; epoch 0 uses (0, 0)
+    tau_betas: tuple[float, float] = (0.9, 0.98)  # used from epoch 1 on; epoch 0 uses (0, 0)
     tau_eps: float = 1e-6
     tau_min: float = 0.01
     tau_max: float = 1.0
@@ -134,8 +139,10 @@ class IndividualTemperatureOptions(SampleStateOptions):
         for name in ("temperature", "lr_tau", "tau_eps", "tau_min", "tau_max", "tau_grad_clamp"):
             _positive(name, getattr(self, name))
         if not self.tau_min <= self.temperature <= self.tau_max:
-            raise ValueError(f"loss option temperature={self.temperature} is outside [tau_min, tau_max] = "
-                             f"[{self.tau_min}, {self.tau_max}]")
+            raise ValueError(
+                f"loss option temperature={self.temperature} is outside [tau_min, tau_max] = "
+                f"[{self.tau_min}, {self.tau_max}]"
+            )
         if len(self.tau_betas) != 2 or not all(0 <= b < 1 for b in self.tau_betas):
             raise ValueError(f"loss option tau_betas must be two numbers in [0, 1), got {self.tau_betas!r}")
 
@@ -145,9 +152,9 @@ class TempNetOptions(SampleStateOptions):
     """FastCLIP with a temperature network: RGCL with τ_i predicted from the features by a small MLP per
     modality (tempnet.py)."""
 
-    embed_dim: int = 0             # feature dimension (the towers' embed_dim); required
-    tempnet_hidden: int = 256      # hidden width of each head
-    temperature: float = 0.03      # the heads' initial τ (output layer starts at zero)
+    embed_dim: int = 0  # feature dimension (the towers' embed_dim); required
+    tempnet_hidden: int = 256  # hidden width of each head
+    temperature: float = 0.03  # the heads' initial τ (output layer starts at zero)
     rho: float = 7.0
     tau_min: float = 0.01
     tau_max: float = 1.0
@@ -161,16 +168,18 @@ class TempNetOptions(SampleStateOptions):
         for name in ("temperature", "tau_min", "tau_max"):
             _positive(name, getattr(self, name))
         if not self.tau_min < self.temperature < self.tau_max:
-            raise ValueError(f"loss option temperature={self.temperature} must lie strictly inside "
-                             f"(tau_min, tau_max) = ({self.tau_min}, {self.tau_max})")
+            raise ValueError(
+                f"loss option temperature={self.temperature} must lie strictly inside "
+                f"(tau_min, tau_max) = ({self.tau_min}, {self.tau_max})"
+            )
 
 
 @dataclass(frozen=True)
 class SigLIPOptions(CommonOptions):
     """SigLIP: sigmoid loss with a learnable scale t = 1/τ (init 10) and bias b (init −10), as Zhai et al. 2023."""
 
-    temperature: float = 0.1       # initial 1/t; logit_scale = log t = log(1/τ)
-    bias: float = -10.0            # initial logit_bias
+    temperature: float = 0.1  # initial 1/t; logit_scale = log t = log(1/τ)
+    bias: float = -10.0  # initial logit_bias
     learn_temperature: bool = True
     learn_bias: bool = True
 

@@ -18,6 +18,7 @@ w'_j a'_j cols_kj)``, so the feature gradient is one ``[B, N] @ [N, d]`` matmul 
 term; the two exp matrices per block (and S itself when a global scale needs a gradient) are kept for
 backward, which reuses them in place.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -49,8 +50,9 @@ def compute_dtype(feature_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(feature_dtype, torch.float32)
 
 
-def similarity(local: torch.Tensor, gathered: torch.Tensor, dtype: torch.dtype,
-               scale: torch.Tensor | None = None) -> torch.Tensor:
+def similarity(
+    local: torch.Tensor, gathered: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[B, N]`` block ``scale·(local @ gathered.T)`` without autograd (WeightedSurrogate writes its gradient).
 
     A global scale is folded in here (on the [B, d] side when no upcast is needed), which saves a pass over
@@ -84,20 +86,20 @@ def _per_column(x: torch.Tensor) -> torch.Tensor:
 class RowTerms:
     """Local anchors (rows) against all candidates."""
 
-    exp: torch.Tensor                 # [B, N] exp(a_i(S_ik − p_i) − r_i), 0 at the positive
-    total: torch.Tensor               # [B] Σ_k exp
-    moment: torch.Tensor | None       # [B] Σ_k exp · a_i(S_ik − p_i)   (v2's τ-gradient)
-    shift: torch.Tensor | None        # [B] r_i
-    scale: torch.Tensor               # a: 0-d or [B]
+    exp: torch.Tensor  # [B, N] exp(a_i(S_ik − p_i) − r_i), 0 at the positive
+    total: torch.Tensor  # [B] Σ_k exp
+    moment: torch.Tensor | None  # [B] Σ_k exp · a_i(S_ik − p_i)   (v2's τ-gradient)
+    shift: torch.Tensor | None  # [B] r_i
+    scale: torch.Tensor  # a: 0-d or [B]
 
 
 @dataclass
 class ColumnTerms:
     """Global anchors (columns) against this rank's candidates."""
 
-    exp: torch.Tensor                 # [B, N] exp(a'_j(S_kj − P_j) − r'_j), 0 at the positive
-    total: torch.Tensor | None        # [N] Σ_k exp (only for a scale gradient through the columns)
-    scale: torch.Tensor               # a': 0-d or [N]
+    exp: torch.Tensor  # [B, N] exp(a'_j(S_kj − P_j) − r'_j), 0 at the positive
+    total: torch.Tensor | None  # [N] Σ_k exp (only for a scale gradient through the columns)
+    scale: torch.Tensor  # a': 0-d or [N]
 
 
 def _scaled_differences(sim: torch.Tensor, positive: torch.Tensor, scale: torch.Tensor, sim_is_scaled: bool):
@@ -110,8 +112,16 @@ def _scaled_differences(sim: torch.Tensor, positive: torch.Tensor, scale: torch.
     return (sim - positive).mul_(scale)
 
 
-def row_terms(sim: torch.Tensor, positive: torch.Tensor, scale: torch.Tensor, cells, *,
-              sim_is_scaled: bool = False, bound_floor: torch.Tensor | None = None, moment: bool = False) -> RowTerms:
+def row_terms(
+    sim: torch.Tensor,
+    positive: torch.Tensor,
+    scale: torch.Tensor,
+    cells,
+    *,
+    sim_is_scaled: bool = False,
+    bound_floor: torch.Tensor | None = None,
+    moment: bool = False,
+) -> RowTerms:
     """Rows of one block. With ``bound_floor`` (v2, openclip), the shift is ``max(bound_floor_i, max_{k≠i} d_ik)``."""
     with torch.no_grad():
         diff = _scaled_differences(sim, positive[:, None], _per_row(scale), sim_is_scaled)
@@ -130,8 +140,16 @@ def row_terms(sim: torch.Tensor, positive: torch.Tensor, scale: torch.Tensor, ce
         return RowTerms(exp=exp, total=exp.sum(dim=1), moment=mom, shift=shift, scale=scale)
 
 
-def column_terms(sim: torch.Tensor, positive_all: torch.Tensor, scale: torch.Tensor, cells, *,
-                 sim_is_scaled: bool = False, shift: torch.Tensor | None = None, total: bool = False) -> ColumnTerms:
+def column_terms(
+    sim: torch.Tensor,
+    positive_all: torch.Tensor,
+    scale: torch.Tensor,
+    cells,
+    *,
+    sim_is_scaled: bool = False,
+    shift: torch.Tensor | None = None,
+    total: bool = False,
+) -> ColumnTerms:
     """Columns of one block (global anchors), optionally shifted by ``shift`` ``[N]``."""
     with torch.no_grad():
         diff = _scaled_differences(sim, positive_all[None, :], _per_column(scale), sim_is_scaled)
@@ -146,13 +164,13 @@ class Block:
 
     rows: RowTerms
     cols: ColumnTerms
-    row_weight: torch.Tensor          # [B] weights of the local anchors
-    col_weight: torch.Tensor          # [N] weights of the global anchors
-    candidates: torch.Tensor          # Ỹ [N, d], to map ∂L/∂S back to X
-    sim: torch.Tensor | None = None   # s·S (scaled by the global s), kept only when s needs a gradient
-    positive: torch.Tensor | None = None      # [B] p_i, idem
+    row_weight: torch.Tensor  # [B] weights of the local anchors
+    col_weight: torch.Tensor  # [N] weights of the global anchors
+    candidates: torch.Tensor  # Ỹ [N, d], to map ∂L/∂S back to X
+    sim: torch.Tensor | None = None  # s·S (scaled by the global s), kept only when s needs a gradient
+    positive: torch.Tensor | None = None  # [B] p_i, idem
     positive_all: torch.Tensor | None = None  # [N] P_j, idem (scale gradient through the columns)
-    sim_grad: torch.Tensor | None = None       # [B, N] φ'(S) when the logits map S (similarity.py), else 1
+    sim_grad: torch.Tensor | None = None  # [B, N] φ'(S) when the logits map S (similarity.py), else 1
     positive_grad: torch.Tensor | None = None  # [B] φ'(p_i), idem
 
 
@@ -161,7 +179,8 @@ class WeightedSurrogate(torch.autograd.Function):
     ``c·Σ_blocks [Σ_i w_i Σ_k rows_ik + Σ_j w'_j Σ_k cols_kj]`` into the image rows, the text rows and the scale.
 
     Inputs: ``image`` (X of block 0), ``text`` (X of block 1), ``scale`` (the global s = 1/τ whose gradient
-    is wanted, or None; ``[2]`` when each block's rows have their own scale, with ``block.sim`` = s[b]·S), ``blocks`` (image block, text block), ``coef`` c, ``scale_in_columns``: whether the
+    is wanted, or None; ``[2]`` when each block's rows have their own scale, with ``block.sim`` = s[b]·S), ``blocks``
+    (image block, text block), ``coef`` c, ``scale_in_columns``: whether the
     columns' exponentials count in the scale's gradient (compat="reference"), ``value``: a value to report
     instead (openclip reports the cross-entropy whose gradient this is).
     Backward reuses the saved exponentials in place, so it can run once (no retain_graph double backward).
@@ -192,15 +211,20 @@ class WeightedSurrogate(torch.autograd.Function):
         grads, grad_positive, scale_sums = [], 0.0, []
         for b, block in enumerate(ctx.blocks):
             s_b = s[b] if per_block else s
-            row_factor = coef * block.row_weight * block.rows.scale       # ∂L/∂S by row, per anchor
+            row_factor = coef * block.row_weight * block.rows.scale  # ∂L/∂S by row, per anchor
             col_factor = coef * block.col_weight * block.cols.scale
             grad_sim = block.rows.exp.mul_(_per_row(row_factor))
             if want_scale and not ctx.scale_in_columns:
                 scale_sums.append(_scale_term(grad_sim, block, row_factor, s_b) / s_b)
             grad_sim.addcmul_(block.cols.exp, _per_column(col_factor))
             if want_scale and ctx.scale_in_columns:
-                scale_sums.append((_scale_term(grad_sim, block, row_factor, s_b)
-                                   - (col_factor * block.cols.total * block.positive_all).sum()) / s_b)
+                scale_sums.append(
+                    (
+                        _scale_term(grad_sim, block, row_factor, s_b)
+                        - (col_factor * block.cols.total * block.positive_all).sum()
+                    )
+                    / s_b
+                )
             if block.sim_grad is not None:  # chain rule through the similarity map (0 where it clamps)
                 grad_sim.mul_(block.sim_grad)
             grads.append(grad_sim @ block.candidates.to(grad_sim.dtype))

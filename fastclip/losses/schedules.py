@@ -1,4 +1,5 @@
 """Per-epoch schedules: γ of the moving-average estimator u, and FastCLIP-v2's Adam betas for τ."""
+
 from __future__ import annotations
 
 import math
@@ -36,5 +37,6 @@ class GammaSchedule:
 
 
 def tau_adam_betas(epoch: float, betas: tuple[float, float]) -> tuple[float, float]:
-    """Betas of v2's per-sample τ update: (0, 0) in epoch 0 (a sign-like first step, as the reference), then ``betas``."""
+    """Betas of v2's per-sample τ update: (0, 0) in epoch 0 (a sign-like first step, as the reference), then
+    ``betas``."""
     return (0.0, 0.0) if epoch <= 0 else (float(betas[0]), float(betas[1]))

@@ -12,6 +12,7 @@ Saved form (``ShardedSampleState.state_dict()``, carried by the loss module's ``
 ``reshard_for_rank`` builds one new rank's shard from the old shards, read one at a time, and
 ``reshard_states`` does all new ranks; ``main`` is ``fastclip reshard``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,16 @@ class BatchSlots:
 class ShardedSampleState:
     """One rank's shard of named per-sample fields (one ``[slots, F]`` table) plus a ``seen`` flag per slot."""
 
-    def __init__(self, *, data_size: int, world_size: int, rank: int, fields: Mapping[str, float],
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        *,
+        data_size: int,
+        world_size: int,
+        rank: int,
+        fields: Mapping[str, float],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         self.data_size, self.world_size, self.rank = int(data_size), int(world_size), int(rank)
         self.num_slots = shard_size(self.data_size, self.world_size, self.rank)
         self.names = list(fields)
@@ -83,7 +92,7 @@ class ShardedSampleState:
     def seen(self) -> torch.Tensor:
         return self._seen[: self.num_slots]
 
-    def to_(self, device: torch.device | str, dtype: torch.dtype) -> "ShardedSampleState":
+    def to_(self, device: torch.device | str, dtype: torch.dtype) -> ShardedSampleState:
         self._table = self._table.to(device=device, dtype=dtype)
         self._seen = self._seen.to(device)
         return self
@@ -95,8 +104,10 @@ class ShardedSampleState:
         # The loss's validation (validate=True) names a bad index; without it, a device-side assert still
         # stops the step (no host sync on CUDA), and an out-of-range index is never "owned", so it can
         # neither read nor write the spare row (index == data_size) or wrap to the last slot (index -1).
-        torch._assert_async(in_range.all(), "fastclip: a sample index is outside [0, data_size) "
-                                            "(run the loss with validate=True to name it)")
+        torch._assert_async(
+            in_range.all(),
+            "fastclip: a sample index is outside [0, data_size) (run the loss with validate=True to name it)",
+        )
         owned = (indices % self.world_size == self.rank) & in_range
         slots = torch.where(owned, indices // self.world_size, self.num_slots)
         write_slots = torch.where(owned & last_occurrence(indices), slots, self.num_slots)
@@ -127,7 +138,10 @@ class ShardedSampleState:
             return column.clone(memory_format=torch.contiguous_format).cpu()
 
         return {
-            "format": FORMAT, "data_size": self.data_size, "world_size": self.world_size, "rank": self.rank,
+            "format": FORMAT,
+            "data_size": self.data_size,
+            "world_size": self.world_size,
+            "rank": self.rank,
             "owner": "modulo",
             "fields": {name: export(self._table[: self.num_slots, col]) for col, name in enumerate(self.names)},
             "seen": export(self.seen),
@@ -140,13 +154,16 @@ class ShardedSampleState:
             raise ValueError(
                 f"sample state was saved for data_size={saved[0]}, world_size={saved[1]}, rank={saved[2]} but this "
                 f"process has data_size={self.data_size}, world_size={self.world_size}, rank={self.rank}; reshard "
-                f"first (fastclip reshard --in CKPT_DIR --world-size {self.world_size}, or reshard_for_rank())")
+                f"first (fastclip reshard --in CKPT_DIR --world-size {self.world_size}, or reshard_for_rank())"
+            )
         fields = state["fields"]
         if set(fields) != set(self.names):
             raise KeyError(f"sample state fields {sorted(fields)} do not match this loss's {sorted(self.names)}")
         for name, value in list(fields.items()) + [("seen", state["seen"])]:
             if value.shape != (self.num_slots,):
-                raise ValueError(f"sample state field {name!r} has shape {tuple(value.shape)}, expected ({self.num_slots},)")
+                raise ValueError(
+                    f"sample state field {name!r} has shape {tuple(value.shape)}, expected ({self.num_slots},)"
+                )
         with torch.no_grad():
             for col, name in enumerate(self.names):
                 self._table[: self.num_slots, col].copy_(fields[name])
@@ -168,8 +185,10 @@ def _split(state: Mapping) -> tuple[str | None, Mapping]:
         return None, state
     keys = [k for k in state if k == "_extra_state" or k.endswith("._extra_state")]
     if len(keys) != 1:
-        raise ValueError(f"no sample state found: expected a {FORMAT} dict or a loss state_dict with one "
-                         f"'_extra_state' entry, got keys {sorted(state)[:10]}")
+        raise ValueError(
+            f"no sample state found: expected a {FORMAT} dict or a loss state_dict with one "
+            f"'_extra_state' entry, got keys {sorted(state)[:10]}"
+        )
     return keys[0], state[keys[0]]
 
 
@@ -198,8 +217,10 @@ def reshard_for_rank(states: Iterable[Mapping], new_world_size: int, new_rank: i
             out_seen = torch.zeros(n_new, dtype=torch.bool)
             covered = torch.zeros(n_new, dtype=torch.bool)
         elif this_meta != meta:
-            raise ValueError(f"old shard #{number} (rank {state['rank']}) has data_size/world_size/fields {this_meta}, "
-                             f"the first has {meta}")
+            raise ValueError(
+                f"old shard #{number} (rank {state['rank']}) has data_size/world_size/fields {this_meta}, "
+                f"the first has {meta}"
+            )
         old_rank = int(state["rank"])
         if old_rank in ranks or not 0 <= old_rank < old_k:
             raise ValueError(f"old rank {old_rank} given twice or outside [0, world_size={old_k})")
@@ -211,16 +232,23 @@ def reshard_for_rank(states: Iterable[Mapping], new_world_size: int, new_rank: i
             keep = global_index % new_world_size == new_rank
             new_slots = global_index[keep] // new_world_size
             for name, value in state["fields"].items():
-                out[name][new_slots] = value[start:start + len(slots)][keep].to(out[name].dtype)
-            out_seen[new_slots] = state["seen"][start:start + len(slots)][keep]
+                out[name][new_slots] = value[start : start + len(slots)][keep].to(out[name].dtype)
+            out_seen[new_slots] = state["seen"][start : start + len(slots)][keep]
             covered[new_slots] = True
     if out is None:
         raise ValueError("no old shards given")
     missing = sorted(set(range(old_k)) - ranks)
     if missing or not bool(covered.all()):
         raise ValueError(f"old shards of ranks {missing} (of world_size {old_k}) are missing")
-    result = {"format": FORMAT, "data_size": data_size, "world_size": new_world_size, "rank": new_rank,
-              "owner": "modulo", "fields": out, "seen": out_seen}
+    result = {
+        "format": FORMAT,
+        "data_size": data_size,
+        "world_size": new_world_size,
+        "rank": new_rank,
+        "owner": "modulo",
+        "fields": out,
+        "seen": out_seen,
+    }
     key, wrapper = first_wrapper
     return result if key is None else {**wrapper, key: result}
 
@@ -260,9 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fastclip reshard",
         description="Reshard the per-sample loss state of a folder of rank_<r>.pt files (each with a 'loss_state' "
-                    "entry) to another world size. The new files hold {'loss_state', 'rank', 'world_size'}; other "
-                    "per-rank entries describe the old layout and are not carried over. A training checkpoint "
-                    "needs none of this: `fastclip train --resume` reshards itself at any world size.")
+        "entry) to another world size. The new files hold {'loss_state', 'rank', 'world_size'}; other "
+        "per-rank entries describe the old layout and are not carried over. A training checkpoint "
+        "needs none of this: `fastclip train --resume` reshards itself at any world size.",
+    )
     parser.add_argument("--in", dest="src", required=True, type=Path, help="folder with rank_<r>.pt files")
     parser.add_argument("--world-size", required=True, type=int, help="the new number of ranks")
     parser.add_argument("--out", type=Path, default=None, help="write here instead of rewriting --in in place")
@@ -272,23 +301,30 @@ def main(argv: list[str] | None = None) -> int:
     files = _rank_files(args.src)
     out_dir = args.out or args.src
     if out_dir.resolve() == args.src.resolve() and (args.src / "model.pt").exists():
-        parser.error(f"{args.src} is a training checkpoint (it has model.pt): rewriting its rank files in place "
-                     f"would desynchronise it from model.pt and the data positions; `fastclip train --resume` "
-                     f"reshards the sample state itself, or pass --out DIR for a resharded copy of the loss state")
+        parser.error(
+            f"{args.src} is a training checkpoint (it has model.pt): rewriting its rank files in place "
+            f"would desynchronise it from model.pt and the data positions; `fastclip train --resume` "
+            f"reshards the sample state itself, or pass --out DIR for a resharded copy of the loss state"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for rank in range(args.world_size):
-        payload = {"loss_state": reshard_for_rank(_loss_states(files), args.world_size, rank), "rank": rank,
-                   "world_size": args.world_size}
+        payload = {
+            "loss_state": reshard_for_rank(_loss_states(files), args.world_size, rank),
+            "rank": rank,
+            "world_size": args.world_size,
+        }
         tmp = out_dir / f".rank_{rank}.pt.tmp"
         torch.save(payload, tmp)
         written.append(tmp)
     for rank, tmp in enumerate(written):  # replace only after every new shard was built
         os.replace(tmp, out_dir / f"rank_{rank}.pt")
     if out_dir.resolve() == args.src.resolve():
-        for stale in files[args.world_size:]:
+        for stale in files[args.world_size :]:
             stale.unlink()
-    print(f"resharded the sample state of {len(files)} rank(s) in {args.src} into {args.world_size} rank(s) in {out_dir}")
+    print(
+        f"resharded the sample state of {len(files)} rank(s) in {args.src} into {args.world_size} rank(s) in {out_dir}"
+    )
     return 0
 
 

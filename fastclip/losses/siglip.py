@@ -15,6 +15,7 @@ ways, where this all_gather moves images and texts once). The gradient is writte
 ∂ℓ/∂logit = σ(logit) − [z = +1]. An all_reduce of B row sums per rank (N scalars) gives
 ``metrics["objective"]`` = the global-batch loss (1/N) Σ over all pairs.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,11 +36,11 @@ def _pair_terms(sim: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, cell
     with torch.no_grad():
         logit = sim.mul(scale).add_(bias)
         positive = logit[cells]
-        minus_z_logit = logit.clone()                 # −z·logit: +logit on negatives, −logit on positives
+        minus_z_logit = logit.clone()  # −z·logit: +logit on negatives, −logit on positives
         minus_z_logit[cells] = -positive
-        loss_rows = F.softplus(minus_z_logit).sum(dim=1)   # −log σ(z·logit) = softplus(−z·logit)
-        dlogit = logit.sigmoid_()                     # σ(logit) − [z = +1]; on the positives −σ(−logit),
-        dlogit[cells] = -torch.sigmoid(-positive)     # which keeps its digits when σ(logit) is near 1
+        loss_rows = F.softplus(minus_z_logit).sum(dim=1)  # −log σ(z·logit) = softplus(−z·logit)
+        dlogit = logit.sigmoid_()  # σ(logit) − [z = +1]; on the positives −σ(−logit),
+        dlogit[cells] = -torch.sigmoid(-positive)  # which keeps its digits when σ(logit) is near 1
     return loss_rows, dlogit
 
 
@@ -85,22 +86,38 @@ class SigLIPLoss(ContrastiveLoss):
 
     def _compute(self, comm: Comm, batch: GlobalBatch):
         dtype = compute_dtype(batch.image.dtype)
-        scale = self._scale(dtype)                     # t, autograd into logit_scale
+        scale = self._scale(dtype)  # t, autograd into logit_scale
         bias = self.logit_bias.to(dtype)
         cells = batch.positive_cells()
         t, b = scale.detach(), bias.detach()
-        sim_it = similarity(batch.image, batch.all_text, dtype)    # local images (rows) vs all texts
-        sim_ti = similarity(batch.text, batch.all_image, dtype)    # local texts (rows) vs all images
-        loss_rows, d_it = _pair_terms(sim_it, t, b, cells)         # loss1: grads into images, t, b
-        _, d_ti = _pair_terms(sim_ti, t, b, cells)                 # loss2: grads into texts only
+        sim_it = similarity(batch.image, batch.all_text, dtype)  # local images (rows) vs all texts
+        sim_ti = similarity(batch.text, batch.all_image, dtype)  # local texts (rows) vs all images
+        loss_rows, d_it = _pair_terms(sim_it, t, b, cells)  # loss1: grads into images, t, b
+        _, d_ti = _pair_terms(sim_ti, t, b, cells)  # loss2: grads into texts only
         del sim_ti
         coef = 1.0 / batch.local_size
         value = loss_rows.sum() * coef
-        loss = SigmoidPairs.apply(batch.image, batch.text, scale, bias, d_it, d_ti, batch.all_text,
-                                  batch.all_image, sim_it if scale.requires_grad else None, coef, value)
-        rows = comm.share_rows(batch, loss_rows[:, None], dtype=dtype)   # every anchor's row sum, for the metric
-        metrics = {"loss": loss, "surrogate": loss, "objective": rows.sum() / batch.global_size,
-                   "tau": 1.0 / t, "bias": b}
+        loss = SigmoidPairs.apply(
+            batch.image,
+            batch.text,
+            scale,
+            bias,
+            d_it,
+            d_ti,
+            batch.all_text,
+            batch.all_image,
+            sim_it if scale.requires_grad else None,
+            coef,
+            value,
+        )
+        rows = comm.share_rows(batch, loss_rows[:, None], dtype=dtype)  # every anchor's row sum, for the metric
+        metrics = {
+            "loss": loss,
+            "surrogate": loss,
+            "objective": rows.sum() / batch.global_size,
+            "tau": 1.0 / t,
+            "bias": b,
+        }
         return loss, metrics
 
     def extra_repr(self) -> str:

@@ -13,6 +13,7 @@ In the pairwise core (pairwise.py) every block ``S`` becomes ``s·φ(S)`` and ev
 the backward multiplies ``∂L/∂φ`` by ``φ'`` cell by cell (``Block.sim_grad``, ``Block.positive_grad``) before
 mapping it onto the features.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ def atanh_logit_(cos: torch.Tensor, clamp: float) -> tuple[torch.Tensor, torch.T
     with torch.no_grad():
         inside = (cos >= -limit) & (cos <= limit)
         cos.clamp_(-limit, limit)
-        derivative = torch.addcmul(torch.ones_like(cos), cos, cos, value=-1.0)   # 1 − c²
+        derivative = torch.addcmul(torch.ones_like(cos), cos, cos, value=-1.0)  # 1 − c²
         derivative = torch.where(inside, derivative.reciprocal_().mul_(2.0), 0.0)
         value = cos.atanh_().mul_(2.0)
     return value, derivative
@@ -40,13 +41,13 @@ def atanh_logit_(cos: torch.Tensor, clamp: float) -> tuple[torch.Tensor, torch.T
 class PairLogits:
     """The blocks and positives the pairwise core reads, in logit units (before the row/column scale)."""
 
-    sim_it: torch.Tensor                   # [B, N] s·φ(local images · all texts)
-    sim_ti: torch.Tensor                   # [B, N] s·φ(local texts · all images)
-    pos: torch.Tensor                      # [B] φ(e1_i·e2_i) of the local pairs
-    pos_all: torch.Tensor                  # [N] φ(ẽ1_j·ẽ2_j) of every pair
-    sim_it_grad: torch.Tensor | None = None   # [B, N] φ' of the blocks (None for the cosine: φ' = 1)
+    sim_it: torch.Tensor  # [B, N] s·φ(local images · all texts)
+    sim_ti: torch.Tensor  # [B, N] s·φ(local texts · all images)
+    pos: torch.Tensor  # [B] φ(e1_i·e2_i) of the local pairs
+    pos_all: torch.Tensor  # [N] φ(ẽ1_j·ẽ2_j) of every pair
+    sim_it_grad: torch.Tensor | None = None  # [B, N] φ' of the blocks (None for the cosine: φ' = 1)
     sim_ti_grad: torch.Tensor | None = None
-    pos_grad: torch.Tensor | None = None      # [B] φ' of the local positives
+    pos_grad: torch.Tensor | None = None  # [B] φ' of the local positives
 
     def block_grads(self, which: int) -> dict:
         """``Block(...)`` keyword arguments of block 0 (images as rows) or 1 (texts as rows)."""
@@ -55,13 +56,18 @@ class PairLogits:
         return {"sim_grad": (self.sim_it_grad, self.sim_ti_grad)[which], "positive_grad": self.pos_grad}
 
 
-def pair_logits(batch: GlobalBatch, dtype: torch.dtype, scale: torch.Tensor | None, kind: str,
-                clamp: float) -> PairLogits:
+def pair_logits(
+    batch: GlobalBatch, dtype: torch.dtype, scale: torch.Tensor | None, kind: str, clamp: float
+) -> PairLogits:
     """Both ``[B, N]`` blocks and the positives; ``scale`` (detached s, or None) folded into the blocks."""
     if kind == "cosine":
         pos, pos_all = positives(batch, dtype)
-        return PairLogits(similarity(batch.image, batch.all_text, dtype, scale),
-                          similarity(batch.text, batch.all_image, dtype, scale), pos, pos_all)
+        return PairLogits(
+            similarity(batch.image, batch.all_text, dtype, scale),
+            similarity(batch.text, batch.all_image, dtype, scale),
+            pos,
+            pos_all,
+        )
     if kind != "atanh":
         raise ValueError(f"loss option similarity must be one of {SIMILARITIES}, got {kind!r}")
     blocks = []

@@ -17,6 +17,7 @@ the optimizer's temperature group, are averaged over ranks with ``average_grads_
 its own anchors' term, scaled so the average is the global gradient), and are saved with the loss state.
 Every rank evaluates the head on the gathered features for the columns (global anchors), without autograd.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,8 +61,13 @@ class TempNetLoss(SampleStateLoss):
     def __init__(self, options: TempNetOptions):
         super().__init__(options)
         self.rho = float(options.rho)
-        head = dict(embed_dim=options.embed_dim, hidden=options.tempnet_hidden, temperature=options.temperature,
-                    tau_min=options.tau_min, tau_max=options.tau_max)
+        head = dict(
+            embed_dim=options.embed_dim,
+            hidden=options.tempnet_hidden,
+            temperature=options.temperature,
+            tau_min=options.tau_min,
+            tau_max=options.tau_max,
+        )
         self.tempnet_img = TemperatureHead(**head)
         self.tempnet_txt = TemperatureHead(**head)
 
@@ -77,29 +83,39 @@ class TempNetLoss(SampleStateLoss):
         n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
         head_dtype = self.tempnet_img.out.weight.dtype
         # τ of this rank's anchors, with autograd into the heads; of all N anchors (the columns) without
-        tau_local = torch.stack([self.tempnet_img(batch.image.detach().to(head_dtype)),
-                                 self.tempnet_txt(batch.text.detach().to(head_dtype))], dim=1)
+        tau_local = torch.stack(
+            [
+                self.tempnet_img(batch.image.detach().to(head_dtype)),
+                self.tempnet_txt(batch.text.detach().to(head_dtype)),
+            ],
+            dim=1,
+        )
         with torch.no_grad():
-            tau = torch.stack([self.tempnet_img(batch.all_image.to(head_dtype)),
-                               self.tempnet_txt(batch.all_text.to(head_dtype))], dim=1).to(dtype)
+            tau = torch.stack(
+                [self.tempnet_img(batch.all_image.to(head_dtype)), self.tempnet_txt(batch.all_text.to(head_dtype))],
+                dim=1,
+            ).to(dtype)
         sim_it = similarity(batch.image, batch.all_text, dtype)
         sim_ti = similarity(batch.text, batch.all_image, dtype)
         pos, pos_all = positives(batch, dtype)
 
-        old = state.read(slots).to(pos.device, dtype)   # [N, u_img, u_txt, b_img, b_txt, seen], owners' rows
+        old = state.read(slots).to(pos.device, dtype)  # [N, u_img, u_txt, b_img, b_txt, seen], owners' rows
         no_floor = torch.tensor(-math.inf, dtype=dtype, device=pos.device)
-        rows = [row_terms(sim, pos, 1.0 / tau[local, m], cells, bound_floor=no_floor, moment=True)
-                for m, sim in enumerate((sim_it, sim_ti))]
+        rows = [
+            row_terms(sim, pos, 1.0 / tau[local, m], cells, bound_floor=no_floor, moment=True)
+            for m, sim in enumerate((sim_it, sim_ti))
+        ]
         # rows are shifted by their own maximum; the shared table carries each anchor's (log-free) g, shift and
         # τ-moment, plus the owners' old u, b and seen
-        stats = torch.stack([rows[0].total, rows[1].total, rows[0].shift, rows[1].shift,
-                             rows[0].moment, rows[1].moment], dim=1)
+        stats = torch.stack(
+            [rows[0].total, rows[1].total, rows[0].shift, rows[1].shift, rows[0].moment, rows[1].moment], dim=1
+        )
         table = comm.share_rows(batch, stats, old, dtype=dtype)
         g_shifted, shift, h = table[:, 0:2] / n_neg, table[:, 2:4], table[:, 4:6] / n_neg
         u_old, b_old, seen = table[:, 6:8], table[:, 8:10], table[:, 10:11] > 0.5
         b_old = torch.where(seen, b_old, -math.inf)
-        b_new = torch.maximum(b_old, shift)                       # the running bound, as v2
-        g = g_shifted * torch.exp(shift - b_new)                  # g in b_new's scale
+        b_new = torch.maximum(b_old, shift)  # the running bound, as v2
+        g = g_shifted * torch.exp(shift - b_new)  # g in b_new's scale
         u = update_u(u_old, g, seen, gamma, rescale=torch.exp(b_old - b_new))
         state.write(slots, torch.cat([u, b_new], dim=1))
         denom, log_denom = objective_eps_shifted(u, b_new, eps)
@@ -116,14 +132,23 @@ class TempNetLoss(SampleStateLoss):
         cols_txt = column_terms(sim_it, pos_all, 1.0 / tau[:, 1], cells, shift=b_new[:, 1])
         cols_img = column_terms(sim_ti, pos_all, 1.0 / tau[:, 0], cells, shift=b_new[:, 0])
         del sim_it, sim_ti
-        blocks = (Block(rows[0], cols_txt, w_rows[:, 0], w[:, 1], batch.all_text),
-                  Block(rows[1], cols_img, w_rows[:, 1], w[:, 0], batch.all_image))
+        blocks = (
+            Block(rows[0], cols_txt, w_rows[:, 0], w[:, 1], batch.all_text),
+            Block(rows[1], cols_img, w_rows[:, 1], w[:, 0], batch.all_image),
+        )
         surrogate = weighted_surrogate(batch.image, batch.text, None, blocks, 0.5 / (batch.local_size * n_neg))
-        loss = surrogate + tau_term - tau_term.detach()          # value: the surrogate; gradient: both
+        loss = surrogate + tau_term - tau_term.detach()  # value: the surrogate; gradient: both
 
         objective = (tau * (log_denom + b_new + self.rho)).mean()
         quantiles = torch.quantile(tau.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=dtype, device=u.device))
-        metrics = {"loss": loss, "surrogate": surrogate, "objective": objective, "gamma": torch.tensor(gamma, dtype=dtype),
-                   "tau_quantiles": quantiles, "tau_q05": quantiles[0], "tau_q50": quantiles[1],
-                   "tau_q95": quantiles[2]}
+        metrics = {
+            "loss": loss,
+            "surrogate": surrogate,
+            "objective": objective,
+            "gamma": torch.tensor(gamma, dtype=dtype),
+            "tau_quantiles": quantiles,
+            "tau_q05": quantiles[0],
+            "tau_q50": quantiles[1],
+            "tau_q95": quantiles[2],
+        }
         return loss, metrics

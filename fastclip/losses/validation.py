@@ -8,6 +8,7 @@ range) is a second header gathered, with the offending row / position of each ra
 The happy path costs a handful of reductions, one tiny all_gather and one host sync per call
 (``validate=False`` skips it all).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,9 +22,26 @@ from .errors import LossInputError, NonFiniteFeaturesError
 FEATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
 # Code 0: not a tensor (or absent); every dtype not listed: OTHER.
-_DTYPE_CODES = {dt: code for code, dt in enumerate(
-    (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int16,
-     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128), start=1)}
+_DTYPE_CODES = {
+    dt: code
+    for code, dt in enumerate(
+        (
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+            torch.float64,
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        ),
+        start=1,
+    )
+}
 _OTHER = 99
 _NAMES = {code: str(dt).replace("torch.", "") for dt, code in _DTYPE_CODES.items()} | {0: "none", _OTHER: "other"}
 _FEATURE_CODES = {_DTYPE_CODES[dt] for dt in FEATURE_DTYPES}
@@ -45,10 +63,10 @@ class _Header:
     index_max: float
 
     @classmethod
-    def parse(cls, rank: int, values: list[float]) -> "_Header":
+    def parse(cls, rank: int, values: list[float]) -> _Header:
         d = _DESCRIPTOR
         desc = [int(v) for v in values[: 3 * d]]
-        return cls(rank, tuple(desc[:d]), tuple(desc[d:2 * d]), tuple(desc[2 * d:]), *values[3 * d:])
+        return cls(rank, tuple(desc[:d]), tuple(desc[d : 2 * d]), tuple(desc[2 * d :]), *values[3 * d :])
 
 
 def _describe(x) -> list[int]:
@@ -126,8 +144,10 @@ def _structure_error(h: _Header, need_indices: bool) -> str | None:
     if h.image[3] != h.text[3]:
         return f"image_features and text_features dtypes differ: {_NAMES[h.image[3]]} vs {_NAMES[h.text[3]]}"
     if h.image[1:3] != h.text[1:3]:
-        return (f"image_features and text_features shapes differ: [{h.image[1]}, {h.image[2]}] vs "
-                f"[{h.text[1]}, {h.text[2]}]")
+        return (
+            f"image_features and text_features shapes differ: [{h.image[1]}, {h.image[2]}] vs "
+            f"[{h.text[1]}, {h.text[2]}]"
+        )
     ndim, length, _, code = h.indices
     if ndim == -1 and code == 0:
         return "indices must be an int64 [B] tensor of global data indices, got no tensor" if need_indices else None
@@ -144,8 +164,11 @@ def check_structure(headers: list[_Header], *, need_indices: bool, min_global_ba
         problem = _structure_error(h, need_indices)
         if problem:
             raise LossInputError(f"rank {h.rank}: {problem}")
-    for what, pick in (("local batch size B", lambda h: h.image[1]), ("feature size d", lambda h: h.image[2]),
-                       ("feature dtype", lambda h: _NAMES[h.image[3]])):
+    for what, pick in (
+        ("local batch size B", lambda h: h.image[1]),
+        ("feature size d", lambda h: h.image[2]),
+        ("feature dtype", lambda h: _NAMES[h.image[3]]),
+    ):
         values = [pick(h) for h in headers]
         if len(set(values)) > 1:
             per_rank = ", ".join(f"rank {h.rank}: {v}" for h, v in zip(headers, values))
@@ -172,8 +195,9 @@ def check_details(details: list[list[int]], *, data_size: int | None) -> None:
             raise LossInputError(f"rank {rank}: indices[{pos}] = {value} is out of range [0, data_size={data_size})")
 
 
-def validate_inputs(comm: Comm, image, text, indices, *, data_size: int | None, need_indices: bool,
-                    min_global_batch: int = 2) -> None:
+def validate_inputs(
+    comm: Comm, image, text, indices, *, data_size: int | None, need_indices: bool, min_global_batch: int = 2
+) -> None:
     """Raise the same LossInputError on every rank if any rank's inputs are bad (a collective: all ranks call it)."""
     header = build_header(comm, image, text, indices)
     headers = [_Header.parse(r, v) for r, v in enumerate(comm.all_gather(header, ledger_key="header").tolist())]

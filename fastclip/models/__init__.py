@@ -9,6 +9,7 @@ of our embedded and scenes captions). The model knows nothing about parallelism 
 losses: the loss module owns the temperature, so the tower's own `logit_scale` is frozen by the trainer and
 overwritten at export.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,10 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fastclip.compat import import_open_clip
 
@@ -77,13 +79,15 @@ def resolve_hf_folders(config: dict, config_file: Path) -> dict:
             continue
         given = Path(name)
         candidates = [given, config_file.parent / given.name] if given.is_absolute() else [config_file.parent / given]
-        found = next((c for c in candidates if (c / "config.json").is_file() or (c / "tokenizer_config.json").is_file()),
-                     None)
+        found = next(
+            (c for c in candidates if (c / "config.json").is_file() or (c / "tokenizer_config.json").is_file()), None
+        )
         if found is None:
             raise FileNotFoundError(
                 f"model config {config_file}: text_cfg.{key} {name!r} is not a folder with config.json / "
                 f"tokenizer files (looked in {', '.join(str(c) for c in candidates)}); Hugging Face text towers are "
-                f"built from a local folder, nothing is downloaded")
+                f"built from a local folder, nothing is downloaded"
+            )
         text[key] = str(found.resolve())
     # the folders are local: transformers must not ask the hub about them either
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -140,7 +144,12 @@ def build_model(arch: str, *, precision: str = "fp32", device: str = "cpu", **ov
     try:
         model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
             # pretrained_text=False: a Hugging Face text tower starts from its config with random weights too
-            name, pretrained=None, pretrained_text=False, precision=precision, device=device, **overrides
+            name,
+            pretrained=None,
+            pretrained_text=False,
+            precision=precision,
+            device=device,
+            **overrides,
         )
     finally:
         root.removeFilter(notice)
@@ -155,4 +164,12 @@ def image_size(model) -> int:
     return size[0] if isinstance(size, (tuple, list)) else int(size)
 
 
-__all__ = ["build_model", "resolve_arch", "copy_hf_folders", "resolve_hf_folders", "BuiltModel", "image_size", "REPO_MODEL_CONFIGS"]
+__all__ = [
+    "build_model",
+    "resolve_arch",
+    "copy_hf_folders",
+    "resolve_hf_folders",
+    "BuiltModel",
+    "image_size",
+    "REPO_MODEL_CONFIGS",
+]

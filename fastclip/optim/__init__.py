@@ -6,6 +6,7 @@ Parameter groups (each carries a "name" so schedules and logs find it):
   temperature  every trainable parameter of the loss (logit_scale for v0/v3/openclip), own lr and schedule
 The towers' own logit_scale is frozen by the trainer (the loss owns the temperature), so it is in no group.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,9 @@ from fastclip.optim.lamb import Lamb
 from fastclip.optim.schedules import get_lr, get_tau_lr
 
 
-def param_groups(model: torch.nn.Module, loss_fn: torch.nn.Module, *, lr: float, wd: float, lr_tau: float) -> list[dict]:
+def param_groups(
+    model: torch.nn.Module, loss_fn: torch.nn.Module, *, lr: float, wd: float, lr_tau: float
+) -> list[dict]:
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if not p.requires_grad:

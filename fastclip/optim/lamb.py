@@ -1,13 +1,21 @@
 """LAMB (You et al., 2019, "Large Batch Optimization for Deep Learning"): Adam moments, decoupled weight
 decay inside the update, and a per-tensor trust ratio ||w|| / ||update|| that scales the step."""
+
 from __future__ import annotations
 
 import torch
 
 
 class Lamb(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
-                 bias_correction: bool = True):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        bias_correction: bool = True,
+    ):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"Lamb: lr, eps and weight_decay must be >= 0 (lr={lr}, eps={eps}, wd={weight_decay})")
         if not all(0.0 <= b < 1.0 for b in betas):
@@ -40,8 +48,8 @@ class Lamb(torch.optim.Optimizer):
                 exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                 if group["bias_correction"]:
-                    m_hat = exp_avg / (1 - beta1 ** step)
-                    v_hat = exp_avg_sq / (1 - beta2 ** step)
+                    m_hat = exp_avg / (1 - beta1**step)
+                    v_hat = exp_avg_sq / (1 - beta2**step)
                 else:
                     m_hat, v_hat = exp_avg, exp_avg_sq
                 update = m_hat / (v_hat.sqrt() + group["eps"])

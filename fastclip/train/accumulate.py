@@ -19,10 +19,11 @@ The parameter gradient is the one of the un-accumulated step (up to float summat
 is that of b/k samples, at the price of one extra forward of the towers. Which backend (DDP or DeepSpeed)
 runs the backward and how the temperature's gradient reaches its parameter is the caller's (engine.py).
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -60,8 +61,15 @@ class GradCache:
         self.steps = steps
         self._pending: tuple | None = None
 
-    def forward(self, encode: Encode, loss_fn: torch.nn.Module, images: torch.Tensor, texts: torch.Tensor,
-                indices: torch.Tensor, epoch: int) -> torch.Tensor:
+    def forward(
+        self,
+        encode: Encode,
+        loss_fn: torch.nn.Module,
+        images: torch.Tensor,
+        texts: torch.Tensor,
+        indices: torch.Tensor,
+        epoch: int,
+    ) -> torch.Tensor:
         micro = split_batch(images, texts, indices, self.steps)
         device = images.device
         states, image_parts, text_parts = [], [], []
@@ -79,10 +87,16 @@ class GradCache:
         self._pending = (micro, states, image_all, text_all, rng_state(device))
         return loss
 
-    def backward(self, loss: torch.Tensor, encode: Encode, *, tau_params: Sequence[torch.Tensor],
-                 run_backward: Callable[[torch.Tensor, bool], None],
-                 micro_context: Callable[[bool], ContextManager] = lambda last: contextlib.nullcontext(),
-                 tau_in_last_backward: bool = False) -> list[torch.Tensor]:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        encode: Encode,
+        *,
+        tau_params: Sequence[torch.Tensor],
+        run_backward: Callable[[torch.Tensor, bool], None],
+        micro_context: Callable[[bool], contextlib.AbstractContextManager] = lambda last: contextlib.nullcontext(),
+        tau_in_last_backward: bool = False,
+    ) -> list[torch.Tensor]:
         """Backward of `loss` (from `forward`) into the towers, one micro-batch at a time.
 
         run_backward(surrogate, last) backpropagates one micro-batch's surrogate <features, cached gradients>
@@ -97,8 +111,9 @@ class GradCache:
         self._pending = None
         tau_params = list(tau_params)
         grads = torch.autograd.grad(loss, [image_all, text_all, *tau_params], allow_unused=True)
-        image_grad, text_grad = (torch.zeros_like(t) if g is None else g
-                                 for t, g in zip((image_all, text_all), grads[:2]))
+        image_grad, text_grad = (
+            torch.zeros_like(t) if g is None else g for t, g in zip((image_all, text_all), grads[:2])
+        )
         tau_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(tau_params, grads[2:])]
         del grads, image_all, text_all
         device, start = image_grad.device, 0

@@ -19,6 +19,7 @@ accessors below read them (the trainer, `fastclip eval` and `fastclip export` ne
 string), `read_model_file` checks CHECKPOINT_FORMAT, and `restore_rank` resumes one rank, resharding the
 per-sample state when the world size changed.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,9 +27,9 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -57,10 +58,18 @@ def capture_rng_states(device: torch.device) -> dict:
     py_version, py_state, py_gauss = random.getstate()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"kind": np_kind, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
-        "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
-                   "gauss_next": py_gauss},
+        "numpy": {
+            "kind": np_kind,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_gauss),
+        },
+        "python": {
+            "version": int(py_version),
+            "state": torch.tensor(py_state, dtype=torch.int64),
+            "gauss_next": py_gauss,
+        },
     }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -70,8 +79,9 @@ def capture_rng_states(device: torch.device) -> dict:
 def restore_rng_states(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     p = state["python"]
     random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss_next"]))
     if device.type == "cuda" and "cuda" in state:
@@ -116,11 +126,15 @@ def load_file(path: Path) -> dict:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # what weights_only raises for anything but tensors and primitives
         detail = str(e).strip().splitlines()
-        reason = next((line.strip() for line in detail if "Unsupported" in line or "GLOBAL" in line), detail[0] if detail else "")
-        raise CheckpointError(f"{path}: refusing to load pickled objects: checkpoints are loaded with "
-                              f"torch.load(weights_only=True) and this file carries more than tensors and plain "
-                              f"values ({reason[:300]}); only a file from a source you trust should be converted "
-                              f"by hand") from None
+        reason = next(
+            (line.strip() for line in detail if "Unsupported" in line or "GLOBAL" in line), detail[0] if detail else ""
+        )
+        raise CheckpointError(
+            f"{path}: refusing to load pickled objects: checkpoints are loaded with "
+            f"torch.load(weights_only=True) and this file carries more than tensors and plain "
+            f"values ({reason[:300]}); only a file from a source you trust should be converted "
+            f"by hand"
+        ) from None
     except (RuntimeError, EOFError, OSError) as e:  # torn or foreign file
         raise CheckpointError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {str(e)[:300]})") from None
     if not isinstance(obj, dict):
@@ -137,8 +151,9 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
 
 
-def save_checkpoint(root: Path, step: int, info: DistInfo, *, model_file: dict | None, rank_file: dict,
-                    keep_last: int, write_extra=None) -> Path:
+def save_checkpoint(
+    root: Path, step: int, info: DistInfo, *, model_file: dict | None, rank_file: dict, keep_last: int, write_extra=None
+) -> Path:
     """Collective: every rank calls it with its rank_file; rank 0 also passes model_file. write_extra(folder),
     called on every rank, adds files to the step folder before it is renamed into place (DeepSpeed's shards)."""
     final = root / step_dir_name(step)
@@ -150,17 +165,30 @@ def save_checkpoint(root: Path, step: int, info: DistInfo, *, model_file: dict |
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
             pointer = root / "latest"
-            last = (f"{pointer} still names {pointer.read_text().strip()}" if pointer.is_file()
-                    else "no earlier checkpoint exists")
+            last = (
+                f"{pointer} still names {pointer.read_text().strip()}"
+                if pointer.is_file()
+                else "no earlier checkpoint exists"
+            )
             raise CheckpointError(
                 f"rank {info.rank}: cannot write checkpoint {final} ({e.strerror or e}"
                 f"{': ' + str(e.filename) if e.filename else ''}); nothing of it was kept and {last}. Free space "
-                f"or make {root} writable, then restart with --train.resume latest") from None
+                f"or make {root} writable, then restart with --train.resume latest"
+            ) from None
         raise
 
 
-def _save(root: Path, final: Path, tmp: Path, step: int, info: DistInfo, model_file: dict | None,
-          rank_file: dict, keep_last: int, write_extra) -> Path:
+def _save(
+    root: Path,
+    final: Path,
+    tmp: Path,
+    step: int,
+    info: DistInfo,
+    model_file: dict | None,
+    rank_file: dict,
+    keep_last: int,
+    write_extra,
+) -> Path:
     if info.is_main:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp_step_*"):  # left over by a crash during an earlier save
@@ -198,7 +226,7 @@ def _save(root: Path, final: Path, tmp: Path, step: int, info: DistInfo, model_f
 
 # ----------------------------------------------------------------------------- load
 def resolve_resume(resume: str, run_dir: Path) -> Path | None:
-    """"latest" -> the step folder named by <run_dir>/checkpoints/latest (None if there is none yet: a fresh
+    """ "latest" -> the step folder named by <run_dir>/checkpoints/latest (None if there is none yet: a fresh
     start, so one job script serves the first and every following job); a path -> that step folder, or a
     run/checkpoints folder -> its latest."""
     if resume == "latest":
@@ -226,22 +254,47 @@ def iter_rank_files(step_dir: Path, world_size: int) -> Iterator[dict]:
 
 
 # ----------------------------------------------------------------------------- the records
-def model_file_contents(*, towers: dict, loss: dict, optimizer: dict, scaler: dict, step: int, epoch: int,
-                        samples_seen: int, world_size: int, config: dict, schedules: dict, arch: str,
-                        model_config: dict, guards: dict, data_skip_report: dict) -> dict:
+def model_file_contents(
+    *,
+    towers: dict,
+    loss: dict,
+    optimizer: dict,
+    scaler: dict,
+    step: int,
+    epoch: int,
+    samples_seen: int,
+    world_size: int,
+    config: dict,
+    schedules: dict,
+    arch: str,
+    model_config: dict,
+    guards: dict,
+    data_skip_report: dict,
+) -> dict:
     """model.pt (rank 0): open_clip reads "state_dict" as is; the loss's parameters without per-sample state
     (that is in the rank files); the schedules' horizon and last values, for reading only."""
-    return {"format": CHECKPOINT_FORMAT, "state_dict": towers,
-            "loss": {k: v for k, v in loss.items() if not k.endswith("_extra_state")},
-            "optimizer": optimizer, "scaler": scaler, "step": step, "epoch": epoch, "samples_seen": samples_seen,
-            "world_size": world_size, "config": config, "schedules": schedules, "arch": arch,
-            "model_config": model_config, "guards": guards, "data_skip_report": data_skip_report}
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "state_dict": towers,
+        "loss": {k: v for k, v in loss.items() if not k.endswith("_extra_state")},
+        "optimizer": optimizer,
+        "scaler": scaler,
+        "step": step,
+        "epoch": epoch,
+        "samples_seen": samples_seen,
+        "world_size": world_size,
+        "config": config,
+        "schedules": schedules,
+        "arch": arch,
+        "model_config": model_config,
+        "guards": guards,
+        "data_skip_report": data_skip_report,
+    }
 
 
 def rank_file_contents(*, rank: int, world_size: int, step: int, loss_state: dict, data: dict, rng: dict) -> dict:
     """rank_<r>.pt: this rank's shard of the per-sample state, its data-stream position and RNG states."""
-    return {"rank": rank, "world_size": world_size, "step": step, "loss_state": loss_state, "data": data,
-            "rng": rng}
+    return {"rank": rank, "world_size": world_size, "step": step, "loss_state": loss_state, "data": data, "rng": rng}
 
 
 def is_training_checkpoint(obj) -> bool:
@@ -253,8 +306,9 @@ def check_format(obj, path: Path) -> None:
     """Refuse a model.pt of another checkpoint format version: its keys may mean something else."""
     found = obj.get("format") if isinstance(obj, dict) else None
     if isinstance(found, str) and found.startswith("fastclip-checkpoint/") and found != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {found!r}; this version of fastclip reads "
-                              f"{CHECKPOINT_FORMAT!r}")
+        raise CheckpointError(
+            f"{path}: checkpoint format {found!r}; this version of fastclip reads {CHECKPOINT_FORMAT!r}"
+        )
 
 
 def read_model_file(path: Path) -> dict:
@@ -267,7 +321,7 @@ def read_model_file(path: Path) -> dict:
 def strip_module_prefix(state: dict) -> dict:
     """Without a DDP `module.` prefix on every key (OpenCLIP #33)."""
     if state and all(k.startswith("module.") for k in state):
-        return {k[len("module."):]: v for k, v in state.items()}
+        return {k[len("module.") :]: v for k, v in state.items()}
     return state
 
 
@@ -305,7 +359,8 @@ def saved_world_size(model_file: dict) -> int:
 
 
 def saved_optimizer(model_file: dict) -> dict:
-    """The engine's optimizer record (DDP: torch's state_dict; DeepSpeed: the temperature's and where its shards are)."""
+    """The engine's optimizer record (DDP: torch's state_dict; DeepSpeed: the temperature's and where its shards
+    are)."""
     return model_file["optimizer"]
 
 
@@ -353,8 +408,9 @@ class RankResume:
     rng: dict | None
 
 
-def restore_rank(step_dir: Path, model_file: dict, model: torch.nn.Module, loss_fn: torch.nn.Module,
-                 info: DistInfo) -> RankResume:
+def restore_rank(
+    step_dir: Path, model_file: dict, model: torch.nn.Module, loss_fn: torch.nn.Module, info: DistInfo
+) -> RankResume:
     """Load the towers and this rank's per-sample state; at another world size rebuild this rank's shard from
     the old ranks' files, read one at a time, and split the old data positions over the new ranks."""
     from fastclip.data import state_for_new_world_size
@@ -393,9 +449,36 @@ def restore_training_state(model_file: dict, *, scaler, guard, skip_report) -> N
     skip_report.load_state_dict(model_file.get("data_skip_report"))
 
 
-__all__ = ["CHECKPOINT_FORMAT", "MODEL_FILE", "capture_rng_states", "restore_rng_states", "save_checkpoint",
-           "resolve_resume", "load_file", "read_model_file", "check_format", "is_training_checkpoint",
-           "iter_rank_files", "list_checkpoints", "step_dir_name", "rank_file_name", "write_text_atomic",
-           "model_file_contents", "rank_file_contents", "towers_state", "loss_parameters", "loss_logit_scale",
-           "architecture", "saved_step", "saved_world_size", "saved_optimizer", "saved_config", "saved_backend", "strip_module_prefix", "find_model_file", "RankResume",
-           "restore_rank", "restore_training_state"]
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "MODEL_FILE",
+    "capture_rng_states",
+    "restore_rng_states",
+    "save_checkpoint",
+    "resolve_resume",
+    "load_file",
+    "read_model_file",
+    "check_format",
+    "is_training_checkpoint",
+    "iter_rank_files",
+    "list_checkpoints",
+    "step_dir_name",
+    "rank_file_name",
+    "write_text_atomic",
+    "model_file_contents",
+    "rank_file_contents",
+    "towers_state",
+    "loss_parameters",
+    "loss_logit_scale",
+    "architecture",
+    "saved_step",
+    "saved_world_size",
+    "saved_optimizer",
+    "saved_config",
+    "saved_backend",
+    "strip_module_prefix",
+    "find_model_file",
+    "RankResume",
+    "restore_rank",
+    "restore_training_state",
+]

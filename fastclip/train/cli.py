@@ -8,12 +8,14 @@ Without --config the built-in defaults apply (the embedded recipe). `--print-con
 and exits. `--check [--world-size N]` runs every check that needs no process group (config, device,
 architecture, run folder, data for N processes, resume or pretrained file) and exits 0 or 2 without training:
 the launchers run it before torchrun, so a configuration error is the first and only line the operator sees
-(torchrun itself reports a worker's exit status 2 as its own failure, with a traceback, and exits 1). Configuration errors are reported before anything is built, naming the key; exit status 2.
+(torchrun itself reports a worker's exit status 2 as its own failure, with a traceback, and exits 1). Configuration
+errors are reported before anything is built, naming the key; exit status 2.
 A run stopped for a known reason (a failed collective, too many NaN/Inf steps, an untrusted or unreadable
 checkpoint: fastclip/train/errors.py) prints one line naming it; exit status 1. Stopped by a signal in
 train.stop_signals (SIGUSR1, SIGTERM: preemption, the end of a SLURM time slot) after writing a checkpoint at
 that step on every rank: exit status 75 (launch/slurm.sbatch requeues the job on it; fastclip/train/preemption.py).
 """
+
 from __future__ import annotations
 
 import sys

@@ -8,6 +8,7 @@ Values are parsed as YAML scalars/lists ("1e-3", "[0.9, 0.98]", "null", "true").
 key: an unknown key, a value of the wrong type, or an impossible value (negative lr, ...). Checks that need the
 data or the world size (a batch larger than the data) run in the trainer, before the model is built.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,13 +17,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 import yaml
 
-from fastclip.train.preemption import signal_number
-
 from fastclip.losses import LOSSES
+from fastclip.train.preemption import signal_number
 
 LOSS_NAMES = tuple(LOSSES)  # loss.name's choices: the losses build_loss knows
 
@@ -35,29 +35,29 @@ class ConfigError(ValueError):
 class DataConfig:
     # Defaults = the embedded recipe (configs/embedded.yaml: tiny-vit, FastCLIP-v3, 2 x 64 samples), except that
     # the loss knobs default to null (the loss library's defaults) and train.device to auto.
-    train: str = "data/embedded/train"       # shard folder(s) with manifest.json; brace patterns; sources joined by "::"
-    val: Optional[str] = "data/embedded/val"  # labelled held-out shards for evaluation; null: no eval
-    zeroshot: Optional[str] = "data/embedded/zeroshot.json"  # class names + templates for zero-shot eval
-    batch_size: int = 64                      # per process; the global batch is batch_size x world size
-    data_size: Optional[int] = None           # 1 + largest sample index (sizes the per-sample state); null: manifest's
-    workers: int = 1                          # data loader worker processes per rank (0: load in the main process)
-    shuffle_buffer: int = 1000                # samples per seeded shuffle window
-    seed: Optional[int] = None                # shard order / shuffle / augmentation seed; null: train.seed
-    resampled: bool = False                   # draw shards with replacement (OpenCLIP --dataset-resampled)
-    samples_per_epoch: Optional[int] = None   # virtual epoch length; only with resampled (null: all samples)
-    upsampling_factors: Optional[str] = None  # "1::2": per-source weights of "::"-joined sources (resampled)
+    train: str = "data/embedded/train"  # shard folder(s) with manifest.json; brace patterns; sources joined by "::"
+    val: str | None = "data/embedded/val"  # labelled held-out shards for evaluation; null: no eval
+    zeroshot: str | None = "data/embedded/zeroshot.json"  # class names + templates for zero-shot eval
+    batch_size: int = 64  # per process; the global batch is batch_size x world size
+    data_size: int | None = None  # 1 + largest sample index (sizes the per-sample state); null: manifest's
+    workers: int = 1  # data loader worker processes per rank (0: load in the main process)
+    shuffle_buffer: int = 1000  # samples per seeded shuffle window
+    seed: int | None = None  # shard order / shuffle / augmentation seed; null: train.seed
+    resampled: bool = False  # draw shards with replacement (OpenCLIP --dataset-resampled)
+    samples_per_epoch: int | None = None  # virtual epoch length; only with resampled (null: all samples)
+    upsampling_factors: str | None = None  # "1::2": per-source weights of "::"-joined sources (resampled)
 
 
 @dataclass
 class ModelConfig:
-    arch: str = "tiny-vit"                    # open_clip name (RN50, ViT-B-32, ...), configs/models/<name>, or a .json
-    grad_checkpointing: bool = False          # recompute activations in backward (less memory, ~30% more compute)
-    compile: bool = False                     # torch.compile the towers (not the loss: it holds collectives)
-    channels_last: Optional[bool] = None      # NHWC convolutional image towers; null: on for CUDA (fastclip/train/gpu.py)
-    pretrained: Optional[str] = None          # start the towers from this file (OpenCLIP's --pretrained): an
-                                              # OpenCLIP epoch_N.pt, an open_clip state dict, a fastclip export or
-                                              # model.pt; shapes must match; fresh optimizer and per-sample state;
-                                              # ignored when --train.resume finds a checkpoint to continue
+    arch: str = "tiny-vit"  # open_clip name (RN50, ViT-B-32, ...), configs/models/<name>, or a .json
+    grad_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% more compute)
+    compile: bool = False  # torch.compile the towers (not the loss: it holds collectives)
+    channels_last: bool | None = None  # NHWC convolutional image towers; null: on for CUDA (fastclip/train/gpu.py)
+    pretrained: str | None = None  # start the towers from this file (OpenCLIP's --pretrained): an
+    # OpenCLIP epoch_N.pt, an open_clip state dict, a fastclip export or
+    # model.pt; shapes must match; fresh optimizer and per-sample state;
+    # ignored when --train.resume finds a checkpoint to continue
 
 
 @dataclass
@@ -65,46 +65,46 @@ class LossConfig:
     name: Literal[LOSS_NAMES] = "fastclip-v3"
     # null = the loss library's default (fastclip.losses); each set value is passed to build_loss, which
     # rejects an option the chosen version does not have.
-    temperature: Optional[float] = None       # initial tau (v0, v3, openclip, per-sample in v2) or the constant (v1)
-    rho: Optional[float] = None               # v2/v3: rho of the robust (RGCL) objective
-    eps: Optional[float] = None               # epsilon in the 1/(u + eps) weights (FastCLIP's --fastclip_eps)
-    gamma_min: Optional[float] = None         # gamma after the decay (reference --gamma)
-    gamma_decay_epochs: Optional[int] = None  # epochs of the cosine decay of gamma from 1 to gamma_min
-    gamma_schedule: Optional[Literal["cosine", "constant"]] = None
-    compat: Optional[Literal["faithful", "reference"]] = None  # reference: reproduce the published code's gradients
-    tau_betas: Optional[list[float]] = None   # v2: Adam betas of the per-sample tau update (reference: the model's betas)
-    tau_eps: Optional[float] = None           # v2: Adam eps of the per-sample tau update
-    tau_min: Optional[float] = None           # v2: per-sample tau bounds; v0/v3: the lower bound tau0 (0.01)
-    separate_temperatures: Optional[bool] = None  # v3: tau1 (image-anchored) and tau2 (text-anchored), textbook RGCL-g
-    tempnet_hidden: Optional[int] = None      # fastclip-tempnet: hidden width of the temperature heads (256)
-    tau_max: Optional[float] = None
-    tau_grad_clamp: Optional[float] = None    # v2: clamp of the per-sample tau gradient
-    similarity: Optional[Literal["cosine", "atanh"]] = None  # openclip/v0/v1/v3: "atanh" = temperature-free 2·atanh(cos)
-    similarity_clamp: Optional[float] = None  # atanh: the cosine is clamped to ±(1 − this)
-    bias: Optional[float] = None              # siglip: initial logit bias (-10)
+    temperature: float | None = None  # initial tau (v0, v3, openclip, per-sample in v2) or the constant (v1)
+    rho: float | None = None  # v2/v3: rho of the robust (RGCL) objective
+    eps: float | None = None  # epsilon in the 1/(u + eps) weights (FastCLIP's --fastclip_eps)
+    gamma_min: float | None = None  # gamma after the decay (reference --gamma)
+    gamma_decay_epochs: int | None = None  # epochs of the cosine decay of gamma from 1 to gamma_min
+    gamma_schedule: Literal["cosine", "constant"] | None = None
+    compat: Literal["faithful", "reference"] | None = None  # reference: reproduce the published code's gradients
+    tau_betas: list[float] | None = None  # v2: Adam betas of the per-sample tau update (reference: the model's betas)
+    tau_eps: float | None = None  # v2: Adam eps of the per-sample tau update
+    tau_min: float | None = None  # v2: per-sample tau bounds; v0/v3: the lower bound tau0 (0.01)
+    separate_temperatures: bool | None = None  # v3: tau1 (image-anchored) and tau2 (text-anchored), textbook RGCL-g
+    tempnet_hidden: int | None = None  # fastclip-tempnet: hidden width of the temperature heads (256)
+    tau_max: float | None = None
+    tau_grad_clamp: float | None = None  # v2: clamp of the per-sample tau gradient
+    similarity: Literal["cosine", "atanh"] | None = None  # openclip/v0/v1/v3: "atanh" = temperature-free 2·atanh(cos)
+    similarity_clamp: float | None = None  # atanh: the cosine is clamped to ±(1 − this)
+    bias: float | None = None  # siglip: initial logit bias (-10)
 
 
 @dataclass
 class OptimConfig:
     optimizer: Literal["adamw", "lamb"] = "adamw"
-    lr: float = 1e-3                          # peak lr of the towers
-    lr_min: float = 0.0                       # floor of the cosine decay
+    lr: float = 1e-3  # peak lr of the towers
+    lr_min: float = 0.0  # floor of the cosine decay
     lr_schedule: Literal["cosine", "const"] = "cosine"
-    warmup_steps: int = 100                   # linear warmup, in optimizer steps
-    wd: float = 0.1                           # AdamW/LAMB decoupled weight decay on ndim >= 2 tensors only
+    warmup_steps: int = 100  # linear warmup, in optimizer steps
+    wd: float = 0.1  # AdamW/LAMB decoupled weight decay on ndim >= 2 tensors only
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-6
-    grad_clip: Optional[float] = None         # max global gradient norm; null: no clipping
-    lr_tau: Optional[float] = 2e-4            # temperature lr (v0/v3/openclip group; v2's per-sample update); null: lr
+    grad_clip: float | None = None  # max global gradient norm; null: no clipping
+    lr_tau: float | None = 2e-4  # temperature lr (v0/v3/openclip group; v2's per-sample update); null: lr
     lr_tau_schedule: Literal["cosine", "const", "step_thresh"] = "step_thresh"
-    lr_tau_min: float = 0.0                   # floor of the temperature group's cosine
-    tau_threshold: float = 0.03               # step_thresh: lr_tau / tau_threshold_factor once tau <= this
+    lr_tau_min: float = 0.0  # floor of the temperature group's cosine
+    tau_threshold: float = 0.03  # step_thresh: lr_tau / tau_threshold_factor once tau <= this
     tau_threshold_factor: float = 3.0
-    accum_steps: int = 1                      # gradient accumulation (GradCache, fastclip/train/accumulate.py): the
-                                              # per-process batch data.batch_size is split into this many micro-
-                                              # batches; the loss still sees the whole global batch at once. Not
-                                              # OpenCLIP's meaning of --accum-freq: there --batch-size is the micro-
-                                              # batch; here data.batch_size stays the per-process batch of one step
+    accum_steps: int = 1  # gradient accumulation (GradCache, fastclip/train/accumulate.py): the
+    # per-process batch data.batch_size is split into this many micro-
+    # batches; the loss still sees the whole global batch at once. Not
+    # OpenCLIP's meaning of --accum-freq: there --batch-size is the micro-
+    # batch; here data.batch_size stays the per-process batch of one step
 
     @property
     def base_lr_tau(self) -> float:
@@ -116,59 +116,59 @@ class OptimConfig:
 class TrainConfig:
     run_dir: str = "runs/embedded-fastclip-v3"  # metrics.jsonl, config.yaml, tensorboard/, checkpoints/
     epochs: int = 5
-    max_steps: Optional[int] = None           # stop after this many steps (smoke runs); schedules still span `epochs`
+    max_steps: int | None = None  # stop after this many steps (smoke runs); schedules still span `epochs`
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: autocast; fp16 adds a GradScaler
     seed: int = 2024
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    resume: Optional[str] = None              # "latest" (of run_dir), or a checkpoint step folder
-    log_every: int = 10                       # steps between metric lines (the only steps that read values back)
-    tensorboard: bool = True                  # also write <run_dir>/tensorboard when tensorboard is installed
-    progress: bool = True                     # progress bar on rank 0 (a plain line when not a terminal)
-    dist_timeout_minutes: float = 30.0        # collectives while starting, saving checkpoints and evaluating
+    resume: str | None = None  # "latest" (of run_dir), or a checkpoint step folder
+    log_every: int = 10  # steps between metric lines (the only steps that read values back)
+    tensorboard: bool = True  # also write <run_dir>/tensorboard when tensorboard is installed
+    progress: bool = True  # progress bar on rank 0 (a plain line when not a terminal)
+    dist_timeout_minutes: float = 30.0  # collectives while starting, saving checkpoints and evaluating
     collective_timeout_seconds: float = 300.0  # collectives once the first step is done: a dead or hung rank
-                                              # makes the others stop with an error within this time
-    max_nonfinite_steps: int = 20             # NaN/Inf loss, gradients or features: the step is skipped; stop
-                                              # after this many in a row (the last checkpoint is a good one)
+    # makes the others stop with an error within this time
+    max_nonfinite_steps: int = 20  # NaN/Inf loss, gradients or features: the step is skipped; stop
+    # after this many in a row (the last checkpoint is a good one)
     distributed: Literal["ddp", "deepspeed"] = "ddp"  # data-parallel backend (fastclip/train/engine.py); deepspeed:
-                                              # ZeRO sharding, knobs in the `deepspeed` section
+    # ZeRO sharding, knobs in the `deepspeed` section
     stop_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])  # checkpoint at the next
-                                              # step on every rank, then exit 75 (fastclip/train/preemption.py)
+    # step on every rank, then exit 75 (fastclip/train/preemption.py)
     # GPU speed defaults (fastclip/train/gpu.py); no effect on CPU
-    tf32: bool = True                         # CUDA: TF32 fp32 matmuls/convolutions (also the loss's fp32 matmul)
-    cudnn_benchmark: bool = True              # CUDA: cuDNN picks the fastest convolution algorithms once
-    ddp_bucket_view: bool = True              # DDP gradient_as_bucket_view
-    ddp_static_graph: Optional[bool] = None   # DDP static_graph; null: on with accum_steps 1 and no compile
+    tf32: bool = True  # CUDA: TF32 fp32 matmuls/convolutions (also the loss's fp32 matmul)
+    cudnn_benchmark: bool = True  # CUDA: cuDNN picks the fastest convolution algorithms once
+    ddp_bucket_view: bool = True  # DDP gradient_as_bucket_view
+    ddp_static_graph: bool | None = None  # DDP static_graph; null: on with accum_steps 1 and no compile
 
 
 @dataclass
 class EvalConfig:
-    every_steps: int = 200                    # evaluate every N steps (0: never during training)
-    at_end: bool = True                       # evaluate after the last step
+    every_steps: int = 200  # evaluate every N steps (0: never during training)
+    at_end: bool = True  # evaluate after the last step
     batch_size: int = 256
-    max_samples: Optional[int] = None         # cap on evaluated val samples (fast checks); null: all
+    max_samples: int | None = None  # cap on evaluated val samples (fast checks); null: all
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 500                    # 0: never by step count
-    every_minutes: float = 10.0               # 0: never by time (rank 0's clock decides, on logging steps)
-    keep_last: int = 3                        # completed checkpoints kept (older ones are deleted)
+    every_steps: int = 500  # 0: never by step count
+    every_minutes: float = 10.0  # 0: never by time (rank 0's clock decides, on logging steps)
+    keep_last: int = 3  # completed checkpoints kept (older ones are deleted)
     at_end: bool = True
 
 
 @dataclass
 class DeepSpeedConfig:
     # Used when train.distributed is deepspeed (fastclip/train/engine.py; needs `pip install deepspeed`).
-    stage: int = 2                            # ZeRO stage: 1 shards the optimizer state, 2 also the gradients,
-                                              # 3 also the parameters (gathered for the forward, for model.pt, eval)
-    reduce_bucket_size: int = 500_000_000     # elements per gradient reduce(-scatter) bucket
+    stage: int = 2  # ZeRO stage: 1 shards the optimizer state, 2 also the gradients,
+    # 3 also the parameters (gathered for the forward, for model.pt, eval)
+    reduce_bucket_size: int = 500_000_000  # elements per gradient reduce(-scatter) bucket
     allgather_bucket_size: int = 500_000_000  # elements per parameter all-gather bucket after the step (stages 1-2)
-    overlap_comm: Optional[bool] = None       # overlap gradient reduction with the backward; null: on for CUDA
-    contiguous_gradients: bool = True         # copy reduced gradients into one buffer (less fragmentation)
+    overlap_comm: bool | None = None  # overlap gradient reduction with the backward; null: on for CUDA
+    contiguous_gradients: bool = True  # copy reduced gradients into one buffer (less fragmentation)
     param_persistence_threshold: int = 100_000  # stage 3: parameters with fewer elements stay whole on every rank
-    config_file: Optional[str] = None         # a DeepSpeed JSON merged over the generated config (for the knobs
-                                              # not listed here); it may not set batch sizes, optimizer, fp16/bf16
+    config_file: str | None = None  # a DeepSpeed JSON merged over the generated config (for the knobs
+    # not listed here); it may not set batch sizes, optimizer, fp16/bf16
 
 
 @dataclass
@@ -245,8 +245,10 @@ def _build(cls, data: Any, prefix: str, source: str):
     for key in data:
         if key not in names:
             where = f"'{prefix}{key}'"
-            raise ConfigError(f"unknown config key {where}{source}; known keys{' in ' + prefix[:-1] if prefix else ''}: "
-                              f"{', '.join(sorted(names))}")
+            raise ConfigError(
+                f"unknown config key {where}{source}; known keys{' in ' + prefix[:-1] if prefix else ''}: "
+                f"{', '.join(sorted(names))}"
+            )
     kwargs = {}
     for name in names:
         if name not in data:
@@ -279,15 +281,33 @@ def _field_index() -> dict[str, list[str]]:
 
 # OpenCLIP / FastCLIP-reference flag names (dashes or underscores) -> our keys, so their commands translate
 FLAG_ALIASES = {
-    "batch_size": "data.batch_size", "train_data": "data.train", "val_data": "data.val", "workers": "data.workers",
-    "dataset_resampled": "data.resampled", "train_num_samples": "data.samples_per_epoch",
+    "batch_size": "data.batch_size",
+    "train_data": "data.train",
+    "val_data": "data.val",
+    "workers": "data.workers",
+    "dataset_resampled": "data.resampled",
+    "train_num_samples": "data.samples_per_epoch",
     "train_data_upsampling_factors": "data.upsampling_factors",
-    "data_size": "data.data_size", "model": "model.arch", "grad_checkpointing": "model.grad_checkpointing",
-    "torchcompile": "model.compile", "lr": "optim.lr", "wd": "optim.wd", "warmup": "optim.warmup_steps",
-    "eps": "optim.eps", "grad_clip_norm": "optim.grad_clip", "lr_scheduler": "optim.lr_schedule",
-    "lr_tau_scheduler": "optim.lr_tau_schedule", "opt": "optim.optimizer", "optimizer": "optim.optimizer",
-    "gamma": "loss.gamma_min", "fastclip_eps": "loss.eps", "epochs": "train.epochs", "seed": "train.seed",
-    "precision": "train.precision", "resume": "train.resume", "logs": "train.run_dir",
+    "data_size": "data.data_size",
+    "model": "model.arch",
+    "grad_checkpointing": "model.grad_checkpointing",
+    "torchcompile": "model.compile",
+    "lr": "optim.lr",
+    "wd": "optim.wd",
+    "warmup": "optim.warmup_steps",
+    "eps": "optim.eps",
+    "grad_clip_norm": "optim.grad_clip",
+    "lr_scheduler": "optim.lr_schedule",
+    "lr_tau_scheduler": "optim.lr_tau_schedule",
+    "opt": "optim.optimizer",
+    "optimizer": "optim.optimizer",
+    "gamma": "loss.gamma_min",
+    "fastclip_eps": "loss.eps",
+    "epochs": "train.epochs",
+    "seed": "train.seed",
+    "precision": "train.precision",
+    "resume": "train.resume",
+    "logs": "train.run_dir",
     "accum_freq": "optim.accum_steps",  # same key, other batch semantics: see OptimConfig.accum_steps
     "log_every_n_steps": "train.log_every",
 }
@@ -318,8 +338,10 @@ def _report_to(raw: str) -> bool:
         if t not in REPORT_TO:
             raise ConfigError(f"config key 'report_to': {t!r} is not one of {', '.join(REPORT_TO)}")
     if "wandb" in targets:
-        raise ConfigError("config key 'report_to': wandb is not supported yet; metrics go to "
-                          "<run_dir>/metrics.jsonl and, with --report-to tensorboard, to TensorBoard")
+        raise ConfigError(
+            "config key 'report_to': wandb is not supported yet; metrics go to "
+            "<run_dir>/metrics.jsonl and, with --report-to tensorboard, to TensorBoard"
+        )
     return "tensorboard" in targets
 
 
@@ -359,8 +381,10 @@ def parse_overrides(args: list[str]) -> dict:
         if key == "train.precision" and value in PRECISION_ALIASES:
             value = PRECISION_ALIASES[value]
         elif key == "train.precision" and value in ("pure_bf16", "pure_fp16"):
-            raise ConfigError(f"config key 'train.precision': {value!r} (OpenCLIP: weights in half precision) is not "
-                              f"supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is 'fp16'")
+            raise ConfigError(
+                f"config key 'train.precision': {value!r} (OpenCLIP: weights in half precision) is not "
+                f"supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is 'fp16'"
+            )
         node = out
         *parents, leaf = key.split(".")
         for p in parents:
@@ -392,8 +416,11 @@ def _check(cfg: Config) -> None:
     need(d.workers >= 0, "data.workers", "must be >= 0")
     need(d.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
     need(d.samples_per_epoch is None or d.samples_per_epoch >= 1, "data.samples_per_epoch", "must be >= 1 or null")
-    need(d.samples_per_epoch is None or d.resampled, "data.samples_per_epoch",
-         "needs data.resampled: true (without resampling an epoch is one pass over all shards)")
+    need(
+        d.samples_per_epoch is None or d.resampled,
+        "data.samples_per_epoch",
+        "needs data.resampled: true (without resampling an epoch is one pass over all shards)",
+    )
     need(d.upsampling_factors is None or d.resampled, "data.upsampling_factors", "needs data.resampled: true")
     need(t.epochs >= 1, "train.epochs", "must be >= 1")
     need(t.max_steps is None or t.max_steps >= 0, "train.max_steps", "must be >= 0 or null")
@@ -410,30 +437,49 @@ def _check(cfg: Config) -> None:
     need(lo.eps is None or lo.eps >= 0, "loss.eps", "must be >= 0")
     need(lo.gamma_min is None or 0 < lo.gamma_min <= 1, "loss.gamma_min", "must be in (0, 1]")
     need(lo.gamma_decay_epochs is None or lo.gamma_decay_epochs >= 0, "loss.gamma_decay_epochs", "must be >= 0")
-    need(lo.tau_betas is None or (len(lo.tau_betas) == 2 and all(0 <= b < 1 for b in lo.tau_betas)),
-         "loss.tau_betas", "must be two numbers in [0, 1)")
+    need(
+        lo.tau_betas is None or (len(lo.tau_betas) == 2 and all(0 <= b < 1 for b in lo.tau_betas)),
+        "loss.tau_betas",
+        "must be two numbers in [0, 1)",
+    )
     need(e.every_steps >= 0, "eval.every_steps", "must be >= 0")
     need(e.batch_size >= 1, "eval.batch_size", "must be >= 1")
     need(c.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
     need(c.every_minutes >= 0, "checkpoint.every_minutes", "must be >= 0")
     need(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     need(o.accum_steps >= 1, "optim.accum_steps", "must be >= 1")
-    need(d.batch_size % o.accum_steps == 0, "optim.accum_steps",
-         f"must divide data.batch_size ({d.batch_size}): each step's per-process batch is split into this many "
-         f"equal micro-batches")
+    need(
+        d.batch_size % o.accum_steps == 0,
+        "optim.accum_steps",
+        f"must divide data.batch_size ({d.batch_size}): each step's per-process batch is split into this many "
+        f"equal micro-batches",
+    )
     ds = cfg.deepspeed
-    need(ds.stage in (1, 2, 3) and not isinstance(ds.stage, bool), "deepspeed.stage",
-         "must be 1, 2 or 3 (ZeRO without sharding, stage 0, is what train.distributed: ddp does)")
+    need(
+        ds.stage in (1, 2, 3) and not isinstance(ds.stage, bool),
+        "deepspeed.stage",
+        "must be 1, 2 or 3 (ZeRO without sharding, stage 0, is what train.distributed: ddp does)",
+    )
     need(ds.reduce_bucket_size >= 1, "deepspeed.reduce_bucket_size", "must be >= 1")
     need(ds.allgather_bucket_size >= 1, "deepspeed.allgather_bucket_size", "must be >= 1")
     need(ds.param_persistence_threshold >= 0, "deepspeed.param_persistence_threshold", "must be >= 0")
     if t.distributed == "deepspeed":
-        need(t.precision != "fp16", "train.precision", "fp16 (GradScaler) is not supported with train.distributed: "
-             "deepspeed; use bf16 (autocast, fp32 master weights) or fp32")
-        need(o.optimizer == "adamw", "optim.optimizer",
-             "lamb's per-tensor trust ratio needs whole tensors; ZeRO shards flattened ones: use adamw (or ddp)")
-        need(not (cfg.model.compile and ds.stage == 3), "model.compile",
-             "torch.compile of the towers is not supported with ZeRO stage 3 (parameters gathered by hooks)")
+        need(
+            t.precision != "fp16",
+            "train.precision",
+            "fp16 (GradScaler) is not supported with train.distributed: "
+            "deepspeed; use bf16 (autocast, fp32 master weights) or fp32",
+        )
+        need(
+            o.optimizer == "adamw",
+            "optim.optimizer",
+            "lamb's per-tensor trust ratio needs whole tensors; ZeRO shards flattened ones: use adamw (or ddp)",
+        )
+        need(
+            not (cfg.model.compile and ds.stage == 3),
+            "model.compile",
+            "torch.compile of the towers is not supported with ZeRO stage 3 (parameters gathered by hooks)",
+        )
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -468,8 +514,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if data is None:  # silently training the built-in defaults would not be what was asked for
-            raise ConfigError(f"config file {path} is empty: give the sections to set (see configs/embedded.yaml), "
-                              f"or leave --config out to train the built-in defaults")
+            raise ConfigError(
+                f"config file {path} is empty: give the sections to set (see configs/embedded.yaml), "
+                f"or leave --config out to train the built-in defaults"
+            )
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(data).__name__}")
         _build(Config, data, "", source)  # name unknown keys in the file before mixing in overrides
@@ -483,6 +531,20 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
 
 
-__all__ = ["Config", "DataConfig", "ModelConfig", "LossConfig", "OptimConfig", "TrainConfig", "EvalConfig",
-           "CheckpointConfig", "DeepSpeedConfig", "ConfigError", "load_config", "config_from_dict", "parse_overrides", "dump_config",
-           "LOSS_NAMES"]
+__all__ = [
+    "Config",
+    "DataConfig",
+    "ModelConfig",
+    "LossConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "EvalConfig",
+    "CheckpointConfig",
+    "DeepSpeedConfig",
+    "ConfigError",
+    "load_config",
+    "config_from_dict",
+    "parse_overrides",
+    "dump_config",
+    "LOSS_NAMES",
+]

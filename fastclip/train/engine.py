@@ -40,6 +40,7 @@ and LAMB are refused by the config checks, and so is a resume at another world s
 checkpoint (ZeRO shards are per rank: convert with DeepSpeed's ds_to_universal, or resume with ddp from
 the same world size).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,9 +75,13 @@ class DDPEngine:
         self.ddp = info.distributed
         # buffers are synced from rank 0 at init and before each forward: DDP's default (its broadcast_buffers
         # argument is deprecated since torch 2.13; forward_sync_buffers does not exist before it)
-        self.net = (DistributedDataParallel(net, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-                                            **ddp_options(cfg))  # bucket views, static graph: fastclip/train/gpu.py
-                    if self.ddp else net)
+        self.net = (
+            DistributedDataParallel(
+                net, device_ids=[info.device.index] if info.device.type == "cuda" else None, **ddp_options(cfg)
+            )  # bucket views, static graph: fastclip/train/gpu.py
+            if self.ddp
+            else net
+        )
         groups = param_groups(self.model, self.loss_fn, lr=o.lr, wd=o.wd, lr_tau=o.base_lr_tau)
         self.optimizer = build_optimizer(o.optimizer, groups, betas=o.betas, eps=o.eps)
         self.scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16")
@@ -106,10 +111,14 @@ class DDPEngine:
             self.scaler.scale(loss).backward()
             return
         # the temperature's gradient rides in the last micro-batch's backward: DDP reduces it with the towers'
-        self.cache.backward(loss, self._encode, tau_params=self.tau_params, tau_in_last_backward=True,
-                            run_backward=lambda surrogate, last: self.scaler.scale(surrogate).backward(),
-                            micro_context=lambda last: (self.net.no_sync() if self.ddp and not last
-                                                        else contextlib.nullcontext()))
+        self.cache.backward(
+            loss,
+            self._encode,
+            tau_params=self.tau_params,
+            tau_in_last_backward=True,
+            run_backward=lambda surrogate, last: self.scaler.scale(surrogate).backward(),
+            micro_context=lambda last: self.net.no_sync() if self.ddp and not last else contextlib.nullcontext(),
+        )
 
     def grad_norm(self, clip: float | None) -> torch.Tensor:
         self.scaler.unscale_(self.optimizer)  # no-op unless fp16: the norm and the clip see the true gradients
@@ -139,9 +148,11 @@ class DDPEngine:
 
     def load_checkpoint(self, model_file: dict, step_dir: Path) -> None:
         if saved_backend(model_file) != "ddp":
-            raise ConfigError(f"config key 'train.distributed': ddp, but checkpoint {step_dir} was written with "
-                              f"{saved_backend(model_file)} (its optimizer state is in DeepSpeed's shards); resume "
-                              f"with --train.distributed {saved_backend(model_file)}")
+            raise ConfigError(
+                f"config key 'train.distributed': ddp, but checkpoint {step_dir} was written with "
+                f"{saved_backend(model_file)} (its optimizer state is in DeepSpeed's shards); resume "
+                f"with --train.distributed {saved_backend(model_file)}"
+            )
         self.optimizer.load_state_dict(saved_optimizer(model_file))
 
     def full_params(self):
@@ -171,9 +182,11 @@ def frozen_scalars_to_buffers(model: torch.nn.Module) -> list[str]:
                 continue
             full = f"{module_name}.{name}" if module_name else name
             if param.requires_grad:
-                raise ConfigError(f"config key 'train.distributed': deepspeed cannot hold the trainable 0-d parameter "
-                                  f"'{full}' of model {type(model).__name__} (DeepSpeed 0.19.8 fails to broadcast "
-                                  f"scalars); use ddp")
+                raise ConfigError(
+                    f"config key 'train.distributed': deepspeed cannot hold the trainable 0-d parameter "
+                    f"'{full}' of model {type(model).__name__} (DeepSpeed 0.19.8 fails to broadcast "
+                    f"scalars); use ddp"
+                )
             del module._parameters[name]
             module.register_buffer(name, param.detach())
             moved.append(full)
@@ -182,9 +195,12 @@ def frozen_scalars_to_buffers(model: torch.nn.Module) -> list[str]:
 
 def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> dict:
     ds, o = cfg.deepspeed, cfg.optim
-    zero = {"stage": ds.stage, "reduce_bucket_size": ds.reduce_bucket_size,
-            "overlap_comm": overlap_comm(cfg, torch.device(device_type)),
-            "contiguous_gradients": ds.contiguous_gradients}
+    zero = {
+        "stage": ds.stage,
+        "reduce_bucket_size": ds.reduce_bucket_size,
+        "overlap_comm": overlap_comm(cfg, torch.device(device_type)),
+        "contiguous_gradients": ds.contiguous_gradients,
+    }
     if ds.stage == 3:
         zero["stage3_param_persistence_threshold"] = ds.param_persistence_threshold
     else:
@@ -193,10 +209,16 @@ def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> 
         "train_batch_size": cfg.data.batch_size * world_size,
         "train_micro_batch_size_per_gpu": cfg.data.batch_size // o.accum_steps,
         "gradient_accumulation_steps": o.accum_steps,
-        "fp16": {"enabled": False}, "bf16": {"enabled": False},  # autocast in TowersWithLoss, fp32 master weights
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},  # autocast in TowersWithLoss, fp32 master weights
     }
-    config = {"zero_optimization": zero, "zero_allow_untested_optimizer": True,  # torch AdamW as client optimizer
-              "gradient_clipping": o.grad_clip or 0.0, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+    config = {
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # torch AdamW as client optimizer
+        "gradient_clipping": o.grad_clip or 0.0,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
     if ds.config_file:
         import json
 
@@ -206,8 +228,10 @@ def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> 
             raise ConfigError(f"config key 'deepspeed.config_file': cannot read {ds.config_file}: {e}") from None
         clash = sorted(set(extra) & (set(owned) | {"optimizer", "scheduler"}))
         if clash:
-            raise ConfigError(f"config key 'deepspeed.config_file': {ds.config_file} sets {clash}; the trainer sets "
-                              f"these (data.batch_size, optim.accum_steps, optim.*, train.precision)")
+            raise ConfigError(
+                f"config key 'deepspeed.config_file': {ds.config_file} sets {clash}; the trainer sets "
+                f"these (data.batch_size, optim.accum_steps, optim.*, train.precision)"
+            )
         for key, value in extra.items():
             if isinstance(value, dict) and isinstance(config.get(key), dict):
                 config[key] = {**config[key], **value}
@@ -234,8 +258,10 @@ def _weights_only_checkpoint_engine(base_engine):
                 with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
                     return torch.load(path, map_location=map_location, weights_only=True)
             except pickle.UnpicklingError as e:
-                raise CheckpointError(f"{path}: refusing to load pickled objects beyond DeepSpeed's plain checkpoint "
-                                      f"classes ({str(e).strip().splitlines()[0][:300]})") from None
+                raise CheckpointError(
+                    f"{path}: refusing to load pickled objects beyond DeepSpeed's plain checkpoint "
+                    f"classes ({str(e).strip().splitlines()[0][:300]})"
+                ) from None
 
     engine = WeightsOnlyCheckpointEngine.__new__(WeightsOnlyCheckpointEngine)
     engine.__dict__.update(base_engine.__dict__)  # same settings (serialization format) as the one it replaces
@@ -256,15 +282,18 @@ class DeepSpeedEngine:
 
     def __init__(self, net: torch.nn.Module, cfg: Config, info: DistInfo):
         if not info.distributed:
-            raise ConfigError("config key 'train.distributed': deepspeed shards the optimizer over processes; with one "
-                              "process use ddp (the same training without sharding)")
+            raise ConfigError(
+                "config key 'train.distributed': deepspeed shards the optimizer over processes; with one "
+                "process use ddp (the same training without sharding)"
+            )
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if info.device.type == "cuda" else "cpu")
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))  # DeepSpeed asserts it is set
         try:
             import deepspeed
         except ImportError:
-            raise ConfigError("config key 'train.distributed': deepspeed is not installed "
-                              "(pip install deepspeed==0.19.8)") from None
+            raise ConfigError(
+                "config key 'train.distributed': deepspeed is not installed (pip install deepspeed==0.19.8)"
+            ) from None
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.WARNING)  # its per-step INFO lines would drown the progress output
@@ -290,8 +319,11 @@ class DeepSpeedEngine:
         self.tau_optimizer = build_optimizer("adamw", tau_groups, betas=o.betas, eps=o.eps) if tau_groups else None
         self.tau_params = [p for g in tau_groups for p in g["params"]]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=self.towers, optimizer=client, config=deepspeed_config(cfg, info.world_size, info.device.type),
-            dist_init_required=False)
+            model=self.towers,
+            optimizer=client,
+            config=deepspeed_config(cfg, info.world_size, info.device.type),
+            dist_init_required=False,
+        )
         self.engine.checkpoint_engine = _weights_only_checkpoint_engine(self.engine.checkpoint_engine)
         self.scaler = torch.amp.GradScaler(info.device.type, enabled=False)  # model.pt's "scaler" entry
         self.trainable = [p for g in tower_groups for p in g["params"]] + self.tau_params
@@ -318,6 +350,7 @@ class DeepSpeedEngine:
         if self.cache is None:
             self.engine.backward(loss)  # the temperature's gradient lands in p.grad (not DeepSpeed's)
         else:
+
             def run_backward(surrogate: torch.Tensor, last: bool) -> None:
                 # each surrogate already carries its full share of the gradient: no 1/k scaling
                 self.engine.backward(surrogate, scale_wrt_gas=False)
@@ -335,14 +368,14 @@ class DeepSpeedEngine:
         from deepspeed.runtime.utils import combine_grad_norm_groups
 
         opt = self.optimizer
-        if hasattr(opt, "scaled_global_norm"):         # ZeRO-1/2: partitions of the averaged gradients
+        if hasattr(opt, "scaled_global_norm"):  # ZeRO-1/2: partitions of the averaged gradients
             return opt.scaled_global_norm() / float(getattr(opt, "loss_scale", 1.0))
         return combine_grad_norm_groups(opt._get_norm_groups()) / float(getattr(opt, "loss_scale", 1.0))  # ZeRO-3
 
     def grad_norm(self, clip: float | None) -> torch.Tensor:
         towers = self._towers_grad_norm().float()
         tau = total_grad_norm(self.tau_params).float().to(towers.device)
-        total = torch.sqrt(towers ** 2 + tau ** 2)
+        total = torch.sqrt(towers**2 + tau**2)
         if clip is not None:  # clip towers and temperature by their joint norm, with clip_grad_norm_'s coefficient
             coef = torch.clamp(clip / (total + 1e-6), max=1.0)
             for p in self.tau_params:
@@ -369,7 +402,8 @@ class DeepSpeedEngine:
         if self.engine.was_step_applied():
             logging.getLogger(__name__).warning(
                 "deepspeed: the step was skipped for NaN/Inf in the loss or the temperature, but the towers' "
-                "gradients were finite, so DeepSpeed applied its step to the towers")
+                "gradients were finite, so DeepSpeed applied its step to the towers"
+            )
 
     # -- checkpoints
     def model_state_dict(self) -> dict | None:
@@ -390,8 +424,12 @@ class DeepSpeedEngine:
         return out if self.info.is_main else None
 
     def optimizer_state_dict(self) -> dict:
-        return {"backend": "deepspeed", "stage": self.stage, "deepspeed_dir": DEEPSPEED_TAG,
-                "temperature": self.tau_optimizer.state_dict() if self.tau_optimizer is not None else None}
+        return {
+            "backend": "deepspeed",
+            "stage": self.stage,
+            "deepspeed_dir": DEEPSPEED_TAG,
+            "temperature": self.tau_optimizer.state_dict() if self.tau_optimizer is not None else None,
+        }
 
     def save_shards(self, step_dir: Path) -> None:
         """Collective: DeepSpeed's files into <step_dir>/deepspeed/ (its `latest` file is not written)."""
@@ -402,18 +440,29 @@ class DeepSpeedEngine:
     def load_checkpoint(self, model_file: dict, step_dir: Path) -> None:
         saved = saved_optimizer(model_file)
         if saved_backend(model_file) != "deepspeed" or not (step_dir / DEEPSPEED_TAG).is_dir():
-            raise ConfigError(f"config key 'train.distributed': deepspeed, but checkpoint {step_dir} was written with "
-                              f"{saved_backend(model_file)} (no {DEEPSPEED_TAG}/ shard folder); resume with "
-                              f"--train.distributed {saved_backend(model_file)}")
+            raise ConfigError(
+                f"config key 'train.distributed': deepspeed, but checkpoint {step_dir} was written with "
+                f"{saved_backend(model_file)} (no {DEEPSPEED_TAG}/ shard folder); resume with "
+                f"--train.distributed {saved_backend(model_file)}"
+            )
         if (saved["stage"] == 3) != (self.stage == 3):
-            raise ConfigError(f"config key 'deepspeed.stage': {self.stage}, but checkpoint {step_dir} holds ZeRO-"
-                              f"{saved['stage']} shards (stages 1-2 and 3 store them differently)")
+            raise ConfigError(
+                f"config key 'deepspeed.stage': {self.stage}, but checkpoint {step_dir} holds ZeRO-"
+                f"{saved['stage']} shards (stages 1-2 and 3 store them differently)"
+            )
         if saved_world_size(model_file) != self.info.world_size:
-            raise ConfigError(f"config key 'train.distributed': deepspeed checkpoint {step_dir} was written by "
-                              f"{saved_world_size(model_file)} processes, this run has {self.info.world_size}; ZeRO shards "
-                              f"are per rank (convert with DeepSpeed's ds_to_universal, or resume at the same size)")
-        path, _ = self.engine.load_checkpoint(str(step_dir), tag=DEEPSPEED_TAG, load_module_strict=True,
-                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+            raise ConfigError(
+                f"config key 'train.distributed': deepspeed checkpoint {step_dir} was written by "
+                f"{saved_world_size(model_file)} processes, this run has {self.info.world_size}; ZeRO shards "
+                f"are per rank (convert with DeepSpeed's ds_to_universal, or resume at the same size)"
+            )
+        path, _ = self.engine.load_checkpoint(
+            str(step_dir),
+            tag=DEEPSPEED_TAG,
+            load_module_strict=True,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
         if path is None:
             from fastclip.train.errors import CheckpointError
 
@@ -437,5 +486,12 @@ def build_engine(net: torch.nn.Module, cfg: Config, info: DistInfo):
     return DDPEngine(net, cfg, info)
 
 
-__all__ = ["build_engine", "DDPEngine", "DeepSpeedEngine", "TowerEncoders", "deepspeed_config",
-           "frozen_scalars_to_buffers", "DEEPSPEED_TAG"]
+__all__ = [
+    "build_engine",
+    "DDPEngine",
+    "DeepSpeedEngine",
+    "TowerEncoders",
+    "deepspeed_config",
+    "frozen_scalars_to_buffers",
+    "DEEPSPEED_TAG",
+]

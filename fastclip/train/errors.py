@@ -3,6 +3,7 @@
 `fastclip train` prints them as one line (no traceback) and exits with status 1; configuration errors
 (ConfigError, fastclip/train/config.py) exit with status 2 before anything is built.
 """
+
 from __future__ import annotations
 
 

@@ -18,6 +18,7 @@ the loss's collectives), `grads` (after backward); the checkpoint writer calls `
 `rank_files` (this rank's file written into the temporary folder), `model_file` (before rank 0 writes
 model.pt), `renamed` (the folder renamed into place, `latest` not yet rewritten).
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,8 +39,11 @@ class Fault:
     rank: int | None = None
 
     def matches(self, point: str, step: int | None, rank: int | None) -> bool:
-        return (self.point == point and (self.step is None or self.step == step)
-                and (self.rank is None or self.rank == rank))
+        return (
+            self.point == point
+            and (self.step is None or self.step == step)
+            and (self.rank is None or self.rank == rank)
+        )
 
 
 @functools.lru_cache(maxsize=8)

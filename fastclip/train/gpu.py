@@ -19,6 +19,7 @@ train.ddp_static_graph (null) DDP static_graph: the reducer learns the graph in 
 deepspeed.overlap_comm (null) ZeRO overlaps gradient reduction with the backward; null = on for CUDA (CUDA
                               streams), off on CPU where it has nothing to overlap with.
 """
+
 from __future__ import annotations
 
 import torch
@@ -79,5 +80,11 @@ def overlap_comm(cfg: Config, device: torch.device) -> bool:
     return device.type == "cuda" if value is None else value
 
 
-__all__ = ["apply_backend_flags", "is_convolutional", "wants_channels_last", "to_channels_last", "ddp_options",
-           "overlap_comm"]
+__all__ = [
+    "apply_backend_flags",
+    "is_convolutional",
+    "wants_channels_last",
+    "to_channels_last",
+    "ddp_options",
+    "overlap_comm",
+]

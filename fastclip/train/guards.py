@@ -18,6 +18,7 @@ DataSkipReport   On logging steps: the data stream's skip counters summed over r
                  (rank 0 logs each bad sample, and each broken shard, once per epoch); at the end of each
                  epoch and of the run, one line with the per-reason totals.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,9 +68,9 @@ class NonFiniteGuard:
 
     def __init__(self, max_in_a_row: int, info: DistInfo, *, log=None, checkpoints: Path | None = None):
         self.max_in_a_row, self.info, self.log, self.checkpoints = max_in_a_row, info, log, checkpoints
-        self.skipped = 0      # steps skipped in this run (carried over by checkpoints)
+        self.skipped = 0  # steps skipped in this run (carried over by checkpoints)
         self.in_a_row = 0
-        self.stop = False     # a stop signal reached some rank (combined in verdict's all_reduce)
+        self.stop = False  # a stop signal reached some rank (combined in verdict's all_reduce)
         self._rows: list[_SampleRows] = []
 
     def remember(self, loss_fn, indices: torch.Tensor) -> None:
@@ -82,8 +83,13 @@ class NonFiniteGuard:
         `stop_requested` (this rank got a stop signal) rides in the same all_reduce: afterwards `self.stop` says
         whether any rank asked (fastclip/train/preemption.py)."""
         device = loss.device
-        bad = torch.stack([~torch.isfinite(loss.detach()).all(), ~torch.isfinite(grad_norm.detach().to(device)),
-                           torch.tensor(bool(stop_requested), device=device)])
+        bad = torch.stack(
+            [
+                ~torch.isfinite(loss.detach()).all(),
+                ~torch.isfinite(grad_norm.detach().to(device)),
+                torch.tensor(bool(stop_requested), device=device),
+            ]
+        )
         bad = bad.to(torch.float32)
         if self.info.distributed:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -107,18 +113,33 @@ class NonFiniteGuard:
         self.skipped += 1
         self.in_a_row += 1
         if self.log is not None:
-            self.log.message(f"step {step}: skipped ({why}); no update of the model, optimizer or per-sample "
-                             f"state; {self.in_a_row} in a row, {self.skipped} in this run")
-            self.log.log({"step": step, "epoch": epoch, "samples_seen": samples_seen, "skipped": why,
-                          "nonfinite_skipped": self.skipped, "nonfinite_in_a_row": self.in_a_row})
+            self.log.message(
+                f"step {step}: skipped ({why}); no update of the model, optimizer or per-sample "
+                f"state; {self.in_a_row} in a row, {self.skipped} in this run"
+            )
+            self.log.log(
+                {
+                    "step": step,
+                    "epoch": epoch,
+                    "samples_seen": samples_seen,
+                    "skipped": why,
+                    "nonfinite_skipped": self.skipped,
+                    "nonfinite_in_a_row": self.in_a_row,
+                }
+            )
         if self.in_a_row >= self.max_in_a_row:
             latest = self.checkpoints / "latest" if self.checkpoints is not None else None
-            last = (f"the last checkpoint, {self.checkpoints / latest.read_text().strip()}, was saved before "
-                    f"them and is intact" if latest is not None and latest.is_file() else "no checkpoint was saved")
+            last = (
+                f"the last checkpoint, {self.checkpoints / latest.read_text().strip()}, was saved before "
+                f"them and is intact"
+                if latest is not None and latest.is_file()
+                else "no checkpoint was saved"
+            )
             raise NonFiniteStepsError(
                 f"{self.in_a_row} steps in a row were skipped for NaN/Inf (steps {step - self.in_a_row + 1}..{step}; "
                 f"last: {why}); stopping at train.max_nonfinite_steps = {self.max_in_a_row}. {last[0].upper()}"
-                f"{last[1:]}. Check the data and the learning rate, or resume with --train.resume latest")
+                f"{last[1:]}. Check the data and the learning rate, or resume with --train.resume latest"
+            )
 
     def state_dict(self) -> dict:
         return {"skipped": self.skipped, "in_a_row": self.in_a_row}
@@ -129,8 +150,19 @@ class NonFiniteGuard:
 
 
 # ----------------------------------------------------------------------------- collectives
-_COLLECTIVE_SIGNS = ("connection closed", "connection reset", "timed out", "timeout", "pair closure", "nccl",
-                     "gloo", "broken pipe", "socket", "peer", "store")
+_COLLECTIVE_SIGNS = (
+    "connection closed",
+    "connection reset",
+    "timed out",
+    "timeout",
+    "pair closure",
+    "nccl",
+    "gloo",
+    "broken pipe",
+    "socket",
+    "peer",
+    "store",
+)
 
 
 def _set_pg_timeout(seconds: float) -> None:
@@ -197,7 +229,8 @@ class CollectiveTimeouts:
             f"{self.step}: {first[:400]}. Another process of this job most likely died, was killed or stopped "
             f"responding (in the {phase} collectives time out after {_seconds(seconds)}, set by {key}); this "
             f"process stops too. Restart the whole job with --train.resume latest to continue from the last "
-            f"checkpoint")
+            f"checkpoint"
+        )
 
 
 def _seconds(s: float) -> str:
@@ -257,12 +290,15 @@ class DataSkipReport:
 
         new = []
         for e in events:
-            what = (e.get("epoch"), e.get("shard"), e.get("reason")) if e.get("reason") in SHARD_REASONS else (
-                e.get("epoch"), e.get("shard"), e.get("key"), e.get("reason"))
+            what = (
+                (e.get("epoch"), e.get("shard"), e.get("reason"))
+                if e.get("reason") in SHARD_REASONS
+                else (e.get("epoch"), e.get("shard"), e.get("key"), e.get("reason"))
+            )
             if what not in self.logged:
                 self.logged.add(what)
                 new.append(e)
-        lines = [f"data: {describe_skip(e)}" for e in new[:self.max_events]]
+        lines = [f"data: {describe_skip(e)}" for e in new[: self.max_events]]
         if len(new) > self.max_events:
             lines.append(f"data: ... and {len(new) - self.max_events} more skip events (counts in metrics.jsonl)")
         return lines
@@ -274,9 +310,11 @@ class DataSkipReport:
         parts = {k: v for k, v in parts.items() if v}
         total = record.get("data_skipped", 0) - since.get("data_skipped", 0)
         wrapped = record.get("data_wrapped", 0) - since.get("data_wrapped", 0)
-        return (f"{total} sample(s) skipped, summed over ranks"
-                + (f" ({', '.join(f'{k} {v}' for k, v in sorted(parts.items()))})" if parts else "")
-                + f"; {wrapped} served twice to fill the batches")
+        return (
+            f"{total} sample(s) skipped, summed over ranks"
+            + (f" ({', '.join(f'{k} {v}' for k, v in sorted(parts.items()))})" if parts else "")
+            + f"; {wrapped} served twice to fill the batches"
+        )
 
     def end_of_epoch(self, epoch: int, record: dict) -> str:
         """The epoch's per-reason totals (call with a collect() record at its end, on every rank)."""
@@ -294,7 +332,7 @@ class DataSkipReport:
 
     def as_metrics(self, events: list[dict]) -> list[dict]:
         keys = ("rank", "epoch", "shard", "key", "reason", "detail", "samples")
-        return [{k: e.get(k) for k in keys} for e in events[:self.max_events]]
+        return [{k: e.get(k) for k in keys} for e in events[: self.max_events]]
 
 
 __all__ = ["NonFiniteGuard", "CollectiveTimeouts", "DataSkipReport", "total_grad_norm"]

@@ -1,6 +1,7 @@
 """What rank 0 reports: a progress bar (tqdm on a terminal, a plain line otherwise), <run_dir>/metrics.jsonl
 (one JSON object per logging step and per evaluation) and TensorBoard scalars when tensorboard is installed.
 Values arrive as Python numbers: the trainer reads tensors back only on logging steps."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,9 @@ def _step_of(line: str) -> float:
 class MetricsLogger:
     """Rank 0 writes; on other ranks every method is a no-op."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int, tensorboard: bool,
-                 progress: bool):
+    def __init__(
+        self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int, tensorboard: bool, progress: bool
+    ):
         self.enabled = enabled
         self.file = None
         self.tb = None
@@ -45,14 +47,15 @@ class MetricsLogger:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
+
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step or None)
             except ImportError:  # tensorboard is optional
                 self.tb = None
         if progress and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
-                self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step",
-                                desc="train")
+
+                self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step", desc="train")
             except ImportError:
                 self.bar = None
         self.plain = progress and self.bar is None
@@ -88,8 +91,12 @@ class MetricsLogger:
             else:  # evaluation and other records: a line above the bar
                 self.bar.write(f"step {step} " + " ".join(f"{k}={_fmt(v)}" for k, v in shown.items()))
         elif self.plain:
-            print(f"step {step}/{self.total_steps} " + " ".join(f"{k}={_fmt(v)}" for k, v in shown.items())
-                  + (self._eta(step) if "loss" in record else ""), flush=True)
+            print(
+                f"step {step}/{self.total_steps} "
+                + " ".join(f"{k}={_fmt(v)}" for k, v in shown.items())
+                + (self._eta(step) if "loss" in record else ""),
+                flush=True,
+            )
 
     def message(self, text: str) -> None:
         if not self.enabled:

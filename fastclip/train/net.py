@@ -1,12 +1,13 @@
 """The network a run trains: the towers, the loss and the data-parallel engine around them, built in one place
 (`build_net`) for the trainer, the tests and the benchmarks.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -30,13 +31,21 @@ class TowersWithLoss(torch.nn.Module):
         self.encode_text = torch.compile(model.encode_text) if compile else model.encode_text
 
     def encode(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.autocast(images.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
+        with torch.autocast(
+            images.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
+        ):
             image_features = self.encode_image(images)
             text_features = self.encode_text(texts)
         return F.normalize(image_features.float(), dim=-1), F.normalize(text_features.float(), dim=-1)
 
-    def forward(self, images: torch.Tensor, texts: torch.Tensor, indices: torch.Tensor | None, epoch: int,
-                features_only: bool = False):
+    def forward(
+        self,
+        images: torch.Tensor,
+        texts: torch.Tensor,
+        indices: torch.Tensor | None,
+        epoch: int,
+        features_only: bool = False,
+    ):
         image_features, text_features = self.encode(images, texts)
         if features_only:  # gradient accumulation calls the loss itself, once per step (fastclip/train/accumulate.py)
             return image_features, text_features
@@ -46,8 +55,11 @@ class TowersWithLoss(torch.nn.Module):
 def loss_options(cfg: Config, embed_dim: int | None = None) -> dict:
     """The loss section's set values (every LossConfig field but the name), passed to build_loss, which rejects
     options a version lacks; v2 also gets the temperature lr, the temperature network the towers' embed_dim."""
-    opts = {f.name: getattr(cfg.loss, f.name) for f in dataclasses.fields(LossConfig)
-            if f.name != "name" and getattr(cfg.loss, f.name) is not None}
+    opts = {
+        f.name: getattr(cfg.loss, f.name)
+        for f in dataclasses.fields(LossConfig)
+        if f.name != "name" and getattr(cfg.loss, f.name) is not None
+    }
     if "tau_betas" in opts:
         opts["tau_betas"] = tuple(opts["tau_betas"])
     if cfg.loss.name == "fastclip-v2":  # v2 updates its per-sample tau itself, at lr_tau
@@ -65,16 +77,21 @@ def seed_all(seed: int) -> None:
 
 @dataclass
 class Net:
-    built: object                   # fastclip.models.BuiltModel: arch, model config, preprocessing, tokenizer
-    model: torch.nn.Module          # the towers (open_clip)
+    built: object  # fastclip.models.BuiltModel: arch, model config, preprocessing, tokenizer
+    model: torch.nn.Module  # the towers (open_clip)
     loss_fn: torch.nn.Module
-    engine: object                  # DDPEngine or DeepSpeedEngine (fastclip/train/engine.py)
-    speedups: list[str]             # GPU choices applied, for the start-up line
-    loaded: object = None           # what build_net's `load` returned (the trainer: where a resume continues)
+    engine: object  # DDPEngine or DeepSpeedEngine (fastclip/train/engine.py)
+    speedups: list[str]  # GPU choices applied, for the start-up line
+    loaded: object = None  # what build_net's `load` returned (the trainer: where a resume continues)
 
 
-def build_net(cfg: Config, info: DistInfo, data_size: int, *,
-              load: Callable[[torch.nn.Module, torch.nn.Module], None] | None = None) -> Net:
+def build_net(
+    cfg: Config,
+    info: DistInfo,
+    data_size: int,
+    *,
+    load: Callable[[torch.nn.Module, torch.nn.Module], None] | None = None,
+) -> Net:
     """Towers (seeded by train.seed: the same init on every rank) + loss + the engine of train.distributed.
     `load(model, loss_fn)` runs before the engine wraps them (resume, pretrained towers), so DDP broadcasts
     identical tensors."""
@@ -95,8 +112,9 @@ def build_net(cfg: Config, info: DistInfo, data_size: int, *,
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
     try:
-        loss_fn = build_loss(cfg.loss.name, data_size=data_size,
-                             **loss_options(cfg, built.config.get("embed_dim"))).to(device)
+        loss_fn = build_loss(cfg.loss.name, data_size=data_size, **loss_options(cfg, built.config.get("embed_dim"))).to(
+            device
+        )
     except (TypeError, ValueError) as e:  # an option this loss version does not take, or a bad value
         raise ConfigError(f"config section 'loss' (name {cfg.loss.name}): {e}") from None
     loaded = load(model, loss_fn) if load is not None else None

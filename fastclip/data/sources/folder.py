@@ -10,6 +10,7 @@ data_size = offset + number of rows. Rows whose image is missing or undecodable 
 skipped and reported with their line number. png/jpg/jpeg/webp bytes are stored as they are; other formats are
 re-encoded as PNG.
 """
+
 from __future__ import annotations
 
 import csv
@@ -51,8 +52,10 @@ def read_rows(captions: Path, img_key: str, caption_key: str, separator: str | N
         columns = reader.fieldnames or []
         for key in (img_key, caption_key):
             if key not in columns:
-                raise CaptionFileError(f"{captions}: no column {key!r} (columns: {columns}; separator "
-                                       f"{separator!r}; set --csv-img-key/--csv-caption-key/--csv-separator)")
+                raise CaptionFileError(
+                    f"{captions}: no column {key!r} (columns: {columns}; separator "
+                    f"{separator!r}; set --csv-img-key/--csv-caption-key/--csv-separator)"
+                )
         for row in reader:
             yield reader.line_num, row.get(img_key), row.get(caption_key)
 
@@ -70,9 +73,18 @@ def _image_bytes(path: Path) -> tuple[bytes, str]:
         return buf.getvalue(), "png"
 
 
-def build_folder(captions: str | os.PathLike, out: str | os.PathLike, *, images: str | os.PathLike | None = None,
-                 img_key: str = "filepath", caption_key: str = "title", separator: str | None = None,
-                 shard_size: int = 2000, index_offset: int = 0, prefix: str = "train") -> dict:
+def build_folder(
+    captions: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    images: str | os.PathLike | None = None,
+    img_key: str = "filepath",
+    caption_key: str = "title",
+    separator: str | None = None,
+    shard_size: int = 2000,
+    index_offset: int = 0,
+    prefix: str = "train",
+) -> dict:
     captions = Path(captions)
     root = Path(images) if images is not None else captions.parent
     writer = ShardWriter(out, prefix=prefix, shard_size=shard_size)
@@ -99,7 +111,13 @@ def build_folder(captions: str | os.PathLike, out: str | os.PathLike, *, images:
         writer.write(index_offset + row, data, ext, caption)
     if rows == 0:
         raise CaptionFileError(f"{captions}: no data rows")
-    manifest = writer.close(index_offset + rows, extra={"created_by": "fastclip data folder",
-                                                        "captions": str(captions)})
-    return {"rows": rows, "written": manifest.num_samples, "skipped": skipped, "data_size": manifest.data_size,
-            "shards": len(manifest.shards)}
+    manifest = writer.close(
+        index_offset + rows, extra={"created_by": "fastclip data folder", "captions": str(captions)}
+    )
+    return {
+        "rows": rows,
+        "written": manifest.num_samples,
+        "skipped": skipped,
+        "data_size": manifest.data_size,
+        "shards": len(manifest.shards),
+    }

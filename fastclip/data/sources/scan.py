@@ -3,7 +3,8 @@
 Reads every tar once (json and txt members only; images are not decoded), takes each sample's global index
 from json["index"] or, as img2dataset writes it, int(json["key"]); a plain WebDataset shard (`{key}.jpg` +
 `{key}.txt`, no .json) gets the indices of its samples' positions in the manifest's shard order (recorded as
-the shard's `index_base`, which the loader adds to a sample's position in the tar), and checks that indices are unique and below
+the shard's `index_base`, which the loader adds to a sample's position in the tar), and checks that indices are
+unique and below
 data_size (--data-size; default 1 + the largest index found). Every problem is reported with shard and key
 and recorded in the manifest's "problems" list: the training stream skips exactly those samples. Of two
 samples with the same index, the first in manifest order (shard, then tar order) is kept.
@@ -16,6 +17,7 @@ tar's samples in order) or `{shard}_stats.json` (`successes` samples; the indice
 scheme, shard_id * 10**digits(samples_per_shard - 1) + row, so nothing per sample is checked) the tar is not
 opened; --from-tars reads the tars anyway.
 """
+
 from __future__ import annotations
 
 import glob
@@ -45,16 +47,23 @@ class ScanResult:
 
     def summary(self) -> str:
         counts = Counter(p["reason"] for p in self.problems)
-        lines = [f"{self.folder}: {len(self.manifest.shards)} shards, {self.manifest.num_samples} samples, "
-                 f"data_size {self.manifest.data_size}, "
-                 + (f"{plain} plain WebDataset shard(s) indexed by position, " if (plain := sum(
-                     s.index_base is not None for s in self.manifest.shards)) else "")
-                 + (f"{len(self.problems)} problems ({dict(counts)})" if self.problems else "no problems")]
+        lines = [
+            f"{self.folder}: {len(self.manifest.shards)} shards, {self.manifest.num_samples} samples, "
+            f"data_size {self.manifest.data_size}, "
+            + (
+                f"{plain} plain WebDataset shard(s) indexed by position, "
+                if (plain := sum(s.index_base is not None for s in self.manifest.shards))
+                else ""
+            )
+            + (f"{len(self.problems)} problems ({dict(counts)})" if self.problems else "no problems")
+        ]
         via = self.manifest.extra.get("scanned_from", {})
         if via.get("stats") or via.get("parquet"):
-            lines.append(f"  counted from img2dataset's files without opening the tars: {via.get('parquet', 0)} "
-                         f"shard(s) from .parquet (keys checked), {via.get('stats', 0)} from _stats.json (counts and key "
-                         f"ranges only)")
+            lines.append(
+                f"  counted from img2dataset's files without opening the tars: {via.get('parquet', 0)} "
+                f"shard(s) from .parquet (keys checked), {via.get('stats', 0)} from _stats.json (counts and key "
+                f"ranges only)"
+            )
         lines += [f"  shard {p['shard']} key {p['key']}: {p['reason']} ({p['detail']})" for p in self.problems[:50]]
         if len(self.problems) > 50:
             lines.append(f"  ... {len(self.problems) - 50} more in the manifest's 'problems'")
@@ -86,6 +95,7 @@ def find_shards(spec: str) -> tuple[Path, list[Path]]:
 @dataclass
 class ShardSummary:
     """What a scan keeps of one shard while it is checked (then only its ShardInfo and index range remain)."""
+
     name: str
     num_samples: int
     via: str  # "tar", "parquet" (img2dataset's {shard}.parquet) or "stats" ({shard}_stats.json: counts only)
@@ -105,7 +115,7 @@ def _stem(path: Path) -> str:
     name = path.name
     for suffix in SHARD_SUFFIXES:
         if name.endswith(suffix):
-            return name[:-len(suffix)]
+            return name[: -len(suffix)]
     return name
 
 
@@ -123,8 +133,11 @@ def _summarise(task: tuple) -> ShardSummary:
         table = pq.read_table(path, columns=["key", "status"]).to_pydict()
         keys = [str(k) for k, st in zip(table["key"], table["status"]) if st == "success"]  # the tar's samples
         indices = np.array([int(k) if k.strip().lstrip("-").isdigit() else MISSING for k in keys], dtype=np.int64)
-        notes = [(o, "missing_index", f"parquet key {k!r} is not an integer") for o, k in enumerate(keys)
-                 if indices[o] == MISSING]
+        notes = [
+            (o, "missing_index", f"parquet key {k!r} is not an integer")
+            for o, k in enumerate(keys)
+            if indices[o] == MISSING
+        ]
         return ShardSummary(name, len(keys), via, indices, keys, notes)
     keys, values, notes, missing, any_json, broken = [], [], [], [], False, None
     try:
@@ -168,6 +181,7 @@ def _plan(folder: Path, paths: list[Path], from_tars: bool, samples_per_shard: i
     {shard}_stats.json when present (the tar is not opened), else the tar."""
     try:
         import pyarrow.parquet  # noqa: F401
+
         parquet_ok = True
     except ImportError:
         parquet_ok = False
@@ -180,8 +194,9 @@ def _plan(folder: Path, paths: list[Path], from_tars: bool, samples_per_shard: i
         if not from_tars and parquet_ok and stem.with_name(stem.name + ".parquet").is_file():
             tasks.append((str(stem.with_name(stem.name + ".parquet")), name, "parquet", 0, frozenset()))
         elif not from_tars and stem.with_name(stem.name + "_stats.json").is_file() and stem.name.isdigit():
-            tasks.append((str(stem.with_name(stem.name + "_stats.json")), name, "stats", int(stem.name) * 10**oom,
-                          frozenset()))
+            tasks.append(
+                (str(stem.with_name(stem.name + "_stats.json")), name, "stats", int(stem.name) * 10**oom, frozenset())
+            )
         else:
             tasks.append((str(path), name, "tar", 0, frozenset()))
     return tasks
@@ -197,8 +212,16 @@ def _map(fn, tasks: list, workers: int):
         yield from pool.imap(fn, tasks, chunksize=1)
 
 
-def scan_shards(spec: str, data_size: int | None = None, write: bool = True, *, workers: int | None = None,
-                from_tars: bool = False, samples_per_shard: int | None = None, progress=None) -> ScanResult:
+def scan_shards(
+    spec: str,
+    data_size: int | None = None,
+    write: bool = True,
+    *,
+    workers: int | None = None,
+    from_tars: bool = False,
+    samples_per_shard: int | None = None,
+    progress=None,
+) -> ScanResult:
     """Scan in `workers` processes (default: all cores), one shard summary at a time: what stays in memory is a
     bitmap of the indices seen (fastclip/data/bits.py), each shard's ShardInfo and the problems found."""
     folder, paths = find_shards(spec)
@@ -240,19 +263,28 @@ def scan_shards(spec: str, data_size: int | None = None, write: bool = True, *, 
                 out = keep & (idx >= data_size)
             else:
                 out = np.zeros(len(idx), dtype=bool)
-            rows: list[tuple[int, str, str, int | None]] = [(o, r, d, None) for o, r, d in summary.notes
-                                                             if r == "missing_index"]
+            rows: list[tuple[int, str, str, int | None]] = [
+                (o, r, d, None) for o, r, d in summary.notes if r == "missing_index"
+            ]
             rows += [(o, r, d, int(idx[o])) for o, r, d in summary.notes if r != "missing_index" and keep[o]]
-            rows += [(o, "index_out_of_range", f"index {int(idx[o])} not in [0, {data_size})", int(idx[o]))
-                     for o in np.nonzero((valid & (idx < 0)) | out)[0].tolist()]
+            rows += [
+                (o, "index_out_of_range", f"index {int(idx[o])} not in [0, {data_size})", int(idx[o]))
+                for o in np.nonzero((valid & (idx < 0)) | out)[0].tolist()
+            ]
             first_here = {}
             for o in np.nonzero(keep)[0].tolist():
                 first_here.setdefault(int(idx[o]), o)
             for o in np.nonzero(dup)[0].tolist():
                 i = int(idx[o])
                 if i in first_here and first_here[i] < o:
-                    rows.append((o, "duplicate_index", f"index {i} also at shard {summary.name} key "
-                                 f"{summary.keys[first_here[i]]}", i))
+                    rows.append(
+                        (
+                            o,
+                            "duplicate_index",
+                            f"index {i} also at shard {summary.name} key {summary.keys[first_here[i]]}",
+                            i,
+                        )
+                    )
                 else:
                     rows.append((o, "duplicate_index", None, i))
             for o, reason, detail, index in sorted(rows, key=lambda r: r[0]):
@@ -302,10 +334,13 @@ def _name_first_copies(pending, spans, tasks, workers, shards) -> None:
 
 def _check_stats_ranges(tasks, spans, shards) -> None:
     """A shard counted from img2dataset's stats has only a key range: it must not overlap another shard's."""
-    ranges = sorted((lo, hi, shards[t].path, tasks[t][2]) for t, span in enumerate(spans) if span is not None
-                    for lo, hi in [span])
+    ranges = sorted(
+        (lo, hi, shards[t].path, tasks[t][2]) for t, span in enumerate(spans) if span is not None for lo, hi in [span]
+    )
     for (lo_a, hi_a, a, via_a), (lo_b, hi_b, b, via_b) in zip(ranges, ranges[1:]):
         if lo_b <= hi_a and "stats" in (via_a, via_b):
-            raise DataSpecError(f"shards {a} (key range {lo_a}..{hi_a}) and {b} (key range {lo_b}..{hi_b}) overlap "
-                                f"by img2dataset's _stats.json: pass --samples-per-shard as given to img2dataset, or "
-                                f"--from-tars to read the indices from the tars")
+            raise DataSpecError(
+                f"shards {a} (key range {lo_a}..{hi_a}) and {b} (key range {lo_b}..{hi_b}) overlap "
+                f"by img2dataset's _stats.json: pass --samples-per-shard as given to img2dataset, or "
+                f"--from-tars to read the indices from the tars"
+            )

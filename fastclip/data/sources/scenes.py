@@ -20,6 +20,7 @@ classification of glyph classes runs on them; zeroshot.json holds the class name
 Everything is a function of (seed, split, scene number): shards are generated in parallel and the result is
 byte-identical whatever the number of workers.
 """
+
 from __future__ import annotations
 
 import io
@@ -39,14 +40,26 @@ from fastclip.data.sources.embedded import FASHION_MNIST_ROOT, choose_datasets, 
 from fastclip.data.tario import TarWriter
 
 CANVAS = 64
-COLOURS = {"red": (235, 50, 45), "green": (50, 205, 70), "blue": (60, 110, 250), "yellow": (245, 225, 45),
-           "purple": (170, 70, 215), "orange": (250, 145, 35), "cyan": (45, 215, 225), "white": (250, 250, 250)}
+COLOURS = {
+    "red": (235, 50, 45),
+    "green": (50, 205, 70),
+    "blue": (60, 110, 250),
+    "yellow": (245, 225, 45),
+    "purple": (170, 70, 215),
+    "orange": (250, 145, 35),
+    "cyan": (45, 215, 225),
+    "white": (250, 250, 250),
+}
 SIZES = {"small": 16, "large": 24}  # glyph side in pixels on the 64-pixel canvas
 POSITIONS = {  # cell centre (x, y) and the caption phrase
-    "top left": ((12, 12), "in the top left corner"), "top": ((32, 12), "at the top"),
-    "top right": ((52, 12), "in the top right corner"), "left": ((12, 32), "on the left"),
-    "centre": ((32, 32), "in the centre"), "right": ((52, 32), "on the right"),
-    "bottom left": ((12, 52), "in the bottom left corner"), "bottom": ((32, 52), "at the bottom"),
+    "top left": ((12, 12), "in the top left corner"),
+    "top": ((32, 12), "at the top"),
+    "top right": ((52, 12), "in the top right corner"),
+    "left": ((12, 32), "on the left"),
+    "centre": ((32, 32), "in the centre"),
+    "right": ((52, 32), "on the right"),
+    "bottom left": ((12, 52), "in the bottom left corner"),
+    "bottom": ((32, 52), "at the bottom"),
     "bottom right": ((52, 52), "in the bottom right corner"),
 }
 BACKGROUNDS = {"black": (12, 12, 12), "grey": (95, 95, 95), "navy": (20, 28, 85), "brown": (80, 50, 25)}
@@ -96,15 +109,19 @@ class Vocabulary:
         self._background_re = re.compile(rf"on a ({alt(TEXTURES)}) ({alt(BACKGROUNDS)}) background")
 
     def caption(self, scene: Scene, order: list[int]) -> str:
-        mentions = [f"a {o.size} {o.colour} {self.nouns[o.cls]} {POSITIONS[o.position][1]}"
-                    for o in (scene.objects[i] for i in order)]
+        mentions = [
+            f"a {o.size} {o.colour} {self.nouns[o.cls]} {POSITIONS[o.position][1]}"
+            for o in (scene.objects[i] for i in order)
+        ]
         objects = mentions[0] if len(mentions) == 1 else ", ".join(mentions[:-1]) + " and " + mentions[-1]
         return PHRASINGS[scene.phrasing].format(objects=objects, texture=scene.texture, background=scene.background)
 
     def parse_caption(self, caption: str) -> tuple[frozenset[SceneObject], str, str]:
         """(objects, background, texture) named by `caption`; raises ValueError on text it cannot read."""
-        found = [SceneObject(self.nouns.index(noun), colour, size, self._phrase_to_pos[phrase])
-                 for size, colour, noun, phrase in self._object_re.findall(caption)]
+        found = [
+            SceneObject(self.nouns.index(noun), colour, size, self._phrase_to_pos[phrase])
+            for size, colour, noun, phrase in self._object_re.findall(caption)
+        ]
         background = self._background_re.search(caption)
         if not found or background is None:
             raise ValueError(f"cannot read caption {caption!r}")
@@ -131,7 +148,7 @@ def _draw(canvas: np.ndarray, glyph: np.ndarray, obj: SceneObject) -> None:
     (cx, cy), _ = POSITIONS[obj.position]
     x0, y0 = cx - side // 2, cy - side // 2
     xs, ys = slice(max(x0, 0), min(x0 + side, CANVAS)), slice(max(y0, 0), min(y0 + side, CANVAS))
-    a = alpha[ys.start - y0:ys.stop - y0, xs.start - x0:xs.stop - x0, None]
+    a = alpha[ys.start - y0 : ys.stop - y0, xs.start - x0 : xs.stop - x0, None]
     colour = np.array(COLOURS[obj.colour], np.float32)
     canvas[ys, xs] = canvas[ys, xs] * (1 - a) + colour * a
 
@@ -145,8 +162,9 @@ def render(scene: Scene, pools: list[np.ndarray]) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- sampling
-def sample_scene(rng: np.random.Generator, vocab: Vocabulary, pool_sizes: list[int], split: str,
-                 single: bool = False) -> Scene:
+def sample_scene(
+    rng: np.random.Generator, vocab: Vocabulary, pool_sizes: list[int], split: str, single: bool = False
+) -> Scene:
     """One scene: attributes, glyph rows and phrasing drawn from `rng`, respecting the split's rule on held-out
     (class, colour) pairs (never in train; at least one, the first object, in novel)."""
     n_classes, colours = len(vocab.nouns), list(COLOURS)
@@ -227,9 +245,16 @@ def _write_shard(job: ShardJob, out_dir: str) -> tuple[str, int, list[str], list
         buf = io.BytesIO()
         Image.fromarray(render(scene, pools)).save(buf, format="PNG")
         index = job.first_index + k
-        meta = {"index": index, "key": sample_key(index), "caption": caption,
-                "scene": {"objects": [[vocab.nouns[o.cls], o.colour, o.size, o.position] for o in scene.objects],
-                          "background": scene.background, "texture": scene.texture}}
+        meta = {
+            "index": index,
+            "key": sample_key(index),
+            "caption": caption,
+            "scene": {
+                "objects": [[vocab.nouns[o.cls], o.colour, o.size, o.position] for o in scene.objects],
+                "background": scene.background,
+                "texture": scene.texture,
+            },
+        }
         files = {"png": buf.getvalue(), "txt": caption.encode()}
         if len(scene.objects) == 1:  # zero-shot on glyph classes: single-object scenes are labelled
             meta["label"], meta["dataset"] = scene.objects[0].cls, "scenes"
@@ -244,14 +269,26 @@ def _write_shard(job: ShardJob, out_dir: str) -> tuple[str, int, list[str], list
 
 def zeroshot_prompts() -> list[str]:
     """Prompt templates for the glyph classes: the caption's object phrase over every size and colour."""
-    return [f"a {size} {colour} {{}} in the centre, on a plain black background." for size in SIZES
-            for colour in COLOURS]
+    return [
+        f"a {size} {colour} {{}} in the centre, on a plain black background." for size in SIZES for colour in COLOURS
+    ]
 
 
-def build_scenes(out: str | os.PathLike, *, num_train: int = 100_000, num_val: int = 2_000,
-                 num_test: int = 5_000, num_novel: int = 2_000, shard_size: int = 2_000, seed: int = 0,
-                 index_offset: int = 0, datasets: str | list[str] = "auto", workers: int | None = None,
-                 fashion_root: str | os.PathLike = FASHION_MNIST_ROOT, progress=None) -> dict:
+def build_scenes(
+    out: str | os.PathLike,
+    *,
+    num_train: int = 100_000,
+    num_val: int = 2_000,
+    num_test: int = 5_000,
+    num_novel: int = 2_000,
+    shard_size: int = 2_000,
+    seed: int = 0,
+    index_offset: int = 0,
+    datasets: str | list[str] = "auto",
+    workers: int | None = None,
+    fashion_root: str | os.PathLike = FASHION_MNIST_ROOT,
+    progress=None,
+) -> dict:
     """Write OUT/{train,val,test,novel} (shards + manifests), OUT/zeroshot.json and OUT/scenes.json."""
     counts = {"train": num_train, "val": num_val, "test": num_test, "novel": num_novel}
     for split, n in counts.items():
@@ -279,28 +316,48 @@ def build_scenes(out: str | os.PathLike, *, num_train: int = 100_000, num_val: i
             if progress:
                 progress(job.count)
     else:
-        with ProcessPoolExecutor(workers, initializer=_init_worker,
-                                 initargs=(names, str(fashion_root), seed)) as pool:
+        with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(names, str(fashion_root), seed)) as pool:
             futures = {job: pool.submit(_write_shard, job, str(out)) for job in jobs}
             for job, fut in futures.items():
                 results[job] = fut.result()
                 if progress:
                     progress(job.count)
-    summary = {"source": "scenes", "datasets": names, "note": note, "seed": seed, "data_size": data_size,
-               "classes": vocab.nouns, "held_out_pairs": sorted([vocab.nouns[k], c] for k, c in vocab.held_out),
-               "splits": {}}
+    summary = {
+        "source": "scenes",
+        "datasets": names,
+        "note": note,
+        "seed": seed,
+        "data_size": data_size,
+        "classes": vocab.nouns,
+        "held_out_pairs": sorted([vocab.nouns[k], c] for k, c in vocab.held_out),
+        "splits": {},
+    }
     start = index_offset
     for split in SPLITS:
         split_jobs = [j for j in jobs if j.split == split]
         shards = [ShardInfo(results[j][0], j.count, j.first_index, j.first_index + j.count - 1) for j in split_jobs]
-        write_manifest(out / split, Manifest(data_size, shards, extra={
-            "created_by": "fastclip data embedded --source scenes", "split": split, "datasets": names, "seed": seed}))
+        write_manifest(
+            out / split,
+            Manifest(
+                data_size,
+                shards,
+                extra={
+                    "created_by": "fastclip data embedded --source scenes",
+                    "split": split,
+                    "datasets": names,
+                    "seed": seed,
+                },
+            ),
+        )
         captions = [c for j in split_jobs for c in results[j][2]]
         labels = [lab for j in split_jobs for lab in results[j][3]]
-        summary["splits"][split] = {"num_samples": counts[split], "shards": len(shards),
-                                    "index_range": [start, start + counts[split] - 1],
-                                    "distinct_captions": len(set(captions)),
-                                    "labelled_single_object": sum(lab >= 0 for lab in labels)}
+        summary["splits"][split] = {
+            "num_samples": counts[split],
+            "shards": len(shards),
+            "index_range": [start, start + counts[split] - 1],
+            "distinct_captions": len(set(captions)),
+            "labelled_single_object": sum(lab >= 0 for lab in labels),
+        }
         start += counts[split]
     zeroshot = {"datasets": {"scenes": {"classnames": vocab.nouns, "templates": zeroshot_prompts()}}}
     (out / "zeroshot.json").write_text(json.dumps(zeroshot, indent=1) + "\n")

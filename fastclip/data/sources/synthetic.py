@@ -1,5 +1,6 @@
 """Synthetic shards (no dataset needed): chosen shard sizes, index offsets and image formats, for the loader
 benchmark (benchmarks/bench_loader.py) and the tests."""
+
 from __future__ import annotations
 
 import io
@@ -24,7 +25,8 @@ def synthetic_image(index: int, size: int = 16, fmt: str = "png") -> bytes:
     buf = io.BytesIO()
     jpeg = fmt in ("jpg", "jpeg")
     Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(
-        buf, format="JPEG" if jpeg else fmt.upper(), **({"quality": 90} if jpeg else {}))
+        buf, format="JPEG" if jpeg else fmt.upper(), **({"quality": 90} if jpeg else {})
+    )
     return buf.getvalue()
 
 
@@ -32,16 +34,30 @@ def synthetic_caption(index: int) -> str:
     return f"a {COLOURS[index % 10]} picture number {index}"
 
 
-def write_synthetic(out_dir: str | os.PathLike, shard_sizes: list[int], *, index_offset: int = 0,
-                    image_size: int = 16, fmt: str = "png", prefix: str = "train", data_size: int | None = None,
-                    labelled: bool = False) -> Manifest:
+def write_synthetic(
+    out_dir: str | os.PathLike,
+    shard_sizes: list[int],
+    *,
+    index_offset: int = 0,
+    image_size: int = 16,
+    fmt: str = "png",
+    prefix: str = "train",
+    data_size: int | None = None,
+    labelled: bool = False,
+) -> Manifest:
     """Shards of exactly these sizes with indices index_offset, index_offset+1, ... and a manifest."""
     writer = ShardWriter(out_dir, prefix=prefix, shard_size=max(max(shard_sizes), 1))
     index = index_offset
     for size in shard_sizes:
         writer.cut()
         for _ in range(size):
-            writer.write(index, synthetic_image(index, image_size, fmt), fmt, synthetic_caption(index),
-                         label=index % 10 if labelled else None, dataset="synthetic" if labelled else None)
+            writer.write(
+                index,
+                synthetic_image(index, image_size, fmt),
+                fmt,
+                synthetic_caption(index),
+                label=index % 10 if labelled else None,
+                dataset="synthetic" if labelled else None,
+            )
             index += 1
     return writer.close(data_size if data_size is not None else index)

@@ -128,8 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill times")
+    parser.add_argument("--steps", type=int, help="override the number of steps")
+    parser.add_argument("--kill-after", type=float, nargs=2, metavar=("MIN_S", "MAX_S"), help="override the kill times")
     args = parser.parse_args(argv)
-    p = QUICK if args.quick else FULL
+    p = dict(QUICK if args.quick else FULL)
+    if args.steps:
+        p["steps"] = args.steps
+    if args.kill_after:
+        p["kill_after_s"] = tuple(args.kill_after)
     out = args.out or (SMOKE_OUT if args.quick else RESULTS)
     work = SMOKE_OUT / ("longrun_quick" if args.quick else "longrun")
     data = ensure_embedded(SMOKE_OUT / f"embedded_mpc{p['max_per_class']}", max_per_class=p["max_per_class"])

@@ -151,6 +151,9 @@ def clean_env(**extra) -> dict:
             ("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC", "FASTCLIP_FAULTS")
         )
     }
+    # the launch scripts call `python`: the interpreter running the tests, as in an activated venv (CI runs
+    # .venv/bin/python -m pytest without activating it)
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
 

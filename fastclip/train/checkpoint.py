@@ -191,7 +191,9 @@ def _save(
 ) -> Path:
     if info.is_main:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp_step_*"):  # left over by a crash during an earlier save
+        # left over by a crash during an earlier save: a half-written .tmp, or the .old copy of a step saved
+        # again whose removal was cut short (latest never names either)
+        for stale in [*root.glob(".tmp_step_*"), *root.glob(".old_step_*")]:
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     barrier(info)

@@ -69,8 +69,18 @@ def run_segment(cmd: list[str], log: Path, kill_after: float | None, samples: li
             elapsed = time.perf_counter() - start
             samples.append((segment, round(elapsed, 1), rss_mb(proc.pid)))
             if kill_after is not None and elapsed >= kill_after:
-                os.killpg(proc.pid, signal.SIGKILL)
+                # every process of the job, as a node failure would: torchrun starts its ranks in their own
+                # process groups, so killing torchrun's group alone leaves ranks running (and saving) on
+                job = _tree(proc.pid)
+                for pid in reversed(job):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 proc.wait()
+                deadline = time.perf_counter() + 30  # the next launch starts only once all of them are gone
+                while any(os.path.exists(f"/proc/{pid}/stat") for pid in job[1:]) and time.perf_counter() < deadline:
+                    time.sleep(0.2)
                 return None
             time.sleep(1.0)
     return proc.returncode

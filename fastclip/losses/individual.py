@@ -36,6 +36,21 @@ FIELDS = ("u_img", "u_txt", "tau_img", "tau_txt", "b_img", "b_txt", "m_img", "m_
 U, TAU, BOUND, M, V, SEEN = slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8), slice(8, 10), slice(10, 11)
 
 
+def per_sample_tau_metrics(loss, surrogate, objective, gamma: float, tau: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The metrics of a loss with per-anchor temperatures (v2, TempNet): the batch's τ by its 5/50/95 % quantiles."""
+    quantiles = torch.quantile(tau.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=tau.dtype, device=tau.device))
+    return {
+        "loss": loss,
+        "surrogate": surrogate,
+        "objective": objective,
+        "gamma": torch.tensor(gamma, dtype=tau.dtype),
+        "tau_quantiles": quantiles,
+        "tau_q05": quantiles[0],
+        "tau_q50": quantiles[1],
+        "tau_q95": quantiles[2],
+    }
+
+
 def objective_eps_shifted(u: torch.Tensor, b: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(u + ε·e^−b, its log) for u kept in the scale shifted by b: u_true + ε = e^b·(u + ε·e^−b), so the
     objective's ε enters as ε·e^−b. The log is a logaddexp, finite where ε·e^−b underflows; the sum is floored
@@ -118,15 +133,4 @@ class FastCLIPV2Loss(SampleStateLoss):
         loss = weighted_surrogate(batch.image, batch.text, None, blocks, 0.5 / (batch.local_size * n_neg))
 
         objective = (tau_old * (log_denom + b_new + self.rho)).mean()  # both modalities averaged
-        quantiles = torch.quantile(tau_old.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=dtype, device=u.device))
-        metrics = {
-            "loss": loss,
-            "surrogate": loss,
-            "objective": objective,
-            "gamma": torch.tensor(gamma, dtype=dtype),
-            "tau_quantiles": quantiles,
-            "tau_q05": quantiles[0],
-            "tau_q50": quantiles[1],
-            "tau_q95": quantiles[2],
-        }
-        return loss, metrics
+        return loss, per_sample_tau_metrics(loss, loss, objective, gamma, tau_old)

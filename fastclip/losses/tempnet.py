@@ -29,7 +29,7 @@ from .base import SampleStateLoss
 from .batch import GlobalBatch
 from .comm import Comm
 from .estimator import update_u
-from .individual import objective_eps_shifted
+from .individual import objective_eps_shifted, per_sample_tau_metrics
 from .options import TempNetOptions
 from .pairwise import Block, column_terms, compute_dtype, positives, row_terms, similarity, weighted_surrogate
 
@@ -140,15 +140,4 @@ class TempNetLoss(SampleStateLoss):
         loss = surrogate + tau_term - tau_term.detach()  # value: the surrogate; gradient: both
 
         objective = (tau * (log_denom + b_new + self.rho)).mean()
-        quantiles = torch.quantile(tau.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=dtype, device=u.device))
-        metrics = {
-            "loss": loss,
-            "surrogate": surrogate,
-            "objective": objective,
-            "gamma": torch.tensor(gamma, dtype=dtype),
-            "tau_quantiles": quantiles,
-            "tau_q05": quantiles[0],
-            "tau_q50": quantiles[1],
-            "tau_q95": quantiles[2],
-        }
-        return loss, metrics
+        return loss, per_sample_tau_metrics(loss, surrogate, objective, gamma, tau)

@@ -134,30 +134,10 @@ def loss_args(run: Run, study: dict) -> list[str]:
     no_gamma = ["--loss.gamma_min", "null", "--loss.gamma_decay_epochs", "null", "--loss.gamma_schedule", "null"]
     rho = f"{run.value * math.log(run.global_batch - 1):.4f}" if run.knob == "rho_frac" else "null"
     gamma[1] = str(run.gamma_min)
-    if run.loss == "openclip":
-        return [
-            "--loss.temperature",
-            str(run.value),
-            "--loss.rho",
-            "null",
-            *no_gamma,
-            "--optim.lr_tau",
-            "null",
-            "--optim.lr_tau_schedule",
-            "cosine",
-        ]
-    if run.loss in ("fastclip-v0", "fastclip-v1"):
-        return [
-            "--loss.temperature",
-            str(run.value),
-            "--loss.rho",
-            "null",
-            *gamma,
-            "--optim.lr_tau",
-            "null",
-            "--optim.lr_tau_schedule",
-            "cosine",
-        ]
+    if run.loss in ("openclip", "fastclip-v0", "fastclip-v1"):  # τ learned at lr (cosine), or constant (v1)
+        schedule = no_gamma if run.loss == "openclip" else gamma
+        return ["--loss.temperature", str(run.value), "--loss.rho", "null", *schedule,
+                "--optim.lr_tau", "null", "--optim.lr_tau_schedule", "cosine"]  # fmt: skip
     if run.loss == "fastclip-v2":
         return [
             "--loss.temperature",

@@ -500,3 +500,47 @@ def test_tau_min_bounds_the_global_temperature():
         build_loss("fastclip-v0", data_size=10, temperature=0.05, tau_min=0.1)
     with pytest.raises(ValueError, match="compat='faithful'"):
         build_loss("fastclip-v3", data_size=10, separate_temperatures=True, compat="reference")
+
+
+@pytest.mark.parametrize("mode", ["eager", "deferred"])
+def test_later_bad_call_is_named_by_the_words_in_the_feature_gather(mode):
+    """After the first call (the structure handshake), the value checks ride in the feature all_gather: eager
+    raises at the bad call before any state is written; deferred raises at check_inputs(), naming the call, and
+    the out-of-range index was owned by no rank (nothing written for it, no assert)."""
+    e1, e2 = features(N, D, seed=14)
+    loss_fn = build_loss("fastclip-v1", data_size=10, validate=mode).double()
+    loss_fn(e1, e2, IDX)
+    before = loss_fn.sample_state().read(loss_fn.sample_state().locate(torch.arange(10))).clone()
+    bad = torch.tensor([0, 1, 2, 3, 4, 10])
+    if mode == "eager":
+        with pytest.raises(LossInputError, match=r"^rank 0: indices\[5\] = 10 is out of range"):
+            loss_fn(e1, e2, bad)
+        after = loss_fn.sample_state().read(loss_fn.sample_state().locate(torch.arange(10)))
+        assert torch.equal(after, before)  # raised before the state was touched
+        return
+    state = loss_fn.sample_state()
+    loss_fn(e1, e2, IDX)  # call 2: fine
+    rows = state.read(state.locate(torch.arange(10))).clone()
+    loss_fn(e1, e2, bad)  # call 3: no error yet, no assert
+    after = state.read(state.locate(torch.arange(10)))
+    assert not torch.equal(after[:5], rows[:5])  # the good rows were updated
+    assert torch.equal(after[5:], rows[5:])  # not in this batch; index 10 was owned by no rank
+    nan = e1.clone()
+    nan[2, 1] = float("nan")
+    loss_fn(nan, e2, IDX)  # call 4: a later bad call does not replace the first one
+    with pytest.raises(LossInputError, match=r"^loss call 3: rank 0: indices\[5\] = 10 is out of range"):
+        loss_fn.check_inputs()
+    loss_fn.check_inputs()  # reported once
+    loss_fn(nan, e2, IDX)  # call 5
+    loss_fn.check_inputs(features=False)  # a NaN guard handled it: forgotten, no error
+    loss_fn(nan, e2, IDX)  # call 6
+    with pytest.raises(NonFiniteFeaturesError, match=r"^loss call 6: rank 0: image_features .* row 2"):
+        loss_fn.check_inputs()
+
+
+def test_validate_option_values():
+    assert build_loss("fastclip-v3", data_size=10).validate == "eager"
+    assert build_loss("fastclip-v3", data_size=10, validate=False).validate == "off"
+    assert build_loss("openclip", validate="deferred").validate == "deferred"
+    with pytest.raises(ValueError, match="validate must be"):
+        build_loss("fastclip-v3", data_size=10, validate="sometimes")

@@ -182,6 +182,34 @@ def bad_inputs(rank, world_size):
     return results
 
 
+def later_bad_calls(rank, world_size):
+    """After the handshake a call makes only its data collectives; a bad value on one rank is named alike on both."""
+    out = {}
+    for mode in ("eager", "deferred"):
+        loss_fn = build_loss("fastclip-v3", data_size=DATA_SIZE, validate=mode).double()
+        e1, e2 = step_batch(0, 4)
+        idx = torch.arange(4) + 4 * rank
+        loss_fn(e1, e2, idx).backward()  # call 1: the structure handshake
+        with CollectiveByteCounter() as counter:
+            loss_fn(e1, e2, idx, epoch=1).backward()  # call 2
+        out[mode] = {"calls": dict(counter.calls), "bytes": dict(loss_fn.comm_bytes)}
+        bad = idx.clone()
+        if rank == 1:
+            bad[2] = DATA_SIZE
+        try:
+            loss_fn(e1, e2, bad)  # call 3
+            out[mode]["at_call"] = None
+        except LossInputError as error:
+            out[mode]["at_call"] = str(error)
+        try:
+            loss_fn.check_inputs()
+            out[mode]["at_check"] = None
+        except LossInputError as error:
+            out[mode]["at_check"] = str(error)
+        out[mode]["after"] = float(loss_fn(e1, e2, idx))  # the group is still usable
+    return out
+
+
 BIG = 10**6
 
 
@@ -214,6 +242,7 @@ def two_rank_suite(rank, world_size):
         "configs": run_configs(CONFIGS_2, STEPS_2, rank, world_size),
         "clip": clip_loss_comparison(rank, world_size),
         "bad": bad_inputs(rank, world_size),
+        "later": later_bad_calls(rank, world_size),
         "big": big_data_size(rank, world_size),
     }
 
@@ -326,7 +355,7 @@ def test_comm_bytes_v3_half_of_cliploss(two_ranks):
         assert v3["features"] == (k - 1) * 2 * b * D * item  # one all_gather of [image | text]
         assert v3["indices"] == (k - 1) * b * 8
         assert v3["state"] == 2 * (k - 1) * (k * b) * 5 * item // k  # all_reduce of [N, 5]
-        assert v3["header"] == (k - 1) * 16 * 8
+        assert v3["header"] == (k - 1) * (16 + 4) * 8  # the first call's handshake + the 4 words in the gather
         assert v3["total"] == sum(v3[key] for key in ("features", "indices", "state", "header"))
         # ClipLoss, measured by wrapping torch.distributed: 2 all_gathers forward + their backward
         assert result["clip"]["clip_bytes"] == 4 * (k - 1) * b * D * item
@@ -352,6 +381,22 @@ def test_bad_input_raises_the_same_error_on_every_rank(two_ranks, case):
     assert kind0 == expected[0].__name__
     assert expected[1] in msg0, msg0
     assert all(math.isfinite(r["bad"]["after"]) for r in two_ranks)
+
+
+def test_after_the_handshake_a_call_makes_no_extra_collective(two_ranks):
+    message = f"rank 1: indices[2] = {DATA_SIZE} is out of range [0, data_size={DATA_SIZE})"
+    for result in two_ranks:
+        for mode in ("eager", "deferred"):
+            later = result["later"][mode]
+            gathers = sum(n for name, n in later["calls"].items() if name.startswith("all_gather"))
+            # one all_gather (features, indices and the check words), one all_reduce (the state rows)
+            assert (gathers, later["calls"].get("all_reduce")) == (1, 1), later["calls"]
+            assert later["bytes"]["header"] == 4 * 8  # the 4 check words of the other rank
+            assert math.isfinite(later["after"])
+        assert result["later"]["eager"]["at_call"] == message
+        assert result["later"]["eager"]["at_check"] is None
+        assert result["later"]["deferred"]["at_call"] is None
+        assert result["later"]["deferred"]["at_check"] == "loss call 3: " + message
 
 
 def test_data_size_million_is_sharded_and_reshards_losslessly(two_ranks):

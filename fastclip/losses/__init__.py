@@ -47,7 +47,13 @@ Numerics (beyond the reference): autocast is off inside every loss and similarit
 fp32; v0/v1/v3 keep log u and shift rows by their maximum (no fp32 overflow at τ = 0.01); v2 adds the
 objective's ε in its shifted scale (``compat="reference"``: the published ε·e^b); copies of one data index in a
 global batch are not each other's negatives (g keeps its 1/(N-1) normalisation) and the state keeps the last
-occurrence; with ``validate=False`` an out-of-range index trips a device-side assert and writes nothing.
+occurrence.
+
+Input checks (``validate``, validation.py): ``True``/``"eager"`` (default) names a bad input in the call, before
+the state is written (one host sync per call); ``"deferred"`` rides the same checks in the feature all_gather and
+keeps them on the device until ``loss_fn.check_inputs()`` (no host sync, no extra collective: for loops with a
+NaN guard, like the trainer's); ``False``/``"off"``: none, and an out-of-range index trips a device-side assert
+and writes nothing.
 
 Beyond the reference:
 

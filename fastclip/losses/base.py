@@ -14,7 +14,7 @@ from .errors import LossInputError
 from .options import CommonOptions, SampleStateOptions
 from .pairwise import exact_float32
 from .sharded_state import ShardedSampleState
-from .validation import validate_inputs
+from .validation import InputChecks, validate_mode, value_words
 
 LOGIT_SCALE_MAX = math.log(100.0)  # OpenCLIP's clamp: τ >= 0.01
 
@@ -34,6 +34,8 @@ class ContrastiveLoss(nn.Module):
         self.epoch = 0
         self.metrics: dict[str, torch.Tensor] = {}
         self.comm_bytes: dict[str, int] = {}
+        self.validate = validate_mode(options.validate)  # "eager", "deferred" or "off" (validation.py)
+        self.input_checks = InputChecks(getattr(options, "data_size", None))
 
     # -- per call ---------------------------------------------------------------------------------------------
     def forward(
@@ -61,8 +63,8 @@ class ContrastiveLoss(nn.Module):
         data_size = getattr(self.options, "data_size", None)
         if isinstance(indices, torch.Tensor) and isinstance(image_features, torch.Tensor):
             indices = indices.to(image_features.device, non_blocking=True)  # data loaders hand them over on CPU
-        if self.options.validate:
-            validate_inputs(
+        if self.validate != "off":  # the structure handshake: first call, or this rank's shapes changed
+            self.input_checks.structure(
                 comm,
                 image_features,
                 text_features,
@@ -77,7 +79,14 @@ class ContrastiveLoss(nn.Module):
             indices = indices.to(torch.int64)
         if not self.needs_indices:
             indices = None  # not needed: do not ship them
-        batch = comm.gather_batch(image_features, text_features, indices)
+        words = None
+        if self.validate != "off":  # value checks ride in the feature all_gather's buffer
+            words = value_words(image_features, text_features, indices, data_size)
+        batch = comm.gather_batch(image_features, text_features, indices, header=words)
+        if words is not None:
+            self.input_checks.record(batch.header)
+            if self.validate == "eager":  # before the loss writes its state
+                self.input_checks.raise_if_bad()
         loss, metrics = self._compute(comm, batch)
         self.metrics = {name: value.detach() for name, value in metrics.items()}
         self.comm_bytes = comm.bytes_moved()
@@ -85,6 +94,17 @@ class ContrastiveLoss(nn.Module):
 
     def _compute(self, comm: Comm, batch: GlobalBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
+
+    def check_inputs(self, *, features: bool = True) -> None:
+        """Raise the input error of the first bad call since the last check (validate="deferred"; one host read,
+        the same error on every rank; not a collective). ``features=False``: forget non-finite features (a NaN
+        guard skipped those steps) and raise only for an out-of-range index."""
+        self.input_checks.raise_if_bad(features=features, call_number=True)
+
+    @property
+    def _assert_indices(self) -> bool:
+        """Assert on the device that indices are in range (only when nothing else checks them)."""
+        return self.validate != "deferred"
 
     def extra_repr(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in vars(self.options).items() if k != "group")

@@ -19,6 +19,7 @@ class GlobalBatch:
     all_indices: torch.Tensor | None  # [N]
     rank: int
     world_size: int
+    header: torch.Tensor | None = None  # [K, 4] int64 validation words of every rank (validation.py)
     _positive_cells: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property

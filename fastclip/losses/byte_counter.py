@@ -32,6 +32,7 @@ class CollectiveByteCounter:
     def __init__(self, group=None):
         self.group = group
         self.bytes: dict[str, int] = {}
+        self.calls: dict[str, int] = {}  # how many times each collective was called
         self._saved: dict[str, object] = {}
 
     @staticmethod
@@ -63,6 +64,7 @@ class CollectiveByteCounter:
 
             def counted(*args, _name=name, _original=original, **kwargs):
                 self.bytes[_name] = self.bytes.get(_name, 0) + self._wire_bytes(_name, args, kwargs)
+                self.calls[_name] = self.calls.get(_name, 0) + 1
                 return _original(*args, **kwargs)
 
             setattr(dist, name, counted)

@@ -2,11 +2,12 @@
 
 A loss call makes at most these data collectives:
 
-* ``header``   all_gather of a tiny float64 vector per rank (validation.py), before anything else (and
-  a second one only when some rank's values are bad, to name the row or index);
-* ``features`` + ``indices``: ONE all_gather of ``[image | text | indices]`` packed into a single flat buffer
-  of the feature dtype; the int64 indices travel bit-cast (``Tensor.view(dtype)``), which a copy-only
-  collective preserves exactly. Nothing here carries autograd, so there is no backward collective;
+* ``header``   the structure handshake of validation.py, a tiny float64 all_gather: on the first call and when
+  a rank's input shapes change (a second one only when some rank's values are bad, to name the row or index);
+* ``features`` + ``indices`` (+ ``header``): ONE all_gather of ``[image | text | indices | 4 check words]``
+  packed into a single flat buffer of the feature dtype; the int64 indices and words travel bit-cast
+  (``Tensor.view(dtype)``), which a copy-only collective preserves exactly. Nothing here carries autograd,
+  so there is no backward collective;
 * ``state``    all_reduce(SUM) of an ``[N, m]`` table in which every entry has exactly one contributing rank
   (all others add 0), so the sum is exact. FastCLIP-v2 makes two of these.
 
@@ -73,13 +74,17 @@ class Comm:
             self.ledger[ledger_key] += 2 * (self.world_size - 1) * nbytes // self.world_size
         return tensor
 
-    def gather_batch(self, image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor | None) -> GlobalBatch:
-        """The one feature all_gather: local rows keep autograd, the gathered copies have none."""
+    def gather_batch(
+        self, image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor | None, header: torch.Tensor | None = None
+    ) -> GlobalBatch:
+        """The one feature all_gather: local rows keep autograd, the gathered copies have none. ``header``
+        (int64 words, validation.py) rides at the end of the same buffer."""
         rows, dim = image.shape
         with torch.no_grad():
             parts = [image.reshape(-1), text.reshape(-1)]
-            if indices is not None:
-                parts.append(indices.contiguous().view(image.dtype))  # bit-cast, exact through a copy
+            for words in (indices, header):
+                if words is not None:
+                    parts.append(words.contiguous().view(image.dtype))  # bit-cast, exact through a copy
             packed = torch.cat(parts)
             if self.world_size == 1:
                 gathered = packed.unsqueeze(0)
@@ -93,11 +98,18 @@ class Comm:
             self.ledger["features"] += (self.world_size - 1) * 2 * n_feat * item
             if indices is not None:
                 self.ledger["indices"] += (self.world_size - 1) * rows * 8
+            if header is not None:
+                self.ledger["header"] += (self.world_size - 1) * header.numel() * 8
         all_image = gathered[:, :n_feat].reshape(-1, dim)
         all_text = gathered[:, n_feat : 2 * n_feat].reshape(-1, dim)
-        all_indices = None
+        all_indices = all_header = None
+        words = gathered[:, 2 * n_feat :]
         if indices is not None:
-            all_indices = gathered[:, 2 * n_feat :].contiguous().view(torch.int64).reshape(-1)
+            n_idx = rows * 8 // image.element_size()
+            all_indices = words[:, :n_idx].contiguous().view(torch.int64).reshape(-1)
+            words = words[:, n_idx:]
+        if header is not None:
+            all_header = words.contiguous().view(torch.int64)  # [K, len(header)]
         return GlobalBatch(
             image=image,
             text=text,
@@ -107,6 +119,7 @@ class Comm:
             all_indices=all_indices,
             rank=self.rank,
             world_size=self.world_size,
+            header=all_header,
         )
 
     def share_rows(

@@ -71,7 +71,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
     def _compute(self, comm: Comm, batch: GlobalBatch):
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
-        slots = state.locate(batch.all_indices)
+        slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices)
         gamma = self.gamma()
         n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
         scale = self._scale(dtype)  # s = 1/τ, autograd into logit_scale when learnable

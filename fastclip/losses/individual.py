@@ -85,7 +85,7 @@ class FastCLIPV2Loss(SampleStateLoss):
         opt = self.options
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
-        slots = state.locate(batch.all_indices)
+        slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices)
         gamma, eps = self.gamma(), opt.eps
         n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
         sim_it = similarity(batch.image, batch.all_text, dtype)  # image anchors (rows) vs all texts

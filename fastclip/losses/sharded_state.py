@@ -76,6 +76,9 @@ class ShardedSampleState:
         initial = torch.tensor([float(v) for v in fields.values()], dtype=dtype, device=device)
         self._table = initial.repeat(self.num_slots + 1, 1)
         self._seen = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=device)
+        # When a list: every write() first appends (where, the rows before it), so a caller that decides after
+        # the backward not to take the step (the trainer's NaN guard) can roll the writes back (rollback()).
+        self.journal: list[tuple[BatchSlots, torch.Tensor]] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -97,17 +100,19 @@ class ShardedSampleState:
         self._seen = self._seen.to(device)
         return self
 
-    def locate(self, indices: torch.Tensor) -> BatchSlots:
+    def locate(self, indices: torch.Tensor, *, assert_in_range: bool = True) -> BatchSlots:
         """Where the global batch's ``indices`` (``[N]``) live in this shard; computed once per step."""
         indices = indices.to(self.device)
         in_range = (indices >= 0) & (indices < self.data_size)
-        # The loss's validation (validate=True) names a bad index; without it, a device-side assert still
-        # stops the step (no host sync on CUDA), and an out-of-range index is never "owned", so it can
-        # neither read nor write the spare row (index == data_size) or wrap to the last slot (index -1).
-        torch._assert_async(
-            in_range.all(),
-            "fastclip: a sample index is outside [0, data_size) (run the loss with validate=True to name it)",
-        )
+        # An out-of-range index is never "owned", so it can neither read nor write the spare row (index ==
+        # data_size) or wrap to the last slot (index -1). The loss's validation names it (eager: before this;
+        # deferred: at check_inputs(), so no assert here); with validation off a device-side assert stops the
+        # step (no host sync on CUDA).
+        if assert_in_range:
+            torch._assert_async(
+                in_range.all(),
+                "fastclip: a sample index is outside [0, data_size) (run the loss with validate=True to name it)",
+            )
         owned = (indices % self.world_size == self.rank) & in_range
         slots = torch.where(owned, indices // self.world_size, self.num_slots)
         write_slots = torch.where(owned & last_occurrence(indices), slots, self.num_slots)
@@ -120,14 +125,31 @@ class ShardedSampleState:
 
     @torch.no_grad()
     def restore(self, where: BatchSlots, saved: torch.Tensor) -> None:
-        """Put back the owned rows ``saved = read(where)`` held (fields and ``seen``): undoes a step's ``write``."""
-        rows = where.owned.nonzero().squeeze(1)
-        slots = where.slots[rows]
-        self._table[slots] = saved[rows, :-1].to(self.dtype)
-        self._seen[slots] = saved[rows, -1] > 0.5
+        """Put back the owned rows ``saved = read(where)`` held (fields and ``seen``): undoes a step's ``write``.
+        Through the write slots (copies of an index saved the same row; the others go to the spare row)."""
+        self._table[where.write_slots] = saved[:, :-1].to(self.dtype)
+        self._seen[where.write_slots] = saved[:, -1] > 0.5
+
+    @torch.no_grad()
+    def rollback_where(self, undo: torch.Tensor) -> None:
+        """Undo the journal's writes where the 0-d bool ``undo`` is true, keep them otherwise (on the device, no
+        host read), and empty the journal."""
+        for where, saved in reversed(self.journal or []):
+            self.restore(where, torch.where(undo, saved, self.read(where)))
+        if self.journal is not None:
+            self.journal.clear()
+
+    def rollback(self) -> None:
+        """Undo the journal's writes, newest first, and empty it."""
+        for where, saved in reversed(self.journal or []):
+            self.restore(where, saved)
+        if self.journal is not None:
+            self.journal.clear()
 
     def write(self, where: BatchSlots, values: torch.Tensor) -> None:
         """Store ``values`` ``[N, F]`` for the owned rows, a repeated index keeping its last occurrence; marks seen."""
+        if self.journal is not None:
+            self.journal.append((where, self.read(where)))
         self._table[where.write_slots] = values.detach().to(device=self.device, dtype=self.dtype)
         self._seen[where.write_slots] = True
 

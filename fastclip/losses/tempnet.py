@@ -78,7 +78,7 @@ class TempNetLoss(SampleStateLoss):
         eps = self.options.eps
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
-        slots = state.locate(batch.all_indices)
+        slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices)
         gamma = self.gamma()
         n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
         head_dtype = self.tempnet_img.out.weight.dtype

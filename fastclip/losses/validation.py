@@ -1,12 +1,22 @@
-"""Input checks that fail the same way on every rank.
+"""Input checks that fail the same way on every rank, without a collective or a host sync of their own.
 
-Each rank describes its inputs in a small header (shapes, dtypes, the sum of each feature tensor, the
-smallest and largest index), the headers are all_gathered (one tiny collective), and every rank runs the
-same checks over all headers in the same order, so all ranks raise the same error with the same message and
-none is left waiting in a later collective. Only when a value check fails (a non-finite sum, an index out of
-range) is a second header gathered, with the offending row / position of each rank, to name it.
-The happy path costs a handful of reductions, one tiny all_gather and one host sync per call
-(``validate=False`` skips it all).
+Two kinds of check:
+
+* **Structure** (shapes, dtypes, agreement of B, d and dtype across ranks). Each rank describes its inputs in
+  a small header, the headers are all_gathered and every rank runs the same checks over all of them in the same
+  order, so all ranks raise the same error and none is left waiting in a later collective. This handshake runs
+  on the first call and again only when this rank's input signature changes (ranks change it together: when
+  every rank's last batch is smaller). Shapes are host metadata, so telling "unchanged" costs nothing.
+* **Values** (non-finite features, an index outside [0, data_size)). Every call, four int64 words per rank
+  (first non-finite row of image and of text, first bad index position and its value) are computed on the
+  device and ride at the end of the feature all_gather's buffer (comm.gather_batch): every rank then holds
+  every rank's words, on the device, and decides the same. ``InputChecks`` keeps the first bad call's words
+  (device ops only); ``raise_if_bad()`` reads them back (the one host read) and raises the error naming rank,
+  row or index. ``validate="eager"`` calls it before the loss touches its state, every call (a host sync);
+  ``"deferred"`` leaves it to the caller (the trainer: on logging steps and before a checkpoint is written).
+  In deferred mode an out-of-range index is simply owned by no rank (it reads and writes no state).
+
+``validate=False`` ("off") skips both; an out-of-range index then trips a device-side assert.
 """
 
 from __future__ import annotations
@@ -193,6 +203,89 @@ def check_details(details: list[list[int]], *, data_size: int | None) -> None:
     for rank, (_, _, pos, value) in enumerate(details):
         if pos >= 0:
             raise LossInputError(f"rank {rank}: indices[{pos}] = {value} is out of range [0, data_size={data_size})")
+
+
+VALIDATE_MODES = ("eager", "deferred", "off")
+HEADER_WORDS = 4  # [first non-finite image row, first non-finite text row, first bad index position, its value]
+
+
+def validate_mode(value) -> str:
+    """The loss option ``validate``: True = "eager", False = "off", or one of VALIDATE_MODES."""
+    if value is True or value is None:
+        return "eager"
+    if value is False:
+        return "off"
+    if value in VALIDATE_MODES:
+        return value
+    raise ValueError(f"loss option validate must be true, false or one of {VALIDATE_MODES}, got {value!r}")
+
+
+def _first_true(mask: torch.Tensor) -> torch.Tensor:
+    """Position of the first True in a 1-D bool tensor, -1 if none (on the device, no host sync)."""
+    first = torch.argmax(mask.to(torch.int32))  # argmax returns the first of equal maxima
+    return torch.where(mask.any(), first, -1)
+
+
+def value_words(image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor | None, data_size: int | None):
+    """``[HEADER_WORDS]`` int64 on the features' device: -1 where nothing is wrong."""
+    # A row's float64 sum is NaN/Inf iff the row holds a NaN/Inf: one pass over the features.
+    rows = [_first_true(~torch.isfinite(x.detach().sum(dim=1, dtype=torch.float64))) for x in (image, text)]
+    if data_size is not None and indices is not None:
+        bad = (indices < 0) | (indices >= data_size)
+        pos = _first_true(bad)
+        value = torch.where(pos >= 0, indices[pos.clamp(min=0)], 0)
+    else:
+        pos = value = torch.full((), -1, dtype=torch.int64, device=image.device)
+    return torch.stack([rows[0], rows[1], pos.to(torch.int64), value.to(torch.int64)])
+
+
+class InputChecks:
+    """Validation state of one loss: the input signature the ranks agreed on, and the first bad call's words."""
+
+    def __init__(self, data_size: int | None):
+        self.data_size = data_size
+        self.signature: tuple | None = None
+        self.calls = 0  # loss calls made (host counter)
+        self._words: torch.Tensor | None = None  # [K, HEADER_WORDS] of the first bad call (or of the last call)
+        self._bad_call: torch.Tensor | None = None  # that call's number, -1 while none was bad
+
+    def structure(self, comm: Comm, image, text, indices, **checks) -> None:
+        """The structure handshake, when this rank's input signature differs from the agreed one."""
+        signature = (_describe(image), _describe(text), _describe(indices), comm.world_size)
+        if signature != self.signature:
+            validate_inputs(comm, image, text, indices, **checks)  # raises alike on every rank
+            self.signature = signature
+
+    def record(self, words: torch.Tensor) -> None:
+        """Keep the gathered ``[K, HEADER_WORDS]`` words if this call is the first bad one (device ops only)."""
+        self.calls += 1
+        bad = (words[:, :3] >= 0).any()
+        call = torch.where(bad, self.calls, -1)
+        if self._words is None or self._words.shape != words.shape:
+            self._words, self._bad_call = words, call
+            return
+        keep = self._bad_call >= 0
+        self._words = torch.where(keep, self._words, words)
+        self._bad_call = torch.where(keep, self._bad_call, call)
+
+    def raise_if_bad(self, *, features: bool = True, call_number: bool = False) -> None:
+        """One host read: raise the first bad call's error (the same on every rank) and forget it.
+        ``features=False``: a non-finite-features call is forgotten without raising (the caller's NaN guard
+        skipped that step); only an index error raises."""
+        if self._words is None:
+            return
+        values = torch.cat([self._bad_call.reshape(1), self._words.reshape(-1)]).tolist()
+        call, details = values[0], [values[1 + i : 1 + i + HEADER_WORDS] for i in range(0, len(values) - 1, 4)]
+        if call < 0:
+            return
+        self._words = self._bad_call = None
+        where = f"loss call {call}: " if call_number else ""
+        if not features:
+            details = [[-1, -1, pos, value] for _, _, pos, value in details]
+        try:
+            check_details(details, data_size=self.data_size)
+        except (LossInputError, NonFiniteFeaturesError) as error:
+            raise type(error)(where + str(error)) from None
 
 
 def validate_inputs(

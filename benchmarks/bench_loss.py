@@ -44,6 +44,7 @@ WORLD_SIZE = 2
 DATA_SIZE = 10**6
 FULL = dict(batch_sizes=(64, 256, 1024), dims=(64, 512), reps=9, warmup=2)
 QUICK = dict(batch_sizes=(64,), dims=(64,), reps=3, warmup=1)
+MODES = ("deferred", "eager", "off")  # the loss option validate (fastclip/losses/validation.py)
 
 
 def _features(batch: int, dim: int, seed: int):
@@ -57,16 +58,19 @@ def _features(batch: int, dim: int, seed: int):
 def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> dict:
     open_clip = import_open_clip()
     clip = open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=WORLD_SIZE)
-    fast = build_loss("fastclip-v3", data_size=DATA_SIZE)
-    unchecked = build_loss("fastclip-v3", data_size=DATA_SIZE, validate=False)
+    modes = {mode: build_loss("fastclip-v3", data_size=DATA_SIZE, validate=mode) for mode in MODES}
+    fast = modes["deferred"]
     logit_scale = torch.nn.Parameter(fast.logit_scale.detach().clone())
     image, text, indices = _features(batch, dim, seed=1000 * rank + batch + dim)
 
-    steps = {  # epoch 1: γ < 1, the u update proper (the first visit of a sample is the same work)
-        "fastclip-v3": lambda: fast(image, text, indices, epoch=1).backward(),
-        "fastclip-v3-unchecked": lambda: unchecked(image, text, indices, epoch=1).backward(),
-        "openclip": lambda: clip(image, text, logit_scale.exp()).backward(),
-    }
+    def v3_step(loss_fn):
+        loss_fn(image, text, indices, epoch=1).backward()
+        if loss_fn.validate == "deferred":  # read at every step here; the trainer reads at logging steps only
+            loss_fn.check_inputs()
+
+    # epoch 1: γ < 1, the u update proper (the first visit of a sample is the same work)
+    steps = {f"fastclip-v3-{mode}": (lambda f=loss_fn: v3_step(f)) for mode, loss_fn in modes.items()}
+    steps["openclip"] = lambda: clip(image, text, logit_scale.exp()).backward()
     times = {name: [] for name in steps}
     for rep in range(warmup + reps):
         for name, step in steps.items():
@@ -79,8 +83,7 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
         "B": batch,
         "d": dim,
         "reps": reps,
-        "fastclip_ms": 1e3 * statistics.median(times["fastclip-v3"]),
-        "fastclip_unchecked_ms": 1e3 * statistics.median(times["fastclip-v3-unchecked"]),
+        **{f"fastclip_{mode}_ms": 1e3 * statistics.median(times[f"fastclip-v3-{mode}"]) for mode in MODES},
         "openclip_ms": 1e3 * statistics.median(times["openclip"]),
         "fastclip_bytes": dict(fast.comm_bytes),
         "openclip_bytes": counter.total,
@@ -107,16 +110,17 @@ def _free_port() -> int:
 
 def _table(rows: list[dict]) -> str:
     lines = [
-        "| B | d | v3 ms | v3 unchecked ms | ClipLoss ms | time v3/Clip | time unchecked/Clip | v3 feature bytes | "
-        "v3 total bytes | ClipLoss bytes | feature bytes v3/Clip | total bytes v3/Clip |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| B | d | v3 deferred ms | v3 eager ms | v3 off ms | ClipLoss ms | deferred/Clip | eager/Clip | off/Clip | "
+        "v3 feature bytes | v3 total bytes | ClipLoss bytes | feature bytes v3/Clip | total bytes v3/Clip |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         fb, tb, cb = r["fastclip_bytes"]["features"], r["fastclip_bytes"]["total"], r["openclip_bytes"]
-        v3, raw, clip = r["fastclip_ms"], r["fastclip_unchecked_ms"], r["openclip_ms"]
+        ms = [r[f"fastclip_{mode}_ms"] for mode in MODES]
+        clip = r["openclip_ms"]
         lines.append(
-            f"| {r['B']} | {r['d']} | {v3:.2f} | {raw:.2f} | {clip:.2f} | {v3 / clip:.2f} | {raw / clip:.2f} | "
-            f"{fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} |"
+            f"| {r['B']} | {r['d']} | {' | '.join(f'{t:.2f}' for t in ms)} | {clip:.2f} | "
+            f"{' | '.join(f'{t / clip:.2f}' for t in ms)} | {fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} |"
         )
     return "\n".join(lines)
 
@@ -165,11 +169,13 @@ def main(argv: list[str] | None = None) -> int:
             "(other jobs on the machine inflate absolute times; the interleaving keeps the ratios comparable).",
             "",
             "Time: forward + backward + communication of the loss alone (features are leaf tensors), slowest rank. "
-            "`v3` is the default (validate=True: one extra tiny all_gather and a host sync per step to check the "
-            "inputs on all ranks); `v3 unchecked` is validate=False. "
+            "v3 with each value of the loss option `validate`: `deferred` (the trainer's default: the input checks "
+            "ride in the feature all_gather, no extra collective; read back here at every step, by the trainer "
+            "on logging steps), `eager` (the library default: the same words, read back in every call before the "
+            "state is written: a host sync) and `off`. "
             "Bytes: per rank per step, ring formulas; ClipLoss counted by wrapping its torch.distributed calls "
-            "(2 all_gathers forward, 2 x K scatters backward on gloo). v3 total = features + indices + "
-            "validation header + state all_reduce.",
+            "(2 all_gathers forward, 2 x K scatters backward on gloo). v3 total (deferred) = features + indices + "
+            "4 check words + state all_reduce (the warm-up's first call adds the one-time structure handshake).",
             "",
             table,
             "",

@@ -562,6 +562,12 @@ def paired_difference(study: dict, results: Path, dataset: str, gb: int, metric:
     return (*_mean_std(diffs), diffs) if diffs else None
 
 
+def paired_t(paired) -> float:
+    """Student's t of the paired differences: mean / (std / sqrt(n)) (std with n - 1, as _mean_std)."""
+    mean, std, diffs = paired
+    return mean / (std / math.sqrt(len(diffs)))
+
+
 def summarize(study: dict, results: Path) -> dict:
     groups = []
     for dataset, gb in study["order"]:
@@ -662,7 +668,13 @@ def markdown(result: dict) -> str:
                 + (f"with **{sp:.2f}x** fewer samples." if sp else "**not** within the run.")
                 + (
                     f" Seed by seed (same initial towers and data order) v3 − openclip = {100 * paired[0]:+.1f} ± "
-                    f"{100 * paired[1]:.1f} points ({', '.join(f'{100 * d:+.1f}' for d in paired[2])})."
+                    f"{100 * paired[1]:.1f} points ({', '.join(f'{100 * d:+.1f}' for d in paired[2])}): v3 ahead "
+                    f"in {sum(d > 0 for d in paired[2])} of {len(paired[2])} seeds"
+                    + (
+                        f", paired t = {paired_t(paired):.2f} with {len(paired[2]) - 1} degrees of freedom."
+                        if len(paired[2]) > 1 and paired[1] > 0
+                        else "."
+                    )
                     if paired
                     else ""
                 )

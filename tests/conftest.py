@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from helpers import make_embedded
+# Jobs and spawned ranks run with 1 thread (helpers.clean_env, dist_utils); in-process runs that are compared
+# with them bit for bit must use the same CPU kernels, whichever test file runs first or alone.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from helpers import make_embedded  # noqa: E402
 
 
 @pytest.fixture(scope="session")

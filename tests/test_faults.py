@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastclip.losses import reshard_states
 from fastclip.train.cli import main
@@ -153,26 +154,41 @@ def batch(data, one_process_run, tmp_path_factory) -> dict:
             None,
         ),
         # NaN features at step 2 (rank 0's batch), NaN gradients at step 3 (rank 1 only, after backward's all-reduce)
+        # (the host decision: a NaN that appears on one rank after the all-reduce is still seen by all ranks)
         "nan": (
-            fault_overrides(data, root / "nan", **{"train.max_steps": 3, "checkpoint.every_steps": 1}),
-            "nan@batch:step=2:rank=0; nan@grads:step=3:rank=1",
-            None,
-        ),
-        # resumed: step 4 is fine, then NaN at 5 and 6 with at most 2 in a row allowed
-        "nan_stop": (
             fault_overrides(
                 data,
                 root / "nan",
-                **{
-                    "train.max_steps": 9,
-                    "checkpoint.every_steps": 1,
-                    "train.resume": "latest",
-                    "train.max_nonfinite_steps": 2,
-                },
+                **{"train.max_steps": 3, "checkpoint.every_steps": 1, "train.nonfinite_check": "host"},
             ),
-            "nan@batch:step=5:rank=1; nan@batch:step=6:rank=0",
+            "nan@batch:step=2:rank=0; nan@grads:step=3:rank=1",
             None,
         ),
+        # the same on the device (no per-step host read): NaN features at step 2 (rank 0) and 3 (rank 1)
+        "nan_device": (
+            fault_overrides(data, root / "nan_device", **{"train.max_steps": 3, "checkpoint.every_steps": 1}),
+            "nan@batch:step=2:rank=0; nan@batch:step=3:rank=1",
+            None,
+        ),
+        # resumed: step 4 is fine, then NaN at 5 and 6 with at most 2 in a row allowed
+        **{
+            f"{name}_stop": (
+                fault_overrides(
+                    data,
+                    root / name,
+                    **{
+                        "train.max_steps": 9,
+                        "checkpoint.every_steps": 1,
+                        "train.resume": "latest",
+                        "train.max_nonfinite_steps": 2,
+                        "train.nonfinite_check": check,
+                    },
+                ),
+                "nan@batch:step=5:rank=1; nan@batch:step=6:rank=0",
+                None,
+            )
+            for name, check in (("nan", "host"), ("nan_device", "device"))
+        },
         # rotten shards, 2 data workers per rank: 4 workers over 3 shards, no resampling
         "rotten": (
             fault_overrides(
@@ -280,15 +296,21 @@ def test_resume_one_process_checkpoint_on_two(batch, one_process_run):
 
 
 # ----------------------------------------------------------------------------- NaN / Inf
-def test_nonfinite_steps_are_skipped_without_any_update(batch):
-    """NaN features (step 2, rank 0) and NaN gradients (step 3, rank 1 only): both ranks skip both steps, so
-    the state after step 3 is the state after step 1, bitwise, per-sample state included."""
-    assert batch["results"]["nan"] == 3
-    run = batch["root"] / "nan"
+@pytest.mark.parametrize("name", ["nan", "nan_device"])
+def test_nonfinite_steps_are_skipped_without_any_update(batch, name):
+    """nan (host decision): NaN features (step 2, rank 0) and NaN gradients (step 3, rank 1 only, after the
+    all-reduce). nan_device (decided and applied on the device): NaN features at step 2 (rank 0) and 3 (rank 1).
+    Both ranks skip both steps, so the state after step 3 is the state after step 1, bitwise, per-sample state
+    (v2: u, tau and its Adam moments) included."""
+    assert batch["results"][name] == 3
+    run = batch["root"] / name
     skipped = {r["step"]: r for r in records(run) if "skipped" in r}
     assert sorted(skipped)[:2] == [2, 3]
     assert "non-finite features" in skipped[2]["skipped"] and "rank 0" in skipped[2]["skipped"]
-    assert "non-finite gradients" in skipped[3]["skipped"]
+    if name == "nan":
+        assert "non-finite gradients" in skipped[3]["skipped"]
+    else:
+        assert "non-finite features" in skipped[3]["skipped"] and "rank 1" in skipped[3]["skipped"]
     assert (skipped[2]["nonfinite_skipped"], skipped[3]["nonfinite_skipped"], skipped[3]["nonfinite_in_a_row"]) == (
         1,
         2,
@@ -306,9 +328,10 @@ def test_nonfinite_steps_are_skipped_without_any_update(batch):
         assert_same(load(one / f"rank_{r}.pt")["loss_state"], load(three / f"rank_{r}.pt")["loss_state"], f"rank {r}")
 
 
-def test_too_many_nonfinite_steps_in_a_row_stop_with_the_last_good_checkpoint(batch):
-    run = batch["root"] / "nan"
-    message = batch["results"]["nan_stop"]
+@pytest.mark.parametrize("name", ["nan", "nan_device"])
+def test_too_many_nonfinite_steps_in_a_row_stop_with_the_last_good_checkpoint(batch, name):
+    run = batch["root"] / name
+    message = batch["results"][f"{name}_stop"]
     assert isinstance(message, str) and message.startswith("NonFiniteStepsError"), message
     assert "2 steps in a row" in message and "steps 5..6" in message and "train.max_nonfinite_steps" in message
     assert str(step_dir(run, 4)) in message  # names the last (good) checkpoint
@@ -484,3 +507,41 @@ def test_bad_configuration_is_an_error_before_training(data, one_process_run, tm
     err = capsys.readouterr().err
     assert f"'{key}'" in err and words in err, err
     assert not (run / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- no host read per step
+@pytest.mark.parametrize("loss", ["fastclip-v3", "fastclip-v2"])
+def test_a_training_step_reads_nothing_back_from_the_device(data, tmp_path, monkeypatch, loss):
+    """loss.validate "deferred" and train.nonfinite_check "device" (the defaults): after the first step (the loss's
+    structure handshake), a whole training step (forward, loss with its input checks, backward, the NaN decision,
+    the optimizer step, the per-sample state journal) makes no host read of a tensor: .item(), .tolist(), bool()
+    and float() are counted while train_step runs. Logging and checkpoint steps read outside train_step."""
+    from fastclip.train.config import load_config
+    from fastclip.train.trainer import Run, train
+
+    reads: list[str] = []
+    original_step = Run.train_step
+    watched = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__float__")}
+
+    def counting(name):
+        def read(tensor, *args, **kwargs):
+            reads.append(f"{name} of a {tuple(tensor.shape)} tensor")
+            return watched[name](tensor, *args, **kwargs)
+
+        return read
+
+    def train_step(self, *batch):
+        if self.step == 0:
+            return original_step(self, *batch)
+        with monkeypatch.context() as patch:
+            for name in watched:
+                patch.setattr(torch.Tensor, name, counting(name))
+            return original_step(self, *batch)
+
+    monkeypatch.setattr(Run, "train_step", train_step)
+    args = fault_overrides(
+        data, tmp_path / "run", loss, **{"train.max_steps": 6, "train.log_every": 3, "checkpoint.every_steps": 3}
+    )
+    assert train(load_config(EMBEDDED, args))["step"] == 6
+    assert reads == []
+    assert len(train_records(tmp_path / "run")) == 2  # steps 3 and 6 were logged

@@ -82,6 +82,9 @@ class LossConfig:
     similarity: Literal["cosine", "atanh"] | None = None  # openclip/v0/v1/v3: "atanh" = temperature-free 2·atanh(cos)
     similarity_clamp: float | None = None  # atanh: the cosine is clamped to ±(1 − this)
     bias: float | None = None  # siglip: initial logit bias (-10)
+    # input checks (fastclip/losses/validation.py): "deferred" rides the feature all_gather and is read on logging
+    # steps and before each checkpoint (no host sync per step); "eager" raises in the step (one host sync per step)
+    validate: Literal["deferred", "eager", "off"] = "deferred"
 
 
 @dataclass
@@ -130,6 +133,9 @@ class TrainConfig:
     # makes the others stop with an error within this time
     max_nonfinite_steps: int = 20  # NaN/Inf loss, gradients or features: the step is skipped; stop
     # after this many in a row (the last checkpoint is a good one)
+    nonfinite_check: Literal["device", "host"] = "device"  # device: the skip is decided and applied on the device,
+    # no per-step host read or collective (fused AdamW without fp16; else host); skips and stop signals are read
+    # on logging steps. host: one tiny all_reduce and host read per step (fastclip/train/guards.py)
     distributed: Literal["ddp", "deepspeed"] = "ddp"  # data-parallel backend (fastclip/train/engine.py); deepspeed:
     # ZeRO sharding, knobs in the `deepspeed` section
     stop_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])  # checkpoint at the next

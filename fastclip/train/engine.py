@@ -126,7 +126,21 @@ class DDPEngine:
             return torch.nn.utils.clip_grad_norm_(self.trainable, clip)
         return total_grad_norm(self.trainable)
 
-    def step(self) -> None:
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether a NaN step can be skipped without a host read: torch's fused AdamW takes a found_inf flag (as
+        GradScaler passes it) and leaves parameters, moments and step counts untouched where it is 1. Not with
+        fp16 loss scaling (GradScaler owns that flag), LAMB or the per-tensor AdamW fallback."""
+        return bool(self.optimizer.defaults.get("fused")) and not self.scaler.is_enabled()
+
+    def step(self, found_inf: torch.Tensor | None = None) -> None:
+        if found_inf is not None:  # skips_on_device: no update where found_inf is 1, decided on the device
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, found_inf
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+            return
         self.scaler.step(self.optimizer)
         self.scaler.update()
 
@@ -387,6 +401,8 @@ class DeepSpeedEngine:
             if math.isfinite(bound):
                 self.optimizer.clip_grad = bound
         return total
+
+    skips_on_device = False  # DeepSpeed decides on overflow itself (with its own host read)
 
     def step(self) -> None:
         self.engine.step()

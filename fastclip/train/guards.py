@@ -1,13 +1,13 @@
 """What keeps a run going, or stops it cleanly, when something goes wrong (the trainer's fault handling).
 
-NonFiniteGuard   A step whose loss or gradient norm is NaN/Inf on any rank (one all_reduce of two flags, so
-                 every rank decides the same; a third carries the stop-signal request, preemption.py), or
-                 whose features the loss refused (NonFiniteFeaturesError, raised alike on every rank before
-                 the loss touches its state), is skipped: no optimizer
-                 step, and the per-sample state rows the forward already wrote are put back, so the step
-                 leaves the model, optimizer and per-sample state as they were. Skips are counted and logged;
-                 after train.max_nonfinite_steps in a row the run stops (NonFiniteStepsError) without saving,
-                 so the last checkpoint stays the last good one.
+NonFiniteGuard   A step whose gradient norm (or loss) is NaN/Inf on any rank, NaN features included, is
+                 skipped: no optimizer step, and the per-sample state rows the forward wrote (journaled by the
+                 state itself) are put back, so the step leaves the model, optimizer and per-sample state as
+                 they were. By default (train.nonfinite_check "device") this is decided and applied on the
+                 device with no host read or collective per step; "host" uses one tiny all_reduce and host
+                 read per step (see the class). Skips are counted and logged; after
+                 train.max_nonfinite_steps in a row the run stops (NonFiniteStepsError) without saving, so
+                 the last checkpoint stays the last good one.
 CollectiveTimeouts  Collectives get train.dist_timeout_minutes while the job starts and during checkpoint
                  saves and evaluations, and the short train.collective_timeout_seconds once the first step
                  is done (as torchtitan does): a rank that dies or hangs makes the others fail within that
@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from fastclip.distributed import DistInfo
-from fastclip.losses.comm import all_gather_single
 from fastclip.train.errors import CollectiveFailure, NonFiniteStepsError, TrainingError
 
 
@@ -46,37 +45,40 @@ def total_grad_norm(params) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- non-finite steps
-class _SampleRows:
-    """The per-sample state rows one global batch may write, as they were before the step."""
-
-    def __init__(self, loss_fn, indices: torch.Tensor, info: DistInfo):
-        all_indices = indices.detach().to(torch.int64).contiguous()
-        if info.distributed:  # every rank owns some of the global batch's rows: it needs all ranks' indices
-            gathered = all_indices.new_empty(info.world_size * all_indices.numel())
-            all_gather_single(gathered, all_indices)
-            all_indices = gathered
-        self.state = loss_fn.sample_state(device=indices.device)
-        self.where = self.state.locate(all_indices)
-        self.saved = self.state.read(self.where)  # [N, fields + seen], this rank's rows only
-
-    def restore(self) -> None:
-        self.state.restore(self.where, self.saved)
-
-
 class NonFiniteGuard:
-    """Skip steps with NaN/Inf loss, gradients or features on any rank; stop after `max_in_a_row` in a row."""
+    """Skip steps with NaN/Inf loss, gradients or features on any rank; stop after `max_in_a_row` in a row.
 
-    def __init__(self, max_in_a_row: int, info: DistInfo, *, log=None, checkpoints: Path | None = None):
+    Two ways to decide, the same steps skipped and the same state after them:
+    host    `verdict`: one all_reduce of the flags (loss, gradient norm, stop signal) and one host read per step.
+    device  (`on_device`; fused AdamW without fp16 loss scaling) `device_verdict` + `settle`: no collective and no
+            host read per step. The flag comes from the gradient norm after the gradients were averaged over
+            ranks, which is the same on every rank; the fused optimizer skips its update on the device
+            (found_inf, as torch's GradScaler uses it), the journal's state rows are put back on the device,
+            and the skips are counted there. `read` brings the counts to the host on logging steps and before
+            a checkpoint (it logs the skips, raises after `max_in_a_row` in a row); stop signals are agreed on
+            logging steps (`agree_stop`).
+    """
+
+    def __init__(
+        self, max_in_a_row: int, info: DistInfo, *, log=None, checkpoints: Path | None = None, on_device=False
+    ):
         self.max_in_a_row, self.info, self.log, self.checkpoints = max_in_a_row, info, log, checkpoints
+        self.on_device = on_device
         self.skipped = 0  # steps skipped in this run (carried over by checkpoints)
         self.in_a_row = 0
-        self.stop = False  # a stop signal reached some rank (combined in verdict's all_reduce)
-        self._rows: list[_SampleRows] = []
+        self.stop = False  # a stop signal reached some rank (combined in verdict's all_reduce / agree_stop)
+        self._state = None  # the per-sample state; its journal holds this step's writes (rolled back on a skip)
+        self._counts: torch.Tensor | None = None  # device mode: [skipped, in a row, longest run, last was skipped]
+        self._read_step = 0  # device mode: the step of the last read
 
-    def remember(self, loss_fn, indices: torch.Tensor) -> None:
-        """Before the forward: note the per-sample state rows this batch may write (one tiny all_gather)."""
+    def remember(self, loss_fn, device: torch.device) -> None:
+        """Before the forward: journal the per-sample state rows the loss writes (the rows it reads anyway: no
+        collective, no extra pass)."""
         if getattr(loss_fn, "uses_sample_state", False):
-            self._rows.append(_SampleRows(loss_fn, indices, self.info))
+            state = loss_fn.sample_state(device=device)
+            if state.journal is None:
+                state.journal = []
+            self._state = state
 
     def verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor, *, stop_requested: bool = False) -> str | None:
         """None if the step may be taken, else why not; the same answer on every rank (one host sync).
@@ -101,45 +103,108 @@ class NonFiniteGuard:
             return "non-finite gradients (NaN/Inf gradient norm) on at least one rank"
         return None
 
+    def device_verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Device mode: 0-d float32, 1 where the step must not be taken; no collective, no host read. Decided on
+        the all-reduced gradients' norm (the same bits on every rank: every rank decides alike); one process also
+        looks at its loss."""
+        bad = ~torch.isfinite(grad_norm.detach())
+        if not self.info.distributed:
+            bad = bad | ~torch.isfinite(loss.detach()).all()
+        return bad.to(torch.float32)
+
+    def settle(self, bad: torch.Tensor) -> None:
+        """Device mode, after the step (which the optimizer skipped on the device where `bad`): put the journal's
+        state rows back where bad and count, on the device."""
+        if self._state is not None:
+            self._state.rollback_where(bad > 0)
+        b = bad.to(torch.int64)
+        if self._counts is None:
+            self._counts = torch.tensor([0, self.in_a_row, self.in_a_row, 0], device=bad.device)
+        skipped, row, longest, _ = self._counts.unbind()
+        row = (row + 1) * b
+        self._counts = torch.stack([skipped + b, row, torch.maximum(longest, row), b])
+
+    def read(self, step: int, *, epoch: int, samples_seen: int, explain=None) -> str | None:
+        """Device mode, on logging steps and before a checkpoint: one host read of the counts since the last
+        read. Logs the skips, raises after `max_in_a_row` in a row; returns why step `step` was skipped, or None.
+        `explain()` names non-finite features from the loss's input checks (None if there were none)."""
+        if self._counts is None:
+            return None
+        skipped, row, longest, last = self._counts.tolist()
+        self._counts = torch.tensor([0, row, row, last], device=self._counts.device)
+        since, self._read_step = self._read_step, step
+        self.in_a_row = row
+        if not skipped:
+            return None
+        features = explain() if explain is not None else None
+        why = (
+            f"non-finite features: {features}"
+            if features
+            else "non-finite gradients (NaN/Inf gradient norm) on at least one rank"
+            if self.info.distributed
+            else "non-finite loss or gradients (NaN/Inf)"
+        )
+        self.skipped += skipped
+        what = "skipped" if skipped == 1 and last else f"{skipped} step(s) of steps {since + 1}..{step} skipped"
+        self._report(step, what, why, epoch=epoch, samples_seen=samples_seen, last=bool(last))
+        if longest >= self.max_in_a_row:
+            where = f"steps {step - row + 1}..{step}" if row == longest else f"within steps {since + 1}..{step}"
+            self._stop_error(longest, where, why)
+        return why if last else None
+
+    def agree_stop(self, requested: bool) -> bool:
+        """Device mode, on logging steps: whether a stop signal reached any rank (a tiny all_reduce)."""
+        flag = torch.tensor([float(requested)], device=self.info.device)
+        if self.info.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.stop = self.stop or bool(flag.item() > 0)
+        return self.stop
+
     def passed(self) -> None:
         self.in_a_row = 0
-        self._rows.clear()
+        if self._state is not None:
+            self._state.journal.clear()
 
     def skip(self, step: int, why: str, *, epoch: int, samples_seen: int) -> None:
         """The step is not taken: put the per-sample state back, count, log; raise after too many in a row."""
-        for rows in reversed(self._rows):
-            rows.restore()
-        self._rows.clear()
+        if self._state is not None:
+            self._state.rollback()
         self.skipped += 1
         self.in_a_row += 1
-        if self.log is not None:
-            self.log.message(
-                f"step {step}: skipped ({why}); no update of the model, optimizer or per-sample "
-                f"state; {self.in_a_row} in a row, {self.skipped} in this run"
-            )
-            self.log.log(
-                {
-                    "step": step,
-                    "epoch": epoch,
-                    "samples_seen": samples_seen,
-                    "skipped": why,
-                    "nonfinite_skipped": self.skipped,
-                    "nonfinite_in_a_row": self.in_a_row,
-                }
-            )
+        self._report(step, "skipped", why, epoch=epoch, samples_seen=samples_seen, last=True)
         if self.in_a_row >= self.max_in_a_row:
-            latest = self.checkpoints / "latest" if self.checkpoints is not None else None
-            last = (
-                f"the last checkpoint, {self.checkpoints / latest.read_text().strip()}, was saved before "
-                f"them and is intact"
-                if latest is not None and latest.is_file()
-                else "no checkpoint was saved"
-            )
-            raise NonFiniteStepsError(
-                f"{self.in_a_row} steps in a row were skipped for NaN/Inf (steps {step - self.in_a_row + 1}..{step}; "
-                f"last: {why}); stopping at train.max_nonfinite_steps = {self.max_in_a_row}. {last[0].upper()}"
-                f"{last[1:]}. Check the data and the learning rate, or resume with --train.resume latest"
-            )
+            self._stop_error(self.in_a_row, f"steps {step - self.in_a_row + 1}..{step}", why)
+
+    def _report(self, step: int, what: str, why: str, *, epoch: int, samples_seen: int, last: bool) -> None:
+        if self.log is None:
+            return
+        self.log.message(
+            f"step {step}: {what} ({why}); no update of the model, optimizer or per-sample "
+            f"state; {self.in_a_row} in a row, {self.skipped} in this run"
+        )
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "samples_seen": samples_seen,
+            "nonfinite_skipped": self.skipped,
+            "nonfinite_in_a_row": self.in_a_row,
+        }
+        if last:  # this step itself was skipped
+            record["skipped"] = why
+        self.log.log(record)
+
+    def _stop_error(self, in_a_row: int, where: str, why: str):
+        latest = self.checkpoints / "latest" if self.checkpoints is not None else None
+        last = (
+            f"the last checkpoint, {self.checkpoints / latest.read_text().strip()}, was saved before them and is intact"
+            if latest is not None and latest.is_file()
+            else "no checkpoint was saved"
+        )
+        raise NonFiniteStepsError(
+            f"{in_a_row} steps in a row were skipped for NaN/Inf ({where}; last: {why}); stopping at "
+            f"train.max_nonfinite_steps = {self.max_in_a_row}. {last[0].upper()}"
+            f"{last[1:]}. Check the data and the learning rate, or resume with --train.resume latest"
+        )
 
     def state_dict(self) -> dict:
         return {"skipped": self.skipped, "in_a_row": self.in_a_row}

@@ -15,12 +15,12 @@ import torch
 
 from fastclip.data import StreamConfig
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
-from fastclip.losses import NonFiniteFeaturesError
+from fastclip.losses import LossInputError, NonFiniteFeaturesError
 from fastclip.optim import ThresholdRule, get_lr, get_tau_lr
 from fastclip.train import checkpoint as ckpt
 from fastclip.train import faults, preflight
 from fastclip.train.config import Config, ConfigError, dump_config
-from fastclip.train.errors import DataFailure
+from fastclip.train.errors import DataFailure, TrainingError
 from fastclip.train.guards import CollectiveTimeouts, DataSkipReport, NonFiniteGuard
 from fastclip.train.metrics import MetricsLogger
 from fastclip.train.net import build_net, seed_all
@@ -325,7 +325,11 @@ class Run:
             self.log.message(self.describe())
         # fault handling (fastclip/train/guards.py): NaN/Inf steps skipped, skipped samples reported over ranks
         self.guard = NonFiniteGuard(
-            cfg.train.max_nonfinite_steps, info, log=self.log, checkpoints=self.run_dir / "checkpoints"
+            cfg.train.max_nonfinite_steps,
+            info,
+            log=self.log,
+            checkpoints=self.run_dir / "checkpoints",
+            on_device=cfg.train.nonfinite_check == "device" and self.engine.skips_on_device,
         )
         self.skips = DataSkipReport(self.stream, info, REASONS)
         if resumed is not None:
@@ -367,6 +371,8 @@ class Run:
                 batch = tuple(t.to(self.device, non_blocking=True) for t in batch)
                 self.throughput.data += time.perf_counter() - t0
                 loss, grad_norm, skip = self.train_step(*batch)
+                if guard.on_device and (self.is_logging_step() or self.checkpoint_due()):
+                    skip = self.read_skips()  # the device's skip counts: on these steps only
                 save_due = self.log_step(loss, grad_norm, skip) if self.is_logging_step() else False
                 self.after_step(skip, save_due)
                 if guard.stop:  # every rank saw the request at this step (verdict): checkpoint here and leave
@@ -403,25 +409,31 @@ class Run:
         self.schedules.apply(self.samples_seen)
         self.timeouts.at(step)
         faults.hook("batch", step=step, rank=rank, tensors=(images,))  # test-only: FASTCLIP_FAULTS
-        guard.remember(loss_fn, indices)  # the per-sample state rows a skipped step puts back
+        guard.remember(loss_fn, self.info.device)  # journal the per-sample state rows: a skipped step puts them back
         grad_norm = None
         try:
             loss = engine.forward(images, texts, indices, self.epoch)  # accum_steps > 1: one loss call, k micro-batches
         except NonFiniteFeaturesError as e:  # raised alike on every rank, before the loss writes its state
             loss, skip = None, f"non-finite features: {e}"
+        bad = None  # device mode: the skip flag, never read on the host here
         if loss is not None:
             faults.hook("step", step=step, rank=rank)
             engine.backward(loss)
             faults.hook("grads", step=step, rank=rank, tensors=(p.grad for p in engine.trainable))
             grad_norm = engine.grad_norm(self.cfg.optim.grad_clip)  # fp16: unscaled first; clipped when set
-            # NaN/Inf on any rank: the same answer on every rank; a stop signal of any rank rides along
-            skip = guard.verdict(loss, grad_norm, stop_requested=self.stop.requested)
+            if guard.on_device:  # decided and applied on the device: no host read, no collective
+                bad, skip = guard.device_verdict(loss, grad_norm), None
+            else:  # NaN/Inf on any rank: the same answer on every rank; a stop signal of any rank rides along
+                skip = guard.verdict(loss, grad_norm, stop_requested=self.stop.requested)
+                if skip is not None:  # a rare step: worth the host read that names the cause (validate "deferred")
+                    features = self.check_loss_inputs()
+                    skip = f"non-finite features: {features}" if features else skip
         if skip is None:
             self.schedules.thresh.before_step(loss_fn.temperature())
-            engine.step()
+            engine.step() if bad is None else engine.step(found_inf=bad)
             self.schedules.thresh.after_step()
             loss_fn.clamp_()
-            guard.passed()
+            guard.passed() if bad is None else guard.settle(bad)
         else:  # no optimizer step; the per-sample state rows are put back; stops after N in a row
             if loss is not None:
                 engine.skip_step()  # fp16: lower the loss scale after the overflow; DeepSpeed: drop its gradients
@@ -431,6 +443,19 @@ class Run:
         self.timeouts.first_step_done()  # from now on a dead or hung rank fails collectives within the short timeout
         return loss, grad_norm, skip
 
+    def checkpoint_due(self) -> bool:
+        return bool(self.cfg.checkpoint.every_steps) and self.step % self.cfg.checkpoint.every_steps == 0
+
+    def read_skips(self) -> str | None:
+        """Device mode: the skips since the last read (logged; raises after too many in a row); why this step
+        was skipped, or None. Stop signals are agreed here too (a tiny all_reduce, on logging steps only)."""
+        skip = self.guard.read(
+            self.step, epoch=self.epoch, samples_seen=self.samples_seen, explain=self.check_loss_inputs
+        )
+        if self.is_logging_step():
+            self.guard.agree_stop(self.stop.requested)
+        return skip
+
     def is_logging_step(self) -> bool:
         return self.step % self.cfg.train.log_every == 0 or self.step == self.last_step
 
@@ -438,6 +463,9 @@ class Run:
         """The step's metrics (the only host reads of a step) and the skipped samples of every rank; returns
         whether a checkpoint is due by wall clock (rank 0's decision, shared: the same on all ranks)."""
         cfg, t = self.cfg, self.throughput
+        nonfinite = self.check_loss_inputs()
+        if nonfinite:
+            self.log.message(f"step {self.step}: {nonfinite}")
         values = scalar_metrics(self.loss_fn, loss) if skip is None else {}
         if not all(math.isfinite(v) for v in values.values()):
             raise FloatingPointError(f"non-finite metrics at step {self.step}: {values}")
@@ -493,7 +521,7 @@ class Run:
             with self.timeouts.relaxed("evaluation"):
                 self.evaluate()
         # no checkpoint on a skipped step: after too many in a row the last checkpoint is a good one
-        if skip is None and (save_due or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0)):
+        if skip is None and (save_due or self.checkpoint_due()):
             with self.timeouts.relaxed("checkpoint save"):
                 self.save()
         self.throughput.pause += time.perf_counter() - t_pause
@@ -509,8 +537,24 @@ class Run:
             with self.timeouts.relaxed(phase):
                 self.save()
 
+    def check_loss_inputs(self) -> str | None:
+        """loss.validate "deferred": the input checks of the loss calls since the last look (one host read; every
+        rank holds every rank's check words, so all decide the same without a collective). Returns the
+        non-finite-features error (the guard skips such a step: its loss is NaN too), raises for a bad index."""
+        try:
+            self.loss_fn.check_inputs()
+        except NonFiniteFeaturesError as e:
+            return str(e)
+        except LossInputError as e:
+            raise TrainingError(
+                f"step {self.step}: the loss refused its inputs: {e}. The shards' global indices must lie in "
+                f"[0, num_samples of the manifest): re-run `fastclip data scan` on these shards"
+            ) from None
+        return None
+
     def save(self) -> None:
         """Collective: model.pt on rank 0 and every rank's file (fastclip/train/checkpoint.py)."""
+        self.check_loss_inputs()  # never a checkpoint after an index the loss refused
         model, loss_fn, engine, info = self.model, self.loss_fn, self.engine, self.info
         with torch.no_grad():  # keep the towers' own (frozen) logit_scale equal to the learned one: open_clip reads it
             tau = loss_fn.temperature()

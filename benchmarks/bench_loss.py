@@ -4,11 +4,12 @@
     python benchmarks/bench_loss.py            # B in {64, 256, 1024} x d in {64, 512}, writes benchmarks/results/
     python benchmarks/bench_loss.py --quick    # one tiny configuration (CI smoke), writes benchmarks/out/
 
-The two losses run interleaved inside each configuration (v3 step, ClipLoss step, v3 step, ...) on the same
-features, after warm-up steps; a step's time is the slowest rank's, the table shows the median over the
-repetitions. Bytes are per rank per step, by ring formulas (all_gather (K-1)/K·output, all_reduce 2(K-1)/K,
-reduce-scatter/all-to-all (K-1)/K·input): fastclip's from ``loss_fn.comm_bytes``; ClipLoss's measured by
-wrapping the torch.distributed calls it makes (forward all_gathers, backward scatters on gloo).
+The losses run interleaved inside each configuration (one step of each, in an order that rotates every
+repetition) on the same features, after warm-up steps; a step's time is the slowest rank's. Small steps are
+repeated more (reps x 1024/B: a few ms each, they are the noisiest); the table shows medians. Bytes are per
+rank per step, by ring formulas (all_gather (K-1)/K·output, all_reduce 2(K-1)/K, reduce-scatter/all-to-all
+(K-1)/K·input): fastclip's from ``loss_fn.comm_bytes``; ClipLoss's measured by wrapping the torch.distributed
+calls it makes (forward all_gathers, backward scatters on gloo).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from common import slowest_rank_seconds  # noqa: E402
 
 WORLD_SIZE = 2
 DATA_SIZE = 10**6
-FULL = dict(batch_sizes=(64, 256, 1024), dims=(64, 512), reps=9, warmup=2)
+FULL = dict(batch_sizes=(64, 256, 1024), dims=(64, 512), reps=31, warmup=3)
 QUICK = dict(batch_sizes=(64,), dims=(64,), reps=3, warmup=1)
 MODES = ("deferred", "eager", "off")  # the loss option validate (fastclip/losses/validation.py)
 
@@ -72,9 +73,11 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
     steps = {f"fastclip-v3-{mode}": (lambda f=loss_fn: v3_step(f)) for mode, loss_fn in modes.items()}
     steps["openclip"] = lambda: clip(image, text, logit_scale.exp()).backward()
     times = {name: [] for name in steps}
+    names = list(steps)
     for rep in range(warmup + reps):
-        for name, step in steps.items():
-            elapsed = slowest_rank_seconds(step)
+        # the order rotates every repetition: no loss always runs right after another one (cache, allocator)
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            elapsed = slowest_rank_seconds(steps[name])
             if rep >= warmup:
                 times[name].append(elapsed)
     with CollectiveByteCounter() as counter:
@@ -84,6 +87,13 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
         "d": dim,
         "reps": reps,
         **{f"fastclip_{mode}_ms": 1e3 * statistics.median(times[f"fastclip-v3-{mode}"]) for mode in MODES},
+        # each v3 step against the ClipLoss step next to it in time (a slow moment of the machine hits both)
+        **{
+            f"paired_ratio_{mode}": statistics.median(
+                v / c for v, c in zip(times[f"fastclip-v3-{mode}"], times["openclip"])
+            )
+            for mode in MODES
+        },
         "openclip_ms": 1e3 * statistics.median(times["openclip"]),
         "fastclip_bytes": dict(fast.comm_bytes),
         "openclip_bytes": counter.total,
@@ -96,7 +106,11 @@ def _worker(rank: int, port: int, plan: dict, out_file: str) -> None:
     # open_clip's ClipLoss calls the autograd all_gather that torch 2.13 marks deprecated, every step
     warnings.filterwarnings("ignore", message=r".*all_gather.* is deprecated", category=FutureWarning)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    rows = [_bench_config(rank, b, d, plan["reps"], plan["warmup"]) for b in plan["batch_sizes"] for d in plan["dims"]]
+    rows = [
+        _bench_config(rank, b, d, plan["reps"] * max(1, 1024 // b), plan["warmup"])
+        for b in plan["batch_sizes"]
+        for d in plan["dims"]
+    ]
     if rank == 0:
         Path(out_file).write_text(json.dumps(rows))
     destroy_process_group()
@@ -118,9 +132,10 @@ def _table(rows: list[dict]) -> str:
         fb, tb, cb = r["fastclip_bytes"]["features"], r["fastclip_bytes"]["total"], r["openclip_bytes"]
         ms = [r[f"fastclip_{mode}_ms"] for mode in MODES]
         clip = r["openclip_ms"]
+        ratios = [r[f"paired_ratio_{mode}"] for mode in MODES]
         lines.append(
             f"| {r['B']} | {r['d']} | {' | '.join(f'{t:.2f}' for t in ms)} | {clip:.2f} | "
-            f"{' | '.join(f'{t / clip:.2f}' for t in ms)} | {fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} |"
+            f"{' | '.join(f'{x:.2f}' for x in ratios)} | {fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} |"
         )
     return "\n".join(lines)
 
@@ -163,12 +178,13 @@ def main(argv: list[str] | None = None) -> int:
             "# Loss benchmark: fastclip-v3 vs open_clip ClipLoss(local_loss=True, gather_with_grad=True)",
             "",
             f"{header['date']} - {header['machine']} - torch {header['torch']} - {header['backend']}, "
-            f"{WORLD_SIZE} processes x 1 thread, float32 features, median of {plan['reps']} steps after "
+            f"{WORLD_SIZE} processes x 1 thread, float32 features, median of {plan['reps']} x 1024/B steps after "
             f"{plan['warmup']} warm-up steps, interleaved. 1-min load average before/after: "
             f"{header['load_average_1min']['before']}/{header['load_average_1min']['after']} "
             "(other jobs on the machine inflate absolute times; the interleaving keeps the ratios comparable).",
             "",
             "Time: forward + backward + communication of the loss alone (features are leaf tensors), slowest rank. "
+            "Ratios: the median over repetitions of each v3 step's time over the ClipLoss step next to it. "
             "v3 with each value of the loss option `validate`: `deferred` (the trainer's default: the input checks "
             "ride in the feature all_gather, no extra collective; read back here at every step, by the trainer "
             "on logging steps), `eager` (the library default: the same words, read back in every call before the "

@@ -49,7 +49,7 @@ from .batch import GlobalBatch
 from .comm import Comm
 from .estimator import update_log_u
 from .options import ConstantTemperatureOptions, GlobalTemperatureOptions, RGCLOptions
-from .pairwise import Block, column_terms, compute_dtype, row_terms, weighted_surrogate
+from .pairwise import Block, column_terms, compute_dtype, exclude_, row_terms, weighted_surrogate
 from .similarity import pair_logits
 
 
@@ -86,13 +86,15 @@ class GlobalTemperatureGCL(SampleStateLoss):
             batch, dtype, None if self.separate else s, self.options.similarity, self.options.similarity_clamp
         )
         sim_it, sim_ti, pos, pos_all = logits.sim_it, logits.sim_ti, logits.pos, logits.pos_all
+        exclude_(sim_it, cells)  # a pair's positive and copies of its sample are no negatives (both readings)
+        exclude_(sim_ti, cells)
         scaled = not self.separate
 
         # loss1 terms: this rank's anchors against all N candidates, each row shifted by its maximum b_i.
         # Columns of [., 2] tensors: (image, text).
         no_floor = torch.tensor(-math.inf, dtype=dtype, device=s.device)
-        rows_img = row_terms(sim_it, pos, s_img, cells, sim_is_scaled=scaled, bound_floor=no_floor)
-        rows_txt = row_terms(sim_ti, pos, s_txt, cells, sim_is_scaled=scaled, bound_floor=no_floor)
+        rows_img = row_terms(sim_it, pos, s_img, sim_is_scaled=scaled, bound_floor=no_floor)
+        rows_txt = row_terms(sim_ti, pos, s_txt, sim_is_scaled=scaled, bound_floor=no_floor)
         shift = torch.stack([rows_img.shift, rows_txt.shift], dim=1)
         log_g_local = shift + torch.log(torch.stack([rows_img.total, rows_txt.total], dim=1) / n_neg)
 
@@ -108,11 +110,12 @@ class GlobalTemperatureGCL(SampleStateLoss):
         # log(u_j+ε), their weight is 1.
         # The reference also differentiates τ through them, which counts the g-term of the τ-gradient twice.
         in_columns = learnable and self.reference
+        # (a learnable τ's gradient reads the blocks again in backward; otherwise the columns overwrite them)
         cols_txt = column_terms(
-            sim_it, pos_all, s_txt, cells, sim_is_scaled=scaled, shift=log_w[:, 1], total=in_columns
+            sim_it, pos_all, s_txt, sim_is_scaled=scaled, shift=log_w[:, 1], total=in_columns, in_place=not learnable
         )  # text anchors
         cols_img = column_terms(
-            sim_ti, pos_all, s_img, cells, sim_is_scaled=scaled, shift=log_w[:, 0], total=in_columns
+            sim_ti, pos_all, s_img, sim_is_scaled=scaled, shift=log_w[:, 0], total=in_columns, in_place=not learnable
         )  # image anchors
         # each modality's terms weighted by its τ when the temperatures are separate (the shared τ multiplies
         # the whole surrogate in _outer instead)
@@ -121,7 +124,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
         row_w = torch.exp(shift - log_w[local])  # bounded by (N-1)/γ
         # the τ-gradient needs the scaled similarities and the positives in backward
         kept = dict(positive=pos, positive_all=pos_all) if learnable else {}
-        sims = (sim_it, sim_ti) if scaled else (sim_it * s_img, sim_ti * s_txt)
+        sims = (sim_it, sim_ti) if scaled else (sim_it * s_img, sim_ti * s_txt) if learnable else (None, None)
         blocks = (
             Block(
                 rows_img,

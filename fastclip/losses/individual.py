@@ -28,7 +28,16 @@ from .batch import GlobalBatch
 from .comm import Comm
 from .estimator import update_u
 from .options import IndividualTemperatureOptions
-from .pairwise import Block, column_terms, compute_dtype, positives, row_terms, similarity, weighted_surrogate
+from .pairwise import (
+    Block,
+    column_terms,
+    compute_dtype,
+    exclude_,
+    positives,
+    row_terms,
+    similarity,
+    weighted_surrogate,
+)
 from .schedules import tau_adam_betas
 
 # State columns, (image, text) pairs: u, τ, b, then the Adam moments m, v.
@@ -88,8 +97,8 @@ class FastCLIPV2Loss(SampleStateLoss):
         slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices)
         gamma, eps = self.gamma(), opt.eps
         n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
-        sim_it = similarity(batch.image, batch.all_text, dtype)  # image anchors (rows) vs all texts
-        sim_ti = similarity(batch.text, batch.all_image, dtype)  # text anchors (rows) vs all images
+        sim_it = exclude_(similarity(batch.image, batch.all_text, dtype), cells)  # image anchors (rows) vs all texts
+        sim_ti = exclude_(similarity(batch.text, batch.all_image, dtype), cells)  # text anchors (rows) vs all images
         pos, pos_all = positives(batch, dtype)
 
         # 1) old u, τ, b and seen of the whole global batch, filled by the owners ([N, 2] pairs (image, text)).
@@ -100,7 +109,7 @@ class FastCLIPV2Loss(SampleStateLoss):
 
         # 2) this rank's anchors, each with its own τ_old: bound, g and the sum for the τ-gradient.
         rows = [
-            row_terms(sim, pos, 1.0 / tau_old[local, m], cells, bound_floor=b_old[local, m], moment=True)
+            row_terms(sim, pos, 1.0 / tau_old[local, m], bound_floor=b_old[local, m], moment=True)
             for m, sim in enumerate((sim_it, sim_ti))
         ]
         stats = torch.stack(
@@ -123,8 +132,8 @@ class FastCLIPV2Loss(SampleStateLoss):
         # 4) encoder surrogate with τ_old and the new bounds: the columns of each block are the global anchors
         #    of the other modality (gradient into this rank's negatives).
         w = 1.0 / denom if self.reference else tau_old / denom
-        cols_txt = column_terms(sim_it, pos_all, 1.0 / tau_old[:, 1], cells, shift=b_new[:, 1])
-        cols_img = column_terms(sim_ti, pos_all, 1.0 / tau_old[:, 0], cells, shift=b_new[:, 0])
+        cols_txt = column_terms(sim_it, pos_all, 1.0 / tau_old[:, 1], shift=b_new[:, 1], in_place=True)
+        cols_img = column_terms(sim_ti, pos_all, 1.0 / tau_old[:, 0], shift=b_new[:, 0], in_place=True)
         del sim_it, sim_ti
         blocks = (
             Block(rows[0], cols_txt, w[local, 0], w[:, 1], batch.all_text),

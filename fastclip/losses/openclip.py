@@ -24,7 +24,7 @@ from .base import ContrastiveLoss
 from .batch import GlobalBatch
 from .comm import Comm
 from .options import OpenCLIPOptions
-from .pairwise import Block, column_terms, compute_dtype, row_terms, weighted_surrogate
+from .pairwise import Block, column_terms, compute_dtype, exclude_, row_terms, weighted_surrogate
 from .similarity import pair_logits
 
 
@@ -43,10 +43,12 @@ class OpenCLIPLoss(ContrastiveLoss):
         cells = batch.positive_cells()
         logits = pair_logits(batch, dtype, s, self.options.similarity, self.options.similarity_clamp)
         sim_it, sim_ti, pos, pos_all = logits.sim_it, logits.sim_ti, logits.pos, logits.pos_all  # s·φ(S), φ(p)
+        exclude_(sim_it, cells)  # the positives: no negatives of their own anchors
+        exclude_(sim_ti, cells)
         zero = torch.zeros(batch.local_size, dtype=dtype, device=pos.device)
 
         # Per local anchor (columns (image, text)): softmax weight w = 1/(e^{-r} + Σ exp(d − r)), CE, shift r.
-        rows = [row_terms(sim, pos, s, cells, sim_is_scaled=True, bound_floor=zero) for sim in (sim_it, sim_ti)]
+        rows = [row_terms(sim, pos, s, sim_is_scaled=True, bound_floor=zero) for sim in (sim_it, sim_ti)]
         shift = torch.stack([rows[0].shift, rows[1].shift], dim=1)
         total = torch.stack([rows[0].total, rows[1].total], dim=1)
         normaliser = torch.exp(-shift) + total  # the positive's exp(0), shifted, plus negatives
@@ -55,8 +57,8 @@ class OpenCLIPLoss(ContrastiveLoss):
         w, ce, shift_all = table[:, 0:2], table[:, 2:4], table[:, 4:6]
 
         # columns: text anchors vs local images (sim_it), image anchors vs local texts (sim_ti)
-        cols_txt = column_terms(sim_it, pos_all, s, cells, sim_is_scaled=True, shift=shift_all[:, 1])
-        cols_img = column_terms(sim_ti, pos_all, s, cells, sim_is_scaled=True, shift=shift_all[:, 0])
+        cols_txt = column_terms(sim_it, pos_all, s, sim_is_scaled=True, shift=shift_all[:, 1])
+        cols_img = column_terms(sim_ti, pos_all, s, sim_is_scaled=True, shift=shift_all[:, 0])
         kept = dict(positive=pos) if learnable else {}  # for the logit_scale gradient
         blocks = (
             Block(

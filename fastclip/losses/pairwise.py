@@ -102,59 +102,88 @@ class ColumnTerms:
     scale: torch.Tensor  # a': 0-d or [N]
 
 
-def _scaled_differences(sim: torch.Tensor, positive: torch.Tensor, scale: torch.Tensor, sim_is_scaled: bool):
-    """``a·(S − p)`` (``p``, ``a`` already shaped to broadcast); one pass when ``sim`` already holds ``a·S``.
+# Excluded cells (a pair's own positive, a copy of the same sample) hold this in the similarity blocks: after any
+# scale (1/τ <= 1e3) and shift it stays finite and far below every real logit, so its exp is exactly 0 and
+# 0 * it is 0 in the backward's sums (-inf would give NaN there).
+EXCLUDED = -1e30
 
-    (Two simple passes beat one broadcasting ``addcmul`` on CPU.)
-    """
+
+def exclude_(sim: torch.Tensor, cells) -> torch.Tensor:
+    """Write EXCLUDED into the cells that are no negatives: the B positives (index tensors), or the ``[B, N]`` bool
+    mask of batch.same_sample_cells() (masked_fill_: indexing with a bool tensor would sync with the host on CUDA).
+    Once per block: its row and column readings both see it."""
+    with torch.no_grad():
+        if isinstance(cells, torch.Tensor):
+            return sim.masked_fill_(cells, EXCLUDED)
+        sim[cells] = EXCLUDED
+        return sim
+
+
+def _differences(sim: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, sim_is_scaled: bool):
+    """``a·S − offset`` into a new block (``offset`` and ``a`` shaped to broadcast): one pass when ``sim`` already
+    holds ``a·S``, else ``a·(S − offset/a)`` in two (two simple passes beat one broadcasting addcmul on CPU)."""
     if sim_is_scaled:
-        return sim - scale * positive
-    return (sim - positive).mul_(scale)
+        return sim - offset
+    return (sim - offset / scale).mul_(scale)
 
 
 def row_terms(
     sim: torch.Tensor,
     positive: torch.Tensor,
     scale: torch.Tensor,
-    cells,
     *,
     sim_is_scaled: bool = False,
     bound_floor: torch.Tensor | None = None,
     moment: bool = False,
 ) -> RowTerms:
-    """Rows of one block. With ``bound_floor`` (v2, openclip), the shift is ``max(bound_floor_i, max_{k≠i} d_ik)``."""
+    """Rows of one block (its excluded cells already hold EXCLUDED: exclude_). With ``bound_floor`` (v2, openclip;
+    -inf for v0/v1/v3), each row is shifted by ``r_i = max(bound_floor_i, max_{k≠i} d_ik)``, found on the block
+    itself: max_k a_i(S_ik − p_i) = a_i(max_k S_ik − p_i) for a_i > 0."""
     with torch.no_grad():
-        diff = _scaled_differences(sim, positive[:, None], _per_row(scale), sim_is_scaled)
-        diff[cells] = float("-inf")  # exp → 0: the positive is not a negative (batch.positive_cells(), or the
-        #                              [B, N] mask batch.same_sample_cells() that also drops a repeated sample)
+        a = _per_row(scale)
+        offset = a * positive[:, None]  # a_i·p_i
         shift = None
         if bound_floor is not None:
-            shift = torch.maximum(bound_floor, diff.amax(dim=1))
-            exp = torch.exp(diff - shift[:, None])
-        else:
-            exp = torch.exp(diff) if moment else diff.exp_()
-        mom = None
-        if moment:
-            diff[cells] = 0.0
-            mom = diff.mul_(exp).sum(dim=1)
-        return RowTerms(exp=exp, total=exp.sum(dim=1), moment=mom, shift=shift, scale=scale)
+            top = sim.amax(dim=1, keepdim=True)  # max over the candidates (an excluded cell never wins)
+            top = top - offset if sim_is_scaled else (top - positive[:, None]) * a
+            # (a row with no candidate at all keeps its EXCLUDED cells at exp 0: the floor below EXCLUDED/2)
+            shift = torch.maximum(bound_floor, top.squeeze(1)).clamp_(min=EXCLUDED / 2)
+            offset = offset + shift[:, None]
+        diff = _differences(sim, offset, a, sim_is_scaled)  # d_ik − r_i
+        if not moment:
+            exp = diff.exp_()
+            return RowTerms(exp=exp, total=exp.sum(dim=1), moment=None, shift=shift, scale=scale)
+        exp = torch.exp(diff)
+        total = exp.sum(dim=1)
+        mom = diff.mul_(exp).sum(dim=1)  # Σ (d − r)·exp (excluded cells: finite · 0)
+        if shift is not None:
+            mom = mom + shift * total  # Σ d·exp = Σ (d − r)·exp + r·Σ exp
+        return RowTerms(exp=exp, total=total, moment=mom, shift=shift, scale=scale)
 
 
 def column_terms(
     sim: torch.Tensor,
     positive_all: torch.Tensor,
     scale: torch.Tensor,
-    cells,
     *,
     sim_is_scaled: bool = False,
     shift: torch.Tensor | None = None,
     total: bool = False,
+    in_place: bool = False,
 ) -> ColumnTerms:
-    """Columns of one block (global anchors), optionally shifted by ``shift`` ``[N]``."""
+    """Columns of one block (global anchors; excluded cells already EXCLUDED), optionally shifted by ``shift`` [N].
+    ``in_place``: the exponentials overwrite ``sim`` (when nothing reads the block afterwards: one [B, N] buffer
+    fewer to allocate and to keep for the backward)."""
     with torch.no_grad():
-        diff = _scaled_differences(sim, positive_all[None, :], _per_column(scale), sim_is_scaled)
-        diff[cells] = float("-inf")
-        exp = diff.sub_(shift[None, :]).exp_() if shift is not None else diff.exp_()
+        a = _per_column(scale)
+        offset = a * positive_all[None, :]
+        if shift is not None:
+            offset = offset + shift[None, :]
+        if in_place:
+            diff = sim.sub_(offset) if sim_is_scaled else sim.sub_(offset / a).mul_(a)
+        else:
+            diff = _differences(sim, offset, a, sim_is_scaled)
+        exp = diff.exp_()
         return ColumnTerms(exp=exp, total=exp.sum(dim=0) if total else None, scale=scale)
 
 

@@ -31,7 +31,16 @@ from .comm import Comm
 from .estimator import update_u
 from .individual import objective_eps_shifted, per_sample_tau_metrics
 from .options import TempNetOptions
-from .pairwise import Block, column_terms, compute_dtype, positives, row_terms, similarity, weighted_surrogate
+from .pairwise import (
+    Block,
+    column_terms,
+    compute_dtype,
+    exclude_,
+    positives,
+    row_terms,
+    similarity,
+    weighted_surrogate,
+)
 
 FIELDS = ("u_img", "u_txt", "b_img", "b_txt")
 
@@ -95,14 +104,14 @@ class TempNetLoss(SampleStateLoss):
                 [self.tempnet_img(batch.all_image.to(head_dtype)), self.tempnet_txt(batch.all_text.to(head_dtype))],
                 dim=1,
             ).to(dtype)
-        sim_it = similarity(batch.image, batch.all_text, dtype)
-        sim_ti = similarity(batch.text, batch.all_image, dtype)
+        sim_it = exclude_(similarity(batch.image, batch.all_text, dtype), cells)
+        sim_ti = exclude_(similarity(batch.text, batch.all_image, dtype), cells)
         pos, pos_all = positives(batch, dtype)
 
         old = state.read(slots).to(pos.device, dtype)  # [N, u_img, u_txt, b_img, b_txt, seen], owners' rows
         no_floor = torch.tensor(-math.inf, dtype=dtype, device=pos.device)
         rows = [
-            row_terms(sim, pos, 1.0 / tau[local, m], cells, bound_floor=no_floor, moment=True)
+            row_terms(sim, pos, 1.0 / tau[local, m], bound_floor=no_floor, moment=True)
             for m, sim in enumerate((sim_it, sim_ti))
         ]
         # rows are shifted by their own maximum; the shared table carries each anchor's (log-free) g, shift and
@@ -129,8 +138,8 @@ class TempNetLoss(SampleStateLoss):
         # the encoders: RGCL at fixed τ, weights τ_i/(u_i+ε) (rows rescaled to b_new, as the columns)
         w = tau / denom
         w_rows = w[local] * torch.exp(shift[local] - b_new[local])
-        cols_txt = column_terms(sim_it, pos_all, 1.0 / tau[:, 1], cells, shift=b_new[:, 1])
-        cols_img = column_terms(sim_ti, pos_all, 1.0 / tau[:, 0], cells, shift=b_new[:, 0])
+        cols_txt = column_terms(sim_it, pos_all, 1.0 / tau[:, 1], shift=b_new[:, 1], in_place=True)
+        cols_img = column_terms(sim_ti, pos_all, 1.0 / tau[:, 0], shift=b_new[:, 0], in_place=True)
         del sim_it, sim_ti
         blocks = (
             Block(rows[0], cols_txt, w_rows[:, 0], w[:, 1], batch.all_text),

@@ -220,23 +220,19 @@ def validate_mode(value) -> str:
     raise ValueError(f"loss option validate must be true, false or one of {VALIDATE_MODES}, got {value!r}")
 
 
-def _first_true(mask: torch.Tensor) -> torch.Tensor:
-    """Position of the first True in a 1-D bool tensor, -1 if none (on the device, no host sync)."""
-    first = torch.argmax(mask.to(torch.int32))  # argmax returns the first of equal maxima
-    return torch.where(mask.any(), first, -1)
-
-
 def value_words(image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor | None, data_size: int | None):
-    """``[HEADER_WORDS]`` int64 on the features' device: -1 where nothing is wrong."""
+    """``[HEADER_WORDS]`` int64 on the features' device, -1 where nothing is wrong (a few small ops: no host sync)."""
     # A row's float64 sum is NaN/Inf iff the row holds a NaN/Inf: one pass over the features.
-    rows = [_first_true(~torch.isfinite(x.detach().sum(dim=1, dtype=torch.float64))) for x in (image, text)]
-    if data_size is not None and indices is not None:
-        bad = (indices < 0) | (indices >= data_size)
-        pos = _first_true(bad)
-        value = torch.where(pos >= 0, indices[pos.clamp(min=0)], 0)
-    else:
-        pos = value = torch.full((), -1, dtype=torch.int64, device=image.device)
-    return torch.stack([rows[0], rows[1], pos.to(torch.int64), value.to(torch.int64)])
+    sums = torch.stack([image.detach().sum(dim=1, dtype=torch.float64), text.detach().sum(dim=1, dtype=torch.float64)])
+    bad = ~torch.isfinite(sums)  # [2, B]
+    checked = data_size is not None and indices is not None
+    if checked:
+        bad = torch.cat([bad, ((indices < 0) | (indices >= data_size))[None]])  # [3, B]
+    # the first True of each row (argmax returns the first of equal maxima), -1 where there is none
+    first = torch.where(bad.any(dim=1), bad.to(torch.uint8).argmax(dim=1), -1)
+    if not checked:
+        return torch.cat([first, first.new_full((2,), -1)])
+    return torch.cat([first, indices[first[2].clamp(min=0)].to(torch.int64).reshape(1)])
 
 
 class InputChecks:

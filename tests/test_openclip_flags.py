@@ -33,6 +33,10 @@ def test_report_to_resume_and_log_every():
         ["--train.tensorboard", "true", "--train.resume", "latest", "--train.log_every", "5"],
     )
     same(["--report-to", ""], ["--train.tensorboard", "false"])  # OpenCLIP's default: no reporting
+    same(
+        ["--report-to", "tensorboard,wandb", "--wandb-project-name", "clip-runs"],
+        ["--train.tensorboard", "true", "--train.wandb", "true", "--train.wandb_project", "clip-runs"],
+    )
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -69,11 +73,6 @@ def test_local_loss_and_gather_with_grad_are_accepted_with_one_note_each():
             "config key 'train.precision': 'pure_bf16' (OpenCLIP: weights in half precision) "
             "is not supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is "
             "'fp16'",
-        ),
-        (
-            ["--report-to", "tensorboard,wandb"],
-            "config key 'report_to': wandb is not supported yet; metrics go to "
-            "<run_dir>/metrics.jsonl and, with --report-to tensorboard, to TensorBoard",
         ),
         (["--report-to", "mlflow"], "config key 'report_to': 'mlflow' is not one of tensorboard, wandb"),
     ],

@@ -127,6 +127,9 @@ class TrainConfig:
     resume: str | None = None  # "latest" (of run_dir), or a checkpoint step folder
     log_every: int = 10  # steps between metric lines (the only steps that read values back)
     tensorboard: bool = True  # also write <run_dir>/tensorboard when tensorboard is installed
+    wandb: bool = False  # also log to Weights & Biases (pip install 'fastclip[wandb]'; WANDB_MODE=offline works
+    # without a network: files under <run_dir>/wandb, `wandb sync` them later); a resumed run continues its run
+    wandb_project: str = "fastclip"
     progress: bool = True  # progress bar on rank 0 (a plain line when not a terminal)
     dist_timeout_minutes: float = 30.0  # collectives while starting, saving checkpoints and evaluating
     collective_timeout_seconds: float = 300.0  # collectives once the first step is done: a dead or hung rank
@@ -316,6 +319,7 @@ FLAG_ALIASES = {
     "logs": "train.run_dir",
     "accum_freq": "optim.accum_steps",  # same key, other batch semantics: see OptimConfig.accum_steps
     "log_every_n_steps": "train.log_every",
+    "wandb_project_name": "train.wandb_project",
 }
 # OpenCLIP's --precision values that mean what one of ours means. Its fp16/bf16 (model.half(): weights in half
 # precision) and pure_fp16/pure_bf16 mean something else and are not mapped; our fp16/bf16 are its amp/amp_bf16.
@@ -337,18 +341,13 @@ def _note(line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def _report_to(raw: str) -> bool:
-    """OpenCLIP's --report-to list -> train.tensorboard."""
+def _report_to(raw: str) -> dict:
+    """OpenCLIP's --report-to list -> {"tensorboard": bool, "wandb": bool} (train section)."""
     targets = [t.strip() for t in str(raw or "").split(",") if t.strip()]
     for t in targets:
         if t not in REPORT_TO:
             raise ConfigError(f"config key 'report_to': {t!r} is not one of {', '.join(REPORT_TO)}")
-    if "wandb" in targets:
-        raise ConfigError(
-            "config key 'report_to': wandb is not supported yet; metrics go to "
-            "<run_dir>/metrics.jsonl and, with --report-to tensorboard, to TensorBoard"
-        )
-    return "tensorboard" in targets
+    return {name: name in targets for name in REPORT_TO}
 
 
 def parse_overrides(args: list[str]) -> dict:
@@ -373,7 +372,7 @@ def parse_overrides(args: list[str]) -> dict:
             i += 2
         key = key.replace("-", "_")
         if key == "report_to":
-            out.setdefault("train", {})["tensorboard"] = _report_to(raw)
+            out.setdefault("train", {}).update(_report_to(raw))
             continue
         if "." not in key and key in FLAG_ALIASES:
             key = FLAG_ALIASES[key]

@@ -1,11 +1,13 @@
 """What rank 0 reports: a progress bar (tqdm on a terminal, a plain line otherwise), <run_dir>/metrics.jsonl
-(one JSON object per logging step and per evaluation) and TensorBoard scalars when tensorboard is installed.
-Values arrive as Python numbers: the trainer reads tensors back only on logging steps."""
+(one JSON object per logging step and per evaluation), TensorBoard scalars when tensorboard is installed, and
+Weights & Biases when train.wandb is on. Values arrive as Python numbers: the trainer reads tensors back only on
+logging steps."""
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -30,12 +32,21 @@ class MetricsLogger:
     """Rank 0 writes; on other ranks every method is a no-op."""
 
     def __init__(
-        self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int, tensorboard: bool, progress: bool
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        tensorboard: bool,
+        progress: bool,
+        wandb: dict | None = None,
     ):
         self.enabled = enabled
         self.file = None
         self.tb = None
         self.bar = None
+        self.wandb = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -51,6 +62,9 @@ class MetricsLogger:
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step or None)
             except ImportError:  # tensorboard is optional
                 self.tb = None
+        if wandb is not None:
+            self.wandb = start_wandb(run_dir, **wandb)
+            self.wandb_step = int(getattr(self.wandb, "step", 0) or 0)  # where a resumed W&B run stands
         if progress and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
@@ -76,10 +90,17 @@ class MetricsLogger:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         step = record["step"]
+        scalars = {
+            k if "/" in k else f"train/{k}": v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k if "/" in k else f"train/{k}", v, step)
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None and step >= self.wandb_step:  # W&B steps only increase: a resumed run's
+            self.wandb.log(scalars, step=step)  # re-done steps are in metrics.jsonl, not sent twice
+            self.wandb_step = step
         shown = {k: record[k] for k in line_keys if k in record}
         if self.bar is not None:
             if "loss" in record:  # the bar itself gives steps, elapsed and ETA; beside it what one reads at a glance
@@ -107,9 +128,31 @@ class MetricsLogger:
             print(text, flush=True)
 
     def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
         if self.file is not None:
             self.file.close()
+
+
+def start_wandb(run_dir: Path, *, project: str, config: dict):
+    """A W&B run for this run folder; its id is kept in <run_dir>/wandb_id, so a resumed job continues it."""
+    import wandb
+
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+    id_file.write_text(run_id + "\n")
+    run = wandb.init(
+        project=project,
+        name=run_dir.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        config=config,
+        settings=wandb.Settings(console="off", quiet=True),
+    )
+    return run

@@ -2,6 +2,7 @@
 
 Each failure is a ConfigError: one line naming the key or file and what to do; `fastclip train` exits 2.
 
+    check_operator_input(cfg)           the three below, and train.wandb without the wandb package
     check_device(cfg)                   train.device cuda on a machine without a GPU
     check_arch(cfg)                     model.arch that is no known architecture (lists the known ones)
     check_run_dir(cfg)                  a run folder that cannot be written
@@ -35,6 +36,20 @@ from fastclip.train.config import Config, ConfigError
 
 
 # ----------------------------------------------------------------------------- machine and names
+def check_operator_input(cfg: Config) -> None:
+    check_device(cfg)
+    check_arch(cfg)
+    check_run_dir(cfg)
+    if cfg.train.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "config key 'train.wandb': the wandb package is not installed; pip install 'fastclip[wandb]' "
+                "(or drop wandb from --report-to / set --train.wandb false)"
+            ) from None
+
+
 def check_device(cfg: Config) -> None:
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         built = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU visible"

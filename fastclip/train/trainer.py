@@ -149,9 +149,7 @@ def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:
 # ----------------------------------------------------------------------------- the trainer
 def train(cfg: Config) -> dict:
     # what the operator typed, before a process group, a tower or a data worker exists (ConfigError: exit 2)
-    preflight.check_device(cfg)
-    preflight.check_arch(cfg)
-    preflight.check_run_dir(cfg)
+    preflight.check_operator_input(cfg)
     info = init_distributed(cfg.train.device, cfg.train.backend, cfg.train.dist_timeout_minutes)
     timeouts = CollectiveTimeouts(
         info, start_seconds=60 * cfg.train.dist_timeout_minutes, train_seconds=cfg.train.collective_timeout_seconds
@@ -319,6 +317,7 @@ class Run:
             start_step=self.step,
             tensorboard=cfg.train.tensorboard,
             progress=cfg.train.progress,
+            wandb=dict(project=cfg.train.wandb_project, config=cfg.to_dict()) if cfg.train.wandb else None,
         )
         if info.is_main:
             (self.run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")

@@ -38,6 +38,25 @@ def _args(data, run, **extra) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- names, machine, files
+def test_a_run_folder_another_job_trains_in_is_refused_and_free_again_after(tiny_embedded, tmp_path, capsys):
+    """A second job (or a rank 0 left alive by a killed launcher) holding <run_dir>/.fastclip.lock: one line, exit 2,
+    nothing written; once the holder is gone the same command trains."""
+    import fcntl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = open(run / ".fastclip.lock", "a+")
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder.write("pid 4242 on node17 since 2026-11-23 10:00:00\n")
+    holder.flush()
+    args = _args(tiny_embedded, run, **{"train.max_steps": 1})
+    _fails(capsys, args, "train.run_dir", f"{run} is in use by a running job (pid 4242 on node17", "--train.run_dir")
+    assert not (run / "metrics.jsonl").exists() and not list((run / "checkpoints").glob("step_*"))
+    holder.close()  # the other job ends: the OS drops its lock
+    assert main(args) == 0
+    assert (run / ".fastclip.lock").read_text().startswith("pid ")
+
+
 def test_unknown_arch_lists_the_known_ones(tiny_embedded, tmp_path, capsys):
     _fails(
         capsys,

@@ -6,6 +6,7 @@ Each failure is a ConfigError: one line naming the key or file and what to do; `
     check_device(cfg)                   train.device cuda on a machine without a GPU
     check_arch(cfg)                     model.arch that is no known architecture (lists the known ones)
     check_run_dir(cfg)                  a run folder that cannot be written
+    lock_run_dir(cfg, info)             a run folder another job (or a leftover rank of a killed one) trains in
     describe_checkpoint(obj)            what a loaded file is: our training checkpoint, our export, an OpenCLIP
                                         epoch_N.pt, a bare state dict, or something else
     read_resume(cfg, step_dir)          the resume's model.pt, refused with a pointer to --model.pretrained
@@ -107,6 +108,45 @@ def check_run_dir(cfg: Config) -> None:
                 f"config key 'train.run_dir': cannot write in {folder} ({e.strerror or e}); make it "
                 f"writable or choose another --train.run_dir"
             ) from None
+
+
+RUN_LOCK = ".fastclip.lock"
+
+
+def lock_run_dir(cfg: Config, info):
+    """Rank 0 holds an exclusive lock on the run folder while the job trains (fcntl.flock on <run_dir>/.fastclip.lock;
+    the OS drops it when the process ends, however it ends), so a second job, or a rank 0 left running by a killed
+    launcher, cannot write the same checkpoints. Rank 0's answer is broadcast: every rank raises the same one-line
+    ConfigError. Returns the open lock file on rank 0 (keep it open), else None. (Lustre and NFS need flock
+    support on the mount for the lock to hold across nodes.)"""
+    import fcntl
+    import socket
+    import time
+
+    from fastclip.distributed import broadcast_flag
+
+    handle, holder = None, ""
+    if info.is_main:
+        path = Path(cfg.train.run_dir) / RUN_LOCK
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            handle.flush()
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            handle = None
+    if broadcast_flag(handle is None and info.is_main, info):
+        raise ConfigError(
+            f"config key 'train.run_dir': {cfg.train.run_dir} is in use by a running job"
+            + (f" ({holder})" if holder else "")
+            + "; wait for it to end or stop it, or choose another --train.run_dir"
+        )
+    return handle
 
 
 # ----------------------------------------------------------------------------- checkpoint files

@@ -155,8 +155,9 @@ def train(cfg: Config) -> dict:
         info, start_seconds=60 * cfg.train.dist_timeout_minutes, train_seconds=cfg.train.collective_timeout_seconds
     )
     # SIGUSR1/SIGTERM: checkpoint at the next step on every rank, then stop (fastclip/train/preemption.py)
-    stop, stopped = StopSignals(cfg.train.stop_signals).install(), False
+    stop, stopped, lock = StopSignals(cfg.train.stop_signals).install(), False, None
     try:
+        lock = preflight.lock_run_dir(cfg, info)  # one job per run folder
         result = _train(cfg, info, timeouts, stop)
         stopped = result["preempted"]
         return result
@@ -174,6 +175,8 @@ def train(cfg: Config) -> dict:
     finally:
         cleanup(info)
         stop.release(stopped=stopped)
+        if lock is not None:
+            lock.close()  # releases the run folder
 
 
 def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts, stop: StopSignals) -> dict:

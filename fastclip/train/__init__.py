@@ -9,14 +9,18 @@ The path of one batch (fastclip/train/trainer.py, top to bottom):
         |     (autocast bf16/fp16, optional torch.compile, optional gradient checkpointing)
         |   F.normalize in fp32
         |   loss_fn(image_features, text_features, indices, epoch=e)     fastclip.losses.build_loss(...)
-        |     one all_gather of features+indices (no autograd), per-sample state sharded by owner rank,
-        |     gamma schedule by epoch; returns this rank's surrogate
+        |     one all_gather of features+indices (+ the input-check words; no autograd), per-sample state
+        |     sharded by owner rank (its writes journaled), gamma schedule by epoch; returns this rank's surrogate
     --> backward                                    DDP all-reduces (averages) every gradient, temperature too
+    --> NaN/Inf decision on the device              from the all-reduced gradient norm (guards.py)
     --> optimizer step                              groups decay / no_decay (ndim<2) / temperature (own lr:
-        |                                           cosine, const or step_thresh applied on-device)
+        |                                           cosine, const or step_thresh applied on-device); fused AdamW
+        |                                           skips a NaN step itself (found_inf), the journal is rolled back
         |   lr = get_lr(samples_seen // global_batch)   pure warmup + cosine to lr_min
         |   GradScaler (fp16), clip_grad_norm_, loss_fn.clamp_() (logit_scale in [0, ln 100])
-    --> every log_every steps: loss_fn.metrics .item() -> progress line, metrics.jsonl, TensorBoard
+        |   (no host read and no other collective until here: tests/test_faults.py)
+    --> every log_every steps: skips, input checks, loss_fn.metrics .item() -> progress line, metrics.jsonl,
+        |                                           TensorBoard, W&B; stop signals agreed
     --> every N steps / M minutes: checkpoints/step_<N>/{model.pt, rank_<r>.pt} + `latest`  (checkpoint.py)
     --> every N steps: fastclip.eval.run_evals on every rank -> metrics.jsonl "eval/..."
 

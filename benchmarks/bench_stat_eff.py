@@ -264,6 +264,16 @@ def lrs_of(study: dict, global_batch: int) -> tuple[float, ...]:
     return tuple(study.get("extra_lrs", {}).get(global_batch, ())) + tuple(study["lrs"])
 
 
+def tune_runs(study: dict, dataset: str, gb: int, loss: str) -> list[Run]:
+    """The tuning grid of `loss` in a group: every lr of the group x every value of the loss's own knob, seed 0."""
+    knob, values = study["knobs"][loss]
+    return [
+        Run(dataset, gb, loss, lr, knob, v, study["tune_seed"], "tune", gamma_of(loss, study))
+        for lr in lrs_of(study, gb)
+        for v in values
+    ]
+
+
 def ablation_runs(study: dict) -> list[Run]:
     return [
         Run(dataset, gb, loss, lr, knob, value, study["tune_seed"], "tune", gamma)
@@ -275,19 +285,11 @@ def plan(study: dict, results: Path) -> list[Run]:
     """Every run of the study in priority order; seed runs need their group's tuning to be complete."""
     headline = [v for v in study["knobs"] if v in study["headline"]]
     others = [v for v in study["knobs"] if v not in study["headline"]]
-    runs = []
-    for losses in ("ablations", headline, others):  # single ablation runs, then the headline pair through every group
-        if losses == "ablations":
-            runs += ablation_runs(study)
-            continue
+    runs = ablation_runs(study)  # single runs first, then the headline pair through every group, then the rest
+    for losses in (headline, others):
         for dataset, gb in study["order"]:
             for loss in losses:  # a loss's seeds right after its own tuning
-                knob, values = study["knobs"][loss]
-                for lr in lrs_of(study, gb):
-                    for value in values:
-                        runs.append(
-                            Run(dataset, gb, loss, lr, knob, value, study["tune_seed"], "tune", gamma_of(loss, study))
-                        )
+                runs += tune_runs(study, dataset, gb, loss)
                 best = chosen(study, results, dataset, gb, loss)
                 if best is not None:
                     runs += [
@@ -312,13 +314,7 @@ def load_result(results: Path, run: Run) -> dict | None:
 
 def chosen(study: dict, results: Path, dataset: str, gb: int, loss: str) -> Run | None:
     """The best tuning run of `loss` (final val score), once all of its tuning runs are done."""
-    knob, values = study["knobs"][loss]
-    tune = [
-        Run(dataset, gb, loss, lr, knob, v, study["tune_seed"], "tune", gamma_of(loss, study))
-        for lr in lrs_of(study, gb)
-        for v in values
-    ]
-    done = [(load_result(results, r), r) for r in tune]
+    done = [(load_result(results, r), r) for r in tune_runs(study, dataset, gb, loss)]
     if any(res is None for res, _ in done):
         return None
     return max(done, key=lambda d: d[0]["final_score"])[1]
@@ -598,14 +594,11 @@ def summarize(study: dict, results: Path) -> dict:
     groups = []
     for dataset, gb in study["order"]:
         tune, seeds = {}, {}
-        for loss, (knob, values) in study["knobs"].items():
+        for loss, (knob, _) in study["knobs"].items():
             rows = []
-            for lr in lrs_of(study, gb):
-                for v in values:
-                    res = load_result(
-                        results, Run(dataset, gb, loss, lr, knob, v, study["tune_seed"], "tune", gamma_of(loss, study))
-                    )
-                    rows.append({"lr": lr, knob: v, "val_score": None if res is None else res["final_score"]})
+            for run in tune_runs(study, dataset, gb, loss):
+                res = load_result(results, run)
+                rows.append({"lr": run.lr, knob: run.value, "val_score": None if res is None else res["final_score"]})
             tune[loss] = rows
             best = chosen(study, results, dataset, gb, loss)
             if best is None:

@@ -119,12 +119,16 @@ def exclude_(sim: torch.Tensor, cells) -> torch.Tensor:
         return sim
 
 
-def _differences(sim: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, sim_is_scaled: bool):
-    """``a·S − offset`` into a new block (``offset`` and ``a`` shaped to broadcast): one pass when ``sim`` already
-    holds ``a·S``, else ``a·(S − offset/a)`` in two (two simple passes beat one broadcasting addcmul on CPU)."""
-    if sim_is_scaled:
-        return sim - offset
-    return (sim - offset / scale).mul_(scale)
+def _differences(
+    sim: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, sim_is_scaled: bool, *, in_place: bool = False
+):
+    """``a·S − offset`` (``offset`` and ``a`` shaped to broadcast) into a new block, or into ``sim`` itself: one pass
+    when ``sim`` already holds ``a·S``, else ``a·(S − offset/a)`` in two (two simple passes beat one broadcasting
+    addcmul on CPU)."""
+    if not sim_is_scaled:
+        offset = offset / scale
+    diff = sim.sub_(offset) if in_place else sim - offset
+    return diff if sim_is_scaled else diff.mul_(scale)
 
 
 def row_terms(
@@ -179,11 +183,7 @@ def column_terms(
         offset = a * positive_all[None, :]
         if shift is not None:
             offset = offset + shift[None, :]
-        if in_place:
-            diff = sim.sub_(offset) if sim_is_scaled else sim.sub_(offset / a).mul_(a)
-        else:
-            diff = _differences(sim, offset, a, sim_is_scaled)
-        exp = diff.exp_()
+        exp = _differences(sim, offset, a, sim_is_scaled, in_place=in_place).exp_()
         return ColumnTerms(exp=exp, total=exp.sum(dim=0) if total else None, scale=scale)
 
 

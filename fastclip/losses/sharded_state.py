@@ -131,18 +131,11 @@ class ShardedSampleState:
         self._seen[where.write_slots] = saved[:, -1] > 0.5
 
     @torch.no_grad()
-    def rollback_where(self, undo: torch.Tensor) -> None:
-        """Undo the journal's writes where the 0-d bool ``undo`` is true, keep them otherwise (on the device, no
-        host read), and empty the journal."""
+    def rollback(self, undo: torch.Tensor | None = None) -> None:
+        """Undo the journal's writes, newest first, and empty it. With ``undo`` (a 0-d bool on the device), undo
+        them only where it is true and keep them otherwise, without a host read."""
         for where, saved in reversed(self.journal or []):
-            self.restore(where, torch.where(undo, saved, self.read(where)))
-        if self.journal is not None:
-            self.journal.clear()
-
-    def rollback(self) -> None:
-        """Undo the journal's writes, newest first, and empty it."""
-        for where, saved in reversed(self.journal or []):
-            self.restore(where, saved)
+            self.restore(where, saved if undo is None else torch.where(undo, saved, self.read(where)))
         if self.journal is not None:
             self.journal.clear()
 

@@ -271,7 +271,8 @@ class InputChecks:
         if self._words is None:
             return
         values = torch.cat([self._bad_call.reshape(1), self._words.reshape(-1)]).tolist()
-        call, details = values[0], [values[1 + i : 1 + i + HEADER_WORDS] for i in range(0, len(values) - 1, 4)]
+        call, words = values[0], values[1:]
+        details = [words[i : i + HEADER_WORDS] for i in range(0, len(words), HEADER_WORDS)]
         if call < 0:
             return
         self._words = self._bad_call = None

@@ -116,7 +116,7 @@ class NonFiniteGuard:
         """Device mode, after the step (which the optimizer skipped on the device where `bad`): put the journal's
         state rows back where bad and count, on the device."""
         if self._state is not None:
-            self._state.rollback_where(bad > 0)
+            self._state.rollback(undo=bad > 0)
         b = bad.to(torch.int64)
         if self._counts is None:
             self._counts = torch.tensor([0, self.in_a_row, self.in_a_row, 0], device=bad.device)

@@ -432,10 +432,16 @@ class Run:
                     skip = f"non-finite features: {features}" if features else skip
         if skip is None:
             self.schedules.thresh.before_step(loss_fn.temperature())
-            engine.step() if bad is None else engine.step(found_inf=bad)
+            if bad is None:
+                engine.step()
+            else:  # the optimizer skips its update on the device where bad
+                engine.step(found_inf=bad)
             self.schedules.thresh.after_step()
             loss_fn.clamp_()
-            guard.passed() if bad is None else guard.settle(bad)
+            if bad is None:
+                guard.passed()
+            else:
+                guard.settle(bad)
         else:  # no optimizer step; the per-sample state rows are put back; stops after N in a row
             if loss is not None:
                 engine.skip_step()  # fp16: lower the loss scale after the overflow; DeepSpeed: drop its gradients

@@ -9,7 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastclip.losses import LossInputError, NonFiniteFeaturesError, build_loss, reshard_for_rank, reshard_states
+from fastclip.losses import (
+    LossInputError,
+    NonFiniteFeaturesError,
+    build_loss,
+    reshard_for_rank,
+    reshard_states,
+    validation,
+)
 from fastclip.losses.schedules import GammaSchedule
 from fastclip.losses.sharded_state import ShardedSampleState, last_occurrence, shard_size
 
@@ -536,6 +543,29 @@ def test_later_bad_call_is_named_by_the_words_in_the_feature_gather(mode):
     loss_fn(nan, e2, IDX)  # call 6
     with pytest.raises(NonFiniteFeaturesError, match=r"^loss call 6: rank 0: image_features .* row 2"):
         loss_fn.check_inputs()
+
+
+def test_deferred_checks_fold_on_the_device_and_still_name_the_first_bad_call(monkeypatch):
+    """Deferred mode keeps each call's gathered words and folds them on the device every FOLD_EVERY calls: the
+    first bad call is named whether it was folded, pending, or both kinds are there."""
+    monkeypatch.setattr(validation, "FOLD_EVERY", 3)
+    e1, e2 = features(N, D, seed=15)
+    loss_fn = build_loss("fastclip-v1", data_size=10, validate="deferred").double()
+    nan = e1.clone()
+    nan[3, 0] = float("inf")
+    bad = torch.tensor([0, 1, 2, 3, 4, -7])
+    calls = [(e1, IDX), (e1, IDX), (e1, bad), (nan, IDX), (e1, IDX), (e1, IDX), (e1, IDX), (e1, IDX)]
+    for x, idx in calls:  # folds after calls 3 and 6; 7 and 8 pending
+        loss_fn(x, e2, idx)
+    with pytest.raises(LossInputError, match=r"^loss call 3: rank 0: indices\[5\] = -7 is out of range"):
+        loss_fn.check_inputs()
+    for x in (e1, e1, e1, nan, e1):  # calls 9-13: a fold after 11 finds nothing, the bad call 12 is pending
+        loss_fn(x, e2, IDX)
+    with pytest.raises(NonFiniteFeaturesError, match=r"^loss call 12: rank 0: image_features .* row 3"):
+        loss_fn.check_inputs()
+    for _ in range(4):  # calls 14-17, all good: a fold after 16, 17 pending, nothing to raise
+        loss_fn(e1, e2, IDX)
+    loss_fn.check_inputs()
 
 
 def test_validate_option_values():

@@ -4,6 +4,7 @@ byte counts, and (for the FastCLIP versions) the sharded per-sample state kept i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ class ContrastiveLoss(nn.Module):
         self.options = options
         self.group = options.group
         self.epoch = 0
-        self.metrics: dict[str, torch.Tensor] = {}
+        self._metrics: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]] = {}
         self.comm_bytes: dict[str, int] = {}
         self.validate = validate_mode(options.validate)  # "eager", "deferred" or "off" (validation.py)
         self.input_checks = InputChecks(getattr(options, "data_size", None))
@@ -84,16 +85,27 @@ class ContrastiveLoss(nn.Module):
             words = value_words(image_features, text_features, indices, data_size)
         batch = comm.gather_batch(image_features, text_features, indices, header=words)
         if words is not None:
-            self.input_checks.record(batch.header)
             if self.validate == "eager":  # before the loss writes its state
-                self.input_checks.raise_if_bad()
+                self.input_checks.check_now(batch.header)
+            else:
+                self.input_checks.record(batch.header)
         loss, metrics = self._compute(comm, batch)
-        self.metrics = {name: value.detach() for name, value in metrics.items()}
+        # a loss may hand its metrics over as a function of detached tensors: computed when first read (the
+        # trainer reads them on logging steps only), so the other steps do not pay their small device ops
+        self._metrics = metrics if callable(metrics) else {name: value.detach() for name, value in metrics.items()}
         self.comm_bytes = comm.bytes_moved()
         return loss
 
-    def _compute(self, comm: Comm, batch: GlobalBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _compute(self, comm: Comm, batch: GlobalBatch) -> tuple[torch.Tensor, dict | Callable[[], dict]]:
         raise NotImplementedError
+
+    @property
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The last call's metrics (detached 0-d tensors, a few losses add small vectors)."""
+        if callable(self._metrics):
+            with torch.no_grad():
+                self._metrics = self._metrics()
+        return self._metrics
 
     def check_inputs(self, *, features: bool = True) -> None:
         """Raise the input error of the first bad call since the last check (validate="deferred"; one host read,

@@ -119,9 +119,17 @@ class GlobalTemperatureGCL(SampleStateLoss):
         )  # image anchors
         # each modality's terms weighted by its τ when the temperatures are separate (the shared τ multiplies
         # the whole surrogate in _outer instead)
-        tau_img, tau_txt = (1.0 / s_img, 1.0 / s_txt) if self.separate else (1.0, 1.0)
-        ones = torch.ones_like(log_w[:, 0])
         row_w = torch.exp(shift - log_w[local])  # bounded by (N-1)/γ
+        ones = torch.ones_like(log_w[:, 0])
+        row_w_img, row_w_txt, col_w_txt, col_w_img = row_w[:, 0], row_w[:, 1], ones, ones
+        if self.separate:
+            tau_img, tau_txt = 1.0 / s_img, 1.0 / s_txt
+            row_w_img, row_w_txt, col_w_txt, col_w_img = (
+                row_w_img * tau_img,
+                row_w_txt * tau_txt,
+                ones * tau_txt,
+                ones * tau_img,
+            )
         # the τ-gradient needs the scaled similarities and the positives in backward
         kept = dict(positive=pos, positive_all=pos_all) if learnable else {}
         sims = (sim_it, sim_ti) if scaled else (sim_it * s_img, sim_ti * s_txt) if learnable else (None, None)
@@ -129,8 +137,8 @@ class GlobalTemperatureGCL(SampleStateLoss):
             Block(
                 rows_img,
                 cols_txt,
-                row_w[:, 0] * tau_img,
-                ones * tau_txt,
+                row_w_img,
+                col_w_txt,
                 batch.all_text,
                 sim=sims[0] if learnable else None,
                 **kept,
@@ -139,8 +147,8 @@ class GlobalTemperatureGCL(SampleStateLoss):
             Block(
                 rows_txt,
                 cols_img,
-                row_w[:, 1] * tau_txt,
-                ones * tau_img,
+                row_w_txt,
+                col_w_img,
                 batch.all_image,
                 sim=sims[1] if learnable else None,
                 **kept,
@@ -159,24 +167,30 @@ class GlobalTemperatureGCL(SampleStateLoss):
         )
 
         loss, objective = self._outer(surrogate, log_u, log_w, local)
-        metrics = {
-            "loss": loss,
-            "surrogate": surrogate,
-            "objective": objective,
-            "gamma": torch.tensor(gamma, dtype=dtype),
-            "tau": 1.0 / s.mean() if not self.separate else torch.exp(-torch.log(s).mean()),
-        }
-        # how far the moving average lags this batch's estimate (log u − log g, mean and mean |.|): the
-        # staleness of u, a diagnostic of the estimator (the study logs it)
-        lag = log_u - log_g
-        metrics.update(u_lag=lag.mean(), u_lag_abs=lag.abs().mean())
-        if self.separate:
-            metrics.update(tau_img=1.0 / s_img, tau_txt=1.0 / s_txt)
+        loss_value, surrogate_value = loss.detach(), surrogate.detach()
+
+        def metrics():  # computed when read (logging steps), from this call's detached tensors
+            out = {
+                "loss": loss_value,
+                "surrogate": surrogate_value,
+                "objective": objective(),
+                "gamma": torch.tensor(gamma, dtype=dtype),
+                "tau": 1.0 / s.mean() if not self.separate else torch.exp(-torch.log(s).mean()),
+            }
+            # how far the moving average lags this batch's estimate (log u − log g, mean and mean |.|): the
+            # staleness of u, a diagnostic of the estimator (the study logs it)
+            lag = log_u - log_g
+            out.update(u_lag=lag.mean(), u_lag_abs=lag.abs().mean())
+            if self.separate:
+                out.update(tau_img=1.0 / s_img, tau_txt=1.0 / s_txt)
+            return out
+
         return loss, metrics
 
     def _outer(self, surrogate, log_u, log_w, local):
-        """(loss, estimated objective) for v0/v1: the surrogate itself, and the GCL ½·mean(log(u1+ε) + log(u2+ε))."""
-        return surrogate, log_w.mean()
+        """(loss, a function giving the estimated objective) for v0/v1: the surrogate itself, and the GCL
+        ½·mean(log(u1+ε) + log(u2+ε))."""
+        return surrogate, log_w.mean
 
     def set_extra_state(self, state: dict) -> None:
         """Checkpoints written before the state kept log u held u itself: converted on load."""
@@ -216,12 +230,11 @@ class FastCLIPV3Loss(GlobalTemperatureGCL):
     def _outer(self, surrogate, log_u, log_w, local):
         # Faithful: log(u+ε), the stated objective's log(ε+g); the reference takes log u without ε.
         tau = torch.exp(-self.logit_scale.to(log_u.dtype))
+        tau_value = tau.detach()
         if self.separate:  # ½[τ1(mean log(u1+ε) + ρ) + τ2(mean log(u2+ε) + ρ)]; the surrogate is τ-weighted
             per_modality = log_w[local].mean(dim=0) + self.rho
             loss = surrogate + 0.5 * (tau * per_modality).sum()
-            objective = 0.5 * (tau.detach() * (log_w.mean(dim=0) + self.rho)).sum()
-            return loss, objective
+            return loss, lambda: 0.5 * (tau_value * (log_w.mean(dim=0) + self.rho)).sum()
         log_u_local = (log_u if self.reference else log_w)[local].mean()  # ½·mean(log u1 + log u2)
-        loss = tau.detach() * surrogate + tau * (log_u_local + self.rho)
-        objective = tau.detach() * (log_w.mean() + self.rho)
-        return loss, objective
+        loss = tau_value * surrogate + tau * (log_u_local + self.rho)
+        return loss, lambda: tau_value * (log_w.mean() + self.rho)

@@ -10,10 +10,11 @@ Two kinds of check:
 * **Values** (non-finite features, an index outside [0, data_size)). Every call, four int64 words per rank
   (first non-finite row of image and of text, first bad index position and its value) are computed on the
   device and ride at the end of the feature all_gather's buffer (comm.gather_batch): every rank then holds
-  every rank's words, on the device, and decides the same. ``InputChecks`` keeps the first bad call's words
-  (device ops only); ``raise_if_bad()`` reads them back (the one host read) and raises the error naming rank,
-  row or index. ``validate="eager"`` calls it before the loss touches its state, every call (a host sync);
-  ``"deferred"`` leaves it to the caller (the trainer: on logging steps and before a checkpoint is written).
+  every rank's words, on the device, and decides the same. ``validate="eager"`` reads them back before the loss
+  touches its state, every call (a host sync: ``InputChecks.check_now``). ``"deferred"`` keeps them on the device
+  (``record``: no op per call, a fold every FOLD_EVERY calls) and leaves the read to the caller:
+  ``raise_if_bad()`` (the trainer: on logging steps and before a checkpoint is written) raises the first bad
+  call's error, naming rank, row or index.
   In deferred mode an out-of-range index is simply owned by no rank (it reads and writes no state).
 
 ``validate=False`` ("off") skips both; an out-of-range index then trips a device-side assert.
@@ -207,6 +208,8 @@ def check_details(details: list[list[int]], *, data_size: int | None) -> None:
 
 VALIDATE_MODES = ("eager", "deferred", "off")
 HEADER_WORDS = 4  # [first non-finite image row, first non-finite text row, first bad index position, its value]
+NO_ROW = 2**62  # a position word's value when nothing is wrong (above any row: "first" is a minimum)
+FOLD_EVERY = 64  # deferred mode keeps the last calls' words as they are and folds them this often (bounded memory)
 
 
 def validate_mode(value) -> str:
@@ -220,30 +223,45 @@ def validate_mode(value) -> str:
     raise ValueError(f"loss option validate must be true, false or one of {VALIDATE_MODES}, got {value!r}")
 
 
+@torch.no_grad()
 def value_words(image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor | None, data_size: int | None):
-    """``[HEADER_WORDS]`` int64 on the features' device, -1 where nothing is wrong (a few small ops: no host sync)."""
-    # A row's float64 sum is NaN/Inf iff the row holds a NaN/Inf: one pass over the features.
-    sums = torch.stack([image.detach().sum(dim=1, dtype=torch.float64), text.detach().sum(dim=1, dtype=torch.float64)])
-    bad = ~torch.isfinite(sums)  # [2, B]
+    """``[HEADER_WORDS]`` int64 on the features' device, NO_ROW (and value 0) where nothing is wrong. A dozen small
+    device ops, no host sync: they run at every call, so their number is what they cost at small batches."""
+    # A row's float64 sum is NaN/Inf iff the row holds a NaN/Inf: one pass over the features. x − x is 0 exactly
+    # for a finite x and NaN otherwise (two ops; isfinite decomposes into four).
+    sums = torch.stack([image.sum(dim=1, dtype=torch.float64), text.sum(dim=1, dtype=torch.float64)])
+    ok = (sums - sums) == 0
     checked = data_size is not None and indices is not None
     if checked:
-        bad = torch.cat([bad, ((indices < 0) | (indices >= data_size))[None]])  # [3, B]
-    # the first True of each row (argmax returns the first of equal maxima), -1 where there is none
-    first = torch.where(bad.any(dim=1), bad.to(torch.uint8).argmax(dim=1), -1)
+        ok = torch.cat([ok, (indices.clamp(0, data_size - 1) == indices)[None]])  # [3, B]
+    rows = torch.arange(ok.shape[1], device=ok.device)
+    first = torch.where(ok, NO_ROW, rows).amin(dim=1)  # the first bad row of each, NO_ROW where there is none
     if not checked:
-        return torch.cat([first, first.new_full((2,), -1)])
-    return torch.cat([first, indices[first[2].clamp(min=0)].to(torch.int64).reshape(1)])
+        return torch.cat([first, first.new_tensor([NO_ROW, 0])])
+    # gather, not indices[t]: indexing with a 0-d tensor reads it back to the host (a sync on CUDA)
+    value = indices.gather(0, first[2:].clamp(max=ok.shape[1] - 1)).to(torch.int64)  # unread when none is bad
+    return torch.cat([first, value])
+
+
+def _details(words: list[int]) -> list[list[int]]:
+    """Host words of all ranks, split per rank, NO_ROW read as -1 (check_details's "nothing wrong")."""
+    out = []
+    for i in range(0, len(words), HEADER_WORDS):
+        image_row, text_row, pos, value = (w if w != NO_ROW else -1 for w in words[i : i + HEADER_WORDS])
+        out.append([image_row, text_row, pos, value])
+    return out
 
 
 class InputChecks:
-    """Validation state of one loss: the input signature the ranks agreed on, and the first bad call's words."""
+    """Validation state of one loss: the input signature the ranks agreed on, and the gathered value words of the
+    calls since the last check (deferred mode)."""
 
     def __init__(self, data_size: int | None):
         self.data_size = data_size
         self.signature: tuple | None = None
         self.calls = 0  # loss calls made (host counter)
-        self._words: torch.Tensor | None = None  # [K, HEADER_WORDS] of the first bad call (or of the last call)
-        self._bad_call: torch.Tensor | None = None  # that call's number, -1 while none was bad
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (call number, [K, HEADER_WORDS]) not yet folded
+        self._first_bad: tuple[torch.Tensor, torch.Tensor] | None = None  # (call number or -1, its words), folded
 
     def structure(self, comm: Comm, image, text, indices, **checks) -> None:
         """The structure handshake, when this rank's input signature differs from the agreed one."""
@@ -252,30 +270,58 @@ class InputChecks:
             validate_inputs(comm, image, text, indices, **checks)  # raises alike on every rank
             self.signature = signature
 
-    def record(self, words: torch.Tensor) -> None:
-        """Keep the gathered ``[K, HEADER_WORDS]`` words if this call is the first bad one (device ops only)."""
+    def check_now(self, words: torch.Tensor) -> None:
+        """Eager mode: read this call's gathered words (a host sync) and raise if any rank's are bad."""
         self.calls += 1
-        bad = (words[:, :3] >= 0).any()
-        call = torch.where(bad, self.calls, -1)
-        if self._words is None or self._words.shape != words.shape:
-            self._words, self._bad_call = words, call
+        check_details(_details(words.reshape(-1).tolist()), data_size=self.data_size)
+
+    def record(self, words: torch.Tensor) -> None:
+        """Deferred mode: keep this call's gathered ``[K, HEADER_WORDS]`` words (no device op per call; every
+        FOLD_EVERY calls they are reduced to the first bad call's, a few device ops)."""
+        self.calls += 1
+        self._pending.append((self.calls, words))
+        if len(self._pending) >= FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        """The first bad call among the kept one and the pending ones, on the device."""
+        if not self._pending:
             return
-        keep = self._bad_call >= 0
-        self._words = torch.where(keep, self._words, words)
-        self._bad_call = torch.where(keep, self._bad_call, call)
+        calls = torch.tensor([c for c, _ in self._pending], device=self._pending[0][1].device)
+        words = torch.stack([w for _, w in self._pending])  # [C, K, HEADER_WORDS]
+        self._pending = []
+        if self._first_bad is not None:
+            calls = torch.cat([self._first_bad[0].reshape(1), calls])
+            words = torch.cat([self._first_bad[1][None], words])
+        bad = (words[:, :, :3] != NO_ROW).any(dim=2).any(dim=1) & (calls >= 0)  # [C]
+        first = torch.where(bad, torch.arange(len(calls), device=calls.device), len(calls)).amin()
+        pick = first.clamp(max=len(calls) - 1)
+        self._first_bad = (torch.where(first < len(calls), calls[pick], -1), words[pick])
 
     def raise_if_bad(self, *, features: bool = True, call_number: bool = False) -> None:
-        """One host read: raise the first bad call's error (the same on every rank) and forget it.
-        ``features=False``: a non-finite-features call is forgotten without raising (the caller's NaN guard
-        skipped that step); only an index error raises."""
-        if self._words is None:
+        """One host read: raise the first bad call's error since the last check (the same on every rank) and
+        forget the calls read. ``features=False``: a non-finite-features call is forgotten without raising (the
+        caller's NaN guard skipped that step); only an index error raises."""
+        kept = self._pending + ([self._first_bad] if self._first_bad is not None else [])
+        size = kept[0][1].numel() if kept else 0  # K * HEADER_WORDS
+        calls, parts = [c for c, _ in self._pending], [w.reshape(-1) for _, w in self._pending]
+        if self._first_bad is not None:  # the folded calls come first, their call number (-1: none bad) leading
+            calls.insert(0, None)
+            parts.insert(0, torch.cat([self._first_bad[0].reshape(1), self._first_bad[1].reshape(-1)]))
+        self._pending, self._first_bad = [], None
+        if not parts:
             return
-        values = torch.cat([self._bad_call.reshape(1), self._words.reshape(-1)]).tolist()
-        call, words = values[0], values[1:]
-        details = [words[i : i + HEADER_WORDS] for i in range(0, len(words), HEADER_WORDS)]
-        if call < 0:
+        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        for call in calls:
+            if call is None:
+                call, values = values[0], values[1:]
+            words, values = values[:size], values[size:]
+            positions = [w for i, w in enumerate(words) if i % HEADER_WORDS < 3]
+            if call >= 0 and any(w != NO_ROW for w in positions):
+                break
+        else:
             return
-        self._words = self._bad_call = None
+        details = _details(words)
         where = f"loss call {call}: " if call_number else ""
         if not features:
             details = [[-1, -1, pos, value] for _, _, pos, value in details]

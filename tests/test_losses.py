@@ -416,6 +416,33 @@ def test_no_fp32_overflow_at_tau_001():
             torch.testing.assert_close(low.double(), high, rtol=1e-4, atol=1e-4 * high.abs().max().item())
 
 
+@pytest.mark.parametrize("name", ["fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-tempnet"])
+def test_state_journal_rolls_a_call_back_exactly(name):
+    """With the journal on (the trainer's NaN guard), a call's writes are undone bitwise by rollback(), also for a
+    batch that holds an index twice; rollback(undo=False on the device) keeps them. Each loss hands the journal
+    the rows it read itself (write(previous=)): this checks that they are the rows as they were."""
+    extra = dict(embed_dim=D) if name == "fastclip-tempnet" else {}
+    loss_fn = build_loss(name, data_size=10, **extra)
+    e1, e2 = features(N, D, seed=16)
+    loss_fn(e1.float(), e2.float(), IDX)  # first visits: seen, u, (τ, moments) written
+    state = loss_fn.sample_state()
+    before = state.state_dict()
+    repeated = torch.tensor([1, 7, 2, 7, 8, 0])  # 7 twice, 8 and 0 not seen yet
+    for undo in (None, torch.tensor(False)):
+        state.journal = []
+        loss_fn(e1.float(), e2.float(), repeated, epoch=1)
+        written = state.state_dict()
+        assert not torch.equal(written["fields"][state.names[0]], before["fields"][state.names[0]])
+        state.rollback(undo)
+        after = state.state_dict()
+        expect = before if undo is None else written
+        assert torch.equal(after["seen"], expect["seen"]) and state.journal == []
+        for field in state.names:
+            assert torch.equal(after["fields"][field], expect["fields"][field]), (field, undo)
+        state.load_state_dict(before)
+    state.journal = None
+
+
 def test_state_saved_as_u_before_log_u_loads_as_log_u():
     """Checkpoints from before the log-space state hold u itself; they load as log u, unseen rows untouched."""
     e1, e2 = features(N, D, seed=12)

@@ -99,10 +99,11 @@ class GlobalTemperatureGCL(SampleStateLoss):
         log_g_local = shift + torch.log(torch.stack([rows_img.total, rows_txt.total], dim=1) / n_neg)
 
         # One all_reduce: each anchor's log g from its rank, each sample's old log u (and seen) from its owner.
-        table = comm.share_rows(batch, log_g_local, state.read(slots), dtype=dtype)
+        before = state.read(slots)
+        table = comm.share_rows(batch, log_g_local, before, dtype=dtype)
         log_g, log_u_old, seen = table[:, 0:2], table[:, 2:4], table[:, 4:5] > 0.5
         log_u = update_log_u(log_u_old, log_g, seen, gamma)
-        state.write(slots, log_u)
+        state.write(slots, log_u, previous=before)
         log_w = self.log_u_eps(log_u)  # weights 1/(u+ε) = exp(−log_w), constants for autograd
 
         # loss2 terms: every global anchor (column) against this rank's candidates: they give the local

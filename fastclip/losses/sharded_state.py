@@ -139,10 +139,12 @@ class ShardedSampleState:
         if self.journal is not None:
             self.journal.clear()
 
-    def write(self, where: BatchSlots, values: torch.Tensor) -> None:
-        """Store ``values`` ``[N, F]`` for the owned rows, a repeated index keeping its last occurrence; marks seen."""
+    def write(self, where: BatchSlots, values: torch.Tensor, *, previous: torch.Tensor | None = None) -> None:
+        """Store ``values`` ``[N, F]`` for the owned rows, a repeated index keeping its last occurrence; marks seen.
+        ``previous``: what ``read(where)`` returned before this write (any dtype), for the journal, which otherwise
+        reads the rows again."""
         if self.journal is not None:
-            self.journal.append((where, self.read(where)))
+            self.journal.append((where, self.read(where) if previous is None else previous))
         self._table[where.write_slots] = values.detach().to(device=self.device, dtype=self.dtype)
         self._seen[where.write_slots] = True
 

@@ -510,16 +510,18 @@ def test_bad_configuration_is_an_error_before_training(data, one_process_run, tm
 
 
 # ----------------------------------------------------------------------------- no host read per step
-@pytest.mark.parametrize("loss", ["fastclip-v3", "fastclip-v2"])
+@pytest.mark.parametrize("loss", ["fastclip-v3", "fastclip-v2", "openclip"])
 def test_a_training_step_reads_nothing_back_from_the_device(data, tmp_path, monkeypatch, loss):
     """loss.validate "deferred" and train.nonfinite_check "device" (the defaults): after the first step (the loss's
     structure handshake), a whole training step (forward, loss with its input checks, backward, the NaN decision,
     the optimizer step, the per-sample state journal) makes no host read of a tensor: .item(), .tolist(), bool()
     and float() are counted while train_step runs, and so are the ops that sync with the host on CUDA whoever
     calls them (a scalar read, as indexing with a 0-d tensor does; nonzero and masked_select, as a bool mask index
-    does). Logging and checkpoint steps read outside train_step."""
+    does). The deferred input checks are folded every 2 calls here (64 by default), so folds run inside steps.
+    Logging and checkpoint steps read outside train_step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from fastclip.losses import validation
     from fastclip.train.config import load_config
     from fastclip.train.trainer import Run, train
 
@@ -552,6 +554,7 @@ def test_a_training_step_reads_nothing_back_from_the_device(data, tmp_path, monk
                 return original_step(self, *batch)
 
     monkeypatch.setattr(Run, "train_step", train_step)
+    monkeypatch.setattr(validation, "FOLD_EVERY", 2)
     args = fault_overrides(
         data, tmp_path / "run", loss, **{"train.max_steps": 6, "train.log_every": 3, "checkpoint.every_steps": 3}
     )

@@ -4,6 +4,7 @@ directly here, options, schedules, input validation, state save/load and reshard
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -416,12 +417,15 @@ def test_no_fp32_overflow_at_tau_001():
             torch.testing.assert_close(low.double(), high, rtol=1e-4, atol=1e-4 * high.abs().max().item())
 
 
+@pytest.mark.parametrize("state_dtype", [None, torch.float64])
 @pytest.mark.parametrize("name", ["fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-tempnet"])
-def test_state_journal_rolls_a_call_back_exactly(name):
+def test_state_journal_rolls_a_call_back_exactly(name, state_dtype):
     """With the journal on (the trainer's NaN guard), a call's writes are undone bitwise by rollback(), also for a
     batch that holds an index twice; rollback(undo=False on the device) keeps them. Each loss hands the journal
-    the rows it read itself (write(previous=)): this checks that they are the rows as they were."""
+    the rows it read itself (write(previous=)): this checks that they are the rows as they were, also when the
+    state is kept wider than the float32 features (v2's initial τ 0.03 is not a float32 number)."""
     extra = dict(embed_dim=D) if name == "fastclip-tempnet" else {}
+    extra["state_dtype"] = state_dtype
     loss_fn = build_loss(name, data_size=10, **extra)
     e1, e2 = features(N, D, seed=16)
     loss_fn(e1.float(), e2.float(), IDX)  # first visits: seen, u, (τ, moments) written
@@ -574,25 +578,59 @@ def test_later_bad_call_is_named_by_the_words_in_the_feature_gather(mode):
 
 def test_deferred_checks_fold_on_the_device_and_still_name_the_first_bad_call(monkeypatch):
     """Deferred mode keeps each call's gathered words and folds them on the device every FOLD_EVERY calls: the
-    first bad call is named whether it was folded, pending, or both kinds are there."""
+    first bad call is named whether it was folded, pending, or both kinds are there; an out-of-range index is
+    raised before non-finite features (it is fatal, they are forgiven by a NaN guard), so neither hides it."""
     monkeypatch.setattr(validation, "FOLD_EVERY", 3)
     e1, e2 = features(N, D, seed=15)
     loss_fn = build_loss("fastclip-v1", data_size=10, validate="deferred").double()
+    checks = loss_fn.input_checks
     nan = e1.clone()
     nan[3, 0] = float("inf")
     bad = torch.tensor([0, 1, 2, 3, 4, -7])
-    calls = [(e1, IDX), (e1, IDX), (e1, bad), (nan, IDX), (e1, IDX), (e1, IDX), (e1, IDX), (e1, IDX)]
+    worse = torch.tensor([0, 1, 2, 3, 10, 4])
+    calls = [(e1, IDX), (e1, IDX), (e1, bad), (nan, IDX), (e1, worse), (e1, IDX), (e1, IDX), (e1, IDX)]
     for x, idx in calls:  # folds after calls 3 and 6; 7 and 8 pending
         loss_fn(x, e2, idx)
+    assert len(checks._pending) == 2 and set(checks._first_bad) == {"features", "index"}
     with pytest.raises(LossInputError, match=r"^loss call 3: rank 0: indices\[5\] = -7 is out of range"):
         loss_fn.check_inputs()
+    assert checks._pending == [] and checks._first_bad == {}
     for x in (e1, e1, e1, nan, e1):  # calls 9-13: a fold after 11 finds nothing, the bad call 12 is pending
         loss_fn(x, e2, IDX)
     with pytest.raises(NonFiniteFeaturesError, match=r"^loss call 12: rank 0: image_features .* row 3"):
         loss_fn.check_inputs()
-    for _ in range(4):  # calls 14-17, all good: a fold after 16, 17 pending, nothing to raise
+    # calls 14-17: NaN features folded (14), then a bad index pending (17): the index is raised, with or without
+    # the features being forgiven
+    for features_too in (True, False):
+        for x, idx in ((nan, IDX), (e1, IDX), (e1, IDX), (e1, worse)):
+            loss_fn(x, e2, idx)
+        with pytest.raises(
+            LossInputError, match=rf"^loss call {17 if features_too else 21}: rank 0: indices\[4\] = 10 "
+        ):
+            loss_fn.check_inputs(features=features_too)
+    for x in (nan, e1):  # forgiven features, nothing else: no error
+        loss_fn(x, e2, IDX)
+    loss_fn.check_inputs(features=False)
+    for _ in range(4):  # all good: nothing to raise
         loss_fn(e1, e2, IDX)
     loss_fn.check_inputs()
+
+
+@pytest.mark.parametrize("name", ["fastclip-v3", "fastclip-v2", "openclip"])
+def test_metrics_are_computed_when_read_and_survive_a_pickle(name):
+    """GCL/v2 metrics are computed on first read (from the call's detached tensors), equal to the reference value,
+    also read after a later parameter update or after pickling the module (then they are computed first)."""
+    e1, e2 = features(N, D, seed=17)
+    loss_fn = build_loss(name, **({} if name == "openclip" else {"data_size": 10})).double()
+    loss = loss_fn(e1, e2, IDX)
+    if name != "fastclip-v2":
+        with torch.no_grad():  # a later update must not change this call's metrics
+            loss_fn.logit_scale.add_(0.5)
+    copy = pickle.loads(pickle.dumps(loss_fn))
+    for metrics in (copy.metrics, loss_fn.metrics):
+        assert metrics["loss"].item() == loss.item() and not metrics["loss"].requires_grad
+        tau = metrics["tau_q50"] if name == "fastclip-v2" else metrics["tau"]
+        assert tau.item() == pytest.approx(0.03 if name == "fastclip-v2" else 0.07, rel=1e-6)  # float32 init
 
 
 def test_validate_option_values():

@@ -103,9 +103,16 @@ class ContrastiveLoss(nn.Module):
     def metrics(self) -> dict[str, torch.Tensor]:
         """The last call's metrics (detached 0-d tensors, a few losses add small vectors)."""
         if callable(self._metrics):
-            with torch.no_grad():
-                self._metrics = self._metrics()
+            try:
+                with torch.no_grad():
+                    self._metrics = self._metrics()
+            except AttributeError as e:  # nn.Module.__getattr__ would report it as "no attribute 'metrics'"
+                raise RuntimeError(f"{self.name}: computing the metrics failed: {e}") from e
         return self._metrics
+
+    def __getstate__(self):
+        _ = self.metrics  # computed now: a function cannot be pickled
+        return super().__getstate__()
 
     def check_inputs(self, *, features: bool = True) -> None:
         """Raise the input error of the first bad call since the last check (validate="deferred"; one host read,

@@ -104,12 +104,16 @@ class Comm:
         all_text = gathered[:, n_feat : 2 * n_feat].reshape(-1, dim)
         all_indices = all_header = None
         words = gathered[:, 2 * n_feat :]
-        if indices is not None:
-            n_idx = rows * 8 // image.element_size()
-            all_indices = words[:, :n_idx].contiguous().view(torch.int64).reshape(-1)
-            words = words[:, n_idx:]
-        if header is not None:
-            all_header = words.contiguous().view(torch.int64)  # [K, len(header)]
+        if self.world_size == 1:  # the inputs themselves: a view of `packed` would keep the whole buffer alive
+            all_indices = indices
+            all_header = None if header is None else header[None]
+        else:
+            if indices is not None:
+                n_idx = rows * 8 // image.element_size()
+                all_indices = words[:, :n_idx].contiguous().view(torch.int64).reshape(-1)
+                words = words[:, n_idx:]
+            if header is not None:
+                all_header = words.contiguous().view(torch.int64)  # [K, len(header)], a copy (K > 1: strided)
         return GlobalBatch(
             image=image,
             text=text,

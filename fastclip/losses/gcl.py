@@ -92,7 +92,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
 
         # loss1 terms: this rank's anchors against all N candidates, each row shifted by its maximum b_i.
         # Columns of [., 2] tensors: (image, text).
-        no_floor = torch.tensor(-math.inf, dtype=dtype, device=s.device)
+        no_floor = torch.full((), -math.inf, dtype=dtype, device=s.device)  # (torch.tensor would copy from the host)
         rows_img = row_terms(sim_it, pos, s_img, sim_is_scaled=scaled, bound_floor=no_floor)
         rows_txt = row_terms(sim_ti, pos, s_txt, sim_is_scaled=scaled, bound_floor=no_floor)
         shift = torch.stack([rows_img.shift, rows_txt.shift], dim=1)
@@ -168,21 +168,21 @@ class GlobalTemperatureGCL(SampleStateLoss):
         )
 
         loss, objective = self._outer(surrogate, log_u, log_w, local)
-        loss_value, surrogate_value = loss.detach(), surrogate.detach()
+        loss_value, surrogate_value, separate = loss.detach(), surrogate.detach(), self.separate
 
-        def metrics():  # computed when read (logging steps), from this call's detached tensors
+        def metrics():  # computed when read (logging steps), from this call's detached tensors (and not self)
             out = {
                 "loss": loss_value,
                 "surrogate": surrogate_value,
                 "objective": objective(),
                 "gamma": torch.tensor(gamma, dtype=dtype),
-                "tau": 1.0 / s.mean() if not self.separate else torch.exp(-torch.log(s).mean()),
+                "tau": 1.0 / s.mean() if not separate else torch.exp(-torch.log(s).mean()),
             }
             # how far the moving average lags this batch's estimate (log u − log g, mean and mean |.|): the
             # staleness of u, a diagnostic of the estimator (the study logs it)
             lag = log_u - log_g
             out.update(u_lag=lag.mean(), u_lag_abs=lag.abs().mean())
-            if self.separate:
+            if separate:
                 out.update(tau_img=1.0 / s_img, tau_txt=1.0 / s_txt)
             return out
 
@@ -231,11 +231,11 @@ class FastCLIPV3Loss(GlobalTemperatureGCL):
     def _outer(self, surrogate, log_u, log_w, local):
         # Faithful: log(u+ε), the stated objective's log(ε+g); the reference takes log u without ε.
         tau = torch.exp(-self.logit_scale.to(log_u.dtype))
-        tau_value = tau.detach()
+        tau_value, rho = tau.detach(), self.rho
         if self.separate:  # ½[τ1(mean log(u1+ε) + ρ) + τ2(mean log(u2+ε) + ρ)]; the surrogate is τ-weighted
             per_modality = log_w[local].mean(dim=0) + self.rho
             loss = surrogate + 0.5 * (tau * per_modality).sum()
-            return loss, lambda: 0.5 * (tau_value * (log_w.mean(dim=0) + self.rho)).sum()
+            return loss, lambda: 0.5 * (tau_value * (log_w.mean(dim=0) + rho)).sum()
         log_u_local = (log_u if self.reference else log_w)[local].mean()  # ½·mean(log u1 + log u2)
         loss = tau_value * surrogate + tau * (log_u_local + self.rho)
-        return loss, lambda: tau_value * (log_w.mean() + self.rho)
+        return loss, lambda: tau_value * (log_w.mean() + rho)

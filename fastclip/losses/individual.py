@@ -45,8 +45,15 @@ FIELDS = ("u_img", "u_txt", "tau_img", "tau_txt", "b_img", "b_txt", "m_img", "m_
 U, TAU, BOUND, M, V, SEEN = slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8), slice(8, 10), slice(10, 11)
 
 
-def per_sample_tau_metrics(loss, surrogate, objective, gamma: float, tau: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The metrics of a loss with per-anchor temperatures (v2, TempNet): the batch's τ by its 5/50/95 % quantiles."""
+def per_sample_tau_metrics(loss, surrogate, objective, gamma: float, tau: torch.Tensor):
+    """The metrics of a loss with per-anchor temperatures (v2, TempNet): the batch's τ by its 5/50/95 % quantiles.
+    A function computing them when read (the trainer: on logging steps; a quantile sorts, and its q tensor would be
+    a host copy every step)."""
+    loss, surrogate, objective, tau = loss.detach(), surrogate.detach(), objective.detach(), tau.detach()
+    return lambda: _tau_metrics(loss, surrogate, objective, gamma, tau)
+
+
+def _tau_metrics(loss, surrogate, objective, gamma: float, tau: torch.Tensor) -> dict[str, torch.Tensor]:
     quantiles = torch.quantile(tau.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=tau.dtype, device=tau.device))
     return {
         "loss": loss,
@@ -102,7 +109,8 @@ class FastCLIPV2Loss(SampleStateLoss):
         pos, pos_all = positives(batch, dtype)
 
         # 1) old u, τ, b and seen of the whole global batch, filled by the owners ([N, 2] pairs (image, text)).
-        owned = state.read(slots).to(pos.device, dtype)  # this rank's rows only; m, v stay here
+        stored = state.read(slots)  # this rank's rows only; m, v stay here
+        owned = stored.to(pos.device, dtype)
         old = comm.share_rows(batch, None, torch.cat([owned[:, :6], owned[:, SEEN]], dim=1), dtype=dtype)
         u_old, tau_old, seen = old[:, U], old[:, TAU], old[:, 6:7] > 0.5
         b_old = torch.where(seen, old[:, BOUND], 0.0)  # the bound starts at 0
@@ -127,7 +135,7 @@ class FastCLIPV2Loss(SampleStateLoss):
         m2 = torch.where(seen, owned[:, V], 0.0).lerp(grad * grad, 1 - beta2)
         step = (m1 / (1 - beta1 ** (self.epoch + 1))) / ((m2 / (1 - beta2 ** (self.epoch + 1))).sqrt() + opt.tau_eps)
         tau_new = (tau_old - opt.lr_tau * step).clamp(opt.tau_min, opt.tau_max)
-        state.write(slots, torch.cat([u, tau_new, b_new, m1, m2], dim=1), previous=owned)
+        state.write(slots, torch.cat([u, tau_new, b_new, m1, m2], dim=1), previous=stored)
 
         # 4) encoder surrogate with τ_old and the new bounds: the columns of each block are the global anchors
         #    of the other modality (gradient into this rank's negatives).

@@ -127,7 +127,8 @@ class ShardedSampleState:
     def restore(self, where: BatchSlots, saved: torch.Tensor) -> None:
         """Put back the owned rows ``saved = read(where)`` held (fields and ``seen``): undoes a step's ``write``.
         Through the write slots (copies of an index saved the same row; the others go to the spare row)."""
-        self._table[where.write_slots] = saved[:, :-1].to(self.dtype)
+        saved = saved.to(device=self.device, dtype=self.dtype)
+        self._table[where.write_slots] = saved[:, :-1]
         self._seen[where.write_slots] = saved[:, -1] > 0.5
 
     @torch.no_grad()
@@ -135,14 +136,16 @@ class ShardedSampleState:
         """Undo the journal's writes, newest first, and empty it. With ``undo`` (a 0-d bool on the device), undo
         them only where it is true and keep them otherwise, without a host read."""
         for where, saved in reversed(self.journal or []):
-            self.restore(where, saved if undo is None else torch.where(undo, saved, self.read(where)))
+            if undo is not None:  # (a flag decided with the towers' gradients: on their device)
+                saved = torch.where(undo.to(self.device), saved, self.read(where))
+            self.restore(where, saved)
         if self.journal is not None:
             self.journal.clear()
 
     def write(self, where: BatchSlots, values: torch.Tensor, *, previous: torch.Tensor | None = None) -> None:
         """Store ``values`` ``[N, F]`` for the owned rows, a repeated index keeping its last occurrence; marks seen.
-        ``previous``: what ``read(where)`` returned before this write (any dtype), for the journal, which otherwise
-        reads the rows again."""
+        ``previous``: what ``read(where)`` returned before this write, as it returned it (same device and dtype), for
+        the journal, which otherwise reads the rows again."""
         if self.journal is not None:
             self.journal.append((where, self.read(where) if previous is None else previous))
         self._table[where.write_slots] = values.detach().to(device=self.device, dtype=self.dtype)

@@ -108,8 +108,9 @@ class TempNetLoss(SampleStateLoss):
         sim_ti = exclude_(similarity(batch.text, batch.all_image, dtype), cells)
         pos, pos_all = positives(batch, dtype)
 
-        old = state.read(slots).to(pos.device, dtype)  # [N, u_img, u_txt, b_img, b_txt, seen], owners' rows
-        no_floor = torch.tensor(-math.inf, dtype=dtype, device=pos.device)
+        stored = state.read(slots)  # [N, u_img, u_txt, b_img, b_txt, seen], owners' rows
+        old = stored.to(pos.device, dtype)
+        no_floor = torch.full((), -math.inf, dtype=dtype, device=pos.device)  # (torch.tensor: a host copy)
         rows = [
             row_terms(sim, pos, 1.0 / tau[local, m], bound_floor=no_floor, moment=True)
             for m, sim in enumerate((sim_it, sim_ti))
@@ -126,7 +127,7 @@ class TempNetLoss(SampleStateLoss):
         b_new = torch.maximum(b_old, shift)  # the running bound, as v2
         g = g_shifted * torch.exp(shift - b_new)  # g in b_new's scale
         u = update_u(u_old, g, seen, gamma, rescale=torch.exp(b_old - b_new))
-        state.write(slots, torch.cat([u, b_new], dim=1), previous=old)
+        state.write(slots, torch.cat([u, b_new], dim=1), previous=stored)
         denom, log_denom = objective_eps_shifted(u, b_new, eps)
 
         # ∂/∂τ [τ(log g(τ) + ρ)] with g → u (v2's τ-gradient, unclamped), pushed into the heads by autograd:

@@ -14,7 +14,7 @@ Two kinds of check:
   touches its state, every call (a host sync: ``InputChecks.check_now``). ``"deferred"`` keeps them on the device
   (``record``: no op per call, a fold every FOLD_EVERY calls) and leaves the read to the caller:
   ``raise_if_bad()`` (the trainer: on logging steps and before a checkpoint is written) raises the first bad
-  call's error, naming rank, row or index.
+  index's error, else the first non-finite features', naming call, rank, row or index.
   In deferred mode an out-of-range index is simply owned by no rank (it reads and writes no state).
 
 ``validate=False`` ("off") skips both; an out-of-range index then trips a device-side assert.
@@ -225,8 +225,9 @@ def validate_mode(value) -> str:
 
 @torch.no_grad()
 def value_words(image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor | None, data_size: int | None):
-    """``[HEADER_WORDS]`` int64 on the features' device, NO_ROW (and value 0) where nothing is wrong. A dozen small
-    device ops, no host sync: they run at every call, so their number is what they cost at small batches."""
+    """``[HEADER_WORDS]`` int64 on the features' device: the three first-bad positions (NO_ROW where nothing is
+    wrong) and the bad index's value (meaningless unless its position is). A dozen small device ops, no host sync:
+    they run at every call, so their number is what they cost at small batches."""
     # A row's float64 sum is NaN/Inf iff the row holds a NaN/Inf: one pass over the features. x − x is 0 exactly
     # for a finite x and NaN otherwise (two ops; isfinite decomposes into four).
     sums = torch.stack([image.sum(dim=1, dtype=torch.float64), text.sum(dim=1, dtype=torch.float64)])
@@ -237,18 +238,18 @@ def value_words(image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor |
     rows = torch.arange(ok.shape[1], device=ok.device)
     first = torch.where(ok, NO_ROW, rows).amin(dim=1)  # the first bad row of each, NO_ROW where there is none
     if not checked:
-        return torch.cat([first, first.new_tensor([NO_ROW, 0])])
+        return torch.cat([first, first.new_full((2,), NO_ROW)])  # (new_tensor from a list copies host -> device)
     # gather, not indices[t]: indexing with a 0-d tensor reads it back to the host (a sync on CUDA)
     value = indices.gather(0, first[2:].clamp(max=ok.shape[1] - 1)).to(torch.int64)  # unread when none is bad
     return torch.cat([first, value])
 
 
 def _details(words: list[int]) -> list[list[int]]:
-    """Host words of all ranks, split per rank, NO_ROW read as -1 (check_details's "nothing wrong")."""
+    """Host words of all ranks, split per rank, a NO_ROW position read as -1 (check_details's "nothing wrong")."""
     out = []
     for i in range(0, len(words), HEADER_WORDS):
-        image_row, text_row, pos, value = (w if w != NO_ROW else -1 for w in words[i : i + HEADER_WORDS])
-        out.append([image_row, text_row, pos, value])
+        image_row, text_row, pos, value = words[i : i + HEADER_WORDS]
+        out.append([-1 if w == NO_ROW else w for w in (image_row, text_row, pos)] + [value])
     return out
 
 
@@ -261,7 +262,8 @@ class InputChecks:
         self.signature: tuple | None = None
         self.calls = 0  # loss calls made (host counter)
         self._pending: list[tuple[int, torch.Tensor]] = []  # (call number, [K, HEADER_WORDS]) not yet folded
-        self._first_bad: tuple[torch.Tensor, torch.Tensor] | None = None  # (call number or -1, its words), folded
+        # folded so far, per kind ("features", "index"): (the first bad call's number or -1, its words), on the device
+        self._first_bad: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def structure(self, comm: Comm, image, text, indices, **checks) -> None:
         """The structure handshake, when this rank's input signature differs from the agreed one."""
@@ -284,47 +286,52 @@ class InputChecks:
             self._fold()
 
     def _fold(self) -> None:
-        """The first bad call among the kept one and the pending ones, on the device."""
+        """The first bad call among the pending ones and those folded before, on the device (no host read: the
+        pending calls are consecutive, so their numbers are an arange; picks go through index_select). An index
+        error is kept apart from a features error, so a NaN call that a guard forgives cannot hide it."""
         if not self._pending:
             return
-        calls = torch.tensor([c for c, _ in self._pending], device=self._pending[0][1].device)
-        words = torch.stack([w for _, w in self._pending])  # [C, K, HEADER_WORDS]
+        first_call, words = self._pending[0][0], torch.stack([w for _, w in self._pending])  # [C, K, HEADER_WORDS]
+        calls = torch.arange(first_call, first_call + len(self._pending), device=words.device)
         self._pending = []
-        if self._first_bad is not None:
-            calls = torch.cat([self._first_bad[0].reshape(1), calls])
-            words = torch.cat([self._first_bad[1][None], words])
-        bad = (words[:, :, :3] != NO_ROW).any(dim=2).any(dim=1) & (calls >= 0)  # [C]
-        first = torch.where(bad, torch.arange(len(calls), device=calls.device), len(calls)).amin()
-        pick = first.clamp(max=len(calls) - 1)
-        self._first_bad = (torch.where(first < len(calls), calls[pick], -1), words[pick])
+        for kind, columns in (("features", slice(0, 2)), ("index", slice(2, 3))):
+            kind_calls, kind_words = calls, words
+            if kind in self._first_bad:
+                kept_call, kept_words = self._first_bad[kind]
+                kind_calls, kind_words = torch.cat([kept_call[None], calls]), torch.cat([kept_words[None], words])
+            bad = (kind_words[:, :, columns] != NO_ROW).any(dim=2).any(dim=1) & (kind_calls >= 0)  # [C]
+            count = len(kind_calls)
+            first = torch.where(bad, torch.arange(count, device=bad.device), count).amin()
+            pick = first.clamp(max=count - 1).reshape(1)
+            call = torch.where(first < count, kind_calls.index_select(0, pick)[0], -1)
+            self._first_bad[kind] = (call, kind_words.index_select(0, pick)[0])
 
     def raise_if_bad(self, *, features: bool = True, call_number: bool = False) -> None:
-        """One host read: raise the first bad call's error since the last check (the same on every rank) and
-        forget the calls read. ``features=False``: a non-finite-features call is forgotten without raising (the
-        caller's NaN guard skipped that step); only an index error raises."""
-        kept = self._pending + ([self._first_bad] if self._first_bad is not None else [])
-        size = kept[0][1].numel() if kept else 0  # K * HEADER_WORDS
-        calls, parts = [c for c, _ in self._pending], [w.reshape(-1) for _, w in self._pending]
-        if self._first_bad is not None:  # the folded calls come first, their call number (-1: none bad) leading
-            calls.insert(0, None)
-            parts.insert(0, torch.cat([self._first_bad[0].reshape(1), self._first_bad[1].reshape(-1)]))
-        self._pending, self._first_bad = [], None
-        if not parts:
+        """One host read: raise for the calls since the last check (the same on every rank) and forget them. An
+        out-of-range index is raised first (it is fatal), else the first non-finite-features call.
+        ``features=False``: non-finite features are forgotten without raising (the caller's NaN guard skipped those
+        steps); only an index error raises."""
+        self._fold()
+        if not self._first_bad:
             return
-        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-        for call in calls:
-            if call is None:
-                call, values = values[0], values[1:]
-            words, values = values[:size], values[size:]
-            positions = [w for i, w in enumerate(words) if i % HEADER_WORDS < 3]
-            if call >= 0 and any(w != NO_ROW for w in positions):
-                break
+        (feature_call, feature_words), (index_call, index_words) = self._first_bad["features"], self._first_bad["index"]
+        self._first_bad = {}
+        values = torch.cat([feature_call[None], index_call[None], feature_words.reshape(-1), index_words.reshape(-1)])
+        values = values.tolist()
+        size = feature_words.numel()
+        feature_call, index_call, feature_words, index_words = (
+            values[0],
+            values[1],
+            values[2 : 2 + size],
+            values[2 + size :],
+        )
+        if index_call >= 0:
+            call, details = index_call, [[-1, -1, pos, value] for _, _, pos, value in _details(index_words)]
+        elif feature_call >= 0 and features:
+            call, details = feature_call, [[image, text, -1, 0] for image, text, _, _ in _details(feature_words)]
         else:
             return
-        details = _details(words)
         where = f"loss call {call}: " if call_number else ""
-        if not features:
-            details = [[-1, -1, pos, value] for _, _, pos, value in details]
         try:
             check_details(details, data_size=self.data_size)
         except (LossInputError, NonFiniteFeaturesError) as error:

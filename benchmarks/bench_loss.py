@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastclip.compat import import_open_clip
 from fastclip.distributed import destroy_process_group
@@ -86,6 +87,9 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
                 times[name].append(elapsed)
     with CollectiveByteCounter() as counter:
         steps["openclip"]()
+    # one call each (a deferred read every 10th call is not in it)
+    ops = {"fastclip-v3-deferred": dispatched_ops(lambda: fast(image, text, indices, epoch=1).backward())}
+    ops["openclip"] = dispatched_ops(steps["openclip"])
     return {
         "B": batch,
         "d": dim,
@@ -99,10 +103,31 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
             for mode in MODES
         },
         "openclip_ms": 1e3 * statistics.median(times["openclip"]),
+        "fastclip_ops": ops["fastclip-v3-deferred"],
+        "openclip_ops": ops["openclip"],
         "fastclip_bytes": dict(fast.comm_bytes),
         "openclip_bytes": counter.total,
         "openclip_bytes_by_call": dict(counter.bytes),
     }
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops one step dispatches (forward, backward, collectives): at small shapes each costs a few
+    microseconds whatever its size, so their number is what a step pays beyond its arithmetic."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched_ops(step) -> int:
+    with _OpCounter() as counter:
+        step()
+    return counter.count
 
 
 def _worker(rank: int, port: int, plan: dict, out_file: str) -> None:
@@ -129,8 +154,9 @@ def _free_port() -> int:
 def _table(rows: list[dict]) -> str:
     lines = [
         "| B | d | v3 deferred ms | v3 eager ms | v3 off ms | ClipLoss ms | deferred/Clip | eager/Clip | off/Clip | "
-        "v3 feature bytes | v3 total bytes | ClipLoss bytes | feature bytes v3/Clip | total bytes v3/Clip |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "v3 feature bytes | v3 total bytes | ClipLoss bytes | feature bytes v3/Clip | total bytes v3/Clip | "
+        "ops per call v3 / Clip |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         fb, tb, cb = r["fastclip_bytes"]["features"], r["fastclip_bytes"]["total"], r["openclip_bytes"]
@@ -139,7 +165,8 @@ def _table(rows: list[dict]) -> str:
         ratios = [r[f"paired_ratio_{mode}"] for mode in MODES]
         lines.append(
             f"| {r['B']} | {r['d']} | {' | '.join(f'{t:.2f}' for t in ms)} | {clip:.2f} | "
-            f"{' | '.join(f'{x:.2f}' for x in ratios)} | {fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} |"
+            f"{' | '.join(f'{x:.2f}' for x in ratios)} | {fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} | "
+            f"{r['fastclip_ops']} / {r['openclip_ops']} |"
         )
     return "\n".join(lines)
 
@@ -195,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             "default: the same words, read back in every call before the state is written: a host sync) and `off`. "
             "Bytes: per rank per step, ring formulas; ClipLoss counted by wrapping its torch.distributed calls "
             "(2 all_gathers forward, 2 x K scatters backward on gloo). v3 total (deferred) = features + indices + "
-            "4 check words + state all_reduce (the warm-up's first call adds the one-time structure handshake).",
+            "4 check words + state all_reduce (the warm-up's first call adds the one-time structure handshake). "
+            "Ops per call: aten ops one call dispatches on rank 0 (forward, backward, collectives; each costs a few "
+            "microseconds whatever its size, which is what decides at small B and d).",
             "",
             table,
             "",

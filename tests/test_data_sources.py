@@ -264,6 +264,35 @@ def test_folder_reports_a_missing_column(tmp_path):
     assert build_folder(tmp_path / "caps.csv", tmp_path / "out", img_key="path", caption_key="text")["written"] == 1
 
 
+def test_folder_refuses_an_out_folder_with_a_data_set_and_a_run_that_writes_nothing(tmp_path, capsys):
+    """`data folder` into a folder that has a manifest would replace it with the new shards' only: refused, the
+    old manifest untouched; a captions file whose images are all missing is an error, not a 0-sample data set."""
+    rows = make_folder(tmp_path)
+    (tmp_path / "caps.csv").write_text("filepath,title\n" + "".join(f'{p},"{c}"\n' for p, c in rows))
+    out = tmp_path / "shards"
+    args = ["data", "folder", "--captions", str(tmp_path / "caps.csv"), "--out", str(out)]
+    assert fastclip_main(args) == 0
+    before = (out / "manifest.json").read_text()
+    capsys.readouterr()
+    assert fastclip_main([*args, "--prefix", "more"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--out {out}: already holds a data set" in err, err
+    assert (out / "manifest.json").read_text() == before
+    assert fastclip_main([*args[:-1], str(tmp_path / "other"), "--images", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no sample written (first skip: caps.csv:2: image" in err, err
+
+
+def test_scan_of_files_that_are_not_shards_writes_nothing(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "empty.tar").write_bytes(b"")
+    for target in (tmp_path / "notes.txt", tmp_path / "empty.tar"):
+        assert fastclip_main(["data", "scan", str(target)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "no usable sample in 1 file(s), no manifest written" in err, err
+    assert not (tmp_path / "manifest.json").exists()
+
+
 # ------------------------------------------------------------------ scan
 def img2dataset_shard(path, keys, indices=None):
     """Like img2dataset: .jpg, .txt, .json with "key" (no "index")."""

@@ -349,10 +349,48 @@ def test_reshard_cli(tmp_path):
     assert main(["--in", str(tmp_path), "--world-size", "1"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_0.pt"]
     (tmp_path / "model.pt").write_bytes(b"")  # a training checkpoint: not rewritten in place
-    with pytest.raises(SystemExit):
-        main(["--in", str(tmp_path), "--world-size", "2"])
+    assert main(["--in", str(tmp_path), "--world-size", "2"]) == 2
     assert main(["--in", str(tmp_path), "--world-size", "2", "--out", str(tmp_path / "copy")]) == 0
     assert torch.load(tmp_path / "copy" / "rank_1.pt", weights_only=True)["world_size"] == 2
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("missing", "not a folder"),
+        ("a file", "not a folder"),
+        ("empty", "no rank_<r>.pt files"),
+        ("gap", "are not rank_0..rank_0"),
+        ("text", "not a readable rank file"),
+        ("model.pt", "no 'loss_state' entry"),
+        ("out is a file", "exists and is not a folder"),
+    ],
+)
+def test_reshard_cli_refuses_bad_input_in_one_line(tmp_path, capsys, case, words):
+    """Every wrong --in/--out: one line on stderr naming the path, status 2, nothing written to --out."""
+    from fastclip.losses.sharded_state import main
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    state = {"loss_state": {"_extra_state": random_shards(10, 1)[0]}}
+    if case == "missing":
+        src = tmp_path / "nowhere"
+    elif case == "a file":
+        torch.save(state, src / "rank_0.pt")
+        src = src / "rank_0.pt"
+    elif case == "gap":
+        torch.save(state, src / "rank_1.pt")
+    elif case == "text":
+        (src / "rank_0.pt").write_text("hello")
+    elif case == "model.pt":
+        torch.save({"towers": {}}, src / "rank_0.pt")
+    elif case == "out is a file":
+        torch.save(state, src / "rank_0.pt")
+        out.write_text("x")
+    assert main(["--in", str(src), "--world-size", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and words in err, err
+    assert case == "out is a file" or not out.exists() or not list(out.iterdir())
 
 
 @pytest.mark.parametrize("name", ["openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3"])

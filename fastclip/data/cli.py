@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from fastclip.data.catalog import DataSpecError
 
@@ -144,6 +145,11 @@ def _run(args) -> int:
     if args.command == "folder":
         from fastclip.data.sources.folder import build_folder
 
+        if (Path(args.out) / "manifest.json").exists():
+            raise ValueError(
+                f"--out {args.out}: already holds a data set (manifest.json), which this would replace with a "
+                f"manifest of the new shards only; write to a new folder"
+            )
         summary = build_folder(
             args.captions,
             args.out,
@@ -161,26 +167,46 @@ def _run(args) -> int:
             f"{args.out}: {summary['written']} of {summary['rows']} rows written in {summary['shards']} shards "
             f"({len(summary['skipped'])} skipped), data_size {summary['data_size']}"
         )
+        if summary["written"] == 0:
+            first = summary["skipped"][0] if summary["skipped"] else "no row"
+            print(f"fastclip data folder: error: no sample written (first skip: {first})", file=sys.stderr)
+            return 2
         return 0
     if args.command == "scan":
+        from fastclip.data.manifest import write_manifest
         from fastclip.data.sources.scan import scan_shards
 
+        if args.data_size is not None and args.data_size < 1:
+            raise ValueError(f"--data-size {args.data_size}: must be >= 1 (or omit it: 1 + the largest index found)")
         result = scan_shards(
             args.shards,
             data_size=args.data_size,
-            write=not args.strict,
+            write=False,
             workers=args.workers,
             from_tars=args.from_tars,
             samples_per_shard=args.samples_per_shard,
         )
         print(result.summary())
+        if result.manifest.num_samples == 0:
+            raise ValueError(
+                f"{args.shards}: no usable sample in {len(result.manifest.shards)} file(s), no manifest written "
+                f"(WebDataset .tar shards of image + caption files are expected)"
+            )
+        out_of_range = sum(p.get("reason") == "index_out_of_range" for p in result.problems)
+        if args.data_size is not None and out_of_range:  # allowed (a cap), but said where an operator looks
+            print(
+                f"fastclip data scan: note: --data-size {args.data_size} leaves {out_of_range} samples out of range: "
+                f"listed as problems, the loader skips them (omit --data-size to keep every sample)",
+                file=sys.stderr,
+            )
         if args.strict and result.problems:
-            print("--strict: problems found, no manifest written", file=sys.stderr)
+            print(
+                f"fastclip data scan: error: --strict: {len(result.problems)} problems found in {result.folder}, "
+                f"no manifest written",
+                file=sys.stderr,
+            )
             return 1
-        if args.strict:
-            from fastclip.data.manifest import write_manifest
-
-            write_manifest(result.folder, result.manifest)
+        write_manifest(result.folder, result.manifest)
         print(f"wrote {result.folder}/manifest.json")
         return 0
     if args.command == "info":

@@ -293,14 +293,22 @@ def _rank_files(folder: Path) -> list[Path]:
 
 
 def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torn, foreign or pickled: torch raises many kinds; say which file and why
+        raise ValueError(
+            f"{path}: not a readable rank file ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{path}: not a rank file (holds a {type(payload).__name__})")
+    return payload
 
 
 def _loss_states(files: list[Path]):
     for path in files:
         payload = _load(path)
         if "loss_state" not in payload:
-            raise KeyError(f"{path}: no 'loss_state' entry")
+            raise ValueError(f"{path}: no 'loss_state' entry (a model.pt? reshard reads the rank_<r>.pt files)")
         yield payload["loss_state"]
 
 
@@ -318,33 +326,48 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error("--world-size must be >= 1")
-    files = _rank_files(args.src)
-    out_dir = args.out or args.src
-    if out_dir.resolve() == args.src.resolve() and (args.src / "model.pt").exists():
-        parser.error(
-            f"{args.src} is a training checkpoint (it has model.pt): rewriting its rank files in place "
+    try:
+        return _reshard_folder(args.src, args.out, args.world_size)
+    except (FileNotFoundError, ValueError, KeyError, NotADirectoryError) as e:
+        print(f"fastclip reshard: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def _reshard_folder(src: Path, out: Path | None, world_size: int) -> int:
+    if not src.is_dir():
+        raise NotADirectoryError(f"--in {src}: not a folder (pass the folder that holds rank_<r>.pt files)")
+    if out is not None and out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out}: exists and is not a folder")
+    files = _rank_files(src)
+    out_dir = out or src
+    if out_dir.resolve() == src.resolve() and (src / "model.pt").exists():
+        raise ValueError(
+            f"{src} is a training checkpoint (it has model.pt): rewriting its rank files in place "
             f"would desynchronise it from model.pt and the data positions; `fastclip train --resume` "
             f"reshards the sample state itself, or pass --out DIR for a resharded copy of the loss state"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for rank in range(args.world_size):
-        payload = {
-            "loss_state": reshard_for_rank(_loss_states(files), args.world_size, rank),
-            "rank": rank,
-            "world_size": args.world_size,
-        }
-        tmp = out_dir / f".rank_{rank}.pt.tmp"
-        torch.save(payload, tmp)
-        written.append(tmp)
+    try:
+        for rank in range(world_size):
+            payload = {
+                "loss_state": reshard_for_rank(_loss_states(files), world_size, rank),
+                "rank": rank,
+                "world_size": world_size,
+            }
+            tmp = out_dir / f".rank_{rank}.pt.tmp"
+            torch.save(payload, tmp)
+            written.append(tmp)
+    except BaseException:
+        for tmp in written:  # nothing half-written is left behind
+            tmp.unlink(missing_ok=True)
+        raise
     for rank, tmp in enumerate(written):  # replace only after every new shard was built
         os.replace(tmp, out_dir / f"rank_{rank}.pt")
-    if out_dir.resolve() == args.src.resolve():
-        for stale in files[args.world_size :]:
+    if out_dir.resolve() == src.resolve():
+        for stale in files[world_size:]:
             stale.unlink()
-    print(
-        f"resharded the sample state of {len(files)} rank(s) in {args.src} into {args.world_size} rank(s) in {out_dir}"
-    )
+    print(f"resharded the sample state of {len(files)} rank(s) in {src} into {world_size} rank(s) in {out_dir}")
     return 0
 
 

@@ -36,7 +36,7 @@ import torch
 
 from fastclip.distributed import DistInfo, barrier
 from fastclip.train import faults
-from fastclip.train.errors import CheckpointError
+from fastclip.train.errors import CheckpointError, CheckpointFileMissing
 
 STEP_DIR = re.compile(r"step_(\d{8,})")
 CHECKPOINT_FORMAT = "fastclip-checkpoint/1"  # model.pt's "format"; bump when a key changes meaning
@@ -121,7 +121,10 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def load_file(path: Path) -> dict:
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint file missing: {path}")
+        raise CheckpointFileMissing(
+            f"{path}: checkpoint file missing (an incomplete or hand-edited step folder): resume from another step "
+            f"folder (--train.resume {path.parent.parent / 'step_XXXXXXXX'}) or restore the file"
+        )
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # what weights_only raises for anything but tensors and primitives
@@ -135,7 +138,7 @@ def load_file(path: Path) -> dict:
             f"values ({reason[:300]}); only a file from a source you trust should be converted "
             f"by hand"
         ) from None
-    except (RuntimeError, EOFError, OSError) as e:  # torn or foreign file
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:  # torn or foreign file (a text file: KeyError)
         raise CheckpointError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {str(e)[:300]})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: not a fastclip checkpoint file (holds a {type(obj).__name__}, not a dict)")

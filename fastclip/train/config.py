@@ -382,7 +382,11 @@ def parse_overrides(args: list[str]) -> dict:
                 hint = f"ambiguous, use one of {', '.join(owners)}" if owners else "no such field in any section"
                 raise ConfigError(f"unknown config key '{key}' ({hint})")
             key = owners[0]
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            problem = str(getattr(e, "problem", None) or type(e).__name__)
+            raise ConfigError(f"config key '{key}': {raw!r} is not a valid value ({problem}); quote it") from None
         if key == "train.precision" and value in PRECISION_ALIASES:
             value = PRECISION_ALIASES[value]
         elif key == "train.precision" and value in ("pure_bf16", "pure_fp16"):
@@ -410,7 +414,7 @@ def _check(cfg: Config) -> None:
     need(o.lr_tau is None or o.lr_tau >= 0, "optim.lr_tau", "must be >= 0")
     need(o.lr_tau_min >= 0, "optim.lr_tau_min", "must be >= 0")
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    need(o.wd >= 0, "optim.wd", "must be >= 0")
+    need(o.wd >= 0 and math.isfinite(o.wd), "optim.wd", "must be a finite number >= 0")
     need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)")
     need(o.eps > 0, "optim.eps", "must be > 0")
     need(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", "must be > 0 or null")
@@ -428,6 +432,8 @@ def _check(cfg: Config) -> None:
     )
     need(d.upsampling_factors is None or d.resampled, "data.upsampling_factors", "needs data.resampled: true")
     need(t.epochs >= 1, "train.epochs", "must be >= 1")
+    need(t.seed >= 0, "train.seed", "must be >= 0")
+    need(d.seed is None or d.seed >= 0, "data.seed", "must be >= 0 or null")
     need(t.max_steps is None or t.max_steps >= 0, "train.max_steps", "must be >= 0 or null")
     need(t.log_every >= 1, "train.log_every", "must be >= 1")
     need(t.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")

@@ -15,6 +15,10 @@ class CheckpointError(TrainingError):
     """A checkpoint file that cannot be trusted or read: pickled objects, a torn or foreign file."""
 
 
+class CheckpointFileMissing(CheckpointError, FileNotFoundError):
+    """A checkpoint file that is not there (a FileNotFoundError too: a path the operator typed says so)."""
+
+
 class CollectiveFailure(TrainingError):
     """A collective failed or timed out: another process of the job died, stopped or lost its network."""
 
@@ -27,4 +31,11 @@ class NonFiniteStepsError(TrainingError):
     """Too many optimizer steps in a row were skipped for NaN/Inf loss, gradients or features."""
 
 
-__all__ = ["TrainingError", "CheckpointError", "CollectiveFailure", "DataFailure", "NonFiniteStepsError"]
+__all__ = [
+    "TrainingError",
+    "CheckpointError",
+    "CheckpointFileMissing",
+    "CollectiveFailure",
+    "DataFailure",
+    "NonFiniteStepsError",
+]

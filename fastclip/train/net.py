@@ -69,6 +69,27 @@ def loss_options(cfg: Config, embed_dim: int | None = None) -> dict:
     return opts
 
 
+def make_loss(cfg: Config, data_size: int, embed_dim: int | None = None):
+    """build_loss with the loss section; an option this version does not take, or a bad value, is a ConfigError.
+    `fastclip train --check` calls it too (a loss holds no per-sample state until its first call: cheap)."""
+    from fastclip.losses import build_loss
+
+    try:
+        return build_loss(cfg.loss.name, data_size=data_size, **loss_options(cfg, embed_dim))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config section 'loss' (name {cfg.loss.name}): {e}") from None
+
+
+def arch_embed_dim(arch: str) -> int | None:
+    """The towers' embed_dim from the architecture's config, without building them."""
+    from fastclip.compat import import_open_clip
+    from fastclip.models import resolve_arch
+
+    name, config = resolve_arch(arch)
+    config = config or import_open_clip().get_model_config(name) or {}
+    return config.get("embed_dim")
+
+
 def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -95,7 +116,6 @@ def build_net(
     """Towers (seeded by train.seed: the same init on every rank) + loss + the engine of train.distributed.
     `load(model, loss_fn)` runs before the engine wraps them (resume, pretrained towers), so DDP broadcasts
     identical tensors."""
-    from fastclip.losses import build_loss
     from fastclip.models import build_model
     from fastclip.train.engine import build_engine
     from fastclip.train.gpu import apply_backend_flags, to_channels_last, wants_channels_last
@@ -111,12 +131,7 @@ def build_net(
     model.logit_scale.requires_grad_(False)  # the loss owns the temperature
     if cfg.model.grad_checkpointing:
         model.set_grad_checkpointing(True)
-    try:
-        loss_fn = build_loss(cfg.loss.name, data_size=data_size, **loss_options(cfg, built.config.get("embed_dim"))).to(
-            device
-        )
-    except (TypeError, ValueError) as e:  # an option this loss version does not take, or a bad value
-        raise ConfigError(f"config section 'loss' (name {cfg.loss.name}): {e}") from None
+    loss_fn = make_loss(cfg, data_size, built.config.get("embed_dim")).to(device)
     loaded = load(model, loss_fn) if load is not None else None
     if cfg.model.compile and cfg.model.grad_checkpointing and info.distributed:
         torch._dynamo.config.optimize_ddp = False  # DDP's graph splitting does not support checkpointed graphs

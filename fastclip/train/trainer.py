@@ -18,7 +18,7 @@ from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, ini
 from fastclip.losses import LossInputError, NonFiniteFeaturesError
 from fastclip.optim import ThresholdRule, get_lr, get_tau_lr
 from fastclip.train import checkpoint as ckpt
-from fastclip.train import faults, preflight
+from fastclip.train import faults, net, preflight
 from fastclip.train.config import Config, ConfigError, dump_config
 from fastclip.train.errors import DataFailure, TrainingError
 from fastclip.train.guards import CollectiveTimeouts, DataSkipReport, NonFiniteGuard
@@ -86,6 +86,7 @@ def check_inputs(cfg: Config, world_size: int, catalog=None) -> tuple[int, Path 
     tensors); raises ConfigError. `fastclip train --check` runs it before a launcher starts the processes."""
     catalog = read_catalog(cfg) if catalog is None else catalog
     data_size = check_data(cfg, world_size, catalog)
+    net.make_loss(cfg, data_size, net.arch_embed_dim(cfg.model.arch) if cfg.loss.name == "fastclip-tempnet" else None)
     if cfg.train.resume and cfg.train.resume != "latest" and Path(cfg.train.resume).is_file():
         raise preflight.describe_resume_file(Path(cfg.train.resume))  # an OpenCLIP epoch_N.pt, a state dict, ...
     try:

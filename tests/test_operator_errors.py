@@ -299,6 +299,9 @@ def test_eval_and_export_refuse_unusable_checkpoints_in_one_line(trained, tmp_pa
         ({"train.seed": -1}, "train.seed", "must be >= 0"),
         ({"data.seed": -5}, "data.seed", "must be >= 0"),
         ({"optim.betas": "[0.9,"}, "optim.betas", "is not a valid value"),
+        ({"optim.lr": 1, "optim.lr.x": 2}, "optim.lr.x", "optim.lr is a value, not a section"),
+        ({"data.resampled": "true", "data.upsampling_factors": "a::b"}, "data.upsampling_factors", "one factor >= 0"),
+        ({"data.resampled": "true", "data.upsampling_factors": "1::2"}, "data.upsampling_factors", "(1 sources"),
     ],
 )
 def test_check_refuses_what_the_run_would_refuse(tiny_embedded, tmp_path, capsys, extra, key, words):
@@ -333,6 +336,40 @@ def test_checkpoint_files_that_are_not_checkpoints_are_one_line(tiny_embedded, t
     args = _args(tiny_embedded, run, **{"train.resume": "latest", "train.max_steps": 3})
     err = _fails(capsys, args, None, str(step / "rank_0.pt"), code=1)
     assert "checkpoint file missing" in err or "not a readable checkpoint file" in err, err
+
+
+def test_files_and_folders_typed_wrong_in_the_other_commands_are_one_line(trained, tmp_path, capsys):
+    """An incomplete model config, a run folder with a broken config.yaml, an --out that is a file: one line, 2."""
+    from fastclip.cli import main as fastclip_main
+
+    arch = tmp_path / "arch.json"
+    arch.write_text('{"embed_dim": 64}')
+    _fails(capsys, ["--check", "--config", str(EMBEDDED), "--model.arch", str(arch)], "model.arch", "lacks")
+    broken = tmp_path / "broken"
+    shutil.copytree(trained, broken)
+    (broken / "config.yaml").write_text("data: [1,\n")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("hello")
+    for args, words in (
+        (["summary", str(broken)], f"{broken / 'config.yaml'}: not valid YAML"),
+        (["plot", str(trained), "--out", str(a_file)], "File exists"),
+        (["data", "embedded", "--out", str(a_file), "--max-per-class", "2"], "Not a directory"),
+    ):
+        assert fastclip_main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err and "Traceback" not in err, err
+
+
+def test_class_names_that_do_not_fit_the_val_data_stop_the_run_in_one_line(tiny_embedded, tmp_path, capsys):
+    """A zero-shot class list the val labels do not fit is found by the evaluation at the end: one line naming both
+    files, status 1, the checkpoint of the last step written before."""
+    names = tmp_path / "classes.txt"
+    names.write_text("hello\n")
+    run = tmp_path / "run"
+    extra = {"train.max_steps": 1, "data.val": str(tiny_embedded / "val"), "data.zeroshot": str(names)}
+    err = _fails(capsys, _args(tiny_embedded, run, **extra, **{"eval.at_end": "true"}), None, str(names), code=1)
+    assert err.startswith("fastclip train: error: evaluation at step 1:") and "label outside [0, 1)" in err, err
+    assert step_dir(run, 1).is_dir()
 
 
 # ----------------------------------------------------------------------------- a disk that fills during a save

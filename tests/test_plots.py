@@ -70,5 +70,5 @@ def test_bad_metrics_file_names_the_line(tmp_path, capsys):
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\n{oops}\n{"step": 2, "loss": 0.5}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: invalid JSON"):
         load_run(run)
-    assert main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "png")]) == 1
+    assert main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "png")]) == 2
     assert "no metrics file" in capsys.readouterr().err

@@ -87,5 +87,5 @@ def test_summary_shows_retrieval_with_distinct_captions(tiny_embedded, tmp_path,
     out = capsys.readouterr().out
     assert "  time       7 min 01 s training, median 120 samples/s" in out
     assert "  retrieval  R@1/5/10 image->text 5.0/25.0/50.0%, text->image 5.0/25.0/50.0%  (20 pairs)" in out
-    assert fastclip_main(["summary", str(tmp_path)]) == 1
+    assert fastclip_main(["summary", str(tmp_path)]) == 2
     assert "no config.yaml" in capsys.readouterr().err

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _run(args)
-    except (DataSpecError, FileNotFoundError, ValueError) as e:
+    except (DataSpecError, OSError, ValueError) as e:  # OSError: --out is a file, a folder that cannot be written
         print(f"fastclip data {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -155,7 +155,7 @@ class TrainStream:
         self.catalog: Catalog = catalog
         self.data_size = self.catalog.data_size
         self.layout = Layout(world_size, max(1, cfg.workers), cfg.batch_size, cfg.shuffle_buffer)
-        self._weights = _shard_weights(self.catalog, cfg)
+        self._weights = shard_weights(self.catalog, cfg)
         if cfg.resampled:
             self.epoch_length = cfg.samples_per_epoch or self.catalog.num_samples
         else:
@@ -457,14 +457,19 @@ def _check_positive(cfg: StreamConfig, world_size: int, rank: int) -> None:
             raise ValueError(f"data config {name!r} must be >= 0, got {getattr(cfg, name)!r}")
 
 
-def _shard_weights(catalog: Catalog, cfg: StreamConfig) -> list[float] | None:
+def shard_weights(catalog: Catalog, cfg: StreamConfig) -> list[float] | None:
+    """Each shard's sampling weight from upsampling_factors (one per "::"-joined source); `cfg` may be the trainer's
+    data section (the same field names): `fastclip train --check` validates the factors with it."""
     factors = cfg.upsampling_factors
     if factors is None:
         return None
     if not cfg.resampled:
         raise DataSpecError("upsampling_factors needs resampled (as in OpenCLIP)")
-    values = [float(f) for f in (factors.split("::") if isinstance(factors, str) else factors)]
-    if len(values) != len(catalog.sources) or any(v < 0 for v in values):
+    try:
+        values = [float(f) for f in (str(factors).split("::") if not isinstance(factors, list) else factors)]
+    except ValueError:
+        values = []
+    if len(values) != len(catalog.sources) or any(not (v >= 0) for v in values):
         raise DataSpecError(
             f"upsampling_factors {factors!r}: need one factor >= 0 per source "
             f"({len(catalog.sources)} sources in {cfg.train!r})"

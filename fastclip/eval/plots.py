@@ -180,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         written = plot_runs(args.runs, args.out)
-    except (FileNotFoundError, ValueError) as err:
+    except (OSError, ValueError) as err:  # a run folder or --out typed wrong: a usage error
         print(f"fastclip plot: {err}", file=sys.stderr)
-        return 1
+        return 2
     missing = {stem for stem, *_ in PANELS} - {p.stem for p in written}
     for path in written:
         print(f"wrote {path}")

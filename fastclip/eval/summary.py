@@ -161,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(summarize(args.run, export=args.export, plots=args.plots, train_seconds=args.train_seconds))
-    except (FileNotFoundError, ValueError, KeyError) as err:
-        print(f"fastclip summary: {err}", file=sys.stderr)
-        return 1
+    except (OSError, ValueError, KeyError, yaml.YAMLError) as err:  # a run folder typed wrong: a usage error
+        if isinstance(err, yaml.YAMLError):
+            err = f"{Path(args.run) / 'config.yaml'}: not valid YAML ({getattr(err, 'problem', None) or err})"
+        print(f"fastclip summary: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -396,8 +396,10 @@ def parse_overrides(args: list[str]) -> dict:
             )
         node = out
         *parents, leaf = key.split(".")
-        for p in parents:
+        for depth, p in enumerate(parents):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key '{key}': {'.'.join(parents[: depth + 1])} is a value, not a section")
         node[leaf] = value
     return out
 

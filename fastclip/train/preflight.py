@@ -75,13 +75,17 @@ def check_arch(cfg: Config) -> None:
 
     arch = cfg.model.arch
     try:
-        resolve_arch(arch)
-        return
+        _, config = resolve_arch(arch)
+        missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if config is not None and k not in config]
     except FileNotFoundError:
         raise ConfigError(f"config key 'model.arch': model config file {arch!r} does not exist") from None
     except (ValueError, KeyError, OSError) as e:
         if arch.endswith(".json"):
             raise ConfigError(f"config key 'model.arch': {arch}: not a usable model config ({e})") from None
+    else:
+        if missing:
+            raise ConfigError(f"config key 'model.arch': {arch}: model config lacks {missing} (open_clip needs all 3)")
+        return
     ours, theirs = known_archs()
     theirs = [n for n in theirs if n not in ours]
     close = difflib.get_close_matches(arch, ours + theirs, n=3)

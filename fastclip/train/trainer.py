@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from fastclip.data import StreamConfig
+from fastclip.data import DataSpecError, StreamConfig
+from fastclip.data.stream import shard_weights
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
 from fastclip.losses import LossInputError, NonFiniteFeaturesError
 from fastclip.optim import ThresholdRule, get_lr, get_tau_lr
@@ -72,11 +73,22 @@ def check_data(cfg: Config, world_size: int, catalog=None) -> int:
             f"process(es) = {global_batch} is larger than the data ({per_epoch} samples per epoch "
             f"in {cfg.data.train})"
         )
+    try:
+        shard_weights(catalog, cfg.data)
+    except DataSpecError as e:
+        raise ConfigError(f"config key 'data.upsampling_factors': {e}") from None
     for key in ("val", "zeroshot"):
         path = getattr(cfg.data, key)
         evaluating = cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end)
         if path is not None and evaluating and not Path(path).exists():
             raise ConfigError(f"config key 'data.{key}': {path!r} does not exist (set it to null to skip eval)")
+        if key == "zeroshot" and path is not None and evaluating:  # read now, not after the training
+            from fastclip.eval.spec import load_zeroshot_spec
+
+            try:
+                load_zeroshot_spec(path)
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"config key 'data.zeroshot': {e}") from None
     return catalog.data_size
 
 
@@ -390,10 +402,10 @@ class Run:
                 self.end_epoch()
             del batches  # stops the epoch's data workers now when training stops early
         with self.timeouts.relaxed("final evaluation and checkpoint"):
+            if cfg.checkpoint.at_end and self.last_saved != self.step:  # first: an evaluation error loses nothing
+                self.save()
             if cfg.eval.at_end and self.step > 0 and not guard.stop:  # a stopped run evaluates when it completes
                 self.evaluate()
-            if cfg.checkpoint.at_end and self.last_saved != self.step:
-                self.save()
             barrier(self.info)
         t = self.throughput
         return {
@@ -613,17 +625,24 @@ class Run:
         cfg = self.cfg
         if cfg.data.val is None:
             return
+        from fastclip.eval import EvalDataError
+
         with self.engine.full_params():  # ZeRO-3: whole parameters for the evaluation
-            results = run_evals(
-                self.model,
-                tokenizer=self.net.built.tokenizer,
-                preprocess=self.net.built.preprocess_val,
-                val_dir=cfg.data.val,
-                zeroshot_file=cfg.data.zeroshot,
-                device=self.device,
-                batch_size=cfg.eval.batch_size,
-                max_samples=cfg.eval.max_samples,
-            )
+            try:
+                results = run_evals(
+                    self.model,
+                    tokenizer=self.net.built.tokenizer,
+                    preprocess=self.net.built.preprocess_val,
+                    val_dir=cfg.data.val,
+                    zeroshot_file=cfg.data.zeroshot,
+                    device=self.device,
+                    batch_size=cfg.eval.batch_size,
+                    max_samples=cfg.eval.max_samples,
+                )
+            except EvalDataError as e:  # the same on every rank (the same files); checkpoints are already written
+                raise TrainingError(
+                    f"evaluation at step {self.step}: {e} (data.val {cfg.data.val}, data.zeroshot {cfg.data.zeroshot})"
+                ) from None
         record = {"step": self.step, "samples_seen": self.samples_seen}
         record.update({f"eval/{k}": v for k, v in results.items() if isinstance(v, (int, float))})
         self.log.log(record, tuple(k for k in record if k.endswith("top1")))

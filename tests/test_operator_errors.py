@@ -354,6 +354,9 @@ def test_files_and_folders_typed_wrong_in_the_other_commands_are_one_line(traine
         (["summary", str(broken)], f"{broken / 'config.yaml'}: not valid YAML"),
         (["plot", str(trained), "--out", str(a_file)], "File exists"),
         (["data", "embedded", "--out", str(a_file), "--max-per-class", "2"], "Not a directory"),
+        (["eval", str(trained), "--data", str(tmp_path), "--device", "tpu"], "--device tpu: not a device"),
+        (["eval", str(trained), "--data", str(tmp_path), "--results", str(tmp_path)], "is a folder"),
+        (["eval", str(trained), "--data", str(tmp_path), "--max-samples", "-1"], "--max-samples -1: must be >= 1"),
     ):
         assert fastclip_main(args) == 2, args
         err = capsys.readouterr().err.strip()

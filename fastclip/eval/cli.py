@@ -199,8 +199,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _usage_problem(args) -> str | None:
+    """What is wrong with the flags themselves, checked before anything is loaded."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        return f"--device {args.device}: not a device (cpu, cuda, cuda:N)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {args.device}: this torch has no usable CUDA device; pass --device cpu"
+    if device.type not in ("cpu", "cuda"):
+        return f"--device {args.device}: only cpu and cuda are supported"
+    if args.batch_size < 1:
+        return f"--batch-size {args.batch_size}: must be >= 1"
+    if args.max_samples is not None and args.max_samples < 1:
+        return f"--max-samples {args.max_samples}: must be >= 1"
+    if args.results is not None and args.results.is_dir():
+        return f"--results {args.results}: is a folder; pass a .jsonl file to append to"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problem = _usage_problem(args)
+    if problem:
+        print(f"fastclip eval: {problem}", file=sys.stderr)
+        return 2
     from fastclip.eval.checkpoint import load_model
 
     try:

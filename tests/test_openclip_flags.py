@@ -75,9 +75,32 @@ def test_local_loss_and_gather_with_grad_are_accepted_with_one_note_each():
             "'fp16'",
         ),
         (["--report-to", "mlflow"], "config key 'report_to': 'mlflow' is not one of tensorboard, wandb"),
+        (
+            ["--name", "myrun"],
+            "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the folder "
+            "itself, not its parent); the loss is --loss.name",
+        ),
     ],
 )
 def test_what_means_something_else_is_one_line_and_exit_2(args, line):
     out = _cli(*args)
     assert out.returncode == 2
     assert out.stderr.splitlines() == [f"fastclip train: config error: {line}"]
+
+
+def test_openclip_switches_take_no_value():
+    """--dataset-resampled, --grad-checkpointing, --torchcompile: OpenCLIP's switches, before another flag or last."""
+    same(
+        ["--dataset-resampled", "--grad-checkpointing", "--batch-size", "8", "--torchcompile"],
+        [
+            "--data.resampled",
+            "true",
+            "--model.grad_checkpointing",
+            "true",
+            "--data.batch_size",
+            "8",
+            "--model.compile",
+            "true",
+        ],
+    )
+    same(["--dataset-resampled", "false"], ["--data.resampled", "false"])

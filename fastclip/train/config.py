@@ -330,6 +330,8 @@ NO_OP_FLAGS = {
     "gather_with_grad": "every loss gathers the features once and computes the global-batch gradient exactly",
 }
 REPORT_TO = ("tensorboard", "wandb")
+# OpenCLIP switches (no value) that set a boolean here; "--flag true/false" works too
+SWITCH_FLAGS = ("dataset_resampled", "grad_checkpointing", "torchcompile")
 
 
 def _note(line: str) -> None:
@@ -362,8 +364,16 @@ def parse_overrides(args: list[str]) -> dict:
             _note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
             i += 1
             continue
+        if flag == "name":  # OpenCLIP's run name; "name" alone would otherwise mean loss.name
+            raise ConfigError(
+                "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the "
+                "folder itself, not its parent); the loss is --loss.name"
+            )
         if "=" in arg:
             key, raw = arg[2:].split("=", 1)
+            i += 1
+        elif flag in SWITCH_FLAGS and (i + 1 >= len(args) or args[i + 1].startswith("--")):
+            key, raw = arg[2:], "true"
             i += 1
         else:
             if i + 1 >= len(args):

@@ -355,6 +355,8 @@ def test_files_and_folders_typed_wrong_in_the_other_commands_are_one_line(traine
         (["plot", str(trained), "--out", str(a_file)], "File exists"),
         (["data", "embedded", "--out", str(a_file), "--max-per-class", "2"], "Not a directory"),
         (["eval", str(trained), "--data", str(tmp_path), "--device", "tpu"], "--device tpu: not a device"),
+        (["export", str(trained), "--out", str(tmp_path)], "is a folder; pass the .pt file"),
+        (["data", "embedded", "--out", str(tmp_path / "d"), "--max-per-class", "0"], "--max-per-class 0: must be"),
         (["eval", str(trained), "--data", str(tmp_path), "--results", str(tmp_path)], "is a folder"),
         (["eval", str(trained), "--data", str(tmp_path), "--max-samples", "-1"], "--max-samples -1: must be >= 1"),
     ):

@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    if args.command == "embedded" and args.max_per_class is not None and args.max_per_class < 1:
+        raise ValueError(f"--max-per-class {args.max_per_class}: must be >= 1 (omit it for every sample)")
     if args.command == "embedded" and args.source == "scenes":
         return _scenes(args)
     if args.command == "embedded":

@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output .pt file")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
     args = parser.parse_args(argv)
+    if Path(args.out).is_dir():  # checked first: the export would be written and then fail to land
+        print(f"fastclip export: --out {args.out}: is a folder; pass the .pt file to write", file=sys.stderr)
+        return 2
     try:
         written = export_model(args.checkpoint, args.out, args.precision)
     except (FileNotFoundError, ValueError) as err:  # the checkpoint named is missing, foreign or unusable

@@ -139,3 +139,24 @@ def test_cli_reports_config_errors_before_training(tmp_path, capsys):
     assert "missing.yaml" in capsys.readouterr().err
     assert main(["--config", str(path), "--optim.lr", "0.25", "--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["optim"]["lr"] == 0.25
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (
+            "data:\n  batch_size: 8\ntrain:\n  epochs: 1\ndata:\n  workers: 0\n",
+            "at line 5, column 1: key 'data' appears twice",
+        ),
+        ("optim:\n  lr: 1.0\n  lr: 2.0\n", "key 'lr' appears twice"),
+        ("data:\n  batch_size: [8,\n", "is not valid YAML at line 3, column 1: expected the node content"),
+    ],
+)
+def test_a_config_file_with_a_repeated_key_or_bad_yaml_is_one_line(tmp_path, capsys, text, words):
+    """YAML keeps the last of two equal keys silently (a second `data:` dropped the first): refused, naming the
+    line; a syntax error is one line with its position too."""
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert main(["--check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err and str(path) in err, err

@@ -247,6 +247,8 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
 
 
 def _checked(step_dir: Path, how: str) -> Path:
+    if not step_dir.exists():
+        raise FileNotFoundError(f"checkpoint {step_dir} ({how}) does not exist")
     if not (step_dir / MODEL_FILE).is_file():
         raise FileNotFoundError(f"checkpoint {step_dir} ({how}) has no {MODEL_FILE}")
     return step_dir

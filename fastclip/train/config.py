@@ -519,6 +519,22 @@ def config_from_dict(data: dict, source: str = "") -> Config:
     return cfg
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently: a second
+    `data:` section would drop the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (line {key_node.start_mark.line + 1})", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file <- overrides, then type and value checks."""
     data: dict = {}
@@ -529,13 +545,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"--config {path}: is a directory; give a YAML file (e.g. configs/embedded.yaml)")
         try:
             with open(path) as f:
-                data = yaml.safe_load(f)
+                data = yaml.load(f, Loader=_UniqueKeyLoader)
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"--config {path}: cannot read it ({e}); give a readable YAML file") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
         if data is None:  # silently training the built-in defaults would not be what was asked for
             raise ConfigError(
                 f"config file {path} is empty: give the sections to set (see configs/embedded.yaml), "

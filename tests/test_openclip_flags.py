@@ -104,3 +104,10 @@ def test_openclip_switches_take_no_value():
         ],
     )
     same(["--dataset-resampled", "false"], ["--data.resampled", "false"])
+
+
+def test_text_options_stay_text_on_the_command_line():
+    """YAML would read 2024-11-23 as a date, 2024 as a number and a::b: as a mapping: a string option keeps the text."""
+    cfg = load_config(RECIPE, ["--logs", "2024-11-23", "--wandb-project-name", "2024", "--data.val", "v::"])
+    assert (cfg.train.run_dir, cfg.train.wandb_project, cfg.data.val) == ("2024-11-23", "2024", "v::")
+    assert load_config(RECIPE, ["--data.val", "null"]).data.val is None

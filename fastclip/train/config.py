@@ -288,6 +288,17 @@ def _field_index() -> dict[str, list[str]]:
     return index
 
 
+def _text_keys() -> set[str]:
+    """Dotted keys of the string-valued fields: their command-line values stay text (YAML would make
+    2024-11-23 a date, 2024 a number, a::b: a mapping)."""
+    keys = set()
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(typing.get_type_hints(Config)[section.name]):
+            if str(f.type).replace(" ", "") in ("str", "str|None", "Optional[str]"):
+                keys.add(f"{section.name}.{f.name}")
+    return keys
+
+
 # OpenCLIP / FastCLIP-reference flag names (dashes or underscores) -> our keys, so their commands translate
 FLAG_ALIASES = {
     "batch_size": "data.batch_size",
@@ -354,7 +365,7 @@ def _report_to(raw: str) -> dict:
 
 def parse_overrides(args: list[str]) -> dict:
     """["--optim.lr", "1e-3", "--batch_size=8"] -> {"optim": {"lr": "1e-3"}, "data": {"batch_size": 8}}."""
-    index, out, i = _field_index(), {}, 0
+    index, text_keys, out, i = _field_index(), _text_keys(), {}, 0
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or arg == "--":
@@ -397,6 +408,8 @@ def parse_overrides(args: list[str]) -> dict:
         except yaml.YAMLError as e:
             problem = str(getattr(e, "problem", None) or type(e).__name__)
             raise ConfigError(f"config key '{key}': {raw!r} is not a valid value ({problem}); quote it") from None
+        if key in text_keys and value is not None and not isinstance(value, str):
+            value = raw
         if key == "train.precision" and value in PRECISION_ALIASES:
             value = PRECISION_ALIASES[value]
         elif key == "train.precision" and value in ("pure_bf16", "pure_fp16"):

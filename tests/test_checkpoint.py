@@ -57,8 +57,11 @@ def test_resolve_resume(tmp_path):
     assert ckpt.resolve_resume("latest", tmp_path) == step_dir
     assert ckpt.resolve_resume(str(step_dir), tmp_path / "elsewhere") == step_dir
     assert ckpt.resolve_resume(str(tmp_path), tmp_path / "elsewhere") == step_dir  # a run folder -> its latest
-    with pytest.raises(FileNotFoundError, match="no model.pt"):
+    with pytest.raises(FileNotFoundError, match="nope .given as train.resume. does not exist"):
         ckpt.resolve_resume(str(tmp_path / "nope"), tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no model.pt"):
+        ckpt.resolve_resume(str(tmp_path / "empty"), tmp_path)
 
 
 def test_rng_states_round_trip_through_weights_only(tmp_path):

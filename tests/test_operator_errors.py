@@ -96,6 +96,17 @@ def test_run_dir_that_cannot_be_written(tiny_embedded, capsys):
         run.rmdir()
         pytest.skip("/sys is writable here")
     _fails(capsys, _args(tiny_embedded, run), "train.run_dir", "cannot write in", "choose another --train.run_dir")
+    _fails(capsys, ["--check", *_args(tiny_embedded, run)], "train.run_dir", "cannot write in")
+
+
+def test_check_leaves_no_run_folder_and_refuses_one_under_a_file(tiny_embedded, tmp_path, capsys):
+    from fastclip.train.cli import main as train_main
+
+    run = tmp_path / "not" / "yet"
+    assert train_main(["--check", *_args(tiny_embedded, run)]) == 0
+    assert not (tmp_path / "not").exists() and list(tmp_path.iterdir()) == []  # no folder, no probe file left
+    (tmp_path / "a_file").write_text("x")
+    _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / "a_file" / "run")], "train.run_dir", "is a file")
 
 
 # ----------------------------------------------------------------------------- resuming

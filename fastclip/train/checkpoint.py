@@ -139,7 +139,12 @@ def load_file(path: Path) -> dict:
             f"by hand"
         ) from None
     except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:  # torn or foreign file (a text file: KeyError)
-        raise CheckpointError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {str(e)[:300]})") from None
+        lines = str(e).strip().splitlines()
+        reason = lines[0].split(". ")[0][:200] if lines else ""  # torch's first sentence; the rest is advice
+        raise CheckpointError(
+            f"{path}: not a readable checkpoint file ({type(e).__name__}: {reason}): truncated, still being copied "
+            f"or not written by torch.save; restore the file or pass another checkpoint"
+        ) from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: not a fastclip checkpoint file (holds a {type(obj).__name__}, not a dict)")
     return obj

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             from fastclip.train import preflight
             from fastclip.train.trainer import check_inputs
 
-            preflight.check_operator_input(cfg)
+            preflight.check_operator_input(cfg, create=False)  # --check leaves no run folder
             check_inputs(cfg, world_size)
             print(f"fastclip train: config ok for {world_size} process(es)")
             return 0

@@ -34,13 +34,14 @@ from fastclip.train.checkpoint import (
     strip_module_prefix,
 )
 from fastclip.train.config import Config, ConfigError
+from fastclip.train.errors import CheckpointError
 
 
 # ----------------------------------------------------------------------------- machine and names
-def check_operator_input(cfg: Config) -> None:
+def check_operator_input(cfg: Config, *, create: bool = True) -> None:
     check_device(cfg)
     check_arch(cfg)
-    check_run_dir(cfg)
+    check_run_dir(cfg, create=create)
     if cfg.train.wandb:
         try:
             import wandb  # noqa: F401
@@ -97,13 +98,25 @@ def check_arch(cfg: Config) -> None:
     )
 
 
-def check_run_dir(cfg: Config) -> None:
+def check_run_dir(cfg: Config, *, create: bool = True) -> None:
     """The run folder (and its checkpoints/) can be created and written: probe with a real file, since
-    permissions alone do not tell (a read-only mount, root, ACLs)."""
+    permissions alone do not tell (a read-only mount, root, ACLs). ``create=False`` (train --check) leaves the
+    disk as it was: the probe goes into the nearest folder that exists."""
     run_dir = Path(cfg.train.run_dir)
-    for folder in (run_dir, run_dir / "checkpoints"):
+    folders = (run_dir, run_dir / "checkpoints")
+    if not create:
+        existing = run_dir
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ConfigError(
+                f"config key 'train.run_dir': {existing} is a file, not a folder; choose another --train.run_dir"
+            )
+        folders = tuple(f for f in folders if f.is_dir()) or (existing,)
+    for folder in folders:
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            if create:
+                folder.mkdir(parents=True, exist_ok=True)
             probe = folder / f".write_probe.{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -181,10 +194,12 @@ def _load(path: Path, key: str):
                 f"not installed (pip install safetensors)"
             ) from None
         return load_safetensors(str(path))
-    try:  # a file carrying pickled objects stays a CheckpointError: the refusal `train` always printed (exit 1)
-        return read_model_file(path)
+    try:  # found before anything is built: the operator's file, exit 2 as in eval/export (a rank file read
+        return read_model_file(path)  # later, during the run, stops it with exit 1)
     except FileNotFoundError:
         raise ConfigError(f"config key '{key}': {path} does not exist") from None
+    except CheckpointError as e:  # torn, foreign or carrying pickled objects
+        raise ConfigError(f"config key '{key}': {e}") from None
 
 
 def read_resume(step_dir: Path, given: str) -> dict:

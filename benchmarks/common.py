@@ -222,14 +222,10 @@ def shard_pattern(split_dir: Path) -> tuple[str, int]:
 
 
 def loss_overrides(name: str, *, gamma_decay_epochs: int | None = None) -> list[str]:
-    """configs/embedded.yaml's loss settings, minus the options a version does not take (build_loss rejects
-    them): openclip takes only the temperature, v0/v1 no rho."""
+    """configs/embedded.yaml's loss settings for another loss (the trainer leaves out the file's options that the
+    loss does not take: openclip keeps only the temperature, v0/v1 drop rho); γ's horizon where the loss has γ."""
     out = ["--loss.name", name]
-    if name in ("openclip", "fastclip-v0", "fastclip-v1"):
-        out += ["--loss.rho", "null"]
-    if name == "openclip":
-        out += ["--loss.gamma_min", "null", "--loss.gamma_decay_epochs", "null", "--loss.gamma_schedule", "null"]
-    elif gamma_decay_epochs is not None:
+    if name != "openclip" and gamma_decay_epochs is not None:
         out += ["--loss.gamma_decay_epochs", str(gamma_decay_epochs)]
     return out
 

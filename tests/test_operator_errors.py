@@ -12,7 +12,7 @@ import torch
 
 from fastclip.train.cli import main
 
-from helpers import EMBEDDED, fault_overrides, load, step_dir
+from helpers import _UNSET, EMBEDDED, fault_overrides, load, step_dir
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,10 @@ def trained(tiny_embedded, tmp_path_factory) -> Path:
 def _fails(capsys, args, key, *words, code=2) -> str:
     status = main(args)
     assert status == code or (code is None and status in (1, 2)), status
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err  # one line, no traceback
+    err = "\n".join(
+        x for x in capsys.readouterr().err.strip().splitlines() if not x.startswith("fastclip train: note:")
+    )
+    assert len(err.splitlines()) == 1, err  # one line (besides notes), no traceback
     assert "Traceback" not in err and (key is None or f"'{key}'" in err or key in err), err
     for w in words:
         assert w in err, (w, err)
@@ -302,9 +304,13 @@ def test_eval_and_export_refuse_unusable_checkpoints_in_one_line(trained, tmp_pa
 @pytest.mark.parametrize(
     "extra, key, words",
     [
-        ({"loss.bias": 1}, "loss", "does not take option(s) ['bias']"),
-        ({"loss.name": "openclip", "loss.rho": 6.5}, "loss", "does not take option(s)"),
-        ({"loss.name": "fastclip-v2", "loss.separate_temperatures": "true", "loss.rho": 7.0}, "loss", "does not take"),
+        ({"loss.bias": 1}, "loss.bias", "loss fastclip-v2 does not take them (it takes loss.compat, loss.eps"),
+        ({"loss.name": "openclip", "loss.rho": 6.5}, "loss.rho", "(it takes loss.similarity, loss.similarity_clamp,"),
+        (
+            {"loss.name": "fastclip-v2", "loss.separate_temperatures": "true", "loss.rho": 7.0},
+            "loss.separate_temperatures",
+            "drop them or set them to null",
+        ),
         ({"loss.temperature": ".inf"}, "loss", "temperature must be a positive number"),
         ({"optim.wd": ".inf"}, "optim.wd", "finite"),
         ({"train.seed": -1}, "train.seed", "must be >= 0"),
@@ -323,6 +329,28 @@ def test_check_refuses_what_the_run_would_refuse(tiny_embedded, tmp_path, capsys
     _fails(capsys, ["--check", *args], key, words)
     _fails(capsys, args, key, words)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_another_loss_named_on_the_command_line_leaves_out_the_files_options_for_its_loss(
+    tiny_embedded, tmp_path, capsys
+):
+    """configs/embedded.yaml sets v3's rho and γ: `--loss.name openclip` trains openclip with the file's other
+    settings (a note names what is left out); an option typed on the command line is still checked."""
+    from fastclip.train.cli import main as train_main
+    from fastclip.train.config import load_config
+
+    cfg = load_config(EMBEDDED, ["--loss.name", "openclip"])
+    err = capsys.readouterr().err.strip()
+    assert cfg.loss.rho is None and cfg.loss.gamma_min is None and cfg.loss.temperature == 0.07
+    assert err == (
+        f"fastclip train: note: --loss.name openclip: {EMBEDDED} sets loss.rho, loss.gamma_min, "
+        "loss.gamma_decay_epochs, loss.gamma_schedule for fastclip-v3, which openclip does not take: left out"
+    )
+    cfg = load_config(EMBEDDED, ["--loss.name", "fastclip-v2", "--loss.rho", "7"])  # v2 takes every one of them
+    assert cfg.loss.rho == 7 and cfg.loss.gamma_min is not None and capsys.readouterr().err == ""
+    assert load_config(EMBEDDED, ["--loss.name", "fastclip-v3"]).loss.rho is not None  # the file's own loss
+    args = fault_overrides(tiny_embedded, tmp_path / "run", "fastclip-v3", **{"loss.gamma_decay_epochs": _UNSET})
+    assert train_main(["--check", "--config", str(EMBEDDED), *args, "--loss.name", "openclip"]) == 0
 
 
 @pytest.mark.parametrize("what", ["a text file", "a step folder without rank_0.pt", "a text rank_0.pt"])

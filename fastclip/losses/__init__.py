@@ -121,12 +121,17 @@ WHY_NOT = {
 TEMPERATURE_FREE_DEFAULTS = {"temperature": 1.0, "learn_temperature": False}
 
 
+def option_names(name: str) -> set[str]:
+    """The options build_loss(name, ...) takes."""
+    return {f.name for f in dataclasses.fields(LOSSES[name][1])}
+
+
 def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Module:
     """The loss ``name`` with its options; ``data_size`` is required by the FastCLIP versions, ignored by openclip."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
     loss_cls, options_cls = LOSSES[name]
-    accepted = {f.name for f in dataclasses.fields(options_cls)}
+    accepted = option_names(name)
     given = {key: value for key, value in options.items() if value is not None}
     unknown = sorted(set(given) - accepted)
     if unknown:
@@ -145,6 +150,7 @@ def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Modu
 
 __all__ = [
     "build_loss",
+    "option_names",
     "LOSSES",
     "ContrastiveLoss",
     "SampleStateLoss",

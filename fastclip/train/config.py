@@ -577,9 +577,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(data).__name__}")
         _build(Config, data, "", source)  # name unknown keys in the file before mixing in overrides
     if overrides:
-        data = _deep_update(data, parse_overrides(overrides))
+        parsed = parse_overrides(overrides)
+        _leave_out_other_loss_options(data, parsed, path)
+        data = _deep_update(data, parsed)
         source = f"{source} (with command-line overrides)" if source else " (command line)"
     return config_from_dict(data, source)
+
+
+def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> None:
+    """`--loss.name X` over a file written for another loss: the file's options for that loss which X does not
+    take are left out, with a note (an option typed on the command line is still refused)."""
+    from fastclip.losses import option_names
+
+    new = overrides.get("loss", {}).get("name") if isinstance(overrides.get("loss"), dict) else None
+    section = data.get("loss")
+    if new not in LOSSES or not isinstance(section, dict) or section.get("name", LossConfig.name) == new:
+        return
+    takes = option_names(new) | {"name", "validate"}
+    dropped = [k for k, v in section.items() if k not in takes and k not in overrides["loss"] and v is not None]
+    for key in dropped:
+        del section[key]
+    if dropped:
+        _note(
+            f"fastclip train: note: --loss.name {new}: {path} sets {', '.join('loss.' + k for k in dropped)} for "
+            f"{section.get('name', LossConfig.name)}, which {new} does not take: left out"
+        )
 
 
 def dump_config(cfg: Config) -> str:

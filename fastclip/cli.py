@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import importlib
 import sys
 
@@ -16,15 +18,27 @@ COMMANDS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr naming the command (the usage is at --help); exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        print(
+            f"fastclip: unknown command {argv[0]!r}; {hint}commands: {', '.join(COMMANDS)} (fastclip --help)",
+            file=sys.stderr,
+        )
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         width = max(map(len, COMMANDS))
         lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
         print("usage: fastclip <command> [options]\n\ncommands:\n" + "\n".join(lines))
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"\nfastclip: unknown command {argv[0]!r}", file=sys.stderr)
-            return 2
         return 0
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return int(module.main(argv[1:]) or 0)

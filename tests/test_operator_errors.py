@@ -526,3 +526,30 @@ def test_a_rank_whose_every_shard_is_bad_stops_the_job_with_one_line(tmp_path):
     for shard in bad:
         assert f"{shard.name} (unreadable_shard)" in lines[0]
     assert "Traceback" not in job.output(0) + job.output(1)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["evl"], "fastclip: unknown command 'evl'; did you mean 'eval'?"),
+        (["bogus"], "fastclip: unknown command 'bogus'; commands: data, train"),
+        (["eval"], "fastclip eval: error: the following arguments are required: checkpoint, --data (see fastclip eval"),
+        (["data", "scan"], "fastclip data scan: error: the following arguments are required: shards"),
+        (["data", "nothing"], "fastclip data: error: argument command: invalid choice: 'nothing'"),
+        (["export", "x", "--out", "y", "--precision", "q"], "argument --precision: invalid choice: 'q'"),
+        (["reshard"], "fastclip reshard: error: the following arguments are required: --in, --world-size"),
+        (["plot"], "fastclip plot: error:"),
+        (["summary", "a", "--bogus"], "fastclip summary: error: unrecognized arguments: --bogus"),
+    ],
+)
+def test_command_line_mistakes_in_every_command_are_one_line_on_stderr(argv, words, capsys):
+    """argparse's usage block is for --help: a mistake is one line naming the command, nothing on stdout, exit 2."""
+    from fastclip.cli import main as fastclip_main
+
+    try:
+        status = fastclip_main(argv)
+    except SystemExit as e:  # argparse exits
+        status = e.code
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert status == 2 and captured.out == "" and len(err.splitlines()) == 1 and words in err, (status, err)

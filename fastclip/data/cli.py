@@ -20,11 +20,12 @@ import json
 import sys
 from pathlib import Path
 
+from fastclip.cli import OneLineParser
 from fastclip.data.catalog import DataSpecError
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fastclip data", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="fastclip data", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     e = sub.add_parser("embedded", help="shards from the offline datasets (Fashion-MNIST + MNIST-5k by default)")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from fastclip.cli import OneLineParser
 from fastclip.eval.evaluate import EvalResults, default_zeroshot_file, evaluate
 from fastclip.eval.samples import EvalDataError, image_folder_classes, is_image_folder, iter_image_folder
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders
@@ -169,7 +170,7 @@ def _count_samples(source, max_samples: int | None) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fastclip eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("checkpoint", help="run dir, checkpoints dir, step dir, model.pt, or an exported file")

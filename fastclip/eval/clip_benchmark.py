@@ -22,11 +22,11 @@ and transformers; what its import needs, into an environment that already has to
 
 from __future__ import annotations
 
-import argparse
 import io
 import sys
 from pathlib import Path
 
+from fastclip.cli import OneLineParser
 from fastclip.data.format import sample_key
 from fastclip.data.tario import TarWriter
 from fastclip.eval.evaluate import default_zeroshot_file
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, forwarded = argv[:cut], argv[cut + 1 :]
-    parser = argparse.ArgumentParser(prog="python -m fastclip.eval.clip_benchmark", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m fastclip.eval.clip_benchmark", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="write clip_benchmark WDS folders from our held-out shards")
     p.add_argument("--data", required=True, help="embedded root or labelled shard folder")

@@ -8,7 +8,6 @@ tower's frozen one. Custom architectures get their config written beside the fil
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from fastclip.cli import OneLineParser
 from fastclip.eval.checkpoint import load_checkpoint
 from fastclip.train import checkpoint as ckpt
 
@@ -141,7 +141,7 @@ def loading_code(written: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastclip export", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="fastclip export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="run dir, checkpoints dir, step dir or model.pt")
     parser.add_argument("--out", required=True, help="output .pt file")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")

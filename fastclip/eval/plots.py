@@ -7,12 +7,13 @@ accuracy, every run on the same axes so runs compare side by side; plus overview
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from fastclip.cli import OneLineParser
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -174,7 +175,7 @@ def plot_runs(run_paths: list[str | Path], out_dir: str | Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastclip plot", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="fastclip plot", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl) or metrics.jsonl files")
     parser.add_argument("--out", required=True, help="folder for the PNG files")
     args = parser.parse_args(argv)

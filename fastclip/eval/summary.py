@@ -7,12 +7,13 @@ where the captions are distinct). The quickstart ends with it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import yaml
+
+from fastclip.cli import OneLineParser
 
 
 def _rows(path: Path) -> list[dict]:
@@ -153,7 +154,7 @@ def summarize(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastclip summary", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="fastclip summary", description=__doc__.splitlines()[0])
     parser.add_argument("run", help="run folder (config.yaml, metrics.jsonl)")
     parser.add_argument("--export", help="exported model file to point to")
     parser.add_argument("--plots", help="folder written by fastclip plot")

@@ -15,7 +15,6 @@ Saved form (``ShardedSampleState.state_dict()``, carried by the loss module's ``
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -24,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from fastclip.cli import OneLineParser
 
 FORMAT = "fastclip-sample-state/1"
 _CHUNK = 1 << 22  # slots handled at once while resharding, bounds the temporary index tensors
@@ -313,7 +314,7 @@ def _loss_states(files: list[Path]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fastclip reshard",
         description="Reshard the per-sample loss state of a folder of rank_<r>.pt files (each with a 'loss_state' "
         "entry) to another world size. The new files hold {'loss_state', 'rank', 'world_size'}; other "

@@ -261,7 +261,7 @@ class InputChecks:
         self.data_size = data_size
         self.signature: tuple | None = None
         self.calls = 0  # loss calls made (host counter)
-        self._pending: list[tuple[int, torch.Tensor]] = []  # (call number, [K, HEADER_WORDS]) not yet folded
+        self._pending: list[torch.Tensor] = []  # [K, HEADER_WORDS] of the last calls, not yet folded
         # folded so far, per kind ("features", "index"): (the first bad call's number or -1, its words), on the device
         self._first_bad: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -281,7 +281,7 @@ class InputChecks:
         """Deferred mode: keep this call's gathered ``[K, HEADER_WORDS]`` words (no device op per call; every
         FOLD_EVERY calls they are reduced to the first bad call's, a few device ops)."""
         self.calls += 1
-        self._pending.append((self.calls, words))
+        self._pending.append(words)
         if len(self._pending) >= FOLD_EVERY:
             self._fold()
 
@@ -291,8 +291,8 @@ class InputChecks:
         error is kept apart from a features error, so a NaN call that a guard forgives cannot hide it."""
         if not self._pending:
             return
-        first_call, words = self._pending[0][0], torch.stack([w for _, w in self._pending])  # [C, K, HEADER_WORDS]
-        calls = torch.arange(first_call, first_call + len(self._pending), device=words.device)
+        words = torch.stack(self._pending)  # [C, K, HEADER_WORDS] of calls self.calls - C + 1 ... self.calls
+        calls = torch.arange(self.calls - len(self._pending) + 1, self.calls + 1, device=words.device)
         self._pending = []
         for kind, columns in (("features", slice(0, 2)), ("index", slice(2, 3))):
             kind_calls, kind_words = calls, words

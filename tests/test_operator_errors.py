@@ -4,6 +4,7 @@ fastclip file. One short real training run (1 process) provides the checkpoint t
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -107,8 +108,18 @@ def test_check_leaves_no_run_folder_and_refuses_one_under_a_file(tiny_embedded, 
     run = tmp_path / "not" / "yet"
     assert train_main(["--check", *_args(tiny_embedded, run)]) == 0
     assert not (tmp_path / "not").exists() and list(tmp_path.iterdir()) == []  # no folder, no probe file left
+    for value in ("[a]", "{a: 1}"):  # a loss name that is not text: the type check names the key
+        _fails(capsys, ["--print-config", "--loss.name", value], "loss.name", "is not one of")
     (tmp_path / "a_file").write_text("x")
     _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / "a_file" / "run")], "train.run_dir", "is a file")
+    # what the run would refuse, --check refuses too: a broken link, checkpoints/ a file, a name too long
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / "dangling")], "train.run_dir", "broken symbolic link")
+    (tmp_path / "run" / "checkpoints").parent.mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("x")
+    _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / "run")], "train.run_dir", "checkpoints is a file")
+    _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / ("a" * 300) / "x")], "train.run_dir", "longer than")
+    _fails(capsys, _args(tiny_embedded, tmp_path / ("a" * 300) / "x"), "train.run_dir", "cannot write in")
 
 
 # ----------------------------------------------------------------------------- resuming
@@ -304,12 +315,12 @@ def test_eval_and_export_refuse_unusable_checkpoints_in_one_line(trained, tmp_pa
 @pytest.mark.parametrize(
     "extra, key, words",
     [
-        ({"loss.bias": 1}, "loss.bias", "loss fastclip-v2 does not take them (it takes loss.compat, loss.eps"),
+        ({"loss.bias": 1}, "loss.bias", "loss fastclip-v2 does not take it (it takes loss.compat, loss.eps"),
         ({"loss.name": "openclip", "loss.rho": 6.5}, "loss.rho", "(it takes loss.similarity, loss.similarity_clamp,"),
         (
             {"loss.name": "fastclip-v2", "loss.separate_temperatures": "true", "loss.rho": 7.0},
             "loss.separate_temperatures",
-            "drop them or set them to null",
+            "drop it or set it to null",
         ),
         ({"loss.temperature": ".inf"}, "loss", "temperature must be a positive number"),
         ({"optim.wd": ".inf"}, "optim.wd", "finite"),
@@ -363,6 +374,14 @@ def test_checkpoint_files_that_are_not_checkpoints_are_one_line(tiny_embedded, t
     if what == "a text file":
         for flag in ("train.resume", "model.pretrained"):
             _fails(capsys, _args(tiny_embedded, run, **{flag: str(text)}), None, str(text), code=None)
+        empty, torn, junk = tmp_path / "empty.pt", tmp_path / "torn.pt", tmp_path / "junk.safetensors"
+        empty.write_bytes(b"")
+        torn.write_bytes((step_dir(trained, 2) / "model.pt").read_bytes()[:50_000])
+        junk.write_text("junk")
+        for file, words in ((empty, "the file is empty"), (torn, "truncated, still being copied"), (junk, "")):
+            if file.suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
+                continue
+            _fails(capsys, _args(tiny_embedded, run, **{"model.pretrained": str(file)}), "model.pretrained", words)
         return
     step = run / "checkpoints" / "step_00000002"
     shutil.copytree(step_dir(trained, 2), step)
@@ -373,8 +392,9 @@ def test_checkpoint_files_that_are_not_checkpoints_are_one_line(tiny_embedded, t
     else:
         (step / "rank_0.pt").unlink()
     args = _args(tiny_embedded, run, **{"train.resume": "latest", "train.max_steps": 3})
-    err = _fails(capsys, args, None, str(step / "rank_0.pt"), code=1)
+    err = _fails(capsys, args, "train.resume", str(step / "rank_0.pt"))
     assert "checkpoint file missing" in err or "not a readable checkpoint file" in err, err
+    _fails(capsys, ["--check", *args], "train.resume", str(step / "rank_0.pt"))
 
 
 def test_files_and_folders_typed_wrong_in_the_other_commands_are_one_line(trained, tmp_path, capsys):

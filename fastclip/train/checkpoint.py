@@ -125,8 +125,14 @@ def load_file(path: Path) -> dict:
             f"{path}: checkpoint file missing (an incomplete or hand-edited step folder): resume from another step "
             f"folder (--train.resume {path.parent.parent / 'step_XXXXXXXX'}) or restore the file"
         )
+    if path.stat().st_size == 0:  # (outside the try: a CheckpointError is a RuntimeError)
+        raise CheckpointError(
+            f"{path}: the file is empty (a write that never finished); restore the file or pass another checkpoint"
+        )
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
+    except PermissionError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror}); make it readable") from None
     except pickle.UnpicklingError as e:  # what weights_only raises for anything but tensors and primitives
         detail = str(e).strip().splitlines()
         reason = next(
@@ -141,9 +147,10 @@ def load_file(path: Path) -> dict:
     except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:  # torn or foreign file (a text file: KeyError)
         lines = str(e).strip().splitlines()
         reason = lines[0].split(". ")[0][:200] if lines else ""  # torch's first sentence; the rest is advice
+        detail = f"{type(e).__name__}: {reason}" if reason else type(e).__name__
         raise CheckpointError(
-            f"{path}: not a readable checkpoint file ({type(e).__name__}: {reason}): truncated, still being copied "
-            f"or not written by torch.save; restore the file or pass another checkpoint"
+            f"{path}: not a readable checkpoint file ({detail}): truncated, still being copied or not written by "
+            f"torch.save; restore the file or pass another checkpoint"
         ) from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: not a fastclip checkpoint file (holds a {type(obj).__name__}, not a dict)")

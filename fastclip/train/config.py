@@ -591,7 +591,10 @@ def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> None:
 
     new = overrides.get("loss", {}).get("name") if isinstance(overrides.get("loss"), dict) else None
     section = data.get("loss")
-    if new not in LOSSES or not isinstance(section, dict) or section.get("name", LossConfig.name) == new:
+    if not isinstance(new, str) or new not in LOSSES or not isinstance(section, dict):
+        return  # (a name that is no loss is refused by the type check, naming the key)
+    old = section.get("name", LossConfig.name)
+    if old == new:
         return
     takes = option_names(new) | {"name", "validate"}
     dropped = [k for k, v in section.items() if k not in takes and k not in overrides["loss"] and v is not None]
@@ -600,7 +603,7 @@ def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> None:
     if dropped:
         _note(
             f"fastclip train: note: --loss.name {new}: {path} sets {', '.join('loss.' + k for k in dropped)} for "
-            f"{section.get('name', LossConfig.name)}, which {new} does not take: left out"
+            f"{old if 'name' in section else f'the default loss {old}'}, which {new} does not take: left out"
         )
 
 

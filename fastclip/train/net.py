@@ -80,9 +80,10 @@ def make_loss(cfg: Config, data_size: int, embed_dim: int | None = None):
     if extra:  # in config keys (build_loss's own message would list the library's arguments)
         keys = {f.name for f in dataclasses.fields(LossConfig)} - {"name"}
         why = "".join(f"; {k}: {reason}" for k, reason in WHY_NOT.get(cfg.loss.name, {}).items() if k in extra)
+        named, them = ("config keys", "them") if len(extra) > 1 else ("config key", "it")
         raise ConfigError(
-            f"config key(s) {', '.join('loss.' + k for k in extra)}: loss {cfg.loss.name} does not take them "
-            f"(it takes {', '.join('loss.' + k for k in sorted(takes & keys))}); drop them or set them to null{why}"
+            f"{named} {', '.join('loss.' + k for k in extra)}: loss {cfg.loss.name} does not take {them} (it takes "
+            f"{', '.join('loss.' + k for k in sorted(takes & keys))}); drop {them} or set {them} to null{why}"
         )
     try:
         return build_loss(cfg.loss.name, data_size=data_size, **options)

@@ -104,15 +104,25 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
     disk as it was: the probe goes into the nearest folder that exists."""
     run_dir = Path(cfg.train.run_dir)
     folders = (run_dir, run_dir / "checkpoints")
-    if not create:
-        existing = run_dir
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir():
+    if not create:  # (os.path's lexists/isdir never raise: a path too long or not searchable is probed below)
+        for path in (*folders, *run_dir.parents):
+            if os.path.lexists(path) and not os.path.isdir(path):
+                what = "a broken symbolic link" if os.path.islink(path) else "a file"
+                raise ConfigError(
+                    f"config key 'train.run_dir': {path} is {what}, not a folder; choose another --train.run_dir"
+                )
+        existing = next((f for f in (run_dir, *run_dir.parents) if os.path.lexists(f)), Path("."))
+        try:
+            limit = os.pathconf(existing, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            limit = 255
+        missing = [*run_dir.relative_to(existing).parts] if run_dir != existing else []
+        if any(len(os.fsencode(part)) > limit for part in missing):
             raise ConfigError(
-                f"config key 'train.run_dir': {existing} is a file, not a folder; choose another --train.run_dir"
+                f"config key 'train.run_dir': cannot write in {run_dir} (a name in it is longer than {limit} "
+                f"bytes); choose another --train.run_dir"
             )
-        folders = tuple(f for f in folders if f.is_dir()) or (existing,)
+        folders = tuple(f for f in folders if os.path.isdir(f)) or (existing,)
     for folder in folders:
         try:
             if create:
@@ -193,7 +203,12 @@ def _load(path: Path, key: str):
                 f"config key '{key}': {path} is a .safetensors file and the safetensors package is "
                 f"not installed (pip install safetensors)"
             ) from None
-        return load_safetensors(str(path))
+        try:
+            return load_safetensors(str(path))
+        except Exception as e:  # safetensors' own error type: a torn or foreign file
+            raise ConfigError(
+                f"config key '{key}': {path}: not a readable .safetensors file ({str(e).splitlines()[0][:200]})"
+            ) from None
     try:  # found before anything is built: the operator's file, exit 2 as in eval/export (a rank file read
         return read_model_file(path)  # later, during the run, stops it with exit 1)
     except FileNotFoundError:
@@ -251,7 +266,10 @@ def check_resume(
                 f"resume with the same value, or start a new run from its weights with "
                 f"--model.pretrained {step_dir / 'model.pt'}"
             )
-    rank0 = load_file(step_dir / rank_file_name(0))
+    try:
+        rank0 = load_file(step_dir / rank_file_name(0))
+    except CheckpointError as e:  # found before anything is built: exit 2, as a bad model.pt
+        raise ConfigError(f"config key 'train.resume': {e}") from None
     data = rank0.get("data") or {}
     seed = cfg.train.seed if cfg.data.seed is None else cfg.data.seed
     resampled = bool(cfg.data.resampled)

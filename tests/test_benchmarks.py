@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_e2e  # noqa: E402
+import bench_estimator_bias  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_stat_eff  # noqa: E402
 
@@ -27,6 +28,27 @@ def test_samples_to_reach_interpolates_and_reports_never():
     spiky = [(100, 0.6), (200, 0.2), (300, 0.4), (400, 0.5)]  # the early spike does not count: reached at 350
     assert bench_stat_eff.samples_to_reach(spiky, 0.45) == pytest.approx(350)
     assert bench_stat_eff.samples_to_reach(spiky, 0.55) is None
+
+
+def test_estimator_bias_is_zero_for_equal_negatives_and_large_when_one_hard_negative_carries_g():
+    import torch
+
+    n, d = 256, 16
+    # every negative alike (orthogonal features): each batch's estimate equals the global mean exactly
+    eye = torch.eye(n, dtype=torch.float64)[:, :n]
+    flat = bench_estimator_bias.estimator_errors(eye, eye, 0.1)
+    for b in bench_estimator_bias.BATCHES:
+        assert abs(flat["batches"][b]["bias"]) < 1e-12 and flat["batches"][b]["std"] < 1e-12
+    # pairs of near-copies: anchor 2j's hardest negative is 2j+1; a batch of B holds it with chance (B-1)/(n-1),
+    # else the estimate misses almost all of g: E[log ĝ] − log g is far below 0, less so at larger B
+    torch.manual_seed(0)
+    base = torch.nn.functional.normalize(torch.randn(n // 2, d, dtype=torch.float64), dim=1)
+    noise = 1e-3 * torch.randn(n, d, dtype=torch.float64)
+    pairs = torch.nn.functional.normalize(base.repeat_interleave(2, dim=0) + noise, dim=1)
+    hard = bench_estimator_bias.estimator_errors(pairs, pairs, 0.05)
+    assert hard["hard_share"] > 0.99 and flat["hard_share"] == pytest.approx(1 / (n - 1) * max(1, int(0.01 * n)))
+    biases = [hard["batches"][b]["bias"] for b in bench_estimator_bias.BATCHES]
+    assert biases[0] < biases[1] < biases[2] < -3
 
 
 def test_ring_costs_and_fit_recover_alpha_and_bandwidth():

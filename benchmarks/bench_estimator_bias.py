@@ -1,0 +1,229 @@
+"""Why the global estimator pays off on one data set and not on another: the error of the mini-batch estimate of
+each anchor's negative mass, measured on trained towers.
+
+    python benchmarks/bench_estimator_bias.py            # trains 4 runs (~10 min on 2 cores), then measures
+    python benchmarks/bench_estimator_bias.py --measure  # measures the runs already trained
+
+For anchor i and the temperature τ the towers ended with, g_i = mean_{k≠i} exp((S_ik − S_ii)/τ) over the whole
+training set is what FastCLIP's moving average u_i tracks; mini-batch InfoNCE sees instead ĝ_i, the same mean over
+the B − 1 negatives its batch happens to hold. log is concave, so E[log ĝ_i] < log g_i: that gap (and the spread
+of log ĝ_i over batches) is the error the moving average removes. It is large when a few hard negatives carry g_i
+(a batch rarely holds them), small when g_i is spread over many negatives every batch samples alike.
+
+Towers: the statistical-efficiency study's chosen setting of openclip and of fastclip-v3 at global batch 64 on each
+data set (benchmarks/bench_stat_eff.py's STUDY and results; seed 1, one process, the same command), trained here
+once with their final checkpoint kept. Measured on the 6,000 training pairs, both directions (image anchors
+against all texts, text anchors against all images), 64 random partitions into batches per batch size.
+Reported per data set, towers and batch size (means over anchors): E[log ĝ] − log g, std(log ĝ), and the share of
+g_i that the anchor's 60 hardest negatives (1 % of the data) carry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_stat_eff as study_mod
+
+from common import REPO, RESULTS, SMOKE_OUT, machine_info, publish, save_figure
+
+DATASETS = ("scenes", "glyphs")
+LOSSES = ("openclip", "fastclip-v3")
+GLOBAL_BATCH = 64
+BATCHES = (32, 64, 128)
+PARTITIONS = 64
+HARD = 0.01  # the hardest 1 % of an anchor's negatives
+WORK = SMOKE_OUT / "estimator_bias"
+
+
+def chosen_run(dataset: str, loss: str) -> study_mod.Run:
+    best = study_mod.chosen(study_mod.STUDY, RESULTS / "stat_eff", dataset, GLOBAL_BATCH, loss)
+    if best is None:
+        raise SystemExit(
+            f"the study has not chosen {loss}'s setting on {dataset} at global batch {GLOBAL_BATCH} yet: run "
+            f"python benchmarks/bench_stat_eff.py first"
+        )
+    return dataclasses.replace(best, seed=1, phase="seed")
+
+
+def train(runs: list[tuple[study_mod.Run, Path, Path]]) -> None:
+    """Each run's command from the study, two at a time (one core each), resumed if stopped; the checkpoint stays."""
+    todo = [(r, d, data) for r, d, data in runs if not (d / "done").is_file()]
+    active: list[tuple[subprocess.Popen, Path]] = []
+    while todo or active:
+        while todo and len(active) < 2:
+            run, run_dir, data = todo.pop(0)
+            cmd = study_mod.command(run, study_mod.STUDY, data, run_dir)
+            if any((run_dir / "checkpoints").glob("step_*")):
+                cmd += ["--train.resume", "latest"]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            log = open(run_dir / "stdout.log", "a")
+            print(f"[{time.strftime('%H:%M:%S')}] train {run.id} -> {run_dir}", flush=True)
+            active.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), run_dir))
+        time.sleep(5)
+        for proc, run_dir in list(active):
+            if proc.poll() is not None:
+                active.remove((proc, run_dir))
+                if proc.returncode != 0:
+                    raise SystemExit(f"training failed (rc {proc.returncode}); see {run_dir / 'stdout.log'}")
+                (run_dir / "done").write_text("")
+
+
+def embed(run_dir: Path, data: Path):
+    """(image features, text features) of the training pairs, L2-normalised, and the towers' final τ."""
+    import torch
+    import torch.nn.functional as F
+
+    from fastclip.eval.checkpoint import load_model
+    from fastclip.eval.samples import iter_samples
+
+    built = load_model(run_dir / "checkpoints" / "latest").built
+    model = built.model
+    images, texts = [], []
+    samples = list(iter_samples(data / "train"))
+    with torch.no_grad():
+        for i in range(0, len(samples), 500):
+            chunk = samples[i : i + 500]
+            pixels = torch.stack([built.preprocess_val(s.image) for s in chunk])
+            images.append(F.normalize(model.encode_image(pixels).float(), dim=-1))
+            texts.append(F.normalize(model.encode_text(built.tokenizer([s.caption for s in chunk])).float(), dim=-1))
+    tau = float(torch.exp(-model.logit_scale.detach()).reshape(-1)[0])
+    return torch.cat(images).double(), torch.cat(texts).double(), tau
+
+
+def estimator_errors(anchors, candidates, tau: float, seed: int = 0) -> dict:
+    """For each batch size: mean over anchors of E[log ĝ] − log g and std(log ĝ) over PARTITIONS random partitions,
+    and the share of g carried by each anchor's hardest HARD fraction of negatives."""
+    import torch
+
+    n = anchors.shape[0]
+    # d_ik = (S_ik − S_ii)/τ, the positive excluded; exponentials shifted per anchor (float64)
+    d = (anchors @ candidates.T - (anchors * candidates).sum(dim=1, keepdim=True)) / tau
+    d.fill_diagonal_(float("-inf"))
+    shift = d.max(dim=1, keepdim=True).values
+    w = torch.exp(d - shift)  # [n, n], 0 on the diagonal
+    log_g = torch.log(w.sum(dim=1) / (n - 1)) + shift.squeeze(1)
+    hard = max(1, int(HARD * n))
+    top_share = (w.topk(hard, dim=1).values.sum(dim=1) / w.sum(dim=1)).mean().item()
+    gen = torch.Generator().manual_seed(seed)
+    out = {"hard_share": top_share, "batches": {}}
+    for b in BATCHES:
+        estimates = []
+        for _ in range(PARTITIONS):
+            order = torch.randperm(n, generator=gen)[: n // b * b].view(-1, b)  # [n/b, b] batches of anchors
+            block = w[order[:, :, None], order[:, None, :]]  # [n/b, b, b]: each anchor's row within its batch
+            ghat = block.sum(dim=2) / (b - 1)  # the diagonal (the positive) is 0
+            est = torch.full((n,), float("nan"), dtype=w.dtype)
+            est[order.reshape(-1)] = (torch.log(ghat) + shift.squeeze(1)[order]).reshape(-1)
+            estimates.append(est)
+        est = torch.stack(estimates)  # [PARTITIONS, n]; nan for the few anchors a partition leaves out
+        bias = (est.nanmean(dim=0) - log_g).nanmean().item()
+        std = torch.sqrt(((est - est.nanmean(dim=0)) ** 2).nanmean(dim=0)).nanmean().item()
+        out["batches"][b] = {"bias": bias, "std": std}
+    return out
+
+
+def measure(runs: list[tuple[study_mod.Run, Path, Path]]) -> dict:
+    rows = []
+    for run, run_dir, data in runs:
+        image, text, tau = embed(run_dir, data)
+        for direction, (a, c) in (("image anchors", (image, text)), ("text anchors", (text, image))):
+            err = estimator_errors(a, c, tau)
+            for b, e in err["batches"].items():
+                rows.append(
+                    {
+                        "dataset": run.dataset,
+                        "towers": f"{run.loss} ({run_dir.name})",
+                        "loss": run.loss,
+                        "tau": tau,
+                        "direction": direction,
+                        "batch": b,
+                        "bias": e["bias"],
+                        "std": e["std"],
+                        "hard_share": err["hard_share"],
+                    }
+                )
+        print(f"measured {run.id}: τ {tau:.4f}", flush=True)
+    return {"machine": machine_info(), "rows": rows, "partitions": PARTITIONS, "hard_fraction": HARD}
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "Error of the mini-batch estimate of each anchor's negative mass on trained towers "
+        "(`python benchmarks/bench_estimator_bias.py`; the study's chosen setting at global batch 64, seed 1, "
+        f"6,000 training pairs, {result['partitions']} random partitions per batch size). "
+        "bias = mean over anchors of E[log ĝ] − log g (nats), spread = std of log ĝ over batches; "
+        f"hard share = the part of g carried by the hardest {100 * result['hard_fraction']:g} % of negatives.",
+        "",
+        "| data | towers | final τ | anchors | hard share | "
+        + " | ".join(f"bias / spread at B = {b}" for b in BATCHES)
+        + " |",
+        "|---|---|---:|---|---:|" + "---:|" * len(BATCHES),
+    ]
+    keyed: dict[tuple, dict] = {}
+    for r in result["rows"]:
+        keyed.setdefault((r["dataset"], r["loss"], r["direction"]), {})[r["batch"]] = r
+    for (dataset, loss, direction), per_batch in keyed.items():
+        first = next(iter(per_batch.values()))
+        cells = " | ".join(f"{per_batch[b]['bias']:+.2f} / {per_batch[b]['std']:.2f}" for b in BATCHES)
+        lines.append(
+            f"| {dataset} | {loss} | {first['tau']:.3f} | {direction} | {100 * first['hard_share']:.0f} % | {cells} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    keyed: dict[tuple, dict] = {}
+    for r in result["rows"]:
+        keyed.setdefault((r["dataset"], r["loss"], r["direction"]), {})[r["batch"]] = r
+    for (dataset, loss, direction), per_batch in keyed.items():
+        style = "-" if dataset == "scenes" else "--"
+        label = f"{dataset}, {loss}, {direction}"
+        axes[0].plot(BATCHES, [per_batch[b]["bias"] for b in BATCHES], style, marker="o", label=label)
+        axes[1].plot(BATCHES, [per_batch[b]["std"] for b in BATCHES], style, marker="o", label=label)
+    for ax, name in zip(axes, ("E[log ĝ] − log g (nats)", "std of log ĝ over batches (nats)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(BATCHES, [str(b) for b in BATCHES])
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    save_figure(fig, path, result["machine"], "Mini-batch estimate of each anchor's negative mass vs the global one")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--measure", action="store_true", help="only measure the runs already trained")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    runs = []
+    for dataset in DATASETS:
+        data = study_mod.ensure_data(study_mod.STUDY, dataset, SMOKE_OUT / "stat_eff_work")
+        for loss in LOSSES:
+            run = chosen_run(dataset, loss)
+            runs.append((run, WORK / run.id, data))
+    if not args.measure:
+        train(runs)
+    missing = [str(d) for _, d, _ in runs if not (d / "done").is_file()]
+    if missing:
+        raise SystemExit(f"not trained yet: {', '.join(missing)} (run without --measure)")
+    publish(args.out, "estimator_bias", measure(runs), markdown, plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -85,7 +85,7 @@ def embed(run_dir: Path, data: Path):
     from fastclip.eval.checkpoint import load_model
     from fastclip.eval.samples import iter_samples
 
-    built = load_model(run_dir / "checkpoints" / "latest").built
+    built = load_model(run_dir).built  # its latest checkpoint
     model = built.model
     images, texts = [], []
     samples = list(iter_samples(data / "train"))

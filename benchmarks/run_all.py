@@ -11,6 +11,7 @@ Items (each its own program, run in a fresh process, writing <name>.{json,md,png
   state        bench_state_memory.py  per-rank bytes of the per-sample state, measured and at LAION scale
   scaling      bench_scaling.py       compute/communication split at 1 and 2 processes + a scaling MODEL
   stat_eff     bench_stat_eff.py      tuned study: zero-shot and retrieval against samples seen (hours)
+  (estimator_bias  bench_estimator_bias.py  the mini-batch estimate's error on the study's towers: run after it)
   engines      bench_engines.py       DDP vs DeepSpeed ZeRO-1/2/3 and gradient accumulation: throughput, memory
   tempfree     bench_tempfree.py      zero-shot of the temperature-free (atanh) loss against tuned temperatures
   scenes       bench_scenes.py        the scenes data at 100k: generation time, distinct captions, held-out pairs
@@ -37,6 +38,12 @@ ITEMS = {  # name -> (program, result stem, title)
     "loss": ("bench_loss.py", "loss_bench", "2. Loss and communication"),
     "state": ("bench_state_memory.py", "state_memory", "3. Per-sample state memory"),
     "stat_eff": ("bench_stat_eff.py", "stat_eff", "4. Statistical efficiency at small batch"),
+    # (not in ORDER: it measures towers trained with the study's chosen settings; run it after the study)
+    "estimator_bias": (
+        "bench_estimator_bias.py",
+        "estimator_bias",
+        "4b. Where the global estimator helps: the mini-batch estimate's error on trained towers",
+    ),
     "scaling": ("bench_scaling.py", "scaling", "5. Scaling: compute vs communication, and a model to 256 GPUs"),
     "engines": ("bench_engines.py", "engines_bench", "6. DDP vs DeepSpeed ZeRO, and gradient accumulation"),
     "tempfree": ("bench_tempfree.py", "tempfree_bench", "7. Temperature-free loss against tuned temperatures"),

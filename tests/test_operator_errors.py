@@ -378,7 +378,20 @@ def test_checkpoint_files_that_are_not_checkpoints_are_one_line(tiny_embedded, t
         empty.write_bytes(b"")
         torn.write_bytes((step_dir(trained, 2) / "model.pt").read_bytes()[:50_000])
         junk.write_text("junk")
-        for file, words in ((empty, "the file is empty"), (torn, "truncated, still being copied"), (junk, "")):
+        pointer, odd = tmp_path / "checkpoints" / "latest", tmp_path / "odd.pt"
+        pointer.parent.mkdir()
+        pointer.write_text("step_00000002\n")
+        odd.write_bytes(b"step_0001\n\x80")  # the unpickler fails with an IndexError on these bytes
+        for file, words in (
+            (empty, "the file is empty"),
+            (torn, "truncated, still being copied"),
+            (junk, ""),
+            (
+                pointer,
+                "is the pointer to the latest step folder (step_00000002), not a checkpoint: pass the run folder",
+            ),
+            (odd, "not a readable checkpoint file (IndexError"),
+        ):
             if file.suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
                 continue
             _fails(capsys, _args(tiny_embedded, run, **{"model.pretrained": str(file)}), "model.pretrained", words)

@@ -129,6 +129,11 @@ def load_file(path: Path) -> dict:
         raise CheckpointError(
             f"{path}: the file is empty (a write that never finished); restore the file or pass another checkpoint"
         )
+    if path.name == "latest" and path.stat().st_size < 64:  # the pointer file, not a checkpoint
+        raise CheckpointError(
+            f"{path} is the pointer to the latest step folder ({path.read_text(errors='replace').strip()}), not a "
+            f"checkpoint: pass the run folder {path.parent.parent} (or the step folder it names)"
+        )
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except PermissionError as e:
@@ -144,7 +149,7 @@ def load_file(path: Path) -> dict:
             f"values ({reason[:300]}); only a file from a source you trust should be converted "
             f"by hand"
         ) from None
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:  # torn or foreign file (a text file: KeyError)
+    except Exception as e:  # torn or foreign bytes: the unpickler fails in many ways (KeyError, IndexError, ...)
         lines = str(e).strip().splitlines()
         reason = lines[0].split(". ")[0][:200] if lines else ""  # torch's first sentence; the rest is advice
         detail = f"{type(e).__name__}: {reason}" if reason else type(e).__name__

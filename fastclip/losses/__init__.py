@@ -126,6 +126,17 @@ def option_names(name: str) -> set[str]:
     return {f.name for f in dataclasses.fields(LOSSES[name][1])}
 
 
+class UnknownLossOptions(TypeError):
+    """build_loss given options the loss does not take; ``unknown``, ``accepted`` and ``why`` (key -> reason) let a
+    caller name them in its own terms (the trainer: config keys)."""
+
+    def __init__(self, name: str, unknown: list[str], accepted: set[str]):
+        self.name, self.unknown, self.accepted = name, unknown, accepted
+        self.why = {key: reason for key, reason in WHY_NOT.get(name, {}).items() if key in unknown}
+        why = "".join(f"; {key}: {reason}" for key, reason in self.why.items())
+        super().__init__(f"loss {name!r} does not take option(s) {unknown}; it takes {sorted(accepted)}{why}")
+
+
 def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Module:
     """The loss ``name`` with its options; ``data_size`` is required by the FastCLIP versions, ignored by openclip."""
     if name not in LOSSES:
@@ -135,8 +146,7 @@ def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Modu
     given = {key: value for key, value in options.items() if value is not None}
     unknown = sorted(set(given) - accepted)
     if unknown:
-        why = "".join(f"; {key}: {reason}" for key, reason in WHY_NOT.get(name, {}).items() if key in unknown)
-        raise TypeError(f"loss {name!r} does not take option(s) {unknown}; it takes {sorted(accepted)}{why}")
+        raise UnknownLossOptions(name, unknown, accepted)
     if given.get("similarity") == "atanh":
         for key, value in TEMPERATURE_FREE_DEFAULTS.items():
             if key in accepted and (key != "learn_temperature" or name == "openclip"):  # v0/v3 learn τ on top
@@ -151,6 +161,7 @@ def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Modu
 __all__ = [
     "build_loss",
     "option_names",
+    "UnknownLossOptions",
     "LOSSES",
     "ContrastiveLoss",
     "SampleStateLoss",

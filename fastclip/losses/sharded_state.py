@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 
-from fastclip.cli import OneLineParser
-
 FORMAT = "fastclip-sample-state/1"
 _CHUNK = 1 << 22  # slots handled at once while resharding, bounds the temporary index tensors
 
@@ -314,6 +312,8 @@ def _loss_states(files: list[Path]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fastclip.cli import OneLineParser  # here: the loss library imports nothing of the command line
+
     parser = OneLineParser(
         prog="fastclip reshard",
         description="Reshard the per-sample loss state of a folder of rank_<r>.pt files (each with a 'loss_state' "

@@ -125,11 +125,12 @@ def load_file(path: Path) -> dict:
             f"{path}: checkpoint file missing (an incomplete or hand-edited step folder): resume from another step "
             f"folder (--train.resume {path.parent.parent / 'step_XXXXXXXX'}) or restore the file"
         )
-    if path.stat().st_size == 0:  # (outside the try: a CheckpointError is a RuntimeError)
+    size = path.stat().st_size
+    if size == 0:  # (outside the try: a CheckpointError is a RuntimeError)
         raise CheckpointError(
             f"{path}: the file is empty (a write that never finished); restore the file or pass another checkpoint"
         )
-    if path.name == "latest" and path.stat().st_size < 64:  # the pointer file, not a checkpoint
+    if path.name == "latest" and size < 64:  # the pointer file, not a checkpoint
         raise CheckpointError(
             f"{path} is the pointer to the latest step folder ({path.read_text(errors='replace').strip()}), not a "
             f"checkpoint: pass the run folder {path.parent.parent} (or the step folder it names)"

@@ -72,21 +72,18 @@ def loss_options(cfg: Config, embed_dim: int | None = None) -> dict:
 def make_loss(cfg: Config, data_size: int, embed_dim: int | None = None):
     """build_loss with the loss section; an option this version does not take, or a bad value, is a ConfigError.
     `fastclip train --check` calls it too (a loss holds no per-sample state until its first call: cheap)."""
-    from fastclip.losses import WHY_NOT, build_loss, option_names
+    from fastclip.losses import UnknownLossOptions, build_loss
 
-    options = loss_options(cfg, embed_dim)
-    takes = option_names(cfg.loss.name)
-    extra = sorted(set(options) - takes)
-    if extra:  # in config keys (build_loss's own message would list the library's arguments)
-        keys = {f.name for f in dataclasses.fields(LossConfig)} - {"name"}
-        why = "".join(f"; {k}: {reason}" for k, reason in WHY_NOT.get(cfg.loss.name, {}).items() if k in extra)
-        named, them = ("config keys", "them") if len(extra) > 1 else ("config key", "it")
-        raise ConfigError(
-            f"{named} {', '.join('loss.' + k for k in extra)}: loss {cfg.loss.name} does not take {them} (it takes "
-            f"{', '.join('loss.' + k for k in sorted(takes & keys))}); drop {them} or set {them} to null{why}"
-        )
     try:
-        return build_loss(cfg.loss.name, data_size=data_size, **options)
+        return build_loss(cfg.loss.name, data_size=data_size, **loss_options(cfg, embed_dim))
+    except UnknownLossOptions as e:  # in config keys (the library's message lists its own arguments)
+        keys = {f.name for f in dataclasses.fields(LossConfig)} - {"name"}
+        why = "".join(f"; {key}: {reason}" for key, reason in e.why.items())
+        named, them = ("config keys", "them") if len(e.unknown) > 1 else ("config key", "it")
+        raise ConfigError(
+            f"{named} {', '.join('loss.' + k for k in e.unknown)}: loss {e.name} does not take {them} (it takes "
+            f"{', '.join('loss.' + k for k in sorted(e.accepted & keys))}); drop {them} or set {them} to null{why}"
+        ) from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config section 'loss' (name {cfg.loss.name}): {e}") from None
 

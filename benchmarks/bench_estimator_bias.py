@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_stat_eff as study_mod
 
-from common import REPO, RESULTS, SMOKE_OUT, machine_info, publish, save_figure
+from common import RESULTS, SMOKE_OUT, machine_info, publish, save_figure
 
 DATASETS = ("scenes", "glyphs")
 LOSSES = ("openclip", "fastclip-v3")
@@ -54,27 +52,20 @@ def chosen_run(dataset: str, loss: str) -> study_mod.Run:
 
 
 def train(runs: list[tuple[study_mod.Run, Path, Path]]) -> None:
-    """Each run's command from the study, two at a time (one core each), resumed if stopped; the checkpoint stays."""
+    """Each run started as the study starts it (its command, one core, resumed if stopped), two at a time; the
+    checkpoint stays (the study's finish() would delete it)."""
     todo = [(r, d, data) for r, d, data in runs if not (d / "done").is_file()]
-    active: list[tuple[subprocess.Popen, Path]] = []
+    active: list[study_mod.Active] = []
     while todo or active:
         while todo and len(active) < 2:
-            run, run_dir, data = todo.pop(0)
-            cmd = study_mod.command(run, study_mod.STUDY, data, run_dir)
-            if any((run_dir / "checkpoints").glob("step_*")):
-                cmd += ["--train.resume", "latest"]
-            run_dir.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-            log = open(run_dir / "stdout.log", "a")
-            print(f"[{time.strftime('%H:%M:%S')}] train {run.id} -> {run_dir}", flush=True)
-            active.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), run_dir))
+            run, _, data = todo.pop(0)
+            active.append(study_mod.start(run, study_mod.STUDY, data, WORK))
         time.sleep(5)
-        for proc, run_dir in list(active):
-            if proc.poll() is not None:
-                active.remove((proc, run_dir))
-                if proc.returncode != 0:
-                    raise SystemExit(f"training failed (rc {proc.returncode}); see {run_dir / 'stdout.log'}")
-                (run_dir / "done").write_text("")
+        for a in [a for a in active if a.proc.poll() is not None]:
+            active.remove(a)
+            if a.proc.returncode != 0:
+                raise SystemExit(f"training failed (rc {a.proc.returncode}); see {a.run_dir / 'stdout.log'}")
+            (a.run_dir / "done").write_text("")
 
 
 def embed(run_dir: Path, data: Path):
@@ -215,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         data = study_mod.ensure_data(study_mod.STUDY, dataset, SMOKE_OUT / "stat_eff_work")
         for loss in LOSSES:
             run = chosen_run(dataset, loss)
-            runs.append((run, WORK / run.id, data))
+            runs.append((run, WORK / "runs" / run.id, data))  # study_mod.start's folder
     if not args.measure:
         train(runs)
     missing = [str(d) for _, d, _ in runs if not (d / "done").is_file()]

@@ -30,6 +30,35 @@ def test_samples_to_reach_interpolates_and_reports_never():
     assert bench_stat_eff.samples_to_reach(spiky, 0.55) is None
 
 
+def test_stat_eff_plan_seeds_the_best_setting_and_ablations_carry_lr_tau(tmp_path):
+    study = dict(
+        bench_stat_eff.STUDY,
+        order=[("glyphs", 128)],
+        lrs=(1e-3, 2e-3),
+        extra_lrs={},
+        seeds=(1, 2, 3, 4),
+        variant_seeds=(1, 2),
+        knobs={k: bench_stat_eff.STUDY["knobs"][k] for k in ("openclip", "fastclip-v3", "fastclip-v1")},
+        ablations=[("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0.8, (1,), 1e-2)],
+    )
+    (tmp_path / "runs").mkdir()
+    before = bench_stat_eff.plan(study, tmp_path)
+    assert [r.phase for r in before].count("seed") == 1  # only the ablation's: no loss has finished tuning
+    ablation = before[1]
+    assert ablation.id == "glyphs_gb128_fastclip-v3_lr0.002_rho_frac0.6_g0.8_lt0.01_s1_seed"
+    args = bench_stat_eff.loss_args(ablation, study)
+    assert args[args.index("--optim.lr_tau") + 1] == "0.01"
+    for loss in ("openclip", "fastclip-v3", "fastclip-v1"):  # every tuning run done, the best at lr 2e-3
+        for run in bench_stat_eff.tune_runs(study, "glyphs", 128, loss):
+            score = run.lr + (run.value == bench_stat_eff.STUDY["knobs"][loss][1][-1])
+            (tmp_path / "runs" / f"{run.id}.json").write_text(json.dumps({"final_score": score}))
+    seeds = [r for r in bench_stat_eff.plan(study, tmp_path) if r.phase == "seed" and r.lr_tau is None]
+    by_loss = {loss: [(r.seed, r.lr, r.value) for r in seeds if r.loss == loss] for loss in study["knobs"]}
+    assert by_loss["openclip"] == [(s, 2e-3, 0.03) for s in (1, 2, 3, 4)]  # the headline pair: all seeds
+    assert by_loss["fastclip-v3"] == [(s, 2e-3, 0.85) for s in (1, 2, 3, 4)]
+    assert by_loss["fastclip-v1"] == [(s, 2e-3, 0.03) for s in (1, 2)]  # the other variants: variant_seeds
+
+
 def test_estimator_bias_is_zero_for_equal_negatives_and_large_when_one_hard_negative_carries_g():
     import torch
 

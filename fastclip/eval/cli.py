@@ -3,7 +3,8 @@ and appended to a JSONL file.
 
 PATH is the folder written by `fastclip data embedded` (its val/ split and zeroshot.json are used), a
 labelled shard folder / tar / glob, or an image folder with one subfolder per class. Class names and
-templates come from --classnames (zeroshot.json, a single-dataset JSON, or a .txt with --templates), else
+templates come from --classnames (zeroshot.json, a single-dataset JSON, a .txt with --templates, or `imagenet`
+for an ImageNet validation folder: the standard 1,000 class names and OpenAI's 80 templates), else
 from a zeroshot.json beside the data, else (image folders) from the class folder names.
 """
 
@@ -63,6 +64,18 @@ def image_folder_source(root: Path, spec: ZeroShotSpec, names_file):
 
 
 def load_specs(args, data: Path, default_names: Path | None) -> tuple[dict[str, ZeroShotSpec], str | None]:
+    if args.classnames is not None and str(args.classnames) == "imagenet" and not args.classnames.exists():
+        from fastclip.eval.imagenet import class_folders, imagenet_spec
+
+        class_folders(data)  # 1,000 class folders in ImageNet's order, or a one-line error naming the folder
+        spec = imagenet_spec()
+        if args.templates:
+            from fastclip.eval.spec import load_templates
+
+            spec = ZeroShotSpec(spec.name, spec.classnames, tuple(load_templates(args.templates)))
+        return {spec.name: spec}, "ImageNet's 1,000 class names (open_clip's), " + (
+            f"templates {args.templates}" if args.templates else "OpenAI's 80 templates"
+        )
     names_file = args.classnames or default_names
     if names_file is not None:
         return load_zeroshot_spec(names_file, args.templates), str(names_file)
@@ -183,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--zeroshot",
         dest="classnames",
         type=Path,
-        help="zeroshot.json, single-dataset JSON, or classnames .txt",
+        help="zeroshot.json, single-dataset JSON, or classnames .txt; 'imagenet': an ImageNet val folder's 1,000 "
+        "standard class names with OpenAI's 80 templates",
     )
     parser.add_argument("--templates", type=Path, help="templates .txt (one per line) or JSON list; '{}' = class")
     parser.add_argument("--no-retrieval", action="store_true", help="skip image-text retrieval")

@@ -156,6 +156,10 @@ class EvalConfig:
     at_end: bool = True  # evaluate after the last step
     batch_size: int = 256
     max_samples: int | None = None  # cap on evaluated val samples (fast checks); null: all
+    # OpenCLIP's --imagenet-val: an ImageNet validation ImageFolder (1,000 synset folders), scored zero-shot at
+    # every evaluation (all of it: max_samples caps data.val only) with open_clip's class names and templates
+    imagenet_val: str | None = None
+    imagenet_templates: Literal["openai", "simple"] = "openai"  # OpenAI's 80 prompts, or open_clip's 7
 
 
 @dataclass
@@ -304,6 +308,7 @@ FLAG_ALIASES = {
     "batch_size": "data.batch_size",
     "train_data": "data.train",
     "val_data": "data.val",
+    "imagenet_val": "eval.imagenet_val",
     "workers": "data.workers",
     "dataset_resampled": "data.resampled",
     "train_num_samples": "data.samples_per_epoch",

@@ -89,6 +89,13 @@ def check_data(cfg: Config, world_size: int, catalog=None) -> int:
                 load_zeroshot_spec(path)
             except (ValueError, OSError) as e:
                 raise ConfigError(f"config key 'data.zeroshot': {e}") from None
+    if cfg.eval.imagenet_val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
+        from fastclip.eval.imagenet import class_folders
+
+        try:
+            class_folders(cfg.eval.imagenet_val)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"config key 'eval.imagenet_val': {e} (set it to null to skip it)") from None
     return catalog.data_size
 
 
@@ -273,6 +280,7 @@ class Run:
 
         self.cfg, self.info, self.timeouts, self.stop = cfg, info, timeouts, stop
         self.device, self.run_dir = info.device, Path(cfg.train.run_dir)
+        self._imagenet = None  # (class names spec, file list source) for eval.imagenet_val, made at its first use
         # checks that need the data and the world size, before anything heavy
         catalog = shared_catalog(cfg, info)
         data_size, self.resume_dir, model_file, pretrained = check_inputs(cfg, info.world_size, catalog)
@@ -620,29 +628,64 @@ class Run:
         self.log.message(f"checkpoint {path}")
 
     def evaluate(self) -> None:
-        from fastclip.eval import run_evals
-
+        """data.val (zero-shot and retrieval) and eval.imagenet_val (zero-shot), on every rank, under the run's
+        autocast, as OpenCLIP evaluates."""
         cfg = self.cfg
-        if cfg.data.val is None:
+        if cfg.data.val is None and cfg.eval.imagenet_val is None:
             return
-        from fastclip.eval import EvalDataError
+        from fastclip.eval import EvalDataError, run_evals
 
-        with self.engine.full_params():  # ZeRO-3: whole parameters for the evaluation
-            try:
-                results = run_evals(
-                    self.model,
-                    tokenizer=self.net.built.tokenizer,
-                    preprocess=self.net.built.preprocess_val,
-                    val_dir=cfg.data.val,
-                    zeroshot_file=cfg.data.zeroshot,
-                    device=self.device,
-                    batch_size=cfg.eval.batch_size,
-                    max_samples=cfg.eval.max_samples,
-                )
+        built = self.net.built
+        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+        results, what = {}, ""
+        with self.engine.full_params(), torch.autocast(self.device.type, dtype=amp, enabled=amp is not None):
+            try:  # ZeRO-3: whole parameters for the evaluation
+                if cfg.data.val is not None:
+                    what = f"data.val {cfg.data.val}, data.zeroshot {cfg.data.zeroshot}"
+                    results = run_evals(
+                        self.model,
+                        tokenizer=built.tokenizer,
+                        preprocess=built.preprocess_val,
+                        val_dir=cfg.data.val,
+                        zeroshot_file=cfg.data.zeroshot,
+                        device=self.device,
+                        batch_size=cfg.eval.batch_size,
+                        max_samples=cfg.eval.max_samples,
+                    )
+                if cfg.eval.imagenet_val is not None:
+                    what = f"eval.imagenet_val {cfg.eval.imagenet_val}"
+                    results.update(self._imagenet_zeroshot())
             except EvalDataError as e:  # the same on every rank (the same files); checkpoints are already written
-                raise TrainingError(
-                    f"evaluation at step {self.step}: {e} (data.val {cfg.data.val}, data.zeroshot {cfg.data.zeroshot})"
-                ) from None
+                raise TrainingError(f"evaluation at step {self.step}: {e} ({what})") from None
         record = {"step": self.step, "samples_seen": self.samples_seen}
         record.update({f"eval/{k}": v for k, v in results.items() if isinstance(v, (int, float))})
         self.log.log(record, tuple(k for k in record if k.endswith("top1")))
+
+    def _imagenet_zeroshot(self) -> dict[str, float]:
+        from fastclip.eval.evaluate import evaluate
+        from fastclip.eval.imagenet import ImageNetSource, imagenet_spec, prepared
+
+        cfg = self.cfg
+        if self._imagenet is None:  # the class names, templates and file list, kept for the later evaluations
+            source = ImageNetSource(
+                cfg.eval.imagenet_val,
+                self.net.built.preprocess_val,
+                workers=cfg.data.workers,
+                batch_size=cfg.eval.batch_size,
+            )
+            self._imagenet = (imagenet_spec(cfg.eval.imagenet_templates), source)
+        spec, source = self._imagenet
+        results = evaluate(
+            self.model,
+            tokenizer=self.net.built.tokenizer,
+            preprocess=prepared,
+            source=source,
+            specs={spec.name: spec},
+            device=self.device,
+            batch_size=cfg.eval.batch_size,
+            retrieval=False,
+        )
+        flat = results.flat()
+        if "skipped_samples" in flat:  # beside data.val's own count
+            flat[f"zeroshot/{spec.name}/skipped_samples"] = flat.pop("skipped_samples")
+        return flat

@@ -1,0 +1,158 @@
+"""Zero-shot ImageNet (eval.imagenet_val, OpenCLIP's --imagenet-val): the class list and templates are open_clip's,
+the folder is checked before training, images are decoded in loader workers, 2 ranks give the 1-rank numbers,
+and the trainer logs the result.
+
+The known answers come from the probe CLIP (tests/probe.py): 8 ImageNet classes whose names are one token embed
+to one-hot vectors, every other class name to zero, so each image's rank of its true class is drawn with it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastclip.compat import import_open_clip
+from fastclip.eval.evaluate import evaluate
+from fastclip.eval.imagenet import ImageNetSource, class_folders, imagenet_spec, list_images, prepared
+from fastclip.train.cli import main
+from fastclip.train.config import load_config
+
+from dist_utils import run_distributed
+from helpers import EMBEDDED, overrides, records
+from probe import FRUIT_RANKS, ProbeCLIP, image_with_rank, probe_preprocess
+
+# ImageNet class indices with one-token names (goldfish, stingray, ostrich, magpie, chameleon, scorpion, koala,
+# flamingo): probe class i is ImageNet class PROBED[i]
+PROBED = (1, 6, 9, 18, 47, 71, 105, 130)
+# FRUIT_RANKS over 8 classes: top-1 hits 15 of 24, top-5 hits 20 of 24 (tests/test_eval_metrics.py)
+TOP1, TOP5, IMAGES = 15 / 24, 20 / 24, 24
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return import_open_clip().get_tokenizer("ViT-B-32")
+
+
+def probe_model(tokenizer) -> ProbeCLIP:
+    names = imagenet_spec().classnames
+    return ProbeCLIP(tokenizer, {names[c]: torch.eye(8)[i] for i, c in enumerate(PROBED)})
+
+
+def write_folder(root: Path, *, classes: int = 1000, corrupt: bool = True) -> Path:
+    """An ImageNet val layout: `classes` synset-named folders, the probe's 24 images in 8 of them, one corrupt."""
+    for c in range(classes):
+        (root / f"n{c:08d}").mkdir(parents=True)
+    for i, ranks in FRUIT_RANKS.items():
+        for j, rank in enumerate(ranks):
+            image_with_rank(i, rank, 8).save(root / f"n{PROBED[i]:08d}" / f"ILSVRC2012_val_{i:03d}{j}.png")
+    if corrupt:
+        (root / f"n{PROBED[2]:08d}" / "broken.JPEG").write_bytes(b"not an image")
+    return root
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return write_folder(tmp_path_factory.mktemp("imagenet") / "val")
+
+
+def test_class_names_and_templates_are_open_clips():
+    spec = imagenet_spec()
+    assert len(spec.classnames) == 1000
+    # two names stand for two classes each in OpenAI's list (scored by index, so they stay as they are)
+    repeated = sorted({n for n in spec.classnames if spec.classnames.count(n) > 1})
+    assert repeated == ["missile", "sunglasses"] and len(set(spec.classnames)) == 998
+    assert spec.classnames[:2] == ("tench", "goldfish") and spec.classnames[-1] == "toilet paper"
+    assert len(spec.templates) == 80 and all("{}" in t for t in spec.templates)
+    assert spec.prompts("koala")[0] == "a bad photo of a koala."
+    assert len(imagenet_spec("simple").templates) == 7
+    with pytest.raises(ValueError, match="templates 'laion': not one of openai, simple"):
+        imagenet_spec("laion")
+
+
+def test_folder_checks_name_what_is_wrong(tmp_path):
+    with pytest.raises(ValueError, match="not a folder"):
+        class_folders(tmp_path / "missing")
+    few = tmp_path / "few"
+    for c in range(999):
+        (few / f"n{c:08d}").mkdir(parents=True)
+    with pytest.raises(ValueError, match="999 class folders; an ImageNet validation folder has 1000"):
+        class_folders(few)
+    (few / "cats").mkdir()
+    with pytest.raises(ValueError, match="class folder 'cats' is neither a synset id"):
+        class_folders(few)
+    numbered = tmp_path / "numbered"
+    for c in range(1000):
+        (numbered / f"{c:03d}").mkdir(parents=True)
+    assert class_folders(numbered)[:3] == ["000", "001", "002"]
+
+
+def _score(model, tokenizer, source, preprocess):
+    spec = imagenet_spec()
+    return evaluate(
+        model,
+        tokenizer=tokenizer,
+        preprocess=preprocess,
+        source=source,
+        specs={spec.name: spec},
+        device="cpu",
+        batch_size=5,
+        retrieval=False,
+    )
+
+
+def test_known_answer_with_a_loader_worker(folder, tokenizer):
+    model = probe_model(tokenizer)
+    results = _score(model, tokenizer, ImageNetSource(folder, probe_preprocess, workers=1, batch_size=4), prepared)
+    imagenet = results.zeroshot["imagenet"]
+    assert imagenet.num_samples == IMAGES and results.skipped == 1  # the corrupt file, counted
+    assert imagenet.top1 == pytest.approx(TOP1) and imagenet.top5 == pytest.approx(TOP5)
+    # the same numbers as `fastclip eval --classnames imagenet` (decoded in the main process, folder order)
+    from fastclip.eval.cli import image_folder_source
+
+    in_process = _score(model, tokenizer, image_folder_source(folder, imagenet_spec(), "imagenet"), probe_preprocess)
+    assert in_process.zeroshot["imagenet"].top1 == imagenet.top1
+    assert in_process.zeroshot["imagenet"].top5 == imagenet.top5
+    # two ranks' slices are disjoint and cover every image
+    files = list_images(folder)
+    mine = [[s.source for s in ImageNetSource(folder, probe_preprocess)(r, 2, [])] for r in (0, 1)]
+    assert sorted(mine[0] + mine[1]) == sorted(p for p, _ in files if not p.endswith("broken.JPEG"))
+    assert not set(mine[0]) & set(mine[1])
+
+
+def _two_ranks(rank, world_size, folder):
+    tokenizer = import_open_clip().get_tokenizer("ViT-B-32")
+    results = _score(
+        probe_model(tokenizer), tokenizer, ImageNetSource(folder, probe_preprocess, workers=0, batch_size=3), prepared
+    )
+    r = results.zeroshot["imagenet"]
+    return r.num_samples, r.top1, r.top5, results.skipped
+
+
+def test_two_ranks_give_the_one_rank_numbers(folder):
+    assert run_distributed(_two_ranks, 2, str(folder)) == [(IMAGES, TOP1, TOP5, 1)] * 2
+
+
+def test_trainer_scores_imagenet_at_its_evaluations(tiny_embedded, folder, tmp_path, capsys):
+    run = tmp_path / "run"
+    base = overrides(
+        tiny_embedded,
+        run,
+        "fastclip-v3",
+        **{"train.max_steps": 2, "data.batch_size": 16, "data.workers": 1, "train.precision": "bf16"},
+    )
+    bad = write_folder(tmp_path / "few", classes=999, corrupt=False)
+    assert main(["--config", str(EMBEDDED), *base, "--imagenet-val", str(bad), "--eval.at_end", "true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "config key 'eval.imagenet_val'" in err and "999 class folders" in err
+    assert not (run / "metrics.jsonl").exists()
+    args = ["--imagenet-val", str(folder), "--eval.imagenet_templates", "simple", "--eval.at_end", "true"]
+    assert main(["--config", str(EMBEDDED), *base, *args]) == 0
+    (ev,) = [r for r in records(run) if any(k.startswith("eval/") for k in r)]
+    assert ev["step"] == 2
+    assert ev["eval/zeroshot/imagenet/num_samples"] == IMAGES and ev["eval/zeroshot/imagenet/skipped_samples"] == 1
+    assert 0.0 <= ev["eval/zeroshot/imagenet/top1"] <= ev["eval/zeroshot/imagenet/top5"] <= 1.0
+    assert math.isfinite(ev["eval/zeroshot/fashion-mnist/top1"])  # data.val is still evaluated beside it
+    assert load_config(run / "config.yaml").eval.imagenet_val == str(folder)

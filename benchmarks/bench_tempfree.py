@@ -37,7 +37,7 @@ RUNS = {
     "fastclip-v1 τ=0.03": ("fastclip-v1", dict(temperature=0.03)),
     "fastclip-v1 atanh (no τ)": ("fastclip-v1", dict(similarity="atanh")),
 }
-GCL_OPTIONS = dict(gamma_min=0.2, gamma_schedule="cosine")  # as configs/embedded.yaml
+GCL_OPTIONS = dict(gamma_min=0.2, gamma_schedule="cosine")  # the CC3M recipe's γ_min
 FULL = dict(max_per_class=150, batch=128, steps=150, eval_max=760, seed=2024)
 QUICK = dict(max_per_class=16, batch=32, steps=3, eval_max=40, seed=2024)
 

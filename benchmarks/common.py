@@ -222,7 +222,7 @@ def shard_pattern(split_dir: Path) -> tuple[str, int]:
 
 
 def loss_overrides(name: str, *, gamma_decay_epochs: int | None = None) -> list[str]:
-    """configs/embedded.yaml's loss settings for another loss (the trainer leaves out the file's options that the
+    """The config file's loss settings for another loss (the trainer leaves out the file's options that the
     loss does not take: openclip keeps only the temperature, v0/v1 drop rho); γ's horizon where the loss has γ."""
     out = ["--loss.name", name]
     if name != "openclip" and gamma_decay_epochs is not None:

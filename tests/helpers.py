@@ -54,6 +54,7 @@ def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v3", **extra) -> 
         "data.zeroshot": data / "zeroshot.json",
         "data.batch_size": BATCH,
         "data.workers": 0,
+        "optim.lr": 1e-3,  # pinned: tests check the lr schedule against it, whatever the config's default
         "train.run_dir": run_dir,
         "train.epochs": 3,
         "train.log_every": 1,

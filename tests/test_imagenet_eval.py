@@ -156,3 +156,15 @@ def test_trainer_scores_imagenet_at_its_evaluations(tiny_embedded, folder, tmp_p
     assert 0.0 <= ev["eval/zeroshot/imagenet/top1"] <= ev["eval/zeroshot/imagenet/top5"] <= 1.0
     assert math.isfinite(ev["eval/zeroshot/fashion-mnist/top1"])  # data.val is still evaluated beside it
     assert load_config(run / "config.yaml").eval.imagenet_val == str(folder)
+    # and `fastclip eval --classnames imagenet` on the run's checkpoint (one template: 1,000 prompts)
+    from fastclip.eval.cli import main as eval_main
+
+    templates = tmp_path / "templates.txt"
+    templates.write_text("a photo of a {}.\n")
+    common = ["--classnames", "imagenet", "--templates", str(templates), "--results", str(tmp_path / "r.jsonl")]
+    assert eval_main([str(run), "--data", str(bad), *common]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "999 class folders" in err
+    assert eval_main([str(run), "--data", str(folder), *common]) == 0
+    out = capsys.readouterr().out
+    assert "class names: ImageNet's 1,000 class names" in out and f"{IMAGES} samples" in out

@@ -63,6 +63,7 @@ def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v3", **extra) -> 
         "optim.warmup_steps": 2,
         "loss.name": mode,
         "loss.gamma_decay_epochs": 2,
+        "loss.gamma_min": 0.2,  # pinned as the lr: gamma's schedule is checked against it
         "checkpoint.every_steps": 2,
         "checkpoint.every_minutes": 0,
         "checkpoint.keep_last": 10,

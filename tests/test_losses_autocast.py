@@ -75,3 +75,25 @@ def test_tf32_setting_does_not_reach_the_loss(name):
     torch.set_float32_matmul_precision("highest")
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_trainers_tf32_flag_and_the_loss_guard_use_one_api():
+    """train.tf32 sets torch >= 2.9's per-backend flag; the loss's IEEE guard must not then read the legacy global
+    (torch raises on the mix: every CUDA run with the default tf32 failed at its first loss call). Flags only: no
+    CUDA needed."""
+    from fastclip.losses.pairwise import exact_float32
+    from fastclip.train.config import Config
+    from fastclip.train.gpu import apply_backend_flags
+
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("torch < 2.9 has only the legacy API")
+    before = (matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.benchmark)
+    try:
+        assert "TF32" in apply_backend_flags(Config(), torch.device("cuda", 0))
+        assert matmul.fp32_precision == "tf32"
+        with exact_float32("cuda"):
+            assert matmul.fp32_precision == "ieee"
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.benchmark = before

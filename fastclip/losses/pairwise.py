@@ -37,6 +37,15 @@ def exact_float32(device_type: str):
         if device_type != "cuda":
             yield
             return
+        matmul = torch.backends.cuda.matmul
+        if hasattr(matmul, "fp32_precision"):  # torch >= 2.9: the per-backend API, which train.tf32 sets; reading
+            previous = matmul.fp32_precision  # the legacy global after it raises (a mix of the two APIs)
+            matmul.fp32_precision = "ieee"
+            try:
+                yield
+            finally:
+                matmul.fp32_precision = previous
+            return
         previous = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("highest")
         try:

@@ -147,3 +147,20 @@ def test_sbatch_script_passes_cpus_to_srun_and_requeues_on_exit_75(tmp_path, sru
         "configs/cc3m-fastclip-v3.yaml --train.resume latest --optim.lr 5e-4"
     )
     assert calls[1:] == (["scontrol requeue 4242"] if requeued else [])
+
+
+def test_between_logging_steps_the_stop_follows_within_stop_check_every(data, reference, tmp_path):
+    """Device mode agrees on a stop on logging steps and every train.stop_check_every steps: with log_every 4 and
+    stop_check_every 3, a signal to rank 1 before step 2 stops both ranks at step 3 (not at the logging step 4),
+    and the resume (logging every step again) ends bitwise where the uninterrupted run ends."""
+    run = tmp_path / "run"
+    args = _args(data, run, **{"train.log_every": 4, "train.stop_check_every": 3})
+    job = Job(args, 2, tmp_path / "stopped", env={"FASTCLIP_FAULTS": "usr1@batch:step=2:rank=1"})
+    codes = job.wait(300)
+    assert codes == [EXIT_PREEMPTED] * 2, job.outputs()
+    assert latest(run) == "step_00000003"
+    assert "stopped at step 3 by a signal to another rank" in job.output(0)
+    job = Job(_args(data, run), 2, tmp_path / "resumed")
+    assert job.wait(300) == [0, 0], job.outputs()
+    assert f"resumed from {step_dir(run, 3)}" in job.output(0)
+    assert_same_training_state(step_dir(reference, STEPS), step_dir(run, STEPS), 2)

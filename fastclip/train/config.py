@@ -141,8 +141,12 @@ class TrainConfig:
     # on logging steps. host: one tiny all_reduce and host read per step (fastclip/train/guards.py)
     distributed: Literal["ddp", "deepspeed"] = "ddp"  # data-parallel backend (fastclip/train/engine.py); deepspeed:
     # ZeRO sharding, knobs in the `deepspeed` section
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])  # checkpoint at the next
-    # step on every rank, then exit 75 (fastclip/train/preemption.py)
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])  # checkpoint on every rank
+    # at the step where the ranks agree on it, then exit 75 (fastclip/train/preemption.py)
+    # nonfinite_check device: the ranks agree on a stop signal every N steps and on logging steps (one tiny
+    # all_reduce and host read each time), so the stop follows within N steps, well inside SLURM's 120 s warning
+    # even where train.log_every is 100; host mode agrees at every step anyway
+    stop_check_every: int = 10
     # GPU speed defaults (fastclip/train/gpu.py); no effect on CPU
     tf32: bool = True  # CUDA: TF32 fp32 matmuls/convolutions (also the loss's fp32 matmul)
     cudnn_benchmark: bool = True  # CUDA: cuDNN picks the fastest convolution algorithms once
@@ -466,6 +470,7 @@ def _check(cfg: Config) -> None:
     need(d.seed is None or d.seed >= 0, "data.seed", "must be >= 0 or null")
     need(t.max_steps is None or t.max_steps >= 0, "train.max_steps", "must be >= 0 or null")
     need(t.log_every >= 1, "train.log_every", "must be >= 1")
+    need(t.stop_check_every >= 1, "train.stop_check_every", "must be >= 1")
     need(t.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")
     need(t.collective_timeout_seconds > 0, "train.collective_timeout_seconds", "must be > 0")
     need(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")

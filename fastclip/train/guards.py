@@ -153,7 +153,7 @@ class NonFiniteGuard:
         return why if last else None
 
     def agree_stop(self, requested: bool) -> bool:
-        """Device mode, on logging steps: whether a stop signal reached any rank (a tiny all_reduce)."""
+        """Device mode, on logging and stop-check steps: whether a stop signal reached any rank (a tiny all_reduce)."""
         flag = torch.tensor([float(requested)], device=self.info.device)
         if self.info.distributed:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -1,4 +1,4 @@
-"""Stopping cleanly when the cluster asks: a signal -> a checkpoint at the next step boundary on every rank ->
+"""Stopping cleanly when the cluster asks: a signal -> a checkpoint on every rank at the step where they agree on it ->
 exit status 75, so the requeued job continues with `--train.resume latest`.
 
 Who sends what. launch/slurm.sbatch asks SLURM for SIGUSR1 two minutes before the time limit
@@ -7,12 +7,14 @@ cancels a job (then SIGKILL after KillWait/GraceTime, 30 s by default). `train.s
 signals that stop training (default SIGUSR1 and SIGTERM; [] keeps Python's defaults).
 
 The handler only records the signal. Every rank must stop at the same step (a checkpoint is a collective),
-but the signal reaches the ranks at different moments, or only some of them. The request is combined in the
-all_reduce that NonFiniteGuard.verdict already makes every step (its tensor of two flags gets a third), so
-there is no extra collective and no extra host sync, and the stop follows within one step of the signal (a
-separate all_reduce on logging steps only would wait up to train.log_every steps: 100 steps of the recipes
-can take longer than the 120 s SLURM leaves). A step whose features were refused (non-finite) makes no
-verdict; the request then rides in the next one.
+but the signal reaches the ranks at different moments, or only some of them, so the ranks agree on it:
+* train.nonfinite_check host: the request is combined in the all_reduce that NonFiniteGuard.verdict makes every
+  step (its tensor of two flags gets a third): the stop follows at the next step. A step whose features were
+  refused (non-finite) makes no verdict; the request then rides in the next one.
+* device (the default where it applies): no step has a collective or host read of its own, so the ranks agree in
+  a tiny all_reduce on logging steps and every train.stop_check_every steps (default 10): the stop follows
+  within that many steps. On logging steps alone it could wait train.log_every steps, and 100 steps of the
+  recipes can take longer than the 120 s SLURM leaves.
 
 After the stop checkpoint `fastclip train` exits with EXIT_PREEMPTED = 75 on every rank (EX_TEMPFAIL of
 sysexits.h: "temporary failure, try again"); launch/slurm.sbatch requeues the job on that status. From then

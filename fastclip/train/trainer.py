@@ -394,7 +394,7 @@ class Run:
                 batch = tuple(t.to(self.device, non_blocking=True) for t in batch)
                 self.throughput.data += time.perf_counter() - t0
                 loss, grad_norm, skip = self.train_step(*batch)
-                if guard.on_device and (self.is_logging_step() or self.checkpoint_due()):
+                if guard.on_device and (self.is_logging_step() or self.checkpoint_due() or self.stop_check_due()):
                     skip = self.read_skips()  # the device's skip counts: on these steps only
                 save_due = self.log_step(loss, grad_norm, skip) if self.is_logging_step() else False
                 self.after_step(skip, save_due)
@@ -477,13 +477,17 @@ class Run:
 
     def read_skips(self) -> str | None:
         """Device mode: the skips since the last read (logged; raises after too many in a row); why this step
-        was skipped, or None. Stop signals are agreed here too (a tiny all_reduce, on logging steps only)."""
+        was skipped, or None. Stop signals are agreed here too (a tiny all_reduce), on logging steps and every
+        train.stop_check_every steps."""
         skip = self.guard.read(
             self.step, epoch=self.epoch, samples_seen=self.samples_seen, explain=self.check_loss_inputs
         )
-        if self.is_logging_step():
+        if self.is_logging_step() or self.stop_check_due():
             self.guard.agree_stop(self.stop.requested)
         return skip
+
+    def stop_check_due(self) -> bool:
+        return self.step % self.cfg.train.stop_check_every == 0
 
     def is_logging_step(self) -> bool:
         return self.step % self.cfg.train.log_every == 0 or self.step == self.last_step

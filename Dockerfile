@@ -18,8 +18,9 @@ COPY pyproject.toml README.md ./
 COPY fastclip ./fastclip
 COPY configs ./configs
 COPY launch ./launch
-# deepspeed: train.distributed deepspeed (ZeRO 1-3); awscli: `pipe:aws s3 cp ... -` and s3:// shards
-RUN pip install -e ".[log,deepspeed]" awscli \
-    && python -c "import fastclip, open_clip, webdataset, deepspeed; print('fastclip ok')"
+# deepspeed: train.distributed deepspeed (ZeRO 1-3); wandb: --report-to wandb; parquet: data scan reads
+# img2dataset's .parquet without the tars; awscli: `pipe:aws s3 cp ... -` and s3:// shards
+RUN pip install -e ".[log,deepspeed,wandb,parquet]" awscli \
+    && python -c "import fastclip, open_clip, webdataset, deepspeed, wandb, pyarrow; print('fastclip ok')"
 
 CMD ["fastclip", "--help"]

@@ -5,6 +5,7 @@ compact index sets of scan and of the loader workers, and the catalog read once 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +169,18 @@ def test_scan_from_img2dataset_parquet_checks_keys(tmp_path):
     assert [(p["shard"], p["key"], p["reason"], p["detail"]) for p in m.problems] == [
         ("00001.tar", "0000003", "duplicate_index", "index 3 also at shard 00000.tar key 0000003")
     ]
+
+
+def test_parquet_files_left_unread_without_pyarrow_are_said(tmp_path, monkeypatch):
+    """Without pyarrow the scan reads the tars (or _stats.json) instead, and its summary says so."""
+    folder = tmp_path / "d"
+    img2dataset_folder(folder, [10, 8], failed={1, 107}, stats=False, parquet=True)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what `import pyarrow` meets where it is not installed
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    result = scan_shards(str(folder), workers=1, write=False)
+    assert result.manifest.extra["parquet_unread"] == 2 and "scanned_from" not in result.manifest.extra
+    assert "note: 2 img2dataset .parquet file(s) not read: pyarrow is not installed" in result.summary()
+    assert summary_of(result.manifest) == [("00000.tar", 9, 0, 9), ("00001.tar", 7, 100, 106)]  # from the tars
 
 
 def _broadcast_catalog(rank, world_size, data):

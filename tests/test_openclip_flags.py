@@ -37,6 +37,8 @@ def test_report_to_resume_and_log_every():
         ["--report-to", "tensorboard,wandb", "--wandb-project-name", "clip-runs"],
         ["--train.tensorboard", "true", "--train.wandb", "true", "--train.wandb_project", "clip-runs"],
     )
+    same(["--report-to", "all"], ["--train.tensorboard", "true", "--train.wandb", "true"])  # OpenCLIP: every one
+    same(["--imagenet-val", "/data/imagenet/val"], ["--eval.imagenet_val", "/data/imagenet/val"])
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -75,6 +77,16 @@ def test_local_loss_and_gather_with_grad_are_accepted_with_one_note_each():
             "'fp16'",
         ),
         (["--report-to", "mlflow"], "config key 'report_to': 'mlflow' is not one of tensorboard, wandb"),
+        (
+            ["--zeroshot-frequency", "1"],
+            "--zeroshot-frequency (OpenCLIP, in epochs): zero-shot (data.zeroshot, --imagenet-val) runs with every "
+            "evaluation: --eval.every_steps N, --eval.at_end true",
+        ),
+        (
+            ["--save-frequency=2"],
+            "--save-frequency (OpenCLIP, in epochs): checkpoints are written every --checkpoint.every_steps N "
+            "steps and --checkpoint.every_minutes M minutes, and at the end",
+        ),
         (
             ["--name", "myrun"],
             "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the folder "

@@ -350,6 +350,14 @@ NO_OP_FLAGS = {
     "gather_with_grad": "every loss gathers the features once and computes the global-batch gradient exactly",
 }
 REPORT_TO = ("tensorboard", "wandb")
+# OpenCLIP's per-epoch frequencies: here these are counted in steps (or minutes), under other keys
+EPOCH_FREQUENCY_FLAGS = {
+    "save_frequency": "checkpoints are written every --checkpoint.every_steps N steps and "
+    "--checkpoint.every_minutes M minutes, and at the end",
+    "zeroshot_frequency": "zero-shot (data.zeroshot, --imagenet-val) runs with every evaluation: "
+    "--eval.every_steps N, --eval.at_end true",
+    "val_frequency": "evaluation runs every --eval.every_steps N steps and at the end (--eval.at_end)",
+}
 # OpenCLIP switches (no value) that set a boolean here; "--flag true/false" works too
 SWITCH_FLAGS = ("dataset_resampled", "grad_checkpointing", "torchcompile")
 
@@ -366,6 +374,8 @@ def _note(line: str) -> None:
 def _report_to(raw: str) -> dict:
     """OpenCLIP's --report-to list -> {"tensorboard": bool, "wandb": bool} (train section)."""
     targets = [t.strip() for t in str(raw or "").split(",") if t.strip()]
+    if targets == ["all"]:  # OpenCLIP: every integration it has
+        targets = list(REPORT_TO)
     for t in targets:
         if t not in REPORT_TO:
             raise ConfigError(f"config key 'report_to': {t!r} is not one of {', '.join(REPORT_TO)}")
@@ -384,6 +394,8 @@ def parse_overrides(args: list[str]) -> dict:
             _note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
             i += 1
             continue
+        if (bare := flag.split("=", 1)[0]) in EPOCH_FREQUENCY_FLAGS:
+            raise ConfigError(f"--{bare.replace('_', '-')} (OpenCLIP, in epochs): {EPOCH_FREQUENCY_FLAGS[bare]}")
         if flag == "name":  # OpenCLIP's run name; "name" alone would otherwise mean loss.name
             raise ConfigError(
                 "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the "

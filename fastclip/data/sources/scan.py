@@ -64,6 +64,11 @@ class ScanResult:
                 f"shard(s) from .parquet (keys checked), {via.get('stats', 0)} from _stats.json (counts and key "
                 f"ranges only)"
             )
+        if unread := self.manifest.extra.get("parquet_unread"):
+            lines.append(
+                f"  note: {unread} img2dataset .parquet file(s) not read: pyarrow is not installed (pip install -e "
+                f"'.[parquet]'), so their shards were counted from the tars or _stats.json"
+            )
         lines += [f"  shard {p['shard']} key {p['key']}: {p['reason']} ({p['detail']})" for p in self.problems[:50]]
         if len(self.problems) > 50:
             lines.append(f"  ... {len(self.problems) - 50} more in the manifest's 'problems'")
@@ -176,23 +181,31 @@ def _owner_keys(task: tuple) -> dict[int, str]:
     return out
 
 
+def _pyarrow_present() -> bool:
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _parquet_of(path: Path) -> Path:
+    stem = path.parent / _stem(path)
+    return stem.with_name(stem.name + ".parquet")
+
+
 def _plan(folder: Path, paths: list[Path], from_tars: bool, samples_per_shard: int | None) -> list[tuple]:
     """Per shard: where its summary comes from. img2dataset's {shard}.parquet (needs pyarrow) or
     {shard}_stats.json when present (the tar is not opened), else the tar."""
-    try:
-        import pyarrow.parquet  # noqa: F401
-
-        parquet_ok = True
-    except ImportError:
-        parquet_ok = False
+    parquet_ok = _pyarrow_present()
     per_shard = samples_per_shard or IMG2DATASET_SAMPLES_PER_SHARD
     oom = len(str(per_shard - 1)) if per_shard > 1 else 1  # img2dataset: key = shard_id * 10**oom + position
     tasks = []
     for path in paths:
         name = os.path.relpath(path.resolve(), folder.resolve())
         stem = path.parent / _stem(path)
-        if not from_tars and parquet_ok and stem.with_name(stem.name + ".parquet").is_file():
-            tasks.append((str(stem.with_name(stem.name + ".parquet")), name, "parquet", 0, frozenset()))
+        if not from_tars and parquet_ok and _parquet_of(path).is_file():
+            tasks.append((str(_parquet_of(path)), name, "parquet", 0, frozenset()))
         elif not from_tars and stem.with_name(stem.name + "_stats.json").is_file() and stem.name.isdigit():
             tasks.append(
                 (str(stem.with_name(stem.name + "_stats.json")), name, "stats", int(stem.name) * 10**oom, frozenset())
@@ -307,6 +320,9 @@ def scan_shards(
     extra = {"created_by": "fastclip data scan"}
     if via["stats"] or via["parquet"]:
         extra["scanned_from"] = dict(via)
+    unread = 0 if from_tars or _pyarrow_present() else sum(_parquet_of(path).is_file() for path in paths)
+    if unread:  # said in the summary: without pyarrow the scan reads those tars (or _stats.json) instead
+        extra["parquet_unread"] = unread
     manifest = Manifest(data_size, shards, problems, extra)
     if write:
         write_manifest(folder, manifest)

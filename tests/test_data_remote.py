@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import http.server
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -123,6 +124,43 @@ def test_stream_batches_equal_local(synth, http_root, model_fns, workers):
         assert len(remote) == len(local) == 2 * 6
         for a, b in zip(local, remote):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_s3_urls_stream_through_the_aws_cli(synth, http_root, model_fns, tmp_path, monkeypatch):
+    """s3://bucket/key is read as `aws s3 cp s3://bucket/key -` (what OpenCLIP users pipe by hand): here an `aws`
+    on PATH that serves the bucket from a local folder and logs each call."""
+    preprocess, tokenizer = model_fns
+    bin_dir, calls = tmp_path / "bin", tmp_path / "aws-calls"
+    bin_dir.mkdir()
+    aws = bin_dir / "aws"
+    aws.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {calls}\n'
+        '[ "$1 $2 $4" = "s3 cp -" ] || exit 3\n'
+        f'exec cat "{http_root[0]}/${{3#s3://bucket/}}"\n'
+    )
+    aws.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+    def batches(spec):
+        stream = build_train_stream(
+            {"train": spec, "batch_size": 4, "workers": 0, "shuffle_buffer": 8, "seed": 3},
+            rank=0,
+            world_size=1,
+            preprocess=preprocess,
+            tokenizer=tokenizer,
+        )
+        return stream, [b for b in stream.epoch(0)]
+
+    _, local = batches(str(synth))
+    stream, remote = batches(pattern("s3://bucket/", "synth", synth))
+    assert stream.catalog.data_size == 21 and stream.counters["unreadable_shard"] == 0
+    assert len(remote) == len(local) == 6
+    for a, b in zip(local, remote):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    logged = calls.read_text().splitlines()
+    assert "s3 cp s3://bucket/synth/manifest.json -" in logged  # the manifest beside the shards, same transport
+    assert any(line.startswith(f"s3 cp s3://bucket/synth/{names(synth)[0]} ") for line in logged)
 
 
 def test_training_from_pipe_and_http_equals_local(tiny_embedded, http_root, tmp_path):

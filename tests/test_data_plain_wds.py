@@ -1,4 +1,4 @@
-"""Plain WebDatasets (`{key}.jpg` + `{key}.txt`, no .json): `fastclip data scan` indexes each sample by its
+"""Plain WebDatasets (`{key}.jpg|png|webp` + `{key}.txt`, no .json): `fastclip data scan` indexes each sample by its
 position in the manifest's shard order, records it per shard, and the training stream attaches that index
 to the very sample it was given for."""
 
@@ -18,6 +18,11 @@ from fastclip.data.sources.synthetic import synthetic_image
 from fastclip.data.tario import write_tar
 
 SIZES = [5, 7, 4]  # three shards, 16 samples
+EXTS = ["jpg", "png", "webp"]  # one image format per shard: each OpenCLIP reads (its "jpg;png;jpeg;webp")
+
+
+def ext_of(position: int) -> str:
+    return EXTS[int(np.searchsorted(np.cumsum(SIZES), position, side="right"))]
 
 
 def write_plain(folder: Path) -> None:
@@ -29,7 +34,10 @@ def write_plain(folder: Path) -> None:
             groups.append(
                 (
                     f"img_{s}_{position * 7919 % 1000:03d}",
-                    {"jpg": synthetic_image(position, 8, "jpg"), "txt": f"a picture number {position}".encode()},
+                    {
+                        EXTS[s]: synthetic_image(position, 8, EXTS[s]),
+                        "txt": f"a picture number {position}".encode(),
+                    },
                 )
             )
             position += 1
@@ -43,7 +51,7 @@ def plain(tmp_path) -> Path:
 
 
 def pixels(position: int) -> np.ndarray:
-    return np.asarray(decode_image(synthetic_image(position, 8, "jpg")))
+    return np.asarray(decode_image(synthetic_image(position, 8, ext_of(position))))
 
 
 def test_scan_indexes_plain_shards_by_position(plain, capsys):

@@ -160,3 +160,16 @@ def test_a_config_file_with_a_repeated_key_or_bad_yaml_is_one_line(tmp_path, cap
     assert main(["--check", "--config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and str(path) in err, err
+
+
+@pytest.mark.parametrize("mode", ["deferred", "eager", "off"])
+def test_loss_validate_reaches_the_loss(mode):
+    """loss.validate (the input checks: deferred rides the feature all_gather; eager reads back every call; off)."""
+    from fastclip.train.net import make_loss
+
+    cfg = load_config(CONFIGS / "embedded.yaml", ["--loss.validate", mode])
+    assert make_loss(cfg, data_size=100).validate == mode
+    if mode == "off":  # YAML 1.1 reads a bare off as false, in a file as on the command line
+        assert load_config(CONFIGS / "embedded.yaml", ["--loss.validate", "false"]).loss.validate == "off"
+    with pytest.raises(ConfigError, match="config key 'loss.validate': 'sometimes' is not one of deferred, eager, off"):
+        load_config(CONFIGS / "embedded.yaml", ["--loss.validate", "sometimes"])

@@ -204,6 +204,9 @@ class Config:
 
 
 # ----------------------------------------------------------------------------- values and types
+YAML_BOOL_WORDS = {True: ("true", "yes", "on", "y"), False: ("false", "no", "off", "n")}
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Return `value` as type `tp` or raise ConfigError naming `key`. Strict: no str->int, no float->int."""
     origin = typing.get_origin(tp)
@@ -222,6 +225,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(errors[0] if len(errors) == 1 else f"config key '{key}': {value!r} matches none of {tp}")
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans: `validate: off` means "off"
+            words = [c for c in choices if isinstance(c, str) and c.lower() in YAML_BOOL_WORDS[value]]
+            value = words[0] if len(words) == 1 else value
         if value not in choices:
             raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(map(str, choices))}")
         return value

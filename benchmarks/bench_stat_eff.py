@@ -49,6 +49,30 @@ LOSSES = (
     "fastclip-tempnet",
 )
 
+# A study variant is a loss plus options; its runs carry the variant's name (loss_name gives the loss).
+VARIANTS = {
+    "fastclip-v3-separate": ("fastclip-v3", ("--loss.separate_temperatures", "true")),  # τ1 image-, τ2 text-anchored
+    "openclip-fixed-tau": ("openclip", ("--loss.learn_temperature", "false")),  # a control (ablations)
+}
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """One setting tested against chosen ones in its group: seed 0 on val, then `seeds` on test, compared seed by
+    seed with the chosen setting of each loss in `against` (default: the ablated variant's own loss)."""
+
+    dataset: str
+    global_batch: int
+    loss: str
+    lr: float
+    knob: str
+    value: float
+    gamma_min: float | None
+    seeds: tuple[int, ...]
+    lr_tau: float | None = None  # v3's τ learning rate when not the study's
+    against: tuple[str, ...] = ()
+
+
 # The whole protocol in one place. rho is given as a fraction of log(global batch - 1): in the faithful RGCL
 # objective the optimal tau makes KL(softmax over negatives || uniform) = rho, which cannot exceed
 # log(negatives), so a fixed rho means a different regime at each batch size.
@@ -100,11 +124,37 @@ STUDY = dict(
     # batch 128 τ's descent is bounded by its Adam step (lr_tau 1e-3: 0.07 to 0.035 in 750 steps, whatever ρ):
     # lr_tau 1e-2 lets it reach its ρ-dependent level. An optional 9th field is lr_tau.
     ablations=[
-        ("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", round(8.0 / math.log(63), 4), 0.8, (1, 2, 3)),
-        ("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", 0.6, 0.2, (1, 2, 3)),
-        ("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", round(8.0 / math.log(63), 4), 0.2, ()),
-        ("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.85, 0.8, (1, 2, 3), 1e-2),
-        ("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0.8, (1, 2, 3), 1e-2),
+        Ablation("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", round(8.0 / math.log(63), 4), 0.8, (1, 2, 3)),
+        Ablation("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", 0.6, 0.2, (1, 2, 3)),
+        Ablation("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", round(8.0 / math.log(63), 4), 0.2, ()),
+        Ablation("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.85, 0.8, (1, 2, 3), lr_tau=1e-2),
+        Ablation("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0.8, (1, 2, 3), lr_tau=1e-2),
+        # Is v3's lead the estimator or the temperature? InfoNCE with τ frozen at 0.07 (openclip's chosen lr and
+        # initial τ) against fastclip-v1, GCL at the same constant τ and lr: only the estimate of each anchor's
+        # negative mass differs (the batch's, or the moving average u). And frozen at 0.1, about where v3's
+        # learned τ ends (0.104), against openclip's learned τ (0.052).
+        Ablation(
+            "scenes",
+            64,
+            "openclip-fixed-tau",
+            5e-4,
+            "temperature",
+            0.07,
+            None,
+            (1, 2, 3),
+            against=("openclip", "fastclip-v1"),
+        ),  # fmt: skip
+        Ablation(
+            "scenes",
+            64,
+            "openclip-fixed-tau",
+            5e-4,
+            "temperature",
+            0.1,
+            None,
+            (1, 2, 3),
+            against=("openclip", "fastclip-v3"),
+        ),  # fmt: skip
     ],
     parallel=2,
 )
@@ -151,7 +201,7 @@ class Run:
 
 
 def gamma_of(loss: str, study: dict) -> float | None:
-    return None if loss == "openclip" else study["gamma_min"]
+    return None if loss_name(loss) == "openclip" else study["gamma_min"]
 
 
 def loss_args(run: Run, study: dict) -> list[str]:
@@ -168,11 +218,16 @@ def loss_args(run: Run, study: dict) -> list[str]:
     no_gamma = ["--loss.gamma_min", "null", "--loss.gamma_decay_epochs", "null", "--loss.gamma_schedule", "null"]
     rho = f"{run.value * math.log(run.global_batch - 1):.4f}" if run.knob == "rho_frac" else "null"
     gamma[1] = str(run.gamma_min)
-    if run.loss in ("openclip", "fastclip-v0", "fastclip-v1"):  # τ learned at lr (cosine), or constant (v1)
-        schedule = no_gamma if run.loss == "openclip" else gamma
+    base, options = VARIANTS.get(run.loss, (run.loss, ()))
+    return [*_base_loss_args(run, base, gamma, no_gamma, rho), *options]
+
+
+def _base_loss_args(run: Run, base: str, gamma: list[str], no_gamma: list[str], rho: str) -> list[str]:
+    if base in ("openclip", "fastclip-v0", "fastclip-v1"):  # τ learned at lr (cosine), or constant (v1)
+        schedule = no_gamma if base == "openclip" else gamma
         return ["--loss.temperature", str(run.value), "--loss.rho", "null", *schedule,
                 "--optim.lr_tau", "null", "--optim.lr_tau_schedule", "cosine"]  # fmt: skip
-    if run.loss == "fastclip-v2":
+    if base == "fastclip-v2":
         return [
             "--loss.temperature",
             "0.03",
@@ -184,8 +239,7 @@ def loss_args(run: Run, study: dict) -> list[str]:
             "--optim.lr_tau_schedule",
             "const",
         ]
-    if run.loss in ("fastclip-v3", "fastclip-v3-separate"):
-        separate = ["--loss.separate_temperatures", "true"] if run.loss == "fastclip-v3-separate" else []
+    if base == "fastclip-v3":
         return [
             "--loss.temperature",
             "0.07",
@@ -196,9 +250,8 @@ def loss_args(run: Run, study: dict) -> list[str]:
             str(run.lr_tau or 1e-3),
             "--optim.lr_tau_schedule",
             "step_thresh",
-            *separate,
         ]
-    if run.loss == "fastclip-tempnet":
+    if base == "fastclip-tempnet":
         return [
             "--loss.temperature",
             "0.03",
@@ -214,8 +267,8 @@ def loss_args(run: Run, study: dict) -> list[str]:
 
 
 def loss_name(variant: str) -> str:
-    """The `loss.name` of a study variant (variants are a loss plus options, e.g. fastclip-v3-separate)."""
-    return "fastclip-v3" if variant == "fastclip-v3-separate" else variant
+    """The `loss.name` of a study variant (VARIANTS: a loss plus options, e.g. fastclip-v3-separate)."""
+    return VARIANTS.get(variant, (variant, ()))[0]
 
 
 def command(run: Run, study: dict, data: Path, run_dir: Path) -> list[str]:
@@ -294,17 +347,23 @@ def tune_runs(study: dict, dataset: str, gb: int, loss: str) -> list[Run]:
     ]
 
 
-def ablations(study: dict) -> list[tuple]:
-    """STUDY's ablations as (dataset, gb, loss, lr, knob, value, gamma, seeds, lr_tau); lr_tau None if not given."""
-    return [(*a, None) if len(a) == 8 else tuple(a) for a in study["ablations"]]
+def ablation_run(a: Ablation, seed: int, phase: str) -> Run:
+    return Run(a.dataset, a.global_batch, a.loss, a.lr, a.knob, a.value, seed, phase, a.gamma_min, a.lr_tau)
 
 
 def ablation_runs(study: dict) -> list[Run]:
     return [
-        Run(dataset, gb, loss, lr, knob, value, seed, phase, gamma, lr_tau)
-        for dataset, gb, loss, lr, knob, value, gamma, seeds, lr_tau in ablations(study)
-        for seed, phase in [(study["tune_seed"], "tune"), *((s, "seed") for s in seeds)]
+        ablation_run(a, seed, phase)
+        for a in study["ablations"]
+        for seed, phase in [(study["tune_seed"], "tune"), *((s, "seed") for s in a.seeds)]
     ]
+
+
+def describe(run: Run) -> str:
+    """A run's setting in words: lr, its knob, γ_min and lr_τ where it has them."""
+    words = [f"lr {run.lr:g}", f"{run.knob} {run.value:g}"]
+    words += [] if run.gamma_min is None else [f"γ_min {run.gamma_min:g}"]
+    return ", ".join(words + ([] if run.lr_tau is None else [f"lr_tau {run.lr_tau:g}"]))
 
 
 def seeds_of(study: dict, loss: str) -> tuple[int, ...]:
@@ -313,33 +372,31 @@ def seeds_of(study: dict, loss: str) -> tuple[int, ...]:
 
 
 def ablation_pairs(study: dict, results: Path) -> list[dict]:
-    """Each ablation that has test seeds against its loss's chosen setting in the same group, seed by seed in the
-    group's primary test metric (ablation − chosen)."""
+    """Each ablation that has test seeds against the chosen setting of each loss it is compared with, seed by seed
+    in the group's primary test metric (ablation − chosen)."""
     out = []
-    for dataset, gb, loss, lr, knob, value, gamma, seeds, lr_tau in ablations(study):
-        best = chosen(study, results, dataset, gb, loss)
-        if not seeds or best is None:
-            continue
-        metric, diffs, used = PRIMARY[dataset], [], []
-        for seed in seeds:
-            ra = load_result(results, Run(dataset, gb, loss, lr, knob, value, seed, "seed", gamma, lr_tau))
-            rb = load_result(
-                results, Run(dataset, gb, loss, best.lr, best.knob, best.value, seed, "seed", best.gamma_min)
+    for a in study["ablations"]:
+        for against in a.against or (loss_name(a.loss),):
+            best = chosen(study, results, a.dataset, a.global_batch, against)
+            if not a.seeds or best is None:
+                continue
+            metric, diffs, used = PRIMARY[a.dataset], [], []
+            for seed in a.seeds:
+                ra = load_result(results, ablation_run(a, seed, "seed"))
+                rb = load_result(results, Run(**{**best.__dict__, "seed": seed, "phase": "seed"}))
+                if ra and rb:
+                    diffs.append(METRICS[metric](ra["final"]) - METRICS[metric](rb["final"]))
+                    used.append(seed)
+            out.append(
+                {
+                    "ablation": f"{a.dataset} gb{a.global_batch} {a.loss}: {describe(ablation_run(a, 0, 'seed'))}",
+                    "chosen": f"{against} {describe(best)}",
+                    "metric": metric,
+                    "seeds": used,
+                    "differences": diffs,
+                    "mean_std": _mean_std(diffs) if diffs else None,
+                }
             )
-            if ra and rb:
-                diffs.append(METRICS[metric](ra["final"]) - METRICS[metric](rb["final"]))
-                used.append(seed)
-        out.append(
-            {
-                "ablation": f"{dataset} gb{gb} {loss}: lr {lr:g}, {knob} {value:g}, γ_min {gamma:g}"
-                + ("" if lr_tau is None else f", lr_tau {lr_tau:g}"),
-                "chosen": f"lr {best.lr:g}, {best.knob} {best.value:g}, γ_min {best.gamma_min:g}",
-                "metric": metric,
-                "seeds": used,
-                "differences": diffs,
-                "mean_std": _mean_std(diffs) if diffs else None,
-            }
-        )
     return out
 
 
@@ -781,13 +838,13 @@ def markdown(result: dict) -> str:
         lines.append("")
     for a in result.get("ablation_pairs", []):
         lines += (
-            ["### Ablation against the chosen setting, seed by seed (test)", ""]
+            ["### Ablations and controls against chosen settings, seed by seed (test)", ""]
             if a is result["ablation_pairs"][0]
             else []
         )
         diffs = ", ".join(f"{100 * d:+.1f}" for d in a["differences"]) or "no seed done yet"
         lines.append(
-            f"- {a['ablation']} − chosen ({a['chosen']}), test {a['metric']}: "
+            f"- {a['ablation']} − chosen {a['chosen']}, test {a['metric']}: "
             + ("" if a["mean_std"] is None else f"{_fmt(a['mean_std'])} points ")
             + f"(seeds {a['seeds']}: {diffs})"
         )

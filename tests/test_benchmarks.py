@@ -39,7 +39,7 @@ def test_stat_eff_plan_seeds_the_best_setting_and_ablations_carry_lr_tau(tmp_pat
         seeds=(1, 2, 3, 4),
         variant_seeds=(1, 2),
         knobs={k: bench_stat_eff.STUDY["knobs"][k] for k in ("openclip", "fastclip-v3", "fastclip-v1")},
-        ablations=[("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0.8, (1,), 1e-2)],
+        ablations=[bench_stat_eff.Ablation("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0.8, (1,), 1e-2)],
     )
     (tmp_path / "runs").mkdir()
     before = bench_stat_eff.plan(study, tmp_path)

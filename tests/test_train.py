@@ -261,6 +261,22 @@ def test_fp16_grad_scaler(data, tmp_path):
     assert scaler["scale"] == 65536.0 and scaler["_growth_tracker"] == 2  # two finite steps at the initial scale
 
 
+def test_openclip_with_a_fixed_temperature(data, tmp_path, capsys):
+    """loss.learn_temperature false keeps openclip's τ at loss.temperature (the study's fixed-τ control), where the
+    default learns it; a loss whose τ is constant anyway (v1) refuses the key."""
+    scales = {}
+    for learn in ("true", "false"):
+        run = tmp_path / f"learn_{learn}"
+        args = overrides(data, run, "openclip", **{"train.max_steps": 2, "loss.temperature": 0.05})
+        assert main(["--config", str(EMBEDDED), *args, "--loss.learn_temperature", learn]) == 0
+        scales[learn] = load(run / "checkpoints" / "step_00000002" / "model.pt")["loss"]["logit_scale"]
+    assert scales["false"].item() == torch.tensor(math.log(1 / 0.05)).item()
+    assert abs(scales["true"].item() - math.log(1 / 0.05)) > 1e-6
+    args = overrides(data, tmp_path / "v1", "fastclip-v1")
+    assert main(["--config", str(EMBEDDED), *args, "--loss.learn_temperature", "false"]) == 2
+    assert "config key loss.learn_temperature: loss fastclip-v1 does not take it" in capsys.readouterr().err
+
+
 def test_errors_before_training(data, tmp_path, capsys):
     base = overrides(data, tmp_path / "err", "fastclip-v3")
     assert main(["--config", str(EMBEDDED), *base, "--data.batch_size", "81"]) == 2  # 80 training samples

@@ -66,6 +66,7 @@ class LossConfig:
     # null = the loss library's default (fastclip.losses); each set value is passed to build_loss, which
     # rejects an option the chosen version does not have.
     temperature: float | None = None  # initial tau (v0, v3, openclip, per-sample in v2) or the constant (v1)
+    learn_temperature: bool | None = None  # openclip/v0/v3/siglip: false keeps tau at `temperature` (fixed-tau runs)
     rho: float | None = None  # v2/v3: rho of the robust (RGCL) objective
     eps: float | None = None  # epsilon in the 1/(u + eps) weights (FastCLIP's --fastclip_eps)
     gamma_min: float | None = None  # gamma after the decay (reference --gamma)

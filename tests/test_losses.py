@@ -215,6 +215,33 @@ def test_repeated_index_copies_are_not_negatives(name):
     assert (u[1] - g1[4]).abs() < 1e-12 < 1 / (N - 1)
 
 
+@pytest.mark.parametrize("name", ["fastclip-v3", "fastclip-v2", "fastclip-tempnet"])
+def test_exclusion_by_positive_cells_equals_the_mask(name, monkeypatch):
+    """With CPU indices and no repeated index the excluded cells are written by position (no [B, N] mask): the
+    loss, the gradients and the per-sample state are bitwise those of the mask that a CUDA step builds; with a
+    repeated index the mask is built on the CPU too."""
+    from fastclip.losses import batch as batch_module
+
+    extra = {"rho": 1.0, "temperature": 0.2} if name == "fastclip-v3" else {"rho": 1.0}
+    if name == "fastclip-tempnet":
+        extra["embed_dim"] = D
+    for idx in (torch.tensor([0, 1, 2, 3, 4, 5]), torch.tensor([0, 1, 2, 3, 1, 5])):
+        runs = []
+        for on_host in (True, False):
+            monkeypatch.setattr(batch_module, "CHECK_REPEATS_ON_HOST", on_host)
+            torch.manual_seed(0)
+            loss_fn = build_loss(name, data_size=10, **extra)
+            e1, e2 = (f.detach().float() for f in features(N, D, seed=21))
+            out = []
+            for epoch in (0, 1):  # the second call reads the state the first wrote
+                loss, g1, g2, g = run_loss(loss_fn, e1, e2, idx, epoch=epoch)
+                out += [loss, g1, g2, *g.values()]
+            out += [v for v in loss_fn.state_dict()["_extra_state"]["fields"].values()]
+            runs.append(out)
+        for got, want in zip(*runs):
+            assert torch.equal(got, want)
+
+
 def test_gamma_schedule():
     cosine = GammaSchedule("cosine", gamma_min=0.2, decay_epochs=4)
     assert cosine(0) == 1.0 and cosine(4) == cosine(9) == pytest.approx(0.2)

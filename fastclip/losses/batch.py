@@ -49,8 +49,20 @@ class GlobalBatch:
             self._positive_cells = (rows, rows + self.offset)
         return self._positive_cells
 
-    def same_sample_cells(self) -> torch.Tensor:
-        """``[B, N]`` bool: local row i and global column j hold the same data index. It contains the positive
-        cells, and also the copies of a sample that occurs more than once in the global batch (a resampled
-        stream, a user's sampler): a copy of the anchor's own pair is not one of its negatives."""
+    def same_sample_cells(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The cells of a ``[B, N]`` block where local row i and global column j hold the same data index: the
+        positives, and the copies of a sample that occurs more than once in the global batch (a resampled stream, a
+        user's sampler): a copy of the anchor's own pair is not one of its negatives.
+
+        A ``[B, N]`` bool mask; or, when the indices are in CPU memory (nothing to sync with) and none repeats, the
+        positive cells as ``positive_cells()`` gives them. The same cells either way; on the CPU building and
+        applying the mask costs as much as the exponentials of both blocks (B = 1024, 2 ranks)."""
+        if CHECK_REPEATS_ON_HOST and self.all_indices.device.type == "cpu":
+            if torch.unique(self.all_indices).numel() == self.all_indices.numel():
+                return self.positive_cells()
         return self.indices[:, None] == self.all_indices[None, :]
+
+
+# Whether same_sample_cells() may look at CPU indices on the host (tests turn it off to run what a CUDA step runs:
+# there the check would be a host sync, so the mask is always built).
+CHECK_REPEATS_ON_HOST = True

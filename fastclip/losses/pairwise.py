@@ -118,9 +118,10 @@ EXCLUDED = -1e30
 
 
 def exclude_(sim: torch.Tensor, cells) -> torch.Tensor:
-    """Write EXCLUDED into the cells that are no negatives: the B positives (index tensors), or the ``[B, N]`` bool
-    mask of batch.same_sample_cells() (masked_fill_: indexing with a bool tensor would sync with the host on CUDA).
-    Once per block: its row and column readings both see it."""
+    """Write EXCLUDED into the cells that are no negatives: the B positives (index tensors: positive_cells(), or
+    same_sample_cells() when no index repeats), or the ``[B, N]`` bool mask of batch.same_sample_cells()
+    (masked_fill_: indexing with a bool tensor would sync with the host on CUDA). Once per block: its row and
+    column readings both see it."""
     with torch.no_grad():
         if isinstance(cells, torch.Tensor):
             return sim.masked_fill_(cells, EXCLUDED)

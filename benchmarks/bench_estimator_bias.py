@@ -16,6 +16,11 @@ once with their final checkpoint kept. Measured on the 6,000 training pairs, bot
 against all texts, text anchors against all images), 64 random partitions into batches per batch size.
 Reported per data set, towers and batch size (means over anchors): E[log ĝ] − log g, std(log ĝ), and the share of
 g_i that the anchor's 60 hardest negatives (1 % of the data) carry.
+
+False negatives: a negative with the anchor's very caption (the glyphs have 100 distinct captions for 6,000 pairs),
+or of its class (glyphs: 20 classes), is no real negative. Their share of g_i, and the same error measured over the
+anchor's other-class negatives alone (g and ĝ both leave the same-class ones out), say how much of what the moving
+average corrects is the weight of false negatives.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ def train(runs: list[tuple[study_mod.Run, Path, Path]]) -> None:
 
 
 def embed(run_dir: Path, data: Path):
-    """(image features, text features) of the training pairs, L2-normalised, and the towers' final τ."""
+    """(image features, text features) of the training pairs, L2-normalised, the towers' final τ, and each pair's
+    caption id and class id ([n] int64: equal ids, equal caption or class; the class id is -1 where there is none)."""
     import torch
     import torch.nn.functional as F
 
@@ -87,12 +93,24 @@ def embed(run_dir: Path, data: Path):
             images.append(F.normalize(model.encode_image(pixels).float(), dim=-1))
             texts.append(F.normalize(model.encode_text(built.tokenizer([s.caption for s in chunk])).float(), dim=-1))
     tau = float(torch.exp(-model.logit_scale.detach()).reshape(-1)[0])
-    return torch.cat(images).double(), torch.cat(texts).double(), tau
+    ids = {"caption": _ids([s.caption for s in samples])}
+    ids["class"] = _ids([None if s.label is None else (s.dataset, s.label) for s in samples])
+    return torch.cat(images).double(), torch.cat(texts).double(), tau, ids
 
 
-def estimator_errors(anchors, candidates, tau: float, seed: int = 0) -> dict:
+def _ids(keys: list):
+    """Equal keys get equal ids; None (no class) gets -1."""
+    import torch
+
+    table: dict = {}
+    return torch.tensor([-1 if k is None else table.setdefault(k, len(table)) for k in keys], dtype=torch.int64)
+
+
+def estimator_errors(anchors, candidates, tau: float, seed: int = 0, ids: dict | None = None) -> dict:
     """For each batch size: mean over anchors of E[log ĝ] − log g and std(log ĝ) over PARTITIONS random partitions,
-    and the share of g carried by each anchor's hardest HARD fraction of negatives."""
+    and the share of g carried by each anchor's hardest HARD fraction of negatives. With ``ids`` ({"caption": [n],
+    "class": [n]} int64, -1 for none): the share of g carried by negatives of the anchor's caption and of its class,
+    and (with classes) the error over the other-class negatives alone ("true_batches")."""
     import torch
 
     n = anchors.shape[0]
@@ -101,34 +119,56 @@ def estimator_errors(anchors, candidates, tau: float, seed: int = 0) -> dict:
     d.fill_diagonal_(float("-inf"))
     shift = d.max(dim=1, keepdim=True).values
     w = torch.exp(d - shift)  # [n, n], 0 on the diagonal
-    log_g = torch.log(w.sum(dim=1) / (n - 1)) + shift.squeeze(1)
     hard = max(1, int(HARD * n))
     top_share = (w.topk(hard, dim=1).values.sum(dim=1) / w.sum(dim=1)).mean().item()
+    out = {"hard_share": top_share, "batches": _partition_errors(w, shift.squeeze(1), seed)}
+    for kind, key in (ids or {}).items():
+        if bool((key < 0).all()):
+            continue
+        same = (key[:, None] == key[None, :]) & (key[:, None] >= 0)  # the diagonal's w is 0 already
+        out[f"{kind}_share"] = ((w * same).sum(dim=1) / w.sum(dim=1)).mean().item()
+        if kind == "class":
+            out["true_batches"] = _partition_errors(w.masked_fill(same, 0.0), shift.squeeze(1), seed, ~same)
+    return out
+
+
+def _partition_errors(w, shift, seed: int, counted=None) -> dict:
+    """E[log ĝ] − log g and the spread of log ĝ for each batch size; ĝ and g average over the negatives
+    ``counted`` marks ([n, n] bool; default: all but the positive), w already 0 elsewhere."""
+    import torch
+
+    n = w.shape[0]
+    if counted is None:
+        counted = ~torch.eye(n, dtype=torch.bool)
+    counted = counted.clone().fill_diagonal_(False)
+    log_g = torch.log(w.sum(dim=1) / counted.sum(dim=1)) + shift
     gen = torch.Generator().manual_seed(seed)
-    out = {"hard_share": top_share, "batches": {}}
+    out = {}
     for b in BATCHES:
         estimates = []
         for _ in range(PARTITIONS):
             order = torch.randperm(n, generator=gen)[: n // b * b].view(-1, b)  # [n/b, b] batches of anchors
-            block = w[order[:, :, None], order[:, None, :]]  # [n/b, b, b]: each anchor's row within its batch
-            ghat = block.sum(dim=2) / (b - 1)  # the diagonal (the positive) is 0
+            pick = (order[:, :, None], order[:, None, :])
+            # each anchor's row within its batch; a batch without a counted negative for an anchor gives nan
+            ghat = w[pick].sum(dim=2) / counted[pick].sum(dim=2)
             est = torch.full((n,), float("nan"), dtype=w.dtype)
-            est[order.reshape(-1)] = (torch.log(ghat) + shift.squeeze(1)[order]).reshape(-1)
+            est[order.reshape(-1)] = (torch.log(ghat) + shift[order]).reshape(-1)
             estimates.append(est)
         est = torch.stack(estimates)  # [PARTITIONS, n]; nan for the few anchors a partition leaves out
         bias = (est.nanmean(dim=0) - log_g).nanmean().item()
         std = torch.sqrt(((est - est.nanmean(dim=0)) ** 2).nanmean(dim=0)).nanmean().item()
-        out["batches"][b] = {"bias": bias, "std": std}
+        out[b] = {"bias": bias, "std": std}
     return out
 
 
 def measure(runs: list[tuple[study_mod.Run, Path, Path]]) -> dict:
     rows = []
     for run, run_dir, data in runs:
-        image, text, tau = embed(run_dir, data)
+        image, text, tau, ids = embed(run_dir, data)
         for direction, (a, c) in (("image anchors", (image, text)), ("text anchors", (text, image))):
-            err = estimator_errors(a, c, tau)
+            err = estimator_errors(a, c, tau, ids=ids)
             for b, e in err["batches"].items():
+                true = err.get("true_batches", {}).get(b, {})
                 rows.append(
                     {
                         "dataset": run.dataset,
@@ -140,6 +180,10 @@ def measure(runs: list[tuple[study_mod.Run, Path, Path]]) -> dict:
                         "bias": e["bias"],
                         "std": e["std"],
                         "hard_share": err["hard_share"],
+                        "caption_share": err.get("caption_share"),
+                        "class_share": err.get("class_share"),
+                        "true_bias": true.get("bias"),
+                        "true_std": true.get("std"),
                     }
                 )
         print(f"measured {run.id}: τ {tau:.4f}", flush=True)
@@ -167,6 +211,34 @@ def markdown(result: dict) -> str:
         cells = " | ".join(f"{per_batch[b]['bias']:+.2f} / {per_batch[b]['std']:.2f}" for b in BATCHES)
         lines.append(
             f"| {dataset} | {loss} | {first['tau']:.3f} | {direction} | {100 * first['hard_share']:.0f} % | {cells} |"
+        )
+    lines += [
+        "",
+        "False negatives: the share of g carried by negatives with the anchor's very caption and by negatives of its "
+        "class (the glyphs' 20 classes; of the scenes only the single-object ones carry a class), and the error "
+        "of the estimate when g and ĝ both average over the other-class negatives alone.",
+        "",
+        "| data | towers | anchors | same-caption share | same-class share | "
+        + " | ".join(f"bias all / other-class at B = {b}" for b in BATCHES)
+        + " |",
+        "|---|---|---|---:|---:|" + "---:|" * len(BATCHES),
+    ]
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.0f} %"
+
+    for (dataset, loss, direction), per_batch in keyed.items():
+        first = next(iter(per_batch.values()))
+        if first.get("caption_share") is None:  # a result written before these columns
+            continue
+        cells = " | ".join(
+            f"{per_batch[b]['bias']:+.2f} / "
+            + ("-" if per_batch[b]["true_bias"] is None else f"{per_batch[b]['true_bias']:+.2f}")
+            for b in BATCHES
+        )
+        lines.append(
+            f"| {dataset} | {loss} | {direction} | {pct(first['caption_share'])} | "
+            f"{pct(first['class_share'])} | {cells} |"
         )
     return "\n".join(lines)
 

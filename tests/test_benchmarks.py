@@ -78,6 +78,15 @@ def test_estimator_bias_is_zero_for_equal_negatives_and_large_when_one_hard_nega
     assert hard["hard_share"] > 0.99 and flat["hard_share"] == pytest.approx(1 / (n - 1) * max(1, int(0.01 * n)))
     biases = [hard["batches"][b]["bias"] for b in bench_estimator_bias.BATCHES]
     assert biases[0] < biases[1] < biases[2] < -3
+    # the near-copy is of the anchor's own class: it carries all of g; over the other classes (orthogonal to the
+    # anchor, all alike) every batch's estimate is exact again; captions all distinct: no same-caption share
+    pairs = torch.nn.functional.normalize(torch.eye(n // 2, dtype=torch.float64).repeat_interleave(2, dim=0), dim=1)
+    pairs = torch.nn.functional.normalize(pairs + 1e-3 * torch.randn(n, n // 2, dtype=torch.float64), dim=1)
+    ids = {"caption": torch.arange(n), "class": torch.arange(n) // 2}
+    fn = bench_estimator_bias.estimator_errors(pairs, pairs, 0.05, ids=ids)
+    assert fn["class_share"] > 0.99 and fn["caption_share"] == 0.0
+    for b in bench_estimator_bias.BATCHES:
+        assert fn["batches"][b]["bias"] < -1 and abs(fn["true_batches"][b]["bias"]) < 1e-3
 
 
 def test_ring_costs_and_fit_recover_alpha_and_bandwidth():

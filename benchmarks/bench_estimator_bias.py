@@ -110,7 +110,8 @@ def estimator_errors(anchors, candidates, tau: float, seed: int = 0, ids: dict |
     """For each batch size: mean over anchors of E[log ĝ] − log g and std(log ĝ) over PARTITIONS random partitions,
     and the share of g carried by each anchor's hardest HARD fraction of negatives. With ``ids`` ({"caption": [n],
     "class": [n]} int64, -1 for none): the share of g carried by negatives of the anchor's caption and of its class,
-    and (with classes) the error over the other-class negatives alone ("true_batches")."""
+    and (with classes) the error over the other-class negatives alone ("true_batches"), both averaged over the
+    anchors that have an id ("<kind>_anchors" of them)."""
     import torch
 
     n = anchors.shape[0]
@@ -125,16 +126,19 @@ def estimator_errors(anchors, candidates, tau: float, seed: int = 0, ids: dict |
     for kind, key in (ids or {}).items():
         if bool((key < 0).all()):
             continue
-        same = (key[:, None] == key[None, :]) & (key[:, None] >= 0)  # the diagonal's w is 0 already
-        out[f"{kind}_share"] = ((w * same).sum(dim=1) / w.sum(dim=1)).mean().item()
+        has = key >= 0
+        same = (key[:, None] == key[None, :]) & has[:, None]  # the diagonal's w is 0 already
+        out[f"{kind}_share"] = ((w * same).sum(dim=1) / w.sum(dim=1))[has].mean().item()
+        out[f"{kind}_anchors"] = int(has.sum())
         if kind == "class":
-            out["true_batches"] = _partition_errors(w.masked_fill(same, 0.0), shift.squeeze(1), seed, ~same)
+            out["true_batches"] = _partition_errors(w.masked_fill(same, 0.0), shift.squeeze(1), seed, ~same, has)
     return out
 
 
-def _partition_errors(w, shift, seed: int, counted=None) -> dict:
-    """E[log ĝ] − log g and the spread of log ĝ for each batch size; ĝ and g average over the negatives
-    ``counted`` marks ([n, n] bool; default: all but the positive), w already 0 elsewhere."""
+def _partition_errors(w, shift, seed: int, counted=None, anchors=None) -> dict:
+    """E[log ĝ] − log g and the spread of log ĝ for each batch size, averaged over ``anchors`` ([n] bool; default:
+    all); ĝ and g average over the negatives ``counted`` marks ([n, n] bool; default: all but the positive), w
+    already 0 elsewhere."""
     import torch
 
     n = w.shape[0]
@@ -155,7 +159,11 @@ def _partition_errors(w, shift, seed: int, counted=None) -> dict:
             est[order.reshape(-1)] = (torch.log(ghat) + shift[order]).reshape(-1)
             estimates.append(est)
         est = torch.stack(estimates)  # [PARTITIONS, n]; nan for the few anchors a partition leaves out
-        bias = (est.nanmean(dim=0) - log_g).nanmean().item()
+        if anchors is not None:
+            est, log_g_kept = est[:, anchors], log_g[anchors]
+        else:
+            log_g_kept = log_g
+        bias = (est.nanmean(dim=0) - log_g_kept).nanmean().item()
         std = torch.sqrt(((est - est.nanmean(dim=0)) ** 2).nanmean(dim=0)).nanmean().item()
         out[b] = {"bias": bias, "std": std}
     return out
@@ -182,6 +190,7 @@ def measure(runs: list[tuple[study_mod.Run, Path, Path]]) -> dict:
                         "hard_share": err["hard_share"],
                         "caption_share": err.get("caption_share"),
                         "class_share": err.get("class_share"),
+                        "class_anchors": err.get("class_anchors"),
                         "true_bias": true.get("bias"),
                         "true_std": true.get("std"),
                     }
@@ -216,7 +225,8 @@ def markdown(result: dict) -> str:
         "",
         "False negatives: the share of g carried by negatives with the anchor's very caption and by negatives of its "
         "class (the glyphs' 20 classes; of the scenes only the single-object ones carry a class), and the error "
-        "of the estimate when g and ĝ both average over the other-class negatives alone.",
+        "of the estimate when g and ĝ both average over the other-class negatives alone; the class columns average "
+        "over the anchors that have a class (their number in brackets).",
         "",
         "| data | towers | anchors | same-caption share | same-class share | "
         + " | ".join(f"bias all / other-class at B = {b}" for b in BATCHES)
@@ -238,7 +248,7 @@ def markdown(result: dict) -> str:
         )
         lines.append(
             f"| {dataset} | {loss} | {direction} | {pct(first['caption_share'])} | "
-            f"{pct(first['class_share'])} | {cells} |"
+            f"{pct(first['class_share'])} ({first.get('class_anchors')}) | {cells} |"
         )
     return "\n".join(lines)
 

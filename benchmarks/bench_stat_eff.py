@@ -15,7 +15,8 @@ Protocol (every knob is in STUDY below):
   with seed 0 and scored on the `val` split at the end (scenes: mean R@1 of both retrieval directions; glyphs:
   mean zero-shot top-1). The best setting per loss is then run with SEEDS fresh seeds evaluated on `test`
   after every epoch (the curves) and on `novel` (unseen attribute combinations) at the end.
-- headline: the samples fastclip-v3 (mean over seeds) needs to reach openclip's final score, as a ratio.
+- headline: the samples fastclip-v3 (mean over seeds) needs to reach each baseline's final score, as a ratio, and
+  the paired difference seed by seed; the baselines are openclip (τ learned) and InfoNCE at a tuned constant τ.
 
 Each run is a `fastclip train` process; its result is one JSON file in benchmarks/results/stat_eff/runs/, so a
 stopped study (or a killed run: checkpoints every epoch, `--train.resume latest`) picks up where it was. Two
@@ -25,6 +26,7 @@ runs go at once (one core each).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -63,7 +65,7 @@ VARIANTS = {
 @dataclass(frozen=True)
 class Ablation:
     """One setting tested against chosen ones in its group: seed 0 on val, then `seeds` on test, compared seed by
-    seed with the chosen setting of each loss in `against` (default: the ablated variant's own loss)."""
+    seed with the chosen setting of each variant in `against` (default: the ablated variant itself)."""
 
     dataset: str
     global_batch: int
@@ -87,7 +89,7 @@ STUDY = dict(
     },
     # glyphs at 128 before 32: configs/embedded.yaml trains the glyphs at global batch 128
     order=[("scenes", 64), ("scenes", 32), ("scenes", 128), ("glyphs", 64), ("glyphs", 128), ("glyphs", 32)],
-    # The headline pair goes through every group first; the other variants follow in a second pass.
+    # The headline losses go through every group first; the other variants follow in a second pass.
     headline=("openclip", "fastclip-v3", "openclip-fixed-tau"),
     # γ_min 0.8 (the library's default), not the CC3M recipe's 0.2: with each sample revisited once per epoch (94
     # steps at batch 64) the stored u exceeds the batch's g by e^1-e^2.4 at 0.2 (u_lag in metrics.jsonl), e^0.1-0.5
@@ -99,7 +101,7 @@ STUDY = dict(
     # 6 seeds: with 3, the seed-to-seed spread at batch 64 (about 8 points of R@1) was as large as the gap.
     seeds=(1, 2, 3, 4, 5, 6),
     # The other variants (second pass) get the same tuning budget and the first 3 of those seeds: half the
-    # cost of a pass that would take about 2 days on 2 cores; paired with the headline pair's seeds 1-3.
+    # cost of a pass that would take about 2 days on 2 cores; paired with the headline losses' seeds 1-3.
     variant_seeds=(1, 2, 3),
     tune_seed=0,
     lrs=(2.5e-4, 5e-4, 1e-3),  # 2e-3 was tried first and is far worse for openclip at batch 64 (RESULTS)
@@ -130,7 +132,7 @@ STUDY = dict(
     # compared seed by seed with the chosen setting's): the library's rho (8.0, the reference code's) exceeds
     # ln(63) at global batch 64; γ_min 0.2 is the CC3M recipe's (the library's default is 0.8). On the glyphs at
     # batch 128 τ's descent is bounded by its Adam step (lr_tau 1e-3: 0.07 to 0.035 in 750 steps, whatever ρ):
-    # lr_tau 1e-2 lets it reach its ρ-dependent level. An optional 9th field is lr_tau.
+    # lr_tau 1e-2 lets it reach its ρ-dependent level (Ablation.lr_tau).
     ablations=[
         Ablation("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", round(8.0 / math.log(63), 4), 0.8, (1, 2, 3)),
         Ablation("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", 0.6, 0.2, (1, 2, 3)),
@@ -138,9 +140,9 @@ STUDY = dict(
         Ablation("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.85, 0.8, (1, 2, 3), lr_tau=1e-2),
         Ablation("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0.8, (1, 2, 3), lr_tau=1e-2),
         # Is v3's lead the estimator or the temperature? InfoNCE with τ frozen at 0.07 (openclip's chosen lr and
-        # initial τ) against fastclip-v1, GCL at the same constant τ and lr: only the estimate of each anchor's
-        # negative mass differs (the batch's, or the moving average u). (τ frozen at 0.1, about where v3's learned
-        # τ ends, was the second control: it is now a grid point of the openclip-fixed-tau baseline.)
+        # initial τ) against fastclip-v1's chosen setting, which is GCL at the same constant τ and lr (5e-4, 0.07):
+        # only the estimate of each anchor's negative mass differs (the batch's, or the moving average u). τ frozen
+        # at 0.1, about where v3's learned τ ends, was the second control: it is a grid point of openclip-fixed-tau.
         Ablation(
             "scenes",
             64,
@@ -364,7 +366,7 @@ def describe(run: Run) -> str:
 
 
 def seeds_of(study: dict, loss: str) -> tuple[int, ...]:
-    """The test seeds of a loss's chosen setting: all of them for the headline pair, fewer for the other variants."""
+    """The test seeds of a loss's chosen setting: all of them for the headline losses, fewer for the others."""
     return study["seeds"] if loss in study["headline"] else study.get("variant_seeds", study["seeds"])
 
 
@@ -373,7 +375,7 @@ def ablation_pairs(study: dict, results: Path) -> list[dict]:
     in the group's primary test metric (ablation − chosen)."""
     out = []
     for a in study["ablations"]:
-        for against in a.against or (loss_name(a.loss),):
+        for against in a.against or (a.loss,):
             best = chosen(study, results, a.dataset, a.global_batch, against)
             if not a.seeds or best is None:
                 continue
@@ -401,7 +403,7 @@ def plan(study: dict, results: Path) -> list[Run]:
     """Every run of the study in priority order; seed runs need their group's tuning to be complete."""
     headline = [v for v in study["knobs"] if v in study["headline"]]
     others = [v for v in study["knobs"] if v not in study["headline"]]
-    runs = ablation_runs(study)  # single runs first, then the headline pair through every group, then the rest
+    runs = ablation_runs(study)  # single runs first, then the headline losses through every group, then the rest
     for losses in (headline, others):
         for dataset, gb in study["order"]:
             for loss in losses:  # a loss's seeds right after its own tuning
@@ -756,7 +758,8 @@ def summarize(study: dict, results: Path) -> dict:
             }
         groups.append(group)
     return {
-        "study": {k: v for k, v in study.items() if k not in ("order", "extra_lrs")}
+        "study": {k: v for k, v in study.items() if k not in ("order", "extra_lrs", "ablations")}
+        | {"ablations": [dataclasses.asdict(a) for a in study["ablations"]]}
         | {"order": [list(o) for o in study["order"]]}
         | {"extra_lrs": {f"{d} {gb}": list(v) for (d, gb), v in study.get("extra_lrs", {}).items()}},
         "groups": groups,

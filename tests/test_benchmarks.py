@@ -59,6 +59,69 @@ def test_stat_eff_plan_seeds_the_best_setting_and_ablations_carry_lr_tau(tmp_pat
     assert by_loss["fastclip-v1"] == [(s, 2e-3, 0.03) for s in (1, 2)]  # the other variants: variant_seeds
 
 
+def test_stat_eff_variants_controls_and_baselines(tmp_path):
+    """A variant runs its loss with its options under its own id; an ablation is compared with the chosen setting
+    of each variant it names; the report sets v3 against every baseline that has seeds."""
+    study = dict(
+        bench_stat_eff.STUDY,
+        order=[("scenes", 64)],
+        lrs=(1e-3,),
+        extra_lrs={},
+        seeds=(1, 2),
+        knobs={k: bench_stat_eff.STUDY["knobs"][k] for k in ("openclip", "fastclip-v3", "openclip-fixed-tau")},
+        ablations=[
+            bench_stat_eff.Ablation(
+                "scenes",
+                64,
+                "openclip-fixed-tau",
+                1e-3,
+                "temperature",
+                0.07,
+                None,
+                (1,),
+                against=("openclip", "fastclip-v3"),
+            )
+        ],  # fmt: skip
+    )
+    fixed = bench_stat_eff.tune_runs(study, "scenes", 64, "openclip-fixed-tau")[0]
+    assert fixed.id == "scenes_gb64_openclip-fixed-tau_lr0.001_temperature0.1_s0_tune" and fixed.gamma_min is None
+    assert bench_stat_eff.loss_name("openclip-fixed-tau") == "openclip"
+    args = bench_stat_eff.loss_args(fixed, study)
+    assert args[-2:] == ["--loss.learn_temperature", "false"] and args[args.index("--loss.temperature") + 1] == "0.1"
+    sep = bench_stat_eff.Run("scenes", 64, "fastclip-v3-separate", 1e-3, "rho_frac", 0.6, 1, "seed", 0.8)
+    assert bench_stat_eff.loss_args(sep, study)[-2:] == ["--loss.separate_temperatures", "true"]
+    # every run done: final test R@1 = 0.5 (openclip), 0.6 (fixed τ), 0.7 (v3) after 100 samples, half of it at 50
+    (tmp_path / "runs").mkdir()
+    final = {"openclip": 0.5, "openclip-fixed-tau": 0.6, "fastclip-v3": 0.7}
+
+    def write(run):
+        if run.phase == "tune":
+            record = {"final_score": run.value}
+        else:
+            score = final[run.loss] + (0.01 * run.seed if run.loss == "fastclip-v3" else 0.0)
+            curve = [
+                {"samples_seen": x, "retrieval/image_to_text_R@1": y, "retrieval/text_to_image_R@1": y}
+                for x, y in ((50, score / 2), (100, score))
+            ]
+            record = {"final_score": score, "curve": curve, "final": curve[-1], "tau": []}
+        (tmp_path / "runs" / f"{run.id}.json").write_text(json.dumps(record))
+
+    for loss in study["knobs"]:
+        for run in bench_stat_eff.tune_runs(study, "scenes", 64, loss):
+            write(run)
+    for run in bench_stat_eff.plan(study, tmp_path):  # the ablation and the seeds of the chosen settings
+        write(run)
+    group = bench_stat_eff.summarize(study, tmp_path)["groups"][0]
+    assert set(group["against"]) == {"openclip", "openclip-fixed-tau"}
+    paired = group["against"]["openclip-fixed-tau"]["v3_minus_baseline_paired"]
+    assert paired[2] == pytest.approx([0.11, 0.12])
+    # v3 (mean 0.715 at 100 samples, linear from 0) reaches the fixed-τ baseline's 0.6 at 0.6/0.715·100 samples
+    assert group["against"]["openclip-fixed-tau"]["v3_speedup"] == pytest.approx(0.715 / 0.6)
+    pairs = bench_stat_eff.ablation_pairs(study, tmp_path)
+    assert [p["chosen"].split()[0] for p in pairs] == ["openclip", "fastclip-v3"]
+    assert pairs[1]["differences"] == pytest.approx([0.6 + 0.0 - 0.71])  # fixed τ 0.07 (0.6) − v3 seed 1 (0.71)
+
+
 def test_estimator_bias_is_zero_for_equal_negatives_and_large_when_one_hard_negative_carries_g():
     import torch
 
@@ -84,9 +147,14 @@ def test_estimator_bias_is_zero_for_equal_negatives_and_large_when_one_hard_nega
     pairs = torch.nn.functional.normalize(pairs + 1e-3 * torch.randn(n, n // 2, dtype=torch.float64), dim=1)
     ids = {"caption": torch.arange(n), "class": torch.arange(n) // 2}
     fn = bench_estimator_bias.estimator_errors(pairs, pairs, 0.05, ids=ids)
-    assert fn["class_share"] > 0.99 and fn["caption_share"] == 0.0
+    assert fn["class_share"] > 0.99 and fn["caption_share"] == 0.0 and fn["class_anchors"] == n
     for b in bench_estimator_bias.BATCHES:
         assert fn["batches"][b]["bias"] < -1 and abs(fn["true_batches"][b]["bias"]) < 1e-3
+    # anchors without a class (id -1) are left out of the class columns, not counted as sharing nothing
+    ids["class"] = torch.where(torch.arange(n) < n // 2, torch.arange(n) // 2, -1)
+    half = bench_estimator_bias.estimator_errors(pairs, pairs, 0.05, ids=ids)
+    assert half["class_anchors"] == n // 2 and half["class_share"] > 0.99
+    assert all(abs(half["true_batches"][b]["bias"]) < 1e-3 for b in bench_estimator_bias.BATCHES)
 
 
 def test_ring_costs_and_fit_recover_alpha_and_bandwidth():

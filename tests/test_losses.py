@@ -242,6 +242,41 @@ def test_exclusion_by_positive_cells_equals_the_mask(name, monkeypatch):
             assert torch.equal(got, want)
 
 
+def test_same_sample_cells_reads_indices_on_the_host_only_on_the_cpu(monkeypatch):
+    """CPU indices without a repeat: the positive cells by position; with a repeat, or with the check off, the mask.
+    Indices on another device (meta here, CUDA in a run) always get the mask, and no unique (a host sync there)
+    is dispatched for them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fastclip.losses import batch as batch_module
+    from fastclip.losses.batch import GlobalBatch
+
+    def batch(indices, rank=1, device="cpu"):
+        local = indices[rank * 3 : rank * 3 + 3]
+        feats = torch.zeros(3, 4, device=device)
+        every = torch.zeros(6, 4, device=device)
+        return GlobalBatch(feats, feats, local.to(device), every, every, indices.to(device), rank, 2)
+
+    unique, repeated = torch.tensor([5, 1, 7, 2, 9, 4]), torch.tensor([5, 1, 7, 2, 5, 4])
+    cells = batch(unique).same_sample_cells()
+    assert isinstance(cells, tuple) and [c.tolist() for c in cells] == [[0, 1, 2], [3, 4, 5]]
+    mask = batch(repeated).same_sample_cells()
+    assert mask.dtype == torch.bool and mask.nonzero().tolist() == [[0, 3], [1, 0], [1, 4], [2, 5]]
+    monkeypatch.setattr(batch_module, "CHECK_REPEATS_ON_HOST", False)
+    assert batch(unique).same_sample_cells().dtype == torch.bool
+    monkeypatch.setattr(batch_module, "CHECK_REPEATS_ON_HOST", True)
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        on_meta = batch(unique, device="meta").same_sample_cells()
+    assert on_meta.dtype == torch.bool and on_meta.shape == (3, 6) and not any("unique" in op for op in ops)
+
+
 def test_gamma_schedule():
     cosine = GammaSchedule("cosine", gamma_min=0.2, decay_epochs=4)
     assert cosine(0) == 1.0 and cosine(4) == cosine(9) == pytest.approx(0.2)

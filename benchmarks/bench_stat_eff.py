@@ -63,19 +63,39 @@ VARIANTS = {
 
 
 @dataclass(frozen=True)
-class Ablation:
-    """One setting tested against chosen ones in its group: seed 0 on val, then `seeds` on test, compared seed by
-    seed with the chosen setting of each variant in `against` (default: the ablated variant itself)."""
-
+class Run:
     dataset: str
     global_batch: int
     loss: str
     lr: float
     knob: str
     value: float
-    gamma_min: float | None
+    seed: int
+    phase: str  # "tune" (eval on val) or "seed" (eval on test, then novel)
+    gamma_min: float | None = None  # the FastCLIP losses' γ after its decay; None for openclip
+    lr_tau: float | None = None  # v3's τ learning rate when not the study's (an ablation)
+
+    @property
+    def id(self) -> str:
+        gamma = "" if self.gamma_min is None else f"_g{self.gamma_min:g}"
+        lr_tau = "" if self.lr_tau is None else f"_lt{self.lr_tau:g}"
+        return (
+            f"{self.dataset}_gb{self.global_batch}_{self.loss}_lr{self.lr:g}_{self.knob}{self.value:g}{gamma}"
+            f"{lr_tau}_s{self.seed}_{self.phase}"
+        )
+
+    @property
+    def group(self) -> tuple[str, int]:
+        return self.dataset, self.global_batch
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """One setting tested against chosen ones in its group: `run` is its tuning run (seed 0 on val), then `seeds` on
+    test, compared seed by seed with the chosen setting of each variant in `against` (default: `run.loss` itself)."""
+
+    run: Run
     seeds: tuple[int, ...]
-    lr_tau: float | None = None  # v3's τ learning rate when not the study's
     against: tuple[str, ...] = ()
 
 
@@ -132,25 +152,21 @@ STUDY = dict(
     # compared seed by seed with the chosen setting's): the library's rho (8.0, the reference code's) exceeds
     # ln(63) at global batch 64; γ_min 0.2 is the CC3M recipe's (the library's default is 0.8). On the glyphs at
     # batch 128 τ's descent is bounded by its Adam step (lr_tau 1e-3: 0.07 to 0.035 in 750 steps, whatever ρ):
-    # lr_tau 1e-2 lets it reach its ρ-dependent level (Ablation.lr_tau).
+    # lr_tau 1e-2 lets it reach its ρ-dependent level (Run.lr_tau).
     ablations=[
-        Ablation("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", round(8.0 / math.log(63), 4), 0.8, (1, 2, 3)),
-        Ablation("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", 0.6, 0.2, (1, 2, 3)),
-        Ablation("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", round(8.0 / math.log(63), 4), 0.2, ()),
-        Ablation("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.85, 0.8, (1, 2, 3), lr_tau=1e-2),
-        Ablation("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0.8, (1, 2, 3), lr_tau=1e-2),
+        Ablation(
+            Run("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", round(8.0 / math.log(63), 4), 0, "tune", 0.8), (1, 2, 3)
+        ),
+        Ablation(Run("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", 0.6, 0, "tune", 0.2), (1, 2, 3)),
+        Ablation(Run("scenes", 64, "fastclip-v3", 5e-4, "rho_frac", round(8.0 / math.log(63), 4), 0, "tune", 0.2), ()),
+        Ablation(Run("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.85, 0, "tune", 0.8, 1e-2), (1, 2, 3)),
+        Ablation(Run("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0, "tune", 0.8, 1e-2), (1, 2, 3)),
         # Is v3's lead the estimator or the temperature? InfoNCE with τ frozen at 0.07 (openclip's chosen lr and
         # initial τ) against fastclip-v1's chosen setting, which is GCL at the same constant τ and lr (5e-4, 0.07):
         # only the estimate of each anchor's negative mass differs (the batch's, or the moving average u). τ frozen
         # at 0.1, about where v3's learned τ ends, was the second control: it is a grid point of openclip-fixed-tau.
         Ablation(
-            "scenes",
-            64,
-            "openclip-fixed-tau",
-            5e-4,
-            "temperature",
-            0.07,
-            None,
+            Run("scenes", 64, "openclip-fixed-tau", 5e-4, "temperature", 0.07, 0, "tune"),
             (1, 2, 3),
             against=("openclip", "fastclip-v1"),
         ),
@@ -172,33 +188,6 @@ QUICK = dict(
 
 
 # ----------------------------------------------------------------------------- runs
-@dataclass(frozen=True)
-class Run:
-    dataset: str
-    global_batch: int
-    loss: str
-    lr: float
-    knob: str
-    value: float
-    seed: int
-    phase: str  # "tune" (eval on val) or "seed" (eval on test, then novel)
-    gamma_min: float | None = None  # the FastCLIP losses' γ after its decay; None for openclip
-    lr_tau: float | None = None  # v3's τ learning rate when not the study's (an ablation)
-
-    @property
-    def id(self) -> str:
-        gamma = "" if self.gamma_min is None else f"_g{self.gamma_min:g}"
-        lr_tau = "" if self.lr_tau is None else f"_lt{self.lr_tau:g}"
-        return (
-            f"{self.dataset}_gb{self.global_batch}_{self.loss}_lr{self.lr:g}_{self.knob}{self.value:g}{gamma}"
-            f"{lr_tau}_s{self.seed}_{self.phase}"
-        )
-
-    @property
-    def group(self) -> tuple[str, int]:
-        return self.dataset, self.global_batch
-
-
 def gamma_of(loss: str, study: dict) -> float | None:
     return None if loss_name(loss) == "openclip" else study["gamma_min"]
 
@@ -347,7 +336,7 @@ def tune_runs(study: dict, dataset: str, gb: int, loss: str) -> list[Run]:
 
 
 def ablation_run(a: Ablation, seed: int, phase: str) -> Run:
-    return Run(a.dataset, a.global_batch, a.loss, a.lr, a.knob, a.value, seed, phase, a.gamma_min, a.lr_tau)
+    return dataclasses.replace(a.run, seed=seed, phase=phase)
 
 
 def ablation_runs(study: dict) -> list[Run]:
@@ -375,11 +364,12 @@ def ablation_pairs(study: dict, results: Path) -> list[dict]:
     in the group's primary test metric (ablation − chosen)."""
     out = []
     for a in study["ablations"]:
-        for against in a.against or (a.loss,):
-            best = chosen(study, results, a.dataset, a.global_batch, against)
+        r = a.run
+        for against in a.against or (r.loss,):
+            best = chosen(study, results, r.dataset, r.global_batch, against)
             if not a.seeds or best is None:
                 continue
-            metric, diffs, used = PRIMARY[a.dataset], [], []
+            metric, diffs, used = PRIMARY[r.dataset], [], []
             for seed in a.seeds:
                 ra = load_result(results, ablation_run(a, seed, "seed"))
                 rb = load_result(results, Run(**{**best.__dict__, "seed": seed, "phase": "seed"}))
@@ -388,7 +378,7 @@ def ablation_pairs(study: dict, results: Path) -> list[dict]:
                     used.append(seed)
             out.append(
                 {
-                    "ablation": f"{a.dataset} gb{a.global_batch} {a.loss}: {describe(ablation_run(a, 0, 'seed'))}",
+                    "ablation": f"{r.dataset} gb{r.global_batch} {r.loss}: {describe(r)}",
                     "chosen": f"{against} {describe(best)}",
                     "metric": metric,
                     "seeds": used,

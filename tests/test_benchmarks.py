@@ -15,6 +15,7 @@ import bench_e2e  # noqa: E402
 import bench_estimator_bias  # noqa: E402
 import bench_scaling  # noqa: E402
 import bench_stat_eff  # noqa: E402
+from bench_stat_eff import Ablation, Run  # noqa: E402
 
 from common import shard_pattern  # noqa: E402
 
@@ -39,7 +40,7 @@ def test_stat_eff_plan_seeds_the_best_setting_and_ablations_carry_lr_tau(tmp_pat
         seeds=(1, 2, 3, 4),
         variant_seeds=(1, 2),
         knobs={k: bench_stat_eff.STUDY["knobs"][k] for k in ("openclip", "fastclip-v3", "fastclip-v1")},
-        ablations=[bench_stat_eff.Ablation("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0.8, (1,), 1e-2)],
+        ablations=[Ablation(Run("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0, "tune", 0.8, 1e-2), (1,))],
     )
     (tmp_path / "runs").mkdir()
     before = bench_stat_eff.plan(study, tmp_path)
@@ -70,14 +71,8 @@ def test_stat_eff_variants_controls_and_baselines(tmp_path):
         seeds=(1, 2),
         knobs={k: bench_stat_eff.STUDY["knobs"][k] for k in ("openclip", "fastclip-v3", "openclip-fixed-tau")},
         ablations=[
-            bench_stat_eff.Ablation(
-                "scenes",
-                64,
-                "openclip-fixed-tau",
-                1e-3,
-                "temperature",
-                0.07,
-                None,
+            Ablation(
+                Run("scenes", 64, "openclip-fixed-tau", 1e-3, "temperature", 0.07, 0, "tune"),
                 (1,),
                 against=("openclip", "fastclip-v3"),
             )

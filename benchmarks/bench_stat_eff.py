@@ -875,7 +875,8 @@ def plot(result: dict, path: Path) -> None:
     if not groups:
         groups = result["summary"]["groups"][:1]
     fig, axes = plt.subplots(len(groups), 3, figsize=(15, 3.6 * len(groups)), squeeze=False)
-    palette = ("#222222", "#55a868", "#8172b2", "#4c72b0", "#dd8452", "#c44e52", "#937860", "#8c8c8c")
+    palette = ("#222222", "#55a868", "#8172b2", "#4c72b0", "#dd8452", "#c44e52", "#937860", "#222222")
+    dashed = {"openclip-fixed-tau"}  # the second InfoNCE baseline: openclip's colour, dashed
     colors = dict(zip(LOSSES, palette))
     for row, g in zip(axes, groups):
         for ax, m in zip(row, METRICS):
@@ -887,6 +888,7 @@ def plot(result: dict, path: Path) -> None:
                     color=colors[loss],
                     label=f"{loss} ({e['seeds_done']} seeds)",
                     lw=2 if loss in ("fastclip-v3", *BASELINES) else 1,
+                    ls="--" if loss in dashed else "-",
                 )
                 ax.fill_between(
                     xs,
@@ -904,7 +906,8 @@ def plot(result: dict, path: Path) -> None:
         for loss, e in g["seeds"].items():
             if e.get("tau_curve"):
                 xs, ts = zip(*e["tau_curve"])
-                ax.plot(xs, ts, color=colors[loss], label=loss, lw=2 if loss in ("fastclip-v3", *BASELINES) else 1)
+                wide = loss in ("fastclip-v3", *BASELINES)
+                ax.plot(xs, ts, color=colors[loss], label=loss, lw=2 if wide else 1, ls="--" if loss in dashed else "-")
         ax.set_yscale("log")
         ax.set_title(f"{g['dataset']}, global batch {g['global_batch']}: τ (per-sample losses: median)", fontsize=9)
         ax.set_xlabel("samples seen", fontsize=8)

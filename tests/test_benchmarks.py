@@ -60,6 +60,28 @@ def test_stat_eff_plan_seeds_the_best_setting_and_ablations_carry_lr_tau(tmp_pat
     assert by_loss["fastclip-v1"] == [(s, 2e-3, 0.03) for s in (1, 2)]  # the other variants: variant_seeds
 
 
+def test_stat_eff_plan_runs_a_dataset_through_every_loss_before_the_next(tmp_path):
+    study = dict(
+        bench_stat_eff.STUDY,
+        order=[("scenes", 64), ("scenes", 32), ("glyphs", 64)],
+        lrs=(1e-3,),
+        extra_lrs={},
+        headline=("openclip",),
+        knobs={k: bench_stat_eff.STUDY["knobs"][k] for k in ("openclip", "fastclip-v1")},
+        ablations=[],
+    )
+    (tmp_path / "runs").mkdir()
+    order = [(r.dataset, r.global_batch, r.loss) for r in bench_stat_eff.plan(study, tmp_path)]
+    assert list(dict.fromkeys(order)) == [
+        ("scenes", 64, "openclip"),
+        ("scenes", 32, "openclip"),
+        ("scenes", 64, "fastclip-v1"),
+        ("scenes", 32, "fastclip-v1"),
+        ("glyphs", 64, "openclip"),
+        ("glyphs", 64, "fastclip-v1"),
+    ]
+
+
 def test_stat_eff_variants_controls_and_baselines(tmp_path):
     """A variant runs its loss with its options under its own id; an ablation is compared with the chosen setting
     of each variant it names; the report sets v3 against every baseline that has seeds."""

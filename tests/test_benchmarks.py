@@ -40,6 +40,7 @@ def test_stat_eff_plan_seeds_the_best_setting_and_ablations_carry_lr_tau(tmp_pat
         seeds=(1, 2, 3, 4),
         variant_seeds=(1, 2),
         knobs={k: bench_stat_eff.STUDY["knobs"][k] for k in ("openclip", "fastclip-v3", "fastclip-v1")},
+        knob_edges={},
         ablations=[Ablation(Run("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0, "tune", 0.8, 1e-2), (1,))],
     )
     (tmp_path / "runs").mkdir()
@@ -82,6 +83,41 @@ def test_stat_eff_plan_runs_a_dataset_through_every_loss_before_the_next(tmp_pat
     ]
 
 
+def test_stat_eff_edge_run_extends_the_grid_by_one_step_on_the_best_side(tmp_path):
+    study = dict(
+        bench_stat_eff.STUDY,
+        order=[("scenes", 64)],
+        lrs=(1e-3, 2e-3),
+        extra_lrs={},
+        knobs={"openclip": ("temperature", (0.07, 0.03)), "fastclip-v3": ("rho_frac", (0.4, 0.6, 0.85))},
+        knob_edges={"openclip": (0.02, 0.1), "fastclip-v3": (0.2, 1.1)},
+    )
+    (tmp_path / "runs").mkdir()
+
+    def write(run, score):
+        (tmp_path / "runs" / f"{run.id}.json").write_text(json.dumps({"final_score": score}))
+
+    grid = bench_stat_eff.tune_runs(study, "scenes", 64, "openclip")
+    for run in grid[:-1]:
+        write(run, 0.5 + (run.lr == 2e-3) * 0.1 + (run.value == 0.07) * 0.05)  # best: lr 2e-3, τ0 0.07 (the top)
+    assert bench_stat_eff.edge_run(study, tmp_path, "scenes", 64, "openclip") is None  # the grid is not done
+    write(grid[-1], 0.4)
+    edge = bench_stat_eff.edge_run(study, tmp_path, "scenes", 64, "openclip")
+    assert (edge.lr, edge.value, edge.phase, edge.seed) == (2e-3, 0.1, "tune", 0)
+    assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "openclip") is None  # waits for the edge run
+    assert edge.id in {r.id for r in bench_stat_eff.plan(study, tmp_path)}
+    write(edge, 0.7)  # one step past the edge wins: chosen
+    assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "openclip") == edge
+    write(edge, 0.6)  # it loses: the grid's best stays
+    assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "openclip").value == 0.07
+    for run in bench_stat_eff.tune_runs(study, "scenes", 64, "fastclip-v3"):  # an interior best: no edge run
+        write(run, 0.5 + (run.value == 0.6) * 0.1)
+    assert bench_stat_eff.edge_run(study, tmp_path, "scenes", 64, "fastclip-v3") is None
+    assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "fastclip-v3").value == 0.6
+    tuned = bench_stat_eff.summarize(study, tmp_path)["groups"][0]["tune"]["openclip"]
+    assert [(r["lr"], r["temperature"]) for r in tuned][-1] == (2e-3, 0.1)  # the report shows the edge run
+
+
 def test_stat_eff_variants_controls_and_baselines(tmp_path):
     """A variant runs its loss with its options under its own id; an ablation is compared with the chosen setting
     of each variant it names; the report sets v3 against every baseline that has seeds."""
@@ -92,6 +128,7 @@ def test_stat_eff_variants_controls_and_baselines(tmp_path):
         extra_lrs={},
         seeds=(1, 2),
         knobs={k: bench_stat_eff.STUDY["knobs"][k] for k in ("openclip", "fastclip-v3", "openclip-fixed-tau")},
+        knob_edges={},
         ablations=[
             Ablation(
                 Run("scenes", 64, "openclip-fixed-tau", 1e-3, "temperature", 0.07, 0, "tune"),

@@ -13,7 +13,8 @@ Protocol (every knob is in STUDY below):
   γ decays (cosine) from 1 to γ_min over the first half of the epochs.
 - tuning: every loss gets the same budget, the same 3 learning rates x 2 values of its own key knob, run
   with seed 0 and scored on the `val` split at the end (scenes: mean R@1 of both retrieval directions; glyphs:
-  mean zero-shot top-1). The best setting per loss is then run with SEEDS fresh seeds evaluated on `test`
+  mean zero-shot top-1), plus one run at the best lr with the knob one step past the edge the best sits on.
+  The best setting per loss is then run with SEEDS fresh seeds evaluated on `test`
   after every epoch (the curves) and on `novel` (unseen attribute combinations) at the end.
 - headline: the samples fastclip-v3 (mean over seeds) needs to reach each baseline's final score, as a ratio, and
   the paired difference seed by seed; the baselines are openclip (τ learned) and InfoNCE at a tuned constant τ.
@@ -155,7 +156,7 @@ STUDY = dict(
     # 66.8 against 60.2 % val at batch 64.
     knob_edges={
         "openclip": (0.02, 0.1),
-        "fastclip-v3": (0.4, 1.1),
+        "fastclip-v3": (0.4, 1.1),  # ρ above ln(B-1) (rho_frac > 1): τ runs to its floor, as with the library's ρ 8
         "fastclip-v1": (0.02, 0.1),
         "fastclip-v2": (0.4, 1.1),
         "fastclip-v0": (0.02, 0.1),
@@ -177,9 +178,10 @@ STUDY = dict(
         Ablation(Run("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.85, 0, "tune", 0.8, 1e-2), (1, 2, 3)),
         Ablation(Run("glyphs", 128, "fastclip-v3", 2e-3, "rho_frac", 0.6, 0, "tune", 0.8, 1e-2), (1, 2, 3)),
         # Is v3's lead the estimator or the temperature? InfoNCE with τ frozen at 0.07 (openclip's chosen lr and
-        # initial τ) against fastclip-v1's chosen setting, which is GCL at the same constant τ and lr (5e-4, 0.07):
-        # only the estimate of each anchor's negative mass differs (the batch's, or the moving average u). τ frozen
-        # at 0.1, about where v3's learned τ ends, was the second control: it is a grid point of openclip-fixed-tau.
+        # initial τ before its edge run) against fastclip-v1's chosen setting, which was GCL at the same constant τ
+        # and lr (5e-4, 0.07): only the estimate of each anchor's negative mass differs (the batch's, or the moving
+        # average u). τ frozen at 0.1, about where v3's learned τ ends, was the second control: it is a grid point of
+        # openclip-fixed-tau. Its tuning run is also the constant τ's edge run at batch 64 (one run, one id).
         Ablation(
             Run("scenes", 64, "openclip-fixed-tau", 5e-4, "temperature", 0.07, 0, "tune"),
             (1, 2, 3),
@@ -403,7 +405,7 @@ def ablation_pairs(study: dict, results: Path) -> list[dict]:
     for a in study["ablations"]:
         r = a.run
         for against in a.against or (r.loss,):
-            best = chosen(study, results, r.dataset, r.global_batch, against)
+            best = chosen(study, results, r.dataset, r.global_batch, against, provisional=True)
             if not a.seeds or best is None:
                 continue
             metric, diffs, used = PRIMARY[r.dataset], [], []
@@ -428,9 +430,15 @@ def ablation_pairs(study: dict, results: Path) -> list[dict]:
 
 def plan(study: dict, results: Path) -> list[Run]:
     """Every run of the study in priority order; seed runs need their group's tuning to be complete."""
+    runs = ablation_runs(study) + group_runs(study, results)  # single runs first
+    return list({r.id: r for r in runs}.values())  # once each: an ablation's run may also be a grid run
+
+
+def group_runs(study: dict, results: Path) -> list[Run]:
+    """Dataset by dataset: the headline losses through its groups, then the rest; a loss's tuning, then its seeds."""
     headline = [v for v in study["knobs"] if v in study["headline"]]
     others = [v for v in study["knobs"] if v not in study["headline"]]
-    runs = ablation_runs(study)  # single runs first, then dataset by dataset: the headline losses, then the rest
+    runs = []
     datasets = list(dict.fromkeys(dataset for dataset, _ in study["order"]))
     for dataset, losses in ((d, losses) for d in datasets for losses in (headline, others)):
         for gb in (gb for d, gb in study["order"] if d == dataset):
@@ -458,17 +466,25 @@ def load_result(results: Path, run: Run) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def chosen(study: dict, results: Path, dataset: str, gb: int, loss: str) -> Run | None:
-    """The best tuning run of `loss` (final val score), once all of its tuning runs are done (its edge run too)."""
+def chosen(study: dict, results: Path, dataset: str, gb: int, loss: str, *, provisional: bool = False) -> Run | None:
+    """The best tuning run of `loss` (final val score), once all of its tuning runs are done (its edge run too).
+    `provisional` (the report): the grid's best while its edge run is still to run, so results already measured
+    stay in the tables until the edge run decides (edge_pending says which)."""
     done = [(load_result(results, r), r) for r in tune_runs(study, dataset, gb, loss)]
     if any(res is None for res, _ in done):
         return None
     extra = edge_run(study, results, dataset, gb, loss)
-    if extra is not None:
-        done.append((load_result(results, extra), extra))
-        if done[-1][0] is None:
-            return None
+    if extra is not None and (res := load_result(results, extra)) is not None:
+        done.append((res, extra))
+    elif extra is not None and not provisional:
+        return None
     return max(done, key=lambda d: d[0]["final_score"])[1]
+
+
+def edge_pending(study: dict, results: Path, dataset: str, gb: int, loss: str) -> bool:
+    """Whether the loss's grid is done and its edge run is not."""
+    extra = edge_run(study, results, dataset, gb, loss)
+    return extra is not None and load_result(results, extra) is None
 
 
 # ----------------------------------------------------------------------------- data
@@ -726,7 +742,8 @@ def paired_difference(study: dict, results: Path, dataset: str, gb: int, metric:
     """v3 − baseline in the final test `metric`, seed by seed (same seed: same initial towers and data order),
     as (mean, std, [per seed]); None until both have a common seed."""
     diffs = []
-    a, b = chosen(study, results, dataset, gb, baseline), chosen(study, results, dataset, gb, "fastclip-v3")
+    a = chosen(study, results, dataset, gb, baseline, provisional=True)
+    b = chosen(study, results, dataset, gb, "fastclip-v3", provisional=True)
     for seed in study["seeds"]:
         ra = load_result(results, Run(dataset, gb, baseline, a.lr, a.knob, a.value, seed, "seed", a.gamma_min))
         rb = load_result(results, Run(dataset, gb, "fastclip-v3", b.lr, b.knob, b.value, seed, "seed", b.gamma_min))
@@ -751,7 +768,7 @@ def summarize(study: dict, results: Path) -> dict:
                 res = load_result(results, run)
                 rows.append({"lr": run.lr, knob: run.value, "val_score": None if res is None else res["final_score"]})
             tune[loss] = rows
-            best = chosen(study, results, dataset, gb, loss)
+            best = chosen(study, results, dataset, gb, loss, provisional=True)
             if best is None:
                 continue
             done = [
@@ -768,6 +785,7 @@ def summarize(study: dict, results: Path) -> dict:
                 continue
             entry = {
                 "setting": {"lr": best.lr, best.knob: best.value},
+                "edge_pending": edge_pending(study, results, dataset, gb, loss),
                 "seeds_done": len(done),
                 "curves": {m: mean_curve(done, m) for m in METRICS},
             }
@@ -832,7 +850,8 @@ def markdown(result: dict) -> str:
         for loss, e in g["seeds"].items():
             tau = e.get("final_tau")
             lines.append(
-                f"| {loss} | {', '.join(f'{k} {v:g}' for k, v in e['setting'].items())} | "
+                f"| {loss} | {', '.join(f'{k} {v:g}' for k, v in e['setting'].items())}"
+                f"{' (best of the grid; its edge run is still to run)' if e.get('edge_pending') else ''} | "
                 f"{e['seeds_done']} | {_fmt(e.get('test_zeroshot_top1'))} | "
                 f"{_fmt(e.get('test_retrieval_R@1'))} | {_fmt(e.get('novel_zeroshot_top1'))} | "
                 f"{_fmt(e.get('novel_retrieval_R@1'))} | {_fmt(e.get('train_retrieval_R@1'))} | "
@@ -964,7 +983,7 @@ def plot(result: dict, path: Path) -> None:
 def extra_runs(study: dict, results: Path) -> list[dict]:
     """Finished runs outside the current plan: ablations (e.g. γ_min 0.2) and settings the grid no longer
     holds, with their final score, so nothing measured disappears from the report."""
-    planned = {r.id for r in plan(study, results)} - {r.id for r in ablation_runs(study)}
+    planned = {r.id for r in group_runs(study, results)}
     out = []
     for path in sorted((results / "runs").glob("*.json")):
         r = json.loads(path.read_text())

@@ -1,5 +1,6 @@
 """The benchmark programs: their arithmetic, and a smoke run of every program that writes RESULTS.md."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -116,6 +117,50 @@ def test_stat_eff_edge_run_extends_the_grid_by_one_step_on_the_best_side(tmp_pat
     assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "fastclip-v3").value == 0.6
     tuned = bench_stat_eff.summarize(study, tmp_path)["groups"][0]["tune"]["openclip"]
     assert [(r["lr"], r["temperature"]) for r in tuned][-1] == (2e-3, 0.1)  # the report shows the edge run
+
+
+def test_stat_eff_edge_run_below_the_grid_decides_the_seeds_and_the_report_keeps_results_meanwhile(tmp_path):
+    """The best at the grid's lowest value gets the step below; the seeds follow the edge run once it wins; while it
+    is pending the report keeps the grid's best (marked) and its seeds; an ablation with the edge run's id is one run
+    of the plan and not listed as outside the protocol."""
+    shared = bench_stat_eff.Run("scenes", 64, "fastclip-v3", 1e-3, "rho_frac", 0.4, 0, "tune", 0.8)
+    study = dict(
+        bench_stat_eff.STUDY,
+        order=[("scenes", 64)],
+        lrs=(1e-3, 2e-3),
+        extra_lrs={},
+        seeds=(1, 2),
+        headline=("fastclip-v3",),
+        knobs={"fastclip-v3": ("rho_frac", (0.6, 0.85))},
+        knob_edges={"fastclip-v3": (0.4, 1.1)},
+        ablations=[Ablation(shared, ())],
+    )
+    (tmp_path / "runs").mkdir()
+
+    def write(run, score):
+        curve = [{"samples_seen": 100, "retrieval/image_to_text_R@1": score, "retrieval/text_to_image_R@1": score}]
+        record = {"id": run.id, "run": {"phase": run.phase}, "final_score": score, "tau": []}
+        (tmp_path / "runs" / f"{run.id}.json").write_text(json.dumps({**record, "curve": curve, "final": curve[-1]}))
+
+    for run in bench_stat_eff.tune_runs(study, "scenes", 64, "fastclip-v3"):  # best: lr 1e-3, ρ 0.6 (the lowest)
+        write(run, 0.5 + (run.lr == 1e-3) * 0.1 + (run.value == 0.6) * 0.05)
+    edge = bench_stat_eff.edge_run(study, tmp_path, "scenes", 64, "fastclip-v3")
+    assert edge == shared
+    planned = [r.id for r in bench_stat_eff.plan(study, tmp_path)]
+    assert planned.count(shared.id) == 1 and not any(r.endswith("_seed") for r in planned)
+    grid_best = bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "fastclip-v3", provisional=True)
+    assert grid_best.value == 0.6
+    for seed in (1, 2):  # seeds of the grid's best, run before the edge rule existed
+        write(dataclasses.replace(grid_best, seed=seed, phase="seed"), 0.3)
+    entry = bench_stat_eff.summarize(study, tmp_path)["groups"][0]["seeds"]["fastclip-v3"]
+    assert entry["edge_pending"] and entry["setting"]["rho_frac"] == 0.6 and entry["seeds_done"] == 2
+    write(edge, 0.9)  # the step below wins: its seeds are planned, the old ones are outside the protocol
+    seeds = [r for r in bench_stat_eff.plan(study, tmp_path) if r.phase == "seed"]
+    assert [(r.seed, r.value, r.lr) for r in seeds] == [(1, 0.4, 1e-3), (2, 0.4, 1e-3)]
+    outside = {r["id"] for r in bench_stat_eff.extra_runs(study, tmp_path)}
+    assert shared.id not in outside
+    assert outside == {dataclasses.replace(grid_best, seed=s, phase="seed").id for s in (1, 2)}
+    assert "fastclip-v3" not in bench_stat_eff.summarize(study, tmp_path)["groups"][0]["seeds"]  # none run yet
 
 
 def test_stat_eff_variants_controls_and_baselines(tmp_path):

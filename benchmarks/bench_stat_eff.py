@@ -738,18 +738,37 @@ def mean_curve(results: list[dict], metric: str) -> list[tuple[int, float, float
 PRIMARY = {"scenes": "retrieval_R@1", "glyphs": "zeroshot_top1"}
 
 
-def paired_difference(study: dict, results: Path, dataset: str, gb: int, metric: str, baseline: str = "openclip"):
-    """v3 − baseline in the final test `metric`, seed by seed (same seed: same initial towers and data order),
-    as (mean, std, [per seed]); None until both have a common seed."""
-    diffs = []
+def paired_records(study: dict, results: Path, dataset: str, gb: int, baseline: str = "openclip"):
+    """(seed, baseline's record, v3's record) for each test seed both chosen settings have run."""
     a = chosen(study, results, dataset, gb, baseline, provisional=True)
     b = chosen(study, results, dataset, gb, "fastclip-v3", provisional=True)
+    out = []
     for seed in study["seeds"]:
         ra = load_result(results, Run(dataset, gb, baseline, a.lr, a.knob, a.value, seed, "seed", a.gamma_min))
         rb = load_result(results, Run(dataset, gb, "fastclip-v3", b.lr, b.knob, b.value, seed, "seed", b.gamma_min))
         if ra and rb:
-            diffs.append(METRICS[metric](rb["final"]) - METRICS[metric](ra["final"]))
+            out.append((seed, ra, rb))
+    return out
+
+
+def paired_difference(study: dict, results: Path, dataset: str, gb: int, metric: str, baseline: str = "openclip"):
+    """v3 − baseline in the final test `metric`, seed by seed (same seed: same initial towers and data order),
+    as (mean, std, [per seed]); None until both have a common seed."""
+    pairs = paired_records(study, results, dataset, gb, baseline)
+    diffs = [METRICS[metric](rb["final"]) - METRICS[metric](ra["final"]) for _, ra, rb in pairs]
     return (*_mean_std(diffs), diffs) if diffs else None
+
+
+def by_seed(study: dict, results: Path, dataset: str, gb: int, metric: str, baseline: str) -> list[dict]:
+    """Per common seed, the baseline's and v3's final `metric` on test and on the train-split sample: whether v3's
+    lead follows how far a seed's training got (every loss shares a seed's towers and data order)."""
+    rows = []
+    for seed, ra, rb in paired_records(study, results, dataset, gb, baseline):
+        row = {"seed": seed, "baseline_test": METRICS[metric](ra["final"]), "v3_test": METRICS[metric](rb["final"])}
+        if "train" in ra and "train" in rb:
+            row.update(baseline_train=METRICS[metric](ra["train"]), v3_train=METRICS[metric](rb["train"]))
+        rows.append(row)
+    return rows
 
 
 def paired_t(paired) -> float:
@@ -806,6 +825,7 @@ def summarize(study: dict, results: Path) -> dict:
             group["against"][baseline] = {
                 "v3_speedup": None if need is None else ref[-1][0] / need,
                 "v3_minus_baseline_paired": paired_difference(study, results, dataset, gb, m, baseline),
+                "by_seed": by_seed(study, results, dataset, gb, m, baseline),
             }
         groups.append(group)
     return {
@@ -815,6 +835,18 @@ def summarize(study: dict, results: Path) -> dict:
         | {"extra_lrs": {f"{d} {gb}": list(v) for (d, gb), v in study.get("extra_lrs", {}).items()}},
         "groups": groups,
     }
+
+
+def _by_seed_line(rows: list[dict], baseline: str) -> str:
+    """' By seed, test (train) of baseline → v3: s1 46.8 (60.2) → 47.5 (58.5), ...' (empty without train scores)."""
+    if not rows or any("baseline_train" not in r for r in rows):
+        return ""
+    cells = [
+        f"s{r['seed']} {100 * r['baseline_test']:.1f} ({100 * r['baseline_train']:.1f}) → "
+        f"{100 * r['v3_test']:.1f} ({100 * r['v3_train']:.1f})"
+        for r in rows
+    ]
+    return f" By seed, test (train) score of {baseline} → fastclip-v3: {'; '.join(cells)}."
 
 
 def _fmt(ms) -> str:
@@ -875,6 +907,7 @@ def markdown(result: dict) -> str:
                     if paired
                     else ""
                 )
+                + _by_seed_line(h.get("by_seed", []), baseline)
             )
         n_settings = max(len(rows) for rows in g["tune"].values())
         lines += [

@@ -203,6 +203,7 @@ def test_stat_eff_variants_controls_and_baselines(tmp_path):
                 for x, y in ((50, score / 2), (100, score))
             ]
             record = {"final_score": score, "curve": curve, "final": curve[-1], "tau": []}
+            record["train"] = {k: v + 0.1 for k, v in curve[-1].items() if k.startswith("retrieval/")}
         (tmp_path / "runs" / f"{run.id}.json").write_text(json.dumps(record))
 
     for loss in study["knobs"]:
@@ -216,6 +217,12 @@ def test_stat_eff_variants_controls_and_baselines(tmp_path):
     assert paired[2] == pytest.approx([0.11, 0.12])
     # v3 (mean 0.715 at 100 samples, linear from 0) reaches the fixed-τ baseline's 0.6 at 0.6/0.715·100 samples
     assert group["against"]["openclip-fixed-tau"]["v3_speedup"] == pytest.approx(0.715 / 0.6)
+    rows = group["against"]["openclip"]["by_seed"]  # each seed's test and train-sample scores, side by side
+    assert [r["seed"] for r in rows] == [1, 2]
+    keys = ("baseline_test", "v3_test", "baseline_train", "v3_train")
+    assert [r[k] for r in rows for k in keys] == pytest.approx([0.5, 0.71, 0.6, 0.81, 0.5, 0.72, 0.6, 0.82])
+    text = bench_stat_eff._by_seed_line(rows, "openclip")
+    assert "s1 50.0 (60.0) → 71.0 (81.0); s2 50.0 (60.0) → 72.0 (82.0)" in text
     pairs = bench_stat_eff.ablation_pairs(study, tmp_path)
     assert [p["chosen"].split()[0] for p in pairs] == ["openclip", "fastclip-v3"]
     assert pairs[1]["differences"] == pytest.approx([0.6 + 0.0 - 0.71])  # fixed τ 0.07 (0.6) − v3 seed 1 (0.71)

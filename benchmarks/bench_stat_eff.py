@@ -738,23 +738,35 @@ def mean_curve(results: list[dict], metric: str) -> list[tuple[int, float, float
 PRIMARY = {"scenes": "retrieval_R@1", "glyphs": "zeroshot_top1"}
 
 
-def paired_records(study: dict, results: Path, dataset: str, gb: int, baseline: str = "openclip"):
-    """(seed, baseline's record, v3's record) for each test seed both chosen settings have run."""
+def paired_records(
+    study: dict, results: Path, dataset: str, gb: int, baseline: str = "openclip", loss: str = "fastclip-v3"
+):
+    """(seed, baseline's record, `loss`'s record) for each test seed both chosen settings have run."""
     a = chosen(study, results, dataset, gb, baseline, provisional=True)
-    b = chosen(study, results, dataset, gb, "fastclip-v3", provisional=True)
+    b = chosen(study, results, dataset, gb, loss, provisional=True)
     out = []
+    if a is None or b is None:
+        return out
     for seed in study["seeds"]:
         ra = load_result(results, Run(dataset, gb, baseline, a.lr, a.knob, a.value, seed, "seed", a.gamma_min))
-        rb = load_result(results, Run(dataset, gb, "fastclip-v3", b.lr, b.knob, b.value, seed, "seed", b.gamma_min))
+        rb = load_result(results, Run(dataset, gb, loss, b.lr, b.knob, b.value, seed, "seed", b.gamma_min))
         if ra and rb:
             out.append((seed, ra, rb))
     return out
 
 
-def paired_difference(study: dict, results: Path, dataset: str, gb: int, metric: str, baseline: str = "openclip"):
-    """v3 − baseline in the final test `metric`, seed by seed (same seed: same initial towers and data order),
+def paired_difference(
+    study: dict,
+    results: Path,
+    dataset: str,
+    gb: int,
+    metric: str,
+    baseline: str = "openclip",
+    loss: str = "fastclip-v3",
+):
+    """`loss` − baseline in the final test `metric`, seed by seed (same seed: same initial towers and data order),
     as (mean, std, [per seed]); None until both have a common seed."""
-    pairs = paired_records(study, results, dataset, gb, baseline)
+    pairs = paired_records(study, results, dataset, gb, baseline, loss)
     diffs = [METRICS[metric](rb["final"]) - METRICS[metric](ra["final"]) for _, ra, rb in pairs]
     return (*_mean_std(diffs), diffs) if diffs else None
 
@@ -827,6 +839,17 @@ def summarize(study: dict, results: Path) -> dict:
                 "v3_minus_baseline_paired": paired_difference(study, results, dataset, gb, m, baseline),
                 "by_seed": by_seed(study, results, dataset, gb, m, baseline),
             }
+        # the other losses against each baseline, seed by seed (v1 against InfoNCE at the same constant τ and lr:
+        # the estimator alone differs)
+        group["variants_against"] = {
+            loss: {
+                b: p
+                for b in BASELINES
+                if b in seeds and (p := paired_difference(study, results, dataset, gb, m, b, loss))
+            }
+            for loss in seeds
+            if loss not in BASELINES and loss != "fastclip-v3"
+        }
         groups.append(group)
     return {
         "study": {k: v for k, v in study.items() if k not in ("order", "extra_lrs", "ablations")}
@@ -908,6 +931,15 @@ def markdown(result: dict) -> str:
                     else ""
                 )
                 + _by_seed_line(h.get("by_seed", []), baseline)
+            )
+        others = [(loss, b, p) for loss, against in g.get("variants_against", {}).items() for b, p in against.items()]
+        if others:
+            lines += ["", f"The other losses against the baselines, seed by seed ({g['primary_metric']} on test):", ""]
+        for loss, baseline, (mean, std, diffs) in others:
+            lines.append(
+                f"- {loss} − {baseline} = {100 * mean:+.1f} ± {100 * std:.1f} points "
+                f"({', '.join(f'{100 * d:+.1f}' for d in diffs)}): {loss} ahead in {sum(d > 0 for d in diffs)} of "
+                f"{len(diffs)} seeds"
             )
         n_settings = max(len(rows) for rows in g["tune"].values())
         lines += [

@@ -172,7 +172,10 @@ def test_stat_eff_variants_controls_and_baselines(tmp_path):
         lrs=(1e-3,),
         extra_lrs={},
         seeds=(1, 2),
-        knobs={k: bench_stat_eff.STUDY["knobs"][k] for k in ("openclip", "fastclip-v3", "openclip-fixed-tau")},
+        knobs={
+            k: bench_stat_eff.STUDY["knobs"][k]
+            for k in ("openclip", "fastclip-v3", "openclip-fixed-tau", "fastclip-v1")
+        },
         knob_edges={},
         ablations=[
             Ablation(
@@ -191,7 +194,7 @@ def test_stat_eff_variants_controls_and_baselines(tmp_path):
     assert bench_stat_eff.loss_args(sep, study)[-2:] == ["--loss.separate_temperatures", "true"]
     # every run done: final test R@1 = 0.5 (openclip), 0.6 (fixed τ), 0.7 (v3) after 100 samples, half of it at 50
     (tmp_path / "runs").mkdir()
-    final = {"openclip": 0.5, "openclip-fixed-tau": 0.6, "fastclip-v3": 0.7}
+    final = {"openclip": 0.5, "openclip-fixed-tau": 0.6, "fastclip-v3": 0.7, "fastclip-v1": 0.65}
 
     def write(run):
         if run.phase == "tune":
@@ -217,6 +220,11 @@ def test_stat_eff_variants_controls_and_baselines(tmp_path):
     assert paired[2] == pytest.approx([0.11, 0.12])
     # v3 (mean 0.715 at 100 samples, linear from 0) reaches the fixed-τ baseline's 0.6 at 0.6/0.715·100 samples
     assert group["against"]["openclip-fixed-tau"]["v3_speedup"] == pytest.approx(0.715 / 0.6)
+    # a variant against each baseline, seed by seed (v1's seeds beyond the study's test seeds are not paired)
+    v1 = group["variants_against"]["fastclip-v1"]
+    assert set(v1) == {"openclip", "openclip-fixed-tau"} and set(group["variants_against"]) == {"fastclip-v1"}
+    assert v1["openclip-fixed-tau"][2] == pytest.approx([0.05, 0.05])
+    assert v1["openclip"][0] == pytest.approx(0.15) and v1["openclip"][1] == pytest.approx(0.0)
     rows = group["against"]["openclip"]["by_seed"]  # each seed's test and train-sample scores, side by side
     assert [r["seed"] for r in rows] == [1, 2]
     keys = ("baseline_test", "v3_test", "baseline_train", "v3_train")

@@ -364,19 +364,29 @@ def tune_runs(study: dict, dataset: str, gb: int, loss: str) -> list[Run]:
     ]
 
 
-def edge_run(study: dict, results: Path, dataset: str, gb: int, loss: str) -> Run | None:
-    """The grid's extra run (knob_edges) once the grid is done: the best run's lr, the knob one step past the edge
-    the best value sits on; None while the grid runs or where the loss has no steps (or its best is interior)."""
-    grid = tune_runs(study, dataset, gb, loss)
+def _grid_results(study: dict, results: Path, dataset: str, gb: int, loss: str) -> list[tuple[dict, Run]] | None:
+    """(result, run) of every grid point of `loss`, or None while any is still to run."""
+    done = [(load_result(results, r), r) for r in tune_runs(study, dataset, gb, loss)]
+    return None if any(res is None for res, _ in done) else done
+
+
+def _edge_of(study: dict, loss: str, grid: list[tuple[dict, Run]]) -> Run | None:
+    """The edge run of a finished grid: the best run's lr, the knob one step past the edge its value sits on."""
     edges = study.get("knob_edges", {}).get(loss)
-    done = [(load_result(results, r), r) for r in grid]
-    if edges is None or any(res is None for res, _ in done):
+    if edges is None:
         return None
-    best = max(done, key=lambda d: d[0]["final_score"])[1]
+    best = max(grid, key=lambda d: d[0]["final_score"])[1]
     values = study["knobs"][loss][1]
     if best.value not in (min(values), max(values)):
         return None
     return dataclasses.replace(best, value=edges[0] if best.value == min(values) else edges[1])
+
+
+def edge_run(study: dict, results: Path, dataset: str, gb: int, loss: str) -> Run | None:
+    """The grid's extra run (knob_edges) once the grid is done: the best run's lr, the knob one step past the edge
+    the best value sits on; None while the grid runs or where the loss has no steps (or its best is interior)."""
+    grid = _grid_results(study, results, dataset, gb, loss)
+    return None if grid is None else _edge_of(study, loss, grid)
 
 
 def all_tune_runs(study: dict, results: Path, dataset: str, gb: int, loss: str) -> list[Run]:
@@ -481,10 +491,10 @@ def chosen(study: dict, results: Path, dataset: str, gb: int, loss: str, *, prov
     """The best tuning run of `loss` (final val score), once all of its tuning runs are done (its edge run too).
     `provisional` (the report): the grid's best while its edge run is still to run, so results already measured
     stay in the tables until the edge run decides (edge_pending says which)."""
-    done = [(load_result(results, r), r) for r in tune_runs(study, dataset, gb, loss)]
-    if any(res is None for res, _ in done):
+    done = _grid_results(study, results, dataset, gb, loss)
+    if done is None:
         return None
-    extra = edge_run(study, results, dataset, gb, loss)
+    extra = _edge_of(study, loss, done)
     if extra is not None and (res := load_result(results, extra)) is not None:
         done.append((res, extra))
     elif extra is not None and not provisional:
@@ -766,6 +776,12 @@ def paired_records(
     return out
 
 
+def _paired_stats(pairs: list, metric: str):
+    """(mean, std, [per seed]) of `loss` − baseline over paired_records' pairs; None without a pair."""
+    diffs = [METRICS[metric](rb["final"]) - METRICS[metric](ra["final"]) for _, ra, rb in pairs]
+    return (*_mean_std(diffs), diffs) if diffs else None
+
+
 def paired_difference(
     study: dict,
     results: Path,
@@ -777,16 +793,14 @@ def paired_difference(
 ):
     """`loss` − baseline in the final test `metric`, seed by seed (same seed: same initial towers and data order),
     as (mean, std, [per seed]); None until both have a common seed."""
-    pairs = paired_records(study, results, dataset, gb, baseline, loss)
-    diffs = [METRICS[metric](rb["final"]) - METRICS[metric](ra["final"]) for _, ra, rb in pairs]
-    return (*_mean_std(diffs), diffs) if diffs else None
+    return _paired_stats(paired_records(study, results, dataset, gb, baseline, loss), metric)
 
 
-def by_seed(study: dict, results: Path, dataset: str, gb: int, metric: str, baseline: str) -> list[dict]:
-    """Per common seed, the baseline's and v3's final `metric` on test and on the train-split sample: whether v3's
-    lead follows how far a seed's training got (every loss shares a seed's towers and data order)."""
+def by_seed(pairs: list, metric: str) -> list[dict]:
+    """Per pair of paired_records, the baseline's and v3's final `metric` on test and on the train-split sample:
+    whether v3's lead follows how far a seed's training got (every loss shares a seed's towers and data order)."""
     rows = []
-    for seed, ra, rb in paired_records(study, results, dataset, gb, baseline):
+    for seed, ra, rb in pairs:
         row = {"seed": seed, "baseline_test": METRICS[metric](ra["final"]), "v3_test": METRICS[metric](rb["final"])}
         if "train" in ra and "train" in rb:
             row.update(baseline_train=METRICS[metric](ra["train"]), v3_train=METRICS[metric](rb["train"]))
@@ -845,10 +859,11 @@ def summarize(study: dict, results: Path) -> dict:
         for baseline in (b for b in BASELINES if b in seeds and "fastclip-v3" in seeds):
             ref = seeds[baseline]["curves"][m]
             need = samples_to_reach([(s, mu) for s, mu, _ in seeds["fastclip-v3"]["curves"][m]], ref[-1][1])
+            pairs = paired_records(study, results, dataset, gb, baseline)
             group["against"][baseline] = {
                 "v3_speedup": None if need is None else ref[-1][0] / need,
-                "v3_minus_baseline_paired": paired_difference(study, results, dataset, gb, m, baseline),
-                "by_seed": by_seed(study, results, dataset, gb, m, baseline),
+                "v3_minus_baseline_paired": _paired_stats(pairs, m),
+                "by_seed": by_seed(pairs, m),
             }
         # the other losses against each baseline, seed by seed (v1 against InfoNCE at the same constant τ and lr:
         # the estimator alone differs)
@@ -869,6 +884,15 @@ def summarize(study: dict, results: Path) -> dict:
         | {"extra_lrs": {f"{d} {gb}": list(v) for (d, gb), v in study.get("extra_lrs", {}).items()}},
         "groups": groups,
     }
+
+
+def _paired_words(paired, who: str) -> str:
+    """'+5.5 ± 5.5 points (+0.7, -0.6, ...): v3 ahead in 5 of 6 seeds' from (mean, std, [per seed])."""
+    mean, std, diffs = paired
+    return (
+        f"{100 * mean:+.1f} ± {100 * std:.1f} points ({', '.join(f'{100 * d:+.1f}' for d in diffs)}): {who} ahead "
+        f"in {sum(d > 0 for d in diffs)} of {len(diffs)} seeds"
+    )
 
 
 def _by_seed_line(rows: list[dict], baseline: str) -> str:
@@ -930,9 +954,8 @@ def markdown(result: dict) -> str:
                 f"{baseline}'s final value "
                 + (f"with **{sp:.2f}x** fewer samples." if sp else "**not** within the run.")
                 + (
-                    f" Seed by seed (same initial towers and data order) v3 − {baseline} = {100 * paired[0]:+.1f} ± "
-                    f"{100 * paired[1]:.1f} points ({', '.join(f'{100 * d:+.1f}' for d in paired[2])}): v3 ahead "
-                    f"in {sum(d > 0 for d in paired[2])} of {len(paired[2])} seeds"
+                    f" Seed by seed (same initial towers and data order) v3 − {baseline} = "
+                    + _paired_words(paired, "v3")
                     + (
                         f", paired t = {paired_t(paired):.2f} with {len(paired[2]) - 1} degrees of freedom."
                         if len(paired[2]) > 1 and paired[1] > 0
@@ -947,11 +970,7 @@ def markdown(result: dict) -> str:
         if others:
             lines += ["", f"The other losses against the baselines, seed by seed ({g['primary_metric']} on test):", ""]
         for loss, baseline, (mean, std, diffs) in others:
-            lines.append(
-                f"- {loss} − {baseline} = {100 * mean:+.1f} ± {100 * std:.1f} points "
-                f"({', '.join(f'{100 * d:+.1f}' for d in diffs)}): {loss} ahead in {sum(d > 0 for d in diffs)} of "
-                f"{len(diffs)} seeds"
-            )
+            lines.append(f"- {loss} − {baseline} = {_paired_words((mean, std, diffs), loss)}")
         n_settings = max(len(rows) for rows in g["tune"].values())
         lines += [
             "",

@@ -112,8 +112,8 @@ STUDY = dict(
     },
     # glyphs at 128 before 32: configs/embedded.yaml trains the glyphs at global batch 128
     order=[("scenes", 64), ("scenes", 32), ("scenes", 128), ("glyphs", 64), ("glyphs", 128), ("glyphs", 32)],
-    # Dataset by dataset (the scenes first: on the glyphs every loss ties, see RESULTS), the headline losses go
-    # through its groups first, then the other variants.
+    # The headline losses go through every group of both datasets (the scenes first: on the glyphs every loss ties,
+    # see RESULTS), then the other variants: the headline rows of both datasets are complete before the variants'.
     headline=("openclip", "fastclip-v3", "openclip-fixed-tau"),
     # γ_min 0.8 (the library's default), not the CC3M recipe's 0.2: with each sample revisited once per epoch (94
     # steps at batch 64) the stored u exceeds the batch's g by e^1-e^2.4 at 0.2 (u_lag in metrics.jsonl), e^0.1-0.5
@@ -456,12 +456,12 @@ def plan(study: dict, results: Path) -> list[Run]:
 
 
 def group_runs(study: dict, results: Path) -> list[Run]:
-    """Dataset by dataset: the headline losses through its groups, then the rest; a loss's tuning, then its seeds."""
+    """The headline losses through every group of every dataset, then the rest; a loss's tuning, then its seeds."""
     headline = [v for v in study["knobs"] if v in study["headline"]]
     others = [v for v in study["knobs"] if v not in study["headline"]]
     runs = []
     datasets = list(dict.fromkeys(dataset for dataset, _ in study["order"]))
-    for dataset, losses in ((d, losses) for d in datasets for losses in (headline, others)):
+    for losses, dataset in ((losses, d) for losses in (headline, others) for d in datasets):
         for gb in (gb for d, gb in study["order"] if d == dataset):
             for loss in losses:  # a loss's seeds right after its own tuning
                 runs += all_tune_runs(study, results, dataset, gb, loss)

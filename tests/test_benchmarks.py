@@ -84,6 +84,67 @@ def test_stat_eff_plan_runs_the_headline_losses_through_every_dataset_before_the
     ]
 
 
+def test_stat_eff_seed_crossing_runs_the_chosen_setting_with_the_data_seed_crossed(tmp_path):
+    crossing = bench_stat_eff.SeedCrossing("scenes", 64, ("openclip",), ((1, 3), (3, 1)))
+    study = dict(
+        bench_stat_eff.STUDY,
+        order=[("scenes", 64)],
+        lrs=(1e-3,),
+        extra_lrs={},
+        seeds=(1, 3),
+        knobs={"openclip": ("temperature", (0.07,))},
+        knob_edges={},
+        ablations=[],
+        seed_crossings=[crossing],
+    )
+    (tmp_path / "runs").mkdir()
+    assert bench_stat_eff.crossing_runs(study, tmp_path) == []  # nothing chosen yet
+
+    def write(run, test, train):
+        rec = {"retrieval/image_to_text_R@1": test, "retrieval/text_to_image_R@1": test}
+        curve = [{"samples_seen": 640, **rec}]
+        out = {"final_score": test, "final": rec, "curve": curve, "tau": [], "train": {k: train for k in rec}}
+        (tmp_path / "runs" / f"{run.id}.json").write_text(json.dumps(out))
+
+    (grid,) = bench_stat_eff.tune_runs(study, "scenes", 64, "openclip")
+    write(grid, 0.5, 0.6)
+    runs = bench_stat_eff.crossing_runs(study, tmp_path)
+    assert [(r.seed, r.data_seed, r.phase, r.lr, r.value) for r in runs] == [
+        (1, 3, "seed", 1e-3, 0.07),
+        (3, 1, "seed", 1e-3, 0.07),
+    ]
+    assert runs[0].id == "scenes_gb64_openclip_lr0.001_temperature0.07_s1_d3_seed"
+    cmd = bench_stat_eff.command(runs[0], study, _manifest(tmp_path), tmp_path / "r")
+    assert cmd[cmd.index("--train.seed") + 1] == "1" and cmd[cmd.index("--data.seed") + 1] == "3"
+    seed_run = dataclasses.replace(grid, seed=1, phase="seed")
+    assert "--data.seed" not in bench_stat_eff.command(seed_run, study, _manifest(tmp_path), tmp_path / "r")
+    assert {r.id for r in runs} <= {r.id for r in bench_stat_eff.plan(study, tmp_path)}
+    (row,) = bench_stat_eff.crossing_table(study, tmp_path)
+    assert row["towers_effect"] is None and row["cells"]["1x3"] is None
+    # towers 1 -> 3 adds 0.02 whatever the data; data order 1 -> 3 adds 0.10 whatever the towers
+    for (t, d), test in {(1, 1): 0.40, (1, 3): 0.50, (3, 1): 0.42, (3, 3): 0.52}.items():
+        write(dataclasses.replace(grid, seed=t, data_seed=None if t == d else d, phase="seed"), test, test + 0.1)
+    (row,) = bench_stat_eff.crossing_table(study, tmp_path)
+    assert row["towers_effect"] == pytest.approx(0.02) and row["data_effect"] == pytest.approx(0.10)
+    assert row["cells"]["3x1"] == pytest.approx({"test": 0.42, "train": 0.52})
+    text = bench_stat_eff.markdown(
+        {
+            "summary": bench_stat_eff.summarize(study, tmp_path),
+            "seed_crossing": [row],
+            "runs_done": 5,
+            "runs_planned": 5,
+        }
+    )
+    cells = "1×1: 40.0 (50.0) | 1×3: 50.0 (60.0) | 3×1: 42.0 (52.0) | 3×3: 52.0 (62.0)"
+    assert f"| scenes gb64 | openclip | {cells} | +2.0 | +10.0 |" in text
+
+
+def _manifest(root: Path) -> Path:
+    (root / "data" / "train").mkdir(parents=True, exist_ok=True)
+    (root / "data" / "train" / "manifest.json").write_text(json.dumps({"num_samples": 640}))
+    return root / "data"
+
+
 def test_stat_eff_edge_run_extends_the_grid_by_one_step_on_the_best_side(tmp_path):
     study = dict(
         bench_stat_eff.STUDY,

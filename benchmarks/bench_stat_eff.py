@@ -879,10 +879,19 @@ def by_seed(pairs: list, metric: str) -> list[dict]:
     rows = []
     for seed, ra, rb in pairs:
         row = {"seed": seed, "baseline_test": METRICS[metric](ra["final"]), "v3_test": METRICS[metric](rb["final"])}
+        row["v3_speedup"] = seed_speedup(ra, rb, metric)
         if "train" in ra and "train" in rb:
             row.update(baseline_train=METRICS[metric](ra["train"]), v3_train=METRICS[metric](rb["train"]))
         rows.append(row)
     return rows
+
+
+def seed_speedup(baseline: dict, v3: dict, metric: str) -> float | None:
+    """One seed's ratio of the samples the baseline trained on to those v3's test curve needs to reach the baseline's
+    final score (samples_to_reach); None if v3 does not reach it."""
+    target = METRICS[metric](baseline["final"])
+    need = samples_to_reach([(p["samples_seen"], METRICS[metric](p)) for p in v3["curve"]], target)
+    return None if need is None else baseline["final"]["samples_seen"] / max(need, 1e-9)
 
 
 def paired_t(paired) -> float:
@@ -982,7 +991,13 @@ def _by_seed_line(rows: list[dict], baseline: str) -> str:
         f"{100 * r['v3_test']:.1f} ({100 * r['v3_train']:.1f})"
         for r in rows
     ]
-    return f" By seed, test (train) score of {baseline} → fastclip-v3: {'; '.join(cells)}."
+    speedups = [
+        f"s{r['seed']} " + ("not reached" if r.get("v3_speedup") is None else f"{r['v3_speedup']:.2f}x") for r in rows
+    ]
+    return (
+        f" By seed, test (train) score of {baseline} → fastclip-v3: {'; '.join(cells)}. Fewer samples seed by seed "
+        f"(v3's curve against the same seed's final {baseline} score): {', '.join(speedups)}."
+    )
 
 
 def _fmt(ms) -> str:

@@ -195,6 +195,7 @@ def test_stat_eff_edge_run_below_the_grid_decides_the_seeds_and_the_report_keeps
         knobs={"fastclip-v3": ("rho_frac", (0.6, 0.85))},
         knob_edges={"fastclip-v3": (0.4, 1.1)},
         ablations=[Ablation(shared, ())],
+        seed_crossings=[],
     )
     (tmp_path / "runs").mkdir()
 
@@ -290,8 +291,20 @@ def test_stat_eff_variants_controls_and_baselines(tmp_path):
     assert [r["seed"] for r in rows] == [1, 2]
     keys = ("baseline_test", "v3_test", "baseline_train", "v3_train")
     assert [r[k] for r in rows for k in keys] == pytest.approx([0.5, 0.71, 0.6, 0.81, 0.5, 0.72, 0.6, 0.82])
+    # seed 1: v3's curve (50, 0.355) -> (100, 0.71) reaches openclip's 0.5 at 50 + 0.145/0.355·50 samples
+    assert [r["v3_speedup"] for r in rows] == pytest.approx(
+        [100 / (50 + 50 * 0.145 / 0.355), 100 / (50 + 50 * 0.14 / 0.36)]
+    )
     text = bench_stat_eff._by_seed_line(rows, "openclip")
     assert "s1 50.0 (60.0) → 71.0 (81.0); s2 50.0 (60.0) → 72.0 (82.0)" in text
+    assert "same seed's final openclip score): s1 1.42x, s2 1.44x." in text
+
+    def point(seen, r1):
+        return {"samples_seen": seen, "retrieval/image_to_text_R@1": r1, "retrieval/text_to_image_R@1": r1}
+
+    v3_seed = {"curve": [point(50, 0.355), point(100, 0.71)]}
+    assert bench_stat_eff.seed_speedup({"final": point(100, 0.8)}, v3_seed, "retrieval_R@1") is None  # not reached
+    assert bench_stat_eff.seed_speedup({"final": point(100, 0.71)}, v3_seed, "retrieval_R@1") == pytest.approx(1.0)
     pairs = bench_stat_eff.ablation_pairs(study, tmp_path)
     assert [p["chosen"].split()[0] for p in pairs] == ["openclip", "fastclip-v3"]
     assert pairs[1]["differences"] == pytest.approx([0.6 + 0.0 - 0.71])  # fixed τ 0.07 (0.6) − v3 seed 1 (0.71)

@@ -448,6 +448,14 @@ def _crossings(study: dict) -> list[SeedCrossing]:
     ]
 
 
+def _crossing_by_pair(rows: list[dict]) -> dict:
+    """crossing_table's rows as {(dataset, global batch, pair): {loss: row}}."""
+    out: dict = {}
+    for row in rows:
+        out.setdefault((row["dataset"], row["global_batch"], tuple(row["pair"])), {})[row["loss"]] = row
+    return out
+
+
 def crossing_table(study: dict, results: Path) -> list[dict]:
     """Per crossing, loss and pair (a, b): the test and train-sample scores of the four (towers, data) runs a×a,
     a×b, b×a, b×b (the diagonal from the seed runs), and the two effects of changing a for b: of the towers'
@@ -1121,6 +1129,17 @@ def markdown(result: dict) -> str:
             f"{effects[0]} | {effects[1]} |"
         )
     if crossing:
+        lines.append("")
+    for (dataset, gb, _), rows in _crossing_by_pair(crossing).items():
+        if "openclip" in rows and "fastclip-v3" in rows:
+            base, v3 = rows["openclip"]["cells"], rows["fastclip-v3"]["cells"]
+            diffs = [
+                f"{key.replace('x', '×')} {100 * (v3[key]['test'] - base[key]['test']):+.1f}"
+                for key in base
+                if base[key] is not None and v3[key] is not None
+            ]
+            lines.append(f"- {dataset} gb{gb}, fastclip-v3 − openclip in each cell (test): {', '.join(diffs)}")
+    if len(crossing) > 1:
         lines.append("")
     if result.get("extra_runs"):
         lines += [

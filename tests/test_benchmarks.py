@@ -137,6 +137,20 @@ def test_stat_eff_seed_crossing_runs_the_chosen_setting_with_the_data_seed_cross
     )
     cells = "1×1: 40.0 (50.0) | 1×3: 50.0 (60.0) | 3×1: 42.0 (52.0) | 3×3: 52.0 (62.0)"
     assert f"| scenes gb64 | openclip | {cells} | +2.0 | +10.0 |" in text
+    v3 = dict(
+        row, loss="fastclip-v3", cells={k: {"test": v["test"] + 0.05, "train": None} for k, v in row["cells"].items()}
+    )
+    v3["cells"]["3x1"] = None  # still to run
+    text = bench_stat_eff.markdown(
+        {
+            "summary": bench_stat_eff.summarize(study, tmp_path),
+            "seed_crossing": [row, v3],
+            "runs_done": 5,
+            "runs_planned": 9,
+        }
+    )
+    assert "| scenes gb64 | fastclip-v3 | 1×1: 45.0 | 1×3: 55.0 | 3×1: to run | 3×3: 57.0 | +2.0 | +10.0 |" in text
+    assert "- scenes gb64, fastclip-v3 − openclip in each cell (test): 1×1 +5.0, 1×3 +5.0, 3×3 +5.0\n" in text
 
 
 def _manifest(root: Path) -> Path:

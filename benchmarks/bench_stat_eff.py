@@ -115,6 +115,11 @@ class SeedCrossing:
     losses: tuple[str, ...]
     pairs: tuple[tuple[int, int], ...]
 
+    def __post_init__(self):
+        pairs = set(self.pairs)
+        if any(t == d for t, d in pairs) or any((d, t) not in pairs for t, d in pairs):
+            raise ValueError(f"SeedCrossing pairs must be off the diagonal and come both ways, got {self.pairs}")
+
 
 # The whole protocol in one place. rho is given as a fraction of log(global batch - 1): in the faithful RGCL
 # objective the optimal tau makes KL(softmax over negatives || uniform) = rho, which cannot exceed
@@ -432,13 +437,16 @@ def ablation_runs(study: dict) -> list[Run]:
 
 
 def crossing_runs(study: dict, results: Path) -> list[Run]:
-    """The off-diagonal runs of each seed crossing, once its losses have chosen their settings."""
+    """The runs of each seed crossing, once its losses have chosen their settings: the off-diagonal ones, and the
+    diagonal's seed runs (the same ids as the loss's own; planned here too in case the loss has fewer seeds)."""
     runs = []
     for c in _crossings(study):
         for loss in c.losses:
             best = chosen(study, results, c.dataset, c.global_batch, loss)
             if best is not None:
                 runs += [dataclasses.replace(best, seed=t, data_seed=d, phase="seed") for t, d in c.pairs]
+                seeds = sorted({t for t, _ in c.pairs})
+                runs += [dataclasses.replace(best, seed=t, phase="seed") for t in seeds]
     return runs
 
 
@@ -994,20 +1002,24 @@ def _paired_words(paired, who: str) -> str:
 
 
 def _by_seed_line(rows: list[dict], baseline: str) -> str:
-    """' By seed, test (train) of baseline → v3: s1 46.8 (60.2) → 47.5 (58.5), ...' (empty without train scores)."""
-    if not rows or any("baseline_train" not in r for r in rows):
+    """' By seed, test (train) of baseline → v3: s1 46.8 (60.2) → 47.5 (58.5), ... Fewer samples seed by seed ...:
+    s1 1.14x, ...' (the scores only when every seed has train scores; empty without rows)."""
+    if not rows:
         return ""
-    cells = [
-        f"s{r['seed']} {100 * r['baseline_test']:.1f} ({100 * r['baseline_train']:.1f}) → "
-        f"{100 * r['v3_test']:.1f} ({100 * r['v3_train']:.1f})"
-        for r in rows
-    ]
+    text = ""
+    if all("baseline_train" in r for r in rows):
+        cells = [
+            f"s{r['seed']} {100 * r['baseline_test']:.1f} ({100 * r['baseline_train']:.1f}) → "
+            f"{100 * r['v3_test']:.1f} ({100 * r['v3_train']:.1f})"
+            for r in rows
+        ]
+        text = f" By seed, test (train) score of {baseline} → fastclip-v3: {'; '.join(cells)}."
     speedups = [
         f"s{r['seed']} " + ("not reached" if r.get("v3_speedup") is None else f"{r['v3_speedup']:.2f}x") for r in rows
     ]
     return (
-        f" By seed, test (train) score of {baseline} → fastclip-v3: {'; '.join(cells)}. Fewer samples seed by seed "
-        f"(v3's curve against the same seed's final {baseline} score): {', '.join(speedups)}."
+        text + f" Fewer samples seed by seed (v3's curve against the same seed's final {baseline} score): "
+        f"{', '.join(speedups)}."
     )
 
 
@@ -1110,8 +1122,8 @@ def markdown(result: dict) -> str:
         lines += [
             "### Seed crossing: initial towers (train.seed) × data order (data.seed), test (train-sample) score, %",
             "",
-            "| group | loss | towers × data: a×a | a×b | b×a | b×b | effect of the towers a → b | effect of the "
-            "data order a → b |",
+            "| group | loss | towers × data: a×a | a×b | b×a | b×b | effect of the towers a → b (test) | effect "
+            "of the data order a → b (test) |",
             "|---|---|---:|---:|---:|---:|---:|---:|",
         ]
     for row in crossing:
@@ -1131,8 +1143,7 @@ def markdown(result: dict) -> str:
             f"{a}×{b}: {cell(f'{a}x{b}')} | {b}×{a}: {cell(f'{b}x{a}')} | {b}×{b}: {cell(f'{b}x{b}')} | "
             f"{effects[0]} | {effects[1]} |"
         )
-    if crossing:
-        lines.append("")
+    differences = []
     for (dataset, gb, _), rows in _crossing_by_pair(crossing).items():
         if "openclip" in rows and "fastclip-v3" in rows:
             base, v3 = rows["openclip"]["cells"], rows["fastclip-v3"]["cells"]
@@ -1141,9 +1152,11 @@ def markdown(result: dict) -> str:
                 for key in base
                 if base[key] is not None and v3[key] is not None
             ]
-            lines.append(f"- {dataset} gb{gb}, fastclip-v3 − openclip in each cell (test): {', '.join(diffs)}")
-    if len(crossing) > 1:
-        lines.append("")
+            if diffs:
+                differences.append(
+                    f"- {dataset} gb{gb}, fastclip-v3 − openclip in each cell (test): {', '.join(diffs)}"
+                )
+    lines += [""] + differences + ([""] if differences else []) if crossing else []
     if result.get("extra_runs"):
         lines += [
             "### Runs outside the current protocol (ablations, superseded grid points)",
@@ -1221,7 +1234,7 @@ def plot(result: dict, path: Path) -> None:
 def extra_runs(study: dict, results: Path) -> list[dict]:
     """Finished runs outside the current plan: ablations (e.g. γ_min 0.2) and settings the grid no longer
     holds, with their final score, so nothing measured disappears from the report."""
-    planned = {r.id for r in group_runs(study, results)}
+    planned = {r.id for r in group_runs(study, results) + crossing_runs(study, results)}
     out = []
     for path in sorted((results / "runs").glob("*.json")):
         r = json.loads(path.read_text())

@@ -103,7 +103,8 @@ def test_stat_eff_seed_crossing_runs_the_chosen_setting_with_the_data_seed_cross
     def write(run, test, train):
         rec = {"retrieval/image_to_text_R@1": test, "retrieval/text_to_image_R@1": test}
         curve = [{"samples_seen": 640, **rec}]
-        out = {"final_score": test, "final": rec, "curve": curve, "tau": [], "train": {k: train for k in rec}}
+        out = {"id": run.id, "run": {"phase": run.phase}, "final_score": test, "final": rec, "curve": curve}
+        out.update(tau=[], train={k: train for k in rec})
         (tmp_path / "runs" / f"{run.id}.json").write_text(json.dumps(out))
 
     (grid,) = bench_stat_eff.tune_runs(study, "scenes", 64, "openclip")
@@ -112,6 +113,8 @@ def test_stat_eff_seed_crossing_runs_the_chosen_setting_with_the_data_seed_cross
     assert [(r.seed, r.data_seed, r.phase, r.lr, r.value) for r in runs] == [
         (1, 3, "seed", 1e-3, 0.07),
         (3, 1, "seed", 1e-3, 0.07),
+        (1, None, "seed", 1e-3, 0.07),  # the diagonal: the loss's own seed runs
+        (3, None, "seed", 1e-3, 0.07),
     ]
     assert runs[0].id == "scenes_gb64_openclip_lr0.001_temperature0.07_s1_d3_seed"
     cmd = bench_stat_eff.command(runs[0], study, _manifest(tmp_path), tmp_path / "r")
@@ -121,11 +124,13 @@ def test_stat_eff_seed_crossing_runs_the_chosen_setting_with_the_data_seed_cross
     assert {r.id for r in runs} <= {r.id for r in bench_stat_eff.plan(study, tmp_path)}
     (row,) = bench_stat_eff.crossing_table(study, tmp_path)
     assert row["towers_effect"] is None and row["cells"]["1x3"] is None
-    # towers 1 -> 3 adds 0.02 whatever the data; data order 1 -> 3 adds 0.10 whatever the towers
-    for (t, d), test in {(1, 1): 0.40, (1, 3): 0.50, (3, 1): 0.42, (3, 3): 0.52}.items():
+    # towers 1 -> 3: +0.02 on data order 1, +0.10 on data order 3 (mean 0.06); data order 1 -> 3: +0.10 on towers
+    # 1, +0.18 on towers 3 (mean 0.14)
+    for (t, d), test in {(1, 1): 0.40, (1, 3): 0.50, (3, 1): 0.42, (3, 3): 0.60}.items():
         write(dataclasses.replace(grid, seed=t, data_seed=None if t == d else d, phase="seed"), test, test + 0.1)
     (row,) = bench_stat_eff.crossing_table(study, tmp_path)
-    assert row["towers_effect"] == pytest.approx(0.02) and row["data_effect"] == pytest.approx(0.10)
+    assert row["towers_effect"] == pytest.approx(0.06) and row["data_effect"] == pytest.approx(0.14)
+    assert not any(r["id"].endswith("_d3_seed") for r in bench_stat_eff.extra_runs(study, tmp_path))
     assert row["cells"]["3x1"] == pytest.approx({"test": 0.42, "train": 0.52})
     text = bench_stat_eff.markdown(
         {
@@ -135,8 +140,8 @@ def test_stat_eff_seed_crossing_runs_the_chosen_setting_with_the_data_seed_cross
             "runs_planned": 5,
         }
     )
-    cells = "1×1: 40.0 (50.0) | 1×3: 50.0 (60.0) | 3×1: 42.0 (52.0) | 3×3: 52.0 (62.0)"
-    assert f"| scenes gb64 | openclip | {cells} | +2.0 | +10.0 |" in text
+    cells = "1×1: 40.0 (50.0) | 1×3: 50.0 (60.0) | 3×1: 42.0 (52.0) | 3×3: 60.0 (70.0)"
+    assert f"| scenes gb64 | openclip | {cells} | +6.0 | +14.0 |" in text
     v3 = dict(
         row, loss="fastclip-v3", cells={k: {"test": v["test"] + 0.05, "train": None} for k, v in row["cells"].items()}
     )
@@ -149,8 +154,15 @@ def test_stat_eff_seed_crossing_runs_the_chosen_setting_with_the_data_seed_cross
             "runs_planned": 9,
         }
     )
-    assert "| scenes gb64 | fastclip-v3 | 1×1: 45.0 | 1×3: 55.0 | 3×1: to run | 3×3: 57.0 | +2.0 | +10.0 |" in text
+    assert "| scenes gb64 | fastclip-v3 | 1×1: 45.0 | 1×3: 55.0 | 3×1: to run | 3×3: 65.0 | +6.0 | +14.0 |" in text
     assert "- scenes gb64, fastclip-v3 − openclip in each cell (test): 1×1 +5.0, 1×3 +5.0, 3×3 +5.0\n" in text
+
+
+def test_stat_eff_seed_crossing_pairs_must_come_both_ways_off_the_diagonal():
+    with pytest.raises(ValueError, match="both ways"):
+        bench_stat_eff.SeedCrossing("scenes", 64, ("openclip",), ((1, 3),))
+    with pytest.raises(ValueError, match="off the diagonal"):
+        bench_stat_eff.SeedCrossing("scenes", 64, ("openclip",), ((2, 2),))
 
 
 def _manifest(root: Path) -> Path:
@@ -260,6 +272,7 @@ def test_stat_eff_variants_controls_and_baselines(tmp_path):
                 against=("openclip", "fastclip-v3"),
             )
         ],  # fmt: skip
+        seed_crossings=[],
     )
     fixed = bench_stat_eff.tune_runs(study, "scenes", 64, "openclip-fixed-tau")[0]
     assert fixed.id == "scenes_gb64_openclip-fixed-tau_lr0.001_temperature0.1_s0_tune" and fixed.gamma_min is None
@@ -319,6 +332,11 @@ def test_stat_eff_variants_controls_and_baselines(tmp_path):
     v3_seed = {"curve": [point(50, 0.355), point(100, 0.71)]}
     assert bench_stat_eff.seed_speedup({"final": point(100, 0.8)}, v3_seed, "retrieval_R@1") is None  # not reached
     assert bench_stat_eff.seed_speedup({"final": point(100, 0.71)}, v3_seed, "retrieval_R@1") == pytest.approx(1.0)
+    # the baseline's own sample count: trained on 200 samples, it is reached by v3 at 100
+    assert bench_stat_eff.seed_speedup({"final": point(200, 0.71)}, v3_seed, "retrieval_R@1") == pytest.approx(2.0)
+    assert bench_stat_eff._by_seed_line([{"seed": 4, "v3_speedup": None}], "openclip") == (
+        " Fewer samples seed by seed (v3's curve against the same seed's final openclip score): s4 not reached."
+    )  # without train scores the ratios are still given
     pairs = bench_stat_eff.ablation_pairs(study, tmp_path)
     assert [p["chosen"].split()[0] for p in pairs] == ["openclip", "fastclip-v3"]
     assert pairs[1]["differences"] == pytest.approx([0.6 + 0.0 - 0.71])  # fixed τ 0.07 (0.6) − v3 seed 1 (0.71)

@@ -1212,7 +1212,8 @@ def plot(result: dict, path: Path) -> None:
                     color=colors[loss],
                     alpha=0.15,
                 )
-            ax.set_title(f"{g['dataset']}, global batch {g['global_batch']}: test {m}", fontsize=9)
+            note = "" if m == PRIMARY[g["dataset"]] else "\n(not this data's measure: see PRIMARY)"
+            ax.set_title(f"{g['dataset']}, global batch {g['global_batch']}: test {m}{note}", fontsize=9)
             ax.set_xlabel("samples seen", fontsize=8)
             ax.set_ylabel(f"{m} (%)", fontsize=8)
             ax.grid(alpha=0.3)

@@ -444,10 +444,14 @@ def crossing_runs(study: dict, results: Path) -> list[Run]:
         for loss in c.losses:
             best = chosen(study, results, c.dataset, c.global_batch, loss)
             if best is not None:
-                runs += [dataclasses.replace(best, seed=t, data_seed=d, phase="seed") for t, d in c.pairs]
-                seeds = sorted({t for t, _ in c.pairs})
-                runs += [dataclasses.replace(best, seed=t, phase="seed") for t in seeds]
+                runs += [crossing_run(best, t, d) for t, d in c.pairs]
+                runs += [crossing_run(best, t, t) for t in sorted({t for t, _ in c.pairs})]
     return runs
+
+
+def crossing_run(best: Run, towers: int, data: int) -> Run:
+    """The test run of `best` with train.seed `towers` and data.seed `data` (the loss's own seed run when equal)."""
+    return dataclasses.replace(best, seed=towers, data_seed=None if towers == data else data, phase="seed")
 
 
 def _crossings(study: dict) -> list[SeedCrossing]:
@@ -482,9 +486,7 @@ def crossing_table(study: dict, results: Path) -> list[dict]:
             for a, b in (p for p in c.pairs if p[0] < p[1]):
                 cells = {}
                 for t, d in ((a, a), (a, b), (b, a), (b, b)):
-                    rec = load_result(
-                        results, dataclasses.replace(best, seed=t, data_seed=None if t == d else d, phase="seed")
-                    )
+                    rec = load_result(results, crossing_run(best, t, d))
                     cells[f"{t}x{d}"] = (
                         None
                         if rec is None
@@ -1117,15 +1119,41 @@ def markdown(result: dict) -> str:
         )
     if result.get("ablation_pairs"):
         lines.append("")
-    crossing = result.get("seed_crossing", [])
-    if crossing:
+    lines += _crossing_markdown(result.get("seed_crossing", []))
+    if result.get("extra_runs"):
         lines += [
-            "### Seed crossing: initial towers (train.seed) × data order (data.seed), test (train-sample) score, %",
+            "### Runs outside the current protocol (ablations, superseded grid points)",
             "",
-            "| group | loss | towers × data: a×a | a×b | b×a | b×b | effect of the towers a → b (test) | effect "
-            "of the data order a → b (test) |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
+            "| run | final val score (tuning runs) / test score (seed runs), % | final τ |",
+            "|---|---:|---:|",
         ]
+        for r in result["extra_runs"]:
+            tau = "-" if r["final_tau"] is None else f"{r['final_tau']:.4f}"
+            lines.append(f"| `{r['id']}` | {100 * r['final_score']:.1f} | {tau} |")
+        lines.append("")
+    lines.append(
+        f"Runs done: {result['runs_done']} of {result['runs_planned']} planned so far"
+        + (
+            ""
+            if result["runs_done"] == result["runs_planned"]
+            else " (the study resumes with `python benchmarks/bench_stat_eff.py`)"
+        )
+        + "."
+    )
+    return "\n".join(lines)
+
+
+def _crossing_markdown(crossing: list[dict]) -> list[str]:
+    """The seed crossing's table (crossing_table's rows) and v3 − openclip in each cell; nothing without rows."""
+    if not crossing:
+        return []
+    lines = [
+        "### Seed crossing: initial towers (train.seed) × data order (data.seed), test (train-sample) score, %",
+        "",
+        "| group | loss | towers × data: a×a | a×b | b×a | b×b | effect of the towers a → b (test) | effect "
+        "of the data order a → b (test) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in crossing:
         a, b = row["pair"]
 
@@ -1156,28 +1184,7 @@ def markdown(result: dict) -> str:
                 differences.append(
                     f"- {dataset} gb{gb}, fastclip-v3 − openclip in each cell (test): {', '.join(diffs)}"
                 )
-    lines += [""] + differences + ([""] if differences else []) if crossing else []
-    if result.get("extra_runs"):
-        lines += [
-            "### Runs outside the current protocol (ablations, superseded grid points)",
-            "",
-            "| run | final val score (tuning runs) / test score (seed runs), % | final τ |",
-            "|---|---:|---:|",
-        ]
-        for r in result["extra_runs"]:
-            tau = "-" if r["final_tau"] is None else f"{r['final_tau']:.4f}"
-            lines.append(f"| `{r['id']}` | {100 * r['final_score']:.1f} | {tau} |")
-        lines.append("")
-    lines.append(
-        f"Runs done: {result['runs_done']} of {result['runs_planned']} planned so far"
-        + (
-            ""
-            if result["runs_done"] == result["runs_planned"]
-            else " (the study resumes with `python benchmarks/bench_stat_eff.py`)"
-        )
-        + "."
-    )
-    return "\n".join(lines)
+    return lines + [""] + differences + ([""] if differences else [])
 
 
 def plot(result: dict, path: Path) -> None:

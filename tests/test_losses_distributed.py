@@ -192,7 +192,7 @@ def later_bad_calls(rank, world_size):
         loss_fn(e1, e2, idx).backward()  # call 1: the structure handshake
         with CollectiveByteCounter() as counter:
             loss_fn(e1, e2, idx, epoch=1).backward()  # call 2
-        out[mode] = {"calls": dict(counter.calls), "bytes": dict(loss_fn.comm_bytes)}
+        out[mode] = {"calls": dict(counter.calls), "seconds": dict(counter.seconds), "bytes": dict(loss_fn.comm_bytes)}
         bad = idx.clone()
         if rank == 1:
             bad[2] = DATA_SIZE
@@ -391,6 +391,8 @@ def test_after_the_handshake_a_call_makes_no_extra_collective(two_ranks):
             gathers = sum(n for name, n in later["calls"].items() if name.startswith("all_gather"))
             # one all_gather (features, indices and the check words), one all_reduce (the state rows)
             assert (gathers, later["calls"].get("all_reduce")) == (1, 1), later["calls"]
+            # the counter also times each kind of call it saw (bench_loss splits a step's time with it)
+            assert set(later["seconds"]) == set(later["calls"]) and all(t > 0 for t in later["seconds"].values())
             assert later["bytes"]["header"] == 4 * 8  # the 4 check words of the other rank
             assert math.isfinite(later["after"])
         assert result["later"]["eager"]["at_call"] == message

@@ -20,7 +20,15 @@ class GlobalBatch:
     rank: int
     world_size: int
     header: torch.Tensor | None = None  # [K, 4] int64 validation words of every rank (validation.py)
+    # [2, N, d]: (all_text, all_image), the candidates of the two pair blocks (pairwise.py); all_text and all_image
+    # are views of it when gather_batch built it, else it is stacked from them
+    candidates: torch.Tensor | None = None
     _positive_cells: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _indices_repeat: bool | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.candidates is None:
+            self.candidates = torch.stack([self.all_text, self.all_image])
 
     @property
     def local_size(self) -> int:
@@ -57,10 +65,16 @@ class GlobalBatch:
         A ``[B, N]`` bool mask; or, when the indices are in CPU memory (nothing to sync with) and none repeats, the
         positive cells as ``positive_cells()`` gives them. The same cells either way; on the CPU building and
         applying the mask costs as much as the exponentials of both blocks (B = 1024, 2 ranks)."""
-        if CHECK_REPEATS_ON_HOST and self.all_indices.device.type == "cpu":
-            if torch.unique(self.all_indices).numel() == self.all_indices.numel():
-                return self.positive_cells()
+        if self.indices_repeat() is False:
+            return self.positive_cells()
         return self.indices[:, None] == self.all_indices[None, :]
+
+    def indices_repeat(self) -> bool | None:
+        """Whether some data index occurs twice in the global batch: known (one host check, cached) when the indices
+        are in CPU memory; None on an accelerator, where asking would sync with the host."""
+        if self._indices_repeat is None and CHECK_REPEATS_ON_HOST and self.all_indices.device.type == "cpu":
+            self._indices_repeat = torch.unique(self.all_indices).numel() != self.all_indices.numel()
+        return self._indices_repeat
 
 
 # Whether same_sample_cells() may look at CPU indices on the host (tests turn it off to run what a CUDA step runs:

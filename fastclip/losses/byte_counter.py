@@ -3,6 +3,8 @@ same ring formulas as ``comm.Comm``: for the benchmark and the tests' byte compa
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -15,6 +17,7 @@ class CollectiveByteCounter:
         with CollectiveByteCounter() as counter:
             loss = clip_loss(img, txt, scale); loss.backward()
         counter.bytes  # {"all_gather": ..., "reduce_scatter": ..., "scatter": ..., ...}
+        counter.seconds  # wall time spent inside each kind of call
     """
 
     _FUNCTIONS = (
@@ -33,6 +36,7 @@ class CollectiveByteCounter:
         self.group = group
         self.bytes: dict[str, int] = {}
         self.calls: dict[str, int] = {}  # how many times each collective was called
+        self.seconds: dict[str, float] = {}  # wall time inside each (the wait, for blocking calls)
         self._saved: dict[str, object] = {}
 
     @staticmethod
@@ -65,7 +69,11 @@ class CollectiveByteCounter:
             def counted(*args, _name=name, _original=original, **kwargs):
                 self.bytes[_name] = self.bytes.get(_name, 0) + self._wire_bytes(_name, args, kwargs)
                 self.calls[_name] = self.calls.get(_name, 0) + 1
-                return _original(*args, **kwargs)
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.seconds[_name] = self.seconds.get(_name, 0.0) + time.perf_counter() - start
 
             setattr(dist, name, counted)
         return self

@@ -81,7 +81,9 @@ class Comm:
         (int64 words, validation.py) rides at the end of the same buffer."""
         rows, dim = image.shape
         with torch.no_grad():
-            parts = [image.reshape(-1), text.reshape(-1)]
+            # text before image: the gathered [K, 2, B, d] then reads as the pair blocks' candidates (all texts,
+            # all images) with one copy
+            parts = [text.reshape(-1), image.reshape(-1)]
             for words in (indices, header):
                 if words is not None:
                     parts.append(words.contiguous().view(image.dtype))  # bit-cast, exact through a copy
@@ -100,8 +102,8 @@ class Comm:
                 self.ledger["indices"] += (self.world_size - 1) * rows * 8
             if header is not None:
                 self.ledger["header"] += (self.world_size - 1) * header.numel() * 8
-        all_image = gathered[:, :n_feat].reshape(-1, dim)
-        all_text = gathered[:, n_feat : 2 * n_feat].reshape(-1, dim)
+        features = gathered[:, : 2 * n_feat].view(self.world_size, 2, rows, dim)
+        candidates = features.transpose(0, 1).reshape(2, self.world_size * rows, dim)  # [2, N, d], rank-major
         all_indices = all_header = None
         words = gathered[:, 2 * n_feat :]
         if self.world_size == 1:  # the inputs themselves: a view of `packed` would keep the whole buffer alive
@@ -118,12 +120,13 @@ class Comm:
             image=image,
             text=text,
             indices=indices,
-            all_image=all_image,
-            all_text=all_text,
+            all_image=candidates[1],
+            all_text=candidates[0],
             all_indices=all_indices,
             rank=self.rank,
             world_size=self.world_size,
             header=all_header,
+            candidates=candidates,
         )
 
     def share_rows(

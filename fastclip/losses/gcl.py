@@ -49,7 +49,16 @@ from .batch import GlobalBatch
 from .comm import Comm
 from .estimator import update_log_u
 from .options import ConstantTemperatureOptions, GlobalTemperatureOptions, RGCLOptions
-from .pairwise import Block, column_terms, compute_dtype, exclude_, row_terms, weighted_surrogate
+from .pairwise import (
+    PairBlocks,
+    column_terms,
+    column_values,
+    compute_dtype,
+    exclude_,
+    row_terms,
+    row_values,
+    weighted_surrogate,
+)
 from .similarity import pair_logits
 
 
@@ -71,32 +80,28 @@ class GlobalTemperatureGCL(SampleStateLoss):
     def _compute(self, comm: Comm, batch: GlobalBatch):
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
-        slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices)
+        slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices, repeats=batch.indices_repeat())
         gamma = self.gamma()
         n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
         scale = self._scale(dtype)  # s = 1/τ, autograd into logit_scale when learnable
         learnable = scale.requires_grad
         s = scale.detach()
-        # s·(local images vs all texts), s·(local texts vs all images), positives; cosines mapped by φ = 2·atanh
-        # for similarity="atanh" (then φ' rides along in the blocks for backward)
+        # s·(local images vs all texts), s·(local texts vs all images) as one [2, B, N] tensor, positives; cosines
+        # mapped by φ = 2·atanh for similarity="atanh" (then φ' rides along in the block for backward)
         # With one τ per modality (v3, separate_temperatures) the blocks stay unscaled: block 0's rows (image
         # anchors) take s_img and its columns (text anchors) s_txt, block 1 the other way round.
         s_img, s_txt = (s[0], s[1]) if self.separate else (s, s)
+        row_scale, col_scale = (s[:, None], s.flip(0)[:, None]) if self.separate else (s, s)
         logits = pair_logits(
             batch, dtype, None if self.separate else s, self.options.similarity, self.options.similarity_clamp
         )
-        sim_it, sim_ti, pos, pos_all = logits.sim_it, logits.sim_ti, logits.pos, logits.pos_all
-        exclude_(sim_it, cells)  # a pair's positive and copies of its sample are no negatives (both readings)
-        exclude_(sim_ti, cells)
+        sim, pos, pos_all = logits.sim, logits.pos, logits.pos_all
+        exclude_(sim, cells)  # a pair's positive and copies of its sample are no negatives (both readings)
         scaled = not self.separate
 
         # loss1 terms: this rank's anchors against all N candidates, each row shifted by its maximum b_i.
-        # Columns of [., 2] tensors: (image, text).
-        no_floor = torch.full((), -math.inf, dtype=dtype, device=s.device)  # (torch.tensor would copy from the host)
-        rows_img = row_terms(sim_it, pos, s_img, sim_is_scaled=scaled, bound_floor=no_floor)
-        rows_txt = row_terms(sim_ti, pos, s_txt, sim_is_scaled=scaled, bound_floor=no_floor)
-        shift = torch.stack([rows_img.shift, rows_txt.shift], dim=1)
-        log_g_local = shift + torch.log(torch.stack([rows_img.total, rows_txt.total], dim=1) / n_neg)
+        rows = row_terms(sim, pos, row_scale, sim_is_scaled=scaled, max_shift=True)
+        log_g_local = (rows.shift + torch.log(rows.total / n_neg)).T  # [B, 2] (image, text)
 
         # One all_reduce: each anchor's log g from its rank, each sample's old log u (and seen) from its owner.
         before = state.read(slots)
@@ -111,58 +116,31 @@ class GlobalTemperatureGCL(SampleStateLoss):
         # log(u_j+ε), their weight is 1.
         # The reference also differentiates τ through them, which counts the g-term of the τ-gradient twice.
         in_columns = learnable and self.reference
-        # (a learnable τ's gradient reads the blocks again in backward; otherwise the columns overwrite them)
-        cols_txt = column_terms(
-            sim_it, pos_all, s_txt, sim_is_scaled=scaled, shift=log_w[:, 1], total=in_columns, in_place=not learnable
-        )  # text anchors
-        cols_img = column_terms(
-            sim_ti, pos_all, s_img, sim_is_scaled=scaled, shift=log_w[:, 0], total=in_columns, in_place=not learnable
-        )  # image anchors
+        # the τ-gradient needs the scaled similarities (before the columns overwrite them) and the positives
+        kept_sim = (sim if scaled else sim * s[:, None, None]) if learnable else None
+        cols = column_terms(
+            sim,
+            pos_all,
+            col_scale,
+            sim_is_scaled=scaled,
+            shift=column_values(log_w),
+            total=in_columns,
+            in_place=not learnable,
+        )
         # each modality's terms weighted by its τ when the temperatures are separate (the shared τ multiplies
         # the whole surrogate in _outer instead)
-        row_w = torch.exp(shift - log_w[local])  # bounded by (N-1)/γ
-        ones = torch.ones_like(log_w[:, 0])
-        row_w_img, row_w_txt, col_w_txt, col_w_img = row_w[:, 0], row_w[:, 1], ones, ones
+        row_w = torch.exp(rows.shift - row_values(log_w[local]))  # bounded by (N-1)/γ
+        col_w = torch.ones((), dtype=dtype, device=s.device)
         if self.separate:
-            tau_img, tau_txt = 1.0 / s_img, 1.0 / s_txt
-            row_w_img, row_w_txt, col_w_txt, col_w_img = (
-                row_w_img * tau_img,
-                row_w_txt * tau_txt,
-                ones * tau_txt,
-                ones * tau_img,
-            )
-        # the τ-gradient needs the scaled similarities and the positives in backward
+            row_w, col_w = row_w / row_scale, 1.0 / col_scale
         kept = dict(positive=pos, positive_all=pos_all) if learnable else {}
-        sims = (sim_it, sim_ti) if scaled else (sim_it * s_img, sim_ti * s_txt) if learnable else (None, None)
-        blocks = (
-            Block(
-                rows_img,
-                cols_txt,
-                row_w_img,
-                col_w_txt,
-                batch.all_text,
-                sim=sims[0] if learnable else None,
-                **kept,
-                **logits.block_grads(0),
-            ),
-            Block(
-                rows_txt,
-                cols_img,
-                row_w_txt,
-                col_w_img,
-                batch.all_image,
-                sim=sims[1] if learnable else None,
-                **kept,
-                **logits.block_grads(1),
-            ),
-        )
-        del sims
-        del sim_it, sim_ti, logits
+        block = PairBlocks(rows, cols, row_w, col_w, batch.candidates, sim=kept_sim, **kept, **logits.pair_grads())
+        del sim, kept_sim, logits
         surrogate = weighted_surrogate(
             batch.image,
             batch.text,
             scale if learnable else None,
-            blocks,
+            block,
             0.5 / (batch.local_size * n_neg),
             scale_in_columns=in_columns,
         )

@@ -29,13 +29,15 @@ from .comm import Comm
 from .estimator import update_u
 from .options import IndividualTemperatureOptions
 from .pairwise import (
-    Block,
+    PairBlocks,
     column_terms,
+    column_values,
     compute_dtype,
     exclude_,
+    pair_similarity,
     positives,
     row_terms,
-    similarity,
+    row_values,
     weighted_surrogate,
 )
 from .schedules import tau_adam_betas
@@ -101,11 +103,11 @@ class FastCLIPV2Loss(SampleStateLoss):
         opt = self.options
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
-        slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices)
+        slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices, repeats=batch.indices_repeat())
         gamma, eps = self.gamma(), opt.eps
         n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
-        sim_it = exclude_(similarity(batch.image, batch.all_text, dtype), cells)  # image anchors (rows) vs all texts
-        sim_ti = exclude_(similarity(batch.text, batch.all_image, dtype), cells)  # text anchors (rows) vs all images
+        # [2, B, N]: image anchors (rows) vs all texts, text anchors (rows) vs all images
+        sim = exclude_(pair_similarity(batch, dtype), cells)
         pos, pos_all = positives(batch, dtype)
 
         # 1) old u, τ, b and seen of the whole global batch, filled by the owners ([N, 2] pairs (image, text)).
@@ -116,13 +118,8 @@ class FastCLIPV2Loss(SampleStateLoss):
         b_old = torch.where(seen, old[:, BOUND], 0.0)  # the bound starts at 0
 
         # 2) this rank's anchors, each with its own τ_old: bound, g and the sum for the τ-gradient.
-        rows = [
-            row_terms(sim, pos, 1.0 / tau_old[local, m], bound_floor=b_old[local, m], moment=True)
-            for m, sim in enumerate((sim_it, sim_ti))
-        ]
-        stats = torch.stack(
-            [rows[0].total, rows[1].total, rows[0].shift, rows[1].shift, rows[0].moment, rows[1].moment], dim=1
-        )
+        rows = row_terms(sim, pos, row_values(1.0 / tau_old[local]), bound_floor=row_values(b_old[local]), moment=True)
+        stats = torch.cat([rows.total.T, rows.shift.T, rows.moment.T], dim=1)  # [B, 6]: (image, text) pairs
         new = comm.share_rows(batch, stats, dtype=dtype)
         g, b_new, h = new[:, 0:2] / n_neg, new[:, 2:4], new[:, 4:6] / n_neg
 
@@ -140,14 +137,10 @@ class FastCLIPV2Loss(SampleStateLoss):
         # 4) encoder surrogate with τ_old and the new bounds: the columns of each block are the global anchors
         #    of the other modality (gradient into this rank's negatives).
         w = 1.0 / denom if self.reference else tau_old / denom
-        cols_txt = column_terms(sim_it, pos_all, 1.0 / tau_old[:, 1], shift=b_new[:, 1], in_place=True)
-        cols_img = column_terms(sim_ti, pos_all, 1.0 / tau_old[:, 0], shift=b_new[:, 0], in_place=True)
-        del sim_it, sim_ti
-        blocks = (
-            Block(rows[0], cols_txt, w[local, 0], w[:, 1], batch.all_text),
-            Block(rows[1], cols_img, w[local, 1], w[:, 0], batch.all_image),
-        )
-        loss = weighted_surrogate(batch.image, batch.text, None, blocks, 0.5 / (batch.local_size * n_neg))
+        cols = column_terms(sim, pos_all, column_values(1.0 / tau_old), shift=column_values(b_new), in_place=True)
+        del sim
+        block = PairBlocks(rows, cols, row_values(w[local]), column_values(w), batch.candidates)
+        loss = weighted_surrogate(batch.image, batch.text, None, block, 0.5 / (batch.local_size * n_neg))
 
         objective = (tau_old * (log_denom + b_new + self.rho)).mean()  # both modalities averaged
         return loss, per_sample_tau_metrics(loss, loss, objective, gamma, tau_old)

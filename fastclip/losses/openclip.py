@@ -24,7 +24,16 @@ from .base import ContrastiveLoss
 from .batch import GlobalBatch
 from .comm import Comm
 from .options import OpenCLIPOptions
-from .pairwise import Block, column_terms, compute_dtype, exclude_, row_terms, weighted_surrogate
+from .pairwise import (
+    PairBlocks,
+    column_terms,
+    column_values,
+    compute_dtype,
+    exclude_,
+    row_terms,
+    row_values,
+    weighted_surrogate,
+)
 from .similarity import pair_logits
 
 
@@ -42,49 +51,34 @@ class OpenCLIPLoss(ContrastiveLoss):
         s = scale.detach()
         cells = batch.positive_cells()
         logits = pair_logits(batch, dtype, s, self.options.similarity, self.options.similarity_clamp)
-        sim_it, sim_ti, pos, pos_all = logits.sim_it, logits.sim_ti, logits.pos, logits.pos_all  # s·φ(S), φ(p)
-        exclude_(sim_it, cells)  # the positives: no negatives of their own anchors
-        exclude_(sim_ti, cells)
-        zero = torch.zeros(batch.local_size, dtype=dtype, device=pos.device)
+        sim, pos, pos_all = logits.sim, logits.pos, logits.pos_all  # s·φ(S) [2, B, N], φ(p)
+        exclude_(sim, cells)  # the positives: no negatives of their own anchors
+        zero = torch.zeros((), dtype=dtype, device=pos.device)
 
         # Per local anchor (columns (image, text)): softmax weight w = 1/(e^{-r} + Σ exp(d − r)), CE, shift r.
-        rows = [row_terms(sim, pos, s, sim_is_scaled=True, bound_floor=zero) for sim in (sim_it, sim_ti)]
-        shift = torch.stack([rows[0].shift, rows[1].shift], dim=1)
-        total = torch.stack([rows[0].total, rows[1].total], dim=1)
+        rows = row_terms(sim, pos, s, sim_is_scaled=True, bound_floor=zero)
+        shift, total = rows.shift.T, rows.total.T  # [B, 2]
         normaliser = torch.exp(-shift) + total  # the positive's exp(0), shifted, plus negatives
         w_local, ce_local = 1.0 / normaliser, shift + torch.log(normaliser)
         table = comm.share_rows(batch, torch.cat([w_local, ce_local, shift], dim=1), dtype=dtype)
         w, ce, shift_all = table[:, 0:2], table[:, 2:4], table[:, 4:6]
 
-        # columns: text anchors vs local images (sim_it), image anchors vs local texts (sim_ti)
-        cols_txt = column_terms(sim_it, pos_all, s, sim_is_scaled=True, shift=shift_all[:, 1])
-        cols_img = column_terms(sim_ti, pos_all, s, sim_is_scaled=True, shift=shift_all[:, 0])
-        kept = dict(positive=pos) if learnable else {}  # for the logit_scale gradient
-        blocks = (
-            Block(
-                rows[0],
-                cols_txt,
-                w_local[:, 0],
-                w[:, 1],
-                batch.all_text,
-                sim=sim_it if learnable else None,
-                **kept,
-                **logits.block_grads(0),
-            ),
-            Block(
-                rows[1],
-                cols_img,
-                w_local[:, 1],
-                w[:, 0],
-                batch.all_image,
-                sim=sim_ti if learnable else None,
-                **kept,
-                **logits.block_grads(1),
-            ),
+        # columns: text anchors vs local images (block 0), image anchors vs local texts (block 1)
+        # (the logit_scale gradient reads the blocks again in backward; otherwise the columns overwrite them)
+        cols = column_terms(sim, pos_all, s, sim_is_scaled=True, shift=column_values(shift_all), in_place=not learnable)
+        kept = dict(sim=sim, positive=pos) if learnable else {}
+        block = PairBlocks(
+            rows,
+            cols,
+            row_values(w_local),
+            column_values(w),
+            batch.candidates,
+            **kept,
+            **logits.pair_grads(),
         )
-        del sim_it, sim_ti, logits
+        del sim, logits
         loss = weighted_surrogate(
-            batch.image, batch.text, scale if learnable else None, blocks, 0.5 / batch.local_size, value=ce_local.mean()
+            batch.image, batch.text, scale if learnable else None, block, 0.5 / batch.local_size, value=ce_local.mean()
         )
 
         metrics = {"loss": loss, "surrogate": loss, "objective": ce.mean(), "tau": 1.0 / s}

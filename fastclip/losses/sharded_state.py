@@ -99,8 +99,9 @@ class ShardedSampleState:
         self._seen = self._seen.to(device)
         return self
 
-    def locate(self, indices: torch.Tensor, *, assert_in_range: bool = True) -> BatchSlots:
-        """Where the global batch's ``indices`` (``[N]``) live in this shard; computed once per step."""
+    def locate(self, indices: torch.Tensor, *, assert_in_range: bool = True, repeats: bool | None = None) -> BatchSlots:
+        """Where the global batch's ``indices`` (``[N]``) live in this shard; computed once per step. ``repeats``:
+        whether an index occurs twice, when the caller knows (False skips the search for the last occurrences)."""
         indices = indices.to(self.device)
         in_range = (indices >= 0) & (indices < self.data_size)
         # An out-of-range index is never "owned", so it can neither read nor write the spare row (index ==
@@ -114,7 +115,9 @@ class ShardedSampleState:
             )
         owned = (indices % self.world_size == self.rank) & in_range
         slots = torch.where(owned, indices // self.world_size, self.num_slots)
-        write_slots = torch.where(owned & last_occurrence(indices), slots, self.num_slots)
+        write_slots = (
+            slots if repeats is False else torch.where(owned & last_occurrence(indices), slots, self.num_slots)
+        )
         return BatchSlots(owned=owned, slots=slots, write_slots=write_slots)
 
     def read(self, where: BatchSlots) -> torch.Tensor:

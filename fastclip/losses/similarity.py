@@ -9,8 +9,8 @@ bounds themselves still pass the gradient).
 The losses keep a scale ``s = 1/τ`` on top (logit ``s·φ(c)``): ``build_loss`` makes it 1 and constant for
 ``similarity="atanh"`` unless a temperature is given, which is the temperature-free loss itself; v0/v3 learn it.
 
-In the pairwise core (pairwise.py) every block ``S`` becomes ``s·φ(S)`` and every positive ``p`` becomes ``φ(p)``;
-the backward multiplies ``∂L/∂φ`` by ``φ'`` cell by cell (``Block.sim_grad``, ``Block.positive_grad``) before
+In the pairwise core (pairwise.py) both blocks ``S`` become ``s·φ(S)`` and every positive ``p`` becomes ``φ(p)``;
+the backward multiplies ``∂L/∂φ`` by ``φ'`` cell by cell (``PairBlocks.sim_grad``, ``PairBlocks.positive_grad``) before
 mapping it onto the features.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from .batch import GlobalBatch
 from .options import SIMILARITIES
-from .pairwise import positives, similarity
+from .pairwise import pair_similarity, positives
 
 
 def atanh_logit_(cos: torch.Tensor, clamp: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,40 +41,31 @@ def atanh_logit_(cos: torch.Tensor, clamp: float) -> tuple[torch.Tensor, torch.T
 class PairLogits:
     """The blocks and positives the pairwise core reads, in logit units (before the row/column scale)."""
 
-    sim_it: torch.Tensor  # [B, N] s·φ(local images · all texts)
-    sim_ti: torch.Tensor  # [B, N] s·φ(local texts · all images)
+    sim: torch.Tensor  # [2, B, N] s·φ(local images · all texts), s·φ(local texts · all images)
     pos: torch.Tensor  # [B] φ(e1_i·e2_i) of the local pairs
     pos_all: torch.Tensor  # [N] φ(ẽ1_j·ẽ2_j) of every pair
-    sim_it_grad: torch.Tensor | None = None  # [B, N] φ' of the blocks (None for the cosine: φ' = 1)
-    sim_ti_grad: torch.Tensor | None = None
+    sim_grad: torch.Tensor | None = None  # [2, B, N] φ' of the blocks (None for the cosine: φ' = 1)
     pos_grad: torch.Tensor | None = None  # [B] φ' of the local positives
 
-    def block_grads(self, which: int) -> dict:
-        """``Block(...)`` keyword arguments of block 0 (images as rows) or 1 (texts as rows)."""
+    def pair_grads(self) -> dict:
+        """``PairBlocks(...)`` keyword arguments: φ' of the blocks and of the positives (none for the cosine)."""
         if self.pos_grad is None:
             return {}
-        return {"sim_grad": (self.sim_it_grad, self.sim_ti_grad)[which], "positive_grad": self.pos_grad}
+        return {"sim_grad": self.sim_grad, "positive_grad": self.pos_grad}
 
 
 def pair_logits(
     batch: GlobalBatch, dtype: torch.dtype, scale: torch.Tensor | None, kind: str, clamp: float
 ) -> PairLogits:
-    """Both ``[B, N]`` blocks and the positives; ``scale`` (detached s, or None) folded into the blocks."""
+    """Both blocks ``[2, B, N]`` and the positives; ``scale`` (detached s, or None) folded into the blocks."""
     if kind == "cosine":
         pos, pos_all = positives(batch, dtype)
-        return PairLogits(
-            similarity(batch.image, batch.all_text, dtype, scale),
-            similarity(batch.text, batch.all_image, dtype, scale),
-            pos,
-            pos_all,
-        )
+        return PairLogits(pair_similarity(batch, dtype, scale), pos, pos_all)
     if kind != "atanh":
         raise ValueError(f"loss option similarity must be one of {SIMILARITIES}, got {kind!r}")
-    blocks = []
-    for local, gathered in ((batch.image, batch.all_text), (batch.text, batch.all_image)):
-        value, derivative = atanh_logit_(similarity(local, gathered, dtype), clamp)
-        blocks.append((value if scale is None else value.mul_(scale), derivative))
-    pos, pos_all = positives(batch, dtype)
-    pos, pos_grad = atanh_logit_(pos, clamp)
-    pos_all, _ = atanh_logit_(pos_all, clamp)
-    return PairLogits(blocks[0][0], blocks[1][0], pos, pos_all, blocks[0][1], blocks[1][1], pos_grad)
+    value, derivative = atanh_logit_(pair_similarity(batch, dtype), clamp)
+    if scale is not None:
+        value.mul_(scale)
+    pos_all, pos_all_grad = atanh_logit_(positives(batch, dtype)[1], clamp)
+    pos, pos_grad = pos_all[batch.local_rows], pos_all_grad[batch.local_rows]
+    return PairLogits(value, pos, pos_all, derivative, pos_grad)

@@ -32,13 +32,15 @@ from .estimator import update_u
 from .individual import objective_eps_shifted, per_sample_tau_metrics
 from .options import TempNetOptions
 from .pairwise import (
-    Block,
+    PairBlocks,
     column_terms,
+    column_values,
     compute_dtype,
     exclude_,
+    pair_similarity,
     positives,
     row_terms,
-    similarity,
+    row_values,
     weighted_surrogate,
 )
 
@@ -87,7 +89,7 @@ class TempNetLoss(SampleStateLoss):
         eps = self.options.eps
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
-        slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices)
+        slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices, repeats=batch.indices_repeat())
         gamma = self.gamma()
         n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
         head_dtype = self.tempnet_img.out.weight.dtype
@@ -104,22 +106,15 @@ class TempNetLoss(SampleStateLoss):
                 [self.tempnet_img(batch.all_image.to(head_dtype)), self.tempnet_txt(batch.all_text.to(head_dtype))],
                 dim=1,
             ).to(dtype)
-        sim_it = exclude_(similarity(batch.image, batch.all_text, dtype), cells)
-        sim_ti = exclude_(similarity(batch.text, batch.all_image, dtype), cells)
+        sim = exclude_(pair_similarity(batch, dtype), cells)  # [2, B, N]
         pos, pos_all = positives(batch, dtype)
 
         stored = state.read(slots)  # [N, u_img, u_txt, b_img, b_txt, seen], owners' rows
         old = stored.to(pos.device, dtype)
-        no_floor = torch.full((), -math.inf, dtype=dtype, device=pos.device)  # (torch.tensor: a host copy)
-        rows = [
-            row_terms(sim, pos, 1.0 / tau[local, m], bound_floor=no_floor, moment=True)
-            for m, sim in enumerate((sim_it, sim_ti))
-        ]
+        rows = row_terms(sim, pos, row_values(1.0 / tau[local]), max_shift=True, moment=True)
         # rows are shifted by their own maximum; the shared table carries each anchor's (log-free) g, shift and
         # τ-moment, plus the owners' old u, b and seen
-        stats = torch.stack(
-            [rows[0].total, rows[1].total, rows[0].shift, rows[1].shift, rows[0].moment, rows[1].moment], dim=1
-        )
+        stats = torch.cat([rows.total.T, rows.shift.T, rows.moment.T], dim=1)  # [B, 6]: (image, text) pairs
         table = comm.share_rows(batch, stats, old, dtype=dtype)
         g_shifted, shift, h = table[:, 0:2] / n_neg, table[:, 2:4], table[:, 4:6] / n_neg
         u_old, b_old, seen = table[:, 6:8], table[:, 8:10], table[:, 10:11] > 0.5
@@ -139,14 +134,10 @@ class TempNetLoss(SampleStateLoss):
         # the encoders: RGCL at fixed τ, weights τ_i/(u_i+ε) (rows rescaled to b_new, as the columns)
         w = tau / denom
         w_rows = w[local] * torch.exp(shift[local] - b_new[local])
-        cols_txt = column_terms(sim_it, pos_all, 1.0 / tau[:, 1], shift=b_new[:, 1], in_place=True)
-        cols_img = column_terms(sim_ti, pos_all, 1.0 / tau[:, 0], shift=b_new[:, 0], in_place=True)
-        del sim_it, sim_ti
-        blocks = (
-            Block(rows[0], cols_txt, w_rows[:, 0], w[:, 1], batch.all_text),
-            Block(rows[1], cols_img, w_rows[:, 1], w[:, 0], batch.all_image),
-        )
-        surrogate = weighted_surrogate(batch.image, batch.text, None, blocks, 0.5 / (batch.local_size * n_neg))
+        cols = column_terms(sim, pos_all, column_values(1.0 / tau), shift=column_values(b_new), in_place=True)
+        del sim
+        block = PairBlocks(rows, cols, row_values(w_rows), column_values(w), batch.candidates)
+        surrogate = weighted_surrogate(batch.image, batch.text, None, block, 0.5 / (batch.local_size * n_neg))
         loss = surrogate + tau_term - tau_term.detach()  # value: the surrogate; gradient: both
 
         objective = (tau * (log_denom + b_new + self.rho)).mean()

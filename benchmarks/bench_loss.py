@@ -47,6 +47,7 @@ DATA_SIZE = 10**6
 FULL = dict(batch_sizes=(64, 256, 1024), dims=(64, 512), reps=31, warmup=3)
 QUICK = dict(batch_sizes=(64,), dims=(64,), reps=3, warmup=1)
 MODES = ("deferred", "eager", "off")  # the loss option validate (fastclip/losses/validation.py)
+MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 READ_EVERY = 10  # deferred checks are read back every 10 calls: the trainer reads them on logging steps (log_every 10)
 
 
@@ -223,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or Path(__file__).parent / ("out" if args.quick else "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # glibc malloc hands large freed blocks back to the system, so a call's [B, N] temporaries page-fault fresh
+    # memory on some calls and not on others, by the heap's history: the same v3 call measured 16-27 ms at
+    # B = 1024, d = 64. Keeping freed memory (as a GPU's caching allocator does) times the losses' work instead;
+    # the spawned workers read these at start-up.
+    for name, value in MALLOC_KEEP.items():
+        os.environ.setdefault(name, value)
     raw = out_dir / "loss_bench.raw.json"
     started, load_before = time.time(), os.getloadavg()[0]
     mp.start_processes(_worker, args=(_free_port(), plan, str(raw)), nprocs=WORLD_SIZE, start_method="spawn")
@@ -242,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.time() - started, 1),
         # other work on the machine inflates absolute times; interleaving keeps the ratios fair
         "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
+        "malloc": {name: os.environ[name] for name in MALLOC_KEEP},
     }
     table = _table(rows)
     md = "\n".join(
@@ -252,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{WORLD_SIZE} processes x 1 thread, float32 features, median of {plan['reps']} x 1024/B steps after "
             f"{plan['warmup']} warm-up steps, interleaved. 1-min load average before/after: "
             f"{header['load_average_1min']['before']}/{header['load_average_1min']['after']} "
-            "(other jobs on the machine inflate absolute times; the interleaving keeps the ratios comparable).",
+            "(other jobs on the machine inflate absolute times; the interleaving keeps the ratios comparable). "
+            "glibc malloc keeps freed memory (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_), as a GPU's caching "
+            "allocator does: otherwise a call's large temporaries page-fault fresh memory on some calls and not on "
+            "others, by the heap's history.",
             "",
             "Time: forward + backward + communication of the loss alone (features are leaf tensors), slowest rank. "
             "Ratios: the median over repetitions of each v3 step's time over the ClipLoss step next to it. "

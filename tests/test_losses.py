@@ -739,3 +739,24 @@ def test_validate_option_values():
     assert build_loss("openclip", validate="deferred").validate == "deferred"
     with pytest.raises(ValueError, match="validate must be"):
         build_loss("fastclip-v3", data_size=10, validate="sometimes")
+
+
+def test_row_terms_shift_by_the_row_maximum_matches_the_floor_form_and_refuses_both():
+    """max_shift (v0/v1/v3, TempNet) is the floor form at floor −inf, in fewer passes; an all-excluded row keeps
+    exp 0 and a shift of EXCLUDED/2 either way; asking for both is an error, not a silent choice."""
+    from fastclip.losses.pairwise import EXCLUDED, row_terms
+
+    gen = torch.Generator().manual_seed(3)
+    sim = torch.randn(2, 4, 6, generator=gen, dtype=torch.float64)
+    sim[:, 2, :] = EXCLUDED  # a row with no candidate at all
+    pos = torch.randn(4, generator=gen, dtype=torch.float64)
+    global_scale, per_block_scale = torch.tensor(7.0).double(), torch.tensor([[5.0], [9.0]]).double()
+    for scale, scaled in ((global_scale, True), (per_block_scale, False)):
+        by_max = row_terms(sim.clone(), pos, scale, sim_is_scaled=scaled, max_shift=True, moment=True)
+        floor = torch.full((), -math.inf, dtype=torch.float64)
+        by_floor = row_terms(sim.clone(), pos, scale, sim_is_scaled=scaled, bound_floor=floor, moment=True)
+        for name in ("exp", "total", "moment", "shift"):
+            torch.testing.assert_close(getattr(by_max, name), getattr(by_floor, name), rtol=1e-12, atol=1e-12)
+        assert torch.all(by_max.exp[:, 2] == 0) and torch.all(by_max.shift[:, 2] == EXCLUDED / 2)
+    with pytest.raises(ValueError, match="not both"):
+        row_terms(sim, pos, scale, bound_floor=floor, max_shift=True)

@@ -106,7 +106,7 @@ class Comm:
         candidates = features.transpose(0, 1).reshape(2, self.world_size * rows, dim)  # [2, N, d], rank-major
         all_indices = all_header = None
         words = gathered[:, 2 * n_feat :]
-        if self.world_size == 1:  # the inputs themselves: a view of `packed` would keep the whole buffer alive
+        if self.world_size == 1:  # the inputs themselves (no copy to make: nothing was gathered)
             all_indices = indices
             all_header = None if header is None else header[None]
         else:

@@ -125,7 +125,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
             sim_is_scaled=scaled,
             shift=column_values(log_w),
             total=in_columns,
-            in_place=not learnable,
+            in_place=not learnable or not scaled,  # (kept_sim is then a scaled copy)
         )
         # each modality's terms weighted by its τ when the temperatures are separate (the shared τ multiplies
         # the whole surrogate in _outer instead)

@@ -127,7 +127,7 @@ class RowTerms:
 
     exp: torch.Tensor  # [2, B, N] exp(a_bi(S_bik − p_i) − r_bi), 0 at the excluded cells
     total: torch.Tensor  # [2, B] Σ_k exp
-    moment: torch.Tensor | None  # [2, B] Σ_k exp · a_bi(S_bik − p_i)   (v2's τ-gradient)
+    moment: torch.Tensor | None  # [2, B] Σ_k exp · a_bi(S_bik − p_i)   (the τ-gradient of v2 and TempNet)
     shift: torch.Tensor | None  # [2, B] r_bi
     scale: torch.Tensor  # a: 0-d, [2, 1] or [2, B]
 
@@ -185,6 +185,8 @@ def row_terms(
     shifted by ``r_bi``: with ``bound_floor`` (v2, openclip; 0-d or ``[2, B]``) ``r_bi = max(bound_floor_bi,
     max_{k≠i} d_bik)``; with ``max_shift`` (v0/v1/v3, TempNet) by the row's own maximum ``max_{k≠i} d_bik``. Both
     are found on the block itself: max_k a(S_k − p) = a(max_k S_k − p) for a > 0."""
+    if max_shift and bound_floor is not None:
+        raise ValueError("row_terms: give bound_floor or max_shift, not both")
     with torch.no_grad():
         a = _per_row(scale)
         offset = a * positive[:, None]  # a·p_i, [2, B, 1] (or [B, 1] for a 0-d scale)
@@ -193,6 +195,7 @@ def row_terms(
             top = sim.amax(dim=-1, keepdim=True).clamp_(min=EXCLUDED / 2)
             diff = sim - top if sim_is_scaled else (sim - top).mul_(a)
             shift = (top - offset if sim_is_scaled else (top - positive[:, None]) * a).squeeze(-1)
+            shift.clamp_(min=EXCLUDED / 2)  # as the floor's path: an all-excluded row's shift stays EXCLUDED/2
         else:
             if bound_floor is not None:
                 top = sim.amax(dim=-1, keepdim=True)  # max over the candidates (an excluded cell never wins)
@@ -245,7 +248,7 @@ class PairBlocks:
     row_weight: torch.Tensor  # [2, B] weights of the local anchors (row_values)
     col_weight: torch.Tensor  # [2, N] weights of the global anchors (column_values), or 0-d / [2, 1]
     candidates: torch.Tensor  # Ỹ [2, N, d], to map ∂L/∂S back to X
-    sim: torch.Tensor | None = None  # s·S (scaled by the global s), kept only when s needs a gradient
+    sim: torch.Tensor | None = None  # s·S (s[b]·S_b with one s per block), kept only when s needs a gradient
     positive: torch.Tensor | None = None  # [B] p_i, idem
     positive_all: torch.Tensor | None = None  # [N] P_j, idem (scale gradient through the columns)
     sim_grad: torch.Tensor | None = None  # [2, B, N] φ'(S) when the logits map S (similarity.py), else 1

@@ -46,7 +46,8 @@ def last_occurrence(indices: torch.Tensor) -> torch.Tensor:
 @dataclass
 class BatchSlots:
     """A global batch's rows in one shard: ``owned`` [N] bool, ``slots`` [N] (spare slot if not owned),
-    ``write_slots`` [N] (spare slot unless owned and the last occurrence of its index)."""
+    ``write_slots`` [N] (spare slot unless owned and the last occurrence of its index; the ``slots`` tensor
+    itself when no index repeats: never modify either in place)."""
 
     owned: torch.Tensor
     slots: torch.Tensor

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .batch import GlobalBatch
 
@@ -109,13 +110,13 @@ class Comm:
         if self.world_size == 1:  # the inputs themselves (no copy to make: nothing was gathered)
             all_indices = indices
             all_header = None if header is None else header[None]
-        else:
+        elif indices is not None or header is not None:
+            words = words.contiguous().view(torch.int64)  # [K, B (+ len(header))]: one copy (K > 1: strided)
+            n_idx = 0 if indices is None else rows
             if indices is not None:
-                n_idx = rows * 8 // image.element_size()
-                all_indices = words[:, :n_idx].contiguous().view(torch.int64).reshape(-1)
-                words = words[:, n_idx:]
+                all_indices = words[:, :n_idx].reshape(-1)
             if header is not None:
-                all_header = words.contiguous().view(torch.int64)  # [K, len(header)], a copy (K > 1: strided)
+                all_header = words[:, n_idx:]
         return GlobalBatch(
             image=image,
             text=text,
@@ -143,13 +144,14 @@ class Comm:
         ``owner_values``: ``[N, o]`` values already zero on rows this rank does not own (ShardedSampleState.read).
         Every entry has exactly one non-zero contributor, so the SUM reproduces it bit for bit.
         """
-        n_anchor = 0 if anchor_stats is None else anchor_stats.shape[1]
-        n_owner = 0 if owner_values is None else owner_values.shape[1]
-        table = torch.zeros(batch.global_size, n_anchor + n_owner, dtype=dtype, device=batch.all_image.device)
-        if n_anchor:
-            table[batch.local_rows, :n_anchor] = anchor_stats.detach()
-        if n_owner:
-            table[:, n_anchor:] = owner_values
+        parts = []
+        if anchor_stats is not None:  # zero rows above and below for the other ranks' anchors
+            after = batch.global_size - batch.offset - batch.local_size
+            parts.append(F.pad(anchor_stats.detach().to(dtype), (0, 0, batch.offset, after)))
+        if owner_values is not None:
+            parts.append(owner_values.to(dtype))
+        # (a new tensor either way: the all_reduce writes into it, and the caller may still read owner_values)
+        table = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone() if anchor_stats is None else parts[0]
         return self.all_reduce_sum_(table, ledger_key="state")
 
     def average_grads_(self, parameters) -> None:

@@ -130,7 +130,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
         # each modality's terms weighted by its τ when the temperatures are separate (the shared τ multiplies
         # the whole surrogate in _outer instead)
         row_w = torch.exp(rows.shift - row_values(log_w[local]))  # bounded by (N-1)/γ
-        col_w = torch.ones((), dtype=dtype, device=s.device)
+        col_w = 1.0
         if self.separate:
             row_w, col_w = row_w / row_scale, 1.0 / col_scale
         kept = dict(positive=pos, positive_all=pos_all) if learnable else {}

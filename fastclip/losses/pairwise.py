@@ -246,7 +246,7 @@ class PairBlocks:
     rows: RowTerms
     cols: ColumnTerms
     row_weight: torch.Tensor  # [2, B] weights of the local anchors (row_values)
-    col_weight: torch.Tensor  # [2, N] weights of the global anchors (column_values), or 0-d / [2, 1]
+    col_weight: torch.Tensor | float  # [2, N] weights of the global anchors (column_values), [2, 1], or one for all
     candidates: torch.Tensor  # Ỹ [2, N, d], to map ∂L/∂S back to X
     sim: torch.Tensor | None = None  # s·S (s[b]·S_b with one s per block), kept only when s needs a gradient
     positive: torch.Tensor | None = None  # [B] p_i, idem
@@ -288,7 +288,6 @@ class WeightedSurrogate(torch.autograd.Function):
         want_scale = scale is not None and ctx.needs_input_grad[2]
         s = scale.detach() if want_scale else None
         per_block = want_scale and s.dim() == 1  # [2]: block b's rows have their own scale s[b]
-        s_b = s[:, None] if per_block else s  # shaped as the [2, B] row values
         block, coef = ctx.block, ctx.coef * grad_out
         row_factor = coef * block.row_weight * block.rows.scale  # ∂L/∂S by row, per anchor, [2, B]
         col_factor = coef * block.col_weight * block.cols.scale
@@ -296,13 +295,14 @@ class WeightedSurrogate(torch.autograd.Function):
         grad_scale = None
         # d/ds exp(s·(S − p)) = (S − p)·exp: with grad_sim = factor·exp, Σ grad_sim·(S − p) / s, per block
         if want_scale and not ctx.scale_in_columns:
-            grad_scale = _scale_term(grad_sim, block, row_factor, s_b) / s_b
+            grad_scale = _scale_term(grad_sim, block, row_factor, s, per_block) / s
         grad_sim.addcmul_(block.cols.exp, _per_column(col_factor))
         if want_scale and ctx.scale_in_columns:
-            column_part = (col_factor * block.cols.total * block.positive_all).sum(dim=-1, keepdim=True)
-            grad_scale = (_scale_term(grad_sim, block, row_factor, s_b) - column_part) / s_b
-        if grad_scale is not None:  # [2, 1]: one per block; summed for a global scale
-            grad_scale = (grad_scale.squeeze(1) if per_block else grad_scale.sum()).to(scale.dtype)
+            column_part = col_factor * block.cols.total * block.positive_all
+            column_part = column_part.sum(dim=-1) if per_block else column_part.sum()
+            grad_scale = (_scale_term(grad_sim, block, row_factor, s, per_block) - column_part) / s
+        if grad_scale is not None:
+            grad_scale = grad_scale.to(scale.dtype)
         if block.sim_grad is not None:  # chain rule through the similarity map (0 where it clamps)
             grad_sim.mul_(block.sim_grad)
         grads = torch.bmm(grad_sim, block.candidates.to(grad_sim.dtype))  # [2, B, d]
@@ -311,18 +311,22 @@ class WeightedSurrogate(torch.autograd.Function):
             positive_term = positive_term * block.positive_grad
         ctx.block = None  # free the [2, B, N] tensors now
         grad_positive = -positive_term.sum(dim=0)[:, None]
-        grad_image = grads[0] + (grad_positive * text.detach()).to(image.dtype)
-        grad_text = grads[1] + (grad_positive * image.detach()).to(text.dtype)
+        grad_image = torch.addcmul(grads[0], grad_positive, text.detach())
+        grad_text = torch.addcmul(grads[1], grad_positive, image.detach())
         return grad_image.to(image.dtype), grad_text.to(text.dtype), grad_scale, None, None, None, None
 
 
 def _scale_term(
-    grad_sim: torch.Tensor, block: PairBlocks, row_factor: torch.Tensor, scale: torch.Tensor
+    grad_sim: torch.Tensor, block: PairBlocks, row_factor: torch.Tensor, scale: torch.Tensor, per_block: bool
 ) -> torch.Tensor:
-    """``Σ_ik grad_sim_bik·S_bik − Σ_i factor_bi·total_bi·p_i`` per block, ``[2, 1]`` (a dot product over each block,
-    no temporary; a batched matmul of 1-row matrices is 5x slower on CPU; ``block.sim`` = s·S)."""
-    dot = torch.stack([torch.dot(g.reshape(-1), x.reshape(-1)) for g, x in zip(grad_sim, block.sim)])[:, None]
-    return dot / scale - (row_factor * block.rows.total * block.positive).sum(dim=-1, keepdim=True)
+    """``Σ_ik grad_sim_bik·S_bik − Σ_i factor_bi·total_bi·p_i``, per block (``[2]``, ``scale`` = s ``[2]``) or summed
+    over both (0-d); dot products, no temporary (a batched matmul of 1-row matrices is 5x slower on CPU);
+    ``block.sim`` = s·S."""
+    positive_part = row_factor * block.rows.total * block.positive
+    if per_block:
+        dot = torch.stack([torch.dot(g.reshape(-1), x.reshape(-1)) for g, x in zip(grad_sim, block.sim)])
+        return dot / scale - positive_part.sum(dim=-1)
+    return torch.dot(grad_sim.reshape(-1), block.sim.reshape(-1)) / scale - positive_part.sum()
 
 
 def weighted_surrogate(image, text, scale, block, coef, *, scale_in_columns=False, value=None) -> torch.Tensor:

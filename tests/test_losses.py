@@ -258,12 +258,15 @@ def test_same_sample_cells_reads_indices_on_the_host_only_on_the_cpu(monkeypatch
         return GlobalBatch(feats, feats, local.to(device), every, every, indices.to(device), rank, 2)
 
     unique, repeated = torch.tensor([5, 1, 7, 2, 9, 4]), torch.tensor([5, 1, 7, 2, 5, 4])
+    # the state's locate() skips its search for repeated indices exactly when this says False
+    assert batch(unique).indices_repeat() is False and batch(repeated).indices_repeat() is True
+    assert batch(unique, device="meta").indices_repeat() is None
     cells = batch(unique).same_sample_cells()
     assert isinstance(cells, tuple) and [c.tolist() for c in cells] == [[0, 1, 2], [3, 4, 5]]
     mask = batch(repeated).same_sample_cells()
     assert mask.dtype == torch.bool and mask.nonzero().tolist() == [[0, 3], [1, 0], [1, 4], [2, 5]]
     monkeypatch.setattr(batch_module, "CHECK_REPEATS_ON_HOST", False)
-    assert batch(unique).same_sample_cells().dtype == torch.bool
+    assert batch(unique).same_sample_cells().dtype == torch.bool and batch(unique).indices_repeat() is None
     monkeypatch.setattr(batch_module, "CHECK_REPEATS_ON_HOST", True)
     ops = []
 

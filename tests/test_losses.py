@@ -254,8 +254,8 @@ def test_same_sample_cells_reads_indices_on_the_host_only_on_the_cpu(monkeypatch
     def batch(indices, rank=1, device="cpu"):
         local = indices[rank * 3 : rank * 3 + 3]
         feats = torch.zeros(3, 4, device=device)
-        every = torch.zeros(6, 4, device=device)
-        return GlobalBatch(feats, feats, local.to(device), every, every, indices.to(device), rank, 2)
+        every = torch.zeros(2, 6, 4, device=device)  # (text, image) candidates
+        return GlobalBatch(feats, feats, local.to(device), every, indices.to(device), rank, 2)
 
     unique, repeated = torch.tensor([5, 1, 7, 2, 9, 4]), torch.tensor([5, 1, 7, 2, 5, 4])
     # the state's locate() skips its search for repeated indices exactly when this says False

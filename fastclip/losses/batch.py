@@ -14,21 +14,24 @@ class GlobalBatch:
     image: torch.Tensor  # [B, d] this rank's image features, autograd
     text: torch.Tensor  # [B, d] this rank's text features, autograd
     indices: torch.Tensor | None  # [B] int64 data indices of this rank's rows
-    all_image: torch.Tensor  # [N, d] gathered image features, no autograd
-    all_text: torch.Tensor  # [N, d]
+    # [2, N, d] gathered (text, image) features, no autograd: the candidates of the two pair blocks (pairwise.py)
+    candidates: torch.Tensor
     all_indices: torch.Tensor | None  # [N]
     rank: int
     world_size: int
     header: torch.Tensor | None = None  # [K, 4] int64 validation words of every rank (validation.py)
-    # [2, N, d]: (all_text, all_image), the candidates of the two pair blocks (pairwise.py); all_text and all_image
-    # are views of it when gather_batch built it, else it is stacked from them
-    candidates: torch.Tensor | None = None
     _positive_cells: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _indices_repeat: bool | None = field(default=None, repr=False)
 
-    def __post_init__(self):
-        if self.candidates is None:
-            self.candidates = torch.stack([self.all_text, self.all_image])
+    @property
+    def all_text(self) -> torch.Tensor:
+        """[N, d] gathered text features."""
+        return self.candidates[0]
+
+    @property
+    def all_image(self) -> torch.Tensor:
+        """[N, d] gathered image features."""
+        return self.candidates[1]
 
     @property
     def local_size(self) -> int:

@@ -121,13 +121,11 @@ class Comm:
             image=image,
             text=text,
             indices=indices,
-            all_image=candidates[1],
-            all_text=candidates[0],
+            candidates=candidates,
             all_indices=all_indices,
             rank=self.rank,
             world_size=self.world_size,
             header=all_header,
-            candidates=candidates,
         )
 
     def share_rows(

@@ -33,6 +33,8 @@ CONFIGS_2 = [
     for name in ("fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3")
     for compat in ("faithful", "reference")
 ] + [("openclip", None), ("fastclip-v3", "separate"), ("fastclip-tempnet", "faithful")]
+# the loss option fused_kernels on the ranks, against the eager loss in one process
+CONFIGS_2 += [("fastclip-v3", "fused"), ("fastclip-v2", "fused")]
 CONFIGS_3 = [
     ("fastclip-v3", "faithful"),
     ("fastclip-v2", "reference"),
@@ -45,6 +47,8 @@ def make_loss(name, compat, **extra):
     options = dict(gamma_min=0.3, gamma_decay_epochs=2, compat=compat)
     if compat == "separate":  # v3 with one τ per modality (faithful only)
         options.update(compat="faithful", separate_temperatures=True)
+    if compat == "fused":  # the exponentials as compiled kernels (faithful)
+        options.update(compat="faithful", fused_kernels=True)
     if name == "fastclip-v2":
         options.update(temperature=0.3, lr_tau=0.05, rho=1.0)
     elif name == "fastclip-tempnet":
@@ -313,7 +317,7 @@ def assert_matches_single_process(per_rank, single, world_size, label):
 @pytest.mark.parametrize("name,compat", CONFIGS_2)
 def test_two_ranks_equal_one_process(two_ranks, name, compat):
     per_rank = [r["configs"][(name, compat)] for r in two_ranks]
-    single = run_steps(make_loss(name, compat), STEPS_2, slice(None))
+    single = run_steps(make_loss(name, "faithful" if compat == "fused" else compat), STEPS_2, slice(None))
     assert_matches_single_process(per_rank, single, 2, f"{name}/{compat}")
     if single["state"] is not None:
         assert single["state"]["seen"].sum() == len(set(sum((s[0] for s in STEPS_2), [])))

@@ -78,6 +78,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
         return torch.logaddexp(log_u, torch.tensor(math.log(eps), dtype=log_u.dtype)) if eps > 0 else log_u
 
     def _compute(self, comm: Comm, batch: GlobalBatch):
+        fused = self.options.fused_kernels  # the exponentials' passes as compiled kernels (kernels.py)
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
         slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices, repeats=batch.indices_repeat())
@@ -100,7 +101,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
         scaled = not self.separate
 
         # loss1 terms: this rank's anchors against all N candidates, each row shifted by its maximum b_i.
-        rows = row_terms(sim, pos, row_scale, sim_is_scaled=scaled, max_shift=True)
+        rows = row_terms(sim, pos, row_scale, sim_is_scaled=scaled, max_shift=True, fused=fused)
         log_g_local = (rows.shift + torch.log(rows.total / n_neg)).T  # [B, 2] (image, text)
 
         # One all_reduce: each anchor's log g from its rank, each sample's old log u (and seen) from its owner.
@@ -126,6 +127,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
             shift=column_values(log_w),
             total=in_columns,
             in_place=not learnable or not scaled,  # (kept_sim is then a scaled copy)
+            fused=fused,
         )
         # each modality's terms weighted by its τ when the temperatures are separate (the shared τ multiplies
         # the whole surrogate in _outer instead)

@@ -100,6 +100,7 @@ class FastCLIPV2Loss(SampleStateLoss):
         return objective_eps_shifted(u, b, eps)
 
     def _compute(self, comm: Comm, batch: GlobalBatch):
+        fused = self.options.fused_kernels  # the exponentials' passes as compiled kernels (kernels.py)
         opt = self.options
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
@@ -118,7 +119,9 @@ class FastCLIPV2Loss(SampleStateLoss):
         b_old = torch.where(seen, old[:, BOUND], 0.0)  # the bound starts at 0
 
         # 2) this rank's anchors, each with its own τ_old: bound, g and the sum for the τ-gradient.
-        rows = row_terms(sim, pos, row_values(1.0 / tau_old[local]), bound_floor=row_values(b_old[local]), moment=True)
+        rows = row_terms(
+            sim, pos, row_values(1.0 / tau_old[local]), bound_floor=row_values(b_old[local]), moment=True, fused=fused
+        )
         stats = torch.cat([rows.total.T, rows.shift.T, rows.moment.T], dim=1)  # [B, 6]: (image, text) pairs
         new = comm.share_rows(batch, stats, dtype=dtype)
         g, b_new, h = new[:, 0:2] / n_neg, new[:, 2:4], new[:, 4:6] / n_neg
@@ -137,7 +140,9 @@ class FastCLIPV2Loss(SampleStateLoss):
         # 4) encoder surrogate with τ_old and the new bounds: the columns of each block are the global anchors
         #    of the other modality (gradient into this rank's negatives).
         w = 1.0 / denom if self.reference else tau_old / denom
-        cols = column_terms(sim, pos_all, column_values(1.0 / tau_old), shift=column_values(b_new), in_place=True)
+        cols = column_terms(
+            sim, pos_all, column_values(1.0 / tau_old), shift=column_values(b_new), in_place=True, fused=fused
+        )
         del sim
         block = PairBlocks(rows, cols, row_values(w[local]), column_values(w), batch.candidates)
         loss = weighted_surrogate(batch.image, batch.text, None, block, 0.5 / (batch.local_size * n_neg))

@@ -45,6 +45,7 @@ class OpenCLIPLoss(ContrastiveLoss):
         self._init_logit_scale(options.temperature, options.learn_temperature)
 
     def _compute(self, comm: Comm, batch: GlobalBatch):
+        fused = self.options.fused_kernels  # the exponentials' passes as compiled kernels (kernels.py)
         dtype = compute_dtype(batch.image.dtype)
         scale = self._scale(dtype)
         learnable = scale.requires_grad
@@ -56,7 +57,7 @@ class OpenCLIPLoss(ContrastiveLoss):
         zero = torch.zeros((), dtype=dtype, device=pos.device)
 
         # Per local anchor (columns (image, text)): softmax weight w = 1/(e^{-r} + Σ exp(d − r)), CE, shift r.
-        rows = row_terms(sim, pos, s, sim_is_scaled=True, bound_floor=zero)
+        rows = row_terms(sim, pos, s, sim_is_scaled=True, bound_floor=zero, fused=fused)
         shift, total = rows.shift.T, rows.total.T  # [B, 2]
         normaliser = torch.exp(-shift) + total  # the positive's exp(0), shifted, plus negatives
         w_local, ce_local = 1.0 / normaliser, shift + torch.log(normaliser)
@@ -65,7 +66,9 @@ class OpenCLIPLoss(ContrastiveLoss):
 
         # columns: text anchors vs local images (block 0), image anchors vs local texts (block 1)
         # (the logit_scale gradient reads the blocks again in backward; otherwise the columns overwrite them)
-        cols = column_terms(sim, pos_all, s, sim_is_scaled=True, shift=column_values(shift_all), in_place=not learnable)
+        cols = column_terms(
+            sim, pos_all, s, sim_is_scaled=True, shift=column_values(shift_all), in_place=not learnable, fused=fused
+        )
         kept = dict(sim=sim, positive=pos) if learnable else {}
         block = PairBlocks(
             rows,

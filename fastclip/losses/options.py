@@ -19,6 +19,11 @@ def _positive(name: str, value: float) -> None:
         raise ValueError(f"loss option {name} must be a positive number, got {value!r}")
 
 
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"loss option {name} must be true or false, got {value!r}")
+
+
 def _check_similarity(options) -> None:
     if options.similarity not in SIMILARITIES:
         raise ValueError(f"loss option similarity must be one of {SIMILARITIES}, got {options.similarity!r}")
@@ -38,10 +43,12 @@ class OpenCLIPOptions(CommonOptions):
     learn_temperature: bool = True
     similarity: str = "cosine"  # "atanh": logits 2·atanh(cos)/τ (temperature-free with τ = 1, see similarity.py)
     similarity_clamp: float = 1e-6  # "atanh": the cosine is clamped to ±(1 − this)
+    fused_kernels: bool = False  # the [2, B, N] exponentials as torch.compile'd kernels (kernels.py)
 
     def __post_init__(self):
         _positive("temperature", self.temperature)
         _check_similarity(self)
+        _check_bool("fused_kernels", self.fused_kernels)
 
 
 @dataclass(frozen=True)
@@ -55,8 +62,12 @@ class SampleStateOptions(CommonOptions):
     compat: str = "faithful"  # "faithful": the stated objectives; "reference": the reference's two deviations
     state_device: str | torch.device | None = None  # None: the features' device
     state_dtype: torch.dtype | None = None  # None: float64 for float64 features, else float32
+    # the [2, B, N] exponentials as torch.compile'd kernels, one pass each instead of 3-4 (kernels.py): faster from
+    # about B = 256 per rank, a few seconds of compiling at the first call; eager where the backend cannot compile
+    fused_kernels: bool = False
 
     def __post_init__(self):
+        _check_bool("fused_kernels", self.fused_kernels)
         if isinstance(self.data_size, bool) or not isinstance(self.data_size, int) or self.data_size < 1:
             raise ValueError(
                 f"loss option data_size must be a positive int (1 + the largest data index), got {self.data_size!r}"

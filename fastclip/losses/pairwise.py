@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch import GlobalBatch
+from .kernels import shifted_exp
 
 
 @contextmanager
@@ -159,16 +160,10 @@ def exclude_(sim: torch.Tensor, cells) -> torch.Tensor:
         return sim
 
 
-def _differences(
-    sim: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, sim_is_scaled: bool, *, in_place: bool = False
-):
-    """``a·S − offset`` (``offset`` and ``a`` shaped to broadcast) into a new tensor, or into ``sim`` itself: one
-    pass when ``sim`` already holds ``a·S``, else ``a·(S − offset/a)`` in two (two simple passes beat one
-    broadcasting addcmul on CPU)."""
-    if not sim_is_scaled:
-        offset = offset / scale
-    diff = sim.sub_(offset) if in_place else sim - offset
-    return diff if sim_is_scaled else diff.mul_(scale)
+def _offset_and_scale(offset: torch.Tensor, a: torch.Tensor, sim_is_scaled: bool):
+    """``(offset', scale')`` with ``(S − offset')·scale' = a·S − offset``: ``sim`` already holds ``a·S`` (one
+    subtraction), or ``a·(S − offset/a)`` (two simple passes beat one broadcasting addcmul on CPU)."""
+    return (offset, None) if sim_is_scaled else (offset / a, a)
 
 
 def row_terms(
@@ -180,11 +175,13 @@ def row_terms(
     bound_floor: torch.Tensor | None = None,
     max_shift: bool = False,
     moment: bool = False,
+    fused: bool = False,
 ) -> RowTerms:
     """Rows of both blocks (``sim`` ``[2, B, N]``, its excluded cells already EXCLUDED: exclude_). Each row may be
     shifted by ``r_bi``: with ``bound_floor`` (v2, openclip; 0-d or ``[2, B]``) ``r_bi = max(bound_floor_bi,
     max_{k≠i} d_bik)``; with ``max_shift`` (v0/v1/v3, TempNet) by the row's own maximum ``max_{k≠i} d_bik``. Both
-    are found on the block itself: max_k a(S_k − p) = a(max_k S_k − p) for a > 0."""
+    are found on the block itself: max_k a(S_k − p) = a(max_k S_k − p) for a > 0. ``fused``: the exponentials in
+    one compiled pass (kernels.py)."""
     if max_shift and bound_floor is not None:
         raise ValueError("row_terms: give bound_floor or max_shift, not both")
     with torch.no_grad():
@@ -193,9 +190,9 @@ def row_terms(
         shift = None
         if max_shift:  # d − r = a(S − max S): the positive cancels; the floor keeps an all-excluded row at exp 0
             top = sim.amax(dim=-1, keepdim=True).clamp_(min=EXCLUDED / 2)
-            diff = sim - top if sim_is_scaled else (sim - top).mul_(a)
             shift = (top - offset if sim_is_scaled else (top - positive[:, None]) * a).squeeze(-1)
             shift.clamp_(min=EXCLUDED / 2)  # as the floor's path: an all-excluded row's shift stays EXCLUDED/2
+            offset, factor = top, (None if sim_is_scaled else a)  # d − r = (S − max S)·a
         else:
             if bound_floor is not None:
                 top = sim.amax(dim=-1, keepdim=True)  # max over the candidates (an excluded cell never wins)
@@ -204,14 +201,9 @@ def row_terms(
                 shift = torch.maximum(_per_row(bound_floor), top).clamp_(min=EXCLUDED / 2)
                 offset = offset + shift
                 shift = shift.squeeze(-1)
-            diff = _differences(sim, offset, a, sim_is_scaled)  # d_bik − r_bi
-        if not moment:
-            exp = diff.exp_()
-            return RowTerms(exp=exp, total=exp.sum(dim=-1), moment=None, shift=shift, scale=scale)
-        exp = torch.exp(diff)
-        total = exp.sum(dim=-1)
-        mom = diff.mul_(exp).sum(dim=-1)  # Σ (d − r)·exp (excluded cells: finite · 0)
-        if shift is not None:
+            offset, factor = _offset_and_scale(offset, a, sim_is_scaled)  # d_bik − r_bi = (S − offset)·factor
+        exp, total, mom = shifted_exp(sim, offset, factor, row_sums=True, moment=moment, fused=fused)
+        if mom is not None and shift is not None:
             mom = mom + shift * total  # Σ d·exp = Σ (d − r)·exp + r·Σ exp
         return RowTerms(exp=exp, total=total, moment=mom, shift=shift, scale=scale)
 
@@ -225,16 +217,19 @@ def column_terms(
     shift: torch.Tensor | None = None,
     total: bool = False,
     in_place: bool = False,
+    fused: bool = False,
 ) -> ColumnTerms:
     """Columns of both blocks (global anchors; excluded cells already EXCLUDED), optionally shifted by ``shift``
     ``[2, N]`` (column_values). ``in_place``: the exponentials overwrite ``sim`` (when nothing reads the blocks
-    afterwards: one ``[2, B, N]`` buffer fewer to allocate and to keep for the backward)."""
+    afterwards: one ``[2, B, N]`` buffer fewer to allocate and to keep for the backward), except with ``fused``
+    (one compiled pass into a new tensor: kernels.py)."""
     with torch.no_grad():
         a = _per_column(scale)
         offset = a * positive_all
         if shift is not None:
             offset = offset + _per_column(shift)
-        exp = _differences(sim, offset, a, sim_is_scaled, in_place=in_place).exp_()
+        offset, factor = _offset_and_scale(offset, a, sim_is_scaled)
+        exp = shifted_exp(sim, offset, factor, in_place=in_place, fused=fused)[0]
         return ColumnTerms(exp=exp, total=exp.sum(dim=-2) if total else None, scale=scale)
 
 

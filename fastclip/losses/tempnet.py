@@ -86,6 +86,7 @@ class TempNetLoss(SampleStateLoss):
         return None
 
     def _compute(self, comm: Comm, batch: GlobalBatch):
+        fused = self.options.fused_kernels  # the exponentials' passes as compiled kernels (kernels.py)
         eps = self.options.eps
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
@@ -111,7 +112,7 @@ class TempNetLoss(SampleStateLoss):
 
         stored = state.read(slots)  # [N, u_img, u_txt, b_img, b_txt, seen], owners' rows
         old = stored.to(pos.device, dtype)
-        rows = row_terms(sim, pos, row_values(1.0 / tau[local]), max_shift=True, moment=True)
+        rows = row_terms(sim, pos, row_values(1.0 / tau[local]), max_shift=True, moment=True, fused=fused)
         # rows are shifted by their own maximum; the shared table carries each anchor's (log-free) g, shift and
         # τ-moment, plus the owners' old u, b and seen
         stats = torch.cat([rows.total.T, rows.shift.T, rows.moment.T], dim=1)  # [B, 6]: (image, text) pairs
@@ -134,7 +135,9 @@ class TempNetLoss(SampleStateLoss):
         # the encoders: RGCL at fixed τ, weights τ_i/(u_i+ε) (rows rescaled to b_new, as the columns)
         w = tau / denom
         w_rows = w[local] * torch.exp(shift[local] - b_new[local])
-        cols = column_terms(sim, pos_all, column_values(1.0 / tau), shift=column_values(b_new), in_place=True)
+        cols = column_terms(
+            sim, pos_all, column_values(1.0 / tau), shift=column_values(b_new), in_place=True, fused=fused
+        )
         del sim
         block = PairBlocks(rows, cols, row_values(w_rows), column_values(w), batch.candidates)
         surrogate = weighted_surrogate(batch.image, batch.text, None, block, 0.5 / (batch.local_size * n_neg))

@@ -83,6 +83,9 @@ class LossConfig:
     similarity: Literal["cosine", "atanh"] | None = None  # openclip/v0/v1/v3: "atanh" = temperature-free 2·atanh(cos)
     similarity_clamp: float | None = None  # atanh: the cosine is clamped to ±(1 − this)
     bias: float | None = None  # siglip: initial logit bias (-10)
+    # all but siglip: the [2, B, N] exponentials as torch.compile'd kernels (fastclip/losses/kernels.py); faster
+    # from about 256 samples per rank, a few seconds of compiling at start; needs a C++ compiler (CPU) or Triton
+    fused_kernels: bool | None = None
     # input checks (fastclip/losses/validation.py): "deferred" rides the feature all_gather and is read on logging
     # steps and before each checkpoint (no host sync per step); "eager" raises in the step (one host sync per step)
     validate: Literal["deferred", "eager", "off"] = "deferred"

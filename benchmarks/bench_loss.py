@@ -47,6 +47,12 @@ DATA_SIZE = 10**6
 FULL = dict(batch_sizes=(64, 256, 1024), dims=(64, 512), reps=31, warmup=3)
 QUICK = dict(batch_sizes=(64,), dims=(64,), reps=3, warmup=1)
 MODES = ("deferred", "eager", "off")  # the loss option validate (fastclip/losses/validation.py)
+FUSED = "fused"  # deferred checks and the loss option fused_kernels (fastclip/losses/kernels.py)
+SPLIT = {
+    "fastclip-v3-deferred": "fastclip-v3 (deferred)",
+    f"fastclip-v3-{FUSED}": "fastclip-v3 (fused)",
+    "openclip": "ClipLoss",
+}
 MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 READ_EVERY = 10  # deferred checks are read back every 10 calls: the trainer reads them on logging steps (log_every 10)
 
@@ -63,20 +69,23 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
     open_clip = import_open_clip()
     clip = open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=WORLD_SIZE)
     modes = {mode: build_loss("fastclip-v3", data_size=DATA_SIZE, validate=mode) for mode in MODES}
+    # the exponentials as compiled kernels (loss option fused_kernels), deferred checks
+    modes[FUSED] = build_loss("fastclip-v3", data_size=DATA_SIZE, validate="deferred", fused_kernels=True)
     fast = modes["deferred"]
     logit_scale = torch.nn.Parameter(fast.logit_scale.detach().clone())
     image, text, indices = _features(batch, dim, seed=1000 * rank + batch + dim)
 
-    calls = {mode: 0 for mode in MODES}
+    calls = {mode: 0 for mode in modes}
 
-    def v3_step(loss_fn):
+    def v3_step(mode):
+        loss_fn = modes[mode]
         loss_fn(image, text, indices, epoch=1).backward()
-        calls[loss_fn.validate] += 1
-        if loss_fn.validate == "deferred" and calls["deferred"] % READ_EVERY == 0:  # as the trainer: logging steps
+        calls[mode] += 1
+        if loss_fn.validate == "deferred" and calls[mode] % READ_EVERY == 0:  # as the trainer: logging steps
             loss_fn.check_inputs()
 
     # epoch 1: γ < 1, the u update proper (the first visit of a sample is the same work)
-    steps = {f"fastclip-v3-{mode}": (lambda f=loss_fn: v3_step(f)) for mode, loss_fn in modes.items()}
+    steps = {f"fastclip-v3-{mode}": (lambda m=mode: v3_step(m)) for mode in modes}
     steps["openclip"] = lambda: clip(image, text, logit_scale.exp()).backward()
     times = {name: [] for name in steps}
     names = list(steps)
@@ -88,7 +97,7 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
                 times[name].append(elapsed)
     with CollectiveByteCounter() as counter:
         steps["openclip"]()
-    split = {name: _time_split(steps[name], reps) for name in ("fastclip-v3-deferred", "openclip")}
+    split = {name: _time_split(steps[name], reps) for name in SPLIT}
     # one call each (a deferred read every 10th call is not in it)
     ops = {"fastclip-v3-deferred": dispatched_ops(lambda: fast(image, text, indices, epoch=1).backward())}
     ops["openclip"] = dispatched_ops(steps["openclip"])
@@ -96,13 +105,13 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
         "B": batch,
         "d": dim,
         "reps": reps,
-        **{f"fastclip_{mode}_ms": 1e3 * statistics.median(times[f"fastclip-v3-{mode}"]) for mode in MODES},
+        **{f"fastclip_{mode}_ms": 1e3 * statistics.median(times[f"fastclip-v3-{mode}"]) for mode in modes},
         # each v3 step against the ClipLoss step next to it in time (a slow moment of the machine hits both)
         **{
             f"paired_ratio_{mode}": statistics.median(
                 v / c for v, c in zip(times[f"fastclip-v3-{mode}"], times["openclip"])
             )
-            for mode in MODES
+            for mode in modes
         },
         "openclip_ms": 1e3 * statistics.median(times["openclip"]),
         "split": split,
@@ -179,16 +188,16 @@ def _free_port() -> int:
 
 def _table(rows: list[dict]) -> str:
     lines = [
-        "| B | d | v3 deferred ms | v3 eager ms | v3 off ms | ClipLoss ms | deferred/Clip | eager/Clip | off/Clip | "
-        "v3 feature bytes | v3 total bytes | ClipLoss bytes | feature bytes v3/Clip | total bytes v3/Clip | "
-        "ops per call v3 / Clip |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| B | d | v3 deferred ms | v3 eager ms | v3 off ms | v3 fused ms | ClipLoss ms | deferred/Clip | eager/Clip | "
+        "off/Clip | fused/Clip | v3 feature bytes | v3 total bytes | ClipLoss bytes | feature bytes v3/Clip | "
+        "total bytes v3/Clip | ops per call v3 / Clip |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         fb, tb, cb = r["fastclip_bytes"]["features"], r["fastclip_bytes"]["total"], r["openclip_bytes"]
-        ms = [r[f"fastclip_{mode}_ms"] for mode in MODES]
+        ms = [r[f"fastclip_{mode}_ms"] for mode in (*MODES, FUSED)]
         clip = r["openclip_ms"]
-        ratios = [r[f"paired_ratio_{mode}"] for mode in MODES]
+        ratios = [r[f"paired_ratio_{mode}"] for mode in (*MODES, FUSED)]
         lines.append(
             f"| {r['B']} | {r['d']} | {' | '.join(f'{t:.2f}' for t in ms)} | {clip:.2f} | "
             f"{' | '.join(f'{x:.2f}' for x in ratios)} | {fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} | "
@@ -203,7 +212,7 @@ def _split_table(rows: list[dict]) -> str:
         "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        for name, label in (("fastclip-v3-deferred", "fastclip-v3 (deferred)"), ("openclip", "ClipLoss")):
+        for name, label in SPLIT.items():
             x = r["split"][name]
             lines.append(
                 f"| {r['B']} | {r['d']} | {label} | {x['collectives_per_step']} | {x['local_ms']:.2f} | "
@@ -270,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             "v3 with each value of the loss option `validate`: `deferred` (the trainer's default: the input checks "
             f"ride in the feature all_gather, no extra collective; read back every {READ_EVERY}th call here, as the "
             "trainer reads them on its logging steps at the default train.log_every), `eager` (the library "
-            "default: the same words, read back in every call before the state is written: a host sync) and `off`. "
+            "default: the same words, read back in every call before the state is written: a host sync) and `off`; "
+            "`fused`: deferred, with the loss option `fused_kernels` (the exponentials' passes as torch.compile'd "
+            "kernels, compiled during the warm-up). "
             "Bytes: per rank per step, ring formulas; ClipLoss counted by wrapping its torch.distributed calls "
             "(2 all_gathers forward, 2 x K scatters backward on gloo). v3 total (deferred) = features + indices + "
             "4 check words + state all_reduce (the warm-up's first call adds the one-time structure handshake). "

@@ -137,3 +137,18 @@ def test_config_takes_fused_kernels_and_siglip_refuses_it(tmp_path, capsys):
         build_loss("siglip", fused_kernels=True)
     with pytest.raises(ValueError, match="fused_kernels must be true or false"):
         build_loss("fastclip-v3", data_size=4, fused_kernels="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
+@pytest.mark.parametrize("name", ["fastclip-v3", "fastclip-v2", "openclip"])
+def test_fused_kernels_on_cuda_give_the_eager_loss(name):
+    """On a GPU the kernels are Triton's: the same values and gradients as the eager loss (float32 rounding)."""
+    e1, e2 = features(len(IDX), 5, seed=5)
+    e1, e2 = e1.float().cuda(), e2.float().cuda()
+    eager = _build(name, {}, False, torch.float32).cuda()
+    fused = _build(name, {}, True, torch.float32).cuda()
+    want, got = _calls(eager, e1, e2), _calls(fused, e1, e2)
+    assert kernels.compile_failure() is None, kernels.compile_failure()
+    for w_call, g_call in zip(want, got):
+        for w, g in zip(w_call, g_call):
+            torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)

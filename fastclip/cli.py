@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -25,8 +26,26 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+EXIT_PIPE = 141  # 128 + SIGPIPE: what `yes | head -1` gives; the reader chose to stop
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        status = _dispatch(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # `fastclip ... | head`: the reader is gone; stdout goes to /dev/null so the exit flush is quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+    except KeyboardInterrupt:  # `fastclip train` names its step and checkpoint itself; the others stop here
+        print(f"{' '.join(['fastclip', *argv[:1]])}: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""

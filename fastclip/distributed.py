@@ -17,6 +17,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -108,42 +110,103 @@ def slurm_master_addr(nodelist: str) -> str:
 
 
 # ----------------------------------------------------------------------------- environment -> ranks
-def _int_env(env, key: str) -> int:
+class LaunchError(ValueError):
+    """The launcher's environment is wrong (a variable missing, not a number, out of range); the message names
+    the variable and what to do. `fastclip train` prints it as one line and exits 2, like a ConfigError."""
+
+
+_RESTART = "start with torchrun (or srun), or unset it"
+_SET_BY_LAUNCHER = " (torchrun and srun set it): start with a launcher, or correct or unset it"
+
+
+def _int_env(env, key: str, *, low: int = 0, high: int | None = None, what: str = "") -> int:
+    text = env[key]
     try:
-        return int(env[key])
+        value = int(text)
     except ValueError:
-        raise ValueError(f"environment variable {key}={env[key]!r} is not an integer") from None
+        raise LaunchError(f"environment variable {key}={text!r} is not an integer{what}") from None
+    if value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise LaunchError(f"environment variable {key}={text!r} must be {bound}{what}")
+    return value
+
+
+def _port(env, key: str = "MASTER_PORT") -> int:
+    return _int_env(env, key, low=1, high=65535, what=": set it to a free TCP port, the same on every process")
+
+
+def _ranks(env, rank_key: str, size_key: str, local_key: str) -> tuple[int, int, int]:
+    world = _int_env(env, size_key, low=1, what=_SET_BY_LAUNCHER)
+    rank = _int_env(env, rank_key, what=_SET_BY_LAUNCHER)
+    if rank >= world:
+        raise LaunchError(
+            f"environment variable {rank_key}={rank} is not below {size_key}={world}: ranks run from 0 to "
+            f"{world - 1}; start the processes with torchrun (or srun), which numbers them"
+        )
+    local = _int_env(env, local_key, what=_SET_BY_LAUNCHER) if local_key in env else 0
+    return rank, world, local
+
+
+def _master_addr(env) -> str | None:
+    if "MASTER_ADDR" not in env:
+        return None
+    addr = env["MASTER_ADDR"].strip()
+    if not addr:
+        raise LaunchError("environment variable MASTER_ADDR is empty: set it to the host of rank 0, or unset it")
+    return addr
 
 
 def dist_env_from(env=None) -> DistEnv:
-    """Read rank/world/local rank/master from an environment mapping (os.environ by default)."""
+    """Read rank/world/local rank/master from an environment mapping (os.environ by default).
+
+    Raises LaunchError naming the variable when the environment cannot describe a job: a lone RANK or
+    WORLD_SIZE that implies other processes, a value that is not a number or out of range, a SLURM job
+    without its node list.
+    """
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world, local = _ranks(env, "RANK", "WORLD_SIZE", "LOCAL_RANK")
         return DistEnv(
-            rank=_int_env(env, "RANK"),
-            world_size=_int_env(env, "WORLD_SIZE"),
-            local_rank=_int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int_env(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500,
+            rank=rank,
+            world_size=world,
+            local_rank=local,
+            master_addr=_master_addr(env) or "127.0.0.1",
+            master_port=_port(env) if "MASTER_PORT" in env else 29500,
             launcher="torchrun",
         )
+    # one of the pair without the other: a hand-set or half-cleared environment; training alone would silently
+    # give a different job than the one asked for (RANK=0 or WORLD_SIZE=1 alone describe this process: allowed)
+    if "WORLD_SIZE" in env and _int_env(env, "WORLD_SIZE", low=1, what=_SET_BY_LAUNCHER) > 1:
+        raise LaunchError(f"environment variable WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: {_RESTART}")
+    if "RANK" in env and _int_env(env, "RANK", what=_SET_BY_LAUNCHER) > 0:
+        raise LaunchError(f"environment variable RANK={env['RANK']} is set but WORLD_SIZE is not: {_RESTART}")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world, local = _ranks(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        if "MASTER_ADDR" in env:
-            master = env["MASTER_ADDR"]
-        elif nodelist:
-            master = slurm_master_addr(nodelist)
-        else:
-            raise ValueError("SLURM job without SLURM_JOB_NODELIST and without MASTER_ADDR: cannot find the master")
+        master = _master_addr(env)
+        if master is None and world > 1:
+            if not nodelist:
+                raise LaunchError(
+                    f"SLURM job of {world} tasks without SLURM_JOB_NODELIST and without MASTER_ADDR: cannot find "
+                    "the master; start the tasks with srun inside the allocation, or set MASTER_ADDR to the host of "
+                    "task 0"
+                )
+            key = "SLURM_JOB_NODELIST" if env.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
+            try:
+                master = slurm_master_addr(nodelist)
+            except ValueError as e:
+                raise LaunchError(f"environment variable {key}: {e}; set MASTER_ADDR to the host of task 0") from None
         if "MASTER_PORT" in env:
-            port = _int_env(env, "MASTER_PORT")
-        else:  # same on every task of the job, different for concurrent jobs on a shared first node
-            port = 20000 + _int_env(env, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in env else 29500
+            port = _port(env)
+        elif "SLURM_JOB_ID" in env:  # same on every task of the job, different for concurrent jobs on a shared node
+            port = 20000 + _int_env(env, "SLURM_JOB_ID", what=": set MASTER_PORT instead") % 20000
+        else:
+            port = 29500
         return DistEnv(
-            rank=_int_env(env, "SLURM_PROCID"),
-            world_size=_int_env(env, "SLURM_NTASKS"),
-            local_rank=_int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-            master_addr=master,
+            rank=rank,
+            world_size=world,
+            local_rank=local,
+            master_addr=master or "127.0.0.1",
             master_port=port,
             launcher="slurm",
         )
@@ -151,6 +214,9 @@ def dist_env_from(env=None) -> DistEnv:
 
 
 # ----------------------------------------------------------------------------- process group
+_JOIN_NOTE_AFTER_S = 5.0  # a normal start joins well within this: the note speaks only when something is missing
+
+
 @dataclass(frozen=True)
 class DistInfo:
     rank: int
@@ -205,14 +271,62 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_minute
         MASTER_ADDR=env.master_addr,
         MASTER_PORT=str(env.master_port),
     )
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=datetime.timedelta(minutes=timeout_minutes),
-    )
+    join_process_group(env, backend, timeout_minutes)
     return DistInfo(env.rank, env.world_size, env.local_rank, dev, env.launcher, True)
+
+
+def join_process_group(env: DistEnv, backend: str, timeout_minutes: float) -> None:
+    """`init_process_group` that says what it waits for and fails in one line.
+
+    A process whose peers never come waits train.dist_timeout_minutes in silence otherwise, then ends in a
+    DistStoreError traceback: after a few seconds it prints a note, and a timeout or a network error becomes a
+    CollectiveFailure (one line, exit 1) naming the address, the count and what to check; a port another
+    program holds is the operator's choice, a LaunchError naming MASTER_PORT (exit 2).
+    """
+    from fastclip.train.errors import CollectiveFailure
+
+    where = f"{env.master_addr}:{env.master_port}"
+    limit = f"{timeout_minutes:g} min (train.dist_timeout_minutes)"
+    note = threading.Timer(
+        min(_JOIN_NOTE_AFTER_S, 30 * timeout_minutes),  # seconds: half the timeout at most
+        lambda: print(
+            f"fastclip train: note: rank {env.rank}: waiting up to {limit} for all {env.world_size} processes "
+            f"to join at {where}",
+            file=sys.stderr,
+            flush=True,
+        ),
+    )
+    note.daemon = True
+    note.start()
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    except RuntimeError as e:  # DistStoreError, DistNetworkError, a backend that cannot connect its pairs
+        text = str(e)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise LaunchError(
+                f"environment variable MASTER_PORT={env.master_port}: the port is in use on {env.master_addr} "
+                f"(another job, or a process left from an earlier one): choose another MASTER_PORT"
+            ) from None
+        joined = re.search(r"(\d+)/(\d+) clients joined", text)
+        if joined:
+            what = f"only {joined.group(1)} of {env.world_size} processes joined at {where} within {limit}"
+        elif env.rank != 0:
+            what = f"rank {env.rank} could not reach rank 0 at {where} within {limit}"
+        else:
+            what = f"the processes could not meet at {where} ({text.strip().splitlines()[0][:300]})"
+        raise CollectiveFailure(
+            f"{what}: check that every node started (all {env.world_size} processes), that MASTER_ADDR and "
+            f"MASTER_PORT name the same host and port on all of them and that the port is reachable from every node"
+        ) from None
+    finally:
+        note.cancel()
+        note.join()
 
 
 def barrier(info: DistInfo) -> None:
@@ -258,10 +372,12 @@ def cleanup(info: DistInfo) -> None:
 __all__ = [
     "DistEnv",
     "DistInfo",
+    "LaunchError",
     "parse_slurm_nodelist",
     "slurm_master_addr",
     "dist_env_from",
     "init_distributed",
+    "join_process_group",
     "pick_device",
     "barrier",
     "broadcast_flag",

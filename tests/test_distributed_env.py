@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from fastclip.distributed import dist_env_from, parse_slurm_nodelist, slurm_master_addr
+from fastclip.distributed import LaunchError, dist_env_from, parse_slurm_nodelist, slurm_master_addr
 
 
 @pytest.mark.parametrize(
@@ -83,6 +83,36 @@ def test_bad_values_name_the_variable():
         dist_env_from({"SLURM_PROCID": "x", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"})
     with pytest.raises(ValueError, match="SLURM_JOB_NODELIST"):
         dist_env_from({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"WORLD_SIZE": "2"}, ["WORLD_SIZE=2 is set but RANK is not", "torchrun", "unset"]),
+        ({"RANK": "1"}, ["RANK=1 is set but WORLD_SIZE is not"]),
+        ({"RANK": "0", "WORLD_SIZE": "two"}, ["WORLD_SIZE='two' is not an integer"]),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, ["LOCAL_RANK='x' is not an integer"]),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, ["LOCAL_RANK='-1' must be >= 0"]),
+        ({"RANK": "5", "WORLD_SIZE": "2"}, ["RANK=5 is not below WORLD_SIZE=2", "from 0 to 1"]),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, ["WORLD_SIZE='0' must be >= 1"]),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}, ["MASTER_PORT='99999' must be from 1 to 65535"]),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "0"}, ["MASTER_PORT='0'"]),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": " "}, ["MASTER_ADDR is empty"]),
+        ({"SLURM_PROCID": "2", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"}, ["SLURM_PROCID=2", "SLURM_NTASKS=2"]),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-"}, ["SLURM_JOB_NODELIST", "ADDR"]),
+    ],
+)
+def test_a_launch_environment_that_describes_no_job_is_refused_naming_the_variable(env, words):
+    with pytest.raises(LaunchError) as info:
+        dist_env_from(env)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_variables_that_describe_this_one_process_are_accepted():
+    """RANK=0 or WORLD_SIZE=1 alone, and a one-task SLURM step without a node list, are a single process."""
+    for env in ({"RANK": "0"}, {"WORLD_SIZE": "1"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}):
+        assert dist_env_from(env).world_size == 1, env
 
 
 def test_scontrol_fallback(tmp_path, monkeypatch):

@@ -14,17 +14,57 @@ A run stopped for a known reason (a failed collective, too many NaN/Inf steps, a
 checkpoint: fastclip/train/errors.py) prints one line naming it; exit status 1. Stopped by a signal in
 train.stop_signals (SIGUSR1, SIGTERM: preemption, the end of a SLURM time slot) after writing a checkpoint at
 that step on every rank: exit status 75 (launch/slurm.sbatch requeues the job on it; fastclip/train/preemption.py).
+The launcher's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, SLURM_*) are checked before
+anything else, by --check too: a missing partner variable or a value out of range is one line naming it, exit 2.
+Interrupted (Ctrl-C, SIGINT): one line naming the step and the last complete checkpoint; exit status 130.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+from fastclip.distributed import LaunchError, dist_env_from
 from fastclip.train.config import ConfigError, dump_config, load_config
 from fastclip.train.errors import TrainingError
 from fastclip.train.preemption import EXIT_PREEMPTED
 
 USAGE = __doc__
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+def _chain(error: BaseException | None):
+    """`error`, then what it was raised from or while handling, once each."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _interrupt(error: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt behind `error`, if any: Ctrl-C inside torch.save surfaces as the RuntimeError the
+    zip writer raises while unwinding it (its __context__), and in a job as a CollectiveFailure (its __cause__)."""
+    return next((e for e in _chain(error) if isinstance(e, KeyboardInterrupt)), None)
+
+
+def _interrupted_line(error: BaseException, run_dir) -> str:
+    # the trainer tags the error it re-raises with the step it was on
+    step = next((e.at_step for e in _chain(error) if getattr(e, "at_step", None) is not None), None)
+    where = f"at step {step}" if step else "before the first step"
+    pointer = Path(run_dir) / "checkpoints" / "latest" if run_dir else None
+    last = None
+    try:
+        if pointer is not None and pointer.is_file():
+            folder = pointer.parent / pointer.read_text().strip()
+            last = folder if (folder / "model.pt").is_file() else None
+    except OSError:
+        pass
+    if last is None:
+        return f"fastclip train: interrupted {where}; no checkpoint yet"
+    return (
+        f"fastclip train: interrupted {where}; last complete checkpoint: {last} (continue with --train.resume latest)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     config_path, print_only, rest = None, False, []
-    check_only, world_size = False, 1
+    check_only, world_size = False, None
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -58,15 +98,24 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rest.append(a)
             i += 1
+    cfg = None
     try:
         cfg = load_config(config_path, rest)
         if print_only:
             print(dump_config(cfg), end="")
             return 0
+        env = dist_env_from()  # the launcher's variables, before a run folder or a tower exists
         if check_only:
             from fastclip.train import preflight
             from fastclip.train.trainer import check_inputs
 
+            if world_size is None:
+                world_size = env.world_size
+            elif env.world_size > 1 and world_size != env.world_size:
+                raise LaunchError(
+                    f"--world-size {world_size} but the environment says WORLD_SIZE={env.world_size} "
+                    f"({env.launcher}): drop --world-size or make them agree"
+                )
             preflight.check_operator_input(cfg, create=False)  # --check leaves no run folder
             check_inputs(cfg, world_size)
             print(f"fastclip train: config ok for {world_size} process(es)")
@@ -78,9 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"fastclip train: config error: {e}", file=sys.stderr)
         return 2
-    except TrainingError as e:
-        print(f"fastclip train: error: {e}", file=sys.stderr, flush=True)
-        return 1
+    except LaunchError as e:
+        print(f"fastclip train: launch error: {e}", file=sys.stderr)
+        return 2
+    except BaseException as e:
+        if _interrupt(e) is None:
+            if isinstance(e, TrainingError):
+                print(f"fastclip train: error: {e}", file=sys.stderr, flush=True)
+                return 1
+            raise
+        print(_interrupted_line(e, cfg.train.run_dir if cfg is not None else None), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 0
 
 

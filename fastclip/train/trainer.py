@@ -182,6 +182,7 @@ def train(cfg: Config) -> dict:
         stopped = result["preempted"]
         return result
     except BaseException as e:
+        e.at_step = timeouts.step  # the step it stopped on, for `fastclip train`'s line after a Ctrl-C
         # the traceback's frames hold the DDP wrapper; cleared, it can be freed before the group goes
         traceback.clear_frames(e.__traceback__)
         from fastclip.data.samples import DataExhausted

@@ -1,0 +1,206 @@
+"""What goes wrong around the trainer rather than in its config: a launcher environment that describes no job
+(one line naming the variable, exit 2, from `--check` too), a peer that never joins (a note, then one line,
+exit 1), Ctrl-C (one line naming the step and the last complete checkpoint, exit 130, the resume continues
+from it) and a reader that closes the pipe (quiet). Real processes where the behaviour is the process's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fastclip.train.cli import main
+
+from dist_utils import free_port
+from helpers import EMBEDDED, REPO, clean_env, fault_overrides, latest, step_dir, wait_for
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_", "TORCHELASTIC")
+
+
+@pytest.fixture
+def bare_env(monkeypatch):
+    """No launcher variable from the surroundings (a test run inside a SLURM job, say)."""
+    for key in list(os.environ):
+        if key.startswith(LAUNCH_VARS):
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+def _args(data, run, **extra) -> list[str]:
+    return ["--config", str(EMBEDDED), *fault_overrides(data, run, **{"train.dist_timeout_minutes": 0.05, **extra})]
+
+
+def _one_line(err: str) -> str:
+    lines = [x for x in err.strip().splitlines() if not x.startswith("fastclip train: note:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"WORLD_SIZE": "2"}, ["WORLD_SIZE=2 is set but RANK is not: start with torchrun (or srun), or unset it"]),
+        ({"RANK": "1"}, ["RANK=1 is set but WORLD_SIZE is not"]),
+        ({"RANK": "0", "WORLD_SIZE": "two"}, ["WORLD_SIZE='two' is not an integer"]),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, ["LOCAL_RANK='x' is not an integer"]),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, ["without SLURM_JOB_NODELIST and without MASTER_ADDR"]),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}, ["MASTER_PORT='99999' must be from 1 to 65535"]),
+        ({"RANK": "5", "WORLD_SIZE": "2"}, ["RANK=5 is not below WORLD_SIZE=2"]),
+    ],
+)
+@pytest.mark.parametrize("check", [True, False], ids=["check", "train"])
+def test_a_launch_environment_mistake_is_one_line_with_exit_2(
+    tiny_embedded, tmp_path, capsys, bare_env, env, words, check
+):
+    for key, value in env.items():
+        bare_env.setenv(key, value)
+    run = tmp_path / "run"
+    assert main(_args(tiny_embedded, run, **{"train.max_steps": 1}) + (["--check"] if check else [])) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("fastclip train: launch error: environment variable") or "SLURM" in line, line
+    for w in words:
+        assert w in line, (w, line)
+    assert not run.exists()  # refused before the run folder is made
+
+
+def test_check_takes_the_world_size_from_the_launcher(tiny_embedded, tmp_path, capsys, bare_env):
+    bare_env.setenv("RANK", "0")
+    bare_env.setenv("WORLD_SIZE", "2")
+    assert main(_args(tiny_embedded, tmp_path / "run") + ["--check"]) == 0
+    assert "config ok for 2 process(es)" in capsys.readouterr().out
+    assert main(_args(tiny_embedded, tmp_path / "run") + ["--check", "--world-size", "4"]) == 2
+    assert "--world-size 4 but the environment says WORLD_SIZE=2" in _one_line(capsys.readouterr().err)
+
+
+def test_a_master_port_in_use_is_one_line_naming_it(tiny_embedded, tmp_path, capsys, bare_env):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
+            bare_env.setenv(key, str(value))
+        assert main(_args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1})) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"MASTER_PORT={port}: the port is in use" in line and "choose another MASTER_PORT" in line, line
+
+
+def test_a_peer_that_never_joins_is_announced_then_one_line(tiny_embedded, tmp_path):
+    """Rank 0 of 2 alone: a note names what it waits for, then after train.dist_timeout_minutes (3 s here)
+    one line saying how many joined where, exit 1 (a run-time failure), instead of a DistStoreError traceback."""
+    port = free_port()
+    env = clean_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    out = subprocess.run(
+        [sys.executable, "-m", "fastclip", "train", *_args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1})],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stderr
+    where = f"127.0.0.1:{port}"
+    assert (
+        f"fastclip train: note: rank 0: waiting up to 0.05 min (train.dist_timeout_minutes) for all 2 processes to "
+        f"join at {where}"
+    ) in out.stderr
+    line = _one_line(out.stderr)
+    assert line.startswith(f"fastclip train: error: only 1 of 2 processes joined at {where} within 0.05 min"), line
+    assert "check that every node started" in line and "MASTER_ADDR and MASTER_PORT" in line, line
+
+
+def test_ctrl_c_is_one_line_exit_130_and_the_resume_continues_from_the_last_complete_checkpoint(
+    tiny_embedded, tmp_path, capsys, bare_env
+):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it (the data worker too), once a first
+    checkpoint exists: wherever it lands (a step, a save), one line naming the step and `latest`, which is a
+    complete folder; no half-written folder is left, and --train.resume latest continues from it."""
+    run = tmp_path / "run"
+    args = _args(tiny_embedded, run, **{"train.max_steps": 40, "checkpoint.every_steps": 1, "data.workers": 1})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastclip", "train", *args],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
+    try:
+        wait_for(lambda: (run / "checkpoints" / "latest").is_file() or proc.poll() is not None, 240, "a checkpoint")
+        time.sleep(0.05)  # into the next step or its save
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    line = _one_line(err)
+    last = latest(run)
+    assert line.startswith("fastclip train: interrupted at step "), line
+    assert line.endswith(
+        f"; last complete checkpoint: {run / 'checkpoints' / last} (continue with --train.resume latest)"
+    )
+    saved = int(last.split("_")[1])
+    assert (step_dir(run, saved) / "model.pt").is_file() and (step_dir(run, saved) / "rank_0.pt").is_file()
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # no .tmp_ folder left
+    stopped = int(line.split("at step ")[1].split(";")[0])
+    assert saved in (stopped - 1, stopped), line  # the checkpoint of the step it was on, or the one before
+
+    capsys.readouterr()
+    resumed = _args(tiny_embedded, run, **{"train.max_steps": saved + 1, "checkpoint.every_steps": 1})
+    assert main([*resumed, "--train.resume", "latest"]) == 0
+    out = capsys.readouterr()
+    assert f"resumed from {step_dir(run, saved)}" in out.out + out.err
+    assert latest(run) == f"step_{saved + 1:08d}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(argv):
+    """`fastclip --help | head -1`: the reader is gone before the text is written (its end closed first, so
+    the case is certain): no BrokenPipeError traceback, no 'Exception ignored' at exit; status 141 as `yes | head`."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "fastclip", *argv],
+            cwd=REPO,
+            env=clean_env(),
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert out.stderr == "" and out.returncode == 141, out.stderr
+
+
+def test_ctrl_c_in_another_command_is_one_line_exit_130(tmp_path):
+    """The dispatcher's answer for the commands that have none of their own: `fastclip data embedded` writing
+    75,000 samples (half a minute), interrupted once its first shard folder exists."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastclip", "data", "embedded", "--out", str(out), "--seed", "0"],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
+    try:
+        wait_for(lambda: out.exists() or proc.poll() is not None, 120, "the output folder")
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "fastclip data: interrupted" and "Traceback" not in err, err

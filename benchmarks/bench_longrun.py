@@ -163,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         before = last_step(killed_run)
         kill_after = rng.uniform(*p["kill_after_s"])
         start = time.perf_counter()
+        # every relaunch resumes: a kill can leave a step folder that `latest` does not name yet
         rc = run_segment(
-            command(data, killed_run, p, resume=before > 0), work / "killed.log", kill_after, samples, segment
+            command(data, killed_run, p, resume=segment > 0), work / "killed.log", kill_after, samples, segment
         )
         after = last_step(killed_run)
         segments.append(

@@ -4,6 +4,8 @@
 #   then the compositional scenes (distinct captions): fastclip-v3 with the study's setting (configs/scenes.yaml,
 #   8 of its 16 epochs) -> retrieval and zero-shot on held-out scenes and on unseen (class, colour) pairs.
 #   bash launch/quickstart.sh [--section.key value ...]     (extra arguments override configs/embedded.yaml)
+# Run again, it continues each run where it stopped (--train.resume latest; a finished run trains no further and is
+# evaluated again); RUN=... / SCENES_RUN=... start new ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
@@ -17,7 +19,7 @@ RUN=${RUN:-runs/quickstart-fastclip-v3}
 export OMP_NUM_THREADS=1   # two processes on two cores: one thread each, or they fight for the cores
 STARTED=$SECONDS
 torchrun --standalone --nproc_per_node 2 -m fastclip train -- --config configs/embedded.yaml \
-    --train.run_dir "$RUN" "$@"
+    --train.run_dir "$RUN" --train.resume latest "$@"
 TRAIN_SECONDS=$((SECONDS - STARTED))
 fastclip eval "$RUN" --data "$DATA"
 # training curves and the open_clip-loadable model, in the run folder; their paths are in the summary
@@ -37,7 +39,7 @@ fi
 SCENES_RUN=${SCENES_RUN:-runs/quickstart-scenes}
 STARTED=$SECONDS
 torchrun --standalone --nproc_per_node 2 -m fastclip train -- --config configs/scenes.yaml \
-    --train.run_dir "$SCENES_RUN" --train.epochs 8 --loss.gamma_decay_epochs 4 --optim.warmup_steps 37
+    --train.run_dir "$SCENES_RUN" --train.resume latest --train.epochs 8 --loss.gamma_decay_epochs 4 --optim.warmup_steps 37
 echo "scenes: trained in $((SECONDS - STARTED)) s"
 for split in test novel; do  # novel: each scene holds a (class, colour) pair never seen in training
     echo

@@ -138,7 +138,11 @@ def test_embedded_is_seeded(embedded, tmp_path):
     assert not train_images & {f["png"] for _, _, f in read_all(embedded / "val")[1]}
 
 
-def test_embedded_pip_only_fallback(tmp_path, capsys):
+def test_embedded_pip_only_fallback(tmp_path, capsys, monkeypatch):
+    from fastclip.data.sources import embedded
+
+    # the default place empty (a --fashion-mnist-root named that does not hold it is an error, no fallback)
+    monkeypatch.setattr(embedded, "FASHION_MNIST_ROOT", str(tmp_path / "no-such-dir"))
     out = tmp_path / "fallback"
     assert (
         fastclip_main(
@@ -151,8 +155,6 @@ def test_embedded_pip_only_fallback(tmp_path, capsys):
                 "3",
                 "--shard-size",
                 "100",
-                "--fashion-mnist-root",
-                str(tmp_path / "no-such-dir"),
             ]
         )
         == 0

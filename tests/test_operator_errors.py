@@ -5,6 +5,7 @@ fastclip file. One short real training run (1 process) provides the checkpoint t
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 
 from fastclip.train.cli import main
 
-from helpers import _UNSET, EMBEDDED, fault_overrides, load, step_dir
+from helpers import _UNSET, EMBEDDED, fault_overrides, latest, load, step_dir
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +317,11 @@ def test_eval_and_export_refuse_unusable_checkpoints_in_one_line(trained, tmp_pa
     "extra, key, words",
     [
         ({"loss.bias": 1}, "loss.bias", "loss fastclip-v2 does not take it (it takes loss.compat, loss.eps"),
-        ({"loss.name": "openclip", "loss.rho": 6.5}, "loss.rho", "(it takes loss.learn_temperature, loss.similarity,"),
+        (
+            {"loss.name": "openclip", "loss.rho": 6.5},
+            "loss.rho",
+            "(it takes loss.fused_kernels, loss.learn_temperature, loss.similarity,",
+        ),
         (
             {"loss.name": "fastclip-v2", "loss.separate_temperatures": "true", "loss.rho": 7.0},
             "loss.separate_temperatures",
@@ -382,7 +387,7 @@ def test_checkpoint_files_that_are_not_checkpoints_are_one_line(tiny_embedded, t
         pointer, odd = tmp_path / "checkpoints" / "latest", tmp_path / "odd.pt"
         pointer.parent.mkdir()
         pointer.write_text("step_00000002\n")
-        odd.write_bytes(b"step_0001\n\x80")  # the unpickler fails with an IndexError on these bytes
+        odd.write_bytes(b"\x80\x02step_0001\n")  # a pickle header, then bytes the unpickler fails on (IndexError)
         for file, words in (
             (empty, "the file is empty"),
             (torn, "truncated, still being copied"),
@@ -407,7 +412,7 @@ def test_checkpoint_files_that_are_not_checkpoints_are_one_line(tiny_embedded, t
         (step / "rank_0.pt").unlink()
     args = _args(tiny_embedded, run, **{"train.resume": "latest", "train.max_steps": 3})
     err = _fails(capsys, args, "train.resume", str(step / "rank_0.pt"))
-    assert "checkpoint file missing" in err or "not a readable checkpoint file" in err, err
+    assert "checkpoint file missing" in err or "is not a torch checkpoint file" in err, err
     _fails(capsys, ["--check", *args], "train.resume", str(step / "rank_0.pt"))
 
 
@@ -425,8 +430,8 @@ def test_files_and_folders_typed_wrong_in_the_other_commands_are_one_line(traine
     a_file.write_text("hello")
     for args, words in (
         (["summary", str(broken)], f"{broken / 'config.yaml'}: not valid YAML"),
-        (["plot", str(trained), "--out", str(a_file)], "File exists"),
-        (["data", "embedded", "--out", str(a_file), "--max-per-class", "2"], "Not a directory"),
+        (["plot", str(trained), "--out", str(a_file)], "is a file; pass a folder"),
+        (["data", "embedded", "--out", str(a_file), "--max-per-class", "2"], "is a file; pass a folder"),
         (["eval", str(trained), "--data", str(tmp_path), "--device", "tpu"], "--device tpu: not a device"),
         (["export", str(trained), "--out", str(tmp_path)], "is a folder; pass the .pt file"),
         (["data", "embedded", "--out", str(tmp_path / "d"), "--max-per-class", "0"], "--max-per-class 0: must be"),
@@ -587,3 +592,141 @@ def test_command_line_mistakes_in_every_command_are_one_line_on_stderr(argv, wor
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert status == 2 and captured.out == "" and len(err.splitlines()) == 1 and words in err, (status, err)
+
+
+# ----------------------------------------------------------------------------- the operator's run folders and files
+def _snapshot(folder: Path) -> dict:
+    """Every file under `folder` with its size and mtime: what must be unchanged after a refusal."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_training_into_a_folder_that_holds_a_run_without_resume_is_refused(tiny_embedded, trained, tmp_path, capsys):
+    """A fresh start there would cut metrics.jsonl and move `latest` back beside the old step folders: refused,
+    naming the folder and its step, with and without --check, the pointer there or not; nothing is touched."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    before = _snapshot(run)
+    args = _args(tiny_embedded, run, **{"train.max_steps": 1})
+    words = (f"{run} already holds a run (step 2, {step_dir(run, 2)})", "--train.resume latest", "--train.run_dir")
+    _fails(capsys, args, "train.run_dir", *words)
+    _fails(capsys, ["--check", *args], "train.run_dir", *words)
+    (run / "checkpoints" / "latest").unlink()  # the step folder alone is a run too
+    del before[run / "checkpoints" / "latest"]
+    _fails(capsys, args, "train.run_dir", *words)
+    assert _snapshot(run) == before and len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    # `--train.resume latest` in a new folder is still a fresh start (one job script for every job)
+    assert main(["--check", *_args(tiny_embedded, tmp_path / "new", **{"train.resume": "latest"})]) == 0
+
+
+def test_resume_latest_without_the_pointer_takes_the_newest_step_folder(tiny_embedded, trained, tmp_path, capsys):
+    """`latest` lost (or a crash between the rename and its write): the newest step folder is resumed, with a note,
+    never a silent start from scratch over it; a run folder given as train.resume resolves the same way."""
+    from fastclip.train.checkpoint import resolve_resume
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    (run / "checkpoints" / "latest").unlink()
+    step2 = _snapshot(step_dir(run, 2))
+    old_lines = (run / "metrics.jsonl").read_text().splitlines()
+    capsys.readouterr()
+    assert resolve_resume(str(run), tmp_path / "elsewhere") == step_dir(run, 2)
+    assert resolve_resume(str(run / "checkpoints"), tmp_path / "elsewhere") == step_dir(run, 2)
+    note = f"fastclip train: note: {run / 'checkpoints' / 'latest'} is missing; resuming from the newest step folder"
+    assert capsys.readouterr().err.strip().splitlines() == [f"{note} {step_dir(run, 2)}"] * 2
+    assert main(_args(tiny_embedded, run, **{"train.resume": "latest", "train.max_steps": 3})) == 0
+    captured = capsys.readouterr()
+    assert f"resumed from {step_dir(run, 2)}" in captured.out, captured.out
+    assert captured.err.strip() == f"{note} {step_dir(run, 2)}"
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert lines[:2] == old_lines and [json.loads(x)["step"] for x in lines] == [1, 2, 3]
+    assert _snapshot(step_dir(run, 2)) == step2 and latest(run) == "step_00000003"
+    # step folders none of which holds a model.pt: one line, not a fresh start over them
+    broken = tmp_path / "broken"
+    (broken / "checkpoints" / "step_00000004").mkdir(parents=True)
+    _fails(
+        capsys,
+        _args(tiny_embedded, broken, **{"train.resume": "latest"}),
+        "train.resume",
+        "no step folder under",
+        "holds a model.pt (newest step_00000004)",
+    )
+    assert [p.name for p in (broken / "checkpoints").rglob("*")] == ["step_00000004"]
+    assert not (broken / "metrics.jsonl").exists()
+
+
+def test_export_refuses_to_overwrite_a_training_checkpoint(trained, tmp_path, capsys):
+    """--out on the model.pt being exported, another file of a step folder, or the checkpoints folder's pointer:
+    one line, 2, every file as it was; a re-export over an earlier export still works."""
+    from fastclip.eval.export import main as export_main
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    before = _snapshot(run)
+    step = step_dir(run, 2)
+    for source, out, where in (
+        (run, step / "model.pt", "is the checkpoint being exported"),
+        (step / "model.pt", step / "model.pt", "is the checkpoint being exported"),
+        (step, step / "rank_0.pt", f"is in the step folder {step}"),
+        (step, step / "export.pt", f"is in the step folder {step}"),
+        (run, run / "checkpoints" / "latest", f"is in the checkpoints folder {run / 'checkpoints'}"),
+    ):
+        assert export_main([str(source), "--out", str(out)]) == 2, out
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and where in err, err
+        assert "refusing to overwrite a training checkpoint: choose another --out" in err, err
+    assert _snapshot(run) == before
+    out = run / "export" / "model.pt"
+    assert export_main([str(run), "--out", str(out)]) == 0 and export_main([str(run), "--out", str(out)]) == 0
+
+
+def test_files_that_are_not_a_resume_get_the_right_advice(tiny_embedded, trained, tmp_path, capsys):
+    """A rank file has no weights: pass its step folder (resume) or its model.pt (pretrained), never
+    --model.pretrained on the rank file; a dict of something else is no checkpoint at all."""
+    rank0 = step_dir(trained, 2) / "rank_0.pt"
+    err = _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "a", **{"train.resume": rank0}),
+        "train.resume",
+        f"{rank0} is a fastclip rank file (rank 0 of 1, step 2",
+        f"pass its step folder ({rank0.parent})",
+    )
+    assert "--model.pretrained" not in err
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "b", **{"model.pretrained": rank0}),
+        "model.pretrained",
+        "a fastclip rank file",
+        f"pass the model.pt of its step folder ({rank0.parent / 'model.pt'})",
+    )
+    other = tmp_path / "other.pt"
+    torch.save({"foo": 1}, other)
+    err = _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "c", **{"train.resume": other}),
+        "train.resume",
+        "not a model checkpoint (a dict with keys ['foo'])",
+        "pass a run folder, its checkpoints folder or a step_XXXXXXXX folder",
+    )
+    assert "--model.pretrained" not in err
+    assert not any((tmp_path / x / "metrics.jsonl").exists() for x in "abc")
+    # fastclip eval given the rank file: the same words, and what to pass instead
+    from fastclip.cli import main as fastclip_main
+
+    assert fastclip_main(["eval", str(rank0), "--data", str(tiny_embedded / "val")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "a fastclip rank file" in err, err
+    assert "pass the model.pt of its step folder" in err, err
+
+
+def test_a_text_or_csv_file_given_as_a_checkpoint_is_named_as_such(tiny_embedded, tmp_path, capsys):
+    """Not "refusing to load pickled objects (Unsupported operand 102)": the file is no torch file at all."""
+    csv = tmp_path / "captions.csv"
+    csv.write_text("filepath,title\na.jpg,a dog\n")
+    for flag in ("train.resume", "model.pretrained"):
+        err = _fails(
+            capsys,
+            _args(tiny_embedded, tmp_path / "run", **{flag: csv}),
+            flag,
+            f"{csv} is not a torch checkpoint file (it begins b'filepath,tit'",
+        )
+        assert "pickled" not in err, err

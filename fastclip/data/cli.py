@@ -24,6 +24,28 @@ from fastclip.cli import OneLineParser
 from fastclip.data.catalog import DataSpecError
 
 
+def _count(text: str) -> int:
+    """argparse type of a count that must be >= 1: 0 divides by zero, a negative one misreports."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def out_folder_problem(flag: str, out: str | Path) -> str | None:
+    """Why `out` cannot be the folder written to (it or a parent is a file), said before anything is built."""
+    for path in (Path(out), *Path(out).parents):
+        if path.exists():
+            if path.is_dir():
+                return None
+            where = "is a file" if path == Path(out) else f"is under {path}, a file"
+            return f"{flag} {out}: {where}; pass a folder (it is created if missing)"
+    return None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="fastclip data", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -51,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         default=2_000,
         help="scenes: held-out pairs with (class, colour) combinations never seen in training",
     )
-    e.add_argument("--workers", type=int, default=None, help="scenes: generating processes (default: all cores)")
+    e.add_argument("--workers", type=_count, default=None, help="scenes: generating processes (default: all cores)")
     e.add_argument(
         "--datasets",
         default="auto",
@@ -86,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("shards", help="shard folder or pattern (brace expansion, glob)")
     s.add_argument("--data-size", type=int, default=None, help="default: 1 + the largest index found")
     s.add_argument("--strict", action="store_true", help="exit 1 and write nothing if any problem is found")
-    s.add_argument("--workers", type=int, default=None, help="processes reading shards (default: all cores)")
+    s.add_argument("--workers", type=_count, default=None, help="processes reading shards (default: all cores)")
     s.add_argument(
         "--from-tars",
         action="store_true",
@@ -102,8 +124,8 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="resolve a training data spec and print what an epoch would be")
     i.add_argument("train_data", help="as data.train: folders/manifests/patterns joined with '::'")
-    i.add_argument("--batch-size", type=int, default=None)
-    i.add_argument("--world-size", type=int, default=1)
+    i.add_argument("--batch-size", type=_count, default=None)
+    i.add_argument("--world-size", type=_count, default=1)
     return p
 
 
@@ -117,6 +139,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    if args.command in ("embedded", "folder") and (problem := out_folder_problem("--out", args.out)):
+        raise ValueError(problem)
+    if args.command == "embedded" and args.fashion_mnist_root is not None:
+        from fastclip.data.sources.embedded import fashion_mnist_available
+
+        if not fashion_mnist_available(args.fashion_mnist_root):  # named on purpose: no silent fallback
+            raise ValueError(
+                f"--fashion-mnist-root {args.fashion_mnist_root}: no Fashion-MNIST there (train-images-idx3-ubyte.gz, "
+                f"train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz); pass the folder "
+                f"holding them, or omit the flag"
+            )
+    if args.command == "folder":
+        if not Path(args.captions).is_file():
+            raise ValueError(f"--captions {args.captions}: no such file; pass the CSV/TSV/JSONL of paths and captions")
     if args.command == "embedded" and args.max_per_class is not None and args.max_per_class < 1:
         raise ValueError(f"--max-per-class {args.max_per_class}: must be >= 1 (omit it for every sample)")
     if args.command == "embedded" and args.source == "scenes":

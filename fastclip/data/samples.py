@@ -29,6 +29,7 @@ from fastclip.data.tario import RawSample
 REASONS = (
     "unreadable_shard",
     "truncated_tar",
+    "manifest_mismatch",  # a tar holding more or fewer samples than its manifest entry (rewritten after the scan)
     "missing_index",
     "index_out_of_range",
     "duplicate_index",
@@ -36,7 +37,8 @@ REASONS = (
     "missing_image",
     "undecodable_image",
 )
-SHARD_REASONS = frozenset({"unreadable_shard", "truncated_tar"})  # one problem of a shard, many samples lost
+# one problem of a shard, many samples lost (one event per shard and epoch)
+SHARD_REASONS = frozenset({"unreadable_shard", "truncated_tar", "manifest_mismatch"})
 
 
 class DataExhausted(RuntimeError):

@@ -38,11 +38,13 @@ from fastclip.data.plan import (
     worker_runs,
 )
 from fastclip.data.samples import SHARD_REASONS, Candidate, DataExhausted, SkipLog, check_sample, decode_image
+from fastclip.data.sources.scan import one_line
 from fastclip.data.tario import ShardReader, TarBroken
 
 ensure_torchvision_importable(announce=False)
 
 _WANT = frozenset({*IMAGE_EXTS, "txt", "json"})
+MANIFEST_MISMATCH = "manifest_mismatch"  # (samples.REASONS)
 
 
 @dataclass
@@ -253,7 +255,7 @@ class _Worker:
             readable, reason, last_key = self.known_len[shard]
             lost = ordinal + count - max(ordinal, readable)
             if lost > 0:
-                self._skip(log_, reason, name, last_key, self._broken(shard, readable), lost)
+                self._skip(log_, reason, name, last_key, self._broken(shard, readable, reason), lost)
                 count -= lost
         if count <= 0:
             return
@@ -268,13 +270,15 @@ class _Worker:
                         break
                     got += 1
                     yield raw
-            if got < count:  # clean early end: fewer samples than the manifest promised
+            if got < count:  # a complete tar (it ends with its end-of-archive block) with fewer samples
                 readable = reader.ordinal if reader is not None else 0
-                reason = "truncated_tar" if reader is not None else "unreadable_shard"
+                reason = MANIFEST_MISMATCH if reader is not None else "unreadable_shard"
                 last_key = reader.last_key if reader is not None else None
                 self.known_len.setdefault(shard, (readable, reason, last_key))
-                detail = self._broken(shard, readable) + (f": {why}" if reader is None and why else "")
+                detail = self._broken(shard, readable, reason) + (f": {why}" if reader is None and why else "")
                 self._skip(log_, reason, name, last_key, detail, count - got)
+            elif ordinal + count == self.job.shard_sizes[shard]:  # read to the manifest's end: is the tar longer?
+                self._count_unlisted(shard, reader, log_)
         except TarBroken as e:
             self.known_len[shard] = (reader.ordinal, "truncated_tar", reader.last_key)
             self._drop_reader()
@@ -282,8 +286,27 @@ class _Worker:
                 log_, "truncated_tar", name, reader.last_key, f"{self._broken(shard, reader.ordinal)}: {e}", count - got
             )
 
-    def _broken(self, shard: int, readable: int) -> str:
-        return f"{readable} of {self.job.shard_sizes[shard]} samples readable"
+    def _count_unlisted(self, shard: int, reader: ShardReader, log_: SkipLog) -> None:
+        """Samples after the manifest's count (headers only) are never served: counted, not silently lost."""
+        listed, last_key = self.job.shard_sizes[shard], reader.last_key
+        try:
+            while reader.next_group(load=False) is not None:
+                pass
+        except TarBroken:
+            pass  # the samples before the break are what the manifest leaves out
+        if reader.ordinal > listed:
+            name = self.job.shard_names[shard]
+            detail = self._broken(shard, reader.ordinal, MANIFEST_MISMATCH)
+            self._skip(log_, MANIFEST_MISMATCH, name, last_key, detail, reader.ordinal - listed)
+
+    def _broken(self, shard: int, readable: int, reason: str = "truncated_tar") -> str:
+        listed = self.job.shard_sizes[shard]
+        if reason == MANIFEST_MISMATCH:
+            return (
+                f"the manifest disagrees with shard {self.job.shard_names[shard]} ({listed} listed vs {readable} "
+                f"samples in the tar): rerun fastclip data scan on its folder"
+            )
+        return f"{readable} of {listed} samples readable"
 
     def _reader(self, shard: int, ordinal: int) -> ShardReader | None:
         if self.reader is not None and self.reader[0] == shard and self.reader[1].ordinal <= ordinal:
@@ -292,7 +315,7 @@ class _Worker:
         try:
             self.reader = (shard, ShardReader(self.job.shard_paths[shard], _WANT))
         except TarBroken as e:  # kept for the skip's detail: a remote shard's URL and stderr tail
-            self.open_errors[shard] = str(e)
+            self.open_errors[shard] = one_line(str(e))
             return None
         return self.reader[1]
 

@@ -26,7 +26,15 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
     except CheckpointError as err:
         raise ValueError(str(err)) from None
     if "state_dict" not in checkpoint:
-        raise ValueError(f"{file}: expected a dict with a 'state_dict' key, found {sorted(checkpoint)}")
+        from fastclip.train.preflight import RANK_FILE, describe_checkpoint
+
+        what = describe_checkpoint(checkpoint)
+        advice = (
+            "pass the model.pt of its step folder, or the step folder"
+            if what.startswith(RANK_FILE)
+            else ("pass a run folder, a step folder, a model.pt or an export")
+        )
+        raise ValueError(f"{file} is {what}: {advice}")
     return file, checkpoint
 
 

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from fastclip.cli import OneLineParser
+from fastclip.data.sources.scan import one_line
 from fastclip.eval.evaluate import EvalResults, default_zeroshot_file, evaluate
 from fastclip.eval.samples import EvalDataError, image_folder_classes, is_image_folder, iter_image_folder
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders
@@ -32,8 +34,36 @@ def resolve_data(path: Path) -> tuple[Path, Path | None]:
     if (path / "val").is_dir() and (path / "zeroshot.json").is_file():
         return path / "val", path / "zeroshot.json"
     if is_image_folder(path):
+        shard_folders = [p.name for p in sorted(path.iterdir()) if _is_shard_folder(p)]
+        if shard_folders:  # read as classes, train/ and val/ would give 0 samples and a 2-class "accuracy"
+            hint = (
+                f"a data root without zeroshot.json: pass --data {path / 'val'}"
+                if "val" in shard_folders
+                else f"pass one of them as --data, e.g. --data {path / shard_folders[0]}"
+            )
+            raise EvalDataError(
+                f"--data {path}: its subfolders {', '.join(shard_folders)} are shard folders (manifest.json or .tar), "
+                f"not one folder of images per class; {hint} (and --classnames FILE for zero-shot)"
+            )
         return path, None  # a zeroshot.json inside would look like a class folder's sibling, not ours
     return path, default_zeroshot_file(path) if path.is_dir() else None
+
+
+def _is_shard_folder(path: Path) -> bool:
+    return path.is_dir() and ((path / "manifest.json").is_file() or any(path.glob("*.tar")))
+
+
+class _OneLineWarnings(logging.Filter):
+    """Skip warnings as one line each (a tar's open error spans lines); keeps the first for the error message."""
+
+    def __init__(self):
+        super().__init__()
+        self.first: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = one_line(record.getMessage()), ()
+        self.first = self.first or record.msg
+        return True
 
 
 def _norm(name: str) -> str:
@@ -228,6 +258,8 @@ def _usage_problem(args) -> str | None:
         return f"--batch-size {args.batch_size}: must be >= 1"
     if args.max_samples is not None and args.max_samples < 1:
         return f"--max-samples {args.max_samples}: must be >= 1"
+    if args.templates is not None and not args.templates.is_file():
+        return f"--templates {args.templates}: no such file; pass a .txt (one template per line) or a JSON list"
     if args.results is not None and args.results.is_dir():
         return f"--results {args.results}: is a folder; pass a .jsonl file to append to"
     return None
@@ -241,6 +273,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from fastclip.eval.checkpoint import load_model
 
+    warnings = _OneLineWarnings()
+    logging.getLogger("fastclip.eval.samples").addFilter(warnings)
+    try:
+        return _main(args, load_model, warnings)
+    finally:
+        logging.getLogger("fastclip.eval.samples").removeFilter(warnings)
+
+
+def _main(args, load_model, warnings: _OneLineWarnings) -> int:
     try:
         source, default_names = resolve_data(args.data)
         if not source.exists() and not any(ch in str(source) for ch in "*{"):
@@ -269,6 +310,14 @@ def main(argv: list[str] | None = None) -> int:
             )
     except (FileNotFoundError, ValueError, EvalDataError) as err:  # a checkpoint or data named that is unusable
         print(f"fastclip eval: {err}", file=sys.stderr)
+        return 2
+    if results.num_samples == 0:  # every shard or image unreadable: a table of zeros would read as a result
+        first = f"; first: {warnings.first.removeprefix('eval data: skipped ')}" if warnings.first else ""
+        print(
+            f"fastclip eval: no readable sample in --data {args.data} ({results.skipped} skipped as unreadable"
+            f"{first}); check it with fastclip data scan (shards) or pass another --data",
+            file=sys.stderr,
+        )
         return 2
     seconds = time.time() - started
     print(f"model {loaded.file} ({built.arch}, step {loaded.step}); data {args.data}; class names: {names_from}")

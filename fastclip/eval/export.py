@@ -36,6 +36,30 @@ def _is_builtin(arch: str, model_config: dict | None) -> bool:
         return model_config is None or json.load(f) == model_config
 
 
+def _refuse_checkpoint_out(out: Path, source: Path) -> None:
+    """An --out on the source or inside a step or checkpoints folder would replace (or sit among) training files:
+    the export is smaller and has no optimizer, so a later resume from that folder would be refused."""
+    refuse = "refusing to overwrite a training checkpoint: choose another --out"
+    if out.resolve() == source.resolve() or (out.exists() and os.path.samefile(out, source)):
+        raise ValueError(f"--out {out} is the checkpoint being exported; {refuse}")
+    folder = out.resolve().parent
+    if not folder.is_dir():
+        return
+    if any(folder.glob("rank_*.pt")) or ((folder / ckpt.MODEL_FILE).is_file() and _is_training(folder)):
+        raise ValueError(f"--out {out} is in the step folder {folder} of a training run; {refuse}")
+    if (folder / "latest").is_file() and ckpt.list_checkpoints(folder):
+        raise ValueError(f"--out {out} is in the checkpoints folder {folder} of a training run; {refuse}")
+
+
+def _is_training(folder: Path) -> bool:
+    from fastclip.train.errors import CheckpointError
+
+    try:
+        return ckpt.is_training_checkpoint(ckpt.load_file(folder / ckpt.MODEL_FILE))
+    except CheckpointError:  # unreadable: not a training checkpoint to protect
+        return False
+
+
 def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32") -> dict:
     """Write the model-only file (and `<arch>.json` if needed); return what was written."""
     if precision not in PRECISIONS:
@@ -43,6 +67,7 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     from fastclip.eval.checkpoint import load_model
 
     file, checkpoint = load_checkpoint(checkpoint_path)
+    _refuse_checkpoint_out(Path(out), file)
     for key in ("arch", "model_config"):
         if key not in checkpoint:
             raise ValueError(f"{file}: training checkpoint has no {key!r} (is it already an exported file?)")

@@ -179,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl) or metrics.jsonl files")
     parser.add_argument("--out", required=True, help="folder for the PNG files")
     args = parser.parse_args(argv)
+    from fastclip.data.cli import out_folder_problem
+
+    if problem := out_folder_problem("--out", args.out):
+        print(f"fastclip plot: {problem}", file=sys.stderr)
+        return 2
     try:
         written = plot_runs(args.runs, args.out)
     except (OSError, ValueError) as err:  # a run folder or --out typed wrong: a usage error

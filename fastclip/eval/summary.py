@@ -16,16 +16,42 @@ import yaml
 from fastclip.cli import OneLineParser
 
 
-def _rows(path: Path) -> list[dict]:
+def _rows(path: Path, unreadable: list[str]) -> list[dict]:
+    """The JSON objects of a .jsonl file; lines that are not one are left out and named in `unreadable`, except
+    a cut last line (a run still being written, as `fastclip plot` reads it)."""
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
+    rows, bad = [], []
+    text = path.read_text()
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
-            continue  # a torn last line
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif not (number == len(lines) and number > 1 and not text.endswith("\n")):
+            bad.append(number)
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
+        unreadable.append(f"{path.name}: {len(bad)} unreadable line{'s' if len(bad) > 1 else ''} skipped ({shown})")
     return rows
+
+
+def _data_line(rows: list[dict]) -> str | None:
+    """The loader's running totals in the last record holding them: samples skipped (by reason) and re-served."""
+    last = next((r for r in reversed(rows) if "data_skipped" in r), None)
+    if last is None or not (last.get("data_skipped") or last.get("data_wrapped")):
+        return None
+    reasons = ", ".join(f"{k.split('/', 1)[1]} {v:,}" for k, v in sorted(last.items()) if k.startswith("data_skipped/"))
+    return (
+        f"  data       {last.get('data_skipped', 0):,} samples skipped"
+        + (f" ({reasons})" if reasons else "")
+        + f", {last.get('data_wrapped', 0):,} served again to fill batches (counted in samples and epochs above)"
+    )
 
 
 def _duration(seconds: float) -> str:
@@ -64,7 +90,8 @@ def summarize(
     if not (run / "config.yaml").is_file():
         raise FileNotFoundError(f"{run}: no config.yaml (not a fastclip run folder)")
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    rows = _rows(run / "metrics.jsonl")
+    unreadable: list[str] = []
+    rows = _rows(run / "metrics.jsonl", unreadable)
     train_rows = [r for r in rows if "loss" in r and "step" in r]
     if not train_rows:
         raise ValueError(f"{run}/metrics.jsonl: no training steps logged")
@@ -76,7 +103,8 @@ def summarize(
     pairs = _num_samples(data["train"])
 
     lines = [f"summary of {run}"]
-    what = f"{cfg['loss']['name']} on {cfg['model']['arch']} (random init), {data['train']}" + (
+    start = f"from {cfg['model']['pretrained']}" if cfg["model"].get("pretrained") else "random init"
+    what = f"{cfg['loss']['name']} on {cfg['model']['arch']} ({start}), {data['train']}" + (
         f" ({pairs:,} pairs)" if pairs else ""
     )
     lines.append(f"  trained    {what}")
@@ -87,13 +115,15 @@ def summarize(
         + f", batch {data['batch_size']} per process"
         + (f" x {processes} process{'es' if processes > 1 else ''}" if processes else "")
     )
+    if (data_line := _data_line(rows)) is not None:
+        lines.append(data_line)
     seconds = train_seconds if train_seconds is not None else _training_seconds(train_rows)
     lines.append(
         f"  time       {_duration(seconds)} training"
         + (f", median {speeds[len(speeds) // 2]:.0f} samples/s" if speeds else "")
     )
 
-    results = _rows(run / "checkpoints" / "results.jsonl")
+    results = _rows(run / "checkpoints" / "results.jsonl", unreadable)
     if results:
         newest = max(r.get("step") or 0 for r in results)
         latest = {}
@@ -150,6 +180,7 @@ def summarize(
             if export.is_file()
             else f"  model      not exported ({export} missing)"
         )
+    lines += [f"  note       {line}" for line in unreadable]
     return "\n".join(lines)
 
 
@@ -160,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plots", help="folder written by fastclip plot")
     parser.add_argument("--train-seconds", type=float, help="wall time of training (default: sum of step times)")
     args = parser.parse_args(argv)
+    if args.train_seconds is not None and not 0 <= args.train_seconds < float("inf"):
+        parser.error(f"argument --train-seconds: {args.train_seconds:g} must be a number of seconds >= 0")
     try:
         print(summarize(args.run, export=args.export, plots=args.plots, train_seconds=args.train_seconds))
     except (OSError, ValueError, KeyError, yaml.YAMLError) as err:  # a run folder typed wrong: a usage error

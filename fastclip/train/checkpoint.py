@@ -27,6 +27,7 @@ import pickle
 import random
 import re
 import shutil
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,18 @@ def load_file(path: Path) -> dict:
         raise CheckpointError(
             f"{path} is the pointer to the latest step folder ({path.read_text(errors='replace').strip()}), not a "
             f"checkpoint: pass the run folder {path.parent.parent} (or the step folder it names)"
+        )
+    try:
+        with open(path, "rb") as f:
+            head = f.read(12)
+    except PermissionError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror}); make it readable") from None
+    # torch.save writes a zip (a torn one still starts with PK) or, in the legacy format, a pickle (0x80): a text
+    # or CSV file would otherwise reach the unpickler and read as "pickled objects"
+    if not head.startswith((b"PK", b"\x80")) and not zipfile.is_zipfile(path):
+        raise CheckpointError(
+            f"{path} is not a torch checkpoint file (it begins {head!r}: neither torch.save's zip archive nor a "
+            f"pickle); restore the file or pass another checkpoint"
         )
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -249,26 +262,56 @@ def _save(
 
 # ----------------------------------------------------------------------------- load
 def resolve_resume(resume: str, run_dir: Path) -> Path | None:
-    """ "latest" -> the step folder named by <run_dir>/checkpoints/latest (None if there is none yet: a fresh
-    start, so one job script serves the first and every following job); a path -> that step folder, or a
-    run/checkpoints folder -> its latest."""
+    """ "latest" -> the step folder named by <run_dir>/checkpoints/latest (None if there is no checkpoint yet: a
+    fresh start, so one job script serves the first and every following job); a path -> that step folder, or a
+    run/checkpoints folder -> its latest. Without the `latest` pointer (lost, or a crash between the rename and
+    its write) the newest step folder holding a model.pt is taken, with a note: never a silent fresh start."""
     if resume == "latest":
-        pointer = run_dir / "checkpoints" / "latest"
-        if not pointer.is_file():
-            return None
-        return _checked(run_dir / "checkpoints" / pointer.read_text().strip(), f"named by {pointer}")
+        root = run_dir / "checkpoints"
+        pointer = root / "latest"
+        if pointer.is_file():
+            return _checked(root / pointer.read_text().strip(), f"named by {pointer}")
+        return _newest(root, pointer)
     path = Path(resume)
     for pointer in (path / "latest", path / "checkpoints" / "latest"):
         if pointer.is_file():
             return _checked(pointer.parent / pointer.read_text().strip(), f"named by {pointer}")
+    if not (path / MODEL_FILE).is_file():  # a run or checkpoints folder without its pointer
+        for root in (path / "checkpoints", path):
+            if list_checkpoints(root):
+                return _newest(root, root / "latest")
     return _checked(path, "given as train.resume")
+
+
+def _newest(root: Path, pointer: Path) -> Path | None:
+    """The newest step folder under `root` that holds a model.pt (named in a note), None when `root` has none."""
+    found = list_checkpoints(root)
+    complete = [p for p in found if (p / MODEL_FILE).is_file()]
+    if not complete:
+        if found:  # step folders without a model.pt: resuming from scratch would overwrite them
+            raise FileNotFoundError(
+                f"{pointer} is missing and no step folder under {root} holds a {MODEL_FILE} (newest {found[-1].name}):"
+                f" restore a step folder's {MODEL_FILE}, or start a new run in another --train.run_dir"
+            )
+        return None
+    from fastclip.train.config import _note  # rank 0 only: every rank resolves the same folder
+
+    skipped = [p.name for p in found[found.index(complete[-1]) + 1 :]]
+    _note(
+        f"fastclip train: note: {pointer} is missing; resuming from the newest step folder {complete[-1]}"
+        + (f" (skipped {', '.join(skipped)}: no {MODEL_FILE})" if skipped else "")
+    )
+    return complete[-1]
 
 
 def _checked(step_dir: Path, how: str) -> Path:
     if not step_dir.exists():
         raise FileNotFoundError(f"checkpoint {step_dir} ({how}) does not exist")
     if not (step_dir / MODEL_FILE).is_file():
-        raise FileNotFoundError(f"checkpoint {step_dir} ({how}) has no {MODEL_FILE}")
+        raise FileNotFoundError(
+            f"checkpoint {step_dir} ({how}) has no {MODEL_FILE}: pass a run folder, its checkpoints folder or a "
+            f"step_XXXXXXXX folder"
+        )
     return step_dir
 
 

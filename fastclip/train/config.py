@@ -420,6 +420,10 @@ def parse_overrides(args: list[str]) -> dict:
         else:
             if i + 1 >= len(args):
                 raise ConfigError(f"config key '{arg[2:]}' has no value")
+            if args[i + 1].startswith("--"):  # a flag, not a value (negative numbers start with one '-')
+                raise ConfigError(
+                    f"config key '{arg[2:]}' has no value (next is {args[i + 1]}): give one, or --{arg[2:]}=VALUE"
+                )
             key, raw = arg[2:], args[i + 1]
             i += 2
         key = key.replace("-", "_")

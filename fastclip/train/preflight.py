@@ -5,7 +5,7 @@ Each failure is a ConfigError: one line naming the key or file and what to do; `
     check_operator_input(cfg)           the three below, and train.wandb without the wandb package
     check_device(cfg)                   train.device cuda on a machine without a GPU
     check_arch(cfg)                     model.arch that is no known architecture (lists the known ones)
-    check_run_dir(cfg)                  a run folder that cannot be written
+    check_run_dir(cfg)                  a run folder that cannot be written, or that holds a run and no resume
     lock_run_dir(cfg, info)             a run folder another job (or a leftover rank of a killed one) trains in
     describe_checkpoint(obj)            what a loaded file is: our training checkpoint, our export, an OpenCLIP
                                         epoch_N.pt, a bare state dict, or something else
@@ -26,7 +26,9 @@ import torch
 
 from fastclip.train.checkpoint import (
     MODEL_FILE,
+    STEP_DIR,
     is_training_checkpoint,
+    list_checkpoints,
     load_file,
     rank_file_name,
     read_model_file,
@@ -101,8 +103,11 @@ def check_arch(cfg: Config) -> None:
 def check_run_dir(cfg: Config, *, create: bool = True) -> None:
     """The run folder (and its checkpoints/) can be created and written: probe with a real file, since
     permissions alone do not tell (a read-only mount, root, ACLs). ``create=False`` (train --check) leaves the
-    disk as it was: the probe goes into the nearest folder that exists."""
+    disk as it was: the probe goes into the nearest folder that exists. A folder holding checkpoints is refused
+    unless train.resume is set (check_no_run_held)."""
     run_dir = Path(cfg.train.run_dir)
+    if not cfg.train.resume:
+        check_no_run_held(run_dir)
     folders = (run_dir, run_dir / "checkpoints")
     if not create:  # (os.path's lexists/isdir never raise: a path too long or not searchable is probed below)
         for path in (*folders, *run_dir.parents):
@@ -135,6 +140,25 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
                 f"config key 'train.run_dir': cannot write in {folder} ({e.strerror or e}); make it "
                 f"writable or choose another --train.run_dir"
             ) from None
+
+
+def check_no_run_held(run_dir: Path) -> None:
+    """A fresh start in a folder that holds checkpoints would mix two runs (the old step folders stay beside the
+    new ones, `latest` moves back, metrics.jsonl is cut): refused unless the operator resumes."""
+    root = run_dir / "checkpoints"
+    try:
+        steps = list_checkpoints(root)
+        pointer = (root / "latest").read_text(errors="replace").strip() if (root / "latest").is_file() else None
+    except OSError:  # not a folder, not readable, a name too long: the write probe below says what
+        return
+    if not steps and pointer is None:
+        return
+    newest = root / pointer if pointer and STEP_DIR.fullmatch(pointer) else steps[-1] if steps else None
+    held = f"step {int(STEP_DIR.fullmatch(newest.name).group(1))}, {newest}" if newest else f"{root / 'latest'}"
+    raise ConfigError(
+        f"config key 'train.run_dir': {run_dir} already holds a run ({held}): continue it with "
+        f"--train.resume latest, or choose another --train.run_dir"
+    )
 
 
 RUN_LOCK = ".fastclip.lock"
@@ -177,12 +201,27 @@ def lock_run_dir(cfg: Config, info):
 
 
 # ----------------------------------------------------------------------------- checkpoint files
+RANK_FILE = "a fastclip rank file"
+WEIGHTS = (  # what describe_checkpoint calls files that hold the towers' weights (usable as --model.pretrained)
+    "a fastclip training checkpoint",
+    "an OpenCLIP training checkpoint",
+    "a model-only checkpoint",
+    "a checkpoint with a state_dict",
+    "a bare state dict",
+)
+
+
 def describe_checkpoint(obj) -> str:
-    """What a loaded checkpoint file is, in words."""
+    """What a loaded checkpoint file is, in words (starting with RANK_FILE, one of WEIGHTS, or "not a")."""
     if not isinstance(obj, dict):
         return f"not a checkpoint (holds a {type(obj).__name__})"
     if is_training_checkpoint(obj):
         return "a fastclip training checkpoint"
+    if {"rank", "world_size", "loss_state"} <= set(obj):  # rank_<r>.pt: per-sample state, no weights
+        return (
+            f"{RANK_FILE} (rank {obj.get('rank')} of {obj.get('world_size')}, step {obj.get('step')}: one "
+            f"process's per-sample state and data position, no weights)"
+        )
     if isinstance(obj.get("state_dict"), dict):
         if "epoch" in obj and ("optimizer" in obj or "name" in obj):
             return f"an OpenCLIP training checkpoint (epoch_N.pt, epoch {obj.get('epoch')})"
@@ -227,10 +266,17 @@ def read_resume(step_dir: Path, given: str) -> dict:
 
 
 def foreign_resume(path: Path, kind: str) -> ConfigError:
+    if kind.startswith(RANK_FILE):
+        where = (
+            f"pass its step folder ({path.parent})"
+            if path.name != MODEL_FILE
+            else f"restore the step folder's {MODEL_FILE} (rank 0's training checkpoint)"
+        )
+        return ConfigError(f"config key 'train.resume': {path} is {kind}; {where}")
     start = (
         f"to start from its weights with a fresh optimizer and per-sample state, pass --model.pretrained {path} "
         f"(and no --train.resume)"
-        if "checkpoint" in kind or "state dict" in kind
+        if kind.startswith(WEIGHTS)
         else "pass a run folder, its checkpoints folder or a step_XXXXXXXX folder of `fastclip train`"
     )
     return ConfigError(
@@ -326,6 +372,11 @@ def read_pretrained(path: str) -> dict[str, torch.Tensor]:
         state = obj["state_dict"]
     elif kind.startswith("a bare state dict"):
         state = obj
+    elif kind.startswith(RANK_FILE):
+        raise ConfigError(
+            f"config key 'model.pretrained': {path} is {kind}; pass the {MODEL_FILE} of its step folder "
+            f"({file.parent / MODEL_FILE})"
+        )
     else:
         raise ConfigError(
             f"config key 'model.pretrained': {path} is {kind}; expected an OpenCLIP checkpoint, an "
@@ -370,6 +421,7 @@ __all__ = [
     "check_device",
     "check_arch",
     "check_run_dir",
+    "check_no_run_held",
     "describe_checkpoint",
     "read_resume",
     "check_resume",

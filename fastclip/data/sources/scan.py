@@ -24,6 +24,7 @@ import glob
 import json
 import multiprocessing as mp
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,10 +111,22 @@ class ShardSummary:
     plain: bool = False  # no .json member at all: indexed by position (fastclip/data/catalog.py)
     bounds: tuple[int, int] | None = None  # via stats: the shard's key range (img2dataset's key scheme)
     broken: str | None = None
+    broken_reason: str = "truncated_tar"  # the loader's reason: unreadable_shard when the tar cannot be opened
 
 
 MISSING = np.iinfo(np.int64).min
 IMG2DATASET_SAMPLES_PER_SHARD = 10_000  # img2dataset's --number_sample_per_shard default
+
+
+def one_line(text: str) -> str:
+    """An error's text on one line; tarfile's open error lists every method it tried on its own line: the tar
+    one is what matters."""
+    text = re.sub(
+        r"file could not be opened successfully:\s*(?:- method \w+: .*\n\s*)*- method tar: (.*)",
+        r"not a tar file (\1)",
+        text,
+    )
+    return re.sub(r"\s*\n\s*", " ", text).strip()
 
 
 def _stem(path: Path) -> str:
@@ -144,7 +157,7 @@ def _summarise(task: tuple) -> ShardSummary:
             if indices[o] == MISSING
         ]
         return ShardSummary(name, len(keys), via, indices, keys, notes)
-    keys, values, notes, missing, any_json, broken = [], [], [], [], False, None
+    keys, values, notes, missing, any_json, broken, reader = [], [], [], [], False, None, None
     try:
         with ShardReader(path, _WANT) as reader:
             while (raw := reader.next_group()) is not None:
@@ -161,8 +174,10 @@ def _summarise(task: tuple) -> ShardSummary:
                 if image_of({e: b"" for e in raw.exts}) is None:
                     notes.append((ordinal, "missing_image", f"members present: {', '.join(raw.exts)}"))
     except TarBroken as e:
-        broken = f"{e}; manifest counts the {len(keys)} complete samples"
+        broken = f"{one_line(str(e))}; manifest counts the {len(keys)} complete samples"
     summary = ShardSummary(name, len(keys), via, np.array(values, dtype=np.int64), keys, notes, broken=broken)
+    if broken and reader is None:  # never opened: what the loader calls it too
+        summary.broken_reason = "unreadable_shard"
     # a plain WebDataset shard ({key}.jpg + {key}.txt, no .json at all): indexed by position in the manifest's
     # shard order (a shard with some .json members keeps the per-sample rule, its json-less samples missing one)
     summary.plain = bool(keys) and not any_json
@@ -257,7 +272,7 @@ def scan_shards(
         via[summary.via] += 1
         info = ShardInfo(summary.name, summary.num_samples)
         if summary.broken:
-            problem(summary.name, None, "truncated_tar", summary.broken)
+            problem(summary.name, None, summary.broken_reason, summary.broken)
         if summary.bounds is not None:  # counts only: the key range bounds the indices, nothing per sample
             info.index_min, info.index_max = summary.bounds
             largest = max(largest, summary.bounds[1])

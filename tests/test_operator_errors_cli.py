@@ -1,0 +1,225 @@
+"""Operator mistakes in the data, eval, summary and config commands: one line on stderr naming the flag, key, file
+or shard and what to do, exit 2; counters and summaries say exactly what happened."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _one_line(capsys, fn, argv, *words, code=2) -> str:
+    """fn(argv) ends with `code` and one stderr line holding every word; argparse's exit counts too."""
+    try:
+        status = fn(argv)
+    except SystemExit as e:
+        status = e.code
+    err = capsys.readouterr().err.strip()
+    assert status == code, (status, err)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
+# ----------------------------------------------------------------------------- 1. counts that must be >= 1
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["info", "x", "--batch-size", "8", "--world-size", "0"], ["data info", "--world-size", "0 must be >= 1"]),
+        (["info", "x", "--batch-size", "8", "--world-size", "-1"], ["--world-size", "-1 must be >= 1"]),
+        (["info", "x", "--batch-size", "0"], ["--batch-size", "0 must be >= 1"]),
+        (["scan", "x", "--workers", "-3"], ["data scan", "--workers", "-3 must be >= 1"]),
+        (["embedded", "--source", "scenes", "--out", "x", "--workers", "0"], ["--workers", "0 must be >= 1"]),
+    ],
+)
+def test_data_counts_below_one_are_refused_before_reading(argv, words, capsys, tmp_path, monkeypatch):
+    from fastclip.data.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    _one_line(capsys, main, argv, *words)
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_data_info_counts_batches_per_epoch(tiny_embedded, capsys):
+    import json
+
+    from fastclip.data.cli import main
+
+    assert main(["info", str(tiny_embedded / "train"), "--batch-size", "8", "--world-size", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["batches_per_epoch"] == 5  # 80 samples, 16 a step
+
+
+# ----------------------------------------------------------------------------- 2. a key whose value is missing
+@pytest.mark.parametrize(
+    "argv, key, following",
+    [
+        (["--train.run_dir", "--local-loss"], "train.run_dir", "--local-loss"),
+        (["--optim.lr", "--train.max_steps", "1"], "optim.lr", "--train.max_steps"),
+    ],
+)
+def test_a_key_without_its_value_does_not_take_the_next_flag(argv, key, following, capsys):
+    from fastclip.train.cli import main
+
+    _one_line(capsys, main, ["--print-config", *argv], f"config key '{key}' has no value (next is {following})")
+
+
+def test_negative_values_and_openclip_switches_still_parse(capsys):
+    from fastclip.train.config import parse_overrides
+
+    got = parse_overrides(["--local-loss", "--optim.wd", "-0.5", "--gather-with-grad", "--torchcompile"])
+    assert got == {"optim": {"wd": -0.5}, "model": {"compile": True}}, got
+    assert parse_overrides(["--train.run_dir", "runs/a", "--local-loss"]) == {"train": {"run_dir": "runs/a"}}
+
+
+# ----------------------------------------------------------------------------- 3. eval that read nothing
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    """A tiny-vit at initialisation, as a {'state_dict': ...} file (eval with --arch tiny-vit)."""
+    import torch
+
+    from fastclip.models import build_model
+
+    path = tmp_path_factory.mktemp("model") / "model.pt"
+    torch.save({"state_dict": build_model("tiny-vit").model.state_dict()}, path)
+    return path
+
+
+def test_eval_whose_every_shard_is_unreadable_exits_2(untrained, tmp_path, capsys, caplog):
+    from fastclip.eval.cli import main
+
+    val = tmp_path / "val"
+    val.mkdir()
+    (val / "val-000000.tar").write_bytes(b"not a tar\n" * 300)
+    args = [str(untrained), "--arch", "tiny-vit", "--data", str(val), "--device", "cpu"]
+    _one_line(capsys, main, args, f"no readable sample in --data {val}", "1 skipped as unreadable", "not a tar file")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fastclip.eval.samples"]
+    assert len(warnings) == 1 and "\n" not in warnings[0] and "val-000000.tar" in warnings[0], warnings
+    assert not (tmp_path / "results.jsonl").exists() and not (untrained.parent / "results.jsonl").exists()
+
+
+def test_eval_of_a_data_root_without_zeroshot_json_is_refused(untrained, tiny_embedded, tmp_path, capsys):
+    import shutil
+
+    from fastclip.eval.cli import main
+
+    root = tmp_path / "data"
+    for split in ("train", "val"):
+        shutil.copytree(tiny_embedded / split, root / split)
+    args = [str(untrained), "--arch", "tiny-vit", "--data", str(root), "--device", "cpu"]
+    _one_line(capsys, main, args, f"--data {root}:", "train, val are shard folders", f"pass --data {root / 'val'}")
+    # the split itself evaluates (retrieval only: no class names)
+    args = [*args[:3], "--data", str(root / "val"), "--device", "cpu", "--results", str(tmp_path / "r.jsonl")]
+    assert main(args) == 0
+    assert "20 samples" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- 4. summary says what happened
+def test_summary_reports_pretrained_start_data_skips_and_unreadable_lines(tiny_embedded, tmp_path, capsys):
+    import json
+
+    import yaml
+    from test_summary import _run_folder
+
+    from fastclip.eval.summary import main
+
+    run = _run_folder(tmp_path, tiny_embedded, distinct_captions=20)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["model"]["pretrained"] = "/models/openclip.pt"
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    counts = {"data_skipped": 30, "data_skipped/missing_caption": 20, "data_skipped/truncated_tar": 10}
+    last = {**json.loads(rows[1]), **counts, "data_wrapped": 15}
+    # line 2 is corrupt, line 4 not an object; a cut last line (a run being written) is no news
+    lines = [rows[0], '{"step": 7, "lo', last, "[1, 2]", rows[2]]
+    text = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + '\n{"step": 11'
+    (run / "metrics.jsonl").write_text(text)
+    assert main([str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("  trained    fastclip-v3 on tiny-vit (from /models/openclip.pt), "), out
+    assert out[3] == (
+        "  data       30 samples skipped (missing_caption 20, truncated_tar 10), 15 served again to fill batches "
+        "(counted in samples and epochs above)"
+    ), out
+    assert out[-1] == "  note       metrics.jsonl: 2 unreadable lines skipped (2, 4)", out
+
+
+@pytest.mark.parametrize("seconds", ["-5", "nan", "inf"])
+def test_summary_refuses_a_training_time_that_is_not_one(seconds, tmp_path, capsys):
+    from fastclip.eval.summary import main
+
+    _one_line(capsys, main, [str(tmp_path), f"--train-seconds={seconds}"], "--train-seconds", "must be a number")
+
+
+# ----------------------------------------------------------------------------- 5. a manifest that disagrees
+@pytest.mark.parametrize("world,workers", [(1, 0), (2, 2)])
+def test_a_manifest_that_disagrees_with_its_shard_is_counted_and_named(tmp_path, world, workers):
+    from test_data_bad import _epochs
+
+    from fastclip.data.manifest import read_manifest, write_manifest
+    from fastclip.data.sources.synthetic import write_synthetic
+
+    write_synthetic(tmp_path, [30, 30, 30])
+    manifest = read_manifest(tmp_path)
+    manifest.shards[0].num_samples = 20  # the tar holds 10 more: never served
+    manifest.shards[1].num_samples = 40  # the tar is complete with 10 fewer: not a truncated tar
+    write_manifest(tmp_path, manifest)
+    streams, served = _epochs(tmp_path, world, workers, epochs=2, batch=8)
+    for e in range(2):
+        got = {i for rank in served for i in rank[e]}
+        assert got == set(range(20)) | set(range(30, 90)), sorted(set(range(90)) - got)
+    counters = [s.counters for s in streams]
+    assert sum(c.get("manifest_mismatch", 0) for c in counters) == 2 * (10 + 10), counters
+    assert sum(c["truncated_tar"] + c["unreadable_shard"] for c in counters) == 0, counters
+    details = {e["shard"]: e["detail"] for s in streams for e in s.recent_skips if e["reason"] == "manifest_mismatch"}
+    names = [s.path for s in manifest.shards]
+    assert "(20 listed vs 30 samples in the tar): rerun fastclip data scan" in details[names[0]], details
+    assert "(40 listed vs 30 samples in the tar)" in details[names[1]], details
+
+
+# ----------------------------------------------------------------------------- 6. data writers and scan
+def test_a_fashion_mnist_root_named_that_does_not_hold_it_is_an_error(tmp_path, capsys):
+    from fastclip.data.cli import main
+
+    args = ["embedded", "--out", str(tmp_path / "out"), "--fashion-mnist-root", str(tmp_path / "nope")]
+    _one_line(capsys, main, args, f"--fashion-mnist-root {tmp_path / 'nope'}: no Fashion-MNIST there", "omit the flag")
+    assert not (tmp_path / "out").exists()  # no fallback to other data sets
+
+
+def test_scan_calls_a_file_that_is_no_tar_what_the_loader_calls_it_in_one_line(tmp_path):
+    from fastclip.data.sources.scan import scan_shards
+    from fastclip.data.sources.synthetic import write_synthetic
+
+    write_synthetic(tmp_path, [4])
+    (tmp_path / "train-000001.tar").write_bytes(b"<html>not found</html>\n" * 40)
+    result = scan_shards(str(tmp_path), write=False, workers=1)
+    [problem] = result.problems
+    assert problem["reason"] == "unreadable_shard" and problem["shard"] == "train-000001.tar", problem
+    assert "\n" not in problem["detail"] and "not a tar file" in problem["detail"], problem
+    assert len(result.summary().splitlines()) == 2 and result.manifest.num_samples == 4
+
+
+# ----------------------------------------------------------------------------- 7. files named by a flag
+def _a_file(tmp_path):
+    path = tmp_path / "taken"
+    path.write_text("x")
+    return path
+
+
+@pytest.mark.parametrize(
+    "command, argv, words",
+    [
+        ("data", ["folder", "--captions", "{tmp}/no.csv", "--out", "{tmp}/o"], ["--captions {tmp}/no.csv: no such"]),
+        ("data", ["folder", "--captions", "{file}", "--out", "{file}"], ["--out {file}: is a file; pass a folder"]),
+        ("data", ["embedded", "--out", "{file}/sub"], ["--out {file}/sub: is under {file}, a file"]),
+        ("plot", ["{tmp}", "--out", "{file}"], ["fastclip plot: --out {file}: is a file"]),
+        ("eval", ["{tmp}", "--data", "{tmp}", "--templates", "{tmp}/no.txt"], ["--templates {tmp}/no.txt: no such"]),
+    ],
+)
+def test_paths_named_by_a_flag_that_cannot_be_used_name_the_flag(command, argv, words, tmp_path, capsys):
+    import importlib
+
+    from fastclip.cli import COMMANDS
+
+    main = importlib.import_module(COMMANDS[command][0]).main
+    fill = {"tmp": str(tmp_path), "file": str(_a_file(tmp_path))}
+    err = _one_line(capsys, main, [a.format(**fill) for a in argv], *[w.format(**fill) for w in words])
+    assert "Errno" not in err, err

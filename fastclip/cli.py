@@ -39,6 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # `fastclip ... | head`: the reader is gone; stdout goes to /dev/null so the exit flush is quiet too
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        training = argv[:1] == ["train"] and not {"-h", "--help", "--print-config"} & set(argv)
+        if training:  # a run that stops must say so (`| tee` killed): its stderr may still be read
+            print(
+                "fastclip train: stopped: its standard output was closed (the program reading it ended); "
+                "continue with --train.resume latest",
+                file=sys.stderr,
+                flush=True,
+            )
         return EXIT_PIPE
     except KeyboardInterrupt:  # `fastclip train` names its step and checkpoint itself; the others stop here
         print(f"{' '.join(['fastclip', *argv[:1]])}: interrupted", file=sys.stderr, flush=True)

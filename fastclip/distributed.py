@@ -116,7 +116,7 @@ class LaunchError(ValueError):
 
 
 _RESTART = "start with torchrun (or srun), or unset it"
-_SET_BY_LAUNCHER = " (torchrun and srun set it): start with a launcher, or correct or unset it"
+_SET_BY_LAUNCHER = " (a launcher sets it: torchrun RANK/WORLD_SIZE, srun SLURM_*): start with one, or fix or unset it"
 
 
 def _int_env(env, key: str, *, low: int = 0, high: int | None = None, what: str = "") -> int:
@@ -174,14 +174,23 @@ def dist_env_from(env=None) -> DistEnv:
             master_port=_port(env) if "MASTER_PORT" in env else 29500,
             launcher="torchrun",
         )
-    # one of the pair without the other: a hand-set or half-cleared environment; training alone would silently
-    # give a different job than the one asked for (RANK=0 or WORLD_SIZE=1 alone describe this process: allowed)
-    if "WORLD_SIZE" in env and _int_env(env, "WORLD_SIZE", low=1, what=_SET_BY_LAUNCHER) > 1:
+    slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env
+    # one of the pair without the other, outside SLURM: a hand-set or half-cleared environment; training alone would
+    # silently give a different job than the one asked for (RANK=0 or WORLD_SIZE=1 alone describe this process)
+    if not slurm and "WORLD_SIZE" in env and _int_env(env, "WORLD_SIZE", low=1, what=_SET_BY_LAUNCHER) > 1:
         raise LaunchError(f"environment variable WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: {_RESTART}")
-    if "RANK" in env and _int_env(env, "RANK", what=_SET_BY_LAUNCHER) > 0:
+    if not slurm and "RANK" in env and _int_env(env, "RANK", what=_SET_BY_LAUNCHER) > 0:
         raise LaunchError(f"environment variable RANK={env['RANK']} is set but WORLD_SIZE is not: {_RESTART}")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if slurm:
         rank, world, local = _ranks(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+        # sbatch scripts often export WORLD_SIZE=$SLURM_NTASKS (or RANK=$SLURM_PROCID) for other tools: fine when
+        # they agree with SLURM's, which is what the job runs by
+        for key, slurm_key, value in (("WORLD_SIZE", "SLURM_NTASKS", world), ("RANK", "SLURM_PROCID", rank)):
+            if key in env and _int_env(env, key, what=_SET_BY_LAUNCHER) != value:
+                raise LaunchError(
+                    f"environment variable {key}={env[key]} disagrees with {slurm_key}={value} of this SLURM task: "
+                    f"unset {key}, or set it from {slurm_key}"
+                )
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         master = _master_addr(env)
         if master is None and world > 1:

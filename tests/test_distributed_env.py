@@ -100,6 +100,14 @@ def test_bad_values_name_the_variable():
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": " "}, ["MASTER_ADDR is empty"]),
         ({"SLURM_PROCID": "2", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"}, ["SLURM_PROCID=2", "SLURM_NTASKS=2"]),
         ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-"}, ["SLURM_JOB_NODELIST", "ADDR"]),
+        (
+            {"SLURM_PROCID": "1", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "n[1-2]", "WORLD_SIZE": "4"},
+            ["WORLD_SIZE=4 disagrees with SLURM_NTASKS=8", "unset WORLD_SIZE"],
+        ),
+        (
+            {"SLURM_PROCID": "1", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "n[1-2]", "RANK": "0"},
+            ["RANK=0 disagrees with SLURM_PROCID=1"],
+        ),
     ],
 )
 def test_a_launch_environment_that_describes_no_job_is_refused_naming_the_variable(env, words):
@@ -113,6 +121,21 @@ def test_variables_that_describe_this_one_process_are_accepted():
     """RANK=0 or WORLD_SIZE=1 alone, and a one-task SLURM step without a node list, are a single process."""
     for env in ({"RANK": "0"}, {"WORLD_SIZE": "1"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}):
         assert dist_env_from(env).world_size == 1, env
+
+
+def test_an_sbatch_script_that_exports_world_size_or_rank_from_slurm_is_accepted():
+    """`export WORLD_SIZE=$SLURM_NTASKS` (or RANK=$SLURM_PROCID) before `srun python ...`: common in sbatch
+    templates; SLURM's variables describe the job and the exported copies agree with them."""
+    base = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3", "SLURM_JOB_NODELIST": "gpu[001-002]"}
+    for extra in ({"WORLD_SIZE": "8"}, {"RANK": "3"}):
+        env = dist_env_from({**base, **extra})
+        assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.launcher) == (
+            3,
+            8,
+            3,
+            "gpu001",
+            "slurm",
+        ), extra
 
 
 def test_scontrol_fallback(tmp_path, monkeypatch):

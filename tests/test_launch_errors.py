@@ -62,7 +62,8 @@ def test_a_launch_environment_mistake_is_one_line_with_exit_2(
     run = tmp_path / "run"
     assert main(_args(tiny_embedded, run, **{"train.max_steps": 1}) + (["--check"] if check else [])) == 2
     line = _one_line(capsys.readouterr().err)
-    assert line.startswith("fastclip train: launch error: environment variable") or "SLURM" in line, line
+    slurm = "SLURM_PROCID" in env and "RANK" not in env
+    assert line.startswith("fastclip train: launch error: " + ("SLURM job" if slurm else "environment variable")), line
     for w in words:
         assert w in line, (w, line)
     assert not run.exists()  # refused before the run folder is made

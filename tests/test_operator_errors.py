@@ -412,7 +412,8 @@ def test_checkpoint_files_that_are_not_checkpoints_are_one_line(tiny_embedded, t
         (step / "rank_0.pt").unlink()
     args = _args(tiny_embedded, run, **{"train.resume": "latest", "train.max_steps": 3})
     err = _fails(capsys, args, "train.resume", str(step / "rank_0.pt"))
-    assert "checkpoint file missing" in err or "is not a torch checkpoint file" in err, err
+    want = "is not a torch checkpoint file" if what == "a text rank_0.pt" else "checkpoint file missing"
+    assert want in err, err
     _fails(capsys, ["--check", *args], "train.resume", str(step / "rank_0.pt"))
 
 
@@ -640,6 +641,11 @@ def test_resume_latest_without_the_pointer_takes_the_newest_step_folder(tiny_emb
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert lines[:2] == old_lines and [json.loads(x)["step"] for x in lines] == [1, 2, 3]
     assert _snapshot(step_dir(run, 2)) == step2 and latest(run) == "step_00000003"
+    # a newer step folder that lost a rank file is passed over, and said so
+    (run / "checkpoints" / "latest").unlink()
+    (step_dir(run, 3) / "rank_0.pt").unlink()
+    assert resolve_resume("latest", run) == step_dir(run, 2)
+    assert capsys.readouterr().err.strip() == f"{note} {step_dir(run, 2)} (skipped step_00000003: incomplete)"
     # step folders none of which holds a model.pt: one line, not a fresh start over them
     broken = tmp_path / "broken"
     (broken / "checkpoints" / "step_00000004").mkdir(parents=True)
@@ -648,7 +654,7 @@ def test_resume_latest_without_the_pointer_takes_the_newest_step_folder(tiny_emb
         _args(tiny_embedded, broken, **{"train.resume": "latest"}),
         "train.resume",
         "no step folder under",
-        "holds a model.pt (newest step_00000004)",
+        "is complete (model.pt and every rank file; newest step_00000004)",
     )
     assert [p.name for p in (broken / "checkpoints").rglob("*")] == ["step_00000004"]
     assert not (broken / "metrics.jsonl").exists()

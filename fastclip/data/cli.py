@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _run(args)
+    except BrokenPipeError:  # the reader of stdout is gone: fastclip's dispatcher ends it quietly
+        raise
     except (DataSpecError, OSError, ValueError) as e:  # OSError: --out is a file, a folder that cannot be written
         print(f"fastclip data {args.command}: error: {e}", file=sys.stderr)
         return 2

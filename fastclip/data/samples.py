@@ -26,10 +26,11 @@ from PIL import Image
 from fastclip.data.format import caption_of, image_of, index_from_meta, parse_meta
 from fastclip.data.tario import RawSample
 
+MANIFEST_MISMATCH = "manifest_mismatch"  # a tar holding more or fewer samples than its manifest entry (rewritten)
 REASONS = (
     "unreadable_shard",
     "truncated_tar",
-    "manifest_mismatch",  # a tar holding more or fewer samples than its manifest entry (rewritten after the scan)
+    MANIFEST_MISMATCH,
     "missing_index",
     "index_out_of_range",
     "duplicate_index",
@@ -38,7 +39,7 @@ REASONS = (
     "undecodable_image",
 )
 # one problem of a shard, many samples lost (one event per shard and epoch)
-SHARD_REASONS = frozenset({"unreadable_shard", "truncated_tar", "manifest_mismatch"})
+SHARD_REASONS = frozenset({"unreadable_shard", "truncated_tar", MANIFEST_MISMATCH})
 
 
 class DataExhausted(RuntimeError):

@@ -70,7 +70,7 @@ from fastclip.data.plan import (
     worker_chunk,
     worker_runs,
 )
-from fastclip.data.samples import REASONS, SHARD_REASONS, DataExhausted
+from fastclip.data.samples import MANIFEST_MISMATCH, REASONS, SHARD_REASONS, DataExhausted
 from fastclip.data.worker import EpochDataset, EpochJob
 
 log = logging.getLogger(__name__)
@@ -418,7 +418,12 @@ def describe_skip(event: dict) -> str:
         where = f" after key {event['key']}" if event.get("key") is not None else ""
         return (
             f"rank {event.get('rank')}: shard {event.get('shard')}: {event.get('reason')}{where} "
-            f"({event.get('detail')}); its unreadable samples are skipped this epoch"
+            f"({event.get('detail')}); "
+            + (
+                "the samples the manifest and the tar do not both hold are skipped this epoch"
+                if event.get("reason") == MANIFEST_MISMATCH
+                else "its unreadable samples are skipped this epoch"
+            )
         )
     return (
         f"rank {event.get('rank')} skipped shard {event.get('shard')} key {event.get('key')}: "

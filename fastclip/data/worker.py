@@ -37,14 +37,21 @@ from fastclip.data.plan import (
     worker_chunk,
     worker_runs,
 )
-from fastclip.data.samples import SHARD_REASONS, Candidate, DataExhausted, SkipLog, check_sample, decode_image
+from fastclip.data.samples import (
+    MANIFEST_MISMATCH,
+    SHARD_REASONS,
+    Candidate,
+    DataExhausted,
+    SkipLog,
+    check_sample,
+    decode_image,
+)
 from fastclip.data.sources.scan import one_line
 from fastclip.data.tario import ShardReader, TarBroken
 
 ensure_torchvision_importable(announce=False)
 
 _WANT = frozenset({*IMAGE_EXTS, "txt", "json"})
-MANIFEST_MISMATCH = "manifest_mismatch"  # (samples.REASONS)
 
 
 @dataclass
@@ -294,6 +301,7 @@ class _Worker:
                 pass
         except TarBroken:
             pass  # the samples before the break are what the manifest leaves out
+        self._drop_reader()  # at the tar's end (or its break): the shard's listed samples are all served
         if reader.ordinal > listed:
             name = self.job.shard_names[shard]
             detail = self._broken(shard, reader.ordinal, MANIFEST_MISMATCH)

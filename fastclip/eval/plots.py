@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         written = plot_runs(args.runs, args.out)
+    except BrokenPipeError:  # the reader of stdout is gone: fastclip's dispatcher ends it quietly
+        raise
     except (OSError, ValueError) as err:  # a run folder or --out typed wrong: a usage error
         print(f"fastclip plot: {err}", file=sys.stderr)
         return 2

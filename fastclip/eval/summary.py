@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --train-seconds: {args.train_seconds:g} must be a number of seconds >= 0")
     try:
         print(summarize(args.run, export=args.export, plots=args.plots, train_seconds=args.train_seconds))
+    except BrokenPipeError:  # the reader of stdout is gone: fastclip's dispatcher ends it quietly
+        raise
     except (OSError, ValueError, KeyError, yaml.YAMLError) as err:  # a run folder typed wrong: a usage error
         if isinstance(err, yaml.YAMLError):
             err = f"{Path(args.run) / 'config.yaml'}: not valid YAML ({getattr(err, 'problem', None) or err})"

@@ -283,15 +283,36 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     return _checked(path, "given as train.resume")
 
 
+def is_complete(step_dir: Path) -> bool:
+    """A step folder holding its model.pt and rank_0..rank_{n-1}.pt (as every save writes it; a folder damaged by
+    hand or by a cut-short cleanup may not)."""
+    ranks = sorted(int(f.stem[5:]) for f in step_dir.glob("rank_*.pt") if f.stem[5:].isdigit())
+    return (step_dir / MODEL_FILE).is_file() and bool(ranks) and ranks == list(range(len(ranks)))
+
+
+def latest_complete(run_dir: Path) -> Path | None:
+    """The checkpoint `--train.resume latest` continues from: the step folder `latest` names, else the newest
+    complete one; None when there is none."""
+    root = run_dir / "checkpoints"
+    try:
+        pointer = root / "latest"
+        if pointer.is_file() and is_complete(named := root / pointer.read_text().strip()):
+            return named
+        complete = [p for p in list_checkpoints(root) if is_complete(p)]
+    except OSError:
+        return None
+    return complete[-1] if complete else None
+
+
 def _newest(root: Path, pointer: Path) -> Path | None:
-    """The newest step folder under `root` that holds a model.pt (named in a note), None when `root` has none."""
+    """The newest complete step folder under `root` (named in a note), None when `root` has none."""
     found = list_checkpoints(root)
-    complete = [p for p in found if (p / MODEL_FILE).is_file()]
+    complete = [p for p in found if is_complete(p)]
     if not complete:
         if found:  # step folders without a model.pt: resuming from scratch would overwrite them
             raise FileNotFoundError(
-                f"{pointer} is missing and no step folder under {root} holds a {MODEL_FILE} (newest {found[-1].name}):"
-                f" restore a step folder's {MODEL_FILE}, or start a new run in another --train.run_dir"
+                f"{pointer} is missing and no step folder under {root} is complete ({MODEL_FILE} and every rank file;"
+                f" newest {found[-1].name}): restore one, or start a new run in another --train.run_dir"
             )
         return None
     from fastclip.train.config import _note  # rank 0 only: every rank resolves the same folder
@@ -299,7 +320,7 @@ def _newest(root: Path, pointer: Path) -> Path | None:
     skipped = [p.name for p in found[found.index(complete[-1]) + 1 :]]
     _note(
         f"fastclip train: note: {pointer} is missing; resuming from the newest step folder {complete[-1]}"
-        + (f" (skipped {', '.join(skipped)}: no {MODEL_FILE})" if skipped else "")
+        + (f" (skipped {', '.join(skipped)}: incomplete)" if skipped else "")
     )
     return complete[-1]
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from fastclip.cli import EXIT_INTERRUPTED
 from fastclip.distributed import LaunchError, dist_env_from
 from fastclip.train.config import ConfigError, dump_config, load_config
 from fastclip.train.errors import TrainingError
 from fastclip.train.preemption import EXIT_PREEMPTED
 
 USAGE = __doc__
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 
 def _chain(error: BaseException | None):
@@ -52,14 +52,9 @@ def _interrupted_line(error: BaseException, run_dir) -> str:
     # the trainer tags the error it re-raises with the step it was on
     step = next((e.at_step for e in _chain(error) if getattr(e, "at_step", None) is not None), None)
     where = f"at step {step}" if step else "before the first step"
-    pointer = Path(run_dir) / "checkpoints" / "latest" if run_dir else None
-    last = None
-    try:
-        if pointer is not None and pointer.is_file():
-            folder = pointer.parent / pointer.read_text().strip()
-            last = folder if (folder / "model.pt").is_file() else None
-    except OSError:
-        pass
+    from fastclip.train.checkpoint import latest_complete
+
+    last = latest_complete(Path(run_dir)) if run_dir else None
     if last is None:
         return f"fastclip train: interrupted {where}; no checkpoint yet"
     return (

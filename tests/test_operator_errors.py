@@ -646,6 +646,11 @@ def test_resume_latest_without_the_pointer_takes_the_newest_step_folder(tiny_emb
     (step_dir(run, 3) / "rank_0.pt").unlink()
     assert resolve_resume("latest", run) == step_dir(run, 2)
     assert capsys.readouterr().err.strip() == f"{note} {step_dir(run, 2)} (skipped step_00000003: incomplete)"
+    # a pointer naming a step folder that is gone (a crash between a re-saved step's renames): the newest complete
+    (run / "checkpoints" / "latest").write_text("step_00000009\n")
+    assert resolve_resume("latest", run) == step_dir(run, 2)
+    gone = f"{run / 'checkpoints' / 'latest'} names step_00000009, which does not exist; resuming from the newest"
+    assert capsys.readouterr().err.strip().startswith(f"fastclip train: note: {gone}")
     # step folders none of which holds a model.pt: one line, not a fresh start over them
     broken = tmp_path / "broken"
     (broken / "checkpoints" / "step_00000004").mkdir(parents=True)

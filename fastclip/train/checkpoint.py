@@ -269,13 +269,11 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     if resume == "latest":
         root = run_dir / "checkpoints"
         pointer = root / "latest"
-        if pointer.is_file():
-            return _checked(root / pointer.read_text().strip(), f"named by {pointer}")
-        return _newest(root, pointer)
+        return _from_pointer(pointer) if pointer.is_file() else _newest(root, pointer)
     path = Path(resume)
     for pointer in (path / "latest", path / "checkpoints" / "latest"):
         if pointer.is_file():
-            return _checked(pointer.parent / pointer.read_text().strip(), f"named by {pointer}")
+            return _from_pointer(pointer)
     if not (path / MODEL_FILE).is_file():  # a run or checkpoints folder without its pointer
         for root in (path / "checkpoints", path):
             if list_checkpoints(root):
@@ -304,14 +302,23 @@ def latest_complete(run_dir: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def _newest(root: Path, pointer: Path) -> Path | None:
+def _from_pointer(pointer: Path) -> Path | None:
+    """The step folder `latest` names; if it is gone (a crash between a re-saved step's two renames), the newest
+    complete one, with a note."""
+    named = pointer.parent / pointer.read_text().strip()
+    if not named.exists() and STEP_DIR.fullmatch(named.name):
+        return _newest(pointer.parent, pointer, why=f"names {named.name}, which does not exist")
+    return _checked(named, f"named by {pointer}")
+
+
+def _newest(root: Path, pointer: Path, why: str = "is missing") -> Path | None:
     """The newest complete step folder under `root` (named in a note), None when `root` has none."""
     found = list_checkpoints(root)
     complete = [p for p in found if is_complete(p)]
     if not complete:
         if found:  # step folders without a model.pt: resuming from scratch would overwrite them
             raise FileNotFoundError(
-                f"{pointer} is missing and no step folder under {root} is complete ({MODEL_FILE} and every rank file;"
+                f"{pointer} {why} and no step folder under {root} is complete ({MODEL_FILE} and every rank file;"
                 f" newest {found[-1].name}): restore one, or start a new run in another --train.run_dir"
             )
         return None
@@ -319,7 +326,7 @@ def _newest(root: Path, pointer: Path) -> Path | None:
 
     skipped = [p.name for p in found[found.index(complete[-1]) + 1 :]]
     _note(
-        f"fastclip train: note: {pointer} is missing; resuming from the newest step folder {complete[-1]}"
+        f"fastclip train: note: {pointer} {why}; resuming from the newest step folder {complete[-1]}"
         + (f" (skipped {', '.join(skipped)}: incomplete)" if skipped else "")
     )
     return complete[-1]

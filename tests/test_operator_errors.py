@@ -651,6 +651,12 @@ def test_resume_latest_without_the_pointer_takes_the_newest_step_folder(tiny_emb
     assert resolve_resume("latest", run) == step_dir(run, 2)
     gone = f"{run / 'checkpoints' / 'latest'} names step_00000009, which does not exist; resuming from the newest"
     assert capsys.readouterr().err.strip().startswith(f"fastclip train: note: {gone}")
+    # training on from there, keep_last counts complete checkpoints: the incomplete step 3 is not one of them
+    args = _args(tiny_embedded, run, **{"train.resume": "latest", "train.max_steps": 4, "checkpoint.keep_last": 1})
+    assert main(args) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000003", "step_00000004"]
+    assert latest(run) == "step_00000004"
     # step folders none of which holds a model.pt: one line, not a fresh start over them
     broken = tmp_path / "broken"
     (broken / "checkpoints" / "step_00000004").mkdir(parents=True)

@@ -253,7 +253,8 @@ def _save(
         write_text_atomic(root / "latest", final.name + "\n")
         if old is not None:
             shutil.rmtree(old)
-        for stale in list_checkpoints(root)[:-keep_last]:
+        # keep_last counts complete checkpoints: an incomplete folder (a resume passed it over) is not one of them
+        for stale in [p for p in list_checkpoints(root) if is_complete(p)][:-keep_last]:
             if stale != final:
                 shutil.rmtree(stale)
     barrier(info)

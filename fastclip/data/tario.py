@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import tarfile
 import zlib
 from collections.abc import Iterable
@@ -24,7 +25,21 @@ _BLOCK = 512
 
 
 class TarBroken(Exception):
-    """The tar ends early or is corrupt; str() says where."""
+    """The tar ends early or is corrupt; str() says where, on one line."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
+
+
+def one_line(text: str) -> str:
+    """An error's text on one line; tarfile's open error lists every method it tried on its own line: the tar
+    one is what matters."""
+    text = re.sub(
+        r"file could not be opened successfully:\s*(?:- method \w+: .*\n\s*)*- method tar: (.*)",
+        r"not a tar file (\1)",
+        text,
+    )
+    return re.sub(r"\s*\n\s*", " ", text).strip()
 
 
 @dataclass

@@ -46,7 +46,6 @@ from fastclip.data.samples import (
     check_sample,
     decode_image,
 )
-from fastclip.data.sources.scan import one_line
 from fastclip.data.tario import ShardReader, TarBroken
 
 ensure_torchvision_importable(announce=False)
@@ -323,7 +322,7 @@ class _Worker:
         try:
             self.reader = (shard, ShardReader(self.job.shard_paths[shard], _WANT))
         except TarBroken as e:  # kept for the skip's detail: a remote shard's URL and stderr tail
-            self.open_errors[shard] = one_line(str(e))
+            self.open_errors[shard] = str(e)
             return None
         return self.reader[1]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fastclip.cli import OneLineParser
-from fastclip.data.sources.scan import one_line
+from fastclip.data.tario import one_line
 from fastclip.eval.evaluate import EvalResults, default_zeroshot_file, evaluate
 from fastclip.eval.samples import EvalDataError, image_folder_classes, is_image_folder, iter_image_folder
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders

@@ -24,7 +24,6 @@ import glob
 import json
 import multiprocessing as mp
 import os
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,17 +117,6 @@ MISSING = np.iinfo(np.int64).min
 IMG2DATASET_SAMPLES_PER_SHARD = 10_000  # img2dataset's --number_sample_per_shard default
 
 
-def one_line(text: str) -> str:
-    """An error's text on one line; tarfile's open error lists every method it tried on its own line: the tar
-    one is what matters."""
-    text = re.sub(
-        r"file could not be opened successfully:\s*(?:- method \w+: .*\n\s*)*- method tar: (.*)",
-        r"not a tar file (\1)",
-        text,
-    )
-    return re.sub(r"\s*\n\s*", " ", text).strip()
-
-
 def _stem(path: Path) -> str:
     name = path.name
     for suffix in SHARD_SUFFIXES:
@@ -174,7 +162,7 @@ def _summarise(task: tuple) -> ShardSummary:
                 if image_of({e: b"" for e in raw.exts}) is None:
                     notes.append((ordinal, "missing_image", f"members present: {', '.join(raw.exts)}"))
     except TarBroken as e:
-        broken = f"{one_line(str(e))}; manifest counts the {len(keys)} complete samples"
+        broken = f"{e}; manifest counts the {len(keys)} complete samples"
     summary = ShardSummary(name, len(keys), via, np.array(values, dtype=np.int64), keys, notes, broken=broken)
     if broken and reader is None:  # never opened: what the loader calls it too
         summary.broken_reason = "unreadable_shard"

@@ -41,6 +41,30 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
+def _ctrl_c(argv, cwd, ready, what: str, *, wait_s: float, finish_s: float, settle_s: float = 0.0):
+    """(status, stderr) of `fastclip <argv>` run in its own process group and sent SIGINT as a terminal's Ctrl-C
+    sends it (to the whole group: data workers too) once `ready()` holds; killed if it outlives `finish_s`."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastclip", *argv],
+        cwd=cwd,
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
+    try:
+        wait_for(lambda: ready() or proc.poll() is not None, wait_s, what)
+        time.sleep(settle_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=finish_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, err
+
+
 @pytest.mark.parametrize(
     "env, words",
     [
@@ -122,25 +146,10 @@ def test_ctrl_c_is_one_line_exit_130_and_the_resume_continues_from_the_last_comp
     complete folder; no half-written folder is left, and --train.resume latest continues from it."""
     run = tmp_path / "run"
     args = _args(tiny_embedded, run, **{"train.max_steps": 40, "checkpoint.every_steps": 1, "data.workers": 1})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fastclip", "train", *args],
-        cwd=tmp_path,
-        env=clean_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        process_group=0,
-    )
-    try:
-        wait_for(lambda: (run / "checkpoints" / "latest").is_file() or proc.poll() is not None, 240, "a checkpoint")
-        time.sleep(0.05)  # into the next step or its save
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, err
+    ready = (run / "checkpoints" / "latest").is_file
+    # settle 0.05 s after the first checkpoint: into the next step or its save
+    status, err = _ctrl_c(["train", *args], tmp_path, ready, "a checkpoint", wait_s=240, finish_s=120, settle_s=0.05)
+    assert status == 130, err
     line = _one_line(err)
     last = latest(run)
     assert line.startswith("fastclip train: interrupted at step "), line
@@ -186,22 +195,7 @@ def test_ctrl_c_in_another_command_is_one_line_exit_130(tmp_path):
     """The dispatcher's answer for the commands that have none of their own: `fastclip data embedded` writing
     75,000 samples (half a minute), interrupted once its first shard folder exists."""
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fastclip", "data", "embedded", "--out", str(out), "--seed", "0"],
-        cwd=tmp_path,
-        env=clean_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        process_group=0,
-    )
-    try:
-        wait_for(lambda: out.exists() or proc.poll() is not None, 120, "the output folder")
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, err
+    argv = ["data", "embedded", "--out", str(out), "--seed", "0"]
+    status, err = _ctrl_c(argv, tmp_path, out.exists, "the output folder", wait_s=120, finish_s=60)
+    assert status == 130, err
     assert err.strip().splitlines()[-1] == "fastclip data: interrupted" and "Traceback" not in err, err

@@ -266,7 +266,7 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     """ "latest" -> the step folder named by <run_dir>/checkpoints/latest (None if there is no checkpoint yet: a
     fresh start, so one job script serves the first and every following job); a path -> that step folder, or a
     run/checkpoints folder -> its latest. Without the `latest` pointer (lost, or a crash between the rename and
-    its write) the newest step folder holding a model.pt is taken, with a note: never a silent fresh start."""
+    its write) the newest complete step folder (is_complete) is taken, with a note: never a silent fresh start."""
     if resume == "latest":
         root = run_dir / "checkpoints"
         pointer = root / "latest"
@@ -317,7 +317,7 @@ def _newest(root: Path, pointer: Path, why: str = "is missing") -> Path | None:
     found = list_checkpoints(root)
     complete = [p for p in found if is_complete(p)]
     if not complete:
-        if found:  # step folders without a model.pt: resuming from scratch would overwrite them
+        if found:  # only incomplete step folders: starting from scratch would overwrite them
             raise FileNotFoundError(
                 f"{pointer} {why} and no step folder under {root} is complete ({MODEL_FILE} and every rank file;"
                 f" newest {found[-1].name}): restore one, or start a new run in another --train.run_dir"

@@ -99,6 +99,29 @@ def test_v3_gradient_equals_rgcl_g_objective_and_reference_doubles_the_g_term():
     assert abs(float(g_term)) > 1e-3  # the two modes really differ here
 
 
+def test_v3_constant_temperature_has_the_learnable_ones_value_and_feature_gradients():
+    # With learn_temperature false the outer τ-term is added outside the surrogate's Function (it has no gradient
+    # to carry): the same loss value and encoder gradients as the learnable v3, and no τ-gradient.
+    e1, e2 = features(N, D, seed=5)
+    rho = 2.5
+    learnable = build_loss("fastclip-v3", data_size=10, temperature=0.1, rho=rho).double()
+    constant = build_loss("fastclip-v3", data_size=10, temperature=0.1, rho=rho, learn_temperature=False).double()
+    loss, g_e1, g_e2, g = run_loss(learnable, e1, e2, IDX)
+    c_loss, c_e1, c_e2, c = run_loss(constant, e1, e2, IDX)
+    # the reported loss is τ·S + τ·(½·mean log(u+ε) + ρ); on a first visit u = g, so S = ½·mean(g1/(g1+ε) + g2/(g2+ε))
+    # and the log term is the GCL objective
+    eps, s = learnable.options.eps, learnable.logit_scale.detach().exp()
+    g1, g2 = direct_g(e1.detach(), e2.detach(), s, s)
+    surrogate = 0.5 * (g1 / (g1 + eps) + g2 / (g2 + eps)).mean()
+    direct = (surrogate + gcl_objective(e1.detach(), e2.detach(), s.log(), eps=eps) + rho) / s  # τ: 0.1 in float32
+    torch.testing.assert_close(c_loss, loss, **TOL)
+    torch.testing.assert_close(c_loss, direct.detach(), **TOL)
+    torch.testing.assert_close(constant.metrics["surrogate"], surrogate, **TOL)
+    torch.testing.assert_close(c_e1, g_e1, **TOL)
+    torch.testing.assert_close(c_e2, g_e2, **TOL)
+    assert g["logit_scale"] is not None and c.get("logit_scale") is None
+
+
 def v2_with_taus(tau_img, tau_txt, **options):
     loss_fn = build_loss("fastclip-v2", data_size=10, state_dtype=torch.float64, **options).double()
     state = loss_fn.state_dict()

@@ -28,7 +28,8 @@ LOG_TINY_U = math.log(TINY_U)
 def update_log_u(log_u_old: torch.Tensor, log_g: torch.Tensor, seen: torch.Tensor, gamma: float) -> torch.Tensor:
     """``update_u`` in log space: ``log((1-γ)·u_old + γ·g)`` by logaddexp, so u = exp(log u) may exceed the
     float range (a negative beating its positive at τ = 0.01 makes g ~ e^200) without overflowing."""
-    trusted = seen & (log_u_old >= LOG_TINY_U) & (log_u_old < math.inf)  # False for NaN too
+    # log u in [LOG_TINY_U, finite]: clamping leaves it unchanged (NaN is unequal to itself): two ops, not four
+    trusted = seen & (log_u_old.clamp(LOG_TINY_U, torch.finfo(log_u_old.dtype).max) == log_u_old)
     log_keep = math.log(1.0 - gamma) if gamma < 1.0 else -math.inf
     log_new = math.log(gamma) if gamma > 0.0 else -math.inf
     return torch.where(trusted, torch.logaddexp(log_u_old + log_keep, log_g + log_new), log_g)

@@ -138,22 +138,25 @@ class GlobalTemperatureGCL(SampleStateLoss):
         kept = dict(positive=pos, positive_all=pos_all) if learnable else {}
         block = PairBlocks(rows, cols, row_w, col_w, batch.candidates, sim=kept_sim, **kept, **logits.pair_grads())
         del sim, kept_sim, logits
-        surrogate = weighted_surrogate(
+        coef = 0.5 / (batch.local_size * n_neg)
+        divisor, tau_term, objective = self._outer(s, log_u, log_w, local)
+        loss = weighted_surrogate(
             batch.image,
             batch.text,
             scale if learnable else None,
             block,
-            0.5 / (batch.local_size * n_neg),
+            coef if divisor is None else coef / divisor,
             scale_in_columns=in_columns,
+            temperature_term=tau_term if learnable else None,
         )
-
-        loss, objective = self._outer(surrogate, log_u, log_w, local)
-        loss_value, surrogate_value, separate = loss.detach(), surrogate.detach(), self.separate
+        if tau_term is not None and not learnable:  # a constant τ: the term's value only
+            loss = loss + (tau_term / s).sum()
+        loss_value, separate, row_total = loss.detach(), self.separate, rows.total
 
         def metrics():  # computed when read (logging steps), from this call's detached tensors (and not self)
             out = {
                 "loss": loss_value,
-                "surrogate": surrogate_value,
+                "surrogate": coef * (row_w * row_total).sum(),  # S alone, as the surrogate's forward sums it
                 "objective": objective(),
                 "gamma": torch.tensor(gamma, dtype=dtype),
                 "tau": 1.0 / s.mean() if not separate else torch.exp(-torch.log(s).mean()),
@@ -168,10 +171,11 @@ class GlobalTemperatureGCL(SampleStateLoss):
 
         return loss, metrics
 
-    def _outer(self, surrogate, log_u, log_w, local):
-        """(loss, a function giving the estimated objective) for v0/v1: the surrogate itself, and the GCL
-        ½·mean(log(u1+ε) + log(u2+ε))."""
-        return surrogate, log_w.mean
+    def _outer(self, s, log_u, log_w, local):
+        """How the loss is built on the surrogate S: ``(q, t, objective)`` for loss = S/q + Σ t·τ (q None: 1,
+        t None: no term; both detached, the Function adds t·τ and its τ-gradient) and a function giving the
+        estimated objective. v0/v1: S itself, and the GCL ½·mean(log(u1+ε) + log(u2+ε))."""
+        return None, None, log_w.mean
 
     def set_extra_state(self, state: dict) -> None:
         """Checkpoints written before the state kept log u held u itself: converted on load."""
@@ -208,14 +212,13 @@ class FastCLIPV3Loss(GlobalTemperatureGCL):
         super().__init__(options, learnable=options.learn_temperature)
         self.rho = float(options.rho)
 
-    def _outer(self, surrogate, log_u, log_w, local):
+    def _outer(self, s, log_u, log_w, local):
+        # loss = τ·S + τ·(½·mean_local(log(u1+ε) + log(u2+ε)) + ρ), τ = 1/s: S divided by the detached s, the outer
+        # term's τ-gradient through the surrogate's Function (no autograd node of its own).
         # Faithful: log(u+ε), the stated objective's log(ε+g); the reference takes log u without ε.
-        tau = torch.exp(-self.logit_scale.to(log_u.dtype))
-        tau_value, rho = tau.detach(), self.rho
+        rho = self.rho
         if self.separate:  # ½[τ1(mean log(u1+ε) + ρ) + τ2(mean log(u2+ε) + ρ)]; the surrogate is τ-weighted
-            per_modality = log_w[local].mean(dim=0) + self.rho
-            loss = surrogate + 0.5 * (tau * per_modality).sum()
-            return loss, lambda: 0.5 * (tau_value * (log_w.mean(dim=0) + rho)).sum()
+            per_modality = 0.5 * (log_w[local].mean(dim=0) + rho)
+            return None, per_modality, lambda: 0.5 * ((log_w.mean(dim=0) + rho) / s).sum()
         log_u_local = (log_u if self.reference else log_w)[local].mean()  # ½·mean(log u1 + log u2)
-        loss = tau_value * surrogate + tau * (log_u_local + self.rho)
-        return loss, lambda: tau_value * (log_w.mean() + rho)
+        return s, log_u_local + rho, lambda: (log_w.mean() + rho) / s

@@ -256,19 +256,27 @@ class WeightedSurrogate(torch.autograd.Function):
 
     Inputs: ``image`` (X of block 0), ``text`` (X of block 1), ``scale`` (the global s = 1/τ whose gradient
     is wanted, or None; ``[2]`` when each block's rows have their own scale, with ``block.sim`` = s[b]·S_b),
-    ``block`` (both blocks), ``coef`` c, ``scale_in_columns``: whether the columns' exponentials count in the
-    scale's gradient (compat="reference"), ``value``: a value to report instead (openclip reports the
-    cross-entropy whose gradient this is).
+    ``block`` (both blocks), ``coef`` c (a float, or a detached 0-d tensor such as v3's τ·c), ``scale_in_columns``:
+    whether the columns' exponentials count in the scale's gradient (compat="reference"), ``value``: a value to
+    report instead (openclip reports the cross-entropy whose gradient this is), ``temperature_term``: a detached
+    ``t`` shaped like ``scale`` whose ``Σ t/s = Σ t·τ`` is added to the value and to the scale's gradient (v3's outer
+    ``τ·(mean log(u+ε) + ρ)``: in here it costs no autograd node of its own).
     Backward reuses the saved exponentials in place, so it can run once (no retain_graph double backward).
     """
 
     @staticmethod
-    def forward(ctx, image, text, scale, block, coef, scale_in_columns, value):
+    def forward(ctx, image, text, scale, block, coef, scale_in_columns, value, temperature_term):
         ctx.block, ctx.coef, ctx.scale_in_columns = block, coef, scale_in_columns
         ctx.save_for_backward(image, text, scale)
+        ctx.tau_term = None
         if value is not None:
-            return value.detach().clone()
-        return coef * (block.row_weight * block.rows.total).sum()
+            value = value.detach().clone()
+        else:
+            value = coef * (block.row_weight * block.rows.total).sum()
+        if temperature_term is not None:
+            ctx.tau_term = temperature_term / scale.detach()  # t·τ
+            value = value + (ctx.tau_term if ctx.tau_term.dim() == 0 else ctx.tau_term.sum())
+        return value
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -284,45 +292,57 @@ class WeightedSurrogate(torch.autograd.Function):
         s = scale.detach() if want_scale else None
         per_block = want_scale and s.dim() == 1  # [2]: block b's rows have their own scale s[b]
         block, coef = ctx.block, ctx.coef * grad_out
-        row_factor = coef * block.row_weight * block.rows.scale  # ∂L/∂S by row, per anchor, [2, B]
-        col_factor = coef * block.col_weight * block.cols.scale
+        # ∂L/∂S by row, per anchor, [2, B], and by column (the same scale: one product fewer)
+        same_scale = block.cols.scale is block.rows.scale
+        coef_scale = coef * block.rows.scale if same_scale else None
+        row_factor = block.row_weight * coef_scale if same_scale else coef * block.row_weight * block.rows.scale
+        col_factor = coef_scale if same_scale else coef * block.cols.scale
+        if not (isinstance(block.col_weight, float) and block.col_weight == 1.0):
+            col_factor = col_factor * block.col_weight
         grad_sim = block.rows.exp.mul_(_per_row(row_factor))
+        # p_i enters every row term of anchor i, [2, B]
+        positive_term = row_factor * block.rows.total
         grad_scale = None
         # d/ds exp(s·(S − p)) = (S − p)·exp: with grad_sim = factor·exp, Σ grad_sim·(S − p) / s, per block
         if want_scale and not ctx.scale_in_columns:
-            grad_scale = _scale_term(grad_sim, block, row_factor, s, per_block) / s
+            grad_scale = _scale_term(grad_sim, block, positive_term, s, per_block)
         grad_sim.addcmul_(block.cols.exp, _per_column(col_factor))
         if want_scale and ctx.scale_in_columns:
             column_part = col_factor * block.cols.total * block.positive_all
             column_part = column_part.sum(dim=-1) if per_block else column_part.sum()
-            grad_scale = (_scale_term(grad_sim, block, row_factor, s, per_block) - column_part) / s
+            grad_scale = _scale_term(grad_sim, block, positive_term, s, per_block) - column_part
         if grad_scale is not None:
-            grad_scale = grad_scale.to(scale.dtype)
+            if ctx.tau_term is not None:  # d/ds (t/s) = −(t/s)/s
+                grad_scale = grad_scale - grad_out * ctx.tau_term
+            grad_scale = (grad_scale / s).to(scale.dtype)
         if block.sim_grad is not None:  # chain rule through the similarity map (0 where it clamps)
             grad_sim.mul_(block.sim_grad)
         grads = torch.bmm(grad_sim, block.candidates.to(grad_sim.dtype))  # [2, B, d]
-        positive_term = row_factor * block.rows.total  # p_i enters every row term of anchor i, [2, B]
         if block.positive_grad is not None:
             positive_term = positive_term * block.positive_grad
         ctx.block = None  # free the [2, B, N] tensors now
         grad_positive = -positive_term.sum(dim=0)[:, None]
         grad_image = torch.addcmul(grads[0], grad_positive, text.detach())
         grad_text = torch.addcmul(grads[1], grad_positive, image.detach())
-        return grad_image.to(image.dtype), grad_text.to(text.dtype), grad_scale, None, None, None, None
+        return grad_image.to(image.dtype), grad_text.to(text.dtype), grad_scale, None, None, None, None, None
 
 
 def _scale_term(
-    grad_sim: torch.Tensor, block: PairBlocks, row_factor: torch.Tensor, scale: torch.Tensor, per_block: bool
+    grad_sim: torch.Tensor, block: PairBlocks, positive_term: torch.Tensor, scale: torch.Tensor, per_block: bool
 ) -> torch.Tensor:
-    """``Σ_ik grad_sim_bik·S_bik − Σ_i factor_bi·total_bi·p_i``, per block (``[2]``, ``scale`` = s ``[2]``) or summed
-    over both (0-d); dot products, no temporary (a batched matmul of 1-row matrices is 5x slower on CPU);
-    ``block.sim`` = s·S."""
-    positive_part = row_factor * block.rows.total * block.positive
+    """``Σ_ik grad_sim_bik·S_bik − Σ_i factor_bi·total_bi·p_i`` (``positive_term`` = factor·total), per block
+    (``[2]``, ``scale`` = s ``[2]``) or summed over both (0-d); dot products, no temporary (a batched matmul of
+    1-row matrices is 5x slower on CPU); ``block.sim`` = s·S."""
+    positive_part = positive_term * block.positive
     if per_block:
         dot = torch.stack([torch.dot(g.reshape(-1), x.reshape(-1)) for g, x in zip(grad_sim, block.sim)])
         return dot / scale - positive_part.sum(dim=-1)
     return torch.dot(grad_sim.reshape(-1), block.sim.reshape(-1)) / scale - positive_part.sum()
 
 
-def weighted_surrogate(image, text, scale, block, coef, *, scale_in_columns=False, value=None) -> torch.Tensor:
-    return WeightedSurrogate.apply(image, text, scale, block, coef, scale_in_columns, value)
+def weighted_surrogate(
+    image, text, scale, block, coef, *, scale_in_columns=False, value=None, temperature_term=None
+) -> torch.Tensor:
+    if temperature_term is not None and scale is None:
+        raise ValueError("weighted_surrogate: a temperature_term needs the scale it divides")
+    return WeightedSurrogate.apply(image, text, scale, block, coef, scale_in_columns, value, temperature_term)

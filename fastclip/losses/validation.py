@@ -236,7 +236,7 @@ def value_words(image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor |
     if checked:
         ok = torch.cat([ok, (indices.clamp(0, data_size - 1) == indices)[None]])  # [3, B]
     rows = torch.arange(ok.shape[1], device=ok.device)
-    first = torch.where(ok, NO_ROW, rows).amin(dim=1)  # the first bad row of each, NO_ROW where there is none
+    first = rows.masked_fill(ok, NO_ROW).amin(dim=1)  # the first bad row of each, NO_ROW where there is none
     if not checked:
         return torch.cat([first, first.new_full((2,), NO_ROW)])  # (new_tensor from a list copies host -> device)
     # gather, not indices[t]: indexing with a 0-d tensor reads it back to the host (a sync on CUDA)

@@ -62,7 +62,7 @@ def test_stat_eff_plan_seeds_the_best_setting_and_ablations_carry_lr_tau(tmp_pat
     assert by_loss["fastclip-v1"] == [(s, 2e-3, 0.03) for s in (1, 2)]  # the other variants: variant_seeds
 
 
-def test_stat_eff_plan_runs_the_headline_losses_through_every_dataset_before_the_variants(tmp_path):
+def test_stat_eff_plan_runs_the_headline_losses_then_variants_first_through_every_dataset_before_the_rest(tmp_path):
     study = dict(
         bench_stat_eff.STUDY,
         order=[("scenes", 64), ("scenes", 32), ("glyphs", 64)],
@@ -78,6 +78,18 @@ def test_stat_eff_plan_runs_the_headline_losses_through_every_dataset_before_the
         ("scenes", 64, "openclip"),
         ("scenes", 32, "openclip"),
         ("glyphs", 64, "openclip"),
+        ("scenes", 64, "fastclip-v1"),
+        ("scenes", 32, "fastclip-v1"),
+        ("glyphs", 64, "fastclip-v1"),
+    ]
+    # variants_first: those variants through every group before the other variants
+    study["knobs"] = {k: bench_stat_eff.STUDY["knobs"][k] for k in ("openclip", "fastclip-v1", "fastclip-tempnet")}
+    study["variants_first"] = ("fastclip-tempnet",)
+    order = [(r.dataset, r.global_batch, r.loss) for r in bench_stat_eff.plan(study, tmp_path)]
+    assert [key for key in dict.fromkeys(order) if key[2] != "openclip"] == [
+        ("scenes", 64, "fastclip-tempnet"),
+        ("scenes", 32, "fastclip-tempnet"),
+        ("glyphs", 64, "fastclip-tempnet"),
         ("scenes", 64, "fastclip-v1"),
         ("scenes", 32, "fastclip-v1"),
         ("glyphs", 64, "fastclip-v1"),

@@ -816,23 +816,55 @@ def run_study(study: dict, results: Path, work: Path, max_runs: int | None = Non
 # ----------------------------------------------------------------------------- summary
 def samples_to_reach(curve: list, target: float) -> float | None:
     """Samples seen from which `curve` [(samples, value)] reaches `target` and stays there to the end (linear
-    between evaluations, from (0, 0) before the first): an early spike that falls back does not count. None if
-    the final value is below `target`."""
-    points = [(0, 0.0)] + [(float(x), float(y)) for x, y in curve]
+    between evaluations): an early spike that falls back does not count. Nothing is assumed before the first
+    evaluation: a curve already at `target` there reaches it at the first evaluation's count (the earliest
+    measured; a ratio built on it is then a lower bound). None if the final value is below `target`."""
+    points = [(float(x), float(y)) for x, y in curve]
     if points[-1][1] < target:
         return None
     k = len(points) - 1
     while k > 0 and points[k - 1][1] >= target:  # the last stretch that stays at or above target
         k -= 1
     if k == 0:
-        return 0.0
+        return points[0][0]
     (x0, y0), (x1, y1) = points[k - 1], points[k]
     return x0 + (target - y0) / (y1 - y0) * (x1 - x0)
 
 
-def _mean_std(xs: list[float]) -> tuple[float, float]:
+def _mean_std(xs: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (n − 1); the std is None for a single value (undefined, not 0)."""
     m = sum(xs) / len(xs)
-    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None)
+
+
+def t_two_sided_p(t: float, dof: int) -> float:
+    """Two-sided p of Student's t with an integer number of degrees of freedom, in closed form (Abramowitz &
+    Stegun 26.7.3-4: P(|T| <= |t|) as a finite series in cos θ, θ = atan(|t|/√dof))."""
+    if dof < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {dof}")
+    theta = math.atan(abs(t) / math.sqrt(dof))
+    c2, term, series = math.cos(theta) ** 2, 1.0, 1.0
+    if dof % 2:  # odd: (2/π)[θ + sinθ cosθ (1 + 2/3 c² + 2·4/(3·5) c⁴ + ...)], dof − 3 in the last power
+        for k in range(2, dof - 1, 2):
+            term *= c2 * k / (k + 1)
+            series += term
+        inside = 2 / math.pi * (theta + (math.sin(theta) * math.cos(theta) * series if dof > 1 else 0.0))
+    else:  # even: sinθ (1 + 1/2 c² + 1·3/(2·4) c⁴ + ...), dof − 2 in the last power
+        for k in range(1, dof - 2, 2):
+            term *= c2 * k / (k + 1)
+            series += term
+        inside = math.sin(theta) * series
+    return max(0.0, 1.0 - inside)
+
+
+def holm(ps: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (family-wise error over the comparisons), in the input's order."""
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    adjusted, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 METRICS = {
@@ -852,7 +884,8 @@ def mean_curve(results: list[dict], metric: str) -> list[tuple[int, float, float
     out = []
     for seen in sorted(shared):
         vals = [METRICS[metric](next(p for p in r["curve"] if p["samples_seen"] == seen)) for r in results]
-        out.append((seen, *_mean_std(vals)))
+        mean, std = _mean_std(vals)
+        out.append((seen, mean, std or 0.0))  # (one seed: a band of width 0 in the plot)
     return out
 
 
@@ -1002,10 +1035,24 @@ def summarize(study: dict, results: Path) -> dict:
 def _paired_words(paired, who: str) -> str:
     """'+5.5 ± 5.5 points (+0.7, -0.6, ...): v3 ahead in 5 of 6 seeds' from (mean, std, [per seed])."""
     mean, std, diffs = paired
+    spread = "" if std is None else f" ± {100 * std:.1f}"
     return (
-        f"{100 * mean:+.1f} ± {100 * std:.1f} points ({', '.join(f'{100 * d:+.1f}' for d in diffs)}): {who} ahead "
+        f"{100 * mean:+.1f}{spread} points ({', '.join(f'{100 * d:+.1f}' for d in diffs)}): {who} ahead "
         f"in {sum(d > 0 for d in diffs)} of {len(diffs)} seeds"
     )
+
+
+def _t_words(paired) -> str:
+    """', paired t = 2.45 with 5 degrees of freedom (two-sided p = 0.058)' or '' (one seed, or no spread)."""
+    mean, std, diffs = paired
+    if len(diffs) < 2 or not std:
+        return ""
+    t, dof = paired_t(paired), len(diffs) - 1
+    return f", paired t = {t:.2f} with {dof} degrees of freedom (two-sided p = {_p_words(t_two_sided_p(t, dof))})"
+
+
+def _p_words(p: float) -> str:
+    return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"
 
 
 def _by_seed_line(rows: list[dict], baseline: str) -> str:
@@ -1031,7 +1078,43 @@ def _by_seed_line(rows: list[dict], baseline: str) -> str:
 
 
 def _fmt(ms) -> str:
-    return "-" if ms is None else f"{100 * ms[0]:.1f} ± {100 * ms[1]:.1f}"
+    if ms is None:
+        return "-"
+    return f"{100 * ms[0]:.1f} (one seed)" if ms[1] is None else f"{100 * ms[0]:.1f} ± {100 * ms[1]:.1f}"
+
+
+def significance_lines(groups: list[dict]) -> list[str]:
+    """Per data set, its headline comparisons (v3 against each baseline at each batch) with their paired t, p and
+    Holm-adjusted p over that family: which of them hold together, not one at a time."""
+    lines = []
+    for dataset in dict.fromkeys(g["dataset"] for g in groups):
+        rows = [
+            (g["global_batch"], baseline, h["v3_minus_baseline_paired"])
+            for g in groups
+            if g["dataset"] == dataset
+            for baseline, h in g.get("against", {}).items()
+            if h["v3_minus_baseline_paired"]
+            and len(h["v3_minus_baseline_paired"][2]) > 1
+            and h["v3_minus_baseline_paired"][1]
+        ]
+        if not rows:
+            continue
+        ps = [t_two_sided_p(paired_t(paired), len(paired[2]) - 1) for _, _, paired in rows]
+        lines += [
+            f"### Significance, {dataset}: fastclip-v3 against the baselines, paired by seed (two-sided; Holm over "
+            f"these {len(rows)} comparisons)",
+            "",
+            "| global batch | baseline | v3 − baseline, points | seeds | paired t | p | Holm-adjusted p |",
+            "|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for (gb, baseline, paired), p, adjusted in zip(rows, ps, holm(ps)):
+            mean, std, diffs = paired
+            lines.append(
+                f"| {gb} | {baseline} | {100 * mean:+.1f} ± {100 * std:.1f} | {len(diffs)} | {paired_t(paired):.2f} | "
+                f"{_p_words(p)} | {_p_words(adjusted)} |"
+            )
+        lines.append("")
+    return lines
 
 
 def markdown(result: dict) -> str:
@@ -1079,11 +1162,8 @@ def markdown(result: dict) -> str:
                 + (
                     f" Seed by seed (same initial towers and data order) v3 − {baseline} = "
                     + _paired_words(paired, "v3")
-                    + (
-                        f", paired t = {paired_t(paired):.2f} with {len(paired[2]) - 1} degrees of freedom."
-                        if len(paired[2]) > 1 and paired[1] > 0
-                        else "."
-                    )
+                    + _t_words(paired)
+                    + "."
                     if paired
                     else ""
                 )
@@ -1110,6 +1190,7 @@ def markdown(result: dict) -> str:
                 cells.append(f"lr {r['lr']:g}, {knob} {r[knob]:g}: {val}")
             lines.append(f"| {loss} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += significance_lines(result["summary"]["groups"])
     for a in result.get("ablation_pairs", []):
         lines += (
             ["### Ablations and controls against chosen settings, seed by seed (test)", ""]
@@ -1295,6 +1376,13 @@ def main(argv: list[str] | None = None) -> int:
     work = SMOKE_OUT / ("stat_eff_work_quick" if args.quick else "stat_eff_work")
     if args.quick and results.exists():
         shutil.rmtree(results)
+    if args.report and not (results / "runs").is_dir():
+        print(
+            f"bench_stat_eff: no runs under {results / 'runs'} to report (--out names the folder that holds "
+            f"{results.name}/runs, where the study writes its runs)",
+            file=sys.stderr,
+        )
+        return 2
     if not args.report:
         run_study(study, results, work, args.max_runs)
     report(study, results, out)

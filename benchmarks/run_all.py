@@ -157,14 +157,20 @@ def headline(out: Path) -> list[str]:
                 speedup, paired = h["v3_speedup"], h["v3_minus_baseline_paired"]
                 lines.append(
                     f"- {g['dataset']}, global batch {g['global_batch']}, test {metric}: {baseline} "
-                    f"{100 * ref[0]:.1f} ± {100 * ref[1]:.1f}% ({seeds[baseline]['seeds_done']} seeds), fastclip-v3 "
-                    f"{100 * v3[0]:.1f} ± {100 * v3[1]:.1f}% ({seeds['fastclip-v3']['seeds_done']} seeds); v3 reaches "
+                    f"{_percent(ref, unit='%')} ({seeds[baseline]['seeds_done']} seeds), fastclip-v3 "
+                    f"{_percent(v3, unit='%')} ({seeds['fastclip-v3']['seeds_done']} seeds); v3 reaches "
                     f"{baseline}'s final value "
                     + (f"with {speedup:.2f}x fewer samples" if speedup else "not within the run")
-                    + (f"; paired by seed {100 * paired[0]:+.1f} ± {100 * paired[1]:.1f} points." if paired else ".")
+                    + (f"; paired by seed {_percent(paired, sign='+', unit=' points')}." if paired else ".")
                 )
         lines.append(f"- study progress: {d['runs_done']} of {d['runs_planned']} runs done.")
     return lines
+
+
+def _percent(mean_std, sign: str = "", unit: str = "") -> str:
+    """'47.3 ± 5.3%' from a (mean, std) fraction; the mean alone for one seed (its std is None: undefined)."""
+    mean, std = mean_std[0], mean_std[1]
+    return f"{100 * mean:{sign}.1f}" + ("" if std is None else f" ± {100 * std:.1f}") + unit
 
 
 def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:

@@ -21,10 +21,27 @@ from bench_stat_eff import Ablation, Run  # noqa: E402
 from common import shard_pattern  # noqa: E402
 
 
+def test_student_t_p_values_holm_and_one_seed_spread():
+    # two-sided 5 % and 10 % critical values of Student's t (tables), odd and even degrees of freedom
+    for t, dof, p in ((12.706, 1, 0.05), (4.303, 2, 0.05), (2.571, 5, 0.05), (2.015, 5, 0.10), (2.228, 10, 0.05)):
+        assert bench_stat_eff.t_two_sided_p(t, dof) == pytest.approx(p, abs=2e-4)
+        assert bench_stat_eff.t_two_sided_p(-t, dof) == pytest.approx(p, abs=2e-4)
+    assert bench_stat_eff.t_two_sided_p(0.0, 5) == pytest.approx(1.0)
+    assert bench_stat_eff.holm([0.01, 0.04, 0.03, 0.2]) == pytest.approx([0.04, 0.09, 0.09, 0.2])
+    assert bench_stat_eff._mean_std([0.5]) == (0.5, None)  # one seed: no spread, not a spread of 0
+    assert bench_stat_eff._fmt((0.5, None)) == "50.0 (one seed)"
+    assert bench_stat_eff._fmt((0.5, 0.01)) == "50.0 ± 1.0"
+
+
+def test_stat_eff_report_without_runs_is_a_usage_error(tmp_path, capsys):
+    assert bench_stat_eff.main(["--report", "--out", str(tmp_path)]) == 2
+    assert f"no runs under {tmp_path / 'stat_eff' / 'runs'}" in capsys.readouterr().err
+
+
 def test_samples_to_reach_interpolates_and_reports_never():
     curve = [(100, 0.2), (200, 0.4), (300, 0.5)]
     assert bench_stat_eff.samples_to_reach(curve, 0.3) == pytest.approx(150)
-    assert bench_stat_eff.samples_to_reach(curve, 0.1) == pytest.approx(50)  # from (0, 0) to the first point
+    assert bench_stat_eff.samples_to_reach(curve, 0.1) == pytest.approx(100)  # nothing assumed before the first point
     assert bench_stat_eff.samples_to_reach(curve, 0.5) == pytest.approx(300)
     assert bench_stat_eff.samples_to_reach(curve, 0.51) is None
     spiky = [(100, 0.6), (200, 0.2), (300, 0.4), (400, 0.5)]  # the early spike does not count: reached at 350

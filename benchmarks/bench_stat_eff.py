@@ -602,7 +602,7 @@ def chosen(study: dict, results: Path, dataset: str, gb: int, loss: str, *, prov
         done.append((res, extra))
     elif extra is not None and not provisional:
         return None
-    return max(done, key=lambda d: d[0]["final_score"])[1]
+    return max(done, key=lambda d: d[0]["final_score"])[1]  # a tie: the first (grid order; the edge run last)
 
 
 def edge_pending(study: dict, results: Path, dataset: str, gb: int, loss: str) -> bool:
@@ -1124,7 +1124,8 @@ def markdown(result: dict) -> str:
         f"subset, γ from 1 to {s['gamma_min']} over the first {s['epochs'] // 2} epochs, tuning budget "
         f"{len(s['lrs'])} lr (one more where a group's best sat on the grid's edge: {s['extra_lrs']}) "
         f"x 2 values of each loss's own knob (seed {s['tune_seed']}, scored on val), plus one run at the best "
-        f"lr with the knob one step past the edge it sits on (knob_edges: {s.get('knob_edges', {})}), "
+        f"lr with the knob one step past the edge it sits on (knob_edges: {s.get('knob_edges', {})}; a tie on val "
+        "goes to the grid, in its order: lower lr, then the knob's first value), "
         f"then {len(s['seeds'])} seeds of the chosen setting on test ({len(s['variant_seeds'])} for the variants "
         "outside the headline; mean ± std, in %).",
         "",

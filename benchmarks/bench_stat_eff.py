@@ -13,7 +13,8 @@ Protocol (every knob is in STUDY below):
   γ decays (cosine) from 1 to γ_min over the first half of the epochs.
 - tuning: every loss gets the same budget, the same 3 learning rates x 2 values of its own key knob, run
   with seed 0 and scored on the `val` split at the end (scenes: mean R@1 of both retrieval directions; glyphs:
-  mean zero-shot top-1), plus one run at the best lr with the knob one step past the edge the best sits on.
+  mean zero-shot top-1), plus one run at the best lr with the knob one step past the edge the best sits on,
+  and one step further while a step wins.
   The best setting per loss is then run with SEEDS fresh seeds evaluated on `test`
   after every epoch (the curves) and on `novel` (unseen attribute combinations) at the end.
 - headline: the samples fastclip-v3 (mean over seeds) needs to reach each baseline's final score, as a ratio, and
@@ -174,19 +175,21 @@ STUDY = dict(
         # 62.0 % at 0.07. Its two values bracket where v3's learned τ ends on the scenes (0.09-0.12).
         "openclip-fixed-tau": ("temperature", (0.1, 0.14)),
     },
-    # One more tuning run per loss and group, the same for every loss: at the best setting's lr, the knob one step
+    # More tuning runs per loss and group, the same rule for every loss: at the best setting's lr, the knob one step
     # past the grid's edge on the best's side (below its lowest value, above its highest), chosen if it scores
-    # better. Added when one step past the edge scored far better for openclip on the scenes: τ0 0.1 against 0.07,
-    # 66.8 against 60.2 % val at batch 64.
+    # better; and while a step wins, the next one (below, above). Added when one step past the edge scored far
+    # better for openclip on the scenes (τ0 0.1 against 0.07, 66.8 against 60.2 % val at batch 64); the second step
+    # when τ0 0.1 had won in every scenes group, so openclip's best was again on the edge of what it had tried.
     knob_edges={
-        "openclip": (0.02, 0.1),
-        "fastclip-v3": (0.4, 1.1),  # ρ above ln(B-1) (rho_frac > 1): τ runs to its floor, as with the library's ρ 8
-        "fastclip-v1": (0.02, 0.1),
-        "fastclip-v2": (0.4, 1.1),
-        "fastclip-v0": (0.02, 0.1),
-        "fastclip-v3-separate": (0.4, 1.1),
-        "fastclip-tempnet": (0.4, 1.1),
-        "openclip-fixed-tau": (0.07, 0.2),
+        "openclip": ((0.02, 0.01), (0.1, 0.14)),
+        # ρ above ln(B-1) (rho_frac > 1): τ runs to its floor, as with the library's ρ 8
+        "fastclip-v3": ((0.4, 0.25), (1.1, 1.5)),
+        "fastclip-v1": ((0.02, 0.01), (0.1, 0.14)),
+        "fastclip-v2": ((0.4, 0.25), (1.1, 1.5)),
+        "fastclip-v0": ((0.02, 0.01), (0.1, 0.14)),
+        "fastclip-v3-separate": ((0.4, 0.25), (1.1, 1.5)),
+        "fastclip-tempnet": ((0.4, 0.25), (1.1, 1.5)),
+        "openclip-fixed-tau": ((0.07, 0.05), (0.2, 0.28)),
     },
     # Runs that test a default against the chosen setting (same lr; seed 0 on val, and the listed seeds on test,
     # compared seed by seed with the chosen setting's): the library's rho (8.0, the reference code's) exceeds
@@ -402,29 +405,46 @@ def _grid_results(study: dict, results: Path, dataset: str, gb: int, loss: str) 
     return None if any(res is None for res, _ in done) else done
 
 
-def _edge_of(study: dict, loss: str, grid: list[tuple[dict, Run]]) -> Run | None:
-    """The edge run of a finished grid: the best run's lr, the knob one step past the edge its value sits on."""
+def _edge_chain(
+    study: dict, results: Path, loss: str, grid: list[tuple[dict, Run]]
+) -> tuple[list[tuple[dict, Run]], Run | None]:
+    """The edge runs of a finished grid: at the best run's lr, the knob one step past the edge its value sits on,
+    then the next step on that side for as long as each step beats every run before it (knob_edges lists the steps
+    per side). Returns (the finished steps as (result, run), the next step still to run or None)."""
     edges = study.get("knob_edges", {}).get(loss)
     if edges is None:
-        return None
-    best = max(grid, key=lambda d: d[0]["final_score"])[1]
+        return [], None
+    best_result, best = max(grid, key=lambda d: d[0]["final_score"])
     values = study["knobs"][loss][1]
     if best.value not in (min(values), max(values)):
-        return None
-    return dataclasses.replace(best, value=edges[0] if best.value == min(values) else edges[1])
+        return [], None
+    side = edges[0] if best.value == min(values) else edges[1]
+    done, top = [], best_result["final_score"]
+    for value in side if isinstance(side, tuple) else (side,):
+        step = dataclasses.replace(best, value=value)
+        result = load_result(results, step)
+        if result is None:
+            return done, step
+        done.append((result, step))
+        if result["final_score"] <= top:  # the step lost (or tied): no step further out
+            break
+        top = result["final_score"]
+    return done, None
 
 
-def edge_run(study: dict, results: Path, dataset: str, gb: int, loss: str) -> Run | None:
-    """The grid's extra run (knob_edges) once the grid is done: the best run's lr, the knob one step past the edge
-    the best value sits on; None while the grid runs or where the loss has no steps (or its best is interior)."""
+def edge_runs(study: dict, results: Path, dataset: str, gb: int, loss: str) -> list[Run]:
+    """The grid's edge runs planned so far (knob_edges: the finished steps and the next one to run); none while the
+    grid runs or where the loss has no steps (or its best is interior)."""
     grid = _grid_results(study, results, dataset, gb, loss)
-    return None if grid is None else _edge_of(study, loss, grid)
+    if grid is None:
+        return []
+    done, pending = _edge_chain(study, results, loss, grid)
+    return [run for _, run in done] + ([] if pending is None else [pending])
 
 
 def all_tune_runs(study: dict, results: Path, dataset: str, gb: int, loss: str) -> list[Run]:
-    """The grid and, once it is done, its edge run."""
-    extra = edge_run(study, results, dataset, gb, loss)
-    return tune_runs(study, dataset, gb, loss) + ([] if extra is None else [extra])
+    """The grid and, once it is done, its edge runs."""
+    return tune_runs(study, dataset, gb, loss) + edge_runs(study, results, dataset, gb, loss)
 
 
 def ablation_run(a: Ablation, seed: int, phase: str) -> Run:
@@ -439,13 +459,14 @@ def ablation_runs(study: dict) -> list[Run]:
     ]
 
 
-def crossing_runs(study: dict, results: Path) -> list[Run]:
+def crossing_runs(study: dict, results: Path, *, provisional: bool = False) -> list[Run]:
     """The runs of each seed crossing, once its losses have chosen their settings: the off-diagonal ones, and the
-    diagonal's seed runs (the same ids as the loss's own; planned here too in case the loss has fewer seeds)."""
+    diagonal's seed runs (the same ids as the loss's own; planned here too in case the loss has fewer seeds).
+    `provisional`: with the best setting so far while an edge run is pending (chosen)."""
     runs = []
     for c in _crossings(study):
         for loss in c.losses:
-            best = chosen(study, results, c.dataset, c.global_batch, loss)
+            best = chosen(study, results, c.dataset, c.global_batch, loss, provisional=provisional)
             if best is not None:
                 runs += [crossing_run(best, t, d) for t, d in c.pairs]
                 runs += [crossing_run(best, t, t) for t in sorted({t for t, _ in c.pairs})]
@@ -556,9 +577,9 @@ def plan(study: dict, results: Path) -> list[Run]:
     return list({r.id: r for r in runs}.values())  # once each: an ablation's run may also be a grid run
 
 
-def group_runs(study: dict, results: Path) -> list[Run]:
+def group_runs(study: dict, results: Path, *, provisional: bool = False) -> list[Run]:
     """The headline losses through every group of every dataset, then the variants_first, then the rest; a loss's
-    tuning, then its seeds."""
+    tuning, then its seeds (`provisional`: those of the best setting so far while an edge run is pending)."""
     headline = [v for v in study["knobs"] if v in study["headline"]]
     first = [v for v in study["knobs"] if v in study.get("variants_first", ()) and v not in headline]
     others = [v for v in study["knobs"] if v not in study["headline"] and v not in first]
@@ -568,7 +589,7 @@ def group_runs(study: dict, results: Path) -> list[Run]:
         for gb in (gb for d, gb in study["order"] if d == dataset):
             for loss in losses:  # a loss's seeds right after its own tuning
                 runs += all_tune_runs(study, results, dataset, gb, loss)
-                best = chosen(study, results, dataset, gb, loss)
+                best = chosen(study, results, dataset, gb, loss, provisional=provisional)
                 if best is not None:
                     runs += [
                         Run(dataset, gb, loss, best.lr, best.knob, best.value, s, "seed", best.gamma_min)
@@ -591,24 +612,22 @@ def load_result(results: Path, run: Run) -> dict | None:
 
 
 def chosen(study: dict, results: Path, dataset: str, gb: int, loss: str, *, provisional: bool = False) -> Run | None:
-    """The best tuning run of `loss` (final val score), once all of its tuning runs are done (its edge run too).
-    `provisional` (the report): the grid's best while its edge run is still to run, so results already measured
-    stay in the tables until the edge run decides (edge_pending says which)."""
-    done = _grid_results(study, results, dataset, gb, loss)
-    if done is None:
+    """The best tuning run of `loss` (final val score), once all of its tuning runs are done (its edge runs too).
+    `provisional` (the report): the best so far while an edge run is still to run, so results already measured
+    stay in the tables until the edge runs decide (edge_pending says which)."""
+    grid = _grid_results(study, results, dataset, gb, loss)
+    if grid is None:
         return None
-    extra = _edge_of(study, loss, done)
-    if extra is not None and (res := load_result(results, extra)) is not None:
-        done.append((res, extra))
-    elif extra is not None and not provisional:
+    edges, pending = _edge_chain(study, results, loss, grid)
+    if pending is not None and not provisional:
         return None
-    return max(done, key=lambda d: d[0]["final_score"])[1]  # a tie: the first (grid order; the edge run last)
+    return max(grid + edges, key=lambda d: d[0]["final_score"])[1]  # a tie: the first (grid order, then edges)
 
 
 def edge_pending(study: dict, results: Path, dataset: str, gb: int, loss: str) -> bool:
-    """Whether the loss's grid is done and its edge run is not."""
-    extra = edge_run(study, results, dataset, gb, loss)
-    return extra is not None and load_result(results, extra) is None
+    """Whether the loss's grid is done and an edge run is not."""
+    grid = _grid_results(study, results, dataset, gb, loss)
+    return grid is not None and _edge_chain(study, results, loss, grid)[1] is not None
 
 
 # ----------------------------------------------------------------------------- data
@@ -1124,8 +1143,9 @@ def markdown(result: dict) -> str:
         f"subset, γ from 1 to {s['gamma_min']} over the first {s['epochs'] // 2} epochs, tuning budget "
         f"{len(s['lrs'])} lr (one more where a group's best sat on the grid's edge: {s['extra_lrs']}) "
         f"x 2 values of each loss's own knob (seed {s['tune_seed']}, scored on val), plus one run at the best "
-        f"lr with the knob one step past the edge it sits on (knob_edges: {s.get('knob_edges', {})}; a tie on val "
-        "goes to the grid, in its order: lower lr, then the knob's first value), "
+        f"lr with the knob one step past the edge it sits on, and the next step while a step wins (knob_edges: "
+        f"{s.get('knob_edges', {})}; a tie on val goes to the earlier run: the grid in its order, lower lr first, "
+        "then the edge steps), "
         f"then {len(s['seeds'])} seeds of the chosen setting on test ({len(s['variant_seeds'])} for the variants "
         "outside the headline; mean ± std, in %).",
         "",
@@ -1148,7 +1168,7 @@ def markdown(result: dict) -> str:
             tau = e.get("final_tau")
             lines.append(
                 f"| {loss} | {', '.join(f'{k} {v:g}' for k, v in e['setting'].items())}"
-                f"{' (best of the grid; its edge run is still to run)' if e.get('edge_pending') else ''} | "
+                f"{' (best so far; an edge run is still to run)' if e.get('edge_pending') else ''} | "
                 f"{e['seeds_done']} | {_fmt(e.get('test_zeroshot_top1'))} | "
                 f"{_fmt(e.get('test_retrieval_R@1'))} | {_fmt(e.get('novel_zeroshot_top1'))} | "
                 f"{_fmt(e.get('novel_retrieval_R@1'))} | {_fmt(e.get('train_retrieval_R@1'))} | "
@@ -1329,7 +1349,9 @@ def plot(result: dict, path: Path) -> None:
 def extra_runs(study: dict, results: Path) -> list[dict]:
     """Finished runs outside the current plan: ablations (e.g. γ_min 0.2) and settings the grid no longer
     holds, with their final score, so nothing measured disappears from the report."""
-    planned = {r.id for r in group_runs(study, results) + crossing_runs(study, results)}
+    # (the seeds of a setting whose edge run is pending stay in the protocol until that run decides)
+    runs = group_runs(study, results, provisional=True) + crossing_runs(study, results, provisional=True)
+    planned = {r.id for r in runs}
     out = []
     for path in sorted((results / "runs").glob("*.json")):
         r = json.loads(path.read_text())

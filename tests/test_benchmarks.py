@@ -217,9 +217,9 @@ def test_stat_eff_edge_run_extends_the_grid_by_one_step_on_the_best_side(tmp_pat
     grid = bench_stat_eff.tune_runs(study, "scenes", 64, "openclip")
     for run in grid[:-1]:
         write(run, 0.5 + (run.lr == 2e-3) * 0.1 + (run.value == 0.07) * 0.05)  # best: lr 2e-3, τ0 0.07 (the top)
-    assert bench_stat_eff.edge_run(study, tmp_path, "scenes", 64, "openclip") is None  # the grid is not done
+    assert bench_stat_eff.edge_runs(study, tmp_path, "scenes", 64, "openclip") == []  # the grid is not done
     write(grid[-1], 0.4)
-    edge = bench_stat_eff.edge_run(study, tmp_path, "scenes", 64, "openclip")
+    [edge] = bench_stat_eff.edge_runs(study, tmp_path, "scenes", 64, "openclip")
     assert (edge.lr, edge.value, edge.phase, edge.seed) == (2e-3, 0.1, "tune", 0)
     assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "openclip") is None  # waits for the edge run
     assert edge.id in {r.id for r in bench_stat_eff.plan(study, tmp_path)}
@@ -229,10 +229,56 @@ def test_stat_eff_edge_run_extends_the_grid_by_one_step_on_the_best_side(tmp_pat
     assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "openclip").value == 0.07
     for run in bench_stat_eff.tune_runs(study, "scenes", 64, "fastclip-v3"):  # an interior best: no edge run
         write(run, 0.5 + (run.value == 0.6) * 0.1)
-    assert bench_stat_eff.edge_run(study, tmp_path, "scenes", 64, "fastclip-v3") is None
+    assert bench_stat_eff.edge_runs(study, tmp_path, "scenes", 64, "fastclip-v3") == []
     assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "fastclip-v3").value == 0.6
     tuned = bench_stat_eff.summarize(study, tmp_path)["groups"][0]["tune"]["openclip"]
     assert [(r["lr"], r["temperature"]) for r in tuned][-1] == (2e-3, 0.1)  # the report shows the edge run
+
+
+def test_stat_eff_edge_steps_go_on_while_each_step_wins(tmp_path):
+    study = dict(
+        bench_stat_eff.STUDY,
+        order=[("scenes", 64)],
+        lrs=(1e-3,),
+        extra_lrs={},
+        headline=("openclip",),
+        seeds=(1,),
+        knobs={"openclip": ("temperature", (0.07, 0.03))},
+        knob_edges={"openclip": ((0.02, 0.01), (0.1, 0.14, 0.2))},
+        ablations=[],
+        seed_crossings=[],
+    )
+    (tmp_path / "runs").mkdir()
+
+    def write(run, score):
+        record = {"id": run.id, "run": {"phase": run.phase}, "final_score": score, "tau": []}
+        (tmp_path / "runs" / f"{run.id}.json").write_text(json.dumps(record))
+
+    def steps():
+        return [r.value for r in bench_stat_eff.edge_runs(study, tmp_path, "scenes", 64, "openclip")]
+
+    for run in bench_stat_eff.tune_runs(study, "scenes", 64, "openclip"):
+        write(run, 0.5 + (run.value == 0.07) * 0.1)  # best at the grid's top: the steps go up
+    first = bench_stat_eff.edge_runs(study, tmp_path, "scenes", 64, "openclip")[0]
+    write(first, 0.7)  # τ0 0.1 wins: the next step is planned, and nothing is chosen until it has run
+    assert steps() == [0.1, 0.14]
+    assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "openclip") is None
+    assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "openclip", provisional=True).value == 0.1
+    assert bench_stat_eff.edge_pending(study, tmp_path, "scenes", 64, "openclip")
+    seed_of_first = dataclasses.replace(first, seed=1, phase="seed")
+    write(seed_of_first, 0.6)  # a seed of the best so far stays in the protocol while the next step is pending
+    assert seed_of_first.id not in {r["id"] for r in bench_stat_eff.extra_runs(study, tmp_path)}
+    assert seed_of_first.id not in {r.id for r in bench_stat_eff.plan(study, tmp_path)}  # nor is it run again
+    second = bench_stat_eff.edge_runs(study, tmp_path, "scenes", 64, "openclip")[1]
+    write(second, 0.7)  # a tie is no win: the chain stops and the earlier run stays chosen
+    assert steps() == [0.1, 0.14] and not bench_stat_eff.edge_pending(study, tmp_path, "scenes", 64, "openclip")
+    assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "openclip").value == 0.1
+    write(second, 0.8)  # it wins: one step further, then chosen once that one has lost
+    assert steps() == [0.1, 0.14, 0.2]
+    write(bench_stat_eff.edge_runs(study, tmp_path, "scenes", 64, "openclip")[2], 0.75)
+    assert bench_stat_eff.chosen(study, tmp_path, "scenes", 64, "openclip").value == 0.14
+    seeds = [r for r in bench_stat_eff.plan(study, tmp_path) if r.phase == "seed"]
+    assert [(r.seed, r.value) for r in seeds] == [(1, 0.14)]
 
 
 def test_stat_eff_edge_run_below_the_grid_decides_the_seeds_and_the_report_keeps_results_meanwhile(tmp_path):
@@ -261,7 +307,7 @@ def test_stat_eff_edge_run_below_the_grid_decides_the_seeds_and_the_report_keeps
 
     for run in bench_stat_eff.tune_runs(study, "scenes", 64, "fastclip-v3"):  # best: lr 1e-3, ρ 0.6 (the lowest)
         write(run, 0.5 + (run.lr == 1e-3) * 0.1 + (run.value == 0.6) * 0.05)
-    edge = bench_stat_eff.edge_run(study, tmp_path, "scenes", 64, "fastclip-v3")
+    [edge] = bench_stat_eff.edge_runs(study, tmp_path, "scenes", 64, "fastclip-v3")
     assert edge == shared
     planned = [r.id for r in bench_stat_eff.plan(study, tmp_path)]
     assert planned.count(shared.id) == 1 and not any(r.endswith("_seed") for r in planned)

@@ -1133,7 +1133,44 @@ def significance_lines(groups: list[dict]) -> list[str]:
                 f"{_p_words(p)} | {_p_words(adjusted)} |"
             )
         lines.append("")
+        pooled = [(b, _pooled_over_batches(groups, dataset, b)) for b in dict.fromkeys(b for _, b, _ in rows)]
+        pooled = [(b, x) for b, x in pooled if x is not None]
+        if pooled:
+            lines += [
+                "Each seed's towers are the same at every batch size, so the groups above are not independent. One "
+                "test per baseline that respects this: each seed's v3 − baseline averaged over the batch sizes "
+                "(a summary chosen after the per-group results were seen):",
+                "",
+            ]
+            for baseline, (n_batches, paired) in pooled:
+                t, dof = paired_t(paired), len(paired[2]) - 1
+                lines.append(
+                    f"- {baseline}, over {n_batches} batch sizes: {_paired_words(paired, 'v3')}, paired t = {t:.2f} "
+                    f"with {dof} degrees of freedom, two-sided p = {_p_words(t_two_sided_p(t, dof))}"
+                )
+            lines.append("")
     return lines
+
+
+def _pooled_over_batches(groups: list[dict], dataset: str, baseline: str):
+    """(number of batch sizes, (mean, std, [per seed])) of v3 − `baseline` per seed averaged over the dataset's
+    batch sizes, over the seeds every batch size has; None with fewer than 2 batch sizes or 2 such seeds."""
+    per_group = [
+        dict(
+            zip(
+                (r["seed"] for r in g["against"][baseline]["by_seed"]),
+                g["against"][baseline]["v3_minus_baseline_paired"][2],
+            )
+        )
+        for g in groups
+        if g["dataset"] == dataset and g.get("against", {}).get(baseline, {}).get("v3_minus_baseline_paired")
+    ]
+    seeds = sorted(set.intersection(*(set(d) for d in per_group))) if per_group else []
+    if len(per_group) < 2 or len(seeds) < 2:
+        return None
+    means = [sum(d[seed] for d in per_group) / len(per_group) for seed in seeds]
+    mean, std = _mean_std(means)
+    return (len(per_group), (mean, std, means)) if std else None
 
 
 def markdown(result: dict) -> str:

@@ -33,6 +33,19 @@ def test_student_t_p_values_holm_and_one_seed_spread():
     assert bench_stat_eff._fmt((0.5, 0.01)) == "50.0 ± 1.0"
 
 
+def test_stat_eff_pools_each_seed_over_the_batch_sizes():
+    def group(gb, seeds, diffs):
+        paired = (sum(diffs) / len(diffs), 0.1, diffs)
+        against = {"v3_minus_baseline_paired": paired, "by_seed": [{"seed": s} for s in seeds]}
+        return {"dataset": "scenes", "global_batch": gb, "against": {"openclip": against}}
+
+    groups = [group(32, (1, 2, 3), [0.1, 0.2, 0.3]), group(64, (1, 2, 3, 4), [0.3, 0.0, 0.5, 9.0])]
+    n, (mean, std, per_seed) = bench_stat_eff._pooled_over_batches(groups, "scenes", "openclip")
+    assert n == 2 and per_seed == pytest.approx([0.2, 0.1, 0.4])  # seed 4 is not in every group
+    assert mean == pytest.approx(0.7 / 3) and std == pytest.approx(0.152753, rel=1e-5)
+    assert bench_stat_eff._pooled_over_batches(groups[:1], "scenes", "openclip") is None  # one batch size
+
+
 def test_stat_eff_report_without_runs_is_a_usage_error(tmp_path, capsys):
     assert bench_stat_eff.main(["--report", "--out", str(tmp_path)]) == 2
     assert f"no runs under {tmp_path / 'stat_eff' / 'runs'}" in capsys.readouterr().err

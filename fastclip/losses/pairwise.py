@@ -39,11 +39,23 @@ from .batch import GlobalBatch
 from .kernels import shifted_exp
 
 
+def _autocast_query_takes_a_device() -> bool:
+    try:  # torch >= 2.4; before, is_autocast_enabled() asked about CUDA only
+        torch.is_autocast_enabled("cpu")
+        return True
+    except TypeError:
+        return False
+
+
+_AUTOCAST_QUERY_BY_DEVICE = _autocast_query_takes_a_device()
+
+
 @contextmanager
 def exact_float32(device_type: str):
     """Autocast off and float32 matmuls in IEEE precision (not TF32) on CUDA, restored afterwards: the loss's
     similarities and gradients must not depend on the towers' speed settings (train.tf32, a user's autocast)."""
-    if device_type != "cuda" and not torch.is_autocast_enabled(device_type):  # nothing to switch off (5 µs saved)
+    if device_type != "cuda" and _AUTOCAST_QUERY_BY_DEVICE and not torch.is_autocast_enabled(device_type):
+        # nothing to switch off (5 µs a call saved)
         yield
         return
     with torch.autocast(device_type, enabled=False):

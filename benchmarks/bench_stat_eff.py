@@ -861,6 +861,8 @@ def t_two_sided_p(t: float, dof: int) -> float:
     Stegun 26.7.3-4: P(|T| <= |t|) as a finite series in cos θ, θ = atan(|t|/√dof))."""
     if dof < 1:
         raise ValueError(f"degrees of freedom must be >= 1, got {dof}")
+    if math.isnan(t):
+        return math.nan
     theta = math.atan(abs(t) / math.sqrt(dof))
     c2, term, series = math.cos(theta) ** 2, 1.0, 1.0
     if dof % 2:  # odd: (2/π)[θ + sinθ cosθ (1 + 2/3 c² + 2·4/(3·5) c⁴ + ...)], dof − 3 in the last power

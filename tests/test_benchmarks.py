@@ -27,6 +27,7 @@ def test_student_t_p_values_holm_and_one_seed_spread():
         assert bench_stat_eff.t_two_sided_p(t, dof) == pytest.approx(p, abs=2e-4)
         assert bench_stat_eff.t_two_sided_p(-t, dof) == pytest.approx(p, abs=2e-4)
     assert bench_stat_eff.t_two_sided_p(0.0, 5) == pytest.approx(1.0)
+    assert math.isnan(bench_stat_eff.t_two_sided_p(math.nan, 5))  # not "highly significant"
     assert bench_stat_eff.holm([0.01, 0.04, 0.03, 0.2]) == pytest.approx([0.04, 0.09, 0.09, 0.2])
     assert bench_stat_eff._mean_std([0.5]) == (0.5, None)  # one seed: no spread, not a spread of 0
     assert bench_stat_eff._fmt((0.5, None)) == "50.0 (one seed)"

@@ -588,6 +588,18 @@ def test_state_saved_as_u_before_log_u_loads_as_log_u():
         torch.testing.assert_close(value[seen], extra["fields"][name][seen], **TOL)
 
 
+@pytest.mark.parametrize("data_size", [0, 1, 10])
+def test_locate_owns_exactly_the_indices_in_range(data_size):
+    from fastclip.losses.sharded_state import ShardedSampleState
+
+    state = ShardedSampleState(data_size=data_size, world_size=1, rank=0, fields={"u": 0.0})
+    indices = torch.tensor([-1, 0, 9, 10, data_size - 1, data_size])
+    where = state.locate(indices, assert_in_range=False)
+    want = (indices >= 0) & (indices < data_size)
+    assert torch.equal(where.owned, want)
+    assert torch.equal(where.slots[~want], torch.full_like(where.slots[~want], state.num_slots))  # the spare row
+
+
 @pytest.mark.parametrize("bad", [10, -1])
 def test_validate_false_never_writes_the_spare_row(bad):
     """With validate=False an index == data_size or -1 stops the step (a device-side assert, no host sync) and

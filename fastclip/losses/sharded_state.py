@@ -104,7 +104,10 @@ class ShardedSampleState:
         """Where the global batch's ``indices`` (``[N]``) live in this shard; computed once per step. ``repeats``:
         whether an index occurs twice, when the caller knows (False skips the search for the last occurrences)."""
         indices = indices.to(self.device)
-        in_range = indices.clamp(0, self.data_size - 1) == indices  # (two ops, not three)
+        # (two ops, not three; max(.., 0): with data_size 0 the bound -1 would let index -1 through)
+        in_range = indices.clamp(0, max(self.data_size - 1, 0)) == indices
+        if self.data_size < 1:
+            in_range = torch.zeros_like(in_range)
         # An out-of-range index is never "owned", so it can neither read nor write the spare row (index ==
         # data_size) or wrap to the last slot (index -1). The loss's validation names it (eager: before this;
         # deferred: at check_inputs(), so no assert here); with validation off a device-side assert stops the

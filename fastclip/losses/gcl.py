@@ -140,17 +140,15 @@ class GlobalTemperatureGCL(SampleStateLoss):
         del sim, kept_sim, logits
         coef = 0.5 / (batch.local_size * n_neg)
         divisor, tau_term, objective = self._outer(s, log_u, log_w, local)
-        loss = weighted_surrogate(
+        loss = weighted_surrogate(  # (a constant τ's scale carries no gradient: the Function gives it none)
             batch.image,
             batch.text,
-            scale if learnable else None,
+            scale,
             block,
             coef if divisor is None else coef / divisor,
             scale_in_columns=in_columns,
-            temperature_term=tau_term if learnable else None,
+            temperature_term=tau_term,
         )
-        if tau_term is not None and not learnable:  # a constant τ: the term's value only
-            loss = loss + (tau_term / s).sum()
         loss_value, separate, row_total = loss.detach(), self.separate, rows.total
 
         def metrics():  # computed when read (logging steps), from this call's detached tensors (and not self)

@@ -307,11 +307,10 @@ class WeightedSurrogate(torch.autograd.Function):
         s = scale.detach() if want_scale else None
         per_block = want_scale and s.dim() == 1  # [2]: block b's rows have their own scale s[b]
         block, coef = ctx.block, ctx.coef * grad_out
-        # ∂L/∂S by row, per anchor, [2, B], and by column (the same scale: one product fewer)
-        same_scale = block.cols.scale is block.rows.scale
-        coef_scale = coef * block.rows.scale if same_scale else None
-        row_factor = block.row_weight * coef_scale if same_scale else coef * block.row_weight * block.rows.scale
-        col_factor = coef_scale if same_scale else coef * block.cols.scale
+        # ∂L/∂S by row, per anchor, [2, B], and by column (one product fewer where both readings share the scale)
+        row_coef = coef * block.rows.scale
+        row_factor = block.row_weight * row_coef
+        col_factor = row_coef if block.cols.scale is block.rows.scale else coef * block.cols.scale
         if not (isinstance(block.col_weight, float) and block.col_weight == 1.0):
             col_factor = col_factor * block.col_weight
         grad_sim = block.rows.exp.mul_(_per_row(row_factor))

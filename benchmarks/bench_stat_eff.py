@@ -1121,7 +1121,8 @@ def significance_lines(groups: list[dict]) -> list[str]:
         ]
         if not rows:
             continue
-        ps = [t_two_sided_p(paired_t(paired), len(paired[2]) - 1) for _, _, paired in rows]
+        ts = [paired_t(paired) for _, _, paired in rows]
+        ps = [t_two_sided_p(t, len(paired[2]) - 1) for t, (_, _, paired) in zip(ts, rows)]
         lines += [
             f"### Significance, {dataset}: fastclip-v3 against the baselines, paired by seed (two-sided; Holm over "
             f"these {len(rows)} comparisons)",
@@ -1129,10 +1130,10 @@ def significance_lines(groups: list[dict]) -> list[str]:
             "| global batch | baseline | v3 − baseline, points | seeds | paired t | p | Holm-adjusted p |",
             "|---:|---|---:|---:|---:|---:|---:|",
         ]
-        for (gb, baseline, paired), p, adjusted in zip(rows, ps, holm(ps)):
+        for (gb, baseline, paired), t, p, adjusted in zip(rows, ts, ps, holm(ps)):
             mean, std, diffs = paired
             lines.append(
-                f"| {gb} | {baseline} | {100 * mean:+.1f} ± {100 * std:.1f} | {len(diffs)} | {paired_t(paired):.2f} | "
+                f"| {gb} | {baseline} | {100 * mean:+.1f} ± {100 * std:.1f} | {len(diffs)} | {t:.2f} | "
                 f"{_p_words(p)} | {_p_words(adjusted)} |"
             )
         lines.append("")
@@ -1146,10 +1147,8 @@ def significance_lines(groups: list[dict]) -> list[str]:
                 "",
             ]
             for baseline, (n_batches, paired) in pooled:
-                t, dof = paired_t(paired), len(paired[2]) - 1
                 lines.append(
-                    f"- {baseline}, over {n_batches} batch sizes: {_paired_words(paired, 'v3')}, paired t = {t:.2f} "
-                    f"with {dof} degrees of freedom, two-sided p = {_p_words(t_two_sided_p(t, dof))}"
+                    f"- {baseline}, over {n_batches} batch sizes: {_paired_words(paired, 'v3')}{_t_words(paired)}"
                 )
             lines.append("")
     return lines

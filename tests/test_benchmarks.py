@@ -104,8 +104,11 @@ def test_stat_eff_plan_runs_the_headline_losses_then_variants_first_through_ever
         ablations=[],
     )
     (tmp_path / "runs").mkdir()
-    order = [(r.dataset, r.global_batch, r.loss) for r in bench_stat_eff.plan(study, tmp_path)]
-    assert list(dict.fromkeys(order)) == [
+
+    def order():  # (data set, batch, loss) in the order the plan first names them
+        return list(dict.fromkeys((r.dataset, r.global_batch, r.loss) for r in bench_stat_eff.plan(study, tmp_path)))
+
+    assert order() == [
         ("scenes", 64, "openclip"),
         ("scenes", 32, "openclip"),
         ("glyphs", 64, "openclip"),
@@ -116,8 +119,7 @@ def test_stat_eff_plan_runs_the_headline_losses_then_variants_first_through_ever
     # variants_first: those variants through every group before the other variants
     study["knobs"] = {k: bench_stat_eff.STUDY["knobs"][k] for k in ("openclip", "fastclip-v1", "fastclip-tempnet")}
     study["variants_first"] = ("fastclip-tempnet",)
-    order = [(r.dataset, r.global_batch, r.loss) for r in bench_stat_eff.plan(study, tmp_path)]
-    assert [key for key in dict.fromkeys(order) if key[2] != "openclip"] == [
+    assert [key for key in order() if key[2] != "openclip"] == [
         ("scenes", 64, "fastclip-tempnet"),
         ("scenes", 32, "fastclip-tempnet"),
         ("glyphs", 64, "fastclip-tempnet"),

@@ -3,6 +3,7 @@ each anchor's negative mass, measured on trained towers.
 
     python benchmarks/bench_estimator_bias.py --seeds 1,4  # trains 4 runs per seed (~10 min on 2 cores), measures
     python benchmarks/bench_estimator_bias.py --measure    # measures the runs already trained
+    python benchmarks/bench_estimator_bias.py --during --seeds 1  # the same towers at epochs 1, 2, 4, 8 and 16
 
 For anchor i and the temperature τ the towers ended with, g_i = mean_{k≠i} exp((S_ik − S_ii)/τ) over the whole
 training set is what FastCLIP's moving average u_i tracks; mini-batch InfoNCE sees instead ĝ_i, the same mean over
@@ -18,6 +19,10 @@ Measured on the 6,000 training pairs, both directions (image anchors against all
 images), 64 random partitions into batches per batch size. Reported per data set, towers and batch size (means over
 anchors): E[log ĝ] − log g, std(log ĝ), and the share of g_i that the anchor's 60 hardest negatives (1 % of the
 data) carry.
+
+During training (``--during``): the same runs trained again in their own folder with every epoch's checkpoint
+kept, and measured at the checkpoints nearest to epochs 1, 2, 4, 8 and at the end (its own table and figure,
+``estimator_bias_during``): whether the error the end-of-training towers show is there while they learn.
 
 False negatives: a negative with the anchor's very caption (the glyphs have 100 distinct captions for 6,000 pairs),
 or of its class (glyphs: 20 classes), is no real negative. Their share of g_i, and the same error measured over the
@@ -46,6 +51,8 @@ BATCHES = (32, 64, 128)
 PARTITIONS = 64
 HARD = 0.01  # the hardest 1 % of an anchor's negatives
 WORK = SMOKE_OUT / "estimator_bias"
+DURING_WORK = WORK / "during"  # runs with every epoch's checkpoint kept
+DURING_EPOCHS = (1, 2, 4, 8)  # and the end of training
 
 
 def chosen_run(dataset: str, loss: str, seed: int) -> study_mod.Run:
@@ -58,15 +65,15 @@ def chosen_run(dataset: str, loss: str, seed: int) -> study_mod.Run:
     return dataclasses.replace(best, seed=seed, phase="seed")
 
 
-def train(runs: list[tuple[study_mod.Run, Path, Path]]) -> None:
+def train(runs: list[tuple[study_mod.Run, Path, Path]], work: Path = WORK, keep_last: int = 1) -> None:
     """Each run started as the study starts it (its command, one core, resumed if stopped), two at a time; the
-    checkpoint stays (the study's finish() would delete it)."""
+    checkpoints stay (the study's finish() would delete them): the last ``keep_last`` epochs' ones."""
     todo = [(r, d, data) for r, d, data in runs if not (d / "done").is_file()]
     active: list[study_mod.Active] = []
     while todo or active:
         while todo and len(active) < 2:
             run, _, data = todo.pop(0)
-            active.append(study_mod.start(run, study_mod.STUDY, data, WORK))
+            active.append(study_mod.start(run, study_mod.STUDY, data, work, keep_last))
         time.sleep(5)
         for a in [a for a in active if a.proc.poll() is not None]:
             active.remove(a)
@@ -76,15 +83,16 @@ def train(runs: list[tuple[study_mod.Run, Path, Path]]) -> None:
 
 
 def embed(run_dir: Path, data: Path):
-    """(image features, text features) of the training pairs, L2-normalised, the towers' final τ, and each pair's
-    caption id and class id ([n] int64: equal ids, equal caption or class; the class id is -1 where there is none)."""
+    """``run_dir``: a run (its latest checkpoint) or one of its step folders. (image features, text features) of the
+    training pairs, L2-normalised, the towers' final τ, and each pair's caption id and class id ([n] int64: equal
+    ids, equal caption or class; the class id is -1 where there is none)."""
     import torch
     import torch.nn.functional as F
 
     from fastclip.eval.checkpoint import load_model
     from fastclip.eval.samples import iter_samples
 
-    built = load_model(run_dir).built  # its latest checkpoint
+    built = load_model(run_dir).built
     model = built.model
     images, texts = [], []
     samples = list(iter_samples(data / "train"))
@@ -171,35 +179,118 @@ def _partition_errors(w, shift, seed: int, counted=None, anchors=None) -> dict:
     return out
 
 
-def measure(runs: list[tuple[study_mod.Run, Path, Path]]) -> dict:
+def _rows(run: study_mod.Run, towers: Path, data: Path, **extra) -> list[dict]:
+    """The measured rows of one set of towers: both directions, every batch size."""
+    image, text, tau, ids = embed(towers, data)
     rows = []
-    for run, run_dir, data in runs:
-        image, text, tau, ids = embed(run_dir, data)
-        for direction, (a, c) in (("image anchors", (image, text)), ("text anchors", (text, image))):
-            err = estimator_errors(a, c, tau, ids=ids)
-            for b, e in err["batches"].items():
-                true = err.get("true_batches", {}).get(b, {})
-                rows.append(
-                    {
-                        "dataset": run.dataset,
-                        "towers": f"{run.loss} ({run_dir.name})",
-                        "loss": run.loss,
-                        "seed": run.seed,
-                        "tau": tau,
-                        "direction": direction,
-                        "batch": b,
-                        "bias": e["bias"],
-                        "std": e["std"],
-                        "hard_share": err["hard_share"],
-                        "caption_share": err.get("caption_share"),
-                        "class_share": err.get("class_share"),
-                        "class_anchors": err.get("class_anchors"),
-                        "true_bias": true.get("bias"),
-                        "true_std": true.get("std"),
-                    }
-                )
-        print(f"measured {run.id}: τ {tau:.4f}", flush=True)
+    for direction, (a, c) in (("image anchors", (image, text)), ("text anchors", (text, image))):
+        err = estimator_errors(a, c, tau, ids=ids)
+        for b, e in err["batches"].items():
+            true = err.get("true_batches", {}).get(b, {})
+            rows.append(
+                {
+                    "dataset": run.dataset,
+                    "towers": f"{run.loss} ({towers.name})",
+                    "loss": run.loss,
+                    "seed": run.seed,
+                    "tau": tau,
+                    "direction": direction,
+                    "batch": b,
+                    "bias": e["bias"],
+                    "std": e["std"],
+                    "hard_share": err["hard_share"],
+                    "caption_share": err.get("caption_share"),
+                    "class_share": err.get("class_share"),
+                    "class_anchors": err.get("class_anchors"),
+                    "true_bias": true.get("bias"),
+                    "true_std": true.get("std"),
+                    **extra,
+                }
+            )
+    print(f"measured {run.id} ({towers.name}): τ {tau:.4f}", flush=True)
+    return rows
+
+
+def measure(runs: list[tuple[study_mod.Run, Path, Path]]) -> dict:
+    rows = [row for run, run_dir, data in runs for row in _rows(run, run_dir, data)]
     return {"machine": machine_info(), "rows": rows, "partitions": PARTITIONS, "hard_fraction": HARD}
+
+
+def checkpoints_at(run_dir: Path, epochs: int) -> list[tuple[float, int, Path]]:
+    """(epoch, step, folder) of the kept checkpoints nearest to DURING_EPOCHS, and the last one. An epoch is the
+    final step / ``epochs`` steps (the checkpoints every ``n // B`` steps fall one step short of its end)."""
+    steps = sorted((int(p.name.split("_")[1]), p) for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
+    if not steps:
+        raise SystemExit(f"{run_dir}: no checkpoints (train it first: run without --measure)")
+    per_epoch = steps[-1][0] / epochs
+    picked = [min(steps, key=lambda sp: abs(sp[0] - e * per_epoch)) for e in DURING_EPOCHS] + [steps[-1]]
+    return [(step / per_epoch, step, path) for step, path in dict.fromkeys(picked)]
+
+
+def measure_during(runs: list[tuple[study_mod.Run, Path, Path]]) -> dict:
+    rows = []
+    epochs = study_mod.STUDY["epochs"]
+    for run, run_dir, data in runs:
+        for epoch, step, path in checkpoints_at(run_dir, epochs):
+            rows += _rows(run, path, data, epoch=epoch, step=step, samples=step * run.global_batch)
+    return {"machine": machine_info(), "rows": rows, "partitions": PARTITIONS, "hard_fraction": HARD}
+
+
+def markdown_during(result: dict) -> str:
+    seeds = ", ".join(str(x) for x in sorted({r["seed"] for r in result["rows"]}))
+    lines = [
+        "The error of the mini-batch estimate during training (`python benchmarks/bench_estimator_bias.py --during "
+        f"--seeds {seeds}`): the study's chosen setting at global batch {GLOBAL_BATCH}, towers of seed {seeds} at "
+        f"the checkpoints nearest to epochs {', '.join(map(str, DURING_EPOCHS))} and at the end, "
+        f"{result['partitions']} random partitions per batch size. Columns as in estimator_bias.md; "
+        "other-class: g and ĝ over the anchor's other-class negatives alone (glyphs).",
+        "",
+        "| data | towers (seed) | anchors | epoch | samples seen | τ | hard share | "
+        + " | ".join(f"bias / spread at B = {b}" for b in BATCHES)
+        + f" | other-class bias at B = {GLOBAL_BATCH} |",
+        "|---|---|---|---:|---:|---:|---:|" + "---:|" * (len(BATCHES) + 1),
+    ]
+    keyed: dict[tuple, dict] = {}
+    for r in result["rows"]:
+        keyed.setdefault((r["dataset"], r["loss"], r["seed"], r["direction"], r["step"]), {})[r["batch"]] = r
+    for (dataset, loss, seed, direction, _), per_batch in keyed.items():
+        first = per_batch[BATCHES[0]]
+        cells = " | ".join(f"{per_batch[b]['bias']:+.2f} / {per_batch[b]['std']:.2f}" for b in BATCHES)
+        true = per_batch[GLOBAL_BATCH]["true_bias"]
+        lines.append(
+            f"| {dataset} | {loss} ({seed}) | {direction} | {first['epoch']:.1f} | {first['samples']:,} | "
+            f"{first['tau']:.3f} | {100 * first['hard_share']:.0f} % | {cells} | "
+            f"{'-' if true is None else f'{true:+.2f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_during(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    lines: dict[tuple, list[dict]] = {}
+    for r in result["rows"]:
+        if r["batch"] == GLOBAL_BATCH:
+            lines.setdefault((r["dataset"], r["loss"], r["seed"], r["direction"]), []).append(r)
+    for (dataset, loss, seed, direction), rows in lines.items():
+        rows.sort(key=lambda r: r["samples"])
+        x = [r["samples"] for r in rows]
+        style = "-" if dataset == "scenes" else "--"
+        label = f"{dataset}, {loss} (seed {seed}), {direction}"
+        axes[0].plot(x, [r["bias"] for r in rows], style, marker="o", label=label)
+        axes[1].plot(x, [100 * r["hard_share"] for r in rows], style, marker="o", label=label)
+        axes[2].plot(x, [r["tau"] for r in rows], style, marker="o", label=label)
+    names = (f"E[log ĝ] − log g at B = {GLOBAL_BATCH} (nats)", "share of g in the hardest 1 % (%)", "τ")
+    for ax, name in zip(axes, names):
+        ax.set_xlabel("samples seen")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[2].legend(fontsize=7)
+    save_figure(fig, path, result["machine"], "Mini-batch estimate of the negative mass during training")
 
 
 def _keyed(rows: list[dict]) -> dict[tuple, dict]:
@@ -289,6 +380,9 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--measure", action="store_true", help="only measure the runs already trained")
+    parser.add_argument(
+        "--during", action="store_true", help="keep every epoch's checkpoint and measure at epochs 1, 2, 4, 8, end"
+    )
     parser.add_argument("--seeds", default="1,4", help="comma list of the towers' seeds (study seeds, default 1,4)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -296,19 +390,24 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(x) for x in args.seeds.split(",")]
     except ValueError:
         parser.error(f"--seeds: a comma list of integers, got {args.seeds!r}")
+    work = DURING_WORK if args.during else WORK
     runs = []
     for dataset in DATASETS:
         data = study_mod.ensure_data(study_mod.STUDY, dataset, SMOKE_OUT / "stat_eff_work")
         for loss in LOSSES:
             for seed in seeds:
                 run = chosen_run(dataset, loss, seed)
-                runs.append((run, WORK / "runs" / run.id, data))  # study_mod.start's folder
+                runs.append((run, work / "runs" / run.id, data))  # study_mod.start's folder
     if not args.measure:
-        train(runs)
+        # --during keeps every epoch's checkpoint (the study writes one per epoch, and one at the end)
+        train(runs, work, keep_last=study_mod.STUDY["epochs"] + 1 if args.during else 1)
     missing = [str(d) for _, d, _ in runs if not (d / "done").is_file()]
     if missing:
         raise SystemExit(f"not trained yet: {', '.join(missing)} (run without --measure)")
-    publish(args.out, "estimator_bias", measure(runs), markdown, plot)
+    if args.during:
+        publish(args.out, "estimator_bias_during", measure_during(runs), markdown_during, plot_during)
+    else:
+        publish(args.out, "estimator_bias", measure(runs), markdown, plot)
     return 0
 
 

@@ -323,7 +323,7 @@ def loss_name(variant: str) -> str:
     return VARIANTS.get(variant, (variant, ()))[0]
 
 
-def command(run: Run, study: dict, data: Path, run_dir: Path) -> list[str]:
+def command(run: Run, study: dict, data: Path, run_dir: Path, keep_last: int = 1) -> list[str]:
     train_samples = json.loads((data / "train" / "manifest.json").read_text())["num_samples"]
     steps = train_samples // run.global_batch * study["epochs"]
     eval_split = "val" if run.phase == "tune" else "test"
@@ -379,7 +379,7 @@ def command(run: Run, study: dict, data: Path, run_dir: Path) -> list[str]:
         "--checkpoint.every_minutes",
         "0",
         "--checkpoint.keep_last",
-        "1",
+        str(keep_last),
         "--checkpoint.at_end",
         "true",
     ]
@@ -740,9 +740,10 @@ class Active:
     start: float = field(default_factory=time.perf_counter)
 
 
-def start(run: Run, study: dict, data: Path, work: Path) -> Active:
+def start(run: Run, study: dict, data: Path, work: Path, keep_last: int = 1) -> Active:
+    """``keep_last``: the epoch checkpoints kept (the study keeps the last, to resume; others keep more)."""
     run_dir = work / "runs" / run.id
-    cmd = command(run, study, data, run_dir)
+    cmd = command(run, study, data, run_dir, keep_last)
     if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*")):
         cmd += ["--train.resume", "latest"]  # a run that was stopped: go on from its last epoch
     elif run_dir.exists():

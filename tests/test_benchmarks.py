@@ -468,6 +468,18 @@ def test_estimator_bias_is_zero_for_equal_negatives_and_large_when_one_hard_nega
     assert all(abs(half["true_batches"][b]["bias"]) < 1e-3 for b in bench_estimator_bias.BATCHES)
 
 
+def test_estimator_bias_during_picks_the_checkpoints_nearest_to_the_epochs(tmp_path):
+    # the study's layout at global batch 64 on 6,000 pairs: a checkpoint every 93 steps, 94 steps an epoch, 16 epochs
+    for step in [*range(93, 1489, 93), 1504]:
+        (tmp_path / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+    picked = bench_estimator_bias.checkpoints_at(tmp_path, 16)
+    assert [step for _, step, _ in picked] == [93, 186, 372, 744, 1504]
+    assert [round(epoch, 2) for epoch, _, _ in picked] == [0.99, 1.98, 3.96, 7.91, 16.0]
+    assert all(path.name == f"step_{step:08d}" for _, step, path in picked)
+    with pytest.raises(SystemExit, match="no checkpoints"):
+        bench_estimator_bias.checkpoints_at(tmp_path / "empty", 16)
+
+
 def test_ring_costs_and_fit_recover_alpha_and_bandwidth():
     alpha, bw = 50e-6, 2e9
     assert bench_scaling.ring_cost("all_reduce", 1e6, 1, alpha, bw) == 0

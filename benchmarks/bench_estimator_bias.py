@@ -105,7 +105,24 @@ def embed(run_dir: Path, data: Path):
     tau = float(torch.exp(-model.logit_scale.detach()).reshape(-1)[0])
     ids = {"caption": _ids([s.caption for s in samples])}
     ids["class"] = _ids([None if s.label is None else (s.dataset, s.label) for s in samples])
-    return torch.cat(images).double(), torch.cat(texts).double(), tau, ids
+    indices = torch.tensor([s.index for s in samples], dtype=torch.int64)
+    return torch.cat(images).double(), torch.cat(texts).double(), tau, ids, indices
+
+
+def sample_state(towers: Path) -> dict | None:
+    """The per-sample state the towers' loss kept, every rank's shard as one (``[data_size]`` per field, by data
+    index: ``log_u_img``, ``log_u_txt``, ``seen``), or None for a loss without one (openclip)."""
+    import torch
+
+    from fastclip.losses import reshard_for_rank
+    from fastclip.train import checkpoint as ckpt
+
+    step_dir = ckpt.find_model_file(towers).parent
+    states = [torch.load(f, weights_only=True)["loss_state"] for f in sorted(step_dir.glob("rank_*.pt"))]
+    if not states or "_extra_state" not in states[0]:
+        return None
+    whole = reshard_for_rank(states, 1, 0)["_extra_state"]
+    return {**whole["fields"], "seen": whole["seen"]}
 
 
 def _ids(keys: list):
@@ -116,7 +133,7 @@ def _ids(keys: list):
     return torch.tensor([-1 if k is None else table.setdefault(k, len(table)) for k in keys], dtype=torch.int64)
 
 
-def estimator_errors(anchors, candidates, tau: float, seed: int = 0, ids: dict | None = None) -> dict:
+def estimator_errors(anchors, candidates, tau: float, seed: int = 0, ids: dict | None = None, log_u=None) -> dict:
     """For each batch size: mean over anchors of E[log ĝ] − log g and std(log ĝ) over PARTITIONS random partitions,
     and the share of g carried by each anchor's hardest HARD fraction of negatives. With ``ids`` ({"caption": [n],
     "class": [n]} int64, -1 for none): the share of g carried by negatives of the anchor's caption and of its class,
@@ -133,6 +150,10 @@ def estimator_errors(anchors, candidates, tau: float, seed: int = 0, ids: dict |
     hard = max(1, int(HARD * n))
     top_share = (w.topk(hard, dim=1).values.sum(dim=1) / w.sum(dim=1)).mean().item()
     out = {"hard_share": top_share, "batches": _partition_errors(w, shift.squeeze(1), seed)}
+    if log_u is not None:
+        error = log_u - (torch.log(w.sum(dim=1) / (n - 1)) + shift.squeeze(1))
+        error = error[~torch.isnan(error)]
+        out["u"] = {"bias": error.mean().item(), "rmse": error.square().mean().sqrt().item(), "anchors": error.numel()}
     for kind, key in (ids or {}).items():
         if bool((key < 0).all()):
             continue
@@ -175,16 +196,26 @@ def _partition_errors(w, shift, seed: int, counted=None, anchors=None) -> dict:
             log_g_kept = log_g
         bias = (est.nanmean(dim=0) - log_g_kept).nanmean().item()
         std = torch.sqrt(((est - est.nanmean(dim=0)) ** 2).nanmean(dim=0)).nanmean().item()
-        out[b] = {"bias": bias, "std": std}
+        rmse = ((est - log_g_kept) ** 2).nanmean().sqrt().item()
+        out[b] = {"bias": bias, "std": std, "rmse": rmse}
     return out
 
 
 def _rows(run: study_mod.Run, towers: Path, data: Path, **extra) -> list[dict]:
     """The measured rows of one set of towers: both directions, every batch size."""
-    image, text, tau, ids = embed(towers, data)
+    import torch
+
+    image, text, tau, ids, indices = embed(towers, data)
+    state = sample_state(towers)
     rows = []
-    for direction, (a, c) in (("image anchors", (image, text)), ("text anchors", (text, image))):
-        err = estimator_errors(a, c, tau, ids=ids)
+    for direction, (a, c), field in (
+        ("image anchors", (image, text), "log_u_img"),
+        ("text anchors", (text, image), "log_u_txt"),
+    ):
+        log_u = None
+        if state is not None:
+            log_u = torch.where(state["seen"][indices], state[field][indices].double(), float("nan"))
+        err = estimator_errors(a, c, tau, ids=ids, log_u=log_u)
         for b, e in err["batches"].items():
             true = err.get("true_batches", {}).get(b, {})
             rows.append(
@@ -198,6 +229,10 @@ def _rows(run: study_mod.Run, towers: Path, data: Path, **extra) -> list[dict]:
                     "batch": b,
                     "bias": e["bias"],
                     "std": e["std"],
+                    "rmse": e["rmse"],
+                    "u_bias": err.get("u", {}).get("bias"),
+                    "u_rmse": err.get("u", {}).get("rmse"),
+                    "u_anchors": err.get("u", {}).get("anchors"),
                     "hard_share": err["hard_share"],
                     "caption_share": err.get("caption_share"),
                     "class_share": err.get("class_share"),
@@ -242,13 +277,17 @@ def markdown_during(result: dict) -> str:
         "The error of the mini-batch estimate during training (`python benchmarks/bench_estimator_bias.py --during "
         f"--seeds {seeds}`): the study's chosen setting at global batch {GLOBAL_BATCH}, towers of seed {seeds} at "
         f"the checkpoints nearest to epochs {', '.join(map(str, DURING_EPOCHS))} and at the end, "
-        f"{result['partitions']} random partitions per batch size. Columns as in estimator_bias.md; "
-        "other-class: g and ĝ over the anchor's other-class negatives alone (glyphs).",
+        f"{result['partitions']} random partitions per batch size. Columns as in estimator_bias.md; rmse: the root "
+        "mean square of log ĝ − log g over batches and anchors; u: the loss's own moving average at that checkpoint "
+        "(its per-sample state) against the same log g, mean / rmse of log u − log g (FastCLIP towers only; u was "
+        "last updated when its sample was last in a batch, at most one epoch earlier); other-class: g and ĝ over "
+        "the anchor's other-class negatives alone (glyphs).",
         "",
         "| data | towers (seed) | anchors | epoch | samples seen | τ | hard share | "
         + " | ".join(f"bias / spread at B = {b}" for b in BATCHES)
-        + f" | other-class bias at B = {GLOBAL_BATCH} |",
-        "|---|---|---|---:|---:|---:|---:|" + "---:|" * (len(BATCHES) + 1),
+        + f" | rmse of log ĝ at B = {GLOBAL_BATCH} | log u − log g: mean / rmse "
+        f"| other-class bias at B = {GLOBAL_BATCH} |",
+        "|---|---|---|---:|---:|---:|---:|" + "---:|" * (len(BATCHES) + 3),
     ]
     keyed: dict[tuple, dict] = {}
     for r in result["rows"]:
@@ -256,11 +295,13 @@ def markdown_during(result: dict) -> str:
     for (dataset, loss, seed, direction, _), per_batch in keyed.items():
         first = per_batch[BATCHES[0]]
         cells = " | ".join(f"{per_batch[b]['bias']:+.2f} / {per_batch[b]['std']:.2f}" for b in BATCHES)
-        true = per_batch[GLOBAL_BATCH]["true_bias"]
+        at = per_batch[GLOBAL_BATCH]
+        u = "-" if at["u_bias"] is None else f"{at['u_bias']:+.2f} / {at['u_rmse']:.2f}"
+        true = "-" if at["true_bias"] is None else f"{at['true_bias']:+.2f}"
         lines.append(
             f"| {dataset} | {loss} ({seed}) | {direction} | {first['epoch']:.1f} | {first['samples']:,} | "
-            f"{first['tau']:.3f} | {100 * first['hard_share']:.0f} % | {cells} | "
-            f"{'-' if true is None else f'{true:+.2f}'} |"
+            f"{first['tau']:.3f} | {100 * first['hard_share']:.0f} % | {cells} | {at['rmse']:.2f} | {u} | "
+            f"{true} |"
         )
     return "\n".join(lines)
 
@@ -281,15 +322,22 @@ def plot_during(result: dict, path: Path) -> None:
         x = [r["samples"] for r in rows]
         style = "-" if dataset == "scenes" else "--"
         label = f"{dataset}, {loss} (seed {seed}), {direction}"
-        axes[0].plot(x, [r["bias"] for r in rows], style, marker="o", label=label)
-        axes[1].plot(x, [100 * r["hard_share"] for r in rows], style, marker="o", label=label)
-        axes[2].plot(x, [r["tau"] for r in rows], style, marker="o", label=label)
-    names = (f"E[log ĝ] − log g at B = {GLOBAL_BATCH} (nats)", "share of g in the hardest 1 % (%)", "τ")
+        drawn = axes[0].plot(x, [r["bias"] for r in rows], style, marker="o", label=label)[0]
+        axes[1].plot(x, [r["rmse"] for r in rows], style, marker="o", color=drawn.get_color())
+        axes[2].plot(x, [100 * r["hard_share"] for r in rows], style, marker="o", color=drawn.get_color())
+        if rows[0]["u_bias"] is not None:  # the loss's moving average: same colour, hollow markers, dotted
+            for ax, key in ((axes[0], "u_bias"), (axes[1], "u_rmse")):
+                ax.plot(x, [r[key] for r in rows], ":", marker="o", mfc="none", color=drawn.get_color())
+    names = (
+        f"E[log ĝ] − log g at B = {GLOBAL_BATCH} (nats; dotted: log u − log g)",
+        "root mean square error of log ĝ (dotted: of log u)",
+        "share of g in the hardest 1 % (%)",
+    )
     for ax, name in zip(axes, names):
         ax.set_xlabel("samples seen")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
-    axes[2].legend(fontsize=7)
+    axes[0].legend(fontsize=7)
     save_figure(fig, path, result["machine"], "Mini-batch estimate of the negative mass during training")
 
 

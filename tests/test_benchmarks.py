@@ -468,6 +468,43 @@ def test_estimator_bias_is_zero_for_equal_negatives_and_large_when_one_hard_nega
     assert all(abs(half["true_batches"][b]["bias"]) < 1e-3 for b in bench_estimator_bias.BATCHES)
 
 
+def test_estimator_bias_measures_the_moving_average_against_the_global_g(tmp_path):
+    import torch
+
+    from fastclip.losses import build_loss
+
+    torch.manual_seed(0)
+    n = 256  # at least the largest batch measured
+    feats = torch.nn.functional.normalize(torch.randn(n, 8, dtype=torch.float64), dim=1)
+    exact = bench_estimator_bias.estimator_errors(feats, feats, 0.1)
+    # the global log g, as the measure defines it (mean over the n - 1 negatives, positive excluded)
+    d = (feats @ feats.T - (feats * feats).sum(dim=1, keepdim=True)) / 0.1
+    log_g = torch.logsumexp(d.fill_diagonal_(float("-inf")), dim=1) - math.log(n - 1)
+    # a u off by +0.5 nats on the anchors seen, unseen ones (NaN) left out
+    log_u = torch.where(torch.arange(n) < n // 2, log_g + 0.5, float("nan"))
+    got = bench_estimator_bias.estimator_errors(feats, feats, 0.1, log_u=log_u)["u"]
+    assert got["anchors"] == n // 2
+    assert got["bias"] == pytest.approx(0.5, abs=1e-12) and got["rmse"] == pytest.approx(0.5, abs=1e-12)
+    assert "u" not in exact
+    for b in bench_estimator_bias.BATCHES:  # a mean square holds the square of the mean
+        assert exact["batches"][b]["rmse"] >= abs(exact["batches"][b]["bias"]) > 0
+    # the state a loss checkpointed, read back whole by data index
+    loss = build_loss("fastclip-v3", data_size=10)
+    image = torch.nn.functional.normalize(torch.randn(4, 8), dim=1)
+    loss(image, torch.nn.functional.normalize(torch.randn(4, 8), dim=1), torch.tensor([3, 7, 0, 9]), epoch=0)
+    step = tmp_path / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    torch.save({"loss_state": loss.state_dict()}, step / "rank_0.pt")
+    (step / "model.pt").write_bytes(b"")  # only its place is read
+    state = bench_estimator_bias.sample_state(step)
+    assert state["seen"].nonzero().reshape(-1).tolist() == [0, 3, 7, 9]
+    saved = loss.state_dict()["_extra_state"]["fields"]
+    for field in ("log_u_img", "log_u_txt"):
+        assert torch.equal(state[field], saved[field])
+    torch.save({"loss_state": build_loss("openclip").state_dict()}, step / "rank_0.pt")
+    assert bench_estimator_bias.sample_state(step) is None
+
+
 def test_estimator_bias_during_picks_the_checkpoints_nearest_to_the_epochs(tmp_path):
     # the study's layout at global batch 64 on 6,000 pairs: a checkpoint every 93 steps, 94 steps an epoch, 16 epochs
     for step in [*range(93, 1489, 93), 1504]:

@@ -1116,10 +1116,12 @@ def _by_seed_line(rows: list[dict], baseline: str) -> str:
     )
 
 
-def _fmt(ms) -> str:
+def _fmt(ms, sign: str = "") -> str:
+    """A mean ± std in points; ``sign="+"`` for a difference."""
     if ms is None:
         return "-"
-    return f"{100 * ms[0]:.1f} (one seed)" if ms[1] is None else f"{100 * ms[0]:.1f} ± {100 * ms[1]:.1f}"
+    mean = f"{100 * ms[0]:{sign}.1f}"
+    return f"{mean} (one seed)" if ms[1] is None else f"{mean} ± {100 * ms[1]:.1f}"
 
 
 def significance_lines(groups: list[dict]) -> list[str]:
@@ -1277,7 +1279,7 @@ def markdown(result: dict) -> str:
         diffs = ", ".join(f"{100 * d:+.1f}" for d in a["differences"]) or "no seed done yet"
         lines.append(
             f"- {a['ablation']} − chosen {a['chosen']}, test {a['metric']}: "
-            + ("" if a["mean_std"] is None else f"{_fmt(a['mean_std'])} points ")
+            + ("" if a["mean_std"] is None else f"{_fmt(a['mean_std'], '+')} points ")
             + f"(seeds {a['seeds']}: {diffs})"
         )
     if result.get("ablation_pairs"):

@@ -12,6 +12,7 @@ Items (each its own program, run in a fresh process, writing <name>.{json,md,png
   scaling      bench_scaling.py       compute/communication split at 1 and 2 processes + a scaling MODEL
   stat_eff     bench_stat_eff.py      tuned study: zero-shot and retrieval against samples seen (hours)
   (estimator_bias  bench_estimator_bias.py  the mini-batch estimate's error on the study's towers: run after it)
+  (estimator_bias_during  bench_estimator_bias.py --during --seeds 1  the same, and the moving average's, in training)
   engines      bench_engines.py       DDP vs DeepSpeed ZeRO-1/2/3 and gradient accumulation: throughput, memory
   tempfree     bench_tempfree.py      zero-shot of the temperature-free (atanh) loss against tuned temperatures
   scenes       bench_scenes.py        the scenes data at 100k: generation time, distinct captions, held-out pairs
@@ -42,7 +43,12 @@ ITEMS = {  # name -> (program, result stem, title)
     "estimator_bias": (
         "bench_estimator_bias.py",
         "estimator_bias",
-        "4b. Where the global estimator helps: the mini-batch estimate's error on trained towers",
+        "4b. The mini-batch estimate's error on trained towers, by data set and batch size",
+    ),
+    "estimator_bias_during": (
+        "bench_estimator_bias.py",
+        "estimator_bias_during",
+        "4c. The mini-batch estimate's error during training, and the moving average's",
     ),
     "scaling": ("bench_scaling.py", "scaling", "5. Scaling: compute vs communication, and a model to 256 GPUs"),
     "engines": ("bench_engines.py", "engines_bench", "6. DDP vs DeepSpeed ZeRO, and gradient accumulation"),
@@ -64,6 +70,8 @@ ORDER = (
     "stat_eff",
 )  # the most important first, the longest last
 
+ARGS = {"estimator_bias_during": ["--during", "--seeds", "1"]}  # the program's arguments, when it takes some
+
 GPU_COMMANDS = """\
 # item 1 on one GPU node (nccl, bf16 autocast in ours, amp_bf16 in OpenCLIP's trainer), ViT-B-32, 256 per GPU:
 python benchmarks/bench_e2e.py --arch ViT-B-32 --batch 256 --precision bf16 --device cuda --nproc 8 \\
@@ -74,7 +82,7 @@ python benchmarks/bench_e2e.py --arch ViT-B-32 --batch 256 --precision bf16 --de
 
 def run_item(name: str, smoke: bool, out: Path) -> dict:
     program = HERE / ITEMS[name][0]
-    cmd = [sys.executable, str(program)] + (["--quick"] if smoke else [])
+    cmd = [sys.executable, str(program), *ARGS.get(name, [])] + (["--quick"] if smoke else [])
     if out != RESULTS:  # each program's default for a full run is benchmarks/results/
         cmd += ["--out", str(out)]
     start = time.perf_counter()
@@ -105,7 +113,7 @@ def _section(name: str, out: Path, runs: dict) -> list[str]:
             )
     run = runs.get(name)
     lines.append(
-        f"{when}Program: `python benchmarks/{program}`"
+        f"{when}Program: `{' '.join(['python', f'benchmarks/{program}', *ARGS.get(name, [])])}`"
         + (f"; its last run from run_all took {run['seconds']:.0f} s (finished {run['finished']})." if run else ".")
     )
     lines.append("")

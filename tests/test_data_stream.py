@@ -174,3 +174,28 @@ def test_ddp_ranks_finish_together_with_uneven_shards(shards):
     # a hang (one rank out of batches while the other waits in all_reduce) fails by the timeout
     results = run_distributed(_ddp_rank, 2, str(shards / "uneven"), timeout=120)
     assert results[0] == results[1] == {"steps": 15, "expected": 15}
+
+
+def _worker_survives_stop_signals(queue) -> None:
+    import os
+    import signal
+
+    from fastclip.data.stream import _leave_stop_signals_to_the_trainer
+
+    _leave_stop_signals_to_the_trainer(0)
+    for name in ("SIGINT", "SIGUSR1"):  # a terminal's Ctrl-C to the group, a scheduler's SIGUSR1 to the job
+        os.kill(os.getpid(), getattr(signal, name))
+    queue.put("alive")
+
+
+def test_a_loader_worker_leaves_ctrl_c_and_sigusr1_to_the_trainer():
+    # without it a worker dies of the group's Ctrl-C first and the run ends in "DataLoader worker exited
+    # unexpectedly" instead of the trainer's one line and exit 130 (or its preemption checkpoint)
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    worker = context.Process(target=_worker_survives_stop_signals, args=(queue,))
+    worker.start()
+    worker.join(60)
+    assert worker.exitcode == 0 and queue.get(timeout=5) == "alive"

@@ -50,6 +50,7 @@ the last events (shard, key, reason, detail); each bad sample, and each broken s
 from __future__ import annotations
 
 import logging
+import signal
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
@@ -257,6 +258,7 @@ class TrainStream:
                     pin_memory=self.cfg.pin_memory,
                     prefetch_factor=self.cfg.prefetch_factor,
                     persistent_workers=False,  # fresh workers per epoch: the job changes (and wds#365's leak)
+                    worker_init_fn=_leave_stop_signals_to_the_trainer,
                     # its base seed from its own generator, not the caller's torch RNG: a resume mid-epoch starts one
                     # more loader than the uninterrupted run did, and must not shift the trainer's RNG stream
                     generator=torch.Generator().manual_seed(self.cfg.seed),
@@ -484,3 +486,13 @@ def shard_weights(catalog: Catalog, cfg: StreamConfig) -> list[float] | None:
 
 def _as_is(batch):  # DataLoader collate_fn: our workers already make whole batches
     return batch
+
+
+def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
+    """DataLoader worker_init_fn. A terminal's Ctrl-C (SIGINT) reaches the whole process group, and a scheduler's
+    SIGUSR1 every process of the job: the trainer stops on them (one line and exit 130; a checkpoint and exit 75)
+    and shuts its workers down. A worker that died of the signal first would turn the stop into "DataLoader worker
+    exited unexpectedly". (SIGTERM stays: DataLoader stops a stuck worker with it.)"""
+    for name in ("SIGINT", "SIGUSR1"):
+        if hasattr(signal, name):  # (no SIGUSR1 on Windows)
+            signal.signal(getattr(signal, name), signal.SIG_IGN)

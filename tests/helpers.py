@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -41,6 +42,17 @@ def make_embedded(out: Path) -> Path:
         == 0
     )
     return out
+
+
+def removed_unless_failed(request, root: Path, value=None):
+    """Yield `value` (default: `root`); once the fixture's tests are done, delete `root` unless one failed.
+
+    For fixtures whose runs keep many checkpoints (1-5 GB): left to pytest, they would stay on disk to the end of
+    the session, and after it. A failure keeps them for a look."""
+    failed_before = request.session.testsfailed
+    yield root if value is None else value
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 _UNSET = object()  # an override value that leaves the key to the config file

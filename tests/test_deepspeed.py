@@ -18,7 +18,7 @@ from fastclip.train.cli import main  # noqa: E402
 from fastclip.train.config import ConfigError, load_config  # noqa: E402
 
 from dist_utils import run_distributed  # noqa: E402
-from helpers import EMBEDDED, assert_same, load, records, train_records  # noqa: E402
+from helpers import EMBEDDED, assert_same, load, records, removed_unless_failed, train_records  # noqa: E402
 from helpers import overrides as shared_overrides  # noqa: E402
 
 STEPS = 4  # 2 x 8 per step; 80 training samples -> 5 steps per epoch
@@ -63,12 +63,12 @@ def _train_runs(rank, world_size, runs):
 
 
 @pytest.fixture(scope="module")
-def runs(data, tmp_path_factory) -> Path:
+def runs(data, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("ds-runs")
     args = [overrides(data, root / name.rstrip("@"), **extra) for name, extra in RUNS.items()]
     steps = run_distributed(_train_runs, 2, args, timeout=420)
     assert steps == [[3 if name == "zero2-split" else STEPS for name in RUNS]] * 2
-    return root
+    yield from removed_unless_failed(request, root)
 
 
 def final(root: Path, name: str, file: str = "model.pt") -> dict:

@@ -36,6 +36,7 @@ from helpers import (
     latest,
     load,
     records,
+    removed_unless_failed,
     step_dir,
     train_records,
     wait_for,
@@ -130,7 +131,7 @@ def one_process_run(data, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def batch(data, one_process_run, tmp_path_factory) -> dict:
+def batch(data, one_process_run, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("batch")
     rotten_readable = make_rotten(root / "rotten")
     runs = {
@@ -209,12 +210,13 @@ def batch(data, one_process_run, tmp_path_factory) -> dict:
     started = time.monotonic()
     results = run_distributed(_runs, 2, list(runs.values()), timeout=420)
     assert results[0] == results[1], results
-    return {
+    summary = {
         "root": root,
         "results": dict(zip(runs, results[0])),
         "seconds": time.monotonic() - started,
         "rotten_readable": rotten_readable,
     }
+    yield from removed_unless_failed(request, root, summary)
 
 
 # ----------------------------------------------------------------------------- kill the whole job, resume

@@ -24,7 +24,7 @@ from fastclip.train.cli import main
 from fastclip.train.config import load_config
 
 from dist_utils import free_port, run_distributed
-from helpers import EMBEDDED, assert_same, load, overrides, records
+from helpers import EMBEDDED, assert_same, load, overrides, records, removed_unless_failed
 
 MODES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-tempnet")
 STEPS = 7  # crosses into epoch 1, where gamma < 1
@@ -47,8 +47,8 @@ def _train_runs(rank, world_size, runs):
     return [(train(load_config(EMBEDDED, args))["step"], _live_ddp_wrappers()) for args in runs]
 
 
-@pytest.fixture(scope="session")
-def two_process_runs(data, tmp_path_factory):
+@pytest.fixture(scope="module")
+def two_process_runs(data, tmp_path_factory, request):
     """Per mode: an uninterrupted run of STEPS steps, and the same run stopped then resumed from step 4."""
     root = tmp_path_factory.mktemp("runs2")
     runs = []
@@ -62,7 +62,7 @@ def two_process_runs(data, tmp_path_factory):
     results = run_distributed(_train_runs, 2, runs, timeout=400)
     assert [[step for step, _ in rank] for rank in results] == [[STEPS, 5, STEPS] * len(MODES)] * 2
     (root / "live_ddp_wrappers.json").write_text(json.dumps([[live for _, live in rank] for rank in results]))
-    return root
+    yield from removed_unless_failed(request, root)
 
 
 def _failing_train(rank, world_size, args):

@@ -77,7 +77,9 @@ GPU_COMMANDS = """\
 python benchmarks/bench_e2e.py --arch ViT-B-32 --batch 256 --precision bf16 --device cuda --nproc 8 \\
     --workers 6 --samples 204800 --reps 2 --out benchmarks/results/gpu
 # (--nproc 1 on a single-GPU machine; same shards: fastclip data embedded --out data/embedded)
-# item 5's model with a measured GPU compute time: run bench_scaling.py there (it is CPU/gloo-only today)"""
+# item 5's model with a measured GPU compute time: run bench_scaling.py there (it is CPU/gloo-only today)
+# on a lent machine that reaches no registry: the CUDA-only tests and item 1 on one GPU, prepared here, in one call
+bash benchmarks/gpu_check.sh prepare   # then, there: bash benchmarks/gpu_check.sh run"""
 
 
 def run_item(name: str, smoke: bool, out: Path) -> dict:

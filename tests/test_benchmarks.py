@@ -605,3 +605,18 @@ def test_run_all_smoke_writes_results_and_plots():
         assert row["owned_samples"] == math.ceil((row["data_size"] - row["rank"]) / 2)
         per = {"fastclip-v3": 9, "fastclip-v2": 41}[row["version"]]
         assert row["shard_tensor_bytes"] == per * row["owned_samples"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_check_resolves_its_imports_and_refuses_a_machine_without_cuda(tmp_path):
+    """benchmarks/gpu_check.sh run, as a GPU session would start it: fastclip, open_clip (through the torchvision
+    guard) and OpenCLIP's trainer import; without CUDA it stops with one line and exit 2 before any step."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "HOME": str(tmp_path)}
+    script = str(REPO / "benchmarks" / "gpu_check.sh")
+    run = subprocess.run(["bash", script, "run"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "gpu_check: torch sees no CUDA device: run this on the GPU machine" in run.stdout  # (tee: both streams)
+    assert "| open_clip 3.3.0" in (tmp_path / "out" / "env.txt").read_text()
+    assert not (tmp_path / "out" / "cuda_tests.log").exists()  # stopped before the steps
+    usage = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=30)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: bash benchmarks/gpu_check.sh prepare|run")

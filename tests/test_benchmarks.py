@@ -611,12 +611,22 @@ def test_run_all_smoke_writes_results_and_plots():
 def test_gpu_check_resolves_its_imports_and_refuses_a_machine_without_cuda(tmp_path):
     """benchmarks/gpu_check.sh run, as a GPU session would start it: fastclip, open_clip (through the torchvision
     guard) and OpenCLIP's trainer import; without CUDA it stops with one line and exit 2 before any step."""
+    from fastclip.compat import import_open_clip
+
     env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "HOME": str(tmp_path)}
+    env["GPU_CHECK_SITE"] = str(tmp_path / "site")  # where it installs .whl/, if this checkout has prepared one
     script = str(REPO / "benchmarks" / "gpu_check.sh")
     run = subprocess.run(["bash", script, "run"], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stdout + run.stderr
     assert "gpu_check: torch sees no CUDA device: run this on the GPU machine" in run.stdout  # (tee: both streams)
-    assert "| open_clip 3.3.0" in (tmp_path / "out" / "env.txt").read_text()
+    assert f"| open_clip {import_open_clip().__version__}" in (tmp_path / "out" / "env.txt").read_text()
     assert not (tmp_path / "out" / "cuda_tests.log").exists()  # stopped before the steps
+    # a Python without the packages (no site-packages): one line, exit 3
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    missing = subprocess.run(["bash", script, "run"], env=dict(env, PYTHON=str(bare)), capture_output=True, text=True)
+    assert missing.returncode == 3, missing.stdout + missing.stderr
+    assert "Traceback" not in missing.stdout + missing.stderr and "gpu_check: " in missing.stdout + missing.stderr
     usage = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=30)
     assert usage.returncode == 2 and usage.stderr.startswith("usage: bash benchmarks/gpu_check.sh prepare|run")

@@ -218,7 +218,8 @@ def one_run(system: str, rep: int, data: Path, work: Path, p: dict) -> dict:
         "zeroshot_mean_top1": acc.get("zeroshot/mean_top1"),
         "zeroshot_fashion_mnist_top1": acc.get("zeroshot/fashion-mnist/top1"),
         "zeroshot_mnist_top1": acc.get("zeroshot/mnist/top1"),
-        "eval_samples": p["eval_max"],
+        # what was evaluated: eval_max, or fewer where the held-out split is smaller
+        "eval_samples": int(sum(v for k, v in acc.items() if k.startswith("zeroshot/") and k.endswith("/num_samples"))),
     }
     print(
         f"  e2e {system} rep {rep}: {sps:.1f} samples/s, PSS {mem['peak_pss_sum_mb']:.0f} MB, "
@@ -258,6 +259,11 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _eval_samples(result: dict) -> int:
+    """The held-out samples each checkpoint was scored on (results written before rows counted them: eval_max)."""
+    return max(row.get("eval_samples", result["params"]["eval_max"]) for row in result["rows"])
+
+
 def markdown(result: dict) -> str:
     p = result["params"]
     lines = [
@@ -265,7 +271,7 @@ def markdown(result: dict) -> str:
         f"(global {p['nproc'] * p['batch']}), {p['nproc']} processes on {p['device']} "
         f"({'nccl' if p['device'] == 'cuda' else 'gloo'}), {p['precision']}, {p['samples']} samples per run "
         f"(1 epoch of resampled shards), {p['reps']} interleaved runs per system (median shown; all runs in the JSON). "
-        f"Zero-shot: mean of Fashion-MNIST and MNIST top-1 on the first {p['eval_max']} held-out samples, "
+        f"Zero-shot: mean of Fashion-MNIST and MNIST top-1 on the first {_eval_samples(result)} held-out samples, "
         f"each final checkpoint evaluated by fastclip.eval. Memory: peak of the summed PSS (RSS in "
         f"brackets) of torchrun, both ranks and their loader workers, sampled from /proc every 0.25 s.",
         "",

@@ -571,6 +571,12 @@ def test_steady_throughput_parsers_skip_warmup(tmp_path):
     assert bench_e2e.steady_ours(metrics, skip_steps=2) == pytest.approx(6 / (2 / 100 + 4 / 50))
 
 
+def test_e2e_reports_the_held_out_samples_it_scored_not_the_cap():
+    params = {"eval_max": 4000}
+    assert bench_e2e._eval_samples({"params": params, "rows": [{"eval_samples": 1000}] * 3}) == 1000
+    assert bench_e2e._eval_samples({"params": params, "rows": [{}]}) == 4000  # results from before the count
+
+
 def test_shard_pattern_is_openclip_brace_syntax(tmp_path):
     (tmp_path / "manifest.json").write_text(
         json.dumps({"num_samples": 30, "shards": [{"path": f"train-{i:06d}.tar", "num_samples": 10} for i in range(3)]})

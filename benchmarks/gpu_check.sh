@@ -11,7 +11,8 @@
 # fails (the wheels missing or not matching), exit 1 where a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+# the project's venv here (launch/setup.sh), the image's python3 there
+[ "${1:-}" = prepare ] && PY=${PYTHON:-.venv/bin/python} || PY=${PYTHON:-python3}
 DATA=.gpu/embedded
 SITE=${GPU_CHECK_SITE:-/tmp/site}  # where `run` installs the wheels
 # fastclip's requirements that the GPU image lacks (its torch, torchvision, timm, transformers, numpy, pillow,

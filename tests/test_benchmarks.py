@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -613,7 +614,7 @@ def test_run_all_smoke_writes_results_and_plots():
         assert row["shard_tensor_bytes"] == per * row["owned_samples"]
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_gpu_check_resolves_its_imports_and_refuses_a_machine_without_cuda(tmp_path):
     """benchmarks/gpu_check.sh run, as a GPU session would start it: fastclip, open_clip (through the torchvision
     guard) and OpenCLIP's trainer import; without CUDA it stops with one line and exit 2 before any step."""

@@ -3,6 +3,7 @@
 
     python benchmarks/bench_loss.py            # B in {64, 256, 1024} x d in {64, 512}, writes benchmarks/results/
     python benchmarks/bench_loss.py --quick    # one tiny configuration (CI smoke), writes benchmarks/out/
+    python benchmarks/bench_loss.py --against HEAD~1   # also v3 as committed at a revision, paired step by step
 
 The losses run interleaved inside each configuration (one step of each, in an order that rotates every
 repetition) on the same features, after warm-up steps; a step's time is the slowest rank's. Small steps are
@@ -16,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -40,7 +44,7 @@ if __package__ in (None, ""):
 from fastclip.losses import build_loss
 from fastclip.losses.byte_counter import CollectiveByteCounter
 
-from common import slowest_rank_seconds  # noqa: E402
+from common import REPO, slowest_rank_seconds  # noqa: E402
 
 WORLD_SIZE = 2
 DATA_SIZE = 10**6
@@ -54,6 +58,7 @@ SPLIT = {
     "openclip": "ClipLoss",
 }
 MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+PREVIOUS = "fastclip-v3-previous"  # v3 (deferred) at the revision --against names
 READ_EVERY = 10  # deferred checks are read back every 10 calls: the trainer reads them on logging steps (log_every 10)
 
 
@@ -65,7 +70,9 @@ def _features(batch: int, dim: int, seed: int):
     return image, text, indices
 
 
-def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> dict:
+def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int, previous=None) -> dict:
+    """One configuration; ``previous``: the build_loss of fastclip at another revision (--against), whose v3
+    (deferred checks) runs interleaved with the others."""
     open_clip = import_open_clip()
     clip = open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=WORLD_SIZE)
     modes = {mode: build_loss("fastclip-v3", data_size=DATA_SIZE, validate=mode) for mode in MODES}
@@ -87,6 +94,17 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
     # epoch 1: γ < 1, the u update proper (the first visit of a sample is the same work)
     steps = {f"fastclip-v3-{mode}": (lambda m=mode: v3_step(m)) for mode in modes}
     steps["openclip"] = lambda: clip(image, text, logit_scale.exp()).backward()
+    if previous is not None:
+        before = previous("fastclip-v3", data_size=DATA_SIZE, validate="deferred")
+        calls["previous"] = 0
+
+        def previous_step():
+            before(image, text, indices, epoch=1).backward()
+            calls["previous"] += 1
+            if calls["previous"] % READ_EVERY == 0:
+                before.check_inputs()
+
+        steps[PREVIOUS] = previous_step
     times = {name: [] for name in steps}
     names = list(steps)
     for rep in range(warmup + reps):
@@ -114,6 +132,17 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int) -> di
             for mode in modes
         },
         "openclip_ms": 1e3 * statistics.median(times["openclip"]),
+        **(
+            {
+                "previous_ms": 1e3 * statistics.median(times[PREVIOUS]),
+                # this revision's v3 over the other's, step by step (both deferred)
+                "paired_ratio_vs_previous": statistics.median(
+                    v / p for v, p in zip(times["fastclip-v3-deferred"], times[PREVIOUS])
+                ),
+            }
+            if PREVIOUS in times
+            else {}
+        ),
         "split": split,
         "fastclip_ops": ops["fastclip-v3-deferred"],
         "openclip_ops": ops["openclip"],
@@ -167,11 +196,15 @@ def dispatched_ops(step) -> int:
 
 def _worker(rank: int, port: int, plan: dict, out_file: str) -> None:
     torch.set_num_threads(1)
+    previous = None
+    if plan.get("against"):  # the other revision's fastclip, extracted under another package name
+        sys.path.insert(0, plan["against"]["path"])
+        previous = importlib.import_module(f"{PREVIOUS_PACKAGE}.losses").build_loss
     # open_clip's ClipLoss calls the autograd all_gather that torch 2.13 marks deprecated, every step
     warnings.filterwarnings("ignore", message=r".*all_gather.* is deprecated", category=FutureWarning)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     rows = [
-        _bench_config(rank, b, d, plan["reps"] * max(1, 1024 // b), plan["warmup"])
+        _bench_config(rank, b, d, plan["reps"] * max(1, 1024 // b), plan["warmup"], previous)
         for b in plan["batch_sizes"]
         for d in plan["dims"]
     ]
@@ -180,18 +213,39 @@ def _worker(rank: int, port: int, plan: dict, out_file: str) -> None:
     destroy_process_group()
 
 
+PREVIOUS_PACKAGE = "fastclip_previous"
+
+
+def _extract_revision(rev: str, into: Path) -> str:
+    """``fastclip/`` as committed at ``rev``, as the package PREVIOUS_PACKAGE under ``into``; its short hash."""
+
+    def git(*args, **kw):
+        return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, **kw).stdout
+
+    try:
+        short = git("rev-parse", "--short", f"{rev}^{{commit}}", text=True).strip()
+    except subprocess.CalledProcessError:
+        raise ValueError(f"--against {rev!r} is not a revision of this repository (git rev-parse failed)") from None
+    archive = git("archive", "--format=tar", short, "fastclip")
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    (into / "fastclip").rename(into / PREVIOUS_PACKAGE)
+    return short
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _table(rows: list[dict]) -> str:
+def _table(rows: list[dict], against: str | None = None) -> str:
+    extra = bool(against)
     lines = [
         "| B | d | v3 deferred ms | v3 eager ms | v3 off ms | v3 fused ms | ClipLoss ms | deferred/Clip | eager/Clip | "
         "off/Clip | fused/Clip | v3 feature bytes | v3 total bytes | ClipLoss bytes | feature bytes v3/Clip | "
-        "total bytes v3/Clip | ops per call v3 / Clip |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "total bytes v3/Clip | ops per call v3 / Clip |" + (f" deferred v3 / at {against} |" if extra else ""),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---:|" if extra else ""),
     ]
     for r in rows:
         fb, tb, cb = r["fastclip_bytes"]["features"], r["fastclip_bytes"]["total"], r["openclip_bytes"]
@@ -202,6 +256,7 @@ def _table(rows: list[dict]) -> str:
             f"| {r['B']} | {r['d']} | {' | '.join(f'{t:.2f}' for t in ms)} | {clip:.2f} | "
             f"{' | '.join(f'{x:.2f}' for x in ratios)} | {fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} | "
             f"{r['fastclip_ops']} / {r['openclip_ops']} |"
+            + (f" {r['paired_ratio_vs_previous']:.3f} |" if extra else "")
         )
     return "\n".join(lines)
 
@@ -226,11 +281,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one tiny configuration (CI smoke run)")
     parser.add_argument("--reps", type=int, default=None, help="measured steps per loss and configuration")
     parser.add_argument("--out", type=Path, default=None, help="folder for loss_bench.md/.json")
+    parser.add_argument(
+        "--against",
+        metavar="REV",
+        default=None,
+        help="also time fastclip-v3 as committed at this git revision, step by step against this tree's",
+    )
     args = parser.parse_args(argv)
     plan = dict(QUICK if args.quick else FULL)
     if args.reps:
         plan["reps"] = args.reps
+    with tempfile.TemporaryDirectory(prefix="bench_loss_") as tmp:
+        if args.against:
+            try:
+                plan["against"] = {"rev": _extract_revision(args.against, Path(tmp)), "path": tmp}
+            except ValueError as err:
+                parser.error(str(err))  # exit code 2
+        return _run(args, plan)
+
+
+def _run(args, plan: dict) -> int:
     out_dir = args.out or Path(__file__).parent / ("out" if args.quick else "results")
+    against = plan.get("against", {}).get("rev")
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # glibc malloc hands large freed blocks back to the system, so a call's [B, N] temporaries page-fault fresh
@@ -259,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         # other work on the machine inflates absolute times; interleaving keeps the ratios fair
         "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
         "malloc": {name: os.environ[name] for name in MALLOC_KEEP},
+        "against": against,
     }
-    table = _table(rows)
+    table = _table(rows, against)
     md = "\n".join(
         [
             "# Loss benchmark: fastclip-v3 vs open_clip ClipLoss(local_loss=True, gather_with_grad=True)",
@@ -286,7 +359,13 @@ def main(argv: list[str] | None = None) -> int:
             "(2 all_gathers forward, 2 x K scatters backward on gloo). v3 total (deferred) = features + indices + "
             "4 check words + state all_reduce (the warm-up's first call adds the one-time structure handshake). "
             "Ops per call: aten ops one call dispatches on rank 0 (forward, backward, collectives; each costs a few "
-            "microseconds whatever its size, which is what decides at small B and d).",
+            "microseconds whatever its size, which is what decides at small B and d)."
+            + (
+                f" Last column: this tree's v3 (deferred) over v3 (deferred) as committed at {against}, the median "
+                "of their step-by-step ratios (both run interleaved with the others, `--against`)."
+                if against
+                else ""
+            ),
             "",
             table,
             "",

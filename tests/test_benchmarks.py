@@ -637,3 +637,24 @@ def test_gpu_check_resolves_its_imports_and_refuses_a_machine_without_cuda(tmp_p
     assert "Traceback" not in missing.stdout + missing.stderr and "gpu_check: " in missing.stdout + missing.stderr
     usage = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=30)
     assert usage.returncode == 2 and usage.stderr.startswith("usage: bash benchmarks/gpu_check.sh prepare|run")
+
+
+def test_bench_loss_against_a_revision_times_it_step_by_step_and_refuses_a_bad_one(tmp_path):
+    """--against REV runs v3 as committed at REV (extracted as another package) interleaved with this tree's: at
+    HEAD the code is this tree's (or close to it), so the paired ratio is near 1; a name git does not know is a
+    usage error (exit 2, one line naming it)."""
+    import bench_loss
+
+    assert bench_loss.main(["--quick", "--reps", "2", "--against", "HEAD", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "loss_bench.json").read_text())
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    assert result["header"]["against"] == head.stdout.strip()
+    (row,) = result["rows"]
+    assert 0.5 < row["paired_ratio_vs_previous"] < 2.0 and row["previous_ms"] > 0
+    assert f"deferred v3 / at {head.stdout.strip()}" in (tmp_path / "loss_bench.md").read_text()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_loss.py"), "--quick", "--against", "no-such-rev"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "--against 'no-such-rev' is not a revision" in proc.stderr.strip().splitlines()[-1]

@@ -124,8 +124,11 @@ def test_zero2_equals_ddp(runs):
 
 
 def test_zero1_with_gradient_clipping_equals_ddp(runs):
-    """Towers (sharded, clipped inside DeepSpeed's step) and temperature (outside) clipped by their joint norm."""
-    assert_same_training(runs, "zero1-clip", ref="ddp-clip")
+    """Towers (sharded, clipped inside DeepSpeed's step) and temperature (outside) clipped by their joint norm.
+    Zero-3's tolerance: the clip factor comes from a norm reduced in another order, and Adam turns the rounding of
+    a gradient element that nearly cancels (a barely used position's embedding) into a visible part of its step
+    (1.5e-6, 1 element of 4,096, after a change of the loss's rounding alone)."""
+    assert_same_training(runs, "zero1-clip", ref="ddp-clip", rtol=1e-4, atol=1e-5)
 
 
 def test_zero3_equals_ddp(runs):

@@ -779,6 +779,30 @@ def test_validate_option_values():
         build_loss("fastclip-v3", data_size=10, validate="sometimes")
 
 
+def test_softmax_rows_equal_the_shifted_exponentials_with_either_shift():
+    """Blocks holding a·S take the softmax form (RowTerms.normalized): its terms exp·total, totals and shifts are
+    the subtract-exp-sum form's (which the moment still takes), for the row-maximum shift and for a floor that
+    is above some rows' maximum; an all-excluded row keeps no terms, total 0 and the shift EXCLUDED/2."""
+    from fastclip.losses.pairwise import EXCLUDED, row_terms
+
+    gen = torch.Generator().manual_seed(5)
+    sim = 7.0 * torch.randn(2, 5, 8, generator=gen, dtype=torch.float64)
+    sim[:, 2, :] = EXCLUDED
+    sim[0, 1, 3] = EXCLUDED
+    pos = torch.randn(5, generator=gen, dtype=torch.float64)
+    scale = torch.tensor(7.0, dtype=torch.float64)
+    floor = torch.tensor([[0.0, 3.0, 0.0, -2.0, 40.0], [1.0, 0.0, 0.0, 50.0, -1.0]], dtype=torch.float64)
+    for shift in (dict(max_shift=True), dict(bound_floor=floor)):
+        soft = row_terms(sim.clone(), pos, scale, sim_is_scaled=True, **shift)
+        plain = row_terms(sim.clone(), pos, scale, sim_is_scaled=True, moment=True, **shift)
+        assert soft.normalized and not plain.normalized
+        torch.testing.assert_close(soft.values(), plain.exp, rtol=1e-12, atol=1e-300)
+        torch.testing.assert_close(soft.total, plain.total, rtol=1e-12, atol=0)
+        torch.testing.assert_close(soft.shift, plain.shift, rtol=0, atol=0)
+        assert torch.all(soft.values()[:, 2] == 0) and torch.all(soft.total[:, 2] == 0)
+    assert torch.all(soft.shift[:, 2] == floor[:, 2])  # the floor form's empty row sits at its floor
+
+
 def test_row_terms_shift_by_the_row_maximum_matches_the_floor_form_and_refuses_both():
     """max_shift (v0/v1/v3, TempNet) is the floor form at floor −inf, in fewer passes; an all-excluded row keeps
     exp 0 and a shift of EXCLUDED/2 either way; asking for both is an error, not a silent choice."""

@@ -94,7 +94,7 @@ def shifted_exp(
     row_sums = row_sums or moment
     with torch.no_grad():
         if fused:
-            # contiguous row/column values (column_values() are strided views): inductor vectorises the inner
+            # contiguous row/column values (a caller's may be strided views): inductor vectorises the inner
             # dimension only over contiguous loads (a strided [2, 1, N] offset made the column pass slower than eager)
             offset = offset.contiguous()
             scale = None if scale is None else scale.contiguous()

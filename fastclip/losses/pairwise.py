@@ -123,8 +123,9 @@ def row_values(per_anchor: torch.Tensor) -> torch.Tensor:
 
 def column_values(per_anchor: torch.Tensor) -> torch.Tensor:
     """``[2, N]`` column values of the two blocks from the global ``[N, 2]`` (image, text) anchor values: block 0's
-    columns are the text anchors, block 1's the image anchors."""
-    return per_anchor.T.flip(0)
+    columns are the text anchors, block 1's the image anchors. Contiguous: a pass over ``[2, B, N]`` that broadcasts
+    a strided ``[2, 1, N]`` runs at half speed on the CPU (and ``per_anchor.T.flip(0)`` keeps the stride)."""
+    return torch.stack((per_anchor[:, 1], per_anchor[:, 0]))
 
 
 def _per_row(x: torch.Tensor) -> torch.Tensor:
@@ -141,11 +142,16 @@ def _per_column(x: torch.Tensor) -> torch.Tensor:
 class RowTerms:
     """Local anchors (rows) against all candidates, both blocks."""
 
-    exp: torch.Tensor  # [2, B, N] exp(a_bi(S_bik − p_i) − r_bi), 0 at the excluded cells
+    exp: torch.Tensor  # [2, B, N] exp(a_bi(S_bik − p_i) − r_bi), 0 at excluded cells (÷ total if normalized)
     total: torch.Tensor  # [2, B] Σ_k exp
     moment: torch.Tensor | None  # [2, B] Σ_k exp · a_bi(S_bik − p_i)   (the τ-gradient of v2 and TempNet)
     shift: torch.Tensor | None  # [2, B] r_bi
     scale: torch.Tensor  # a: 0-d, [2, 1] or [2, B]
+    normalized: bool = False  # exp holds each row's softmax: the terms are exp·total (one pass fewer to make)
+
+    def values(self) -> torch.Tensor:
+        """``[2, B, N]`` exp(a_bi(S_bik − p_i) − r_bi) (a new tensor when ``exp`` holds the softmax)."""
+        return self.exp * self.total.unsqueeze(-1) if self.normalized else self.exp
 
 
 @dataclass
@@ -202,6 +208,8 @@ def row_terms(
     with torch.no_grad():
         a = _per_row(scale)
         offset = a * positive[:, None]  # a·p_i, [2, B, 1] (or [B, 1] for a 0-d scale)
+        if sim_is_scaled and not moment and not fused:
+            return _softmax_rows(sim, offset, scale, max_shift, bound_floor)
         shift = None
         if max_shift:  # d − r = a(S − max S): the positive cancels; the floor keeps an all-excluded row at exp 0
             top = sim.amax(dim=-1, keepdim=True).clamp_(min=EXCLUDED / 2)
@@ -221,6 +229,23 @@ def row_terms(
         if mom is not None and shift is not None:
             mom = mom + shift * total  # Σ d·exp = Σ (d − r)·exp + r·Σ exp
         return RowTerms(exp=exp, total=total, moment=mom, shift=shift, scale=scale)
+
+
+def _softmax_rows(sim, offset, scale, max_shift: bool, bound_floor) -> RowTerms:
+    """row_terms for blocks that hold a·S (one scale per row): the exponentials as each row's softmax, one fused
+    ATen pass (max, exp, sum and division per row, in cache; on the CPU the subtract, exp and sum passes it
+    replaces take twice as long at [2, 1024, 2048]). With m_i the row's largest d_ik = a·S_ik − offset_i, the
+    largest softmax entry is 1/Σ_k exp(d_ik − m_i), so Σ_k exp(d_ik − r_i) = exp(m_i − r_i)/max softmax, and the
+    terms are softmax·total."""
+    top = (sim.amax(dim=-1, keepdim=True) - offset).squeeze(-1)  # m_i (an excluded cell never wins)
+    if max_shift:  # r = m: the positive cancels; an all-excluded row's shift is EXCLUDED/2
+        shift = top.clamp(min=EXCLUDED / 2)
+    else:  # r = max(floor, m)
+        shift = torch.maximum(bound_floor, top).clamp_(min=EXCLUDED / 2)
+    exp = torch.softmax(sim, dim=-1)
+    # exp(m − r) <= 1: 1 where r = m, 0 for an all-excluded row (whose softmax is uniform over EXCLUDED cells)
+    total = exp.amax(dim=-1).reciprocal_().mul_((top - shift).exp_())
+    return RowTerms(exp=exp, total=total, moment=None, shift=shift, scale=scale, normalized=True)
 
 
 def column_terms(
@@ -310,10 +335,12 @@ class WeightedSurrogate(torch.autograd.Function):
         # ∂L/∂S by row, per anchor, [2, B], and by column (one product fewer where both readings share the scale)
         row_coef = coef * block.rows.scale
         row_factor = block.row_weight * row_coef
+        # the exp(d − r) of a softmax row are exp·total (RowTerms.normalized)
+        exp_factor = row_factor * block.rows.total if block.rows.normalized else row_factor
         col_factor = row_coef if block.cols.scale is block.rows.scale else coef * block.cols.scale
         if not (isinstance(block.col_weight, float) and block.col_weight == 1.0):
             col_factor = col_factor * block.col_weight
-        grad_sim = block.rows.exp.mul_(_per_row(row_factor))
+        grad_sim = block.rows.exp.mul_(_per_row(exp_factor))
         # p_i enters every row term of anchor i, [2, B]
         positive_term = row_factor * block.rows.total
         grad_scale = None

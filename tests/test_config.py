@@ -173,3 +173,16 @@ def test_loss_validate_reaches_the_loss(mode):
         assert load_config(CONFIGS / "embedded.yaml", ["--loss.validate", "false"]).loss.validate == "off"
     with pytest.raises(ConfigError, match="config key 'loss.validate': 'sometimes' is not one of deferred, eager, off"):
         load_config(CONFIGS / "embedded.yaml", ["--loss.validate", "sometimes"])
+
+
+def test_one_key_given_by_two_spellings_with_different_values_is_a_conflict():
+    """--batch-size 32 --data.batch_size 64 is refused, naming both flags as typed; the same flag twice is an
+    override (a script's default, then the user's), and two spellings that agree are fine."""
+    with pytest.raises(ConfigError) as conflict:
+        parse_overrides(["--batch-size", "32", "--data.batch_size=64"])
+    assert str(conflict.value) == (
+        "config key 'data.batch_size' is given twice with different values: --batch-size 32 and "
+        "--data.batch_size 64; keep one"
+    )
+    assert parse_overrides(["--batch-size", "32", "--batch_size", "64"]) == {"data": {"batch_size": 64}}
+    assert parse_overrides(["--lr", "0.001", "--optim.lr", "0.001"]) == {"optim": {"lr": 0.001}}

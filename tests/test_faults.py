@@ -565,3 +565,25 @@ def test_a_training_step_reads_nothing_back_from_the_device(data, tmp_path, monk
     assert train(load_config(EMBEDDED, args))["step"] == 6
     assert reads == []
     assert len(train_records(tmp_path / "run")) == 2  # steps 3 and 6 were logged
+
+
+def test_nonfinite_stop_suggests_resuming_only_when_a_checkpoint_exists(tmp_path):
+    """With a saved checkpoint the stop names it and suggests --train.resume latest; without one, resuming "latest"
+    would start over, so the message says no checkpoint was saved and to start the run again."""
+    from fastclip.distributed import DistInfo
+    from fastclip.train.errors import NonFiniteStepsError
+    from fastclip.train.guards import NonFiniteGuard
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none", owns_group=False)
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    guard = NonFiniteGuard(2, info, checkpoints=checkpoints)
+    with pytest.raises(NonFiniteStepsError) as empty:
+        guard._stop_error(2, "steps 1..2", "loss")
+    assert "No checkpoint was saved" in str(empty.value) and "start the run again" in str(empty.value)
+    assert "--train.resume" not in str(empty.value)
+    (checkpoints / "step_00000004").mkdir()
+    (checkpoints / "latest").write_text("step_00000004\n")
+    with pytest.raises(NonFiniteStepsError) as saved:
+        guard._stop_error(2, "steps 5..6", "loss")
+    assert str(checkpoints / "step_00000004") in str(saved.value) and "--train.resume latest" in str(saved.value)

@@ -169,6 +169,21 @@ def _openclip_checkpoint(trained: Path, path: Path, **change) -> Path:
     return path
 
 
+def test_a_resumed_run_says_its_weights_come_from_the_checkpoint_not_model_pretrained(
+    tiny_embedded, trained, tmp_path, capsys
+):
+    """--model.pretrained starts a new run only: resumed, the banner says the checkpoint's weights are used and the
+    file is not loaded (not "random init", not silence)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    epoch = _openclip_checkpoint(trained, tmp_path / "epoch_3.pt")
+    extra = {"train.resume": "latest", "train.max_steps": 3, "model.pretrained": epoch}
+    assert main(_args(tiny_embedded, run, **extra)) == 0
+    banner = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fastclip train: fastclip-"))
+    assert "weights from the checkpoint, model.pretrained not loaded" in banner and "random init" not in banner
+    assert "resumed from" in banner
+
+
 def test_foreign_checkpoints_given_to_resume_say_what_they_are(tiny_embedded, trained, tmp_path, capsys):
     epoch = _openclip_checkpoint(trained, tmp_path / "epoch_3.pt")
     _fails(
@@ -747,3 +762,16 @@ def test_a_text_or_csv_file_given_as_a_checkpoint_is_named_as_such(tiny_embedded
             f"{csv} is not a torch checkpoint file (it begins b'filepath,tit'",
         )
         assert "pickled" not in err, err
+
+
+def test_imagenet_val_without_any_scheduled_evaluation_is_named_not_ignored(tiny_embedded, tmp_path, capsys):
+    """--imagenet-val with evaluation off is never read: one note says so (with evaluation on, a missing folder is
+    an error, tested with the ImageNet evaluation)."""
+    missing = tmp_path / "no-imagenet"
+    extra = {"eval.every_steps": 0, "eval.at_end": False}
+    assert main(_args(tiny_embedded, tmp_path / "run", **extra) + ["--imagenet-val", str(missing), "--check"]) == 0
+    notes = [x for x in capsys.readouterr().err.splitlines() if "eval.imagenet_val" in x]
+    assert notes == [
+        f"fastclip train: note: eval.imagenet_val {missing} is not read: no evaluation is scheduled "
+        "(eval.every_steps 0, eval.at_end false)"
+    ]

@@ -16,12 +16,15 @@ def test_training_lines_give_position_loss_rate_and_eta(tmp_path, capsys):
     keys = ("loss", "samples_per_s")
     log.log({"step": 20, "loss": 0.5, "samples_per_s": 512.0, "lr": 1e-3}, keys)
     log.log({"step": 20, "eval/zeroshot/mean_top1": 0.25}, ("eval/zeroshot/mean_top1",))
+    # a skipped step's counters: in metrics.jsonl, but no bare "step 30/40" line (the guard says what happened)
+    log.log({"step": 30, "nonfinite_skipped": 1, "skipped": "loss"})
     log.log({"step": 40, "loss": 0.25, "samples_per_s": 500.0}, keys)
     log.close()
     lines = capsys.readouterr().out.splitlines()
     assert re.fullmatch(r"step 20/40 loss=0\.5 samples_per_s=512 eta \d+:\d\d", lines[0]), lines[0]
     assert lines[1:] == ["step 20/40 eval/zeroshot/mean_top1=0.25", "step 40/40 loss=0.25 samples_per_s=500"]
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [20, 20, 40]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [20, 20, 30, 40]
 
 
 def test_embedded_data_prints_progress(tmp_path, capsys):

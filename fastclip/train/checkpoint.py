@@ -323,10 +323,10 @@ def _newest(root: Path, pointer: Path, why: str = "is missing") -> Path | None:
                 f" newest {found[-1].name}): restore one, or start a new run in another --train.run_dir"
             )
         return None
-    from fastclip.train.config import _note  # rank 0 only: every rank resolves the same folder
+    from fastclip.train.config import note  # rank 0 only: every rank resolves the same folder
 
     skipped = [p.name for p in found[found.index(complete[-1]) + 1 :]]
-    _note(
+    note(
         f"fastclip train: note: {pointer} {why}; resuming from the newest step folder {complete[-1]}"
         + (f" (skipped {', '.join(skipped)}: incomplete)" if skipped else "")
     )

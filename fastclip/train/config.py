@@ -372,7 +372,7 @@ EPOCH_FREQUENCY_FLAGS = {
 SWITCH_FLAGS = ("dataset_resampled", "grad_checkpointing", "torchcompile")
 
 
-def _note(line: str) -> None:
+def note(line: str) -> None:
     """One line on stderr, from the first process only (every rank parses the same command line)."""
     import os
     import sys
@@ -395,13 +395,14 @@ def _report_to(raw: str) -> dict:
 def parse_overrides(args: list[str]) -> dict:
     """["--optim.lr", "1e-3", "--batch_size=8"] -> {"optim": {"lr": "1e-3"}, "data": {"batch_size": 8}}."""
     index, text_keys, out, i = _field_index(), _text_keys(), {}, 0
+    spelled: dict[str, tuple[tuple[str, str], object]] = {}  # key -> (the flag that set it, its value)
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or arg == "--":
             raise ConfigError(f"expected --key value, got {arg!r}")
         flag = arg[2:].replace("-", "_")
         if flag in NO_OP_FLAGS:  # OpenCLIP switches: no value follows
-            _note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
+            note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
             i += 1
             continue
         if (bare := flag.split("=", 1)[0]) in EPOCH_FREQUENCY_FLAGS:
@@ -427,6 +428,7 @@ def parse_overrides(args: list[str]) -> dict:
             key, raw = arg[2:], args[i + 1]
             i += 2
         key = key.replace("-", "_")
+        written = (arg.split("=", 1)[0], key)  # as typed, and normalised (--batch-size and --batch_size are one flag)
         if key == "report_to":
             out.setdefault("train", {}).update(_report_to(raw))
             continue
@@ -452,6 +454,15 @@ def parse_overrides(args: list[str]) -> dict:
                 f"config key 'train.precision': {value!r} (OpenCLIP: weights in half precision) is not "
                 f"supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is 'fp16'"
             )
+        # The same flag twice: the last wins (a script's default, then the user's "$@"). Two spellings of one key
+        # with different values (--batch-size 32 --data.batch_size 64) is a conflict, not an override.
+        before = spelled.get(key)
+        if before is not None and before[0][1] != written[1] and before[1] != value:
+            raise ConfigError(
+                f"config key '{key}' is given twice with different values: {before[0][0]} {before[1]!r} and "
+                f"{written[0]} {value!r}; keep one"
+            )
+        spelled[key] = (written, value)
         node = out
         *parents, leaf = key.split(".")
         for depth, p in enumerate(parents):
@@ -637,7 +648,7 @@ def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> None:
     for key in dropped:
         del section[key]
     if dropped:
-        _note(
+        note(
             f"fastclip train: note: --loss.name {new}: {path} sets {', '.join('loss.' + k for k in dropped)} for "
             f"{old if 'name' in section else f'the default loss {old}'}, which {new} does not take: left out"
         )

@@ -195,15 +195,16 @@ class NonFiniteGuard:
 
     def _stop_error(self, in_a_row: int, where: str, why: str):
         latest = self.checkpoints / "latest" if self.checkpoints is not None else None
-        last = (
-            f"the last checkpoint, {self.checkpoints / latest.read_text().strip()}, was saved before them and is intact"
-            if latest is not None and latest.is_file()
-            else "no checkpoint was saved"
-        )
+        if latest is not None and latest.is_file():
+            last = (
+                f"The last checkpoint, {self.checkpoints / latest.read_text().strip()}, was saved before them and is "
+                "intact. Check the data and the learning rate, then resume with --train.resume latest"
+            )
+        else:  # resuming "latest" would start over: say so instead of suggesting it
+            last = "No checkpoint was saved: check the data and the learning rate, then start the run again"
         raise NonFiniteStepsError(
             f"{in_a_row} steps in a row were skipped for NaN/Inf ({where}; last: {why}); stopping at "
-            f"train.max_nonfinite_steps = {self.max_in_a_row}. {last[0].upper()}"
-            f"{last[1:]}. Check the data and the learning rate, or resume with --train.resume latest"
+            f"train.max_nonfinite_steps = {self.max_in_a_row}. {last}"
         )
 
     def state_dict(self) -> dict:

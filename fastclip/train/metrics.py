@@ -102,6 +102,8 @@ class MetricsLogger:
             self.wandb.log(scalars, step=step)  # re-done steps are in metrics.jsonl, not sent twice
             self.wandb_step = step
         shown = {k: record[k] for k in line_keys if k in record}
+        if not shown and "loss" not in record:  # nothing to show (a skipped step's counters): no bare "step N" line
+            return
         if self.bar is not None:
             if "loss" in record:  # the bar itself gives steps, elapsed and ETA; beside it what one reads at a glance
                 brief = {k: _fmt(record[k]) for k in ("loss", "tau") if k in record}

@@ -20,7 +20,7 @@ from fastclip.losses import LossInputError, NonFiniteFeaturesError
 from fastclip.optim import ThresholdRule, get_lr, get_tau_lr
 from fastclip.train import checkpoint as ckpt
 from fastclip.train import faults, net, preflight
-from fastclip.train.config import Config, ConfigError, dump_config
+from fastclip.train.config import Config, ConfigError, dump_config, note
 from fastclip.train.errors import DataFailure, TrainingError
 from fastclip.train.guards import CollectiveTimeouts, DataSkipReport, NonFiniteGuard
 from fastclip.train.metrics import MetricsLogger
@@ -96,6 +96,11 @@ def check_data(cfg: Config, world_size: int, catalog=None) -> int:
             class_folders(cfg.eval.imagenet_val)
         except (ValueError, OSError) as e:
             raise ConfigError(f"config key 'eval.imagenet_val': {e} (set it to null to skip it)") from None
+    elif cfg.eval.imagenet_val is not None:  # given (--imagenet-val) but never read: say so rather than ignore it
+        note(
+            f"fastclip train: note: eval.imagenet_val {cfg.eval.imagenet_val} is not read: no evaluation is "
+            "scheduled (eval.every_steps 0, eval.at_end false)"
+        )
     return catalog.data_size
 
 
@@ -369,9 +374,12 @@ class Run:
         cfg, info, o = self.cfg, self.info, self.cfg.optim
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # ZeRO-3: full sizes
         # open_clip's own "No pretrained weights loaded" warning is dropped (fastclip/models): said here once
+        if self.resume_dir is not None:  # the checkpoint's weights: --model.pretrained only starts a new run
+            start = "weights from the checkpoint" + (", model.pretrained not loaded" if cfg.model.pretrained else "")
+        else:
+            start = f"towers from {cfg.model.pretrained}" if self.pretrained else "random init"
         return (
-            f"fastclip train: {cfg.loss.name}, {self.net.built.arch} ({n_params / 1e6:.1f}M parameters, "
-            f"{'towers from ' + cfg.model.pretrained if self.pretrained else 'random init'}), "
+            f"fastclip train: {cfg.loss.name}, {self.net.built.arch} ({n_params / 1e6:.1f}M parameters, {start}), "
             f"{info.world_size} process(es) on {self.device.type} ({info.launcher}), {self.engine.describe()}, "
             + "".join(f"{s}, " for s in self.net.speedups)
             + f"global batch {self.global_batch}"

@@ -775,3 +775,16 @@ def test_imagenet_val_without_any_scheduled_evaluation_is_named_not_ignored(tiny
         f"fastclip train: note: eval.imagenet_val {missing} is not read: no evaluation is scheduled "
         "(eval.every_steps 0, eval.at_end false)"
     ]
+
+
+def test_the_banner_names_the_precision_and_fp16_on_the_cpu_gets_a_note(tiny_embedded, tmp_path, capsys):
+    """OpenCLIP's --precision amp is fp16 autocast: the banner says which precision runs, and on the CPU (where
+    float16 autocast is slow) one note says so."""
+    assert main(_args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1}) + ["--precision", "amp"]) == 0
+    captured = capsys.readouterr()
+    banner = next(x for x in captured.out.splitlines() if x.startswith("fastclip train: fastclip-"))
+    assert ", fp16 autocast with loss scaling, " in banner
+    assert [x for x in captured.err.splitlines() if "train.precision fp16" in x] == [
+        "fastclip train: note: train.precision fp16 (--precision amp) on the CPU: most CPUs have no fast "
+        "float16 matmul, so this runs several times slower than fp32, which suits a CPU"
+    ]

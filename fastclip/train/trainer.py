@@ -104,6 +104,9 @@ def check_data(cfg: Config, world_size: int, catalog=None) -> int:
     return catalog.data_size
 
 
+PRECISION_WORDS = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast with loss scaling"}
+
+
 def check_inputs(cfg: Config, world_size: int, catalog=None) -> tuple[int, Path | None, dict | None, dict | None]:
     """Everything checkable before a tower is built: the data for this world size, the resume (a foreign file,
     another seed or data) and --model.pretrained. Returns (data_size, resume_dir, its model.pt, pretrained
@@ -372,6 +375,11 @@ class Run:
 
     def describe(self) -> str:
         cfg, info, o = self.cfg, self.info, self.cfg.optim
+        if cfg.train.precision == "fp16" and self.device.type == "cpu":  # OpenCLIP's --precision amp, on a CPU
+            note(
+                "fastclip train: note: train.precision fp16 (--precision amp) on the CPU: most CPUs have no fast "
+                "float16 matmul, so this runs several times slower than fp32, which suits a CPU"
+            )
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # ZeRO-3: full sizes
         # open_clip's own "No pretrained weights loaded" warning is dropped (fastclip/models): said here once
         if self.resume_dir is not None:  # the checkpoint's weights: --model.pretrained only starts a new run
@@ -381,6 +389,7 @@ class Run:
         return (
             f"fastclip train: {cfg.loss.name}, {self.net.built.arch} ({n_params / 1e6:.1f}M parameters, {start}), "
             f"{info.world_size} process(es) on {self.device.type} ({info.launcher}), {self.engine.describe()}, "
+            f"{PRECISION_WORDS[cfg.train.precision]}, "
             + "".join(f"{s}, " for s in self.net.speedups)
             + f"global batch {self.global_batch}"
             + (f" in {o.accum_steps} micro-batches per process" if o.accum_steps > 1 else "")

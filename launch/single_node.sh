@@ -6,14 +6,26 @@
 set -euo pipefail
 CONFIG=${1:?usage: launch/single_node.sh CONFIG [NPROC] [--section.key value ...]}
 shift
+# the project's .venv (launch/setup.sh) when present, so the script works without activating it; else the
+# python on PATH (an activated environment). torchrun is run as `$PY -m torch.distributed.run`: the same one.
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=""
+for candidate in "$ROOT/.venv/bin/python" python3 python; do
+  if "$candidate" -c 'import torch, fastclip' 2>/dev/null; then PY=$candidate; break; fi
+done
+if [[ -z "$PY" ]]; then
+  echo "launch/single_node.sh: error: found no python with torch and fastclip (tried $ROOT/.venv/bin/python, then" \
+    "python3 and python on PATH); run \`bash launch/setup.sh\` first" >&2
+  exit 2
+fi
 NPROC=${1:-}
 if [[ -n "$NPROC" && "$NPROC" != --* ]]; then shift; else NPROC=""; fi
 if [[ -z "$NPROC" ]]; then
-  NPROC=$(python -c 'import torch; print(torch.cuda.device_count() or 2)')
+  NPROC=$("$PY" -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi
 # one intra-op thread pool per process, sized so the processes do not fight over the cores
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
 # the config, data and checkpoint checks first, in this shell: an error is then one line and exit status 2
 # (from inside torchrun it would be followed by torchrun's own ChildFailedError traceback and status 1)
-python -m fastclip train --check --world-size "$NPROC" --config "$CONFIG" "$@" >/dev/null
-exec torchrun --standalone --nproc_per_node "$NPROC" -m fastclip train -- --config "$CONFIG" "$@"
+"$PY" -m fastclip train --check --world-size "$NPROC" --config "$CONFIG" "$@" >/dev/null
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m fastclip train -- --config "$CONFIG" "$@"

@@ -24,14 +24,34 @@ from fastclip.cli import OneLineParser
 from fastclip.data.catalog import DataSpecError
 
 
-def _count(text: str) -> int:
-    """argparse type of a count that must be >= 1: 0 divides by zero, a negative one misreports."""
+def _whole(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} must be >= {least}")
+    return value
+
+
+def _count(text: str) -> int:
+    """argparse type of a count that must be >= 1: 0 divides by zero, a negative one misreports."""
+    return _whole(text, 1)
+
+
+def _nonneg(text: str) -> int:
+    """argparse type of an index, seed or count that may be 0: a negative one fails deep inside, unnamed."""
+    return _whole(text, 0)
+
+
+def _fraction(text: str) -> float:
+    """argparse type of a share strictly between 0 and 1 (NaN fails the comparison too)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be between 0 and 1 (exclusive)")
     return value
 
 
@@ -64,12 +84,12 @@ def _parser() -> argparse.ArgumentParser:
         help="glyphs: one 28x28 image per sample, templated class captions (default); scenes: 64x64 "
         "compositional scenes of 1-3 coloured glyphs with distinct captions",
     )
-    e.add_argument("--num-train", type=int, default=100_000, help="scenes: training pairs")
-    e.add_argument("--num-val", type=int, default=2_000, help="scenes: i.i.d. held-out pairs for tuning")
-    e.add_argument("--num-test", type=int, default=5_000, help="scenes: i.i.d. held-out pairs for reporting")
+    e.add_argument("--num-train", type=_count, default=100_000, help="scenes: training pairs")
+    e.add_argument("--num-val", type=_nonneg, default=2_000, help="scenes: i.i.d. held-out pairs for tuning")
+    e.add_argument("--num-test", type=_nonneg, default=5_000, help="scenes: i.i.d. held-out pairs for reporting")
     e.add_argument(
         "--num-novel",
-        type=int,
+        type=_nonneg,
         default=2_000,
         help="scenes: held-out pairs with (class, colour) combinations never seen in training",
     )
@@ -87,10 +107,10 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="cap on held-out samples per class (default with --max-per-class: its val_fraction share)",
     )
-    e.add_argument("--val-fraction", type=float, default=0.2, help="held out per class where no official split")
-    e.add_argument("--shard-size", type=int, default=2000)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--index-offset", type=int, default=0, help="first global index (to join with other sources)")
+    e.add_argument("--val-fraction", type=_fraction, default=0.2, help="held out per class where no official split")
+    e.add_argument("--shard-size", type=_count, default=2000)
+    e.add_argument("--seed", type=_nonneg, default=0)
+    e.add_argument("--index-offset", type=_nonneg, default=0, help="first global index (to join with other sources)")
     e.add_argument("--fashion-mnist-root", default=None, help="folder of the Fashion-MNIST .gz files")
 
     f = sub.add_parser("folder", help="shards from a folder of images and a CSV/TSV/JSONL of captions")
@@ -100,8 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--csv-img-key", default="filepath")
     f.add_argument("--csv-caption-key", default="title")
     f.add_argument("--csv-separator", default=None, help="default: tab for .tsv, comma otherwise")
-    f.add_argument("--shard-size", type=int, default=2000)
-    f.add_argument("--index-offset", type=int, default=0)
+    f.add_argument("--shard-size", type=_count, default=2000)
+    f.add_argument("--index-offset", type=_nonneg, default=0)
     f.add_argument("--prefix", default="train", help="shard name prefix")
 
     s = sub.add_parser("scan", help="write manifest.json for existing shards and check their indices")
@@ -116,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--samples-per-shard",
-        type=int,
+        type=_count,
         default=None,
         help="img2dataset's --number_sample_per_shard (default 10000): the key range of a shard counted "
         "from its _stats.json",
@@ -157,6 +177,11 @@ def _run(args) -> int:
             raise ValueError(f"--captions {args.captions}: no such file; pass the CSV/TSV/JSONL of paths and captions")
     if args.command == "embedded" and args.max_per_class is not None and args.max_per_class < 1:
         raise ValueError(f"--max-per-class {args.max_per_class}: must be >= 1 (omit it for every sample)")
+    if args.command == "embedded" and args.max_val_per_class is not None and args.max_val_per_class < 1:
+        raise ValueError(  # a negative one would slice from the end: all but that many, silently
+            f"--max-val-per-class {args.max_val_per_class}: must be >= 1 (omit it for every held-out sample, "
+            f"or --val-fraction's share of --max-per-class)"
+        )
     if args.command == "embedded" and args.source == "scenes":
         return _scenes(args)
     if args.command == "embedded":
@@ -185,6 +210,7 @@ def _run(args) -> int:
         return 0
     if args.command == "folder":
         from fastclip.data.sources.folder import build_folder
+        from fastclip.data.sources.scan import plural
 
         if (Path(args.out) / "manifest.json").exists():
             raise ValueError(
@@ -205,8 +231,9 @@ def _run(args) -> int:
         for line in summary["skipped"][:50]:
             print(f"skipped {line}")
         print(
-            f"{args.out}: {summary['written']} of {summary['rows']} rows written in {summary['shards']} shards "
-            f"({len(summary['skipped'])} skipped), data_size {summary['data_size']}"
+            f"{args.out}: {summary['written']} of {plural(summary['rows'], 'row')} written in "
+            f"{plural(summary['shards'], 'shard')} ({len(summary['skipped'])} skipped), "
+            f"data_size {summary['data_size']}"
         )
         if summary["written"] == 0:
             first = summary["skipped"][0] if summary["skipped"] else "no row"
@@ -215,7 +242,7 @@ def _run(args) -> int:
         return 0
     if args.command == "scan":
         from fastclip.data.manifest import write_manifest
-        from fastclip.data.sources.scan import scan_shards
+        from fastclip.data.sources.scan import plural, scan_shards
 
         if args.data_size is not None and args.data_size < 1:
             raise ValueError(f"--data-size {args.data_size}: must be >= 1 (or omit it: 1 + the largest index found)")
@@ -236,14 +263,14 @@ def _run(args) -> int:
         out_of_range = sum(p.get("reason") == "index_out_of_range" for p in result.problems)
         if args.data_size is not None and out_of_range:  # allowed (a cap), but said where an operator looks
             print(
-                f"fastclip data scan: note: --data-size {args.data_size} leaves {out_of_range} samples out of range: "
-                f"listed as problems, the loader skips them (omit --data-size to keep every sample)",
+                f"fastclip data scan: note: --data-size {args.data_size} leaves {plural(out_of_range, 'sample')} "
+                f"out of range: listed as problems, the loader skips them (omit --data-size to keep every sample)",
                 file=sys.stderr,
             )
         if args.strict and result.problems:
             print(
-                f"fastclip data scan: error: --strict: {len(result.problems)} problems found in {result.folder}, "
-                f"no manifest written",
+                f"fastclip data scan: error: --strict: {plural(len(result.problems), 'problem')} found in "
+                f"{result.folder}, no manifest written",
                 file=sys.stderr,
             )
             return 1
@@ -271,6 +298,12 @@ def _run(args) -> int:
         }
         if args.batch_size:
             global_batch = args.batch_size * args.world_size
+            if global_batch > catalog.num_samples:  # what `fastclip train` refuses (check_data), in the same words
+                raise ValueError(
+                    f"--batch-size {args.batch_size} per process x {args.world_size} process(es) = {global_batch} "
+                    f"is larger than the data ({catalog.num_samples} samples per epoch in {args.train_data}); "
+                    f"`fastclip train` refuses it: pass a smaller --batch-size or --world-size"
+                )
             out["batches_per_epoch"] = -(-catalog.num_samples // global_batch)
         print(json.dumps(out, indent=1))
         return 0

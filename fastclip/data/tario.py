@@ -92,14 +92,25 @@ class ShardReader:
             try:
                 member = self._tar.next()
             except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
-                raise TarBroken(f"{e} after key {self.last_key!r}") from None
+                raise TarBroken(f"{e} {self._where(e)}, after key {self.last_key!r}") from None
             if member is None:
                 if not self._clean_end():
-                    raise TarBroken(f"tar ends without an end-of-archive block after key {self.last_key!r}")
+                    raise TarBroken(
+                        f"tar ends without an end-of-archive block at byte {self._tar.offset}, "
+                        f"after key {self.last_key!r}"
+                    )
                 return None
             if member.isfile():
                 self._ahead = member
         return self._ahead
+
+    def _where(self, error: Exception) -> str:
+        """Where the tar broke, for an operator to look: tarfile's "unexpected end of data" means the data of the
+        last member whose header it read is cut; otherwise the header at its current offset is bad."""
+        members = self._tar.members
+        if str(error) == "unexpected end of data" and members:
+            return f"in member {members[-1].name!r} at byte {members[-1].offset}"
+        return f"at byte {self._tar.offset}"
 
     def _clean_end(self) -> bool:
         # tarfile stops quietly on a truncated or corrupt header; a real end is a full zero block there.
@@ -128,7 +139,7 @@ class ShardReader:
                 try:
                     files[ext] = self._tar.extractfile(member).read()
                 except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
-                    raise TarBroken(f"{e} in member {member.name!r}") from None
+                    raise TarBroken(f"{e} in member {member.name!r} at byte {member.offset}") from None
             self._ahead = None
             member = self._peek()  # a break here loses this group too: it may be incomplete
         sample = RawSample(key, self.ordinal, files, tuple(exts))
@@ -169,6 +180,11 @@ class TarWriter:
     def close(self) -> None:
         self._tar.close()
         os.replace(self._tmp, self.path)  # only complete shards get their final name
+
+    def discard(self) -> None:
+        """Drop this shard unfinished (the run failed): its temporary file goes, the final name is not taken."""
+        self._tar.close()
+        self._tmp.unlink(missing_ok=True)
 
 
 def write_tar(path: str | os.PathLike, groups: Iterable[tuple[str, dict[str, bytes]]]) -> None:

@@ -22,6 +22,7 @@ class ShardWriter:
         self.shards: list[ShardInfo] = []
         self._tar: TarWriter | None = None
         self._seen: set[int] = set()
+        self._created: list[Path] = []  # shard files that did not exist before this writer wrote them
 
     def write(
         self,
@@ -65,8 +66,20 @@ class ShardWriter:
         if self._tar is not None:
             self._tar.close()
         name = f"{self.prefix}-{len(self.shards):06d}.tar"
+        if not (self.out_dir / name).exists():
+            self._created.append(self.out_dir / name)
         self._tar = TarWriter(self.out_dir / name)
         self.shards.append(ShardInfo(name, 0))
+
+    def discard(self) -> None:
+        """Undo a failed run: remove the shards this writer created (never a file that was there before), and
+        write no manifest, so that the same command can be run again into the same folder."""
+        if self._tar is not None:
+            self._tar.discard()
+            self._tar = None
+        for path in self._created:
+            path.unlink(missing_ok=True)
+        self._created, self.shards = [], []
 
     def close(self, data_size: int, extra: dict | None = None) -> Manifest:
         """Finish the last shard and write manifest.json; data_size: 1 + the largest index that may appear."""

@@ -13,6 +13,7 @@ re-encoded as PNG.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -85,39 +86,47 @@ def build_folder(
     index_offset: int = 0,
     prefix: str = "train",
 ) -> dict:
-    captions = Path(captions)
+    captions, out = Path(captions), Path(out)
     root = Path(images) if images is not None else captions.parent
+    new_folders = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     writer = ShardWriter(out, prefix=prefix, shard_size=shard_size)
     skipped, rows = [], 0
-    for row, (line_no, rel, caption) in enumerate(read_rows(captions, img_key, caption_key, separator)):
-        rows += 1
-        where = f"{captions.name}:{line_no}"
-        caption = caption.strip() if isinstance(caption, str) else ""
-        if not rel:
-            skipped.append(f"{where}: empty {img_key!r}")
-            continue
-        if not caption:
-            skipped.append(f"{where}: empty {caption_key!r} for {rel}")
-            continue
-        path = root / rel
-        try:
-            data, ext = _image_bytes(path)
-        except FileNotFoundError:
-            skipped.append(f"{where}: image {path} not found")
-            continue
-        except Exception as e:  # PIL raises many kinds for bad files
-            skipped.append(f"{where}: image {path} undecodable ({type(e).__name__}: {e})")
-            continue
-        writer.write(index_offset + row, data, ext, caption)
-    if rows == 0:
-        raise CaptionFileError(f"{captions}: no data rows")
-    manifest = writer.close(
-        index_offset + rows, extra={"created_by": "fastclip data folder", "captions": str(captions)}
-    )
+    try:
+        for row, (line_no, rel, caption) in enumerate(read_rows(captions, img_key, caption_key, separator)):
+            rows += 1
+            where = f"{captions.name}:{line_no}"
+            caption = caption.strip() if isinstance(caption, str) else ""
+            if not rel:
+                skipped.append(f"{where}: empty {img_key!r}")
+                continue
+            if not caption:
+                skipped.append(f"{where}: empty {caption_key!r} for {rel}")
+                continue
+            path = root / rel
+            try:
+                data, ext = _image_bytes(path)
+            except FileNotFoundError:
+                skipped.append(f"{where}: image {path} not found")
+                continue
+            except Exception as e:  # PIL raises many kinds for bad files
+                skipped.append(f"{where}: image {path} undecodable ({type(e).__name__}: {e})")
+                continue
+            writer.write(index_offset + row, data, ext, caption)
+        if rows == 0:
+            raise CaptionFileError(f"{captions}: no data rows")
+        written = sum(s.num_samples for s in writer.shards)
+        if written:  # no manifest of 0 samples: it would be no data set, yet refuse a rerun into --out
+            writer.close(index_offset + rows, extra={"created_by": "fastclip data folder", "captions": str(captions)})
+    except BaseException:  # a bad line, a full disk, Ctrl-C: leave --out as it was, so the rerun can use it
+        writer.discard()
+        for folder in new_folders:
+            with contextlib.suppress(OSError):  # rmdir takes empty folders only: nothing this run did not write
+                folder.rmdir()
+        raise
     return {
         "rows": rows,
-        "written": manifest.num_samples,
+        "written": written,
         "skipped": skipped,
-        "data_size": manifest.data_size,
-        "shards": len(manifest.shards),
+        "data_size": index_offset + rows,
+        "shards": len(writer.shards),
     }

@@ -39,6 +39,10 @@ from fastclip.data.tario import ShardReader, TarBroken
 _WANT = frozenset({"json", "txt"})
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 @dataclass
 class ScanResult:
     manifest: Manifest
@@ -48,14 +52,15 @@ class ScanResult:
     def summary(self) -> str:
         counts = Counter(p["reason"] for p in self.problems)
         lines = [
-            f"{self.folder}: {len(self.manifest.shards)} shards, {self.manifest.num_samples} samples, "
+            f"{self.folder}: {plural(len(self.manifest.shards), 'shard')}, "
+            f"{plural(self.manifest.num_samples, 'sample')}, "
             f"data_size {self.manifest.data_size}, "
             + (
                 f"{plain} plain WebDataset shard(s) indexed by position, "
                 if (plain := sum(s.index_base is not None for s in self.manifest.shards))
                 else ""
             )
-            + (f"{len(self.problems)} problems ({dict(counts)})" if self.problems else "no problems")
+            + (f"{plural(len(self.problems), 'problem')} ({dict(counts)})" if self.problems else "no problems")
         ]
         via = self.manifest.extra.get("scanned_from", {})
         if via.get("stats") or via.get("parquet"):
@@ -69,7 +74,10 @@ class ScanResult:
                 f"  note: {unread} img2dataset .parquet file(s) not read: pyarrow is not installed (pip install -e "
                 f"'.[parquet]'), so their shards were counted from the tars or _stats.json"
             )
-        lines += [f"  shard {p['shard']} key {p['key']}: {p['reason']} ({p['detail']})" for p in self.problems[:50]]
+        # a shard-wide problem (a truncated tar) has no sample key: its detail says where in the tar it broke
+        for p in self.problems[:50]:
+            sample = "" if p["key"] is None else f" key {p['key']}"
+            lines.append(f"  shard {p['shard']}{sample}: {p['reason']} ({p['detail']})")
         if len(self.problems) > 50:
             lines.append(f"  ... {len(self.problems) - 50} more in the manifest's 'problems'")
         return "\n".join(lines)
@@ -162,7 +170,7 @@ def _summarise(task: tuple) -> ShardSummary:
                 if image_of({e: b"" for e in raw.exts}) is None:
                     notes.append((ordinal, "missing_image", f"members present: {', '.join(raw.exts)}"))
     except TarBroken as e:
-        broken = f"{e}; manifest counts the {len(keys)} complete samples"
+        broken = f"{e}; manifest counts the {plural(len(keys), 'complete sample')}"
     summary = ShardSummary(name, len(keys), via, np.array(values, dtype=np.int64), keys, notes, broken=broken)
     if broken and reader is None:  # never opened: what the loader calls it too
         summary.broken_reason = "unreadable_shard"

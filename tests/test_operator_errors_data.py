@@ -1,0 +1,180 @@
+"""Operator mistakes in `fastclip data ...` and launch/single_node.sh: one line naming the flag, file or shard and
+what to do, exit 2; a failed run leaves nothing that blocks its rerun; counters say exactly what happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+
+import pytest
+from PIL import Image
+
+from fastclip.data.cli import main
+from fastclip.data.sources.synthetic import write_synthetic
+
+from helpers import REPO, truncate_file
+
+
+def _one_line(capsys, argv, *words, code=2) -> str:
+    """main(argv) ends with `code` and one stderr line holding every word; argparse's exit counts too."""
+    try:
+        status = main(argv)
+    except SystemExit as e:
+        status = e.code
+    err = capsys.readouterr().err.strip()
+    assert status == code, (status, err)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
+# ----------------------------------------------------------------------------- 1. a failed `data folder`
+def test_folder_that_writes_nothing_leaves_nothing_and_its_fixed_rerun_succeeds(tmp_path, capsys):
+    captions, out = tmp_path / "c.csv", tmp_path / "o"
+    captions.write_text("filepath,title\nmissing.png,a cat\n")
+    argv = ["folder", "--captions", str(captions), "--out", str(out)]
+    _one_line(capsys, argv, "no sample written (first skip: c.csv:2: image", "missing.png not found")
+    assert not out.exists()  # no 0-sample manifest.json that would refuse the rerun
+    Image.new("RGB", (8, 8)).save(tmp_path / "missing.png")  # the operator fixes the data, runs the same command
+    assert main(argv) == 0
+    assert json.loads((out / "manifest.json").read_text())["num_samples"] == 1
+    assert "o: 1 of 1 row written in 1 shard (0 skipped), data_size 1" in capsys.readouterr().out
+
+
+def test_folder_that_fails_midway_removes_what_it_wrote_and_nothing_else(tmp_path, capsys):
+    for i in range(3):
+        Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / f"{i}.png")
+    captions = tmp_path / "c.jsonl"
+    captions.write_text(
+        "".join(json.dumps({"filepath": f"{i}.png", "title": f"t{i}"}) + "\n" for i in range(3)) + "{\n"
+    )
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("the operator's")
+    for out in (kept, tmp_path / "new" / "sub"):
+        argv = ["folder", "--captions", str(captions), "--out", str(out), "--shard-size", "1"]
+        _one_line(capsys, argv, f"{captions}:4: not valid JSON")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.png", "1.png", "2.png", "c.jsonl", "kept"]
+    assert [p.name for p in kept.iterdir()] == ["notes.txt"]  # its 3 shards gone, the file that was there kept
+
+
+# ----------------------------------------------------------------------------- 2, 3. numeric flags out of range
+SMALL = ["--datasets", "mnist", "--max-per-class", "1"]  # should a check be missing: a tiny build, not a long one
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["folder", "--captions", "c.csv", "--out", "o", "--index-offset", "-5"], ["argument --index-offset: -5 must"]),
+        (["folder", "--captions", "c.csv", "--out", "o", "--shard-size", "0"], ["argument --shard-size: 0 must be >="]),
+        (["scan", "d", "--samples-per-shard", "-1"], ["data scan", "argument --samples-per-shard: -1 must be >= 1"]),
+        (["scan", "d", "--samples-per-shard", "0"], ["argument --samples-per-shard: 0 must be >= 1"]),
+        (["embedded", "--out", "o", "--shard-size", "0", *SMALL], ["argument --shard-size: 0 must be >= 1"]),
+        (["embedded", "--out", "o", "--index-offset", "-1", *SMALL], ["argument --index-offset: -1 must be >= 0"]),
+        (["embedded", "--out", "o", "--seed", "-1", *SMALL], ["argument --seed: -1 must be >= 0"]),
+        (["embedded", "--out", "o", "--val-fraction", "1.5", *SMALL], ["argument --val-fraction: 1.5 must be between"]),
+        (["embedded", "--out", "o", "--max-val-per-class", "-1", *SMALL], ["--max-val-per-class -1: must be >= 1"]),
+        (["embedded", "--source", "scenes", "--out", "o", "--num-val", "-1"], ["argument --num-val: -1 must be >= 0"]),
+        (
+            ["embedded", "--source", "scenes", "--out", "o", "--num-train", "0"],
+            ["argument --num-train: 0 must be >= 1"],
+        ),
+    ],
+)
+def test_data_numbers_out_of_range_name_the_flag(argv, words, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.csv").write_text("filepath,title\nx.png,a cat\n")
+    (tmp_path / "d").mkdir()
+    _one_line(capsys, argv, *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.csv", "d"]  # nothing written
+
+
+# ----------------------------------------------------------------------------- 4. `data info` agrees with train
+def test_data_info_refuses_a_global_batch_larger_than_the_data_as_train_does(tmp_path, capsys):
+    write_synthetic(tmp_path / "d", [6, 6])
+    spec = str(tmp_path / "d")
+    _one_line(
+        capsys,
+        ["info", spec, "--batch-size", "7", "--world-size", "2"],
+        f"--batch-size 7 per process x 2 process(es) = 14 is larger than the data (12 samples per epoch in {spec})",
+        "pass a smaller --batch-size",
+    )
+    assert main(["info", spec, "--batch-size", "6", "--world-size", "2"]) == 0  # exactly the data: one step
+    assert json.loads(capsys.readouterr().out)["batches_per_epoch"] == 1
+
+
+# ----------------------------------------------------------------------------- 5. scan of a truncated tar
+def _truncated(folder, cut_in: str):
+    """Two shards of 6 samples, the second cut inside the data of member `cut_in` or at its header."""
+    write_synthetic(folder, [6, 6])
+    (folder / "manifest.json").unlink()
+    shard = folder / "train-000001.tar"
+    with tarfile.open(shard) as tar:
+        member = tar.getmember("000000011.png")
+    truncate_file(shard, member.offset_data + 10 if cut_in == "data" else member.offset)
+    return member.offset
+
+
+@pytest.mark.parametrize(
+    "cut_in, where, complete",
+    [
+        ("data", "unexpected end of data in member '000000011.png' at byte {at}, after key '000000010'", 5),
+        ("header", "tar ends without an end-of-archive block at byte {at}, after key '000000009'", 4),
+    ],
+)
+def test_scan_of_a_truncated_tar_names_the_shard_and_where_it_broke(cut_in, where, complete, tmp_path, capsys):
+    folder = tmp_path / "d"
+    at = _truncated(folder, cut_in)
+    assert main(["scan", str(folder), "--workers", "1", "--strict"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [
+        f"{folder}: 2 shards, {6 + complete} samples, data_size {6 + complete}, 1 problem ({{'truncated_tar': 1}})",
+        f"  shard train-000001.tar: truncated_tar ({where.format(at=at)}; manifest counts the {complete} complete "
+        f"samples)",
+    ]
+    assert captured.err == f"fastclip data scan: error: --strict: 1 problem found in {folder}, no manifest written\n"
+
+
+# ----------------------------------------------------------------------------- 6. launch/single_node.sh
+def _bare_path(tmp_path, **scripts) -> str:
+    """A PATH with the tools the script needs and no python, unless given here (name -> shell script text)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("dirname", "nproc"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return str(bin_dir)
+
+
+def _launch(script, path: str, *args) -> subprocess.CompletedProcess:
+    env = {"PATH": path, "HOME": os.environ.get("HOME", "/tmp"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [shutil.which("bash"), str(script), *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_single_node_without_a_python_with_torch_says_to_run_setup_first(tmp_path):
+    (tmp_path / "launch").mkdir()
+    shutil.copy(REPO / "launch" / "single_node.sh", tmp_path / "launch")  # a checkout without .venv
+    no_torch = "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n"  # a system python
+    out = _launch(
+        tmp_path / "launch" / "single_node.sh", _bare_path(tmp_path, python=no_torch, python3=no_torch), "c.yaml", "2"
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("launch/single_node.sh: error: found no python with torch and fastclip")
+    assert f"{tmp_path}/.venv/bin/python" in out.stderr and "run `bash launch/setup.sh` first" in out.stderr
+
+
+@pytest.mark.skipif(not (REPO / ".venv" / "bin" / "python").exists(), reason="no .venv (launch/setup.sh not run)")
+def test_single_node_uses_the_project_venv_without_activation(tmp_path):
+    out = _launch(REPO / "launch" / "single_node.sh", _bare_path(tmp_path), str(tmp_path / "no.yaml"), "2")
+    # past the interpreter: train's own check of the config, one line, exit 2 (not `python: command not found`)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip() == f"fastclip train: config error: config file not found: {tmp_path / 'no.yaml'}"

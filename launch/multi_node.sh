@@ -10,12 +10,13 @@ shift
 : "${NNODES:?set NNODES (number of nodes)}"
 : "${MASTER_ADDR:?set MASTER_ADDR (rendezvous host, e.g. the first node)}"
 MASTER_PORT=${MASTER_PORT:-29500}
-NPROC=${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count() or 1)')}
+source "$(dirname "$0")/python.sh"  # PY: the python with torch and fastclip
+NPROC=${NPROC:-$("$PY" -c 'import torch; print(torch.cuda.device_count() or 1)')}
 RDZV_ID=${RDZV_ID:-fastclip-$(basename "$CONFIG" .yaml)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
 # the config, data and checkpoint checks first, in this shell: an error is then one line and exit status 2
 # (from inside torchrun it would be followed by torchrun's own ChildFailedError traceback and status 1)
-python -m fastclip train --check --world-size "$(( NNODES * NPROC ))" --config "$CONFIG" "$@" >/dev/null
-exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC" \
+"$PY" -m fastclip train --check --world-size "$(( NNODES * NPROC ))" --config "$CONFIG" "$@" >/dev/null
+exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$RDZV_ID" \
   -m fastclip train -- --config "$CONFIG" "$@"

@@ -6,18 +6,7 @@
 set -euo pipefail
 CONFIG=${1:?usage: launch/single_node.sh CONFIG [NPROC] [--section.key value ...]}
 shift
-# the project's .venv (launch/setup.sh) when present, so the script works without activating it; else the
-# python on PATH (an activated environment). torchrun is run as `$PY -m torch.distributed.run`: the same one.
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PY=""
-for candidate in "$ROOT/.venv/bin/python" python3 python; do
-  if "$candidate" -c 'import torch, fastclip' 2>/dev/null; then PY=$candidate; break; fi
-done
-if [[ -z "$PY" ]]; then
-  echo "launch/single_node.sh: error: found no python with torch and fastclip (tried $ROOT/.venv/bin/python, then" \
-    "python3 and python on PATH); run \`bash launch/setup.sh\` first" >&2
-  exit 2
-fi
+source "$(dirname "$0")/python.sh"  # PY: the python with torch and fastclip
 NPROC=${1:-}
 if [[ -n "$NPROC" && "$NPROC" != --* ]]; then shift; else NPROC=""; fi
 if [[ -z "$NPROC" ]]; then

@@ -153,22 +153,29 @@ def _bare_path(tmp_path, **scripts) -> str:
 
 
 def _launch(script, path: str, *args) -> subprocess.CompletedProcess:
-    env = {"PATH": path, "HOME": os.environ.get("HOME", "/tmp"), "OMP_NUM_THREADS": "1"}
+    # (multi_node.sh asks for NNODES and MASTER_ADDR before anything else)
+    env = {"PATH": path, "HOME": os.environ.get("HOME", "/tmp"), "OMP_NUM_THREADS": "1", "NNODES": "1"}
+    env["MASTER_ADDR"] = "127.0.0.1"
     return subprocess.run(
         [shutil.which("bash"), str(script), *args], env=env, capture_output=True, text=True, timeout=120
     )
 
 
-def test_single_node_without_a_python_with_torch_says_to_run_setup_first(tmp_path):
+@pytest.mark.parametrize("script", ["single_node.sh", "multi_node.sh"])
+def test_a_launcher_without_a_python_with_torch_says_to_run_setup_first(tmp_path, script):
     (tmp_path / "launch").mkdir()
-    shutil.copy(REPO / "launch" / "single_node.sh", tmp_path / "launch")  # a checkout without .venv
+    for name in (script, "python.sh"):  # a checkout without .venv
+        shutil.copy(REPO / "launch" / name, tmp_path / "launch")
     no_torch = "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n"  # a system python
     out = _launch(
-        tmp_path / "launch" / "single_node.sh", _bare_path(tmp_path, python=no_torch, python3=no_torch), "c.yaml", "2"
+        tmp_path / "launch" / script,
+        _bare_path(tmp_path, python=no_torch, python3=no_torch),
+        "c.yaml",
+        *(["2"] if script == "single_node.sh" else []),
     )
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stdout == "" and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert out.stderr.startswith("launch/single_node.sh: error: found no python with torch and fastclip")
+    assert out.stderr.startswith(f"launch/{script}: error: found no python with torch and fastclip")
     assert f"{tmp_path}/.venv/bin/python" in out.stderr and "run `bash launch/setup.sh` first" in out.stderr
 
 

@@ -1,0 +1,13 @@
+# Sourced by the launch scripts: sets PY to the python that runs fastclip. The project's .venv (launch/setup.sh)
+# when present, so a script works without activating it; else python3 or python on PATH (an activated
+# environment). torchrun is then run as `$PY -m torch.distributed.run`: the same python.
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=""
+for candidate in "$ROOT/.venv/bin/python" python3 python; do
+  if "$candidate" -c 'import torch, fastclip' 2>/dev/null; then PY=$candidate; break; fi
+done
+if [[ -z "$PY" ]]; then
+  echo "launch/${0##*/}: error: found no python with torch and fastclip (tried $ROOT/.venv/bin/python, then" \
+    "python3 and python on PATH); run \`bash launch/setup.sh\` first" >&2
+  exit 2
+fi

@@ -186,3 +186,11 @@ def test_one_key_given_by_two_spellings_with_different_values_is_a_conflict():
     )
     assert parse_overrides(["--batch-size", "32", "--batch_size", "64"]) == {"data": {"batch_size": 64}}
     assert parse_overrides(["--lr", "0.001", "--optim.lr", "0.001"]) == {"optim": {"lr": 0.001}}
+
+
+def test_a_section_that_is_not_a_mapping_is_named_without_its_dot(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("data: 5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"config section 'data' (in {path}): expected a mapping, got 5"

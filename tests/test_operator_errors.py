@@ -788,3 +788,11 @@ def test_the_banner_names_the_precision_and_fp16_on_the_cpu_gets_a_note(tiny_emb
         "fastclip train: note: train.precision fp16 (--precision amp) on the CPU: most CPUs have no fast "
         "float16 matmul, so this runs several times slower than fp32, which suits a CPU"
     ]
+
+
+def test_a_warmup_longer_than_the_run_gets_a_note(tiny_embedded, tmp_path, capsys):
+    assert main(_args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1, "optim.warmup_steps": 50})) == 0
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "warmup_steps" in x]
+    assert line.startswith(
+        "fastclip train: note: optim.warmup_steps 50 > the run's 1 steps: the learning rate never reaches optim.lr "
+    )

@@ -266,7 +266,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 def _build(cls, data: Any, prefix: str, source: str):
     if not isinstance(data, dict):
-        raise ConfigError(f"config section '{prefix or '<top>'}'{source}: expected a mapping, got {data!r}")
+        section = prefix.rstrip(".") or "<top>"  # (a section's prefix ends in its dot)
+        raise ConfigError(f"config section '{section}'{source}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:

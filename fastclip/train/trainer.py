@@ -380,6 +380,11 @@ class Run:
                 "fastclip train: note: train.precision fp16 (--precision amp) on the CPU: most CPUs have no fast "
                 "float16 matmul, so this runs several times slower than fp32, which suits a CPU"
             )
+        if o.warmup_steps > self.last_step:  # a legal schedule, but rarely what was meant
+            note(
+                f"fastclip train: note: optim.warmup_steps {o.warmup_steps} > the run's {self.last_step} steps: the "
+                f"learning rate never reaches optim.lr {o.lr:g}"
+            )
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # ZeRO-3: full sizes
         # open_clip's own "No pretrained weights loaded" warning is dropped (fastclip/models): said here once
         if self.resume_dir is not None:  # the checkpoint's weights: --model.pretrained only starts a new run

@@ -45,6 +45,20 @@ def test_folder_that_writes_nothing_leaves_nothing_and_its_fixed_rerun_succeeds(
     assert "o: 1 of 1 row written in 1 shard (0 skipped), data_size 1" in capsys.readouterr().out
 
 
+def test_folder_refuses_an_out_holding_shards_without_a_manifest(tmp_path, capsys):
+    """Shards of an earlier run that stopped before writing its manifest: overwriting them would lose them."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "0.png")
+    captions, out = tmp_path / "c.csv", tmp_path / "o"
+    captions.write_text("filepath,title\n0.png,a cat\n")
+    out.mkdir()
+    (out / "train-000000.tar").write_bytes(b"an earlier run's shard")
+    argv = ["folder", "--captions", str(captions), "--out", str(out)]
+    _one_line(capsys, argv, f"--out {out}: already holds 1 shard named train-*.tar (train-000000.tar, ...)")
+    assert (out / "train-000000.tar").read_bytes() == b"an earlier run's shard"
+    assert sorted(x.name for x in out.iterdir()) == ["train-000000.tar"]
+    assert main([*argv, "--prefix", "more"]) == 0  # other names do not collide
+
+
 def test_folder_that_fails_midway_removes_what_it_wrote_and_nothing_else(tmp_path, capsys):
     for i in range(3):
         Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / f"{i}.png")

@@ -217,6 +217,12 @@ def _run(args) -> int:
                 f"--out {args.out}: already holds a data set (manifest.json), which this would replace with a "
                 f"manifest of the new shards only; write to a new folder"
             )
+        # shards of an earlier run without its manifest (stopped before the end): writing would overwrite them
+        if existing := sorted(Path(args.out).glob(f"{args.prefix}-*.tar")):
+            raise ValueError(
+                f"--out {args.out}: already holds {plural(len(existing), 'shard')} named {args.prefix}-*.tar "
+                f"({existing[0].name}, ...) that this would overwrite; write to a new folder or remove them"
+            )
         summary = build_folder(
             args.captions,
             args.out,

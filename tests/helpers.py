@@ -260,6 +260,21 @@ def make_stream(model_fns, path, rank: int = 0, world_size: int = 1, **kw):
     return build_train_stream(cfg, rank=rank, world_size=world_size, preprocess=model_fns[0], tokenizer=model_fns[1])
 
 
+def one_line_error(capsys, fn, argv, *words, code=2) -> str:
+    """fn(argv) (a command's main) ends with `code` and one stderr line holding every word; argparse's exit counts
+    too. Returns the line."""
+    try:
+        status = fn(argv)
+    except SystemExit as e:
+        status = e.code
+    err = capsys.readouterr().err.strip()
+    assert status == code, (status, err)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
 def truncate_file(path, keep_bytes: int) -> None:
     Path(path).write_bytes(Path(path).read_bytes()[:keep_bytes])
 

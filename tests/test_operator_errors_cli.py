@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import one_line_error
 
-def _one_line(capsys, fn, argv, *words, code=2) -> str:
-    """fn(argv) ends with `code` and one stderr line holding every word; argparse's exit counts too."""
-    try:
-        status = fn(argv)
-    except SystemExit as e:
-        status = e.code
-    err = capsys.readouterr().err.strip()
-    assert status == code, (status, err)
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for w in words:
-        assert w in err, (w, err)
-    return err
+_one_line = one_line_error
 
 
 # ----------------------------------------------------------------------------- 1. counts that must be >= 1

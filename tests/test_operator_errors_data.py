@@ -15,21 +15,11 @@ from PIL import Image
 from fastclip.data.cli import main
 from fastclip.data.sources.synthetic import write_synthetic
 
-from helpers import REPO, truncate_file
+from helpers import REPO, one_line_error, truncate_file
 
 
 def _one_line(capsys, argv, *words, code=2) -> str:
-    """main(argv) ends with `code` and one stderr line holding every word; argparse's exit counts too."""
-    try:
-        status = main(argv)
-    except SystemExit as e:
-        status = e.code
-    err = capsys.readouterr().err.strip()
-    assert status == code, (status, err)
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for w in words:
-        assert w in err, (w, err)
-    return err
+    return one_line_error(capsys, main, argv, *words, code=code)
 
 
 # ----------------------------------------------------------------------------- 1. a failed `data folder`

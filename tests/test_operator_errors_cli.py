@@ -3,6 +3,8 @@ or shard and what to do, exit 2; counters and summaries say exactly what happene
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from helpers import one_line_error
@@ -213,3 +215,140 @@ def test_paths_named_by_a_flag_that_cannot_be_used_name_the_flag(command, argv, 
     fill = {"tmp": str(tmp_path), "file": str(_a_file(tmp_path))}
     err = _one_line(capsys, main, [a.format(**fill) for a in argv], *[w.format(**fill) for w in words])
     assert "Errno" not in err, err
+
+
+# ----------------------------------------------------------------------------- 8. export, reshard, eval: paths
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A finished run as the trainer leaves it (one step folder, `latest`), random tiny-vit weights: cheap to build."""
+    import torch
+
+    from fastclip.models import build_model
+
+    built = build_model("tiny-vit")
+    run = tmp_path_factory.mktemp("run")
+    step = run / "checkpoints" / "step_00000007"
+    step.mkdir(parents=True)
+    model = {"state_dict": built.model.state_dict(), "arch": "tiny-vit", "model_config": built.config}
+    torch.save({**model, "optimizer": {}, "step": 7, "epoch": 0, "config": {}}, step / "model.pt")
+    (run / "checkpoints" / "latest").write_text("step_00000007\n")
+    return run
+
+
+def _snapshot(root):
+    """Every path under root with its kind and, for regular files, its bytes."""
+    return {
+        p: (p.is_symlink(), p.is_file(), p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def test_export_to_a_place_that_cannot_be_written_is_one_line(tiny_run, tmp_path, capsys):
+    from fastclip.eval.export import main
+
+    notes = tmp_path / "notes.yaml"
+    notes.write_text("a: 1\n")
+    before = _snapshot(tmp_path)
+    for out, words in (
+        ("/proc/m.pt", ["--out /proc/m.pt: cannot write in /proc (", "choose another --out"]),
+        (f"{notes}/m.pt", [f"--out {notes}/m.pt: {notes} is not a folder; choose another --out"]),
+    ):
+        err = _one_line(capsys, main, [str(tiny_run), "--out", out], *words)
+        assert "Errno" not in err, err
+    assert _snapshot(tmp_path) == before
+
+
+def test_export_refuses_to_replace_what_is_not_an_earlier_export(tiny_run, tmp_path, capsys):
+    """A file not named .pt, a device behind a link, a fifo, and a fifo where <arch>.json goes: one line, 2,
+    every file as it was and none added (the atomic rename would swap even a device node for a regular file)."""
+    import os
+
+    from fastclip.eval.export import main
+
+    victim = tmp_path / "victim.yaml"
+    victim.write_text("lr: 0.1\n")
+    (tmp_path / "full.pt").symlink_to("/dev/full")
+    os.mkfifo(tmp_path / "fifo.pt")
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    os.mkfifo(beside / "tiny-vit.json")
+    before = _snapshot(tmp_path)
+    for out, words in (
+        (victim, ["--out", "victim.yaml: does not end in .pt; name the .pt file to write"]),
+        (tmp_path / "full.pt", ["full.pt: exists and is a device, not a regular file"]),
+        (tmp_path / "fifo.pt", ["fifo.pt: exists and is a fifo, not a regular file"]),
+        (beside / "m.pt", [f"{beside / 'tiny-vit.json'}, written beside it, exists and is a fifo"]),
+    ):
+        _one_line(capsys, main, [str(tiny_run), "--out", str(out)], *words)
+    assert _snapshot(tmp_path) == before
+    assert (tmp_path / "full.pt").resolve() == Path("/dev/full") and Path("/dev/full").is_char_device()
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        (
+            "junk",
+            ["rank_0.pt is not a torch checkpoint file (it begins b'junk", "restore the file or pass another --in"],
+        ),
+        ("gap", ["no rank_0.pt (resharding needs the file of every old rank", "copy the missing rank files in"]),
+    ],
+)
+def test_reshard_names_what_a_rank_file_is_not_and_which_are_missing(case, words, tmp_path, capsys):
+    import torch
+
+    from fastclip.losses.sharded_state import main
+
+    if case == "junk":
+        (tmp_path / "rank_0.pt").write_text("junk text\n" * 10)
+    else:
+        torch.save({"loss_state": {}}, tmp_path / "rank_1.pt")
+    _one_line(capsys, main, ["--in", str(tmp_path), "--world-size", "2"], *words)
+
+
+def test_eval_that_can_score_nothing_is_a_usage_error(tiny_run, tmp_path, capsys):
+    """Labelled shards without zeroshot.json whose captions are class templates: neither zero-shot nor retrieval
+    gives a number; with --no-retrieval that is known before the model is loaded."""
+    from fastclip.eval.cli import main
+
+    from probe import fruit_samples, write_labelled_shards
+
+    data = write_labelled_shards(tmp_path / "val", fruit_samples())
+    args = [str(tiny_run), "--data", str(data), "--device", "cpu", "--results", str(tmp_path / "r.jsonl")]
+    missing = "no class names for zero-shot (no zeroshot.json beside it: pass --classnames FILE)"
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("eval: 24/24 samples") and len(err) == 2, err  # the progress line, then the error
+    assert f"fastclip eval: --data {data}: nothing to score: {missing}, and its 24 captions are only 8" in err[1], err
+    _one_line(capsys, main, [*args, "--no-retrieval"], f"--data {data}: nothing to score: {missing}, and --no-ret")
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_eval_without_class_names_scores_retrieval_and_says_zero_shot_is_skipped_once(
+    tiny_run, tiny_embedded, tmp_path, capsys, caplog
+):
+    import shutil
+
+    from fastclip.eval.cli import main
+
+    val = tmp_path / "val"  # distinct captions, and no zeroshot.json beside it
+    shutil.copytree(tiny_embedded / "val", val)
+    assert main([str(tiny_run), "--data", str(val), "--device", "cpu", "--results", str(tmp_path / "r.jsonl")]) == 0
+    captured = capsys.readouterr()
+    everything = captured.out + captured.err + "".join(r.getMessage() for r in caplog.records)
+    assert "class names: none" in captured.out and "retrieval over 20 image-caption pairs" in captured.out
+    assert everything.count("zero-shot skipped: no class names for the 20 labelled samples") == 1, everything
+    assert "belong to no dataset" not in everything, everything
+
+
+def test_eval_of_a_run_that_saved_no_checkpoint_says_so(tiny_embedded, tmp_path, capsys):
+    from fastclip.eval.cli import main as eval_main
+    from fastclip.eval.export import main as export_main
+
+    run = tmp_path / "crashed"  # what a run stopped before its first save leaves
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("train: {}\n")
+    (run / "metrics.jsonl").write_text("")
+    said = f"{run}: this run has saved no checkpoint yet (no step folder in {run / 'checkpoints'}"
+    _one_line(capsys, eval_main, [str(run), "--data", str(tiny_embedded), "--device", "cpu"], said)
+    _one_line(capsys, export_main, [str(run), "--out", str(tmp_path / "m.pt")], said)

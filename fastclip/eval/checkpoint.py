@@ -20,7 +20,15 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
     """(the model file found from `path`, its contents): a run, checkpoints or step folder, or the file."""
     from fastclip.train.errors import CheckpointError
 
-    file = ckpt.find_model_file(path)
+    try:
+        file = ckpt.find_model_file(path)
+    except FileNotFoundError:
+        if _run_without_checkpoint(Path(path)):
+            raise FileNotFoundError(
+                f"{path}: this run has saved no checkpoint yet (no step folder in {Path(path) / 'checkpoints'}; "
+                f"one is written every checkpoint.every_steps steps): pass a run that has saved one, or a .pt file"
+            ) from None
+        raise
     try:  # the trainer's loader: weights_only, its one-line refusal of pickled objects, the format version
         checkpoint = ckpt.read_model_file(file)
     except CheckpointError as err:
@@ -36,6 +44,13 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
         )
         raise ValueError(f"{file} is {what}: {advice}")
     return file, checkpoint
+
+
+def _run_without_checkpoint(path: Path) -> bool:
+    """A run folder (what `fastclip train` writes first: config.yaml, metrics.jsonl, checkpoints/) with no step
+    folder yet, e.g. a run stopped before its first save."""
+    markers = ("config.yaml", "metrics.jsonl", "checkpoints")
+    return any((path / m).exists() for m in markers) and not ckpt.list_checkpoints(path / "checkpoints")
 
 
 def _exported_arch(file: Path) -> str:

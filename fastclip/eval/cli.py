@@ -157,11 +157,35 @@ def format_table(results: EvalResults, per_class: bool) -> str:
         repeated = results.retrieval_samples - results.retrieval_distinct_captions
         if results.retrieval_distinct_captions and repeated > 0:
             lines.append(f"({repeated} of the captions repeat another; tied captions count against the pair)")
-    if results.unmatched:
-        lines.append(f"\n{results.unmatched} labelled samples belong to no dataset of the class names file")
     if results.skipped:
         lines.append(f"\n{results.skipped} samples skipped as unreadable (see the warnings above)")
     return "\n".join(lines) if lines else "nothing to report: no labelled samples with class names, no captions"
+
+
+def nothing_scored(args, specs: dict, names_from: str | None, results: EvalResults | None = None) -> str | None:
+    """Why neither zero-shot nor retrieval can give a number (a usage error: an empty table read as a result);
+    None when something is scored. Before the evaluation (`results` None) only the flags can tell."""
+    if results is None:
+        if specs or not args.no_retrieval:
+            return None
+    elif results.zeroshot or (results.retrieval and retrieval_meaningful(results)):
+        return None
+    if not specs:
+        zeroshot = "no class names for zero-shot (no zeroshot.json beside it: pass --classnames FILE)"
+    elif results.unmatched:
+        zeroshot = f"its {results.unmatched} labelled samples belong to no dataset of {names_from}"
+    else:
+        zeroshot = "no labelled samples for zero-shot"
+    if args.no_retrieval:
+        retrieval = "--no-retrieval is set"
+    elif not results.retrieval:
+        retrieval = "no captions for retrieval"
+    else:
+        n, distinct = results.retrieval_samples, results.retrieval_distinct_captions
+        retrieval = (
+            f"its {n} captions are only {distinct} distinct class templates, so retrieval cannot single out an image"
+        )
+    return f"--data {args.data}: nothing to score: {zeroshot}, and {retrieval}"
 
 
 def result_records(results: EvalResults, common: dict) -> list[dict]:
@@ -287,6 +311,9 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
         if not source.exists() and not any(ch in str(source) for ch in "*{"):
             raise FileNotFoundError(f"--data {source}: not found")
         specs, names_from = load_specs(args, source, default_names)
+        problem = nothing_scored(args, specs, names_from)
+        if problem:  # known from the flags: refused before the model is loaded
+            raise ValueError(problem)
         loaded = load_model(args.checkpoint, arch=args.arch, device=args.device)
         if is_image_folder(source) and specs:
             if len(specs) != 1:
@@ -319,10 +346,21 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
             file=sys.stderr,
         )
         return 2
+    problem = nothing_scored(args, specs, names_from, results)
+    if problem:
+        print(f"fastclip eval: {problem}", file=sys.stderr)
+        return 2
     seconds = time.time() - started
-    print(f"model {loaded.file} ({built.arch}, step {loaded.step}); data {args.data}; class names: {names_from}")
+    print(
+        f"model {loaded.file} ({built.arch}, step {loaded.step}); data {args.data}; class names: {names_from or 'none'}"
+    )
     print(f"{results.num_samples} samples in {seconds:.1f} s\n")
     print(format_table(results, args.per_class))
+    if not specs and results.unmatched:  # retrieval was scored; the labels were not
+        print(
+            f"\nzero-shot skipped: no class names for the {results.unmatched} labelled samples (no zeroshot.json "
+            f"beside --data {args.data}); pass --classnames FILE to score them"
+        )
 
     common = {
         "time": datetime.datetime.now().isoformat(timespec="seconds"),

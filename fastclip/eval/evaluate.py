@@ -213,7 +213,7 @@ def _evaluate(
             )
         if int(counts.counts[0].sum()):
             results.zeroshot[name] = ZeroShotResult.from_counts(name, specs[name].classnames, counts.counts)
-    if unmatched and rank == 0:
+    if unmatched and specs and rank == 0:  # (no class names at all: the caller knows zero-shot is off)
         log.warning("%d labelled samples belong to no dataset of the class names file; not scored", unmatched)
 
     if retrieval:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -51,6 +53,46 @@ def _refuse_checkpoint_out(out: Path, source: Path) -> None:
         raise ValueError(f"--out {out} is in the checkpoints folder {folder} of a training run; {refuse}")
 
 
+def _kind(path: Path) -> str | None:
+    """What stands at `path` when it is not a regular file (None when it is one or nothing is there)."""
+    if path.is_file() or not os.path.lexists(path):
+        return None
+    if path.is_symlink() and not path.exists():
+        return "a broken symbolic link"
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "a device")
+
+
+def _check_out(out: Path) -> None:
+    """Refuse, before anything is written, an --out that would replace something other than an earlier export
+    (os.replace swaps even a device node for a regular file) or that cannot be written at all."""
+    if out.suffix != ".pt":
+        raise ValueError(f"--out {out}: does not end in .pt; name the .pt file to write")
+    what = _kind(out)
+    if what:
+        raise ValueError(f"--out {out}: exists and is {what}, not a regular file; name the .pt file to write")
+    folder = next(p for p in out.parents if os.path.lexists(p))  # the export creates the folders below it
+    if not folder.is_dir():
+        raise ValueError(f"--out {out}: {folder} is not a folder; choose another --out")
+    try:  # a real file: permissions alone do not tell (root, read-only mounts, /proc)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".fastclip-export-probe"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write in {folder} ({e.strerror or e}); choose another --out") from None
+
+
+def _check_beside(out: Path, files: list[Path]) -> None:
+    """The files written beside the export may not replace a device, fifo or folder either."""
+    for file in files:
+        what = _kind(file)
+        if what:
+            raise ValueError(
+                f"--out {out}: {file}, written beside it, exists and is {what}, not a regular file; "
+                f"choose another --out folder"
+            )
+
+
 def _is_training(folder: Path) -> bool:
     from fastclip.train.errors import CheckpointError
 
@@ -67,7 +109,9 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     from fastclip.eval.checkpoint import load_model
 
     file, checkpoint = load_checkpoint(checkpoint_path)
-    _refuse_checkpoint_out(Path(out), file)
+    out = Path(out)
+    _refuse_checkpoint_out(out, file)
+    _check_out(out)
     for key in ("arch", "model_config"):
         if key not in checkpoint:
             raise ValueError(f"{file}: training checkpoint has no {key!r} (is it already an exported file?)")
@@ -84,30 +128,27 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     # clone: a tensor that is a view of a larger storage would otherwise save the whole storage
     state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone().contiguous() for k, v in state.items()}
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        torch.save({"state_dict": state}, tmp)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
     # fastclip-tempnet: its temperature heads belong to training, not to the CLIP model open_clip loads, so
     # they are written beside the export (weights only) for whoever continues training from it
     heads = {k: v.detach().clone() for k, v in ckpt.loss_parameters(checkpoint).items() if k.startswith("tempnet_")}
-    tempnet_file = None
-    if heads:
-        tempnet_file = out.with_name(out.stem + ".tempnet.pt")
-        torch.save({"state_dict": heads}, tempnet_file)
+    tempnet_file = out.with_name(out.stem + ".tempnet.pt") if heads else None
+    config_file = None if _is_builtin(arch, model_config) else out.parent / f"{arch}.json"
+    _check_beside(out, [f for f in (tempnet_file, config_file) if f is not None])
 
-    config_file = None
-    if not _is_builtin(arch, model_config):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    try:  # (through an open file: torch.save's own open fails with a RuntimeError, not an OSError)
+        ckpt.save_file({"state_dict": state}, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if tempnet_file is not None:
+        ckpt.save_file({"state_dict": heads}, tempnet_file)
+    if config_file is not None:
         from fastclip.models import copy_hf_folders
 
         # a Hugging Face text tower's folder (its config.json, tokenizer files) goes beside the export too
         model_config = copy_hf_folders(model_config, out.parent)
-        config_file = out.parent / f"{arch}.json"
         config_file.write_text(json.dumps(model_config, indent=4) + "\n")
     try:  # success only once open_clip itself has loaded the file back, tensor for tensor
         _verify_in_open_clip(tmp, arch, config_file, state)
@@ -179,8 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:  # the checkpoint named is missing, foreign or unusable
         print(f"fastclip export: {err}", file=sys.stderr)
         return 2
-    except OSError as err:  # writing failed (disk full, read-only): the checkpoint is fine, try elsewhere
-        print(f"fastclip export: cannot write {args.out}: {err}", file=sys.stderr)
+    except OSError as err:  # writing failed midway (disk full): the checkpoint is fine, try elsewhere
+        print(
+            f"fastclip export: --out {args.out}: cannot write it ({err.strerror or err}); free space or choose "
+            "another --out",
+            file=sys.stderr,
+        )
         return 1
     size_mb = written["file"].stat().st_size / 2**20
     print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}")

@@ -293,21 +293,24 @@ def _rank_files(folder: Path) -> list[Path]:
     files = {int(m.group(1)): folder / name for name in os.listdir(folder) if (m := _RANK_FILE.match(name))}
     if not files:
         raise FileNotFoundError(f"no rank_<r>.pt files in {folder}")
-    if sorted(files) != list(range(len(files))):
-        raise FileNotFoundError(f"{folder}: rank files {sorted(files)} are not rank_0..rank_{len(files) - 1}")
+    missing = [f"rank_{r}.pt" for r in range(max(files)) if r not in files]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise FileNotFoundError(
+            f"{folder}: no {shown} (resharding needs the file of every old rank, rank_0.pt to rank_{max(files)}.pt); "
+            f"copy the missing rank files in, or pass a complete step folder as --in"
+        )
     return [files[r] for r in range(len(files))]
 
 
 def _load(path: Path) -> dict:
+    from fastclip.train.checkpoint import load_file  # the trainer's resume: one line for torn or foreign files
+    from fastclip.train.errors import CheckpointError
+
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torn, foreign or pickled: torch raises many kinds; say which file and why
-        raise ValueError(
-            f"{path}: not a readable rank file ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-        ) from None
-    if not isinstance(payload, dict):
-        raise ValueError(f"{path}: not a rank file (holds a {type(payload).__name__})")
-    return payload
+        return load_file(path)
+    except CheckpointError as e:
+        raise ValueError(str(e).replace("pass another checkpoint", "pass another --in")) from None
 
 
 def _loss_states(files: list[Path]):

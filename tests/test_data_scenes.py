@@ -22,6 +22,8 @@ from fastclip.data.sources.scenes import (
     scene_rng,
 )
 
+from helpers import one_line_error
+
 SIZES = dict(num_train=120, num_val=40, num_test=40, num_novel=40, shard_size=50)
 
 
@@ -179,5 +181,6 @@ def test_cli_writes_scenes_and_rejects_bad_counts(tmp_path, capsys):
     )
     text = capsys.readouterr().out
     assert "distinct captions" in text and (out / "novel" / "manifest.json").is_file()
-    assert data_main(["embedded", "--source", "scenes", "--out", str(tmp_path / "bad"), "--num-train", "0"]) == 2
-    assert "train scenes must be >= 1" in capsys.readouterr().err
+    bad = ["embedded", "--source", "scenes", "--out", str(tmp_path / "bad"), "--num-train", "0"]
+    one_line_error(capsys, data_main, bad, "argument --num-train: 0 must be >= 1")
+    assert not (tmp_path / "bad").exists()

@@ -52,6 +52,9 @@ def _ctrl_c(argv, cwd, ready, what: str, *, wait_s: float, finish_s: float, sett
         stderr=subprocess.PIPE,
         text=True,
         process_group=0,
+        # a terminal's Ctrl-C reaches a command that handles SIGINT: not ignored, as it is when pytest itself was
+        # started in the background by a non-interactive shell (which then passes the ignore on)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         wait_for(lambda: ready() or proc.poll() is not None, wait_s, what)

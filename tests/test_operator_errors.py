@@ -796,3 +796,15 @@ def test_a_warmup_longer_than_the_run_gets_a_note(tiny_embedded, tmp_path, capsy
     assert line.startswith(
         "fastclip train: note: optim.warmup_steps 50 > the run's 1 steps: the learning rate never reaches optim.lr "
     )
+
+
+def test_a_global_batch_larger_than_the_data_is_refused_in_the_words_data_info_uses(tiny_embedded, tmp_path, capsys):
+    train = tiny_embedded / "train"
+    n = json.loads((train / "manifest.json").read_text())["num_samples"]
+    args = _args(tiny_embedded, tmp_path / "run", **{"data.batch_size": n + 1}) + ["--check"]
+    _fails(
+        capsys,
+        args,
+        "data.batch_size",
+        f"{n + 1} per process x 1 process(es) = {n + 1} is larger than the data ({n} samples per epoch in ",
+    )

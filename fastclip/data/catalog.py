@@ -69,6 +69,18 @@ class Catalog:
         return hashlib.sha1(blob).hexdigest()[:16]
 
 
+def global_batch_too_large(batch_size: int, world_size: int, per_epoch: int, source: str) -> str | None:
+    """Why a global batch cannot be served from the data (one epoch cannot fill it), or None; `fastclip train` and
+    `fastclip data info` both refuse it, each prefixing the key or flag it read the batch size from."""
+    global_batch = batch_size * world_size
+    if global_batch <= per_epoch:
+        return None
+    return (
+        f"{batch_size} per process x {world_size} process(es) = {global_batch} is larger than the data "
+        f"({per_epoch} samples per epoch in {source})"
+    )
+
+
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 

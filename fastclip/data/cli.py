@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from fastclip.cli import OneLineParser
-from fastclip.data.catalog import DataSpecError
+from fastclip.data.catalog import DataSpecError, global_batch_too_large
 
 
 def _whole(text: str, least: int) -> int:
@@ -303,14 +303,13 @@ def _run(args) -> int:
             ],
         }
         if args.batch_size:
-            global_batch = args.batch_size * args.world_size
-            if global_batch > catalog.num_samples:  # what `fastclip train` refuses (check_data), in the same words
+            # what `fastclip train` refuses (check_data), in the same words
+            problem = global_batch_too_large(args.batch_size, args.world_size, catalog.num_samples, args.train_data)
+            if problem:
                 raise ValueError(
-                    f"--batch-size {args.batch_size} per process x {args.world_size} process(es) = {global_batch} "
-                    f"is larger than the data ({catalog.num_samples} samples per epoch in {args.train_data}); "
-                    f"`fastclip train` refuses it: pass a smaller --batch-size or --world-size"
+                    f"--batch-size {problem}; `fastclip train` refuses it: pass a smaller --batch-size or --world-size"
                 )
-            out["batches_per_epoch"] = -(-catalog.num_samples // global_batch)
+            out["batches_per_epoch"] = -(-catalog.num_samples // (args.batch_size * args.world_size))
         print(json.dumps(out, indent=1))
         return 0
     raise AssertionError(args.command)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from fastclip.data import DataSpecError, StreamConfig
+from fastclip.data.catalog import global_batch_too_large
 from fastclip.data.stream import shard_weights
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
 from fastclip.losses import LossInputError, NonFiniteFeaturesError
@@ -66,13 +67,8 @@ def check_data(cfg: Config, world_size: int, catalog=None) -> int:
     catalog: the shards as read by rank 0 (shared_catalog); None: read them here."""
     catalog = read_catalog(cfg) if catalog is None else catalog
     per_epoch = cfg.data.samples_per_epoch if cfg.data.resampled and cfg.data.samples_per_epoch else catalog.num_samples
-    global_batch = cfg.data.batch_size * world_size
-    if global_batch > per_epoch:
-        raise ConfigError(
-            f"config key 'data.batch_size': {cfg.data.batch_size} per process x {world_size} "
-            f"process(es) = {global_batch} is larger than the data ({per_epoch} samples per epoch "
-            f"in {cfg.data.train})"
-        )
+    if problem := global_batch_too_large(cfg.data.batch_size, world_size, per_epoch, cfg.data.train):
+        raise ConfigError(f"config key 'data.batch_size': {problem}")
     try:
         shard_weights(catalog, cfg.data)
     except DataSpecError as e:
@@ -355,6 +351,8 @@ class Run:
         if info.is_main:
             (self.run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
             self.log.message(self.describe())
+            for line in self.setting_notes():
+                note(line)
         # fault handling (fastclip/train/guards.py): NaN/Inf steps skipped, skipped samples reported over ranks
         self.guard = NonFiniteGuard(
             cfg.train.max_nonfinite_steps,
@@ -373,18 +371,23 @@ class Run:
         self.last_saved, self.last_save_time = (self.step if resumed_here else -1), time.time()
         self.throughput, self.record = Throughput(), {}
 
-    def describe(self) -> str:
-        cfg, info, o = self.cfg, self.info, self.cfg.optim
+    def setting_notes(self) -> list[str]:
+        """Settings that are legal but rarely what was meant, said once at the start."""
+        cfg, o, notes = self.cfg, self.cfg.optim, []
         if cfg.train.precision == "fp16" and self.device.type == "cpu":  # OpenCLIP's --precision amp, on a CPU
-            note(
+            notes.append(
                 "fastclip train: note: train.precision fp16 (--precision amp) on the CPU: most CPUs have no fast "
                 "float16 matmul, so this runs several times slower than fp32, which suits a CPU"
             )
-        if o.warmup_steps > self.last_step:  # a legal schedule, but rarely what was meant
-            note(
+        if o.warmup_steps > self.last_step:
+            notes.append(
                 f"fastclip train: note: optim.warmup_steps {o.warmup_steps} > the run's {self.last_step} steps: the "
                 f"learning rate never reaches optim.lr {o.lr:g}"
             )
+        return notes
+
+    def describe(self) -> str:
+        cfg, info, o = self.cfg, self.info, self.cfg.optim
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())  # ZeRO-3: full sizes
         # open_clip's own "No pretrained weights loaded" warning is dropped (fastclip/models): said here once
         if self.resume_dir is not None:  # the checkpoint's weights: --model.pretrained only starts a new run

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -64,6 +65,57 @@ def test_folder_that_fails_midway_removes_what_it_wrote_and_nothing_else(tmp_pat
         _one_line(capsys, argv, f"{captions}:4: not valid JSON")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.png", "1.png", "2.png", "c.jsonl", "kept"]
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]  # its 3 shards gone, the file that was there kept
+
+
+def _full_disk_after(calls: int, real):
+    """`real`, failing as a full disk does from its (calls + 1)-th call on."""
+    count = [0]
+
+    def wrapped(*args, **kwargs):
+        count[0] += 1
+        if count[0] > calls:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("source", ["glyphs", "scenes"])
+def test_embedded_that_fails_midway_removes_what_it_wrote_and_its_rerun_succeeds(tmp_path, capsys, monkeypatch, source):
+    """A full disk after the train split (and its manifest) is written: no half data set is left to train on."""
+    import fastclip.data.sources.embedded as embedded
+    import fastclip.data.sources.scenes as scenes
+
+    out = tmp_path / "kept"
+    out.mkdir()
+    (out / "notes.txt").write_text("the operator's")
+    if source == "glyphs":  # 10 classes x 2 train + 1 val each, in shards of 4: fails in val
+        argv = ["embedded", "--out", str(out), "--datasets", "mnist", "--max-per-class", "2", "--max-val-per-class"]
+        argv += ["1", "--shard-size", "4"]
+        monkeypatch.setattr(embedded, "_png", _full_disk_after(25, embedded._png))
+    else:  # shards of 5: train's 2, then val's first fails
+        argv = ["embedded", "--source", "scenes", "--out", str(out), "--num-train", "10", "--num-val", "5"]
+        argv += ["--num-test", "5", "--num-novel", "5", "--shard-size", "5", "--workers", "1"]
+        monkeypatch.setattr(scenes, "_write_shard", _full_disk_after(3, scenes._write_shard))
+    _one_line(capsys, argv, "No space left on device")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]  # shards, manifests and split folders gone
+    monkeypatch.undo()  # the operator frees space and runs the same command
+    assert main(argv) == 0
+    assert (out / "zeroshot.json").is_file() and (out / "train" / "manifest.json").is_file()
+    assert (out / "notes.txt").read_text() == "the operator's"
+
+
+def test_embedded_refuses_an_out_holding_a_data_set_and_leaves_it(tmp_path, capsys, tiny_embedded):
+    """New shards under the same indices would change what a resumed run's per-sample state refers to."""
+    out = tmp_path / "o"
+    shutil.copytree(tiny_embedded, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    _one_line(capsys, ["embedded", "--out", str(out), *SMALL], f"--out {out}: already holds a data set ({out}/")
+    for name in ("zeroshot.json", "embedded.json"):  # a split's manifest alone is enough
+        (out / name).unlink()
+        del before[Path(name)]
+    _one_line(capsys, ["embedded", "--out", str(out), *SMALL], f"({out}/train/manifest.json); write to a new folder")
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 # ----------------------------------------------------------------------------- 2, 3. numeric flags out of range

@@ -66,6 +66,15 @@ def out_folder_problem(flag: str, out: str | Path) -> str | None:
     return None
 
 
+def _data_set_in(out: Path) -> Path | None:
+    """The first file of a finished `fastclip data embedded` under `out` (either source), or None."""
+    if not out.is_dir():
+        return None
+    marks = [out / "zeroshot.json", out / "embedded.json", out / "scenes.json"]
+    marks += sorted(p / "manifest.json" for p in out.iterdir() if p.is_dir())
+    return next((p for p in marks if p.is_file()), None)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="fastclip data", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -163,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args) -> int:
     if args.command in ("embedded", "folder") and (problem := out_folder_problem("--out", args.out)):
         raise ValueError(problem)
+    if args.command == "embedded" and (held := _data_set_in(Path(args.out))):
+        # a resumed run's per-sample state is indexed by these samples: new shards would silently change them
+        raise ValueError(
+            f"--out {args.out}: already holds a data set ({held}); write to a new folder, or remove that one first"
+        )
     if args.command == "embedded" and args.fashion_mnist_root is not None:
         from fastclip.data.sources.embedded import fashion_mnist_available
 

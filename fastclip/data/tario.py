@@ -181,11 +181,6 @@ class TarWriter:
         self._tar.close()
         os.replace(self._tmp, self.path)  # only complete shards get their final name
 
-    def discard(self) -> None:
-        """Drop this shard unfinished (the run failed): its temporary file goes, the final name is not taken."""
-        self._tar.close()
-        self._tmp.unlink(missing_ok=True)
-
 
 def write_tar(path: str | os.PathLike, groups: Iterable[tuple[str, dict[str, bytes]]]) -> None:
     writer = TarWriter(path)

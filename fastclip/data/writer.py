@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from fastclip.data.format import IMAGE_EXTS, sample_key
@@ -22,7 +24,6 @@ class ShardWriter:
         self.shards: list[ShardInfo] = []
         self._tar: TarWriter | None = None
         self._seen: set[int] = set()
-        self._created: list[Path] = []  # shard files that did not exist before this writer wrote them
 
     def write(
         self,
@@ -66,20 +67,8 @@ class ShardWriter:
         if self._tar is not None:
             self._tar.close()
         name = f"{self.prefix}-{len(self.shards):06d}.tar"
-        if not (self.out_dir / name).exists():
-            self._created.append(self.out_dir / name)
         self._tar = TarWriter(self.out_dir / name)
         self.shards.append(ShardInfo(name, 0))
-
-    def discard(self) -> None:
-        """Undo a failed run: remove the shards this writer created (never a file that was there before), and
-        write no manifest, so that the same command can be run again into the same folder."""
-        if self._tar is not None:
-            self._tar.discard()
-            self._tar = None
-        for path in self._created:
-            path.unlink(missing_ok=True)
-        self._created, self.shards = [], []
 
     def close(self, data_size: int, extra: dict | None = None) -> Manifest:
         """Finish the last shard and write manifest.json; data_size: 1 + the largest index that may appear."""
@@ -92,3 +81,25 @@ class ShardWriter:
         manifest = Manifest(data_size, self.shards, extra=dict(extra or {}))
         write_manifest(self.out_dir, manifest)
         return manifest
+
+
+@contextlib.contextmanager
+def removed_on_failure(out: str | os.PathLike) -> Iterator[Path]:
+    """Run the block that writes a data set into `out`; if it fails (a full disk, Ctrl-C, a bad input), remove every
+    file and folder it created under `out`, and `out` itself if it was new, so that no half data set (a train split
+    with its manifest, no val) is left to be trained on and the same command can be run again. Files that were there
+    before are left as they are."""
+    out = Path(out)
+    new_folders = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    before = set(out.rglob("*")) if out.is_dir() else set()
+    try:
+        yield out
+    except BaseException:
+        created = set(out.rglob("*")) - before if out.is_dir() else set()
+        for path in sorted(created, key=lambda p: len(p.parts), reverse=True):  # a folder's files before the folder
+            with contextlib.suppress(OSError):
+                path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+        for folder in new_folders:
+            with contextlib.suppress(OSError):  # rmdir takes empty folders only: nothing this run did not write
+                folder.rmdir()
+        raise

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from fastclip.data.writer import ShardWriter
+from fastclip.data.writer import ShardWriter, removed_on_failure
 
 FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 ANIMAL_MNIST_SHA256 = {  # animal-mnist==0.4; pickled data: never unpickle a file that does not match
@@ -294,34 +294,37 @@ def build_embedded(
         "origins": {n: loaded[n][2] for n in names},
         "splits": {},
     }
-    bar = progress(len(train) + len(val)) if progress is not None else None
-    for split, items, first in (("train", train, index_offset), ("val", val, index_offset + len(train))):
-        writer = ShardWriter(out / split, prefix=split, shard_size=shard_size)
-        per_class: dict[str, list[int]] = {n: [0] * len(loaded[n][0].classnames) for n in names}
-        for offset, (name, part, row, label) in enumerate(items):
-            spec, parts, _ = loaded[name]
-            template = spec.templates[int(rng.integers(len(spec.templates)))]
-            caption = template.format(spec.classnames[label])
-            writer.write(first + offset, _png(parts[part][0][row]), "png", caption, label=label, dataset=name)
-            per_class[name][label] += 1
-            if bar is not None:
-                bar.update(1)
-        writer.close(
-            data_size, extra={"created_by": "fastclip data embedded", "split": split, "datasets": names, "seed": seed}
-        )
-        summary["splits"][split] = {
-            "num_samples": len(items),
-            "index_range": [first, first + len(items) - 1],
-            "shards": len(writer.shards),
-            "per_class": per_class,
+    with removed_on_failure(out):  # a full disk, Ctrl-C: no half data set left (train with a manifest, no val)
+        bar = progress(len(train) + len(val)) if progress is not None else None
+        for split, items, first in (("train", train, index_offset), ("val", val, index_offset + len(train))):
+            writer = ShardWriter(out / split, prefix=split, shard_size=shard_size)
+            per_class: dict[str, list[int]] = {n: [0] * len(loaded[n][0].classnames) for n in names}
+            for offset, (name, part, row, label) in enumerate(items):
+                spec, parts, _ = loaded[name]
+                template = spec.templates[int(rng.integers(len(spec.templates)))]
+                caption = template.format(spec.classnames[label])
+                writer.write(first + offset, _png(parts[part][0][row]), "png", caption, label=label, dataset=name)
+                per_class[name][label] += 1
+                if bar is not None:
+                    bar.update(1)
+            writer.close(
+                data_size,
+                extra={"created_by": "fastclip data embedded", "split": split, "datasets": names, "seed": seed},
+            )
+            summary["splits"][split] = {
+                "num_samples": len(items),
+                "index_range": [first, first + len(items) - 1],
+                "shards": len(writer.shards),
+                "per_class": per_class,
+            }
+        if bar is not None:
+            bar.__exit__(None, None, None)
+        zeroshot = {
+            "datasets": {
+                n: {"classnames": list(loaded[n][0].classnames), "templates": list(loaded[n][0].templates)}
+                for n in names
+            }
         }
-    if bar is not None:
-        bar.__exit__(None, None, None)
-    zeroshot = {
-        "datasets": {
-            n: {"classnames": list(loaded[n][0].classnames), "templates": list(loaded[n][0].templates)} for n in names
-        }
-    }
-    (out / "zeroshot.json").write_text(json.dumps(zeroshot, indent=1) + "\n")
-    (out / "embedded.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out / "zeroshot.json").write_text(json.dumps(zeroshot, indent=1) + "\n")
+        (out / "embedded.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -13,7 +13,6 @@ re-encoded as PNG.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
@@ -23,7 +22,7 @@ from pathlib import Path
 from PIL import Image
 
 from fastclip.data.format import IMAGE_EXTS
-from fastclip.data.writer import ShardWriter
+from fastclip.data.writer import ShardWriter, removed_on_failure
 
 
 class CaptionFileError(ValueError):
@@ -88,10 +87,9 @@ def build_folder(
 ) -> dict:
     captions, out = Path(captions), Path(out)
     root = Path(images) if images is not None else captions.parent
-    new_folders = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
-    writer = ShardWriter(out, prefix=prefix, shard_size=shard_size)
     skipped, rows = [], 0
-    try:
+    with removed_on_failure(out):  # a bad line, a full disk, Ctrl-C: leave --out as it was, for the rerun
+        writer = ShardWriter(out, prefix=prefix, shard_size=shard_size)
         for row, (line_no, rel, caption) in enumerate(read_rows(captions, img_key, caption_key, separator)):
             rows += 1
             where = f"{captions.name}:{line_no}"
@@ -117,12 +115,6 @@ def build_folder(
         written = sum(s.num_samples for s in writer.shards)
         if written:  # no manifest of 0 samples: it would be no data set, yet refuse a rerun into --out
             writer.close(index_offset + rows, extra={"created_by": "fastclip data folder", "captions": str(captions)})
-    except BaseException:  # a bad line, a full disk, Ctrl-C: leave --out as it was, so the rerun can use it
-        writer.discard()
-        for folder in new_folders:
-            with contextlib.suppress(OSError):  # rmdir takes empty folders only: nothing this run did not write
-                folder.rmdir()
-        raise
     return {
         "rows": rows,
         "written": written,

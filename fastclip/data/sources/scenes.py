@@ -38,6 +38,7 @@ from fastclip.data.format import sample_key
 from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
 from fastclip.data.sources.embedded import FASHION_MNIST_ROOT, choose_datasets, load_dataset
 from fastclip.data.tario import TarWriter
+from fastclip.data.writer import removed_on_failure
 
 CANVAS = 64
 COLOURS = {
@@ -299,67 +300,70 @@ def build_scenes(
     names, note = choose_datasets(datasets, fashion_root)
     vocab, _ = glyph_pools(names, fashion_root, seed)  # fails here, in the parent, if a dataset is missing
     out = Path(out)
-    jobs, first_index = [], index_offset
-    for split in SPLITS:
-        (out / split).mkdir(parents=True, exist_ok=True)
-        for shard, first in enumerate(range(0, counts[split], shard_size)):
-            n = min(shard_size, counts[split] - first)
-            jobs.append(ShardJob(split, shard, first, n, first_index + first))
-        first_index += counts[split]
-    data_size = first_index
-    workers = workers or min(len(jobs), os.cpu_count() or 1)
-    results: dict[ShardJob, tuple] = {}
-    if workers <= 1:
-        _init_worker(names, str(fashion_root), seed)
-        for job in jobs:
-            results[job] = _write_shard(job, str(out))
-            if progress:
-                progress(job.count)
-    else:
-        with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(names, str(fashion_root), seed)) as pool:
-            futures = {job: pool.submit(_write_shard, job, str(out)) for job in jobs}
-            for job, fut in futures.items():
-                results[job] = fut.result()
+    with removed_on_failure(out):  # a full disk, Ctrl-C: no half data set left to be trained on
+        jobs, first_index = [], index_offset
+        for split in SPLITS:
+            (out / split).mkdir(parents=True, exist_ok=True)
+            for shard, first in enumerate(range(0, counts[split], shard_size)):
+                n = min(shard_size, counts[split] - first)
+                jobs.append(ShardJob(split, shard, first, n, first_index + first))
+            first_index += counts[split]
+        data_size = first_index
+        workers = workers or min(len(jobs), os.cpu_count() or 1)
+        results: dict[ShardJob, tuple] = {}
+        if workers <= 1:
+            _init_worker(names, str(fashion_root), seed)
+            for job in jobs:
+                results[job] = _write_shard(job, str(out))
                 if progress:
                     progress(job.count)
-    summary = {
-        "source": "scenes",
-        "datasets": names,
-        "note": note,
-        "seed": seed,
-        "data_size": data_size,
-        "classes": vocab.nouns,
-        "held_out_pairs": sorted([vocab.nouns[k], c] for k, c in vocab.held_out),
-        "splits": {},
-    }
-    start = index_offset
-    for split in SPLITS:
-        split_jobs = [j for j in jobs if j.split == split]
-        shards = [ShardInfo(results[j][0], j.count, j.first_index, j.first_index + j.count - 1) for j in split_jobs]
-        write_manifest(
-            out / split,
-            Manifest(
-                data_size,
-                shards,
-                extra={
-                    "created_by": "fastclip data embedded --source scenes",
-                    "split": split,
-                    "datasets": names,
-                    "seed": seed,
-                },
-            ),
-        )
-        captions = [c for j in split_jobs for c in results[j][2]]
-        labels = [lab for j in split_jobs for lab in results[j][3]]
-        summary["splits"][split] = {
-            "num_samples": counts[split],
-            "shards": len(shards),
-            "index_range": [start, start + counts[split] - 1],
-            "distinct_captions": len(set(captions)),
-            "labelled_single_object": sum(lab >= 0 for lab in labels),
+        else:
+            with ProcessPoolExecutor(
+                workers, initializer=_init_worker, initargs=(names, str(fashion_root), seed)
+            ) as pool:
+                futures = {job: pool.submit(_write_shard, job, str(out)) for job in jobs}
+                for job, fut in futures.items():
+                    results[job] = fut.result()
+                    if progress:
+                        progress(job.count)
+        summary = {
+            "source": "scenes",
+            "datasets": names,
+            "note": note,
+            "seed": seed,
+            "data_size": data_size,
+            "classes": vocab.nouns,
+            "held_out_pairs": sorted([vocab.nouns[k], c] for k, c in vocab.held_out),
+            "splits": {},
         }
-        start += counts[split]
-    zeroshot = {"datasets": {"scenes": {"classnames": vocab.nouns, "templates": zeroshot_prompts()}}}
-    (out / "zeroshot.json").write_text(json.dumps(zeroshot, indent=1) + "\n")
-    (out / "scenes.json").write_text(json.dumps(summary, indent=1) + "\n")
+        start = index_offset
+        for split in SPLITS:
+            split_jobs = [j for j in jobs if j.split == split]
+            shards = [ShardInfo(results[j][0], j.count, j.first_index, j.first_index + j.count - 1) for j in split_jobs]
+            write_manifest(
+                out / split,
+                Manifest(
+                    data_size,
+                    shards,
+                    extra={
+                        "created_by": "fastclip data embedded --source scenes",
+                        "split": split,
+                        "datasets": names,
+                        "seed": seed,
+                    },
+                ),
+            )
+            captions = [c for j in split_jobs for c in results[j][2]]
+            labels = [lab for j in split_jobs for lab in results[j][3]]
+            summary["splits"][split] = {
+                "num_samples": counts[split],
+                "shards": len(shards),
+                "index_range": [start, start + counts[split] - 1],
+                "distinct_captions": len(set(captions)),
+                "labelled_single_object": sum(lab >= 0 for lab in labels),
+            }
+            start += counts[split]
+        zeroshot = {"datasets": {"scenes": {"classnames": vocab.nouns, "templates": zeroshot_prompts()}}}
+        (out / "zeroshot.json").write_text(json.dumps(zeroshot, indent=1) + "\n")
+        (out / "scenes.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -634,6 +634,22 @@ def test_training_into_a_folder_that_holds_a_run_without_resume_is_refused(tiny_
     assert main(["--check", *_args(tiny_embedded, tmp_path / "new", **{"train.resume": "latest"})]) == 0
 
 
+def test_a_run_saved_at_an_epoch_end_resumes_in_the_next_epoch_and_reports_each_epoch_once(
+    tiny_embedded, tmp_path, capsys
+):
+    """The checkpoint at an epoch's last step is written after the epoch ended: the resume starts the next epoch
+    instead of ending that one again (which repeated its `data: epoch N` line)."""
+    run = tmp_path / "run"
+    assert main(_args(tiny_embedded, run, **{"train.epochs": 1})) == 0
+    first = capsys.readouterr().out
+    model = load(run / "checkpoints" / latest(run) / "model.pt")
+    assert model["epoch"] == 1 and first.count("data: epoch 0:") == 1
+    assert main(_args(tiny_embedded, run, **{"train.epochs": 2, "train.resume": "latest"})) == 0
+    second = capsys.readouterr().out
+    assert "data: epoch 0:" not in second and second.count("data: epoch 1:") == 1, second
+    assert load(run / "checkpoints" / latest(run) / "model.pt")["step"] == 2 * model["step"]
+
+
 def test_resume_latest_without_the_pointer_takes_the_newest_step_folder(tiny_embedded, trained, tmp_path, capsys):
     """`latest` lost (or a crash between the rename and its write): the newest step folder is resumed, with a note,
     never a silent start from scratch over it; a run folder given as train.resume resolves the same way."""

@@ -423,6 +423,10 @@ class Run:
                 if guard.on_device and (self.is_logging_step() or self.checkpoint_due() or self.stop_check_due()):
                     skip = self.read_skips()  # the device's skip counts: on these steps only
                 save_due = self.log_step(loss, grad_norm, skip) if self.is_logging_step() else False
+                if self.stream.batches_remaining(self.epoch) == 0:
+                    # before a checkpoint of this step: it then resumes in the next epoch, not in this one's end
+                    # (which would report this epoch's data line a second time)
+                    self.end_epoch()
                 self.after_step(skip, save_due)
                 if guard.stop:  # every rank saw the request at this step (verdict): checkpoint here and leave
                     self.save_once("checkpoint save")
@@ -432,7 +436,7 @@ class Run:
                         f"--train.resume latest"
                     )
                     break
-            if self.stream.batches_remaining(self.epoch) == 0:
+            if self.stream.batches_remaining(self.epoch) == 0:  # an epoch with no batch left for this run
                 self.end_epoch()
             del batches  # stops the epoch's data workers now when training stops early
         with self.timeouts.relaxed("final evaluation and checkpoint"):

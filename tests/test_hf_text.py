@@ -145,3 +145,46 @@ def test_export_loads_in_plain_open_clip_and_survives_a_move(run_dir, tmp_path):
     again = load_model(moved / "model.pt", arch=str(moved / "tiny-vit-hf.json")).built
     with torch.no_grad():
         assert torch.allclose(again.model.encode_text(again.tokenizer(CAPTIONS)), expected, atol=1e-6, rtol=0)
+
+
+def test_export_refuses_what_its_text_tower_copy_would_replace_before_writing_anything(run_dir, tmp_path, monkeypatch):
+    """The copied Hugging Face folder lands beside the export: a file in its place, or a fifo where one of its files
+    goes (copying into it would block), is refused with nothing written; a failure later removes the .tmp file."""
+    out = tmp_path / "a" / "model.pt"
+    out.parent.mkdir()
+    (out.parent / "tiny-bert").write_text("the operator's")
+    with pytest.raises(ValueError, match=r"tiny-bert, the copy of the text tower's folder .* is not a folder"):
+        export_model(run_dir, out)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny-bert"]
+
+    out = tmp_path / "b" / "model.pt"
+    (out.parent / "tiny-bert").mkdir(parents=True)
+    os.mkfifo(out.parent / "tiny-bert" / "vocab.txt")
+    with pytest.raises(ValueError, match=r"tiny-bert/vocab.txt, written beside it, exists and is a fifo"):
+        export_model(run_dir, out)
+    assert [p.name for p in out.parent.iterdir()] == ["tiny-bert"]
+
+    out = tmp_path / "c" / "model.pt"  # passes the checks, then the disk fills while the folder is copied
+    import fastclip.models
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fastclip.models.shutil, "copyfile", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export_model(run_dir, out)
+    assert not out.exists() and not out.with_name("model.pt.tmp").exists()
+
+
+def test_copying_a_text_tower_folder_onto_itself_copies_nothing(tmp_path):
+    """Exported into the folder that holds the Hugging Face folder: it is used as it is (copyfile onto the same
+    file would raise SameFileError)."""
+    from fastclip.models import copy_hf_folders
+
+    shutil.copytree(REPO_MODEL_CONFIGS / "hf" / "tiny-bert", tmp_path / "tiny-bert")
+    files = {p.name: p.read_bytes() for p in (tmp_path / "tiny-bert").iterdir()}
+    config = {
+        "text_cfg": {"hf_model_name": str(tmp_path / "tiny-bert"), "hf_tokenizer_name": str(tmp_path / "tiny-bert")}
+    }
+    assert copy_hf_folders(config, tmp_path) == config
+    assert {p.name: p.read_bytes() for p in (tmp_path / "tiny-bert").iterdir()} == files

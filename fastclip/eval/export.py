@@ -93,6 +93,18 @@ def _check_beside(out: Path, files: list[Path]) -> None:
             )
 
 
+def _check_hf_copies(out: Path, copies: list[tuple[Path, Path]]) -> None:
+    """Each Hugging Face folder copied beside the export must land in a folder (or a new one), its files replacing
+    regular files only."""
+    for source, copy in copies:
+        if os.path.lexists(copy) and not copy.is_dir():
+            raise ValueError(
+                f"--out {out}: {copy}, the copy of the text tower's folder {source} written beside it, exists and is "
+                f"not a folder; choose another --out folder"
+            )
+        _check_beside(out, [copy / f.name for f in source.iterdir() if f.is_file()])
+
+
 def _is_training(folder: Path) -> bool:
     from fastclip.train.errors import CheckpointError
 
@@ -107,6 +119,7 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     if precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     from fastclip.eval.checkpoint import load_model
+    from fastclip.models import copy_hf_folders, hf_folder_copies
 
     file, checkpoint = load_checkpoint(checkpoint_path)
     out = Path(out)
@@ -133,25 +146,21 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     heads = {k: v.detach().clone() for k, v in ckpt.loss_parameters(checkpoint).items() if k.startswith("tempnet_")}
     tempnet_file = out.with_name(out.stem + ".tempnet.pt") if heads else None
     config_file = None if _is_builtin(arch, model_config) else out.parent / f"{arch}.json"
+    # a Hugging Face text tower's folders (its config.json, tokenizer files) go beside the export too
+    hf_copies = hf_folder_copies(model_config, out.parent) if config_file is not None else []
     _check_beside(out, [f for f in (tempnet_file, config_file) if f is not None])
+    _check_hf_copies(out, hf_copies)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     try:  # (through an open file: torch.save's own open fails with a RuntimeError, not an OSError)
         ckpt.save_file({"state_dict": state}, tmp)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if tempnet_file is not None:
-        ckpt.save_file({"state_dict": heads}, tempnet_file)
-    if config_file is not None:
-        from fastclip.models import copy_hf_folders
-
-        # a Hugging Face text tower's folder (its config.json, tokenizer files) goes beside the export too
-        model_config = copy_hf_folders(model_config, out.parent)
-        config_file.write_text(json.dumps(model_config, indent=4) + "\n")
-    try:  # success only once open_clip itself has loaded the file back, tensor for tensor
-        _verify_in_open_clip(tmp, arch, config_file, state)
+        if tempnet_file is not None:
+            ckpt.save_file({"state_dict": heads}, tempnet_file)
+        if config_file is not None:
+            model_config = copy_hf_folders(model_config, out.parent)
+            config_file.write_text(json.dumps(model_config, indent=4) + "\n")
+        _verify_in_open_clip(tmp, arch, config_file, state)  # success only once open_clip has loaded it back
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -94,26 +94,35 @@ def resolve_hf_folders(config: dict, config_file: Path) -> dict:
     return config
 
 
+def hf_folder_copies(config: dict, dest: Path) -> list[tuple[Path, Path]]:
+    """(source, copy) of each local Hugging Face folder a config names, copied into `dest` by copy_hf_folders: what
+    an export will write, to be checked before anything is written."""
+    text = config.get("text_cfg", {})
+    pairs = []
+    for name in sorted({text[key] for key in HF_FOLDER_KEYS if text.get(key)}):
+        source = Path(name)
+        if not source.is_dir():
+            raise FileNotFoundError(f"model config: text_cfg folder {name!r} (Hugging Face text tower) does not exist")
+        pairs.append((source, dest / source.name))
+    return pairs
+
+
 def copy_hf_folders(config: dict, dest: Path) -> dict:
     """For an export: copy the local Hugging Face folders a config names (text tower config, tokenizer files)
     into `dest` and return the config naming the copies by absolute path (what open_clip needs to build it;
     if the export is moved, fastclip finds the folder beside the moved config). Other configs come back as is."""
-    text = config.get("text_cfg", {})
-    names = {text[key] for key in HF_FOLDER_KEYS if text.get(key)}
-    if not names:
+    pairs = hf_folder_copies(config, dest)
+    if not pairs:
         return config
     config = json.loads(json.dumps(config))
-    for name in names:
-        source = Path(name)
-        if not source.is_dir():
-            raise FileNotFoundError(f"model config: text_cfg folder {name!r} (Hugging Face text tower) does not exist")
-        copy = dest / source.name
-        copy.mkdir(parents=True, exist_ok=True)
-        for file in source.iterdir():
-            if file.is_file():
-                shutil.copyfile(file, copy / file.name)
+    for source, copy in pairs:
+        if copy.resolve() != source.resolve():  # exported next to the folder itself: nothing to copy
+            copy.mkdir(parents=True, exist_ok=True)
+            for file in source.iterdir():
+                if file.is_file():
+                    shutil.copyfile(file, copy / file.name)
         for key in HF_FOLDER_KEYS:
-            if config["text_cfg"].get(key) == name:
+            if config["text_cfg"].get(key) and Path(config["text_cfg"][key]) == source:
                 config["text_cfg"][key] = str(copy.resolve())
     return config
 
@@ -168,6 +177,7 @@ __all__ = [
     "build_model",
     "resolve_arch",
     "copy_hf_folders",
+    "hf_folder_copies",
     "resolve_hf_folders",
     "BuiltModel",
     "image_size",

@@ -15,7 +15,7 @@ COMMANDS = {
     "export": ("fastclip.eval.export", "write a model-only checkpoint that open_clip loads"),
     "plot": ("fastclip.eval.plots", "plot metrics of one or several runs"),
     "summary": ("fastclip.eval.summary", "what a run trained, how long, and how well, at a glance"),
-    "reshard": ("fastclip.losses.sharded_state", "reshard saved per-sample state to another world size"),
+    "reshard": ("fastclip.train.reshard", "reshard saved per-sample state to another world size"),
 }
 
 

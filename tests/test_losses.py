@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from fastclip.losses import (
 from fastclip.losses.schedules import GammaSchedule
 from fastclip.losses.sharded_state import ShardedSampleState, last_occurrence, shard_size
 
-from helpers import features, grads, run_loss
+from helpers import REPO, features, grads, run_loss
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -423,7 +425,7 @@ def test_reshard_keeps_every_entry():
 
 
 def test_reshard_cli(tmp_path):
-    from fastclip.losses.sharded_state import main
+    from fastclip.train.reshard import main
 
     shards = random_shards(50, 2)
     for r, s in enumerate(shards):
@@ -456,7 +458,7 @@ def test_reshard_cli(tmp_path):
 )
 def test_reshard_cli_refuses_bad_input_in_one_line(tmp_path, capsys, case, words):
     """Every wrong --in/--out: one line on stderr naming the path, status 2, nothing written to --out."""
-    from fastclip.losses.sharded_state import main
+    from fastclip.train.reshard import main
 
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()
@@ -822,3 +824,16 @@ def test_row_terms_shift_by_the_row_maximum_matches_the_floor_form_and_refuses_b
         assert torch.all(by_max.exp[:, 2] == 0) and torch.all(by_max.shift[:, 2] == EXCLUDED / 2)
     with pytest.raises(ValueError, match="not both"):
         row_terms(sim, pos, scale, bound_floor=floor, max_shift=True)
+
+
+def test_the_loss_library_imports_nothing_of_the_trainer_data_or_command_line():
+    """The losses are usable in a user's own training loop: every module of fastclip.losses loads without the
+    rest of fastclip: no trainer, data layer, evaluation, models or command line (fastclip reshard lives in train/)."""
+    code = (
+        "import importlib, pkgutil, sys, fastclip.losses as L\n"
+        "for m in pkgutil.iter_modules(L.__path__): importlib.import_module('fastclip.losses.' + m.name)\n"
+        "print(sorted(n for n in sys.modules if n.startswith('fastclip.') and not n.startswith('fastclip.losses')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -297,7 +297,7 @@ def test_export_refuses_to_replace_what_is_not_an_earlier_export(tiny_run, tmp_p
 def test_reshard_names_what_a_rank_file_is_not_and_which_are_missing(case, words, tmp_path, capsys):
     import torch
 
-    from fastclip.losses.sharded_state import main
+    from fastclip.train.reshard import main
 
     if case == "junk":
         (tmp_path / "rank_0.pt").write_text("junk text\n" * 10)

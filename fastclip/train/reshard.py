@@ -1,0 +1,112 @@
+"""`fastclip reshard`: the per-sample loss state of a folder of rank_<r>.pt files, rewritten for another world size.
+
+The resharding itself is the loss library's (fastclip/losses/sharded_state.py: reshard_for_rank); this is its
+command: files in and out, read with the trainer's checkpoint reader, written whole or not at all. `fastclip train
+--resume` needs none of it: it reshards a checkpoint's state itself at any world size.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+from fastclip.cli import OneLineParser
+from fastclip.losses import reshard_for_rank
+from fastclip.train.checkpoint import MODEL_FILE, load_file, rank_file_name, save_file
+from fastclip.train.errors import CheckpointError
+
+_RANK_FILE = re.compile(r"^rank_(\d+)\.pt$")
+
+
+def _rank_files(folder: Path) -> list[Path]:
+    files = {int(m.group(1)): folder / name for name in os.listdir(folder) if (m := _RANK_FILE.match(name))}
+    if not files:
+        raise FileNotFoundError(f"no rank_<r>.pt files in {folder}")
+    missing = [f"rank_{r}.pt" for r in range(max(files)) if r not in files]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise FileNotFoundError(
+            f"{folder}: no {shown} (resharding needs the file of every old rank, rank_0.pt to rank_{max(files)}.pt); "
+            f"copy the missing rank files in, or pass a complete step folder as --in"
+        )
+    return [files[r] for r in range(len(files))]
+
+
+def _load(path: Path) -> dict:
+    try:  # the trainer's reader: one line for torn or foreign files
+        return load_file(path)
+    except CheckpointError as e:
+        raise ValueError(str(e).replace("pass another checkpoint", "pass another --in")) from None
+
+
+def _loss_states(files: list[Path]):
+    for path in files:
+        payload = _load(path)
+        if "loss_state" not in payload:
+            raise ValueError(f"{path}: no 'loss_state' entry (a model.pt? reshard reads the rank_<r>.pt files)")
+        yield payload["loss_state"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(
+        prog="fastclip reshard",
+        description="Reshard the per-sample loss state of a folder of rank_<r>.pt files (each with a 'loss_state' "
+        "entry) to another world size. The new files hold {'loss_state', 'rank', 'world_size'}; other "
+        "per-rank entries describe the old layout and are not carried over. A training checkpoint "
+        "needs none of this: `fastclip train --resume` reshards itself at any world size.",
+    )
+    parser.add_argument("--in", dest="src", required=True, type=Path, help="folder with rank_<r>.pt files")
+    parser.add_argument("--world-size", required=True, type=int, help="the new number of ranks")
+    parser.add_argument("--out", type=Path, default=None, help="write here instead of rewriting --in in place")
+    args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error("--world-size must be >= 1")
+    try:
+        return _reshard_folder(args.src, args.out, args.world_size)
+    except (FileNotFoundError, ValueError, KeyError, NotADirectoryError) as e:
+        print(f"fastclip reshard: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def _reshard_folder(src: Path, out: Path | None, world_size: int) -> int:
+    if not src.is_dir():
+        raise NotADirectoryError(f"--in {src}: not a folder (pass the folder that holds rank_<r>.pt files)")
+    if out is not None and out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out}: exists and is not a folder")
+    files = _rank_files(src)
+    out_dir = out or src
+    if out_dir.resolve() == src.resolve() and (src / MODEL_FILE).exists():
+        raise ValueError(
+            f"{src} is a training checkpoint (it has model.pt): rewriting its rank files in place "
+            f"would desynchronise it from model.pt and the data positions; `fastclip train --resume` "
+            f"reshards the sample state itself, or pass --out DIR for a resharded copy of the loss state"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    try:
+        for rank in range(world_size):
+            payload = {
+                "loss_state": reshard_for_rank(_loss_states(files), world_size, rank),
+                "rank": rank,
+                "world_size": world_size,
+            }
+            tmp = out_dir / f".{rank_file_name(rank)}.tmp"
+            save_file(payload, tmp)
+            written.append(tmp)
+    except BaseException:
+        for tmp in written:  # nothing half-written is left behind
+            tmp.unlink(missing_ok=True)
+        raise
+    for rank, tmp in enumerate(written):  # replace only after every new shard was built
+        os.replace(tmp, out_dir / rank_file_name(rank))
+    if out_dir.resolve() == src.resolve():
+        for stale in files[world_size:]:
+            stale.unlink()
+    print(f"resharded the sample state of {len(files)} rank(s) in {src} into {world_size} rank(s) in {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

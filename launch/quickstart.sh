@@ -18,8 +18,8 @@ fi
 RUN=${RUN:-runs/quickstart-fastclip-v3}
 export OMP_NUM_THREADS=1   # two processes on two cores: one thread each, or they fight for the cores
 STARTED=$SECONDS
-torchrun --standalone --nproc_per_node 2 -m fastclip train -- --config configs/embedded.yaml \
-    --train.run_dir "$RUN" --train.resume latest "$@"
+# (launch/single_node.sh: the config and data checks first, so a bad override is one line and status 2)
+bash launch/single_node.sh configs/embedded.yaml 2 --train.run_dir "$RUN" --train.resume latest "$@"
 TRAIN_SECONDS=$((SECONDS - STARTED))
 fastclip eval "$RUN" --data "$DATA"
 # training curves and the open_clip-loadable model, in the run folder; their paths are in the summary
@@ -38,8 +38,8 @@ if [ ! -f "$SCENES/zeroshot.json" ]; then
 fi
 SCENES_RUN=${SCENES_RUN:-runs/quickstart-scenes}
 STARTED=$SECONDS
-torchrun --standalone --nproc_per_node 2 -m fastclip train -- --config configs/scenes.yaml \
-    --train.run_dir "$SCENES_RUN" --train.resume latest --train.epochs 8 --loss.gamma_decay_epochs 4 --optim.warmup_steps 37
+bash launch/single_node.sh configs/scenes.yaml 2 --train.run_dir "$SCENES_RUN" --train.resume latest --train.epochs 8 \
+    --loss.gamma_decay_epochs 4 --optim.warmup_steps 37
 echo "scenes: trained in $((SECONDS - STARTED)) s"
 for split in test novel; do  # novel: each scene holds a (class, colour) pair never seen in training
     echo

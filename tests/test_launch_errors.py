@@ -202,3 +202,16 @@ def test_ctrl_c_in_another_command_is_one_line_exit_130(tmp_path):
     status, err = _ctrl_c(argv, tmp_path, out.exists, "the output folder", wait_s=120, finish_s=60)
     assert status == 130, err
     assert err.strip().splitlines()[-1] == "fastclip data: interrupted" and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("variable", ["LOCAL_RANK", "SLURM_LOCALID"])
+def test_a_config_error_is_said_once_per_node(tmp_path, capsys, bare_env, monkeypatch, variable):
+    """Under a hand-run torchrun every process meets the same bad key: local rank 0 says it, the others only exit 2
+    (torchrun's own report follows either way)."""
+    argv = ["--config", str(EMBEDDED), "--train.bogus", "1", "--train.run_dir", str(tmp_path / "run")]
+    for local, said in (("1", False), ("0", True)):
+        monkeypatch.setenv(variable, local)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert (err.count("fastclip train: config error: unknown config key 'train.bogus'") == 1) is said, err
+        assert said or err == ""

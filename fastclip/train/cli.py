@@ -21,6 +21,7 @@ Interrupted (Ctrl-C, SIGINT): one line naming the step and the last complete che
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -60,6 +61,14 @@ def _interrupted_line(error: BaseException, run_dir) -> str:
     return (
         f"fastclip train: interrupted {where}; last complete checkpoint: {last} (continue with --train.resume latest)"
     )
+
+
+def _first_on_its_node() -> bool:
+    """Whether this process says a configuration error: every process of a node reads the same arguments and
+    files and meets the same error, so one line per node (local rank 0; one per node: nodes may see different
+    files) instead of one per process."""
+    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    return not (local.isdigit() and int(local) > 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         if train(cfg)["preempted"]:
             return EXIT_PREEMPTED
     except ConfigError as e:
-        print(f"fastclip train: config error: {e}", file=sys.stderr)
+        if _first_on_its_node():
+            print(f"fastclip train: config error: {e}", file=sys.stderr)
         return 2
     except LaunchError as e:
         print(f"fastclip train: launch error: {e}", file=sys.stderr)

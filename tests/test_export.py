@@ -146,3 +146,27 @@ def test_eval_cli_errors_name_the_file(tmp_path, run_dir, capsys):
     write_labelled_shards(tmp_path / "val", fruit_samples()[:2])
     assert eval_main([str(run_dir), "--data", str(tmp_path / "val"), "--classnames", str(tmp_path / "names.json")]) == 2
     assert "names.json: template 0" in capsys.readouterr().err
+
+
+def test_a_disk_that_fills_while_exporting_is_one_line_status_1_and_leaves_no_file(
+    run_dir, tmp_path, capsys, monkeypatch
+):
+    """Not a usage error (the checkpoint and --out are fine): status 1, and neither the export nor its temporary
+    file is left behind."""
+    from fastclip.train import checkpoint as ckpt
+
+    real = ckpt.save_file
+
+    def fills_up(obj, path):
+        real(obj, path)  # the bytes land, then the disk is full before they reach it
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "save_file", fills_up)
+    out = tmp_path / "e" / "model.pt"
+    assert export_cli.main([str(run_dir), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"fastclip export: --out {out}: cannot write it (No space left on device); free space or choose another --out"
+    )
+    assert list(out.parent.iterdir()) == []

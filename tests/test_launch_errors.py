@@ -205,13 +205,33 @@ def test_ctrl_c_in_another_command_is_one_line_exit_130(tmp_path):
 
 
 @pytest.mark.parametrize("variable", ["LOCAL_RANK", "SLURM_LOCALID"])
-def test_a_config_error_is_said_once_per_node(tmp_path, capsys, bare_env, monkeypatch, variable):
-    """Under a hand-run torchrun every process meets the same bad key: local rank 0 says it, the others only exit 2
-    (torchrun's own report follows either way)."""
+def test_a_config_error_is_said_at_once_by_local_rank_0_and_after_a_wait_by_the_others(
+    tmp_path, capsys, bare_env, monkeypatch, variable
+):
+    """The others wait so that the launcher, ending them once rank 0 has exited, leaves one line per node; a rank
+    that is not ended still says it (nothing is lost if rank 0 never gets there). --check never waits."""
+    import fastclip.train.cli as cli
+
+    monkeypatch.setattr(cli, "CONFIG_ERROR_WAIT_S", 0.5)
+    monkeypatch.setenv("WORLD_SIZE" if variable == "LOCAL_RANK" else "SLURM_NTASKS", "2")
     argv = ["--config", str(EMBEDDED), "--train.bogus", "1", "--train.run_dir", str(tmp_path / "run")]
-    for local, said in (("1", False), ("0", True)):
+    for local, extra, waits in (("1", [], True), ("0", [], False), ("1", ["--check"], False)):
         monkeypatch.setenv(variable, local)
-        assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert (err.count("fastclip train: config error: unknown config key 'train.bogus'") == 1) is said, err
-        assert said or err == ""
+        start = time.monotonic()
+        assert main(argv + extra) == 2
+        assert (time.monotonic() - start >= 0.5) is waits
+        assert "fastclip train: config error: unknown config key 'train.bogus'" in _one_line(capsys.readouterr().err)
+
+
+def test_a_config_error_under_a_hand_run_torchrun_is_said_once(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fastclip"]
+        + ["train", "--", "--config", str(EMBEDDED), "--train.bogus", "1", "--train.run_dir", str(tmp_path / "run")],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode != 0
+    assert (out.stdout + out.stderr).count("fastclip train: config error: unknown config key 'train.bogus'") == 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 from fastclip.cli import EXIT_INTERRUPTED
@@ -63,12 +64,19 @@ def _interrupted_line(error: BaseException, run_dir) -> str:
     )
 
 
-def _first_on_its_node() -> bool:
-    """Whether this process says a configuration error: every process of a node reads the same arguments and
-    files and meets the same error, so one line per node (local rank 0; one per node: nodes may see different
-    files) instead of one per process."""
+# how long a process other than its node's local rank 0 waits before saying a configuration error itself
+CONFIG_ERROR_WAIT_S = 5.0
+
+
+def _say_config_error(error: ConfigError, check_only: bool) -> None:
+    """Every process of a node reads the same arguments and files and meets the same error. Local rank 0 says it at
+    once; the others wait: the launcher (torchrun, srun --kill-on-bad-exit) ends them when rank 0 has exited, so the
+    line appears once per node, and a rank 0 that is slow or failed otherwise still leaves the line said."""
     local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-    return not (local.isdigit() and int(local) > 0)
+    world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+    if not check_only and local.isdigit() and int(local) > 0 and world.isdigit() and int(world) > 1:
+        time.sleep(CONFIG_ERROR_WAIT_S)
+    print(f"fastclip train: config error: {error}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if train(cfg)["preempted"]:
             return EXIT_PREEMPTED
     except ConfigError as e:
-        if _first_on_its_node():
-            print(f"fastclip train: config error: {e}", file=sys.stderr)
+        _say_config_error(e, check_only)
         return 2
     except LaunchError as e:
         print(f"fastclip train: launch error: {e}", file=sys.stderr)

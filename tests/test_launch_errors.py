@@ -41,9 +41,10 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
-def _ctrl_c(argv, cwd, ready, what: str, *, wait_s: float, finish_s: float, settle_s: float = 0.0):
+def _ctrl_c(argv, cwd, ready, what: str, *, wait_s: float, finish_s: float, settle_s: float = 0.0, sig=signal.SIGINT):
     """(status, stderr) of `fastclip <argv>` run in its own process group and sent SIGINT as a terminal's Ctrl-C
-    sends it (to the whole group: data workers too) once `ready()` holds; killed if it outlives `finish_s`."""
+    sends it (to the whole group: data workers too) once `ready()` holds; killed if it outlives `finish_s`.
+    `sig`: another signal sent the same way (SIGTERM: a job's time limit, scancel)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "fastclip", *argv],
         cwd=cwd,
@@ -59,7 +60,7 @@ def _ctrl_c(argv, cwd, ready, what: str, *, wait_s: float, finish_s: float, sett
     try:
         wait_for(lambda: ready() or proc.poll() is not None, wait_s, what)
         time.sleep(settle_s)
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sig)
         _, err = proc.communicate(timeout=finish_s)
     finally:
         if proc.poll() is None:
@@ -202,6 +203,36 @@ def test_ctrl_c_in_another_command_is_one_line_exit_130(tmp_path):
     status, err = _ctrl_c(argv, tmp_path, out.exists, "the output folder", wait_s=120, finish_s=60)
     assert status == 130, err
     assert err.strip().splitlines()[-1] == "fastclip data: interrupted" and "Traceback" not in err, err
+    assert not out.exists()  # what it wrote is removed: no train split with its manifest and no val
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_scenes_stopped_with_workers_stop_at_once_and_leave_nothing(tmp_path, sig):
+    """60,000 scenes on 2 worker processes (a minute's work), stopped once the first shard is written: the queued
+    shards are not started, what was written is removed, one line, 128 + the signal's number."""
+    out = tmp_path / "out"
+    argv = ["data", "embedded", "--source", "scenes", "--out", str(out), "--num-train", "60000", "--num-val", "500"]
+    argv += ["--num-test", "500", "--num-novel", "500", "--shard-size", "500", "--workers", "2"]
+    ready = lambda: out.is_dir() and any((out / "train").glob("*.tar"))  # noqa: E731
+    start = []
+    status, err = _ctrl_c(
+        argv,
+        tmp_path,
+        lambda: ready() and not start.append(time.monotonic()),
+        "a shard",
+        wait_s=120,
+        finish_s=60,
+        sig=sig,
+    )
+    stopped_in = time.monotonic() - start[0]
+    assert status == 128 + sig, err
+    last = err.strip().splitlines()[-1]
+    if sig == signal.SIGINT:
+        assert last == "fastclip data: interrupted", err
+    else:
+        assert last == f"fastclip data embedded: stopped by SIGTERM; what it wrote in {out} is removed", err
+    assert "Traceback" not in err and not out.exists(), err
+    assert stopped_in < 6, stopped_in  # under 1 s here; starting the queued shards took 14 s
 
 
 @pytest.mark.parametrize("variable", ["LOCAL_RANK", "SLURM_LOCALID"])

@@ -81,28 +81,56 @@ def _full_disk_after(calls: int, real):
 
 
 @pytest.mark.parametrize("source", ["glyphs", "scenes"])
-def test_embedded_that_fails_midway_removes_what_it_wrote_and_its_rerun_succeeds(tmp_path, capsys, monkeypatch, source):
-    """A full disk after the train split (and its manifest) is written: no half data set is left to train on."""
+@pytest.mark.parametrize("phase", ["shards", "manifests"])
+def test_embedded_that_fails_midway_removes_what_it_wrote_and_its_rerun_succeeds(
+    tmp_path, capsys, monkeypatch, source, phase
+):
+    """A full disk part-way: while val's shards are written, or after train's manifest, before val's. No half data
+    set is left to train on, the folders of the operator stay, and the same command then succeeds."""
     import fastclip.data.sources.embedded as embedded
     import fastclip.data.sources.scenes as scenes
+    import fastclip.data.writer as writer
 
     out = tmp_path / "kept"
-    out.mkdir()
-    (out / "notes.txt").write_text("the operator's")
-    if source == "glyphs":  # 10 classes x 2 train + 1 val each, in shards of 4: fails in val
+    (out / "train").mkdir(parents=True)  # a split folder that was there: kept, with what it held
+    (out / "train" / "notes.txt").write_text("the operator's")
+    if source == "glyphs":  # 10 classes x 2 train + 1 val each, in shards of 4: the 26th image is val's 6th
         argv = ["embedded", "--out", str(out), "--datasets", "mnist", "--max-per-class", "2", "--max-val-per-class"]
         argv += ["1", "--shard-size", "4"]
-        monkeypatch.setattr(embedded, "_png", _full_disk_after(25, embedded._png))
-    else:  # shards of 5: train's 2, then val's first fails
+        fails = (embedded, "_png", 25) if phase == "shards" else (writer, "write_manifest", 1)
+    else:  # shards of 5: train's 2, val's 1, then test's fails
         argv = ["embedded", "--source", "scenes", "--out", str(out), "--num-train", "10", "--num-val", "5"]
         argv += ["--num-test", "5", "--num-novel", "5", "--shard-size", "5", "--workers", "1"]
-        monkeypatch.setattr(scenes, "_write_shard", _full_disk_after(3, scenes._write_shard))
-    _one_line(capsys, argv, "No space left on device")
-    assert [p.name for p in out.iterdir()] == ["notes.txt"]  # shards, manifests and split folders gone
+        fails = (scenes, "_write_shard", 3) if phase == "shards" else (scenes, "write_manifest", 1)
+    module, name, calls = fails
+    monkeypatch.setattr(module, name, _full_disk_after(calls, getattr(module, name)))
+    assert main(argv) == 2
+    err = capsys.readouterr().err  # (the progress line of the finished shards before it, in the manifests phase)
+    assert err.strip().splitlines()[-1].endswith("No space left on device") and "Traceback" not in err, err
+    assert [p.relative_to(out).as_posix() for p in out.rglob("*")] == ["train", "train/notes.txt"]
     monkeypatch.undo()  # the operator frees space and runs the same command
     assert main(argv) == 0
     assert (out / "zeroshot.json").is_file() and (out / "train" / "manifest.json").is_file()
-    assert (out / "notes.txt").read_text() == "the operator's"
+    assert (out / "train" / "notes.txt").read_text() == "the operator's"
+
+
+def test_a_split_folder_linked_elsewhere_is_cleaned_through_the_link(tmp_path):
+    """out/train a symbolic link to another disk: the shards written through it are removed, the link stays."""
+    from fastclip.data.writer import removed_on_failure
+
+    elsewhere, out = tmp_path / "big_disk", tmp_path / "out"
+    elsewhere.mkdir()
+    (elsewhere / "old.txt").write_text("kept")
+    out.mkdir()
+    (out / "train").symlink_to(elsewhere)
+    with pytest.raises(OSError), removed_on_failure(out, ("train", "val")):
+        (out / "train" / "train-000000.tar").write_bytes(b"x")
+        (out / "train" / "manifest.json").write_text("{}")
+        (out / "val").mkdir()
+        (out / "val" / "val-000000.tar").write_bytes(b"x")
+        raise OSError(28, "No space left on device")
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["old.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["train"] and (out / "train").is_symlink()
 
 
 def test_embedded_refuses_an_out_holding_a_data_set_and_leaves_it(tmp_path, capsys, tiny_embedded):

@@ -10,13 +10,17 @@
   fastclip data scan DIR|PATTERN [--data-size N] [--strict] [--workers N] [--from-tars] [--samples-per-shard N]
   fastclip data info "DIR::/other/train-{000..009}.tar" [--batch-size 64 --world-size 8]
 
-Exit status: 0 on success, 1 when `scan --strict` finds problems, 2 on a usage or data-spec error.
+Exit status: 0 on success, 1 when `scan --strict` finds problems, 2 on a usage or data-spec error; `embedded` and
+`folder` stopped by SIGTERM or SIGHUP (a job's time limit, a closed terminal) remove what they wrote, as on Ctrl-C,
+and exit 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -158,10 +162,40 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP while shards are written: unwinds like Ctrl-C, so what was written is removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame):
+    raise _Stopped(signum)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals(active: bool):
+    kinds = (signal.SIGTERM, signal.SIGHUP) if active else ()
+    previous = {kind: signal.signal(kind, _stop) for kind in kinds}
+    try:
+        yield
+    finally:
+        for kind, handler in previous.items():
+            signal.signal(kind, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _run(args)
+        with _stopped_by_signals(args.command in ("embedded", "folder")):
+            return _run(args)
+    except _Stopped as e:
+        name = signal.Signals(e.signum).name
+        print(
+            f"fastclip data {args.command}: stopped by {name}; what it wrote in {args.out} is removed", file=sys.stderr
+        )
+        return 128 + e.signum
     except BrokenPipeError:  # the reader of stdout is gone: fastclip's dispatcher ends it quietly
         raise
     except (DataSpecError, OSError, ValueError) as e:  # OSError: --out is a file, a folder that cannot be written

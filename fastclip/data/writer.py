@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from fastclip.data.format import IMAGE_EXTS, sample_key
@@ -84,19 +84,24 @@ class ShardWriter:
 
 
 @contextlib.contextmanager
-def removed_on_failure(out: str | os.PathLike) -> Iterator[Path]:
-    """Run the block that writes a data set into `out`; if it fails (a full disk, Ctrl-C, a bad input), remove every
-    file and folder it created under `out`, and `out` itself if it was new, so that no half data set (a train split
-    with its manifest, no val) is left to be trained on and the same command can be run again. Files that were there
-    before are left as they are."""
+def removed_on_failure(out: str | os.PathLike, splits: Iterable[str] = ()) -> Iterator[Path]:
+    """Run the block that writes a data set into `out` (its files, and its split folders `out/<split>`); if it fails
+    (a full disk, Ctrl-C, a bad input), remove the entries it added to those folders, the split folders it created,
+    and `out` itself if it was new, so that no half data set (a train split with its manifest, no val) is left to be
+    trained on and the same command can be run again. Entries that were there before are not removed (a shard of
+    an earlier run under the same name is overwritten, though). Only these folders are listed, not what is below."""
     out = Path(out)
-    new_folders = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
-    before = set(out.rglob("*")) if out.is_dir() else set()
+    watched = [out, *(out / split for split in splits)]
+    new_folders = [p for p in (*reversed(watched[1:]), out, *out.parents) if not os.path.lexists(p)]  # deepest first
+
+    def entries() -> set[Path]:
+        return {p for folder in watched if folder.is_dir() for p in folder.iterdir()}
+
+    before = entries()
     try:
         yield out
     except BaseException:
-        created = set(out.rglob("*")) - before if out.is_dir() else set()
-        for path in sorted(created, key=lambda p: len(p.parts), reverse=True):  # a folder's files before the folder
+        for path in entries() - before - set(watched):
             with contextlib.suppress(OSError):
                 path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
         for folder in new_folders:

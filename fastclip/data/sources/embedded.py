@@ -294,10 +294,13 @@ def build_embedded(
         "origins": {n: loaded[n][2] for n in names},
         "splits": {},
     }
-    with removed_on_failure(out):  # a full disk, Ctrl-C: no half data set left (train with a manifest, no val)
+    # a full disk, Ctrl-C: no half data set left (train with a manifest, no val); the manifests come last, so that
+    # one killed outright (SIGKILL) leaves shards but no manifest, which the rerun overwrites
+    with removed_on_failure(out, ("train", "val")):
         bar = progress(len(train) + len(val)) if progress is not None else None
+        writers = {}
         for split, items, first in (("train", train, index_offset), ("val", val, index_offset + len(train))):
-            writer = ShardWriter(out / split, prefix=split, shard_size=shard_size)
+            writer = writers[split] = ShardWriter(out / split, prefix=split, shard_size=shard_size)
             per_class: dict[str, list[int]] = {n: [0] * len(loaded[n][0].classnames) for n in names}
             for offset, (name, part, row, label) in enumerate(items):
                 spec, parts, _ = loaded[name]
@@ -307,10 +310,6 @@ def build_embedded(
                 per_class[name][label] += 1
                 if bar is not None:
                     bar.update(1)
-            writer.close(
-                data_size,
-                extra={"created_by": "fastclip data embedded", "split": split, "datasets": names, "seed": seed},
-            )
             summary["splits"][split] = {
                 "num_samples": len(items),
                 "index_range": [first, first + len(items) - 1],
@@ -319,6 +318,11 @@ def build_embedded(
             }
         if bar is not None:
             bar.__exit__(None, None, None)
+        for split, writer in writers.items():
+            writer.close(
+                data_size,
+                extra={"created_by": "fastclip data embedded", "split": split, "datasets": names, "seed": seed},
+            )
         zeroshot = {
             "datasets": {
                 n: {"classnames": list(loaded[n][0].classnames), "templates": list(loaded[n][0].templates)}

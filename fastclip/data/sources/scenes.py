@@ -300,7 +300,7 @@ def build_scenes(
     names, note = choose_datasets(datasets, fashion_root)
     vocab, _ = glyph_pools(names, fashion_root, seed)  # fails here, in the parent, if a dataset is missing
     out = Path(out)
-    with removed_on_failure(out):  # a full disk, Ctrl-C: no half data set left to be trained on
+    with removed_on_failure(out, SPLITS):  # a full disk, Ctrl-C: no half data set left to be trained on
         jobs, first_index = [], index_offset
         for split in SPLITS:
             (out / split).mkdir(parents=True, exist_ok=True)
@@ -322,10 +322,14 @@ def build_scenes(
                 workers, initializer=_init_worker, initargs=(names, str(fashion_root), seed)
             ) as pool:
                 futures = {job: pool.submit(_write_shard, job, str(out)) for job in jobs}
-                for job, fut in futures.items():
-                    results[job] = fut.result()
-                    if progress:
-                        progress(job.count)
+                try:
+                    for job, fut in futures.items():
+                        results[job] = fut.result()
+                        if progress:
+                            progress(job.count)
+                except BaseException:  # Ctrl-C, a failed shard: start no further shard (the workers would)
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    raise
         summary = {
             "source": "scenes",
             "datasets": names,

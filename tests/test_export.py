@@ -165,8 +165,7 @@ def test_a_disk_that_fills_while_exporting_is_one_line_status_1_and_leaves_no_fi
     out = tmp_path / "e" / "model.pt"
     assert export_cli.main([str(run_dir), "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip()
-    assert (
-        err
-        == f"fastclip export: --out {out}: cannot write it (No space left on device); free space or choose another --out"
+    assert err == f"fastclip export: --out {out}: cannot write it (No space left on device); free space or choose " + (
+        "another --out"
     )
     assert list(out.parent.iterdir()) == []

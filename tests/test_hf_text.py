@@ -173,7 +173,7 @@ def test_export_refuses_what_its_text_tower_copy_would_replace_before_writing_an
     monkeypatch.setattr(fastclip.models.shutil, "copyfile", full_disk)
     with pytest.raises(OSError, match="No space left"):
         export_model(run_dir, out)
-    assert not out.exists() and not out.with_name("model.pt.tmp").exists()
+    assert list(out.parent.iterdir()) == []  # no model, config, folder copy or staging folder
 
 
 def test_copying_a_text_tower_folder_onto_itself_copies_nothing(tmp_path):
@@ -188,3 +188,40 @@ def test_copying_a_text_tower_folder_onto_itself_copies_nothing(tmp_path):
     }
     assert copy_hf_folders(config, tmp_path) == config
     assert {p.name: p.read_bytes() for p in (tmp_path / "tiny-bert").iterdir()} == files
+
+
+def test_a_failed_re_export_leaves_the_earlier_export_as_it_was(run_dir, tmp_path, monkeypatch):
+    """Everything is staged and verified before it takes its final name: a re-export that fails (here open_clip
+    builds another tower) changes none of the earlier export's files and leaves no staging folder."""
+    import fastclip.eval.export as export
+
+    written = export_model(run_dir, tmp_path / "model.pt")
+    config = json.loads(written["config_file"].read_text())
+    written["config_file"].write_text(json.dumps({**config, "from": "an earlier run"}))  # what a re-export replaces
+    (tmp_path / "tiny-bert" / "vocab.txt").write_text("an earlier run's vocabulary")
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    def builds_another(file, arch, config_file, state):
+        assert config_file.parent != tmp_path  # verified from the staging folder, not the final place
+        raise ValueError(f"the export of {arch!r} does not load back in open_clip (shape mismatch); nothing written")
+
+    monkeypatch.setattr(export, "_verify_in_open_clip", builds_another)
+    with pytest.raises(ValueError, match="nothing written"):
+        export_model(run_dir, tmp_path / "model.pt", precision="bf16")
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_two_text_tower_folders_of_the_same_name_get_two_copies(tmp_path):
+    from fastclip.models import copy_hf_folders
+
+    for side in ("a", "b"):
+        shutil.copytree(REPO_MODEL_CONFIGS / "hf" / "tiny-bert", tmp_path / side / "tok")
+        (tmp_path / side / "tok" / "which.txt").write_text(side)
+    config = {
+        "text_cfg": {"hf_model_name": str(tmp_path / "a" / "tok"), "hf_tokenizer_name": str(tmp_path / "b" / "tok")}
+    }
+    dest = tmp_path / "export"
+    dest.mkdir()
+    copied = copy_hf_folders(config, dest)["text_cfg"]
+    assert copied == {"hf_model_name": str(dest / "tok"), "hf_tokenizer_name": str(dest / "tok-2")}
+    assert [(dest / n / "which.txt").read_text() for n in ("tok", "tok-2")] == ["a", "b"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -152,19 +153,32 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     _check_hf_copies(out, hf_copies)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
+    # everything is written into a staging folder beside --out and verified there; only then does it take the final
+    # names, so a failure (a full disk, a tower open_clip builds otherwise) leaves an earlier export as it was
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=".fastclip-export-"))
     try:  # (through an open file: torch.save's own open fails with a RuntimeError, not an OSError)
-        ckpt.save_file({"state_dict": state}, tmp)
+        ckpt.save_file({"state_dict": state}, staging / out.name)
         if tempnet_file is not None:
-            ckpt.save_file({"state_dict": heads}, tempnet_file)
-        if config_file is not None:
-            model_config = copy_hf_folders(model_config, out.parent)
-            config_file.write_text(json.dumps(model_config, indent=4) + "\n")
-        _verify_in_open_clip(tmp, arch, config_file, state)  # success only once open_clip has loaded it back
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, out)  # never leave a half-written or unverified file under the final name
+            ckpt.save_file({"state_dict": heads}, staging / tempnet_file.name)
+        staged = None if config_file is None else staging / config_file.name
+        if staged is not None:
+            staged.write_text(json.dumps(copy_hf_folders(model_config, staging), indent=4) + "\n")
+        _verify_in_open_clip(staging / out.name, arch, staged, state)
+        for source, copy in hf_copies:  # file by file: a folder of an earlier export takes the new files
+            if copy.resolve() == source.resolve():  # exported beside the folder itself
+                continue
+            copy.mkdir(exist_ok=True)
+            for file in (staging / copy.name).iterdir():
+                os.replace(file, copy / file.name)
+        if staged is not None:  # naming the folders' final places
+            staged.write_text(json.dumps(copy_hf_folders(model_config, out.parent, copy=False), indent=4) + "\n")
+            os.replace(staged, config_file)
+            _register(config_file)  # open_clip's registry held the staged config, whose folders go now
+        if tempnet_file is not None:
+            os.replace(staging / tempnet_file.name, tempnet_file)
+        os.replace(staging / out.name, out)  # last: the model file under its name means the export is whole
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return {
         "file": out,
         "arch": arch,
@@ -175,6 +189,12 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
         "step": ckpt.saved_step(checkpoint),
         "source": file,
     }
+
+
+def _register(config_file: Path) -> None:
+    from fastclip.compat import import_open_clip
+
+    import_open_clip().add_model_config(str(config_file))
 
 
 def _verify_in_open_clip(file: Path, arch: str, config_file: Path | None, state: dict) -> None:

@@ -96,34 +96,40 @@ def resolve_hf_folders(config: dict, config_file: Path) -> dict:
 
 def hf_folder_copies(config: dict, dest: Path) -> list[tuple[Path, Path]]:
     """(source, copy) of each local Hugging Face folder a config names, copied into `dest` by copy_hf_folders: what
-    an export will write, to be checked before anything is written."""
+    an export will write, to be checked before anything is written. Two folders of the same name (a/tok, b/tok)
+    get two copies (tok, tok-2)."""
     text = config.get("text_cfg", {})
-    pairs = []
+    pairs, taken = [], {}
     for name in sorted({text[key] for key in HF_FOLDER_KEYS if text.get(key)}):
         source = Path(name)
         if not source.is_dir():
             raise FileNotFoundError(f"model config: text_cfg folder {name!r} (Hugging Face text tower) does not exist")
-        pairs.append((source, dest / source.name))
+        copy_name, n = source.name, 1
+        while taken.setdefault(copy_name, source.resolve()) != source.resolve():
+            n += 1
+            copy_name = f"{source.name}-{n}"
+        pairs.append((source, dest / copy_name))
     return pairs
 
 
-def copy_hf_folders(config: dict, dest: Path) -> dict:
+def copy_hf_folders(config: dict, dest: Path, *, copy: bool = True) -> dict:
     """For an export: copy the local Hugging Face folders a config names (text tower config, tokenizer files)
     into `dest` and return the config naming the copies by absolute path (what open_clip needs to build it;
-    if the export is moved, fastclip finds the folder beside the moved config). Other configs come back as is."""
+    if the export is moved, fastclip finds the folder beside the moved config). Other configs come back as is.
+    `copy=False`: the config only, for copies already in place."""
     pairs = hf_folder_copies(config, dest)
     if not pairs:
         return config
     config = json.loads(json.dumps(config))
-    for source, copy in pairs:
-        if copy.resolve() != source.resolve():  # exported next to the folder itself: nothing to copy
-            copy.mkdir(parents=True, exist_ok=True)
+    for source, target in pairs:
+        if copy and target.resolve() != source.resolve():  # exported next to the folder itself: nothing to copy
+            target.mkdir(parents=True, exist_ok=True)
             for file in source.iterdir():
                 if file.is_file():
-                    shutil.copyfile(file, copy / file.name)
+                    shutil.copyfile(file, target / file.name)
         for key in HF_FOLDER_KEYS:
             if config["text_cfg"].get(key) and Path(config["text_cfg"][key]) == source:
-                config["text_cfg"][key] = str(copy.resolve())
+                config["text_cfg"][key] = str(target.resolve())
     return config
 
 

@@ -837,3 +837,29 @@ def test_the_loss_library_imports_nothing_of_the_trainer_data_or_command_line():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_reshard_on_a_full_disk_is_one_line_status_1_and_changes_nothing(tmp_path, capsys, monkeypatch):
+    """The second new file fails part-way: the old rank files stay as they were and no temporary file is left."""
+    import fastclip.train.reshard as reshard
+
+    for r, s in enumerate(random_shards(50, 2)):
+        torch.save({"loss_state": {"_extra_state": s}}, tmp_path / f"rank_{r}.pt")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real, calls = reshard.save_file, []
+
+    def fills_up(obj, path):
+        calls.append(path)
+        if len(calls) == 2:
+            path.write_bytes(b"PK part of it")
+            raise OSError(28, "No space left on device")
+        real(obj, path)
+
+    monkeypatch.setattr(reshard, "save_file", fills_up)
+    assert reshard.main(["--in", str(tmp_path), "--world-size", "3"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"fastclip reshard: error: cannot write in {tmp_path} (No space left on device); nothing was changed: "
+        f"free space or pass another --out"
+    )
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -278,6 +278,3 @@ def reshard_for_rank(states: Iterable[Mapping], new_world_size: int, new_rank: i
 def reshard_states(states: list[Mapping], new_world_size: int) -> list[dict]:
     """All ``new_world_size`` shards from the list of old ones (offline tool and tests)."""
     return [reshard_for_rank(states, new_world_size, rank) for rank in range(new_world_size)]
-
-
-# --- fastclip reshard ----------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ engine, built once: build_net), engine.py (the backend:
 DDP or DeepSpeed ZeRO-1/2/3, train.distributed), accumulate.py (gradient accumulation, GradCache, exact for the
 FastCLIP estimator: optim.accum_steps), checkpoint.py (the checkpoint layout: atomic step folders, model.pt and
 rank files written and read, format version checked, resume and resharding; RNG states as tensors), metrics.py
-(rank-0 reporting), cli.py (`main(argv)`). Launch and rank discovery (torchrun / SLURM / single process):
+(rank-0 reporting), cli.py (`main(argv)`), reshard.py (`fastclip reshard`: rank files to another world size).
+Launch and rank discovery (torchrun / SLURM / single process):
 fastclip/distributed.py; optimizers and schedules: fastclip/optim.
 """

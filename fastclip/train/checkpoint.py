@@ -90,7 +90,7 @@ def restore_rng_states(state: dict, device: torch.device) -> None:
 
 
 # ----------------------------------------------------------------------------- atomic files
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # some filesystems do not open directories; the renames are still atomic
@@ -117,7 +117,7 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def load_file(path: Path) -> dict:
@@ -240,7 +240,7 @@ def _save(
         write_extra(tmp)
     barrier(info)  # all rank files are on disk
     if info.is_main:
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = None
         if final.exists():  # the same step saved again (a run resumed and stopped at once)
             old = root / f".old_{final.name}"
@@ -248,7 +248,7 @@ def _save(
                 shutil.rmtree(old)
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         faults.hook("checkpoint.renamed", step=step, rank=info.rank)
         write_text_atomic(root / "latest", final.name + "\n")
         if old is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fastclip.cli import OneLineParser
 from fastclip.losses import reshard_for_rank
-from fastclip.train.checkpoint import MODEL_FILE, load_file, rank_file_name, save_file
+from fastclip.train.checkpoint import MODEL_FILE, fsync_dir, load_file, rank_file_name, save_file
 from fastclip.train.errors import CheckpointError
 
 _RANK_FILE = re.compile(r"^rank_(\d+)\.pt$")
@@ -68,6 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, KeyError, NotADirectoryError) as e:
         print(f"fastclip reshard: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
+    except OSError as e:  # writing failed (a full disk): the old files are untouched
+        where = args.out or args.src
+        print(
+            f"fastclip reshard: error: cannot write in {where} ({e.strerror or e}); nothing was changed: free space "
+            f"or pass another --out",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def _reshard_folder(src: Path, out: Path | None, world_size: int) -> int:
@@ -93,14 +101,15 @@ def _reshard_folder(src: Path, out: Path | None, world_size: int) -> int:
                 "world_size": world_size,
             }
             tmp = out_dir / f".{rank_file_name(rank)}.tmp"
+            written.append(tmp)  # first: a save that fails part-way is removed too
             save_file(payload, tmp)
-            written.append(tmp)
     except BaseException:
         for tmp in written:  # nothing half-written is left behind
             tmp.unlink(missing_ok=True)
         raise
     for rank, tmp in enumerate(written):  # replace only after every new shard was built
         os.replace(tmp, out_dir / rank_file_name(rank))
+    fsync_dir(out_dir)
     if out_dir.resolve() == src.resolve():
         for stale in files[world_size:]:
             stale.unlink()

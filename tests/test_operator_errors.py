@@ -650,6 +650,24 @@ def test_a_run_saved_at_an_epoch_end_resumes_in_the_next_epoch_and_reports_each_
     assert load(run / "checkpoints" / latest(run) / "model.pt")["step"] == 2 * model["step"]
 
 
+def test_a_resume_with_nothing_left_to_train_finishes_the_pruning_a_kill_cut_short(tiny_embedded, tmp_path):
+    """Killed after the last save but before its pruning (keep_last 2, three step folders): the resume, with no step
+    left to train, deletes the oldest; a resume from an older step (to branch) deletes nothing."""
+    import shutil
+
+    run = tmp_path / "run"
+    args = _args(tiny_embedded, run, **{"train.max_steps": 3, "checkpoint.every_steps": 1, "checkpoint.keep_last": 2})
+    assert main(args) == 0
+    folders = lambda: sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))  # noqa: E731
+    assert folders() == ["step_00000002", "step_00000003"]
+    shutil.copytree(step_dir(run, 2), step_dir(run, 1))  # as if step 1's folder had not been pruned yet
+    older = _args(tiny_embedded, run, **{"train.max_steps": 2, "checkpoint.keep_last": 2})
+    assert main(older + ["--train.resume", str(step_dir(run, 2))]) == 0  # an older one, nothing to train: kept
+    assert folders() == ["step_00000001", "step_00000002", "step_00000003"]
+    assert main(args + ["--train.resume", "latest"]) == 0
+    assert folders() == ["step_00000002", "step_00000003"]
+
+
 def test_resume_latest_without_the_pointer_takes_the_newest_step_folder(tiny_embedded, trained, tmp_path, capsys):
     """`latest` lost (or a crash between the rename and its write): the newest step folder is resumed, with a note,
     never a silent start from scratch over it; a run folder given as train.resume resolves the same way."""

@@ -253,12 +253,19 @@ def _save(
         write_text_atomic(root / "latest", final.name + "\n")
         if old is not None:
             shutil.rmtree(old)
-        # keep_last counts complete checkpoints: an incomplete folder (a resume passed it over) is not one of them
-        for stale in [p for p in list_checkpoints(root) if is_complete(p)][:-keep_last]:
-            if stale != final:
-                shutil.rmtree(stale)
+        prune_checkpoints(root, keep_last, keep=final)
     barrier(info)
     return final
+
+
+def prune_checkpoints(root: Path, keep_last: int, *, keep: Path | None) -> None:
+    """Rank 0: delete the complete checkpoints older than the newest `keep_last` (never `keep`). After each save, and
+    when a run resumes: a job killed between a save and its pruning, resumed with nothing left to train, would
+    otherwise end with one checkpoint more than keep_last."""
+    # keep_last counts complete checkpoints: an incomplete folder (a resume passed it over) is not one of them
+    for stale in [p for p in list_checkpoints(root) if is_complete(p)][:-keep_last]:
+        if keep is None or stale.resolve() != keep.resolve():
+            shutil.rmtree(stale)
 
 
 # ----------------------------------------------------------------------------- load

@@ -149,7 +149,7 @@ def test_export_loads_in_plain_open_clip_and_survives_a_move(run_dir, tmp_path):
 
 def test_export_refuses_what_its_text_tower_copy_would_replace_before_writing_anything(run_dir, tmp_path, monkeypatch):
     """The copied Hugging Face folder lands beside the export: a file in its place, or a fifo where one of its files
-    goes (copying into it would block), is refused with nothing written; a failure later removes the .tmp file."""
+    goes (copying into it would block), is refused with nothing written; a failure later leaves nothing either."""
     out = tmp_path / "a" / "model.pt"
     out.parent.mkdir()
     (out.parent / "tiny-bert").write_text("the operator's")
@@ -225,3 +225,19 @@ def test_two_text_tower_folders_of_the_same_name_get_two_copies(tmp_path):
     copied = copy_hf_folders(config, dest)["text_cfg"]
     assert copied == {"hf_model_name": str(dest / "tok"), "hf_tokenizer_name": str(dest / "tok-2")}
     assert [(dest / n / "which.txt").read_text() for n in ("tok", "tok-2")] == ["a", "b"]
+
+
+def test_a_text_tower_folder_already_beside_the_export_keeps_its_name(tmp_path):
+    """out/tok is one of the config's folders (the run's own) and a/tok another: a/tok's copy is tok-2, so out/tok is
+    never overwritten by the other folder's files."""
+    from fastclip.models import copy_hf_folders, hf_folder_copies
+
+    dest = tmp_path / "out"
+    for folder in (dest / "tok", tmp_path / "a" / "tok"):
+        shutil.copytree(REPO_MODEL_CONFIGS / "hf" / "tiny-bert", folder)
+        (folder / "which.txt").write_text(folder.parent.name)
+    config = {"text_cfg": {"hf_model_name": str(dest / "tok"), "hf_tokenizer_name": str(tmp_path / "a" / "tok")}}
+    assert hf_folder_copies(config, dest) == [(tmp_path / "a" / "tok", dest / "tok-2"), (dest / "tok", dest / "tok")]
+    copied = copy_hf_folders(config, dest)["text_cfg"]
+    assert copied == {"hf_model_name": str(dest / "tok"), "hf_tokenizer_name": str(dest / "tok-2")}
+    assert [(dest / n / "which.txt").read_text() for n in ("tok", "tok-2")] == ["out", "a"]

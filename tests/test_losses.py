@@ -859,7 +859,7 @@ def test_reshard_on_a_full_disk_is_one_line_status_1_and_changes_nothing(tmp_pat
     assert reshard.main(["--in", str(tmp_path), "--world-size", "3"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == (
-        f"fastclip reshard: error: cannot write in {tmp_path} (No space left on device); nothing was changed: "
-        f"free space or pass another --out"
+        f"fastclip reshard: error: {tmp_path}: No space left on device; nothing was changed (free space, fix the "
+        f"file, or pass another --out)"
     )
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -319,7 +319,7 @@ def test_eval_and_export_refuse_unusable_checkpoints_in_one_line(trained, tmp_pa
         assert len(err.splitlines()) == 1 and words in err and "weights_only=False" not in err, err
         assert "pickled code ran" not in captured.out
         assert not (tmp_path / "export" / "model.pt").exists()  # nothing unusable is left to load
-        assert not (tmp_path / "export" / "model.pt.tmp").exists()
+        assert not list((tmp_path / "export").glob(".fastclip-export-*"))  # nor a staging folder
         assert eval_main([str(ckpt), "--data", str(data)]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and words in err, err

@@ -269,3 +269,26 @@ def test_single_node_uses_the_project_venv_without_activation(tmp_path):
     # past the interpreter: train's own check of the config, one line, exit 2 (not `python: command not found`)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip() == f"fastclip train: config error: config file not found: {tmp_path / 'no.yaml'}"
+
+
+def test_a_data_build_under_nohup_keeps_sighup_ignored(tmp_path, monkeypatch):
+    """nohup ignores SIGHUP so that the build outlives a logout: the cleanup handler is not put in its place (SIGTERM
+    gets it), and both are as they were afterwards."""
+    import signal
+
+    import fastclip.data.cli as cli
+
+    seen = {}
+
+    def record(args):
+        seen.update({kind: signal.getsignal(kind) for kind in (signal.SIGHUP, signal.SIGTERM)})
+        return 0
+
+    monkeypatch.setattr(cli, "_run", record)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert main(["embedded", "--out", str(tmp_path / "o")]) == 0
+        assert seen == {signal.SIGHUP: signal.SIG_IGN, signal.SIGTERM: cli._stop}
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) != cli._stop
+    finally:
+        signal.signal(signal.SIGHUP, previous)

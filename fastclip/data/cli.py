@@ -22,6 +22,7 @@ import contextlib
 import json
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from fastclip.cli import OneLineParser
@@ -176,7 +177,11 @@ def _stop(signum, frame):
 
 @contextlib.contextmanager
 def _stopped_by_signals(active: bool):
-    kinds = (signal.SIGTERM, signal.SIGHUP) if active else ()
+    # not a signal that is ignored (nohup ignores SIGHUP: the build goes on after a logout), nor off the main thread
+    main_thread = threading.current_thread() is threading.main_thread()
+    kinds = [
+        k for k in (signal.SIGTERM, signal.SIGHUP) if active and main_thread and signal.getsignal(k) != signal.SIG_IGN
+    ]
     previous = {kind: signal.signal(kind, _stop) for kind in kinds}
     try:
         yield
@@ -191,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         with _stopped_by_signals(args.command in ("embedded", "folder")):
             return _run(args)
     except _Stopped as e:
-        name = signal.Signals(e.signum).name
-        print(
-            f"fastclip data {args.command}: stopped by {name}; what it wrote in {args.out} is removed", file=sys.stderr
-        )
+        name, out = signal.Signals(e.signum).name, Path(args.out)
+        if (out / "manifest.json").is_file() or _data_set_in(out):  # it came once the data set was written
+            said = f"stopped by {name} after the data set in {out} was written"
+        else:
+            said = f"stopped by {name}; what it wrote in {out} is removed"
+        print(f"fastclip data {args.command}: {said}", file=sys.stderr)
         return 128 + e.signum
     except BrokenPipeError:  # the reader of stdout is gone: fastclip's dispatcher ends it quietly
         raise

@@ -99,11 +99,16 @@ def hf_folder_copies(config: dict, dest: Path) -> list[tuple[Path, Path]]:
     an export will write, to be checked before anything is written. Two folders of the same name (a/tok, b/tok)
     get two copies (tok, tok-2)."""
     text = config.get("text_cfg", {})
-    pairs, taken = [], {}
-    for name in sorted({text[key] for key in HF_FOLDER_KEYS if text.get(key)}):
-        source = Path(name)
+    sources = [Path(name) for name in sorted({text[key] for key in HF_FOLDER_KEYS if text.get(key)})]
+    for source in sources:
         if not source.is_dir():
-            raise FileNotFoundError(f"model config: text_cfg folder {name!r} (Hugging Face text tower) does not exist")
+            raise FileNotFoundError(
+                f"model config: text_cfg folder {str(source)!r} (Hugging Face text tower) does not exist"
+            )
+    # a folder already at dest/<its name> keeps that name (never overwritten by another folder's copy)
+    taken = {s.name: s.resolve() for s in sources if (dest / s.name).resolve() == s.resolve()}
+    pairs = []
+    for source in sources:
         copy_name, n = source.name, 1
         while taken.setdefault(copy_name, source.resolve()) != source.resolve():
             n += 1

@@ -258,14 +258,14 @@ def _save(
     return final
 
 
-def prune_checkpoints(root: Path, keep_last: int, *, keep: Path | None) -> None:
+def prune_checkpoints(root: Path, keep_last: int, *, keep: Path) -> None:
     """Rank 0: delete the complete checkpoints older than the newest `keep_last` (never `keep`). After each save, and
     when a run resumes: a job killed between a save and its pruning, resumed with nothing left to train, would
     otherwise end with one checkpoint more than keep_last."""
     # keep_last counts complete checkpoints: an incomplete folder (a resume passed it over) is not one of them
     for stale in [p for p in list_checkpoints(root) if is_complete(p)][:-keep_last]:
-        if keep is None or stale.resolve() != keep.resolve():
-            shutil.rmtree(stale)
+        if stale.resolve() != keep.resolve():
+            shutil.rmtree(stale, ignore_errors=True)  # what cannot go now (a busy NFS file) goes at the next save
 
 
 # ----------------------------------------------------------------------------- load

@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, KeyError, NotADirectoryError) as e:
         print(f"fastclip reshard: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    except OSError as e:  # writing failed (a full disk): the old files are untouched
-        where = args.out or args.src
+    except OSError as e:  # a full disk, an unreadable file: the old files are untouched
+        where = e.filename or args.out or args.src
         print(
-            f"fastclip reshard: error: cannot write in {where} ({e.strerror or e}); nothing was changed: free space "
-            f"or pass another --out",
+            f"fastclip reshard: error: {where}: {e.strerror or e}; nothing was changed (free space, fix the file, or "
+            f"pass another --out)",
             file=sys.stderr,
         )
         return 1

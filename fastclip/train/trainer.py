@@ -331,8 +331,8 @@ class Run:
             self.engine.load_checkpoint(model_file, self.resume_dir)  # the optimizer(s); DeepSpeed: its shards too
             self.stream.load_state_dict(resumed.data)
             root = self.run_dir / "checkpoints"
-            complete = [p.resolve() for p in ckpt.list_checkpoints(root) if ckpt.is_complete(p)]
-            if info.is_main and complete and complete[-1] == self.resume_dir.resolve():
+            complete = [p.resolve() for p in ckpt.list_checkpoints(root) if ckpt.is_complete(p)] if info.is_main else []
+            if complete and complete[-1] == self.resume_dir.resolve():
                 # resumed from the newest: finish the pruning of its save, which a kill may have cut short (an older
                 # checkpoint resumed from, to branch, leaves the newer ones to the next save's pruning)
                 ckpt.prune_checkpoints(root, cfg.checkpoint.keep_last, keep=self.resume_dir)

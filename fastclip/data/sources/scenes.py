@@ -27,6 +27,7 @@ import io
 import json
 import os
 import re
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,6 +229,14 @@ def _init_worker(names, fashion_root, seed):
     _WORKER["seed"] = seed
 
 
+def _init_pool_worker(names, fashion_root, seed):
+    """A pool worker leaves Ctrl-C, SIGTERM and SIGHUP (sent to the whole process group) to the parent, which starts
+    no further shard and removes what was written; a worker stopped by them would print its own traceback."""
+    for kind in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(kind, signal.SIG_IGN)
+    _init_worker(names, fashion_root, seed)
+
+
 def scene_rng(seed: int, split: str, number: int) -> np.random.Generator:
     return np.random.default_rng([seed, SPLITS.index(split), number])
 
@@ -319,10 +328,10 @@ def build_scenes(
                     progress(job.count)
         else:
             with ProcessPoolExecutor(
-                workers, initializer=_init_worker, initargs=(names, str(fashion_root), seed)
+                workers, initializer=_init_pool_worker, initargs=(names, str(fashion_root), seed)
             ) as pool:
-                futures = {job: pool.submit(_write_shard, job, str(out)) for job in jobs}
                 try:
+                    futures = {job: pool.submit(_write_shard, job, str(out)) for job in jobs}
                     for job, fut in futures.items():
                         results[job] = fut.result()
                         if progress:

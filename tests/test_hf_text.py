@@ -241,3 +241,20 @@ def test_a_text_tower_folder_already_beside_the_export_keeps_its_name(tmp_path):
     copied = copy_hf_folders(config, dest)["text_cfg"]
     assert copied == {"hf_model_name": str(dest / "tok"), "hf_tokenizer_name": str(dest / "tok-2")}
     assert [(dest / n / "which.txt").read_text() for n in ("tok", "tok-2")] == ["out", "a"]
+
+
+def test_export_beside_a_text_tower_folder_linked_to_another_disk(run_dir, tmp_path):
+    """out/tiny-bert a link to a folder on another file system (here /dev/shm): the copied files cross devices, where
+    a rename fails (EXDEV)."""
+    other = Path("/dev/shm")
+    if not other.is_dir() or other.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second file system at /dev/shm")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=other) as far:
+        out = tmp_path / "export" / "model.pt"
+        out.parent.mkdir()
+        (out.parent / "tiny-bert").symlink_to(far)
+        export_model(run_dir, out)
+        assert sorted(p.name for p in Path(far).iterdir()) == ["config.json", "tokenizer_config.json", "vocab.txt"]
+        assert out.is_file() and not list(out.parent.glob(".fastclip-export-*"))

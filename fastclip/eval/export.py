@@ -169,7 +169,7 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
                 continue
             copy.mkdir(exist_ok=True)
             for file in (staging / copy.name).iterdir():
-                os.replace(file, copy / file.name)
+                shutil.move(file, copy / file.name)  # (a rename, or a copy where copy links to another disk)
         if staged is not None:  # naming the folders' final places
             staged.write_text(json.dumps(copy_hf_folders(model_config, out.parent, copy=False), indent=4) + "\n")
             os.replace(staged, config_file)

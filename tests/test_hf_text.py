@@ -258,3 +258,22 @@ def test_export_beside_a_text_tower_folder_linked_to_another_disk(run_dir, tmp_p
         export_model(run_dir, out)
         assert sorted(p.name for p in Path(far).iterdir()) == ["config.json", "tokenizer_config.json", "vocab.txt"]
         assert out.is_file() and not list(out.parent.glob(".fastclip-export-*"))
+
+
+def test_export_with_two_tower_folders_of_one_name_one_already_beside_it(run_dir, tmp_path):
+    """The config names out/tok (the run's own folder, beside --out) and a/tok: out/tok keeps its files, a/tok is
+    copied to out/tok-2, and the exported config names each where its files are (staged under the same names)."""
+    model = torch.load(run_dir / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
+    out = tmp_path / "out" / "model.pt"
+    for folder in (out.parent / "tok", tmp_path / "a" / "tok"):
+        shutil.copytree(REPO_MODEL_CONFIGS / "hf" / "tiny-bert", folder)
+        (folder / "which.txt").write_text(folder.parent.name)
+    text = model["model_config"]["text_cfg"]
+    text["hf_model_name"], text["hf_tokenizer_name"] = str(out.parent / "tok"), str(tmp_path / "a" / "tok")
+    source = tmp_path / "model.pt"
+    torch.save(model, source)
+    written = export_model(source, out)
+    assert [(out.parent / n / "which.txt").read_text() for n in ("tok", "tok-2")] == ["out", "a"]
+    exported = json.loads(written["config_file"].read_text())["text_cfg"]
+    assert exported["hf_model_name"] == str(out.parent / "tok")
+    assert exported["hf_tokenizer_name"] == str(out.parent / "tok-2")

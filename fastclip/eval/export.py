@@ -120,7 +120,7 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     if precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     from fastclip.eval.checkpoint import load_model
-    from fastclip.models import copy_hf_folders, hf_folder_copies
+    from fastclip.models import copy_hf_folder, hf_folder_copies, with_hf_folders
 
     file, checkpoint = load_checkpoint(checkpoint_path)
     out = Path(out)
@@ -161,17 +161,20 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
         if tempnet_file is not None:
             ckpt.save_file({"state_dict": heads}, staging / tempnet_file.name)
         staged = None if config_file is None else staging / config_file.name
+        staged_folders = {source: staging / copy.name for source, copy in hf_copies}  # the final names, staged
+        for source, target in staged_folders.items():
+            copy_hf_folder(source, target)
         if staged is not None:
-            staged.write_text(json.dumps(copy_hf_folders(model_config, staging), indent=4) + "\n")
+            staged.write_text(json.dumps(with_hf_folders(model_config, staged_folders), indent=4) + "\n")
         _verify_in_open_clip(staging / out.name, arch, staged, state)
         for source, copy in hf_copies:  # file by file: a folder of an earlier export takes the new files
             if copy.resolve() == source.resolve():  # exported beside the folder itself
                 continue
             copy.mkdir(exist_ok=True)
-            for file in (staging / copy.name).iterdir():
+            for file in staged_folders[source].iterdir():
                 shutil.move(file, copy / file.name)  # (a rename, or a copy where copy links to another disk)
         if staged is not None:  # naming the folders' final places
-            staged.write_text(json.dumps(copy_hf_folders(model_config, out.parent, copy=False), indent=4) + "\n")
+            staged.write_text(json.dumps(with_hf_folders(model_config, dict(hf_copies)), indent=4) + "\n")
             os.replace(staged, config_file)
             _register(config_file)  # open_clip's registry held the staged config, whose folders go now
         if tempnet_file is not None:

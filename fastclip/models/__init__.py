@@ -117,25 +117,34 @@ def hf_folder_copies(config: dict, dest: Path) -> list[tuple[Path, Path]]:
     return pairs
 
 
-def copy_hf_folders(config: dict, dest: Path, *, copy: bool = True) -> dict:
+def copy_hf_folder(source: Path, target: Path) -> None:
+    """The files of one Hugging Face folder (config.json, tokenizer files) into `target`."""
+    target.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if file.is_file():
+            shutil.copyfile(file, target / file.name)
+
+
+def with_hf_folders(config: dict, folders: dict[Path, Path]) -> dict:
+    """A copy of `config` whose text_cfg folder keys name `folders[source]` (absolute) instead of each source."""
+    config = json.loads(json.dumps(config))
+    for key in HF_FOLDER_KEYS:
+        if config.get("text_cfg", {}).get(key) and Path(config["text_cfg"][key]) in folders:
+            config["text_cfg"][key] = str(folders[Path(config["text_cfg"][key])].resolve())
+    return config
+
+
+def copy_hf_folders(config: dict, dest: Path) -> dict:
     """For an export: copy the local Hugging Face folders a config names (text tower config, tokenizer files)
     into `dest` and return the config naming the copies by absolute path (what open_clip needs to build it;
-    if the export is moved, fastclip finds the folder beside the moved config). Other configs come back as is.
-    `copy=False`: the config only, for copies already in place."""
+    if the export is moved, fastclip finds the folder beside the moved config). Other configs come back as is."""
     pairs = hf_folder_copies(config, dest)
     if not pairs:
         return config
-    config = json.loads(json.dumps(config))
     for source, target in pairs:
-        if copy and target.resolve() != source.resolve():  # exported next to the folder itself: nothing to copy
-            target.mkdir(parents=True, exist_ok=True)
-            for file in source.iterdir():
-                if file.is_file():
-                    shutil.copyfile(file, target / file.name)
-        for key in HF_FOLDER_KEYS:
-            if config["text_cfg"].get(key) and Path(config["text_cfg"][key]) == source:
-                config["text_cfg"][key] = str(target.resolve())
-    return config
+        if target.resolve() != source.resolve():  # exported next to the folder itself: nothing to copy
+            copy_hf_folder(source, target)
+    return with_hf_folders(config, dict(pairs))
 
 
 @dataclass
@@ -187,9 +196,11 @@ def image_size(model) -> int:
 __all__ = [
     "build_model",
     "resolve_arch",
+    "copy_hf_folder",
     "copy_hf_folders",
     "hf_folder_copies",
     "resolve_hf_folders",
+    "with_hf_folders",
     "BuiltModel",
     "image_size",
     "REPO_MODEL_CONFIGS",

@@ -292,8 +292,13 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
 def is_complete(step_dir: Path) -> bool:
     """A step folder holding its model.pt and rank_0..rank_{n-1}.pt (as every save writes it; a folder damaged by
     hand or by a cut-short cleanup may not)."""
-    ranks = sorted(int(f.stem[5:]) for f in step_dir.glob("rank_*.pt") if f.stem[5:].isdigit())
+    ranks = sorted(rank_files_in(step_dir))
     return (step_dir / MODEL_FILE).is_file() and bool(ranks) and ranks == list(range(len(ranks)))
+
+
+def rank_files_in(folder: Path) -> dict[int, Path]:
+    """The rank_<r>.pt files of a folder, by rank."""
+    return {int(f.stem[5:]): f for f in folder.glob("rank_*.pt") if f.stem[5:].isdigit()}
 
 
 def latest_complete(run_dir: Path) -> Path | None:

@@ -8,20 +8,17 @@ command: files in and out, read with the trainer's checkpoint reader, written wh
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 
 from fastclip.cli import OneLineParser
 from fastclip.losses import reshard_for_rank
-from fastclip.train.checkpoint import MODEL_FILE, fsync_dir, load_file, rank_file_name, save_file
+from fastclip.train.checkpoint import MODEL_FILE, fsync_dir, load_file, rank_file_name, rank_files_in, save_file
 from fastclip.train.errors import CheckpointError
-
-_RANK_FILE = re.compile(r"^rank_(\d+)\.pt$")
 
 
 def _rank_files(folder: Path) -> list[Path]:
-    files = {int(m.group(1)): folder / name for name in os.listdir(folder) if (m := _RANK_FILE.match(name))}
+    files = rank_files_in(folder)
     if not files:
         raise FileNotFoundError(f"no rank_<r>.pt files in {folder}")
     missing = [f"rank_{r}.pt" for r in range(max(files)) if r not in files]

@@ -307,3 +307,16 @@ def run_loss(loss_fn, e1, e2, idx, epoch=0):
     loss = loss_fn(e1, e2, idx, epoch=epoch)
     loss.backward()
     return loss.detach(), e1.grad, e2.grad, {n: p.grad for n, p in loss_fn.named_parameters() if p.requires_grad}
+
+
+def full_disk_after(calls: int, real):
+    """`real`, failing as a full disk does from its (calls + 1)-th call on."""
+    count = [0]
+
+    def wrapped(*args, **kwargs):
+        count[0] += 1
+        if count[0] > calls:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    return wrapped

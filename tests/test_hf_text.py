@@ -19,6 +19,8 @@ from fastclip.eval.checkpoint import load_model
 from fastclip.eval.export import export_model
 from fastclip.models import REPO_MODEL_CONFIGS, build_model
 
+from helpers import full_disk_after
+
 REPO = Path(__file__).resolve().parents[1]
 CAPTIONS = ["a photo of a coat.", "a handwritten digit seven.", "a small red sandal in the top left corner"]
 
@@ -167,10 +169,7 @@ def test_export_refuses_what_its_text_tower_copy_would_replace_before_writing_an
     out = tmp_path / "c" / "model.pt"  # passes the checks, then the disk fills while the folder is copied
     import fastclip.models
 
-    def full_disk(*args):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(fastclip.models.shutil, "copyfile", full_disk)
+    monkeypatch.setattr(fastclip.models.shutil, "copyfile", full_disk_after(0, fastclip.models.shutil.copyfile))
     with pytest.raises(OSError, match="No space left"):
         export_model(run_dir, out)
     assert list(out.parent.iterdir()) == []  # no model, config, folder copy or staging folder

@@ -16,7 +16,7 @@ from PIL import Image
 from fastclip.data.cli import main
 from fastclip.data.sources.synthetic import write_synthetic
 
-from helpers import REPO, one_line_error, truncate_file
+from helpers import REPO, full_disk_after, one_line_error, truncate_file
 
 
 def _one_line(capsys, argv, *words, code=2) -> str:
@@ -67,19 +67,6 @@ def test_folder_that_fails_midway_removes_what_it_wrote_and_nothing_else(tmp_pat
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]  # its 3 shards gone, the file that was there kept
 
 
-def _full_disk_after(calls: int, real):
-    """`real`, failing as a full disk does from its (calls + 1)-th call on."""
-    count = [0]
-
-    def wrapped(*args, **kwargs):
-        count[0] += 1
-        if count[0] > calls:
-            raise OSError(28, "No space left on device")
-        return real(*args, **kwargs)
-
-    return wrapped
-
-
 @pytest.mark.parametrize("source", ["glyphs", "scenes"])
 @pytest.mark.parametrize("phase", ["shards", "manifests"])
 def test_embedded_that_fails_midway_removes_what_it_wrote_and_its_rerun_succeeds(
@@ -103,7 +90,7 @@ def test_embedded_that_fails_midway_removes_what_it_wrote_and_its_rerun_succeeds
         argv += ["--num-test", "5", "--num-novel", "5", "--shard-size", "5", "--workers", "1"]
         fails = (scenes, "_write_shard", 3) if phase == "shards" else (scenes, "write_manifest", 1)
     module, name, calls = fails
-    monkeypatch.setattr(module, name, _full_disk_after(calls, getattr(module, name)))
+    monkeypatch.setattr(module, name, full_disk_after(calls, getattr(module, name)))
     assert main(argv) == 2
     err = capsys.readouterr().err  # (the progress line of the finished shards before it, in the manifests phase)
     assert err.strip().splitlines()[-1].endswith("No space left on device") and "Traceback" not in err, err

@@ -276,3 +276,25 @@ def test_export_with_two_tower_folders_of_one_name_one_already_beside_it(run_dir
     exported = json.loads(written["config_file"].read_text())["text_cfg"]
     assert exported["hf_model_name"] == str(out.parent / "tok")
     assert exported["hf_tokenizer_name"] == str(out.parent / "tok-2")
+
+
+def test_a_failed_export_leaves_no_staged_config_in_open_clips_registry(run_dir, tmp_path, monkeypatch):
+    """The check registers the staged config, which names the staged text tower folder, in open_clip's
+    process-wide registry. When the check fails (here the staged model file misses a tensor, so open_clip's strict
+    load refuses it), open_clip in this process must still build the architecture: from folders that exist."""
+    import fastclip.eval.export as export
+    from fastclip.compat import import_open_clip
+
+    open_clip = import_open_clip()
+    save_file = export.ckpt.save_file
+
+    def drops_a_tensor(obj, path):
+        save_file({"state_dict": {k: v for k, v in obj["state_dict"].items() if k != "logit_scale"}}, path)
+
+    monkeypatch.setattr(export.ckpt, "save_file", drops_a_tensor)
+    with pytest.raises(ValueError, match=r"does not load back in open_clip .*Missing key.*logit_scale"):
+        export_model(run_dir, tmp_path / "model.pt")
+    assert not [p for p in open_clip.factory._MODEL_CONFIG_PATHS if ".fastclip-export-" in str(p)]
+    text = open_clip.get_model_config("tiny-vit-hf")["text_cfg"]
+    assert Path(text["hf_model_name"]).is_dir() and Path(text["hf_tokenizer_name"]).is_dir()
+    assert type(open_clip.create_model("tiny-vit-hf", pretrained_hf=False).text).__name__ == "HFTextEncoder"

@@ -8,6 +8,7 @@ tower's frozen one. Custom architectures get their config written beside the fil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -176,7 +177,7 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
         if staged is not None:  # naming the folders' final places
             staged.write_text(json.dumps(with_hf_folders(model_config, dict(hf_copies)), indent=4) + "\n")
             os.replace(staged, config_file)
-            _register(config_file)  # open_clip's registry held the staged config, whose folders go now
+            _register(config_file)  # for whoever loads the export in this process
         if tempnet_file is not None:
             os.replace(staging / tempnet_file.name, tempnet_file)
         os.replace(staging / out.name, out)  # last: the model file under its name means the export is whole
@@ -200,20 +201,36 @@ def _register(config_file: Path) -> None:
     import_open_clip().add_model_config(str(config_file))
 
 
+@contextlib.contextmanager
+def _registry_restored(factory, arch: str):
+    """open_clip's model registry is process-wide: the staged config registered for the check (its folders are
+    deleted with the staging folder) must not outlive it, for whoever goes on using open_clip in this process."""
+    paths, previous = list(factory._MODEL_CONFIG_PATHS), factory._MODEL_CONFIGS.get(arch)
+    try:
+        yield
+    finally:
+        factory._MODEL_CONFIG_PATHS[:] = paths
+        factory._MODEL_CONFIGS.pop(arch, None)  # (a rescan rebinds the dict: looked up again here)
+        if previous is not None:
+            factory._MODEL_CONFIGS[arch] = previous
+
+
 def _verify_in_open_clip(file: Path, arch: str, config_file: Path | None, state: dict) -> None:
     """Load `file` as a user would (open_clip.create_model(arch, pretrained=file)) and compare every tensor."""
     from fastclip.compat import import_open_clip
 
     open_clip = import_open_clip()
-    if config_file is not None:
-        open_clip.add_model_config(str(config_file))
-    try:
-        model = open_clip.create_model(arch, pretrained=str(file), device="cpu")
-    except Exception as e:  # open_clip's errors are long: keep the first line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(
-            f"the export of {arch!r} does not load back in open_clip ({first[:300]}); nothing written"
-        ) from None
+    with _registry_restored(open_clip.factory, arch):
+        if config_file is not None:
+            open_clip.add_model_config(str(config_file))
+        try:
+            model = open_clip.create_model(arch, pretrained=str(file), device="cpu")
+        except Exception as e:  # open_clip's errors are long: keep the start (torch's names the keys on line 2)
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+            first = " ".join(lines[:2])
+            raise ValueError(
+                f"the export of {arch!r} does not load back in open_clip ({first[:300]}); nothing written"
+            ) from None
     loaded = model.state_dict()
     differ = [k for k, v in state.items() if k not in loaded or not torch.equal(loaded[k].to(v.dtype), v)]
     if differ:

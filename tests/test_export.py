@@ -169,4 +169,3 @@ def test_a_disk_that_fills_while_exporting_is_one_line_status_1_and_leaves_no_fi
         "another --out"
     )
     assert list(out.parent.iterdir()) == []
-

@@ -169,3 +169,51 @@ def test_a_disk_that_fills_while_exporting_is_one_line_status_1_and_leaves_no_fi
         "another --out"
     )
     assert list(out.parent.iterdir()) == []
+
+
+def _files(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_sigterm_while_the_export_takes_its_final_names_acts_once_it_is_whole(run_dir, tmp_path, monkeypatch, capsys):
+    """The moves out of the staging folder are one update: SIGTERM in the middle of them waits until the export
+    is whole and the staging folder gone, then stops the command (128 + 15) saying so."""
+    import os
+    import signal
+
+    commit = export_cli._commit
+
+    def signalled_midway(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        commit(*args)
+
+    monkeypatch.setattr(export_cli, "_commit", signalled_midway)
+    out = tmp_path / "model.pt"
+    assert export_cli.main([str(run_dir), "--out", str(out)]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == f"fastclip export: stopped by SIGTERM after {out} was written\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{ARCH}.json", "model.pt"]  # no staging folder
+    monkeypatch.undo()
+    assert export_cli.main([str(run_dir), "--out", str(tmp_path / "again.pt")]) == 0
+    assert torch.load(out, weights_only=True).keys() == torch.load(tmp_path / "again.pt", weights_only=True).keys()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back as it was
+
+
+def test_sigterm_before_the_export_is_whole_leaves_the_earlier_one(run_dir, tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    out = tmp_path / "model.pt"
+    export_model(run_dir, out)
+    before = _files(tmp_path)
+    verify = export_cli._verify_in_open_clip
+
+    def signalled_while_checking(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        verify(*args)
+
+    monkeypatch.setattr(export_cli, "_verify_in_open_clip", signalled_while_checking)
+    assert export_cli.main([str(run_dir), "--out", str(out), "--precision", "bf16"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == (
+        "fastclip export: stopped by SIGTERM before anything was written (an earlier export there is as it was)\n"
+    )
+    assert _files(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == [f"{ARCH}.json", "model.pt"]

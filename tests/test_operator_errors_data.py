@@ -264,6 +264,7 @@ def test_a_data_build_under_nohup_keeps_sighup_ignored(tmp_path, monkeypatch):
     import signal
 
     import fastclip.data.cli as cli
+    from fastclip.stopping import _raise_stopped
 
     seen = {}
 
@@ -275,7 +276,7 @@ def test_a_data_build_under_nohup_keeps_sighup_ignored(tmp_path, monkeypatch):
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         assert main(["embedded", "--out", str(tmp_path / "o")]) == 0
-        assert seen == {signal.SIGHUP: signal.SIG_IGN, signal.SIGTERM: cli._stop}
-        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) != cli._stop
+        assert seen == {signal.SIGHUP: signal.SIG_IGN, signal.SIGTERM: _raise_stopped}
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) != _raise_stopped
     finally:
         signal.signal(signal.SIGHUP, previous)

@@ -18,15 +18,13 @@ and exit 128 + the signal's number.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from fastclip.cli import OneLineParser
 from fastclip.data.catalog import DataSpecError, global_batch_too_large
+from fastclip.stopping import Stopped, stopped_by_signals
 
 
 def _whole(text: str, least: int) -> int:
@@ -163,40 +161,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Stopped(BaseException):
-    """SIGTERM or SIGHUP while shards are written: unwinds like Ctrl-C, so what was written is removed."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stop(signum, frame):
-    raise _Stopped(signum)
-
-
-@contextlib.contextmanager
-def _stopped_by_signals(active: bool):
-    # not a signal that is ignored (nohup ignores SIGHUP: the build goes on after a logout), nor off the main thread
-    main_thread = threading.current_thread() is threading.main_thread()
-    kinds = [
-        k for k in (signal.SIGTERM, signal.SIGHUP) if active and main_thread and signal.getsignal(k) != signal.SIG_IGN
-    ]
-    previous = {kind: signal.signal(kind, _stop) for kind in kinds}
-    try:
-        yield
-    finally:
-        for kind, handler in previous.items():
-            signal.signal(kind, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        with _stopped_by_signals(args.command in ("embedded", "folder")):
+        with stopped_by_signals(args.command in ("embedded", "folder")):
             return _run(args)
-    except _Stopped as e:
-        name, out = signal.Signals(e.signum).name, Path(args.out)
+    except Stopped as e:  # what was written is removed on the way here
+        name, out = e.name, Path(args.out)
         if (out / "manifest.json").is_file() or _data_set_in(out):  # it came once the data set was written
             said = f"stopped by {name} after the data set in {out} was written"
         else:

@@ -22,6 +22,7 @@ import torch
 
 from fastclip.cli import OneLineParser
 from fastclip.eval.checkpoint import load_checkpoint
+from fastclip.stopping import Stopped, signals_deferred, stopped_by_signals
 from fastclip.train import checkpoint as ckpt
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -168,21 +169,18 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
         if staged is not None:
             staged.write_text(json.dumps(with_hf_folders(model_config, staged_folders), indent=4) + "\n")
         _verify_in_open_clip(staging / out.name, arch, staged, state)
-        for source, copy in hf_copies:  # file by file: a folder of an earlier export takes the new files
-            if copy.resolve() == source.resolve():  # exported beside the folder itself
-                continue
-            copy.mkdir(exist_ok=True)
-            for file in staged_folders[source].iterdir():
-                shutil.move(file, copy / file.name)  # (a rename, or a copy where copy links to another disk)
-        if staged is not None:  # naming the folders' final places
-            staged.write_text(json.dumps(with_hf_folders(model_config, dict(hf_copies)), indent=4) + "\n")
-            os.replace(staged, config_file)
-            _register(config_file)  # for whoever loads the export in this process
-        if tempnet_file is not None:
-            os.replace(staging / tempnet_file.name, tempnet_file)
-        os.replace(staging / out.name, out)  # last: the model file under its name means the export is whole
-    finally:
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        raise
+    try:  # the moves are one update: a stop (Ctrl-C, SIGTERM) acts once they are made and the staging folder gone
+        with signals_deferred():
+            try:
+                _commit(out, staging, staged, config_file, model_config, hf_copies, staged_folders, tempnet_file)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    except Stopped as e:
+        e.done = f"{out} was written"
+        raise
     return {
         "file": out,
         "arch": arch,
@@ -193,6 +191,25 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
         "step": ckpt.saved_step(checkpoint),
         "source": file,
     }
+
+
+def _commit(out, staging, staged, config_file, model_config, hf_copies, staged_folders, tempnet_file) -> None:
+    """Give the verified staged files their final names, the model file last."""
+    from fastclip.models import with_hf_folders
+
+    for source, copy in hf_copies:  # file by file: a folder of an earlier export takes the new files
+        if copy.resolve() == source.resolve():  # exported beside the folder itself
+            continue
+        copy.mkdir(exist_ok=True)
+        for file in staged_folders[source].iterdir():
+            shutil.move(file, copy / file.name)  # (a rename, or a copy where copy links to another disk)
+    if staged is not None:  # naming the folders' final places
+        staged.write_text(json.dumps(with_hf_folders(model_config, dict(hf_copies)), indent=4) + "\n")
+        os.replace(staged, config_file)
+        _register(config_file)  # for whoever loads the export in this process
+    if tempnet_file is not None:
+        os.replace(staging / tempnet_file.name, tempnet_file)
+    os.replace(staging / out.name, out)  # last: the model file under its name means the export is whole
 
 
 def _register(config_file: Path) -> None:
@@ -265,7 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastclip export: --out {args.out}: is a folder; pass the .pt file to write", file=sys.stderr)
         return 2
     try:
-        written = export_model(args.checkpoint, args.out, args.precision)
+        with stopped_by_signals():  # unwinds like Ctrl-C, so the staging folder is removed
+            written = export_model(args.checkpoint, args.out, args.precision)
+    except Stopped as e:
+        said = f"after {e.done}" if e.done else "before anything was written (an earlier export there is as it was)"
+        print(f"fastclip export: stopped by {e.name} {said}", file=sys.stderr)
+        return 128 + e.signum
     except (FileNotFoundError, ValueError) as err:  # the checkpoint named is missing, foreign or unusable
         print(f"fastclip export: {err}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ import difflib
 import importlib
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 COMMANDS = {
     "data": ("fastclip.data.cli", "write WebDataset shards with global indices, scan existing shards"),
@@ -24,6 +26,21 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def unwritable(flag: str, path: str | os.PathLike) -> str | None:
+    """Why the file `path` given as `flag` cannot be written (with the folders above it that do not exist yet), in
+    one line naming both; None when it can. Checked before the work whose result it would hold."""
+    path = Path(path)
+    folder = next(p for p in path.absolute().parents if os.path.lexists(p))
+    if not folder.is_dir():
+        return f"{flag} {path}: {folder} is not a folder; choose another {flag}"
+    try:  # a real file: permissions alone do not tell (root, read-only mounts, /proc)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".fastclip-probe"):
+            pass
+    except OSError as e:
+        return f"{flag} {path}: cannot write in {folder} ({e.strerror or e}); choose another {flag}"
+    return None
 
 
 EXIT_PIPE = 141  # 128 + SIGPIPE: what `yes | head -1` gives; the reader chose to stop

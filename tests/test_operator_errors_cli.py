@@ -75,17 +75,82 @@ def untrained(tmp_path_factory):
     return path
 
 
-def test_eval_whose_every_shard_is_unreadable_exits_2(untrained, tmp_path, capsys, caplog):
+def test_eval_whose_every_shard_is_unreadable_exits_2(untrained, tmp_path, capsys):
+    """One line (the skip, held back, is named in it), no results written."""
     from fastclip.eval.cli import main
 
     val = tmp_path / "val"
     val.mkdir()
     (val / "val-000000.tar").write_bytes(b"not a tar\n" * 300)
     args = [str(untrained), "--arch", "tiny-vit", "--data", str(val), "--device", "cpu"]
-    _one_line(capsys, main, args, f"no readable sample in --data {val}", "1 skipped as unreadable", "not a tar file")
-    warnings = [r.getMessage() for r in caplog.records if r.name == "fastclip.eval.samples"]
-    assert len(warnings) == 1 and "\n" not in warnings[0] and "val-000000.tar" in warnings[0], warnings
+    _one_line(
+        capsys,
+        main,
+        args,
+        f"no readable sample in --data {val}",
+        "1 skipped as unreadable",
+        "val-000000.tar",
+        "not a tar",
+    )
     assert not (tmp_path / "results.jsonl").exists() and not (untrained.parent / "results.jsonl").exists()
+
+
+def test_eval_refuses_a_results_file_it_could_not_write_before_evaluating(untrained, tiny_embedded, tmp_path, capsys):
+    from fastclip.eval.cli import main
+
+    (tmp_path / "a_file").write_text("")
+    args = [str(untrained), "--arch", "tiny-vit", "--data", str(tiny_embedded), "--device", "cpu"]
+    results = tmp_path / "a_file" / "r.jsonl"
+    _one_line(capsys, main, [*args, "--results", str(results)], f"--results {results}:", "is not a folder")
+    assert capsys.readouterr().out == ""  # refused before the evaluation, not after it
+
+
+def test_one_class_list_for_data_of_several_datasets_scores_its_own_or_is_refused(
+    untrained, tiny_embedded, tmp_path, capsys
+):
+    """The embedded data holds fashion-mnist and mnist: one list named for neither would score both against it;
+    a list named fashion-mnist scores the fashion-mnist samples only and says the others were not scored."""
+    import json
+
+    from fastclip.eval.cli import main
+
+    fashion = json.loads((tiny_embedded / "zeroshot.json").read_text())["datasets"]["fashion-mnist"]
+    args = [str(untrained), "--arch", "tiny-vit", "--data", str(tiny_embedded), "--device", "cpu", "--no-retrieval"]
+    (tmp_path / "clothes.txt").write_text("\n".join(fashion["classnames"]))
+    _one_line(
+        capsys,
+        main,
+        [*args, "--classnames", str(tmp_path / "clothes.txt")],
+        "one class list, named 'clothes'",
+        "holds the datasets fashion-mnist, mnist",
+        "fashion-mnist.txt",
+    )
+    (tmp_path / "fashion-mnist.txt").write_text("\n".join(fashion["classnames"]))
+    results = tmp_path / "r.jsonl"
+    args = [*args, "--classnames", str(tmp_path / "fashion-mnist.txt"), "--results", str(results)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    (row,) = [json.loads(line) for line in results.read_text().splitlines()]
+    assert row["dataset"] == "fashion-mnist" and row["num_samples"] == 10, row  # 1 held-out sample per class
+    assert "10 labelled samples belong to no dataset of" in out
+
+
+def test_an_unreadable_caption_in_an_image_folder_skips_its_sample(untrained, tmp_path, capsys):
+    from PIL import Image
+
+    from fastclip.eval.cli import main
+
+    for name in ("cat", "dog"):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (16, 16), (40 * i, 80, 120)).save(tmp_path / "images" / name / f"{i}.png")
+            (tmp_path / "images" / name / f"{i}.txt").write_text(f"a {name} number {i}")
+    (tmp_path / "images" / "dog" / "1.txt").write_bytes(b"\xff\xfe not utf-8")
+    args = [str(untrained), "--arch", "tiny-vit", "--data", str(tmp_path / "images"), "--device", "cpu"]
+    assert main([*args, "--results", str(tmp_path / "r.jsonl")]) == 0
+    out, err = capsys.readouterr()
+    assert "3 samples in" in out and "1 samples skipped as unreadable" in out
+    assert f"{tmp_path / 'images' / 'dog' / '1.txt'}: unreadable caption" in err and "Traceback" not in err
 
 
 def test_eval_of_a_data_root_without_zeroshot_json_is_refused(untrained, tiny_embedded, tmp_path, capsys):

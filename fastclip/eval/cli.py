@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from fastclip.cli import OneLineParser
+from fastclip.cli import OneLineParser, unwritable
 from fastclip.data.tario import one_line
-from fastclip.eval.evaluate import EvalResults, default_zeroshot_file, evaluate
+from fastclip.eval.evaluate import EvalResults, LabelOutOfRange, default_zeroshot_file, evaluate
 from fastclip.eval.samples import EvalDataError, image_folder_classes, is_image_folder, iter_image_folder
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders
 from fastclip.progress import Progress
@@ -54,16 +54,29 @@ def _is_shard_folder(path: Path) -> bool:
 
 
 class _OneLineWarnings(logging.Filter):
-    """Skip warnings as one line each (a tar's open error spans lines); keeps the first for the error message."""
+    """Holds the skip warnings back, one line each (a tar's open error spans lines): said under the table, or, when
+    nothing was readable, the first of them in the one error line."""
+
+    SHOWN = 10
 
     def __init__(self):
         super().__init__()
-        self.first: str | None = None
+        self.lines: list[str] = []
+        self.count = 0
+
+    @property
+    def first(self) -> str | None:
+        return self.lines[0] if self.lines else None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = one_line(record.getMessage()), ()
-        self.first = self.first or record.msg
-        return True
+        self.count += 1
+        if len(self.lines) < self.SHOWN:
+            self.lines.append(one_line(record.getMessage()))
+        return False
+
+    def said(self) -> str:
+        more = f"\n... and {self.count - len(self.lines)} more" if self.count > len(self.lines) else ""
+        return "\n".join(self.lines) + more
 
 
 def _norm(name: str) -> str:
@@ -119,6 +132,32 @@ def load_specs(args, data: Path, default_names: Path | None) -> tuple[dict[str, 
     return {}, None
 
 
+def _one_list_for_all(args, specs: dict, names_from: str | None, data_names: Path | None) -> bool:
+    """Whether a single class list scores every labelled sample. Not where the data's own zeroshot.json names
+    several datasets: then the list scores its own dataset's samples, and a list named for none of them is refused
+    (it would score them all against one dataset's classes)."""
+    if len(specs) != 1 or data_names is None or names_from == str(data_names):
+        return True
+    try:
+        datasets = sorted(load_zeroshot_spec(data_names))
+    except (ValueError, OSError):  # the data's own file is unusable; the one given replaces it
+        return True
+    if len(datasets) < 2:
+        return True
+    name = next(iter(specs))
+    if name in datasets:
+        return False
+    naming = (
+        f'name the one it is for in the file ("name": "{datasets[0]}")'
+        if Path(names_from).suffix == ".json"
+        else f"name the file after the one it is for ({datasets[0]}.txt: a .txt list takes its file's name)"
+    )
+    raise ValueError(
+        f"--classnames {args.classnames}: one class list, named {name!r}, but --data {args.data} holds the datasets "
+        f"{', '.join(datasets)} ({data_names}); {naming}, or give a list per dataset"
+    )
+
+
 # below this share of distinct captions, image->text recall is near 0 by construction (a templated caption ties
 # with every image of its class), so retrieval is not reported as a result
 MIN_DISTINCT_CAPTIONS = 0.9
@@ -158,7 +197,7 @@ def format_table(results: EvalResults, per_class: bool) -> str:
         if results.retrieval_distinct_captions and repeated > 0:
             lines.append(f"({repeated} of the captions repeat another; tied captions count against the pair)")
     if results.skipped:
-        lines.append(f"\n{results.skipped} samples skipped as unreadable (see the warnings above)")
+        lines.append(f"\n{results.skipped} samples skipped as unreadable (listed on stderr)")
     return "\n".join(lines) if lines else "nothing to report: no labelled samples with class names, no captions"
 
 
@@ -286,6 +325,8 @@ def _usage_problem(args) -> str | None:
         return f"--templates {args.templates}: no such file; pass a .txt (one template per line) or a JSON list"
     if args.results is not None and args.results.is_dir():
         return f"--results {args.results}: is a folder; pass a .jsonl file to append to"
+    if args.results is not None:  # before the evaluation, not after it
+        return unwritable("--results", args.results)
     return None
 
 
@@ -299,10 +340,14 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings = _OneLineWarnings()
     logging.getLogger("fastclip.eval.samples").addFilter(warnings)
+    evaluate_log = logging.getLogger("fastclip.eval.evaluate")
+    level = evaluate_log.level
+    evaluate_log.setLevel(logging.ERROR)  # its warning (unscored labels) is said under the table instead
     try:
         return _main(args, load_model, warnings)
     finally:
         logging.getLogger("fastclip.eval.samples").removeFilter(warnings)
+        evaluate_log.setLevel(level)
 
 
 def _main(args, load_model, warnings: _OneLineWarnings) -> int:
@@ -311,6 +356,7 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
         if not source.exists() and not any(ch in str(source) for ch in "*{"):
             raise FileNotFoundError(f"--data {source}: not found")
         specs, names_from = load_specs(args, source, default_names)
+        one_list_for_all = _one_list_for_all(args, specs, names_from, default_names)
         problem = nothing_scored(args, specs, names_from)
         if problem:  # known from the flags: refused before the model is loaded
             raise ValueError(problem)
@@ -334,7 +380,14 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
                 max_samples=args.max_samples,
                 retrieval=not args.no_retrieval,
                 progress=bar.update if bar is not None else None,
+                one_list_for_all=one_list_for_all,
             )
+    except LabelOutOfRange as err:
+        print(
+            f"fastclip eval: {err}: the class names of {names_from} are not this data's; pass its own --classnames",
+            file=sys.stderr,
+        )
+        return 2
     except (FileNotFoundError, ValueError, EvalDataError) as err:  # a checkpoint or data named that is unusable
         print(f"fastclip eval: {err}", file=sys.stderr)
         return 2
@@ -352,10 +405,15 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
         return 2
     seconds = time.time() - started
     print(
-        f"model {loaded.file} ({built.arch}, step {loaded.step}); data {args.data}; class names: {names_from or 'none'}"
+        f"model {loaded.file} ({built.arch}{'' if loaded.step is None else f', step {loaded.step}'}); "
+        f"data {args.data}; class names: {names_from or 'none'}"
     )
     print(f"{results.num_samples} samples in {seconds:.1f} s\n")
     print(format_table(results, args.per_class))
+    if warnings.count:
+        print(warnings.said(), file=sys.stderr)
+    if specs and results.unmatched:
+        print(f"\n{results.unmatched} labelled samples belong to no dataset of {names_from}: not scored")
     if not specs and results.unmatched:  # retrieval was scored; the labels were not
         print(
             f"\nzero-shot skipped: no class names for the {results.unmatched} labelled samples (no zeroshot.json "

@@ -98,8 +98,9 @@ def _input_dtype(model) -> torch.dtype:
 class _Pass:
     """State of this rank's pass over its slice."""
 
-    def __init__(self, specs: dict[str, ZeroShotSpec], device, retrieval: bool):
+    def __init__(self, specs: dict[str, ZeroShotSpec], device, retrieval: bool, one_list_for_all: bool = True):
         self.specs = specs
+        self.one_list_for_all = one_list_for_all
         self.names = sorted(specs)  # same order on every rank: the packed counts line up
         self.counts = {name: ZeroShotCounts(len(specs[name].classnames), device) for name in self.names}
         self.device = device
@@ -111,7 +112,7 @@ class _Pass:
     def spec_name(self, sample: EvalSample) -> str | None:
         if sample.label is None:
             return None
-        if len(self.names) == 1:  # a single class list applies to every labelled sample
+        if len(self.names) == 1 and self.one_list_for_all:  # a single class list applies to every labelled sample
             return self.names[0]
         return sample.dataset if sample.dataset in self.specs else None
 
@@ -139,6 +140,10 @@ class _Pass:
         return torch.cat(parts + [extra])
 
 
+class LabelOutOfRange(EvalDataError):
+    """Labels that a class list cannot name: the list is not this data's (its caller knows where it came from)."""
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -153,30 +158,33 @@ def evaluate(
     max_samples: int | None = None,
     retrieval: bool = True,
     progress=None,
+    one_list_for_all: bool = True,
 ) -> EvalResults:
     """Zero-shot (per spec) and retrieval results over `source`; every rank of `group` must call this.
 
     `source`: a shard folder / tar / glob / image folder path, or a function (rank, world_size, skipped) ->
     samples that appends a message to the list `skipped` for each sample it leaves out. `progress(n)`, if given,
-    is called after each batch of this rank's n samples.
+    is called after each batch of this rank's n samples. `one_list_for_all`: a single spec scores every labelled
+    sample, whatever its dataset (a class list given for data of one dataset); False: only its own dataset's.
     """
     model = unwrap_model(model)
     was_training = model.training
     model.eval()
     try:
+        state = _Pass(specs, torch.device(device), retrieval, one_list_for_all)
         return _evaluate(
-            model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval, progress
+            model, tokenizer, preprocess, source, state, device, group, batch_size, max_samples, retrieval, progress
         )
     finally:
         model.train(was_training)
 
 
 def _evaluate(
-    model, tokenizer, preprocess, source, specs, device, group, batch_size, max_samples, retrieval, progress=None
+    model, tokenizer, preprocess, source, state, device, group, batch_size, max_samples, retrieval, progress=None
 ):
     device = torch.device(device)
     rank, world = rank_and_world(group)
-    state = _Pass(specs, device, retrieval)
+    specs = state.specs
     classifiers = {
         name: zeroshot_classifier(model, tokenizer, spec.classnames, spec.templates, device)
         for name, spec in specs.items()
@@ -207,7 +215,7 @@ def _evaluate(
         counts.unpack(packed[offset : offset + size])
         offset += size
         if int(counts.invalid):
-            raise EvalDataError(
+            raise LabelOutOfRange(
                 f"{int(counts.invalid)} samples of dataset {name!r} have a label outside "
                 f"[0, {counts.num_classes}) (its class list has {counts.num_classes} names)"
             )

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fastclip.cli import OneLineParser
+from fastclip.cli import OneLineParser, unwritable
 from fastclip.eval.checkpoint import load_checkpoint
 from fastclip.stopping import Stopped, signals_deferred, stopped_by_signals
 from fastclip.train import checkpoint as ckpt
@@ -75,14 +75,8 @@ def _check_out(out: Path) -> None:
     what = _kind(out)
     if what:
         raise ValueError(f"--out {out}: exists and is {what}, not a regular file; name the .pt file to write")
-    folder = next(p for p in out.parents if os.path.lexists(p))  # the export creates the folders below it
-    if not folder.is_dir():
-        raise ValueError(f"--out {out}: {folder} is not a folder; choose another --out")
-    try:  # a real file: permissions alone do not tell (root, read-only mounts, /proc)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".fastclip-export-probe"):
-            pass
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot write in {folder} ({e.strerror or e}); choose another --out") from None
+    if problem := unwritable("--out", out):  # (the export creates the folders below the nearest that exists)
+        raise ValueError(problem)
 
 
 def _check_beside(out: Path, files: list[Path]) -> None:

@@ -159,8 +159,12 @@ def iter_image_folder(
                     _skip(skipped, f"{file}: cannot decode image ({err})")
                 else:
                     caption_file = file.with_suffix(".txt")
-                    caption = caption_file.read_text(encoding="utf-8").strip() if caption_file.is_file() else None
-                    yield EvalSample(image, caption, position, dataset, label, str(file))
+                    try:
+                        caption = caption_file.read_text(encoding="utf-8").strip() if caption_file.is_file() else None
+                    except (UnicodeDecodeError, OSError) as err:  # the sample goes, not the evaluation
+                        _skip(skipped, f"{caption_file}: unreadable caption ({err})")
+                    else:
+                        yield EvalSample(image, caption, position, dataset, label, str(file))
             position += 1
 
 

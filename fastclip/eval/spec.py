@@ -59,6 +59,8 @@ def load_templates(path: str | os.PathLike) -> list[str]:
 def load_zeroshot_spec(path: str | os.PathLike, templates: str | os.PathLike | None = None) -> dict[str, ZeroShotSpec]:
     """Dataset name -> spec, from any of the accepted files (see the module docstring)."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"zero-shot class names: {path} is a folder; pass the file (zeroshot.json, a .txt list)")
     if not path.is_file():
         raise FileNotFoundError(f"zero-shot class names file not found: {path}")
     template_list = load_templates(templates) if templates else None

@@ -21,6 +21,7 @@ METRICS_FILE = "metrics.jsonl"
 @dataclass
 class Run:
     label: str
+    file: Path | None = None
     rows: list[dict] = field(default_factory=list)
 
     def _step_to_samples(self):
@@ -64,9 +65,18 @@ class Run:
     def keys(self) -> set[str]:
         return {k for row in self.rows for k in row}
 
+    def plottable(self) -> bool:
+        """Whether any panel would draw a point of this run."""
+        keys = [key for *_, key in PANELS if key is not None] + zeroshot_keys([self])
+        return any(self.series(key)[0] for key in keys)
+
 
 def _num(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _not_metrics(file: Path, why: str) -> ValueError:
+    return ValueError(f"{file}: not a {METRICS_FILE} ({why}); pass a run directory or its {METRICS_FILE}")
 
 
 def load_run(path: str | Path) -> Run:
@@ -74,21 +84,30 @@ def load_run(path: str | Path) -> Run:
     file = path if path.is_file() else path / METRICS_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no metrics file (pass a run directory holding {METRICS_FILE})")
-    run = Run(label=(path.parent.name if path.is_file() else path.name) or str(path))
-    with open(file) as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                if line_no > 1 and not line.endswith("\n"):
-                    break  # a run still being written: its last line may be cut
-                raise ValueError(f"{file}:{line_no}: invalid JSON ({err})") from err
-            if not isinstance(row, dict):
-                raise ValueError(f"{file}:{line_no}: expected a JSON object per line")
-            run.rows.append(row)
+    run = Run(label=(path.parent.name if path.is_file() else path.name) or str(path), file=file)
+    try:
+        with open(file) as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    if line_no > 1 and not line.endswith("\n"):
+                        break  # a run still being written: its last line may be cut
+                    if line_no == 1 and file.name != METRICS_FILE:  # not JSON from the start: some other file
+                        raise _not_metrics(file, f"line 1 is not JSON: {err}") from None
+                    raise ValueError(f"{file}:{line_no}: invalid JSON ({err}); fix or delete that line") from err
+                if not isinstance(row, dict):
+                    raise ValueError(f"{file}:{line_no}: expected a JSON object per line; fix or delete that line")
+                run.rows.append(row)
+    except UnicodeDecodeError as err:  # a checkpoint or other binary passed as a run
+        raise _not_metrics(file, f"byte {err.start} is not text") from None
     return run
+
+
+def _nothing_to_plot(run: Run) -> str:
+    return f"{run.file} ({'empty' if not run.rows else 'no loss, objective, tau or eval/.../top1 values'})"
 
 
 def _unique_labels(runs: list[Run], paths: list[Path]) -> None:
@@ -138,7 +157,25 @@ def _draw(ax, runs: list[Run], key: str | None) -> bool:
     return drew
 
 
-def plot_runs(run_paths: list[str | Path], out_dir: str | Path) -> list[Path]:
+def _out_folder(out_dir: Path) -> None:
+    """--out, created; where it cannot be (/proc, no permission) is said in the flag's words."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {out_dir}: cannot create it ({err.strerror or err}); choose another --out") from None
+
+
+def _save(figure, file: Path, dpi: int) -> None:
+    try:
+        figure.savefig(file, dpi=dpi)
+    except OSError as err:  # a folder it may not write to, or a full disk
+        raise ValueError(
+            f"--out {file.parent}: cannot write {file.name} ({err.strerror or err}); choose another --out"
+        ) from None
+
+
+def plot_runs(run_paths: list[str | Path], out_dir: str | Path, notes: list[str] | None = None) -> list[Path]:
+    """The PNG files written; runs with nothing to draw are left out and named in `notes`, unless all are."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
@@ -147,9 +184,20 @@ def plot_runs(run_paths: list[str | Path], out_dir: str | Path) -> list[Path]:
     paths = [Path(p) for p in run_paths]
     runs = [load_run(p) for p in paths]
     _unique_labels(runs, paths)
+    drawn, empty = [], []
+    for run in runs:
+        (drawn if run.plottable() else empty).append(run)
+    if not drawn:  # a blank overview.png would look like a plot of a run that went nowhere
+        raise ValueError(
+            f"nothing to plot in {', '.join(map(_nothing_to_plot, empty))}; plot the run once fastclip train has "
+            "logged a step (every train.log_every steps)"
+        )
+    if notes is not None:
+        notes += [f"nothing to plot in {_nothing_to_plot(run)}: left out" for run in empty]
+    runs = drawn
     x_label = runs[0].x_label if all(r.x_label == runs[0].x_label for r in runs) else "samples seen (or step)"
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _out_folder(out_dir)
     written = []
 
     overview, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
@@ -164,11 +212,11 @@ def plot_runs(run_paths: list[str | Path], out_dir: str | Path) -> list[Path]:
                 axis.set_title(f"{title}: not logged")
                 axis.set_axis_off()
         if ax.has_data():
-            fig.savefig(out_dir / f"{stem}.png", dpi=120)
+            _save(fig, out_dir / f"{stem}.png", dpi=120)
             written.append(out_dir / f"{stem}.png")
         plt.close(fig)
     overview.suptitle(", ".join(r.label for r in runs))
-    overview.savefig(out_dir / "overview.png", dpi=100)
+    _save(overview, out_dir / "overview.png", dpi=100)
     plt.close(overview)
     written.append(out_dir / "overview.png")
     return written
@@ -179,13 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl) or metrics.jsonl files")
     parser.add_argument("--out", required=True, help="folder for the PNG files")
     args = parser.parse_args(argv)
+    if not args.out:  # Path("") is the current directory: the PNGs would land wherever the shell stands
+        parser.error("argument --out: empty; pass the folder for the PNG files")
     from fastclip.data.cli import out_folder_problem
 
     if problem := out_folder_problem("--out", args.out):
         print(f"fastclip plot: {problem}", file=sys.stderr)
         return 2
+    notes: list[str] = []
     try:
-        written = plot_runs(args.runs, args.out)
+        written = plot_runs(args.runs, args.out, notes)
     except BrokenPipeError:  # the reader of stdout is gone: fastclip's dispatcher ends it quietly
         raise
     except (OSError, ValueError) as err:  # a run folder or --out typed wrong: a usage error
@@ -196,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
     if missing:
         print(f"not logged by any run: {', '.join(sorted(missing))}")
+    for note in notes:
+        print(f"note: {note}")
     return 0
 
 

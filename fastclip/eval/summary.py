@@ -8,21 +8,49 @@ where the captions are distinct). The quickstart ends with it.
 from __future__ import annotations
 
 import json
+import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from fastclip.cli import OneLineParser
 
+RUN_FOLDER = "pass the folder fastclip train wrote"
+FIX_LINE = "fix or delete that line"
 
-def _rows(path: Path, unreadable: list[str]) -> list[dict]:
+
+def _shown(value) -> str:
+    """A JSON value as the file has it, short enough for one line."""
+    text = json.dumps(value)
+    return text if len(text) <= 30 else text[:27] + "..."
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)  # NaN included: the trainer logs it
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _read_text(path: Path, advice: str) -> str:
+    """The file's text; a binary or foreign file is named, not decoded into a codec error."""
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not a text file (byte {err.start} is not UTF-8); {advice}") from None
+
+
+def _rows(path: Path, unreadable: list[str], problem: Callable[[dict], str | None], advice: str) -> list[dict]:
     """The JSON objects of a .jsonl file; lines that are not one are left out and named in `unreadable`, except
-    a cut last line (a run still being written, as `fastclip plot` reads it)."""
+    a cut last line (a run still being written, as `fastclip plot` reads it). An object that `problem` finds
+    wrong (a field of the wrong type: edited or foreign, not a crash) is refused, naming its line."""
     if not path.is_file():
         return []
     rows, bad = [], []
-    text = path.read_text()
+    text = _read_text(path, advice)
     lines = text.splitlines()
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -32,6 +60,8 @@ def _rows(path: Path, unreadable: list[str]) -> list[dict]:
         except ValueError:
             row = None
         if isinstance(row, dict):
+            if (wrong := problem(row)) is not None:
+                raise ValueError(f"{path}:{number}: {wrong}; {FIX_LINE}")
             rows.append(row)
         elif not (number == len(lines) and number > 1 and not text.endswith("\n")):
             bad.append(number)
@@ -39,6 +69,76 @@ def _rows(path: Path, unreadable: list[str]) -> list[dict]:
         shown = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
         unreadable.append(f"{path.name}: {len(bad)} unreadable line{'s' if len(bad) > 1 else ''} skipped ({shown})")
     return rows
+
+
+# metrics.jsonl fields the summary reads. All optional (a record holds some of them; one missing is shown as
+# "–" or left out), but where present they are what the trainer writes, or the arithmetic below breaks.
+METRIC_COUNTS = ("step", "samples_seen", "data_skipped", "data_wrapped")
+METRIC_NUMBERS = ("step_time", "samples_per_s", "samples_per_s_per_rank")
+
+
+def _metrics_problem(row: dict) -> str | None:
+    for key, value in row.items():
+        if (key in METRIC_COUNTS or key.startswith("data_skipped/")) and not _is_count(value):
+            return f"{key} is {_shown(value)}, not a count"
+        if key in METRIC_NUMBERS and not _is_number(value):
+            return f"{key} is {_shown(value)}, not a number"
+    return None
+
+
+COUNT, NUMBER = (_is_count, "a count"), (_is_number, "a number")
+RETRIEVAL_KEYS = tuple(f"{d}_R@{k}" for d in ("image_to_text", "text_to_image") for k in (1, 5, 10))
+
+
+def _results_problem(row: dict) -> str | None:
+    """What `fastclip eval` writes and the summary shows: the task, and per task the values printed. Rows of
+    other tasks are passed over (a newer eval may add some)."""
+    task = row.get("task")
+    if not isinstance(task, str):
+        return "no task" if task is None else f"task is {_shown(task)}, not a name"
+    step = row.get("step")
+    if step is not None and not _is_count(step):  # null: a model file evaluated outside a run
+        return f"step is {_shown(step)}, not a count"
+    if task == "zeroshot_classification":
+        if not isinstance(row.get("dataset"), str):
+            return f"dataset is {_shown(row.get('dataset'))}, not a name"
+        fields = {"num_samples": COUNT, "top1": NUMBER}
+    elif task == "retrieval":
+        fields = {"num_samples": COUNT, **dict.fromkeys(RETRIEVAL_KEYS, NUMBER)}
+        if "distinct_captions" in row:  # older evaluations did not count them: shown as before
+            fields["distinct_captions"] = COUNT
+    else:
+        return None
+    for key, (fits, kind) in fields.items():
+        if not fits(row.get(key)):
+            return f"no {key}" if key not in row else f"{key} is {_shown(row[key])}, not {kind}"
+    return None
+
+
+def _config(run: Path) -> dict:
+    """config.yaml as the trainer resolves it: a mapping of sections. Anything else is not a run's config."""
+    path = run / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run}: no config.yaml (not a fastclip run folder); {RUN_FOLDER}")
+    cfg = yaml.safe_load(_read_text(path, RUN_FOLDER))
+    if not isinstance(cfg, dict):
+        kind = "holds nothing" if cfg is None else f"holds a {'list' if isinstance(cfg, list) else 'single value'}"
+        raise ValueError(f"{path}: {kind} instead of the run's settings (model, loss, data, ...); {RUN_FOLDER}")
+    return cfg
+
+
+def _setting(cfg: dict, dotted: str):
+    """A config value the summary only shows: one missing or not a single value (a config from an older
+    fastclip, or edited) is shown as "–", since the steps and results below are still worth reading."""
+    value = cfg
+    for key in dotted.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+
+
+def _shown_setting(cfg: dict, dotted: str) -> str:
+    value = _setting(cfg, dotted)
+    return "–" if value is None else str(value)
 
 
 def _data_line(rows: list[dict]) -> str | None:
@@ -52,6 +152,11 @@ def _data_line(rows: list[dict]) -> str | None:
         + (f" ({reasons})" if reasons else "")
         + f", {last.get('data_wrapped', 0):,} served again to fill batches (counted in samples and epochs above)"
     )
+
+
+def _rate(value) -> bool:
+    """A speed worth showing: a logged window that took time (NaN where none did)."""
+    return _is_number(value) and math.isfinite(value) and value > 0
 
 
 def _duration(seconds: float) -> str:
@@ -87,32 +192,44 @@ def summarize(
     from fastclip.eval.cli import MIN_DISTINCT_CAPTIONS
 
     run = Path(run)
-    if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run}: no config.yaml (not a fastclip run folder)")
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg = _config(run)
     unreadable: list[str] = []
-    rows = _rows(run / "metrics.jsonl", unreadable)
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        said = "not a file" if metrics.exists() else "missing"
+        raise FileNotFoundError(f"{metrics}: {said}; pass a run folder that fastclip train has logged steps into")
+    rows = _rows(metrics, unreadable, _metrics_problem, RUN_FOLDER)
     train_rows = [r for r in rows if "loss" in r and "step" in r]
     if not train_rows:
-        raise ValueError(f"{run}/metrics.jsonl: no training steps logged")
+        raise ValueError(
+            f"{metrics}: no training steps logged (no line with step and loss); summarize the run once fastclip "
+            "train has logged one (every train.log_every steps)"
+        )
     last = train_rows[-1]
-    speeds = sorted(r["samples_per_s"] for r in train_rows if r.get("samples_per_s"))
-    per_rank = [r["samples_per_s"] / r["samples_per_s_per_rank"] for r in train_rows if r.get("samples_per_s_per_rank")]
+    speeds = sorted(r["samples_per_s"] for r in train_rows if _rate(r.get("samples_per_s")))
+    per_rank = [
+        r["samples_per_s"] / r["samples_per_s_per_rank"]
+        for r in train_rows
+        if _rate(r.get("samples_per_s")) and _rate(r.get("samples_per_s_per_rank"))
+    ]
     processes = round(per_rank[-1]) if per_rank else None
-    data = cfg["data"]
-    pairs = _num_samples(data["train"])
+    train_data = _setting(cfg, "data.train")
+    pairs = _num_samples(train_data) if isinstance(train_data, str) else None
 
     lines = [f"summary of {run}"]
-    start = f"from {cfg['model']['pretrained']}" if cfg["model"].get("pretrained") else "random init"
-    what = f"{cfg['loss']['name']} on {cfg['model']['arch']} ({start}), {data['train']}" + (
-        f" ({pairs:,} pairs)" if pairs else ""
+    pretrained = _setting(cfg, "model.pretrained")
+    start = f"from {pretrained}" if pretrained else "random init"
+    what = (
+        f"{_shown_setting(cfg, 'loss.name')} on {_shown_setting(cfg, 'model.arch')} ({start}), "
+        f"{_shown_setting(cfg, 'data.train')}" + (f" ({pairs:,} pairs)" if pairs else "")
     )
     lines.append(f"  trained    {what}")
-    epochs = last["samples_seen"] / pairs if pairs else None
+    seen = last.get("samples_seen")  # missing (a hand-cut file): "–", and no epochs
+    epochs = seen / pairs if pairs and seen is not None else None
     lines.append(
-        f"             {last['step']} steps, {last['samples_seen']:,} samples"
+        f"             {last['step']} steps, {'–' if seen is None else f'{seen:,}'} samples"
         + (f" ({epochs:.1f} epochs)" if epochs else "")
-        + f", batch {data['batch_size']} per process"
+        + f", batch {_shown_setting(cfg, 'data.batch_size')} per process"
         + (f" x {processes} process{'es' if processes > 1 else ''}" if processes else "")
     )
     if (data_line := _data_line(rows)) is not None:
@@ -123,7 +240,8 @@ def summarize(
         + (f", median {speeds[len(speeds) // 2]:.0f} samples/s" if speeds else "")
     )
 
-    results = _rows(run / "checkpoints" / "results.jsonl", unreadable)
+    results_advice = f"move it aside and run fastclip eval {run} --data DIR again"
+    results = _rows(run / "checkpoints" / "results.jsonl", unreadable, _results_problem, results_advice)
     if results:
         newest = max(r.get("step") or 0 for r in results)
         latest = {}
@@ -199,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except (OSError, ValueError, KeyError, yaml.YAMLError) as err:  # a run folder typed wrong: a usage error
         if isinstance(err, yaml.YAMLError):
-            err = f"{Path(args.run) / 'config.yaml'}: not valid YAML ({getattr(err, 'problem', None) or err})"
+            problem = getattr(err, "problem", None) or err
+            err = f"{Path(args.run) / 'config.yaml'}: not valid YAML ({problem}); {RUN_FOLDER}"
         print(f"fastclip summary: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     return 0

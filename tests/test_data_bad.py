@@ -319,7 +319,12 @@ def test_a_rank_whose_every_shard_is_bad_stops_with_one_line(tmp_path):
             next(iter(stream.epoch(0)))
         message = str(info.value)
         assert "\n" not in message and message.startswith("rank 1: no usable sample")
-        assert f"{mine[0].name} (unreadable_shard)" in message and f"{mine[1].name} (missing_caption)" in message
+        assert f"{mine[0].name} (unreadable_shard: 0 of {SHARD} samples readable: cannot open as tar" in message
+        assert f"{mine[1].name} (missing_caption)" in message  # a sample's problem: its reason, no detail
+        assert message.endswith(
+            "Replace or remove the local shards (`fastclip data scan` lists what is wrong in each), then restart "
+            "with --train.resume latest"
+        )
     # rank 0's shards are fine: it trains (and its collective then fails when rank 1 exits)
     stream = build_train_stream(
         {"train": str(tmp_path), "batch_size": 16, "workers": 0},

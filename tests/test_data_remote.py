@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from fastclip.data import DataSpecError, build_train_stream, resolve_catalog
+from fastclip.data.catalog import expand_braces
 from fastclip.data.remote import RemoteError, StreamFile, read_bytes, shard_basename, sibling
+from fastclip.data.samples import DataExhausted
 from fastclip.data.sources.synthetic import write_synthetic
 from fastclip.data.stream import describe_skip
 from fastclip.data.tario import ShardReader, TarBroken, iter_shard
@@ -223,3 +225,36 @@ def test_a_failing_remote_shard_is_named_in_one_line(synth, http_root, model_fns
     ):
         resolve_catalog(f"{http_root[1]}/nowhere/{{0,1}}.tar")
     assert json.loads(read_bytes(f"pipe:cat {synth}/manifest.json"))["num_samples"] == sum(SIZES)
+
+
+def test_a_rank_whose_remote_shards_all_fail_says_why_and_what_to_do_in_one_line(http_root, model_fns):
+    """The manifest is there, the shards are not: the stop line carries each shard's location and the command's
+    stderr tail or the HTTP status (no batch is made, so no skip event reaches the log), and advice that works for
+    a remote source (`fastclip data scan` reads local folders only)."""
+    folder = http_root[0] / "vanished"
+    write_synthetic(folder, [4, 4])
+    shards = names(folder)
+    for name in shards:
+        (folder / name).unlink()
+    for spec, why in (
+        (pattern("pipe:cat ", str(folder), folder), f"command exited with status 1: cat: {folder}/{{}}: No such file"),
+        (pattern("", f"{http_root[1]}/vanished", folder), "HTTP 404 File not found"),
+    ):
+        stream = build_train_stream(
+            {"train": spec, "batch_size": 2, "workers": 0},
+            rank=0,
+            world_size=1,
+            preprocess=model_fns[0],
+            tokenizer=model_fns[1],
+        )
+        with pytest.raises(DataExhausted) as info:
+            next(iter(stream.epoch(0)))
+        message = str(info.value)
+        assert "\n" not in message and message.startswith("rank 0: no usable sample in its share of epoch 0")
+        for name, location in zip(shards, expand_braces(spec)):
+            assert f"{name} (unreadable_shard: 0 of 4 samples readable: {location}: {why.format(name)}" in message
+        assert message.endswith(
+            "Make each remote location readable (run its command or fetch its URL by hand to see why not) or remove "
+            "it from the data spec, then restart with --train.resume latest"
+        )
+        assert "fastclip data scan" not in message

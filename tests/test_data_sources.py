@@ -288,10 +288,13 @@ def test_folder_refuses_an_out_folder_with_a_data_set_and_a_run_that_writes_noth
 def test_scan_of_files_that_are_not_shards_writes_nothing(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("hello")
     (tmp_path / "empty.tar").write_bytes(b"")
-    for target in (tmp_path / "notes.txt", tmp_path / "empty.tar"):
+    for target, said in (
+        (tmp_path / "notes.txt", "notes.txt is not a .tar/.tar.gz/.tgz shard; pass the shards' folder"),
+        (tmp_path / "empty.tar", "no usable sample in 1 file(s), no manifest written"),
+    ):
         assert fastclip_main(["data", "scan", str(target)]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "no usable sample in 1 file(s), no manifest written" in err, err
+        assert len(err.splitlines()) == 1 and said in err, err
     assert not (tmp_path / "manifest.json").exists()
 
 

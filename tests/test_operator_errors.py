@@ -579,7 +579,7 @@ def test_a_rank_whose_every_shard_is_bad_stops_the_job_with_one_line(tmp_path):
     lines = [x for x in job.output(1).splitlines() if x.startswith("fastclip train: error")]
     assert len(lines) == 1 and lines[0].startswith("fastclip train: error: rank 1: no usable sample"), job.outputs()
     for shard in bad:
-        assert f"{shard.name} (unreadable_shard)" in lines[0]
+        assert f"{shard.name} (unreadable_shard" in lines[0]  # (with its detail for the first few)
     assert "Traceback" not in job.output(0) + job.output(1)
 
 

@@ -7,7 +7,8 @@
                          [--num-test 5000] [--num-novel 2000] [--workers N] [--seed 0] [--shard-size 2000]
   fastclip data folder --captions caps.csv --out DIR [--images ROOT] [--csv-img-key filepath]
                        [--csv-caption-key title] [--csv-separator ","] [--shard-size 2000] [--index-offset 0]
-  fastclip data scan DIR|PATTERN [--data-size N] [--strict] [--workers N] [--from-tars] [--samples-per-shard N]
+  fastclip data scan DIR|DIR/manifest.json|PATTERN [--data-size N] [--strict] [--workers N] [--from-tars]
+                     [--samples-per-shard N]
   fastclip data info "DIR::/other/train-{000..009}.tar" [--batch-size 64 --world-size 8]
 
 Exit status: 0 on success, 1 when `scan --strict` finds problems, 2 on a usage or data-spec error; `embedded` and
@@ -137,7 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--prefix", default="train", help="shard name prefix")
 
     s = sub.add_parser("scan", help="write manifest.json for existing shards and check their indices")
-    s.add_argument("shards", help="shard folder or pattern (brace expansion, glob)")
+    s.add_argument(
+        "shards", help="local shard folder (or its manifest.json) or pattern of .tar files (brace expansion, glob)"
+    )
     s.add_argument("--data-size", type=int, default=None, help="default: 1 + the largest index found")
     s.add_argument("--strict", action="store_true", help="exit 1 and write nothing if any problem is found")
     s.add_argument("--workers", type=_count, default=None, help="processes reading shards (default: all cores)")
@@ -287,10 +290,12 @@ def _run(args) -> int:
             samples_per_shard=args.samples_per_shard,
         )
         print(result.summary())
-        if result.manifest.num_samples == 0:
+        if result.usable == 0:  # a manifest of samples the stream skips, every one: training would find nothing
+            read = result.manifest.num_samples
+            why = f"each of the {plural(read, 'sample')} read has a problem listed above; " if read else ""
             raise ValueError(
                 f"{args.shards}: no usable sample in {len(result.manifest.shards)} file(s), no manifest written "
-                f"(WebDataset .tar shards of image + caption files are expected)"
+                f"({why}WebDataset .tar shards of image + caption files are expected)"
             )
         out_of_range = sum(p.get("reason") == "index_out_of_range" for p in result.problems)
         if args.data_size is not None and out_of_range:  # allowed (a cap), but said where an operator looks
@@ -306,6 +311,8 @@ def _run(args) -> int:
                 file=sys.stderr,
             )
             return 1
+        for note in result.notes:  # what the new manifest leaves out of the old one is said where errors are
+            print(f"fastclip data scan: note: {note}", file=sys.stderr)
         write_manifest(result.folder, result.manifest)
         print(f"wrote {result.folder}/manifest.json")
         return 0

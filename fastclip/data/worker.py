@@ -37,6 +37,7 @@ from fastclip.data.plan import (
     worker_chunk,
     worker_runs,
 )
+from fastclip.data.remote import is_remote
 from fastclip.data.samples import (
     MANIFEST_MISMATCH,
     SHARD_REASONS,
@@ -108,6 +109,7 @@ class _Worker:
         self.bad_streak = 0
         self.shard_events: set[tuple[str, str]] = set()  # (shard, reason) already reported this epoch
         self.bad_by_shard: dict[str, set[str]] = {}  # shard -> reasons seen (for the message if all is bad)
+        self.shard_detail: dict[str, str] = {}  # shard -> its first shard-wide problem's detail (same message)
 
     def batches(self):
         job, lay = self.job, self.job.layout
@@ -160,6 +162,7 @@ class _Worker:
         self.bad_by_shard.setdefault(shard, set()).add(reason)
         event = True
         if reason in SHARD_REASONS:
+            self.shard_detail.setdefault(shard, detail)
             event = (shard, reason) not in self.shard_events and log_.max_events > 0
             if event:
                 self.shard_events.add((shard, reason))
@@ -170,16 +173,37 @@ class _Worker:
         # range without one usable sample, stop the run with what is wrong with its shards.
         self.bad_streak += n
         if self.bad_streak > 2 * (self.n_rank + self.job.layout.window):
-            shards = "; ".join(
-                f"{name} ({', '.join(f'{r}' for r in sorted(reasons))})"
-                for name, reasons in sorted(self.bad_by_shard.items())
-            )
             raise DataExhausted(
                 f"rank {self.job.rank}: no usable sample in its share of epoch {self.job.epoch} "
-                f"({self.n_rank} samples): every one is bad. Shards: {shards or 'none read'}. Replace or remove "
-                f"these shards (`fastclip data scan` lists what is wrong in each), then restart with "
-                f"--train.resume latest"
+                f"({self.n_rank} samples): every one is bad. Shards: {self._what_is_wrong()}. {self._what_to_do()}, "
+                f"then restart with --train.resume latest"
             )
+
+    def _what_is_wrong(self, detailed: int = 3) -> str:
+        """Each bad shard with its reasons, the first few shard-wide problems with their detail: for a remote shard
+        that is its location and the command's stderr tail or the HTTP status, which nothing else prints (the
+        skip events travel with batches, and this rank makes none)."""
+        parts = []
+        for name, reasons in sorted(self.bad_by_shard.items()):
+            said = ", ".join(sorted(reasons))
+            if name in self.shard_detail and detailed > 0:
+                said, detailed = f"{said}: {self.shard_detail[name]}", detailed - 1
+            parts.append(f"{name} ({said})")
+        return "; ".join(parts) or "none read"
+
+    def _what_to_do(self) -> str:
+        """Advice that works for where the bad shards are: `fastclip data scan` reads local shards only."""
+        location = dict(zip(self.job.shard_names, self.job.shard_paths))
+        remote = {is_remote(location.get(name, "")) for name in self.bad_by_shard} or {False}
+        advice = []
+        if False in remote:
+            advice.append("Replace or remove the local shards (`fastclip data scan` lists what is wrong in each)")
+        if True in remote:
+            advice.append(
+                "Make each remote location readable (run its command or fetch its URL by hand to see why not) or "
+                "remove it from the data spec"
+            )
+        return "; ".join(advice)
 
     def _samples(self) -> Iterator[Candidate]:
         """Candidates in serving order; keeps (self.window, self.consumed) = position after the last one."""

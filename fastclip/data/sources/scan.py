@@ -7,7 +7,16 @@ the shard's `index_base`, which the loader adds to a sample's position in the ta
 unique and below
 data_size (--data-size; default 1 + the largest index found). Every problem is reported with shard and key
 and recorded in the manifest's "problems" list: the training stream skips exactly those samples. Of two
-samples with the same index, the first in manifest order (shard, then tar order) is kept.
+samples with the same index, the first in manifest order (shard, then tar order) is kept. Two samples of one
+shard under the same key are a problem too (`duplicate_key`): next to each other a tar reader merges them into
+one sample (one image lost), apart the stream cannot tell them apart (it skips listed samples by key), so every
+sample under such a key is listed. The manifest's num_samples counts key groups, bad ones included (what a reader
+walking the tar sees); the summary says how many of them are usable, and a scan with none writes nothing.
+
+A scan never shrinks what a folder's manifest.json offers without being told: a scan that would leave out shards
+the old manifest lists and the folder still holds is refused (scan the folder, or move the manifest away); a
+listed shard that is gone from the folder is left out with a note. Remote sources are not scanned: the manifest is
+written where the shards are (README, "Remote shards").
 
 At LAION scale: shards are summarised in parallel processes (--workers, default all cores) and streamed back
 one at a time in manifest order; what stays in memory is one bit per index (fastclip/data/bits.py) and each
@@ -32,8 +41,9 @@ import numpy as np
 
 from fastclip.data.bits import IndexBits
 from fastclip.data.catalog import DataSpecError, expand_braces
-from fastclip.data.format import SHARD_SUFFIXES, caption_of, image_of, index_from_meta, parse_meta
-from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
+from fastclip.data.format import MANIFEST_NAME, SHARD_SUFFIXES, caption_of, image_of, index_from_meta, parse_meta
+from fastclip.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest, write_manifest
+from fastclip.data.remote import is_remote
 from fastclip.data.tario import ShardReader, TarBroken
 
 _WANT = frozenset({"json", "txt"})
@@ -48,12 +58,15 @@ class ScanResult:
     manifest: Manifest
     folder: Path
     problems: list[dict]
+    usable: int = 0  # samples no problem lists (the stream skips listed ones): what training can use
+    notes: list[str] = field(default_factory=list)  # for stderr: what the new manifest leaves out, and why
 
     def summary(self) -> str:
         counts = Counter(p["reason"] for p in self.problems)
+        total = self.manifest.num_samples
         lines = [
             f"{self.folder}: {plural(len(self.manifest.shards), 'shard')}, "
-            f"{plural(self.manifest.num_samples, 'sample')}, "
+            f"{plural(total, 'sample')}{'' if self.usable == total else f' ({self.usable} usable)'}, "
             f"data_size {self.manifest.data_size}, "
             + (
                 f"{plain} plain WebDataset shard(s) indexed by position, "
@@ -84,8 +97,16 @@ class ScanResult:
 
 
 def find_shards(spec: str) -> tuple[Path, list[Path]]:
-    """(folder, tar files) for a folder or a brace/glob pattern; all shards must share one folder."""
+    """(folder, tar files) for a folder, its manifest.json, or a brace/glob pattern; all shards must share one
+    folder."""
+    if is_remote(spec):  # a Path of a URL or a command names nothing (and loses the URL's "//")
+        raise DataSpecError(
+            f"{spec}: a remote source; `fastclip data scan` reads local shards only: scan them where they are (or a "
+            f"local copy) and upload the manifest.json beside them, where training reads it (README, Remote shards)"
+        )
     path = Path(spec)
+    if path.name == MANIFEST_NAME and path.is_file():  # as training reads it: the manifest stands for its folder
+        path = path.parent
     if path.is_dir():
         tars = sorted(p for p in path.iterdir() if p.name.endswith(SHARD_SUFFIXES))
         if not tars:
@@ -99,10 +120,49 @@ def find_shards(spec: str) -> tuple[Path, list[Path]]:
     for p in paths:
         if not p.is_file():
             raise DataSpecError(f"shard file {p} (from pattern {spec!r}) does not exist")
+        if not p.name.endswith(SHARD_SUFFIXES):  # a list of shards, a manifest: read as a tar it is "unreadable"
+            where = "" if str(p) == spec else f" (from pattern {spec!r})"
+            raise DataSpecError(
+                f"{p}{where} is not a {'/'.join(SHARD_SUFFIXES)} shard; pass the shards' folder (or its "
+                f"{MANIFEST_NAME}) or a brace/glob pattern of the shard files"
+            )
     folders = {p.parent.resolve() for p in paths}
     if len(folders) > 1:
         raise DataSpecError(f"pattern {spec!r} spans several folders; scan each folder (one manifest per folder)")
     return paths[0].parent, paths
+
+
+def _names(names: list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
+def keep_listed_shards(folder: Path, scanned: list[str]) -> list[str]:
+    """Refuse a scan whose manifest would drop shards the folder's manifest.json lists and the folder still holds
+    (a scan of one shard would silently shrink the training data to it); notes for what the new manifest leaves
+    out otherwise (listed shards gone from the folder, an old manifest that cannot be read)."""
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        return []
+    try:
+        old = read_manifest(folder)
+    except ManifestError as e:  # what a rescan is for: said, since what it held is replaced
+        return [f"replacing {path}, which could not be read ({e})"]
+    reading = {os.path.normpath(name) for name in scanned}
+    left_out = [s.path for s in old.shards if os.path.normpath(s.path) not in reading]
+    present = [name for name in left_out if (folder / name).is_file()]
+    if present:
+        raise DataSpecError(
+            f"{path} lists {plural(len(old.shards), 'shard')}, this scan reads {len(scanned)}: it would drop "
+            f"{_names(present)} from the manifest; scan the folder itself (or a pattern naming every listed shard), "
+            f"or move {path} away to write a manifest of these shards only"
+        )
+    gone = [name for name in left_out if name not in present]
+    if gone:
+        return [
+            f"{path} listed {plural(len(gone), 'shard')} no longer in {folder} ({_names(gone)}): left out of the "
+            f"new manifest ({plural(len(old.shards) - len(gone), 'listed shard')} kept)"
+        ]
+    return []
 
 
 @dataclass
@@ -154,11 +214,13 @@ def _summarise(task: tuple) -> ShardSummary:
         ]
         return ShardSummary(name, len(keys), via, indices, keys, notes)
     keys, values, notes, missing, any_json, broken, reader = [], [], [], [], False, None, None
+    seen: dict[str, list[int]] = {}  # key -> ordinals of its samples in this tar
     try:
         with ShardReader(path, _WANT) as reader:
             while (raw := reader.next_group()) is not None:
                 ordinal = len(keys)
                 keys.append(raw.key)
+                notes += _duplicate_key_notes(raw.key, raw.exts, ordinal, seen)
                 any_json |= "json" in raw.exts
                 meta, why = parse_meta(raw.files.get("json"))
                 index = index_from_meta(meta) if meta is not None else None
@@ -180,6 +242,31 @@ def _summarise(task: tuple) -> ShardSummary:
     if not summary.plain:
         summary.notes += missing
     return summary
+
+
+def _duplicate_key_notes(key: str, exts: tuple, ordinal: int, seen: dict[str, list[int]]) -> list[tuple[int, str, str]]:
+    """Notes for a key that names more than one sample of a tar. Adjacent, a reader takes the members as one sample
+    and keeps the last of each extension (the others are lost); apart, the stream cannot skip one of them without
+    the others (it skips listed samples by key), so each is listed. seen: key -> ordinals of its samples so far."""
+    notes = []
+    copies = max(Counter(exts).values(), default=1)
+    if copies > 1:
+        notes.append(
+            (
+                ordinal,
+                "duplicate_key",
+                f"{copies} samples under key {key}, next to each other in the tar, read as one that keeps the "
+                f"last of each member: skipped; give each sample its own key",
+            )
+        )
+    at = seen.setdefault(key, [])
+    at.append(ordinal)
+    fix = "each is skipped; give each sample its own key"
+    if len(at) == 2:  # the first one is listed now too
+        notes.append((at[0], "duplicate_key", f"key {key} also names sample {ordinal + 1} of the tar: {fix}"))
+    if len(at) >= 2:
+        notes.append((ordinal, "duplicate_key", f"key {key} also names sample {at[0] + 1} of the tar: {fix}"))
+    return notes
 
 
 def _owner_keys(task: tuple) -> dict[int, str]:
@@ -250,6 +337,7 @@ def scan_shards(
     bitmap of the indices seen (fastclip/data/bits.py), each shard's ShardInfo and the problems found."""
     folder, paths = find_shards(spec)
     tasks = _plan(folder, paths, from_tars, samples_per_shard)
+    notes = keep_listed_shards(folder, [task[1] for task in tasks])  # before any work: it may refuse
     workers = (os.cpu_count() or 1) if workers is None else workers
     shards: list[ShardInfo] = []
     problems: list[dict] = []
@@ -263,7 +351,7 @@ def scan_shards(
         problems.append(entry)
         return entry
 
-    position, largest = 0, -1  # samples in the shards before this one, in manifest order
+    position, largest, usable = 0, -1, 0  # samples in the shards before this one, in manifest order
     for s_id, summary in enumerate(_map(_summarise, tasks, workers)):
         via[summary.via] += 1
         info = ShardInfo(summary.name, summary.num_samples)
@@ -273,6 +361,7 @@ def scan_shards(
             info.index_min, info.index_max = summary.bounds
             largest = max(largest, summary.bounds[1])
             spans.append(summary.bounds)
+            usable += summary.num_samples  # nothing per sample is known to be wrong
         else:
             idx = summary.indices
             if summary.plain:
@@ -315,6 +404,8 @@ def scan_shards(
                 entry = problem(summary.name, summary.keys[o], reason, detail, index)
                 if detail is None:
                     pending.append((entry, index, s_id))
+            listed = {summary.keys[o] for o, *_ in rows}  # the stream skips by key: every sample under a listed one
+            usable += sum(key not in listed for key in summary.keys)
             owned = idx[ok & ~dup]
             spans.append((int(owned.min()), int(owned.max())) if len(owned) else None)
             kept = idx[keep & ~out]
@@ -337,7 +428,7 @@ def scan_shards(
     manifest = Manifest(data_size, shards, problems, extra)
     if write:
         write_manifest(folder, manifest)
-    return ScanResult(manifest, folder, problems)
+    return ScanResult(manifest, folder, problems, usable, notes)
 
 
 def _name_first_copies(pending, spans, tasks, workers, shards) -> None:

@@ -1,0 +1,169 @@
+"""Operator mistakes with `fastclip data scan`: a scan never shrinks a folder's manifest unasked, reads local shards
+only, counts only samples training can use, lists duplicate keys, and says what to pass when given a file that is no
+shard. Each refusal is one stderr line naming the file and what to do, exit status 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastclip.data import build_train_stream
+from fastclip.data.cli import main
+from fastclip.data.manifest import read_manifest
+from fastclip.data.sources.synthetic import synthetic_image, write_synthetic
+from fastclip.data.tario import write_tar
+
+from helpers import one_line_error
+
+
+def _one_line(capsys, argv, *words, code=2) -> str:
+    return one_line_error(capsys, main, argv, *words, code=code)
+
+
+def _stream(spec: str, batch_size: int = 1):
+    return build_train_stream(
+        {"train": spec, "batch_size": batch_size, "workers": 0, "shuffle_buffer": 8},
+        preprocess=lambda img: torch.zeros(1),  # the stream still decodes every image itself
+        tokenizer=lambda captions: torch.zeros(len(captions), 2, dtype=torch.long),
+    )
+
+
+def _sample(index: int, **meta) -> dict[str, bytes]:
+    return {
+        "png": synthetic_image(index),
+        "txt": f"caption {index}".encode(),
+        "json": json.dumps({"index": index, **meta}).encode(),
+    }
+
+
+# ----------------------------------------------------------------------------- 1. and 6. the folder's manifest
+def test_a_scan_of_one_shard_does_not_replace_the_folders_manifest(tmp_path, capsys):
+    folder = tmp_path / "d"
+    write_synthetic(folder, [4, 4])
+    before = (folder / "manifest.json").read_text()
+    _one_line(
+        capsys,
+        ["scan", str(folder / "train-000000.tar"), "--workers", "1"],
+        f"fastclip data scan: error: {folder}/manifest.json lists 2 shards, this scan reads 1: it would drop "
+        f"train-000001.tar from the manifest; scan the folder itself (or a pattern naming every listed shard), or "
+        f"move {folder}/manifest.json away to write a manifest of these shards only",
+    )
+    assert (folder / "manifest.json").read_text() == before
+    # the same set again, by folder or by a pattern naming every shard: rescanned as before
+    for spec in (str(folder), f"{folder}/train-{{000000..000001}}.tar"):
+        assert main(["scan", spec, "--workers", "1"]) == 0
+        assert capsys.readouterr().err == ""
+        assert [(s.path, s.num_samples) for s in read_manifest(folder).shards] == [
+            ("train-000000.tar", 4),
+            ("train-000001.tar", 4),
+        ]
+    # a superset: shards added to the folder join the manifest
+    write_tar(folder / "train-000002.tar", [(f"{i:09d}", _sample(i)) for i in range(8, 11)])
+    assert main(["scan", str(folder), "--workers", "1"]) == 0
+    assert capsys.readouterr().err == ""
+    manifest = read_manifest(folder)
+    assert [s.path for s in manifest.shards][-1] == "train-000002.tar" and manifest.num_samples == 11
+
+
+def test_a_listed_shard_gone_from_the_folder_is_left_out_with_a_note(tmp_path, capsys):
+    folder = tmp_path / "d"
+    write_synthetic(folder, [4, 4, 4])
+    (folder / "train-000002.tar").unlink()
+    assert main(["scan", str(folder), "--workers", "1"]) == 0
+    assert capsys.readouterr().err == (
+        f"fastclip data scan: note: {folder}/manifest.json listed 1 shard no longer in {folder} (train-000002.tar): "
+        f"left out of the new manifest (2 listed shards kept)\n"
+    )
+    assert [s.path for s in read_manifest(folder).shards] == ["train-000000.tar", "train-000001.tar"]
+    # a manifest that cannot be read is what a rescan repairs: replaced, and said
+    (folder / "manifest.json").write_text("{")
+    assert main(["scan", str(folder), "--workers", "1"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastclip data scan: note: replacing {folder}/manifest.json, which could not be read (")
+    assert len(err.splitlines()) == 1 and read_manifest(folder).num_samples == 8
+
+
+# ----------------------------------------------------------------------------- 2. remote sources
+@pytest.mark.parametrize(
+    "spec", ["pipe:cat {folder}/train-{{000000..000001}}.tar", "http://127.0.0.1:9/x/{{0..1}}.tar"]
+)
+def test_a_remote_source_is_not_scanned_and_the_line_says_where_its_manifest_comes_from(spec, tmp_path, capsys):
+    folder = tmp_path / "d"
+    write_synthetic(folder, [4, 4])
+    spec = spec.format(folder=folder)
+    err = _one_line(
+        capsys,
+        ["scan", spec, "--workers", "1"],
+        f"fastclip data scan: error: {spec}: a remote source; `fastclip data scan` reads local shards only: scan "
+        f"them where they are (or a local copy) and upload the manifest.json beside them, where training reads it",
+    )
+    assert "does not exist" not in err
+
+
+# ----------------------------------------------------------------------------- 4. samples training cannot use
+def test_samples_without_image_and_caption_are_not_counted_as_usable(tmp_path, capsys):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    write_tar(folder / "a.tar", [(f"{i:04d}", {"json": json.dumps({"index": i}).encode()}) for i in range(3)])
+    _one_line(
+        capsys,
+        ["scan", str(folder), "--workers", "1"],
+        f"fastclip data scan: error: {folder}: no usable sample in 1 file(s), no manifest written (each of the 3 "
+        f"samples read has a problem listed above; WebDataset .tar shards of image + caption files are expected)",
+    )
+    assert not (folder / "manifest.json").exists()
+    # one good sample among them: written, and the summary says how many of the samples are usable
+    write_tar(folder / "b.tar", [("0003", _sample(3))])
+    assert main(["scan", str(folder), "--workers", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    problems = {"missing_caption": 3, "missing_image": 3}
+    assert out[0] == f"{folder}: 2 shards, 4 samples (1 usable), data_size 4, 6 problems ({problems})"
+    assert [i for _, _, idx in _stream(str(folder)).epoch(0) for i in idx.tolist()] == [3] * 4
+
+
+# ----------------------------------------------------------------------------- 5. duplicate keys
+def test_duplicate_keys_in_a_shard_are_listed_and_skipped_as_counted(tmp_path, capsys):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    # a.tar: key 0001 twice in a row (a tar reader merges them: 4 images read as 3 samples);
+    # b.tar: key 0005 twice, apart, with different indices
+    write_tar(folder / "a.tar", [(key, _sample(i)) for i, key in enumerate(["0000", "0001", "0001", "0002"])])
+    write_tar(folder / "b.tar", [(key, _sample(4 + i)) for i, key in enumerate(["0004", "0005", "0006", "0005"])])
+    assert main(["scan", str(folder), "--workers", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"{folder}: 2 shards, 7 samples (4 usable), data_size 8, 3 problems ({{'duplicate_key': 3}})",
+        "  shard a.tar key 0001: duplicate_key (2 samples under key 0001, next to each other in the tar, read as one "
+        "that keeps the last of each member: skipped; give each sample its own key)",
+        "  shard b.tar key 0005: duplicate_key (key 0005 also names sample 4 of the tar: each is skipped; give each "
+        "sample its own key)",
+        "  shard b.tar key 0005: duplicate_key (key 0005 also names sample 2 of the tar: each is skipped; give each "
+        "sample its own key)",
+        f"wrote {folder}/manifest.json",
+    ]
+    # the stream skips exactly what the manifest lists, and counts it
+    stream = _stream(str(folder))
+    served = sorted(i for _, _, idx in stream.epoch(0) for i in idx.tolist())
+    assert set(served) == {0, 3, 4, 6} and stream.counters["duplicate_key"] == 3
+
+
+# ----------------------------------------------------------------------------- 7. files that are not shards
+def test_a_manifest_stands_for_its_folder_and_a_shard_list_is_refused(tmp_path, capsys):
+    folder = tmp_path / "d"
+    write_synthetic(folder, [4, 4])
+    assert main(["scan", str(folder / "manifest.json"), "--workers", "1"]) == 0
+    assert f"{folder}: 2 shards, 8 samples, data_size 8, no problems" in capsys.readouterr().out
+    assert [s.path for s in read_manifest(folder).shards] == ["train-000000.tar", "train-000001.tar"]
+    before = (folder / "manifest.json").read_text()
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{folder}/train-000000.tar\n")
+    _one_line(
+        capsys,
+        ["scan", str(listing)],
+        f"fastclip data scan: error: {listing} is not a .tar/.tar.gz/.tgz shard; pass the shards' folder (or its "
+        f"manifest.json) or a brace/glob pattern of the shard files",
+    )
+    _one_line(capsys, ["scan", f"{folder}/*"], f"{folder}/manifest.json (from pattern '{folder}/*') is not a .tar")
+    assert (folder / "manifest.json").read_text() == before

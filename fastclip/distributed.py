@@ -144,6 +144,11 @@ def _ranks(env, rank_key: str, size_key: str, local_key: str) -> tuple[int, int,
             f"{world - 1}; start the processes with torchrun (or srun), which numbers them"
         )
     local = _int_env(env, local_key, what=_SET_BY_LAUNCHER) if local_key in env else 0
+    if local >= world:  # a node runs at most the job's processes: a leftover or hand-set value (it picks the GPU)
+        raise LaunchError(
+            f"environment variable {local_key}={local} is not below {size_key}={world}: a process's rank on its node "
+            f"runs from 0 to {world - 1}; start the processes with torchrun (or srun), which numbers them"
+        )
     return rank, world, local
 
 

@@ -94,6 +94,7 @@ def test_bad_values_name_the_variable():
         ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, ["LOCAL_RANK='x' is not an integer"]),
         ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, ["LOCAL_RANK='-1' must be >= 0"]),
         ({"RANK": "5", "WORLD_SIZE": "2"}, ["RANK=5 is not below WORLD_SIZE=2", "from 0 to 1"]),
+        ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "3"}, ["LOCAL_RANK=3 is not below WORLD_SIZE=1"]),
         ({"RANK": "0", "WORLD_SIZE": "0"}, ["WORLD_SIZE='0' must be >= 1"]),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"}, ["MASTER_PORT='99999' must be from 1 to 65535"]),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "0"}, ["MASTER_PORT='0'"]),

@@ -76,7 +76,10 @@ def test_local_loss_and_gather_with_grad_are_accepted_with_one_note_each():
             "is not supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is "
             "'fp16'",
         ),
-        (["--report-to", "mlflow"], "config key 'report_to': 'mlflow' is not one of tensorboard, wandb"),
+        (
+            ["--report-to", "mlflow"],
+            "--report-to mlflow: 'mlflow' is not one of tensorboard, wandb (comma-separated, or all)",
+        ),
         (
             ["--zeroshot-frequency", "1"],
             "--zeroshot-frequency (OpenCLIP, in epochs): zero-shot (data.zeroshot, --imagenet-val) runs with every "

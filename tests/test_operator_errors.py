@@ -342,8 +342,14 @@ def test_eval_and_export_refuse_unusable_checkpoints_in_one_line(trained, tmp_pa
             "loss.separate_temperatures",
             "drop it or set it to null",
         ),
-        ({"loss.temperature": ".inf"}, "loss", "temperature must be a positive number"),
+        ({"loss.temperature": ".inf"}, "loss.temperature", "expected a finite number, got inf"),
         ({"optim.wd": ".inf"}, "optim.wd", "finite"),
+        ({"loss.rho": "nan"}, "loss.rho", "expected a finite number, got nan"),  # else every step skipped
+        ({"train.dist_timeout_minutes": "inf"}, "train.dist_timeout_minutes", "finite"),  # else under torchrun only
+        ({"checkpoint.every_minutes": ".inf"}, "checkpoint.every_minutes", "finite"),
+        ({"train.run_dir": "''"}, "train.run_dir", "must name a folder"),  # '' would be the working directory
+        ({"eval.max_samples": -5}, "eval.max_samples", "must be >= 1 or null"),
+        ({"data.train": "pipe:false"}, "data.train", "pipe:false: no argument ends in .tar"),
         ({"train.seed": -1}, "train.seed", "must be >= 0"),
         ({"data.seed": -5}, "data.seed", "must be >= 0"),
         ({"optim.betas": "[0.9,"}, "optim.betas", "is not a valid value"),
@@ -360,6 +366,34 @@ def test_check_refuses_what_the_run_would_refuse(tiny_embedded, tmp_path, capsys
     _fails(capsys, ["--check", *args], key, words)
     _fails(capsys, args, key, words)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_held_out_folder_without_shards_is_refused_before_training(tiny_embedded, tmp_path, capsys):
+    """Found at the start, not at the first evaluation hours later."""
+    (tmp_path / "empty").mkdir()
+    extra = {"data.val": tmp_path / "empty", "eval.at_end": True, "train.max_steps": 1}
+    args = _args(tiny_embedded, tmp_path / "run", **extra)
+    _fails(capsys, ["--check", *args], "data.val", "no manifest.json and no .tar shards", "set it to null")
+    _fails(capsys, args, "data.val", "no manifest.json and no .tar shards")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_command_line_mistakes_that_would_be_ignored_are_refused(tiny_embedded, tmp_path, capsys):
+    """--world-size outside --check (one process would train), two --config files (the last would win), an
+    unknown key typed on the command line (named as typed there, not as from the file)."""
+    args = _args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1})
+    _fails(capsys, [*args, "--world-size", "2"], None, "--world-size 2 is read by --check only", "torchrun")
+    _fails(capsys, ["--config", str(EMBEDDED), *args], None, "--config given twice")
+    err = _fails(capsys, [*args, "--data.bogus", "3"], "data.bogus", "(command line)")
+    assert str(EMBEDDED) not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_resuming_with_max_steps_below_the_checkpoint_is_refused(tiny_embedded, trained, tmp_path, capsys):
+    """train.max_steps counts the run's steps in all: below the checkpoint's step nothing would be trained, and
+    the run would exit 0 as if it had finished."""
+    args = _args(tiny_embedded, trained, **{"train.resume": "latest", "train.max_steps": 1})
+    _fails(capsys, ["--check", *args], "train.max_steps", "1 is below step 2 of checkpoint", "raise it")
 
 
 def test_another_loss_named_on_the_command_line_leaves_out_the_files_options_for_its_loss(

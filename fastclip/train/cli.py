@@ -91,13 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a in ("--config", "-c"):
-            if i + 1 >= len(argv):
+        if a in ("--config", "-c") or a.startswith("--config="):
+            given = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else None)
+            if not given:
                 print("fastclip train: --config needs a file", file=sys.stderr)
                 return 2
-            config_path, i = argv[i + 1], i + 2
-        elif a.startswith("--config="):
-            config_path, i = a.split("=", 1)[1], i + 1
+            if config_path is not None:  # one would silently win
+                print(f"fastclip train: --config given twice ({config_path}, {given}): pass one file", file=sys.stderr)
+                return 2
+            config_path, i = given, i + (1 if "=" in a else 2)
         elif a == "--print-config":
             print_only, i = True, i + 1
         elif a == "--check":
@@ -110,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rest.append(a)
             i += 1
+    if world_size is not None and not check_only:  # the launcher starts the processes; this would be ignored
+        print(
+            f"fastclip train: --world-size {world_size} is read by --check only; start {world_size} processes with "
+            f"a launcher (torchrun --nproc_per_node {world_size} -m fastclip train ..., launch/single_node.sh)",
+            file=sys.stderr,
+        )
+        return 2
     cfg = None
     try:
         cfg = load_config(config_path, rest)

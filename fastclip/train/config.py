@@ -256,6 +256,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 raise ConfigError(f"config key '{key}': expected a number, got str {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key '{key}': expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):  # no knob means "unbounded" by inf; nan passes every comparison check
+            raise ConfigError(f"config key '{key}': expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -389,7 +391,9 @@ def _report_to(raw: str) -> dict:
         targets = list(REPORT_TO)
     for t in targets:
         if t not in REPORT_TO:
-            raise ConfigError(f"config key 'report_to': {t!r} is not one of {', '.join(REPORT_TO)}")
+            raise ConfigError(
+                f"--report-to {raw}: {t!r} is not one of {', '.join(REPORT_TO)} (comma-separated, or all)"
+            )
     return {name: name in targets for name in REPORT_TO}
 
 
@@ -503,6 +507,7 @@ def _check(cfg: Config) -> None:
         "needs data.resampled: true (without resampling an epoch is one pass over all shards)",
     )
     need(d.upsampling_factors is None or d.resampled, "data.upsampling_factors", "needs data.resampled: true")
+    need(t.run_dir.strip() != "", "train.run_dir", "must name a folder (an empty one would be the working directory)")
     need(t.epochs >= 1, "train.epochs", "must be >= 1")
     need(t.seed >= 0, "train.seed", "must be >= 0")
     need(d.seed is None or d.seed >= 0, "data.seed", "must be >= 0 or null")
@@ -527,6 +532,7 @@ def _check(cfg: Config) -> None:
         "must be two numbers in [0, 1)",
     )
     need(e.every_steps >= 0, "eval.every_steps", "must be >= 0")
+    need(e.max_samples is None or e.max_samples >= 1, "eval.max_samples", "must be >= 1 or null (all)")
     need(e.batch_size >= 1, "eval.batch_size", "must be >= 1")
     need(c.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
     need(c.every_minutes >= 0, "checkpoint.every_minutes", "must be >= 0")
@@ -624,35 +630,41 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(data).__name__}")
         _build(Config, data, "", source)  # name unknown keys in the file before mixing in overrides
+    left_out = None
     if overrides:
         parsed = parse_overrides(overrides)
-        _leave_out_other_loss_options(data, parsed, path)
+        left_out = _leave_out_other_loss_options(data, parsed, path)
         data = _deep_update(data, parsed)
-        source = f"{source} (with command-line overrides)" if source else " (command line)"
-    return config_from_dict(data, source)
+        source = " (command line)"  # the file's own keys were checked above: what is wrong now was typed
+    cfg = config_from_dict(data, source)
+    if left_out:  # once the config is good: a refused config is one line
+        note(left_out)
+    return cfg
 
 
-def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> None:
+def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> str | None:
     """`--loss.name X` over a file written for another loss: the file's options for that loss which X does not
-    take are left out, with a note (an option typed on the command line is still refused)."""
+    take are left out; returns the note that says so (an option typed on the command line is still refused)."""
     from fastclip.losses import option_names
 
     new = overrides.get("loss", {}).get("name") if isinstance(overrides.get("loss"), dict) else None
     section = data.get("loss")
     if not isinstance(new, str) or new not in LOSSES or not isinstance(section, dict):
-        return  # (a name that is no loss is refused by the type check, naming the key)
+        return None  # (a name that is no loss is refused by the type check, naming the key)
     old = section.get("name", LossConfig.name)
     if old == new:
-        return
+        return None
     takes = option_names(new) | {"name", "validate"}
     dropped = [k for k, v in section.items() if k not in takes and k not in overrides["loss"] and v is not None]
     for key in dropped:
         del section[key]
-    if dropped:
-        note(
-            f"fastclip train: note: --loss.name {new}: {path} sets {', '.join('loss.' + k for k in dropped)} for "
-            f"{old if 'name' in section else f'the default loss {old}'}, which {new} does not take: left out"
-        )
+    refused = [k for k, v in overrides["loss"].items() if k not in takes and v is not None]
+    if not dropped or refused:  # (a typed option X does not take is refused when the loss is built: one line)
+        return None
+    return (
+        f"fastclip train: note: --loss.name {new}: {path} sets {', '.join('loss.' + k for k in dropped)} for "
+        f"{old if 'name' in section else f'the default loss {old}'}, which {new} does not take: left out"
+    )
 
 
 def dump_config(cfg: Config) -> str:

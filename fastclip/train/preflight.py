@@ -33,6 +33,7 @@ from fastclip.train.checkpoint import (
     rank_file_name,
     read_model_file,
     saved_config,
+    saved_step,
     strip_module_prefix,
 )
 from fastclip.train.config import Config, ConfigError
@@ -351,6 +352,12 @@ def check_resume(
                 f"gives {shown[1]} ({why}); resume with the same data and value, or start a new run "
                 f"from its weights with --model.pretrained {step_dir / 'model.pt'}"
             )
+    step = saved_step(model_file)
+    if cfg.train.max_steps is not None and step is not None and cfg.train.max_steps < step:
+        raise ConfigError(
+            f"config key 'train.max_steps': {cfg.train.max_steps} is below step {step} of checkpoint {step_dir}, "
+            f"so nothing would be trained; it counts the run's steps in all, not the steps still to go: raise it"
+        )
     if saved_size is not None and int(saved_size) != int(data_size):
         raise ConfigError(
             f"config key 'data.data_size': checkpoint {step_dir} holds per-sample state for "

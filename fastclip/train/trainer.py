@@ -33,10 +33,11 @@ from fastclip.train.preemption import EXIT_PREEMPTED, StopSignals
 def read_catalog(cfg: Config):
     """The shard list of data.train from its manifests (ConfigError naming the key if it is wrong)."""
     from fastclip.data import DataSpecError, ManifestError, resolve_catalog
+    from fastclip.data.remote import RemoteError
 
     try:
         return resolve_catalog(cfg.data.train, cfg.data.data_size)
-    except (DataSpecError, ManifestError, FileNotFoundError) as e:
+    except (DataSpecError, ManifestError, FileNotFoundError, RemoteError) as e:
         key = "data.data_size" if "data_size" in str(e) and cfg.data.data_size is not None else "data.train"
         raise ConfigError(f"config key '{key}': {e}") from None
 
@@ -78,6 +79,14 @@ def check_data(cfg: Config, world_size: int, catalog=None) -> int:
         evaluating = cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end)
         if path is not None and evaluating and not Path(path).exists():
             raise ConfigError(f"config key 'data.{key}': {path!r} does not exist (set it to null to skip eval)")
+        if key == "val" and path is not None and evaluating:  # its shards are found now, not at the first eval
+            from fastclip.eval.samples import EvalDataError, is_image_folder, shard_paths
+
+            try:
+                if not is_image_folder(path):
+                    shard_paths(path)
+            except (EvalDataError, OSError) as e:
+                raise ConfigError(f"config key 'data.val': {e} (set it to null to skip eval)") from None
         if key == "zeroshot" and path is not None and evaluating:  # read now, not after the training
             from fastclip.eval.spec import load_zeroshot_spec
 

@@ -417,3 +417,24 @@ def test_eval_of_a_run_that_saved_no_checkpoint_says_so(tiny_embedded, tmp_path,
     said = f"{run}: this run has saved no checkpoint yet (no step folder in {run / 'checkpoints'}"
     _one_line(capsys, eval_main, [str(run), "--data", str(tiny_embedded), "--device", "cpu"], said)
     _one_line(capsys, export_main, [str(run), "--out", str(tmp_path / "m.pt")], said)
+
+
+def test_eval_takes_a_bare_state_dict_with_arch_as_train_takes_it_pretrained(untrained, tiny_embedded, tmp_path):
+    """open_clip's model.state_dict() saved as is: --arch builds it, and it scores as the same weights wrapped."""
+    import json
+
+    import torch
+
+    from fastclip.eval.cli import main
+
+    bare = tmp_path / "bare.pt"
+    torch.save(torch.load(untrained, weights_only=True)["state_dict"], bare)
+    rows = {}
+    for name, file in (("wrapped", untrained), ("bare", bare)):
+        results = tmp_path / f"{name}.jsonl"
+        args = [str(file), "--arch", "tiny-vit", "--data", str(tiny_embedded), "--device", "cpu"]
+        assert main([*args, "--results", str(results)]) == 0
+        rows[name] = [
+            {k: v for k, v in json.loads(r).items() if k not in ("time", "checkpoint")} for r in open(results)
+        ]
+    assert rows["bare"] == rows["wrapped"] and len(rows["bare"]) >= 2

@@ -37,6 +37,8 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
         from fastclip.train.preflight import RANK_FILE, describe_checkpoint
 
         what = describe_checkpoint(checkpoint)
+        if what.startswith("a bare state dict"):  # open_clip's model.state_dict() saved as is: what --arch builds
+            return file, {"state_dict": checkpoint}
         advice = (
             "pass the model.pt of its step folder, or the step folder"
             if what.startswith(RANK_FILE)

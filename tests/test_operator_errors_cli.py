@@ -438,3 +438,20 @@ def test_eval_takes_a_bare_state_dict_with_arch_as_train_takes_it_pretrained(unt
             {k: v for k, v in json.loads(r).items() if k not in ("time", "checkpoint")} for r in open(results)
         ]
     assert rows["bare"] == rows["wrapped"] and len(rows["bare"]) >= 2
+
+
+def test_a_run_without_its_latest_pointer_or_with_only_cut_short_saves(tiny_run, tmp_path):
+    """No `latest` (a copy that left it out): the newest step folder holding a model.pt, as a resume picks it; step
+    folders without one: said as such, not as if the path were no run."""
+    import shutil
+
+    from fastclip.train.checkpoint import find_model_file
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "step_00000009").mkdir()  # a later save cut short
+    assert find_model_file(run) == run / "checkpoints" / "step_00000007" / "model.pt"
+    (run / "checkpoints" / "step_00000007" / "model.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no step folder holds a model.pt \(step_00000007, step_00000009;"):
+        find_model_file(run)

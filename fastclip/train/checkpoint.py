@@ -499,6 +499,17 @@ def find_model_file(path: str | os.PathLike) -> Path:
             if not (step_dir / MODEL_FILE).is_file():
                 raise FileNotFoundError(f"{latest} names {step_dir}, which has no {MODEL_FILE}")
             return step_dir / MODEL_FILE
+    for checkpoints in (path / "checkpoints", path):  # no `latest` (a copy that left it out): as resume does
+        steps = list_checkpoints(checkpoints)
+        with_model = [s for s in steps if (s / MODEL_FILE).is_file()]
+        if with_model:
+            return with_model[-1] / MODEL_FILE
+        if steps:
+            names = ", ".join(s.name for s in steps[-3:])
+            raise FileNotFoundError(
+                f"{checkpoints}: no step folder holds a {MODEL_FILE} ({names}; saves cut short?): pass a run, step "
+                f"folder or .pt file that has one"
+            )
     raise FileNotFoundError(
         f"{path}: no {MODEL_FILE}, no checkpoints/latest: pass a run directory, a step directory or a .pt file"
     )

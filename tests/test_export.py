@@ -217,3 +217,40 @@ def test_sigterm_before_the_export_is_whole_leaves_the_earlier_one(run_dir, tmp_
         "fastclip export: stopped by SIGTERM before anything was written (an earlier export there is as it was)\n"
     )
     assert _files(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == [f"{ARCH}.json", "model.pt"]
+
+
+def test_a_stop_just_before_the_final_names_leaves_no_staging_folder(run_dir, tmp_path, monkeypatch, capsys):
+    """SIGTERM after the check, before the moves begin: nothing written, the staging folder (a whole model) gone."""
+    import contextlib
+    import os
+    import signal
+
+    deferred = export_cli.signals_deferred
+
+    @contextlib.contextmanager
+    def signalled_on_entry():
+        os.kill(os.getpid(), signal.SIGTERM)
+        with deferred():
+            yield
+
+    monkeypatch.setattr(export_cli, "signals_deferred", signalled_on_entry)
+    assert export_cli.main([str(run_dir), "--out", str(tmp_path / "model.pt")]) == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM before anything was written" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_the_export_takes_its_final_names_says_it_is_written(run_dir, tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    commit = export_cli._commit
+
+    def interrupted_midway(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        commit(*args)
+
+    monkeypatch.setattr(export_cli, "_commit", interrupted_midway)
+    out = tmp_path / "model.pt"
+    assert export_cli.main([str(run_dir), "--out", str(out)]) == 128 + signal.SIGINT
+    assert capsys.readouterr().err == f"fastclip export: stopped by SIGINT after {out} was written\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{ARCH}.json", "model.pt"]

@@ -376,6 +376,8 @@ def test_a_held_out_folder_without_shards_is_refused_before_training(tiny_embedd
     _fails(capsys, ["--check", *args], "data.val", "no manifest.json and no .tar shards", "set it to null")
     _fails(capsys, args, "data.val", "no manifest.json and no .tar shards")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    (tmp_path / "empty" / "manifest.json").write_text('{"shards": 3}')  # a manifest that is no manifest
+    _fails(capsys, ["--check", *args], "data.val", "manifest.json")
 
 
 def test_command_line_mistakes_that_would_be_ignored_are_refused(tiny_embedded, tmp_path, capsys):

@@ -3,6 +3,8 @@ or shard and what to do, exit 2; counters and summaries say exactly what happene
 
 from __future__ import annotations
 
+import io
+import shutil
 from pathlib import Path
 
 import pytest
@@ -108,31 +110,56 @@ def test_eval_refuses_a_results_file_it_could_not_write_before_evaluating(untrai
 def test_one_class_list_for_data_of_several_datasets_scores_its_own_or_is_refused(
     untrained, tiny_embedded, tmp_path, capsys
 ):
-    """The embedded data holds fashion-mnist and mnist: one list named for neither would score both against it;
-    a list named fashion-mnist scores the fashion-mnist samples only and says the others were not scored."""
+    """The embedded data holds fashion-mnist and mnist: one list named for neither would score both against it
+    (refused, after the pass that finds it out); a list named fashion-mnist scores the fashion-mnist samples only
+    and says the others were not scored; and a folder of fashion-mnist samples alone, under the same root, is
+    scored by a list of any name, as before."""
     import json
+    import tarfile
 
     from fastclip.eval.cli import main
 
     fashion = json.loads((tiny_embedded / "zeroshot.json").read_text())["datasets"]["fashion-mnist"]
-    args = [str(untrained), "--arch", "tiny-vit", "--data", str(tiny_embedded), "--device", "cpu", "--no-retrieval"]
+    common = [str(untrained), "--arch", "tiny-vit", "--device", "cpu", "--no-retrieval"]
+    args = [*common, "--data", str(tiny_embedded)]
     (tmp_path / "clothes.txt").write_text("\n".join(fashion["classnames"]))
-    _one_line(
-        capsys,
-        main,
-        [*args, "--classnames", str(tmp_path / "clothes.txt")],
-        "one class list, named 'clothes'",
-        "holds the datasets fashion-mnist, mnist",
-        "fashion-mnist.txt",
-    )
+    assert main([*args, "--classnames", str(tmp_path / "clothes.txt"), "--results", str(tmp_path / "no.jsonl")]) == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("eval: ")]  # (progress)
+    assert len(said) == 1 and "one class list ('clothes') scored labelled samples of 2+ datasets" in said[0], said
+    assert "(here: fashion-mnist, mnist)" in said[0] and "<dataset>.txt" in said[0]
+    assert not (tmp_path / "no.jsonl").exists()
     (tmp_path / "fashion-mnist.txt").write_text("\n".join(fashion["classnames"]))
     results = tmp_path / "r.jsonl"
-    args = [*args, "--classnames", str(tmp_path / "fashion-mnist.txt"), "--results", str(results)]
-    assert main(args) == 0
+    assert main([*args, "--classnames", str(tmp_path / "fashion-mnist.txt"), "--results", str(results)]) == 0
     out = capsys.readouterr().out
     (row,) = [json.loads(line) for line in results.read_text().splitlines()]
     assert row["dataset"] == "fashion-mnist" and row["num_samples"] == 10, row  # 1 held-out sample per class
     assert "10 labelled samples belong to no dataset of" in out
+
+    only = tiny_embedded / f"fashion-only-{tmp_path.name}"  # beside val/, under the root's zeroshot.json
+    only.mkdir()
+    try:
+        members = {}
+        for shard in sorted((tiny_embedded / "val").glob("*.tar")):
+            with tarfile.open(shard) as tar:
+                for m in tar.getmembers():
+                    members.setdefault(m.name.split(".")[0], {})[m.name] = tar.extractfile(m).read()
+        with tarfile.open(only / "fashion-000000.tar", "w") as out_tar:
+            for files in members.values():
+                meta = next(json.loads(v) for k, v in files.items() if k.endswith(".json"))
+                if meta.get("dataset") != "fashion-mnist":
+                    continue
+                for name, data in files.items():
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    out_tar.addfile(info, io.BytesIO(data))
+        results = tmp_path / "only.jsonl"
+        only_args = [*common, "--data", str(only), "--classnames", str(tmp_path / "clothes.txt")]
+        assert main([*only_args, "--results", str(results)]) == 0
+        (row,) = [json.loads(line) for line in results.read_text().splitlines()]
+        assert row["dataset"] == "clothes" and row["num_samples"] == 10, row
+    finally:
+        shutil.rmtree(only)
 
 
 def test_an_unreadable_caption_in_an_image_folder_skips_its_sample(untrained, tmp_path, capsys):

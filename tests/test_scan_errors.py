@@ -5,6 +5,7 @@ shard. Each refusal is one stderr line naming the file and what to do, exit stat
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -65,6 +66,21 @@ def test_a_scan_of_one_shard_does_not_replace_the_folders_manifest(tmp_path, cap
     assert capsys.readouterr().err == ""
     manifest = read_manifest(folder)
     assert [s.path for s in manifest.shards][-1] == "train-000002.tar" and manifest.num_samples == 11
+
+
+def test_a_folder_of_linked_shards_rescans(tmp_path, capsys):
+    """Shards linked into the folder from elsewhere: the scan reads them as the files they resolve to, and that is
+    still the set its manifest lists (the rescan was refused as 'would drop' every shard)."""
+    store, folder = tmp_path / "store", tmp_path / "d"
+    write_synthetic(store, [4, 4])
+    folder.mkdir()
+    for shard in sorted(store.glob("*.tar")):
+        (folder / shard.name).symlink_to(shard)
+    shutil.copy(store / "manifest.json", folder / "manifest.json")  # listing them by their names in the folder
+    for _ in range(2):
+        assert main(["scan", str(folder), "--workers", "1"]) == 0
+        assert capsys.readouterr().err == ""
+        assert read_manifest(folder).num_samples == 8
 
 
 def test_a_listed_shard_gone_from_the_folder_is_left_out_with_a_note(tmp_path, capsys):

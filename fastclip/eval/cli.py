@@ -23,7 +23,14 @@ import torch
 
 from fastclip.cli import OneLineParser, unwritable
 from fastclip.data.tario import one_line
-from fastclip.eval.evaluate import EvalResults, LabelOutOfRange, default_zeroshot_file, evaluate
+from fastclip.eval.evaluate import (
+    EvalResults,
+    LabelOutOfRange,
+    MixedDatasets,
+    default_zeroshot_file,
+    evaluate,
+    one_list_for_all,
+)
 from fastclip.eval.samples import EvalDataError, image_folder_classes, is_image_folder, iter_image_folder
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders
 from fastclip.progress import Progress
@@ -130,32 +137,6 @@ def load_specs(args, data: Path, default_names: Path | None) -> tuple[dict[str, 
             templates = load_templates(args.templates)
         return spec_from_class_folders(data.name, image_folder_classes(data), templates), "class folder names"
     return {}, None
-
-
-def _one_list_for_all(args, specs: dict, names_from: str | None, data_names: Path | None) -> bool:
-    """Whether a single class list scores every labelled sample. Not where the data's own zeroshot.json names
-    several datasets: then the list scores its own dataset's samples, and a list named for none of them is refused
-    (it would score them all against one dataset's classes)."""
-    if len(specs) != 1 or data_names is None or names_from == str(data_names):
-        return True
-    try:
-        datasets = sorted(load_zeroshot_spec(data_names))
-    except (ValueError, OSError):  # the data's own file is unusable; the one given replaces it
-        return True
-    if len(datasets) < 2:
-        return True
-    name = next(iter(specs))
-    if name in datasets:
-        return False
-    naming = (
-        f'name the one it is for in the file ("name": "{datasets[0]}")'
-        if Path(names_from).suffix == ".json"
-        else f"name the file after the one it is for ({datasets[0]}.txt: a .txt list takes its file's name)"
-    )
-    raise ValueError(
-        f"--classnames {args.classnames}: one class list, named {name!r}, but --data {args.data} holds the datasets "
-        f"{', '.join(datasets)} ({data_names}); {naming}, or give a list per dataset"
-    )
 
 
 # below this share of distinct captions, image->text recall is near 0 by construction (a templated caption ties
@@ -356,11 +337,13 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
         if not source.exists() and not any(ch in str(source) for ch in "*{"):
             raise FileNotFoundError(f"--data {source}: not found")
         specs, names_from = load_specs(args, source, default_names)
-        one_list_for_all = _one_list_for_all(args, specs, names_from, default_names)
+        for_all = one_list_for_all(specs, default_names)
         problem = nothing_scored(args, specs, names_from)
         if problem:  # known from the flags: refused before the model is loaded
             raise ValueError(problem)
         loaded = load_model(args.checkpoint, arch=args.arch, device=args.device)
+        if args.results is None and (problem := unwritable("--results", default_results_file(loaded.file))):
+            raise ValueError(f"{problem} (the default beside the model; pass --results FILE)")
         if is_image_folder(source) and specs:
             if len(specs) != 1:
                 raise ValueError(f"{names_from}: an image folder takes one class list, the file has {sorted(specs)}")
@@ -380,8 +363,15 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
                 max_samples=args.max_samples,
                 retrieval=not args.no_retrieval,
                 progress=bar.update if bar is not None else None,
-                one_list_for_all=one_list_for_all,
+                one_list_for_all=for_all,
             )
+    except MixedDatasets as err:
+        print(
+            f"fastclip eval: --classnames {names_from}: {err}; pass a list per dataset (a zeroshot.json with "
+            f'"datasets"), or name the list for the one dataset to score ("name" in a .json, <dataset>.txt)',
+            file=sys.stderr,
+        )
+        return 2
     except LabelOutOfRange as err:
         print(
             f"fastclip eval: {err}: the class names of {names_from} are not this data's; pass its own --classnames",
@@ -428,10 +418,14 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
         "data": str(args.data),
     }
     results_file = args.results or default_results_file(loaded.file)
-    results_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(results_file, "a") as f:
-        for record in result_records(results, common):
-            f.write(json.dumps(record) + "\n")
+    try:  # (a read-only file, a disk that filled during the evaluation: the table above still stands)
+        results_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(results_file, "a") as f:
+            for record in result_records(results, common):
+                f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        print(f"fastclip eval: --results {results_file}: cannot append ({e.strerror or e})", file=sys.stderr)
+        return 1
     print(f"\nappended to {results_file}")
     return 0
 

@@ -10,6 +10,7 @@ instead of leaving the others blocked; undecodable samples are skipped and count
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,7 @@ class _Pass:
     def __init__(self, specs: dict[str, ZeroShotSpec], device, retrieval: bool, one_list_for_all: bool = True):
         self.specs = specs
         self.one_list_for_all = one_list_for_all
+        self.datasets_scored: set[str] = set()  # named datasets one list scored (a few: it stops at the 2nd)
         self.names = sorted(specs)  # same order on every rank: the packed counts line up
         self.counts = {name: ZeroShotCounts(len(specs[name].classnames), device) for name in self.names}
         self.device = device
@@ -113,6 +115,10 @@ class _Pass:
         if sample.label is None:
             return None
         if len(self.names) == 1 and self.one_list_for_all:  # a single class list applies to every labelled sample
+            if sample.dataset is not None and len(self.datasets_scored) < 2:
+                self.datasets_scored.add(sample.dataset)
+            return self.names[0]
+        if len(self.names) == 1 and sample.dataset is None:  # its own dataset's, and those that name none
             return self.names[0]
         return sample.dataset if sample.dataset in self.specs else None
 
@@ -144,6 +150,36 @@ class LabelOutOfRange(EvalDataError):
     """Labels that a class list cannot name: the list is not this data's (its caller knows where it came from)."""
 
 
+class MixedDatasets(EvalDataError):
+    """One class list scored the labelled samples of several datasets: each against another dataset's classes."""
+
+
+def _refuse_mixed_datasets(state: _Pass, group) -> None:
+    """The named datasets one list scored, over every rank (each rank its own, then gathered as name hashes: the
+    same collective on every rank, and the same verdict)."""
+    names = sorted(state.datasets_scored)
+    local = torch.tensor([[zlib.crc32(n.encode())] for n in names], dtype=torch.int64).reshape(-1, 1)
+    scored = set(all_gather_rows(local.to(state.device), group).flatten().tolist())
+    if len(scored) > 1:
+        raise MixedDatasets(
+            f"one class list ({state.names[0]!r}) scored labelled samples of {len(scored)}+ datasets (here: "
+            f"{', '.join(names)}), each against the same classes"
+        )
+
+
+def one_list_for_all(specs: dict[str, ZeroShotSpec], data_names_file) -> bool:
+    """Whether a single class list scores every labelled sample (data of one dataset, under whatever name); not
+    where the data's own class-names file (`default_zeroshot_file`) names the list's dataset among others: there
+    it scores that dataset's samples only."""
+    if len(specs) != 1 or data_names_file is None:
+        return True
+    try:
+        datasets = load_zeroshot_spec(data_names_file)
+    except (ValueError, OSError):  # unusable: the list given stands alone
+        return True
+    return not (len(datasets) > 1 and next(iter(specs)) in datasets)
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -165,7 +201,8 @@ def evaluate(
     `source`: a shard folder / tar / glob / image folder path, or a function (rank, world_size, skipped) ->
     samples that appends a message to the list `skipped` for each sample it leaves out. `progress(n)`, if given,
     is called after each batch of this rank's n samples. `one_list_for_all`: a single spec scores every labelled
-    sample, whatever its dataset (a class list given for data of one dataset); False: only its own dataset's.
+    sample, whatever its dataset (a class list given for data of one dataset), and MixedDatasets is raised when
+    they come from several; False: only its own dataset's, and those that name none (see one_list_for_all).
     """
     model = unwrap_model(model)
     was_training = model.training
@@ -221,6 +258,8 @@ def _evaluate(
             )
         if int(counts.counts[0].sum()):
             results.zeroshot[name] = ZeroShotResult.from_counts(name, specs[name].classnames, counts.counts)
+    if len(specs) == 1 and state.one_list_for_all:
+        _refuse_mixed_datasets(state, group)
     if unmatched and specs and rank == 0:  # (no class names at all: the caller knows zero-shot is off)
         log.warning("%d labelled samples belong to no dataset of the class names file; not scored", unmatched)
 
@@ -275,7 +314,8 @@ def run_evals(
     `val_dir` is the held-out shard folder; `zeroshot_file` defaults to the zeroshot.json beside it. The
     model may be DDP-wrapped; it is evaluated under no_grad in eval mode, and its train mode restored.
     """
-    zeroshot_file = zeroshot_file or default_zeroshot_file(val_dir)
+    own = default_zeroshot_file(val_dir)
+    zeroshot_file = zeroshot_file or own
     specs = load_zeroshot_spec(zeroshot_file) if zeroshot_file else {}
     results = evaluate(
         model,
@@ -288,5 +328,6 @@ def run_evals(
         batch_size=batch_size,
         max_samples=max_samples,
         retrieval=retrieval,
+        one_list_for_all=one_list_for_all(specs, own),
     )
     return results.flat(per_class=per_class)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import stat
 import sys
 import tempfile
@@ -124,7 +125,10 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     _check_out(out)
     for key in ("arch", "model_config"):
         if key not in checkpoint:
-            raise ValueError(f"{file}: training checkpoint has no {key!r} (is it already an exported file?)")
+            raise ValueError(
+                f"{file}: not a fastclip training checkpoint (no {key!r}: an export, or a bare state dict); pass a "
+                f"run, step folder or model.pt that fastclip train wrote"
+            )
     load_model(file)  # the tensors fit the architecture they claim (a one-line ValueError otherwise)
     arch, model_config = ckpt.architecture(checkpoint)
     state = ckpt.towers_state(checkpoint)
@@ -152,6 +156,7 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     # everything is written into a staging folder beside --out and verified there; only then does it take the final
     # names, so a failure (a full disk, a tower open_clip builds otherwise) leaves an earlier export as it was
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=".fastclip-export-"))
+    committed = False
     try:  # (through an open file: torch.save's own open fails with a RuntimeError, not an OSError)
         ckpt.save_file({"state_dict": state}, staging / out.name)
         if tempnet_file is not None:
@@ -163,18 +168,19 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
         if staged is not None:
             staged.write_text(json.dumps(with_hf_folders(model_config, staged_folders), indent=4) + "\n")
         _verify_in_open_clip(staging / out.name, arch, staged, state)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    try:  # the moves are one update: a stop (Ctrl-C, SIGTERM) acts once they are made and the staging folder gone
+        # the moves are one update: a stop (Ctrl-C, SIGTERM) acts once they are made and the staging folder gone
         with signals_deferred():
             try:
                 _commit(out, staging, staged, config_file, model_config, hf_copies, staged_folders, tempnet_file)
+                committed = True
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-    except Stopped as e:
-        e.done = f"{out} was written"
-        raise
+    except (Stopped, KeyboardInterrupt) as e:
+        if not committed:
+            raise
+        raise Stopped(e.signum if isinstance(e, Stopped) else signal.SIGINT, done=f"{out} was written") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return {
         "file": out,
         "arch": arch,

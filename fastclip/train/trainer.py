@@ -80,12 +80,12 @@ def check_data(cfg: Config, world_size: int, catalog=None) -> int:
         if path is not None and evaluating and not Path(path).exists():
             raise ConfigError(f"config key 'data.{key}': {path!r} does not exist (set it to null to skip eval)")
         if key == "val" and path is not None and evaluating:  # its shards are found now, not at the first eval
-            from fastclip.eval.samples import EvalDataError, is_image_folder, shard_paths
+            from fastclip.eval.samples import is_image_folder, shard_paths
 
             try:
                 if not is_image_folder(path):
                     shard_paths(path)
-            except (EvalDataError, OSError) as e:
+            except (ValueError, OSError) as e:  # (EvalDataError, and a ManifestError of a bad manifest.json)
                 raise ConfigError(f"config key 'data.val': {e} (set it to null to skip eval)") from None
         if key == "zeroshot" and path is not None and evaluating:  # read now, not after the training
             from fastclip.eval.spec import load_zeroshot_spec

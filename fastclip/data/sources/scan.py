@@ -147,8 +147,9 @@ def keep_listed_shards(folder: Path, scanned: list[str]) -> list[str]:
         old = read_manifest(folder)
     except ManifestError as e:  # what a rescan is for: said, since what it held is replaced
         return [f"replacing {path}, which could not be read ({e})"]
-    reading = {os.path.normpath(name) for name in scanned}
-    left_out = [s.path for s in old.shards if os.path.normpath(s.path) not in reading]
+    # compared as the files they are: a shard may be named through a link (scanned as the path it resolves to)
+    reading = {(folder / name).resolve() for name in scanned}
+    left_out = [s.path for s in old.shards if (folder / s.path).resolve() not in reading]
     present = [name for name in left_out if (folder / name).is_file()]
     if present:
         raise DataSpecError(

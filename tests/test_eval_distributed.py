@@ -64,7 +64,7 @@ def evaluations(root, weights) -> dict:
     return out
 
 
-def bad_data_evaluation(root, name, preprocess=probe_preprocess):
+def bad_data_evaluation(root, name, preprocess=probe_preprocess, zeroshot_file="zeroshot.json"):
     tokenizer = import_open_clip().get_tokenizer("ViT-B-32")
     try:
         return run_evals(
@@ -72,7 +72,7 @@ def bad_data_evaluation(root, name, preprocess=probe_preprocess):
             tokenizer=tokenizer,
             preprocess=preprocess,
             val_dir=root / name,
-            zeroshot_file=root / "zeroshot.json",
+            zeroshot_file=root / zeroshot_file,
             device="cpu",
         )
     except (EvalDataError, ValueError) as err:
@@ -91,6 +91,8 @@ def worker(rank, world_size, root, weights):
     out["bad_label"] = bad_data_evaluation(root, "bad_label")
     out["bad_image"] = bad_data_evaluation(root, "bad_image")
     out["preprocess_error"] = bad_data_evaluation(root, "odd_size", refuse_17_pixel_images)
+    # one class list, a fruit at rank 0 and a colour at rank 1: each rank alone sees one dataset
+    out["mixed"] = bad_data_evaluation(root, "mixed", zeroshot_file="names.txt")
     return out
 
 
@@ -123,6 +125,8 @@ def data(tmp_path_factory):
     write_labelled_shards(root / "bad_label", [apple, apple[:3] + (99,)])
     write_bad_image_shard(root / "bad_image")
     write_labelled_shards(root / "odd_size", [apple, (image_with_rank(0, 1, 8).resize((17, 17)),) + apple[1:]])
+    write_labelled_shards(root / "mixed", [apple, colour_samples()[0]])
+    (root / "names.txt").write_text("\n".join(zeroshot_json()["datasets"]["fruits"]["classnames"]))
     torch.manual_seed(0)
     weights = root / "tiny-vit.pt"
     torch.save(build_model("tiny-vit").model.state_dict(), weights)
@@ -163,3 +167,6 @@ def test_two_process_eval_matches_one_process(data):
     # an exception on rank 1 only: rank 1 raises its own, rank 0 is told and raises too
     assert ranks[1]["preprocess_error"] == "ValueError: preprocess refuses 17-pixel images"
     assert ranks[0]["preprocess_error"].startswith("EvalDataError: evaluation failed on 1 other rank")
+    # one list over two datasets, one per rank: found over both ranks, refused on both
+    assert ranks[0]["mixed"].startswith("MixedDatasets: one class list ('names') scored labelled samples of 2+")
+    assert "(here: fruits)" in ranks[0]["mixed"] and "(here: colours)" in ranks[1]["mixed"]

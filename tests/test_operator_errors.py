@@ -391,6 +391,27 @@ def test_command_line_mistakes_that_would_be_ignored_are_refused(tiny_embedded, 
     assert not (tmp_path / "run").exists()
 
 
+def test_another_runs_checkpoint_is_not_continued_over_a_run_and_a_log_is_not_cut(
+    tiny_embedded, trained, tmp_path, capsys
+):
+    """Continuing run A's checkpoint in run B's folder would replace B's checkpoints; a fresh start in a folder whose
+    run logged steps but saved no checkpoint would cut its metrics.jsonl. Both refused, nothing touched; a new folder
+    takes the checkpoint."""
+    other = tmp_path / "other"
+    shutil.copytree(trained, other)
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    args = _args(tiny_embedded, other, **{"train.resume": step_dir(trained, 2), "train.max_steps": 3})
+    _fails(capsys, args, "train.run_dir", "already holds a run (step 2", "would replace its checkpoints")
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+    logged = tmp_path / "logged"
+    logged.mkdir()
+    (logged / "metrics.jsonl").write_text('{"step": 1, "loss": 4.2}\n')
+    _fails(capsys, _args(tiny_embedded, logged, **{"train.max_steps": 1}), "train.run_dir", "saved no checkpoint")
+    assert (logged / "metrics.jsonl").read_text() == '{"step": 1, "loss": 4.2}\n'
+    fresh = _args(tiny_embedded, tmp_path / "new", **{"train.resume": step_dir(trained, 2), "train.max_steps": 3})
+    assert main(["--check", *fresh]) == 0
+
+
 def test_resuming_with_max_steps_below_the_checkpoint_is_refused(tiny_embedded, trained, tmp_path, capsys):
     """train.max_steps counts the run's steps in all: below the checkpoint's step nothing would be trained, and
     the run would exit 0 as if it had finished."""

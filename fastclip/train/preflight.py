@@ -107,8 +107,11 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
     disk as it was: the probe goes into the nearest folder that exists. A folder holding checkpoints is refused
     unless train.resume is set (check_no_run_held)."""
     run_dir = Path(cfg.train.run_dir)
-    if not cfg.train.resume:
+    resume = cfg.train.resume
+    if not resume:
         check_no_run_held(run_dir)
+    elif resume != "latest" and not _within(Path(resume), run_dir):  # another run's checkpoint, continued here
+        check_no_run_held(run_dir, resuming=resume)
     folders = (run_dir, run_dir / "checkpoints")
     if not create:  # (os.path's lexists/isdir never raise: a path too long or not searchable is probed below)
         for path in (*folders, *run_dir.parents):
@@ -143,19 +146,38 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
             ) from None
 
 
-def check_no_run_held(run_dir: Path) -> None:
-    """A fresh start in a folder that holds checkpoints would mix two runs (the old step folders stay beside the
-    new ones, `latest` moves back, metrics.jsonl is cut): refused unless the operator resumes."""
+def _within(path: Path, folder: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(folder.resolve())
+    except OSError:
+        return False
+
+
+def check_no_run_held(run_dir: Path, resuming: str | None = None) -> None:
+    """A fresh start in a folder that holds a run would mix two runs (the old step folders stay beside the new ones,
+    `latest` moves back, metrics.jsonl is cut), and so would another run's checkpoint continued there (`resuming`:
+    its steps replace this run's): refused. A run that logged steps but saved no checkpoint counts too."""
     root = run_dir / "checkpoints"
     try:
         steps = list_checkpoints(root)
         pointer = (root / "latest").read_text(errors="replace").strip() if (root / "latest").is_file() else None
+        logged = (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
     except OSError:  # not a folder, not readable, a name too long: the write probe below says what
         return
     if not steps and pointer is None:
+        if logged:
+            raise ConfigError(
+                f"config key 'train.run_dir': {run_dir} holds the metrics.jsonl of a run that saved no checkpoint; "
+                f"a new run would cut it: choose another --train.run_dir, or delete that file to start over there"
+            )
         return
     newest = root / pointer if pointer and STEP_DIR.fullmatch(pointer) else steps[-1] if steps else None
     held = f"step {int(STEP_DIR.fullmatch(newest.name).group(1))}, {newest}" if newest else f"{root / 'latest'}"
+    if resuming is not None:
+        raise ConfigError(
+            f"config key 'train.run_dir': {run_dir} already holds a run ({held}); continuing {resuming} there would "
+            f"replace its checkpoints: choose a new --train.run_dir (or that checkpoint's own run folder)"
+        )
     raise ConfigError(
         f"config key 'train.run_dir': {run_dir} already holds a run ({held}): continue it with "
         f"--train.resume latest, or choose another --train.run_dir"

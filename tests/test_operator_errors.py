@@ -899,3 +899,46 @@ def test_a_global_batch_larger_than_the_data_is_refused_in_the_words_data_info_u
         "data.batch_size",
         f"{n + 1} per process x 1 process(es) = {n + 1} is larger than the data ({n} samples per epoch in ",
     )
+
+
+def test_reshard_out_holding_files_is_refused_and_a_failed_reshard_leaves_no_out(
+    trained, tmp_path, capsys, monkeypatch
+):
+    """--out over another checkpoint's rank files would replace them (or leave a larger world size's beside the
+    new ones); a reshard that fails or is stopped part-way leaves no --out folder it made."""
+    import os
+    import signal
+
+    import fastclip.train.reshard as reshard
+
+    from helpers import full_disk_after
+
+    src = step_dir(trained, 2)
+    held = tmp_path / "held"
+    shutil.copytree(src, held)
+    before = {p.name: p.read_bytes() for p in held.iterdir()}
+    args = ["--in", str(src), "--world-size", "2", "--out"]
+    assert reshard.main([*args, str(held)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"fastclip reshard: error: --out {held}: exists and holds files; pass a new or empty folder\n"
+    )
+    assert {p.name: p.read_bytes() for p in held.iterdir()} == before
+
+    save_file = reshard.save_file
+    monkeypatch.setattr(reshard, "save_file", full_disk_after(1, save_file))
+    assert reshard.main([*args, str(tmp_path / "full" / "out")]) == 1
+    assert "No space left on device; nothing was changed" in capsys.readouterr().err
+    assert not (tmp_path / "full" / "out").exists()
+
+    def stopped_after_one(payload, path):
+        save_file(payload, path)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(reshard, "save_file", stopped_after_one)
+    assert reshard.main([*args, str(tmp_path / "stopped")]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == "fastclip reshard: stopped by SIGTERM; nothing was changed\n"
+    assert not (tmp_path / "stopped").exists()
+    monkeypatch.undo()
+    assert reshard.main([*args, str(tmp_path / "new")]) == 0
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["rank_0.pt", "rank_1.pt"]

@@ -8,11 +8,13 @@ command: files in and out, read with the trainer's checkpoint reader, written wh
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from fastclip.cli import OneLineParser
 from fastclip.losses import reshard_for_rank
+from fastclip.stopping import Stopped, stopped_by_signals
 from fastclip.train.checkpoint import MODEL_FILE, fsync_dir, load_file, rank_file_name, rank_files_in, save_file
 from fastclip.train.errors import CheckpointError
 
@@ -61,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size < 1:
         parser.error("--world-size must be >= 1")
     try:
-        return _reshard_folder(args.src, args.out, args.world_size)
+        with stopped_by_signals():  # SIGTERM/SIGHUP unwind like Ctrl-C: the files written so far are removed
+            return _reshard_folder(args.src, args.out, args.world_size)
+    except Stopped as e:
+        print(f"fastclip reshard: stopped by {e.name}; nothing was changed", file=sys.stderr)
+        return 128 + e.signum
     except (FileNotFoundError, ValueError, KeyError, NotADirectoryError) as e:
         print(f"fastclip reshard: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -80,6 +86,9 @@ def _reshard_folder(src: Path, out: Path | None, world_size: int) -> int:
         raise NotADirectoryError(f"--in {src}: not a folder (pass the folder that holds rank_<r>.pt files)")
     if out is not None and out.exists() and not out.is_dir():
         raise NotADirectoryError(f"--out {out}: exists and is not a folder")
+    if out is not None and out.is_dir() and out.resolve() != src.resolve() and any(out.iterdir()):
+        # another checkpoint's rank files would be replaced, or old ones of a larger world size left beside these
+        raise ValueError(f"--out {out}: exists and holds files; pass a new or empty folder")
     files = _rank_files(src)
     out_dir = out or src
     if out_dir.resolve() == src.resolve() and (src / MODEL_FILE).exists():
@@ -88,6 +97,7 @@ def _reshard_folder(src: Path, out: Path | None, world_size: int) -> int:
             f"would desynchronise it from model.pt and the data positions; `fastclip train --resume` "
             f"reshards the sample state itself, or pass --out DIR for a resharded copy of the loss state"
         )
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     try:
@@ -103,6 +113,8 @@ def _reshard_folder(src: Path, out: Path | None, world_size: int) -> int:
     except BaseException:
         for tmp in written:  # nothing half-written is left behind
             tmp.unlink(missing_ok=True)
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
         raise
     for rank, tmp in enumerate(written):  # replace only after every new shard was built
         os.replace(tmp, out_dir / rank_file_name(rank))

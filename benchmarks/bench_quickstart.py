@@ -10,6 +10,7 @@ exist (the time of a fresh machine's set-up, a pip install of about 1 GB, is not
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from common import REPO, RESULTS, SMOKE_OUT, machine_info, stamp, write_json
 
 
 def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # no options: --help, refusals
     run, scenes_run = SMOKE_OUT / "quickstart-run", SMOKE_OUT / "quickstart-scenes-run"
     shutil.rmtree(run, ignore_errors=True)
     shutil.rmtree(scenes_run, ignore_errors=True)

@@ -1460,7 +1460,12 @@ def extra_runs(study: dict, results: Path) -> list[dict]:
     planned = {r.id for r in runs}
     out = []
     for path in sorted((results / "runs").glob("*.json")):
-        r = json.loads(path.read_text())
+        try:
+            r = json.loads(path.read_text())
+            r["id"], r["run"]["phase"], r["final_score"], r["tau"]
+        except (ValueError, KeyError, TypeError) as e:  # not one the study wrote: said, not reported
+            print(f"bench_stat_eff: note: {path}: not a run of this study ({e!r}); left out", file=sys.stderr)
+            continue
         if r["id"] not in planned:
             out.append(
                 {
@@ -1503,7 +1508,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (SMOKE_OUT if args.quick else RESULTS)
     results = out / ("stat_eff_quick" if args.quick else "stat_eff")
     work = SMOKE_OUT / ("stat_eff_work_quick" if args.quick else "stat_eff_work")
-    if args.quick and results.exists():
+    if args.quick and results.exists() and not args.report:  # a smoke run starts over; a report reads what is there
         shutil.rmtree(results)
     if args.report and not (results / "runs").is_dir():
         print(

@@ -53,6 +53,16 @@ def test_stat_eff_report_without_runs_is_a_usage_error(tmp_path, capsys):
     assert f"no runs under {tmp_path / 'stat_eff' / 'runs'}" in capsys.readouterr().err
 
 
+def test_stat_eff_quick_report_keeps_the_runs_it_reports(tmp_path, capsys):
+    """--quick starts its smoke study over, but --quick --report reads what is there (it deleted it first); a file
+    the study did not write is named and left out."""
+    runs = tmp_path / "stat_eff_quick" / "runs"
+    runs.mkdir(parents=True)
+    (runs / "x.json").write_text("{}")
+    assert bench_stat_eff.main(["--quick", "--report", "--out", str(tmp_path)]) == 0
+    assert (runs / "x.json").exists() and "x.json: not a run of this study" in capsys.readouterr().err
+
+
 def test_samples_to_reach_interpolates_and_reports_never():
     curve = [(100, 0.2), (200, 0.4), (300, 0.5)]
     assert bench_stat_eff.samples_to_reach(curve, 0.3) == pytest.approx(150)

@@ -5,13 +5,18 @@
 # assigned at rendezvous. MASTER_ADDR is a host every node reaches (e.g. the first node); NPROC defaults to
 # the node's GPU count. The run folder (train.run_dir) must be on a filesystem all nodes share.
 set -euo pipefail
-CONFIG=${1:?usage: NNODES=N MASTER_ADDR=host launch/multi_node.sh CONFIG [--section.key value ...]}
+if [[ $# -lt 1 || "$1" == --* || -z "${NNODES:-}" || -z "${MASTER_ADDR:-}" ]]; then
+  echo "usage: NNODES=N MASTER_ADDR=host bash launch/multi_node.sh CONFIG [--section.key value ...]" \
+    "(MASTER_ADDR: the rendezvous host, e.g. the first node)" >&2
+  exit 2
+fi
+CONFIG=$1
 shift
-: "${NNODES:?set NNODES (number of nodes)}"
-: "${MASTER_ADDR:?set MASTER_ADDR (rendezvous host, e.g. the first node)}"
 MASTER_PORT=${MASTER_PORT:-29500}
 source "$(dirname "$0")/python.sh"  # PY: the python with torch and fastclip
 NPROC=${NPROC:-$("$PY" -c 'import torch; print(torch.cuda.device_count() or 1)')}
+count NNODES "$NNODES"
+count NPROC "$NPROC"
 RDZV_ID=${RDZV_ID:-fastclip-$(basename "$CONFIG" .yaml)}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
 # the config, data and checkpoint checks first, in this shell: an error is then one line and exit status 2

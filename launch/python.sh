@@ -11,3 +11,11 @@ if [[ -z "$PY" ]]; then
     "python3 and python on PATH); run \`bash launch/setup.sh\` first" >&2
   exit 2
 fi
+
+# count NAME VALUE: VALUE is a whole number >= 1, or the script stops with one line naming NAME (exit 2)
+count() {
+  if [[ ! "$2" =~ ^[1-9][0-9]*$ ]]; then
+    echo "launch/${0##*/}: error: $1 '$2' is not a number >= 1" >&2
+    exit 2
+  fi
+}

@@ -4,7 +4,11 @@
 # One node, NPROC processes (default: one per GPU, or 2 on a CPU-only machine). Extra arguments are config
 # overrides. The "--" after `train` keeps torchrun from claiming flags of ours that prefix-match its own.
 set -euo pipefail
-CONFIG=${1:?usage: launch/single_node.sh CONFIG [NPROC] [--section.key value ...]}
+if [[ $# -lt 1 || "$1" == --* ]]; then
+  echo "usage: bash launch/single_node.sh CONFIG [NPROC] [--section.key value ...]" >&2
+  exit 2
+fi
+CONFIG=$1
 shift
 source "$(dirname "$0")/python.sh"  # PY: the python with torch and fastclip
 NPROC=${1:-}
@@ -12,6 +16,7 @@ if [[ -n "$NPROC" && "$NPROC" != --* ]]; then shift; else NPROC=""; fi
 if [[ -z "$NPROC" ]]; then
   NPROC=$("$PY" -c 'import torch; print(torch.cuda.device_count() or 2)')
 fi
+count NPROC "$NPROC"
 # one intra-op thread pool per process, sized so the processes do not fight over the cores
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
 # the config, data and checkpoint checks first, in this shell: an error is then one line and exit status 2

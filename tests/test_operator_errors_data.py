@@ -258,6 +258,33 @@ def test_single_node_uses_the_project_venv_without_activation(tmp_path):
     assert out.stderr.strip() == f"fastclip train: config error: config file not found: {tmp_path / 'no.yaml'}"
 
 
+@pytest.mark.skipif(not (REPO / ".venv" / "bin" / "python").exists(), reason="no .venv (launch/setup.sh not run)")
+@pytest.mark.parametrize(
+    "script, args, env, said",
+    [
+        ("single_node.sh", [], {}, "usage: bash launch/single_node.sh CONFIG [NPROC]"),
+        ("single_node.sh", ["c.yaml", "0"], {}, "launch/single_node.sh: error: NPROC '0' is not a number >= 1"),
+        ("single_node.sh", ["c.yaml", "abc"], {}, "launch/single_node.sh: error: NPROC 'abc' is not a number >= 1"),
+        ("multi_node.sh", ["c.yaml"], {"NNODES": "x"}, "launch/multi_node.sh: error: NNODES 'x' is not a number >= 1"),
+        ("multi_node.sh", ["c.yaml"], {"MASTER_ADDR": ""}, "usage: NNODES=N MASTER_ADDR=host bash"),
+        ("slurm.sbatch", ["c.yaml"], {}, "launch/slurm.sbatch: error: not inside a SLURM job; submit it with sbatch"),
+    ],
+)
+def test_launcher_arguments_that_cannot_start_a_job_are_one_line(tmp_path, script, args, env, said):
+    """(bash's own `unbound variable` or `division by 0` lines before)"""
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "NNODES": "1", "MASTER_ADDR": "h"}
+    out = subprocess.run(
+        ["bash", str(REPO / "launch" / script), *args],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 2 and out.stdout == "", out
+    assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith(said), out.stderr
+
+
 def test_a_data_build_under_nohup_keeps_sighup_ignored(tmp_path, monkeypatch):
     """nohup ignores SIGHUP so that the build outlives a logout: the cleanup handler is not put in its place (SIGTERM
     gets it), and both are as they were afterwards."""

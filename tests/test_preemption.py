@@ -5,6 +5,7 @@ uninterrupted run ends (fastclip/train/preemption.py, launch/slurm.sbatch)."""
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,33 +121,63 @@ def test_stop_signals_config_error_is_one_line_with_exit_2(tmp_path):
     )
 
 
-@pytest.mark.parametrize("srun_status, requeued", [(EXIT_PREEMPTED, True), (0, False), (1, False)])
-def test_sbatch_script_passes_cpus_to_srun_and_requeues_on_exit_75(tmp_path, srun_status, requeued):
-    """launch/slurm.sbatch run by bash outside SLURM, with `srun` and `scontrol` as two-line stand-ins on PATH
-    that record their arguments (no SLURM here): srun gets --cpus-per-task, and the job is requeued exactly
-    when the trainer exited 75; the script's status is the trainer's."""
-    text = (REPO / "launch" / "slurm.sbatch").read_text()
-    assert "#SBATCH --signal=USR1@120" in text and "#SBATCH --requeue" in text
+def _sbatch(tmp_path, srun_status: int, check_status: int = 0) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """launch/slurm.sbatch run by bash outside SLURM as sbatch runs it: a copy elsewhere, the repository being the
+    submit folder (here a checkout without .venv), with `srun`, `scontrol` and `python3` as stand-ins on PATH that
+    record their arguments (python3 answers the launcher's import probe, then `train --check` with check_status)."""
+    submit = tmp_path / "submit"
+    (submit / "launch").mkdir(parents=True)
+    shutil.copy(REPO / "launch" / "python.sh", submit / "launch")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    shutil.copy(REPO / "launch" / "slurm.sbatch", spool / "slurm_script")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, status in (("srun", srun_status), ("scontrol", 0)):
-        (bin_dir / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "{tmp_path}/calls"\nexit {status}\n')
+    record = f'echo "${{0##*/}} $*" >> "{tmp_path}/calls"'
+    stand_ins = {
+        "srun": f"{record}\nexit {srun_status}",
+        "scontrol": record,
+        "python3": f'[ "$1" = -c ] && exit 0\n{record}\nexit {check_status}',
+    }
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_CPUS_PER_TASK": "6", "SLURM_JOB_ID": "4242"}
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SLURM_CPUS_PER_TASK": "6",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "8",
+        "SLURM_SUBMIT_DIR": str(submit),
+    }
     out = subprocess.run(
-        ["bash", str(REPO / "launch" / "slurm.sbatch"), "configs/cc3m-fastclip-v3.yaml", "--optim.lr", "5e-4"],
+        ["bash", str(spool / "slurm_script"), "configs/cc3m-fastclip-v3.yaml", "--optim.lr", "5e-4"],
         env=env,
         capture_output=True,
         text=True,
         timeout=60,
     )
+    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    return out, calls
+
+
+@pytest.mark.parametrize("srun_status, requeued", [(EXIT_PREEMPTED, True), (0, False), (1, False)])
+def test_sbatch_script_checks_once_passes_cpus_to_srun_and_requeues_on_exit_75(tmp_path, srun_status, requeued):
+    """The checks run once, on the batch node, for the job's SLURM_NTASKS; then srun starts the tasks with the
+    python the launchers find (not a bare `python`) and --cpus-per-task, and the job is requeued exactly when the
+    trainer exited 75; the script's status is the trainer's."""
+    text = (REPO / "launch" / "slurm.sbatch").read_text()
+    assert "#SBATCH --signal=USR1@120" in text and "#SBATCH --requeue" in text
+    out, calls = _sbatch(tmp_path, srun_status)
     assert out.returncode == srun_status, out.stderr
-    calls = (tmp_path / "calls").read_text().splitlines()
-    assert calls[0] == (
-        "srun --kill-on-bad-exit=1 --cpus-per-task=6 python -u -m fastclip train --config "
-        "configs/cc3m-fastclip-v3.yaml --train.resume latest --optim.lr 5e-4"
-    )
-    assert calls[1:] == (["scontrol requeue 4242"] if requeued else [])
+    args = "--config configs/cc3m-fastclip-v3.yaml --train.resume latest --optim.lr 5e-4"
+    assert calls[0] == f"python3 -m fastclip train --check --world-size 8 {args}"
+    assert calls[1] == f"srun --kill-on-bad-exit=1 --cpus-per-task=6 python3 -u -m fastclip train {args}"
+    assert calls[2:] == (["scontrol requeue 4242"] if requeued else [])
+
+
+def test_sbatch_script_stops_before_srun_when_the_checks_fail(tmp_path):
+    out, calls = _sbatch(tmp_path, srun_status=0, check_status=2)
+    assert out.returncode == 2 and [c.split()[0] for c in calls] == ["python3"], (out.stderr, calls)
 
 
 def test_between_logging_steps_the_stop_follows_within_stop_check_every(data, reference, tmp_path):

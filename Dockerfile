@@ -19,8 +19,9 @@ COPY fastclip ./fastclip
 COPY configs ./configs
 COPY launch ./launch
 # deepspeed: train.distributed deepspeed (ZeRO 1-3); wandb: --report-to wandb; parquet: data scan reads
-# img2dataset's .parquet without the tars; awscli: `pipe:aws s3 cp ... -` and s3:// shards
-RUN pip install -e ".[log,deepspeed,wandb,parquet]" awscli \
+# img2dataset's .parquet without the tars; awscli: `pipe:aws s3 cp ... -` and s3:// shards. transformers 5 turns
+# PyTorch off below 2.6 (this image has 2.5.1): 4.x builds the Hugging Face text towers here
+RUN pip install -e ".[log,deepspeed,wandb,parquet]" awscli "transformers>=4.45,<5" \
     && python -c "import fastclip, open_clip, webdataset, deepspeed, wandb, pyarrow; print('fastclip ok')"
 
 CMD ["fastclip", "--help"]

@@ -131,6 +131,17 @@ def test_embedded_refuses_an_out_holding_a_data_set_and_leaves_it(tmp_path, caps
         del before[Path(name)]
     _one_line(capsys, ["embedded", "--out", str(out), *SMALL], f"({out}/train/manifest.json); write to a new folder")
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    mine = tmp_path / "mine"  # shards without a manifest (someone's own, or a build stopped before the end)
+    (mine / "train").mkdir(parents=True)
+    (mine / "train" / "train-000000.tar").write_text("mine")
+    _one_line(capsys, ["embedded", "--out", str(mine), *SMALL], f"({mine}/train/train-000000.tar)")
+    assert (mine / "train" / "train-000000.tar").read_text() == "mine"
+
+
+def test_embedded_refuses_a_dataset_named_twice(tmp_path, capsys):
+    args = ["embedded", "--out", str(tmp_path / "o"), *SMALL, "--datasets", "mnist,mnist"]
+    _one_line(capsys, args, "--datasets mnist,mnist: mnist named twice; name each once")
+    assert not (tmp_path / "o").exists()
 
 
 # ----------------------------------------------------------------------------- 2, 3. numeric flags out of range

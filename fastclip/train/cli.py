@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"({env.launcher}): drop --world-size or make them agree"
                 )
             preflight.check_operator_input(cfg, create=False)  # --check leaves no run folder
-            check_inputs(cfg, world_size)
+            check_inputs(cfg, world_size, rank_files=True)
             print(f"fastclip train: config ok for {world_size} process(es)")
             return 0
         from fastclip.train.trainer import train

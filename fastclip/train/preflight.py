@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import zipfile
 from pathlib import Path
 
 import torch
@@ -288,6 +289,25 @@ def read_resume(step_dir: Path, given: str) -> dict:
     return obj
 
 
+def check_rank_files(step_dir: Path, model_file: dict) -> None:
+    """Every rank file the checkpoint was saved with is there and whole, checked without reading it: a torch.save
+    file is a zip, whose directory sits at its end (a cut-short copy has none). Each rank reads its own file only
+    once the job has started: a bad one there stops the job after start-up, with a traceback per launcher."""
+    saved = model_file.get("world_size")
+    for rank in range(1, int(saved) if isinstance(saved, int) else 1):
+        path = step_dir / rank_file_name(rank)
+        if not path.is_file():
+            problem = "is missing"
+        elif not zipfile.is_zipfile(path):
+            problem = "is not whole (cut short, or not a torch.save file)"
+        else:
+            continue
+        raise ConfigError(
+            f"config key 'train.resume': {path} {problem}, and the checkpoint was saved by {saved} ranks; restore "
+            f"it, or resume from another step folder (`fastclip train --train.resume {step_dir.parent}/step_...`)"
+        )
+
+
 def foreign_resume(path: Path, kind: str) -> ConfigError:
     if kind.startswith(RANK_FILE):
         where = (
@@ -321,7 +341,14 @@ def describe_resume_file(path: Path) -> ConfigError:
 
 
 def check_resume(
-    cfg: Config, step_dir: Path, model_file: dict, *, fingerprint: str, num_samples: int, data_size: int
+    cfg: Config,
+    step_dir: Path,
+    model_file: dict,
+    *,
+    fingerprint: str,
+    num_samples: int,
+    data_size: int,
+    rank_files: bool = False,
 ) -> None:
     """A resume continues the same run: same towers, loss, data, seed and epoch length (the data stream's
     position and the per-sample state mean nothing otherwise)."""
@@ -339,6 +366,8 @@ def check_resume(
         rank0 = load_file(step_dir / rank_file_name(0))
     except CheckpointError as e:  # found before anything is built: exit 2, as a bad model.pt
         raise ConfigError(f"config key 'train.resume': {e}") from None
+    if rank_files:  # --check, once: not every rank of a job over every rank's file
+        check_rank_files(step_dir, model_file)
     data = rank0.get("data") or {}
     seed = cfg.train.seed if cfg.data.seed is None else cfg.data.seed
     resampled = bool(cfg.data.resampled)

@@ -112,7 +112,9 @@ def check_data(cfg: Config, world_size: int, catalog=None) -> int:
 PRECISION_WORDS = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast with loss scaling"}
 
 
-def check_inputs(cfg: Config, world_size: int, catalog=None) -> tuple[int, Path | None, dict | None, dict | None]:
+def check_inputs(
+    cfg: Config, world_size: int, catalog=None, *, rank_files: bool = False
+) -> tuple[int, Path | None, dict | None, dict | None]:
     """Everything checkable before a tower is built: the data for this world size, the resume (a foreign file,
     another seed or data) and --model.pretrained. Returns (data_size, resume_dir, its model.pt, pretrained
     tensors); raises ConfigError. `fastclip train --check` runs it before a launcher starts the processes."""
@@ -135,6 +137,7 @@ def check_inputs(cfg: Config, world_size: int, catalog=None) -> tuple[int, Path 
             fingerprint=catalog.fingerprint,
             num_samples=catalog.num_samples,
             data_size=data_size,
+            rank_files=rank_files,
         )
     elif cfg.model.pretrained:
         pretrained = preflight.read_pretrained(cfg.model.pretrained)

@@ -412,6 +412,13 @@ def test_another_runs_checkpoint_is_not_continued_over_a_run_and_a_log_is_not_cu
     assert main(["--check", *fresh]) == 0
 
 
+@pytest.mark.parametrize("name", [".fastclip.lock", "metrics.jsonl", "config.yaml"])
+def test_a_folder_where_the_run_writes_a_file_is_one_line(tiny_embedded, tmp_path, capsys, name):
+    (tmp_path / "run" / name).mkdir(parents=True)
+    args = _args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1})
+    _fails(capsys, args, "train.run_dir", f"{tmp_path / 'run' / name} is a folder where the run writes a file")
+
+
 def test_resuming_with_max_steps_below_the_checkpoint_is_refused(tiny_embedded, trained, tmp_path, capsys):
     """train.max_steps counts the run's steps in all: below the checkpoint's step nothing would be trained, and
     the run would exit 0 as if it had finished."""
@@ -959,3 +966,17 @@ def test_check_finds_a_rank_file_missing_or_cut_short_before_the_job_starts(tiny
     _fails(capsys, args, "train.resume", f"{step / 'rank_1.pt'} is not whole")
     (step / "rank_1.pt").write_bytes(data)
     assert main(args) == 0
+
+
+def test_sparse_indices_that_would_exhaust_memory_are_refused_before_allocating(tmp_path, capsys):
+    """A mistyped --index-offset: 40 samples indexed from 10^13 (one more digit than meant) would have each rank
+    allocate per-sample state for 10^13 indices; said before anything is allocated, naming the sizes."""
+    from fastclip.data.cli import main as data_main
+
+    data = tmp_path / "data"
+    args = ["embedded", "--out", str(data), "--datasets", "mnist", "--max-per-class", "4", "--max-val-per-class", "1"]
+    assert data_main([*args, "--index-offset", str(10**13)]) == 0
+    capsys.readouterr()
+    err = _fails(capsys, ["--check", *_args(data, tmp_path / "run")], "data.train", "per-sample state of each of 1")
+    assert "data_size 10,000,000,000,050 (the largest index + 1) for 40 samples" in err, err
+    assert "a mistyped --index-offset?" in err

@@ -318,3 +318,18 @@ def test_a_data_build_under_nohup_keeps_sighup_ignored(tmp_path, monkeypatch):
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) != _raise_stopped
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.mark.parametrize(
+    "separator, text, said",
+    [
+        (";;", "filepath,title\na.png,cat\n", "--csv-separator ';;': must be one character"),
+        ("\\", "filepath,title\na.png,cat\n", "must be one character"),
+        (None, "filepath,title\na.png,caf\xe9\n", "c.csv: not UTF-8 text (byte 24); pass a UTF-8 CSV/TSV/JSONL"),
+    ],
+)
+def test_folder_separator_and_encoding_mistakes_are_one_line(tmp_path, capsys, separator, text, said):
+    (tmp_path / "c.csv").write_bytes(text.encode("latin-1"))
+    argv = ["folder", "--captions", str(tmp_path / "c.csv"), "--out", str(tmp_path / "o")]
+    _one_line(capsys, argv + (["--csv-separator", separator] if separator else []), said)
+    assert not (tmp_path / "o").exists()

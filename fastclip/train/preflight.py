@@ -113,6 +113,12 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
         check_no_run_held(run_dir)
     elif resume != "latest" and not _within(Path(resume), run_dir):  # another run's checkpoint, continued here
         check_no_run_held(run_dir, resuming=resume)
+    for name in (RUN_LOCK, "metrics.jsonl", "config.yaml"):  # files the run writes: a folder there stops it later
+        if (run_dir / name).is_dir():
+            raise ConfigError(
+                f"config key 'train.run_dir': {run_dir / name} is a folder where the run writes a file; move it "
+                f"away or choose another --train.run_dir"
+            )
     folders = (run_dir, run_dir / "checkpoints")
     if not create:  # (os.path's lexists/isdir never raise: a path too long or not searchable is probed below)
         for path in (*folders, *run_dir.parents):

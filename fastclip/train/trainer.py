@@ -7,6 +7,7 @@ evaluation and checkpoints when due.
 from __future__ import annotations
 
 import math
+import os
 import time
 import traceback
 from pathlib import Path
@@ -63,10 +64,33 @@ def shared_catalog(cfg: Config, info: DistInfo):
     return result
 
 
+STATE_BYTES_PER_INDEX = 12  # the least any per-sample loss keeps: u for both modalities and a seen mark, float32
+
+
+def sparse_indices(data_size: int, num_samples: int, world_size: int) -> str | None:
+    """Per-sample state is indexed up to data_size (the largest index + 1): indices far sparser than the samples
+    (a mistyped --index-offset) would make each rank allocate for indices no sample has, until memory runs out.
+    Said only when that exceeds half this machine's memory."""
+    per_rank = -(-data_size // world_size) * STATE_BYTES_PER_INDEX
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    if data_size <= 1000 * max(num_samples, 1) or per_rank <= memory // 2:
+        return None
+    return (
+        f"data_size {data_size:,} (the largest index + 1) for {num_samples:,} samples: the per-sample state of each "
+        f"of {world_size} rank(s) would take at least {per_rank / 2**30:,.0f} GiB, this machine has "
+        f"{memory / 2**30:,.0f}; number the samples densely (a mistyped --index-offset?)"
+    )
+
+
 def check_data(cfg: Config, world_size: int, catalog=None) -> int:
     """Checks that need the data and the world size, before anything heavy is built; returns data_size.
     catalog: the shards as read by rank 0 (shared_catalog); None: read them here."""
     catalog = read_catalog(cfg) if catalog is None else catalog
+    if problem := sparse_indices(catalog.data_size, catalog.num_samples, world_size):
+        raise ConfigError(f"config key '{'data.data_size' if cfg.data.data_size else 'data.train'}': {problem}")
     per_epoch = cfg.data.samples_per_epoch if cfg.data.resampled and cfg.data.samples_per_epoch else catalog.num_samples
     if problem := global_batch_too_large(cfg.data.batch_size, world_size, per_epoch, cfg.data.train):
         raise ConfigError(f"config key 'data.batch_size': {problem}")

@@ -31,6 +31,15 @@ class CaptionFileError(ValueError):
 
 def read_rows(captions: Path, img_key: str, caption_key: str, separator: str | None):
     """Yield (line number, image path string or None, caption or None) for each data row."""
+    try:
+        yield from _rows(captions, img_key, caption_key, separator)
+    except UnicodeDecodeError as e:  # a latin-1 export, or a parquet/binary file given as --captions
+        raise CaptionFileError(
+            f"{captions}: not UTF-8 text (byte {e.start}); pass a UTF-8 CSV/TSV/JSONL (e.g. iconv -t utf-8)"
+        ) from None
+
+
+def _rows(captions: Path, img_key: str, caption_key: str, separator: str | None):
     if captions.suffix.lower() == ".jsonl":
         with open(captions, encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
@@ -46,7 +55,13 @@ def read_rows(captions: Path, img_key: str, caption_key: str, separator: str | N
         return
     if separator is None:
         separator = "\t" if captions.suffix.lower() == ".tsv" else ","
-    separator = separator.encode().decode("unicode_escape")  # accept a literal "\t" from the shell
+    given = separator
+    try:
+        separator = separator.encode().decode("unicode_escape")  # a literal "\t" from the shell
+    except UnicodeDecodeError:
+        separator = None
+    if separator is None or len(separator) != 1:
+        raise CaptionFileError(f"--csv-separator {given!r}: must be one character (e.g. ',', ';' or '\\t')")
     with open(captions, encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f, delimiter=separator)
         columns = reader.fieldnames or []

@@ -104,3 +104,16 @@ def test_model_file_of_another_format_version_is_refused(tmp_path):
     ckpt.save_file({**contents, "format": "fastclip-checkpoint/999"}, path)
     with pytest.raises(CheckpointError, match="fastclip-checkpoint/999"):
         ckpt.read_model_file(path)
+
+
+def test_an_empty_latest_pointer_resumes_from_the_newest_complete_step_folder(tmp_path, capsys):
+    from fastclip.train.checkpoint import resolve_resume
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+        for name in ("model.pt", "rank_0.pt"):
+            (root / f"step_{step:08d}" / name).write_bytes(b"")
+    (root / "latest").write_text("\n")
+    assert resolve_resume("latest", tmp_path) == root / "step_00000004"
+    assert f"{root / 'latest'} is empty; resuming from the newest step folder" in capsys.readouterr().err

@@ -482,3 +482,15 @@ def test_a_run_without_its_latest_pointer_or_with_only_cut_short_saves(tiny_run,
     (run / "checkpoints" / "step_00000007" / "model.pt").unlink()
     with pytest.raises(FileNotFoundError, match=r"no step folder holds a model.pt \(step_00000007, step_00000009;"):
         find_model_file(run)
+
+
+def test_an_empty_latest_pointer_means_the_newest_step_folder(tiny_run, tmp_path):
+    """(it was read as naming the checkpoints folder itself: 'has no model.pt')"""
+    import shutil
+
+    from fastclip.train.checkpoint import find_model_file
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    (run / "checkpoints" / "latest").write_text("")
+    assert find_model_file(run) == run / "checkpoints" / "step_00000007" / "model.pt"

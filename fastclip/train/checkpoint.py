@@ -318,7 +318,10 @@ def latest_complete(run_dir: Path) -> Path | None:
 def _from_pointer(pointer: Path) -> Path | None:
     """The step folder `latest` names; if it is gone (a crash between a re-saved step's two renames), the newest
     complete one, with a note."""
-    named = pointer.parent / pointer.read_text().strip()
+    text = pointer.read_text(errors="replace").strip()
+    if not text:  # emptied (a full disk while it was written, a hand edit)
+        return _newest(pointer.parent, pointer, why="is empty")
+    named = pointer.parent / text
     if not named.exists() and STEP_DIR.fullmatch(named.name):
         return _newest(pointer.parent, pointer, why=f"names {named.name}, which does not exist")
     return _checked(named, f"named by {pointer}")
@@ -494,7 +497,7 @@ def find_model_file(path: str | os.PathLike) -> Path:
         return path / MODEL_FILE
     for checkpoints in (path / "checkpoints", path):
         latest = checkpoints / "latest"
-        if latest.is_file():
+        if latest.is_file() and latest.read_text(errors="replace").strip():  # (an empty one: the newest, below)
             step_dir = checkpoints / latest.read_text().strip()
             if not (step_dir / MODEL_FILE).is_file():
                 raise FileNotFoundError(f"{latest} names {step_dir}, which has no {MODEL_FILE}")

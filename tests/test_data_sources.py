@@ -280,7 +280,8 @@ def test_folder_refuses_an_out_folder_with_a_data_set_and_a_run_that_writes_noth
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"--out {out}: already holds a data set" in err, err
     assert (out / "manifest.json").read_text() == before
-    assert fastclip_main([*args[:-1], str(tmp_path / "other"), "--images", str(tmp_path / "nowhere")]) == 2
+    (tmp_path / "empty").mkdir()  # (an --images that is no folder is refused before any row)
+    assert fastclip_main([*args[:-1], str(tmp_path / "other"), "--images", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no sample written (first skip: caps.csv:2: image" in err, err
 

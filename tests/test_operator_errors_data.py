@@ -333,3 +333,17 @@ def test_folder_separator_and_encoding_mistakes_are_one_line(tmp_path, capsys, s
     argv = ["folder", "--captions", str(tmp_path / "c.csv"), "--out", str(tmp_path / "o")]
     _one_line(capsys, argv + (["--csv-separator", separator] if separator else []), said)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [
+        (["--images", "/nonexistent"], "--images /nonexistent: not a folder"),
+        (["--prefix", "../escaped"], "--prefix '../escaped': must be a file name start without '/'"),
+        (["--prefix", ""], "--prefix '': must be a file name start"),
+    ],
+)
+def test_folder_flags_that_would_write_elsewhere_or_skip_every_row_are_one_line(tmp_path, capsys, extra, said):
+    (tmp_path / "c.csv").write_text("filepath,title\na.png,cat\n")
+    _one_line(capsys, ["folder", "--captions", str(tmp_path / "c.csv"), "--out", str(tmp_path / "o"), *extra], said)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.csv"]

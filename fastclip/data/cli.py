@@ -205,7 +205,12 @@ def _run(args) -> int:
             )
     if args.command == "folder":
         if not Path(args.captions).is_file():
-            raise ValueError(f"--captions {args.captions}: no such file; pass the CSV/TSV/JSONL of paths and captions")
+            what = "is a folder" if Path(args.captions).is_dir() else "no such file"
+            raise ValueError(f"--captions {args.captions}: {what}; pass the CSV/TSV/JSONL of paths and captions")
+        if args.images is not None and not Path(args.images).is_dir():  # else one skip per row, then the error
+            raise ValueError(f"--images {args.images}: not a folder; pass the folder the image paths are relative to")
+        if not args.prefix or "/" in args.prefix or args.prefix in (".", ".."):  # shards stay inside --out
+            raise ValueError(f"--prefix {args.prefix!r}: must be a file name start without '/' (e.g. train)")
     if args.command == "embedded" and args.max_per_class is not None and args.max_per_class < 1:
         raise ValueError(f"--max-per-class {args.max_per_class}: must be >= 1 (omit it for every sample)")
     if args.command == "embedded" and args.max_val_per_class is not None and args.max_val_per_class < 1:

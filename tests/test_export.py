@@ -175,27 +175,31 @@ def _files(folder):
     return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
-def test_sigterm_while_the_export_takes_its_final_names_acts_once_it_is_whole(run_dir, tmp_path, monkeypatch, capsys):
-    """The moves out of the staging folder are one update: SIGTERM in the middle of them waits until the export
-    is whole and the staging folder gone, then stops the command (128 + 15) saying so."""
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_stop_while_the_export_takes_its_final_names_acts_once_it_is_whole(
+    run_dir, tmp_path, monkeypatch, capsys, name
+):
+    """The moves out of the staging folder are one update: SIGTERM (or Ctrl-C) in the middle of them waits until
+    the export is whole and the staging folder gone, then stops the command (128 + N) saying so."""
     import os
     import signal
 
+    number, handler = getattr(signal, name), signal.getsignal(getattr(signal, name))
     commit = export_cli._commit
 
     def signalled_midway(*args):
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), number)
         commit(*args)
 
     monkeypatch.setattr(export_cli, "_commit", signalled_midway)
     out = tmp_path / "model.pt"
-    assert export_cli.main([str(run_dir), "--out", str(out)]) == 128 + signal.SIGTERM
-    assert capsys.readouterr().err == f"fastclip export: stopped by SIGTERM after {out} was written\n"
+    assert export_cli.main([str(run_dir), "--out", str(out)]) == 128 + number
+    assert capsys.readouterr().err == f"fastclip export: stopped by {name} after {out} was written\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{ARCH}.json", "model.pt"]  # no staging folder
     monkeypatch.undo()
     assert export_cli.main([str(run_dir), "--out", str(tmp_path / "again.pt")]) == 0
     assert torch.load(out, weights_only=True).keys() == torch.load(tmp_path / "again.pt", weights_only=True).keys()
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back as it was
+    assert signal.getsignal(number) == handler  # put back as it was
 
 
 def test_sigterm_before_the_export_is_whole_leaves_the_earlier_one(run_dir, tmp_path, monkeypatch, capsys):
@@ -237,20 +241,3 @@ def test_a_stop_just_before_the_final_names_leaves_no_staging_folder(run_dir, tm
     assert export_cli.main([str(run_dir), "--out", str(tmp_path / "model.pt")]) == 128 + signal.SIGTERM
     assert "stopped by SIGTERM before anything was written" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
-
-
-def test_ctrl_c_while_the_export_takes_its_final_names_says_it_is_written(run_dir, tmp_path, monkeypatch, capsys):
-    import os
-    import signal
-
-    commit = export_cli._commit
-
-    def interrupted_midway(*args):
-        os.kill(os.getpid(), signal.SIGINT)
-        commit(*args)
-
-    monkeypatch.setattr(export_cli, "_commit", interrupted_midway)
-    out = tmp_path / "model.pt"
-    assert export_cli.main([str(run_dir), "--out", str(out)]) == 128 + signal.SIGINT
-    assert capsys.readouterr().err == f"fastclip export: stopped by SIGINT after {out} was written\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{ARCH}.json", "model.pt"]

@@ -33,6 +33,7 @@ from common import (
     REPO,
     RESULTS,
     SMOKE_OUT,
+    check_out,
     ensure_embedded,
     evaluate_checkpoint,
     loss_overrides,
@@ -332,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, help="embedded data root (built when missing)")
     parser.add_argument("--out", type=Path, help="folder for e2e.{json,md,png}")
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     p = dict(QUICK if args.quick else FULL)
     p.update({k: v for k, v in vars(args).items() if k in p and v is not None})
     out = args.out or (SMOKE_OUT if args.quick else RESULTS)

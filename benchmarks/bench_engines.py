@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fastclip.distributed import destroy_process_group
 
-from common import RESULTS, SMOKE_OUT, free_port, machine_info, write_json  # noqa: E402
+from common import RESULTS, SMOKE_OUT, check_out, free_port, machine_info, write_json  # noqa: E402
 
 WORLD_SIZE = 2
 PER_RANK = 64  # samples per process per step (the embedded recipe's batch)
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few steps (CI smoke); results to benchmarks/out/")
     parser.add_argument("--out", type=Path, help="folder for engines_bench.{md,json} (default: benchmarks/results/)")
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     plan = QUICK if args.quick else FULL
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     info = machine_info()

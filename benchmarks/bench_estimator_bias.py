@@ -42,7 +42,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_stat_eff as study_mod
 
-from common import RESULTS, SMOKE_OUT, machine_info, publish, save_figure
+from common import RESULTS, SMOKE_OUT, check_out, machine_info, publish, save_figure
 
 DATASETS = ("scenes", "glyphs")
 LOSSES = ("openclip", "fastclip-v3")
@@ -434,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1,4", help="comma list of the towers' seeds (study seeds, default 1,4)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     try:
         seeds = [int(x) for x in args.seeds.split(",")]
     except ValueError:

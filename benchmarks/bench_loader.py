@@ -40,6 +40,8 @@ from fastclip.data import build_train_stream, read_manifest  # noqa: E402
 from fastclip.data.sources.embedded import build_embedded  # noqa: E402
 from fastclip.data.sources.synthetic import write_synthetic  # noqa: E402
 
+from common import check_out  # noqa: E402
+
 
 def make_datasets(root: Path, quick: bool) -> dict[str, Path]:
     """Two kinds of shards: the embedded 28x28 PNGs (tiny decode) and 256x256 JPEGs (photo-like decode cost)."""
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         help="output prefix (default benchmarks/results/loader_bench, quick: benchmarks/out/loader_bench_quick)",
     )
     args = p.parse_args(argv)
+    check_out(p, args.out)
     repeats = args.repeats or (1 if args.quick else 3)
     out = Path(
         args.out or REPO / ("benchmarks/out/loader_bench_quick" if args.quick else "benchmarks/results/loader_bench")

@@ -30,6 +30,7 @@ from common import (
     SMOKE_OUT,
     _kb,
     _tree,
+    check_out,
     ensure_embedded,
     machine_info,
     save_figure,
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="override the number of steps")
     parser.add_argument("--kill-after", type=float, nargs=2, metavar=("MIN_S", "MAX_S"), help="override the kill times")
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     p = dict(QUICK if args.quick else FULL)
     if args.steps:
         p["steps"] = args.steps

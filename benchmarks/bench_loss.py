@@ -44,7 +44,7 @@ if __package__ in (None, ""):
 from fastclip.losses import build_loss
 from fastclip.losses.byte_counter import CollectiveByteCounter
 
-from common import REPO, slowest_rank_seconds  # noqa: E402
+from common import REPO, check_out, slowest_rank_seconds  # noqa: E402
 
 WORLD_SIZE = 2
 DATA_SIZE = 10**6
@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also time fastclip-v3 as committed at this git revision, step by step against this tree's",
     )
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     plan = dict(QUICK if args.quick else FULL)
     if args.reps:
         plan["reps"] = args.reps

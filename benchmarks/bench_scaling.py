@@ -37,7 +37,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fastclip.distributed import destroy_process_group
 
-from common import RESULTS, SMOKE_OUT, free_port, machine_info, publish, save_figure, slowest_rank_seconds
+from common import RESULTS, SMOKE_OUT, check_out, free_port, machine_info, publish, save_figure, slowest_rank_seconds
 
 FULL = dict(
     losses=("fastclip-v3", "openclip"),
@@ -398,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (CI smoke)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     p = dict(QUICK if args.quick else FULL)
     out = args.out or (SMOKE_OUT if args.quick else RESULTS)
     info = machine_info()

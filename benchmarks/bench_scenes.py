@@ -22,7 +22,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, SMOKE_OUT, machine_info, write_json
+from common import REPO, RESULTS, SMOKE_OUT, check_out, machine_info, write_json
 
 FULL = dict(num_train=100_000, num_val=2_000, num_test=5_000, num_novel=2_000)
 QUICK = dict(num_train=2_000, num_val=200, num_test=200, num_novel=200)
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     out = args.out or (SMOKE_OUT if args.quick else RESULTS)
     result = {"machine": machine_info(), **measure(QUICK if args.quick else FULL, SMOKE_OUT / "scenes_bench_data")}
     assert result["splits"]["train"]["with_held_out_pair"] == 0, "a held-out pair leaked into training"

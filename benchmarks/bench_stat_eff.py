@@ -41,7 +41,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, SMOKE_OUT, machine_info, publish, read_jsonl, save_figure
+from common import REPO, RESULTS, SMOKE_OUT, check_out, machine_info, publish, read_jsonl, save_figure
 
 LOSSES = (
     "openclip",
@@ -1502,6 +1502,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=None, help="runs at once (default 2: one per core)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     study = dict(QUICK if args.quick else STUDY)
     if args.parallel:
         study["parallel"] = args.parallel

@@ -29,7 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fastclip.distributed import destroy_process_group
 
-from common import RESULTS, SMOKE_OUT, free_port, machine_info, publish, save_figure
+from common import RESULTS, SMOKE_OUT, check_out, free_port, machine_info, publish, save_figure
 
 WORLD = 2
 LAION_DATA_SIZE, LAION_RANKS = 414_080_000, 32
@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small data sizes (CI smoke)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     out = args.out or (SMOKE_OUT if args.quick else RESULTS)
     measured = measure(QUICK_SIZES if args.quick else FULL_SIZES)
     result = {"machine": machine_info(), "measured": measured, "projected": project(measured)}

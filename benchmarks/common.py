@@ -10,6 +10,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -274,3 +275,18 @@ def slowest_rank_seconds(fn) -> float:
     elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
+
+
+def check_out(parser, out) -> None:
+    """An --out that cannot be written: the parser's usage error now, not a traceback once the work is done."""
+    if out is None:
+        return
+    out = Path(out).absolute()
+    folder = next(p for p in (out, *out.parents) if os.path.lexists(p))
+    if not folder.is_dir():
+        parser.error(f"--out {out}: {folder} is not a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".bench-probe"):
+            pass
+    except OSError as e:
+        parser.error(f"--out {out}: cannot write in {folder} ({e.strerror or e}); choose another --out")

@@ -668,3 +668,16 @@ def test_bench_loss_against_a_revision_times_it_step_by_step_and_refuses_a_bad_o
         text=True,
     )
     assert proc.returncode == 2 and "--against 'no-such-rev' is not a revision" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_benchmarks_refuse_an_out_they_cannot_write_before_any_work(tmp_path, capsys):
+    """(a FileNotFoundError traceback once the work was done, before)"""
+    import bench_loss
+
+    (tmp_path / "a_file").write_text("")
+    for module in (bench_loss, bench_stat_eff):
+        with pytest.raises(SystemExit) as stopped:
+            module.main(["--quick", "--out", str(tmp_path / "a_file" / "out")])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.endswith(f"error: --out {tmp_path / 'a_file' / 'out'}: {tmp_path / 'a_file'} is not a folder"), err

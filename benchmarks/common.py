@@ -10,7 +10,6 @@ import platform
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -279,14 +278,13 @@ def slowest_rank_seconds(fn) -> float:
 
 def check_out(parser, out) -> None:
     """An --out that cannot be written: the parser's usage error now, not a traceback once the work is done."""
+    from fastclip.cli import create_error
+
     if out is None:
         return
     out = Path(out).absolute()
-    folder = next(p for p in (out, *out.parents) if os.path.lexists(p))
-    if not folder.is_dir():
+    folder, error = create_error(out)
+    if isinstance(error, NotADirectoryError):
         parser.error(f"--out {out}: {folder} is not a folder")
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".bench-probe"):
-            pass
-    except OSError as e:
-        parser.error(f"--out {out}: cannot write in {folder} ({e.strerror or e}); choose another --out")
+    if error is not None:
+        parser.error(f"--out {out}: cannot write in {folder} ({error.strerror or error}); choose another --out")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import importlib
 import os
 import sys
@@ -28,18 +29,30 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def create_error(path: str | os.PathLike) -> tuple[Path, OSError | None]:
+    """The nearest place at or above `path` that exists, and the error creating a file there gives (None: no error;
+    NotADirectoryError: the place is not a folder). Probed with a real file: permissions alone do not tell (root,
+    read-only mounts, /proc)."""
+    path = Path(path).absolute()
+    place = next(p for p in (path, *path.parents) if os.path.lexists(p))
+    if not place.is_dir():
+        return place, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+    try:
+        with tempfile.NamedTemporaryFile(dir=place, prefix=".fastclip-probe"):
+            pass
+    except OSError as e:
+        return place, e
+    return place, None
+
+
 def unwritable(flag: str, path: str | os.PathLike) -> str | None:
     """Why the file `path` given as `flag` cannot be written (with the folders above it that do not exist yet), in
     one line naming both; None when it can. Checked before the work whose result it would hold."""
-    path = Path(path)
-    folder = next(p for p in path.absolute().parents if os.path.lexists(p))
-    if not folder.is_dir():
+    folder, error = create_error(Path(path).absolute().parent)
+    if isinstance(error, NotADirectoryError):
         return f"{flag} {path}: {folder} is not a folder; choose another {flag}"
-    try:  # a real file: permissions alone do not tell (root, read-only mounts, /proc)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".fastclip-probe"):
-            pass
-    except OSError as e:
-        return f"{flag} {path}: cannot write in {folder} ({e.strerror or e}); choose another {flag}"
+    if error is not None:
+        return f"{flag} {path}: cannot write in {folder} ({error.strerror or error}); choose another {flag}"
     return None
 
 

@@ -34,10 +34,10 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
     except CheckpointError as err:
         raise ValueError(str(err)) from None
     if "state_dict" not in checkpoint:
-        from fastclip.train.preflight import RANK_FILE, describe_checkpoint
+        from fastclip.train.preflight import BARE_STATE_DICT, RANK_FILE, describe_checkpoint
 
         what = describe_checkpoint(checkpoint)
-        if what.startswith("a bare state dict"):  # open_clip's model.state_dict() saved as is: what --arch builds
+        if what.startswith(BARE_STATE_DICT):  # open_clip's model.state_dict() saved as is: what --arch builds
             return file, {"state_dict": checkpoint}
         advice = (
             "pass the model.pt of its step folder, or the step folder"

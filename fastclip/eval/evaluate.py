@@ -209,19 +209,14 @@ def evaluate(
     model.eval()
     try:
         state = _Pass(specs, torch.device(device), retrieval, one_list_for_all)
-        return _evaluate(
-            model, tokenizer, preprocess, source, state, device, group, batch_size, max_samples, retrieval, progress
-        )
+        return _evaluate(model, tokenizer, preprocess, source, state, group, batch_size, max_samples, progress)
     finally:
         model.train(was_training)
 
 
-def _evaluate(
-    model, tokenizer, preprocess, source, state, device, group, batch_size, max_samples, retrieval, progress=None
-):
-    device = torch.device(device)
+def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_size, max_samples, progress=None):
+    device, specs, retrieval = state.device, state.specs, state.retrieval
     rank, world = rank_and_world(group)
-    specs = state.specs
     classifiers = {
         name: zeroshot_classifier(model, tokenizer, spec.classnames, spec.templates, device)
         for name, spec in specs.items()

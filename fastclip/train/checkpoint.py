@@ -497,8 +497,9 @@ def find_model_file(path: str | os.PathLike) -> Path:
         return path / MODEL_FILE
     for checkpoints in (path / "checkpoints", path):
         latest = checkpoints / "latest"
-        if latest.is_file() and latest.read_text(errors="replace").strip():  # (an empty one: the newest, below)
-            step_dir = checkpoints / latest.read_text().strip()
+        named = latest.read_text(errors="replace").strip() if latest.is_file() else ""
+        if named:  # (none, or an empty one: the newest step folder, below)
+            step_dir = checkpoints / named
             if not (step_dir / MODEL_FILE).is_file():
                 raise FileNotFoundError(f"{latest} names {step_dir}, which has no {MODEL_FILE}")
             return step_dir / MODEL_FILE

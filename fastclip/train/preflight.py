@@ -232,12 +232,13 @@ def lock_run_dir(cfg: Config, info):
 
 # ----------------------------------------------------------------------------- checkpoint files
 RANK_FILE = "a fastclip rank file"
+BARE_STATE_DICT = "a bare state dict"
 WEIGHTS = (  # what describe_checkpoint calls files that hold the towers' weights (usable as --model.pretrained)
     "a fastclip training checkpoint",
     "an OpenCLIP training checkpoint",
     "a model-only checkpoint",
     "a checkpoint with a state_dict",
-    "a bare state dict",
+    BARE_STATE_DICT,
 )
 
 
@@ -259,7 +260,7 @@ def describe_checkpoint(obj) -> str:
             return "a model-only checkpoint (fastclip export, or an open_clip weights file)"
         return f"a checkpoint with a state_dict but no fastclip training state (keys {sorted(obj)[:8]})"
     if obj and all(torch.is_tensor(v) for v in obj.values()):
-        return f"a bare state dict ({len(obj)} tensors)"
+        return f"{BARE_STATE_DICT} ({len(obj)} tensors)"
     return f"not a model checkpoint (a dict with keys {sorted(map(str, obj))[:8]})"
 
 
@@ -434,7 +435,7 @@ def read_pretrained(path: str) -> dict[str, torch.Tensor]:
     kind = describe_checkpoint(obj)
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         state = obj["state_dict"]
-    elif kind.startswith("a bare state dict"):
+    elif kind.startswith(BARE_STATE_DICT):
         state = obj
     elif kind.startswith(RANK_FILE):
         raise ConfigError(

@@ -447,6 +447,14 @@ def test_another_loss_named_on_the_command_line_leaves_out_the_files_options_for
     pinned = {"loss.gamma_decay_epochs": _UNSET, "loss.gamma_min": _UNSET}  # typed here, they would be checked
     args = fault_overrides(tiny_embedded, tmp_path / "run", "fastclip-v3", **pinned)
     assert train_main(["--check", "--config", str(EMBEDDED), *args, "--loss.name", "openclip"]) == 0
+    # --print-config refuses what the run would: an option typed for a loss that does not take it
+    capsys.readouterr()
+    assert (
+        train_main(["--print-config", "--config", str(EMBEDDED), "--loss.name", "openclip", "--loss.rho", "0.5"]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fastclip train: config error: config key loss.rho: loss openclip does not take it"), err
+    assert "\n" not in err
 
 
 @pytest.mark.parametrize("what", ["a text file", "a step folder without rank_0.pt", "a text rank_0.pt"])

@@ -114,6 +114,7 @@ def test_parallel_scan_equals_one_process(tmp_path):
         {
             "shard": "00003.tar",
             "key": "0000003",
+            "ordinal": 6,
             "reason": "duplicate_index",
             "detail": "index 3 also at shard 00000.tar key 0000003",
             "index": 3,

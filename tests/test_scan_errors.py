@@ -140,29 +140,54 @@ def test_samples_without_image_and_caption_are_not_counted_as_usable(tmp_path, c
 
 
 # ----------------------------------------------------------------------------- 5. duplicate keys
-def test_duplicate_keys_in_a_shard_are_listed_and_skipped_as_counted(tmp_path, capsys):
+def test_a_key_repeated_next_to_itself_is_listed_and_skipped_one_repeated_apart_is_served(tmp_path, capsys):
     folder = tmp_path / "d"
     folder.mkdir()
     # a.tar: key 0001 twice in a row (a tar reader merges them: 4 images read as 3 samples);
-    # b.tar: key 0005 twice, apart, with different indices
+    # b.tar: key 0005 twice, apart, with different indices: two samples, told apart by their position
     write_tar(folder / "a.tar", [(key, _sample(i)) for i, key in enumerate(["0000", "0001", "0001", "0002"])])
     write_tar(folder / "b.tar", [(key, _sample(4 + i)) for i, key in enumerate(["0004", "0005", "0006", "0005"])])
     assert main(["scan", str(folder), "--workers", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == [
-        f"{folder}: 2 shards, 7 samples (4 usable), data_size 8, 3 problems ({{'duplicate_key': 3}})",
+        f"{folder}: 2 shards, 7 samples (6 usable), data_size 8, 1 problem ({{'duplicate_key': 1}})",
         "  shard a.tar key 0001: duplicate_key (2 samples under key 0001, next to each other in the tar, read as one "
         "that keeps the last of each member: skipped; give each sample its own key)",
-        "  shard b.tar key 0005: duplicate_key (key 0005 also names sample 4 of the tar: each is skipped; give each "
-        "sample its own key)",
-        "  shard b.tar key 0005: duplicate_key (key 0005 also names sample 2 of the tar: each is skipped; give each "
-        "sample its own key)",
         f"wrote {folder}/manifest.json",
     ]
     # the stream skips exactly what the manifest lists, and counts it
     stream = _stream(str(folder))
     served = sorted(i for _, _, idx in stream.epoch(0) for i in idx.tolist())
-    assert set(served) == {0, 3, 4, 6} and stream.counters["duplicate_key"] == 3
+    assert set(served) == {0, 3, 4, 5, 6, 7} and stream.counters["duplicate_key"] == 1  # (a refill repeats one)
+
+
+def test_problems_are_skipped_by_position_and_by_key_in_a_manifest_without_positions(tmp_path, capsys):
+    """A problem names its sample's position in the tar: of two samples under one key, apart, only the listed one
+    is skipped. A manifest written before problems named positions skips every sample under the key."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    samples = [("0000", _sample(0)), ("0001", _sample(1)), ("0000", _sample(2)), ("0003", _sample(1))]
+    write_tar(folder / "a.tar", samples)  # index 1 twice: the second copy (position 3) is the problem
+    assert main(["scan", str(folder), "--workers", "1"]) == 0
+    capsys.readouterr()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [(p["key"], p["ordinal"], p["reason"]) for p in manifest["problems"]] == [("0003", 3, "duplicate_index")]
+    assert set(i for _, _, idx in _stream(str(folder)).epoch(0) for i in idx.tolist()) == {0, 1, 2}
+    manifest["problems"] = [dict(p, key="0000", ordinal=None) for p in manifest["problems"]]  # by key only
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    stream = _stream(str(folder))
+    assert set(i for _, _, idx in stream.epoch(0) for i in idx.tolist()) == {1}
+    # both samples under key 0000 (listed), and position 3 (index 1 again: the run-time check, now unlisted)
+    assert stream.counters["duplicate_index"] == 3
+    for bad in (-1, "3", 1.5, True):
+        manifest["problems"][0]["ordinal"] = bad
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ValueError) as e:
+            _stream(str(folder))
+        assert str(e.value) == (
+            f"{folder / 'manifest.json'}: a problem of shard a.tar (key 0000) has ordinal {bad!r}, not a position in "
+            "the tar (an integer >= 0); run `fastclip data scan` on its folder to rebuild it"
+        )
 
 
 # ----------------------------------------------------------------------------- 7. files that are not shards

@@ -39,7 +39,9 @@ class Shard:
     source: int  # index of the `::` source it came from
     index_min: int | None
     index_max: int | None
-    skip: tuple[tuple[str, str, str], ...] = ()  # (key, reason, detail) listed in the manifest's problems
+    # (key, ordinal, reason, detail) listed in the manifest's problems; ordinal None: a manifest written before
+    # problems named positions, whose samples are skipped by key
+    skip: tuple[tuple[str, int | None, str, str], ...] = ()
     index_base: int | None = None  # plain WebDataset shard: index = index_base + position in the tar (manifest)
 
 
@@ -211,7 +213,12 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                 raise DataSpecError(f"shard {p} appears in two sources: {taken[absolute]!r} and {spec!r}")
             taken[absolute] = spec
             skip = tuple(
-                (str(q["key"]), str(q.get("reason", "manifest_problem")), str(q.get("detail", "")))
+                (
+                    str(q["key"]),
+                    _problem_ordinal(q, rel, where),
+                    str(q.get("reason", "manifest_problem")),
+                    str(q.get("detail", "")),
+                )
                 for q in problems.get((folder, rel), ())
             )
             ids.append(len(shards))
@@ -259,3 +266,16 @@ def _check_disjoint(sources: list[Source]) -> None:
                 f"overlap: joined sources need disjoint global indices (write one of them with "
                 f"--index-offset)"
             )
+
+
+def _problem_ordinal(problem: dict, shard: str, where) -> int | None:
+    """A manifest problem's position in its tar (None where the manifest names the key only)."""
+    ordinal = problem.get("ordinal")
+    if ordinal is None:
+        return None
+    if isinstance(ordinal, bool) or not isinstance(ordinal, int) or ordinal < 0:
+        raise DataSpecError(
+            f"{where}: a problem of shard {shard} (key {problem['key']}) has ordinal {ordinal!r}, not a position "
+            f"in the tar (an integer >= 0); run `fastclip data scan` on its folder to rebuild it"
+        )
+    return ordinal

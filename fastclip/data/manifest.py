@@ -2,12 +2,13 @@
 
     {"format": "fastclip-shards/1", "data_size": 75000, "num_samples": 63000,
      "shards": [{"path": "train-000000.tar", "num_samples": 1000, "index_min": 0, "index_max": 999}, ...],
-     "problems": [{"shard": "x.tar", "key": "...", "reason": "duplicate_index", "detail": "..."}]}   # optional
+     "problems": [{"shard": "x.tar", "key": "...", "ordinal": 17, "reason": "duplicate_index", "detail": "..."}]}
 
 `num_samples` of a shard counts its key groups in tar order, bad ones included: the stream addresses samples
-by (shard, ordinal), so this must match what a reader walking the tar sees. `problems` is written by
-`fastclip data scan`: the stream skips the samples listed there (a duplicate index can only be decided with
-the whole data set in view, so scan decides it once and the stream follows).
+by (shard, ordinal), so this must match what a reader walking the tar sees. `problems` (optional) is written by
+`fastclip data scan`: the stream skips the samples listed there by ordinal (by key where an older manifest names
+none). A duplicate index can only be decided with the whole data set in view, so scan decides it once and the
+stream follows.
 """
 
 from __future__ import annotations

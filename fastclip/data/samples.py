@@ -9,8 +9,8 @@ A sample is skipped, logged with shard and key, and counted under one reason:
                      run time an index this worker already read this epoch from another (shard, key); the
                      run-time check sees one worker's share only, and after a mid-epoch resume it no longer
                      knows the samples read before the resume point
-  duplicate_key      listed by `fastclip data scan` only: two samples of one shard under one key (adjacent, a
-                     reader merges them into one; apart, the stream skips listed samples by key: each of them)
+  duplicate_key      listed by `fastclip data scan` only: samples of one shard under one key next to each other,
+                     which a reader merges into one (the same key further apart is two samples, both served)
   missing_caption    no non-empty utf-8 .txt and no json["caption"]
   missing_image      no .png/.jpg/.jpeg/.webp member
   undecodable_image  PIL cannot decode the image (found when the batch is made)

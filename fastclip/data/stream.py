@@ -229,7 +229,7 @@ class TrainStream:
             shard_paths=[s.path for s in self.catalog.shards],
             shard_names=[s.name for s in self.catalog.shards],
             shard_sizes=[s.num_samples for s in self.catalog.shards],
-            skip=[{k: (r, d) for k, r, d in s.skip} for s in self.catalog.shards],
+            skip=[{k if o is None else o: (r, d) for k, o, r, d in s.skip} for s in self.catalog.shards],
             seq=self._sequence(epoch),
             index_base=[s.index_base for s in self.catalog.shards],
             segment=segment,

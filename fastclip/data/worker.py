@@ -61,7 +61,7 @@ class EpochJob:
     shard_paths: list[str]
     shard_names: list[str]
     shard_sizes: list[int]  # samples each shard's manifest promises (for messages)
-    skip: list[dict[str, tuple[str, str]]]
+    skip: list[dict[int | str, tuple[str, str]]]  # per shard: ordinal (or key, older manifests) -> (reason, detail)
     index_base: list[int | None]  # per shard: plain WebDataset shards take their index from the position
     seq: EpochSequence
     segment: Segment
@@ -245,8 +245,10 @@ class _Worker:
             # skips were (or will be) counted once this epoch by the worker whose chunk holds them
             run_log = SkipLog(0) if run.wrapped else log_
             for raw in self._read_run(shard, run.ordinal, run.count, run_log):
-                if raw.key in skip:
-                    self._skip(run_log, skip[raw.key][0], name, raw.key, skip[raw.key][1] + " (listed in manifest)")
+                # listed by position (int), or by key (str) in a manifest that names keys only
+                listed = skip.get(raw.ordinal) or skip.get(raw.key)
+                if listed is not None:
+                    self._skip(run_log, listed[0], name, raw.key, listed[1] + " (listed in manifest)")
                     continue
                 cand, reason, detail = check_sample(raw, job.data_size, job.index_base[shard])
                 if cand is not None and not self._owns(shard, raw.ordinal, cand.index):

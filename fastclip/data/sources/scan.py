@@ -7,11 +7,12 @@ the shard's `index_base`, which the loader adds to a sample's position in the ta
 unique and below
 data_size (--data-size; default 1 + the largest index found). Every problem is reported with shard and key
 and recorded in the manifest's "problems" list: the training stream skips exactly those samples. Of two
-samples with the same index, the first in manifest order (shard, then tar order) is kept. Two samples of one
-shard under the same key are a problem too (`duplicate_key`): next to each other a tar reader merges them into
-one sample (one image lost), apart the stream cannot tell them apart (it skips listed samples by key), so every
-sample under such a key is listed. The manifest's num_samples counts key groups, bad ones included (what a reader
-walking the tar sees); the summary says how many of them are usable, and a scan with none writes nothing.
+samples with the same index, the first in manifest order (shard, then tar order) is kept. Each problem names
+its sample by key and by position in the tar (`ordinal`, what the stream skips by), so two samples of one shard
+under one key are told apart when they are apart in the tar; next to each other a tar reader merges them into
+one sample, keeping the last of each member (one image lost): that is a problem (`duplicate_key`). The
+manifest's num_samples counts key groups, bad ones included (what a reader walking the tar sees); the summary
+says how many of them are usable, and a scan with none writes nothing.
 
 A scan never shrinks what a folder's manifest.json offers without being told: a scan that would leave out shards
 the old manifest lists and the folder still holds is refused (scan the folder, or move the manifest away); a
@@ -215,13 +216,12 @@ def _summarise(task: tuple) -> ShardSummary:
         ]
         return ShardSummary(name, len(keys), via, indices, keys, notes)
     keys, values, notes, missing, any_json, broken, reader = [], [], [], [], False, None, None
-    seen: dict[str, list[int]] = {}  # key -> ordinals of its samples in this tar
     try:
         with ShardReader(path, _WANT) as reader:
             while (raw := reader.next_group()) is not None:
                 ordinal = len(keys)
                 keys.append(raw.key)
-                notes += _duplicate_key_notes(raw.key, raw.exts, ordinal, seen)
+                notes += _merged_key_notes(raw.key, raw.exts, ordinal)
                 any_json |= "json" in raw.exts
                 meta, why = parse_meta(raw.files.get("json"))
                 index = index_from_meta(meta) if meta is not None else None
@@ -245,29 +245,21 @@ def _summarise(task: tuple) -> ShardSummary:
     return summary
 
 
-def _duplicate_key_notes(key: str, exts: tuple, ordinal: int, seen: dict[str, list[int]]) -> list[tuple[int, str, str]]:
-    """Notes for a key that names more than one sample of a tar. Adjacent, a reader takes the members as one sample
-    and keeps the last of each extension (the others are lost); apart, the stream cannot skip one of them without
-    the others (it skips listed samples by key), so each is listed. seen: key -> ordinals of its samples so far."""
-    notes = []
+def _merged_key_notes(key: str, exts: tuple, ordinal: int) -> list[tuple[int, str, str]]:
+    """A key that names several samples next to each other: a reader takes their members as one sample and keeps
+    the last of each extension (the others are lost). The same key further apart is two samples, each addressed
+    by its position: nothing to list."""
     copies = max(Counter(exts).values(), default=1)
-    if copies > 1:
-        notes.append(
-            (
-                ordinal,
-                "duplicate_key",
-                f"{copies} samples under key {key}, next to each other in the tar, read as one that keeps the "
-                f"last of each member: skipped; give each sample its own key",
-            )
+    if copies == 1:
+        return []
+    return [
+        (
+            ordinal,
+            "duplicate_key",
+            f"{copies} samples under key {key}, next to each other in the tar, read as one that keeps the last of "
+            f"each member: skipped; give each sample its own key",
         )
-    at = seen.setdefault(key, [])
-    at.append(ordinal)
-    fix = "each is skipped; give each sample its own key"
-    if len(at) == 2:  # the first one is listed now too
-        notes.append((at[0], "duplicate_key", f"key {key} also names sample {ordinal + 1} of the tar: {fix}"))
-    if len(at) >= 2:
-        notes.append((ordinal, "duplicate_key", f"key {key} also names sample {at[0] + 1} of the tar: {fix}"))
-    return notes
+    ]
 
 
 def _owner_keys(task: tuple) -> dict[int, str]:
@@ -347,8 +339,8 @@ def scan_shards(
     pending: list[tuple[dict, int, int]] = []  # (duplicate problem, its index, its shard) whose first copy is earlier
     via = Counter()
 
-    def problem(shard: str, key: str | None, reason: str, detail: str, index: int | None = None) -> dict:
-        entry = {"shard": shard, "key": key, "reason": reason, "detail": detail, "index": index}
+    def problem(shard: str, key: str | None, reason: str, detail: str, index=None, ordinal=None) -> dict:
+        entry = {"shard": shard, "key": key, "ordinal": ordinal, "reason": reason, "detail": detail, "index": index}
         problems.append(entry)
         return entry
 
@@ -402,11 +394,10 @@ def scan_shards(
                 else:
                     rows.append((o, "duplicate_index", None, i))
             for o, reason, detail, index in sorted(rows, key=lambda r: r[0]):
-                entry = problem(summary.name, summary.keys[o], reason, detail, index)
+                entry = problem(summary.name, summary.keys[o], reason, detail, index, o)
                 if detail is None:
                     pending.append((entry, index, s_id))
-            listed = {summary.keys[o] for o, *_ in rows}  # the stream skips by key: every sample under a listed one
-            usable += sum(key not in listed for key in summary.keys)
+            usable += summary.num_samples - len({o for o, *_ in rows})
             owned = idx[ok & ~dup]
             spans.append((int(owned.min()), int(owned.max())) if len(owned) else None)
             kept = idx[keep & ~out]

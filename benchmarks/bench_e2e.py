@@ -34,6 +34,7 @@ from common import (
     RESULTS,
     SMOKE_OUT,
     check_out,
+    count,
     ensure_embedded,
     evaluate_checkpoint,
     loss_overrides,
@@ -322,14 +323,14 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny data, a few steps, 1 run each (CI smoke)")
-    parser.add_argument("--samples", type=int, help="samples per run")
-    parser.add_argument("--reps", type=int, help="interleaved runs per system")
+    parser.add_argument("--samples", type=count(), help="samples per run")
+    parser.add_argument("--reps", type=count(), help="interleaved runs per system")
     parser.add_argument("--arch", help="model (default tiny-vit; e.g. ViT-B-32 on a GPU)")
-    parser.add_argument("--batch", type=int, help="samples per process per step")
-    parser.add_argument("--nproc", type=int, help="processes (default 2)")
+    parser.add_argument("--batch", type=count(), help="samples per process per step")
+    parser.add_argument("--nproc", type=count(), help="processes (default 2)")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="cuda: nccl backend")
     parser.add_argument("--precision", choices=tuple(OPENCLIP_PRECISION), help="ours; OpenCLIP gets amp_bf16 for bf16")
-    parser.add_argument("--workers", type=int, help="data loader workers per process")
+    parser.add_argument("--workers", type=count(0), help="data loader workers per process")
     parser.add_argument("--data", type=Path, help="embedded data root (built when missing)")
     parser.add_argument("--out", type=Path, help="folder for e2e.{json,md,png}")
     args = parser.parse_args(argv)

@@ -40,7 +40,7 @@ from fastclip.data import build_train_stream, read_manifest  # noqa: E402
 from fastclip.data.sources.embedded import build_embedded  # noqa: E402
 from fastclip.data.sources.synthetic import write_synthetic  # noqa: E402
 
-from common import check_out  # noqa: E402
+from common import check_out, count  # noqa: E402
 
 
 def make_datasets(root: Path, quick: bool) -> dict[str, Path]:
@@ -142,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small data, one repeat: a smoke run for CI")
     p.add_argument("--workers", default="0,1,2", help="comma list of DataLoader worker counts")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=count(), default=64)
     p.add_argument("--arch", default="tiny-vit-64", help="model whose preprocess and tokenizer are used")
-    p.add_argument("--repeats", type=int, default=None, help="runs per cell, best kept (default 3, quick 1)")
-    p.add_argument("--max-batches", type=int, default=10**9, help="stop each run after this many batches")
+    p.add_argument("--repeats", type=count(), default=None, help="runs per cell, best kept (default 3, quick 1)")
+    p.add_argument("--max-batches", type=count(), default=10**9, help="stop each run after this many batches")
     p.add_argument("--data", default=None, help="where to build/keep the benchmark shards (default: a temp dir)")
     p.add_argument(
         "--out",

@@ -31,6 +31,7 @@ from common import (
     _kb,
     _tree,
     check_out,
+    count,
     ensure_embedded,
     machine_info,
     save_figure,
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill times")
-    parser.add_argument("--steps", type=int, help="override the number of steps")
+    parser.add_argument("--steps", type=count(), help="override the number of steps")
     parser.add_argument("--kill-after", type=float, nargs=2, metavar=("MIN_S", "MAX_S"), help="override the kill times")
     args = parser.parse_args(argv)
     check_out(parser, args.out)

@@ -44,7 +44,7 @@ if __package__ in (None, ""):
 from fastclip.losses import build_loss
 from fastclip.losses.byte_counter import CollectiveByteCounter
 
-from common import REPO, check_out, slowest_rank_seconds  # noqa: E402
+from common import REPO, check_out, count, slowest_rank_seconds  # noqa: E402
 
 WORLD_SIZE = 2
 DATA_SIZE = 10**6
@@ -279,7 +279,7 @@ def _split_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one tiny configuration (CI smoke run)")
-    parser.add_argument("--reps", type=int, default=None, help="measured steps per loss and configuration")
+    parser.add_argument("--reps", type=count(), default=None, help="measured steps per loss and configuration")
     parser.add_argument("--out", type=Path, default=None, help="folder for loss_bench.md/.json")
     parser.add_argument(
         "--against",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, SMOKE_OUT, check_out, machine_info, write_json
+from common import REPO, RESULTS, SMOKE_OUT, check_out, count, machine_info, write_json
 
 PROJECT_SAMPLES, PROJECT_PER_SHARD = 400_000_000, 10_000
 OLD_COMMIT = "6b66799"  # the last commit with the one-process, per-sample-object scan
@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--shards", type=int, default=None)
-    p.add_argument("--per-shard", type=int, default=None)
+    p.add_argument("--shards", type=count(), default=None)
+    p.add_argument("--per-shard", type=count(), default=None)
     args = p.parse_args(argv)
     check_out(p, args.out)
     out = args.out or (SMOKE_OUT if args.quick else RESULTS)

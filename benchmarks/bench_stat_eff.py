@@ -41,7 +41,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, SMOKE_OUT, check_out, machine_info, publish, read_jsonl, save_figure
+from common import REPO, RESULTS, SMOKE_OUT, check_out, count, machine_info, publish, read_jsonl, save_figure
 
 LOSSES = (
     "openclip",
@@ -1498,8 +1498,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 losses (CI smoke)")
     parser.add_argument("--report", action="store_true", help="only tables and figures from the runs done")
-    parser.add_argument("--max-runs", type=int, default=None, help="start at most this many runs, then report")
-    parser.add_argument("--parallel", type=int, default=None, help="runs at once (default 2: one per core)")
+    parser.add_argument("--max-runs", type=count(0), default=None, help="start at most this many runs, then report")
+    parser.add_argument("--parallel", type=count(), default=None, help="runs at once (default 2: one per core)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     check_out(parser, args.out)

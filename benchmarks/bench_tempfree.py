@@ -26,7 +26,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, SMOKE_OUT, check_out, ensure_embedded, machine_info, stamp, write_json
+from common import RESULTS, SMOKE_OUT, check_out, count, ensure_embedded, machine_info, stamp, write_json
 
 # label -> (loss name, options). τ "learnable" = OpenCLIP's default; the others are fixed.
 RUNS = {
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--data", type=Path, help="a `fastclip data embedded` folder (default: built under benchmarks/out)"
     )
-    parser.add_argument("--steps", type=int)
+    parser.add_argument("--steps", type=count())
     parser.add_argument("--runs", nargs="*", choices=list(RUNS), help="a subset of the runs")
     parser.add_argument("--out", type=Path, help="folder for the results (default: benchmarks/results/)")
     args = parser.parse_args(argv)

@@ -3,6 +3,7 @@ torchrun jobs, free ports, and the stamp every figure carries (machine + date)."
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -274,6 +275,23 @@ def slowest_rank_seconds(fn) -> float:
     elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
+
+
+def count(minimum: int = 1):
+    """argparse type: an integer >= minimum (a negative --reps or --shards is the parser's usage error, not a
+    crash or an empty table later)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}: give an integer >= {minimum}")
+        return value
+
+    parse.__name__ = "count"  # (argparse names the type in its message)
+    return parse
 
 
 def check_out(parser, out) -> None:

@@ -681,3 +681,19 @@ def test_benchmarks_refuse_an_out_they_cannot_write_before_any_work(tmp_path, ca
         assert stopped.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.endswith(f"error: --out {tmp_path / 'a_file' / 'out'}: {tmp_path / 'a_file'} is not a folder"), err
+
+
+def test_benchmarks_refuse_a_count_below_its_minimum(capsys):
+    """A count below its minimum is the parser's usage error, before any work (it was taken as given)."""
+    import bench_loss
+    import bench_scan
+
+    for module, argv, said in (
+        (bench_scan, ["--shards", "-3"], "argument --shards: -3 is below 1: give an integer >= 1"),
+        (bench_loss, ["--reps", "0"], "argument --reps: 0 is below 1: give an integer >= 1"),
+        (bench_stat_eff, ["--parallel", "x"], "argument --parallel: 'x' is not an integer"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            module.main(argv)
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(said)

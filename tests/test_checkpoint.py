@@ -49,6 +49,28 @@ def test_crash_leftovers_and_resave_of_same_step(tmp_path):
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000005", "step_00000007"]
 
 
+@pytest.mark.parametrize("what", ["file", "link"])
+def test_a_step_name_taken_by_a_file_stops_the_save_and_says_nothing_was_written(tmp_path, what):
+    """(the file used to be moved aside, the checkpoint written, and then an error said nothing of it was kept)"""
+    from fastclip.train.errors import CheckpointError
+
+    root = tmp_path / "checkpoints"
+    save(root, 5)
+    taken = root / "step_00000007"
+    if what == "file":
+        taken.write_text("notes")
+    else:
+        taken.symlink_to(root / "step_00000005")
+    with pytest.raises(CheckpointError) as e:
+        save(root, 7)
+    assert str(e.value) == (
+        f"rank 0: cannot write checkpoint {taken}: a {what} has its name; nothing was written and {root / 'latest'} "
+        "still names step_00000005. Move it away, then restart with --train.resume latest"
+    )
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000005", "step_00000007"]
+    assert taken.is_symlink() or taken.read_text() == "notes"
+
+
 def test_resolve_resume(tmp_path):
     assert ckpt.resolve_resume("latest", tmp_path) is None  # nothing yet: a fresh start
     root = tmp_path / "checkpoints"

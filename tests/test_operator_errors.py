@@ -120,6 +120,11 @@ def test_check_leaves_no_run_folder_and_refuses_one_under_a_file(tiny_embedded, 
     (tmp_path / "run" / "checkpoints").write_text("x")
     _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / "run")], "train.run_dir", "checkpoints is a file")
     _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / ("a" * 300) / "x")], "train.run_dir", "longer than")
+    (tmp_path / "run" / "checkpoints").unlink()  # a file where a step folder goes: the save would move it aside
+    (tmp_path / "run" / "checkpoints").mkdir()
+    (tmp_path / "run" / "checkpoints" / "step_00000004").write_text("x")
+    for argv in (_args(tiny_embedded, tmp_path / "run"), ["--check", *_args(tiny_embedded, tmp_path / "run")]):
+        _fails(capsys, argv, "train.run_dir", "step_00000004 is a file where the run writes a step folder")
     _fails(capsys, _args(tiny_embedded, tmp_path / ("a" * 300) / "x"), "train.run_dir", "cannot write in")
 
 

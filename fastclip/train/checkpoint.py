@@ -198,18 +198,20 @@ def save_checkpoint(
         if info.is_main:  # never leave a half-written folder behind; `latest` still names the last good one
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
-            pointer = root / "latest"
-            last = (
-                f"{pointer} still names {pointer.read_text().strip()}"
-                if pointer.is_file()
-                else "no earlier checkpoint exists"
-            )
             raise CheckpointError(
                 f"rank {info.rank}: cannot write checkpoint {final} ({e.strerror or e}"
-                f"{': ' + str(e.filename) if e.filename else ''}); nothing of it was kept and {last}. Free space "
-                f"or make {root} writable, then restart with --train.resume latest"
+                f"{': ' + str(e.filename) if e.filename else ''}); nothing of it was kept and {_last_good(root)}. "
+                f"Free space or make {root} writable, then restart with --train.resume latest"
             ) from None
         raise
+
+
+def _last_good(root: Path) -> str:
+    """What a failed save leaves to resume from, in words."""
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return "no earlier checkpoint exists"
+    return f"{pointer} still names {pointer.read_text().strip()}"
 
 
 def _save(
@@ -225,6 +227,12 @@ def _save(
 ) -> Path:
     if info.is_main:
         root.mkdir(parents=True, exist_ok=True)
+        if final.is_symlink() or (final.exists() and not final.is_dir()):  # not ours to move aside
+            raise CheckpointError(
+                f"rank {info.rank}: cannot write checkpoint {final}: a {'link' if final.is_symlink() else 'file'} "
+                f"has its name; nothing was written and {_last_good(root)}. Move it away, then restart with "
+                f"--train.resume latest"
+            )
         # left over by a crash during an earlier save: a half-written .tmp, or the .old copy of a step saved
         # again whose removal was cut short (latest never names either)
         for stale in [*root.glob(".tmp_step_*"), *root.glob(".old_step_*")]:

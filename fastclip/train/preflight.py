@@ -119,6 +119,11 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
                 f"config key 'train.run_dir': {run_dir / name} is a folder where the run writes a file; move it "
                 f"away or choose another --train.run_dir"
             )
+    for path in _step_names_taken(run_dir / "checkpoints"):
+        raise ConfigError(
+            f"config key 'train.run_dir': {path} is {'a link' if path.is_symlink() else 'a file'} where the run "
+            f"writes a step folder; move it away or choose another --train.run_dir"
+        )
     folders = (run_dir, run_dir / "checkpoints")
     if not create:  # (os.path's lexists/isdir never raise: a path too long or not searchable is probed below)
         for path in (*folders, *run_dir.parents):
@@ -151,6 +156,15 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
                 f"config key 'train.run_dir': cannot write in {folder} ({e.strerror or e}); make it "
                 f"writable or choose another --train.run_dir"
             ) from None
+
+
+def _step_names_taken(root: Path) -> list[Path]:
+    """Entries of checkpoints/ named like a step folder that are not one (a file, a link): a save there would
+    move them aside."""
+    try:
+        return [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and (p.is_symlink() or not p.is_dir())]
+    except OSError:  # no such folder yet, or not one: the write probe says what
+        return []
 
 
 def _within(path: Path, folder: Path) -> bool:

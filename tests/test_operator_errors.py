@@ -570,6 +570,26 @@ def test_disk_full_during_a_save_keeps_the_last_checkpoint(tiny_embedded, tmp_pa
     assert (checkpoints / "latest").read_text().strip() == "step_00000006"
 
 
+def test_a_missing_val_folder_is_read_by_rank_0_and_stops_every_rank_in_one_line(tiny_embedded, tmp_path):
+    """Rank 0 checks the evaluations' inputs with the manifests and broadcasts its answer (a 1,000-rank job does not
+    stat them 1,000 times): every rank exits 2 with the same line, before a tower is built."""
+    from helpers import Job
+
+    missing = tmp_path / "no_val"
+    args = fault_overrides(tiny_embedded, tmp_path / "run", **{"data.val": str(missing), "eval.at_end": "true"})
+    job = Job(args, 2, tmp_path / "job")
+    try:
+        codes = job.wait(240)
+    finally:
+        job.kill()
+    assert codes == [2, 2], job.outputs()
+    said = f"fastclip train: config error: config key 'data.val': {str(missing)!r} does not exist (set it to null"
+    for rank in (0, 1):
+        lines = [x for x in job.output(rank).splitlines() if x.startswith("fastclip train: config error")]
+        assert len(lines) == 1 and lines[0].startswith(said), job.outputs()
+    assert "Traceback" not in job.output(0) + job.output(1)
+
+
 def test_a_rank_that_fails_in_a_save_the_others_name_the_save_and_its_timeout(tiny_embedded, tmp_path):
     from helpers import Job
 

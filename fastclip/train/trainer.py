@@ -44,13 +44,14 @@ def read_catalog(cfg: Config):
 
 
 def shared_catalog(cfg: Config, info: DistInfo):
-    """Rank 0 reads the manifests (and checks local shard files exist); the other ranks get its catalog, or its
-    one-line error, by one broadcast: a 1,000-rank start does not read every manifest and stat every shard 1,000
-    times over (a shared file system or an object store would feel it)."""
+    """Rank 0 reads the manifests (and checks local shard files exist, and the evaluations' inputs); the other
+    ranks get its catalog, or its one-line error, by one broadcast: a 1,000-rank start does not read every manifest
+    and stat every shard 1,000 times over (a shared file system or an object store would feel it)."""
     result = None
     if info.rank == 0:
         try:
             result = read_catalog(cfg)
+            check_eval_inputs(cfg)
         except ConfigError as e:
             result = str(e)
     if info.distributed:
@@ -85,19 +86,9 @@ def sparse_indices(data_size: int, num_samples: int, world_size: int) -> str | N
     )
 
 
-def check_data(cfg: Config, world_size: int, catalog=None) -> int:
-    """Checks that need the data and the world size, before anything heavy is built; returns data_size.
-    catalog: the shards as read by rank 0 (shared_catalog); None: read them here."""
-    catalog = read_catalog(cfg) if catalog is None else catalog
-    if problem := sparse_indices(catalog.data_size, catalog.num_samples, world_size):
-        raise ConfigError(f"config key '{'data.data_size' if cfg.data.data_size else 'data.train'}': {problem}")
-    per_epoch = cfg.data.samples_per_epoch if cfg.data.resampled and cfg.data.samples_per_epoch else catalog.num_samples
-    if problem := global_batch_too_large(cfg.data.batch_size, world_size, per_epoch, cfg.data.train):
-        raise ConfigError(f"config key 'data.batch_size': {problem}")
-    try:
-        shard_weights(catalog, cfg.data)
-    except DataSpecError as e:
-        raise ConfigError(f"config key 'data.upsampling_factors': {e}") from None
+def check_eval_inputs(cfg: Config) -> None:
+    """The held-out data, class names and ImageNet folder the scheduled evaluations read: found now, not after the
+    training. Rank 0 checks them for a job (shared_catalog)."""
     for key in ("val", "zeroshot"):
         path = getattr(cfg.data, key)
         evaluating = cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end)
@@ -130,6 +121,21 @@ def check_data(cfg: Config, world_size: int, catalog=None) -> int:
             f"fastclip train: note: eval.imagenet_val {cfg.eval.imagenet_val} is not read: no evaluation is "
             "scheduled (eval.every_steps 0, eval.at_end false)"
         )
+
+
+def check_data(cfg: Config, world_size: int, catalog=None) -> int:
+    """Checks that need the data and the world size, before anything heavy is built; returns data_size.
+    catalog: the shards as read by rank 0 (shared_catalog); None: read them here."""
+    catalog = read_catalog(cfg) if catalog is None else catalog
+    if problem := sparse_indices(catalog.data_size, catalog.num_samples, world_size):
+        raise ConfigError(f"config key '{'data.data_size' if cfg.data.data_size else 'data.train'}': {problem}")
+    per_epoch = cfg.data.samples_per_epoch if cfg.data.resampled and cfg.data.samples_per_epoch else catalog.num_samples
+    if problem := global_batch_too_large(cfg.data.batch_size, world_size, per_epoch, cfg.data.train):
+        raise ConfigError(f"config key 'data.batch_size': {problem}")
+    try:
+        shard_weights(catalog, cfg.data)
+    except DataSpecError as e:
+        raise ConfigError(f"config key 'data.upsampling_factors': {e}") from None
     return catalog.data_size
 
 
@@ -142,7 +148,9 @@ def check_inputs(
     """Everything checkable before a tower is built: the data for this world size, the resume (a foreign file,
     another seed or data) and --model.pretrained. Returns (data_size, resume_dir, its model.pt, pretrained
     tensors); raises ConfigError. `fastclip train --check` runs it before a launcher starts the processes."""
-    catalog = read_catalog(cfg) if catalog is None else catalog
+    if catalog is None:  # (a job's ranks have both from rank 0: shared_catalog)
+        catalog = read_catalog(cfg)
+        check_eval_inputs(cfg)
     data_size = check_data(cfg, world_size, catalog)
     net.make_loss(cfg, data_size, net.arch_embed_dim(cfg.model.arch) if cfg.loss.name == "fastclip-tempnet" else None)
     if cfg.train.resume and cfg.train.resume != "latest" and Path(cfg.train.resume).is_file():

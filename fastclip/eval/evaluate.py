@@ -323,6 +323,7 @@ def run_evals(
         batch_size=batch_size,
         max_samples=max_samples,
         retrieval=retrieval,
-        one_list_for_all=one_list_for_all(specs, own),
+        # the data's own list holds all of its datasets: one_list_for_all need not read it a second time
+        one_list_for_all=one_list_for_all(specs, None if zeroshot_file == own else own),
     )
     return results.flat(per_class=per_class)

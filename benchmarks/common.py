@@ -3,7 +3,6 @@ torchrun jobs, free ports, and the stamp every figure carries (machine + date)."
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -280,15 +279,10 @@ def slowest_rank_seconds(fn) -> float:
 def count(minimum: int = 1):
     """argparse type: an integer >= minimum (a negative --reps or --shards is the parser's usage error, not a
     crash or an empty table later)."""
+    from fastclip.cli import whole_number
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is below {minimum}: give an integer >= {minimum}")
-        return value
+        return whole_number(text, minimum)
 
     parse.__name__ = "count"  # (argparse names the type in its message)
     return parse

@@ -29,6 +29,17 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def whole_number(text: str, least: int) -> int:
+    """An argparse value that must be an integer >= least (ArgumentTypeError: the parser's one-line usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} must be >= {least}")
+    return value
+
+
 def create_error(path: str | os.PathLike) -> tuple[Path, OSError | None]:
     """The nearest place at or above `path` that exists, and the error creating a file there gives (None: no error;
     NotADirectoryError: the place is not a folder). Probed with a real file: permissions alone do not tell (root,

@@ -689,9 +689,9 @@ def test_benchmarks_refuse_a_count_below_its_minimum(capsys):
     import bench_scan
 
     for module, argv, said in (
-        (bench_scan, ["--shards", "-3"], "argument --shards: -3 is below 1: give an integer >= 1"),
-        (bench_loss, ["--reps", "0"], "argument --reps: 0 is below 1: give an integer >= 1"),
-        (bench_stat_eff, ["--parallel", "x"], "argument --parallel: 'x' is not an integer"),
+        (bench_scan, ["--shards", "-3"], "argument --shards: -3 must be >= 1"),
+        (bench_loss, ["--reps", "0"], "argument --reps: 0 must be >= 1"),
+        (bench_stat_eff, ["--parallel", "x"], "argument --parallel: 'x' is not a whole number"),
     ):
         with pytest.raises(SystemExit) as stopped:
             module.main(argv)

@@ -23,29 +23,19 @@ import json
 import sys
 from pathlib import Path
 
-from fastclip.cli import OneLineParser
+from fastclip.cli import OneLineParser, whole_number
 from fastclip.data.catalog import DataSpecError, global_batch_too_large
 from fastclip.stopping import Stopped, stopped_by_signals
 
 
-def _whole(text: str, least: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"{value} must be >= {least}")
-    return value
-
-
 def _count(text: str) -> int:
     """argparse type of a count that must be >= 1: 0 divides by zero, a negative one misreports."""
-    return _whole(text, 1)
+    return whole_number(text, 1)
 
 
 def _nonneg(text: str) -> int:
     """argparse type of an index, seed or count that may be 0: a negative one fails deep inside, unnamed."""
-    return _whole(text, 0)
+    return whole_number(text, 0)
 
 
 def _fraction(text: str) -> float:

@@ -214,6 +214,37 @@ def later_bad_calls(rank, world_size):
     return out
 
 
+def shapes_changed_on_one_rank(rank, world_size):
+    """Eager mode: a batch that shrinks on one rank after the handshake (an uneven last batch) is the same error on
+    every rank, and the loss goes on as if that call had not been made: when both shrink, and with int32 indices
+    on one rank, it equals a loss that never saw the bad call. The temperature network's heads, initialised with
+    a different seed on each rank, are rank 0's after the first call."""
+    out = {}
+    for name in ("fastclip-v3", "openclip"):
+        losses = [build_loss(name, data_size=DATA_SIZE).double() for _ in range(2)]
+        e1, e2 = step_batch(0, 4)
+        idx = torch.arange(4) + 4 * rank
+        values = [float(loss_fn(e1, e2, idx)) for loss_fn in losses]  # call 1 of each: the handshake
+        n = 4 if rank == 0 else 3
+        try:
+            losses[0](e1[:n], e2[:n], idx[:n])
+            out[name] = {"error": None}
+        except LossInputError as error:
+            out[name] = {"error": str(error)}
+        s1, s2 = step_batch(1, 3)
+        small = torch.arange(3) + 3 * rank
+        for step, ids in enumerate((small, small.to(torch.int32) if rank == 1 else small)):
+            values += [float(losses[0](s1, s2, ids, epoch=step + 1)), float(losses[1](s1, s2, small, epoch=step + 1))]
+        out[name]["values"] = values
+    torch.manual_seed(rank + 1)  # "seed + rank", as many training scripts do
+    tempnet = build_loss("fastclip-tempnet", data_size=DATA_SIZE, embed_dim=D).double()
+    before = torch.cat([p.detach().reshape(-1) for p in tempnet.parameters()])
+    e1, e2 = step_batch(0, 4)
+    tempnet(e1, e2, torch.arange(4) + 4 * rank)
+    out["tempnet"] = {"before": before, "after": torch.cat([p.detach().reshape(-1) for p in tempnet.parameters()])}
+    return out
+
+
 BIG = 10**6
 
 
@@ -247,6 +278,7 @@ def two_rank_suite(rank, world_size):
         "clip": clip_loss_comparison(rank, world_size),
         "bad": bad_inputs(rank, world_size),
         "later": later_bad_calls(rank, world_size),
+        "shapes_changed": shapes_changed_on_one_rank(rank, world_size),
         "big": big_data_size(rank, world_size),
     }
 
@@ -359,7 +391,8 @@ def test_comm_bytes_v3_half_of_cliploss(two_ranks):
         assert v3["features"] == (k - 1) * 2 * b * D * item  # one all_gather of [image | text]
         assert v3["indices"] == (k - 1) * b * 8
         assert v3["state"] == 2 * (k - 1) * (k * b) * 5 * item // k  # all_reduce of [N, 5]
-        assert v3["header"] == (k - 1) * (16 + 4) * 8  # the first call's handshake + the 4 words in the gather
+        # the first call's handshake + the 4 words in the gather + the first call's broadcast of logit_scale
+        assert v3["header"] == (k - 1) * (16 + 4 + 1) * 8
         assert v3["total"] == sum(v3[key] for key in ("features", "indices", "state", "header"))
         # ClipLoss, measured by wrapping torch.distributed: 2 all_gathers forward + their backward
         assert result["clip"]["clip_bytes"] == 4 * (k - 1) * b * D * item
@@ -428,3 +461,20 @@ def test_data_size_million_is_sharded_and_reshards_losslessly(two_ranks):
     same(reshard_states(three, 2), shards)  # 2 -> 1 -> 3 -> 2
     same(reshard_states(shards, 3), three)  # 2 -> 3 directly agrees
     same(reshard_states(three, 1), one)  # 3 -> 1
+
+
+@pytest.mark.parametrize("name", ["fastclip-v3", "openclip"])
+def test_a_batch_that_shrinks_on_one_rank_is_the_same_error_everywhere_and_loses_nothing(two_ranks, name):
+    said = "local batch size B differs across ranks (rank 0: 4, rank 1: 3); every rank must pass the same"
+    for result in two_ranks:
+        got = result["shapes_changed"][name]
+        assert got["error"] == said
+        # [call 1, then 2 calls at B=3] of the loss that met the bad call, each beside the untouched loss's
+        met, untouched = got["values"][0::2], got["values"][1::2]
+        assert met == untouched  # bitwise: the bad call left no trace
+
+
+def test_loss_parameters_are_rank_0s_after_the_first_call(two_ranks):
+    (a, b) = (r["shapes_changed"]["tempnet"] for r in two_ranks)
+    assert not torch.equal(a["before"], b["before"])  # seeded per rank: they differed
+    assert torch.equal(a["after"], a["before"]) and torch.equal(b["after"], a["before"])

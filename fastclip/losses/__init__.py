@@ -24,7 +24,9 @@ Usage in your own training loop (the model in DDP; the loss holds the temperatur
 Contract: every rank backpropagates its own loss; once parameter gradients are averaged over ranks (as DDP
 does) they equal the single-process gradient on the rank-major concatenation of the ranks' batches, and the
 per-sample state after the step is the same too. Features travel in one all_gather without autograd (no
-backward collective), plus O(N) scalars; ``loss_fn.comm_bytes`` counts the bytes of the last call.
+backward collective), plus O(N) scalars; ``loss_fn.comm_bytes`` counts the bytes of the last call. The loss's
+own parameters (τ, the temperature network's heads) are set to rank 0's at the first call, as DDP does for a
+model, so ranks seeded differently still train one loss.
 
 compat (FastCLIP-v0..v3):
 
@@ -50,10 +52,11 @@ global batch are not each other's negatives (g keeps its 1/(N-1) normalisation) 
 occurrence.
 
 Input checks (``validate``, validation.py): ``True``/``"eager"`` (default) names a bad input in the call, before
-the state is written (one host sync per call); ``"deferred"`` rides the same checks in the feature all_gather and
-keeps them on the device until ``loss_fn.check_inputs()`` (no host sync, no extra collective: for loops with a
-NaN guard, like the trainer's); ``False``/``"off"``: none, and an out-of-range index trips a device-side assert
-and writes nothing.
+the state is written (one host sync per call), and a batch that shrinks on one rank only (an uneven last batch)
+is the same error on every rank, the loss untouched; ``"deferred"`` rides the same checks in the feature
+all_gather and keeps them on the device until ``loss_fn.check_inputs()`` (no host sync, no extra collective: for
+loops with a NaN guard, like the trainer's), and needs the ranks to change batch shapes together (drop the last
+batch); ``False``/``"off"``: none, and an out-of-range index trips a device-side assert and writes nothing.
 
 Beyond the reference:
 

@@ -15,9 +15,13 @@ from .errors import LossInputError
 from .options import CommonOptions, SampleStateOptions
 from .pairwise import exact_float32
 from .sharded_state import ShardedSampleState
-from .validation import InputChecks, validate_mode, value_words
+from .validation import SIGNATURE_CHANGED, InputChecks, validate_mode, value_words
 
 LOGIT_SCALE_MAX = math.log(100.0)  # OpenCLIP's clamp: τ >= 0.01
+
+
+def _any_device(tensors) -> torch.device:
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 class ContrastiveLoss(nn.Module):
@@ -37,6 +41,9 @@ class ContrastiveLoss(nn.Module):
         self.comm_bytes: dict[str, int] = {}
         self.validate = validate_mode(options.validate)  # "eager", "deferred" or "off" (validation.py)
         self.input_checks = InputChecks(getattr(options, "data_size", None))
+        # set at the first call: a loss outside DDP whose ranks initialised it differently (the temperature
+        # network's heads, seeded per rank) would otherwise train a different loss on each rank
+        self._parameters_shared = False
 
     # -- per call ---------------------------------------------------------------------------------------------
     def forward(
@@ -57,14 +64,19 @@ class ContrastiveLoss(nn.Module):
         with exact_float32(device_type):
             return self._forward(image_features, text_features, indices, epoch)
 
-    def _forward(self, image_features, text_features, indices, epoch):
+    def _forward(self, image_features, text_features, indices, epoch, comm: Comm | None = None):
         if epoch is not None:
             self.set_epoch(epoch)
-        comm = Comm.resolve(self.group)
+        comm = comm or Comm.resolve(self.group)
         data_size = getattr(self.options, "data_size", None)
         if isinstance(indices, torch.Tensor) and isinstance(image_features, torch.Tensor):
             indices = indices.to(image_features.device, non_blocking=True)  # data loaders hand them over on CPU
-        if self.validate != "off":  # the structure handshake: first call, or this rank's shapes changed
+        checks = self.input_checks
+        sent = (image_features, text_features, indices)
+        if self.validate == "eager" and comm.world_size > 1 and checks.changed(comm, *sent):
+            # the other ranks cannot know: join their all_gather with the agreed shapes and say so (validation.py)
+            sent = checks.stand_in(getattr(image_features, "device", None) or _any_device(sent))
+        elif self.validate != "off":  # the structure handshake: first call, or this rank's shapes changed
             self.input_checks.structure(
                 comm,
                 image_features,
@@ -76,6 +88,17 @@ class ContrastiveLoss(nn.Module):
             )
         elif self.needs_indices and indices is None:
             raise LossInputError(f"{self.name} needs indices (int64 [B] global data indices)")
+        if not self._parameters_shared:  # every rank starts from rank 0's τ and heads (DDP does this for models)
+            comm.broadcast_from_first_(list(self.parameters()), getattr(image_features, "device", torch.device("cpu")))
+            self._parameters_shared = True
+        if sent[0] is not image_features:
+            image, text, ids = sent
+            ids = ids.to(torch.int64) if ids is not None and self.needs_indices else None  # as shipped below
+            words = value_words(image, text, ids, data_size)
+            words[0] = SIGNATURE_CHANGED
+            batch = comm.gather_batch(image, text, ids, header=words)
+            checks.check_now(batch.header)  # (a stand-in's flag: every rank sees it and returns True)
+            return self._forward(image_features, text_features, indices, None, comm)  # the handshake, then the call
         if indices is not None:
             indices = indices.to(torch.int64)
         if not self.needs_indices:
@@ -86,9 +109,10 @@ class ContrastiveLoss(nn.Module):
         batch = comm.gather_batch(image_features, text_features, indices, header=words)
         if words is not None:
             if self.validate == "eager":  # before the loss writes its state
-                self.input_checks.check_now(batch.header)
+                if checks.check_now(batch.header):  # another rank's shapes changed: the handshake, then the call
+                    return self._forward(image_features, text_features, indices, None, comm)
             else:
-                self.input_checks.record(batch.header)
+                checks.record(batch.header)
         loss, metrics = self._compute(comm, batch)
         # a loss may hand its metrics over as a function of detached tensors: computed when first read (the
         # trainer reads them on logging steps only), so the other steps do not pay their small device ops

@@ -152,6 +152,19 @@ class Comm:
         table = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone() if anchor_stats is None else parts[0]
         return self.all_reduce_sum_(table, ledger_key="state")
 
+    def broadcast_from_first_(self, parameters: list[torch.Tensor], device: torch.device) -> None:
+        """Every rank's ``parameters`` set to rank 0's (of the group): one broadcast of their values, sent on
+        ``device`` (the features' device, which the backend takes)."""
+        if self.world_size == 1 or not parameters:
+            return
+        flat = torch.cat([p.detach().reshape(-1).to(device, torch.float64) for p in parameters])
+        first = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast(flat, src=first, group=self.group)
+        self.ledger["header"] += (self.world_size - 1) * flat.numel() * flat.element_size()
+        with torch.no_grad():
+            for p, values in zip(parameters, flat.split([p.numel() for p in parameters])):
+                p.copy_(values.view_as(p))
+
     def average_grads_(self, parameters) -> None:
         """Mean of each parameter's .grad over the group (what DDP does for the model's parameters)."""
         if self.world_size == 1:

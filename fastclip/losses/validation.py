@@ -5,8 +5,13 @@ Two kinds of check:
 * **Structure** (shapes, dtypes, agreement of B, d and dtype across ranks). Each rank describes its inputs in
   a small header, the headers are all_gathered and every rank runs the same checks over all of them in the same
   order, so all ranks raise the same error and none is left waiting in a later collective. This handshake runs
-  on the first call and again only when this rank's input signature changes (ranks change it together: when
-  every rank's last batch is smaller). Shapes are host metadata, so telling "unchanged" costs nothing.
+  on the first call and again when an input signature changes; shapes are host metadata, so telling "unchanged"
+  costs nothing. The other ranks cannot see one rank's change without a collective of their own. In eager mode
+  (multi-rank) that rank joins the feature all_gather with a stand-in of the agreed shapes and a flag in its
+  words (SIGNATURE_CHANGED), which every rank reads with the value words: all then run the handshake, which
+  raises alike where the ranks disagree (an uneven last batch on one rank), and the call is made again where
+  they changed together. In deferred mode nothing is read per call, so the ranks must change their shapes
+  together (every rank's last batch smaller, or dropped); a change on one rank alone fails in the all_gather.
 * **Values** (non-finite features, an index outside [0, data_size)). Every call, four int64 words per rank
   (first non-finite row of image and of text, first bad index position and its value) are computed on the
   device and ride at the end of the feature all_gather's buffer (comm.gather_batch): every rank then holds
@@ -210,6 +215,8 @@ VALIDATE_MODES = ("eager", "deferred", "off")
 HEADER_WORDS = 4  # [first non-finite image row, first non-finite text row, first bad index position, its value]
 NO_ROW = 2**62  # a position word's value when nothing is wrong (above any row: "first" is a minimum)
 FOLD_EVERY = 64  # deferred mode keeps the last calls' words as they are and folds them this often (bounded memory)
+SIGNATURE_CHANGED = -2  # eager mode: a rank's first word when it sent a stand-in (its shapes changed)
+_CODE_DTYPES = {code: dt for dt, code in _DTYPE_CODES.items()}
 
 
 def validate_mode(value) -> str:
@@ -272,10 +279,31 @@ class InputChecks:
             validate_inputs(comm, image, text, indices, **checks)  # raises alike on every rank
             self.signature = signature
 
-    def check_now(self, words: torch.Tensor) -> None:
-        """Eager mode: read this call's gathered words (a host sync) and raise if any rank's are bad."""
+    def changed(self, comm: Comm, image, text, indices) -> bool:
+        """Whether this rank's inputs differ from the signature the ranks last agreed on (host metadata only)."""
+        signature = (_describe(image), _describe(text), _describe(indices), comm.world_size)
+        return self.signature is not None and signature != self.signature
+
+    def stand_in(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Zeros of the agreed shapes (image, text, indices or None), for the all_gather the other ranks make."""
+        image, text, indices, _ = self.signature
+
+        def zeros(desc):
+            ndim, s0, s1, code = desc
+            return torch.zeros([s0, s1][:ndim], dtype=_CODE_DTYPES[code], device=device) if ndim > 0 else None
+
+        return zeros(image), zeros(text), zeros(indices)
+
+    def check_now(self, words: torch.Tensor) -> bool:
+        """Eager mode: read this call's gathered words (a host sync) and raise if any rank's are bad. True
+        (nothing raised) where a rank sent a stand-in: its shapes changed, and every rank must run the handshake."""
+        values = words.reshape(-1).tolist()
+        if SIGNATURE_CHANGED in values[::HEADER_WORDS]:
+            self.signature = None
+            return True
         self.calls += 1
-        check_details(_details(words.reshape(-1).tolist()), data_size=self.data_size)
+        check_details(_details(values), data_size=self.data_size)
+        return False
 
     def record(self, words: torch.Tensor) -> None:
         """Deferred mode: keep this call's gathered ``[K, HEADER_WORDS]`` words (no device op per call; every

@@ -373,6 +373,18 @@ def test_state_dict_round_trip_and_wrong_world_size():
     as_if_two_ranks = reshard_states([saved], 2)[0]
     with pytest.raises(ValueError, match="reshard first"):
         build_loss("fastclip-v2", data_size=10).load_state_dict(as_if_two_ranks)
+    # another data_size: resharding cannot help, and the message does not send the user there
+    with pytest.raises(ValueError) as e:
+        build_loss("fastclip-v2", data_size=12).load_state_dict(saved)
+    assert str(e.value) == (
+        "sample state was saved for data_size=10 but this loss has data_size=12: build it with data_size=10 (the "
+        "data it was trained on), or start its state afresh"
+    )
+    with pytest.raises(TypeError, match="pass a list, got a generator"):
+        reshard_states((s for s in [saved]), 2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=f"new_world_size must be an integer >= 1, got {bad!r}"):
+            reshard_states([saved], bad)
 
 
 def test_last_occurrence():
@@ -863,3 +875,38 @@ def test_reshard_on_a_full_disk_is_one_line_status_1_and_changes_nothing(tmp_pat
         f"file, or pass another --out)"
     )
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("name", ["fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-tempnet"])
+def test_eval_mode_reads_the_state_and_writes_none(name):
+    """A validation loss (loss_fn.eval(), no_grad) leaves the per-sample state as it was; its value is the train-mode
+    loss with γ = 1 on the same state (u = the batch's own estimate). Back in train mode the state moves again."""
+    import copy
+
+    extra = {"embed_dim": 6} if name == "fastclip-tempnet" else {}
+    loss_fn = build_loss(name, data_size=16, gamma_min=0.5, gamma_decay_epochs=2, **extra).double()
+    for step in range(2):
+        e1, e2 = features(8, 6, seed=step)
+        run_loss(loss_fn, e1, e2, torch.arange(8) + 4 * step, epoch=step)
+    before = copy.deepcopy(loss_fn.state_dict())
+    gamma_one = copy.deepcopy(loss_fn)
+    gamma_one.gamma_schedule = lambda epoch: 1.0
+    e1, e2 = features(8, 6, seed=7)
+    idx = torch.arange(8) + 6  # 6..11 seen, 12 and 13 not
+    loss_fn.eval()
+    with torch.no_grad():
+        value = loss_fn(e1, e2, idx, epoch=1)
+    after = loss_fn.state_dict()
+    assert before.keys() == after.keys()
+    for key in before:
+        if key == "_extra_state":
+            for field, saved in before[key]["fields"].items():
+                assert torch.equal(saved, after[key]["fields"][field]), field
+            assert torch.equal(before[key]["seen"], after[key]["seen"])
+        else:
+            assert torch.equal(before[key], after[key]), key
+    assert float(loss_fn.metrics["gamma"]) == 1.0
+    assert torch.equal(value, gamma_one(e1, e2, idx, epoch=1).detach())
+    loss_fn.train()
+    loss_fn(e1, e2, idx, epoch=1)
+    assert int(loss_fn.state_dict()["_extra_state"]["seen"].sum()) > int(before["_extra_state"]["seen"].sum())

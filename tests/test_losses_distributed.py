@@ -245,6 +245,26 @@ def shapes_changed_on_one_rank(rank, world_size):
     return out
 
 
+def state_made_before_the_group(rank, world_size):
+    """A loss whose state was made before the process group (a state_dict() call: world size 1) and never written
+    makes it anew for the group; one whose state was written there refuses."""
+    from fastclip.losses.comm import Comm
+
+    e1, e2 = step_batch(0, 4)
+    idx = torch.arange(4) + 4 * rank
+    made_early, fresh = (build_loss("fastclip-v3", data_size=DATA_SIZE).double() for _ in range(2))
+    made_early.sample_state(Comm(None, 1, 0))  # what state_dict() before init_process_group does
+    out = {"values": [float(made_early(e1, e2, idx)), float(fresh(e1, e2, idx))]}
+    written = build_loss("fastclip-v3", data_size=DATA_SIZE).double()
+    written.sample_state(Comm(None, 1, 0)).write(written.sample_state(Comm(None, 1, 0)).locate(idx), torch.zeros(4, 2))
+    try:
+        written(e1, e2, idx)
+        out["written"] = None
+    except RuntimeError as error:
+        out["written"] = str(error)
+    return out
+
+
 BIG = 10**6
 
 
@@ -279,6 +299,7 @@ def two_rank_suite(rank, world_size):
         "bad": bad_inputs(rank, world_size),
         "later": later_bad_calls(rank, world_size),
         "shapes_changed": shapes_changed_on_one_rank(rank, world_size),
+        "made_early": state_made_before_the_group(rank, world_size),
         "big": big_data_size(rank, world_size),
     }
 
@@ -478,3 +499,13 @@ def test_loss_parameters_are_rank_0s_after_the_first_call(two_ranks):
     (a, b) = (r["shapes_changed"]["tempnet"] for r in two_ranks)
     assert not torch.equal(a["before"], b["before"])  # seeded per rank: they differed
     assert torch.equal(a["after"], a["before"]) and torch.equal(b["after"], a["before"])
+
+
+def test_a_state_made_before_the_group_and_never_written_is_made_anew(two_ranks):
+    for rank, result in enumerate(two_ranks):
+        made_early = result["made_early"]
+        assert made_early["values"][0] == made_early["values"][1]
+        assert made_early["written"] == (
+            f"fastclip-v3: sample state belongs to rank 0 of 1 but this call runs as rank {rank} of 2; reshard the "
+            "state first (reshard_for_rank)"
+        )

@@ -51,6 +51,9 @@ objective's ε in its shifted scale (``compat="reference"``: the published ε·e
 global batch are not each other's negatives (g keeps its 1/(N-1) normalisation) and the state keeps the last
 occurrence.
 
+Eval mode (``loss_fn.eval()``, e.g. for a validation loss): the FastCLIP losses read their per-sample state and
+write none of it (u is the batch's own estimate, γ = 1; v2 uses the stored τ_i of the indices given).
+
 Input checks (``validate``, validation.py): ``True``/``"eager"`` (default) names a bad input in the call, before
 the state is written (one host sync per call), and a batch that shrinks on one rank only (an uneven last batch)
 is the same error on every rank, the loss untouched; ``"deferred"`` rides the same checks in the feature

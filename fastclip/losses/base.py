@@ -212,7 +212,15 @@ class SampleStateLoss(ContrastiveLoss):
         return dict(self.state_fields)
 
     def gamma(self) -> float:
-        return self.gamma_schedule(self.epoch)
+        """γ of this epoch's schedule; 1 in eval mode, where u is the batch's own estimate (see store)."""
+        return self.gamma_schedule(self.epoch) if self.training else 1.0
+
+    def store(self, state: ShardedSampleState, slots, values: torch.Tensor, *, previous: torch.Tensor) -> None:
+        """The batch's new state rows, written in training mode only. In eval mode (``loss_fn.eval()``, as for a
+        validation loss) a call reads the state (v2's τ_i of the samples named) and leaves it as it was, as
+        BatchNorm leaves its running statistics."""
+        if self.training:
+            state.write(slots, values, previous=previous)
 
     def _state_dtype(self, feature_dtype: torch.dtype | None) -> torch.dtype:
         if self.options.state_dtype is not None:
@@ -231,6 +239,9 @@ class SampleStateLoss(ContrastiveLoss):
                 device=self.options.state_device or device or "cpu",
                 dtype=dtype or self._state_dtype(None),
             )
+        elif (self._state.world_size, self._state.rank) != (comm.world_size, comm.rank) and not self._state.used():
+            self._state = None  # made before the process group (a state_dict() call), never written: made anew
+            return self.sample_state(comm, device=device, dtype=dtype)
         elif (self._state.world_size, self._state.rank) != (comm.world_size, comm.rank):
             raise RuntimeError(
                 f"{self.name}: sample state belongs to rank {self._state.rank} of {self._state.world_size} but this "

@@ -109,7 +109,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
         table = comm.share_rows(batch, log_g_local, before, dtype=dtype)
         log_g, log_u_old, seen = table[:, 0:2], table[:, 2:4], table[:, 4:5] > 0.5
         log_u = update_log_u(log_u_old, log_g, seen, gamma)
-        state.write(slots, log_u, previous=before)
+        self.store(state, slots, log_u, previous=before)
         log_w = self.log_u_eps(log_u)  # weights 1/(u+ε) = exp(−log_w), constants for autograd
 
         # loss2 terms: every global anchor (column) against this rank's candidates: they give the local

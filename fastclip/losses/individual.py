@@ -135,7 +135,7 @@ class FastCLIPV2Loss(SampleStateLoss):
         m2 = torch.where(seen, owned[:, V], 0.0).lerp(grad * grad, 1 - beta2)
         step = (m1 / (1 - beta1 ** (self.epoch + 1))) / ((m2 / (1 - beta2 ** (self.epoch + 1))).sqrt() + opt.tau_eps)
         tau_new = (tau_old - opt.lr_tau * step).clamp(opt.tau_min, opt.tau_max)
-        state.write(slots, torch.cat([u, tau_new, b_new, m1, m2], dim=1), previous=stored)
+        self.store(state, slots, torch.cat([u, tau_new, b_new, m1, m2], dim=1), previous=stored)
 
         # 4) encoder surrogate with τ_old and the new bounds: the columns of each block are the global anchors
         #    of the other modality (gradient into this rank's negatives).

@@ -91,6 +91,10 @@ class ShardedSampleState:
     def seen(self) -> torch.Tensor:
         return self._seen[: self.num_slots]
 
+    def used(self) -> bool:
+        """Whether any sample holds a value (written by a call, or loaded); a host read, for the rare paths that ask."""
+        return bool(self._seen.any())
+
     def to_(self, device: torch.device | str, dtype: torch.dtype) -> ShardedSampleState:
         self._table = self._table.to(device=device, dtype=dtype)
         self._seen = self._seen.to(device)
@@ -172,6 +176,11 @@ class ShardedSampleState:
     def load_state_dict(self, state: Mapping) -> None:
         check_format(state)
         saved = (state["data_size"], state["world_size"], state["rank"])
+        if saved[0] != self.data_size:  # another data set, or another data_size given: resharding cannot help
+            raise ValueError(
+                f"sample state was saved for data_size={saved[0]} but this loss has data_size={self.data_size}: "
+                f"build it with data_size={saved[0]} (the data it was trained on), or start its state afresh"
+            )
         if saved != (self.data_size, self.world_size, self.rank):
             raise ValueError(
                 f"sample state was saved for data_size={saved[0]}, world_size={saved[1]}, rank={saved[2]} but this "
@@ -276,5 +285,11 @@ def reshard_for_rank(states: Iterable[Mapping], new_world_size: int, new_rank: i
 
 
 def reshard_states(states: list[Mapping], new_world_size: int) -> list[dict]:
-    """All ``new_world_size`` shards from the list of old ones (offline tool and tests)."""
+    """All ``new_world_size`` shards from the list of old ones (offline tool and tests; a list, since each new
+    shard reads all old ones: reshard_for_rank streams them for one new rank)."""
+    if not isinstance(states, (list, tuple)):
+        got = type(states).__name__
+        raise TypeError(f"reshard_states reads the old shards once per new rank: pass a list, got a {got}")
+    if isinstance(new_world_size, bool) or not isinstance(new_world_size, int) or new_world_size < 1:
+        raise ValueError(f"new_world_size must be an integer >= 1, got {new_world_size!r}")
     return [reshard_for_rank(states, new_world_size, rank) for rank in range(new_world_size)]

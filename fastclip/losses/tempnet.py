@@ -123,7 +123,7 @@ class TempNetLoss(SampleStateLoss):
         b_new = torch.maximum(b_old, shift)  # the running bound, as v2
         g = g_shifted * torch.exp(shift - b_new)  # g in b_new's scale
         u = update_u(u_old, g, seen, gamma, rescale=torch.exp(b_old - b_new))
-        state.write(slots, torch.cat([u, b_new], dim=1), previous=stored)
+        self.store(state, slots, torch.cat([u, b_new], dim=1), previous=stored)
         denom, log_denom = objective_eps_shifted(u, b_new, eps)
 
         # ∂/∂τ [τ(log g(τ) + ρ)] with g → u (v2's τ-gradient, unclamped), pushed into the heads by autograd:

@@ -335,6 +335,47 @@ def test_build_loss_options():
     assert loss_fn.logit_scale.item() == pytest.approx(math.log(100))
 
 
+@pytest.mark.parametrize(
+    "name, options, said",
+    [
+        ("fastclip-v3", {"separate_temperatures": "no"}, "separate_temperatures must be true or false, got 'no'"),
+        ("fastclip-v3", {"rho": float("nan")}, "rho must be a finite number, got nan"),
+        ("fastclip-v2", {"rho": float("inf")}, "rho must be a finite number, got inf"),
+        ("fastclip-v3", {"gamma_min": "0.2"}, "gamma_min must be a finite number, got '0.2'"),
+        ("fastclip-v3", {"gamma_decay_epochs": "18"}, "gamma_decay_epochs must be an integer >= 0, got '18'"),
+        ("fastclip-v3", {"eps": "1e-14"}, "eps must be a number >= 0, got '1e-14'"),
+        ("openclip", {"temperature": True}, "temperature must be a positive number, got True"),
+        ("openclip", {"learn_temperature": 0}, "learn_temperature must be true or false, got 0"),
+        ("fastclip-v0", {"learn_temperature": "false"}, "learn_temperature must be true or false, got 'false'"),
+        ("siglip", {"learn_bias": "no"}, "learn_bias must be true or false, got 'no'"),
+        ("fastclip-v2", {"tau_betas": 0.9}, "tau_betas must be two numbers in [0, 1), got 0.9"),
+        ("fastclip-v2", {"tau_min": 0.5, "tau_max": 0.1}, "tau_min=0.5 is above tau_max=0.1"),
+        ("fastclip-tempnet", {}, "embed_dim is required: the towers' feature dimension d (embed_dim)"),
+    ],
+)
+def test_an_option_of_the_wrong_kind_is_named(name, options, said):
+    """A string, a bool where a number goes (or the reverse), NaN: one ValueError naming the option, not a value
+    silently taken (True as τ 1.0, "no" as true) nor a TypeError from deep inside."""
+    size = {} if name in ("openclip", "siglip") else {"data_size": 10}
+    with pytest.raises(ValueError) as e:
+        build_loss(name, **size, **options)
+    assert str(e.value) == f"loss option {said}"
+
+
+def test_indices_that_are_not_a_tensor():
+    e1, e2 = features(N, D, seed=3)
+    for name in ("openclip", "siglip"):  # they take no indices: whatever is passed is left alone
+        assert torch.isfinite(build_loss(name).double()(e1, e2, list(range(N))))
+    with pytest.raises(LossInputError, match=r"got none or not a tensor \(torch.as_tensor\)$"):
+        build_loss("fastclip-v3", data_size=10).double()(e1, e2, list(range(N)))
+
+
+def test_a_numpy_data_size_is_taken():
+    import numpy as np
+
+    assert build_loss("fastclip-v3", data_size=np.int64(10)).options.data_size == 10
+
+
 def test_bad_input_single_process():
     e1, e2 = features(N, D, seed=8)
     loss_fn = build_loss("fastclip-v3", data_size=10).double()

@@ -99,10 +99,10 @@ class ContrastiveLoss(nn.Module):
             batch = comm.gather_batch(image, text, ids, header=words)
             checks.check_now(batch.header)  # (a stand-in's flag: every rank sees it and returns True)
             return self._forward(image_features, text_features, indices, None, comm)  # the handshake, then the call
+        if not self.needs_indices:
+            indices = None  # not needed (whatever was passed): do not ship them
         if indices is not None:
             indices = indices.to(torch.int64)
-        if not self.needs_indices:
-            indices = None  # not needed: do not ship them
         words = None
         if self.validate != "off":  # value checks ride in the feature all_gather's buffer
             words = value_words(image_features, text_features, indices, data_size)

@@ -4,6 +4,7 @@ option a version does not take is a TypeError naming it, and every value is chec
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +15,24 @@ COMPAT_MODES = ("faithful", "reference")
 SIMILARITIES = ("cosine", "atanh")  # logits s·cos, or s·2·atanh(cos) (temperature-free; similarity.py)
 
 
+def _is_number(value) -> bool:
+    """A finite real number; not a bool (True is 1 to Python, a typo here) nor text ("0.2" is not a number)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+    if not (_is_number(value) and value > 0):
         raise ValueError(f"loss option {name} must be a positive number, got {value!r}")
+
+
+def _finite(name: str, value: float) -> None:
+    if not _is_number(value):
+        raise ValueError(f"loss option {name} must be a finite number, got {value!r}")
+
+
+def _count(name: str, value, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"loss option {name} must be an integer >= {least}, got {value!r}")
 
 
 def _check_bool(name: str, value) -> None:
@@ -27,7 +43,7 @@ def _check_bool(name: str, value) -> None:
 def _check_similarity(options) -> None:
     if options.similarity not in SIMILARITIES:
         raise ValueError(f"loss option similarity must be one of {SIMILARITIES}, got {options.similarity!r}")
-    if not (isinstance(options.similarity_clamp, (int, float)) and 0 < options.similarity_clamp < 1):
+    if not (_is_number(options.similarity_clamp) and 0 < options.similarity_clamp < 1):
         raise ValueError(f"loss option similarity_clamp must be in (0, 1), got {options.similarity_clamp!r}")
 
 
@@ -47,6 +63,7 @@ class OpenCLIPOptions(CommonOptions):
 
     def __post_init__(self):
         _positive("temperature", self.temperature)
+        _check_bool("learn_temperature", self.learn_temperature)
         _check_similarity(self)
         _check_bool("fused_kernels", self.fused_kernels)
 
@@ -69,12 +86,15 @@ class SampleStateOptions(CommonOptions):
 
     def __post_init__(self):
         _check_bool("fused_kernels", self.fused_kernels)
-        if isinstance(self.data_size, bool) or not isinstance(self.data_size, int) or self.data_size < 1:
+        if isinstance(self.data_size, bool) or not isinstance(self.data_size, numbers.Integral) or self.data_size < 1:
             raise ValueError(
                 f"loss option data_size must be a positive int (1 + the largest data index), got {self.data_size!r}"
             )
-        if not (self.eps >= 0):
-            raise ValueError(f"loss option eps must be >= 0, got {self.eps!r}")
+        object.__setattr__(self, "data_size", int(self.data_size))  # (a numpy integer, e.g. from len of an array)
+        if not (_is_number(self.eps) and self.eps >= 0):
+            raise ValueError(f"loss option eps must be a number >= 0, got {self.eps!r}")
+        _finite("gamma_min", self.gamma_min)
+        _count("gamma_decay_epochs", self.gamma_decay_epochs, 0)
         if self.compat not in COMPAT_MODES:
             raise ValueError(f"loss option compat must be one of {COMPAT_MODES}, got {self.compat!r}")
         if self.state_dtype is not None and not (
@@ -110,7 +130,8 @@ class GlobalTemperatureOptions(ConstantTemperatureOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if not (isinstance(self.tau_min, (int, float)) and 0 < self.tau_min <= min(1.0, self.temperature)):
+        _check_bool("learn_temperature", self.learn_temperature)
+        if not (_is_number(self.tau_min) and 0 < self.tau_min <= min(1.0, self.temperature)):
             raise ValueError(f"loss option tau_min must be in (0, min(1, temperature)], got {self.tau_min!r}")
 
 
@@ -127,6 +148,8 @@ class RGCLOptions(GlobalTemperatureOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        _finite("rho", self.rho)
+        _check_bool("separate_temperatures", self.separate_temperatures)
         if self.separate_temperatures and self.compat == "reference":
             raise ValueError(
                 "loss option separate_temperatures is the textbook objective; the reference "
@@ -153,12 +176,17 @@ class IndividualTemperatureOptions(SampleStateOptions):
         super().__post_init__()
         for name in ("temperature", "lr_tau", "tau_eps", "tau_min", "tau_max", "tau_grad_clamp"):
             _positive(name, getattr(self, name))
+        _finite("rho", self.rho)
+        if self.tau_min > self.tau_max:
+            raise ValueError(f"loss option tau_min={self.tau_min} is above tau_max={self.tau_max}")
         if not self.tau_min <= self.temperature <= self.tau_max:
             raise ValueError(
                 f"loss option temperature={self.temperature} is outside [tau_min, tau_max] = "
                 f"[{self.tau_min}, {self.tau_max}]"
             )
-        if len(self.tau_betas) != 2 or not all(0 <= b < 1 for b in self.tau_betas):
+        betas = self.tau_betas
+        pair = isinstance(betas, (tuple, list)) and len(betas) == 2
+        if not pair or not all(_is_number(b) and 0 <= b < 1 for b in betas):
             raise ValueError(f"loss option tau_betas must be two numbers in [0, 1), got {self.tau_betas!r}")
 
 
@@ -176,12 +204,17 @@ class TempNetOptions(SampleStateOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.embed_dim == 0:  # the default: not given
+            raise ValueError("loss option embed_dim is required: the towers' feature dimension d (embed_dim)")
+        _finite("rho", self.rho)
         for name in ("embed_dim", "tempnet_hidden"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"loss option {name} must be a positive int, got {value!r}")
         for name in ("temperature", "tau_min", "tau_max"):
             _positive(name, getattr(self, name))
+        if self.tau_min >= self.tau_max:
+            raise ValueError(f"loss option tau_min={self.tau_min} must be below tau_max={self.tau_max}")
         if not self.tau_min < self.temperature < self.tau_max:
             raise ValueError(
                 f"loss option temperature={self.temperature} must lie strictly inside "
@@ -200,5 +233,6 @@ class SigLIPOptions(CommonOptions):
 
     def __post_init__(self):
         _positive("temperature", self.temperature)
-        if not (isinstance(self.bias, (int, float)) and math.isfinite(self.bias)):
-            raise ValueError(f"loss option bias must be a finite number, got {self.bias!r}")
+        _finite("bias", self.bias)
+        _check_bool("learn_temperature", self.learn_temperature)
+        _check_bool("learn_bias", self.learn_bias)

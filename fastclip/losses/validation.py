@@ -166,7 +166,9 @@ def _structure_error(h: _Header, need_indices: bool) -> str | None:
         )
     ndim, length, _, code = h.indices
     if ndim == -1 and code == 0:
-        return "indices must be an int64 [B] tensor of global data indices, got no tensor" if need_indices else None
+        if not need_indices:
+            return None
+        return "indices must be an int64 [B] tensor of global data indices, got none or not a tensor (torch.as_tensor)"
     if code not in _INDEX_CODES:
         return f"indices must be an integer tensor (int64), got dtype {_NAMES[code]}"
     if ndim != 1 or length != h.image[1]:

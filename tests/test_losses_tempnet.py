@@ -84,6 +84,11 @@ def test_tempnet_options():
         build_loss("fastclip-tempnet", data_size=10, similarity="atanh", embed_dim=4)
     with pytest.raises(ValueError, match="embed_dim"):
         build_loss("fastclip-tempnet", data_size=10)
+    from fastclip.losses import LossInputError
+
+    e1, e2 = features(0)
+    with pytest.raises(LossInputError, match=f"features have d={D} but the temperature network was built for "):
+        build_loss("fastclip-tempnet", data_size=10, embed_dim=D + 1).double()(e1, e2, torch.arange(N))
     head = build_loss("fastclip-tempnet", data_size=10, embed_dim=4).tempnet_txt
     torch.testing.assert_close(head(torch.randn(3, 4)), torch.full((3,), 0.03))  # starts at `temperature`
 

@@ -28,6 +28,7 @@ from torch import nn
 from .base import SampleStateLoss
 from .batch import GlobalBatch
 from .comm import Comm
+from .errors import LossInputError
 from .estimator import update_u
 from .individual import objective_eps_shifted, per_sample_tau_metrics
 from .options import TempNetOptions
@@ -86,6 +87,11 @@ class TempNetLoss(SampleStateLoss):
         return None
 
     def _compute(self, comm: Comm, batch: GlobalBatch):
+        if batch.image.shape[1] != self.options.embed_dim:  # (d agrees across ranks: every rank raises alike)
+            raise LossInputError(
+                f"features have d={batch.image.shape[1]} but the temperature network was built for "
+                f"embed_dim={self.options.embed_dim}: build the loss with embed_dim={batch.image.shape[1]}"
+            )
         fused = self.options.fused_kernels  # the exponentials' passes as compiled kernels (kernels.py)
         eps = self.options.eps
         dtype = compute_dtype(batch.image.dtype)

@@ -236,6 +236,30 @@ def shapes_changed_on_one_rank(rank, world_size):
         for step, ids in enumerate((small, small.to(torch.int32) if rank == 1 else small)):
             values += [float(losses[0](s1, s2, ids, epoch=step + 1)), float(losses[1](s1, s2, small, epoch=step + 1))]
         out[name]["values"] = values
+    # openclip takes no indices: int32 on one rank from call 2 on costs one extra round, then none
+    loss_fn = build_loss("openclip").double()
+    out["openclip_bytes"] = []
+    for step in range(4):
+        ids = torch.arange(4) + 4 * rank
+        loss_fn(e1, e2, ids.int() if rank == 1 and step >= 1 else ids)
+        out["openclip_bytes"].append(loss_fn.comm_bytes["total"])
+    # a call before the group (a warm-up on rank 0 only, with its own τ), then calls in it: one handshake on
+    # every rank, rank 0's τ everywhere; a graph that holds the parameter from before the first call still
+    # backpropagates (the broadcast writes nothing where the values already agree)
+    loss_fn = build_loss("fastclip-v3", data_size=DATA_SIZE).double()
+    with torch.no_grad():
+        loss_fn.logit_scale.fill_(2.5 + rank)
+    if rank == 0:
+        from fastclip.losses.comm import Comm
+
+        loss_fn.input_checks.structure(
+            Comm(None, 1, 0), e1, e2, idx, data_size=DATA_SIZE, need_indices=True, min_global_batch=2
+        )
+    loss_fn(e1, e2, idx)
+    out["pregroup_scale"] = float(loss_fn.logit_scale)
+    same = build_loss("fastclip-v3", data_size=DATA_SIZE).double()
+    (1e-3 * same.logit_scale**2 + same(e1, e2, idx)).backward()
+    out["graph_before_first_call"] = same.logit_scale.grad is not None
     torch.manual_seed(rank + 1)  # "seed + rank", as many training scripts do
     tempnet = build_loss("fastclip-tempnet", data_size=DATA_SIZE, embed_dim=D).double()
     before = torch.cat([p.detach().reshape(-1) for p in tempnet.parameters()])
@@ -509,3 +533,15 @@ def test_a_state_made_before_the_group_and_never_written_is_made_anew(two_ranks)
             f"fastclip-v3: sample state belongs to rank 0 of 1 but this call runs as rank {rank} of 2; reshard the "
             "state first (reshard_for_rank)"
         )
+
+
+def test_one_rank_that_agreed_alone_or_passes_other_indices_costs_one_round_at_most(two_ranks):
+    """A signature agreed before the group is no agreement: every rank makes the handshake (a stand-in against a
+    handshake aborted the job). Indices openclip ignores, int32 on one rank: one extra round, then none (the ranks
+    kept swapping stand-ins). The broadcast leaves a graph built before the first call usable."""
+    for result in two_ranks:
+        got = result["shapes_changed"]
+        steady = got["openclip_bytes"][-1]
+        assert got["openclip_bytes"][2:] == [steady, steady] and got["openclip_bytes"][1] > steady
+        assert got["pregroup_scale"] == 2.5  # rank 0's
+        assert got["graph_before_first_call"]

@@ -15,13 +15,9 @@ from .errors import LossInputError
 from .options import CommonOptions, SampleStateOptions
 from .pairwise import exact_float32
 from .sharded_state import ShardedSampleState
-from .validation import SIGNATURE_CHANGED, InputChecks, validate_mode, value_words
+from .validation import SIGNATURE_CHANGED, InputChecks, header_device, validate_mode, value_words
 
 LOGIT_SCALE_MAX = math.log(100.0)  # OpenCLIP's clamp: τ >= 0.01
-
-
-def _any_device(tensors) -> torch.device:
-    return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 class ContrastiveLoss(nn.Module):
@@ -72,10 +68,10 @@ class ContrastiveLoss(nn.Module):
         if isinstance(indices, torch.Tensor) and isinstance(image_features, torch.Tensor):
             indices = indices.to(image_features.device, non_blocking=True)  # data loaders hand them over on CPU
         checks = self.input_checks
-        sent = (image_features, text_features, indices)
+        sent = given = (image_features, text_features, indices)  # (a redo is made with what the caller gave)
         if self.validate == "eager" and comm.world_size > 1 and checks.changed(comm, *sent):
             # the other ranks cannot know: join their all_gather with the agreed shapes and say so (validation.py)
-            sent = checks.stand_in(getattr(image_features, "device", None) or _any_device(sent))
+            sent = checks.stand_in(header_device(comm, *sent))
         elif self.validate != "off":  # the structure handshake: first call, or this rank's shapes changed
             self.input_checks.structure(
                 comm,
@@ -88,8 +84,8 @@ class ContrastiveLoss(nn.Module):
             )
         elif self.needs_indices and indices is None:
             raise LossInputError(f"{self.name} needs indices (int64 [B] global data indices)")
-        if not self._parameters_shared:  # every rank starts from rank 0's τ and heads (DDP does this for models)
-            comm.broadcast_from_first_(list(self.parameters()), getattr(image_features, "device", torch.device("cpu")))
+        if not self._parameters_shared and comm.world_size > 1:  # rank 0's τ and heads (DDP does this for models)
+            comm.broadcast_from_first_(list(self.parameters()), header_device(comm, *given))
             self._parameters_shared = True
         if sent[0] is not image_features:
             image, text, ids = sent
@@ -98,7 +94,7 @@ class ContrastiveLoss(nn.Module):
             words[0] = SIGNATURE_CHANGED
             batch = comm.gather_batch(image, text, ids, header=words)
             checks.check_now(batch.header)  # (a stand-in's flag: every rank sees it and returns True)
-            return self._forward(image_features, text_features, indices, None, comm)  # the handshake, then the call
+            return self._forward(*given, None, comm)  # the handshake, then the call
         if not self.needs_indices:
             indices = None  # not needed (whatever was passed): do not ship them
         if indices is not None:
@@ -110,7 +106,7 @@ class ContrastiveLoss(nn.Module):
         if words is not None:
             if self.validate == "eager":  # before the loss writes its state
                 if checks.check_now(batch.header):  # another rank's shapes changed: the handshake, then the call
-                    return self._forward(image_features, text_features, indices, None, comm)
+                    return self._forward(*given, None, comm)
             else:
                 checks.record(batch.header)
         loss, metrics = self._compute(comm, batch)

@@ -3,7 +3,10 @@
 A loss call makes at most these data collectives:
 
 * ``header``   the structure handshake of validation.py, a tiny float64 all_gather: on the first call and when
-  a rank's input shapes change (a second one only when some rank's values are bad, to name the row or index);
+  input shapes change (a second one only when some rank's values are bad, to name the row or index); also the
+  first call's broadcast of the loss's parameters from rank 0 (broadcast_from_first_). In eager mode a call in
+  which one rank's shapes changed makes the feature all_gather twice (once with that rank's stand-in, once after
+  the handshake: validation.py);
 * ``features`` + ``indices`` (+ ``header``): ONE all_gather of ``[image | text | indices | 4 check words]``
   packed into a single flat buffer of the feature dtype; the int64 indices and words travel bit-cast
   (``Tensor.view(dtype)``), which a copy-only collective preserves exactly. Nothing here carries autograd,
@@ -163,7 +166,9 @@ class Comm:
         self.ledger["header"] += (self.world_size - 1) * flat.numel() * flat.element_size()
         with torch.no_grad():
             for p, values in zip(parameters, flat.split([p.numel() for p in parameters])):
-                p.copy_(values.view_as(p))
+                values = values.view_as(p).to(p.device, p.dtype)
+                if not torch.equal(p, values):  # (equal, as usual: no in-place write, no version bump for autograd)
+                    p.copy_(values)
 
     def average_grads_(self, parameters) -> None:
         """Mean of each parameter's .grad over the group (what DDP does for the model's parameters)."""

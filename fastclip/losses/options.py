@@ -204,13 +204,14 @@ class TempNetOptions(SampleStateOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.embed_dim == 0:  # the default: not given
+        if type(self.embed_dim) is int and self.embed_dim == 0:  # the default: not given
             raise ValueError("loss option embed_dim is required: the towers' feature dimension d (embed_dim)")
         _finite("rho", self.rho)
         for name in ("embed_dim", "tempnet_hidden"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"loss option {name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))
         for name in ("temperature", "tau_min", "tau_max"):
             _positive(name, getattr(self, name))
         if self.tau_min >= self.tau_max:

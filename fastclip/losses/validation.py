@@ -100,7 +100,8 @@ def _is_indices(x, length: int) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() == 1 and x.dtype in INDEX_DTYPES and x.shape[0] == length > 0
 
 
-def _header_device(comm: Comm, *inputs) -> torch.device:
+def header_device(comm: Comm, *inputs) -> torch.device:
+    """The device of the first tensor among the inputs; without one, the backend's (CUDA under NCCL)."""
     for x in inputs:
         if isinstance(x, torch.Tensor):
             return x.device
@@ -114,7 +115,7 @@ def build_header(comm: Comm, image, text, indices) -> torch.Tensor:
 
     A tensor's sum is NaN/Inf iff it holds a NaN/Inf (L2-normalised features cannot overflow it).
     """
-    device = _header_device(comm, image, text, indices)
+    device = header_device(comm, image, text, indices)
     static = torch.tensor(_describe(image) + _describe(text) + _describe(indices), dtype=torch.float64, device=device)
     nothing = torch.zeros((), dtype=torch.float64, device=device)
     sums = [x.detach().sum(dtype=torch.float64) if _is_features(x) else nothing for x in (image, text)]
@@ -282,9 +283,12 @@ class InputChecks:
             self.signature = signature
 
     def changed(self, comm: Comm, image, text, indices) -> bool:
-        """Whether this rank's inputs differ from the signature the ranks last agreed on (host metadata only)."""
+        """Whether this rank's inputs differ from the signature the ranks last agreed on in this group (host
+        metadata only). One agreed at another world size (a call before init_process_group) is no agreement:
+        every rank then makes the handshake."""
         signature = (_describe(image), _describe(text), _describe(indices), comm.world_size)
-        return self.signature is not None and signature != self.signature
+        agreed = self.signature is not None and self.signature[3] == comm.world_size
+        return agreed and signature != self.signature
 
     def stand_in(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Zeros of the agreed shapes (image, text, indices or None), for the all_gather the other ranks make."""

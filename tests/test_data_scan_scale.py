@@ -199,12 +199,13 @@ def _broadcast_catalog(rank, world_size, data):
         fastclip.data.resolve_catalog = refuse
     info = DistInfo(rank, world_size, rank, torch.device("cpu"), "test", True)
     cfg = load_config(
-        Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml", ["--data.train", str(data / "train")]
+        Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml",
+        ["--data.train", str(data / "train"), "--data.val", "null"],  # (rank 0 checks the val data too)
     )
     catalog = shared_catalog(cfg, info)
     bad = load_config(
         Path(__file__).resolve().parents[1] / "configs" / "embedded.yaml",
-        ["--data.train", str(data / "nowhere-{0..3}.tar")],
+        ["--data.train", str(data / "nowhere-{0..3}.tar"), "--data.val", "null"],
     )
     try:
         shared_catalog(bad, info)

@@ -351,6 +351,7 @@ def test_build_loss_options():
         ("fastclip-v2", {"tau_betas": 0.9}, "tau_betas must be two numbers in [0, 1), got 0.9"),
         ("fastclip-v2", {"tau_min": 0.5, "tau_max": 0.1}, "tau_min=0.5 is above tau_max=0.1"),
         ("fastclip-tempnet", {}, "embed_dim is required: the towers' feature dimension d (embed_dim)"),
+        ("fastclip-v3", {"state_device": "gpu0"}, "state_device must be a device, got 'gpu0'"),
     ],
 )
 def test_an_option_of_the_wrong_kind_is_named(name, options, said):
@@ -368,6 +369,12 @@ def test_indices_that_are_not_a_tensor():
         assert torch.isfinite(build_loss(name).double()(e1, e2, list(range(N))))
     with pytest.raises(LossInputError, match=r"got none or not a tensor \(torch.as_tensor\)$"):
         build_loss("fastclip-v3", data_size=10).double()(e1, e2, list(range(N)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")
+def test_a_cuda_state_device_without_cuda_is_said_when_the_loss_is_built():
+    with pytest.raises(ValueError, match="state_device is 'cuda' but CUDA is not available here"):
+        build_loss("fastclip-v3", data_size=10, state_device="cuda")
 
 
 def test_a_numpy_data_size_is_taken():

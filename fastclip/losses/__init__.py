@@ -59,7 +59,8 @@ the state is written (one host sync per call), and a batch that shrinks on one r
 is the same error on every rank, the loss untouched; ``"deferred"`` rides the same checks in the feature
 all_gather and keeps them on the device until ``loss_fn.check_inputs()`` (no host sync, no extra collective: for
 loops with a NaN guard, like the trainer's; the handshake of the first call and of a shape change checks values
-too, and raises there), and needs the ranks to change batch shapes together (drop the last batch); ``False``/``"off"``: none, and an out-of-range index trips a device-side assert and writes nothing.
+too, and raises there), and needs the ranks to change batch shapes together (drop the last batch);
+``False``/``"off"``: none, and an out-of-range index trips a device-side assert and writes nothing.
 
 Beyond the reference:
 

@@ -101,6 +101,13 @@ class SampleStateOptions(CommonOptions):
             isinstance(self.state_dtype, torch.dtype) and self.state_dtype.is_floating_point
         ):
             raise ValueError(f"loss option state_dtype must be a floating torch.dtype, got {self.state_dtype!r}")
+        if self.state_device is not None:  # said now, not at the first call
+            try:
+                device = torch.device(self.state_device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"loss option state_device must be a device, got {self.state_device!r}") from None
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"loss option state_device is {self.state_device!r} but CUDA is not available here")
         self.gamma()  # validates the schedule options
 
     def gamma(self) -> GammaSchedule:

@@ -68,12 +68,12 @@ class ContrastiveLoss(nn.Module):
         if isinstance(indices, torch.Tensor) and isinstance(image_features, torch.Tensor):
             indices = indices.to(image_features.device, non_blocking=True)  # data loaders hand them over on CPU
         checks = self.input_checks
-        sent = given = (image_features, text_features, indices)  # (a redo is made with what the caller gave)
-        if self.validate == "eager" and comm.world_size > 1 and checks.changed(comm, *sent):
-            # the other ranks cannot know: join their all_gather with the agreed shapes and say so (validation.py)
-            sent = checks.stand_in(header_device(comm, *sent))
+        given = (image_features, text_features, indices)  # (a redo is made with what the caller gave)
+        stand_in = self.validate == "eager" and comm.world_size > 1 and checks.changed(comm, *given)
+        if stand_in:  # the other ranks cannot know: join their all_gather with the agreed shapes and say so
+            image_features, text_features, indices = checks.stand_in(header_device(comm, *given))
         elif self.validate != "off":  # the structure handshake: first call, or this rank's shapes changed
-            self.input_checks.structure(
+            checks.structure(
                 comm,
                 image_features,
                 text_features,
@@ -87,14 +87,6 @@ class ContrastiveLoss(nn.Module):
         if not self._parameters_shared and comm.world_size > 1:  # rank 0's τ and heads (DDP does this for models)
             comm.broadcast_from_first_(list(self.parameters()), header_device(comm, *given))
             self._parameters_shared = True
-        if sent[0] is not image_features:
-            image, text, ids = sent
-            ids = ids.to(torch.int64) if ids is not None and self.needs_indices else None  # as shipped below
-            words = value_words(image, text, ids, data_size)
-            words[0] = SIGNATURE_CHANGED
-            batch = comm.gather_batch(image, text, ids, header=words)
-            checks.check_now(batch.header)  # (a stand-in's flag: every rank sees it and returns True)
-            return self._forward(*given, None, comm)  # the handshake, then the call
         if not self.needs_indices:
             indices = None  # not needed (whatever was passed): do not ship them
         if indices is not None:
@@ -102,10 +94,13 @@ class ContrastiveLoss(nn.Module):
         words = None
         if self.validate != "off":  # value checks ride in the feature all_gather's buffer
             words = value_words(image_features, text_features, indices, data_size)
+            if stand_in:
+                words[0] = SIGNATURE_CHANGED
         batch = comm.gather_batch(image_features, text_features, indices, header=words)
         if words is not None:
             if self.validate == "eager":  # before the loss writes its state
-                if checks.check_now(batch.header):  # another rank's shapes changed: the handshake, then the call
+                # a rank's shapes changed (every rank sees its stand-in's flag): the handshake, then the call
+                if checks.check_now(batch.header):
                     return self._forward(*given, None, comm)
             else:
                 checks.record(batch.header)
@@ -226,6 +221,9 @@ class SampleStateLoss(ContrastiveLoss):
     def sample_state(self, comm: Comm | None = None, *, device=None, dtype=None) -> ShardedSampleState:
         """This rank's shard, created for the current group on first use, moved to ``device``/``dtype`` if given."""
         comm = comm or Comm.resolve(self.group)
+        here = (comm.world_size, comm.rank)
+        if self._state is not None and (self._state.world_size, self._state.rank) != here and not self._state.used():
+            self._state = None  # made before the process group (a state_dict() call), never written: made anew
         if self._state is None:
             self._state = ShardedSampleState(
                 data_size=self.options.data_size,
@@ -235,10 +233,7 @@ class SampleStateLoss(ContrastiveLoss):
                 device=self.options.state_device or device or "cpu",
                 dtype=dtype or self._state_dtype(None),
             )
-        elif (self._state.world_size, self._state.rank) != (comm.world_size, comm.rank) and not self._state.used():
-            self._state = None  # made before the process group (a state_dict() call), never written: made anew
-            return self.sample_state(comm, device=device, dtype=dtype)
-        elif (self._state.world_size, self._state.rank) != (comm.world_size, comm.rank):
+        elif (self._state.world_size, self._state.rank) != here:
             raise RuntimeError(
                 f"{self.name}: sample state belongs to rank {self._state.rank} of {self._state.world_size} but this "
                 f"call runs as rank {comm.rank} of {comm.world_size}; reshard the state first (reshard_for_rank)"

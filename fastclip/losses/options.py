@@ -30,8 +30,13 @@ def _finite(name: str, value: float) -> None:
         raise ValueError(f"loss option {name} must be a finite number, got {value!r}")
 
 
+def _is_count(value, least: int) -> bool:
+    """An integer >= least (a numpy one too); not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
+
+
 def _count(name: str, value, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+    if not _is_count(value, least):
         raise ValueError(f"loss option {name} must be an integer >= {least}, got {value!r}")
 
 
@@ -86,7 +91,7 @@ class SampleStateOptions(CommonOptions):
 
     def __post_init__(self):
         _check_bool("fused_kernels", self.fused_kernels)
-        if isinstance(self.data_size, bool) or not isinstance(self.data_size, numbers.Integral) or self.data_size < 1:
+        if not _is_count(self.data_size, 1):
             raise ValueError(
                 f"loss option data_size must be a positive int (1 + the largest data index), got {self.data_size!r}"
             )
@@ -216,7 +221,7 @@ class TempNetOptions(SampleStateOptions):
         _finite("rho", self.rho)
         for name in ("embed_dim", "tempnet_hidden"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            if not _is_count(value, 1):
                 raise ValueError(f"loss option {name} must be a positive int, got {value!r}")
             object.__setattr__(self, name, int(value))
         for name in ("temperature", "tau_min", "tau_max"):

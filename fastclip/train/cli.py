@@ -123,10 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(config_path, rest)
         if print_only:  # a loss option the loss refuses is refused here too, not printed as if it would run
-            from fastclip.train import net
+            from fastclip.train.net import check_loss
 
-            embed_dim = net.arch_embed_dim(cfg.model.arch) if cfg.loss.name == "fastclip-tempnet" else None
-            net.make_loss(cfg, 1, embed_dim)  # (cheap: a loss holds no per-sample state before its first call)
+            check_loss(cfg, 1)  # (cheap: a loss holds no per-sample state before its first call)
             print(dump_config(cfg), end="")
             return 0
         env = dist_env_from()  # the launcher's variables, before a run folder or a tower exists

@@ -119,7 +119,8 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
                 f"config key 'train.run_dir': {run_dir / name} is a folder where the run writes a file; move it "
                 f"away or choose another --train.run_dir"
             )
-    for path in _step_names_taken(run_dir / "checkpoints"):
+    if taken := _step_names_taken(run_dir / "checkpoints"):
+        path = taken[0]
         raise ConfigError(
             f"config key 'train.run_dir': {path} is {'a link' if path.is_symlink() else 'a file'} where the run "
             f"writes a step folder; move it away or choose another --train.run_dir"

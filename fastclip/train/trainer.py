@@ -123,10 +123,9 @@ def check_eval_inputs(cfg: Config) -> None:
         )
 
 
-def check_data(cfg: Config, world_size: int, catalog=None) -> int:
+def check_data(cfg: Config, world_size: int, catalog) -> int:
     """Checks that need the data and the world size, before anything heavy is built; returns data_size.
-    catalog: the shards as read by rank 0 (shared_catalog); None: read them here."""
-    catalog = read_catalog(cfg) if catalog is None else catalog
+    catalog: the shards (read_catalog, or rank 0's by shared_catalog)."""
     if problem := sparse_indices(catalog.data_size, catalog.num_samples, world_size):
         raise ConfigError(f"config key '{'data.data_size' if cfg.data.data_size else 'data.train'}': {problem}")
     per_epoch = cfg.data.samples_per_epoch if cfg.data.resampled and cfg.data.samples_per_epoch else catalog.num_samples
@@ -152,7 +151,7 @@ def check_inputs(
         catalog = read_catalog(cfg)
         check_eval_inputs(cfg)
     data_size = check_data(cfg, world_size, catalog)
-    net.make_loss(cfg, data_size, net.arch_embed_dim(cfg.model.arch) if cfg.loss.name == "fastclip-tempnet" else None)
+    net.check_loss(cfg, data_size)
     if cfg.train.resume and cfg.train.resume != "latest" and Path(cfg.train.resume).is_file():
         raise preflight.describe_resume_file(Path(cfg.train.resume))  # an OpenCLIP epoch_N.pt, a state dict, ...
     try:

@@ -87,7 +87,16 @@ EOF
     # the tests that skip without CUDA (TF32/cudnn defaults, channels_last RN towers, the loss's exact float32 under
     # TF32, the fused Triton kernels against the eager loss) and two cheap CPU ones their names select
     step cuda_tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider -o tmp_path_retention_policy=none \
-        tests/test_gpu_defaults.py tests/test_losses_autocast.py tests/test_losses_fused.py -k "cuda or tf32"
+        tests/test_gpu_defaults.py tests/test_losses_autocast.py tests/test_losses_fused.py \
+        tests/test_losses_device.py -k "cuda or tf32"
+    # the trainer's per-sample-temperature paths on CUDA (v2's τ_i and their moments, the temperature network's
+    # heads), each to its checkpoint and a zero-shot evaluation: 30 steps of the tiny ViT, bf16
+    for loss in fastclip-v2 fastclip-tempnet; do
+        step "train_$loss" 75 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m fastclip train -- \
+            --config configs/embedded.yaml --data.train "$DATA/train" --data.val "$DATA/val" \
+            --data.zeroshot "$DATA/zeroshot.json" --loss.name "$loss" --train.device cuda --train.precision bf16 \
+            --train.max_steps 30 --eval.every_steps 0 --train.progress false --train.run_dir "/tmp/gpu_check_$loss"
+    done
     # end to end on one GPU: OpenCLIP's trainer (amp_bf16) against ours (bf16 autocast), ViT-B-32, 256 per step
     step e2e_gpu 320 "$PY" benchmarks/bench_e2e.py --arch ViT-B-32 --batch 256 --precision bf16 --device cuda \
         --nproc 1 --workers 6 --samples 51200 --reps 1 --data "$DATA" --out "$OUT"

@@ -75,7 +75,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
     def log_u_eps(self, log_u: torch.Tensor) -> torch.Tensor:
         """log(u + ε) from log u."""
         eps = self.options.eps
-        return torch.logaddexp(log_u, torch.tensor(math.log(eps), dtype=log_u.dtype)) if eps > 0 else log_u
+        return torch.logaddexp(log_u, log_u.new_full((), math.log(eps))) if eps > 0 else log_u
 
     def _compute(self, comm: Comm, batch: GlobalBatch):
         fused = self.options.fused_kernels  # the exponentials' passes as compiled kernels (kernels.py)
@@ -156,7 +156,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
                 "loss": loss_value,
                 "surrogate": coef * (row_w * row_total).sum(),  # S alone, as the surrogate's forward sums it
                 "objective": objective(),
-                "gamma": torch.tensor(gamma, dtype=dtype),
+                "gamma": loss_value.new_full((), gamma, dtype=dtype),
                 "tau": 1.0 / s.mean() if not separate else torch.exp(-torch.log(s).mean()),
             }
             # how far the moving average lags this batch's estimate (log u − log g, mean and mean |.|): the

@@ -61,7 +61,7 @@ def _tau_metrics(loss, surrogate, objective, gamma: float, tau: torch.Tensor) ->
         "loss": loss,
         "surrogate": surrogate,
         "objective": objective,
-        "gamma": torch.tensor(gamma, dtype=tau.dtype),
+        "gamma": tau.new_full((), gamma),
         "tau_quantiles": quantiles,
         "tau_q05": quantiles[0],
         "tau_q50": quantiles[1],

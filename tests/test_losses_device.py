@@ -1,0 +1,72 @@
+"""Every tensor a loss makes lives on its inputs' device. On CUDA a constant made on the CPU fails the call (v0, v1
+and v3 did, at their first step: logaddexp with a CPU ε); here, without a GPU, the default device is set to 'meta'
+around the call, so any tensor made without naming a device lands on 'meta' and mixing it with the CPU inputs (or
+reading it as a metric) fails the same way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastclip.losses import LOSSES, build_loss
+
+N, D = 16, 8
+OPTIONS = {
+    "openclip": {},
+    "fastclip-v0": {},
+    "fastclip-v1": {},
+    "fastclip-v2": {"rho": 3.0},
+    "fastclip-v3": {"rho": 3.0},
+    "fastclip-v3-separate": {"rho": 3.0, "separate_temperatures": True},
+    "fastclip-tempnet": {"embed_dim": D, "tempnet_hidden": 4},
+    "siglip": {},
+}
+
+
+def test_every_loss_is_covered():
+    assert {name.removesuffix("-separate") for name in OPTIONS} == set(LOSSES)
+
+
+@pytest.mark.parametrize("variant", list(OPTIONS))
+def test_the_loss_makes_nothing_on_the_default_device(variant):
+    name = variant.removesuffix("-separate")
+    loss_fn = build_loss(name, data_size=4 * N, **OPTIONS[variant])
+    gen = torch.Generator().manual_seed(0)
+    image = F.normalize(torch.randn(N, D, generator=gen), dim=1).requires_grad_()
+    text = F.normalize(torch.randn(N, D, generator=gen), dim=1).requires_grad_()
+    for step in range(2):  # the first call makes the state; the second reads it
+        index = torch.arange(step * N, (step + 1) * N)
+        with torch.device("meta"):
+            loss = loss_fn(image, text, index)
+            loss.backward()
+            metrics = dict(loss_fn.metrics)  # computed when read: inside the region too
+        assert loss.device.type == "cpu" and image.grad.device.type == "cpu"
+        for key, value in metrics.items():
+            assert value.device.type == "cpu", key
+            assert torch.isfinite(value).all(), key
+        assert all(p.grad is None or p.grad.device.type == "cpu" for p in loss_fn.parameters())
+        assert all(t.device.type == "cpu" for t in loss_fn.state_dict().values() if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", list(OPTIONS))
+def test_every_loss_runs_on_cuda_and_matches_the_cpu(variant):
+    """Two steps on CUDA (the state made, then read) against the same two on the CPU, float64 on both."""
+    name = variant.removesuffix("-separate")
+    results = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)  # the temperature network's heads start the same on both
+        loss_fn = build_loss(name, data_size=4 * N, **OPTIONS[variant]).double().to(device)
+        gen = torch.Generator().manual_seed(0)
+        image = F.normalize(torch.randn(N, D, generator=gen, dtype=torch.float64), dim=1).to(device).requires_grad_()
+        text = F.normalize(torch.randn(N, D, generator=gen, dtype=torch.float64), dim=1).to(device).requires_grad_()
+        out = []
+        for step in range(2):
+            loss = loss_fn(image, text, torch.arange(step * N, (step + 1) * N, device=device))
+            loss.backward()
+            out += [loss.detach(), *(value for _, value in sorted(dict(loss_fn.metrics).items()))]
+        out += [image.grad, text.grad]
+        results.append([t.cpu() for t in out])
+    for cpu, cuda in zip(*results):
+        torch.testing.assert_close(cuda, cpu, rtol=1e-10, atol=1e-12)

@@ -183,6 +183,35 @@ def _percent(mean_std, sign: str = "", unit: str = "") -> str:
     return f"{100 * mean:{sign}.1f}" + ("" if std is None else f" ± {100 * std:.1f}") + unit
 
 
+def _gpu_section(folder: Path) -> list[str]:
+    """Item 1 on one lent GPU: what `bash benchmarks/gpu_check.sh run` wrote there (copied into results/gpu/)."""
+    md = folder / "e2e.md"
+    if not md.is_file():
+        return []
+    env = (folder / "env.txt").read_text().strip().splitlines() if (folder / "env.txt").is_file() else []
+    tests = (folder / "cuda_tests.log").read_text().strip().splitlines() if (folder / "cuda_tests.log").is_file() else []
+    machine = json.loads((folder / "e2e.json").read_text()).get("machine", {}) if (folder / "e2e.json").is_file() else {}
+    lines = [
+        "## 1g. End to end on one GPU",
+        "",
+        f"Run {machine.get('date', '-')} by `bash benchmarks/gpu_check.sh run` on a lent machine (`prepare` here "
+        "first); its files are copied into `benchmarks/results/gpu/`. One run per system: a first reading, not a "
+        "median. The zero-shot figures after 200 steps of a randomly initialised ViT-B-32 are near chance (10 %) "
+        "for every system and compare nothing. Host memory: fastclip's peak is 1.6x OpenCLIP's here and equal on "
+        "the CPU (section 1); on CUDA fastclip's loader pins its batches in host memory and OpenCLIP's webdataset "
+        "loader does not, the likely cause, not yet measured.",
+        "",
+        *(f"    {line}" for line in env),
+        "",
+    ]
+    if tests:
+        lines += [f"CUDA-only tests (`benchmarks/results/gpu/cuda_tests.log`): {tests[-1].strip('= ')}.", ""]
+    lines += [md.read_text().strip(), ""]
+    if (folder / "e2e.png").is_file():
+        lines += ["![1g. End to end on one GPU](results/gpu/e2e.png)", ""]
+    return lines
+
+
 def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
     info = machine_info()
     report = (out.parent if out.name == "results" else out) / "RESULTS.md"
@@ -196,7 +225,8 @@ def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
         "**No GPU was available for this run**: everything below ran on CPU (gloo), 2 processes with "
         "OMP_NUM_THREADS=1 on a 2-core machine that other jobs were using at the same time (load averages "
         "are given per item; runs are interleaved and ratios are what to read, not absolute numbers). "
-        "The GPU runs of items 1 and 2 are left for a session with a GPU:"
+        "Item 1 ran once on one lent GPU (section 1g); its multi-GPU run and item 2 on a GPU are left for "
+        "a session with GPUs:"
         if not info["gpu"]
         else f"GPU: {info['gpu']}.",
         "",
@@ -206,6 +236,8 @@ def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
     lines += ["## Headline", ""] + headline(out) + [""]
     for name in ITEMS:
         lines += _section(name, out, runs)
+        if name == "e2e":
+            lines += _gpu_section(out / "gpu")
     loader = out / "loader_bench.md"
     if loader.is_file():
         lines += [

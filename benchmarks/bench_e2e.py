@@ -48,6 +48,9 @@ from common import (
 )
 
 SYSTEMS = ("OpenCLIP trainer", "fastclip openclip", "fastclip fastclip-v3")
+# on request (--systems): ours without page-locked batches (--data.pin_memory false), what pinning costs and buys
+UNPINNED = "fastclip openclip unpinned"
+ALL_SYSTEMS = (*SYSTEMS, UNPINNED)
 RUNTIME = dict(arch="tiny-vit", nproc=2, device="cpu", precision="fp32", workers=1)
 FULL = dict(samples=7680, batch=64, reps=2, eval_max=4000, skip_steps=20, log_every=10, **RUNTIME)
 QUICK = dict(samples=192, batch=16, reps=1, eval_max=100, skip_steps=2, log_every=2, **RUNTIME)
@@ -116,7 +119,7 @@ PINNED = ["--optim.lr", "1e-3", "--optim.lr_tau", "2e-4", "--optim.lr_tau_schedu
 PINNED_V3 = ["--loss.rho", "6.5", "--loss.gamma_min", "0.2"]
 
 
-def ours_cmd(loss: str, data: Path, run_dir: Path, p: dict, warmup: int) -> list[str]:
+def ours_cmd(loss: str, data: Path, run_dir: Path, p: dict, warmup: int, extra: tuple[str, ...] = ()) -> list[str]:
     return torchrun(p["nproc"]) + [
         "-m",
         "fastclip",
@@ -167,6 +170,7 @@ def ours_cmd(loss: str, data: Path, run_dir: Path, p: dict, warmup: int) -> list
         *loss_overrides(loss),
         *PINNED,
         *(PINNED_V3 if loss == "fastclip-v3" else []),
+        *extra,
     ]
 
 
@@ -207,7 +211,9 @@ def one_run(system: str, rep: int, data: Path, work: Path, p: dict) -> dict:
         sps = steady_openclip(run_dir / "out.log", global_batch, p["skip_steps"])
         ckpt, arch = sorted((run_dir / "checkpoints").glob("epoch_*.pt"))[-1], p["arch"]
     else:
-        mem = run_monitored(ours_cmd(system.split()[-1], data, run_dir, p, warmup), work / f"{run_dir.name}.log")
+        extra = ("--data.pin_memory", "false") if system == UNPINNED else ()
+        cmd = ours_cmd(system.split()[1], data, run_dir, p, warmup, extra)
+        mem = run_monitored(cmd, work / f"{run_dir.name}.log")
         sps = steady_ours(run_dir / "metrics.jsonl", p["skip_steps"])
         ckpt, arch = run_dir, None
     acc = evaluate_checkpoint(ckpt, data, arch=arch, max_samples=p["eval_max"], device=p["device"])
@@ -231,9 +237,17 @@ def one_run(system: str, rep: int, data: Path, work: Path, p: dict) -> dict:
     return row
 
 
+def systems_list(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in ALL_SYSTEMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown system(s) {unknown}; choose from: {', '.join(ALL_SYSTEMS)}")
+    return names
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     out = []
-    for system in SYSTEMS:
+    for system in ALL_SYSTEMS:
         mine = [r for r in rows if r["system"] == system]
         if not mine:
             continue
@@ -266,6 +280,11 @@ def _eval_samples(result: dict) -> int:
     return max(row.get("eval_samples", result["params"]["eval_max"]) for row in result["rows"])
 
 
+def _ratio(summary: dict, key: str, unit: str = "") -> str:
+    """A ratio to OpenCLIP's trainer, or '-' where the run had none."""
+    return f"{summary[key]:.2f}{unit}" if key in summary else "-"
+
+
 def markdown(result: dict) -> str:
     p = result["params"]
     lines = [
@@ -284,8 +303,8 @@ def markdown(result: dict) -> str:
     for s in result["summary"]:
         lines.append(
             f"| {s['system']} | {s['samples_per_s']:.1f} | {s['samples_per_s_all']} | "
-            f"{s.get('throughput_ratio', float('nan')):.2f}x | {s['peak_pss_sum_mb']:.0f} "
-            f"({s['peak_rss_sum_mb']:.0f}) | {s.get('pss_ratio', float('nan')):.2f} | "
+            f"{_ratio(s, 'throughput_ratio', 'x')} | {s['peak_pss_sum_mb']:.0f} "
+            f"({s['peak_rss_sum_mb']:.0f}) | {_ratio(s, 'pss_ratio')} | "
             f"{100 * s['zeroshot_mean_top1']:.2f}% | {100 * s['zeroshot_fashion_mnist_top1']:.2f}% | "
             f"{100 * s['zeroshot_mnist_top1']:.2f}% | {s['wall_s']:.0f} |"
         )
@@ -333,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=count(0), help="data loader workers per process")
     parser.add_argument("--data", type=Path, help="embedded data root (built when missing)")
     parser.add_argument("--out", type=Path, help="folder for e2e.{json,md,png}")
+    parser.add_argument(
+        "--systems",
+        type=systems_list,
+        help=f"comma list of systems to run, in order (default: the first {len(SYSTEMS)}): {', '.join(ALL_SYSTEMS)}",
+    )
     args = parser.parse_args(argv)
     check_out(parser, args.out)
     p = dict(QUICK if args.quick else FULL)
@@ -342,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data or (SMOKE_OUT / "embedded_small" if args.quick else REPO / "data" / "embedded")
     ensure_embedded(data, **(dict(max_per_class=40, shard_size=100) if args.quick else {}))
     info = machine_info()
-    rows = [one_run(system, rep, data, work, p) for rep in range(p["reps"]) for system in SYSTEMS]
+    systems = args.systems or SYSTEMS
+    rows = [one_run(system, rep, data, work, p) for rep in range(p["reps"]) for system in systems]
     result = {"machine": info, "params": p, "rows": rows, "summary": summarize(rows)}
     result["machine"]["loadavg_after"] = list(__import__("os").getloadavg())
     publish(out, "e2e", result, markdown, plot)

@@ -46,6 +46,7 @@ class DataConfig:
     resampled: bool = False  # draw shards with replacement (OpenCLIP --dataset-resampled)
     samples_per_epoch: int | None = None  # virtual epoch length; only with resampled (null: all samples)
     upsampling_factors: str | None = None  # "1::2": per-source weights of "::"-joined sources (resampled)
+    pin_memory: bool | None = None  # page-locked batches, copied to the GPU asynchronously; null: on for CUDA
 
 
 @dataclass

@@ -188,7 +188,7 @@ def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamCo
         samples_per_epoch=d.samples_per_epoch,
         upsampling_factors=d.upsampling_factors,
         data_size=data_size,
-        pin_memory=device.type == "cuda",
+        pin_memory=device.type == "cuda" and d.pin_memory is not False,
         log_skips_per_reason=0,
     )  # rank 0 logs every rank's skips, once per epoch (DataSkipReport)
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastclip.losses import LOSSES, build_loss
+from fastclip.losses import LOSSES, LossInputError, build_loss
+
+from dist_utils import run_distributed
 
 N, D = 16, 8
 OPTIONS = {
@@ -47,6 +49,43 @@ def test_the_loss_makes_nothing_on_the_default_device(variant):
             assert torch.isfinite(value).all(), key
         assert all(p.grad is None or p.grad.device.type == "cpu" for p in loss_fn.parameters())
         assert all(t.device.type == "cpu" for t in loss_fn.state_dict().values() if isinstance(t, torch.Tensor))
+
+
+def calls_on_meta_default(rank: int, world_size: int) -> dict[str, str]:
+    """Every variant on 2 ranks (the handshake, the parameter broadcast, the gathers and the state's shares),
+    train steps then an eval-mode call, and once more with deferred validation: what failed, by variant."""
+    failed = {}
+    for validate in ("eager", "deferred"):
+        for variant, options in OPTIONS.items():
+            name = variant.removesuffix("-separate")
+            try:
+                loss_fn = build_loss(name, data_size=8 * N, validate=validate, **options)
+                gen = torch.Generator().manual_seed(rank)
+                image = F.normalize(torch.randn(N, D, generator=gen), dim=1).requires_grad_()
+                text = F.normalize(torch.randn(N, D, generator=gen), dim=1).requires_grad_()
+                for step in range(3):
+                    loss_fn.train(step < 2)
+                    index = torch.arange(N) + (2 * step + rank) * N
+                    with torch.device("meta"):
+                        loss = loss_fn(image, text, index)
+                        if step < 2:
+                            loss.backward()
+                        values = [v for v in dict(loss_fn.metrics).values()]
+                    assert all(v.device.type == "cpu" for v in [loss, *values])
+                if validate == "eager":  # one rank's batch shrinks: a zero stand-in joins the gather, all ranks raise
+                    loss_fn.train()
+                    rows = N - rank
+                    index = torch.arange(rows) + 7 * N
+                    with torch.device("meta"), pytest.raises(LossInputError):
+                        loss_fn(image[:rows], text[:rows], index)
+            except Exception as e:  # noqa: BLE001  (reported by variant: one failure must not hide the others)
+                failed[f"{variant} validate={validate}"] = f"{type(e).__name__}: {e}"
+    return failed
+
+
+def test_two_ranks_make_nothing_on_the_default_device():
+    for rank, failed in enumerate(run_distributed(calls_on_meta_default, 2, timeout=180)):
+        assert failed == {}, f"rank {rank}: {failed}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

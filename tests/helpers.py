@@ -18,6 +18,15 @@ from dist_utils import free_port
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED = REPO / "configs" / "embedded.yaml"
 BATCH = 8  # per process; 80 training samples: 5 steps per epoch at 2 processes, 10 at 1
+# each loss with the options that make it differ from its neighbours on a small batch (v2/v3: ρ within reach)
+LOSS_OPTIONS = {
+    "openclip": {},
+    "fastclip-v0": {},
+    "fastclip-v1": {},
+    "fastclip-v2": {"rho": 3.0},
+    "fastclip-v3": {"rho": 3.0},
+    "siglip": {},
+}
 
 
 def make_embedded(out: Path) -> Path:

@@ -9,15 +9,10 @@ import torch.nn.functional as F
 
 from fastclip.losses import build_loss
 
+from helpers import LOSS_OPTIONS
+
 N, D = 64, 16
-OPTIONS = {
-    "openclip": {},
-    "fastclip-v0": {},
-    "fastclip-v1": {},
-    "fastclip-v2": {"rho": 3.0},
-    "fastclip-v3": {"rho": 3.0},
-    "siglip": {},
-}
+OPTIONS = LOSS_OPTIONS
 
 
 def features(dtype=torch.float32):

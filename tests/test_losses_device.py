@@ -12,17 +12,13 @@ import torch.nn.functional as F
 from fastclip.losses import LOSSES, LossInputError, build_loss
 
 from dist_utils import run_distributed
+from helpers import LOSS_OPTIONS
 
 N, D = 16, 8
 OPTIONS = {
-    "openclip": {},
-    "fastclip-v0": {},
-    "fastclip-v1": {},
-    "fastclip-v2": {"rho": 3.0},
-    "fastclip-v3": {"rho": 3.0},
+    **LOSS_OPTIONS,
     "fastclip-v3-separate": {"rho": 3.0, "separate_temperatures": True},
     "fastclip-tempnet": {"embed_dim": D, "tempnet_hidden": 4},
-    "siglip": {},
 }
 
 

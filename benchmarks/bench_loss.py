@@ -358,7 +358,7 @@ def _run(args, plan: dict) -> int:
             "kernels, compiled during the warm-up). "
             "Bytes: per rank per step, ring formulas; ClipLoss counted by wrapping its torch.distributed calls "
             "(2 all_gathers forward, 2 x K scatters backward on gloo). v3 total (deferred) = features + indices + "
-            "4 check words + state all_reduce (the warm-up's first call adds the one-time structure handshake "
+            "5 check words + state all_reduce (the warm-up's first call adds the one-time structure handshake "
             "and the broadcast of logit_scale from rank 0). "
             "Ops per call: aten ops one call dispatches on rank 0 (forward, backward, collectives; each costs a few "
             "microseconds whatever its size, which is what decides at small B and d)."

@@ -289,6 +289,32 @@ def state_made_before_the_group(rank, world_size):
     return out
 
 
+def forgotten_average(rank, world_size):
+    """A user's loop that steps the loss's τ (and heads) with or without averaging their gradients over the ranks:
+    the call at which a LossInputError stopped it (None: it ran all 4 steps), and the error, per loss."""
+    out = {}
+    for name, options in (("fastclip-v3", {}), ("openclip", {}), ("fastclip-tempnet", {"embed_dim": D})):
+        for average in (True, False):
+            loss_fn = build_loss(name, data_size=DATA_SIZE, **options).double()
+            opt = torch.optim.SGD(loss_fn.parameters(), lr=0.5)
+            stopped, message = None, None
+            for step in range(4):
+                e1, e2 = step_batch(step, 8)  # each rank its own rows: its own τ-gradient
+                e1, e2 = e1[4 * rank : 4 * rank + 4], e2[4 * rank : 4 * rank + 4]
+                try:
+                    loss = loss_fn(e1, e2, torch.arange(4) + 4 * rank)
+                except LossInputError as error:
+                    stopped, message = step, str(error)
+                    break
+                opt.zero_grad()
+                loss.backward()
+                if average:
+                    loss_fn.average_grads_()
+                opt.step()
+            out[f"{name} average={average}"] = (stopped, message)
+    return out
+
+
 BIG = 10**6
 
 
@@ -324,6 +350,7 @@ def two_rank_suite(rank, world_size):
         "later": later_bad_calls(rank, world_size),
         "shapes_changed": shapes_changed_on_one_rank(rank, world_size),
         "made_early": state_made_before_the_group(rank, world_size),
+        "forgotten": forgotten_average(rank, world_size),
         "big": big_data_size(rank, world_size),
     }
 
@@ -436,8 +463,8 @@ def test_comm_bytes_v3_half_of_cliploss(two_ranks):
         assert v3["features"] == (k - 1) * 2 * b * D * item  # one all_gather of [image | text]
         assert v3["indices"] == (k - 1) * b * 8
         assert v3["state"] == 2 * (k - 1) * (k * b) * 5 * item // k  # all_reduce of [N, 5]
-        # the first call's handshake + the 4 words in the gather + the first call's broadcast of logit_scale
-        assert v3["header"] == (k - 1) * (16 + 4 + 1) * 8
+        # the first call's handshake + the 5 words in the gather + the first call's broadcast of logit_scale
+        assert v3["header"] == (k - 1) * (16 + 5 + 1) * 8
         assert v3["total"] == sum(v3[key] for key in ("features", "indices", "state", "header"))
         # ClipLoss, measured by wrapping torch.distributed: 2 all_gathers forward + their backward
         assert result["clip"]["clip_bytes"] == 4 * (k - 1) * b * D * item
@@ -475,7 +502,7 @@ def test_after_the_handshake_a_call_makes_no_extra_collective(two_ranks):
             assert (gathers, later["calls"].get("all_reduce")) == (1, 1), later["calls"]
             # the counter also times each kind of call it saw (bench_loss splits a step's time with it)
             assert set(later["seconds"]) == set(later["calls"]) and all(t > 0 for t in later["seconds"].values())
-            assert later["bytes"]["header"] == 4 * 8  # the 4 check words of the other rank
+            assert later["bytes"]["header"] == 5 * 8  # the 5 check words of the other rank
             assert math.isfinite(later["after"])
         assert result["later"]["eager"]["at_call"] == message
         assert result["later"]["eager"]["at_check"] is None
@@ -545,3 +572,14 @@ def test_one_rank_that_agreed_alone_or_passes_other_indices_costs_one_round_at_m
         assert got["openclip_bytes"][2:] == [steady, steady] and got["openclip_bytes"][1] > steady
         assert got["pregroup_scale"] == 2.5  # rank 0's
         assert got["graph_before_first_call"]
+
+
+@pytest.mark.parametrize("name", ["fastclip-v3", "openclip", "fastclip-tempnet"])
+def test_forgetting_to_average_the_loss_gradients_is_named_on_every_rank(two_ranks, name):
+    """Without average_grads_ each rank steps its own τ after the first step: the next call says so, on every rank,
+    with the remedy; with it the ranks agree bitwise and no call complains."""
+    for result in two_ranks:
+        assert result["forgotten"][f"{name} average=True"] == (None, None)
+        stopped, message = result["forgotten"][f"{name} average=False"]
+        assert stopped == 1, message
+        assert message.startswith("rank 1's loss parameters differ from rank 0's") and "average_grads_()" in message

@@ -15,7 +15,14 @@ from .errors import LossInputError
 from .options import CommonOptions, SampleStateOptions
 from .pairwise import exact_float32
 from .sharded_state import ShardedSampleState
-from .validation import SIGNATURE_CHANGED, InputChecks, header_device, validate_mode, value_words
+from .validation import (
+    SIGNATURE_CHANGED,
+    InputChecks,
+    header_device,
+    parameter_fingerprint,
+    validate_mode,
+    value_words,
+)
 
 LOGIT_SCALE_MAX = math.log(100.0)  # OpenCLIP's clamp: τ >= 0.01
 
@@ -93,7 +100,9 @@ class ContrastiveLoss(nn.Module):
             indices = indices.to(torch.int64)
         words = None
         if self.validate != "off":  # value checks ride in the feature all_gather's buffer
-            words = value_words(image_features, text_features, indices, data_size)
+            agree = self.validate == "eager" and comm.world_size > 1  # (deferred mode reads no words per call)
+            fingerprint = parameter_fingerprint(list(self.parameters())) if agree else None
+            words = value_words(image_features, text_features, indices, data_size, fingerprint)
             if stand_in:
                 words[0] = SIGNATURE_CHANGED
         batch = comm.gather_batch(image_features, text_features, indices, header=words)

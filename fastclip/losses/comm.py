@@ -7,7 +7,7 @@ A loss call makes at most these data collectives:
   first call's broadcast of the loss's parameters from rank 0 (broadcast_from_first_). In eager mode a call in
   which one rank's shapes changed makes the feature all_gather twice (once with that rank's stand-in, once after
   the handshake: validation.py);
-* ``features`` + ``indices`` (+ ``header``): ONE all_gather of ``[image | text | indices | 4 check words]``
+* ``features`` + ``indices`` (+ ``header``): ONE all_gather of ``[image | text | indices | 5 check words]``
   packed into a single flat buffer of the feature dtype; the int64 indices and words travel bit-cast
   (``Tensor.view(dtype)``), which a copy-only collective preserves exactly. Nothing here carries autograd,
   so there is no backward collective;

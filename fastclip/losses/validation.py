@@ -12,15 +12,19 @@ Two kinds of check:
   raises alike where the ranks disagree (an uneven last batch on one rank), and the call is made again where
   they changed together. In deferred mode nothing is read per call, so the ranks must change their shapes
   together (every rank's last batch smaller, or dropped); a change on one rank alone fails in the all_gather.
-* **Values** (non-finite features, an index outside [0, data_size)). Every call, four int64 words per rank
-  (first non-finite row of image and of text, first bad index position and its value) are computed on the
-  device and ride at the end of the feature all_gather's buffer (comm.gather_batch): every rank then holds
+* **Values** (non-finite features, an index outside [0, data_size)). Every call, five int64 words per rank
+  (first non-finite row of image and of text, first bad index position and its value, and in eager mode the
+  loss parameters' sum) are computed on the device and ride at the end of the feature all_gather's buffer
+  (comm.gather_batch): every rank then holds
   every rank's words, on the device, and decides the same. ``validate="eager"`` reads them back before the loss
   touches its state, every call (a host sync: ``InputChecks.check_now``). ``"deferred"`` keeps them on the device
   (``record``: no op per call, a fold every FOLD_EVERY calls) and leaves the read to the caller:
   ``raise_if_bad()`` (the trainer: on logging steps and before a checkpoint is written) raises the first bad
   index's error, else the first non-finite features', naming call, rank, row or index.
   In deferred mode an out-of-range index is simply owned by no rank (it reads and writes no state).
+* **Parameters agree** (eager mode, several ranks): a rank whose τ or heads are not rank 0's (their sums differ
+  by more than PARAMETER_TOLERANCE, relative) gets the same error on every rank, naming average_grads_(): in a
+  user's own loop that forgot it, each rank would otherwise optimise its own loss without a word.
 
 ``validate=False`` ("off") skips both; an out-of-range index then trips a device-side assert.
 """
@@ -28,6 +32,7 @@ Two kinds of check:
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -214,8 +219,26 @@ def check_details(details: list[list[int]], *, data_size: int | None) -> None:
             raise LossInputError(f"rank {rank}: indices[{pos}] = {value} is out of range [0, data_size={data_size})")
 
 
+def check_parameters_agree(fingerprints: list[int]) -> None:
+    """Raise where a rank's loss parameters (τ, the temperature network's heads) are not rank 0's: each rank then
+    optimises another loss, what forgetting to average their gradients does, silently, in a user's own loop."""
+    values = [struct.unpack("<d", struct.pack("<q", word))[0] for word in fingerprints]
+    for rank, value in enumerate(values[1:], start=1):
+        if fingerprints[rank] == fingerprints[0]:  # the same bits (a NaN τ on every rank is not this error)
+            continue
+        if not abs(value - values[0]) <= PARAMETER_TOLERANCE * max(abs(value), abs(values[0])):  # (a NaN on one too)
+            raise LossInputError(
+                f"rank {rank}'s loss parameters differ from rank 0's (their sums {value!r} and {values[0]!r}): "
+                "average the loss's gradients over the ranks after backward() with loss_fn.average_grads_(), or "
+                "put the loss inside DDP, so that every rank steps the same temperature"
+            )
+
+
 VALIDATE_MODES = ("eager", "deferred", "off")
-HEADER_WORDS = 4  # [first non-finite image row, first non-finite text row, first bad index position, its value]
+# [first non-finite image row, first non-finite text row, first bad index position, its value, the loss parameters'
+# fingerprint (eager mode on several ranks: float64 bits; else 0)]
+HEADER_WORDS = 5
+PARAMETER_TOLERANCE = 1e-6  # relative: bitwise-equal steps agree exactly, a rank stepping alone drifts far more
 NO_ROW = 2**62  # a position word's value when nothing is wrong (above any row: "first" is a minimum)
 FOLD_EVERY = 64  # deferred mode keeps the last calls' words as they are and folds them this often (bounded memory)
 SIGNATURE_CHANGED = -2  # eager mode: a rank's first word when it sent a stand-in (its shapes changed)
@@ -234,10 +257,28 @@ def validate_mode(value) -> str:
 
 
 @torch.no_grad()
-def value_words(image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor | None, data_size: int | None):
+def parameter_fingerprint(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The float64 sum of the loss's parameters as one int64 word (its bits), or None for a loss without any: ranks
+    whose τ and heads stepped alike send the same word."""
+    if not params:
+        return None
+    total = params[0].detach().sum(dtype=torch.float64)
+    for p in params[1:]:
+        total = total + p.detach().sum(dtype=torch.float64)
+    return total.view(torch.int64).reshape(1)
+
+
+def value_words(
+    image: torch.Tensor,
+    text: torch.Tensor,
+    indices: torch.Tensor | None,
+    data_size: int | None,
+    fingerprint: torch.Tensor | None = None,
+):
     """``[HEADER_WORDS]`` int64 on the features' device: the three first-bad positions (NO_ROW where nothing is
-    wrong) and the bad index's value (meaningless unless its position is). A dozen small device ops, no host sync:
-    they run at every call, so their number is what they cost at small batches."""
+    wrong), the bad index's value (meaningless unless its position is) and the parameters' fingerprint (0 where
+    none is given). A dozen small device ops, no host sync: they run at every call, so their number is what they
+    cost at small batches."""
     # A row's float64 sum is NaN/Inf iff the row holds a NaN/Inf: one pass over the features. x − x is 0 exactly
     # for a finite x and NaN otherwise (two ops; isfinite decomposes into four).
     sums = torch.stack([image.sum(dim=1, dtype=torch.float64), text.sum(dim=1, dtype=torch.float64)])
@@ -247,18 +288,19 @@ def value_words(image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor |
         ok = torch.cat([ok, (indices.clamp(0, data_size - 1) == indices)[None]])  # [3, B]
     rows = torch.arange(ok.shape[1], device=ok.device)
     first = rows.masked_fill(ok, NO_ROW).amin(dim=1)  # the first bad row of each, NO_ROW where there is none
-    if not checked:
-        return torch.cat([first, first.new_full((2,), NO_ROW)])  # (new_tensor from a list copies host -> device)
+    tail = first.new_zeros(1) if fingerprint is None else fingerprint.to(first.device)
+    if not checked:  # (new_full, not new_tensor from a list: that copies host -> device)
+        return torch.cat([first, first.new_full((2,), NO_ROW), tail])
     # gather, not indices[t]: indexing with a 0-d tensor reads it back to the host (a sync on CUDA)
     value = indices.gather(0, first[2:].clamp(max=ok.shape[1] - 1)).to(torch.int64)  # unread when none is bad
-    return torch.cat([first, value])
+    return torch.cat([first, value, tail])
 
 
 def _details(words: list[int]) -> list[list[int]]:
     """Host words of all ranks, split per rank, a NO_ROW position read as -1 (check_details's "nothing wrong")."""
     out = []
     for i in range(0, len(words), HEADER_WORDS):
-        image_row, text_row, pos, value = words[i : i + HEADER_WORDS]
+        image_row, text_row, pos, value = words[i : i + 4]
         out.append([-1 if w == NO_ROW else w for w in (image_row, text_row, pos)] + [value])
     return out
 
@@ -309,6 +351,7 @@ class InputChecks:
             return True
         self.calls += 1
         check_details(_details(values), data_size=self.data_size)
+        check_parameters_agree(values[4::HEADER_WORDS])
         return False
 
     def record(self, words: torch.Tensor) -> None:

@@ -247,10 +247,8 @@ def systems_list(text: str) -> tuple[str, ...]:
 
 def summarize(rows: list[dict]) -> list[dict]:
     out = []
-    for system in ALL_SYSTEMS:
+    for system in dict.fromkeys(r["system"] for r in rows):  # in the order they ran
         mine = [r for r in rows if r["system"] == system]
-        if not mine:
-            continue
         med = lambda k: statistics.median(r[k] for r in mine if r[k] is not None)  # noqa: E731
         out.append(
             {

@@ -190,16 +190,23 @@ def _gpu_section(folder: Path) -> list[str]:
         return []
     text = lambda name: (folder / name).read_text().strip() if (folder / name).is_file() else ""  # noqa: E731
     env, tests = text("env.txt").splitlines(), text("cuda_tests.log").splitlines()
-    machine = json.loads(text("e2e.json") or "{}").get("machine", {})
+    result = json.loads(text("e2e.json") or "{}")
+    machine, p = result.get("machine", {}), result.get("params", {})
+    steps = p["samples"] // (p["batch"] * p["nproc"]) if p else "-"
+    memory = {s["system"]: s.get("pss_ratio") for s in result.get("summary", [])}.get("fastclip openclip")
     lines = [
         "## 1g. End to end on one GPU",
         "",
         f"Run {machine.get('date', '-')} by `bash benchmarks/gpu_check.sh run` on a lent machine (`prepare` here "
         "first); its files are copied into `benchmarks/results/gpu/`. One run per system: a first reading, not a "
-        "median. The zero-shot figures after 200 steps of a randomly initialised ViT-B-32 are near chance (10 %) "
-        "for every system and compare nothing. Host memory: fastclip's peak is 1.6x OpenCLIP's here and equal on "
-        "the CPU (section 1): on CUDA our loader pins its batches in page-locked host memory and OpenCLIP's "
-        "webdataset loader does not. The second table measures that (`--data.pin_memory false`).",
+        f"median. The zero-shot figures after {steps} steps of a randomly initialised {p.get('arch', 'model')} "
+        "are near chance (10 %) for every system and compare nothing."
+        + (
+            f" Host memory: fastclip's peak is {memory:.1f}x OpenCLIP's here (section 1 gives the CPU's); on CUDA our "
+            "loader pins its batches in page-locked host memory, which OpenCLIP's webdataset loader does not."
+            if memory
+            else ""
+        ),
         "",
         *(f"    {line}" for line in env),
         "",
@@ -209,14 +216,15 @@ def _gpu_section(folder: Path) -> list[str]:
     lines += [md.read_text().strip(), ""]
     if (folder / "e2e.png").is_file():
         lines += ["![1g. End to end on one GPU](results/gpu/e2e.png)", ""]
-    pin = folder / "pin_memory.md"
-    if pin.is_file():
+    pin = text("pin_memory.md")
+    if pin:
         lines += [
             "What pinning costs and buys, on the same machine (`python benchmarks/bench_e2e.py --arch ViT-B-32 "
             "--batch 256 --precision bf16 --device cuda --nproc 1 --workers 6 --samples 25600 --reps 1 --systems "
-            "'fastclip openclip unpinned,fastclip openclip'`, one run each):",
+            "'fastclip openclip unpinned,fastclip openclip'`, one run each; `--data.pin_memory false` is the "
+            "unpinned run):",
             "",
-            pin.read_text().strip().split("\n\n", 1)[1],
+            pin.split("\n\n", 1)[-1],  # the table, without the parameters' paragraph
             "",
         ]
     return lines
@@ -224,6 +232,7 @@ def _gpu_section(folder: Path) -> list[str]:
 
 def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
     info = machine_info()
+    gpu_run = (out / "gpu" / "e2e.md").is_file()
     report = (out.parent if out.name == "results" else out) / "RESULTS.md"
     lines = [
         "# fastclip benchmarks against OpenCLIP",
@@ -235,8 +244,12 @@ def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
         "**No GPU was available for this run**: everything below ran on CPU (gloo), 2 processes with "
         "OMP_NUM_THREADS=1 on a 2-core machine that other jobs were using at the same time (load averages "
         "are given per item; runs are interleaved and ratios are what to read, not absolute numbers). "
-        "Item 1 ran once on one lent GPU (section 1g); its multi-GPU run and item 2 on a GPU are left for "
-        "a session with GPUs:"
+        + (
+            "Item 1 ran once on one lent GPU (section 1g); its multi-GPU run and item 2 on a GPU are left for "
+            "a session with GPUs:"
+            if gpu_run
+            else "The GPU runs of items 1 and 2 are left for a session with a GPU:"
+        )
         if not info["gpu"]
         else f"GPU: {info['gpu']}.",
         "",

@@ -56,6 +56,12 @@ def _check_similarity(options) -> None:
 class CommonOptions:
     group: object | None = None  # process group; None = the default (WORLD) when torch.distributed is initialised
     validate: bool = True  # header collective + checks that raise the same LossInputError on all ranks
+    # eager validation on several ranks: raise where a rank's τ or heads are not rank 0's (gradients not averaged);
+    # false for local SGD / periodic model averaging, where they differ on purpose between the averaging rounds
+    check_parameters: bool = True
+
+    def __post_init__(self):
+        _check_bool("check_parameters", self.check_parameters)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class OpenCLIPOptions(CommonOptions):
     fused_kernels: bool = False  # the [2, B, N] exponentials as torch.compile'd kernels (kernels.py)
 
     def __post_init__(self):
+        super().__post_init__()
         _positive("temperature", self.temperature)
         _check_bool("learn_temperature", self.learn_temperature)
         _check_similarity(self)
@@ -90,6 +97,7 @@ class SampleStateOptions(CommonOptions):
     fused_kernels: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         _check_bool("fused_kernels", self.fused_kernels)
         if not _is_count(self.data_size, 1):
             raise ValueError(
@@ -245,6 +253,7 @@ class SigLIPOptions(CommonOptions):
     learn_bias: bool = True
 
     def __post_init__(self):
+        super().__post_init__()
         _positive("temperature", self.temperature)
         _finite("bias", self.bias)
         _check_bool("learn_temperature", self.learn_temperature)

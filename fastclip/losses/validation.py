@@ -22,9 +22,11 @@ Two kinds of check:
   ``raise_if_bad()`` (the trainer: on logging steps and before a checkpoint is written) raises the first bad
   index's error, else the first non-finite features', naming call, rank, row or index.
   In deferred mode an out-of-range index is simply owned by no rank (it reads and writes no state).
-* **Parameters agree** (eager mode, several ranks): a rank whose τ or heads are not rank 0's (their sums differ
-  by more than PARAMETER_TOLERANCE, relative) gets the same error on every rank, naming average_grads_(): in a
-  user's own loop that forgot it, each rank would otherwise optimise its own loss without a word.
+* **Parameters agree** (eager mode, several ranks, option ``check_parameters``): a rank whose τ or heads are not
+  rank 0's (their float64 sums differ) gets the same error on every rank, naming average_grads_(): in a user's
+  own loop that forgot it, each rank would otherwise optimise its own loss without a word. The check is exact
+  (averaged steps agree bitwise) and sees a difference once one exists: the next call after an SGD step, after
+  tens of steps where Adam at a small learning rate keeps a float32 τ bitwise equal meanwhile.
 
 ``validate=False`` ("off") skips both; an out-of-range index then trips a device-side assert.
 """
@@ -224,21 +226,24 @@ def check_parameters_agree(fingerprints: list[int]) -> None:
     optimises another loss, what forgetting to average their gradients does, silently, in a user's own loop."""
     values = [struct.unpack("<d", struct.pack("<q", word))[0] for word in fingerprints]
     for rank, value in enumerate(values[1:], start=1):
-        if fingerprints[rank] == fingerprints[0]:  # the same bits (a NaN τ on every rank is not this error)
+        # exact: averaged gradients step every rank's parameters to the same bits, and a rank that steps its own
+        # may stay within any tolerance for many steps (Adam at a small lr_tau)
+        if value == values[0] or (math.isnan(value) and math.isnan(values[0])):  # (NaN everywhere: not this error)
             continue
-        if not abs(value - values[0]) <= PARAMETER_TOLERANCE * max(abs(value), abs(values[0])):  # (a NaN on one too)
-            raise LossInputError(
-                f"rank {rank}'s loss parameters differ from rank 0's (their sums {value!r} and {values[0]!r}): "
-                "average the loss's gradients over the ranks after backward() with loss_fn.average_grads_(), or "
-                "put the loss inside DDP, so that every rank steps the same temperature"
-            )
+        which = "are not finite" if not math.isfinite(value) else "differ from rank 0's"
+        raise LossInputError(
+            f"rank {rank}'s loss parameters {which} (sums {value!r} on rank {rank}, {values[0]!r} on rank 0): "
+            "average the loss's gradients over the ranks after backward() (loss_fn.average_grads_(), or the "
+            "loss inside DDP) so that every rank steps the same τ; where they differ on purpose (local SGD, "
+            "periodic model averaging), build the loss with check_parameters=False"
+        )
 
 
 VALIDATE_MODES = ("eager", "deferred", "off")
 # [first non-finite image row, first non-finite text row, first bad index position, its value, the loss parameters'
 # fingerprint (eager mode on several ranks: float64 bits; else 0)]
 HEADER_WORDS = 5
-PARAMETER_TOLERANCE = 1e-6  # relative: bitwise-equal steps agree exactly, a rank stepping alone drifts far more
+FINGERPRINT = 4  # the fingerprint's position in a rank's words
 NO_ROW = 2**62  # a position word's value when nothing is wrong (above any row: "first" is a minimum)
 FOLD_EVERY = 64  # deferred mode keeps the last calls' words as they are and folds them this often (bounded memory)
 SIGNATURE_CHANGED = -2  # eager mode: a rank's first word when it sent a stand-in (its shapes changed)
@@ -262,10 +267,8 @@ def parameter_fingerprint(params: list[torch.Tensor]) -> torch.Tensor | None:
     whose τ and heads stepped alike send the same word."""
     if not params:
         return None
-    total = params[0].detach().sum(dtype=torch.float64)
-    for p in params[1:]:
-        total = total + p.detach().sum(dtype=torch.float64)
-    return total.view(torch.int64).reshape(1)
+    flat = params[0].detach().reshape(-1) if len(params) == 1 else torch.cat([p.detach().reshape(-1) for p in params])
+    return flat.sum(dtype=torch.float64).view(torch.int64).reshape(1)
 
 
 def value_words(
@@ -273,12 +276,12 @@ def value_words(
     text: torch.Tensor,
     indices: torch.Tensor | None,
     data_size: int | None,
-    fingerprint: torch.Tensor | None = None,
+    fingerprint: torch.Tensor,
 ):
     """``[HEADER_WORDS]`` int64 on the features' device: the three first-bad positions (NO_ROW where nothing is
-    wrong), the bad index's value (meaningless unless its position is) and the parameters' fingerprint (0 where
-    none is given). A dozen small device ops, no host sync: they run at every call, so their number is what they
-    cost at small batches."""
+    wrong), the bad index's value (meaningless unless its position is) and ``fingerprint`` (a [1] int64 word).
+    A dozen small device ops, no host sync: they run at every call, so their number is what they cost at small
+    batches."""
     # A row's float64 sum is NaN/Inf iff the row holds a NaN/Inf: one pass over the features. x − x is 0 exactly
     # for a finite x and NaN otherwise (two ops; isfinite decomposes into four).
     sums = torch.stack([image.sum(dim=1, dtype=torch.float64), text.sum(dim=1, dtype=torch.float64)])
@@ -288,7 +291,7 @@ def value_words(
         ok = torch.cat([ok, (indices.clamp(0, data_size - 1) == indices)[None]])  # [3, B]
     rows = torch.arange(ok.shape[1], device=ok.device)
     first = rows.masked_fill(ok, NO_ROW).amin(dim=1)  # the first bad row of each, NO_ROW where there is none
-    tail = first.new_zeros(1) if fingerprint is None else fingerprint.to(first.device)
+    tail = fingerprint.to(first.device)
     if not checked:  # (new_full, not new_tensor from a list: that copies host -> device)
         return torch.cat([first, first.new_full((2,), NO_ROW), tail])
     # gather, not indices[t]: indexing with a 0-d tensor reads it back to the host (a sync on CUDA)
@@ -300,7 +303,7 @@ def _details(words: list[int]) -> list[list[int]]:
     """Host words of all ranks, split per rank, a NO_ROW position read as -1 (check_details's "nothing wrong")."""
     out = []
     for i in range(0, len(words), HEADER_WORDS):
-        image_row, text_row, pos, value = words[i : i + 4]
+        image_row, text_row, pos, value = words[i : i + FINGERPRINT]
         out.append([-1 if w == NO_ROW else w for w in (image_row, text_row, pos)] + [value])
     return out
 
@@ -314,8 +317,15 @@ class InputChecks:
         self.signature: tuple | None = None
         self.calls = 0  # loss calls made (host counter)
         self._pending: list[torch.Tensor] = []  # [K, HEADER_WORDS] of the last calls, not yet folded
+        self._zero_word: torch.Tensor | None = None  # the fingerprint word where none is sent (no op per call)
         # folded so far, per kind ("features", "index"): (the first bad call's number or -1, its words), on the device
         self._first_bad: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def zero_word(self, device: torch.device) -> torch.Tensor:
+        """A [1] int64 zero on ``device``, made once: the fingerprint word of a call that sends none."""
+        if self._zero_word is None or self._zero_word.device != device:
+            self._zero_word = torch.zeros(1, dtype=torch.int64, device=device)
+        return self._zero_word
 
     def structure(self, comm: Comm, image, text, indices, **checks) -> None:
         """The structure handshake, when this rank's input signature differs from the agreed one."""
@@ -351,7 +361,7 @@ class InputChecks:
             return True
         self.calls += 1
         check_details(_details(values), data_size=self.data_size)
-        check_parameters_agree(values[4::HEADER_WORDS])
+        check_parameters_agree(values[FINGERPRINT::HEADER_WORDS])
         return False
 
     def record(self, words: torch.Tensor) -> None:

@@ -105,3 +105,24 @@ def test_every_loss_runs_on_cuda_and_matches_the_cpu(variant):
         results.append([t.cpu() for t in out])
     for cpu, cuda in zip(*results):
         torch.testing.assert_close(cuda, cpu, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", list(OPTIONS))
+def test_a_deferred_call_on_cuda_waits_for_nothing_on_the_host(variant):
+    """The trainer's calls (validate="deferred", indices handed over on the device, metrics not read) make no host
+    sync: torch raises at any op that would wait for the GPU (an .item(), a nonzero, a blocking copy)."""
+    name = variant.removesuffix("-separate")
+    loss_fn = build_loss(name, data_size=4 * N, validate="deferred", **OPTIONS[variant]).cuda()
+    gen = torch.Generator().manual_seed(0)
+    image = F.normalize(torch.randn(N, D, generator=gen), dim=1).cuda().requires_grad_()
+    text = F.normalize(torch.randn(N, D, generator=gen), dim=1).cuda().requires_grad_()
+    loss_fn(image, text, torch.arange(N, device="cuda")).backward()  # the first call: the handshake reads its header
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 3):
+            loss_fn(image, text, torch.arange(step * N, (step + 1) * N, device="cuda")).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    loss_fn.check_inputs()  # the read the trainer makes on its logging steps

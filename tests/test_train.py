@@ -305,7 +305,9 @@ def _env(**extra) -> dict:
 
 def test_torchrun_two_processes(data, tmp_path):
     run = tmp_path / "torchrun"
-    args = overrides(data, run, "fastclip-v3", **{"train.max_steps": 3, "eval.at_end": True, "data.workers": 1})
+    # eager validation: its parameter check reads every call whether DDP kept the ranks' τ equal
+    settings = {"train.max_steps": 3, "eval.at_end": True, "data.workers": 1, "loss.validate": "eager"}
+    args = overrides(data, run, "fastclip-v3", **settings)
     cmd = [
         sys.executable,
         "-m",

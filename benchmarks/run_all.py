@@ -185,10 +185,10 @@ def _percent(mean_std, sign: str = "", unit: str = "") -> str:
 
 def _gpu_section(folder: Path) -> list[str]:
     """Item 1 on one lent GPU: what `bash benchmarks/gpu_check.sh run` wrote there (copied into results/gpu/)."""
-    md = folder / "e2e.md"
-    if not md.is_file():
-        return []
     text = lambda name: (folder / name).read_text().strip() if (folder / name).is_file() else ""  # noqa: E731
+    md = text("e2e.md")
+    if not md:
+        return []
     env, tests = text("env.txt").splitlines(), text("cuda_tests.log").splitlines()
     result = json.loads(text("e2e.json") or "{}")
     machine, p = result.get("machine", {}), result.get("params", {})
@@ -213,7 +213,7 @@ def _gpu_section(folder: Path) -> list[str]:
     ]
     if tests:
         lines += [f"CUDA-only tests (`benchmarks/results/gpu/cuda_tests.log`): {tests[-1].strip('= ')}.", ""]
-    lines += [md.read_text().strip(), ""]
+    lines += [md, ""]
     if (folder / "e2e.png").is_file():
         lines += ["![1g. End to end on one GPU](results/gpu/e2e.png)", ""]
     pin = text("pin_memory.md")
@@ -232,7 +232,7 @@ def _gpu_section(folder: Path) -> list[str]:
 
 def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
     info = machine_info()
-    gpu_run = (out / "gpu" / "e2e.md").is_file()
+    gpu = _gpu_section(out / "gpu")  # item 1 on a lent GPU, where its results are
     report = (out.parent if out.name == "results" else out) / "RESULTS.md"
     lines = [
         "# fastclip benchmarks against OpenCLIP",
@@ -247,7 +247,7 @@ def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
         + (
             "Item 1 ran once on one lent GPU (section 1g); its multi-GPU run and item 2 on a GPU are left for "
             "a session with GPUs:"
-            if gpu_run
+            if gpu
             else "The GPU runs of items 1 and 2 are left for a session with a GPU:"
         )
         if not info["gpu"]
@@ -260,7 +260,7 @@ def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
     for name in ITEMS:
         lines += _section(name, out, runs)
         if name == "e2e":
-            lines += _gpu_section(out / "gpu")
+            lines += gpu
     loader = out / "loader_bench.md"
     if loader.is_file():
         lines += [

@@ -22,17 +22,21 @@ OPTIONS = {
 }
 
 
+def loss_and_features(variant, *, seed=0, data_size=4 * N, dtype=torch.float32, device="cpu", **options):
+    """The variant's loss (with these options besides its own) and a seeded leaf image/text pair of [N, D]."""
+    loss_fn = build_loss(variant.removesuffix("-separate"), data_size=data_size, **OPTIONS[variant], **options)
+    gen = torch.Generator().manual_seed(seed)
+    image, text = (F.normalize(torch.randn(N, D, generator=gen, dtype=dtype), dim=1) for _ in range(2))
+    return loss_fn.to(device, dtype), image.to(device).requires_grad_(), text.to(device).requires_grad_()
+
+
 def test_every_loss_is_covered():
     assert {name.removesuffix("-separate") for name in OPTIONS} == set(LOSSES)
 
 
 @pytest.mark.parametrize("variant", list(OPTIONS))
 def test_the_loss_makes_nothing_on_the_default_device(variant):
-    name = variant.removesuffix("-separate")
-    loss_fn = build_loss(name, data_size=4 * N, **OPTIONS[variant])
-    gen = torch.Generator().manual_seed(0)
-    image = F.normalize(torch.randn(N, D, generator=gen), dim=1).requires_grad_()
-    text = F.normalize(torch.randn(N, D, generator=gen), dim=1).requires_grad_()
+    loss_fn, image, text = loss_and_features(variant)
     for step in range(2):  # the first call makes the state; the second reads it
         index = torch.arange(step * N, (step + 1) * N)
         with torch.device("meta"):
@@ -52,13 +56,9 @@ def calls_on_meta_default(rank: int, world_size: int) -> dict[str, str]:
     train steps then an eval-mode call, and once more with deferred validation: what failed, by variant."""
     failed = {}
     for validate in ("eager", "deferred"):
-        for variant, options in OPTIONS.items():
-            name = variant.removesuffix("-separate")
+        for variant in OPTIONS:
             try:
-                loss_fn = build_loss(name, data_size=8 * N, validate=validate, **options)
-                gen = torch.Generator().manual_seed(rank)
-                image = F.normalize(torch.randn(N, D, generator=gen), dim=1).requires_grad_()
-                text = F.normalize(torch.randn(N, D, generator=gen), dim=1).requires_grad_()
+                loss_fn, image, text = loss_and_features(variant, seed=rank, data_size=8 * N, validate=validate)
                 for step in range(3):
                     loss_fn.train(step < 2)
                     index = torch.arange(N) + (2 * step + rank) * N
@@ -88,14 +88,10 @@ def test_two_ranks_make_nothing_on_the_default_device():
 @pytest.mark.parametrize("variant", list(OPTIONS))
 def test_every_loss_runs_on_cuda_and_matches_the_cpu(variant):
     """Two steps on CUDA (the state made, then read) against the same two on the CPU, float64 on both."""
-    name = variant.removesuffix("-separate")
     results = []
     for device in ("cpu", "cuda"):
         torch.manual_seed(0)  # the temperature network's heads start the same on both
-        loss_fn = build_loss(name, data_size=4 * N, **OPTIONS[variant]).double().to(device)
-        gen = torch.Generator().manual_seed(0)
-        image = F.normalize(torch.randn(N, D, generator=gen, dtype=torch.float64), dim=1).to(device).requires_grad_()
-        text = F.normalize(torch.randn(N, D, generator=gen, dtype=torch.float64), dim=1).to(device).requires_grad_()
+        loss_fn, image, text = loss_and_features(variant, dtype=torch.float64, device=device)
         out = []
         for step in range(2):
             loss = loss_fn(image, text, torch.arange(step * N, (step + 1) * N, device=device))
@@ -112,11 +108,7 @@ def test_every_loss_runs_on_cuda_and_matches_the_cpu(variant):
 def test_a_deferred_call_on_cuda_waits_for_nothing_on_the_host(variant):
     """The trainer's calls (validate="deferred", indices handed over on the device, metrics not read) make no host
     sync: torch raises at any op that would wait for the GPU (an .item(), a nonzero, a blocking copy)."""
-    name = variant.removesuffix("-separate")
-    loss_fn = build_loss(name, data_size=4 * N, validate="deferred", **OPTIONS[variant]).cuda()
-    gen = torch.Generator().manual_seed(0)
-    image = F.normalize(torch.randn(N, D, generator=gen), dim=1).cuda().requires_grad_()
-    text = F.normalize(torch.randn(N, D, generator=gen), dim=1).cuda().requires_grad_()
+    loss_fn, image, text = loss_and_features(variant, device="cuda", validate="deferred")
     loss_fn(image, text, torch.arange(N, device="cuda")).backward()  # the first call: the handshake reads its header
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

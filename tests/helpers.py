@@ -26,6 +26,7 @@ LOSS_OPTIONS = {
     "fastclip-v2": {"rho": 3.0},
     "fastclip-v3": {"rho": 3.0},
     "siglip": {},
+    "dcl": {},
 }
 
 
@@ -93,7 +94,7 @@ def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v3", **extra) -> 
     }
     if mode != "fastclip-v3":  # the recipe's v3 knobs: keep those the mode takes
         opts["loss.rho"] = "null" if mode not in ("fastclip-v2", "fastclip-tempnet") else 7.0
-        if mode == "openclip":
+        if mode in ("openclip", "dcl"):
             opts.update({"loss.gamma_min": "null", "loss.gamma_decay_epochs": "null", "loss.gamma_schedule": "null"})
         if mode == "fastclip-v2":
             opts.update({"loss.temperature": 0.03, "optim.lr_tau": 0.0133, "optim.lr_tau_schedule": "const"})

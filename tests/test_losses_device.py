@@ -19,19 +19,29 @@ OPTIONS = {
     **LOSS_OPTIONS,
     "fastclip-v3-separate": {"rho": 3.0, "separate_temperatures": True},
     "fastclip-tempnet": {"embed_dim": D, "tempnet_hidden": 4},
+    # the autograd objectives (objective.py) of the losses that also have a fused path
+    **{
+        f"{name} autograd": {**LOSS_OPTIONS[name], "impl": "autograd"} for name in ("openclip", "fastclip-v3", "siglip")
+    },
+    "fastclip-v3-separate autograd": {"rho": 3.0, "separate_temperatures": True, "impl": "autograd"},
+    "dcl hard": {"hard_negative_topk": 3, "hard_negative_beta": 0.5, "direction_weights": [0.7, 0.3]},
 }
+
+
+def loss_name(variant: str) -> str:
+    return variant.split()[0].removesuffix("-separate")
 
 
 def loss_and_features(variant, *, seed=0, data_size=4 * N, dtype=torch.float32, device="cpu", **options):
     """The variant's loss (with these options besides its own) and a seeded leaf image/text pair of [N, D]."""
-    loss_fn = build_loss(variant.removesuffix("-separate"), data_size=data_size, **OPTIONS[variant], **options)
+    loss_fn = build_loss(loss_name(variant), data_size=data_size, **OPTIONS[variant], **options)
     gen = torch.Generator().manual_seed(seed)
     image, text = (F.normalize(torch.randn(N, D, generator=gen, dtype=dtype), dim=1) for _ in range(2))
     return loss_fn.to(device, dtype), image.to(device).requires_grad_(), text.to(device).requires_grad_()
 
 
 def test_every_loss_is_covered():
-    assert {name.removesuffix("-separate") for name in OPTIONS} == set(LOSSES)
+    assert {loss_name(variant) for variant in OPTIONS} == set(LOSSES)
 
 
 @pytest.mark.parametrize("variant", list(OPTIONS))

@@ -87,10 +87,18 @@ import dataclasses
 from torch import nn
 
 from .base import ContrastiveLoss, SampleStateLoss
+from .dcl import DCLLoss, DCLOptions
 from .errors import LossInputError, NonFiniteFeaturesError
-from .gcl import FastCLIPV0Loss, FastCLIPV1Loss, FastCLIPV3Loss
-from .individual import FastCLIPV2Loss
-from .openclip import OpenCLIPLoss
+from .gcl import (
+    FastCLIPV0Autograd,
+    FastCLIPV0Loss,
+    FastCLIPV1Autograd,
+    FastCLIPV1Loss,
+    FastCLIPV3Autograd,
+    FastCLIPV3Loss,
+)
+from .individual import FastCLIPV2Autograd, FastCLIPV2Loss
+from .openclip import OpenCLIPAutograd, OpenCLIPLoss
 from .options import (
     ConstantTemperatureOptions,
     GlobalTemperatureOptions,
@@ -102,27 +110,50 @@ from .options import (
 )
 from .schedules import GammaSchedule
 from .sharded_state import ShardedSampleState, reshard_for_rank, reshard_states
-from .siglip import SigLIPLoss
-from .tempnet import TempNetLoss
+from .siglip import SigLIPAutograd, SigLIPLoss
+from .tempnet import TempNetAutograd, TempNetLoss
+
+
+@dataclasses.dataclass(frozen=True)
+class LossEntry:
+    """A loss's options dataclass and its implementations: ``fused`` (a hand-written backward, pairwise.py) and/or
+    ``autograd`` (an objective written as autograd code, objective.py)."""
+
+    options: type
+    fused: type | None = None
+    autograd: type | None = None
+
 
 LOSSES = {
-    "openclip": (OpenCLIPLoss, OpenCLIPOptions),
-    "fastclip-v0": (FastCLIPV0Loss, GlobalTemperatureOptions),
-    "fastclip-v1": (FastCLIPV1Loss, ConstantTemperatureOptions),
-    "fastclip-v2": (FastCLIPV2Loss, IndividualTemperatureOptions),
-    "fastclip-v3": (FastCLIPV3Loss, RGCLOptions),
-    "fastclip-tempnet": (TempNetLoss, TempNetOptions),
-    "siglip": (SigLIPLoss, SigLIPOptions),
+    "openclip": LossEntry(OpenCLIPOptions, OpenCLIPLoss, OpenCLIPAutograd),
+    "fastclip-v0": LossEntry(GlobalTemperatureOptions, FastCLIPV0Loss, FastCLIPV0Autograd),
+    "fastclip-v1": LossEntry(ConstantTemperatureOptions, FastCLIPV1Loss, FastCLIPV1Autograd),
+    "fastclip-v2": LossEntry(IndividualTemperatureOptions, FastCLIPV2Loss, FastCLIPV2Autograd),
+    "fastclip-v3": LossEntry(RGCLOptions, FastCLIPV3Loss, FastCLIPV3Autograd),
+    "fastclip-tempnet": LossEntry(TempNetOptions, TempNetLoss, TempNetAutograd),
+    "siglip": LossEntry(SigLIPOptions, SigLIPLoss, SigLIPAutograd),
+    "dcl": LossEntry(DCLOptions, autograd=DCLLoss),
 }
 
 # Options a loss rejects on purpose, with the reason (added to the TypeError).
+QUEUE_WHY_NOT = (
+    "not implemented for per-sample temperatures: queued features would enter each sample's τ update and "
+    "running bound; use dcl, openclip, fastclip-v0, v1 or v3"
+)
 WHY_NOT = {
     "fastclip-v2": {
+        "queue_size": QUEUE_WHY_NOT,
         "similarity": "the temperature-free map replaces a temperature, and v2's per-sample τ_i "
-        "exist to adapt exactly that; use openclip or fastclip-v0/v1/v3"
+        "exist to adapt exactly that; use openclip or fastclip-v0/v1/v3",
     },
-    "fastclip-tempnet": {"similarity": "the temperature network predicts exactly what the map replaces"},
-    "siglip": {"similarity": "not implemented for the sigmoid loss"},
+    "fastclip-tempnet": {
+        "similarity": "the temperature network predicts exactly what the map replaces",
+        "queue_size": QUEUE_WHY_NOT,
+    },
+    "siglip": {
+        "similarity": "not implemented for the sigmoid loss",
+        "queue_size": "not implemented for the sigmoid loss",
+    },
 }
 # similarity="atanh" is the temperature-free loss: no temperature unless one is given (then it scales 2·atanh).
 TEMPERATURE_FREE_DEFAULTS = {"temperature": 1.0, "learn_temperature": False}
@@ -130,7 +161,7 @@ TEMPERATURE_FREE_DEFAULTS = {"temperature": 1.0, "learn_temperature": False}
 
 def option_names(name: str) -> set[str]:
     """The options build_loss(name, ...) takes."""
-    return {f.name for f in dataclasses.fields(LOSSES[name][1])}
+    return {f.name for f in dataclasses.fields(LOSSES[name].options)}
 
 
 class UnknownLossOptions(TypeError):
@@ -148,7 +179,7 @@ def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Modu
     """The loss ``name`` with its options; ``data_size`` is required by the FastCLIP versions, ignored by openclip."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
-    loss_cls, options_cls = LOSSES[name]
+    entry = LOSSES[name]
     accepted = option_names(name)
     given = {key: value for key, value in options.items() if value is not None}
     unknown = sorted(set(given) - accepted)
@@ -162,7 +193,26 @@ def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Modu
         if data_size is None:
             raise TypeError(f"loss {name!r} needs data_size= (1 + the largest data index)")
         given["data_size"] = data_size
-    return loss_cls(options_cls(**given))
+    options = entry.options(**given)
+    return implementation(name, entry, options)(options)
+
+
+def implementation(name: str, entry: LossEntry, options) -> type:
+    """The class that runs ``options``: the one ``impl`` names, else fused where the loss has it and it implements
+    every option given, else autograd."""
+    autograd_only = options.autograd_only()
+    if options.impl == "fused" or (options.impl is None and entry.fused is not None and not autograd_only):
+        if entry.fused is None:
+            raise ValueError(f"loss {name!r} has no fused implementation (impl 'fused'); use impl 'autograd'")
+        if autograd_only:
+            raise ValueError(
+                f"loss {name!r}: option(s) {autograd_only} exist in the autograd implementation only; "
+                "use impl 'autograd' (or leave impl unset)"
+            )
+        return entry.fused
+    if entry.autograd is None:
+        raise ValueError(f"loss {name!r} has no autograd implementation yet; use impl 'fused'")
+    return entry.autograd
 
 
 __all__ = [
@@ -170,6 +220,8 @@ __all__ = [
     "option_names",
     "UnknownLossOptions",
     "LOSSES",
+    "LossEntry",
+    "DCLLoss",
     "ContrastiveLoss",
     "SampleStateLoss",
     "OpenCLIPLoss",

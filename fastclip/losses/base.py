@@ -31,7 +31,9 @@ class ContrastiveLoss(nn.Module):
     """Base of all losses: ``loss_fn(image_features, text_features, indices, *, epoch=None) -> scalar``."""
 
     name = ""
+    impl = "fused"  # the hand-written backward; "autograd" for the objectives of objective.py
     uses_sample_state = False
+    needs_momentum = False  # the call must pass momentum= (distill_alpha)
     needs_indices = False
     min_global_batch = 1
 
@@ -56,8 +58,13 @@ class ContrastiveLoss(nn.Module):
         indices: torch.Tensor | None = None,
         *,
         epoch: int | None = None,
+        momentum: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Per-rank surrogate loss; backward it on every rank and average parameter gradients over ranks.
+
+        ``momentum``: the (image, text) features of the same rows from a momentum (EMA) copy of the towers, without
+        autograd: a feature queue then holds them (MoCo), and ``distill_alpha`` mixes their softmax into the
+        targets (ALBEF). They travel in the features' all_gather.
 
         Safe inside ``torch.autocast`` and with TF32 enabled: autocast is off in here, similarities are computed
         in float32 (or float64) whatever the features' dtype, and float32 matmuls run in IEEE precision on CUDA,
@@ -65,20 +72,28 @@ class ContrastiveLoss(nn.Module):
         """
         device_type = image_features.device.type if isinstance(image_features, torch.Tensor) else "cpu"
         with exact_float32(device_type):
-            return self._forward(image_features, text_features, indices, epoch)
+            return self._forward(image_features, text_features, indices, epoch, momentum=momentum)
 
-    def _forward(self, image_features, text_features, indices, epoch, comm: Comm | None = None):
+    def _forward(self, image_features, text_features, indices, epoch, comm: Comm | None = None, momentum=None):
         if epoch is not None:
             self.set_epoch(epoch)
+        if momentum is None and self.needs_momentum:
+            raise LossInputError(
+                f"{self.name}: distill_alpha needs the momentum model's features: loss_fn(image, text, indices, "
+                "momentum=(momentum_image, momentum_text)) (the trainer: model.ema_momentum)"
+            )
         comm = comm or Comm.resolve(self.group)
         data_size = getattr(self.options, "data_size", None)
         if isinstance(indices, torch.Tensor) and isinstance(image_features, torch.Tensor):
             indices = indices.to(image_features.device, non_blocking=True)  # data loaders hand them over on CPU
         checks = self.input_checks
         given = (image_features, text_features, indices)  # (a redo is made with what the caller gave)
+        given_momentum = momentum
         stand_in = self.validate == "eager" and comm.world_size > 1 and checks.changed(comm, *given)
         if stand_in:  # the other ranks cannot know: join their all_gather with the agreed shapes and say so
             image_features, text_features, indices = checks.stand_in(header_device(comm, *given))
+            if momentum is not None:
+                momentum = (torch.zeros_like(image_features), torch.zeros_like(text_features))
         elif self.validate != "off":  # the structure handshake: first call, or this rank's shapes changed
             checks.structure(
                 comm,
@@ -109,12 +124,14 @@ class ContrastiveLoss(nn.Module):
             words = value_words(image_features, text_features, indices, data_size, fingerprint)
             if stand_in:
                 words[0] = SIGNATURE_CHANGED
-        batch = comm.gather_batch(image_features, text_features, indices, header=words)
+        if momentum is not None:
+            momentum = tuple(m.detach().to(image_features.device) for m in momentum)
+        batch = comm.gather_batch(image_features, text_features, indices, header=words, momentum=momentum)
         if words is not None:
             if self.validate == "eager":  # before the loss writes its state
                 # a rank's shapes changed (every rank sees its stand-in's flag): the handshake, then the call
                 if checks.check_now(batch.header):
-                    return self._forward(*given, None, comm)
+                    return self._forward(*given, None, comm, momentum=given_momentum)
             else:
                 checks.record(batch.header)
         loss, metrics = self._compute(comm, batch)
@@ -156,6 +173,29 @@ class ContrastiveLoss(nn.Module):
     def extra_repr(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in vars(self.options).items() if k != "group")
         return f"name={self.name!r}, {options}"
+
+    # -- one training step's writes, undone when the step is not taken (the trainer's NaN guard) ---------------
+    def journaled_parts(self, device=None) -> list:
+        """The state the calls write (the per-sample shard, a feature queue); each has ``journal`` and
+        ``rollback(undo)``."""
+        return []
+
+    def begin_step(self, device=None) -> None:
+        """Journal what the calls write from now on, until ``commit_step()`` or ``rollback()``."""
+        for part in self.journaled_parts(device):
+            if part.journal is None:
+                part.journal = []
+
+    def rollback(self, undo: torch.Tensor | None = None) -> None:
+        """Undo the journaled writes (with ``undo``, a 0-d bool on the device: only where it is true, no host read)."""
+        for part in self.journaled_parts():
+            part.rollback(undo)
+
+    def commit_step(self) -> None:
+        """Keep the journaled writes: the step was taken."""
+        for part in self.journaled_parts():
+            if part.journal is not None:
+                part.journal.clear()
 
     # -- schedule and temperature -----------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -218,6 +258,9 @@ class SampleStateLoss(ContrastiveLoss):
     def gamma(self) -> float:
         """γ of this epoch's schedule; 1 in eval mode, where u is the batch's own estimate (see store)."""
         return self.gamma_schedule(self.epoch) if self.training else 1.0
+
+    def journaled_parts(self, device=None) -> list:
+        return [self.sample_state(device=device)]
 
     def store(self, state: ShardedSampleState, slots, values: torch.Tensor, *, previous: torch.Tensor) -> None:
         """The batch's new state rows, written in training mode only. In eval mode (``loss_fn.eval()``, as for a

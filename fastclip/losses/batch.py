@@ -20,6 +20,7 @@ class GlobalBatch:
     rank: int
     world_size: int
     header: torch.Tensor | None = None  # [K, 4] int64 validation words of every rank (validation.py)
+    momentum: torch.Tensor | None = None  # [2, N, d] the momentum model's gathered (text, image) features
     _positive_cells: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _indices_repeat: bool | None = field(default=None, repr=False)
 

@@ -79,15 +79,24 @@ class Comm:
         return tensor
 
     def gather_batch(
-        self, image: torch.Tensor, text: torch.Tensor, indices: torch.Tensor | None, header: torch.Tensor | None = None
+        self,
+        image: torch.Tensor,
+        text: torch.Tensor,
+        indices: torch.Tensor | None,
+        header: torch.Tensor | None = None,
+        momentum: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> GlobalBatch:
         """The one feature all_gather: local rows keep autograd, the gathered copies have none. ``header``
-        (int64 words, validation.py) rides at the end of the same buffer."""
+        (int64 words, validation.py) rides at the end of the same buffer; ``momentum`` (the momentum model's
+        (image, text) features of the same rows) after the features."""
         rows, dim = image.shape
+        n_sets = 2 if momentum is None else 4
         with torch.no_grad():
             # text before image: the gathered [K, 2, B, d] then reads as the pair blocks' candidates (all texts,
             # all images) with one copy
             parts = [text.reshape(-1), image.reshape(-1)]
+            if momentum is not None:
+                parts += [momentum[1].reshape(-1).to(image.dtype), momentum[0].reshape(-1).to(image.dtype)]
             for words in (indices, header):
                 if words is not None:
                     parts.append(words.contiguous().view(image.dtype))  # bit-cast, exact through a copy
@@ -101,15 +110,16 @@ class Comm:
         n_feat = rows * dim
         if self.world_size > 1:
             item = image.element_size()
-            self.ledger["features"] += (self.world_size - 1) * 2 * n_feat * item
+            self.ledger["features"] += (self.world_size - 1) * n_sets * n_feat * item
             if indices is not None:
                 self.ledger["indices"] += (self.world_size - 1) * rows * 8
             if header is not None:
                 self.ledger["header"] += (self.world_size - 1) * header.numel() * 8
-        features = gathered[:, : 2 * n_feat].view(self.world_size, 2, rows, dim)
-        candidates = features.transpose(0, 1).reshape(2, self.world_size * rows, dim)  # [2, N, d], rank-major
+        features = gathered[:, : n_sets * n_feat].view(self.world_size, n_sets, rows, dim)
+        every = features.transpose(0, 1).reshape(n_sets, self.world_size * rows, dim)  # [2 or 4, N, d], rank-major
+        candidates, momentum_all = every[:2], (every[2:] if momentum is not None else None)
         all_indices = all_header = None
-        words = gathered[:, 2 * n_feat :]
+        words = gathered[:, n_sets * n_feat :]
         if self.world_size == 1:  # the inputs themselves (no copy to make: nothing was gathered)
             all_indices = indices
             all_header = None if header is None else header[None]
@@ -129,6 +139,7 @@ class Comm:
             rank=self.rank,
             world_size=self.world_size,
             header=all_header,
+            momentum=momentum_all,
         )
 
     def share_rows(

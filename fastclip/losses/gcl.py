@@ -48,6 +48,7 @@ from .base import SampleStateLoss
 from .batch import GlobalBatch
 from .comm import Comm
 from .estimator import update_log_u
+from .objective import AutogradObjective, masked_logsumexp, pair_map, weighted_directions
 from .options import ConstantTemperatureOptions, GlobalTemperatureOptions, RGCLOptions
 from .pairwise import (
     PairBlocks,
@@ -220,3 +221,66 @@ class FastCLIPV3Loss(GlobalTemperatureGCL):
             return None, per_modality, lambda: 0.5 * ((log_w.mean(dim=0) + rho) / s).sum()
         log_u_local = (log_u if self.reference else log_w)[local].mean()  # ½·mean(log u1 + log u2)
         return s, log_u_local + rho, lambda: (log_w.mean() + rho) / s
+
+
+class GCLAutograd(AutogradObjective):
+    """v0, v1 and v3 as autograd objectives (``impl="autograd"``; first in the bases of the fused class, whose
+    temperature, state fields and γ schedule it keeps). Over the global batch, per direction m (image anchors,
+    text anchors) and anchor i, with d_ik = s_m·(φ_ik − φ_ii) over the negatives k (copies of i's sample excluded):
+        log g_mi = log Σ_k exp(d_ik) − log(N−1),   u ← (1−γ)u + γ g   (log space; estimator.py)
+        S_m = mean_i g_mi/(u_mi + ε)   (u detached: the surrogate whose gradient is the objective's)
+    v0/v1: loss = Σ_m w_m S_m; v3: loss = Σ_m w_m [τ_m,det·S_m + τ_m·(mean_i log(u_mi + ε) + ρ)], with
+    w = direction_weights normalised to sum 1 (½, ½ by default) and τ_m the shared τ unless separate_temperatures.
+    """
+
+    def _objective(self, features, state):
+        dtype = features.image.dtype
+        scale = self._scale(dtype)  # s = 1/τ: 0-d, or [2] (image anchors, text anchors) when separate
+        weights = self.options.direction_weights
+        pairs = features.pairs()  # [2, N, M]: both directions' anchors against the batch (and the queue)
+        similarity, clamp = self.options.similarity, self.options.similarity_clamp
+        rows, positive = pair_map(pairs.cos, similarity, clamp), pair_map(pairs.positive, similarity, clamp)
+        per_direction = scale.reshape(-1, 1, 1) if self.separate else scale
+        d = (rows - positive[None, :, None]) * per_direction
+        log_count = math.log(pairs.count) if isinstance(pairs.count, int) else torch.log(pairs.count.to(d.dtype))
+        log_g = (masked_logsumexp(d, pairs.negative) - log_count).T  # [N, 2] (image, text)
+        old = torch.stack([state.old["log_u_img"], state.old["log_u_txt"]], dim=1)
+        gamma = self.gamma()
+        log_u = update_log_u(old, log_g.detach(), state.seen[:, None], gamma)
+        state.write(log_u_img=log_u[:, 0], log_u_txt=log_u[:, 1])
+        log_w = self.log_u_eps(log_u)  # log(u + ε), a constant for autograd
+        surrogate = torch.exp(log_g - log_w).mean(dim=0)  # [2]: S_m
+        rho = getattr(self, "rho", None)
+        tau = 1.0 / scale
+        if rho is None:  # v0, v1
+            loss = weighted_directions(surrogate, weights)
+            objective = weighted_directions(log_w.mean(dim=0), weights)
+        else:  # v3 (RGCL-g)
+            loss = weighted_directions(tau.detach() * surrogate + tau * (log_w.mean(dim=0) + rho), weights)
+            objective = weighted_directions(tau.detach() * (log_w.mean(dim=0) + rho), weights)
+        s = scale.detach()
+        lag = log_u - log_g.detach()
+        metrics = {
+            "loss": loss.detach(),
+            "surrogate": weighted_directions(surrogate.detach(), weights),
+            "objective": objective,
+            "gamma": log_u.new_full((), gamma),
+            "tau": 1.0 / s.mean() if not self.separate else torch.exp(-torch.log(s).mean()),
+            "u_lag": lag.mean(),
+            "u_lag_abs": lag.abs().mean(),
+        }
+        if self.separate:
+            metrics.update(tau_img=1.0 / s[0], tau_txt=1.0 / s[1])
+        return loss, metrics
+
+
+class FastCLIPV0Autograd(GCLAutograd, FastCLIPV0Loss):
+    pass
+
+
+class FastCLIPV1Autograd(GCLAutograd, FastCLIPV1Loss):
+    pass
+
+
+class FastCLIPV3Autograd(GCLAutograd, FastCLIPV3Loss):
+    pass

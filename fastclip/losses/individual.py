@@ -27,6 +27,7 @@ from .base import SampleStateLoss
 from .batch import GlobalBatch
 from .comm import Comm
 from .estimator import update_u
+from .objective import AutogradObjective, both_directions, weighted_directions
 from .options import IndividualTemperatureOptions
 from .pairwise import (
     PairBlocks,
@@ -99,6 +100,17 @@ class FastCLIPV2Loss(SampleStateLoss):
             return u + eps, torch.log(u + eps)
         return objective_eps_shifted(u, b, eps)
 
+    def tau_step(self, tau_old, grad, seen, m_old, v_old):
+        """``(τ_new, m, v)`` ``[N, 2]``: the per-sample Adam step on the τ-gradient (clamped to ±tau_grad_clamp) with
+        betas (0, 0) in epoch 0 and per-epoch bias correction, τ clamped to [tau_min, tau_max]."""
+        opt = self.options
+        grad = grad.clamp(-opt.tau_grad_clamp, opt.tau_grad_clamp)
+        beta1, beta2 = tau_adam_betas(self.epoch, opt.tau_betas)
+        m1 = torch.where(seen, m_old, 0.0).lerp(grad, 1 - beta1)  # β1·m + (1-β1)·grad
+        m2 = torch.where(seen, v_old, 0.0).lerp(grad * grad, 1 - beta2)
+        step = (m1 / (1 - beta1 ** (self.epoch + 1))) / ((m2 / (1 - beta2 ** (self.epoch + 1))).sqrt() + opt.tau_eps)
+        return (tau_old - opt.lr_tau * step).clamp(opt.tau_min, opt.tau_max), m1, m2
+
     def _compute(self, comm: Comm, batch: GlobalBatch):
         fused = self.options.fused_kernels  # the exponentials' passes as compiled kernels (kernels.py)
         opt = self.options
@@ -129,12 +141,8 @@ class FastCLIPV2Loss(SampleStateLoss):
         # 3) u, τ-gradient and the Adam step for the whole batch (cheap, [N, 2]); owners store their rows.
         u = update_u(u_old, g, seen, gamma, rescale=torch.exp(b_old - b_new))
         denom, log_denom = self._shifted_eps(u, b_new, eps)
-        grad = (-h / denom + log_denom + b_new + self.rho).clamp(-opt.tau_grad_clamp, opt.tau_grad_clamp)
-        beta1, beta2 = tau_adam_betas(self.epoch, opt.tau_betas)
-        m1 = torch.where(seen, owned[:, M], 0.0).lerp(grad, 1 - beta1)  # β1·m + (1-β1)·grad
-        m2 = torch.where(seen, owned[:, V], 0.0).lerp(grad * grad, 1 - beta2)
-        step = (m1 / (1 - beta1 ** (self.epoch + 1))) / ((m2 / (1 - beta2 ** (self.epoch + 1))).sqrt() + opt.tau_eps)
-        tau_new = (tau_old - opt.lr_tau * step).clamp(opt.tau_min, opt.tau_max)
+        grad = -h / denom + log_denom + b_new + self.rho
+        tau_new, m1, m2 = self.tau_step(tau_old, grad, seen, owned[:, M], owned[:, V])
         self.store(state, slots, torch.cat([u, tau_new, b_new, m1, m2], dim=1), previous=stored)
 
         # 4) encoder surrogate with τ_old and the new bounds: the columns of each block are the global anchors
@@ -149,3 +157,47 @@ class FastCLIPV2Loss(SampleStateLoss):
 
         objective = (tau_old * (log_denom + b_new + self.rho)).mean()  # both modalities averaged
         return loss, per_sample_tau_metrics(loss, loss, objective, gamma, tau_old)
+
+
+class FastCLIPV2Autograd(AutogradObjective, FastCLIPV2Loss):
+    """v2 as an autograd objective (``impl="autograd"``), the same math over the global batch: per direction and
+    anchor i with its stored τ_i, d_ik = (φ_ik − φ_ii)/τ_i over the negatives, the bound b_i, g_i and u_i as above;
+    the τ-gradient ∂/∂τ_i[τ_i(log g_i + ρ)] (g → u) has τ_i·∂g_i/∂τ_i from autograd; the encoders follow
+    Σ_m w_m mean_i (τ_i/(u_i+ε))·g_i (w: direction_weights, ½ each by default)."""
+
+    def _objective(self, features, state):
+        eps, weights = self.options.eps, self.options.direction_weights
+        cos = features.cosines()
+        rows = both_directions(cos)  # [2, N, N]
+        negative = ~features.same_sample()
+        old = {name: torch.stack([state.old[f"{name}_img"], state.old[f"{name}_txt"]]) for name in ("u", "tau", "b")}
+        seen = state.seen[None, :]  # [1, N]: per (direction, anchor) tables are [2, N] here
+        tau_old, b_old = old["tau"], torch.where(seen, old["b"], 0.0)  # the bound starts at 0
+        gap = rows - cos.diagonal()[None, :, None]  # φ_ik − φ_ii
+        with torch.no_grad():
+            top = (gap / tau_old[..., None]).masked_fill(~negative, -math.inf).amax(dim=-1)
+            b_new = torch.maximum(b_old, top)
+        n_neg = features.size - 1
+
+        def g_of(tau, gap):  # 1/(N−1) Σ_k exp(d_ik − b_i), in the scale shifted by b
+            return torch.exp(gap / tau[..., None] - b_new[..., None]).masked_fill(~negative, 0.0).sum(-1) / n_neg
+
+        tau_leaf = tau_old.detach().clone().requires_grad_()
+        with torch.enable_grad():
+            g_tau = g_of(tau_leaf, gap.detach())
+            (dg_dtau,) = torch.autograd.grad(g_tau.sum(), tau_leaf)
+        g = g_tau.detach()
+        u = update_u(old["u"], g, seen, self.gamma(), rescale=torch.exp(b_old - b_new))
+        denom, log_denom = self._shifted_eps(u, b_new, eps)
+        grad = tau_old * dg_dtau / denom + log_denom + b_new + self.rho
+        tau_new, m1, m2 = self.tau_step(
+            tau_old.T, grad.T, state.seen[:, None], torch.stack([state.old["m_img"], state.old["m_txt"]], 1),
+            torch.stack([state.old["v_img"], state.old["v_txt"]], 1),
+        )  # fmt: skip
+        new = {"u": u.T, "tau": tau_new, "b": b_new.T, "m": m1, "v": m2}
+        state.write(**{f"{name}_{m}": value[:, j] for name, value in new.items() for j, m in enumerate(("img", "txt"))})
+        w = tau_old / denom  # faithful only (compat="reference" is refused for autograd)
+        surrogate = (w * g_of(tau_old, gap)).mean(dim=-1)  # [2]: the encoders' gradient
+        loss = weighted_directions(surrogate, weights)
+        objective = weighted_directions((tau_old * (log_denom + b_new + self.rho)).mean(dim=-1), weights)
+        return loss, per_sample_tau_metrics(loss, loss, objective, self.gamma(), tau_old.T)

@@ -23,6 +23,7 @@ import torch
 from .base import ContrastiveLoss
 from .batch import GlobalBatch
 from .comm import Comm
+from .objective import AutogradObjective
 from .options import OpenCLIPOptions
 from .pairwise import (
     PairBlocks,
@@ -35,6 +36,7 @@ from .pairwise import (
     weighted_surrogate,
 )
 from .similarity import pair_logits
+from .softmax import softmax_loss
 
 
 class OpenCLIPLoss(ContrastiveLoss):
@@ -86,3 +88,14 @@ class OpenCLIPLoss(ContrastiveLoss):
 
         metrics = {"loss": loss, "surrogate": loss, "objective": ce.mean(), "tau": 1.0 / s}
         return loss, metrics
+
+
+class OpenCLIPAutograd(AutogradObjective, OpenCLIPLoss):
+    """openclip as an autograd objective (``impl="autograd"``, softmax.py): the same loss, plus hard negatives and
+    direction weights, which the fused path does not implement."""
+
+    def _objective(self, features, state):
+        scale = self._scale(features.image.dtype)
+        loss = softmax_loss(features, scale, self.options, decoupled=False, exclude_copies=False)
+        value = loss.detach()
+        return loss, {"loss": value, "surrogate": value, "objective": value, "tau": 1.0 / scale.detach()}

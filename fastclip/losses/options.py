@@ -12,6 +12,7 @@ import torch
 from .schedules import GammaSchedule
 
 COMPAT_MODES = ("faithful", "reference")
+IMPLS = ("fused", "autograd")  # the hand-written backward, or the objective as autograd code (objective.py)
 SIMILARITIES = ("cosine", "atanh")  # logits s·cos, or s·2·atanh(cos) (temperature-free; similarity.py)
 
 
@@ -52,6 +53,12 @@ def _check_similarity(options) -> None:
         raise ValueError(f"loss option similarity_clamp must be in (0, 1), got {options.similarity_clamp!r}")
 
 
+def _check_queue(options) -> None:
+    if options.queue_size is not None:
+        _count("queue_size", options.queue_size, 1)
+        object.__setattr__(options, "queue_size", int(options.queue_size))
+
+
 @dataclass(frozen=True)
 class CommonOptions:
     group: object | None = None  # process group; None = the default (WORLD) when torch.distributed is initialised
@@ -59,24 +66,86 @@ class CommonOptions:
     # eager validation on several ranks: raise where a rank's τ or heads are not rank 0's (gradients not averaged);
     # false for local SGD / periodic model averaging, where they differ on purpose between the averaging rounds
     check_parameters: bool = True
+    # "fused": the hand-written backward (pairwise.py); "autograd": the objective written as autograd code over the
+    # global batch (objective.py); None: fused where the loss has it and it implements every option given
+    impl: str | None = None
+    # [w_i2t, w_t2i]: loss = (w_i2t·L_i2t + w_t2i·L_t2i)/(w_i2t + w_t2i); None: the symmetric loss (equal weights)
+    direction_weights: tuple[float, float] | None = None
 
     def __post_init__(self):
         _check_bool("check_parameters", self.check_parameters)
+        if self.impl is not None and self.impl not in IMPLS:
+            raise ValueError(f"loss option impl must be one of {IMPLS}, got {self.impl!r}")
+        weights = self.direction_weights
+        if weights is not None:
+            pair = isinstance(weights, (tuple, list)) and len(weights) == 2
+            if not pair or not all(_is_number(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+                raise ValueError(
+                    "loss option direction_weights must be two numbers >= 0 with a positive sum "
+                    f"([w_i2t, w_t2i]), got {weights!r}"
+                )
+            object.__setattr__(self, "direction_weights", (float(weights[0]), float(weights[1])))
+        if getattr(self, "fused_kernels", False) and self.impl == "autograd":
+            raise ValueError("loss option fused_kernels compiles the fused backward's passes: it needs impl fused")
+        if getattr(self, "compat", "faithful") == "reference" and self.impl == "autograd":
+            raise ValueError(
+                "loss option compat='reference' reproduces the reference code's deviations from the objective's "
+                "gradient, which no autograd objective has: use impl fused (or compat faithful)"
+            )
+
+    def autograd_only(self) -> list[str]:
+        """The options given that only the autograd implementation has (build_loss picks it for them)."""
+        names = []
+        if self.direction_weights is not None and self.direction_weights[0] != self.direction_weights[1]:
+            names.append("direction_weights")
+        for name in ("hard_negative_topk", "hard_negative_beta", "queue_size", "distill_alpha"):
+            if getattr(self, name, None) is not None:
+                names.append(name)
+        return names
 
 
 @dataclass(frozen=True)
-class OpenCLIPOptions(CommonOptions):
+class InfoNCEOptions(CommonOptions):
+    """The softmax losses over the global batch (openclip's InfoNCE, dcl) and their hard-negative options."""
+
     temperature: float = 0.07  # initial τ; logit_scale = log(1/τ)
     learn_temperature: bool = True
     similarity: str = "cosine"  # "atanh": logits 2·atanh(cos)/τ (temperature-free with τ = 1, see similarity.py)
     similarity_clamp: float = 1e-6  # "atanh": the cosine is clamped to ±(1 − this)
-    fused_kernels: bool = False  # the [2, B, N] exponentials as torch.compile'd kernels (kernels.py)
+    hard_negative_topk: int | None = None  # only each anchor's k most similar negatives in its denominator
+    hard_negative_beta: float | None = None  # Robinson et al. 2021: negatives weighted ∝ exp(β·logit), mean 1
+    queue_size: int | None = None  # negatives also from a FIFO of the last Q gathered features (queue.py)
+    distill_alpha: float | None = None  # ALBEF: targets (1−α)·one-hot + α·the momentum model's softmax
 
     def __post_init__(self):
         super().__post_init__()
         _positive("temperature", self.temperature)
         _check_bool("learn_temperature", self.learn_temperature)
         _check_similarity(self)
+        if self.hard_negative_topk is not None:
+            _count("hard_negative_topk", self.hard_negative_topk, 1)
+            object.__setattr__(self, "hard_negative_topk", int(self.hard_negative_topk))
+        _check_queue(self)
+        if self.distill_alpha is not None:
+            if not (_is_number(self.distill_alpha) and 0 <= self.distill_alpha <= 1):
+                raise ValueError(f"loss option distill_alpha must be in [0, 1], got {self.distill_alpha!r}")
+            if self.hard_negative_topk is not None or self.hard_negative_beta is not None:
+                raise ValueError(
+                    "loss options distill_alpha and hard_negative_topk/beta: the soft targets are a distribution "
+                    "over every candidate, which hard-negative mining reweights or drops; use one or the other"
+                )
+        if self.hard_negative_beta is not None and not (
+            _is_number(self.hard_negative_beta) and self.hard_negative_beta >= 0
+        ):
+            raise ValueError(f"loss option hard_negative_beta must be a number >= 0, got {self.hard_negative_beta!r}")
+
+
+@dataclass(frozen=True)
+class OpenCLIPOptions(InfoNCEOptions):
+    fused_kernels: bool = False  # the [2, B, N] exponentials as torch.compile'd kernels (kernels.py)
+
+    def __post_init__(self):
+        super().__post_init__()
         _check_bool("fused_kernels", self.fused_kernels)
 
 
@@ -134,11 +203,13 @@ class ConstantTemperatureOptions(SampleStateOptions):
     temperature: float = 0.07
     similarity: str = "cosine"  # as OpenCLIPOptions (v1/v0/v3): "atanh" maps the cosine to 2·atanh(cos)
     similarity_clamp: float = 1e-6
+    queue_size: int | None = None  # g's mean also over a FIFO of the last Q gathered features (queue.py)
 
     def __post_init__(self):
         super().__post_init__()
         _positive("temperature", self.temperature)
         _check_similarity(self)
+        _check_queue(self)
 
 
 @dataclass(frozen=True)
@@ -254,6 +325,10 @@ class SigLIPOptions(CommonOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.direction_weights is not None:
+            raise ValueError(
+                "loss option direction_weights: the sigmoid loss has no directions (each pair is one term)"
+            )
         _positive("temperature", self.temperature)
         _finite("bias", self.bias)
         _check_bool("learn_temperature", self.learn_temperature)

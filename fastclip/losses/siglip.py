@@ -27,6 +27,7 @@ from torch import nn
 from .base import ContrastiveLoss
 from .batch import GlobalBatch
 from .comm import Comm
+from .objective import AutogradObjective
 from .options import SigLIPOptions
 from .pairwise import compute_dtype, exact_float32, similarity
 
@@ -122,3 +123,23 @@ class SigLIPLoss(ContrastiveLoss):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", init_scale={math.exp(float(self.logit_scale)):.4g}"
+
+
+class SigLIPAutograd(AutogradObjective, SigLIPLoss):
+    """siglip as an autograd objective (``impl="autograd"``): (1/N) Σ_ij softplus(−z_ij·(t·cos_ij + b)) over the
+    global batch, z = +1 on the N positive pairs."""
+
+    def _objective(self, features, state):
+        dtype = features.image.dtype
+        scale, bias = self._scale(dtype), self.logit_bias.to(dtype)
+        logits = features.cosines() * scale + bias
+        sign = 2.0 * torch.eye(features.size, dtype=dtype, device=logits.device) - 1.0
+        loss = F.softplus(-sign * logits).sum() / features.size
+        value = loss.detach()
+        return loss, {
+            "loss": value,
+            "surrogate": value,
+            "objective": value,
+            "tau": 1.0 / scale.detach(),
+            "bias": bias.detach(),
+        }

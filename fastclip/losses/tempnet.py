@@ -31,6 +31,7 @@ from .comm import Comm
 from .errors import LossInputError
 from .estimator import update_u
 from .individual import objective_eps_shifted, per_sample_tau_metrics
+from .objective import AutogradObjective, both_directions, weighted_directions
 from .options import TempNetOptions
 from .pairwise import (
     PairBlocks,
@@ -86,12 +87,15 @@ class TempNetLoss(SampleStateLoss):
     def temperature(self) -> None:
         return None
 
-    def _compute(self, comm: Comm, batch: GlobalBatch):
-        if batch.image.shape[1] != self.options.embed_dim:  # (d agrees across ranks: every rank raises alike)
+    def check_dim(self, d: int) -> None:
+        if d != self.options.embed_dim:  # (d agrees across ranks: every rank raises alike)
             raise LossInputError(
-                f"features have d={batch.image.shape[1]} but the temperature network was built for "
-                f"embed_dim={self.options.embed_dim}: build the loss with embed_dim={batch.image.shape[1]}"
+                f"features have d={d} but the temperature network was built for "
+                f"embed_dim={self.options.embed_dim}: build the loss with embed_dim={d}"
             )
+
+    def _compute(self, comm: Comm, batch: GlobalBatch):
+        self.check_dim(batch.image.shape[1])
         fused = self.options.fused_kernels  # the exponentials' passes as compiled kernels (kernels.py)
         eps = self.options.eps
         dtype = compute_dtype(batch.image.dtype)
@@ -151,3 +155,47 @@ class TempNetLoss(SampleStateLoss):
 
         objective = (tau * (log_denom + b_new + self.rho)).mean()
         return loss, per_sample_tau_metrics(loss, surrogate, objective, gamma, tau)
+
+
+class TempNetAutograd(AutogradObjective, TempNetLoss):
+    """The temperature network as an autograd objective (``impl="autograd"``): per direction and anchor i,
+    τ_i = head(x_i) on the detached features, d_ik = (φ_ik − φ_ii)/τ_i over the negatives, b_i = max(b_old_i,
+    max_k d_ik) (b starts at −∞), g_i and u_i as above. The heads follow Σ_m w_m mean_i τ_i·grad_i with
+    grad_i = ∂/∂τ_i[τ_i(log g_i + ρ)] (g → u; τ_i·∂g_i/∂τ_i from autograd); the encoders Σ_m w_m mean_i
+    (τ_i/(u_i+ε))·g_i at fixed τ (w: direction_weights, ½ each by default)."""
+
+    def _objective(self, features, state):
+        self.check_dim(features.image.shape[1])
+        eps, weights, gamma = self.options.eps, self.options.direction_weights, self.gamma()
+        head_dtype = self.tempnet_img.out.weight.dtype
+        image, text = features.image.detach().to(head_dtype), features.text.detach().to(head_dtype)
+        tau_head = torch.stack([self.tempnet_img(image), self.tempnet_txt(text)])  # autograd into the heads
+        tau = tau_head.detach().to(features.image.dtype)  # [2, N]
+        cos = features.cosines()
+        negative = ~features.same_sample()
+        gap = both_directions(cos) - cos.diagonal()[None, :, None]  # [2, N, N] φ_ik − φ_ii
+        seen = state.seen[None, :]
+        old = {name: torch.stack([state.old[f"{name}_img"], state.old[f"{name}_txt"]]) for name in ("u", "b")}
+        b_old = torch.where(seen, old["b"], -math.inf)
+        with torch.no_grad():
+            top = (gap / tau[..., None]).masked_fill(~negative, -math.inf).amax(dim=-1)
+            b_new = torch.maximum(b_old, top)
+        n_neg = features.size - 1
+
+        def g_of(tau, gap):  # 1/(N−1) Σ_k exp(d_ik − b_i), in the scale shifted by b
+            return torch.exp(gap / tau[..., None] - b_new[..., None]).masked_fill(~negative, 0.0).sum(-1) / n_neg
+
+        tau_leaf = tau.clone().requires_grad_()
+        with torch.enable_grad():
+            g_tau = g_of(tau_leaf, gap.detach())
+            (dg_dtau,) = torch.autograd.grad(g_tau.sum(), tau_leaf)
+        g = g_tau.detach()
+        u = update_u(old["u"], g, seen, gamma, rescale=torch.exp(b_old - b_new))
+        state.write(u_img=u[0], u_txt=u[1], b_img=b_new[0], b_txt=b_new[1])
+        denom, log_denom = objective_eps_shifted(u, b_new, eps)
+        grad_tau = tau * dg_dtau / denom + log_denom + b_new + self.rho
+        tau_term = weighted_directions((tau_head * grad_tau.to(tau_head.dtype)).mean(dim=-1), weights)
+        surrogate = weighted_directions((tau / denom * g_of(tau, gap)).mean(dim=-1), weights)
+        loss = surrogate + tau_term - tau_term.detach()  # value: the surrogate; gradient: both
+        objective = weighted_directions((tau * (log_denom + b_new + self.rho)).mean(dim=-1), weights)
+        return loss, per_sample_tau_metrics(loss, surrogate, objective, gamma, tau.T)

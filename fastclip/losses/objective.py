@@ -1,0 +1,349 @@
+"""Autograd objectives: a loss written once, as plain differentiable code over the global batch.
+
+An objective's ``_objective(features, state)`` sees the whole gathered batch (``GlobalFeatures``: N rows,
+rank-major) and returns the global loss; autograd does the rest. What it does not write, the framework supplies:
+
+* the one feature all_gather, the input checks, rank 0's parameters, byte counts (``ContrastiveLoss._forward``);
+* exactness on any number of ranks: every rank computes the same global loss, and the gradient of this rank's
+  own rows is multiplied by K (the world size) on its way back, so the ranks' average of the encoder gradients
+  (what DDP takes) is the single-process gradient. The loss's own parameters (τ, heads) see the whole loss on
+  every rank, so their average is it too. No backward collective;
+* per-sample state (``StateRows``): the N rows' old values from their owners in one all_reduce, the new values
+  stored by the owners, journaled for the trainer's NaN rollback, checkpointed and resharded with the fused
+  losses' machinery (sharded_state.py).
+
+Cost: N×N similarities per rank where the fused losses compute B×N; at the small global batches these
+objectives are for, that is little (``benchmarks/bench_loss.py`` measures both). An objective gets a fused path
+only where a benchmark says it pays.
+
+To add one: a ``ContrastiveLoss`` (or ``SampleStateLoss``) subclass with ``AutogradObjective`` first in its bases,
+its options dataclass, one line in ``LOSSES`` (``__init__.py``), and its tests. dcl.py is the example.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .batch import GlobalBatch
+from .comm import Comm
+from .pairwise import compute_dtype, exact_float32
+from .queue import FeatureQueue
+
+
+class _GradTimes(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by ``factor`` (K: see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class _GlobalCosines(torch.autograd.Function):
+    """``[N, N]`` image·text of the global batch, in which only this rank's rows carry a gradient: the backward makes
+    B×N×d products per modality (what the fused losses make), not the N×N×d of autograd through the full product,
+    and returns K × this rank's share (see the module docstring). The backward runs with autocast off and IEEE
+    float32 matmuls, as the forward (a user's loop may call backward() inside autocast)."""
+
+    @staticmethod
+    def forward(ctx, local_image, local_text, all_image, all_text, rows, factor):
+        image, text = local_image, local_text
+        if all_image is not None:
+            image = torch.cat([all_image[: rows.start], local_image, all_image[rows.stop :]])
+            text = torch.cat([all_text[: rows.start], local_text, all_text[rows.stop :]])
+        ctx.save_for_backward(image, text)
+        ctx.rows, ctx.factor = rows, factor
+        return image @ text.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        with exact_float32(grad.device.type):
+            image, text = ctx.saved_tensors
+            rows, grad_image, grad_text = ctx.rows, None, None
+            if ctx.needs_input_grad[0]:
+                grad_image = grad[rows] @ text
+                grad_image = grad_image * ctx.factor if ctx.factor != 1 else grad_image
+            if ctx.needs_input_grad[1]:
+                grad_text = grad[:, rows].T @ image
+                grad_text = grad_text * ctx.factor if ctx.factor != 1 else grad_text
+        return grad_image, grad_text, None, None, None, None
+
+
+class _RowsTimesConstant(torch.autograd.Function):
+    """``[N, Q]`` anchors·constantᵀ (the queue's entries), gradient into this rank's anchor rows only (× K)."""
+
+    @staticmethod
+    def forward(ctx, local, gathered, rows, factor, constant):
+        anchors = local if gathered is None else torch.cat([gathered[: rows.start], local, gathered[rows.stop :]])
+        ctx.save_for_backward(constant)
+        ctx.rows, ctx.factor = rows, factor
+        return anchors @ constant.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        with exact_float32(grad.device.type):
+            (constant,) = ctx.saved_tensors
+            out = grad[ctx.rows] @ constant
+        return (out * ctx.factor if ctx.factor != 1 else out), None, None, None, None
+
+
+@dataclass
+class Pairs:
+    """Every anchor against its candidates, both directions: block 0 the image anchors against the N texts (then
+    the text queue), block 1 the text anchors against the N images (then the image queue)."""
+
+    cos: torch.Tensor  # [2, N, M] (M = N + Q), differentiable through this rank's anchors and candidates
+    positive: torch.Tensor  # [N] cos_ii
+    negative: torch.Tensor  # [2, N, M] bool: the cells that are negatives of their anchor
+    count: torch.Tensor | int  # how many candidates are negatives in g's mean: N − 1 (+ the queue's filled slots)
+
+
+@dataclass
+class GlobalFeatures:
+    """The global batch as an objective sees it: ``[N, d]`` image and text features in the compute dtype, rank-major,
+    this rank's rows with autograd; ``indices`` ``[N]`` (or None for losses without per-sample state)."""
+
+    image: torch.Tensor
+    text: torch.Tensor
+    indices: torch.Tensor | None
+    local: slice  # this rank's rows
+    batch: GlobalBatch | None = None  # (for cosines(): this rank's features and the gathered ones)
+    queue: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (image, text, indices) [Q, ...]
+    momentum: tuple[torch.Tensor, torch.Tensor] | None = None  # the momentum model's (image, text) [N, d]
+
+    @property
+    def size(self) -> int:
+        return self.image.shape[0]
+
+    def same_sample(self) -> torch.Tensor:
+        """``[N, N]`` bool: True where row i and column j are one sample (the diagonal, and copies of one data index),
+        i.e. the cells that are no negatives of each other."""
+        eye = torch.eye(self.size, dtype=torch.bool, device=self.image.device)
+        if self.indices is None:
+            return eye
+        return eye | (self.indices[:, None] == self.indices[None, :])
+
+    def cosines(self) -> torch.Tensor:
+        """``[N, N]`` image i · text j, differentiable (through this rank's rows only, at the fused losses' cost)."""
+        batch = self.batch
+        if batch is None:
+            return self.image @ self.text.T
+        dtype, several = self.image.dtype, batch.world_size > 1
+        return _GlobalCosines.apply(
+            batch.image.to(dtype),
+            batch.text.to(dtype),
+            batch.all_image.to(dtype) if several else None,
+            batch.all_text.to(dtype) if several else None,
+            self.local,
+            float(batch.world_size),
+        )
+
+    def pairs(self) -> Pairs:
+        """Both directions' anchors against their candidates: the batch, then the queue (queue.py) if any."""
+        cos = self.cosines()
+        same = self.same_sample()
+        rows, negative = torch.stack([cos, cos.T]), (~same).expand(2, -1, -1)
+        count = self.size - 1
+        if self.queue is not None:
+            q_image, q_text, q_indices = self.queue
+            extra = torch.stack([self._against(q_text, "image"), self._against(q_image, "text")])
+            valid = q_indices >= 0
+            own = q_indices[None, :] == self.indices[:, None]  # an anchor's own sample, queued before
+            rows = torch.cat([rows, extra], dim=-1)
+            negative = torch.cat([negative, (valid[None, :] & ~own).expand(2, -1, -1)], dim=-1)
+            count = count + valid.sum()
+        return Pairs(cos=rows, positive=cos.diagonal(), negative=negative, count=count)
+
+    @torch.no_grad()
+    def momentum_cos(self) -> torch.Tensor:
+        """``[2, N, M]`` as ``pairs().cos`` from the momentum model's features (the queue holds its features)."""
+        image, text = self.momentum
+        cos = image @ text.T
+        rows = torch.stack([cos, cos.T])
+        if self.queue is not None:
+            q_image, q_text, _ = self.queue
+            rows = torch.cat([rows, torch.stack([image @ q_text.T, text @ q_image.T])], dim=-1)
+        return rows
+
+    def _against(self, constant: torch.Tensor, modality: str) -> torch.Tensor:
+        """``[N, Q]`` the ``modality`` anchors against constant rows."""
+        batch = self.batch
+        if batch is None:
+            return (self.image if modality == "image" else self.text) @ constant.T
+        dtype, several = self.image.dtype, batch.world_size > 1
+        local = (batch.image if modality == "image" else batch.text).to(dtype)
+        gathered = (batch.all_image if modality == "image" else batch.all_text).to(dtype) if several else None
+        return _RowsTimesConstant.apply(local, gathered, self.local, float(batch.world_size), constant)
+
+
+def global_features(batch: GlobalBatch, dtype: torch.dtype | None = None) -> GlobalFeatures:
+    """The gathered batch with this rank's rows replaced by its own (autograd) features, gradient × K."""
+    dtype = dtype or compute_dtype(batch.image.dtype)
+    start, stop = batch.local_rows.start, batch.local_rows.stop
+
+    def stitch(local: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        local = local.to(dtype)
+        if batch.world_size == 1:
+            return local
+        local = _GradTimes.apply(local, float(batch.world_size))
+        gathered = gathered.to(dtype)
+        return torch.cat([gathered[:start], local, gathered[stop:]])
+
+    return GlobalFeatures(
+        image=stitch(batch.image, batch.all_image),
+        text=stitch(batch.text, batch.all_text),
+        indices=batch.all_indices,
+        local=batch.local_rows,
+        batch=batch,
+    )
+
+
+def atanh_logits(cos: torch.Tensor, clamp: float) -> torch.Tensor:
+    """φ(c) = 2·atanh(c) with c clamped to ±(1 − clamp), differentiable (0 where clamped, as torch.clamp)."""
+    limit = 1.0 - clamp
+    return 2.0 * torch.atanh(cos.clamp(-limit, limit))
+
+
+def pair_map(cos: torch.Tensor, similarity: str, clamp: float) -> torch.Tensor:
+    """The logits' similarity map: the cosine itself, or φ (similarity.py)."""
+    return cos if similarity == "cosine" else atanh_logits(cos, clamp)
+
+
+def both_directions(logits: torch.Tensor) -> torch.Tensor:
+    """``[2, N, N]``: image anchors' rows (logits) and text anchors' rows (logits transposed)."""
+    return torch.stack([logits, logits.T])
+
+
+def weighted_directions(per_direction: torch.Tensor, weights: tuple[float, float] | None) -> torch.Tensor:
+    """``(w_i2t·x[0] + w_t2i·x[1])/(w_i2t + w_t2i)`` of a ``[2]`` (image-anchored, text-anchored) tensor; None:
+    their mean."""
+    if weights is None:
+        return per_direction.mean()
+    w = per_direction.new_tensor(weights)
+    return (w * per_direction).sum() / w.sum()
+
+
+def masked_logsumexp(logits: torch.Tensor, keep: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """log Σ exp over the ``keep`` cells (−inf where none)."""
+    return torch.logsumexp(logits.masked_fill(~keep, -math.inf), dim=dim)
+
+
+def hard_negatives(
+    logits: torch.Tensor, negative: torch.Tensor, topk: int | None, beta: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits', negative')``: the negatives' logits and mask after hard-negative mining.
+
+    ``topk``: only each row's k largest negative logits stay negatives (the selection carries no gradient).
+    ``beta`` (Robinson et al. 2021): negative j of anchor i weighted by w_ij = exp(β z_ij)/mean_k exp(β z_ik) over
+    the row's negatives, so Σ_j w_ij exp(z_ij) = exp(log Σ_j exp((1+β) z_ij) − log mean_j exp(β z_ij)); written
+    as logits z'_ij = (1+β) z_ij − log mean_k exp(β z_ik), differentiable through both parts as in the paper."""
+    if topk is not None and topk < logits.shape[-1]:
+        with torch.no_grad():
+            ranked = logits.masked_fill(~negative, -math.inf)
+            top = ranked.topk(topk, dim=-1).indices
+            kept = torch.zeros_like(negative).scatter_(-1, top, True)
+        negative = negative & kept
+    if beta is not None and beta != 0:
+        count = negative.sum(dim=-1, keepdim=True).clamp_min(1)
+        log_mean = masked_logsumexp(beta * logits, negative).unsqueeze(-1) - torch.log(count.to(logits.dtype))
+        logits = (1.0 + beta) * logits - log_mean
+    return logits, negative
+
+
+class StateRows:
+    """The per-sample state of the global batch's N rows (a SampleStateLoss's shard): ``old`` (name -> ``[N]``) and
+    ``seen`` ``[N]`` from the owners in one all_reduce; ``write(**new)`` stores the owners' rows (a repeated index
+    keeps its last occurrence; nothing in eval mode)."""
+
+    def __init__(self, loss, comm: Comm, batch: GlobalBatch, dtype: torch.dtype):
+        self.loss, self.state = loss, loss.state_for_batch(comm, batch)
+        self.slots = self.state.locate(
+            batch.all_indices, assert_in_range=loss._assert_indices, repeats=batch.indices_repeat()
+        )
+        self.stored = self.state.read(self.slots)
+        table = comm.share_rows(batch, None, self.stored, dtype=dtype)
+        self.old = {name: table[:, i] for i, name in enumerate(self.state.names)}
+        self.seen = table[:, -1] > 0.5
+
+    def write(self, **new: torch.Tensor) -> None:
+        values = torch.stack([new[name].detach() for name in self.state.names], dim=1)
+        self.loss.store(self.state, self.slots, values, previous=self.stored)
+
+
+class AutogradObjective:
+    """Mixin (first in the bases) that runs a loss as ``_objective(features, state)``: see the module docstring.
+    ``state`` is a StateRows for losses with per-sample state, else None. With the option ``queue_size`` the
+    features carry a FeatureQueue's entries (queue.py), pushed after each training call."""
+
+    impl = "autograd"
+
+    def __init__(self, options):
+        super().__init__(options)
+        size = getattr(options, "queue_size", None)
+        self.queue = FeatureQueue(size) if size else None
+        if self.queue is not None:
+            self.needs_indices = True  # an anchor's own queued sample is no negative
+        self.needs_momentum = bool(getattr(options, "distill_alpha", None))
+
+    def _compute(self, comm: Comm, batch: GlobalBatch):
+        dtype = compute_dtype(batch.image.dtype)
+        features = global_features(batch, dtype)
+        if batch.momentum is not None:
+            features.momentum = (batch.momentum[1].to(dtype), batch.momentum[0].to(dtype))
+        if self.queue is not None:
+            features.queue = self.queue.entries(batch.all_image.to(dtype))
+        state = StateRows(self, comm, batch, dtype) if self.uses_sample_state else None
+        out = self._objective(features, state)
+        if self.queue is not None and self.training:  # the same rows on every rank: the queues stay identical
+            # MoCo: the momentum model's features when there is one, else the online ones (cross-batch memory)
+            image, text = features.momentum or (batch.all_image.to(dtype), batch.all_text.to(dtype))
+            self.queue.push(image, text, batch.all_indices)
+        return out
+
+    def _objective(self, features: GlobalFeatures, state: StateRows | None):
+        raise NotImplementedError
+
+    def journaled_parts(self, device=None) -> list:
+        return super().journaled_parts(device) + ([self.queue] if self.queue is not None else [])
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.queue is not None:
+            for key, value in self.queue.state_dict().items():
+                destination[f"{prefix}{QUEUE_PREFIX}{key}"] = value
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
+        saved = {k[len(prefix) :]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix + QUEUE_PREFIX)}
+        if self.queue is not None:
+            try:
+                self.queue.load_state_dict({k[len(QUEUE_PREFIX) :]: v for k, v in saved.items()})
+            except ValueError as e:
+                errors.append(str(e))
+        elif saved and strict:
+            errors.append(
+                "the saved loss state holds a feature queue but this loss has none: resume with its queue_size"
+            )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors)
+
+
+QUEUE_PREFIX = "queue."  # the queue's keys in the loss's state_dict
+
+
+__all__ = [
+    "AutogradObjective",
+    "GlobalFeatures",
+    "StateRows",
+    "global_features",
+    "hard_negatives",
+    "masked_logsumexp",
+    "pair_map",
+    "both_directions",
+    "weighted_directions",
+]

@@ -1,0 +1,57 @@
+"""The softmax (InfoNCE) family over the global batch, as autograd code: openclip's InfoNCE (the positive in its
+own denominator) and DCL (the positive left out), with hard-negative mining and direction weights.
+
+Per anchor i of either direction, with logits z = s·φ(cos) (s = 1/τ, φ the similarity map):
+    InfoNCE: ℓ_i = −z_ii + log(exp(z_ii) + Σ_{j∈neg(i)} exp(z'_ij))
+    DCL:     ℓ_i = −z_ii + log Σ_{j∈neg(i)} exp(z'_ij)
+neg(i) and z' after ``hard_negatives`` (objective.py); the loss is the direction-weighted mean over the N anchors.
+
+Momentum distillation (``distill_alpha`` α, ALBEF): the positive's logit z_ii becomes Σ_j y_ij z_ij with targets
+y_i = (1−α)·one-hot(i) + α·softmax_j(s·φ(cos^m_ij)) over the anchor's positive and negatives, cos^m from the
+momentum model (no gradient): InfoNCE becomes ALBEF's cross-entropy against y; DCL keeps its denominator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .objective import GlobalFeatures, hard_negatives, masked_logsumexp, pair_map, weighted_directions
+from .options import InfoNCEOptions
+
+
+def softmax_loss(
+    features: GlobalFeatures, scale: torch.Tensor, options: InfoNCEOptions, *, decoupled: bool, exclude_copies: bool
+) -> torch.Tensor:
+    """The global loss. ``exclude_copies``: a copy of the anchor's own sample (the same data index twice in the
+    batch) is no negative (DCL, the FastCLIP losses); openclip keeps it, as OpenCLIP's ClipLoss does."""
+    pairs = features.pairs()  # [2, N, M]: both directions' anchors against the batch (and the queue)
+    similarity, clamp = options.similarity, options.similarity_clamp
+    rows, positive = scale * pair_map(pairs.cos, similarity, clamp), scale * pair_map(pairs.positive, similarity, clamp)
+    negative = pairs.negative
+    if not exclude_copies:  # only the pair itself is excluded: a copy of the anchor's sample in the batch counts
+        n = features.size
+        eye = torch.eye(n, dtype=torch.bool, device=rows.device)
+        negative = torch.cat([(~eye).expand(2, -1, -1), negative[..., n:]], dim=-1)
+    rows, negative = hard_negatives(rows, negative, options.hard_negative_topk, options.hard_negative_beta)
+    log_negatives = masked_logsumexp(rows, negative)  # [2, N]
+    log_denominator = log_negatives if decoupled else torch.logaddexp(positive, log_negatives)
+    if options.distill_alpha:
+        positive = distilled_positive(features, rows, negative, scale, options)
+    per_direction = (log_denominator - positive).mean(dim=1)  # [2]
+    return weighted_directions(per_direction, options.direction_weights)
+
+
+def distilled_positive(features, rows, negative, scale, options) -> torch.Tensor:
+    """``[2, N]`` Σ_j y_ij z_ij: the logits weighted by the targets mixed from the momentum model's softmax."""
+    n = features.size
+    eye = torch.eye(n, dtype=torch.bool, device=rows.device)
+    positive_cell = torch.cat([eye, eye.new_zeros(n, rows.shape[-1] - n)], dim=-1).expand_as(negative)
+    candidates = negative | positive_cell
+    with torch.no_grad():
+        momentum = scale.detach() * pair_map(features.momentum_cos(), options.similarity, options.similarity_clamp)
+        soft = torch.softmax(momentum.masked_fill(~candidates, -math.inf), dim=-1)
+        alpha = options.distill_alpha
+        targets = alpha * soft + (1.0 - alpha) * positive_cell.to(soft.dtype)
+    return (targets * rows.masked_fill(~candidates, 0.0)).sum(dim=-1)

@@ -17,6 +17,9 @@ from dist_utils import run_distributed
 
 LOSSES = {
     "fastclip-v3": ["--loss.rho", "6.5"],
+    # MoCo/ALBEF: the momentum towers' features are made per micro-batch too, the loss called once
+    "dcl": ["--loss.gamma_min", "null", "--loss.gamma_decay_epochs", "null", "--loss.gamma_schedule", "null"]
+    + ["--loss.queue_size", "12", "--loss.distill_alpha", "0.4", "--model.ema_momentum", "0.9"],
     "openclip": ["--loss.gamma_min", "null", "--loss.gamma_decay_epochs", "null", "--loss.gamma_schedule", "null"],
     "fastclip-v2": [
         "--loss.rho",
@@ -112,7 +115,7 @@ def steps_with(loss_name: str, k: int, rank: int, world_size: int, n_steps: int 
             loss_name,
             *LOSSES[loss_name],
             "--loss.gamma_decay_epochs",
-            "null" if loss_name == "openclip" else "2",
+            "null" if loss_name in ("openclip", "dcl") else "2",
             "--data.batch_size",
             str(per_rank),
             "--optim.accum_steps",

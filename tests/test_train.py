@@ -26,7 +26,19 @@ from fastclip.train.config import load_config
 from dist_utils import free_port, run_distributed
 from helpers import EMBEDDED, assert_same, load, overrides, records, removed_unless_failed
 
-MODES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-tempnet")
+# a loss name, or name:impl
+MODES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-tempnet", "dcl")
+MODES += ("fastclip-v3:autograd", "dcl:moco")
+# MoCo/ALBEF: a queue of the momentum towers' features and their soft targets
+MOCO = {"loss.queue_size": 24, "loss.distill_alpha": 0.4, "model.ema_momentum": 0.9}
+
+
+def mode_overrides(data, run_dir, mode, **extra):
+    name, _, variant = mode.partition(":")
+    more = MOCO if variant == "moco" else {"loss.impl": variant} if variant else {}
+    return overrides(data, run_dir, name, **more, **extra)
+
+
 STEPS = 7  # crosses into epoch 1, where gamma < 1
 
 
@@ -53,12 +65,11 @@ def two_process_runs(data, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("runs2")
     runs = []
     for mode in MODES:
-        runs.append(overrides(data, root / mode / "full", mode, **{"train.max_steps": STEPS}))
+        runs.append(mode_overrides(data, root / mode / "full", mode, **{"train.max_steps": STEPS}))
         # stopped after step 5 with the last checkpoint at step 4 (as a crash would leave it)
-        runs.append(overrides(data, root / mode / "split", mode, **{"train.max_steps": 5, "checkpoint.at_end": False}))
-        runs.append(
-            overrides(data, root / mode / "split", mode, **{"train.max_steps": STEPS, "train.resume": "latest"})
-        )
+        split = root / mode / "split"
+        runs.append(mode_overrides(data, split, mode, **{"train.max_steps": 5, "checkpoint.at_end": False}))
+        runs.append(mode_overrides(data, split, mode, **{"train.max_steps": STEPS, "train.resume": "latest"}))
     results = run_distributed(_train_runs, 2, runs, timeout=400)
     assert [[step for step, _ in rank] for rank in results] == [[STEPS, 5, STEPS] * len(MODES)] * 2
     (root / "live_ddp_wrappers.json").write_text(json.dumps([[live for _, live in rank] for rank in results]))
@@ -100,6 +111,7 @@ def _rank_state(step_dir: Path, rank: int) -> dict:
 @pytest.mark.parametrize("mode", MODES)
 def test_two_process_run_of_every_mode(two_process_runs, mode):
     run = two_process_runs / mode / "full"
+    mode, _, variant = mode.partition(":")  # the loss name
     recs = records(run)
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert [r["samples_seen"] for r in recs] == [16 * s for s in range(1, STEPS + 1)]
@@ -111,7 +123,7 @@ def test_two_process_run_of_every_mode(two_process_runs, mode):
     for r in recs:
         assert r["lr"] == pytest.approx(get_lr(r["step"] - 1, base_lr=1e-3, warmup_steps=2, total_steps=total))
     assert [r["epoch"] for r in recs] == [0] * 5 + [1] * (STEPS - 5)
-    if mode != "openclip":  # gamma: 1 in epoch 0, the cosine at epoch 1 of 2 (gamma_min 0.2) -> 0.6
+    if mode not in ("openclip", "dcl"):  # gamma: 1 in epoch 0, the cosine at epoch 1 of 2 (gamma_min 0.2) -> 0.6
         assert [r["gamma"] for r in recs] == pytest.approx([1.0] * 5 + [0.6] * (STEPS - 5))
 
     final = run / "checkpoints" / f"step_{STEPS:08d}"
@@ -152,12 +164,22 @@ def test_two_process_run_of_every_mode(two_process_runs, mode):
         torch.testing.assert_close(model["state_dict"]["logit_scale"], tau[0])
         learned = mode != "fastclip-v1"
         assert (float(tau[0]) != pytest.approx(math.log(1 / 0.07), abs=1e-7)) == learned
-        if mode != "openclip":
+        if mode not in ("openclip", "dcl"):
             state = [r["loss_state"]["_extra_state"] for r in ranks]
             assert sum(int(s["seen"].sum()) for s in state) == 80
+    if variant == "moco":  # the queue is full, the same on both ranks, and holds the momentum towers' features
+        queues = [{k: v for k, v in r["loss_state"].items() if k.startswith("queue.")} for r in ranks]
+        assert queues[0]["queue.indices"].numel() == 24 and (queues[0]["queue.indices"] >= 0).all()
+        assert all(torch.equal(queues[0][k], queues[1][k]) for k in queues[0])
+        assert not any(k.startswith("queue.") for k in model["loss"])  # in the rank files only
+        ema = model["momentum_towers"]
+        assert ema.keys() == model["state_dict"].keys()
+        moved = [k for k, v in ema.items() if v.is_floating_point() and not torch.equal(v, model["state_dict"][k])]
+        assert moved  # an EMA, not a copy
     # towers' weights are trained (not the init) and the optimizer has one state per trainable tensor
     n_groups = {g["name"]: len(g["params"]) for g in model["optimizer"]["param_groups"]}
-    assert ("temperature" in n_groups) == (mode in ("openclip", "fastclip-v0", "fastclip-v3", "fastclip-tempnet"))
+    learns_tau = ("openclip", "fastclip-v0", "fastclip-v3", "fastclip-tempnet", "dcl")
+    assert ("temperature" in n_groups) == (mode in learns_tau)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -169,6 +191,9 @@ def test_resume_continues_exactly(two_process_runs, mode):
     a, b = load(full / "model.pt"), load(split / "model.pt")
     for key in ("state_dict", "loss", "optimizer", "scaler", "step", "epoch", "samples_seen"):
         assert_same(a[key], b[key], key)
+    assert a.keys() == b.keys()
+    if "momentum_towers" in a:
+        assert_same(a["momentum_towers"], b["momentum_towers"], "momentum_towers")
     for r in range(2):
         ra, rb = _rank_state(full, r), _rank_state(split, r)
         for key in ("loss_state", "data", "rng"):
@@ -290,6 +315,28 @@ def test_errors_before_training(data, tmp_path, capsys):
     assert main(["--config", str(EMBEDDED), *base, "--train.resume", str(tmp_path / "no-such-checkpoint")]) == 2
     assert "train.resume" in capsys.readouterr().err
     assert not (tmp_path / "err" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--loss.distill_alpha", "0.4"], "loss.distill_alpha': needs model.ema_momentum"),
+        (["--model.ema_momentum", "1.0"], "model.ema_momentum': must be in (0, 1)"),
+        (["--model.ema_momentum", "0.9", "--train.distributed", "deepspeed"], "works with train.distributed ddp"),
+        (["--loss.name", "openclip", "--loss.queue_size", "8", "--loss.impl", "fused"], "autograd implementation only"),
+        (["--loss.name", "fastclip-v2", "--loss.queue_size", "8"], "per-sample temperatures"),
+        (
+            ["--loss.distill_alpha", "0.4", "--loss.hard_negative_topk", "2", "--model.ema_momentum", "0.9"],
+            "distill_alpha and hard_negative",
+        ),  # fmt: skip
+    ],
+)
+def test_an_objective_combination_that_makes_no_sense_is_one_line_before_any_model(data, tmp_path, capsys, args, words):
+    base = overrides(data, tmp_path / "err", "dcl", **{"train.max_steps": 1})
+    assert main(["--config", str(EMBEDDED), *base, *args, "--check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "err").exists()
 
 
 # ----------------------------------------------------------------------------- launchers

@@ -69,21 +69,27 @@ class GradCache:
         texts: torch.Tensor,
         indices: torch.Tensor,
         epoch: int,
+        encode_momentum: Callable | None = None,
     ) -> torch.Tensor:
+        """``encode_momentum``: the momentum towers' features of a micro-batch, or None (model.ema_momentum)."""
         micro = split_batch(images, texts, indices, self.steps)
         device = images.device
-        states, image_parts, text_parts = [], [], []
+        states, image_parts, text_parts, momentum_parts = [], [], [], []
         with torch.no_grad():
             for mb_images, mb_texts, _ in micro:
                 states.append(rng_state(device))
                 image_features, text_features = encode(mb_images, mb_texts)
                 image_parts.append(image_features)
                 text_parts.append(text_features)
+                momentum = encode_momentum(mb_images, mb_texts) if encode_momentum is not None else None
+                if momentum is not None:
+                    momentum_parts.append(momentum)
         # leaves: the loss's graph ends here, so its backward yields the feature gradients and nothing else
         image_all = torch.cat(image_parts).requires_grad_(True)
         text_all = torch.cat(text_parts).requires_grad_(True)
         del image_parts, text_parts
-        loss = loss_fn(image_all, text_all, indices, epoch=epoch)
+        momentum = tuple(torch.cat(parts) for parts in zip(*momentum_parts)) if momentum_parts else None
+        loss = loss_fn(image_all, text_all, indices, epoch=epoch, momentum=momentum)
         self._pending = (micro, states, image_all, text_all, rng_state(device))
         return loss
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from fastclip.distributed import DistInfo, barrier
+from fastclip.losses.objective import QUEUE_PREFIX
 from fastclip.train import faults
 from fastclip.train.errors import CheckpointError, CheckpointFileMissing
 
@@ -390,13 +391,15 @@ def model_file_contents(
     model_config: dict,
     guards: dict,
     data_skip_report: dict,
+    momentum_towers: dict | None = None,
 ) -> dict:
     """model.pt (rank 0): open_clip reads "state_dict" as is; the loss's parameters without per-sample state
     (that is in the rank files); the schedules' horizon and last values, for reading only."""
     return {
         "format": CHECKPOINT_FORMAT,
         "state_dict": towers,
-        "loss": {k: v for k, v in loss.items() if not k.endswith("_extra_state")},
+        # the rank files hold the per-sample shards and the feature queue (identical on every rank): not here
+        "loss": {k: v for k, v in loss.items() if not k.endswith("_extra_state") and not k.startswith(QUEUE_PREFIX)},
         "optimizer": optimizer,
         "scaler": scaler,
         "step": step,
@@ -409,6 +412,7 @@ def model_file_contents(
         "model_config": model_config,
         "guards": guards,
         "data_skip_report": data_skip_report,
+        **({"momentum_towers": momentum_towers} if momentum_towers is not None else {}),  # model.ema_momentum
     }
 
 
@@ -565,9 +569,11 @@ def restore_rank(
 
         if getattr(loss_fn, "uses_sample_state", False):
             loss_fn.load_state_dict(reshard_for_rank(old_loss_states(), info.world_size, info.rank))
-        else:
-            old_data.extend(f["data"] for f in iter_rank_files(step_dir, saved_world))
-            loss_fn.load_state_dict(model_file["loss"])
+        else:  # the same on every old rank (τ, a feature queue): rank 0's
+            states = old_loss_states()
+            loss_fn.load_state_dict(next(states))
+            for _ in states:  # the other old ranks' data positions (old_loss_states keeps them)
+                pass
         # the data layer finishes the interrupted epoch from the old position and splits the old ranks' skip
         # counters over the new ranks (fastclip/data/stream.py)
         data = state_for_new_world_size(old_data, info.rank, info.world_size)

@@ -55,6 +55,9 @@ class ModelConfig:
     grad_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% more compute)
     compile: bool = False  # torch.compile the towers (not the loss: it holds collectives)
     channels_last: bool | None = None  # NHWC convolutional image towers; null: on for CUDA (fastclip/train/gpu.py)
+    # MoCo/ALBEF: an EMA copy of the towers, θ_m ← m·θ_m + (1−m)·θ (0.995 as ALBEF); its features fill the loss's
+    # queue (loss.queue_size) and give loss.distill_alpha's targets (fastclip/train/momentum.py)
+    ema_momentum: float | None = None
     pretrained: str | None = None  # start the towers from this file (OpenCLIP's --pretrained): an
     # OpenCLIP epoch_N.pt, an open_clip state dict, a fastclip export or
     # model.pt; shapes must match; fresh optimizer and per-sample state;
@@ -90,6 +93,16 @@ class LossConfig:
     # input checks (fastclip/losses/validation.py): "deferred" rides the feature all_gather and is read on logging
     # steps and before each checkpoint (no host sync per step); "eager" raises in the step (one host sync per step)
     validate: Literal["deferred", "eager", "off"] = "deferred"
+    # "fused": the hand-written backward; "autograd": the objective as autograd code over the global batch
+    # (fastclip/losses/objective.py); null: fused where the loss has it and it implements every option set
+    impl: Literal["fused", "autograd"] | None = None
+    direction_weights: list[float] | None = None  # [w_i2t, w_t2i] (null: symmetric); not siglip
+    hard_negative_topk: int | None = None  # openclip/dcl: only each anchor's k most similar negatives
+    hard_negative_beta: float | None = None  # openclip/dcl: negatives weighted by exp(beta·logit) (Robinson et al.)
+    queue_size: int | None = None  # openclip/dcl/v0/v1/v3: negatives also from a FIFO of the last Q features
+    distill_alpha: float | None = (
+        None  # openclip/dcl: ALBEF's soft targets from the momentum model (model.ema_momentum)
+    )
 
 
 @dataclass
@@ -523,6 +536,11 @@ def _check(cfg: Config) -> None:
             signal_number(name)
         except ValueError as e:
             raise ConfigError(f"config key 'train.stop_signals': {e}") from None
+    m = cfg.model.ema_momentum
+    need(m is None or 0 < m < 1, "model.ema_momentum", "must be in (0, 1) or null")
+    need(not lo.distill_alpha or m is not None, "loss.distill_alpha", "needs model.ema_momentum (the momentum model "
+         "whose softmax it mixes into the targets)")  # fmt: skip
+    need(m is None or t.distributed == "ddp", "model.ema_momentum", "works with train.distributed ddp only")
     need(lo.temperature is None or lo.temperature > 0, "loss.temperature", "must be > 0")
     need(lo.eps is None or lo.eps >= 0, "loss.eps", "must be >= 0")
     need(lo.gamma_min is None or 0 < lo.gamma_min <= 1, "loss.gamma_min", "must be in (0, 1]")

@@ -71,7 +71,7 @@ class DDPEngine:
 
     def __init__(self, net: torch.nn.Module, cfg: Config, info: DistInfo):
         o = cfg.optim
-        self.info, self.model, self.loss_fn = info, net.model, net.loss_fn
+        self.info, self.model, self.loss_fn, self.towers = info, net.model, net.loss_fn, net
         self.ddp = info.distributed
         # buffers are synced from rank 0 at init and before each forward: DDP's default (its broadcast_buffers
         # argument is deprecated since torch 2.13; forward_sync_buffers does not exist before it)
@@ -103,7 +103,9 @@ class DDPEngine:
     def forward(self, images, texts, indices, epoch: int) -> torch.Tensor:
         if self.cache is None:
             return self.net(images, texts, indices, epoch)
-        return self.cache.forward(self._encode, self.loss_fn, images, texts, indices, epoch)
+        return self.cache.forward(
+            self._encode, self.loss_fn, images, texts, indices, epoch, encode_momentum=self.towers.encode_momentum
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -67,18 +67,15 @@ class NonFiniteGuard:
         self.skipped = 0  # steps skipped in this run (carried over by checkpoints)
         self.in_a_row = 0
         self.stop = False  # a stop signal reached some rank (combined in verdict's all_reduce / agree_stop)
-        self._state = None  # the per-sample state; its journal holds this step's writes (rolled back on a skip)
+        self._loss = None  # the loss: it journals this step's writes (per-sample state, queue), undone on a skip
         self._counts: torch.Tensor | None = None  # device mode: [skipped, in a row, longest run, last was skipped]
         self._read_step = 0  # device mode: the step of the last read
 
     def remember(self, loss_fn, device: torch.device) -> None:
-        """Before the forward: journal the per-sample state rows the loss writes (the rows it reads anyway: no
-        collective, no extra pass)."""
-        if getattr(loss_fn, "uses_sample_state", False):
-            state = loss_fn.sample_state(device=device)
-            if state.journal is None:
-                state.journal = []
-            self._state = state
+        """Before the forward: the loss journals what it writes this step (the per-sample state rows it reads anyway,
+        a feature queue's overwritten slots: no collective, no extra pass)."""
+        loss_fn.begin_step(device)
+        self._loss = loss_fn
 
     def verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor, *, stop_requested: bool = False) -> str | None:
         """None if the step may be taken, else why not; the same answer on every rank (one host sync).
@@ -115,8 +112,8 @@ class NonFiniteGuard:
     def settle(self, bad: torch.Tensor) -> None:
         """Device mode, after the step (which the optimizer skipped on the device where `bad`): put the journal's
         state rows back where bad and count, on the device."""
-        if self._state is not None:
-            self._state.rollback(undo=bad > 0)
+        if self._loss is not None:
+            self._loss.rollback(undo=bad > 0)
         b = bad.to(torch.int64)
         if self._counts is None:
             self._counts = torch.tensor([0, self.in_a_row, self.in_a_row, 0], device=bad.device)
@@ -162,13 +159,13 @@ class NonFiniteGuard:
 
     def passed(self) -> None:
         self.in_a_row = 0
-        if self._state is not None:
-            self._state.journal.clear()
+        if self._loss is not None:
+            self._loss.commit_step()
 
     def skip(self, step: int, why: str, *, epoch: int, samples_seen: int) -> None:
         """The step is not taken: put the per-sample state back, count, log; raise after too many in a row."""
-        if self._state is not None:
-            self._state.rollback()
+        if self._loss is not None:
+            self._loss.rollback()
         self.skipped += 1
         self.in_a_row += 1
         self._report(step, "skipped", why, epoch=epoch, samples_seen=samples_seen, last=True)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from fastclip.distributed import DistInfo
 from fastclip.train.config import Config, ConfigError, LossConfig
+from fastclip.train.momentum import MomentumTowers
 
 
 class TowersWithLoss(torch.nn.Module):
@@ -22,20 +23,39 @@ class TowersWithLoss(torch.nn.Module):
     its gradient is averaged with the towers'. forward: encode under autocast, L2-normalise in fp32, loss in fp32
     (the loss gathers features itself; its per-sample state is plain tensors, so DDP never broadcasts it)."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: torch.nn.Module, *, precision: str, compile: bool):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: torch.nn.Module,
+        *,
+        precision: str,
+        compile: bool,
+        momentum_towers: MomentumTowers | None = None,
+    ):
         super().__init__()
-        self.model, self.loss_fn = model, loss_fn
+        self.model, self.loss_fn, self.momentum_towers = model, loss_fn, momentum_towers
         self.amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         # compile the towers' encoders only: the loss holds collectives and data-dependent state updates
         self.encode_image = torch.compile(model.encode_image) if compile else model.encode_image
         self.encode_text = torch.compile(model.encode_text) if compile else model.encode_text
 
     def encode(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._encode_with(self.encode_image, self.encode_text, images, texts)
+
+    @torch.no_grad()
+    def encode_momentum(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The momentum towers' features of the batch (None without model.ema_momentum)."""
+        if self.momentum_towers is None:
+            return None
+        towers = self.momentum_towers.towers
+        return self._encode_with(towers.encode_image, towers.encode_text, images, texts)
+
+    def _encode_with(self, encode_image, encode_text, images, texts):
         with torch.autocast(
             images.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
         ):
-            image_features = self.encode_image(images)
-            text_features = self.encode_text(texts)
+            image_features = encode_image(images)
+            text_features = encode_text(texts)
         return F.normalize(image_features.float(), dim=-1), F.normalize(text_features.float(), dim=-1)
 
     def forward(
@@ -49,7 +69,8 @@ class TowersWithLoss(torch.nn.Module):
         image_features, text_features = self.encode(images, texts)
         if features_only:  # gradient accumulation calls the loss itself, once per step (fastclip/train/accumulate.py)
             return image_features, text_features
-        return self.loss_fn(image_features, text_features, indices, epoch=epoch)
+        momentum = self.encode_momentum(images, texts)
+        return self.loss_fn(image_features, text_features, indices, epoch=epoch, momentum=momentum)
 
 
 def loss_options(cfg: Config, embed_dim: int | None = None) -> dict:
@@ -118,6 +139,7 @@ class Net:
     engine: object  # DDPEngine or DeepSpeedEngine (fastclip/train/engine.py)
     speedups: list[str]  # GPU choices applied, for the start-up line
     loaded: object = None  # what build_net's `load` returned (the trainer: where a resume continues)
+    momentum_towers: MomentumTowers | None = None  # model.ema_momentum's EMA copy of the towers
 
 
 def build_net(
@@ -126,6 +148,7 @@ def build_net(
     data_size: int,
     *,
     load: Callable[[torch.nn.Module, torch.nn.Module], None] | None = None,
+    momentum_state: dict | None = None,
 ) -> Net:
     """Towers (seeded by train.seed: the same init on every rank) + loss + the engine of train.distributed.
     `load(model, loss_fn)` runs before the engine wraps them (resume, pretrained towers), so DDP broadcasts
@@ -147,10 +170,17 @@ def build_net(
         model.set_grad_checkpointing(True)
     loss_fn = make_loss(cfg, data_size, built.config.get("embed_dim")).to(device)
     loaded = load(model, loss_fn) if load is not None else None
+    momentum = None
+    if cfg.model.ema_momentum is not None:  # from the loaded towers, or as the checkpoint saved it
+        momentum = MomentumTowers(model, cfg.model.ema_momentum)
+        if momentum_state is not None:
+            momentum.load_state_dict(momentum_state)
     if cfg.model.compile and cfg.model.grad_checkpointing and info.distributed:
         torch._dynamo.config.optimize_ddp = False  # DDP's graph splitting does not support checkpointed graphs
-    net = TowersWithLoss(model, loss_fn, precision=cfg.train.precision, compile=cfg.model.compile)
-    return Net(built, model, loss_fn, build_engine(net, cfg, info), speedups, loaded)
+    net = TowersWithLoss(
+        model, loss_fn, precision=cfg.train.precision, compile=cfg.model.compile, momentum_towers=momentum
+    )
+    return Net(built, model, loss_fn, build_engine(net, cfg, info), speedups, loaded, momentum)
 
 
 __all__ = ["TowersWithLoss", "Net", "build_net", "loss_options", "seed_all"]

@@ -193,6 +193,10 @@ def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamCo
     )  # rank 0 logs every rank's skips, once per epoch (DataSkipReport)
 
 
+def towers_of(momentum) -> dict | None:
+    return None if momentum is None else momentum.state_dict()
+
+
 def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:
     """Host values of the loss's metrics (call on logging steps only: .item() waits for the device)."""
     out = {"loss": loss.item()}
@@ -348,7 +352,8 @@ class Run:
                 model.load_state_dict(pretrained)
             return None
 
-        self.net = net = build_net(cfg, info, data_size, load=load)
+        momentum_state = model_file.get("momentum_towers") if model_file is not None else None
+        self.net = net = build_net(cfg, info, data_size, load=load, momentum_state=momentum_state)
         resumed: ckpt.RankResume | None = net.loaded
         self.model, self.loss_fn, self.engine = net.model, net.loss_fn, net.engine
         # this rank's part of every global batch
@@ -538,6 +543,8 @@ class Run:
                 engine.step(found_inf=bad)
             self.schedules.thresh.after_step()
             loss_fn.clamp_()
+            if self.net.momentum_towers is not None:  # a step skipped on the device leaves it as it was
+                self.net.momentum_towers.update(self.model, skipped=bad)
             if bad is None:
                 guard.passed()
             else:
@@ -689,6 +696,7 @@ class Run:
                 model_config=self.net.built.config,
                 guards=self.guard.state_dict(),
                 data_skip_report=self.skips.state_dict(),
+                momentum_towers=towers_of(self.net.momentum_towers),
             )
         rank_file = ckpt.rank_file_contents(
             rank=info.rank,

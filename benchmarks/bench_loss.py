@@ -94,6 +94,10 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int, previ
     # epoch 1: γ < 1, the u update proper (the first visit of a sample is the same work)
     steps = {f"fastclip-v3-{mode}": (lambda m=mode: v3_step(m)) for mode in modes}
     steps["openclip"] = lambda: clip(image, text, logit_scale.exp()).backward()
+    # each loss with both implementations (fastclip/losses/objective.py), deferred checks; dcl has autograd only
+    impls = {f"{name} {impl}": _impl_loss(name, impl) for name, impl in IMPLS}
+    for label, loss_fn in impls.items():
+        steps[label] = lambda f=loss_fn: _deferred_step(f, image, text, indices, calls)
     if previous is not None:
         before = previous("fastclip-v3", data_size=DATA_SIZE, validate="deferred")
         calls["previous"] = 0
@@ -143,6 +147,13 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int, previ
             if PREVIOUS in times
             else {}
         ),
+        "impl_ms": {label: 1e3 * statistics.median(times[label]) for label in impls},
+        # autograd over fused, step by step (each pair runs in the same repetition)
+        "impl_ratio": {
+            name: statistics.median(a / f for a, f in zip(times[f"{name} autograd"], times[f"{name} fused"]))
+            for name, impl in IMPLS
+            if impl == "fused"
+        },
         "split": split,
         "fastclip_ops": ops["fastclip-v3-deferred"],
         "openclip_ops": ops["openclip"],
@@ -150,6 +161,43 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int, previ
         "openclip_bytes": counter.total,
         "openclip_bytes_by_call": dict(counter.bytes),
     }
+
+
+IMPLS = [(name, impl) for name in ("fastclip-v3", "openclip") for impl in ("fused", "autograd")] + [("dcl", "autograd")]
+
+
+def _impl_loss(name: str, impl: str):
+    options = {"data_size": DATA_SIZE} if name.startswith("fastclip") else {}
+    return build_loss(name, impl=impl, validate="deferred", **options)
+
+
+def _deferred_step(loss_fn, image, text, indices, calls: dict) -> None:
+    loss_fn(image, text, indices, epoch=1).backward()
+    calls[loss_fn] = calls.get(loss_fn, 0) + 1
+    if calls[loss_fn] % READ_EVERY == 0:  # as the trainer: on logging steps
+        loss_fn.check_inputs()
+
+
+def _impl_table(rows: list[dict]) -> str:
+    names = [f"{name} {impl}" for name, impl in IMPLS]
+    ratios = [name for name, impl in IMPLS if impl == "fused"]
+    lines = [
+        "| B | d | "
+        + " | ".join(f"{n} ms" for n in names)
+        + " | "
+        + " | ".join(f"{n} autograd/fused" for n in ratios)
+        + " |",  # fmt: skip
+        "|---:|---:|" + "---:|" * (len(names) + len(ratios)),
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['B']} | {r['d']} | "
+            + " | ".join(f"{r['impl_ms'][n]:.2f}" for n in names)
+            + " | "
+            + " | ".join(f"{r['impl_ratio'][n]:.2f}" for n in ratios)
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 def _time_split(step, reps: int) -> dict:
@@ -377,6 +425,13 @@ def _run(args, plan: dict) -> int:
             "autograd and count too.",
             "",
             _split_table(rows),
+            "",
+            "Each loss's two implementations (the loss option `impl`, fastclip/losses/objective.py), deferred checks, "
+            "interleaved with the rest: `fused`, the hand-written backward over this rank's B x N blocks; `autograd`, "
+            "the objective as autograd code over the global N x N matrix, whose backward makes only this rank's rows' "
+            "products. Ratio: the median of each autograd step's time over its fused twin's in the same repetition.",
+            "",
+            _impl_table(rows),
             "",
         ]
     )

@@ -20,6 +20,8 @@ D, DATA_SIZE = 5, 16
 # Global batches of 6 (2 ranks x 3, 3 ranks x 2); index 7 twice in steps 0 and 1, 4 twice in step 2.
 STEPS = [([3, 7, 12, 5, 7, 0], 0), ([7, 3, 15, 7, 12, 11], 1), ([0, 4, 3, 9, 4, 8], 2)]
 STATE = dict(data_size=DATA_SIZE, gamma_min=0.3, gamma_decay_epochs=2)
+# group ids per step (a data index keeps its group): several captions of one image, positives of each other
+GROUPS = [[1, 2, 1, 3, 2, 4], [2, 1, 5, 2, 1, 6], [4, 0, 1, 7, 0, 8]]
 # (name, options) run with both implementations
 BOTH = {
     "openclip": ("openclip", {}),
@@ -32,6 +34,10 @@ BOTH = {
     "v2": ("fastclip-v2", {**STATE, "temperature": 0.3, "lr_tau": 0.05, "rho": 1.0}),
     "tempnet": ("fastclip-tempnet", {**STATE, "temperature": 0.3, "rho": 1.0, "embed_dim": D, "tempnet_hidden": 6}),
     "v3-separate": ("fastclip-v3", {**STATE, "temperature": 0.1, "rho": 1.5, "separate_temperatures": True}),
+    "openclip-groups": ("openclip", {}),
+    "siglip-groups": ("siglip", {}),
+    "v3-groups": ("fastclip-v3", {**STATE, "temperature": 0.1, "rho": 1.5}),
+    "v2-groups": ("fastclip-v2", {**STATE, "temperature": 0.3, "lr_tau": 0.05, "rho": 1.0}),
 }
 # autograd only
 ONLY = {
@@ -47,6 +53,7 @@ ONLY = {
     "dcl-distill": ("dcl", {"distill_alpha": 0.4, "queue_size": 5}),
     "openclip-distill": ("openclip", {"distill_alpha": 0.4}),
     "openclip-moco": ("openclip", {"queue_size": 6}),  # the queue holds the momentum model's features
+    "dcl-queue-groups": ("dcl", {"queue_size": 5}),
     "v2-weighted": ("fastclip-v2", {**STATE, "temperature": 0.3, "lr_tau": 0.05, "direction_weights": [1, 3]}),
 }
 AUTOGRAD = {**BOTH, **ONLY}
@@ -82,7 +89,7 @@ def momentum_batch(step: int, n: int):
     )
 
 
-def run_steps(loss_fn, rows: slice, momentum: bool = False):
+def run_steps(loss_fn, rows: slice, momentum: bool = False, groups: bool = False):
     records = []
     for step, (indices, epoch) in enumerate(STEPS):
         e1, e2 = batch(step, len(indices))
@@ -90,6 +97,8 @@ def run_steps(loss_fn, rows: slice, momentum: bool = False):
         for p in loss_fn.parameters():
             p.grad = None
         extra = {"momentum": tuple(m[rows] for m in momentum_batch(step, len(indices)))} if momentum else {}
+        if groups:
+            extra["groups"] = torch.tensor(GROUPS[step])[rows]
         loss = loss_fn(e1, e2, torch.tensor(indices)[rows], epoch=epoch, **extra)
         loss.backward()
         params = {n: p.grad.clone() for n, p in loss_fn.named_parameters() if p.grad is not None}
@@ -103,7 +112,7 @@ def run_steps(loss_fn, rows: slice, momentum: bool = False):
 def ranks_run(rank, world_size):
     b = len(STEPS[0][0]) // world_size
     rows = slice(rank * b, (rank + 1) * b)
-    return {case: run_steps(make(case, "autograd"), rows, case in MOMENTUM) for case in AUTOGRAD}
+    return {case: run_steps(make(case, "autograd"), rows, case in MOMENTUM, "groups" in case) for case in AUTOGRAD}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +136,9 @@ def assert_state_equal(got, want, label):
 
 @pytest.mark.parametrize("case", list(BOTH))
 def test_autograd_equals_fused_in_one_process(case):
-    fused, autograd = run_steps(make(case, "fused"), slice(None)), run_steps(make(case, "autograd"), slice(None))
+    grouped = "groups" in case
+    fused = run_steps(make(case, "fused"), slice(None), groups=grouped)
+    autograd = run_steps(make(case, "autograd"), slice(None), groups=grouped)
     for step, (f, a) in enumerate(zip(fused["steps"], autograd["steps"])):
         where = f"{case} step {step}"
         torch.testing.assert_close(a["loss"], f["loss"], **TOL, msg=f"{where} value")
@@ -166,13 +177,13 @@ def assert_ranks_equal_one_process(per_rank, single, world_size, label):
 
 @pytest.mark.parametrize("case", list(AUTOGRAD))
 def test_two_ranks_equal_one_process(two_ranks, case):
-    single = run_steps(make(case, "autograd"), slice(None), case in MOMENTUM)
+    single = run_steps(make(case, "autograd"), slice(None), case in MOMENTUM, "groups" in case)
     assert_ranks_equal_one_process([r[case] for r in two_ranks], single, 2, case)
 
 
 @pytest.mark.parametrize("case", list(AUTOGRAD))
 def test_three_ranks_equal_one_process(three_ranks, case):
-    single = run_steps(make(case, "autograd"), slice(None), case in MOMENTUM)
+    single = run_steps(make(case, "autograd"), slice(None), case in MOMENTUM, "groups" in case)
     assert_ranks_equal_one_process([r[case] for r in three_ranks], single, 3, case)
 
 
@@ -231,6 +242,23 @@ def test_the_objective_is_its_formula(name, options, formula):
     torch.testing.assert_close(got, want, **TOL)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, **TOL)
+
+
+@pytest.mark.parametrize("name", ["dcl", "openclip"])
+def test_rows_of_one_group_are_no_negatives_of_each_other(name):
+    """groups: the reference formula with the group ids in place of the indices (openclip: only the group, not
+    another copy of the same index, leaves the denominator; here they coincide)."""
+    idx, groups = torch.tensor([3, 7, 12, 5, 7, 0, 9]), torch.tensor([1, 2, 1, 3, 2, 3, 4])
+    e1, e2 = (x.requires_grad_() for x in batch(9, len(idx)))
+    loss_fn = build_loss(name, temperature=0.2).double()
+    got = loss_fn(e1, e2, idx, groups=groups)
+    want = reference_loss(e1, e2, groups.tolist(), torch.exp(-loss_fn.logit_scale), decoupled=name == "dcl",
+                          copies_negative=False)  # fmt: skip
+    torch.testing.assert_close(got, want, **TOL)
+    for g, w in zip(torch.autograd.grad(got, (e1, e2)), torch.autograd.grad(want, (e1, e2))):
+        torch.testing.assert_close(g, w, **TOL)
+    with pytest.raises(LossInputError, match="groups must be integer ids"):
+        loss_fn(e1, e2, idx, groups=groups[:3])
 
 
 def test_dcl_has_the_gradient_of_fastclip_v1_at_gamma_1():

@@ -59,6 +59,7 @@ class ContrastiveLoss(nn.Module):
         *,
         epoch: int | None = None,
         momentum: tuple[torch.Tensor, torch.Tensor] | None = None,
+        groups: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-rank surrogate loss; backward it on every rank and average parameter gradients over ranks.
 
@@ -66,15 +67,21 @@ class ContrastiveLoss(nn.Module):
         autograd: a feature queue then holds them (MoCo), and ``distill_alpha`` mixes their softmax into the
         targets (ALBEF). They travel in the features' all_gather.
 
+        ``groups``: int64 ``[B]`` group ids (several captions of one image, identical captions): rows of one group
+        are positives of each other and never negatives (they leave the denominators, as copies of one sample do;
+        siglip labels them +1). Without groups each sample is its own group.
+
         Safe inside ``torch.autocast`` and with TF32 enabled: autocast is off in here, similarities are computed
         in float32 (or float64) whatever the features' dtype, and float32 matmuls run in IEEE precision on CUDA,
         since a bf16 (or TF32) matmul with 1/τ = 100 applied is off by several %.
         """
         device_type = image_features.device.type if isinstance(image_features, torch.Tensor) else "cpu"
         with exact_float32(device_type):
-            return self._forward(image_features, text_features, indices, epoch, momentum=momentum)
+            return self._forward(image_features, text_features, indices, epoch, momentum=momentum, groups=groups)
 
-    def _forward(self, image_features, text_features, indices, epoch, comm: Comm | None = None, momentum=None):
+    def _forward(
+        self, image_features, text_features, indices, epoch, comm: Comm | None = None, momentum=None, groups=None
+    ):
         if epoch is not None:
             self.set_epoch(epoch)
         if momentum is None and self.needs_momentum:
@@ -88,12 +95,20 @@ class ContrastiveLoss(nn.Module):
             indices = indices.to(image_features.device, non_blocking=True)  # data loaders hand them over on CPU
         checks = self.input_checks
         given = (image_features, text_features, indices)  # (a redo is made with what the caller gave)
-        given_momentum = momentum
+        given_momentum, given_groups = momentum, groups
+        if groups is not None:
+            rows = image_features.shape[0] if isinstance(image_features, torch.Tensor) else None
+            if not isinstance(groups, torch.Tensor) or groups.shape != (rows,) or groups.is_floating_point():
+                shape = tuple(groups.shape) if isinstance(groups, torch.Tensor) else type(groups).__name__
+                raise LossInputError(f"{self.name}: groups must be integer ids [B] = [{rows}], got {shape}")
+            groups = groups.to(image_features.device, torch.int64)
         stand_in = self.validate == "eager" and comm.world_size > 1 and checks.changed(comm, *given)
         if stand_in:  # the other ranks cannot know: join their all_gather with the agreed shapes and say so
             image_features, text_features, indices = checks.stand_in(header_device(comm, *given))
             if momentum is not None:
                 momentum = (torch.zeros_like(image_features), torch.zeros_like(text_features))
+            if groups is not None:
+                groups = torch.zeros(image_features.shape[0], dtype=torch.int64, device=image_features.device)
         elif self.validate != "off":  # the structure handshake: first call, or this rank's shapes changed
             checks.structure(
                 comm,
@@ -126,12 +141,14 @@ class ContrastiveLoss(nn.Module):
                 words[0] = SIGNATURE_CHANGED
         if momentum is not None:
             momentum = tuple(m.detach().to(image_features.device) for m in momentum)
-        batch = comm.gather_batch(image_features, text_features, indices, header=words, momentum=momentum)
+        batch = comm.gather_batch(
+            image_features, text_features, indices, header=words, momentum=momentum, groups=groups
+        )
         if words is not None:
             if self.validate == "eager":  # before the loss writes its state
                 # a rank's shapes changed (every rank sees its stand-in's flag): the handshake, then the call
                 if checks.check_now(batch.header):
-                    return self._forward(*given, None, comm, momentum=given_momentum)
+                    return self._forward(*given, None, comm, momentum=given_momentum, groups=given_groups)
             else:
                 checks.record(batch.header)
         loss, metrics = self._compute(comm, batch)

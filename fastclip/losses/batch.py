@@ -21,6 +21,9 @@ class GlobalBatch:
     world_size: int
     header: torch.Tensor | None = None  # [K, 4] int64 validation words of every rank (validation.py)
     momentum: torch.Tensor | None = None  # [2, N, d] the momentum model's gathered (text, image) features
+    # group ids (several captions of one image): rows of one group are positives of each other, never negatives
+    groups: torch.Tensor | None = None  # [B]
+    all_groups: torch.Tensor | None = None  # [N]
     _positive_cells: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _indices_repeat: bool | None = field(default=None, repr=False)
 
@@ -69,9 +72,21 @@ class GlobalBatch:
         A ``[B, N]`` bool mask; or, when the indices are in CPU memory (nothing to sync with) and none repeats, the
         positive cells as ``positive_cells()`` gives them. The same cells either way; on the CPU building and
         applying the mask costs as much as the exponentials of both blocks (B = 1024, 2 ranks)."""
+        if self.all_groups is not None:  # one sample is in one group: its copies share it too
+            return self.groups[:, None] == self.all_groups[None, :]
         if self.indices_repeat() is False:
             return self.positive_cells()
         return self.indices[:, None] == self.all_indices[None, :]
+
+    def group_cells(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The cells that are positives of each other in the losses without indices (openclip, siglip): the pair
+        itself, and with groups every cell of the row's group."""
+        return self.same_sample_cells() if self.all_groups is not None else self.positive_cells()
+
+    @property
+    def all_ids(self) -> torch.Tensor | None:
+        """``[N]`` what tells two rows apart as negatives: their group ids when given, else their data indices."""
+        return self.all_groups if self.all_groups is not None else self.all_indices
 
     def indices_repeat(self) -> bool | None:
         """Whether some data index occurs twice in the global batch: known (one host check, cached) when the indices

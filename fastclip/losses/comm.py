@@ -85,6 +85,7 @@ class Comm:
         indices: torch.Tensor | None,
         header: torch.Tensor | None = None,
         momentum: tuple[torch.Tensor, torch.Tensor] | None = None,
+        groups: torch.Tensor | None = None,
     ) -> GlobalBatch:
         """The one feature all_gather: local rows keep autograd, the gathered copies have none. ``header``
         (int64 words, validation.py) rides at the end of the same buffer; ``momentum`` (the momentum model's
@@ -97,7 +98,7 @@ class Comm:
             parts = [text.reshape(-1), image.reshape(-1)]
             if momentum is not None:
                 parts += [momentum[1].reshape(-1).to(image.dtype), momentum[0].reshape(-1).to(image.dtype)]
-            for words in (indices, header):
+            for words in (indices, groups, header):
                 if words is not None:
                     parts.append(words.contiguous().view(image.dtype))  # bit-cast, exact through a copy
             packed = torch.cat(parts)
@@ -111,25 +112,28 @@ class Comm:
         if self.world_size > 1:
             item = image.element_size()
             self.ledger["features"] += (self.world_size - 1) * n_sets * n_feat * item
-            if indices is not None:
-                self.ledger["indices"] += (self.world_size - 1) * rows * 8
+            for ids in (indices, groups):
+                if ids is not None:
+                    self.ledger["indices"] += (self.world_size - 1) * rows * 8
             if header is not None:
                 self.ledger["header"] += (self.world_size - 1) * header.numel() * 8
         features = gathered[:, : n_sets * n_feat].view(self.world_size, n_sets, rows, dim)
         every = features.transpose(0, 1).reshape(n_sets, self.world_size * rows, dim)  # [2 or 4, N, d], rank-major
         candidates, momentum_all = every[:2], (every[2:] if momentum is not None else None)
-        all_indices = all_header = None
+        all_indices = all_groups = all_header = None
         words = gathered[:, n_sets * n_feat :]
         if self.world_size == 1:  # the inputs themselves (no copy to make: nothing was gathered)
-            all_indices = indices
+            all_indices, all_groups = indices, groups
             all_header = None if header is None else header[None]
-        elif indices is not None or header is not None:
-            words = words.contiguous().view(torch.int64)  # [K, B (+ len(header))]: one copy (K > 1: strided)
-            n_idx = 0 if indices is None else rows
+        elif indices is not None or groups is not None or header is not None:
+            words = words.contiguous().view(torch.int64)  # [K, B (+ B) (+ len(header))]: one copy (strided)
+            start = 0
             if indices is not None:
-                all_indices = words[:, :n_idx].reshape(-1)
+                all_indices, start = words[:, :rows].reshape(-1), rows
+            if groups is not None:
+                all_groups, start = words[:, start : start + rows].reshape(-1), start + rows
             if header is not None:
-                all_header = words[:, n_idx:]
+                all_header = words[:, start:]
         return GlobalBatch(
             image=image,
             text=text,
@@ -140,6 +144,8 @@ class Comm:
             world_size=self.world_size,
             header=all_header,
             momentum=momentum_all,
+            groups=groups,
+            all_groups=all_groups,
         )
 
     def share_rows(

@@ -114,6 +114,7 @@ class GlobalFeatures:
     text: torch.Tensor
     indices: torch.Tensor | None
     local: slice  # this rank's rows
+    ids: torch.Tensor | None = None  # [N] what tells rows apart as negatives: group ids if given, else indices
     batch: GlobalBatch | None = None  # (for cosines(): this rank's features and the gathered ones)
     queue: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (image, text, indices) [Q, ...]
     momentum: tuple[torch.Tensor, torch.Tensor] | None = None  # the momentum model's (image, text) [N, d]
@@ -126,9 +127,15 @@ class GlobalFeatures:
         """``[N, N]`` bool: True where row i and column j are one sample (the diagonal, and copies of one data index),
         i.e. the cells that are no negatives of each other."""
         eye = torch.eye(self.size, dtype=torch.bool, device=self.image.device)
-        if self.indices is None:
+        if self.ids is None:
             return eye
-        return eye | (self.indices[:, None] == self.indices[None, :])
+        return eye | (self.ids[:, None] == self.ids[None, :])
+
+    def same_pair(self) -> torch.Tensor:
+        """``[N, N]`` bool: the pairs themselves, and with groups every same-group cell (openclip, siglip)."""
+        if self.batch is not None and self.batch.all_groups is not None:
+            return self.same_sample()
+        return torch.eye(self.size, dtype=torch.bool, device=self.image.device)
 
     def cosines(self) -> torch.Tensor:
         """``[N, N]`` image i · text j, differentiable (through this rank's rows only, at the fused losses' cost)."""
@@ -155,7 +162,7 @@ class GlobalFeatures:
             q_image, q_text, q_indices = self.queue
             extra = torch.stack([self._against(q_text, "image"), self._against(q_image, "text")])
             valid = q_indices >= 0
-            own = q_indices[None, :] == self.indices[:, None]  # an anchor's own sample, queued before
+            own = q_indices[None, :] == self.ids[:, None]  # an anchor's own sample (or group), queued before
             rows = torch.cat([rows, extra], dim=-1)
             negative = torch.cat([negative, (valid[None, :] & ~own).expand(2, -1, -1)], dim=-1)
             count = count + valid.sum()
@@ -201,6 +208,7 @@ def global_features(batch: GlobalBatch, dtype: torch.dtype | None = None) -> Glo
         text=stitch(batch.text, batch.all_text),
         indices=batch.all_indices,
         local=batch.local_rows,
+        ids=batch.all_ids,
         batch=batch,
     )
 
@@ -304,7 +312,7 @@ class AutogradObjective:
         if self.queue is not None and self.training:  # the same rows on every rank: the queues stay identical
             # MoCo: the momentum model's features when there is one, else the online ones (cross-batch memory)
             image, text = features.momentum or (batch.all_image.to(dtype), batch.all_text.to(dtype))
-            self.queue.push(image, text, batch.all_indices)
+            self.queue.push(image, text, batch.all_ids)
         return out
 
     def _objective(self, features: GlobalFeatures, state: StateRows | None):

@@ -52,7 +52,7 @@ class OpenCLIPLoss(ContrastiveLoss):
         scale = self._scale(dtype)
         learnable = scale.requires_grad
         s = scale.detach()
-        cells = batch.positive_cells()
+        cells = batch.group_cells()  # the pairs (with groups: every same-group cell)
         logits = pair_logits(batch, dtype, s, self.options.similarity, self.options.similarity_clamp)
         sim, pos, pos_all = logits.sim, logits.pos, logits.pos_all  # s·φ(S) [2, B, N], φ(p)
         exclude_(sim, cells)  # the positives: no negatives of their own anchors

@@ -89,7 +89,7 @@ class SigLIPLoss(ContrastiveLoss):
         dtype = compute_dtype(batch.image.dtype)
         scale = self._scale(dtype)  # t, autograd into logit_scale
         bias = self.logit_bias.to(dtype)
-        cells = batch.positive_cells()
+        cells = batch.group_cells()  # the pairs (with groups: every same-group cell)
         t, b = scale.detach(), bias.detach()
         sim_it = similarity(batch.image, batch.all_text, dtype)  # local images (rows) vs all texts
         sim_ti = similarity(batch.text, batch.all_image, dtype)  # local texts (rows) vs all images
@@ -133,7 +133,7 @@ class SigLIPAutograd(AutogradObjective, SigLIPLoss):
         dtype = features.image.dtype
         scale, bias = self._scale(dtype), self.logit_bias.to(dtype)
         logits = features.cosines() * scale + bias
-        sign = 2.0 * torch.eye(features.size, dtype=dtype, device=logits.device) - 1.0
+        sign = 2.0 * features.same_pair().to(dtype) - 1.0  # +1 on the pairs (and their groups)
         loss = F.softplus(-sign * logits).sum() / features.size
         value = loss.detach()
         return loss, {

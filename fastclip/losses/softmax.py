@@ -30,10 +30,9 @@ def softmax_loss(
     similarity, clamp = options.similarity, options.similarity_clamp
     rows, positive = scale * pair_map(pairs.cos, similarity, clamp), scale * pair_map(pairs.positive, similarity, clamp)
     negative = pairs.negative
-    if not exclude_copies:  # only the pair itself is excluded: a copy of the anchor's sample in the batch counts
+    if not exclude_copies:  # only the pair (its group) is excluded: a copy of the anchor's sample counts
         n = features.size
-        eye = torch.eye(n, dtype=torch.bool, device=rows.device)
-        negative = torch.cat([(~eye).expand(2, -1, -1), negative[..., n:]], dim=-1)
+        negative = torch.cat([(~features.same_pair()).expand(2, -1, -1), negative[..., n:]], dim=-1)
     rows, negative = hard_negatives(rows, negative, options.hard_negative_topk, options.hard_negative_beta)
     log_negatives = masked_logsumexp(rows, negative)  # [2, N]
     log_denominator = log_negatives if decoupled else torch.logaddexp(positive, log_negatives)

@@ -330,3 +330,20 @@ def full_disk_after(calls: int, real):
         return real(*args, **kwargs)
 
     return wrapped
+
+
+def randomize_tempnet_heads(loss_fn, seed: int = 5) -> None:
+    """Non-constant temperature heads (the output layer starts at zero), the same wherever the seed is."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (p for head in (loss_fn.tempnet_img, loss_fn.tempnet_txt) for p in head.parameters()):
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def assert_value_and_grads(got, want, wrt, retain_graph: bool = False, **tol) -> None:
+    """``got`` equals ``want`` and so do their gradients with respect to the tensors ``wrt``."""
+    got_grads = torch.autograd.grad(got, wrt, retain_graph=retain_graph)
+    want_grads = torch.autograd.grad(want, wrt, retain_graph=retain_graph)
+    torch.testing.assert_close(got, want, **tol)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, **tol)

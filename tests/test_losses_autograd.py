@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from fastclip.losses import LossInputError, build_loss, reshard_states
 
 from dist_utils import run_distributed
+from helpers import assert_value_and_grads, randomize_tempnet_heads
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 D, DATA_SIZE = 5, 16
@@ -67,10 +68,7 @@ def make(case: str, impl: str):
         options["data_size"] = DATA_SIZE
     loss_fn = build_loss(name, impl=impl, **options).double()
     if name == "fastclip-tempnet":  # the same non-constant heads for both implementations and on every rank
-        gen = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for p in (p for head in (loss_fn.tempnet_img, loss_fn.tempnet_txt) for p in head.parameters()):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+        randomize_tempnet_heads(loss_fn)
     return loss_fn
 
 
@@ -235,13 +233,8 @@ def test_the_objective_is_its_formula(name, options, formula):
     e1.requires_grad_(), e2.requires_grad_()
     loss_fn = build_loss(name, temperature=0.2, **options).double()
     got = loss_fn(e1, e2, idx)
-    got_grads = torch.autograd.grad(got, (e1, e2, loss_fn.logit_scale))
-    tau = torch.exp(-loss_fn.logit_scale)
-    want = reference_loss(e1, e2, idx.tolist(), tau, **formula)
-    want_grads = torch.autograd.grad(want, (e1, e2, loss_fn.logit_scale))
-    torch.testing.assert_close(got, want, **TOL)
-    for g, w in zip(got_grads, want_grads):
-        torch.testing.assert_close(g, w, **TOL)
+    want = reference_loss(e1, e2, idx.tolist(), torch.exp(-loss_fn.logit_scale), **formula)
+    assert_value_and_grads(got, want, (e1, e2, loss_fn.logit_scale), **TOL)
 
 
 @pytest.mark.parametrize("name", ["dcl", "openclip"])
@@ -252,11 +245,9 @@ def test_rows_of_one_group_are_no_negatives_of_each_other(name):
     e1, e2 = (x.requires_grad_() for x in batch(9, len(idx)))
     loss_fn = build_loss(name, temperature=0.2).double()
     got = loss_fn(e1, e2, idx, groups=groups)
-    want = reference_loss(e1, e2, groups.tolist(), torch.exp(-loss_fn.logit_scale), decoupled=name == "dcl",
-                          copies_negative=False)  # fmt: skip
-    torch.testing.assert_close(got, want, **TOL)
-    for g, w in zip(torch.autograd.grad(got, (e1, e2)), torch.autograd.grad(want, (e1, e2))):
-        torch.testing.assert_close(g, w, **TOL)
+    tau = torch.exp(-loss_fn.logit_scale)
+    want = reference_loss(e1, e2, groups.tolist(), tau, decoupled=name == "dcl", copies_negative=False)
+    assert_value_and_grads(got, want, (e1, e2), **TOL)
     with pytest.raises(LossInputError, match="groups must be integer ids"):
         loss_fn(e1, e2, idx, groups=groups[:3])
 
@@ -325,7 +316,6 @@ def test_dcl_with_a_queue_is_its_formula_over_three_steps():
     for step, (indices, _) in enumerate(STEPS):
         e1, e2 = (x.requires_grad_() for x in batch(step, len(indices)))
         got = loss_fn(e1, e2, torch.tensor(indices))
-        got_grads = torch.autograd.grad(got, (e1, e2, loss_fn.logit_scale))
         tau, terms = torch.exp(-loss_fn.logit_scale), []
         for anchors, candidates, queued_of in ((e1, e2, 2), (e2, e1, 1)):
             per_anchor = []
@@ -334,11 +324,7 @@ def test_dcl_with_a_queue_is_its_formula_over_three_steps():
                 z += [anchors[i] @ row[queued_of] / tau for row in queued if row[0] != index]
                 per_anchor.append(torch.logsumexp(torch.stack(z), 0) - anchors[i] @ candidates[i] / tau)
             terms.append(torch.stack(per_anchor).mean())
-        want = (terms[0] + terms[1]) / 2
-        want_grads = torch.autograd.grad(want, (e1, e2, loss_fn.logit_scale))
-        torch.testing.assert_close(got, want, **TOL)
-        for g, w in zip(got_grads, want_grads):
-            torch.testing.assert_close(g, w, **TOL)
+        assert_value_and_grads(got, (terms[0] + terms[1]) / 2, (e1, e2, loss_fn.logit_scale), **TOL)
         queued = (queued + [(index, e1[k].detach(), e2[k].detach()) for k, index in enumerate(indices)])[-4:]
 
 
@@ -400,7 +386,6 @@ def test_distillation_is_its_formula_with_a_momentum_queue(decoupled):
         e1, e2 = (x.requires_grad_() for x in batch(step, len(indices)))
         m1, m2 = momentum_batch(step, len(indices))
         got = loss_fn(e1, e2, torch.tensor(indices), momentum=(m1, m2))
-        got_grads = torch.autograd.grad(got, (e1, e2, loss_fn.logit_scale))
         tau, terms = torch.exp(-loss_fn.logit_scale), []
         for anchors, candidates, m_anchors, m_candidates, of in ((e1, e2, m1, m2, 2), (e2, e1, m2, m1, 1)):
             per_anchor = []
@@ -418,11 +403,7 @@ def test_distillation_is_its_formula_with_a_momentum_queue(decoupled):
                 denominator = torch.logsumexp(z[1:] if decoupled else z, 0)
                 per_anchor.append(denominator - (y * z).sum())
             terms.append(torch.stack(per_anchor).mean())
-        want = (terms[0] + terms[1]) / 2
-        want_grads = torch.autograd.grad(want, (e1, e2, loss_fn.logit_scale))
-        torch.testing.assert_close(got, want, **TOL)
-        for g, w in zip(got_grads, want_grads):
-            torch.testing.assert_close(g, w, **TOL)
+        assert_value_and_grads(got, (terms[0] + terms[1]) / 2, (e1, e2, loss_fn.logit_scale), **TOL)
         queued = (queued + [(index, m1[k], m2[k]) for k, index in enumerate(indices)])[-q:]
 
 

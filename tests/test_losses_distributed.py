@@ -21,6 +21,7 @@ from fastclip.losses import LossInputError, NonFiniteFeaturesError, build_loss, 
 from fastclip.losses.byte_counter import CollectiveByteCounter
 
 from dist_utils import run_distributed
+from helpers import randomize_tempnet_heads
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 D = 5
@@ -60,10 +61,7 @@ def make_loss(name, compat, **extra):
         options = {}
     loss_fn = build_loss(name, data_size=DATA_SIZE, **options, **extra).double()
     if name == "fastclip-tempnet":  # the same non-constant heads on every rank
-        gen = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for p in (p for head in (loss_fn.tempnet_img, loss_fn.tempnet_txt) for p in head.parameters()):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+        randomize_tempnet_heads(loss_fn)
     return loss_fn
 
 

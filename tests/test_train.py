@@ -176,6 +176,11 @@ def test_two_process_run_of_every_mode(two_process_runs, mode):
         assert ema.keys() == model["state_dict"].keys()
         moved = [k for k, v in ema.items() if v.is_floating_point() and not torch.equal(v, model["state_dict"][k])]
         assert moved  # an EMA, not a copy
+        from fastclip.eval.export import export_model  # exported on request, loadable as the towers are
+
+        written = export_model(final, run / "ema.pt", momentum_towers=True)
+        exported = load(written["file"])["state_dict"]
+        assert all(torch.equal(exported[k], v) for k, v in ema.items() if k != "logit_scale")
     # towers' weights are trained (not the init) and the optimizer has one state per trainable tensor
     n_groups = {g["name"]: len(g["params"]) for g in model["optimizer"]["param_groups"]}
     learns_tau = ("openclip", "fastclip-v0", "fastclip-v3", "fastclip-tempnet", "dcl")

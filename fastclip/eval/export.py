@@ -112,8 +112,11 @@ def _is_training(folder: Path) -> bool:
         return False
 
 
-def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32") -> dict:
-    """Write the model-only file (and `<arch>.json` if needed); return what was written."""
+def export_model(
+    checkpoint_path, out: str | os.PathLike, precision: str = "fp32", momentum_towers: bool = False
+) -> dict:
+    """Write the model-only file (and `<arch>.json` if needed); return what was written. ``momentum_towers``: the
+    EMA copy of the towers (model.ema_momentum) instead of the trained ones."""
     if precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     from fastclip.eval.checkpoint import load_model
@@ -132,6 +135,12 @@ def export_model(checkpoint_path, out: str | os.PathLike, precision: str = "fp32
     load_model(file)  # the tensors fit the architecture they claim (a one-line ValueError otherwise)
     arch, model_config = ckpt.architecture(checkpoint)
     state = ckpt.towers_state(checkpoint)
+    if momentum_towers:
+        if "momentum_towers" not in checkpoint:
+            raise ValueError(
+                f"{file}: no momentum towers (the run did not set model.ema_momentum); export without --momentum-towers"
+            )
+        state = dict(checkpoint["momentum_towers"])
 
     scale = ckpt.loss_logit_scale(checkpoint)
     if scale is not None:
@@ -277,13 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", help="run dir, checkpoints dir, step dir or model.pt")
     parser.add_argument("--out", required=True, help="output .pt file")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
+    parser.add_argument(
+        "--momentum-towers", action="store_true", help="export the EMA copy of the towers (model.ema_momentum)"
+    )
     args = parser.parse_args(argv)
     if Path(args.out).is_dir():  # checked first: the export would be written and then fail to land
         print(f"fastclip export: --out {args.out}: is a folder; pass the .pt file to write", file=sys.stderr)
         return 2
     try:
         with stopped_by_signals():  # unwinds like Ctrl-C, so the staging folder is removed
-            written = export_model(args.checkpoint, args.out, args.precision)
+            written = export_model(args.checkpoint, args.out, args.precision, args.momentum_towers)
     except Stopped as e:
         said = f"after {e.done}" if e.done else "before anything was written (an earlier export there is as it was)"
         print(f"fastclip export: stopped by {e.name} {said}", file=sys.stderr)

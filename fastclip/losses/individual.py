@@ -159,6 +159,26 @@ class FastCLIPV2Loss(SampleStateLoss):
         return loss, per_sample_tau_metrics(loss, loss, objective, gamma, tau_old)
 
 
+def per_anchor_tau_terms(gap: torch.Tensor, negative: torch.Tensor, tau: torch.Tensor, b_old: torch.Tensor):
+    """RGCL with one τ per anchor over the global batch (v2, the temperature network), from ``gap`` ``[2, N, N]``
+    φ_ik − φ_ii, the negatives, τ and the old bound ``[2, N]``: ``(b_new, g, ∂g/∂τ, g_of)`` with
+    b_i = max(b_old_i, max_k d_ik), g_i = 1/(N−1) Σ_k exp(d_ik − b_i) (d = gap/τ), ∂g/∂τ by autograd, and
+    ``g_of(τ, gap)`` the same g, differentiable in whatever carries a gradient."""
+    with torch.no_grad():
+        top = (gap / tau[..., None]).masked_fill(~negative, -math.inf).amax(dim=-1)
+        b_new = torch.maximum(b_old, top)
+    n_neg = gap.shape[-1] - 1
+
+    def g_of(tau, gap):
+        return torch.exp(gap / tau[..., None] - b_new[..., None]).masked_fill(~negative, 0.0).sum(-1) / n_neg
+
+    tau_leaf = tau.detach().clone().requires_grad_()
+    with torch.enable_grad():
+        g_tau = g_of(tau_leaf, gap.detach())
+        (dg_dtau,) = torch.autograd.grad(g_tau.sum(), tau_leaf)
+    return b_new, g_tau.detach(), dg_dtau, g_of
+
+
 class FastCLIPV2Autograd(AutogradObjective, FastCLIPV2Loss):
     """v2 as an autograd objective (``impl="autograd"``), the same math over the global batch: per direction and
     anchor i with its stored τ_i, d_ik = (φ_ik − φ_ii)/τ_i over the negatives, the bound b_i, g_i and u_i as above;
@@ -174,19 +194,7 @@ class FastCLIPV2Autograd(AutogradObjective, FastCLIPV2Loss):
         seen = state.seen[None, :]  # [1, N]: per (direction, anchor) tables are [2, N] here
         tau_old, b_old = old["tau"], torch.where(seen, old["b"], 0.0)  # the bound starts at 0
         gap = rows - cos.diagonal()[None, :, None]  # φ_ik − φ_ii
-        with torch.no_grad():
-            top = (gap / tau_old[..., None]).masked_fill(~negative, -math.inf).amax(dim=-1)
-            b_new = torch.maximum(b_old, top)
-        n_neg = features.size - 1
-
-        def g_of(tau, gap):  # 1/(N−1) Σ_k exp(d_ik − b_i), in the scale shifted by b
-            return torch.exp(gap / tau[..., None] - b_new[..., None]).masked_fill(~negative, 0.0).sum(-1) / n_neg
-
-        tau_leaf = tau_old.detach().clone().requires_grad_()
-        with torch.enable_grad():
-            g_tau = g_of(tau_leaf, gap.detach())
-            (dg_dtau,) = torch.autograd.grad(g_tau.sum(), tau_leaf)
-        g = g_tau.detach()
+        b_new, g, dg_dtau, g_of = per_anchor_tau_terms(gap, negative, tau_old, b_old)
         u = update_u(old["u"], g, seen, self.gamma(), rescale=torch.exp(b_old - b_new))
         denom, log_denom = self._shifted_eps(u, b_new, eps)
         grad = tau_old * dg_dtau / denom + log_denom + b_new + self.rho

@@ -30,7 +30,7 @@ from .batch import GlobalBatch
 from .comm import Comm
 from .errors import LossInputError
 from .estimator import update_u
-from .individual import objective_eps_shifted, per_sample_tau_metrics
+from .individual import objective_eps_shifted, per_anchor_tau_terms, per_sample_tau_metrics
 from .objective import AutogradObjective, both_directions, weighted_directions
 from .options import TempNetOptions
 from .pairwise import (
@@ -177,19 +177,7 @@ class TempNetAutograd(AutogradObjective, TempNetLoss):
         seen = state.seen[None, :]
         old = {name: torch.stack([state.old[f"{name}_img"], state.old[f"{name}_txt"]]) for name in ("u", "b")}
         b_old = torch.where(seen, old["b"], -math.inf)
-        with torch.no_grad():
-            top = (gap / tau[..., None]).masked_fill(~negative, -math.inf).amax(dim=-1)
-            b_new = torch.maximum(b_old, top)
-        n_neg = features.size - 1
-
-        def g_of(tau, gap):  # 1/(N−1) Σ_k exp(d_ik − b_i), in the scale shifted by b
-            return torch.exp(gap / tau[..., None] - b_new[..., None]).masked_fill(~negative, 0.0).sum(-1) / n_neg
-
-        tau_leaf = tau.clone().requires_grad_()
-        with torch.enable_grad():
-            g_tau = g_of(tau_leaf, gap.detach())
-            (dg_dtau,) = torch.autograd.grad(g_tau.sum(), tau_leaf)
-        g = g_tau.detach()
+        b_new, g, dg_dtau, g_of = per_anchor_tau_terms(gap, negative, tau, b_old)
         u = update_u(old["u"], g, seen, gamma, rescale=torch.exp(b_old - b_new))
         state.write(u_img=u[0], u_txt=u[1], b_img=b_new[0], b_txt=b_new[1])
         denom, log_denom = objective_eps_shifted(u, b_new, eps)

@@ -242,6 +242,22 @@ def test_resume_at_another_world_size(two_process_runs, data, tmp_path):
     assert [r["samples_seen"] for r in recs] == [64 + 8, 64 + 16, 64 + 24]
 
 
+def test_a_queue_and_momentum_towers_resume_at_another_world_size(two_process_runs, data, tmp_path):
+    """2 -> 1 for dcl with a queue, the momentum towers and distillation: the queue (the same on every old rank)
+    and the momentum towers carry over as they were, and training continues."""
+    old = two_process_runs / "dcl:moco" / "split" / "checkpoints" / "step_00000004"
+    args = mode_overrides(data, tmp_path / "one", "dcl:moco", **{"train.max_steps": 4, "train.resume": old})
+    assert main(["--config", str(EMBEDDED), *args]) == 0
+    new = tmp_path / "one" / "checkpoints" / "step_00000004"
+    m_old, m_new = load(old / "model.pt"), load(new / "model.pt")
+    for key in ("state_dict", "loss", "optimizer", "momentum_towers"):
+        assert_same(m_old[key], m_new[key], key)
+    assert_same(_rank_state(old, 0)["loss_state"], _rank_state(new, 0)["loss_state"], "loss_state (queue)")
+    args = mode_overrides(data, tmp_path / "one", "dcl:moco", **{"train.max_steps": 6, "train.resume": "latest"})
+    assert main(["--config", str(EMBEDDED), *args]) == 0
+    assert [r["step"] for r in records(tmp_path / "one")] == [5, 6]
+
+
 # ----------------------------------------------------------------------------- one process
 def test_single_process_run_with_eval_and_grad_checkpointing(data, tmp_path):
     run = tmp_path / "single"

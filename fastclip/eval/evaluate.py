@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -127,7 +128,7 @@ class _Pass:
         # collect_features: the name of the samples that name no dataset; None: no probe features kept
         self.collect_features = collect_features
         self.features: list[torch.Tensor] = []  # [n, d] probe features of labelled samples
-        self.feature_labels: list[tuple[str, int]] = []  # their (dataset, label)
+        self.feature_labels: list[tuple[str, int, int]] = []  # their (dataset, label, data index or -1)
         self.num_samples = 0
         self.unmatched = 0
 
@@ -151,7 +152,14 @@ class _Pass:
             embedding, features = encode_image_with_features(model, images)
             labelled = [i for i, s in enumerate(batch) if s.label is not None]
             self.features.append(features[labelled].float())
-            self.feature_labels += [(batch[i].dataset or self.collect_features, batch[i].label) for i in labelled]
+            self.feature_labels += [
+                (
+                    batch[i].dataset or self.collect_features,
+                    batch[i].label,
+                    -1 if batch[i].index is None else batch[i].index,
+                )
+                for i in labelled
+            ]
         image_features = F.normalize(embedding.float(), dim=-1)
         self.num_samples += len(batch)
         routed = [self.spec_name(s) for s in batch]
@@ -311,7 +319,9 @@ def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_s
         local = torch.cat(state.pairs) if state.pairs else torch.zeros(0, width, device=device)
         pairs = all_gather_rows(local, group)
         local = torch.cat(state.pair_indices) if state.pair_indices else torch.zeros(0, dtype=torch.int64)
-        state.gathered_pairs = (pairs, all_gather_rows(local.to(device), group))
+        indices = all_gather_rows(local.to(device), group)
+        order = torch.sort(indices, stable=True).indices  # data-index order: the validation loss's batches are
+        state.gathered_pairs = (pairs[order], indices[order])  # the same pairs whatever the number of ranks
         if pairs.shape[0]:
             half = pairs.shape[1] // 2
             results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:])
@@ -329,9 +339,10 @@ def _wire(name: str) -> str:
 
 
 def _gather_features(state: _Pass, group) -> dict[str, LabelledFeatures]:
-    """Every rank's probe features, per dataset (names, widths and rows gathered: a rank may hold none)."""
+    """Every rank's probe features, per dataset (names, widths and rows gathered: a rank may hold none), in
+    data-index order: the same rows in the same order whatever the number of ranks (kNN breaks ties by order)."""
     device = state.device
-    local_names = sorted({name for name, _ in state.feature_labels})
+    local_names = sorted({name for name, _, _ in state.feature_labels})
     encoded = torch.zeros(len(local_names), NAME_BYTES, dtype=torch.uint8)
     for row, name in enumerate(local_names):
         raw = _wire(name).encode()
@@ -344,13 +355,14 @@ def _gather_features(state: _Pass, group) -> dict[str, LabelledFeatures]:
     if features.shape[0] == 0:
         features = torch.zeros(0, width, device=device)
     position = {name: i for i, name in enumerate(names)}
-    keys = torch.tensor([[position[_wire(n)], label] for n, label in state.feature_labels], dtype=torch.int64)
-    keys = all_gather_rows(keys.reshape(-1, 2).to(device), group).cpu()
+    keys = [[position[_wire(n)], label, index] for n, label, index in state.feature_labels]
+    keys = all_gather_rows(torch.tensor(keys, dtype=torch.int64).reshape(-1, 3).to(device), group).cpu().numpy()
     features = all_gather_rows(features, group).cpu().numpy()
     out = {}
     for i, name in enumerate(names):
-        rows = (keys[:, 0] == i).numpy()
-        out[name] = LabelledFeatures(features[rows], keys[rows, 1].numpy())
+        rows = np.flatnonzero(keys[:, 0] == i)
+        rows = rows[np.argsort(keys[rows, 2], kind="stable")]
+        out[name] = LabelledFeatures(features[rows], keys[rows, 1])
     return out
 
 

@@ -169,6 +169,13 @@ class EvalConfig:
     # every evaluation (all of it: max_samples caps data.val only) with open_clip's class names and templates
     imagenet_val: str | None = None
     imagenet_templates: Literal["openai", "simple"] = "openai"  # OpenAI's 80 prompts, or open_clip's 7
+    val_loss: bool = True  # the loss (in eval mode: no state written) on data.val's captioned samples
+    # linear probe and weighted kNN on the frozen image features of data.val's labelled samples (fastclip/eval/
+    # probe.py), off by default; training features: the first probe_max_train samples of probe_train
+    linear_probe: bool = False
+    knn: list[int] = field(default_factory=list)  # k values, e.g. [20, 200]; []: no kNN
+    probe_train: str | None = None  # labelled shards or image folder; null: the train/ folder beside data.val
+    probe_max_train: int = 5000
 
 
 @dataclass
@@ -535,6 +542,8 @@ def _check(cfg: Config) -> None:
     need(e.every_steps >= 0, "eval.every_steps", "must be >= 0")
     need(e.max_samples is None or e.max_samples >= 1, "eval.max_samples", "must be >= 1 or null (all)")
     need(e.batch_size >= 1, "eval.batch_size", "must be >= 1")
+    need(all(k >= 1 for k in e.knn), "eval.knn", "every k must be >= 1")
+    need(e.probe_max_train >= 1, "eval.probe_max_train", "must be >= 1")
     need(c.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
     need(c.every_minutes >= 0, "checkpoint.every_minutes", "must be >= 0")
     need(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")

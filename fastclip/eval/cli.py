@@ -127,15 +127,18 @@ def image_folder_source(root: Path, spec: ZeroShotSpec, names_file):
 
 def load_specs(args, data: Path, default_names: Path | None) -> tuple[dict[str, ZeroShotSpec], str | None]:
     if args.classnames is not None and str(args.classnames) == "imagenet" and not args.classnames.exists():
-        from fastclip.eval.imagenet import class_folders, imagenet_spec
+        from fastclip.eval.imagenet import class_folders, imagenet_spec, subset_note
 
-        class_folders(data)  # 1,000 class folders in ImageNet's order, or a one-line error naming the folder
-        spec = imagenet_spec()
+        # ImageNet's class folders (all 1,000 or a variant's subset), or a one-line error naming the odd one
+        folders = class_folders(data)
+        spec = imagenet_spec(folders=folders)
         if args.templates:
             from fastclip.eval.spec import load_templates
 
             spec = ZeroShotSpec(spec.name, spec.classnames, tuple(load_templates(args.templates)))
-        return {spec.name: spec}, "ImageNet's 1,000 class names (open_clip's), " + (
+        if note := subset_note(data, folders):
+            print(f"fastclip eval: note: {note}", file=sys.stderr)
+        return {spec.name: spec}, f"ImageNet's class names ({len(folders):,}, open_clip's), " + (
             f"templates {args.templates}" if args.templates else "OpenAI's 80 templates"
         )
     names_file = args.classnames or default_names

@@ -121,12 +121,14 @@ def check_eval_inputs(cfg: Config) -> None:
                 "training data, or turn eval.linear_probe and eval.knn off"
             )
     if cfg.eval.imagenet_val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
-        from fastclip.eval.imagenet import class_folders
+        from fastclip.eval.imagenet import class_folders, subset_note
 
         try:
-            class_folders(cfg.eval.imagenet_val)
+            folders = class_folders(cfg.eval.imagenet_val)
         except (ValueError, OSError) as e:
             raise ConfigError(f"config key 'eval.imagenet_val': {e} (set it to null to skip it)") from None
+        if said := subset_note(cfg.eval.imagenet_val, folders):
+            note(f"fastclip train: note: eval.imagenet_val {said}")
     elif cfg.eval.imagenet_val is not None:  # given (--imagenet-val) but never read: say so rather than ignore it
         note(
             f"fastclip train: note: eval.imagenet_val {cfg.eval.imagenet_val} is not read: no evaluation is "
@@ -775,7 +777,7 @@ class Run:
 
     def _imagenet_zeroshot(self) -> dict[str, float]:
         from fastclip.eval.evaluate import evaluate
-        from fastclip.eval.imagenet import ImageNetSource, imagenet_spec, prepared
+        from fastclip.eval.imagenet import ImageNetSource, class_folders, imagenet_spec, prepared
 
         cfg = self.cfg
         if self._imagenet is None:  # the class names, templates and file list, kept for the later evaluations
@@ -785,7 +787,8 @@ class Run:
                 workers=cfg.data.workers,
                 batch_size=cfg.eval.batch_size,
             )
-            self._imagenet = (imagenet_spec(cfg.eval.imagenet_templates), source)
+            folders = class_folders(cfg.eval.imagenet_val)  # all 1,000, or a variant's subset (ImageNet-R, -A)
+            self._imagenet = (imagenet_spec(cfg.eval.imagenet_templates, folders), source)
         spec, source = self._imagenet
         results = evaluate(
             self.model,

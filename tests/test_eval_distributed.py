@@ -61,6 +61,24 @@ def evaluations(root, weights) -> dict:
         batch_size=1,
     )
     out["train_mode_restored"] = model.training and built.model.training
+    # the probe and kNN (every rank's features gathered, rank 0 fits) and the validation loss in global batches
+    # of 4 (2 per rank at 2 ranks): the training features are the held-out ones themselves, all that matters here
+    from fastclip.eval.training_probe import TrainingProbe
+    from fastclip.losses import build_loss
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    probe = TrainingProbe(str(root / "val"), linear=True, ks=(3, 5), max_train=100, unnamed="val")
+    out["probed"] = run_evals(
+        model,
+        tokenizer=built.tokenizer,
+        preprocess=built.preprocess_val,
+        val_dir=root / "val",
+        device="cpu",
+        batch_size=1,
+        loss_fn=build_loss("openclip"),
+        loss_batch_size=4 // world,
+        probe=probe,
+    )
     return out
 
 
@@ -149,6 +167,13 @@ def test_two_process_eval_matches_one_process(data):
     for name in ("probe", "tiny-vit"):
         assert ranks[0][name] == ranks[1][name] == reference[name], name
     assert ranks[0]["train_mode_restored"] is True and ranks[1]["train_mode_restored"] is True
+    # probes: the same numbers everywhere; the validation loss over the same 7 global batches, summed in
+    # another order
+    probed = [{k: v for k, v in r["probed"].items() if k != "val_loss"} for r in (*ranks, reference)]
+    assert probed[0] == probed[1] == probed[2]
+    assert {"linear_probe/fruits/top1", "knn/fruits/k3/top1", "knn/colours/k5/top1"} <= set(probed[0])
+    losses = [r["probed"]["val_loss"] for r in (*ranks, reference)]
+    assert losses[0] == losses[1] == pytest.approx(losses[2], rel=1e-6)
     # the known answer survives the split: the first 23 of the 24 fruit samples (the last, a plum
     # at rank 1, is left out): top-1 14 of 23, top-5 19 of 23
     probe = ranks[0]["probe"]

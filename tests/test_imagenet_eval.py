@@ -78,15 +78,52 @@ def test_folder_checks_name_what_is_wrong(tmp_path):
     few = tmp_path / "few"
     for c in range(999):
         (few / f"n{c:08d}").mkdir(parents=True)
-    with pytest.raises(ValueError, match="999 class folders; an ImageNet validation folder has 1000"):
-        class_folders(few)
+    with pytest.raises(ValueError, match="class folder 'n00000000' is not one of ImageNet's 1,000 synset ids"):
+        class_folders(few)  # fewer than 1,000: a subset, whose folders must be ImageNet's synsets
     (few / "cats").mkdir()
-    with pytest.raises(ValueError, match="class folder 'cats' is neither a synset id"):
+    with pytest.raises(ValueError, match="class folder 'cats' is not one of ImageNet's 1,000 synset ids"):
+        class_folders(few)
+    (few / "dogs").mkdir()
+    with pytest.raises(ValueError, match="1001 class folders; an ImageNet validation folder has 1000"):
         class_folders(few)
     numbered = tmp_path / "numbered"
     for c in range(1000):
         (numbered / f"{c:03d}").mkdir(parents=True)
     assert class_folders(numbered)[:3] == ["000", "001", "002"]
+
+
+def test_variants_with_a_subset_of_the_classes_or_unpadded_numbers(tmp_path, capsys):
+    """ImageNet-R/-A: 200 synset folders, scored among their own 200 names (with a note); ImageNet-V2: folders
+    0..999, whose sorted (string) order is not the class order: each folder gets its own class's name."""
+    from fastclip.eval.imagenet import imagenet_synsets, subset_note
+
+    synsets, names = imagenet_synsets(), imagenet_spec().classnames
+    assert len(synsets) == 1000 == len(set(synsets)) and synsets == sorted(synsets) and synsets[1] == "n01443537"
+    variant = tmp_path / "imagenet-r"
+    for c in range(0, 1000, 5):
+        (variant / synsets[c]).mkdir(parents=True)
+    folders = class_folders(variant)
+    assert len(folders) == 200
+    assert imagenet_spec(folders=folders).classnames == tuple(names[c] for c in range(0, 1000, 5))
+    assert "200 of ImageNet's 1,000 classes" in subset_note(variant, folders)
+    assert subset_note(variant, synsets) is None
+    v2 = tmp_path / "imagenet-v2"
+    for c in range(1000):
+        (v2 / str(c)).mkdir(parents=True)
+    folders = class_folders(v2)
+    assert folders[:3] == ["0", "1", "10"]
+    assert imagenet_spec(folders=folders).classnames[:3] == (names[0], names[1], names[10])
+    (variant / "n99999999").mkdir()
+    from fastclip.eval.cli import main as eval_main
+
+    argv = [str(tmp_path / "none.pt"), "--data", str(variant), "--classnames", "imagenet", "--device", "cpu"]
+    assert eval_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"fastclip eval: {variant}: class folder 'n99999999' is not one of ImageNet's 1,000 synset ids "
+        "(n01440764 ...) nor a class number below 1000; an ImageNet folder or variant has one folder per class, "
+        "named so"
+    )
 
 
 def _score(model, tokenizer, source, preprocess):
@@ -146,7 +183,8 @@ def test_trainer_scores_imagenet_at_its_evaluations(tiny_embedded, folder, tmp_p
     bad = write_folder(tmp_path / "few", classes=999, corrupt=False)
     assert main(["--config", str(EMBEDDED), *base, "--imagenet-val", str(bad), "--eval.at_end", "true"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "config key 'eval.imagenet_val'" in err and "999 class folders" in err
+    assert err.count("\n") == 0 and "config key 'eval.imagenet_val'" in err
+    assert "class folder 'n00000000' is not one of ImageNet's 1,000 synset ids" in err  # 999 folders: a subset
     assert not (run / "metrics.jsonl").exists()
     args = ["--imagenet-val", str(folder), "--eval.imagenet_templates", "simple", "--eval.at_end", "true"]
     assert main(["--config", str(EMBEDDED), *base, *args]) == 0
@@ -164,7 +202,7 @@ def test_trainer_scores_imagenet_at_its_evaluations(tiny_embedded, folder, tmp_p
     common = ["--classnames", "imagenet", "--templates", str(templates), "--results", str(tmp_path / "r.jsonl")]
     assert eval_main([str(run), "--data", str(bad), *common]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "999 class folders" in err
+    assert err.count("\n") == 0 and "class folder 'n00000000' is not one of ImageNet's 1,000 synset ids" in err
     assert eval_main([str(run), "--data", str(folder), *common]) == 0
     out = capsys.readouterr().out
-    assert "class names: ImageNet's 1,000 class names" in out and f"{IMAGES} samples" in out
+    assert "class names: ImageNet's class names (1,000, open_clip's)" in out and f"{IMAGES} samples" in out

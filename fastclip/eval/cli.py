@@ -6,6 +6,10 @@ labelled shard folder / tar / glob, or an image folder with one subfolder per cl
 templates come from --classnames (zeroshot.json, a single-dataset JSON, a .txt with --templates, or `imagenet`
 for an ImageNet validation folder: the standard 1,000 class names and OpenAI's 80 templates), else
 from a zeroshot.json beside the data, else (image folders) from the class folder names.
+
+--linear-probe and --knn K... score the frozen image features of PATH's labelled samples (fastclip/eval/probe.py)
+against training features from --probe-train: by default the train/ split of an embedded root (or the train/
+folder beside --data), else a seeded 80/20 split of each class of PATH itself.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ from fastclip.eval.evaluate import (
     default_zeroshot_file,
     evaluate,
     one_list_for_all,
+)
+from fastclip.eval.probe import (
+    KNN_TEMPERATURE,
+    ProbeDataError,
+    ProbeResult,
+    feature_kind,
+    run_probe,
+    split_for_probe,
 )
 from fastclip.eval.samples import EvalDataError, image_folder_classes, is_image_folder, iter_image_folder
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders
@@ -115,15 +127,18 @@ def image_folder_source(root: Path, spec: ZeroShotSpec, names_file):
 
 def load_specs(args, data: Path, default_names: Path | None) -> tuple[dict[str, ZeroShotSpec], str | None]:
     if args.classnames is not None and str(args.classnames) == "imagenet" and not args.classnames.exists():
-        from fastclip.eval.imagenet import class_folders, imagenet_spec
+        from fastclip.eval.imagenet import class_folders, imagenet_spec, subset_note
 
-        class_folders(data)  # 1,000 class folders in ImageNet's order, or a one-line error naming the folder
-        spec = imagenet_spec()
+        # ImageNet's class folders (all 1,000 or a variant's subset), or a one-line error naming the odd one
+        folders = class_folders(data)
+        spec = imagenet_spec(folders=folders)
         if args.templates:
             from fastclip.eval.spec import load_templates
 
             spec = ZeroShotSpec(spec.name, spec.classnames, tuple(load_templates(args.templates)))
-        return {spec.name: spec}, "ImageNet's 1,000 class names (open_clip's), " + (
+        if note := subset_note(data, folders):
+            print(f"fastclip eval: note: {note}", file=sys.stderr)
+        return {spec.name: spec}, f"ImageNet's class names ({len(folders):,}, open_clip's), " + (
             f"templates {args.templates}" if args.templates else "OpenAI's 80 templates"
         )
     names_file = args.classnames or default_names
@@ -185,6 +200,8 @@ def format_table(results: EvalResults, per_class: bool) -> str:
 def nothing_scored(args, specs: dict, names_from: str | None, results: EvalResults | None = None) -> str | None:
     """Why neither zero-shot nor retrieval can give a number (a usage error: an empty table read as a result);
     None when something is scored. Before the evaluation (`results` None) only the flags can tell."""
+    if probe_asked(args):  # the probe scores the labels, or says in one line why it cannot
+        return None
     if results is None:
         if specs or not args.no_retrieval:
             return None
@@ -208,8 +225,9 @@ def nothing_scored(args, specs: dict, names_from: str | None, results: EvalResul
     return f"--data {args.data}: nothing to score: {zeroshot}, and {retrieval}"
 
 
-def result_records(results: EvalResults, common: dict) -> list[dict]:
-    """One JSON object per zero-shot dataset and one for retrieval (DataComp-style rows)."""
+def result_records(results: EvalResults, common: dict, probes: dict[str, ProbeResult] | None = None) -> list[dict]:
+    """One JSON object per zero-shot dataset, one for retrieval, and per probed dataset one for the linear probe
+    and one per kNN k (DataComp-style rows; the trainer's names: <task>/<dataset>/top1)."""
     records = []
     for name, r in results.zeroshot.items():
         records.append(
@@ -234,6 +252,18 @@ def result_records(results: EvalResults, common: dict) -> list[dict]:
                 **results.retrieval,
             }
         )
+    for name, probe in (probes or {}).items():
+        shared = {
+            **common,
+            "dataset": name,
+            "num_samples": probe.test_samples,
+            "train_samples": probe.train_samples,
+            "features": probe.feature_kind,
+        }
+        if probe.linear_top1 is not None:
+            records.append({**shared, "task": "linear_probe", "top1": probe.linear_top1, "C": probe.linear_c})
+        for k, top1 in (probe.knn_top1 or {}).items():
+            records.append({**shared, "task": "knn", "k": k, "temperature": KNN_TEMPERATURE, "top1": top1})
     for record in records:
         record["skipped_samples"] = results.skipped
     return records
@@ -280,12 +310,97 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-samples", type=int, help="evaluate only the first N samples")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
+        "--linear-probe", action="store_true", help="logistic-regression probe on the frozen image features"
+    )
+    parser.add_argument(
+        "--knn", type=int, nargs="+", metavar="K", help="weighted kNN on the frozen image features (e.g. --knn 20 200)"
+    )
+    parser.add_argument(
+        "--probe-train",
+        type=Path,
+        help="labelled training data of the probe and kNN (shards or image folder); default: the train/ split "
+        "beside --data, else a seeded 80/20 split of --data",
+    )
+    parser.add_argument(
+        "--probe-max-train", type=int, default=10000, help="training samples read for the probe (default 10000)"
+    )
+    parser.add_argument(
         "--results",
         type=Path,
         help="JSONL file to append to (default: checkpoints/results.jsonl "
         "of a run, else results.jsonl beside the model file)",
     )
     return parser
+
+
+def probe_asked(args) -> bool:
+    return bool(args.linear_probe or args.knn)
+
+
+def probe_train_path(args, source) -> Path | None:
+    """The probe's training data: --probe-train (an embedded root: its train/), else the train/ folder beside
+    the evaluated one (an embedded root's split, ImageNet's train/ beside val/), else None: a split of the data."""
+    if args.probe_train is not None:
+        given = args.probe_train
+        return given / "train" if (given / "train").is_dir() and (given / "zeroshot.json").is_file() else given
+    if isinstance(source, Path) and source.name != "train" and (source.parent / "train").is_dir():
+        return source.parent / "train"
+    return None
+
+
+def run_probes(args, built, test: EvalResults, train_path, train_source, default_name, bar_total):
+    """(probe results per dataset, where their training features came from, training samples skipped)."""
+    kind = feature_kind(built.model)
+    if train_path is None:
+        pairs = {name: split_for_probe(features) for name, features in test.features.items()}
+        where, skipped = "a seeded 80/20 split of each class of --data (no train/ beside it; --probe-train)", 0
+    else:
+        with Progress(bar_total, "probe features", unit="sample") if bar_total else contextlib.nullcontext() as bar:
+            train = evaluate(
+                built.model,
+                tokenizer=built.tokenizer,
+                preprocess=built.preprocess_val,
+                source=train_source,
+                specs={},
+                device=args.device,
+                batch_size=args.batch_size,
+                max_samples=args.probe_max_train,
+                retrieval=False,
+                progress=bar.update if bar is not None else None,
+                collect_features=default_name,
+            )
+        missing = sorted(set(test.features) - set(train.features))
+        if missing:
+            raise ProbeDataError(
+                f"probe on {missing[0]!r}: no labelled sample of it in the first {args.probe_max_train} of "
+                f"{train_path}; pass --probe-train with its training data (or a larger --probe-max-train)"
+            )
+        pairs = {name: (train.features[name], test.features[name]) for name in test.features}
+        where, skipped = f"{train_path} (first {args.probe_max_train} samples read)", train.skipped
+    if not pairs:
+        raise ProbeDataError(f"--data {args.data}: no labelled sample for the probe; pass labelled data")
+    ks = tuple(sorted(set(args.knn or ())))
+    probes = {
+        name: run_probe(name, tr, te, linear=args.linear_probe, ks=ks, kind=kind) for name, (tr, te) in pairs.items()
+    }
+    return probes, where, skipped
+
+
+def format_probe_table(probes: dict[str, ProbeResult], where: str) -> str:
+    kind = next(iter(probes.values())).feature_kind
+    ks = sorted({k for p in probes.values() for k in (p.knn_top1 or {})})
+    linear = any(p.linear_top1 is not None for p in probes.values())
+    lines = [f"\nprobes on frozen image features ({kind}); training features from {where}"]
+    header = f"{'dataset':<24} {'train':>7} {'test':>7}" + (f" {'linear':>7} {'C':>7}" if linear else "")
+    lines.append(header + "".join(f" {f'kNN k={k}':>10}" for k in ks))
+    for name, p in probes.items():
+        row = f"{name:<24} {p.train_samples:>7} {p.test_samples:>7}"
+        if linear:
+            row += f" {100 * p.linear_top1:>7.2f} {p.linear_c:>7.0e}"
+        lines.append(row + "".join(f" {100 * p.knn_top1[k]:>10.2f}" for k in ks))
+    seconds = sum(p.seconds for p in probes.values())
+    lines.append(f"(top-1 %; fitted and scored in {seconds:.1f} s)")
+    return "\n".join(lines)
 
 
 def _usage_problem(args) -> str | None:
@@ -302,6 +417,15 @@ def _usage_problem(args) -> str | None:
         return f"--batch-size {args.batch_size}: must be >= 1"
     if args.max_samples is not None and args.max_samples < 1:
         return f"--max-samples {args.max_samples}: must be >= 1"
+    if args.knn and min(args.knn) < 1:
+        return f"--knn {min(args.knn)}: k must be >= 1"
+    if args.probe_max_train < 1:
+        return f"--probe-max-train {args.probe_max_train}: must be >= 1"
+    if args.probe_train is not None and not probe_asked(args):
+        return f"--probe-train {args.probe_train}: given without --linear-probe or --knn K; pass one of them"
+    pattern = args.probe_train is not None and any(c in str(args.probe_train) for c in "*{")
+    if args.probe_train is not None and not args.probe_train.exists() and not pattern:
+        return f"--probe-train {args.probe_train}: not found; pass labelled shards or an image folder"
     if args.templates is not None and not args.templates.is_file():
         return f"--templates {args.templates}: no such file; pass a .txt (one template per line) or a JSON list"
     if args.results is not None and args.results.is_dir():
@@ -344,11 +468,13 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
         loaded = load_model(args.checkpoint, arch=args.arch, device=args.device)
         if args.results is None and (problem := unwritable("--results", default_results_file(loaded.file))):
             raise ValueError(f"{problem} (the default beside the model; pass --results FILE)")
+        train_path = probe_train_path(args, source)
         if is_image_folder(source) and specs:
             if len(specs) != 1:
                 raise ValueError(f"{names_from}: an image folder takes one class list, the file has {sorted(specs)}")
             source = image_folder_source(source, next(iter(specs.values())), names_from)
         built = loaded.built
+        default_name = next(iter(specs)) if len(specs) == 1 else Path(args.data).name  # of samples naming none
         started = time.time()
         total = _count_samples(source, args.max_samples)
         with Progress(total, "eval", unit="sample") if total else contextlib.nullcontext() as bar:
@@ -364,6 +490,16 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
                 retrieval=not args.no_retrieval,
                 progress=bar.update if bar is not None else None,
                 one_list_for_all=for_all,
+                collect_features=default_name if probe_asked(args) else None,
+            )
+        probes, probe_where, probe_skipped = {}, "", 0
+        if probe_asked(args) and results.num_samples:
+            probe_source = train_path
+            if train_path is not None and is_image_folder(train_path) and len(specs) == 1:
+                probe_source = image_folder_source(train_path, next(iter(specs.values())), names_from)
+            probe_total = _count_samples(train_path, args.probe_max_train) if train_path is not None else None
+            probes, probe_where, probe_skipped = run_probes(
+                args, built, results, train_path, probe_source, default_name, probe_total
             )
     except MixedDatasets as err:
         print(
@@ -399,7 +535,11 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
         f"data {args.data}; class names: {names_from or 'none'}"
     )
     print(f"{results.num_samples} samples in {seconds:.1f} s\n")
-    print(format_table(results, args.per_class))
+    print(format_table(results, args.per_class) if results.zeroshot or results.retrieval or not probes else "")
+    if probes:
+        print(format_probe_table(probes, probe_where))
+        if probe_skipped:
+            print(f"({probe_skipped} training samples of the probe skipped as unreadable)")
     if warnings.count:
         print(warnings.said(), file=sys.stderr)
     if specs and results.unmatched:
@@ -421,7 +561,7 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
     try:  # (a read-only file, a disk that filled during the evaluation: the table above still stands)
         results_file.parent.mkdir(parents=True, exist_ok=True)
         with open(results_file, "a") as f:
-            for record in result_records(results, common):
+            for record in result_records(results, common, probes):
                 f.write(json.dumps(record) + "\n")
     except OSError as e:
         print(f"fastclip eval: --results {results_file}: cannot append ({e.strerror or e})", file=sys.stderr)

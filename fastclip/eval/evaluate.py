@@ -15,10 +15,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fastclip.eval.collectives import all_gather_rows, all_reduce_sum, rank_and_world
+from fastclip.eval.probe import LabelledFeatures, encode_image_with_features
 from fastclip.eval.retrieval import retrieval_metrics
 from fastclip.eval.samples import EvalDataError, EvalSample, iter_samples
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec
@@ -36,6 +38,10 @@ class EvalResults:
     num_samples: int = 0
     unmatched: int = 0  # labelled samples whose dataset has no class names
     skipped: int = 0  # undecodable samples (and broken shards) left out
+    # collect_features: the probe's image features of the labelled samples, per dataset, gathered from every rank
+    features: dict[str, LabelledFeatures] = field(default_factory=dict)
+    val_loss: float | None = None  # loss_fn given: its value on the captioned samples, in eval mode
+    val_loss_samples: int = 0
 
     def flat(self, per_class: bool = False) -> dict[str, float]:
         """Flat `name -> float`, e.g. `zeroshot/mnist/top1`, `retrieval/image_to_text_R@1` (the trainer logs
@@ -54,6 +60,8 @@ class EvalResults:
         out.update({f"retrieval/{k}": v for k, v in self.retrieval.items()})
         if self.retrieval:
             out["retrieval/num_samples"] = float(self.retrieval_samples)
+        if self.val_loss is not None:
+            out["val_loss"] = self.val_loss
         if self.skipped:
             out["skipped_samples"] = float(self.skipped)
         return out
@@ -99,7 +107,14 @@ def _input_dtype(model) -> torch.dtype:
 class _Pass:
     """State of this rank's pass over its slice."""
 
-    def __init__(self, specs: dict[str, ZeroShotSpec], device, retrieval: bool, one_list_for_all: bool = True):
+    def __init__(
+        self,
+        specs: dict[str, ZeroShotSpec],
+        device,
+        retrieval: bool,
+        one_list_for_all: bool = True,
+        collect_features: str | None = None,
+    ):
         self.specs = specs
         self.one_list_for_all = one_list_for_all
         self.datasets_scored: set[str] = set()  # named datasets one list scored (a few: it stops at the 2nd)
@@ -108,6 +123,12 @@ class _Pass:
         self.device = device
         self.retrieval = retrieval
         self.pairs: list[torch.Tensor] = []  # [n, 2d] image|text features of captioned samples
+        self.pair_indices: list[torch.Tensor] = []  # their data indices (-1: none), for the validation loss
+        self.gathered_pairs = (torch.zeros(0, 0), torch.zeros(0, dtype=torch.int64))  # every rank's, after the pass
+        # collect_features: the name of the samples that name no dataset; None: no probe features kept
+        self.collect_features = collect_features
+        self.features: list[torch.Tensor] = []  # [n, d] probe features of labelled samples
+        self.feature_labels: list[tuple[str, int, int]] = []  # their (dataset, label, data index or -1)
         self.num_samples = 0
         self.unmatched = 0
 
@@ -125,7 +146,21 @@ class _Pass:
     def add(self, model, tokenizer, preprocess, batch: list[EvalSample], classifiers) -> None:
         dtype = _input_dtype(model)
         images = torch.stack([preprocess(s.image) for s in batch]).to(self.device, dtype)
-        image_features = F.normalize(model.encode_image(images).float(), dim=-1)
+        if self.collect_features is None:
+            embedding = model.encode_image(images)
+        else:  # the same forward gives the probe's features: they are extracted once
+            embedding, features = encode_image_with_features(model, images)
+            labelled = [i for i, s in enumerate(batch) if s.label is not None]
+            self.features.append(features[labelled].float())
+            self.feature_labels += [
+                (
+                    batch[i].dataset or self.collect_features,
+                    batch[i].label,
+                    -1 if batch[i].index is None else batch[i].index,
+                )
+                for i in labelled
+            ]
+        image_features = F.normalize(embedding.float(), dim=-1)
         self.num_samples += len(batch)
         routed = [self.spec_name(s) for s in batch]
         self.unmatched += sum(1 for s, r in zip(batch, routed) if s.label is not None and r is None)
@@ -138,6 +173,8 @@ class _Pass:
             tokens = tokenizer([batch[i].caption for i in captioned]).to(self.device)
             text_features = F.normalize(model.encode_text(tokens).float(), dim=-1)
             self.pairs.append(torch.cat([image_features[captioned], text_features], dim=1))
+            index = [-1 if batch[i].index is None else batch[i].index for i in captioned]
+            self.pair_indices.append(torch.tensor(index, dtype=torch.int64, device=self.device))
 
     def packed(self, skipped: int, failed: bool) -> torch.Tensor:
         parts = [self.counts[name].packed() for name in self.names]
@@ -195,6 +232,9 @@ def evaluate(
     retrieval: bool = True,
     progress=None,
     one_list_for_all: bool = True,
+    collect_features: str | None = None,
+    loss_fn=None,
+    loss_batch_size: int | None = None,
 ) -> EvalResults:
     """Zero-shot (per spec) and retrieval results over `source`; every rank of `group` must call this.
 
@@ -203,13 +243,29 @@ def evaluate(
     is called after each batch of this rank's n samples. `one_list_for_all`: a single spec scores every labelled
     sample, whatever its dataset (a class list given for data of one dataset), and MixedDatasets is raised when
     they come from several; False: only its own dataset's, and those that name none (see one_list_for_all).
+    `collect_features`: keep the probe features of the labelled samples (EvalResults.features), those naming no
+    dataset under this name. `loss_fn` (with retrieval): its value on the captioned samples in eval mode, in
+    global batches of `loss_batch_size` per rank (see validation_loss).
     """
     model = unwrap_model(model)
     was_training = model.training
     model.eval()
     try:
-        state = _Pass(specs, torch.device(device), retrieval, one_list_for_all)
-        return _evaluate(model, tokenizer, preprocess, source, state, group, batch_size, max_samples, progress)
+        state = _Pass(specs, torch.device(device), retrieval, one_list_for_all, collect_features)
+        results = _evaluate(model, tokenizer, preprocess, source, state, group, batch_size, max_samples, progress)
+        if collect_features is not None:
+            results.features = _gather_features(state, group)
+        if loss_fn is not None and retrieval:
+            from fastclip.eval.val_loss import validation_loss
+
+            pairs, indices = state.gathered_pairs
+            if pairs.shape[0]:
+                half = pairs.shape[1] // 2
+                per_rank = loss_batch_size or batch_size
+                results.val_loss, results.val_loss_samples = validation_loss(
+                    loss_fn, pairs[:, :half], pairs[:, half:], indices, per_rank, group
+                )
+        return results
     finally:
         model.train(was_training)
 
@@ -262,12 +318,52 @@ def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_s
         width = 2 * _embed_dim(model, classifiers)
         local = torch.cat(state.pairs) if state.pairs else torch.zeros(0, width, device=device)
         pairs = all_gather_rows(local, group)
+        local = torch.cat(state.pair_indices) if state.pair_indices else torch.zeros(0, dtype=torch.int64)
+        indices = all_gather_rows(local.to(device), group)
+        order = torch.sort(indices, stable=True).indices  # data-index order: the validation loss's batches are
+        state.gathered_pairs = (pairs[order], indices[order])  # the same pairs whatever the number of ranks
         if pairs.shape[0]:
             half = pairs.shape[1] // 2
             results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:])
             results.retrieval_samples = pairs.shape[0]
             results.retrieval_distinct_captions = int(torch.unique(pairs[:, half:], dim=0).shape[0])
     return results
+
+
+NAME_BYTES = 256  # a dataset name's room in the gather of names
+
+
+def _wire(name: str) -> str:
+    """The name as the gather carries it (cut to NAME_BYTES)."""
+    return name.encode()[:NAME_BYTES].decode(errors="ignore")
+
+
+def _gather_features(state: _Pass, group) -> dict[str, LabelledFeatures]:
+    """Every rank's probe features, per dataset (names, widths and rows gathered: a rank may hold none), in
+    data-index order: the same rows in the same order whatever the number of ranks (kNN breaks ties by order)."""
+    device = state.device
+    local_names = sorted({name for name, _, _ in state.feature_labels})
+    encoded = torch.zeros(len(local_names), NAME_BYTES, dtype=torch.uint8)
+    for row, name in enumerate(local_names):
+        raw = _wire(name).encode()
+        encoded[row, : len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    gathered = all_gather_rows(encoded.to(device), group).cpu()
+    names = sorted({bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in gathered})
+    features = torch.cat(state.features) if state.features else torch.zeros(0, 0, device=device)
+    width = all_reduce_sum(torch.tensor([features.shape[1], int(features.shape[0] > 0)], device=device), group)
+    width = int(width[0]) // max(1, int(width[1]))
+    if features.shape[0] == 0:
+        features = torch.zeros(0, width, device=device)
+    position = {name: i for i, name in enumerate(names)}
+    keys = [[position[_wire(n)], label, index] for n, label, index in state.feature_labels]
+    keys = all_gather_rows(torch.tensor(keys, dtype=torch.int64).reshape(-1, 3).to(device), group).cpu().numpy()
+    features = all_gather_rows(features, group).cpu().numpy()
+    out = {}
+    for i, name in enumerate(names):
+        rows = np.flatnonzero(keys[:, 0] == i)
+        rows = rows[np.argsort(keys[rows, 2], kind="stable")]
+        out[name] = LabelledFeatures(features[rows], keys[rows, 1])
+    return out
 
 
 def _embed_dim(model, classifiers) -> int:
@@ -303,11 +399,15 @@ def run_evals(
     max_samples: int | None = None,
     per_class: bool = False,
     retrieval: bool = True,
+    loss_fn=None,
+    loss_batch_size: int | None = None,
+    probe=None,
 ) -> dict[str, float]:
     """Evaluation during training: EVERY rank calls this; all return the same flat dict.
 
     `val_dir` is the held-out shard folder; `zeroshot_file` defaults to the zeroshot.json beside it. The
     model may be DDP-wrapped; it is evaluated under no_grad in eval mode, and its train mode restored.
+    `loss_fn`: also its validation loss (`val_loss`); `probe` (a TrainingProbe): linear probe and kNN.
     """
     own = default_zeroshot_file(val_dir)
     zeroshot_file = zeroshot_file or own
@@ -325,5 +425,11 @@ def run_evals(
         retrieval=retrieval,
         # the data's own list holds all of its datasets: one_list_for_all need not read it a second time
         one_list_for_all=one_list_for_all(specs, None if zeroshot_file == own else own),
+        collect_features=probe.unnamed if probe is not None else None,
+        loss_fn=loss_fn,
+        loss_batch_size=loss_batch_size,
     )
-    return results.flat(per_class=per_class)
+    flat = results.flat(per_class=per_class)
+    if probe is not None:
+        flat.update(probe.scores(model, preprocess, results.features, device, group, batch_size))
+    return flat

@@ -99,10 +99,10 @@ def _results_problem(row: dict) -> str | None:
     step = row.get("step")
     if step is not None and not _is_count(step):  # null: a model file evaluated outside a run
         return f"step is {_shown(step)}, not a count"
-    if task == "zeroshot_classification":
+    if task in ("zeroshot_classification", "linear_probe", "knn"):
         if not isinstance(row.get("dataset"), str):
             return f"dataset is {_shown(row.get('dataset'))}, not a name"
-        fields = {"num_samples": COUNT, "top1": NUMBER}
+        fields = {"num_samples": COUNT, "top1": NUMBER, **({"k": COUNT} if task == "knn" else {})}
     elif task == "retrieval":
         fields = {"num_samples": COUNT, **dict.fromkeys(RETRIEVAL_KEYS, NUMBER)}
         if "distinct_captions" in row:  # older evaluations did not count them: shown as before
@@ -182,6 +182,25 @@ def _num_samples(spec: str) -> int | None:
         return None
 
 
+def _probe_lines(latest: dict, step: int) -> list[str]:
+    """Per dataset: the linear probe's and each kNN k's top-1 (fastclip eval --linear-probe --knn K)."""
+    datasets = sorted({d for (task, d, _) in latest if task in ("linear_probe", "knn")})
+    width = max((len(d) for d in datasets), default=0)
+    lines = []
+    for i, dataset in enumerate(datasets):
+        parts = []
+        if (linear := latest.get(("linear_probe", dataset, None))) is not None:
+            parts.append(f"linear {100 * linear['top1']:5.1f}%")
+        knn = sorted((r for (task, d, _), r in latest.items() if task == "knn" and d == dataset), key=lambda r: r["k"])
+        parts += [f"kNN k={r['k']} {100 * r['top1']:5.1f}%" for r in knn]
+        shown = linear or knn[0]
+        lines.append(
+            f"  {'probes' if i == 0 else '':<10} {dataset:<{width}}  {', '.join(parts)}  ({shown['num_samples']:,} "
+            f"held-out images, frozen {shown.get('features', 'image')} features, step {step})"
+        )
+    return lines
+
+
 def summarize(
     run: str | Path,
     *,
@@ -245,17 +264,18 @@ def summarize(
     if results:
         newest = max(r.get("step") or 0 for r in results)
         latest = {}
-        for r in results:  # the last evaluation of the newest checkpoint, one record per task and dataset
+        for r in results:  # the last evaluation of the newest checkpoint, one record per task, dataset (and k)
             if (r.get("step") or 0) == newest:
-                latest[(r["task"], r.get("dataset"))] = r
-        zeroshot = [r for (task, _), r in latest.items() if task == "zeroshot_classification"]
+                latest[(r["task"], r.get("dataset"), r.get("k"))] = r
+        zeroshot = [r for (task, _, _), r in latest.items() if task == "zeroshot_classification"]
         width = max((len(r["dataset"]) for r in zeroshot), default=0)
         for i, r in enumerate(zeroshot):
             lines.append(
                 f"  {'zero-shot' if i == 0 else '':<10} {r['dataset']:<{width}}  {100 * r['top1']:5.1f}% top-1"
                 f"  ({r['num_samples']:,} held-out images, step {newest})"
             )
-        retrieval = latest.get(("retrieval", None))
+        lines += _probe_lines(latest, newest)
+        retrieval = latest.get(("retrieval", None, None))
         if retrieval is not None:
             distinct = retrieval.get("distinct_captions")
             if distinct is not None and distinct < MIN_DISTINCT_CAPTIONS * retrieval["num_samples"]:

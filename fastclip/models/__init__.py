@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,15 +172,19 @@ def build_model(arch: str, *, precision: str = "fp32", device: str = "cpu", **ov
     notice, root = _RandomInitNotice(), logging.getLogger()  # open_clip logs on the root logger
     root.addFilter(notice)
     try:
-        model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
-            # pretrained_text=False: a Hugging Face text tower starts from its config with random weights too
-            name,
-            pretrained=None,
-            pretrained_text=False,
-            precision=precision,
-            device=device,
-            **overrides,
-        )
+        with warnings.catch_warnings():
+            # open_clip applies color_jitter(_prob) and gray_scale_prob but still lists them as "unused" (it only
+            # drops `scale` from its list); the keys it would really leave unused are refused in the config
+            warnings.filterwarnings("ignore", message="Unused augmentation cfg items")
+            model, preprocess_train, preprocess_val = open_clip.create_model_and_transforms(
+                # pretrained_text=False: a Hugging Face text tower starts from its config with random weights too
+                name,
+                pretrained=None,
+                pretrained_text=False,
+                precision=precision,
+                device=device,
+                **overrides,
+            )
     finally:
         root.removeFilter(notice)
     if config is None:

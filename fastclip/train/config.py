@@ -32,6 +32,32 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class AugConfig:
+    """The training images' augmentation: OpenCLIP's --aug-cfg (open_clip.AugmentationCfg), applied by open_clip's
+    train transform. Its draws come from the loader's per-batch seeded RNGs (fastclip/data/worker.py), so a
+    resumed run sees the same augmented images. Unset (null) keys are open_clip's defaults: no jitter, no
+    grayscale, no erasing."""
+
+    scale: list[float] = field(default_factory=lambda: [0.9, 1.0])  # RandomResizedCrop's area range (open_clip's)
+    color_jitter: list[float] | None = None  # brightness, contrast, saturation, hue (with color_jitter_prob)
+    color_jitter_prob: float | None = None  # probability of the jitter
+    gray_scale_prob: float | None = None  # probability of a grayscale image
+    use_timm: bool = False  # timm's create_transform instead (needs timm); the keys below need it
+    ratio: list[float] | None = None  # the crop's aspect-ratio range (timm)
+    re_prob: float | None = None  # random erasing probability (timm)
+    re_count: int | None = None  # erased boxes per image (timm)
+
+
+TIMM_ONLY_AUG = ("ratio", "re_prob", "re_count")  # open_clip's own transform ignores them
+
+
+def aug_options(aug: AugConfig) -> dict:
+    """data.aug as open_clip's aug_cfg: the keys set, tuples where it wants them."""
+    out = {k: v for k, v in dataclasses.asdict(aug).items() if v is not None and v is not False}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
+
+
+@dataclass
 class DataConfig:
     # Defaults = the embedded recipe (configs/embedded.yaml: tiny-vit, FastCLIP-v3, 2 x 64 samples), except that
     # the loss knobs default to null (the loss library's defaults) and train.device to auto.
@@ -47,6 +73,7 @@ class DataConfig:
     samples_per_epoch: int | None = None  # virtual epoch length; only with resampled (null: all samples)
     upsampling_factors: str | None = None  # "1::2": per-source weights of "::"-joined sources (resampled)
     pin_memory: bool | None = None  # page-locked batches, copied to the GPU asynchronously; null: on for CUDA
+    aug: AugConfig = field(default_factory=AugConfig)  # training-image augmentation (OpenCLIP's --aug-cfg)
 
 
 @dataclass
@@ -182,6 +209,13 @@ class EvalConfig:
     # every evaluation (all of it: max_samples caps data.val only) with open_clip's class names and templates
     imagenet_val: str | None = None
     imagenet_templates: Literal["openai", "simple"] = "openai"  # OpenAI's 80 prompts, or open_clip's 7
+    val_loss: bool = True  # the loss (in eval mode: no state written) on data.val's captioned samples
+    # linear probe and weighted kNN on the frozen image features of data.val's labelled samples (fastclip/eval/
+    # probe.py), off by default; training features: the first probe_max_train samples of probe_train
+    linear_probe: bool = False
+    knn: list[int] = field(default_factory=list)  # k values, e.g. [20, 200]; []: no kNN
+    probe_train: str | None = None  # labelled shards or image folder; null: the train/ folder beside data.val
+    probe_max_train: int = 5000
 
 
 @dataclass
@@ -411,6 +445,23 @@ def _report_to(raw: str) -> dict:
     return {name: name in targets for name in REPORT_TO}
 
 
+def _aug_pair(pair: str, out: dict) -> None:
+    """One of --aug-cfg's key=value pairs (values as OpenCLIP reads them: Python literals, "(0.08, 1.0)")."""
+    import ast
+
+    if "=" not in pair:
+        raise ConfigError(
+            f"--aug-cfg {pair}: expected key=value pairs, e.g. --aug-cfg scale='(0.08, 1.0)' gray_scale_prob=0.2"
+        )
+    key, raw = pair.split("=", 1)
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    value = list(value) if isinstance(value, tuple) else value
+    out.setdefault("data", {}).setdefault("aug", {})[key.replace("-", "_")] = value
+
+
 def parse_overrides(args: list[str]) -> dict:
     """["--optim.lr", "1e-3", "--batch_size=8"] -> {"optim": {"lr": "1e-3"}, "data": {"batch_size": 8}}."""
     index, text_keys, out, i = _field_index(), _text_keys(), {}, 0
@@ -431,6 +482,12 @@ def parse_overrides(args: list[str]) -> dict:
                 "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the "
                 "folder itself, not its parent); the loss is --loss.name"
             )
+        if flag == "aug_cfg":  # OpenCLIP's --aug-cfg k=v k=v ...: each pair a data.aug key
+            i += 1
+            while i < len(args) and not args[i].startswith("--"):
+                _aug_pair(args[i], out)
+                i += 1
+            continue
         if "=" in arg:
             key, raw = arg[2:].split("=", 1)
             i += 1
@@ -550,9 +607,12 @@ def _check(cfg: Config) -> None:
         "loss.tau_betas",
         "must be two numbers in [0, 1)",
     )
+    _check_aug(d.aug)
     need(e.every_steps >= 0, "eval.every_steps", "must be >= 0")
     need(e.max_samples is None or e.max_samples >= 1, "eval.max_samples", "must be >= 1 or null (all)")
     need(e.batch_size >= 1, "eval.batch_size", "must be >= 1")
+    need(all(k >= 1 for k in e.knn), "eval.knn", "every k must be >= 1")
+    need(e.probe_max_train >= 1, "eval.probe_max_train", "must be >= 1")
     need(c.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
     need(c.every_minutes >= 0, "checkpoint.every_minutes", "must be >= 0")
     need(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
@@ -589,6 +649,28 @@ def _check(cfg: Config) -> None:
             "model.compile",
             "torch.compile of the towers is not supported with ZeRO stage 3 (parameters gathered by hooks)",
         )
+
+
+def _check_aug(a: AugConfig) -> None:
+    def need(ok: bool, key: str, why: str):
+        if not ok:
+            raise ConfigError(f"config key 'data.aug.{key}': {why} (got {getattr(a, key)!r})")
+
+    need(len(a.scale) == 2 and 0 < a.scale[0] <= a.scale[1] <= 1, "scale", "must be two numbers 0 < lo <= hi <= 1")
+    need(a.ratio is None or (len(a.ratio) == 2 and 0 < a.ratio[0] <= a.ratio[1]), "ratio", "must be 0 < lo <= hi")
+    need(a.color_jitter is None or len(a.color_jitter) == 4, "color_jitter", "must be 4 numbers (b, c, s, h)")
+    need(a.color_jitter is None or min(a.color_jitter) >= 0, "color_jitter", "must be >= 0")
+    for key in ("color_jitter_prob", "gray_scale_prob", "re_prob"):
+        need(getattr(a, key) is None or 0 <= getattr(a, key) <= 1, key, "must be a probability in [0, 1]")
+    need(a.re_count is None or a.re_count >= 1, "re_count", "must be >= 1")
+    need(not a.color_jitter_prob or a.color_jitter is not None, "color_jitter_prob", "needs data.aug.color_jitter")
+    if not a.use_timm:
+        for key in TIMM_ONLY_AUG:  # open_clip would warn and drop them: a setting that does nothing
+            need(getattr(a, key) is None, key, "is applied through timm only: set data.aug.use_timm true")
+    else:
+        import importlib.util
+
+        need(importlib.util.find_spec("timm") is not None, "use_timm", "needs timm installed (pip install timm)")
 
 
 def _get(cfg: Config, key: str) -> Any:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fastclip.distributed import DistInfo
-from fastclip.train.config import Config, ConfigError, LossConfig
+from fastclip.train.config import Config, ConfigError, LossConfig, aug_options
 from fastclip.train.momentum import MomentumTowers
 
 
@@ -159,7 +159,7 @@ def build_net(
 
     device = info.device
     seed_all(cfg.train.seed)
-    built = build_model(cfg.model.arch)
+    built = build_model(cfg.model.arch, aug_cfg=aug_options(cfg.data.aug))
     model = built.model.to(device)
     speedups = apply_backend_flags(cfg, device)  # CUDA: TF32, cudnn.benchmark (fastclip/train/gpu.py)
     if wants_channels_last(cfg, model, device):  # convolutional towers on CUDA

@@ -109,13 +109,26 @@ def check_eval_inputs(cfg: Config) -> None:
                 load_zeroshot_spec(path)
             except (ValueError, OSError) as e:
                 raise ConfigError(f"config key 'data.zeroshot': {e}") from None
+    probing = cfg.eval.linear_probe or cfg.eval.knn
+    if probing and cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
+        from fastclip.eval.training_probe import probe_train_beside
+
+        probe_train = cfg.eval.probe_train or probe_train_beside(cfg.data.val)
+        if not Path(probe_train).exists():
+            said = "" if cfg.eval.probe_train else f" (null: the train/ folder beside data.val, {probe_train})"
+            raise ConfigError(
+                f"config key 'eval.probe_train': {str(probe_train)!r}{said} does not exist; set it to labelled "
+                "training data, or turn eval.linear_probe and eval.knn off"
+            )
     if cfg.eval.imagenet_val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
-        from fastclip.eval.imagenet import class_folders
+        from fastclip.eval.imagenet import class_folders, subset_note
 
         try:
-            class_folders(cfg.eval.imagenet_val)
+            folders = class_folders(cfg.eval.imagenet_val)
         except (ValueError, OSError) as e:
             raise ConfigError(f"config key 'eval.imagenet_val': {e} (set it to null to skip it)") from None
+        if said := subset_note(cfg.eval.imagenet_val, folders):
+            note(f"fastclip train: note: eval.imagenet_val {said}")
     elif cfg.eval.imagenet_val is not None:  # given (--imagenet-val) but never read: say so rather than ignore it
         note(
             f"fastclip train: note: eval.imagenet_val {cfg.eval.imagenet_val} is not read: no evaluation is "
@@ -742,6 +755,9 @@ class Run:
                         device=self.device,
                         batch_size=cfg.eval.batch_size,
                         max_samples=cfg.eval.max_samples,
+                        loss_fn=self.loss_fn if cfg.eval.val_loss else None,
+                        loss_batch_size=cfg.data.batch_size,
+                        probe=self._training_probe(),
                     )
                 if cfg.eval.imagenet_val is not None:
                     what = f"eval.imagenet_val {cfg.eval.imagenet_val}"
@@ -752,9 +768,24 @@ class Run:
         record.update({f"eval/{k}": v for k, v in results.items() if isinstance(v, (int, float))})
         self.log.log(record, tuple(k for k in record if k.endswith("top1")))
 
+    def _training_probe(self):
+        """eval.linear_probe / eval.knn's settings for run_evals (None: off)."""
+        e = self.cfg.eval
+        if not (e.linear_probe or e.knn):
+            return None
+        from fastclip.eval.training_probe import TrainingProbe, probe_train_beside
+
+        return TrainingProbe(
+            train_source=e.probe_train or str(probe_train_beside(self.cfg.data.val)),
+            linear=e.linear_probe,
+            ks=tuple(sorted(set(e.knn))),
+            max_train=e.probe_max_train,
+            unnamed=Path(self.cfg.data.val).name,
+        )
+
     def _imagenet_zeroshot(self) -> dict[str, float]:
         from fastclip.eval.evaluate import evaluate
-        from fastclip.eval.imagenet import ImageNetSource, imagenet_spec, prepared
+        from fastclip.eval.imagenet import ImageNetSource, class_folders, imagenet_spec, prepared
 
         cfg = self.cfg
         if self._imagenet is None:  # the class names, templates and file list, kept for the later evaluations
@@ -764,7 +795,8 @@ class Run:
                 workers=cfg.data.workers,
                 batch_size=cfg.eval.batch_size,
             )
-            self._imagenet = (imagenet_spec(cfg.eval.imagenet_templates), source)
+            folders = class_folders(cfg.eval.imagenet_val)  # all 1,000, or a variant's subset (ImageNet-R, -A)
+            self._imagenet = (imagenet_spec(cfg.eval.imagenet_templates, folders), source)
         spec, source = self._imagenet
         results = evaluate(
             self.model,

@@ -1,0 +1,113 @@
+"""Linear probe, kNN and validation loss end to end: a tiny run trained with them at its evaluation, then
+`fastclip eval RUN --linear-probe --knn K` on its checkpoint (the same numbers), `fastclip summary`, and the
+one-line refusals of bad probe input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from PIL import Image
+
+from fastclip.train.config import load_config
+
+from helpers import EMBEDDED, one_line_error, overrides, records
+
+PROBED = ("fashion-mnist", "mnist")  # the tiny embedded data: 40 training and 10 held-out images of each
+
+
+@pytest.fixture(scope="module")
+def probed_run(tiny_embedded, tmp_path_factory):
+    from fastclip.train.trainer import train
+
+    run = tmp_path_factory.mktemp("probed") / "run"
+    args = overrides(
+        tiny_embedded,
+        run,
+        **{
+            "train.max_steps": 4,
+            "eval.at_end": "true",
+            "eval.linear_probe": "true",
+            "eval.knn": "[5, 10]",
+        },
+    )
+    train(load_config(EMBEDDED, args))
+    return run
+
+
+def test_the_trainer_logs_probes_and_validation_loss(probed_run):
+    evals = [r for r in records(probed_run) if any(k.startswith("eval/") for k in r)]
+    assert [r["step"] for r in evals] == [4]
+    logged = evals[0]
+    for dataset in PROBED:
+        for name in (f"linear_probe/{dataset}/top1", f"knn/{dataset}/k5/top1", f"knn/{dataset}/k10/top1"):
+            assert 0.0 <= logged[f"eval/{name}"] <= 1.0, name
+            assert logged[f"eval/{name}"] * 10 == round(logged[f"eval/{name}"] * 10)  # a count of 10 images
+    assert math.isfinite(logged["eval/val_loss"])
+
+
+def test_eval_cli_gives_the_trainers_numbers_and_summary_shows_them(probed_run, tiny_embedded, capsys):
+    from fastclip.eval.cli import main as eval_main
+    from fastclip.eval.summary import main as summary_main
+
+    argv = [str(probed_run), "--data", str(tiny_embedded), "--device", "cpu", "--linear-probe", "--knn", "5", "10"]
+    assert eval_main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"training features from {tiny_embedded / 'train'}" in out and "(pre-projection)" in out
+    rows = [json.loads(line) for line in (probed_run / "checkpoints" / "results.jsonl").read_text().splitlines()]
+    logged = [r for r in records(probed_run) if "eval/val_loss" in r][0]
+    for dataset in PROBED:
+        linear = [r for r in rows if r["task"] == "linear_probe" and r["dataset"] == dataset]
+        assert len(linear) == 1 and linear[0]["train_samples"] == 40 and linear[0]["num_samples"] == 10
+        assert linear[0]["top1"] == logged[f"eval/linear_probe/{dataset}/top1"]
+        for k in (5, 10):
+            (knn,) = [r for r in rows if r["task"] == "knn" and r["dataset"] == dataset and r["k"] == k]
+            assert knn["top1"] == logged[f"eval/knn/{dataset}/k{k}/top1"] and knn["features"] == "pre-projection"
+    assert summary_main([str(probed_run)]) == 0
+    summary = capsys.readouterr().out
+    probe_lines = [line for line in summary.splitlines() if "kNN k=5" in line]
+    assert len(probe_lines) == 2 and probe_lines[0].lstrip().startswith("probes     fashion-mnist  linear")
+
+
+def test_bad_probe_input_is_one_line_exit_2(probed_run, tiny_embedded, tmp_path, capsys):
+    from fastclip.eval.cli import main as eval_main
+
+    base = [str(probed_run), "--device", "cpu", "--results", str(tmp_path / "r.jsonl")]
+    assert eval_main([*base, "--data", str(tiny_embedded), "--knn", "41"]) == 2
+    *progress, err = capsys.readouterr().err.strip().splitlines()  # the passes' progress lines, then the error
+    assert [line.split(":")[0] for line in progress] == ["eval", "probe features"], progress
+    assert err == (
+        "fastclip eval: --knn 41 on 'fashion-mnist': only 40 training features; pass k <= 40 or more training "
+        "data (--probe-train, --probe-max-train)"
+    )
+    # an image folder of one class, no train/ beside it: its own split holds one class
+    folder = tmp_path / "one_class"
+    (folder / "seven").mkdir(parents=True)
+    for i in range(5):
+        Image.new("RGB", (28, 28), (30 * i, 0, 0)).save(folder / "seven" / f"{i}.png")
+    one_line_error(
+        capsys,
+        eval_main,
+        [*base, "--data", str(folder), "--linear-probe"],
+        "probe on 'one_class': its 4 training features hold only class 0; a classifier needs 2 or more classes",
+    )
+    one_line_error(capsys, eval_main, [*base, "--data", str(folder), "--knn", "0"], "--knn 0: k must be >= 1")
+    one_line_error(
+        capsys,
+        eval_main,
+        [*base, "--data", str(folder), "--probe-train", str(tmp_path / "nowhere")],
+        "--probe-train",
+        "given without --linear-probe or --knn K",
+    )
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_a_probe_without_its_training_data_is_refused_before_training(tiny_embedded, tmp_path, capsys):
+    from fastclip.train.cli import main as train_main
+
+    args = overrides(tiny_embedded, tmp_path / "run", **{"eval.at_end": "true", "eval.knn": "[5]"})
+    args += ["--eval.probe_train", str(tmp_path / "missing")]
+    one_line_error(
+        capsys, train_main, ["--config", str(EMBEDDED), *args], "config key 'eval.probe_train'", "does not exist"
+    )

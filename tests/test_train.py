@@ -70,7 +70,7 @@ def two_process_runs(data, tmp_path_factory, request):
         split = root / mode / "split"
         runs.append(mode_overrides(data, split, mode, **{"train.max_steps": 5, "checkpoint.at_end": False}))
         runs.append(mode_overrides(data, split, mode, **{"train.max_steps": STEPS, "train.resume": "latest"}))
-    results = run_distributed(_train_runs, 2, runs, timeout=400)
+    results = run_distributed(_train_runs, 2, runs, timeout=900)
     assert [[step for step, _ in rank] for rank in results] == [[STEPS, 5, STEPS] * len(MODES)] * 2
     (root / "live_ddp_wrappers.json").write_text(json.dumps([[live for _, live in rank] for rank in results]))
     yield from removed_unless_failed(request, root)

@@ -102,7 +102,11 @@ def cmd_run(spec, args) -> int:
         runner.check_commits(spec, current["code"])
     if current["dirty"]:
         print(f"note: fastclip/ or configs/ has uncommitted changes; runs record code {current['code']}")
-    failed = runner.run_pending(spec, cell=args.cell, max_runs=args.max_runs, parallel=args.parallel)
+    try:
+        failed = runner.run_pending(spec, cell=args.cell, max_runs=args.max_runs, parallel=args.parallel)
+    except runner.Stopped as signal_name:
+        print(f"stopped by {signal_name}: the runs in progress saved a checkpoint; `run` again resumes them")
+        return 75
     if failed:
         print(f"{failed} run(s) failed twice (logs under {spec.work / 'runs'}); the next `run` retries them")
         return 1

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -190,6 +191,14 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
     return records.round_floats(out)
 
 
+def add_wall(active: Active) -> float:
+    """The run's wall time over all its attempts (kept in its folder while it runs), this attempt's added."""
+    path = active.folder / "wall_s.txt"
+    total = (float(path.read_text()) if path.is_file() else 0.0) + time.perf_counter() - active.start
+    path.write_text(f"{total:.1f}")
+    return total
+
+
 @dataclass
 class Active:
     run: Run
@@ -219,7 +228,7 @@ def finish(spec: Spec, active: Active) -> None:
     if active.proc.returncode != 0:
         tail = (folder / "stdout.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"exit {active.proc.returncode}: {tail[0]} (log {folder}/stdout.log)")
-    record = result_record(spec, run, folder, active.data, time.perf_counter() - active.start)
+    record = result_record(spec, run, folder, active.data, add_wall(active))
     records.save(spec.results, run.id, record)
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)  # done: the JSON is the record
     print(f"[{time.strftime('%H:%M:%S')}] done  {run.id}: {record['final']['metric']}", flush=True)
@@ -273,11 +282,36 @@ def pending(spec: Spec, cell: str | None, busy: set[str], failed: dict[str, int]
     ]
 
 
+class Stopped(Exception):
+    """The runner was told to stop (SIGINT, SIGTERM): its runs checkpoint and resume on the next `run`."""
+
+
+def _stop(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
 def run_pending(spec: Spec, *, cell: str | None = None, max_runs: int | None = None, parallel: int = 1) -> int:
     """Runs pending runs `parallel` at a time until none is left (a cell's test runs start once its tuning is done)
     or `max_runs` have started. A failed run is retried once from its checkpoint, then left for the next call.
-    Returns the number of runs that failed twice."""
+    Returns the number of runs that failed twice. SIGINT/SIGTERM: the runs in progress get SIGTERM (the trainer
+    checkpoints and exits 75), then Stopped."""
     active: list[Active] = []
+    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _loop(spec, active, cell, max_runs, parallel)
+    except Stopped:
+        for a in active:
+            a.proc.send_signal(signal.SIGTERM)
+        for a in active:
+            a.proc.wait()
+            add_wall(a)
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _loop(spec: Spec, active: list[Active], cell: str | None, max_runs: int | None, parallel: int) -> int:
     failed: dict[str, int] = {}
     started = 0
     while True:
@@ -295,4 +329,4 @@ def run_pending(spec: Spec, *, cell: str | None = None, max_runs: int | None = N
             started += 1
         if not active:
             return sum(1 for n in failed.values() if n >= 2)
-        time.sleep(1)
+        time.sleep(2)

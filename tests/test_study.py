@@ -225,6 +225,7 @@ def test_mixed_code_is_refused_and_stale_runs_rerun(tmp_path, capsys, monkeypatc
     capsys.readouterr()
     monkeypatch.setattr(records, "code_version", lambda: {"commit": "c1", "code": "c1", "dirty": False})
     one_line_error(capsys, main, ["run", str(path), "--max-runs", "0"], "table d/32", "1 run(s) from other code")
+    assert main(["run", str(path), "--max-runs", "0", "--cell", "d/64/base"]) == 0  # another table: not blocked
     assert main(["run", str(path), "--max-runs", "0", "--rerun-stale"]) == 0
     assert records.load(spec.results, first.id) is None  # pending again; the old record kept under stale/
     assert json.loads((spec.results / "stale" / f"{first.id}.json").read_text())["code"] == "c0"
@@ -256,3 +257,27 @@ def test_v2_spec_plans_and_every_objective_passes_fastclip_train_check(tmp_path,
         args = runner.command(spec, tune_runs(spec, dataset.name, 512, name)[-1], data)[4:]
         assert train_main([*args, "--print-config"]) == 0, (name, capsys.readouterr())
     assert math.isclose(runner.train_samples(data), 80)
+
+
+def test_run_record_from_metrics_jsonl_is_small(tmp_path):
+    """A run's JSON from the trainer's metrics.jsonl (its real key names): the metric, a curve of <= 20 points
+    from 30 evaluations (evenly spread, the first and the last kept), rounded floats."""
+    spec = load(write_spec(tmp_path))
+    run = tune_runs(spec, "d", 32, "base")[0]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    lines = []
+    for k in range(1, 31):
+        lines.append({"step": k, "samples_seen": 32 * k, "loss": 3.0, "samples_per_s": 60.123456})
+        lines.append({"step": k, "samples_seen": 32 * k, "eval/retrieval/image_to_text_R@1": k / 100 + 1e-9,
+                      "eval/retrieval/text_to_image_R@1": k / 50, "eval/zeroshot/d/top1": 0.25,
+                      "eval/retrieval/num_samples": 48.0})  # fmt: skip
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    record = runner.result_record(spec, run, folder, tmp_path / "data", 12.345678)
+    assert record["final"]["metric"] == pytest.approx(0.5 * (0.30 + 0.60))
+    assert record["final"]["zeroshot_top1"] == 0.25 and record["final"]["samples_seen"] == 960
+    assert len(record["curve"]) == 20 and record["curve"][-1] == [960, 0.45] and record["curve"][0] == [32, 0.015]
+    assert record["wall_s"] == 12.3457 and record["samples_per_s"] == 60.1235
+    assert record["run"]["setting"] == {"optim.lr": 1e-3, "loss.temperature": 0.07} and "novel" not in record
+    assert {"commit", "code", "dirty"} <= set(record)
+    assert len(json.dumps(record, separators=(",", ":"))) < 1500

@@ -70,23 +70,25 @@ def cmd_plan(spec, args) -> int:
         for r in runs:
             print(r.id)
     if args.hours or args.measure:
-        per_step = hours.measure(spec) if args.measure else None
-        if per_step is None:
-            path = hours.timing_file(spec)
-            if not path.is_file():
-                print(f"plan --hours: no {path}; measure it with `plan --hours --measure`", file=sys.stderr)
-                return 2
-            per_step = json.loads(path.read_text())
+        path = hours.timing_file(spec)
+        if not args.measure and not path.is_file():
+            print(f"plan --hours: no {path}; measure it with `plan --hours --measure`", file=sys.stderr)
+            return 2
+        timing = hours.measure(spec) if args.measure else json.loads(path.read_text())
+        per_step = timing["seconds_per_step"]
         try:
             h = hours.core_hours(spec, per_step)
         except KeyError as missing:
-            print(f"plan --hours: no timing for {missing} in the timing file; re-run with --measure", file=sys.stderr)
+            print(f"plan --hours: no timing for {missing} in {path}; re-run with --measure", file=sys.stderr)
             return 2
         print(
             f"core-hours (training steps only): {h['total']:.1f} in total, {h['headline']:.1f} for the headline "
             f"objectives; {h['done']:.1f} done, {h['pending']:.1f} pending"
         )
         print("  seconds per step: " + ", ".join(f"{k} {v:.3f}" for k, v in per_step.items()))
+        note = hours.busy_note(timing)
+        if note:
+            print(f"  note: {note}")
     return 0
 
 
@@ -99,7 +101,7 @@ def cmd_run(spec, args) -> int:
         moved = runner.move_stale(spec, current["code"], args.cell)
         print(f"{moved} run(s) from other code moved to {spec.results / 'stale'}; they run again")
     if not args.allow_mixed_commits:
-        runner.check_commits(spec, current["code"])
+        runner.check_commits(spec, current["code"], args.cell)
     if current["dirty"]:
         print(f"note: fastclip/ or configs/ has uncommitted changes; runs record code {current['code']}")
     try:

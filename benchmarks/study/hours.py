@@ -4,7 +4,9 @@ runs already done), times every run's steps; one run is one process on one core.
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -22,9 +24,9 @@ def timing_file(spec):
     return spec.results / "timing.json"
 
 
-def measure(spec, steps: int = 8) -> dict[str, float]:
+def measure(spec, steps: int = 8) -> dict:
     """Seconds per step at every (dataset, batch), from a `steps`-step run of the first objective's first setting
-    (the first 2 steps left out: start-up); saved to <results>/timing.json."""
+    (the first 2 steps left out: start-up); saved to <results>/timing.json with the machine's load."""
     out = {}
     for dataset in spec.datasets:
         data = ensure_data(spec, dataset)
@@ -47,9 +49,25 @@ def measure(spec, steps: int = 8) -> dict[str, float]:
             out[f"{dataset}/{batch}"] = statistics.median(per_step)
             shutil.rmtree(folder, ignore_errors=True)
             print(f"{dataset}/{batch}: {out[f'{dataset}/{batch}']:.3f} s/step", flush=True)
+    timing = {"seconds_per_step": out, "cores": os.cpu_count(), "loadavg": list(os.getloadavg()), "date": _now()}
     timing_file(spec).parent.mkdir(parents=True, exist_ok=True)
-    timing_file(spec).write_text(json.dumps(out, indent=1))
-    return out
+    timing_file(spec).write_text(json.dumps(timing, indent=1))
+    return timing
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def busy_note(timing: dict) -> str | None:
+    """A warning when the timing ran on a machine busier than one process per core (its hours are too high)."""
+    load, cores = timing.get("loadavg", [0])[0], timing.get("cores") or 1
+    if load > cores:
+        return (
+            f"measured at load {load:.1f} on {cores} cores ({timing.get('date')}): a free core is faster, "
+            "re-measure on an idle machine (`plan --hours --measure`)"
+        )
+    return None
 
 
 def core_hours(spec, per_step: dict[str, float]) -> dict:

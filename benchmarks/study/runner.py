@@ -132,6 +132,14 @@ def evaluations(metrics_jsonl: Path) -> list[dict]:
     return [points[k] for k in sorted(points)]
 
 
+def thin(points: list, most: int) -> list:
+    """At most `most` of `points`, evenly spread, the first and the last kept."""
+    if len(points) <= most:
+        return points
+    keep = sorted({round(i * (len(points) - 1) / (most - 1)) for i in range(most)})
+    return [points[i] for i in keep]
+
+
 def evaluate_split(folder: Path, data: Path, split: str) -> dict:
     """The final model of a run on another split (`novel`), through fastclip.eval as `fastclip eval` does."""
     import torch
@@ -181,7 +189,7 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
             "samples_seen": final["samples_seen"],
             **{k: v for k, v in final.items() if k.endswith("_R@1")},
         },
-        "curve": [[e["samples_seen"], metric(e, name)] for e in evals][-CURVE_POINTS_MAX:],
+        "curve": thin([[e["samples_seen"], metric(e, name)] for e in evals], CURVE_POINTS_MAX),
         "wall_s": wall_s,
         "samples_per_s": logged[-1]["samples_per_s"] if logged else None,
     }
@@ -245,10 +253,12 @@ def table_codes(spec: Spec) -> dict[tuple[str, int], dict[str, list[str]]]:
     return out
 
 
-def check_commits(spec: Spec, current: str | None) -> None:
-    """MixedCommits if a table holds runs from more than one code version, or (`current` given: before running)
-    from another code than `current`."""
+def check_commits(spec: Spec, current: str | None, cell: str | None = None) -> None:
+    """MixedCommits if a table (only the table of `cell`, when given) holds runs from more than one code version,
+    or (`current` given: before running) from another code than `current`."""
     for (dataset, batch), codes in table_codes(spec).items():
+        if cell and not cell.startswith(f"{dataset}/{batch}/"):
+            continue
         keys = set(codes) | ({current} if current else set())
         if len(keys) > 1:
             stale = sum(len(ids) for code, ids in codes.items() if code != current) if current else None

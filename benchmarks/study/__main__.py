@@ -10,6 +10,7 @@ Usage mistakes (a spec, a cell, mixed code in a table) are one line and exit 2."
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import Counter
 
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, runner.MixedCommits) as error:
         print(f"python -m benchmarks.study {args.command}: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `report ... | head`: the reader left; the files are written
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import records
-from .plan import chosen, plan
+from .plan import PHASES, chosen, plan
 from .spec import Spec, setting_id
 from .stats import compare, mean_std, samples_ratio
 
@@ -208,7 +208,8 @@ def pending_lines(todo: list) -> list[str]:
         return ["All planned runs are done."]
     counts = Counter((r.dataset, r.global_batch, r.phase, r.chosen_pending) for r in todo)
     lines = [f"## Still pending: {len(todo)} run(s)", ""]
-    for (dataset, batch, phase, waiting), n in sorted(counts.items()):
+    order = sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1], PHASES.index(kv[0][2]), kv[0][3]))
+    for (dataset, batch, phase, waiting), n in order:
         why = " (waiting for the tuning's choice)" if waiting else ""
         lines.append(f"- {dataset}/{batch}: {n} {phase} run(s){why}")
     return lines + [""]

@@ -305,11 +305,13 @@ def run_pending(spec: Spec, *, cell: str | None = None, max_runs: int | None = N
     or `max_runs` have started. A failed run is retried once from its checkpoint, then left for the next call.
     Returns the number of runs that failed twice. SIGINT/SIGTERM: the runs in progress get SIGTERM (the trainer
     checkpoints and exits 75), then Stopped."""
+    for dataset in {r.dataset for r in plan(spec, cell)} if max_runs != 0 else ():
+        ensure_data(spec, dataset)  # a missing folder is one line now, not after hours of other runs
     active: list[Active] = []
     previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _loop(spec, active, cell, max_runs, parallel)
-    except Stopped:
+    except BaseException:  # a stop, or a bug here: the runs in progress checkpoint and exit, none is orphaned
         for a in active:
             a.proc.send_signal(signal.SIGTERM)
         for a in active:

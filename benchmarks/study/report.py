@@ -75,7 +75,7 @@ def summarize(spec: Spec) -> dict:
     done, todo = finished(spec)
     commits = Counter(r["commit"] for tables in done.values() for by in tables.values() for r in by.values())
     cells, comparisons, tables = [], [], []
-    for (dataset, batch, phase), runs in sorted(done.items()):
+    for (dataset, batch, phase), runs in sorted(done.items(), key=lambda kv: (*kv[0][:2], PHASES.index(kv[0][2]))):
         t = table(spec, runs)
         epochs = next(iter(next(iter(runs.values())).values()))["run"]["epochs"]
         tables.append({"dataset": dataset, "global_batch": batch, "phase": phase, "epochs": epochs, **t})
@@ -156,14 +156,15 @@ def markdown(spec: Spec, summary: dict) -> str:
     lines += [
         f"Code: commit(s) {summary['commit'] or '–'}. Metric in %: mean of the final test metric over seeds "
         "(± sample std). Δ: paired difference by seed against the table's strongest baseline (±: its std), "
-        "wins: seeds where the objective is ahead; p: two-sided Wilcoxon signed-rank (exact), p_Holm over the "
-        "table's comparisons, perm: the paired permutation test, Holm-adjusted.",
+        "wins: seeds where the objective is ahead; p: two-sided Wilcoxon signed-rank (exact without ties or zeros), "
+        "p_Holm over the table's comparisons, perm: the paired permutation test, Holm-adjusted.",
         "",
     ]
     for t in summary["_tables"]:
         title = f"## {t['dataset']}, global batch {t['global_batch']}, {t['epochs']} epochs"
         lines += [title + (" (longer training)" if t["phase"] == "long" else ""), ""]
-        lines += [f"Strongest baseline: `{t['baseline']}`; winner: `{t['winner']}`.", ""]
+        strongest = f"`{t['baseline']}`" if t["baseline"] else "none (no baseline has runs at this length)"
+        lines += [f"Strongest baseline: {strongest}; winner: `{t['winner']}`.", ""]
         lines += ["| objective | setting | seeds | test | Δ vs baseline | wins | p | p_Holm | perm (Holm) |"]
         lines += ["|---|---|---|---|---|---|---|---|---|"]
         rows = {r["objective"]: r for r in t["comparisons"]}
@@ -173,7 +174,7 @@ def markdown(spec: Spec, summary: dict) -> str:
             setting = chosen(spec, t["dataset"], t["global_batch"], name)
             r = rows.get(name)
             delta = (
-                "baseline"
+                ("baseline" if name == t["baseline"] else "–")
                 if r is None
                 else f"{_pct(r['diff_mean'])} ± {_pct(r['diff_std'])}"
                 if r["diff_mean"] is not None

@@ -7,20 +7,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats as sps
 
-from benchmarks.study import records, report, runner, stats
-from benchmarks.study.__main__ import main
-from benchmarks.study.plan import budget, choose, plan, tune_runs
-from benchmarks.study.spec import SpecError, load, resolve_setting
-
 from helpers import one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `pytest` without PYTHONPATH: benchmarks/ is a folder of the repository root
+
+from benchmarks.study import records, report, runner, stats  # noqa: E402
+from benchmarks.study.__main__ import main  # noqa: E402
+from benchmarks.study.plan import budget, choose, plan, tune_runs  # noqa: E402
+from benchmarks.study.spec import SpecError, load, resolve_setting  # noqa: E402
 
 
 def write_spec(tmp_path: Path, **changes) -> Path:

@@ -1,0 +1,142 @@
+"""python -m benchmarks.study {plan,run,report} SPEC: an honest comparison of CLIP objectives on any data.
+
+    python -m benchmarks.study plan benchmarks/study/v2.yaml            # every run, budgets, the choice rule
+    python -m benchmarks.study plan benchmarks/study/v2.yaml --hours    # core-hours (--measure: time a short run)
+    python -m benchmarks.study run benchmarks/study/v2.yaml --cell scenes-semantic/32/dcl --parallel 2
+    python -m benchmarks.study report benchmarks/study/v2.yaml          # tables + summary JSON
+
+Usage mistakes (a spec, a cell, mixed code in a table) are one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+
+from fastclip.cli import OneLineParser, whole_number
+
+from . import hours, records, report, runner
+from .plan import budget, cells, plan
+from .spec import SpecError, load
+
+
+def _count(least: int):
+    def parse(text: str) -> int:
+        return whole_number(text, least)
+
+    parse.__name__ = "count"
+    return parse
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="python -m benchmarks.study", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="list the runs, budgets and what is done")
+    p.add_argument("spec")
+    p.add_argument("--hours", action="store_true", help="core-hours from the measured seconds per step")
+    p.add_argument("--measure", action="store_true", help="time a short run per dataset and batch first")
+    p.add_argument("--list", action="store_true", help="print every run id")
+    r = sub.add_parser("run", help="run pending runs (resumes stopped ones)")
+    r.add_argument("spec")
+    r.add_argument("--cell", help="only dataset/batch/objective")
+    r.add_argument("--max-runs", type=_count(0))
+    r.add_argument("--parallel", type=_count(1), default=1)
+    r.add_argument("--allow-mixed-commits", action="store_true")
+    r.add_argument("--rerun-stale", action="store_true", help="re-run the runs of other code (moved to stale/)")
+    s = sub.add_parser("report", help="print and write the tables and the summary JSON")
+    s.add_argument("spec")
+    s.add_argument("--allow-mixed-commits", action="store_true")
+    return parser
+
+
+def cmd_plan(spec, args) -> int:
+    runs = plan(spec)
+    per_budget = budget(spec)
+    done = sum(1 for r in runs if not r.chosen_pending and records.load(spec.results, r.id) is not None)
+    phases = Counter(r.phase for r in runs)
+    print(f"study {spec.name}: {len(runs)} runs ({', '.join(f'{n} {p}' for p, n in phases.items())}), {done} done")
+    print(f"cells: {len(cells(spec))} (datasets {list(spec.datasets)} x batches {list(spec.batches)} x objectives)")
+    print(
+        f"tuning budget per cell: {next(iter(per_budget.values()))} runs for every objective "
+        f"({len(next(iter(spec.objectives.values())).settings())} settings x {len(spec.tune_seeds)} seeds); "
+        f"chosen on val: the best mean of the {len(spec.tune_seeds)} tuning seeds"
+    )
+    headline = [n for n, o in spec.objectives.items() if o.headline]
+    print(
+        f"test seeds: {len(spec.test_seeds)} for {headline}, {len(spec.other_test_seeds)} for the others; "
+        f"longer training: x{spec.long_factor} epochs for the headline objectives"
+    )
+    if args.list:
+        for r in runs:
+            print(r.id)
+    if args.hours or args.measure:
+        path = hours.timing_file(spec)
+        if not args.measure and not path.is_file():
+            print(f"plan --hours: no {path}; measure it with `plan --hours --measure`", file=sys.stderr)
+            return 2
+        timing = hours.measure(spec) if args.measure else json.loads(path.read_text())
+        per_step = timing["seconds_per_step"]
+        try:
+            h = hours.core_hours(spec, per_step)
+        except KeyError as missing:
+            print(f"plan --hours: no timing for {missing} in {path}; re-run with --measure", file=sys.stderr)
+            return 2
+        print(
+            f"core-hours (training steps only): {h['total']:.1f} in total, {h['headline']:.1f} for the headline "
+            f"objectives; {h['done']:.1f} done, {h['pending']:.1f} pending"
+        )
+        print("  seconds per step: " + ", ".join(f"{k} {v:.3f}" for k, v in per_step.items()))
+        note = hours.busy_note(timing)
+        if note:
+            print(f"  note: {note}")
+    return 0
+
+
+def cmd_run(spec, args) -> int:
+    if args.cell and args.cell not in {f"{d}/{b}/{o}" for d, b, o in cells(spec)}:
+        print(f"run --cell {args.cell}: not a cell of {spec.path} (dataset/batch/objective)", file=sys.stderr)
+        return 2
+    current = records.code_version()
+    if args.rerun_stale:
+        moved = runner.move_stale(spec, current["code"], args.cell)
+        print(f"{moved} run(s) from other code moved to {spec.results / 'stale'}; they run again")
+    if not args.allow_mixed_commits:
+        runner.check_commits(spec, current["code"], args.cell)
+    if current["dirty"]:
+        print(f"note: fastclip/ or configs/ has uncommitted changes; runs record code {current['code']}")
+    try:
+        failed = runner.run_pending(spec, cell=args.cell, max_runs=args.max_runs, parallel=args.parallel)
+    except runner.Stopped as signal_name:
+        print(f"stopped by {signal_name}: the runs in progress saved a checkpoint; `run` again resumes them")
+        return 75
+    if failed:
+        print(f"{failed} run(s) failed twice (logs under {spec.work / 'runs'}); the next `run` retries them")
+        return 1
+    return 0
+
+
+def cmd_report(spec, args) -> int:
+    if not args.allow_mixed_commits:
+        runner.check_commits(spec, None)
+    text, _ = report.write(spec)
+    print(text)
+    print(f"\nwrote {spec.report_md} and {spec.summary_json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        spec = load(args.spec)
+        return {"plan": cmd_plan, "run": cmd_run, "report": cmd_report}[args.command](spec, args)
+    except (SpecError, runner.MixedCommits) as error:
+        print(f"python -m benchmarks.study {args.command}: {error}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `report ... | head`: the reader left; the files are written
+        sys.stdout = open(os.devnull, "w")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The study's records: one small JSON per finished run under <results>/runs/<run id>.json, and the code that ran it.
+
+A run records the commit it ran at, the git tree of the code (fastclip/ and configs/) and whether that code had
+uncommitted changes (then a hash of the diff). Two runs are "from the same code" when those keys are equal, so a
+commit that touches only docs or benchmarks does not make a table stale."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CODE_PATHS = ("fastclip", "configs")
+
+
+def _git(*args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def code_version() -> dict:
+    """{commit, code (the key runs are compared by), dirty}: code is the tree id of fastclip/ and configs/ at HEAD,
+    plus "+dirty-<hash of the diff>" when either has uncommitted changes."""
+    commit = _git("rev-parse", "HEAD") or "unknown"
+    trees = [_git("rev-parse", f"HEAD:{p}")[:12] for p in CODE_PATHS]
+    diff = _git("diff", "HEAD", "--", *CODE_PATHS)
+    untracked = _git("ls-files", "--others", "--exclude-standard", "--", *CODE_PATHS)
+    dirty = bool(diff or untracked)
+    code = "-".join(trees)
+    if dirty:
+        code += "+dirty-" + hashlib.sha1((diff + untracked).encode()).hexdigest()[:8]
+    return {"commit": commit[:12], "code": code, "dirty": dirty}
+
+
+def run_path(results: Path, run_id: str) -> Path:
+    return results / "runs" / f"{run_id}.json"
+
+
+def load(results: Path, run_id: str) -> dict | None:
+    path = run_path(results, run_id)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def save(results: Path, run_id: str, record: dict) -> None:
+    path = run_path(results, run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, separators=(",", ":")))
+    tmp.replace(path)  # a run is done exactly when its JSON exists
+
+
+def move_stale(results: Path, run_id: str) -> Path:
+    """Move a run's JSON out of the tables (to <results>/stale/, kept for the record) so the run is pending again."""
+    src = run_path(results, run_id)
+    dst = results / "stale" / f"{run_id}.json"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    src.replace(dst)
+    return dst
+
+
+def round_floats(value, digits: int = 4):
+    """Floats rounded for the JSONs (issue 41: the old study's per-run JSONs were 14 MB)."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: round_floats(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [round_floats(v, digits) for v in value]
+    return value

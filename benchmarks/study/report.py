@@ -1,0 +1,228 @@
+"""The study's tables (markdown) and its flat summary (JSON, the schema in README.md), from the run JSONs.
+
+A table is one dataset at one global batch and one training length (the tuned length: every objective; the longer
+one: the headline objectives). Its strongest baseline is the baseline objective with the best mean test metric;
+every other objective is compared with it seed by seed (stats.compare, Holm over the table)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from . import records
+from .plan import PHASES, chosen, plan
+from .spec import Spec, setting_id
+from .stats import compare, mean_std, samples_ratio
+
+
+def finished(spec: Spec) -> tuple[dict, list]:
+    """(dataset, batch, phase) -> objective -> {seed: record} for the test and long runs done; and every run
+    still to do (the plan's pending runs, choices pending included)."""
+    done: dict = {}
+    todo = []
+    for run in plan(spec):
+        record = None if run.chosen_pending else records.load(spec.results, run.id)
+        if record is None:
+            todo.append(run)
+        elif run.phase != "tune":
+            key = (run.dataset, run.global_batch, run.phase)
+            done.setdefault(key, {}).setdefault(run.objective, {})[run.seed] = record
+    return done, todo
+
+
+def table(spec: Spec, runs: dict[str, dict[int, dict]]) -> dict:
+    """One table: per objective its seeds' metric, the strongest baseline, the comparisons with it."""
+    metric = {name: {s: r["final"]["metric"] for s, r in by_seed.items()} for name, by_seed in runs.items()}
+    means = {name: mean_std(list(v.values()))[0] for name, v in metric.items()}
+    baselines = [n for n in metric if spec.objectives[n].baseline]
+    baseline = max(baselines, key=lambda n: means[n]) if baselines else None
+    winner = max(metric, key=lambda n: means[n])
+    rows = compare(metric, baseline) if baseline else []
+    return {"metric": metric, "means": means, "baseline": baseline, "winner": winner, "comparisons": rows}
+
+
+def _curves(runs: dict[int, dict]) -> list:
+    return [r["curve"] for r in runs.values()]
+
+
+def chance(data: Path) -> float | None:
+    """Zero-shot chance: 1 / classes, averaged over the zeroshot.json's datasets."""
+    path = data / "zeroshot.json"
+    if not path.is_file():
+        return None
+    sets = json.loads(path.read_text()).get("datasets", {})
+    shares = [1 / len(d["classnames"]) for d in sets.values() if d.get("classnames")]
+    return sum(shares) / len(shares) if shares else None
+
+
+def data_checks(spec: Spec, name: str) -> dict:
+    """The data's checks: the spec's `checks`, else <data>/checks.json (written by whoever made the data)."""
+    d = spec.datasets[name]
+    checks = dict(d.checks)
+    if not checks and (d.data / "checks.json").is_file():
+        checks = json.loads((d.data / "checks.json").read_text())
+    return {
+        "dataset": name,
+        "class_blind_oracle_R1": checks.get("class_blind_oracle_R1"),
+        "context_cut_share": checks.get("context_cut_share"),
+        "zeroshot_chance": chance(d.data),
+    }
+
+
+def summarize(spec: Spec) -> dict:
+    """The summary JSON (README.md's schema) plus, under keys starting with "_", what the markdown needs."""
+    done, todo = finished(spec)
+    commits = Counter(r["commit"] for tables in done.values() for by in tables.values() for r in by.values())
+    cells, comparisons, tables = [], [], []
+    for (dataset, batch, phase), runs in sorted(done.items(), key=lambda kv: (*kv[0][:2], PHASES.index(kv[0][2]))):
+        t = table(spec, runs)
+        epochs = next(iter(next(iter(runs.values())).values()))["run"]["epochs"]
+        tables.append({"dataset": dataset, "global_batch": batch, "phase": phase, "epochs": epochs, **t})
+        for name, by_seed in runs.items():
+            values = [r["final"]["metric"] for r in by_seed.values()]
+            zs = [r["final"]["zeroshot_top1"] for r in by_seed.values() if r["final"]["zeroshot_top1"] is not None]
+            cells.append(
+                {
+                    "dataset": dataset,
+                    "global_batch": batch,
+                    "loss": name,
+                    "epochs": epochs,
+                    "seeds": sorted(by_seed),
+                    "metric": spec.datasets[dataset].metric,
+                    "test_mean": mean_std(values)[0],
+                    "test_std": mean_std(values)[1],
+                    "best_zeroshot_top1": max(zs) if zs else None,
+                }
+            )
+    for t in tables:
+        if t["phase"] != "test" or t["baseline"] is None:
+            continue
+        comparisons.append(headline(spec, t, done))
+    return {
+        "commit": ",".join(sorted(commits)) if commits else None,
+        "data": [data_checks(spec, name) for name in spec.datasets],
+        "cells": records.round_floats(cells),
+        "comparisons": records.round_floats(comparisons),
+        "_tables": tables,
+        "_todo": todo,
+    }
+
+
+def headline(spec: Spec, t: dict, done: dict) -> dict:
+    """A table's summary row: its winner against the strongest baseline (if the winner is that baseline: against
+    the runner-up, so diff_mean >= 0 says by how much the winner leads); samples_ratio at the longer length where
+    both have long runs, else at the tuned length."""
+    winner, baseline = t["winner"], t["baseline"]
+    rows = {r["objective"]: r for r in t["comparisons"]}
+    if winner == baseline:
+        others = [n for n in t["means"] if n != baseline]
+        if not others:
+            return {"dataset": t["dataset"], "global_batch": t["global_batch"], "winner": winner,
+                    "baseline": None, "diff_mean": None, "p_holm": None, "samples_ratio": None}  # fmt: skip
+        runner_up = max(others, key=lambda n: t["means"][n])
+        row = rows[runner_up]
+        diff, p, pair = -row["diff_mean"] if row["diff_mean"] is not None else None, row["p_holm"], runner_up
+    else:
+        row = rows[winner]
+        diff, p, pair = row["diff_mean"], row["p_holm"], baseline
+    long = done.get((t["dataset"], t["global_batch"], "long"), {})
+    source = long if winner in long and pair in long else done[(t["dataset"], t["global_batch"], "test")]
+    return {
+        "dataset": t["dataset"],
+        "global_batch": t["global_batch"],
+        "winner": winner,
+        "baseline": pair,
+        "diff_mean": diff,
+        "p_holm": p,
+        "samples_ratio": samples_ratio(_curves(source[winner]), _curves(source[pair])),
+    }
+
+
+# ----------------------------------------------------------------------------- markdown
+def _pct(x) -> str:
+    return "–" if x is None else f"{100 * x:.1f}"
+
+
+def _p(x) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
+def markdown(spec: Spec, summary: dict) -> str:
+    lines = [f"# Study `{spec.name}` ({spec.path.name})", ""]
+    for d in spec.datasets.values():
+        if d.placeholder:
+            lines += [f"**Placeholder data** `{d.name}`: {d.placeholder}", ""]
+    lines += [
+        f"Code: commit(s) {summary['commit'] or '–'}. Metric in %: mean of the final test metric over seeds "
+        "(± sample std). Δ: paired difference by seed against the table's strongest baseline (±: its std), "
+        "wins: seeds where the objective is ahead; p: two-sided Wilcoxon signed-rank (exact without ties or zeros), "
+        "p_Holm over the table's comparisons, perm: the paired permutation test, Holm-adjusted.",
+        "",
+    ]
+    for t in summary["_tables"]:
+        title = f"## {t['dataset']}, global batch {t['global_batch']}, {t['epochs']} epochs"
+        lines += [title + (" (longer training)" if t["phase"] == "long" else ""), ""]
+        strongest = f"`{t['baseline']}`" if t["baseline"] else "none (no baseline has runs at this length)"
+        lines += [f"Strongest baseline: {strongest}; winner: `{t['winner']}`.", ""]
+        lines += ["| objective | setting | seeds | test | Δ vs baseline | wins | p | p_Holm | perm (Holm) |"]
+        lines += ["|---|---|---|---|---|---|---|---|---|"]
+        rows = {r["objective"]: r for r in t["comparisons"]}
+        for name in sorted(t["metric"], key=lambda n: -t["means"][n]):
+            values = list(t["metric"][name].values())
+            mean, std = mean_std(values)
+            setting = chosen(spec, t["dataset"], t["global_batch"], name)
+            r = rows.get(name)
+            delta = (
+                ("baseline" if name == t["baseline"] else "–")
+                if r is None
+                else f"{_pct(r['diff_mean'])} ± {_pct(r['diff_std'])}"
+                if r["diff_mean"] is not None
+                else "–"
+            )
+            wins = "" if r is None else f"{r['wins']}/{len(r['seeds'])}"
+            lines.append(
+                f"| {name} | {setting_id(setting) if setting else '–'} | {len(values)} | {_pct(mean)} ± {_pct(std)} "
+                f"| {delta} | {wins} | {_p(r and r['p_wilcoxon'])} | {_p(r and r['p_holm'])} "
+                f"| {_p(r and r['p_holm_permutation'])} |"
+            )
+        lines.append("")
+    if summary["comparisons"]:
+        lines += ["## Headline: the winner of each batch size against the strongest baseline", ""]
+        lines += [
+            "| dataset | batch | winner | baseline | Δ | p_Holm | samples ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in summary["comparisons"]:
+            ratio = "–" if c["samples_ratio"] is None else f"{c['samples_ratio']:.2f}x"
+            lines.append(
+                f"| {c['dataset']} | {c['global_batch']} | {c['winner']} | {c['baseline']} | {_pct(c['diff_mean'])} "
+                f"| {_p(c['p_holm'])} | {ratio} |"
+            )
+        lines.append("")
+    lines += pending_lines(summary["_todo"])
+    return "\n".join(lines)
+
+
+def pending_lines(todo: list) -> list[str]:
+    if not todo:
+        return ["All planned runs are done."]
+    counts = Counter((r.dataset, r.global_batch, r.phase, r.chosen_pending) for r in todo)
+    lines = [f"## Still pending: {len(todo)} run(s)", ""]
+    order = sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1], PHASES.index(kv[0][2]), kv[0][3]))
+    for (dataset, batch, phase, waiting), n in order:
+        why = " (waiting for the tuning's choice)" if waiting else ""
+        lines.append(f"- {dataset}/{batch}: {n} {phase} run(s){why}")
+    return lines + [""]
+
+
+def write(spec: Spec) -> tuple[str, dict]:
+    """Writes the markdown and the summary JSON; returns both."""
+    summary = summarize(spec)
+    text = markdown(spec, summary)
+    flat = {k: v for k, v in summary.items() if not k.startswith("_")}
+    spec.report_md.parent.mkdir(parents=True, exist_ok=True)
+    spec.report_md.write_text(text + "\n")
+    spec.summary_json.parent.mkdir(parents=True, exist_ok=True)
+    spec.summary_json.write_text(json.dumps(flat, indent=1) + "\n")
+    return text, flat

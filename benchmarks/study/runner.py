@@ -1,0 +1,344 @@
+"""Running a study's pending runs: each a `python -m fastclip train` process (OMP_NUM_THREADS=1, one core), resumed
+from its last checkpoint when it was stopped, recorded as one small JSON when it ends (records.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import records
+from .plan import Run, plan
+from .spec import Spec, SpecError, resolve_setting
+
+CURVE_POINTS_MAX = 20
+
+
+class MixedCommits(RuntimeError):
+    """A table would hold runs from different code; the message names the table, the codes and what to do."""
+
+
+# ----------------------------------------------------------------------------- data
+def ensure_data(spec: Spec, dataset: str) -> Path:
+    """The dataset's folder, made by its `make` command when missing; SpecError when it cannot be used."""
+    d = spec.datasets[dataset]
+    if not (d.data / "train" / "manifest.json").is_file() and d.make:
+        cmd = [sys.executable if x == "python" else x.replace("{data}", str(d.data)) for x in d.make]
+        print(f"making {dataset}: {' '.join(cmd)}", flush=True)
+        done = subprocess.run(cmd, cwd=records.REPO, env=_env(), stdout=subprocess.DEVNULL)
+        if done.returncode != 0:
+            raise SpecError(f"datasets.{dataset}.make exited {done.returncode}; run it by hand to see why")
+    for part in ("train/manifest.json", "val/manifest.json", "test/manifest.json", "zeroshot.json"):
+        if not (d.data / part).is_file():
+            raise SpecError(
+                f"datasets.{dataset}.data {d.data}: no {part}; the study needs train/, val/ and test/ shard "
+                "folders and zeroshot.json (or a `make` command that writes them)"
+            )
+    return d.data
+
+
+def train_samples(data: Path) -> int:
+    return json.loads((data / "train" / "manifest.json").read_text())["num_samples"]
+
+
+# ----------------------------------------------------------------------------- one run
+def _value(v) -> str:
+    """A config value as `fastclip train` parses it (YAML)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)
+    return str(v)
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_dir(spec: Spec, run: Run) -> Path:
+    return spec.work / "runs" / run.id
+
+
+def command(spec: Spec, run: Run, data: Path, extra: dict | None = None) -> list[str]:
+    """The `fastclip train` command of a run: the spec's common keys, the objective's fixed options, then its
+    setting (resolved at this batch), then the study's own keys (data, schedule, evaluation, checkpoints)."""
+    d, o = spec.datasets[run.dataset], spec.objectives[run.objective]
+    steps = train_samples(data) // run.global_batch * run.epochs
+    every = max(1, math.ceil(steps / spec.curve_points))  # <= curve_points evaluations, each also a checkpoint
+    keys = {
+        **spec.train,
+        **o.options,
+        **resolve_setting(run.settings, run.global_batch),
+        "data.train": data / "train",
+        "data.val": data / ("val" if run.phase == "tune" else "test"),
+        "data.zeroshot": data / "zeroshot.json",
+        "data.batch_size": run.global_batch,
+        "data.workers": 0,
+        "model.arch": d.arch,
+        "loss.name": o.loss,
+        "optim.warmup_steps": max(1, int(steps * spec.warmup_frac)),
+        "train.epochs": run.epochs,
+        "train.seed": run.seed,
+        "train.run_dir": run_dir(spec, run),
+        "train.device": spec.device,
+        "train.progress": False,
+        "train.tensorboard": False,
+        "train.log_every": max(1, min(25, every)),
+        "eval.every_steps": every,
+        "eval.at_end": True,
+        "eval.max_samples": None,
+        "checkpoint.every_steps": every,
+        "checkpoint.every_minutes": 10,
+        "checkpoint.keep_last": 1,
+        "checkpoint.at_end": True,
+    }
+    keys.update(extra or {})
+    args = [sys.executable, "-m", "fastclip", "train"]
+    for key, value in keys.items():
+        args += [f"--{key}", _value(str(value) if isinstance(value, Path) else value)]
+    return args
+
+
+def metric(record: dict, name: str) -> float | None:
+    """The study's metric from one evaluation's keys (without the eval/ prefix); None when it is not there."""
+    if name == "retrieval_R1":
+        keys = ("retrieval/image_to_text_R@1", "retrieval/text_to_image_R@1")
+        return 0.5 * (record[keys[0]] + record[keys[1]]) if all(k in record for k in keys) else None
+    tops = [v for k, v in record.items() if k.startswith("zeroshot/") and k.endswith("/top1")]
+    return sum(tops) / len(tops) if tops else None
+
+
+def zeroshot_top1(record: dict) -> float | None:
+    return metric(record, "zeroshot_top1")
+
+
+def evaluations(metrics_jsonl: Path) -> list[dict]:
+    """The evaluations of a run's metrics.jsonl, in sample order: {samples_seen, <keys without eval/>}."""
+    points: dict[int, dict] = {}
+    for line in metrics_jsonl.read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        evals = {k[5:]: v for k, v in rec.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        if evals:
+            points[rec["samples_seen"]] = {"samples_seen": rec["samples_seen"], **evals}
+    return [points[k] for k in sorted(points)]
+
+
+def thin(points: list, most: int) -> list:
+    """At most `most` of `points`, evenly spread, the first and the last kept."""
+    if len(points) <= most:
+        return points
+    keep = sorted({round(i * (len(points) - 1) / (most - 1)) for i in range(most)})
+    return [points[i] for i in keep]
+
+
+def evaluate_split(folder: Path, data: Path, split: str) -> dict:
+    """The final model of a run on another split (`novel`), through fastclip.eval as `fastclip eval` does."""
+    import torch
+
+    from fastclip.eval import run_evals
+    from fastclip.eval.checkpoint import load_model
+
+    torch.set_num_threads(1)
+    built = load_model(folder, device="cpu").built
+    out = run_evals(
+        built.model,
+        tokenizer=built.tokenizer,
+        preprocess=built.preprocess_val,
+        val_dir=str(data / split),
+        zeroshot_file=str(data / "zeroshot.json"),
+        device="cpu",
+        batch_size=256,
+    )
+    return {k: v for k, v in out.items() if isinstance(v, (int, float))}
+
+
+def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float) -> dict:
+    """The run's JSON: final metrics, the curve (metric vs samples, <= 20 points, rounded), wall time, samples/s,
+    the code that ran it."""
+    name = spec.datasets[run.dataset].metric
+    evals = evaluations(folder / "metrics.jsonl")
+    if not evals:
+        raise RuntimeError(f"{folder}/metrics.jsonl has no evaluation")
+    final = evals[-1]
+    logged = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if '"samples_per_s"' in x]
+    out = {
+        "id": run.id,
+        "run": {
+            "dataset": run.dataset,
+            "global_batch": run.global_batch,
+            "objective": run.objective,
+            "loss": spec.objectives[run.objective].loss,
+            "setting": run.settings,
+            "seed": run.seed,
+            "phase": run.phase,
+            "epochs": run.epochs,
+        },
+        **records.code_version(),
+        "final": {
+            "metric": metric(final, name),
+            "zeroshot_top1": zeroshot_top1(final),
+            "samples_seen": final["samples_seen"],
+            **{k: v for k, v in final.items() if k.endswith("_R@1")},
+        },
+        "curve": thin([[e["samples_seen"], metric(e, name)] for e in evals], CURVE_POINTS_MAX),
+        "wall_s": wall_s,
+        "samples_per_s": logged[-1]["samples_per_s"] if logged else None,
+    }
+    if run.phase != "tune" and (data / "novel" / "manifest.json").is_file():
+        novel = evaluate_split(folder, data, "novel")
+        out["novel"] = {"metric": metric(novel, name), "zeroshot_top1": zeroshot_top1(novel)}
+    return records.round_floats(out)
+
+
+def add_wall(active: Active) -> float:
+    """The run's wall time over all its attempts (kept in its folder while it runs), this attempt's added."""
+    path = active.folder / "wall_s.txt"
+    total = (float(path.read_text()) if path.is_file() else 0.0) + time.perf_counter() - active.start
+    path.write_text(f"{total:.1f}")
+    return total
+
+
+@dataclass
+class Active:
+    run: Run
+    proc: subprocess.Popen
+    folder: Path
+    data: Path
+    start: float = field(default_factory=time.perf_counter)
+
+
+def start(spec: Spec, run: Run, data: Path) -> Active:
+    folder = run_dir(spec, run)
+    cmd = command(spec, run, data)
+    if any((folder / "checkpoints").glob("step_*")):
+        cmd += ["--train.resume", "latest"]  # stopped before: go on from its last checkpoint
+    elif folder.exists():
+        shutil.rmtree(folder)  # started but never checkpointed: nothing to keep
+    folder.mkdir(parents=True, exist_ok=True)
+    log = open(folder / "stdout.log", "a")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=records.REPO)
+    log.close()
+    print(f"[{time.strftime('%H:%M:%S')}] start {run.id}", flush=True)
+    return Active(run, proc, folder, data)
+
+
+def finish(spec: Spec, active: Active) -> None:
+    run, folder = active.run, active.folder
+    if active.proc.returncode != 0:
+        tail = (folder / "stdout.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"exit {active.proc.returncode}: {tail[0]} (log {folder}/stdout.log)")
+    record = result_record(spec, run, folder, active.data, add_wall(active))
+    records.save(spec.results, run.id, record)
+    shutil.rmtree(folder / "checkpoints", ignore_errors=True)  # done: the JSON is the record
+    print(f"[{time.strftime('%H:%M:%S')}] done  {run.id}: {record['final']['metric']}", flush=True)
+
+
+# ----------------------------------------------------------------------------- provenance
+def table_codes(spec: Spec) -> dict[tuple[str, int], dict[str, list[str]]]:
+    """(dataset, batch) -> code key -> ids of the finished runs of that table from that code."""
+    out: dict[tuple[str, int], dict[str, list[str]]] = {}
+    for run in plan(spec):
+        record = records.load(spec.results, run.id)
+        if record is not None:
+            out.setdefault((run.dataset, run.global_batch), {}).setdefault(record["code"], []).append(run.id)
+    return out
+
+
+def check_commits(spec: Spec, current: str | None, cell: str | None = None) -> None:
+    """MixedCommits if a table (only the table of `cell`, when given) holds runs from more than one code version,
+    or (`current` given: before running) from another code than `current`."""
+    for (dataset, batch), codes in table_codes(spec).items():
+        if cell and not cell.startswith(f"{dataset}/{batch}/"):
+            continue
+        keys = set(codes) | ({current} if current else set())
+        if len(keys) > 1:
+            stale = sum(len(ids) for code, ids in codes.items() if code != current) if current else None
+            what = f"{stale} run(s) from other code" if current else f"runs from {len(codes)} code versions"
+            raise MixedCommits(
+                f"table {dataset}/{batch}: {what} ({', '.join(sorted(keys))}); re-run them with `run --rerun-stale`,"
+                " or pass --allow-mixed-commits"
+            )
+
+
+def move_stale(spec: Spec, current: str, cell: str | None) -> int:
+    """Move the finished runs of other code out of the tables (to <results>/stale/): they are pending again."""
+    moved = 0
+    for run in plan(spec, cell):
+        record = records.load(spec.results, run.id)
+        if record is not None and record["code"] != current:
+            records.move_stale(spec.results, run.id)
+            moved += 1
+    return moved
+
+
+# ----------------------------------------------------------------------------- the loop
+def pending(spec: Spec, cell: str | None, busy: set[str], failed: dict[str, int]) -> list[Run]:
+    return [
+        r
+        for r in plan(spec, cell)
+        if not r.chosen_pending
+        and r.id not in busy
+        and failed.get(r.id, 0) < 2
+        and records.load(spec.results, r.id) is None
+    ]
+
+
+class Stopped(Exception):
+    """The runner was told to stop (SIGINT, SIGTERM): its runs checkpoint and resume on the next `run`."""
+
+
+def _stop(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
+def run_pending(spec: Spec, *, cell: str | None = None, max_runs: int | None = None, parallel: int = 1) -> int:
+    """Runs pending runs `parallel` at a time until none is left (a cell's test runs start once its tuning is done)
+    or `max_runs` have started. A failed run is retried once from its checkpoint, then left for the next call.
+    Returns the number of runs that failed twice. SIGINT/SIGTERM: the runs in progress get SIGTERM (the trainer
+    checkpoints and exits 75), then Stopped."""
+    for dataset in {r.dataset for r in plan(spec, cell)} if max_runs != 0 else ():
+        ensure_data(spec, dataset)  # a missing folder is one line now, not after hours of other runs
+    active: list[Active] = []
+    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _loop(spec, active, cell, max_runs, parallel)
+    except BaseException:  # a stop, or a bug here: the runs in progress checkpoint and exit, none is orphaned
+        for a in active:
+            a.proc.send_signal(signal.SIGTERM)
+        for a in active:
+            a.proc.wait()
+            add_wall(a)
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _loop(spec: Spec, active: list[Active], cell: str | None, max_runs: int | None, parallel: int) -> int:
+    failed: dict[str, int] = {}
+    started = 0
+    while True:
+        for a in [a for a in active if a.proc.poll() is not None]:
+            active.remove(a)
+            try:
+                finish(spec, a)
+            except (RuntimeError, OSError, KeyError, ValueError) as error:
+                failed[a.run.id] = failed.get(a.run.id, 0) + 1
+                print(f"[{time.strftime('%H:%M:%S')}] FAILED {a.run.id}: {error}", flush=True)
+        todo = pending(spec, cell, {a.run.id for a in active}, failed)
+        while todo and len(active) < parallel and (max_runs is None or started < max_runs):
+            run = todo.pop(0)
+            active.append(start(spec, run, ensure_data(spec, run.dataset)))
+            started += 1
+        if not active:
+            return sum(1 for n in failed.values() if n >= 2)
+        time.sleep(2)

@@ -1,0 +1,208 @@
+"""A study's spec: one YAML or JSON file naming the data, the objectives with their tuning grids, the batch sizes
+and the seeds. Every mistake in it is a SpecError (one line naming the key); the CLI turns it into exit 2."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+METRICS = ("retrieval_R1", "zeroshot_top1")  # mean R@1 of both retrieval directions; mean zero-shot top-1
+
+
+class SpecError(ValueError):
+    """A spec that cannot be run, named by file and key."""
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    data: Path  # folder with train/, val/, test/ [novel/] shard folders and zeroshot.json
+    make: tuple[str, ...] | None  # the command that writes `data` when it is missing ({data} is replaced)
+    arch: str
+    epochs: int
+    metric: str
+    placeholder: str | None  # why this data stands in for the intended one (printed in every report)
+    checks: dict  # class_blind_oracle_R1 / context_cut_share measured on the data, when known
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    loss: str
+    options: dict  # fixed `fastclip train` config keys (dotted: loss.temperature, optim.lr_tau, model.ema_momentum)
+    grid: dict  # dotted key -> values; the settings are their product; loss.rho_frac -> rho = frac * ln(B - 1)
+    baseline: bool  # a candidate for "the strongest baseline" of a table
+    headline: bool  # gets the full test seeds and the longer training
+
+    def settings(self) -> list[dict]:
+        keys = list(self.grid)
+        return [dict(zip(keys, values)) for values in itertools.product(*(self.grid[k] for k in keys))]
+
+
+@dataclass(frozen=True)
+class Spec:
+    path: Path
+    name: str
+    results: Path  # one JSON per run under results/runs/, the tables beside
+    work: Path  # run folders (checkpoints while a run is in progress) and made data
+    datasets: dict[str, Dataset]
+    objectives: dict[str, Objective]
+    batches: tuple[int, ...]
+    tune_seeds: tuple[int, ...]
+    test_seeds: tuple[int, ...]  # headline objectives
+    other_test_seeds: tuple[int, ...]  # the others (paired with the first headline seeds)
+    long_factor: int  # the headline objectives' longer training: epochs x this, its own schedule
+    warmup_frac: float
+    curve_points: int  # evaluations per run (the curve), also its checkpoints (a killed run loses at most one)
+    device: str
+    train: dict  # config keys every run gets (e.g. optim.wd)
+    report_md: Path  # the tables
+    summary_json: Path  # the flat summary (README.md of this package: its schema)
+
+    def seeds_of(self, objective: str) -> tuple[int, ...]:
+        return self.test_seeds if self.objectives[objective].headline else self.other_test_seeds
+
+
+def _need(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise SpecError(f"{where}: {what}")
+
+
+def _seeds(raw, where: str, least: int) -> tuple[int, ...]:
+    ok = isinstance(raw, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in raw)
+    _need(ok and len(set(raw)) == len(raw), where, f"must be a list of distinct integers, got {raw!r}")
+    _need(len(raw) >= least, where, f"needs at least {least} seeds (the protocol), got {len(raw)}")
+    return tuple(raw)
+
+
+def _dataset(name: str, raw: dict, base: Path, where: str) -> Dataset:
+    _need(isinstance(raw, dict), where, "must be a mapping (data, arch, epochs, metric)")
+    unknown = set(raw) - {"data", "make", "arch", "epochs", "metric", "placeholder", "checks"}
+    _need(not unknown, where, f"unknown key(s) {sorted(unknown)}")
+    for key in ("data", "arch", "epochs", "metric"):
+        _need(key in raw, where, f"needs `{key}`")
+    _need(raw["metric"] in METRICS, f"{where}.metric", f"must be one of {METRICS}, got {raw['metric']!r}")
+    _need(isinstance(raw["epochs"], int) and raw["epochs"] >= 1, f"{where}.epochs", "must be an integer >= 1")
+    make = raw.get("make")
+    _need(make is None or (isinstance(make, list) and make), f"{where}.make", "must be a command as a list")
+    return Dataset(
+        name=name,
+        data=(base / raw["data"]).resolve(),
+        make=None if make is None else tuple(str(x) for x in make),
+        arch=str(raw["arch"]),
+        epochs=raw["epochs"],
+        metric=raw["metric"],
+        placeholder=raw.get("placeholder"),
+        checks=dict(raw.get("checks") or {}),
+    )
+
+
+def _objective(name: str, raw: dict, where: str) -> Objective:
+    _need(isinstance(raw, dict) and "loss" in raw, where, "must be a mapping with `loss` (a fastclip loss name)")
+    unknown = set(raw) - {"loss", "options", "grid", "baseline", "headline"}
+    _need(not unknown, where, f"unknown key(s) {sorted(unknown)}")
+    from fastclip.losses import LOSSES
+
+    _need(raw["loss"] in LOSSES, f"{where}.loss", f"unknown loss {raw['loss']!r}; one of {sorted(LOSSES)}")
+    grid = raw.get("grid") or {}
+    _need(isinstance(grid, dict) and grid, f"{where}.grid", "must map config keys to lists of values")
+    for key, values in grid.items():
+        _need(isinstance(values, list) and values, f"{where}.grid.{key}", "must be a non-empty list")
+        _need("." in key, f"{where}.grid.{key}", "must be a dotted config key (optim.lr, loss.temperature)")
+    options = raw.get("options") or {}
+    _need(isinstance(options, dict), f"{where}.options", "must map config keys to values")
+    clash = set(options) & set(grid)
+    _need(not clash, where, f"{sorted(clash)} both fixed in options and tuned in grid")
+    return Objective(name, raw["loss"], options, grid, bool(raw.get("baseline")), bool(raw.get("headline")))
+
+
+def load(path: Path) -> Spec:
+    """The spec at `path` (YAML or JSON), checked: equal tuning budgets, >= 2 tuning seeds, >= 6 test seeds for
+    headline objectives, a longer-training factor >= 3, at least one baseline."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: no such spec file")
+    text = path.read_text()
+    try:
+        import yaml
+
+        raw = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (ValueError, yaml.YAMLError) as error:
+        raise SpecError(f"{path}: not valid YAML/JSON ({str(error).splitlines()[0]})") from None
+    _need(isinstance(raw, dict), str(path), "must be a mapping")
+    known = {
+        "name", "results", "work", "datasets", "objectives", "batches", "tune_seeds", "test_seeds",
+        "other_test_seeds", "long_factor", "warmup_frac", "curve_points", "device", "train", "report_md",
+        "summary_json",
+    }  # fmt: skip
+    unknown = set(raw) - known
+    _need(not unknown, str(path), f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+    for key in ("name", "datasets", "objectives", "batches", "tune_seeds", "test_seeds"):
+        _need(key in raw, str(path), f"needs `{key}`")
+    repo = Path(__file__).resolve().parents[2]
+    datasets = {n: _dataset(n, d, repo, f"{path}: datasets.{n}") for n, d in (raw["datasets"] or {}).items()}
+    objectives = {n: _objective(n, o, f"{path}: objectives.{n}") for n, o in (raw["objectives"] or {}).items()}
+    _need(bool(datasets) and bool(objectives), str(path), "needs at least one dataset and one objective")
+    _need(any(o.baseline for o in objectives.values()), f"{path}: objectives", "mark at least one `baseline: true`")
+    budgets = {n: len(o.settings()) for n, o in objectives.items()}
+    _need(
+        len(set(budgets.values())) == 1,
+        f"{path}: objectives",
+        f"unequal tuning budgets (settings per objective: {budgets}); give every objective as many settings",
+    )
+    batches = raw["batches"]
+    _need(
+        isinstance(batches, list) and batches and all(isinstance(b, int) and b >= 2 for b in batches),
+        f"{path}: batches",
+        "must be a list of global batch sizes >= 2",
+    )
+    test_seeds = _seeds(raw["test_seeds"], f"{path}: test_seeds", 6)
+    other = _seeds(raw.get("other_test_seeds", raw["test_seeds"]), f"{path}: other_test_seeds", 2)
+    long_factor = raw.get("long_factor", 3)
+    _need(isinstance(long_factor, int) and long_factor >= 3, f"{path}: long_factor", "must be an integer >= 3")
+    curve_points = raw.get("curve_points", 16)
+    _need(isinstance(curve_points, int) and 1 <= curve_points <= 20, f"{path}: curve_points", "must be 1..20")
+    results = (repo / raw.get("results", f"benchmarks/results/{raw['name']}")).resolve()
+    return Spec(
+        path=path,
+        name=str(raw["name"]),
+        results=results,
+        work=(repo / raw.get("work", f"benchmarks/out/{raw['name']}")).resolve(),
+        datasets=datasets,
+        objectives=objectives,
+        batches=tuple(batches),
+        tune_seeds=_seeds(raw["tune_seeds"], f"{path}: tune_seeds", 2),
+        test_seeds=test_seeds,
+        other_test_seeds=other,
+        long_factor=long_factor,
+        warmup_frac=float(raw.get("warmup_frac", 0.05)),
+        curve_points=curve_points,
+        device=str(raw.get("device", "cpu")),
+        train=dict(raw.get("train") or {}),
+        report_md=(repo / raw["report_md"]).resolve() if "report_md" in raw else results / "report.md",
+        summary_json=(repo / raw["summary_json"]).resolve() if "summary_json" in raw else results / "summary.json",
+    )
+
+
+def resolve_setting(setting: dict, global_batch: int) -> dict:
+    """Config keys of a grid setting at a batch size: loss.rho_frac becomes loss.rho = frac * ln(B - 1) (RGCL's ρ
+    bounds the KL to uniform over the B - 1 negatives, so one fraction means one regime at every batch)."""
+    out = {}
+    for key, value in setting.items():
+        if key == "loss.rho_frac":
+            out["loss.rho"] = round(float(value) * math.log(global_batch - 1), 4)
+        else:
+            out[key] = value
+    return out
+
+
+def setting_id(setting: dict) -> str:
+    """A setting's short name: its last key parts and values, e.g. lr5e-04_temperature0.07."""
+
+    def fmt(v) -> str:
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    return "_".join(f"{k.rsplit('.', 1)[-1]}{fmt(v)}" for k, v in setting.items())

@@ -1,0 +1,126 @@
+"""Paired comparisons by seed: Wilcoxon signed-rank and a paired permutation test from scipy.stats, Holm's
+adjustment over the comparisons of a table, and samples-to-target from the curves."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+from scipy import stats as sps
+
+
+def mean_std(xs: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (n − 1); None where undefined."""
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> tuple[list[int], np.ndarray]:
+    """The seeds both have, and a − b at each."""
+    seeds = sorted(set(a) & set(b))
+    return seeds, np.array([a[s] - b[s] for s in seeds], dtype=float)
+
+
+def wilcoxon_p(diffs: np.ndarray) -> float | None:
+    """Two-sided Wilcoxon signed-rank p of the paired differences: exact where scipy can (no zeros, no ties, n <= 50),
+    else its normal approximation; None below 2 pairs or when every difference is 0."""
+    if len(diffs) < 2 or not np.any(diffs):
+        return None
+    exact = len(diffs) <= 50 and np.all(diffs != 0) and len(np.unique(np.abs(diffs))) == len(diffs)
+    return float(sps.wilcoxon(diffs, alternative="two-sided", method="exact" if exact else "approx").pvalue)
+
+
+def permutation_p(diffs: np.ndarray) -> float | None:
+    """Two-sided paired permutation p of the mean difference (sign flips: every one of the 2^n for n <= 16)."""
+    if len(diffs) < 2 or not np.any(diffs):
+        return None
+    result = sps.permutation_test(
+        (diffs,),
+        np.mean,
+        permutation_type="samples",
+        alternative="two-sided",
+        n_resamples=np.inf if len(diffs) <= 16 else 20_000,
+        random_state=0,
+    )
+    return float(result.pvalue)
+
+
+def holm(ps: list[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment of a family of p-values (None: not tested, left out of the family):
+    the k-th smallest of m gets max over j <= k of min(1, (m − j + 1)·p_(j))."""
+    tested = sorted((p, i) for i, p in enumerate(ps) if p is not None)
+    m, out, running = len(tested), [None] * len(ps), 0.0
+    for rank, (p, i) in enumerate(tested):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out
+
+
+def samples_to_reach(curve: list[list[float]], target: float) -> float | None:
+    """Samples from which `curve` [[samples, value], ...] reaches `target` and stays there to its end (linear between
+    evaluations; an early spike that falls back does not count); the first evaluation's count if it starts there.
+    None when the curve ends below `target`."""
+    points = [(float(x), float(y)) for x, y in curve if y is not None]
+    if not points or points[-1][1] < target:
+        return None
+    k = len(points) - 1
+    while k > 0 and points[k - 1][1] >= target:
+        k -= 1
+    if k == 0:
+        return points[0][0]
+    (x0, y0), (x1, y1) = points[k - 1], points[k]
+    return x0 + (target - y0) / (y1 - y0) * (x1 - x0)
+
+
+def mean_curve(curves: list[list[list[float]]]) -> list[list[float]]:
+    """The seeds' curves averaged at the sample counts they all have."""
+    if not curves:
+        return []
+    shared = set.intersection(*({x for x, y in c if y is not None} for c in curves))
+    by = [dict((x, y) for x, y in c) for c in curves]
+    return [[x, statistics.fmean(d[x] for d in by)] for x in sorted(shared)]
+
+
+def samples_ratio(winner_curves: list, baseline_curves: list) -> float | None:
+    """The baseline's samples over the samples the winner needs (mean curves) to reach the baseline's final mean
+    value; > 1: the winner gets there with fewer samples. None if the winner never gets there."""
+    winner, baseline = mean_curve(winner_curves), mean_curve(baseline_curves)
+    if not winner or not baseline:
+        return None
+    needed = samples_to_reach(winner, baseline[-1][1])
+    return None if not needed else baseline[-1][0] / needed
+
+
+def compare(table: dict[str, dict[int, float]], baseline: str) -> list[dict]:
+    """Every objective of a table against `baseline`, paired by seed: mean and std of the difference, seeds, both
+    p-values, and Holm over the table's comparisons (Wilcoxon's p, the primary; the permutation p beside)."""
+    rows = []
+    for name, by_seed in table.items():
+        if name == baseline:
+            continue
+        seeds, diffs = paired(by_seed, table[baseline])
+        mean, std = mean_std(list(diffs))
+        rows.append(
+            {
+                "objective": name,
+                "baseline": baseline,
+                "seeds": seeds,
+                "diff_mean": mean,
+                "diff_std": std,
+                "wins": int(np.sum(diffs > 0)),
+                "p_wilcoxon": wilcoxon_p(diffs),
+                "p_permutation": permutation_p(diffs),
+            }
+        )
+    for row, p in zip(rows, holm([r["p_wilcoxon"] for r in rows])):
+        row["p_holm"] = p
+    for row, p in zip(rows, holm([r["p_permutation"] for r in rows])):
+        row["p_holm_permutation"] = p
+    return rows
+
+
+def smallest_wilcoxon_p(n: int) -> float:
+    """The smallest two-sided exact Wilcoxon p with n pairs (all differences one sign): 2 / 2^n."""
+    return min(1.0, 2.0 / math.pow(2, n))

@@ -1,0 +1,285 @@
+"""The study package (benchmarks/study): plan counts and equal budgets, the choice rule, the statistics against
+scipy and by hand, the summary's schema, refusing tables of mixed code, and v2.yaml's runs passing `fastclip train
+--check`. Runs are made-up JSONs here (a real run takes about a minute on 2 busy cores: too slow for this file)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from helpers import one_line_error
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `pytest` without PYTHONPATH: benchmarks/ is a folder of the repository root
+
+from benchmarks.study import records, report, runner, stats  # noqa: E402
+from benchmarks.study.__main__ import main  # noqa: E402
+from benchmarks.study.plan import budget, choose, plan, tune_runs  # noqa: E402
+from benchmarks.study.spec import SpecError, load, resolve_setting  # noqa: E402
+
+
+def write_spec(tmp_path: Path, **changes) -> Path:
+    """A two-batch, three-objective spec (2 x 2 settings each) over a made-up data folder with 4 classes."""
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True, exist_ok=True)
+    (data / "train" / "manifest.json").write_text(json.dumps({"num_samples": 640, "shards": []}))
+    (data / "zeroshot.json").write_text(json.dumps({"datasets": {"d": {"classnames": list("abcd"), "templates": []}}}))
+    raw = {
+        "name": "t",
+        "results": str(tmp_path / "results"),
+        "work": str(tmp_path / "work"),
+        "report_md": str(tmp_path / "results" / "t.md"),
+        "summary_json": str(tmp_path / "results" / "summary.json"),
+        "datasets": {
+            "d": {
+                "data": str(data),
+                "arch": "tiny-vit",
+                "epochs": 2,
+                "metric": "retrieval_R1",
+                "checks": {"class_blind_oracle_R1": 0.12, "context_cut_share": 0.0},
+            }
+        },
+        "batches": [32, 64],
+        "tune_seeds": [10, 11],
+        "test_seeds": [1, 2, 3, 4, 5, 6],
+        "other_test_seeds": [1, 2, 3],
+        "long_factor": 3,
+        "objectives": {
+            "base": {"loss": "openclip", "baseline": True, "headline": True,
+                     "grid": {"optim.lr": [1e-3, 5e-4], "loss.temperature": [0.07, 0.1]}},
+            "base2": {"loss": "dcl", "baseline": True,
+                      "grid": {"optim.lr": [1e-3, 5e-4], "loss.temperature": [0.07, 0.1]}},
+            "new": {"loss": "fastclip-v3", "headline": True,
+                    "grid": {"optim.lr": [1e-3, 5e-4], "loss.rho_frac": [0.4, 0.6]}},
+        },
+    }  # fmt: skip
+    for key, value in changes.items():
+        raw[key] = value
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def fake(spec, run, metric: float, code: str = "c1", zeroshot: float = 0.5) -> None:
+    """A finished run's JSON: final metric, a rising curve ending at it."""
+    steps = 640 // run.global_batch * run.epochs
+    total = steps * run.global_batch
+    curve = [[total * k // 4, metric * k / 4] for k in range(1, 5)]
+    record = {
+        "id": run.id,
+        "run": {"epochs": run.epochs},
+        "commit": code,
+        "code": code,
+        "dirty": False,
+        "final": {"metric": metric, "zeroshot_top1": zeroshot},
+        "curve": curve,
+    }
+    records.save(spec.results, run.id, record)
+
+
+def finish_tuning(spec, scores=None) -> None:
+    """Every tuning run done; `scores(objective, setting index, seed index)` sets the val metric."""
+    for d in spec.datasets:
+        for b in spec.batches:
+            for name in spec.objectives:
+                for i, run in enumerate(tune_runs(spec, d, b, name)):
+                    fake(spec, run, scores(name, i // 2, i % 2) if scores else 0.5)
+
+
+def test_plan_counts_and_equal_budgets(tmp_path):
+    spec = load(write_spec(tmp_path))
+    runs = plan(spec)
+    phases = [r.phase for r in runs]
+    # tune: 2 batches x 3 objectives x 4 settings x 2 seeds; test: 2 x (6 + 3 + 6); long: headline 2 x 2 x 6
+    assert (phases.count("tune"), phases.count("test"), phases.count("long")) == (48, 30, 24)
+    assert budget(spec) == {"base": 8, "base2": 8, "new": 8}
+    assert len({r.id for r in runs if r.phase == "tune"}) == 48
+    long = [r for r in runs if r.phase == "long"]
+    assert {r.epochs for r in long} == {6} and {r.objective for r in long} == {"base", "new"}
+    assert all(r.chosen_pending for r in runs if r.phase != "tune")  # nothing chosen yet
+    assert runs[0].id == "d/32/base/lr0.001_temperature0.07/s10/tune/e2"
+    assert resolve_setting({"loss.rho_frac": 0.6, "optim.lr": 1e-3}, 64) == {"loss.rho": 2.4859, "optim.lr": 1e-3}
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"tune_seeds": [0]}, ("tune_seeds", "at least 2")),
+        ({"test_seeds": [1, 2, 3, 4, 5]}, ("test_seeds", "at least 6")),
+        ({"long_factor": 2}, ("long_factor", ">= 3")),
+        ({"curve_points": 40}, ("curve_points",)),
+    ],
+)
+def test_spec_refuses_what_the_protocol_forbids(tmp_path, change, words):
+    with pytest.raises(SpecError) as error:
+        load(write_spec(tmp_path, **change))
+    assert all(w in str(error.value) for w in words), error.value
+
+
+def test_spec_refuses_unequal_budgets_and_unknown_losses(tmp_path, capsys):
+    path = write_spec(tmp_path)
+    raw = json.loads(path.read_text())
+    raw["objectives"]["new"]["grid"]["loss.rho_frac"] = [0.4, 0.6, 0.85]
+    path.write_text(json.dumps(raw))
+    one_line_error(capsys, main, ["plan", str(path)], "unequal tuning budgets", "'new': 6")
+    raw["objectives"]["new"]["grid"]["loss.rho_frac"] = [0.4, 0.6]
+    raw["objectives"]["new"]["loss"] = "infonce"
+    path.write_text(json.dumps(raw))
+    one_line_error(capsys, main, ["plan", str(path)], "objectives.new.loss", "unknown loss 'infonce'")
+
+
+def test_choice_rule_is_the_best_mean_of_the_tuning_seeds(tmp_path):
+    a, b, c = {"lr": 1}, {"lr": 2}, {"lr": 3}
+    # b has the best single seed (0.9), a the best mean (0.6 against 0.55)
+    assert choose([(a, [0.5, 0.7]), (b, [0.9, 0.2]), (c, [0.1, 0.1])]) == a
+    assert choose([(a, [0.6, 0.6]), (b, [0.7, 0.5])]) == a  # a tie: the first in grid order
+    assert choose([(a, [0.5, 0.7]), (b, [0.9, None])]) is None  # a tuning run missing: no choice yet
+    spec = load(write_spec(tmp_path))
+    # setting 2 (lr 5e-4, τ 0.07) wins on its mean; setting 0 has the single best seed
+    finish_tuning(spec, lambda name, i, s: {0: (0.9, 0.1), 1: (0.4, 0.4), 2: (0.6, 0.6), 3: (0.2, 0.3)}[i][s])
+    tests = [r for r in plan(spec) if r.phase != "tune"]
+    assert tests and not any(r.chosen_pending for r in tests)
+    assert all(r.settings in ({"optim.lr": 5e-4, "loss.temperature": 0.07}, {"optim.lr": 5e-4, "loss.rho_frac": 0.4})
+               for r in tests)  # fmt: skip
+
+
+def test_stats_match_scipy_and_holm_by_hand():
+    diffs = np.array([0.8, 2.1, -0.4, 1.3, 3.0, 0.5])
+    assert stats.wilcoxon_p(diffs) == pytest.approx(sps.wilcoxon(diffs, method="exact").pvalue)
+    # exact by hand: ranks of |d| 3,5,1,4,6,2; W- = 1; P(W <= 1) = 2/64 under the null, two-sided 4/64
+    assert stats.wilcoxon_p(diffs) == pytest.approx(4 / 64)
+    all_up = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    assert stats.wilcoxon_p(all_up) == pytest.approx(stats.smallest_wilcoxon_p(6)) == pytest.approx(2 / 64)
+    # the sign-flip permutation test, every one of the 2^6 flips: only all-up and all-down reach |mean|
+    assert stats.permutation_p(all_up) == pytest.approx(2 / 64)
+    flips = np.array([[1 if (k >> i) & 1 else -1 for i in range(6)] for k in range(64)])
+    by_hand = np.mean(np.abs((flips * diffs).mean(axis=1)) >= abs(diffs.mean()) - 1e-12)
+    assert stats.permutation_p(diffs) == pytest.approx(by_hand)
+    assert stats.wilcoxon_p(np.zeros(6)) is None and stats.wilcoxon_p(np.array([1.0])) is None
+    # Holm by hand: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> monotone 0.06
+    assert stats.holm([0.01, 0.04, 0.03, 0.005, None]) == pytest.approx([0.03, 0.06, 0.06, 0.02, None])
+    assert stats.holm([0.5, 0.6]) == pytest.approx([1.0, 1.0])
+
+
+def test_samples_to_target_and_ratio():
+    curve = [[100, 0.1], [200, 0.5], [300, 0.4], [400, 0.7]]
+    assert stats.samples_to_reach(curve, 0.45) == pytest.approx(300 + 100 * (0.05 / 0.3))  # the dip counts
+    assert stats.samples_to_reach(curve, 0.05) == 100
+    assert stats.samples_to_reach(curve, 0.8) is None
+    winner = [[[100, 0.2], [200, 0.6], [400, 0.8]], [[100, 0.4], [200, 0.6], [400, 0.6]]]  # mean .3 .6 .7
+    baseline = [[[100, 0.1], [200, 0.3], [400, 0.6]], [[100, 0.1], [200, 0.3], [400, 0.6]]]  # ends at 0.6
+    assert stats.samples_ratio(winner, baseline) == pytest.approx(400 / 200)
+
+
+def test_report_schema_strongest_baseline_and_pending(tmp_path):
+    spec = load(write_spec(tmp_path))
+    finish_tuning(spec)
+    test_metric = {"base": 0.50, "base2": 0.55, "new": 0.60}
+    for run in plan(spec):
+        if run.phase != "tune" and run.global_batch == 32:  # batch 64's test runs stay pending
+            bump = 0.01 * run.seed if run.objective == "new" else 0.0
+            fake(spec, run, test_metric[run.objective] + bump + (0.02 if run.phase == "long" else 0.0))
+    text, summary = report.write(spec)
+    assert set(summary) == {"commit", "data", "cells", "comparisons"}
+    assert summary["commit"] == "c1"
+    assert summary["data"] == [
+        {"dataset": "d", "class_blind_oracle_R1": 0.12, "context_cut_share": 0.0, "zeroshot_chance": 0.25}
+    ]
+    cell_keys = {"dataset", "global_batch", "loss", "epochs", "seeds", "metric", "test_mean", "test_std",
+                 "best_zeroshot_top1"}  # fmt: skip
+    assert all(set(c) == cell_keys for c in summary["cells"])
+    assert len(summary["cells"]) == 3 + 2  # three objectives at 2 epochs, the two headline ones at 6
+    new = next(c for c in summary["cells"] if c["loss"] == "new" and c["epochs"] == 2)
+    assert new["seeds"] == [1, 2, 3, 4, 5, 6] and new["test_mean"] == pytest.approx(0.635)
+    (row,) = summary["comparisons"]
+    assert set(row) == {"dataset", "global_batch", "winner", "baseline", "diff_mean", "p_holm", "samples_ratio"}
+    # base2 (dcl) is the strongest baseline at 2 epochs, though it has 3 seeds and no long runs
+    assert (row["winner"], row["baseline"]) == ("new", "base2")
+    assert row["diff_mean"] == pytest.approx(0.07)  # seeds 1-3 paired: 0.60 + 0.01·(1, 2, 3) − 0.55
+    # Holm over the table's two comparisons with base2 (new: 3 pairs all up, exact p 2/8; base: 3 pairs all down)
+    p_new, p_base = sps.wilcoxon([0.06, 0.07, 0.08], method="exact").pvalue, stats.wilcoxon_p(np.full(3, -0.05))
+    assert p_new == pytest.approx(0.25) and row["p_holm"] == pytest.approx(stats.holm([p_new, p_base])[0])
+    # samples_ratio: no long runs of base2, so at the tuned length: new's mean curve 0.635·k/4 at 320·k samples
+    # reaches base2's final 0.55 between k = 3 and 4
+    needed = 960 + (0.55 - 0.635 * 0.75) / (0.635 * 0.25) * 320
+    assert row["samples_ratio"] == pytest.approx(1280 / needed, abs=1e-4)
+    assert "- d/64: 15 test run(s)" in text and "- d/64: 12 long run(s)" in text
+    md = spec.report_md.read_text()
+    assert "Strongest baseline: `base2`" in md and "| new |" in md
+    assert json.loads(spec.summary_json.read_text()) == summary
+
+
+def test_mixed_code_is_refused_and_stale_runs_rerun(tmp_path, capsys, monkeypatch):
+    path = write_spec(tmp_path)
+    spec = load(path)
+    finish_tuning(spec)
+    first = tune_runs(spec, "d", 32, "base")[0]
+    fake(spec, first, 0.5, code="c0")  # one run of table d/32 from other code
+    one_line_error(capsys, main, ["report", str(path)], "table d/32", "c0", "c1", "--rerun-stale")
+    assert main(["report", str(path), "--allow-mixed-commits"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(records, "code_version", lambda: {"commit": "c1", "code": "c1", "dirty": False})
+    one_line_error(capsys, main, ["run", str(path), "--max-runs", "0"], "table d/32", "1 run(s) from other code")
+    assert main(["run", str(path), "--max-runs", "0", "--cell", "d/64/base"]) == 0  # another table: not blocked
+    assert main(["run", str(path), "--max-runs", "0", "--rerun-stale"]) == 0
+    assert records.load(spec.results, first.id) is None  # pending again; the old record kept under stale/
+    assert json.loads((spec.results / "stale" / f"{first.id}.json").read_text())["code"] == "c0"
+    assert main(["report", str(path)]) == 0  # one code left
+
+
+def test_code_version_names_the_code_tree():
+    version = records.code_version()
+    assert len(version["commit"]) == 12 and version["code"].split("+")[0].count("-") == 1
+    assert version["dirty"] == ("+dirty-" in version["code"])
+
+
+def test_v2_spec_plans_and_every_objective_passes_fastclip_train_check(tmp_path, tiny_embedded, capsys):
+    from fastclip.train.cli import main as train_main
+
+    spec = load(REPO / "benchmarks" / "study" / "v2.yaml")
+    assert set(spec.batches) == {32, 128, 512} and len(spec.tune_seeds) >= 2 and len(spec.test_seeds) >= 6
+    assert len(set(budget(spec).values())) == 1 and spec.long_factor >= 3
+    assert {"openclip", "infonce-fixed", "dcl", "dcl-queue", "dcl-hard", "siglip", "fastclip-v1", "fastclip-v3"} <= set(
+        spec.objectives
+    )
+    data = tmp_path / "data"  # the tiny glyphs, val standing in for test
+    data.mkdir()
+    for name, target in (("train", "train"), ("val", "val"), ("test", "val"), ("zeroshot.json", "zeroshot.json")):
+        (data / name).symlink_to(tiny_embedded / target)
+    dataset = dataclasses.replace(next(iter(spec.datasets.values())), data=data)
+    spec = dataclasses.replace(spec, datasets={dataset.name: dataset}, work=tmp_path / "work")
+    for name in spec.objectives:  # every key known, every loss option taken by its loss (`--print-config`)
+        args = runner.command(spec, tune_runs(spec, dataset.name, 512, name)[-1], data)[4:]
+        assert train_main([*args, "--print-config"]) == 0, (name, capsys.readouterr())
+    assert math.isclose(runner.train_samples(data), 80)
+
+
+def test_run_record_from_metrics_jsonl_is_small(tmp_path):
+    """A run's JSON from the trainer's metrics.jsonl (its real key names): the metric, a curve of <= 20 points
+    from 30 evaluations (evenly spread, the first and the last kept), rounded floats."""
+    spec = load(write_spec(tmp_path))
+    run = tune_runs(spec, "d", 32, "base")[0]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    lines = []
+    for k in range(1, 31):
+        lines.append({"step": k, "samples_seen": 32 * k, "loss": 3.0, "samples_per_s": 60.123456})
+        lines.append({"step": k, "samples_seen": 32 * k, "eval/retrieval/image_to_text_R@1": k / 100 + 1e-9,
+                      "eval/retrieval/text_to_image_R@1": k / 50, "eval/zeroshot/d/top1": 0.25,
+                      "eval/retrieval/num_samples": 48.0})  # fmt: skip
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    record = runner.result_record(spec, run, folder, tmp_path / "data", 12.345678)
+    assert record["final"]["metric"] == pytest.approx(0.5 * (0.30 + 0.60))
+    assert record["final"]["zeroshot_top1"] == 0.25 and record["final"]["samples_seen"] == 960
+    assert len(record["curve"]) == 20 and record["curve"][-1] == [960, 0.45] and record["curve"][0] == [32, 0.015]
+    assert record["wall_s"] == 12.3457 and record["samples_per_s"] == 60.1235
+    assert record["run"]["setting"] == {"optim.lr": 1e-3, "loss.temperature": 0.07} and "novel" not in record
+    assert {"commit", "code", "dirty"} <= set(record)
+    assert len(json.dumps(record, separators=(",", ":"))) < 1500

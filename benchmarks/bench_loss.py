@@ -46,7 +46,7 @@ from fastclip.losses.byte_counter import CollectiveByteCounter
 
 from common import REPO, check_out, count, slowest_rank_seconds  # noqa: E402
 
-WORLD_SIZE = 2
+WORLD_SIZE = 2  # the default; --world-size changes it (plan["world_size"])
 DATA_SIZE = 10**6
 FULL = dict(batch_sizes=(64, 256, 1024), dims=(64, 512), reps=31, warmup=3)
 QUICK = dict(batch_sizes=(64,), dims=(64,), reps=3, warmup=1)
@@ -74,7 +74,8 @@ def _bench_config(rank: int, batch: int, dim: int, reps: int, warmup: int, previ
     """One configuration; ``previous``: the build_loss of fastclip at another revision (--against), whose v3
     (deferred checks) runs interleaved with the others."""
     open_clip = import_open_clip()
-    clip = open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=WORLD_SIZE)
+    world_size = dist.get_world_size()
+    clip = open_clip.loss.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world_size)
     modes = {mode: build_loss("fastclip-v3", data_size=DATA_SIZE, validate=mode) for mode in MODES}
     # the exponentials as compiled kernels (loss option fused_kernels), deferred checks
     modes[FUSED] = build_loss("fastclip-v3", data_size=DATA_SIZE, validate="deferred", fused_kernels=True)
@@ -250,7 +251,8 @@ def _worker(rank: int, port: int, plan: dict, out_file: str) -> None:
         previous = importlib.import_module(f"{PREVIOUS_PACKAGE}.losses").build_loss
     # open_clip's ClipLoss calls the autograd all_gather that torch 2.13 marks deprecated, every step
     warnings.filterwarnings("ignore", message=r".*all_gather.* is deprecated", category=FutureWarning)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    world_size = plan.get("world_size", WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     rows = [
         _bench_config(rank, b, d, plan["reps"] * max(1, 1024 // b), plan["warmup"], previous)
         for b in plan["batch_sizes"]
@@ -335,11 +337,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also time fastclip-v3 as committed at this git revision, step by step against this tree's",
     )
+    parser.add_argument("--batch-sizes", type=count(), nargs="+", default=None, help="B per rank (default: the plan's)")
+    parser.add_argument("--dims", type=count(), nargs="+", default=None, help="feature dimensions d (the plan's)")
+    parser.add_argument("--world-size", type=count(), default=WORLD_SIZE, help="processes (gloo), default 2")
     args = parser.parse_args(argv)
     check_out(parser, args.out)
     plan = dict(QUICK if args.quick else FULL)
     if args.reps:
         plan["reps"] = args.reps
+    if args.batch_sizes:
+        plan["batch_sizes"] = tuple(args.batch_sizes)
+    if args.dims:
+        plan["dims"] = tuple(args.dims)
+    plan["world_size"] = args.world_size
     with tempfile.TemporaryDirectory(prefix="bench_loss_") as tmp:
         if args.against:
             try:
@@ -362,7 +372,8 @@ def _run(args, plan: dict) -> int:
         os.environ.setdefault(name, value)
     raw = out_dir / "loss_bench.raw.json"
     started, load_before = time.time(), os.getloadavg()[0]
-    mp.start_processes(_worker, args=(_free_port(), plan, str(raw)), nprocs=WORLD_SIZE, start_method="spawn")
+    world_size = plan.get("world_size", WORLD_SIZE)
+    mp.start_processes(_worker, args=(_free_port(), plan, str(raw)), nprocs=world_size, start_method="spawn")
     rows = json.loads(raw.read_text())
     raw.unlink()
     header = {
@@ -372,7 +383,7 @@ def _run(args, plan: dict) -> int:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "backend": "gloo (CPU)",
-        "world_size": WORLD_SIZE,
+        "world_size": world_size,
         "threads_per_process": 1,
         "dtype": "float32",
         "plan": plan,
@@ -388,7 +399,7 @@ def _run(args, plan: dict) -> int:
             "# Loss benchmark: fastclip-v3 vs open_clip ClipLoss(local_loss=True, gather_with_grad=True)",
             "",
             f"{header['date']} - {header['machine']} - torch {header['torch']} - {header['backend']}, "
-            f"{WORLD_SIZE} processes x 1 thread, float32 features, median of {plan['reps']} x 1024/B steps after "
+            f"{world_size} process(es) x 1 thread, float32 features, median of {plan['reps']} x 1024/B steps after "
             f"{plan['warmup']} warm-up steps, interleaved. 1-min load average before/after: "
             f"{header['load_average_1min']['before']}/{header['load_average_1min']['after']} "
             "(other jobs on the machine inflate absolute times; the interleaving keeps the ratios comparable). "

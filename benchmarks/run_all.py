@@ -241,6 +241,10 @@ def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
         f"from each item's latest results (every section gives its run's date; the table at the end lists "
         f"the runs)" + (" - SMOKE run: tiny sizes, not measurements." if smoke else "."),
         "",
+        "The prose that reads these tables is hand-written beside this file, not generated: [NOTES.md](NOTES.md) "
+        "(end to end, loss alone, state memory, long run, GPU) and [STUDY_V1.md](STUDY_V1.md) (the "
+        "statistical-efficiency study of section 4 and its caveats).",
+        "",
         "**No GPU was available for this run**: everything below ran on CPU (gloo), 2 processes with "
         "OMP_NUM_THREADS=1 on a 2-core machine that other jobs were using at the same time (load averages "
         "are given per item; runs are interleaved and ratios are what to read, not absolute numbers). "

@@ -234,12 +234,17 @@ def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
     info = machine_info()
     gpu = _gpu_section(out / "gpu")  # item 1 on a lent GPU, where its results are
     report = (out.parent if out.name == "results" else out) / "RESULTS.md"
+    prose = "" if report.parent == HERE else "../"  # the hand-written NOTES.md and STUDY_V1.md live in benchmarks/
     lines = [
         "# fastclip benchmarks against OpenCLIP",
         "",
         f"Machine: {stamp(info)}; {info['platform']}, Python {info['python']}. Assembled by `{command}` "
         f"from each item's latest results (every section gives its run's date; the table at the end lists "
         f"the runs)" + (" - SMOKE run: tiny sizes, not measurements." if smoke else "."),
+        "",
+        f"The prose that reads these tables is hand-written in benchmarks/, not generated: [NOTES.md]({prose}NOTES.md) "
+        f"(end to end, loss alone, state memory, long run, GPU) and [STUDY_V1.md]({prose}STUDY_V1.md) (the "
+        "statistical-efficiency study of section 4 and its caveats).",
         "",
         "**No GPU was available for this run**: everything below ran on CPU (gloo), 2 processes with "
         "OMP_NUM_THREADS=1 on a 2-core machine that other jobs were using at the same time (load averages "

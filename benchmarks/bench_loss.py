@@ -304,11 +304,16 @@ def _table(rows: list[dict], against: str | None = None) -> str:
         ratios = [r[f"paired_ratio_{mode}"] for mode in (*MODES, FUSED)]
         lines.append(
             f"| {r['B']} | {r['d']} | {' | '.join(f'{t:.2f}' for t in ms)} | {clip:.2f} | "
-            f"{' | '.join(f'{x:.2f}' for x in ratios)} | {fb:,} | {tb:,} | {cb:,} | {fb / cb:.3f} | {tb / cb:.3f} | "
+            f"{' | '.join(f'{x:.2f}' for x in ratios)} | {fb:,} | {tb:,} | {cb:,} | {_ratio(fb, cb)} | "
+            f"{_ratio(tb, cb)} | "
             f"{r['fastclip_ops']} / {r['openclip_ops']} |"
             + (f" {r['paired_ratio_vs_previous']:.3f} |" if extra else "")
         )
     return "\n".join(lines)
+
+
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.3f}" if b else "–"  # (one process moves no bytes)
 
 
 def _split_table(rows: list[dict]) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastclip.models import hub_names_not_cached
 from fastclip.train.cli import main
 
 from helpers import _UNSET, EMBEDDED, fault_overrides, latest, load, step_dir
@@ -56,8 +57,11 @@ def test_a_run_folder_another_job_trains_in_is_refused_and_free_again_after(tiny
     holder.flush()
     args = _args(tiny_embedded, run, **{"train.max_steps": 1})
     _fails(capsys, args, "train.run_dir", f"{run} is in use by a running job (pid 4242 on node17", "--train.run_dir")
+    # what the launchers run first says so too (issue 39: it said "ok", then every rank failed)
+    _fails(capsys, ["--check", *args], "train.run_dir", f"{run} is in use by a running job (pid 4242 on node17")
     assert not (run / "metrics.jsonl").exists() and not list((run / "checkpoints").glob("step_*"))
     holder.close()  # the other job ends: the OS drops its lock
+    assert main(["--check", *args]) == 0
     assert main(args) == 0
     assert (run / ".fastclip.lock").read_text().startswith("pid ")
 
@@ -232,14 +236,46 @@ def test_resume_whose_tensors_do_not_fit_the_model(tiny_embedded, trained, tmp_p
     model = load(ckpt / "model.pt")
     model["state_dict"]["text_projection"] = torch.zeros(3, 5)
     torch.save(model, ckpt / "model.pt")
-    _fails(
-        capsys,
-        _args(tiny_embedded, tmp_path / "run", **{"train.resume": ckpt}),
-        "train.resume",
-        "does not fit architecture",
-        "text_projection (3, 5) vs",
-    )
+    for check in ([], ["--check"]):  # --check (the launchers' first step) builds the towers on the meta device
+        _fails(
+            capsys,
+            check + _args(tiny_embedded, tmp_path / "run", **{"train.resume": ckpt}),
+            "train.resume",
+            "does not fit architecture",
+            "text_projection (3, 5) vs",
+        )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_check_refuses_a_pretrained_file_that_does_not_fit(tiny_embedded, trained, tmp_path, capsys):
+    """`--check` makes the checks train makes before its first step: --model.pretrained against the architecture's
+    shapes (issue 39: "ok", then train failed on every rank)."""
+    wrong = _openclip_checkpoint(trained, tmp_path / "epoch_4.pt", text_projection=(3, 5))
+    args = _args(tiny_embedded, tmp_path / "run", **{"model.pretrained": wrong})
+    _fails(capsys, ["--check", *args], "model.pretrained", "does not fit architecture", "text_projection (3, 5) vs")
+    fits = _openclip_checkpoint(trained, tmp_path / "epoch_5.pt")
+    assert main(["--check", *_args(tiny_embedded, tmp_path / "run", **{"model.pretrained": fits})]) == 0
+    capsys.readouterr()
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(
+    not hub_names_not_cached({"text_cfg": {"hf_model_name": "roberta-base"}}),
+    reason="roberta-base is in this machine's Hugging Face cache",
+)
+def test_a_hub_text_tower_not_in_the_cache_is_one_line_in_check_and_train(tiny_embedded, tmp_path, capsys):
+    """A Hugging Face text tower named by a hub id not in the local cache: nothing is downloaded (issue 39: `--check`
+    said "ok", then train waited and printed 109 lines)."""
+    for check in (["--check"], []):
+        _fails(
+            capsys,
+            check + _args(tiny_embedded, tmp_path / "run", **{"model.arch": "roberta-ViT-B-32"}),
+            "model.arch",
+            "roberta-ViT-B-32's text tower is the Hugging Face hub model roberta-base, which is not in the local hub "
+            "cache",
+            "configs/models/tiny-vit-hf.json",
+        )
+    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------------- --model.pretrained

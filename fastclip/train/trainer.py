@@ -175,6 +175,20 @@ def check_inputs(
     return data_size, resume_dir, model_file, pretrained
 
 
+def check_before_launch(cfg: Config, world_size: int) -> None:
+    """`fastclip train --check`: every check train makes before its first step, without a process group or a run
+    folder: the operator's input, the data and resume (check_inputs), the run folder's lock, and whether the
+    resume's or --model.pretrained's weights fit the architecture (built on the meta device: shapes only)."""
+    preflight.check_operator_input(cfg, create=False)  # --check leaves no run folder
+    preflight.check_run_dir_free(cfg)
+    _, resume_dir, model_file, pretrained = check_inputs(cfg, world_size, rank_files=True)
+    if model_file is not None:
+        what = f"checkpoint {resume_dir / ckpt.MODEL_FILE}"
+        preflight.check_fits_arch(cfg, ckpt.towers_state(model_file), what, "train.resume")
+    elif pretrained is not None:
+        preflight.check_fits_arch(cfg, pretrained, cfg.model.pretrained, "model.pretrained")
+
+
 def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamConfig:
     """The data section (the same field names) plus what the trainer decides: seed, data_size, pinning."""
     d = cfg.data

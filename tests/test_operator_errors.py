@@ -1045,3 +1045,42 @@ def test_sparse_indices_that_would_exhaust_memory_are_refused_before_allocating(
     err = _fails(capsys, ["--check", *_args(data, tmp_path / "run")], "data.train", "per-sample state of each of 1")
     assert "data_size 10,000,000,000,050 (the largest index + 1) for 40 samples" in err, err
     assert "a mistyped --index-offset?" in err
+
+
+def test_a_resume_with_another_batch_size_is_refused_unless_intended(tiny_embedded, trained, tmp_path, capsys):
+    """The steps per epoch, and with them the schedules, follow the batch size (issue 39: 63 -> 250 steps per epoch,
+    silently). One line and status 2, with and without --check; with train.resume_batch_change the run goes on and
+    the start says the new rule once."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    args = _args(tiny_embedded, run, **{"train.resume": "latest", "data.batch_size": 4, "train.max_steps": 3})
+    for check in (["--check"], []):
+        _fails(
+            capsys,
+            check + args,
+            "data.batch_size",
+            f"4 but checkpoint {step_dir(run, 2)} was trained with 8 per process",
+            "resume with --data.batch_size 8, or add --train.resume_batch_change true",
+        )
+    assert latest(run) == "step_00000002"
+    assert main([*args, "--train.resume_batch_change", "true"]) == 0
+    out = "".join(capsys.readouterr())
+    assert (
+        out.count(
+            "fastclip train: note: data.batch_size 8 -> 4 per process (train.resume_batch_change): 10 -> 20 "
+            "steps per epoch; the schedules now span 3 epochs x 20 = 60 steps and continue from step 2"
+        )
+        == 1
+    )
+    assert latest(run) == "step_00000003"
+
+
+def test_check_refuses_a_shard_of_0_bytes(tiny_embedded, tmp_path, capsys):
+    """A shard whose copy failed (0 bytes, its manifest listing samples): training would skip its samples, or stop
+    when a rank has nothing else; the launchers' check says so in one line (issue 39: it said "ok")."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_embedded, data)
+    empty = sorted((data / "train").glob("*.tar"))[0]
+    empty.write_bytes(b"")
+    args = _args(data, tmp_path / "run")
+    _fails(capsys, ["--check", *args], "data.train", f"shard {empty} is empty (0 bytes) but its manifest lists 30")

@@ -130,6 +130,9 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     resume: str | None = None  # "latest" (of run_dir), or a checkpoint step folder
+    # a resume with another data.batch_size is refused (the steps per epoch, and so the schedules, change) unless
+    # this says the change is intended; the new schedule rule is then printed at the start
+    resume_batch_change: bool = False
     log_every: int = 10  # steps between metric lines (the only steps that read values back)
     tensorboard: bool = True  # also write <run_dir>/tensorboard when tensorboard is installed
     wandb: bool = False  # also log to Weights & Biases (pip install 'fastclip[wandb]'; WANDB_MODE=offline works

@@ -13,7 +13,7 @@ Each failure is a ConfigError: one line naming the key or file and what to do; `
                                         epoch_N.pt, a bare state dict, or something else
     read_resume(cfg, step_dir)          the resume's model.pt, refused with a pointer to --model.pretrained
                                         when it is not one of our training checkpoints
-    check_resume(cfg, ...)              a resume whose model, loss, seed, epoch length or data differ
+    check_resume(cfg, ...)              a resume whose model, loss, seed, epoch length, data or batch size differ
     read_pretrained(path)               the towers' tensors of --model.pretrained (any of the formats above)
     check_fits(model, state, what)      every tensor present with the model's shape (strict: no partial loads)
     check_fits_arch(cfg, state, ...)    the same for `--check`, against the architecture built on the meta device
@@ -465,6 +465,14 @@ def check_resume(
                 f"gives {shown[1]} ({why}); resume with the same data and value, or start a new run "
                 f"from its weights with --model.pretrained {step_dir / 'model.pt'}"
             )
+    saved_batch = (data.get("layout") or {}).get("batch_size")
+    if saved_batch is not None and saved_batch != cfg.data.batch_size and not cfg.train.resume_batch_change:
+        raise ConfigError(
+            f"config key 'data.batch_size': {cfg.data.batch_size} but checkpoint {step_dir} was trained with "
+            f"{saved_batch} per process: the steps per epoch would change, and with them the lr schedule and the "
+            f"other schedules; resume with --data.batch_size {saved_batch}, or add --train.resume_batch_change true "
+            f"if the change is intended"
+        )
     step = saved_step(model_file)
     if cfg.train.max_steps is not None and step is not None and cfg.train.max_steps < step:
         raise ConfigError(

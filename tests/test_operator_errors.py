@@ -1084,3 +1084,20 @@ def test_check_refuses_a_shard_of_0_bytes(tiny_embedded, tmp_path, capsys):
     empty.write_bytes(b"")
     args = _args(data, tmp_path / "run")
     _fails(capsys, ["--check", *args], "data.train", f"shard {empty} is empty (0 bytes) but its manifest lists 30")
+
+
+def test_a_pretrained_file_holding_nan_skips_its_steps_then_stops_in_one_line(tiny_embedded, trained, tmp_path, capsys):
+    """NaN features from step 1 (issue 39: an AttributeError in log_step, the device-mode skip read overwriting the
+    step's refusal): each skipped step is logged, then the divergence stop is one line, status 1."""
+    state = load(step_dir(trained, 2) / "model.pt")["state_dict"]
+    state["visual.proj"] = torch.full_like(state["visual.proj"], float("nan"))
+    torch.save(state, tmp_path / "nan.pt")
+    extra = {"model.pretrained": tmp_path / "nan.pt", "train.max_steps": 10, "train.max_nonfinite_steps": 3}
+    assert main(_args(tiny_embedded, tmp_path / "run", **extra)) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    skipped = [line for line in out.splitlines() if "skipped (non-finite features" in line]
+    assert [line.split(":")[0] for line in skipped] == ["step 1", "step 2", "step 3"], out
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(
+        "fastclip train: error: 3 steps in a row were skipped for NaN/Inf (steps 1..3; last: non-finite features"
+    ), err

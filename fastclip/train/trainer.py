@@ -516,7 +516,9 @@ class Run:
                 self.throughput.data += time.perf_counter() - t0
                 loss, grad_norm, skip = self.train_step(*batch)
                 if guard.on_device and (self.is_logging_step() or self.checkpoint_due() or self.stop_check_due()):
-                    skip = self.read_skips()  # the device's skip counts: on these steps only
+                    # the device's skip counts: on these steps only; a step refused before its loss (non-finite
+                    # features: no loss to log) stays skipped whatever the device read says
+                    skip = self.read_skips() or skip
                 save_due = self.log_step(loss, grad_norm, skip) if self.is_logging_step() else False
                 if self.stream.batches_remaining(self.epoch) == 0:
                     # before a checkpoint of this step: it then resumes in the next epoch, not in this one's end

@@ -90,6 +90,27 @@ def test_local_loss_and_gather_with_grad_are_accepted_with_one_note_each():
             "--save-frequency (OpenCLIP, in epochs): checkpoints are written every --checkpoint.every_steps N "
             "steps and --checkpoint.every_minutes M minutes, and at the end",
         ),
+        # OpenCLIP switches with no key here (issue 39: "config key 'siglip' has no value"): the equivalent, if any
+        (["--siglip"], "unknown option --siglip (an OpenCLIP option): use --loss.name siglip"),
+        (
+            ["--delete-previous-checkpoint", "--batch-size", "8"],
+            "unknown option --delete-previous-checkpoint (an OpenCLIP option): use --checkpoint.keep_last 1",
+        ),
+        (
+            ["--force-quick-gelu"],
+            "unknown option --force-quick-gelu (an OpenCLIP option): the activation comes from the architecture: use "
+            "a -quickgelu one, e.g. --model.arch ViT-B-32-quickgelu",
+        ),
+        (
+            ["--lock-image-unlocked-groups", "2"],
+            "unknown option --lock-image-unlocked-groups (an OpenCLIP option): both towers are trained (no frozen "
+            "tower); start them from a file with --model.pretrained",
+        ),
+        (
+            ["--frobnicate"],
+            "unknown option --frobnicate: no config key of that name (--section.key VALUE, or an OpenCLIP flag that "
+            "has one; `fastclip train --print-config` lists the keys)",
+        ),
         (
             ["--name", "myrun"],
             "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the folder "
@@ -101,6 +122,20 @@ def test_what_means_something_else_is_one_line_and_exit_2(args, line):
     out = _cli(*args)
     assert out.returncode == 2
     assert out.stderr.splitlines() == [f"fastclip train: config error: {line}"]
+
+
+def test_where_the_openclip_flags_differ_is_said_once_at_the_start():
+    """--accum-freq (the global batch), --logs (the run folder itself), --report-to (TensorBoard only when listed),
+    --pretrained (a local file): taken, and the differences said in one note (issue 39)."""
+    out = _cli("--accum-freq", "2", "--logs", "/tmp/runs/a", "--report-to", "tensorboard", "--accum-freq", "2")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        "fastclip train: note: where fastclip differs from OpenCLIP: --accum-freq N splits the per-process "
+        "--batch-size into N micro-batches: the global batch stays batch-size x processes (OpenCLIP's is N times "
+        "that); --logs DIR is the run folder itself (OpenCLIP writes DIR/<name>/); --report-to names every logger: "
+        "TensorBoard is written only when it is listed"
+    ]
+    assert _cli("--batch-size", "8").stderr == ""  # our own spellings: no note
 
 
 def test_openclip_switches_take_no_value():

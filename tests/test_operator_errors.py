@@ -1101,3 +1101,14 @@ def test_a_pretrained_file_holding_nan_skips_its_steps_then_stops_in_one_line(ti
     assert err.strip().splitlines() == [err.strip()] and err.startswith(
         "fastclip train: error: 3 steps in a row were skipped for NaN/Inf (steps 1..3; last: non-finite features"
     ), err
+
+
+def test_an_openclip_pretrained_tag_is_said_to_need_the_file(tiny_embedded, tmp_path, capsys):
+    """OpenCLIP's `--pretrained openai` downloads; here nothing is: say so, not only "does not exist"."""
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "run", **{"model.pretrained": "openai"}),
+        "model.pretrained",
+        "openai does not exist (or is not a file); OpenCLIP's pretrained tags are downloaded by open_clip, which "
+        "fastclip does not do: download the weights file and pass its path",
+    )

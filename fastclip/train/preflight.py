@@ -493,7 +493,16 @@ def read_pretrained(path: str) -> dict[str, torch.Tensor]:
     checkpoint (its towers only); a DDP `module.` prefix is dropped."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"config key 'model.pretrained': {path} does not exist (or is not a file)")
+        tag = "/" not in str(path) and "." not in str(path)  # openai, laion2b_s34b_b79k: OpenCLIP's download tags
+        raise ConfigError(
+            f"config key 'model.pretrained': {path} does not exist (or is not a file)"
+            + (
+                "; OpenCLIP's pretrained tags are downloaded by open_clip, which fastclip does not do: download the "
+                "weights file and pass its path"
+                if tag
+                else ""
+            )
+        )
     obj = _load(file, "model.pretrained")
     kind = describe_checkpoint(obj)
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):

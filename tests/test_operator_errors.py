@@ -585,6 +585,46 @@ def test_class_names_that_do_not_fit_the_val_data_stop_the_run_in_one_line(tiny_
 
 
 # ----------------------------------------------------------------------------- a disk that fills during a save
+def test_a_disk_that_fills_inside_torch_save_is_one_line_with_the_bytes(tiny_embedded, tmp_path, capsys, monkeypatch):
+    """The disk fills while torch.save writes model.pt: its zip writer then raises "unexpected pos ..." over the
+    OSError (issue 39: 92 lines). One line naming the folder, the bytes the save needed and those free; `latest`
+    still names the last good step."""
+    import errno
+    import io
+    import os
+
+    from fastclip.train import checkpoint as ckpt
+
+    class FillsUp(io.FileIO):  # the disk is full after the first 4 KiB of this file
+        def write(self, data):
+            if self.tell() + len(data) > 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    def opener(path, mode="r", *args, **kwargs):
+        if "step_00000004" in str(path) and Path(path).name == "model.pt":
+            return FillsUp(path, "wb")
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "open", opener, raising=False)
+    run = tmp_path / "run"
+    err = _fails(
+        capsys,
+        _args(tiny_embedded, run, **{"train.max_steps": 6}),
+        None,
+        f"cannot write checkpoint {run / 'checkpoints' / 'step_00000004'} (No space left on device): this rank's "
+        f"files need about ",
+        f"MiB are free on the disk of {run / 'checkpoints'}; nothing of it was kept and "
+        f"{run / 'checkpoints' / 'latest'} still names step_00000002",
+        code=1,
+    )
+    assert "unexpected pos" not in err
+    needed = float(err.split("need about ")[1].split(" MiB")[0])
+    weights = load(step_dir(run, 2) / "model.pt")
+    assert needed == pytest.approx(ckpt.tensor_bytes(weights) / 2**20, rel=0.05, abs=0.2)  # model.pt + rank file
+    assert latest(run) == "step_00000002" and not list((run / "checkpoints").glob(".tmp_*"))
+
+
 def test_disk_full_during_a_save_keeps_the_last_checkpoint(tiny_embedded, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     monkeypatch.setenv("FASTCLIP_FAULTS", "enospc@checkpoint.model_file:step=4")

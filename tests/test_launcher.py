@@ -170,3 +170,28 @@ def test_the_jobs_status_from_the_ranks(codes, status):
     assert (line is not None) == (status == 137)
     if line:
         assert line.startswith("fastclip launcher: rank 1 (pid 1001) was killed by SIGKILL (out of memory, or kill")
+
+
+def test_the_container_entrypoint_runs_fastclip_commands_and_others_as_given(tmp_path):
+    """launch/docker-entrypoint.sh: `docker run IMAGE train ...` is `fastclip train ...`; torchrun or any command
+    on PATH runs as given; no arguments: fastclip's help."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("fastclip", "torchrun"):
+        (bin_dir / name).write_text(f'#!/bin/bash\necho "{name} $*"\n')
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+    def entry(*args: str) -> str:
+        out = subprocess.run(
+            ["bash", str(REPO / "launch" / "docker-entrypoint.sh"), *args], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert entry("train", "--config", "c.yaml") == "fastclip train --config c.yaml"
+    assert entry("torchrun", "--nproc_per_node", "8", "-m", "fastclip") == "torchrun --nproc_per_node 8 -m fastclip"
+    assert entry() == "fastclip --help"
+    text = (REPO / "Dockerfile").read_text()
+    assert "USER fastclip" in text and 'ENTRYPOINT ["/opt/fastclip/launch/docker-entrypoint.sh"]' in text
+    assert "ENV PIP_CONSTRAINT=/opt/torch-constraint.txt" in text  # torch stays the image's through pip install

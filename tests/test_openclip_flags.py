@@ -161,3 +161,23 @@ def test_text_options_stay_text_on_the_command_line():
     cfg = load_config(RECIPE, ["--logs", "2024-11-23", "--wandb-project-name", "2024", "--data.val", "v::"])
     assert (cfg.train.run_dir, cfg.train.wandb_project, cfg.data.val) == ("2024-11-23", "2024", "v::")
     assert load_config(RECIPE, ["--data.val", "null"]).data.val is None
+
+
+def test_held_out_data_follows_your_own_train_data(capsys, monkeypatch):
+    """--train-data of your own: the embedded demo's val and zero-shot files (defaults, and configs/embedded.yaml's
+    copy of them) are not evaluated against it (issue 39: they had to be set to null by hand); one note says so.
+    What the command line sets stays."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    embedded = REPO / "configs" / "embedded.yaml"
+    for config in (embedded, None):  # the recipe's copy of the demo paths, and the built-in defaults
+        cfg = load_config(config, ["--train-data", "/data/cc3m/train"])
+        assert (cfg.data.train, cfg.data.val, cfg.data.zeroshot) == ("/data/cc3m/train", None, None)
+        assert capsys.readouterr().err.splitlines() == [
+            "fastclip train: note: data.train is your own data: data.val and data.zeroshot (the embedded demo's "
+            "held-out data) set to null; set them to evaluate on held-out data of yours"
+        ]
+    cfg = load_config(embedded, ["--train-data", "/d/train", "--val-data", "/d/val", "--data.zeroshot", "/d/z.json"])
+    assert (cfg.data.val, cfg.data.zeroshot) == ("/d/val", "/d/z.json") and capsys.readouterr().err == ""
+    cfg = load_config(embedded, ["--batch-size", "8"])  # the demo's own data: its held-out data stays
+    assert (cfg.data.val, cfg.data.zeroshot) == ("data/embedded/val", "data/embedded/zeroshot.json")

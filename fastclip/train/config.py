@@ -681,11 +681,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         parsed = parse_overrides(overrides)
         left_out = _leave_out_other_loss_options(data, parsed, path)
         data = _deep_update(data, parsed)
+        followed = _held_out_follows_train(data, parsed)
+        left_out = "\n".join(x for x in (left_out, followed) if x) or None
         source = " (command line)"  # the file's own keys were checked above: what is wrong now was typed
     cfg = config_from_dict(data, source)
     if left_out:  # once the config is good: a refused config is one line
         note(left_out)
     return cfg
+
+
+def _held_out_follows_train(data: dict, overrides: dict) -> str | None:
+    """Your own --data.train (OpenCLIP's --train-data) on the command line: the embedded demo's held-out data (the
+    defaults, or a config file's copy of them) is not evaluated against it. Set to null (and said once) unless the
+    command line sets them too."""
+    given, section = overrides.get("data") or {}, data.get("data") or {}
+    if "train" not in given or section.get("train") == DataConfig.train:
+        return None
+    demo = {"val": DataConfig.val, "zeroshot": DataConfig.zeroshot}
+    dropped = [k for k, v in demo.items() if k not in given and section.get(k, v) == v]
+    for key in dropped:
+        data.setdefault("data", {})[key] = None
+    if not dropped:
+        return None
+    keys = " and ".join(f"data.{k}" for k in dropped)
+    return (
+        f"fastclip train: note: data.train is your own data: {keys} (the embedded demo's held-out data) set to null; "
+        f"set {'them' if len(dropped) > 1 else 'it'} to evaluate on held-out data of yours"
+    )
 
 
 def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> str | None:

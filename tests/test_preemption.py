@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from fastclip.train.launcher import children
 from fastclip.train.preemption import EXIT_PREEMPTED
 
 from helpers import Job, assert_same_training_state, fault_overrides, latest, step_dir, train_records, wait_for
@@ -79,7 +80,7 @@ def test_a_signal_to_one_rank_stops_both_at_that_step_and_the_resume_is_exact(da
     _resume_and_compare(data, run, 3, reference, tmp_path / "resumed")
 
 
-@pytest.mark.parametrize("kind", [signal.SIGUSR1, signal.SIGTERM])
+@pytest.mark.parametrize("kind", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
 def test_a_signal_to_the_whole_job_at_a_random_moment(data, reference, tmp_path, kind):
     """As SLURM's --signal=USR1@120 (SIGUSR1) and its preemption, time limit and scancel (SIGTERM) do: the signal
     goes to every process of the job (both ranks and their data workers) at a random moment; the job checkpoints
@@ -97,6 +98,12 @@ def test_a_signal_to_the_whole_job_at_a_random_moment(data, reference, tmp_path,
         import time
 
         time.sleep(delay)
+        # the data workers first (SLURM signals the processes of a step in no set order): a worker that died of
+        # SIGTERM crashed its rank with "DataLoader worker ... is killed by signal" before the rank could stop
+        for rank in job.procs:
+            for worker in children(rank.pid):
+                os.kill(worker, kind)
+        time.sleep(0.2)
         os.killpg(job.pgid, kind)
         codes = job.wait(120)
     finally:

@@ -22,6 +22,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / 
 # the config, data and checkpoint checks first, in this shell: an error is then one line and exit status 2
 # (from inside torchrun it would be followed by torchrun's own ChildFailedError traceback and status 1)
 "$PY" -m fastclip train --check --world-size "$(( NNODES * NPROC ))" --config "$CONFIG" "$@" >/dev/null
-exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$NPROC" \
+# torchrun through fastclip.train.launcher: SIGTERM/SIGUSR1 to it reach the ranks (a checkpoint, then status 75),
+# and the job's status is the ranks' (75 after such a stop), without torchrun's traceback
+exec "$PY" -m fastclip.train.launcher --nnodes "$NNODES" --nproc_per_node "$NPROC" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$RDZV_ID" \
   -m fastclip train -- --config "$CONFIG" "$@"

@@ -227,10 +227,36 @@ def test_a_failing_remote_shard_is_named_in_one_line(synth, http_root, model_fns
     assert json.loads(read_bytes(f"pipe:cat {synth}/manifest.json"))["num_samples"] == sum(SIZES)
 
 
-def test_a_rank_whose_remote_shards_all_fail_says_why_and_what_to_do_in_one_line(http_root, model_fns):
+def test_a_transient_failure_is_retried_with_backoff_then_the_shard_is_skipped(synth, tmp_path, monkeypatch):
+    """A command that fails before its first byte (curl's exit 22 on an HTTP 503, a dropped connection) is retried
+    after each of RETRY_DELAYS_S (issue 39: skipped at once); the last failure says how many retries it had."""
+    from fastclip.data import remote
+
+    slept = []
+    monkeypatch.setattr(remote.time, "sleep", slept.append)
+    monkeypatch.setattr(remote, "RETRY_DELAYS_S", (0.5, 1.5, 4.5))
+    shard, tries = synth / names(synth)[0], tmp_path / "tries"
+    flaky = (  # fails the first two times, then serves the shard
+        f"pipe:sh -c 'n=$(cat {tries} 2>/dev/null || echo 0); echo $((n + 1)) > {tries}; "
+        f'[ "$n" -ge 2 ] || {{ echo "503 Service Unavailable" >&2; exit 22; }}; cat {shard}\''
+    )
+    assert [raw.key for raw in iter_shard(flaky)] == [raw.key for raw in iter_shard(str(shard))]
+    assert tries.read_text().strip() == "3" and slept == [0.5, 1.5]
+    slept.clear()
+    down = "pipe:sh -c 'echo \"503 Service Unavailable\" >&2; exit 22'"
+    with pytest.raises(TarBroken) as e:
+        list(iter_shard(down))
+    assert "command exited with status 22: 503 Service Unavailable (after 3 retries)" in str(e.value)
+    assert slept == [0.5, 1.5, 4.5]
+
+
+def test_a_rank_whose_remote_shards_all_fail_says_why_and_what_to_do_in_one_line(http_root, model_fns, monkeypatch):
     """The manifest is there, the shards are not: the stop line carries each shard's location and the command's
     stderr tail or the HTTP status (no batch is made, so no skip event reaches the log), and advice that works for
     a remote source (`fastclip data scan` reads local folders only)."""
+    from fastclip.data import remote
+
+    monkeypatch.setattr(remote, "RETRY_DELAYS_S", (0.0, 0.0, 0.0))  # a command's failure is retried: not waited here
     folder = http_root[0] / "vanished"
     write_synthetic(folder, [4, 4])
     shards = names(folder)

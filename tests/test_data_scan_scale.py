@@ -154,8 +154,20 @@ def test_scan_from_img2dataset_stats_without_opening_the_tars(tmp_path, model_fn
     # --from-tars reads the keys: exact ranges
     exact = scan_shards(str(folder), from_tars=True, workers=1).manifest
     assert summary_of(exact) == [("00000.tar", 9, 0, 9), ("00001.tar", 9, 100, 109), ("00002.tar", 5, 200, 204)]
-    # img2dataset's default of 10,000 per shard when not told: ranges 0.., 10000.., 20000.. (bounds, too wide)
-    assert scan_shards(str(folder), workers=1, write=False).manifest.data_size == 20006
+    # img2dataset's default of 10,000 per shard when not told: ranges 0.., 10000.., 20000.. would be 100x too wide
+    # (issue 39: "no problems", then data_size 20006): the first key of shard 1 shows the scheme, and one line says
+    # which value it implies; nothing is written
+    (folder / "manifest.json").unlink()
+    assert data_main(["scan", str(folder), "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [
+        "fastclip data scan: error: shard 00001.tar (img2dataset shard 1) starts with key 0000100, outside the range "
+        "10000..19999 that --samples-per-shard 10000 gives it: pass --samples-per-shard as given to img2dataset (its "
+        "keys imply --samples-per-shard 100), or --from-tars to read the indices from the tars"
+    ], err
+    assert not (folder / "manifest.json").exists()
+    assert data_main(["scan", str(folder), "--samples-per-shard", "1000", "--workers", "1"]) == 2  # too narrow too
+    assert "outside the range 1000..1999" in capsys.readouterr().err
 
 
 def test_scan_from_img2dataset_parquet_checks_keys(tmp_path):

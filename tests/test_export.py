@@ -241,3 +241,53 @@ def test_a_stop_just_before_the_final_names_leaves_no_staging_folder(run_dir, tm
     assert export_cli.main([str(run_dir), "--out", str(tmp_path / "model.pt")]) == 128 + signal.SIGTERM
     assert "stopped by SIGTERM before anything was written" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def _edited(run_dir, tmp_path, **change):
+    """A copy of run_dir's checkpoint with `change` applied to its model.pt (keys, or state_dict entries)."""
+    checkpoint = torch.load(run_dir / "checkpoints" / "step_00000007" / "model.pt", weights_only=True)
+    for key, value in change.items():
+        if key in checkpoint:
+            checkpoint[key] = value
+        else:
+            checkpoint["state_dict"][key] = value
+    folder = tmp_path / "step_00000007"
+    folder.mkdir(parents=True)
+    torch.save(checkpoint, folder / "model.pt")
+    return folder
+
+
+def test_a_diverged_checkpoint_is_refused_by_export_and_eval_naming_nan(run_dir, tmp_path, capsys):
+    """Weights holding NaN (issue 39: eval printed chance-level scores and exited 0; export said "other values
+    for ['visual.proj']"): one line naming NaN and the tensors, status 2, nothing written."""
+    proj = torch.load(run_dir / "checkpoints" / "step_00000007" / "model.pt", weights_only=True)["state_dict"]
+    folder = _edited(run_dir, tmp_path, **{"visual.proj": torch.full_like(proj["visual.proj"], float("nan"))})
+    said = f"{folder / 'model.pt'}: its weights hold NaN/Inf in 1 tensor(s) (e.g. visual.proj): the run diverged"
+    assert export_cli.main([str(folder), "--out", str(tmp_path / "out" / "m.pt")]) == 2
+    assert capsys.readouterr().err.startswith(f"fastclip export: {said}")
+    assert not (tmp_path / "out").exists()
+    write_labelled_shards(tmp_path / "val", fruit_samples()[:4])
+    (tmp_path / "zeroshot.json").write_text(json.dumps(zeroshot_json()))
+    assert (
+        eval_main([str(folder), "--data", str(tmp_path / "val"), "--classnames", str(tmp_path / "zeroshot.json")]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fastclip eval: {said}") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("arch", ["tiny-vit-hf", "ViT-B-32"])
+def test_a_checkpoint_whose_arch_field_is_not_what_it_trained_is_not_exported(run_dir, tmp_path, capsys, arch):
+    """The export takes its name from the arch field: naming another of our architectures, or open_clip's built-in
+    ViT-B-32 (whose name the written config would shadow), was exported with status 0 (issue 39)."""
+    folder = _edited(run_dir, tmp_path, arch=arch)
+    assert export_cli.main([str(folder), "--out", str(tmp_path / "out" / "m.pt")]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"fastclip export: {folder / 'model.pt'}: its arch field says {arch!r} but the run trained {ARCH!r}"
+    )
+    if arch == "ViT-B-32":  # a file without its training config: the built-in name's shipped config tells
+        folder = _edited(run_dir, tmp_path / "no-config", arch=arch, config={})
+        assert export_cli.main([str(folder), "--out", str(tmp_path / "out" / "m.pt")]) == 2
+        assert "its arch field says 'ViT-B-32', open_clip's built-in architecture, but its model_config is another" in (
+            capsys.readouterr().err
+        )
+    assert not (tmp_path / "out").exists()

@@ -90,6 +90,27 @@ def test_local_loss_and_gather_with_grad_are_accepted_with_one_note_each():
             "--save-frequency (OpenCLIP, in epochs): checkpoints are written every --checkpoint.every_steps N "
             "steps and --checkpoint.every_minutes M minutes, and at the end",
         ),
+        # OpenCLIP switches with no key here (issue 39: "config key 'siglip' has no value"): the equivalent, if any
+        (["--siglip"], "unknown option --siglip (an OpenCLIP option): use --loss.name siglip"),
+        (
+            ["--delete-previous-checkpoint", "--batch-size", "8"],
+            "unknown option --delete-previous-checkpoint (an OpenCLIP option): use --checkpoint.keep_last 1",
+        ),
+        (
+            ["--force-quick-gelu"],
+            "unknown option --force-quick-gelu (an OpenCLIP option): the activation comes from the architecture: use "
+            "a -quickgelu one, e.g. --model.arch ViT-B-32-quickgelu",
+        ),
+        (
+            ["--lock-image-unlocked-groups", "2"],
+            "unknown option --lock-image-unlocked-groups (an OpenCLIP option): both towers are trained (no frozen "
+            "tower); start them from a file with --model.pretrained",
+        ),
+        (
+            ["--frobnicate"],
+            "unknown option --frobnicate: no config key of that name (--section.key VALUE, or an OpenCLIP flag that "
+            "has one; `fastclip train --print-config` lists the keys)",
+        ),
         (
             ["--name", "myrun"],
             "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the folder "
@@ -101,6 +122,20 @@ def test_what_means_something_else_is_one_line_and_exit_2(args, line):
     out = _cli(*args)
     assert out.returncode == 2
     assert out.stderr.splitlines() == [f"fastclip train: config error: {line}"]
+
+
+def test_where_the_openclip_flags_differ_is_said_once_at_the_start():
+    """--accum-freq (the global batch), --logs (the run folder itself), --report-to (TensorBoard only when listed),
+    --pretrained (a local file): taken, and the differences said in one note (issue 39)."""
+    out = _cli("--accum-freq", "2", "--logs", "/tmp/runs/a", "--report-to", "tensorboard", "--accum-freq", "2")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        "fastclip train: note: where fastclip differs from OpenCLIP: --accum-freq N splits the per-process "
+        "--batch-size into N micro-batches: the global batch stays batch-size x processes (OpenCLIP's is N times "
+        "that); --logs DIR is the run folder itself (OpenCLIP writes DIR/<name>/); --report-to names every logger: "
+        "TensorBoard is written only when it is listed"
+    ]
+    assert _cli("--batch-size", "8").stderr == ""  # our own spellings: no note
 
 
 def test_openclip_switches_take_no_value():
@@ -126,3 +161,23 @@ def test_text_options_stay_text_on_the_command_line():
     cfg = load_config(RECIPE, ["--logs", "2024-11-23", "--wandb-project-name", "2024", "--data.val", "v::"])
     assert (cfg.train.run_dir, cfg.train.wandb_project, cfg.data.val) == ("2024-11-23", "2024", "v::")
     assert load_config(RECIPE, ["--data.val", "null"]).data.val is None
+
+
+def test_held_out_data_follows_your_own_train_data(capsys, monkeypatch):
+    """--train-data of your own: the embedded demo's val and zero-shot files (defaults, and configs/embedded.yaml's
+    copy of them) are not evaluated against it (issue 39: they had to be set to null by hand); one note says so.
+    What the command line sets stays."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    embedded = REPO / "configs" / "embedded.yaml"
+    for config in (embedded, None):  # the recipe's copy of the demo paths, and the built-in defaults
+        cfg = load_config(config, ["--train-data", "/data/cc3m/train"])
+        assert (cfg.data.train, cfg.data.val, cfg.data.zeroshot) == ("/data/cc3m/train", None, None)
+        assert capsys.readouterr().err.splitlines() == [
+            "fastclip train: note: data.train is your own data: data.val and data.zeroshot (the embedded demo's "
+            "held-out data) set to null; set them to evaluate on held-out data of yours"
+        ]
+    cfg = load_config(embedded, ["--train-data", "/d/train", "--val-data", "/d/val", "--data.zeroshot", "/d/z.json"])
+    assert (cfg.data.val, cfg.data.zeroshot) == ("/d/val", "/d/z.json") and capsys.readouterr().err == ""
+    cfg = load_config(embedded, ["--batch-size", "8"])  # the demo's own data: its held-out data stays
+    assert (cfg.data.val, cfg.data.zeroshot) == ("data/embedded/val", "data/embedded/zeroshot.json")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastclip.models import hub_names_not_cached
 from fastclip.train.cli import main
 
 from helpers import _UNSET, EMBEDDED, fault_overrides, latest, load, step_dir
@@ -56,8 +57,11 @@ def test_a_run_folder_another_job_trains_in_is_refused_and_free_again_after(tiny
     holder.flush()
     args = _args(tiny_embedded, run, **{"train.max_steps": 1})
     _fails(capsys, args, "train.run_dir", f"{run} is in use by a running job (pid 4242 on node17", "--train.run_dir")
+    # what the launchers run first says so too (issue 39: it said "ok", then every rank failed)
+    _fails(capsys, ["--check", *args], "train.run_dir", f"{run} is in use by a running job (pid 4242 on node17")
     assert not (run / "metrics.jsonl").exists() and not list((run / "checkpoints").glob("step_*"))
     holder.close()  # the other job ends: the OS drops its lock
+    assert main(["--check", *args]) == 0
     assert main(args) == 0
     assert (run / ".fastclip.lock").read_text().startswith("pid ")
 
@@ -232,14 +236,46 @@ def test_resume_whose_tensors_do_not_fit_the_model(tiny_embedded, trained, tmp_p
     model = load(ckpt / "model.pt")
     model["state_dict"]["text_projection"] = torch.zeros(3, 5)
     torch.save(model, ckpt / "model.pt")
-    _fails(
-        capsys,
-        _args(tiny_embedded, tmp_path / "run", **{"train.resume": ckpt}),
-        "train.resume",
-        "does not fit architecture",
-        "text_projection (3, 5) vs",
-    )
+    for check in ([], ["--check"]):  # --check (the launchers' first step) builds the towers on the meta device
+        _fails(
+            capsys,
+            check + _args(tiny_embedded, tmp_path / "run", **{"train.resume": ckpt}),
+            "train.resume",
+            "does not fit architecture",
+            "text_projection (3, 5) vs",
+        )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_check_refuses_a_pretrained_file_that_does_not_fit(tiny_embedded, trained, tmp_path, capsys):
+    """`--check` makes the checks train makes before its first step: --model.pretrained against the architecture's
+    shapes (issue 39: "ok", then train failed on every rank)."""
+    wrong = _openclip_checkpoint(trained, tmp_path / "epoch_4.pt", text_projection=(3, 5))
+    args = _args(tiny_embedded, tmp_path / "run", **{"model.pretrained": wrong})
+    _fails(capsys, ["--check", *args], "model.pretrained", "does not fit architecture", "text_projection (3, 5) vs")
+    fits = _openclip_checkpoint(trained, tmp_path / "epoch_5.pt")
+    assert main(["--check", *_args(tiny_embedded, tmp_path / "run", **{"model.pretrained": fits})]) == 0
+    capsys.readouterr()
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(
+    not hub_names_not_cached({"text_cfg": {"hf_model_name": "roberta-base"}}),
+    reason="roberta-base is in this machine's Hugging Face cache",
+)
+def test_a_hub_text_tower_not_in_the_cache_is_one_line_in_check_and_train(tiny_embedded, tmp_path, capsys):
+    """A Hugging Face text tower named by a hub id not in the local cache: nothing is downloaded (issue 39: `--check`
+    said "ok", then train waited and printed 109 lines)."""
+    for check in (["--check"], []):
+        _fails(
+            capsys,
+            check + _args(tiny_embedded, tmp_path / "run", **{"model.arch": "roberta-ViT-B-32"}),
+            "model.arch",
+            "roberta-ViT-B-32's text tower is the Hugging Face hub model roberta-base, which is not in the local hub "
+            "cache",
+            "configs/models/tiny-vit-hf.json",
+        )
+    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------------- --model.pretrained
@@ -549,6 +585,46 @@ def test_class_names_that_do_not_fit_the_val_data_stop_the_run_in_one_line(tiny_
 
 
 # ----------------------------------------------------------------------------- a disk that fills during a save
+def test_a_disk_that_fills_inside_torch_save_is_one_line_with_the_bytes(tiny_embedded, tmp_path, capsys, monkeypatch):
+    """The disk fills while torch.save writes model.pt: its zip writer then raises "unexpected pos ..." over the
+    OSError (issue 39: 92 lines). One line naming the folder, the bytes the save needed and those free; `latest`
+    still names the last good step."""
+    import errno
+    import io
+    import os
+
+    from fastclip.train import checkpoint as ckpt
+
+    class FillsUp(io.FileIO):  # the disk is full after the first 4 KiB of this file
+        def write(self, data):
+            if self.tell() + len(data) > 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    def opener(path, mode="r", *args, **kwargs):
+        if "step_00000004" in str(path) and Path(path).name == "model.pt":
+            return FillsUp(path, "wb")
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "open", opener, raising=False)
+    run = tmp_path / "run"
+    err = _fails(
+        capsys,
+        _args(tiny_embedded, run, **{"train.max_steps": 6}),
+        None,
+        f"cannot write checkpoint {run / 'checkpoints' / 'step_00000004'} (No space left on device): this rank's "
+        f"files need about ",
+        f"MiB are free on the disk of {run / 'checkpoints'}; nothing of it was kept and "
+        f"{run / 'checkpoints' / 'latest'} still names step_00000002",
+        code=1,
+    )
+    assert "unexpected pos" not in err
+    needed = float(err.split("need about ")[1].split(" MiB")[0])
+    weights = load(step_dir(run, 2) / "model.pt")
+    assert needed == pytest.approx(ckpt.tensor_bytes(weights) / 2**20, rel=0.05, abs=0.2)  # model.pt + rank file
+    assert latest(run) == "step_00000002" and not list((run / "checkpoints").glob(".tmp_*"))
+
+
 def test_disk_full_during_a_save_keeps_the_last_checkpoint(tiny_embedded, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     monkeypatch.setenv("FASTCLIP_FAULTS", "enospc@checkpoint.model_file:step=4")
@@ -1009,3 +1085,70 @@ def test_sparse_indices_that_would_exhaust_memory_are_refused_before_allocating(
     err = _fails(capsys, ["--check", *_args(data, tmp_path / "run")], "data.train", "per-sample state of each of 1")
     assert "data_size 10,000,000,000,050 (the largest index + 1) for 40 samples" in err, err
     assert "a mistyped --index-offset?" in err
+
+
+def test_a_resume_with_another_batch_size_is_refused_unless_intended(tiny_embedded, trained, tmp_path, capsys):
+    """The steps per epoch, and with them the schedules, follow the batch size (issue 39: 63 -> 250 steps per epoch,
+    silently). One line and status 2, with and without --check; with train.resume_batch_change the run goes on and
+    the start says the new rule once."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    args = _args(tiny_embedded, run, **{"train.resume": "latest", "data.batch_size": 4, "train.max_steps": 3})
+    for check in (["--check"], []):
+        _fails(
+            capsys,
+            check + args,
+            "data.batch_size",
+            f"4 but checkpoint {step_dir(run, 2)} was trained with 8 per process",
+            "resume with --data.batch_size 8, or add --train.resume_batch_change true",
+        )
+    assert latest(run) == "step_00000002"
+    assert main([*args, "--train.resume_batch_change", "true"]) == 0
+    out = "".join(capsys.readouterr())
+    assert (
+        out.count(
+            "fastclip train: note: data.batch_size 8 -> 4 per process (train.resume_batch_change): 10 -> 20 "
+            "steps per epoch; the schedules now span 3 epochs x 20 = 60 steps and continue from step 2"
+        )
+        == 1
+    )
+    assert latest(run) == "step_00000003"
+
+
+def test_check_refuses_a_shard_of_0_bytes(tiny_embedded, tmp_path, capsys):
+    """A shard whose copy failed (0 bytes, its manifest listing samples): training would skip its samples, or stop
+    when a rank has nothing else; the launchers' check says so in one line (issue 39: it said "ok")."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_embedded, data)
+    empty = sorted((data / "train").glob("*.tar"))[0]
+    empty.write_bytes(b"")
+    args = _args(data, tmp_path / "run")
+    _fails(capsys, ["--check", *args], "data.train", f"shard {empty} is empty (0 bytes) but its manifest lists 30")
+
+
+def test_a_pretrained_file_holding_nan_skips_its_steps_then_stops_in_one_line(tiny_embedded, trained, tmp_path, capsys):
+    """NaN features from step 1 (issue 39: an AttributeError in log_step, the device-mode skip read overwriting the
+    step's refusal): each skipped step is logged, then the divergence stop is one line, status 1."""
+    state = load(step_dir(trained, 2) / "model.pt")["state_dict"]
+    state["visual.proj"] = torch.full_like(state["visual.proj"], float("nan"))
+    torch.save(state, tmp_path / "nan.pt")
+    extra = {"model.pretrained": tmp_path / "nan.pt", "train.max_steps": 10, "train.max_nonfinite_steps": 3}
+    assert main(_args(tiny_embedded, tmp_path / "run", **extra)) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    skipped = [line for line in out.splitlines() if "skipped (non-finite features" in line]
+    assert [line.split(":")[0] for line in skipped] == ["step 1", "step 2", "step 3"], out
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(
+        "fastclip train: error: 3 steps in a row were skipped for NaN/Inf (steps 1..3; last: non-finite features"
+    ), err
+
+
+def test_an_openclip_pretrained_tag_is_said_to_need_the_file(tiny_embedded, tmp_path, capsys):
+    """OpenCLIP's `--pretrained openai` downloads; here nothing is: say so, not only "does not exist"."""
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "run", **{"model.pretrained": "openai"}),
+        "model.pretrained",
+        "openai does not exist (or is not a file); OpenCLIP's pretrained tags are downloaded by open_clip, which "
+        "fastclip does not do: download the weights file and pass its path",
+    )

@@ -12,6 +12,7 @@ from fastclip.cli import main as fastclip_main
 from fastclip.train.config import dump_config, load_config
 
 REPO = Path(__file__).resolve().parents[1]
+NO_HELD_OUT = ["--data.val", "null", "--data.zeroshot", "null"]  # with data of our own: else a note
 TRAIN_ROW = {"step": 5, "samples_seen": 80, "loss": 0.6, "samples_per_s": 100.0, "step_time": 0.2}
 
 
@@ -19,7 +20,7 @@ def _run(root: Path, rows: list[dict] = (TRAIN_ROW,)) -> Path:
     """A run folder as the trainer leaves it: its resolved config.yaml and metrics.jsonl."""
     run = root / "run"
     (run / "checkpoints").mkdir(parents=True)
-    cfg = load_config(REPO / "configs" / "embedded.yaml", ["--data.train", str(root / "shards")])
+    cfg = load_config(REPO / "configs" / "embedded.yaml", ["--data.train", str(root / "shards"), *NO_HELD_OUT])
     (run / "config.yaml").write_text(dump_config(cfg))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run

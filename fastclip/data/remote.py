@@ -8,7 +8,10 @@ the same transport: `manifest.json` beside the shard (the shard's last path comp
 the command's argument that names the shard).
 
 A failure (a command that exits non-zero, an HTTP error, a connection that drops) raises `RemoteError` whose
-message is one line: the location and the command's stderr tail or the HTTP status.
+message is one line: the location and the command's stderr tail or the HTTP status. One that happens before the
+first byte and may pass (a command's non-zero exit, HTTP 5xx or 429, a refused or timed-out connection; not an HTTP
+4xx) is retried after RETRY_DELAYS_S seconds, one delay per retry; the message of the last failure says how many
+retries it had. (A stream that breaks after bytes were served is not retried: the reader's position is gone.)
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import posixpath
 import shlex
 import subprocess
 import tempfile
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -30,10 +34,20 @@ REMOTE_PREFIXES = ("pipe:", "s3://", "http://", "https://")
 KEEP = 1 << 16  # bytes kept behind the read position (tarfile seeks back at most one 512-byte block)
 _CHUNK = 1 << 20
 HTTP_TIMEOUT_S = 120
+RETRY_DELAYS_S = (1.0, 3.0, 9.0)  # before each retry of a transient failure; then the shard's samples are skipped
 
 
 class RemoteError(OSError):
-    """A remote shard or manifest could not be read; str() is one line naming the location."""
+    """A remote shard or manifest could not be read; str() is one line naming the location. `transient`: it may pass
+    on a retry."""
+
+    transient = True
+
+
+def _permanent(message: str) -> RemoteError:
+    error = RemoteError(message)
+    error.transient = False
+    return error
 
 
 def is_remote(location: str) -> bool:
@@ -135,8 +149,9 @@ class _Http:
         self.where = url
         try:
             self._resp = urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S)
-        except urllib.error.HTTPError as e:
-            raise RemoteError(f"{url}: HTTP {e.code} {e.reason}") from None
+        except urllib.error.HTTPError as e:  # a server's trouble (5xx, 429) may pass; not found or refused does not
+            error = RemoteError if e.code >= 500 or e.code == 429 else _permanent
+            raise error(f"{url}: HTTP {e.code} {e.reason}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             raise RemoteError(f"{url}: {getattr(e, 'reason', e)}") from None
 
@@ -167,13 +182,29 @@ class StreamFile:
 
     def __init__(self, location: str):
         self.name = location
-        self._raw = _open_raw(location)
-        self._src = self._raw
-        if _gzipped(location):
-            self._src = gzip.GzipFile(fileobj=self._raw, mode="rb")
+        self.retries = 0  # transient failures retried (before the first byte)
+        self._open()
         self._pos = 0  # bytes taken from the source
         self._tail = bytearray()  # the last bytes taken, ending at _pos
         self._back = 0  # the read position is _pos - _back
+
+    def _open(self) -> None:
+        while True:
+            try:
+                self._raw = _open_raw(self.name)
+                break
+            except RemoteError as e:
+                self._wait_or_raise(e)
+        self._src = gzip.GzipFile(fileobj=self._raw, mode="rb") if _gzipped(self.name) else self._raw
+
+    def _wait_or_raise(self, error: RemoteError) -> None:
+        """Before the next try of a transient failure, its delay; else the error, saying how many retries it had."""
+        if not error.transient or self.retries >= len(RETRY_DELAYS_S):
+            if self.retries:
+                raise RemoteError(f"{error} (after {self.retries} retries)") from None
+            raise error
+        time.sleep(RETRY_DELAYS_S[self.retries])
+        self.retries += 1
 
     def _take(self, n: int) -> bytes:
         parts, got = [], 0
@@ -182,6 +213,13 @@ class StreamFile:
                 data = self._src.read(min(n - got, _CHUNK))
             except (EOFError, gzip.BadGzipFile) as e:  # a gzip stream cut short
                 raise RemoteError(f"{self.name}: gzip stream broken ({e})") from None
+            except RemoteError as e:
+                if self._pos or got:  # bytes were served: a new stream would start over
+                    raise
+                self.close()
+                self._wait_or_raise(e)
+                self._open()
+                continue
             if not data:
                 break
             parts.append(data)

@@ -49,8 +49,11 @@ the last events (shard, key, reason, detail); each bad sample, and each broken s
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
+import sys
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
@@ -490,9 +493,26 @@ def _as_is(batch):  # DataLoader collate_fn: our workers already make whole batc
 
 def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
     """DataLoader worker_init_fn. A terminal's Ctrl-C (SIGINT) reaches the whole process group, and a scheduler's
-    SIGUSR1 every process of the job: the trainer stops on them (one line and exit 130; a checkpoint and exit 75)
-    and shuts its workers down. A worker that died of the signal first would turn the stop into "DataLoader worker
-    exited unexpectedly". (SIGTERM stays: DataLoader stops a stuck worker with it.)"""
-    for name in ("SIGINT", "SIGUSR1"):
+    SIGUSR1 and SIGTERM (SLURM's preemption, time limit, scancel) every process of the job: the trainer stops on
+    them (one line and exit 130; a checkpoint and exit 75) and shuts its workers down itself. A worker that died
+    of the signal first would turn the stop into "DataLoader worker (pid ...) is killed by signal" in every rank.
+    DataLoader's own last resort for a worker that does not end when asked is SIGTERM, now ignored: such a worker
+    is killed with the trainer instead (PR_SET_PDEATHSIG), whichever way the trainer ends."""
+    for name in ("SIGINT", "SIGUSR1", "SIGTERM"):
         if hasattr(signal, name):  # (no SIGUSR1 on Windows)
             signal.signal(getattr(signal, name), signal.SIG_IGN)
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when the thread that started it ends (prctl PR_SET_PDEATHSIG); elsewhere none."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent ended before the prctl: nobody will send the signal
+        os.kill(os.getpid(), signal.SIGKILL)

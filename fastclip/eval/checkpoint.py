@@ -82,6 +82,11 @@ class LoadedModel:
     step: int | None
 
 
+def nonfinite_tensors(state: dict) -> list[str]:
+    """The names of the floating tensors of `state` that hold NaN or Inf."""
+    return [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+
+
 def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu") -> LoadedModel:
     """Build the architecture and load the weights of a training checkpoint or an exported file."""
     from fastclip.models import build_model
@@ -110,6 +115,11 @@ def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu"
     mismatch = shape_mismatches(built.model.state_dict(), state)
     if mismatch:  # checked first: load_state_dict's own error is a multi-line RuntimeError
         raise ValueError(f"{file}: weights do not fit architecture {built.arch!r}: {mismatch}")
+    if bad := nonfinite_tensors(state):  # a diverged run: every score would be chance, said as if it were one
+        raise ValueError(
+            f"{file}: its weights hold NaN/Inf in {len(bad)} tensor(s) (e.g. {', '.join(bad[:3])}): the run diverged "
+            f"before this checkpoint; use an earlier one"
+        )
     built.model.load_state_dict(state)
     built.model.eval()
     return LoadedModel(built, file, ckpt.saved_step(checkpoint))

@@ -42,6 +42,23 @@ def _is_builtin(arch: str, model_config: dict | None) -> bool:
         return model_config is None or json.load(f) == model_config
 
 
+def _check_arch_field(file: Path, checkpoint: dict, arch: str, model_config: dict | None) -> None:
+    """The export is named by the checkpoint's `arch` field; it must be the architecture the run trained (its
+    config's model.arch) and, for an open_clip name, that name's shipped config: else the export would register
+    one architecture's config under another's name (a built-in one shadowed), and load without a word."""
+    trained = ((checkpoint.get("config") or {}).get("model") or {}).get("arch")
+    if isinstance(trained, str) and Path(trained.removesuffix(".json")).name != arch:
+        raise ValueError(
+            f"{file}: its arch field says {arch!r} but the run trained {trained!r} (its config's model.arch): the "
+            f"file was edited or mixed up; export the checkpoint as written by fastclip train"
+        )
+    if not _is_builtin(arch, model_config) and _is_builtin(arch, None):
+        raise ValueError(
+            f"{file}: its arch field says {arch!r}, open_clip's built-in architecture, but its model_config is "
+            f"another one: the file was edited or mixed up; export the checkpoint as written by fastclip train"
+        )
+
+
 def _refuse_checkpoint_out(out: Path, source: Path) -> None:
     """An --out on the source or inside a step or checkpoints folder would replace (or sit among) training files:
     the export is smaller and has no optimizer, so a later resume from that folder would be refused."""
@@ -132,8 +149,9 @@ def export_model(
                 f"{file}: not a fastclip training checkpoint (no {key!r}: an export, or a bare state dict); pass a "
                 f"run, step folder or model.pt that fastclip train wrote"
             )
-    load_model(file)  # the tensors fit the architecture they claim (a one-line ValueError otherwise)
     arch, model_config = ckpt.architecture(checkpoint)
+    _check_arch_field(file, checkpoint, arch, model_config)
+    load_model(file)  # the tensors fit the architecture they claim, all finite (a one-line ValueError otherwise)
     state = ckpt.towers_state(checkpoint)
     if momentum_towers:
         if "momentum_towers" not in checkpoint:

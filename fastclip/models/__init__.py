@@ -95,6 +95,18 @@ def resolve_hf_folders(config: dict, config_file: Path) -> dict:
     return config
 
 
+def hub_names_not_cached(config: dict) -> list[str]:
+    """The Hugging Face hub ids a config's text tower needs (text_cfg.hf_model_name / hf_tokenizer_name that are not
+    local folders: open_clip's built-in roberta-ViT-B-32, xlm-roberta-*, mt5-*, nllb-clip-*) whose config.json is not
+    in the local hub cache. open_clip would download them when the tower is built; fastclip downloads nothing, and
+    a machine without network fails there after a long wait."""
+    from huggingface_hub import try_to_load_from_cache
+
+    text = config.get("text_cfg", {})
+    names = sorted({text[key] for key in HF_FOLDER_KEYS if text.get(key) and not Path(text[key]).is_dir()})
+    return [n for n in names if not isinstance(try_to_load_from_cache(n, "config.json"), str)]
+
+
 def hf_folder_copies(config: dict, dest: Path) -> list[tuple[Path, Path]]:
     """(source, copy) of each local Hugging Face folder a config names, copied into `dest` by copy_hf_folders: what
     an export will write, to be checked before anything is written. Two folders of the same name (a/tok, b/tok)

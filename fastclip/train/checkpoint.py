@@ -22,6 +22,7 @@ per-sample state when the world size changed.
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
@@ -105,10 +106,45 @@ def fsync_dir(path: Path) -> None:
 
 
 def save_file(obj, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except RuntimeError as e:
+        # a write that fails inside torch.save (a full disk) surfaces as its zip writer's "unexpected pos ..."
+        # RuntimeError, raised while handling the OSError: the OSError is what happened
+        if isinstance(e.__context__, OSError):
+            failed = e.__context__
+            raise OSError(failed.errno, failed.strerror or str(failed), str(path)) from None
+        raise
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of the tensors in a nested dict/list (each storage once): about what torch.save writes."""
+    seen: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if torch.is_tensor(item):
+            storage = item.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(seen.values())
+
+
+def _free_bytes(folder: Path) -> int:
+    """Free bytes on the file system of `folder` (or of its nearest existing parent)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -198,6 +234,14 @@ def save_checkpoint(
     except BaseException as e:
         if info.is_main:  # never leave a half-written folder behind; `latest` still names the last good one
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # what it needed and what was there, in one line
+            needed = tensor_bytes(rank_file) + (tensor_bytes(model_file) if model_file is not None else 0)
+            raise CheckpointError(
+                f"rank {info.rank}: cannot write checkpoint {final} (No space left on device): this rank's files "
+                f"need about {_mib(needed)}, {_mib(_free_bytes(root))} are free on the disk of {root}; "
+                f"nothing of it was kept and {_last_good(root)}. Free space (or lower --checkpoint.keep_last), then "
+                f"restart with --train.resume latest"
+            ) from None
         if isinstance(e, OSError):
             raise CheckpointError(
                 f"rank {info.rank}: cannot write checkpoint {final} ({e.strerror or e}"

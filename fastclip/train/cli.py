@@ -130,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         env = dist_env_from()  # the launcher's variables, before a run folder or a tower exists
         if check_only:
-            from fastclip.train import preflight
-            from fastclip.train.trainer import check_inputs
+            from fastclip.train.trainer import check_before_launch
 
             if world_size is None:
                 world_size = env.world_size
@@ -140,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"--world-size {world_size} but the environment says WORLD_SIZE={env.world_size} "
                     f"({env.launcher}): drop --world-size or make them agree"
                 )
-            preflight.check_operator_input(cfg, create=False)  # --check leaves no run folder
-            check_inputs(cfg, world_size, rank_files=True)
+            check_before_launch(cfg, world_size)
             print(f"fastclip train: config ok for {world_size} process(es)")
             return 0
         from fastclip.train.trainer import train

@@ -170,6 +170,9 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     resume: str | None = None  # "latest" (of run_dir), or a checkpoint step folder
+    # a resume with another data.batch_size is refused (the steps per epoch, and so the schedules, change) unless
+    # this says the change is intended; the new schedule rule is then printed at the start
+    resume_batch_change: bool = False
     log_every: int = 10  # steps between metric lines (the only steps that read values back)
     tensorboard: bool = True  # also write <run_dir>/tensorboard when tensorboard is installed
     wandb: bool = False  # also log to Weights & Biases (pip install 'fastclip[wandb]'; WANDB_MODE=offline works
@@ -357,6 +360,13 @@ def _field_index() -> dict[str, list[str]]:
     return index
 
 
+def _known(flag: str, index: dict[str, list[str]]) -> bool:
+    """Whether --flag (normalised: `_` for `-`) names a config key, an OpenCLIP alias of one, or --report-to."""
+    if "." in flag:
+        return flag in {key for keys in index.values() for key in keys}
+    return flag in index or flag in FLAG_ALIASES or flag == "report_to"
+
+
 def _text_keys() -> set[str]:
     """Dotted keys of the string-valued fields: their command-line values stay text (YAML would make
     2024-11-23 a date, 2024 a number, a::b: a mapping)."""
@@ -421,6 +431,27 @@ EPOCH_FREQUENCY_FLAGS = {
 }
 # OpenCLIP switches (no value) that set a boolean here; "--flag true/false" works too
 SWITCH_FLAGS = ("dataset_resampled", "grad_checkpointing", "torchcompile")
+# OpenCLIP flags taken here with another meaning in a detail: said once, in one note at the start
+OPENCLIP_DIFFERENCES = {
+    "accum_freq": "--accum-freq N splits the per-process --batch-size into N micro-batches: the global batch stays "
+    "batch-size x processes (OpenCLIP's is N times that)",
+    "logs": "--logs DIR is the run folder itself (OpenCLIP writes DIR/<name>/)",
+    "report_to": "--report-to names every logger: TensorBoard is written only when it is listed",
+    "pretrained": "--pretrained takes a local file (OpenCLIP's epoch_N.pt, an open_clip state dict or a fastclip "
+    "export): nothing is downloaded",
+}
+# OpenCLIP options with no counterpart key here: what to use instead, or why there is none
+OPENCLIP_UNSUPPORTED = {
+    "siglip": "use --loss.name siglip",
+    "delete_previous_checkpoint": "use --checkpoint.keep_last 1",
+    "save_most_recent": "checkpoints/latest always names the newest checkpoint",
+    "force_quick_gelu": "the activation comes from the architecture: use a -quickgelu one, e.g. --model.arch "
+    "ViT-B-32-quickgelu",
+    "lock_image": "both towers are trained (no frozen tower); start them from a file with --model.pretrained",
+    "lock_text": "both towers are trained (no frozen tower); start them from a file with --model.pretrained",
+    "horovod": "processes are started by torchrun or srun (launch/)",
+    "distill": "distillation is not supported",
+}
 
 
 def note(line: str) -> None:
@@ -466,6 +497,7 @@ def parse_overrides(args: list[str]) -> dict:
     """["--optim.lr", "1e-3", "--batch_size=8"] -> {"optim": {"lr": "1e-3"}, "data": {"batch_size": 8}}."""
     index, text_keys, out, i = _field_index(), _text_keys(), {}, 0
     spelled: dict[str, tuple[tuple[str, str], object]] = {}  # key -> (the flag that set it, its value)
+    differences: list[str] = []  # OpenCLIP flags used whose meaning here differs in a detail
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or arg == "--":
@@ -475,7 +507,10 @@ def parse_overrides(args: list[str]) -> dict:
             note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
             i += 1
             continue
-        if (bare := flag.split("=", 1)[0]) in EPOCH_FREQUENCY_FLAGS:
+        if (bare := flag.split("=", 1)[0]) in OPENCLIP_UNSUPPORTED or bare.startswith(("lock_image", "lock_text")):
+            instead = OPENCLIP_UNSUPPORTED.get(bare, OPENCLIP_UNSUPPORTED["lock_image"])
+            raise ConfigError(f"unknown option --{bare.replace('_', '-')} (an OpenCLIP option): {instead}")
+        if bare in EPOCH_FREQUENCY_FLAGS:
             raise ConfigError(f"--{bare.replace('_', '-')} (OpenCLIP, in epochs): {EPOCH_FREQUENCY_FLAGS[bare]}")
         if flag == "name":  # OpenCLIP's run name; "name" alone would otherwise mean loss.name
             raise ConfigError(
@@ -495,6 +530,12 @@ def parse_overrides(args: list[str]) -> dict:
             key, raw = arg[2:], "true"
             i += 1
         else:
+            switch = i + 1 >= len(args) or args[i + 1].startswith("--")  # no value follows
+            if switch and not _known(flag, index):  # a switch of another trainer, or a typo: not "has no value"
+                raise ConfigError(
+                    f"unknown option {arg}: no config key of that name (--section.key VALUE, or an OpenCLIP flag "
+                    f"that has one; `fastclip train --print-config` lists the keys)"
+                )
             if i + 1 >= len(args):
                 raise ConfigError(f"config key '{arg[2:]}' has no value")
             if args[i + 1].startswith("--"):  # a flag, not a value (negative numbers start with one '-')
@@ -504,6 +545,8 @@ def parse_overrides(args: list[str]) -> dict:
             key, raw = arg[2:], args[i + 1]
             i += 2
         key = key.replace("-", "_")
+        if key in OPENCLIP_DIFFERENCES and OPENCLIP_DIFFERENCES[key] not in differences:
+            differences.append(OPENCLIP_DIFFERENCES[key])
         written = (arg.split("=", 1)[0], key)  # as typed, and normalised (--batch-size and --batch_size are one flag)
         if key == "report_to":
             out.setdefault("train", {}).update(_report_to(raw))
@@ -546,6 +589,8 @@ def parse_overrides(args: list[str]) -> dict:
             if not isinstance(node, dict):
                 raise ConfigError(f"config key '{key}': {'.'.join(parents[: depth + 1])} is a value, not a section")
         node[leaf] = value
+    if differences:
+        note(f"fastclip train: note: where fastclip differs from OpenCLIP: {'; '.join(differences)}")
     return out
 
 
@@ -736,11 +781,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         parsed = parse_overrides(overrides)
         left_out = _leave_out_other_loss_options(data, parsed, path)
         data = _deep_update(data, parsed)
+        followed = _held_out_follows_train(data, parsed)
+        left_out = "\n".join(x for x in (left_out, followed) if x) or None
         source = " (command line)"  # the file's own keys were checked above: what is wrong now was typed
     cfg = config_from_dict(data, source)
     if left_out:  # once the config is good: a refused config is one line
         note(left_out)
     return cfg
+
+
+def _held_out_follows_train(data: dict, overrides: dict) -> str | None:
+    """Your own --data.train (OpenCLIP's --train-data) on the command line: the embedded demo's held-out data (the
+    defaults, or a config file's copy of them) is not evaluated against it. Set to null (and said once) unless the
+    command line sets them too."""
+    given, section = overrides.get("data") or {}, data.get("data") or {}
+    if "train" not in given or section.get("train") == DataConfig.train:
+        return None
+    demo = {"val": DataConfig.val, "zeroshot": DataConfig.zeroshot}
+    dropped = [k for k, v in demo.items() if k not in given and section.get(k, v) == v]
+    for key in dropped:
+        data.setdefault("data", {})[key] = None
+    if not dropped:
+        return None
+    keys = " and ".join(f"data.{k}" for k in dropped)
+    return (
+        f"fastclip train: note: data.train is your own data: {keys} (the embedded demo's held-out data) set to null; "
+        f"set {'them' if len(dropped) > 1 else 'it'} to evaluate on held-out data of yours"
+    )
 
 
 def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> str | None:

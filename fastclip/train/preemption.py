@@ -20,10 +20,15 @@ After the stop checkpoint `fastclip train` exits with EXIT_PREEMPTED = 75 on eve
 sysexits.h: "temporary failure, try again"); launch/slurm.sbatch requeues the job on that status. From then
 on the stop signals are ignored: the process is leaving anyway, and srun (--kill-on-bad-exit) signals the
 ranks that exit a moment later than the first; dying of that signal would turn status 75 into 143.
+
+A rank started by torchrun also watches its agent (its parent process): an agent killed outright (kill -9, the
+OOM killer) forwards no signal and would leave its ranks training on, orphaned. When the parent is gone, the
+rank records the stop as if signalled (checked once a second: the stop follows within seconds).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -47,6 +52,7 @@ class StopSignals:
         self.numbers = [signal_number(n) for n in names]
         self.received: str | None = None
         self._previous: dict[int, object] = {}
+        self._watch: threading.Event | None = None  # set: the parent watch ends
 
     @property
     def requested(self) -> bool:
@@ -56,15 +62,30 @@ class StopSignals:
         if self.received is None:
             self.received = signal.Signals(signum).name
 
-    def install(self) -> StopSignals:
+    def install(self, *, watch_parent: bool | None = None) -> StopSignals:
+        """watch_parent: stop when the parent process is gone (default: when torchrun started this process; not
+        otherwise: a run started with nohup from a shell that then ends must go on)."""
         # signal.signal works only in the main thread; elsewhere (a caller's thread) training runs without it
         if threading.current_thread() is threading.main_thread():
             for number in self.numbers:
                 self._previous[number] = signal.signal(number, self._handle)
+        if watch_parent if watch_parent is not None else "TORCHELASTIC_RUN_ID" in os.environ:
+            self._watch = threading.Event()
+            parent = os.getppid()
+            threading.Thread(target=self._watch_parent, args=(parent, self._watch), daemon=True).start()
         return self
+
+    def _watch_parent(self, parent: int, done: threading.Event, every: float = 1.0) -> None:
+        while not done.wait(every):
+            if os.getppid() != parent:  # reparented: the agent is gone
+                if self.received is None:
+                    self.received = f"the loss of its torchrun agent (pid {parent} is gone)"
+                return
 
     def release(self, *, stopped: bool) -> None:
         """Put the previous handlers back; after a stop, ignore the signals instead (see the module doc)."""
+        if self._watch is not None:
+            self._watch.set()
         for number, previous in self._previous.items():
             signal.signal(number, signal.SIG_IGN if stopped else previous)
         self._previous.clear()

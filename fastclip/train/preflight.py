@@ -4,16 +4,19 @@ Each failure is a ConfigError: one line naming the key or file and what to do; `
 
     check_operator_input(cfg)           the three below, and train.wandb without the wandb package
     check_device(cfg)                   train.device cuda on a machine without a GPU
-    check_arch(cfg)                     model.arch that is no known architecture (lists the known ones)
+    check_arch(cfg)                     model.arch that is no known architecture (lists the known ones), or whose
+                                        Hugging Face text tower is a hub id not in the local cache
     check_run_dir(cfg)                  a run folder that cannot be written, or that holds a run and no resume
     lock_run_dir(cfg, info)             a run folder another job (or a leftover rank of a killed one) trains in
+    check_run_dir_free(cfg)             the same for `--check`, which takes no lock
     describe_checkpoint(obj)            what a loaded file is: our training checkpoint, our export, an OpenCLIP
                                         epoch_N.pt, a bare state dict, or something else
     read_resume(cfg, step_dir)          the resume's model.pt, refused with a pointer to --model.pretrained
                                         when it is not one of our training checkpoints
-    check_resume(cfg, ...)              a resume whose model, loss, seed, epoch length or data differ
+    check_resume(cfg, ...)              a resume whose model, loss, seed, epoch length, data or batch size differ
     read_pretrained(path)               the towers' tensors of --model.pretrained (any of the formats above)
     check_fits(model, state, what)      every tensor present with the model's shape (strict: no partial loads)
+    check_fits_arch(cfg, state, ...)    the same for `--check`, against the architecture built on the meta device
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def check_arch(cfg: Config) -> None:
     else:
         if missing:
             raise ConfigError(f"config key 'model.arch': {arch}: model config lacks {missing} (open_clip needs all 3)")
+        check_text_tower_local(arch, config)
         return
     ours, theirs = known_archs()
     theirs = [n for n in theirs if n not in ours]
@@ -100,6 +104,20 @@ def check_arch(cfg: Config) -> None:
         + f"; known: ours (configs/models) {', '.join(ours)}; open_clip's {', '.join(theirs)}; "
         f"or a path to a model config .json"
     )
+
+
+def check_text_tower_local(arch: str, config: dict | None) -> None:
+    """A Hugging Face text tower named by a hub id must be in the local hub cache: nothing is downloaded."""
+    from fastclip.compat import import_open_clip
+    from fastclip.models import hub_names_not_cached
+
+    absent = hub_names_not_cached(config if config is not None else import_open_clip().get_model_config(arch) or {})
+    if absent:
+        raise ConfigError(
+            f"config key 'model.arch': {arch}'s text tower is the Hugging Face hub model {' and '.join(absent)}, "
+            f"which is not in the local hub cache and is not downloaded: put its config.json and tokenizer files in a "
+            f"folder and use a model config naming that folder (as configs/models/tiny-vit-hf.json does)"
+        )
 
 
 def check_run_dir(cfg: Config, *, create: bool = True) -> None:
@@ -215,7 +233,6 @@ def lock_run_dir(cfg: Config, info):
     launcher, cannot write the same checkpoints. Rank 0's answer is broadcast: every rank raises the same one-line
     ConfigError. Returns the open lock file on rank 0 (keep it open), else None. (Lustre and NFS need flock
     support on the mount for the lock to hold across nodes.)"""
-    import fcntl
     import socket
     import time
 
@@ -223,26 +240,49 @@ def lock_run_dir(cfg: Config, info):
 
     handle, holder = None, ""
     if info.is_main:
-        path = Path(cfg.train.run_dir) / RUN_LOCK
-        handle = open(path, "a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        handle, holder = _take_lock(Path(cfg.train.run_dir) / RUN_LOCK)
+        if handle is not None:
             handle.seek(0)
             handle.truncate()
             handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             handle.flush()
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            handle = None
     if broadcast_flag(handle is None and info.is_main, info):
-        raise ConfigError(
-            f"config key 'train.run_dir': {cfg.train.run_dir} is in use by a running job"
-            + (f" ({holder})" if holder else "")
-            + "; wait for it to end or stop it, or choose another --train.run_dir"
-        )
+        raise _run_dir_in_use(cfg, holder)
     return handle
+
+
+def check_run_dir_free(cfg: Config) -> None:
+    """`--check`: the run folder's lock is not held by a running job (taken and let go at once; no file is made)."""
+    path = Path(cfg.train.run_dir) / RUN_LOCK
+    if not path.is_file():
+        return
+    handle, holder = _take_lock(path)
+    if handle is None:
+        raise _run_dir_in_use(cfg, holder)
+    handle.close()
+
+
+def _take_lock(path: Path):
+    """(the open lock file, "") when this process now holds it, else (None, what its holder wrote)."""
+    import fcntl
+
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return handle, ""
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        return None, holder
+
+
+def _run_dir_in_use(cfg: Config, holder: str) -> ConfigError:
+    return ConfigError(
+        f"config key 'train.run_dir': {cfg.train.run_dir} is in use by a running job"
+        + (f" ({holder})" if holder else "")
+        + "; wait for it to end or stop it, or choose another --train.run_dir"
+    )
 
 
 # ----------------------------------------------------------------------------- checkpoint files
@@ -425,6 +465,14 @@ def check_resume(
                 f"gives {shown[1]} ({why}); resume with the same data and value, or start a new run "
                 f"from its weights with --model.pretrained {step_dir / 'model.pt'}"
             )
+    saved_batch = (data.get("layout") or {}).get("batch_size")
+    if saved_batch is not None and saved_batch != cfg.data.batch_size and not cfg.train.resume_batch_change:
+        raise ConfigError(
+            f"config key 'data.batch_size': {cfg.data.batch_size} but checkpoint {step_dir} was trained with "
+            f"{saved_batch} per process: the steps per epoch would change, and with them the lr schedule and the "
+            f"other schedules; resume with --data.batch_size {saved_batch}, or add --train.resume_batch_change true "
+            f"if the change is intended"
+        )
     step = saved_step(model_file)
     if cfg.train.max_steps is not None and step is not None and cfg.train.max_steps < step:
         raise ConfigError(
@@ -445,7 +493,16 @@ def read_pretrained(path: str) -> dict[str, torch.Tensor]:
     checkpoint (its towers only); a DDP `module.` prefix is dropped."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"config key 'model.pretrained': {path} does not exist (or is not a file)")
+        tag = "/" not in str(path) and "." not in str(path)  # openai, laion2b_s34b_b79k: OpenCLIP's download tags
+        raise ConfigError(
+            f"config key 'model.pretrained': {path} does not exist (or is not a file)"
+            + (
+                "; OpenCLIP's pretrained tags are downloaded by open_clip, which fastclip does not do: download the "
+                "weights file and pass its path"
+                if tag
+                else ""
+            )
+        )
     obj = _load(file, "model.pretrained")
     kind = describe_checkpoint(obj)
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
@@ -478,6 +535,15 @@ def check_fits(model: torch.nn.Module, state: dict, what: str, key: str | None =
         raise ConfigError(f"config key '{key}': {message}") if key else ValueError(message)
 
 
+def check_fits_arch(cfg: Config, state: dict, what: str, key: str) -> None:
+    """`--check`: check_fits against the architecture built on the meta device (shapes only: no memory, no init)."""
+    from fastclip.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model.arch, device="meta").model
+    check_fits(model, state, what, key)
+
+
 def shape_mismatches(expected: dict, state: dict) -> str:
     """'' when `state` has exactly the keys and shapes of `expected`, else a short description."""
     missing = [k for k in expected if k not in state]
@@ -508,6 +574,8 @@ __all__ = [
     "describe_resume_file",
     "read_pretrained",
     "check_fits",
+    "check_fits_arch",
+    "check_run_dir_free",
     "shape_mismatches",
     "known_archs",
 ]

@@ -16,6 +16,7 @@ import torch
 
 from fastclip.data import DataSpecError, StreamConfig
 from fastclip.data.catalog import global_batch_too_large
+from fastclip.data.plan import Layout, num_batches
 from fastclip.data.stream import shard_weights
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
 from fastclip.losses import LossInputError, NonFiniteFeaturesError
@@ -186,6 +187,39 @@ def check_inputs(
     elif cfg.model.pretrained:
         pretrained = preflight.read_pretrained(cfg.model.pretrained)
     return data_size, resume_dir, model_file, pretrained
+
+
+def check_no_empty_shard(catalog) -> None:
+    """`--check`: a local shard of 0 bytes that its manifest lists with samples (a copy that failed). Training skips
+    its samples (and a rank with nothing else to read stops), so the launchers' check refuses it while it is cheap to
+    fix; remote shards are not read here."""
+    from fastclip.data.remote import is_remote
+
+    for shard in catalog.shards:
+        if shard.num_samples and not is_remote(shard.path) and os.path.getsize(shard.path) == 0:
+            raise ConfigError(
+                f"config key 'data.train': shard {shard.path} is empty (0 bytes) but its manifest lists "
+                f"{shard.num_samples} samples, which training would skip: copy it again, or remove it and rerun "
+                f"`fastclip data scan` on its folder"
+            )
+
+
+def check_before_launch(cfg: Config, world_size: int) -> None:
+    """`fastclip train --check`: every check train makes before its first step, without a process group or a run
+    folder: the operator's input, the data and resume (check_inputs), the run folder's lock, whether the resume's
+    or --model.pretrained's weights fit the architecture (built on the meta device: shapes only), and, beyond what
+    train refuses, a 0-byte local shard."""
+    preflight.check_operator_input(cfg, create=False)  # --check leaves no run folder
+    preflight.check_run_dir_free(cfg)
+    catalog = read_catalog(cfg)
+    check_eval_inputs(cfg)
+    check_no_empty_shard(catalog)
+    _, resume_dir, model_file, pretrained = check_inputs(cfg, world_size, catalog, rank_files=True)
+    if model_file is not None:
+        what = f"checkpoint {resume_dir / ckpt.MODEL_FILE}"
+        preflight.check_fits_arch(cfg, ckpt.towers_state(model_file), what, "train.resume")
+    elif pretrained is not None:
+        preflight.check_fits_arch(cfg, pretrained, cfg.model.pretrained, "model.pretrained")
 
 
 def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamConfig:
@@ -388,6 +422,9 @@ class Run:
         self.step, self.samples_seen, self.epoch = (
             (resumed.step, resumed.samples_seen, resumed.epoch) if resumed else (0, 0, 0)
         )
+        # the data layout the checkpoint was trained at (setting_notes: a batch size change is said with its rule)
+        saved_layout = (resumed.data or {}).get("layout") if resumed is not None else None
+        self.resumed_layout = Layout(**saved_layout) if saved_layout else None
         if resumed is not None:
             self.engine.load_checkpoint(model_file, self.resume_dir)  # the optimizer(s); DeepSpeed: its shards too
             self.stream.load_state_dict(resumed.data)
@@ -446,6 +483,15 @@ class Run:
                 "fastclip train: note: train.precision fp16 (--precision amp) on the CPU: most CPUs have no fast "
                 "float16 matmul, so this runs several times slower than fp32, which suits a CPU"
             )
+        if self.resumed_layout is not None and self.resumed_layout.batch_size != cfg.data.batch_size:
+            before = num_batches(self.stream.epoch_length, self.resumed_layout)
+            notes.append(
+                f"fastclip train: note: data.batch_size {self.resumed_layout.batch_size} -> {cfg.data.batch_size} per "
+                f"process (train.resume_batch_change): {before} -> {self.stream.batches_per_epoch} steps per epoch; "
+                f"the schedules now span {cfg.train.epochs} epochs x {self.stream.batches_per_epoch} = "
+                f"{self.schedules.total_steps} steps and continue from step {self.step} on that new span (the lr "
+                f"there is the new schedule's); the rest of the interrupted epoch is served at the new batch size"
+            )
         if o.warmup_steps > self.last_step:
             notes.append(
                 f"fastclip train: note: optim.warmup_steps {o.warmup_steps} > the run's {self.last_step} steps: the "
@@ -488,7 +534,9 @@ class Run:
                 self.throughput.data += time.perf_counter() - t0
                 loss, grad_norm, skip = self.train_step(*batch)
                 if guard.on_device and (self.is_logging_step() or self.checkpoint_due() or self.stop_check_due()):
-                    skip = self.read_skips()  # the device's skip counts: on these steps only
+                    # the device's skip counts: on these steps only; a step refused before its loss (non-finite
+                    # features: no loss to log) stays skipped whatever the device read says
+                    skip = self.read_skips() or skip
                 save_due = self.log_step(loss, grad_norm, skip) if self.is_logging_step() else False
                 if self.stream.batches_remaining(self.epoch) == 0:
                     # before a checkpoint of this step: it then resumes in the next epoch, not in this one's end

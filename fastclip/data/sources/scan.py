@@ -306,6 +306,35 @@ def _plan(folder: Path, paths: list[Path], from_tars: bool, samples_per_shard: i
     return tasks
 
 
+def _check_key_scheme(tasks: list[tuple], paths: list[Path], per_shard: int) -> None:
+    """Shards counted from img2dataset's _stats.json take their index ranges from the key scheme that --samples-per-
+    shard implies (key = shard_id * 10**digits + row). A wrong value gives ranges too wide (or overlapping) and a
+    data_size many times the data. The first key of one tar (the first such shard with an id above 0) shows the
+    scheme: it must lie in its shard's range, else the scan is refused naming the value the keys imply. A tar that
+    cannot be read is left to the shard's own checks."""
+    for (_, name, via, base, _), path in zip(tasks, paths):
+        shard_id = int(_stem(path)) if via == "stats" else 0
+        if shard_id == 0:
+            continue
+        try:
+            with ShardReader(path, _WANT) as reader:
+                first = reader.next_group(load=False)
+        except (TarBroken, OSError):
+            return
+        if first is None or not first.key.isdigit():
+            return
+        key = int(first.key)
+        if base <= key < base + 10 ** len(str(per_shard - 1)):
+            return
+        implied = next((d for d in range(19) if key // 10**d == shard_id), None)
+        hint = f" (its keys imply --samples-per-shard {10**implied})" if implied else ""
+        raise DataSpecError(
+            f"shard {name} (img2dataset shard {shard_id}) starts with key {first.key}, outside the range "
+            f"{base}..{base + 10 ** len(str(per_shard - 1)) - 1} that --samples-per-shard {per_shard} gives it: pass "
+            f"--samples-per-shard as given to img2dataset{hint}, or --from-tars to read the indices from the tars"
+        )
+
+
 def _map(fn, tasks: list, workers: int):
     """fn over tasks in order, in `workers` processes (1: here); results stream back one shard at a time."""
     if workers <= 1 or len(tasks) <= 1:
@@ -330,6 +359,7 @@ def scan_shards(
     bitmap of the indices seen (fastclip/data/bits.py), each shard's ShardInfo and the problems found."""
     folder, paths = find_shards(spec)
     tasks = _plan(folder, paths, from_tars, samples_per_shard)
+    _check_key_scheme(tasks, paths, samples_per_shard or IMG2DATASET_SAMPLES_PER_SHARD)
     notes = keep_listed_shards(folder, [task[1] for task in tasks])  # before any work: it may refuse
     workers = (os.cpu_count() or 1) if workers is None else workers
     shards: list[ShardInfo] = []

@@ -1,0 +1,130 @@
+"""`python -m fastclip.train.launcher TORCHRUN-ARGS`: torchrun, run in this process, as launch/single_node.sh and
+launch/multi_node.sh start it, with what a cluster's signals need of it.
+
+* A stop signal reaches the ranks. SLURM sends SIGTERM to every process of a job (preemption, scancel, the
+  time limit), `scancel --signal=USR1` or a `kill` may reach the agent alone. torchrun itself dies of SIGUSR1
+  (its ranks, orphaned, train on) and answers SIGTERM by signalling its ranks' process groups, then SIGKILL 30 s
+  later, then a traceback. Here SIGTERM, SIGUSR1 and SIGINT are forwarded to each rank (the process alone: its
+  data workers leave these signals to it), which checkpoints at the step and exits 75 (train/preemption.py).
+  Before any rank exists there is nothing to save: the agent stops, status 75 for a stop signal.
+* The job's status is the ranks': 75 when the ranks that ended stopped with a checkpoint, else the first failed
+  rank's status, or 128 + the signal that killed a rank, said in one line. The ranks print their own one line;
+  torchrun's log lines about its workers and its ChildFailedError traceback are not printed.
+
+An agent killed outright (kill -9) cannot forward anything: each rank watches its parent and stops with a
+checkpoint when the agent is gone (StopSignals.watch_parent).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from fastclip.train.preemption import EXIT_PREEMPTED
+
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOPS = (signal.SIGTERM, signal.SIGUSR1)  # the trainer's default train.stop_signals: a checkpoint, then 75
+PREFIX = "fastclip launcher"
+
+
+def children(parent: int | None = None) -> list[int]:
+    """The child processes of `parent` (default: this process, whose children are the ranks), from /proc."""
+    me, found = parent or os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # it ended while we looked
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == me:  # the fields after the command: state, ppid, ...
+            found.append(int(entry))
+    return found
+
+
+def _forward(signum, frame) -> None:
+    ranks = children()
+    if not ranks:  # rendezvous, or the ranks are gone: torchrun's own way out (it stops whatever it started)
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        raise SignalException(f"{signal.Signals(signum).name} before the ranks started", sigval=signum)
+    for pid in ranks:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _quiet_torchrun_logs() -> None:
+    """torchrun's agent logs each worker's failure and its shutdown; the ranks and this module say what matters."""
+    agent_log = logging.getLogger("torch.distributed.elastic")
+    agent_log.addHandler(logging.NullHandler())
+    agent_log.propagate = False
+
+
+def exit_status(failures: dict) -> tuple[int, str | None]:
+    """The job's status from torchrun's failed ranks {rank: ProcessFailure}, and the line to print (None: the
+    ranks said it)."""
+    for rank, failure in sorted(failures.items()):
+        if failure.exitcode < 0:
+            name = failure.signal_name()
+            why = " (out of memory, or kill -9)" if failure.exitcode == -signal.SIGKILL else ""
+            return 128 - failure.exitcode, (
+                f"{PREFIX}: rank {rank} (pid {failure.pid}) was killed by {name}{why}; the other ranks were "
+                f"stopped. Continue with --train.resume latest"
+            )
+    codes = [f.exitcode for _, f in sorted(failures.items())]
+    return next((c for c in codes if c != EXIT_PREEMPTED), EXIT_PREEMPTED), None
+
+
+def _take_over_torchruns_handler() -> None:
+    """torchrun installs its handler (SIGTERM, SIGINT, SIGHUP, SIGQUIT in every version since 1.9; newer ones read
+    --signals-to-handle) when it starts the ranks, by this module-level name: ours answers the forwarded signals,
+    torchrun's the others (it stops the ranks with them)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    torchruns = api._terminate_process_handler
+
+    def handler(signum, frame):
+        (_forward if signum in FORWARDED else torchruns)(signum, frame)
+
+    api._terminate_process_handler = handler
+    for kind in FORWARDED:
+        signal.signal(kind, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    _quiet_torchrun_logs()
+    _take_over_torchruns_handler()
+    try:
+        run(parse_args(sys.argv[1:] if argv is None else argv))
+    except ChildFailedError as e:
+        status, line = exit_status(e.failures)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return status
+    except SignalException as e:
+        name, stop = signal.Signals(e.sigval).name, e.sigval in STOPS
+        when = "before the ranks started" if e.sigval in FORWARDED else "(torchrun stopped the ranks with it)"
+        print(
+            f"{PREFIX}: stopped by {name} {when}"
+            + (f"; exit status {EXIT_PREEMPTED}, continue with --train.resume latest" if stop else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_PREEMPTED if stop else 128 + e.sigval
+    except Exception as e:  # rendezvous and agent errors: torchrun's own
+        print(f"{PREFIX}: torchrun failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

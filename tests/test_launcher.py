@@ -1,0 +1,197 @@
+"""Signals as a cluster sends them to a job started by launch/single_node.sh (torchrun through
+fastclip.train.launcher, 2 ranks, one data worker each): SIGTERM to every process, a signal to the agent alone or
+to one rank, the agent or one rank killed outright. Each ends in a checkpoint at the step and status 75, or in one
+line per process that has something to say; never a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fastclip.train.launcher import children, exit_status
+from fastclip.train.preemption import EXIT_PREEMPTED
+
+from helpers import EMBEDDED, clean_env, fault_overrides, latest, train_records, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data(tiny_embedded) -> Path:
+    return tiny_embedded
+
+
+class LaunchedJob:
+    """launch/single_node.sh CONFIG 2 as its own session (as a batch job is); output to a file."""
+
+    def __init__(self, data: Path, tmp_path: Path, **extra):
+        self.run = tmp_path / "run"
+        args = fault_overrides(
+            data,
+            self.run,
+            **{"data.workers": 1, "checkpoint.every_steps": 0, "train.epochs": 100, "train.max_steps": 400, **extra},
+        )
+        self.log = tmp_path / "job.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                ["bash", str(REPO / "launch" / "single_node.sh"), str(EMBEDDED), "2", *args],
+                cwd=tmp_path,
+                env=clean_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def at_step(self, step: int) -> list[int]:
+        """Wait until training passed `step`; the ranks' pids (the launcher's children), by rank."""
+        wait_for(lambda: self.proc.poll() is not None or len(train_records(self.run)) >= step, 300, f"step {step}")
+        assert self.proc.poll() is None, self.output()
+        return sorted(children(self.proc.pid))  # started in rank order
+
+    def wait(self, timeout: float = 180) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the job did not end within {timeout:.0f}s\n{self.output()}") from None
+
+    def kill(self) -> None:
+        for pid in [self.proc.pid, *children(self.proc.pid)]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def stopped_with_a_checkpoint(self, by: str) -> None:
+        step = max(r["step"] for r in train_records(self.run))
+        assert latest(self.run) == f"step_{step:08d}", self.output()
+        assert f"stopped at step {step} by {by}: checkpoint saved; exit status 75" in self.output()
+        assert "Traceback" not in self.output()
+
+
+def test_sigterm_to_every_process_of_the_job(data, tmp_path):
+    """SLURM's preemption, time limit and scancel: SIGTERM to the agent, the ranks and their data workers. The
+    workers leave it to their rank, the agent forwards it: a checkpoint at the step, status 75, and nothing printed
+    but the run's lines. (Before: the workers died first, every rank crashed, torchrun exited 1 after 160 lines.)"""
+    job = LaunchedJob(data, tmp_path)
+    try:
+        ranks = job.at_step(2)
+        for group in (job.proc.pid, *ranks):  # each rank leads its own process group, with its worker
+            os.killpg(group, signal.SIGTERM)
+        assert job.wait() == EXIT_PREEMPTED, job.output()
+    finally:
+        job.kill()
+    job.stopped_with_a_checkpoint("SIGTERM")
+    assert len(job.output().splitlines()) <= 5, job.output()  # the start line, an epoch's data line, checkpoint, stop
+
+
+@pytest.mark.parametrize("target", ["agent", "rank"])
+def test_a_signal_to_the_agent_alone_or_to_one_rank(data, tmp_path, target):
+    """SIGUSR1 to torchrun's agent alone (`scancel --signal USR1 --batch`, a `kill`) reaches the ranks; SIGTERM to
+    one rank stops both at one step. Either way the job's status is the ranks' 75, without torchrun's traceback.
+    (Before: the agent died of SIGUSR1 and its orphaned ranks trained on; a stop of one rank was status 1.)"""
+    job = LaunchedJob(data, tmp_path)
+    try:
+        ranks = job.at_step(2)
+        if target == "agent":
+            os.kill(job.proc.pid, signal.SIGUSR1)
+        else:
+            os.kill(ranks[1], signal.SIGTERM)
+        assert job.wait() == EXIT_PREEMPTED, job.output()
+    finally:
+        job.kill()
+    job.stopped_with_a_checkpoint("SIGUSR1" if target == "agent" else "a signal to another rank")
+
+
+def test_ranks_whose_agent_is_killed_stop_with_a_checkpoint(data, tmp_path):
+    """kill -9 of the agent forwards nothing: each rank sees its parent gone and the job stops within seconds with a
+    checkpoint, saying why. (Before: the orphaned ranks trained on to the end.)"""
+    job = LaunchedJob(data, tmp_path)
+    try:
+        ranks = job.at_step(2)
+        job.proc.kill()
+        job.proc.wait()
+        killed_at = time.monotonic()
+        for pid in ranks:
+            wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists(), 120, f"rank pid {pid} to end")
+        took = time.monotonic() - killed_at
+    finally:
+        job.kill()
+    job.stopped_with_a_checkpoint(f"the loss of its torchrun agent (pid {job.proc.pid} is gone)")
+    assert took < 60, f"the ranks took {took:.0f}s to stop"
+
+
+def test_one_rank_killed_outright_is_one_line_from_the_survivor_and_one_from_the_launcher(data, tmp_path):
+    """kill -9 of rank 1 (the OOM killer): rank 0's collective fails, which it says in one line; the launcher names
+    the killed rank. (Before: rank 0's data worker died of torchrun's SIGTERM: 87 lines.)"""
+    job = LaunchedJob(data, tmp_path)
+    try:
+        ranks = job.at_step(2)
+        os.kill(ranks[1], signal.SIGKILL)
+        status = job.wait()
+    finally:
+        job.kill()
+    lines = job.output().splitlines()
+    assert status == 128 + signal.SIGKILL, job.output()
+    assert "Traceback" not in job.output()
+    said = [line for line in lines if "error" in line or "launcher" in line]
+    assert len(said) == 2, job.output()
+    assert said[0].startswith("fastclip train: error: rank 0 of 2: a collective failed"), job.output()
+    assert said[1] == (
+        f"fastclip launcher: rank 1 (pid {ranks[1]}) was killed by SIGKILL (out of memory, or kill -9); the other "
+        f"ranks were stopped. Continue with --train.resume latest"
+    )
+
+
+@pytest.mark.parametrize(
+    "codes, status",
+    [
+        ({0: 75, 1: 75}, 75),  # both stopped with a checkpoint
+        ({1: 75}, 75),  # rank 1 ended first: torchrun stopped rank 0, which was leaving with 75 too
+        ({0: 75, 1: 1}, 1),  # an error is not a stop to requeue
+        ({0: 2}, 2),
+        ({0: 1, 1: -9}, 137),  # a rank killed outright: 128 + the signal
+    ],
+)
+def test_the_jobs_status_from_the_ranks(codes, status):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = {rank: ProcessFailure(rank, 1000 + rank, code, "/nonexistent") for rank, code in codes.items()}
+    got, line = exit_status(failures)
+    assert got == status
+    assert (line is not None) == (status == 137)
+    if line:
+        assert line.startswith("fastclip launcher: rank 1 (pid 1001) was killed by SIGKILL (out of memory, or kill")
+
+
+def test_the_container_entrypoint_runs_fastclip_commands_and_others_as_given(tmp_path):
+    """launch/docker-entrypoint.sh: `docker run IMAGE train ...` is `fastclip train ...`; torchrun or any command
+    on PATH runs as given; no arguments: fastclip's help."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("fastclip", "torchrun"):
+        (bin_dir / name).write_text(f'#!/bin/bash\necho "{name} $*"\n')
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+    def entry(*args: str) -> str:
+        out = subprocess.run(
+            ["bash", str(REPO / "launch" / "docker-entrypoint.sh"), *args], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert entry("train", "--config", "c.yaml") == "fastclip train --config c.yaml"
+    assert entry("torchrun", "--nproc_per_node", "8", "-m", "fastclip") == "torchrun --nproc_per_node 8 -m fastclip"
+    assert entry() == "fastclip --help"
+    text = (REPO / "Dockerfile").read_text()
+    assert "USER fastclip" in text and 'ENTRYPOINT ["/opt/fastclip/launch/docker-entrypoint.sh"]' in text
+    assert "ENV PIP_CONSTRAINT=/opt/torch-constraint.txt" in text  # torch stays the image's through pip install

@@ -3,9 +3,10 @@
     python benchmarks/study/time_cells.py [--config configs/scenes-semantic.yaml] [--batches 32 128 512]
 
 For each batch, two short `fastclip train` runs (one process, OMP_NUM_THREADS=1, no evaluation, no checkpoint)
-of `--short` and `--long` steps; the difference of their CPU seconds (the trainer and its loader worker) over the
-difference of their samples is the cost of a training sample without start-up. CPU seconds, not wall: this
-machine's 2 cores are shared, so wall time measures the others' load; CPU seconds are the time on a free core.
+of `--short` steps and of `--samples` more samples; the difference of their CPU seconds (the trainer and its
+loader worker) over the difference of their samples is the cost of a training sample without start-up. CPU
+seconds, not wall: this machine's 2 cores are shared, so wall time measures the others' load; CPU seconds are
+the time on a free core (inflated too under heavy load: run it on a quiet machine).
 Prints one JSON object: {batch: {"cpu_s_per_sample": ..., "samples_per_cpu_s": ..., "startup_cpu_s": ...}}.
 """
 
@@ -41,14 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/scenes-semantic.yaml")
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--short", type=int, default=3)
-    parser.add_argument("--long", type=int, default=11)
+    parser.add_argument(
+        "--samples", type=int, default=8192, help="samples between the two runs (start-up varies by ~2 s)"
+    )
     args = parser.parse_args(argv)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for batch in args.batches:
             short = cpu_seconds_of_run(args.config, batch, args.short, Path(tmp) / f"{batch}-short")
-            long = cpu_seconds_of_run(args.config, batch, args.long, Path(tmp) / f"{batch}-long")
-            per_sample = (long - short) / ((args.long - args.short) * batch)
+            more = -(-args.samples // batch)  # steps
+            long = cpu_seconds_of_run(args.config, batch, args.short + more, Path(tmp) / f"{batch}-long")
+            per_sample = (long - short) / (more * batch)
             out[batch] = {
                 "cpu_s_per_sample": per_sample,
                 "samples_per_cpu_s": 1 / per_sample,

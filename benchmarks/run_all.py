@@ -16,6 +16,7 @@ Items (each its own program, run in a fresh process, writing <name>.{json,md,png
   engines      bench_engines.py       DDP vs DeepSpeed ZeRO-1/2/3 and gradient accumulation: throughput, memory
   tempfree     bench_tempfree.py      zero-shot of the temperature-free (atanh) loss against tuned temperatures
   scenes       bench_scenes.py        the scenes data at 100k: generation time, distinct captions, held-out pairs
+  scenes_semantic  bench_scenes_semantic.py  both scenes variants: class-blind oracle R@1, captions cut, time
   longrun      bench_longrun.py       2 processes killed (-9) and resumed again and again: final state, disk, memory
   scan         bench_scan.py          fastclip data scan: shards/s, samples/s, bytes per sample, projected to 400M
 """
@@ -54,6 +55,11 @@ ITEMS = {  # name -> (program, result stem, title)
     "engines": ("bench_engines.py", "engines_bench", "6. DDP vs DeepSpeed ZeRO, and gradient accumulation"),
     "tempfree": ("bench_tempfree.py", "tempfree_bench", "7. Temperature-free loss against tuned temperatures"),
     "scenes": ("bench_scenes.py", "scenes", "8. The scenes data: generation time and distinct captions"),
+    "scenes_semantic": (
+        "bench_scenes_semantic.py",
+        "scenes_semantic",
+        "8b. Scenes that need the glyphs: the class-blind oracle and the text context, both variants",
+    ),
     "scan": ("bench_scan.py", "scan", "9. Preparing data at scale: fastclip data scan"),
     "longrun": ("bench_longrun.py", "longrun", "10. Killed and resumed: a long run under kill -9"),
 }
@@ -65,6 +71,7 @@ ORDER = (
     "engines",
     "tempfree",
     "scenes",
+    "scenes_semantic",
     "scan",
     "longrun",
     "stat_eff",

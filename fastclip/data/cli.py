@@ -3,7 +3,7 @@
   fastclip data embedded --out data/embedded [--datasets auto|fashion-mnist,mnist|mnist,animal-mnist]
                          [--max-per-class N] [--max-val-per-class N] [--val-fraction 0.2] [--shard-size 2000]
                          [--seed 0] [--index-offset 0]
-  fastclip data embedded --source scenes --out data/scenes [--num-train 100000] [--num-val 2000]
+  fastclip data embedded --source scenes|scenes-semantic --out data/scenes [--num-train 100000] [--num-val 2000]
                          [--num-test 5000] [--num-novel 2000] [--workers N] [--seed 0] [--shard-size 2000]
   fastclip data folder --captions caps.csv --out DIR [--images ROOT] [--csv-img-key filepath]
                        [--csv-caption-key title] [--csv-separator ","] [--shard-size 2000] [--index-offset 0]
@@ -84,10 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--source",
-        choices=("glyphs", "scenes"),
+        choices=("glyphs", "scenes", "scenes-semantic"),
         default="glyphs",
         help="glyphs: one 28x28 image per sample, templated class captions (default); scenes: 64x64 "
-        "compositional scenes of 1-3 coloured glyphs with distinct captions",
+        "compositional scenes of 1-3 coloured glyphs with distinct captions; scenes-semantic: scenes whose "
+        "captions only the glyphs' classes tell apart (shared colour, minimal pairs in val/test/novel)",
     )
     e.add_argument("--num-train", type=_count, default=100_000, help="scenes: training pairs")
     e.add_argument("--num-val", type=_nonneg, default=2_000, help="scenes: i.i.d. held-out pairs for tuning")
@@ -208,7 +209,7 @@ def _run(args) -> int:
             f"--max-val-per-class {args.max_val_per_class}: must be >= 1 (omit it for every held-out sample, "
             f"or --val-fraction's share of --max-per-class)"
         )
-    if args.command == "embedded" and args.source == "scenes":
+    if args.command == "embedded" and args.source in ("scenes", "scenes-semantic"):
         return _scenes(args)
     if args.command == "embedded":
         from fastclip.data.sources.embedded import FASHION_MNIST_ROOT, build_embedded
@@ -368,6 +369,7 @@ def _scenes(args) -> int:
             workers=args.workers,
             fashion_root=args.fashion_mnist_root or FASHION_MNIST_ROOT,
             progress=bar.update,
+            variant="semantic" if args.source == "scenes-semantic" else "classic",
         )
     print(f"scenes of {', '.join(summary['datasets'])} glyphs ({summary['note']}), {time.perf_counter() - start:.0f} s")
     for split, info in summary["splits"].items():

@@ -6,4 +6,4 @@ bash launch/setup.sh
 .venv/bin/ruff check .           # lint (rules in pyproject.toml); fails on any violation
 .venv/bin/ruff format --check .  # formatting; `ruff format .` fixes it
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"

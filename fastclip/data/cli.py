@@ -135,6 +135,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--data-size", type=int, default=None, help="default: 1 + the largest index found")
     s.add_argument("--strict", action="store_true", help="exit 1 and write nothing if any problem is found")
+    s.add_argument(
+        "--images-only",
+        action="store_true",
+        help="shards of images without captions (self-supervised training, ssl.enabled): a missing caption is fine",
+    )
     s.add_argument("--workers", type=_count, default=None, help="processes reading shards (default: all cores)")
     s.add_argument(
         "--from-tars",
@@ -285,6 +290,7 @@ def _run(args) -> int:
             workers=args.workers,
             from_tars=args.from_tars,
             samples_per_shard=args.samples_per_shard,
+            captions=not args.images_only,
         )
         print(result.summary())
         if result.usable == 0:  # a manifest of samples the stream skips, every one: training would find nothing
@@ -292,7 +298,7 @@ def _run(args) -> int:
             why = f"each of the {plural(read, 'sample')} read has a problem listed above; " if read else ""
             raise ValueError(
                 f"{args.shards}: no usable sample in {len(result.manifest.shards)} file(s), no manifest written "
-                f"({why}WebDataset .tar shards of image + caption files are expected)"
+                f"({why}WebDataset .tar shards of image + caption files are expected; images alone: --images-only)"
             )
         out_of_range = sum(p.get("reason") == "index_out_of_range" for p in result.problems)
         if args.data_size is not None and out_of_range:  # allowed (a cap), but said where an operator looks

@@ -1,0 +1,171 @@
+"""Self-supervised training on images alone (config section ``ssl``, fastclip/train/ssl.py): two seeded views
+per image, the image tower + projector, the losses' unimodal form. A 2-process iSogCLR run stopped and resumed
+equals the uninterrupted one bitwise; the export is the image tower, loaded strictly by open_clip's
+``model.visual``; images without captions train; every caption-dependent option is one line, exit 2; the kNN
+evaluation is its formula."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from fastclip.train.cli import main as train_main
+
+from helpers import Job, assert_same_training_state, load, one_line_error, overrides, step_dir, train_records
+
+SSL = {
+    "ssl.enabled": "true",
+    "ssl.projector_hidden": 32,
+    "ssl.projector_dim": 16,
+    "data.zeroshot": "null",
+    "data.val": "null",
+}
+
+
+NO_GAMMA = {"loss.gamma_min": "null", "loss.gamma_decay_epochs": "null", "loss.gamma_schedule": "null"}
+
+
+def ssl_args(data: Path, run: Path, mode: str = "fastclip-v2", **extra) -> list[str]:
+    return overrides(data, run, mode, **{**SSL, **extra})
+
+
+# ----------------------------------------------------------------------------- views
+def test_the_two_views_differ_and_repeat_under_the_batch_seed():
+    from fastclip.data.views import Augment, TwoViews, split_views
+    from fastclip.data.worker import _seeded_rngs
+
+    views = TwoViews(32, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), Augment())
+    image = Image.frombytes("L", (28, 28), bytes(range(256)) * 3 + bytes(28 * 28 - 768)).convert("RGB")
+    draws = []
+    for _ in range(2):
+        with _seeded_rngs(7, 0, 1, 0, 0, 3):
+            draws.append(torch.stack([views(image), views(image)]))
+    assert draws[0].shape == (2, 2, 3, 32, 32)
+    assert torch.equal(draws[0], draws[1])  # a function of the seed: a resumed run sees the same views
+    first, second = split_views(draws[0][0][None])
+    assert not torch.equal(first, second)  # two independent draws of the augmentation
+    assert not torch.equal(draws[0][0], draws[0][1])  # the next sample draws anew
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"data.zeroshot": "ZS"}, ["data.zeroshot", "zero-shot", "set data.zeroshot null"]),
+        ({"eval.imagenet_val": "ZS"}, ["eval.imagenet_val", "zero-shot"]),
+        ({"model.arch": "tiny-vit-hf"}, ["model.arch", "Hugging Face text tower"]),
+        ({"mode": "openclip"}, ["openclip", "no unimodal form", "ntxent"]),
+        ({"mode": "siglip", **NO_GAMMA}, ["siglip", "no unimodal form"]),
+        ({"loss.impl": "fused"}, ["unimodal", "autograd"]),
+        ({"model.ema_momentum": 0.99}, ["model.ema_momentum"]),
+        ({"ssl.grayscale_p": 1.5}, ["ssl.grayscale_p", "probability"]),
+    ],
+)
+def test_a_caption_dependent_or_bad_option_is_one_line_exit_2(tiny_embedded, tmp_path, capsys, extra, words):
+    extra = {k: (str(tiny_embedded / "zeroshot.json") if v == "ZS" else v) for k, v in extra.items()}
+    if "eval.imagenet_val" in extra:
+        extra["eval.imagenet_val"] = str(tmp_path)
+    mode = extra.pop("mode", "fastclip-v2")
+    args = ssl_args(tiny_embedded, tmp_path / "run", mode, **extra)
+    one_line_error(capsys, train_main, [*args, "--check"], *words)
+
+
+# ----------------------------------------------------------------------------- stop, resume, export
+@pytest.fixture(scope="module")
+def runs(tiny_embedded, tmp_path_factory):
+    """iSogCLR (per-image u and τ) on 2 processes: 6 steps straight; 3 steps, then resumed to 6."""
+    root = tmp_path_factory.mktemp("ssl")
+    straight = Job(ssl_args(tiny_embedded, root / "straight", **{"train.max_steps": 6}), 2, root / "logs_straight")
+    codes = straight.wait(300)
+    assert codes == [0, 0], straight.outputs()
+    first = Job(ssl_args(tiny_embedded, root / "stopped", **{"train.max_steps": 3}), 2, root / "logs_first")
+    assert first.wait(300) == [0, 0], first.outputs()
+    args = ssl_args(tiny_embedded, root / "stopped", **{"train.max_steps": 6, "train.resume": "latest"})
+    resumed = Job(args, 2, root / "logs_resumed")
+    assert resumed.wait(300) == [0, 0], resumed.outputs()
+    return root
+
+
+def test_a_stopped_and_resumed_two_process_run_equals_the_uninterrupted_one(runs):
+    assert_same_training_state(step_dir(runs / "straight", 6), step_dir(runs / "stopped", 6), 2)
+    straight, stopped = train_records(runs / "straight"), train_records(runs / "stopped")
+    assert [r["step"] for r in stopped] == [1, 2, 3, 4, 5, 6]
+    assert [(r["loss"], r["objective"]) for r in straight] == [(r["loss"], r["objective"]) for r in stopped]
+    model = load(step_dir(runs / "straight", 6) / "model.pt")
+    keys = model["state_dict"].keys()
+    assert any(k.startswith("visual.") for k in keys) and any(k.startswith("projector.") for k in keys)
+    assert not any(k.startswith(("transformer.", "token_embedding")) for k in keys)  # no text tower
+    state = load(step_dir(runs / "straight", 6) / "rank_0.pt")["loss_state"]["_extra_state"]["fields"]
+    seen = load(step_dir(runs / "straight", 6) / "rank_0.pt")["loss_state"]["_extra_state"]["seen"] > 0
+    assert seen.any() and torch.equal(state["tau_img"][seen], state["tau_txt"][seen])  # one τ per image
+    assert not torch.all(state["tau_img"][seen] == 0.03)  # the per-image temperatures moved
+
+
+def test_the_export_is_the_image_tower_that_open_clip_loads(runs, tmp_path, capsys):
+    from fastclip.compat import import_open_clip
+    from fastclip.eval.export import main as export_main
+
+    out = tmp_path / "tower.pt"
+    assert export_main([str(runs / "straight"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "image tower" in printed and "visual.load_state_dict" in printed
+    state = torch.load(out, weights_only=True)["state_dict"]
+    saved = load(step_dir(runs / "straight", 6) / "model.pt")["state_dict"]
+    open_clip = import_open_clip()
+    open_clip.add_model_config(str(tmp_path / "tiny-vit.json"))
+    visual = open_clip.create_model("tiny-vit").visual
+    visual.load_state_dict(state)  # strict
+    for name, value in visual.state_dict().items():
+        assert torch.equal(value, saved[f"visual.{name}"]), name
+
+
+# ----------------------------------------------------------------------------- images without captions
+def test_images_without_captions_train(tmp_path):
+    """A plain WebDataset of .png files only (no caption, no json: the index is the position)."""
+    from fastclip.data.cli import main as data_main
+
+    shards = tmp_path / "images"
+    shards.mkdir()
+    with tarfile.open(shards / "images-000000.tar", "w") as tar:
+        for i in range(24):
+            buffer = io.BytesIO()
+            Image.new("RGB", (20, 20), (10 * i, 255 - 10 * i, 3 * i)).save(buffer, format="PNG")
+            info = tarfile.TarInfo(f"{i:06d}.png")
+            info.size = buffer.tell()
+            buffer.seek(0)
+            tar.addfile(info, buffer)
+    assert data_main(["scan", str(shards), "--images-only"]) == 0
+    run = tmp_path / "run"
+    args = ssl_args(shards.parent, run, "ntxent", **{"data.train": str(shards), "train.epochs": 1, **NO_GAMMA})
+    assert train_main(args) == 0
+    records = train_records(run)
+    assert [r["step"] for r in records] == [1, 2, 3] and all(r["loss"] > 0 for r in records)
+    assert json.loads((shards / "manifest.json").read_text())["num_samples"] == 24
+
+
+# ----------------------------------------------------------------------------- kNN
+@pytest.mark.parametrize(("k", "temperature"), [(1, 0.07), (3, 0.07), (5, 1.0)])
+def test_knn_is_the_weighted_vote_of_the_other_images(k, temperature):
+    """Leave-one-out: image i's k most similar other images vote exp(cos/T) for their labels."""
+    from fastclip.train.ssl import knn_accuracy
+
+    features = torch.nn.functional.normalize(
+        torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [0.7, 0.7], [0.8, 0.5]]), dim=1
+    )
+    labels = [0, 0, 1, 1, 1, 0]
+    hits = 0
+    for i in range(6):
+        cos = {j: float(features[i] @ features[j]) for j in range(6) if j != i}
+        nearest = sorted(cos, key=cos.get, reverse=True)[:k]
+        votes = {c: sum(math.exp(cos[j] / temperature) for j in nearest if labels[j] == c) for c in (0, 1)}
+        hits += max(votes, key=votes.get) == labels[i]
+    assert knn_accuracy(features, torch.tensor(labels), k, temperature) == pytest.approx(hits / 6)
+    if k == 1:  # images 4 (0.7, 0.7) and 5 (0.8, 0.5) are each other's nearest, across the labels
+        assert hits == 4

@@ -54,6 +54,25 @@ def test_the_two_views_differ_and_repeat_under_the_batch_seed():
     assert not torch.equal(draws[0][0], draws[0][1])  # the next sample draws anew
 
 
+# ----------------------------------------------------------------------------- configs
+SSL_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "ssl").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SSL_CONFIGS, ids=lambda p: p.stem)
+def test_every_ssl_config_starts_with_its_command_and_passes_the_checks(path, tiny_embedded, tmp_path, capsys):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and f"fastclip train --config configs/ssl/{path.name}" in first
+    data = ["--data.train", str(tiny_embedded / "train"), "--data.val", str(tiny_embedded / "val")]
+    assert train_main(["--config", str(path), *data, "--train.run_dir", str(tmp_path / "run"), "--check"]) == 0, (
+        capsys.readouterr().err
+    )
+
+
+def test_the_shipped_ssl_configs_cover_every_method():
+    names = {p.stem for p in SSL_CONFIGS}
+    assert names >= {f"{m}-embedded" for m in ("simclr", "dcl", "sogclr", "isogclr", "rgclg", "tempnet")}
+
+
 # ----------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize(
     ("extra", "words"),

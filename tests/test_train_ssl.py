@@ -188,3 +188,44 @@ def test_knn_is_the_weighted_vote_of_the_other_images(k, temperature):
     assert knn_accuracy(features, torch.tensor(labels), k, temperature) == pytest.approx(hits / 6)
     if k == 1:  # images 4 (0.7, 0.7) and 5 (0.8, 0.5) are each other's nearest, across the labels
         assert hits == 4
+
+
+def test_the_knn_evaluation_scores_the_towers_features_by_dataset_and_label(tiny_embedded):
+    """knn_evaluate = knn_accuracy over the tower's normalised features of every data.val image, with one class per
+    (dataset, label): the glyphs' Fashion-MNIST and MNIST labels share numbers but are different classes."""
+    from fastclip.eval.samples import iter_samples
+    from fastclip.models import build_model
+    from fastclip.train.config import load_config
+    from fastclip.train.ssl import knn_accuracy, knn_evaluate, ssl_built
+
+    cfg = load_config(None, ["--ssl.enabled", "true", "--data.zeroshot", "null", "--ssl.knn_k", "3"])
+    torch.manual_seed(0)
+    built = ssl_built(build_model("tiny-vit"), cfg)
+    got = knn_evaluate(built.model, built.preprocess_val, str(tiny_embedded / "val"), torch.device("cpu"), cfg)
+    samples = list(iter_samples(tiny_embedded / "val"))
+    with torch.no_grad():
+        images = torch.stack([built.preprocess_val(s.image) for s in samples])
+        features = torch.nn.functional.normalize(built.model.visual.eval()(images), dim=-1)
+    names = sorted({(s.dataset, s.label) for s in samples})
+    assert len(names) == 20 and len({s.label for s in samples}) == 10  # two datasets, labels 0-9 each
+    classes = torch.tensor([names.index((s.dataset, s.label)) for s in samples])
+    assert got["knn_samples"] == 20
+    assert got["knn_top1"] == pytest.approx(knn_accuracy(features, classes, 3, cfg.ssl.knn_temperature))
+
+
+def test_the_benchmark_verdict_compares_the_means_within_the_spread():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_ssl
+
+    def arm(finals):
+        return {"global_batch": 64, "best_lr": 1e-3, "seeds": [{"final": f, "curve": []} for f in finals]}
+
+    close = {"arms": {"sogclr@64": arm([0.70, 0.72, 0.74]), "simclr@512": arm([0.71, 0.73, 0.75])}}
+    assert bench_ssl.verdict(close).startswith("the claim holds here: sogclr@64 72.0 against simclr@512 73.0")
+    far = {"arms": {"sogclr@64": arm([0.60, 0.61, 0.62]), "simclr@512": arm([0.73, 0.75, 0.77])}}
+    assert bench_ssl.verdict(far).startswith("the claim does not hold here")
+    assert bench_ssl.verdict({"arms": {"sogclr@64": arm([0.6])}}).startswith("not decided")
+    close["verdict"] = bench_ssl.verdict(close)
+    assert "| sogclr@64 | 64 | 0.001 | 72.0 ± 2.0 |" in bench_ssl.markdown(close)

@@ -298,7 +298,7 @@ def _run(args) -> int:
             why = f"each of the {plural(read, 'sample')} read has a problem listed above; " if read else ""
             raise ValueError(
                 f"{args.shards}: no usable sample in {len(result.manifest.shards)} file(s), no manifest written "
-                f"({why}WebDataset .tar shards of image + caption files are expected; images alone: --images-only)"
+                f"({why}WebDataset .tar shards of image + caption files are expected)"
             )
         out_of_range = sum(p.get("reason") == "index_out_of_range" for p in result.problems)
         if args.data_size is not None and out_of_range:  # allowed (a cap), but said where an operator looks

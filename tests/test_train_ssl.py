@@ -229,3 +229,46 @@ def test_the_benchmark_verdict_compares_the_means_within_the_spread():
     assert bench_ssl.verdict({"arms": {"sogclr@64": arm([0.6])}}).startswith("not decided")
     close["verdict"] = bench_ssl.verdict(close)
     assert "| sogclr@64 | 64 | 0.001 | 72.0 ± 2.0 |" in bench_ssl.markdown(close)
+
+
+# ----------------------------------------------------------------------------- accumulation
+def ssl_steps(loss_name: str, k: int, n_steps: int = 2) -> dict:
+    """n_steps of the trainer's engine in ssl mode (image tower + projector, the loss's unimodal form) with
+    accum_steps = k on the same batches of two views: gradients, losses, parameters and per-image state."""
+    from fastclip.distributed import DistInfo
+    from fastclip.train.config import load_config
+    from fastclip.train.net import build_net
+
+    args = ["--ssl.enabled", "true", "--data.zeroshot", "null", "--loss.name", loss_name, "--data.batch_size", "8"]
+    args += ["--optim.accum_steps", str(k), "--optim.eps", "1e-4", "--train.seed", "0", "--loss.rho", "0.6"]
+    args += ["--loss.temperature", "0.2", "--optim.lr_tau", "1e-3", "--optim.lr_tau_schedule", "const"]
+    cfg = load_config(None, args)
+    net = build_net(cfg, DistInfo(0, 1, 0, torch.device("cpu"), "none", False), data_size=64)
+    for g in net.engine.param_groups:
+        g["lr"] = 1e-3
+    data = torch.Generator().manual_seed(7)
+    out = {"grads": [], "tau_grads": [], "losses": []}
+    for step in range(n_steps):
+        view_1, view_2 = torch.randn(2, 8, 3, 32, 32, generator=data)
+        indices = torch.randperm(64, generator=data)[:8]
+        loss = net.engine.forward(view_1, view_2, indices, epoch=step)
+        net.engine.backward(loss)
+        out["grads"].append({n: p.grad.clone() for n, p in net.model.named_parameters() if p.grad is not None})
+        out["tau_grads"].append([p.grad.clone() for p in net.engine.tau_params])
+        out["losses"].append(loss.detach())
+        net.engine.step()
+        net.loss_fn.clamp_()
+    out["params"] = {n: p.detach().clone() for n, p in net.model.named_parameters()}
+    out["loss_params"] = {n: p.detach().clone() for n, p in net.loss_fn.named_parameters()}
+    state = net.loss_fn.sample_state().state_dict()
+    out["state"], out["seen"] = state["fields"], state["seen"]
+    return out
+
+
+@pytest.mark.parametrize("loss_name", ["fastclip-v2", "fastclip-v3"])
+def test_k_micro_batches_equal_one_batch_in_ssl_mode(loss_name):
+    from test_accumulate import assert_equivalent
+
+    ref = ssl_steps(loss_name, 1)
+    assert any(n.startswith("projector.") for n in ref["grads"][0])
+    assert_equivalent(ssl_steps(loss_name, 2), ref, f"ssl {loss_name} k=2")

@@ -272,3 +272,23 @@ def test_k_micro_batches_equal_one_batch_in_ssl_mode(loss_name):
     ref = ssl_steps(loss_name, 1)
     assert any(n.startswith("projector.") for n in ref["grads"][0])
     assert_equivalent(ssl_steps(loss_name, 2), ref, f"ssl {loss_name} k=2")
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+def test_deepspeed_zero2_trains_the_same_as_ddp(runs, tiny_embedded, tmp_path):
+    """The 2-process iSogCLR run under ZeRO-2 (sharded optimizer and gradients): the tower, projector and per-image
+    state of DDP's run to float rounding (another reduction order)."""
+    pytest.importorskip("deepspeed")
+    extra = {"train.max_steps": 6, "train.distributed": "deepspeed", "deepspeed.stage": 2}
+    job = Job(ssl_args(tiny_embedded, tmp_path / "zero2", **extra), 2, tmp_path / "logs")
+    assert job.wait(300) == [0, 0], job.outputs()
+    ref, got = runs / "straight", tmp_path / "zero2"
+    ddp, zero = (load(step_dir(run, 6) / "model.pt") for run in (ref, got))
+    assert ddp["state_dict"].keys() == zero["state_dict"].keys()
+    for key, value in ddp["state_dict"].items():
+        torch.testing.assert_close(zero["state_dict"][key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    for r in range(2):
+        a, b = (load(step_dir(run, 6) / f"rank_{r}.pt")["loss_state"]["_extra_state"] for run in (ref, got))
+        assert torch.equal(a["seen"], b["seen"])
+        for field, value in a["fields"].items():
+            torch.testing.assert_close(b["fields"][field], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{field}: {m}")

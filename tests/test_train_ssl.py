@@ -292,3 +292,31 @@ def test_deepspeed_zero2_trains_the_same_as_ddp(runs, tiny_embedded, tmp_path):
         assert torch.equal(a["seen"], b["seen"])
         for field, value in a["fields"].items():
             torch.testing.assert_close(b["fields"][field], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{field}: {m}")
+
+
+def test_an_image_folder_without_captions_becomes_shards_that_train(tmp_path, capsys):
+    """`fastclip data folder --images DIR` alone: every image under DIR (sorted, recursively; other files left
+    out, an undecodable one skipped and said), no caption member, then an ssl run on the shards."""
+    from fastclip.data.cli import main as data_main
+    from fastclip.eval.samples import iter_samples
+
+    images = tmp_path / "pictures"
+    for i in range(18):
+        folder = images / f"class_{i % 3}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (24, 24), (12 * i, 200 - 9 * i, 5 * i)).save(folder / f"{i:03d}.jpg")
+    (images / "README.txt").write_text("not an image")
+    (images / "broken.png").write_bytes(b"not a png")
+    shards = tmp_path / "shards"
+    assert data_main(["folder", "--images", str(images), "--out", str(shards), "--shard-size", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "broken.png: undecodable" in out and "18 of 19" in out
+    samples = list(iter_samples(shards))
+    assert len(samples) == 18 and all(s.caption is None for s in samples)
+    assert sorted(s.index for s in samples) == [i for i in range(19) if i != 0]  # broken.png sorts first
+    run = tmp_path / "run"
+    args = ssl_args(tmp_path, run, "dcl", **{"data.train": str(shards), "train.epochs": 1, **NO_GAMMA})
+    assert train_main(args) == 0
+    assert [r["step"] for r in train_records(run)] == [1, 2, 3]  # 18 images, batches of 8: the last one filled
+    capsys.readouterr()
+    one_line_error(capsys, data_main, ["folder", "--out", str(tmp_path / "x")], "pass --captions FILE", "--images DIR")

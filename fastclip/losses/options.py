@@ -83,7 +83,8 @@ class CommonOptions:
                 if getattr(self, name, None):
                     raise ValueError(
                         f"loss option {name} is not implemented for the unimodal form (two views of one image "
-                        "have no modalities to queue, distil or give a temperature each); drop it or unimodal"
+                        "have no modalities to queue, distil or give a temperature each); drop it, or the option "
+                        "unimodal (the trainer's ssl.enabled)"
                     )
         if self.impl is not None and self.impl not in IMPLS:
             raise ValueError(f"loss option impl must be one of {IMPLS}, got {self.impl!r}")

@@ -145,6 +145,13 @@ def test_the_export_is_the_image_tower_that_open_clip_loads(runs, tmp_path, caps
         assert torch.equal(value, saved[f"visual.{name}"]), name
 
 
+def test_fastclip_eval_of_an_ssl_run_is_one_line_exit_2(runs, tiny_embedded, capsys):
+    from fastclip.eval.cli import main as eval_main
+
+    argv = [str(runs / "straight"), "--data", str(tiny_embedded / "val")]
+    one_line_error(capsys, eval_main, argv, "self-supervised run", "eval/knn_top1", "fastclip export")
+
+
 # ----------------------------------------------------------------------------- images without captions
 def test_images_without_captions_train(tmp_path):
     """A plain WebDataset of .png files only (no caption, no json: the index is the position)."""

@@ -336,7 +336,7 @@ def randomize_tempnet_heads(loss_fn, seed: int = 5) -> None:
     """Non-constant temperature heads (the output layer starts at zero), the same wherever the seed is."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in (p for head in (loss_fn.tempnet_img, loss_fn.tempnet_txt) for p in head.parameters()):
+        for p in (p for head in (loss_fn.tempnet_img, loss_fn.tempnet_txt) if head for p in head.parameters()):
             p.copy_(0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
 
 

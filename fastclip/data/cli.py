@@ -120,7 +120,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--fashion-mnist-root", default=None, help="folder of the Fashion-MNIST .gz files")
 
     f = sub.add_parser("folder", help="shards from a folder of images and a CSV/TSV/JSONL of captions")
-    f.add_argument("--captions", required=True, help="CSV/TSV/JSONL file with image paths and captions")
+    f.add_argument(
+        "--captions",
+        default=None,
+        help="CSV/TSV/JSONL file with image paths and captions (omitted: every image under --images, no captions, "
+        "for ssl training)",
+    )
     f.add_argument("--out", required=True)
     f.add_argument("--images", default=None, help="root of the image paths (default: the captions file's folder)")
     f.add_argument("--csv-img-key", default="filepath")
@@ -136,6 +141,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--data-size", type=int, default=None, help="default: 1 + the largest index found")
     s.add_argument("--strict", action="store_true", help="exit 1 and write nothing if any problem is found")
+    s.add_argument(
+        "--images-only",
+        action="store_true",
+        help="shards of images without captions (self-supervised training, ssl.enabled): a missing caption is fine",
+    )
     s.add_argument("--workers", type=_count, default=None, help="processes reading shards (default: all cores)")
     s.add_argument(
         "--from-tars",
@@ -194,14 +204,20 @@ def _run(args) -> int:
                 f"train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz); pass the folder "
                 f"holding them, or omit the flag"
             )
-    if args.command == "folder":
+    if args.command == "folder" and args.captions is None:
+        if args.images is None or not Path(args.images).is_dir():
+            raise ValueError(
+                "pass --captions FILE (images with captions) or --images DIR alone (its images without captions, "
+                f"for ssl training){'' if args.images is None else f'; --images {args.images} is not a folder'}"
+            )
+    elif args.command == "folder":
         if not Path(args.captions).is_file():
             what = "is a folder" if Path(args.captions).is_dir() else "no such file"
             raise ValueError(f"--captions {args.captions}: {what}; pass the CSV/TSV/JSONL of paths and captions")
         if args.images is not None and not Path(args.images).is_dir():  # else one skip per row, then the error
             raise ValueError(f"--images {args.images}: not a folder; pass the folder the image paths are relative to")
-        if not args.prefix or "/" in args.prefix or args.prefix in (".", ".."):  # shards stay inside --out
-            raise ValueError(f"--prefix {args.prefix!r}: must be a file name start without '/' (e.g. train)")
+    if args.command == "folder" and (not args.prefix or "/" in args.prefix or args.prefix in (".", "..")):
+        raise ValueError(f"--prefix {args.prefix!r}: must be a file name start without '/' (e.g. train)")
     if args.command == "embedded" and args.max_per_class is not None and args.max_per_class < 1:
         raise ValueError(f"--max-per-class {args.max_per_class}: must be >= 1 (omit it for every sample)")
     if args.command == "embedded" and args.max_val_per_class is not None and args.max_val_per_class < 1:
@@ -250,17 +266,24 @@ def _run(args) -> int:
                 f"--out {args.out}: already holds {plural(len(existing), 'shard')} named {args.prefix}-*.tar "
                 f"({existing[0].name}, ...) that this would overwrite; write to a new folder or remove them"
             )
-        summary = build_folder(
-            args.captions,
-            args.out,
-            images=args.images,
-            img_key=args.csv_img_key,
-            caption_key=args.csv_caption_key,
-            separator=args.csv_separator,
-            shard_size=args.shard_size,
-            index_offset=args.index_offset,
-            prefix=args.prefix,
-        )
+        if args.captions is None:  # images alone (fastclip/train/ssl.py)
+            from fastclip.data.sources.folder import build_image_folder
+
+            summary = build_image_folder(
+                args.images, args.out, shard_size=args.shard_size, index_offset=args.index_offset, prefix=args.prefix
+            )
+        else:
+            summary = build_folder(
+                args.captions,
+                args.out,
+                images=args.images,
+                img_key=args.csv_img_key,
+                caption_key=args.csv_caption_key,
+                separator=args.csv_separator,
+                shard_size=args.shard_size,
+                index_offset=args.index_offset,
+                prefix=args.prefix,
+            )
         for line in summary["skipped"][:50]:
             print(f"skipped {line}")
         print(
@@ -286,6 +309,7 @@ def _run(args) -> int:
             workers=args.workers,
             from_tars=args.from_tars,
             samples_per_shard=args.samples_per_shard,
+            captions=not args.images_only,
         )
         print(result.summary())
         if result.usable == 0:  # a manifest of samples the stream skips, every one: training would find nothing

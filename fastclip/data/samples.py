@@ -54,7 +54,7 @@ class Candidate:
     """A sample that passed the cheap checks; its image is decoded only when it goes into a batch."""
 
     index: int
-    caption: str
+    caption: str | None  # None only where captions are not needed
     image: bytes
     shard: str  # shard name, for messages
     key: str
@@ -62,9 +62,12 @@ class Candidate:
     meta: dict
 
 
-def check_sample(raw: RawSample, data_size: int, index_base: int | None = None) -> tuple[Candidate | None, str, str]:
+def check_sample(
+    raw: RawSample, data_size: int, index_base: int | None = None, need_caption: bool = True
+) -> tuple[Candidate | None, str, str]:
     """(candidate, "", "") or (None, reason, detail). index_base: the shard's (plain WebDataset, from the
-    manifest): a sample without a .json member gets index index_base + its position in the tar."""
+    manifest): a sample without a .json member gets index index_base + its position in the tar. need_caption
+    False (image-only training, fastclip/train/ssl.py): a sample without a caption is kept (caption None)."""
     meta, why = parse_meta(raw.files.get("json"))
     index = index_from_meta(meta) if meta is not None else None
     if index is None and index_base is not None and "json" not in raw.exts:
@@ -74,7 +77,7 @@ def check_sample(raw: RawSample, data_size: int, index_base: int | None = None) 
     if not 0 <= index < data_size:
         return None, "index_out_of_range", f"index {index} not in [0, {data_size})"
     caption = caption_of(raw.files, meta)
-    if caption is None:
+    if caption is None and need_caption:
         return None, "missing_caption", "no non-empty .txt and no json 'caption'"
     image = image_of(raw.files)
     if image is None:

@@ -75,7 +75,7 @@ class EpochJob:
     n_batches: int
     cursors: list[tuple[int, int]]
     preprocess: Callable
-    tokenizer: Callable
+    tokenizer: Callable | None  # None: image-only batches (no captions needed)
 
 
 class EpochDataset(torch.utils.data.IterableDataset):
@@ -141,8 +141,11 @@ class _Worker:
                         captions.append(c.caption)
                         indices.append(c.index)
                         wrapped += c.wrapped
-                texts = job.tokenizer(captions)
-                texts = (texts if torch.is_tensor(texts) else torch.as_tensor(texts)).long()
+                if job.tokenizer is None:  # image-only training (fastclip/train/ssl.py): no text, no column
+                    texts = torch.zeros(len(captions), 0, dtype=torch.int64)
+                else:
+                    texts = job.tokenizer(captions)
+                    texts = (texts if torch.is_tensor(texts) else torch.as_tensor(texts)).long()
                 counts, events = self.skips.take()
                 meta = {
                     "batch": j,
@@ -250,7 +253,9 @@ class _Worker:
                 if listed is not None:
                     self._skip(run_log, listed[0], name, raw.key, listed[1] + " (listed in manifest)")
                     continue
-                cand, reason, detail = check_sample(raw, job.data_size, job.index_base[shard])
+                cand, reason, detail = check_sample(
+                    raw, job.data_size, job.index_base[shard], job.tokenizer is not None
+                )
                 if cand is not None and not self._owns(shard, raw.ordinal, cand.index):
                     reason = "duplicate_index"
                     detail = (

@@ -30,7 +30,7 @@ class ShardWriter:
         index: int,
         image: bytes,
         image_ext: str,
-        caption: str,
+        caption: str | None,  # None: an image alone (self-supervised data, `fastclip data folder --images`)
         *,
         label: int | None = None,
         dataset: str | None = None,
@@ -42,11 +42,13 @@ class ShardWriter:
             raise ValueError(f"sample index {index} is negative or already written")
         self._seen.add(index)
         key = sample_key(index)
-        meta = {"index": index, "key": key, "caption": caption}
+        meta = {"index": index, "key": key} | ({} if caption is None else {"caption": caption})
         if label is not None:
             meta["label"], meta["dataset"] = int(label), dataset
         meta.update(extra or {})
-        files = {image_ext: image, "txt": caption.encode("utf-8"), "json": json.dumps(meta).encode("utf-8")}
+        files = {image_ext: image, "json": json.dumps(meta).encode("utf-8")}
+        if caption is not None:
+            files["txt"] = caption.encode("utf-8")
         if label is not None:
             files["cls"] = str(int(label)).encode()
         if self._tar is None or self.shards[-1].num_samples >= self.shard_size:

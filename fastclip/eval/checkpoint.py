@@ -92,6 +92,13 @@ def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu"
     from fastclip.models import build_model
 
     file, checkpoint = load_checkpoint(path)
+    from fastclip.train.ssl import is_ssl_checkpoint
+
+    if is_ssl_checkpoint(checkpoint):  # an image tower + projector (fastclip/train/ssl.py): no CLIP model to build
+        raise ValueError(
+            f"{file}: a self-supervised run (ssl.enabled) has no text tower for zero-shot or retrieval; its kNN "
+            "accuracy is eval/knn_top1 in metrics.jsonl, and `fastclip export` writes its image tower"
+        )
     saved_arch, model_config = ckpt.architecture(checkpoint)
     if arch is None and saved_arch is not None:
         arch = saved_arch

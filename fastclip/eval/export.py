@@ -149,6 +149,12 @@ def export_model(
                 f"{file}: not a fastclip training checkpoint (no {key!r}: an export, or a bare state dict); pass a "
                 f"run, step folder or model.pt that fastclip train wrote"
             )
+    from fastclip.train.ssl import export_image_tower, is_ssl_checkpoint
+
+    if is_ssl_checkpoint(checkpoint):  # images alone: the image tower is the model (fastclip/train/ssl.py)
+        if momentum_towers:
+            raise ValueError(f"{file}: an ssl run has no momentum towers; export without --momentum-towers")
+        return export_image_tower(file, checkpoint, out, PRECISIONS[precision])
     arch, model_config = ckpt.architecture(checkpoint)
     _check_arch_field(file, checkpoint, arch, model_config)
     load_model(file)  # the tensors fit the architecture they claim, all finite (a one-line ValueError otherwise)
@@ -330,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     size_mb = written["file"].stat().st_size / 2**20
     print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}")
+    if "logit_scale" not in written:  # an ssl run's image tower (fastclip/train/ssl.py)
+        from fastclip.train.ssl import tower_loading_code
+
+        if written["config_file"] is not None:
+            print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
+        print("the image tower alone (open_clip's model.visual; the projector is not exported)")
+        print("\nload it with:\n" + tower_loading_code(written))
+        return 0
     if written["config_file"] is not None:
         print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
     if written.get("tempnet_file") is not None:

@@ -98,6 +98,7 @@ from .gcl import (
     FastCLIPV3Loss,
 )
 from .individual import FastCLIPV2Autograd, FastCLIPV2Loss
+from .ntxent import NTXentLoss, NTXentOptions
 from .openclip import OpenCLIPAutograd, OpenCLIPLoss
 from .options import (
     ConstantTemperatureOptions,
@@ -133,6 +134,7 @@ LOSSES = {
     "fastclip-tempnet": LossEntry(TempNetOptions, TempNetLoss, TempNetAutograd),
     "siglip": LossEntry(SigLIPOptions, SigLIPLoss, SigLIPAutograd),
     "dcl": LossEntry(DCLOptions, autograd=DCLLoss),
+    "ntxent": LossEntry(NTXentOptions, autograd=NTXentLoss),
 }
 
 # Options a loss rejects on purpose, with the reason (added to the TypeError).
@@ -222,6 +224,7 @@ __all__ = [
     "LOSSES",
     "LossEntry",
     "DCLLoss",
+    "NTXentLoss",
     "ContrastiveLoss",
     "SampleStateLoss",
     "OpenCLIPLoss",

@@ -28,6 +28,7 @@ class DCLLoss(AutogradObjective, ContrastiveLoss):
     name = "dcl"
     needs_indices = True  # copies of one sample are no negatives of each other
     min_global_batch = 2  # an anchor needs a negative
+    unimodal_form = True  # the views' form: each of the 2N views against the other images' 2N − 2 views
 
     def __init__(self, options: DCLOptions):
         super().__init__(options)

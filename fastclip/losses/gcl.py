@@ -231,7 +231,12 @@ class GCLAutograd(AutogradObjective):
         S_m = mean_i g_mi/(u_mi + ε)   (u detached: the surrogate whose gradient is the objective's)
     v0/v1: loss = Σ_m w_m S_m; v3: loss = Σ_m w_m [τ_m,det·S_m + τ_m·(mean_i log(u_mi + ε) + ρ)], with
     w = direction_weights normalised to sum 1 (½, ½ by default) and τ_m the shared τ unless separate_temperatures.
+    Unimodal form (SogCLR, Yuan et al. 2022): m = the two views, N − 1 → 2N − 2 negatives; as SogCLR's reference
+    one u per image: both views update the stored u, each is weighted by its own update u_mi, and the image keeps
+    their mean (both state fields hold it).
     """
+
+    unimodal_form = True
 
     def _objective(self, features, state):
         dtype = features.image.dtype
@@ -241,13 +246,16 @@ class GCLAutograd(AutogradObjective):
         similarity, clamp = self.options.similarity, self.options.similarity_clamp
         rows, positive = pair_map(pairs.cos, similarity, clamp), pair_map(pairs.positive, similarity, clamp)
         per_direction = scale.reshape(-1, 1, 1) if self.separate else scale
-        d = (rows - positive[None, :, None]) * per_direction
+        d = (rows - positive[..., None]) * per_direction
         log_count = math.log(pairs.count) if isinstance(pairs.count, int) else torch.log(pairs.count.to(d.dtype))
         log_g = (masked_logsumexp(d, pairs.negative) - log_count).T  # [N, 2] (image, text)
         old = torch.stack([state.old["log_u_img"], state.old["log_u_txt"]], dim=1)
         gamma = self.gamma()
         log_u = update_log_u(old, log_g.detach(), state.seen[:, None], gamma)
-        state.write(log_u_img=log_u[:, 0], log_u_txt=log_u[:, 1])
+        stored = log_u
+        if features.unimodal:  # SogCLR: one u per image, read by both views, the mean of the views' updates kept
+            stored = (torch.logsumexp(log_u, dim=1, keepdim=True) - math.log(2.0)).expand(-1, 2)
+        state.write(log_u_img=stored[:, 0], log_u_txt=stored[:, 1])
         log_w = self.log_u_eps(log_u)  # log(u + ε), a constant for autograd
         surrogate = torch.exp(log_g - log_w).mean(dim=0)  # [2]: S_m
         rho = getattr(self, "rho", None)

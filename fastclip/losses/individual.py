@@ -27,7 +27,7 @@ from .base import SampleStateLoss
 from .batch import GlobalBatch
 from .comm import Comm
 from .estimator import update_u
-from .objective import AutogradObjective, both_directions, weighted_directions
+from .objective import AutogradObjective, weighted_directions
 from .options import IndividualTemperatureOptions
 from .pairwise import (
     PairBlocks,
@@ -159,15 +159,19 @@ class FastCLIPV2Loss(SampleStateLoss):
         return loss, per_sample_tau_metrics(loss, loss, objective, gamma, tau_old)
 
 
-def per_anchor_tau_terms(gap: torch.Tensor, negative: torch.Tensor, tau: torch.Tensor, b_old: torch.Tensor):
-    """RGCL with one τ per anchor over the global batch (v2, the temperature network), from ``gap`` ``[2, N, N]``
-    φ_ik − φ_ii, the negatives, τ and the old bound ``[2, N]``: ``(b_new, g, ∂g/∂τ, g_of)`` with
-    b_i = max(b_old_i, max_k d_ik), g_i = 1/(N−1) Σ_k exp(d_ik − b_i) (d = gap/τ), ∂g/∂τ by autograd, and
-    ``g_of(τ, gap)`` the same g, differentiable in whatever carries a gradient."""
+def per_anchor_tau_terms(
+    gap: torch.Tensor, negative: torch.Tensor, tau: torch.Tensor, b_old: torch.Tensor, n_neg: int, views: bool = False
+):
+    """RGCL with one τ per anchor over the global batch (v2, the temperature network), from ``gap`` ``[2, N, M]``
+    φ_ik − φ_i+ (an anchor's candidates minus its positive), the negatives, τ and the old bound ``[2, N]``:
+    ``(b_new, g, ∂g/∂τ, g_of)`` with b_i = max(b_old_i, max_k d_ik), g_i = 1/n_neg Σ_k exp(d_ik − b_i)
+    (d = gap/τ), ∂g/∂τ by autograd, and ``g_of(τ, gap)`` the same g, differentiable in whatever carries a gradient.
+    ``views`` (unimodal form): the two directions are two views of one image, which share one bound (the larger)."""
     with torch.no_grad():
         top = (gap / tau[..., None]).masked_fill(~negative, -math.inf).amax(dim=-1)
         b_new = torch.maximum(b_old, top)
-    n_neg = gap.shape[-1] - 1
+        if views:
+            b_new = b_new.amax(dim=0, keepdim=True).expand_as(b_new)
 
     def g_of(tau, gap):
         return torch.exp(gap / tau[..., None] - b_new[..., None]).masked_fill(~negative, 0.0).sum(-1) / n_neg
@@ -183,26 +187,34 @@ class FastCLIPV2Autograd(AutogradObjective, FastCLIPV2Loss):
     """v2 as an autograd objective (``impl="autograd"``), the same math over the global batch: per direction and
     anchor i with its stored τ_i, d_ik = (φ_ik − φ_ii)/τ_i over the negatives, the bound b_i, g_i and u_i as above;
     the τ-gradient ∂/∂τ_i[τ_i(log g_i + ρ)] (g → u) has τ_i·∂g_i/∂τ_i from autograd; the encoders follow
-    Σ_m w_m mean_i (τ_i/(u_i+ε))·g_i (w: direction_weights, ½ each by default)."""
+    Σ_m w_m mean_i (τ_i/(u_i+ε))·g_i (w: direction_weights, ½ each by default).
+
+    Unimodal form (iSogCLR, Qiu et al. 2023): m = the two views, 2N − 2 negatives; one τ per image, as the
+    reference: both views use it, its Adam step takes the mean of the views' τ-gradients; u (and the bound b,
+    the larger of the views') one per image as SogCLR's (gcl.py): each view weighted by its own update, the mean
+    kept. Both state fields of a field pair hold the image's value."""
+
+    unimodal_form = True
 
     def _objective(self, features, state):
-        eps, weights = self.options.eps, self.options.direction_weights
-        cos = features.cosines()
-        rows = both_directions(cos)  # [2, N, N]
-        negative = ~features.same_sample()
+        eps, weights, views = self.options.eps, self.options.direction_weights, features.unimodal
+        pairs = features.pairs()  # [2, N, M]: both directions' anchors against their candidates
         old = {name: torch.stack([state.old[f"{name}_img"], state.old[f"{name}_txt"]]) for name in ("u", "tau", "b")}
         seen = state.seen[None, :]  # [1, N]: per (direction, anchor) tables are [2, N] here
         tau_old, b_old = old["tau"], torch.where(seen, old["b"], 0.0)  # the bound starts at 0
-        gap = rows - cos.diagonal()[None, :, None]  # φ_ik − φ_ii
-        b_new, g, dg_dtau, g_of = per_anchor_tau_terms(gap, negative, tau_old, b_old)
+        gap = pairs.cos - pairs.positive[..., None]  # φ_ik − φ_i+
+        b_new, g, dg_dtau, g_of = per_anchor_tau_terms(gap, pairs.negative, tau_old, b_old, pairs.count, views)
         u = update_u(old["u"], g, seen, self.gamma(), rescale=torch.exp(b_old - b_new))
         denom, log_denom = self._shifted_eps(u, b_new, eps)
         grad = tau_old * dg_dtau / denom + log_denom + b_new + self.rho
+        if views:
+            grad = grad.mean(dim=0, keepdim=True).expand_as(grad)
         tau_new, m1, m2 = self.tau_step(
             tau_old.T, grad.T, state.seen[:, None], torch.stack([state.old["m_img"], state.old["m_txt"]], 1),
             torch.stack([state.old["v_img"], state.old["v_txt"]], 1),
         )  # fmt: skip
-        new = {"u": u.T, "tau": tau_new, "b": b_new.T, "m": m1, "v": m2}
+        new = {"u": (u.mean(dim=0, keepdim=True).expand_as(u) if views else u).T, "tau": tau_new, "b": b_new.T}
+        new.update(m=m1, v=m2)
         state.write(**{f"{name}_{m}": value[:, j] for name, value in new.items() for j, m in enumerate(("img", "txt"))})
         w = tau_old / denom  # faithful only (compat="reference" is refused for autograd)
         surrogate = (w * g_of(tau_old, gap)).mean(dim=-1)  # [2]: the encoders' gradient

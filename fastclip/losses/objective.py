@@ -12,6 +12,12 @@ rank-major) and returns the global loss; autograd does the rest. What it does no
   stored by the owners, journaled for the trainer's NaN rollback, checkpointed and resharded with the fused
   losses' machinery (sharded_state.py).
 
+Unimodal form (option ``unimodal``, SimCLR-style self-supervision): ``image`` and ``text`` are two augmented views
+of the same N images. Every one of the 2N views is an anchor against the 2N views: its positive is the other view
+of its image, its negatives the views of other images. ``pairs()`` keeps two directions, view-1 anchors and view-2
+anchors ([2, N, 2N]), so the objectives run unchanged on both forms, with their per-sample state [2, N] per image;
+losses with state share it between the two views (see each loss's docstring).
+
 Cost: N×N similarities per rank where the fused losses compute B×N; at the small global batches these
 objectives are for, that is little (``benchmarks/bench_loss.py`` measures both). An objective gets a fused path
 only where a benchmark says it pays.
@@ -54,10 +60,7 @@ class _GlobalCosines(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local_image, local_text, all_image, all_text, rows, factor):
-        image, text = local_image, local_text
-        if all_image is not None:
-            image = torch.cat([all_image[: rows.start], local_image, all_image[rows.stop :]])
-            text = torch.cat([all_text[: rows.start], local_text, all_text[rows.stop :]])
+        image, text = stitch_rows(all_image, local_image, rows), stitch_rows(all_text, local_text, rows)
         ctx.save_for_backward(image, text)
         ctx.rows, ctx.factor = rows, factor
         return image @ text.T
@@ -76,12 +79,41 @@ class _GlobalCosines(torch.autograd.Function):
         return grad_image, grad_text, None, None, None, None
 
 
+class _GlobalGram(torch.autograd.Function):
+    """``[2N, 2N]`` Z·Zᵀ of the global batch's views Z = [view 1; view 2] (unimodal form), in which only this rank's
+    rows carry a gradient, K × its share, as _GlobalCosines."""
+
+    @staticmethod
+    def forward(ctx, local_1, local_2, all_1, all_2, rows, factor):
+        views = torch.cat([stitch_rows(all_1, local_1, rows), stitch_rows(all_2, local_2, rows)])
+        ctx.save_for_backward(views)
+        ctx.rows, ctx.factor = rows, factor
+        return views @ views.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        with exact_float32(grad.device.type):
+            (views,) = ctx.saved_tensors
+            n, rows = views.shape[0] // 2, ctx.rows
+            grads = []
+            for offset in (0, n):  # each view's own rows: as anchors (rows of grad) and as candidates (columns)
+                own = slice(offset + rows.start, offset + rows.stop)
+                out = (grad[own] + grad[:, own].T) @ views
+                grads.append(out * ctx.factor if ctx.factor != 1 else out)
+        return grads[0], grads[1], None, None, None, None
+
+
+def stitch_rows(gathered: torch.Tensor | None, local: torch.Tensor, rows: slice) -> torch.Tensor:
+    """The gathered rows with this rank's replaced by its own (``local`` alone on one rank)."""
+    return local if gathered is None else torch.cat([gathered[: rows.start], local, gathered[rows.stop :]])
+
+
 class _RowsTimesConstant(torch.autograd.Function):
     """``[N, Q]`` anchors·constantᵀ (the queue's entries), gradient into this rank's anchor rows only (× K)."""
 
     @staticmethod
     def forward(ctx, local, gathered, rows, factor, constant):
-        anchors = local if gathered is None else torch.cat([gathered[: rows.start], local, gathered[rows.stop :]])
+        anchors = stitch_rows(gathered, local, rows)
         ctx.save_for_backward(constant)
         ctx.rows, ctx.factor = rows, factor
         return anchors @ constant.T
@@ -97,12 +129,13 @@ class _RowsTimesConstant(torch.autograd.Function):
 @dataclass
 class Pairs:
     """Every anchor against its candidates, both directions: block 0 the image anchors against the N texts (then
-    the text queue), block 1 the text anchors against the N images (then the image queue)."""
+    the text queue), block 1 the text anchors against the N images (then the image queue). Unimodal form: block 0
+    the view-1 anchors, block 1 the view-2 anchors, each against the 2N views [view 1; view 2]."""
 
-    cos: torch.Tensor  # [2, N, M] (M = N + Q), differentiable through this rank's anchors and candidates
-    positive: torch.Tensor  # [N] cos_ii
+    cos: torch.Tensor  # [2, N, M] (M = N + Q, or 2N), differentiable through this rank's anchors and candidates
+    positive: torch.Tensor  # [2, N] each anchor's positive: cos_ii (both directions), or its other view's cosine
     negative: torch.Tensor  # [2, N, M] bool: the cells that are negatives of their anchor
-    count: torch.Tensor | int  # how many candidates are negatives in g's mean: N − 1 (+ the queue's filled slots)
+    count: torch.Tensor | int  # the negatives in g's mean: N − 1 (+ the queue's filled slots), or 2N − 2
 
 
 @dataclass
@@ -118,6 +151,7 @@ class GlobalFeatures:
     batch: GlobalBatch | None = None  # (for cosines(): this rank's features and the gathered ones)
     queue: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (image, text, indices) [Q, ...]
     momentum: tuple[torch.Tensor, torch.Tensor] | None = None  # the momentum model's (image, text) [N, d]
+    unimodal: bool = False  # image and text are two views of the same images (module docstring)
 
     @property
     def size(self) -> int:
@@ -152,8 +186,26 @@ class GlobalFeatures:
             float(batch.world_size),
         )
 
+    def gram(self) -> torch.Tensor:
+        """``[2N, 2N]`` view·view over Z = [view 1; view 2], differentiable (through this rank's rows only)."""
+        batch = self.batch
+        if batch is None:
+            views = torch.cat([self.image, self.text])
+            return views @ views.T
+        dtype, several = self.image.dtype, batch.world_size > 1
+        return _GlobalGram.apply(
+            batch.image.to(dtype),
+            batch.text.to(dtype),
+            batch.all_image.to(dtype) if several else None,
+            batch.all_text.to(dtype) if several else None,
+            self.local,
+            float(batch.world_size),
+        )
+
     def pairs(self) -> Pairs:
         """Both directions' anchors against their candidates: the batch, then the queue (queue.py) if any."""
+        if self.unimodal:
+            return self._view_pairs()
         cos = self.cosines()
         same = self.same_sample()
         rows, negative = torch.stack([cos, cos.T]), (~same).expand(2, -1, -1)
@@ -166,7 +218,16 @@ class GlobalFeatures:
             rows = torch.cat([rows, extra], dim=-1)
             negative = torch.cat([negative, (valid[None, :] & ~own).expand(2, -1, -1)], dim=-1)
             count = count + valid.sum()
-        return Pairs(cos=rows, positive=cos.diagonal(), negative=negative, count=count)
+        return Pairs(cos=rows, positive=cos.diagonal().expand(2, -1), negative=negative, count=count)
+
+    def _view_pairs(self) -> Pairs:
+        """The unimodal form: each view against the 2N views; a view itself, its other view and both views of a
+        copy of its image (the same data index) are no negatives."""
+        n, gram = self.size, self.gram()
+        rows = torch.stack([gram[:n], gram[n:]])  # [2, N, 2N]
+        negative = (~self.same_sample()).repeat(1, 2).expand(2, -1, -1)
+        positive = gram[:n, n:].diagonal().expand(2, -1)  # view 1 · view 2 of each image, for both anchors
+        return Pairs(cos=rows, positive=positive, negative=negative, count=2 * n - 2)
 
     @torch.no_grad()
     def momentum_cos(self) -> torch.Tensor:
@@ -291,9 +352,15 @@ class AutogradObjective:
     features carry a FeatureQueue's entries (queue.py), pushed after each training call."""
 
     impl = "autograd"
+    unimodal_form = False  # the objective is written over pairs() and runs on two views of images as well
 
     def __init__(self, options):
         super().__init__(options)
+        if getattr(options, "unimodal", False) and not self.unimodal_form:
+            raise ValueError(
+                f"loss {self.name!r} has no unimodal form (option unimodal): use ntxent (SimCLR), dcl, "
+                "fastclip-v0/v1 (SogCLR)/v2 (iSogCLR)/v3 or fastclip-tempnet"
+            )
         size = getattr(options, "queue_size", None)
         self.queue = FeatureQueue(size) if size else None
         if self.queue is not None:
@@ -303,6 +370,7 @@ class AutogradObjective:
     def _compute(self, comm: Comm, batch: GlobalBatch):
         dtype = compute_dtype(batch.image.dtype)
         features = global_features(batch, dtype)
+        features.unimodal = bool(getattr(self.options, "unimodal", False))
         if batch.momentum is not None:
             features.momentum = (batch.momentum[1].to(dtype), batch.momentum[0].to(dtype))
         if self.queue is not None:

@@ -71,9 +71,21 @@ class CommonOptions:
     impl: str | None = None
     # [w_i2t, w_t2i]: loss = (w_i2t·L_i2t + w_t2i·L_t2i)/(w_i2t + w_t2i); None: the symmetric loss (equal weights)
     direction_weights: tuple[float, float] | None = None
+    # self-supervised images: image and text features are two augmented views of the same images, every view an
+    # anchor against all 2N views (objective.py); autograd objectives only
+    unimodal: bool = False
 
     def __post_init__(self):
         _check_bool("check_parameters", self.check_parameters)
+        _check_bool("unimodal", self.unimodal)
+        if self.unimodal:
+            for name in ("queue_size", "distill_alpha", "separate_temperatures"):
+                if getattr(self, name, None):
+                    raise ValueError(
+                        f"loss option {name} is not implemented for the unimodal form (two views of one image "
+                        "have no modalities to queue, distil or give a temperature each); drop it, or the option "
+                        "unimodal (the trainer's ssl.enabled)"
+                    )
         if self.impl is not None and self.impl not in IMPLS:
             raise ValueError(f"loss option impl must be one of {IMPLS}, got {self.impl!r}")
         weights = self.direction_weights
@@ -98,6 +110,8 @@ class CommonOptions:
         names = []
         if self.direction_weights is not None and self.direction_weights[0] != self.direction_weights[1]:
             names.append("direction_weights")
+        if self.unimodal:
+            names.append("unimodal")
         for name in ("hard_negative_topk", "hard_negative_beta", "queue_size", "distill_alpha"):
             if getattr(self, name, None) is not None:
                 names.append(name)

@@ -31,7 +31,7 @@ from .comm import Comm
 from .errors import LossInputError
 from .estimator import update_u
 from .individual import objective_eps_shifted, per_anchor_tau_terms, per_sample_tau_metrics
-from .objective import AutogradObjective, both_directions, weighted_directions
+from .objective import AutogradObjective, weighted_directions
 from .options import TempNetOptions
 from .pairwise import (
     PairBlocks,
@@ -162,24 +162,35 @@ class TempNetAutograd(AutogradObjective, TempNetLoss):
     τ_i = head(x_i) on the detached features, d_ik = (φ_ik − φ_ii)/τ_i over the negatives, b_i = max(b_old_i,
     max_k d_ik) (b starts at −∞), g_i and u_i as above. The heads follow Σ_m w_m mean_i τ_i·grad_i with
     grad_i = ∂/∂τ_i[τ_i(log g_i + ρ)] (g → u; τ_i·∂g_i/∂τ_i from autograd); the encoders Σ_m w_m mean_i
-    (τ_i/(u_i+ε))·g_i at fixed τ (w: direction_weights, ½ each by default)."""
+    (τ_i/(u_i+ε))·g_i at fixed τ (w: direction_weights, ½ each by default).
+
+    Unimodal form: one image tower, so one head (``tempnet_img``; ``tempnet_txt`` is dropped) predicts τ for
+    either view from its own features; u and b one per image, shared by the views as v2's (individual.py)."""
+
+    unimodal_form = True
+
+    def __init__(self, options: TempNetOptions):
+        super().__init__(options)
+        if options.unimodal:
+            self.tempnet_txt = None  # (no parameters that nothing trains)
 
     def _objective(self, features, state):
         self.check_dim(features.image.shape[1])
-        eps, weights, gamma = self.options.eps, self.options.direction_weights, self.gamma()
+        eps, weights, gamma, views = self.options.eps, self.options.direction_weights, self.gamma(), features.unimodal
         head_dtype = self.tempnet_img.out.weight.dtype
         image, text = features.image.detach().to(head_dtype), features.text.detach().to(head_dtype)
-        tau_head = torch.stack([self.tempnet_img(image), self.tempnet_txt(text)])  # autograd into the heads
+        second_head = self.tempnet_img if views else self.tempnet_txt
+        tau_head = torch.stack([self.tempnet_img(image), second_head(text)])  # autograd into the heads
         tau = tau_head.detach().to(features.image.dtype)  # [2, N]
-        cos = features.cosines()
-        negative = ~features.same_sample()
-        gap = both_directions(cos) - cos.diagonal()[None, :, None]  # [2, N, N] φ_ik − φ_ii
+        pairs = features.pairs()
+        gap = pairs.cos - pairs.positive[..., None]  # [2, N, M] φ_ik − φ_i+
         seen = state.seen[None, :]
         old = {name: torch.stack([state.old[f"{name}_img"], state.old[f"{name}_txt"]]) for name in ("u", "b")}
         b_old = torch.where(seen, old["b"], -math.inf)
-        b_new, g, dg_dtau, g_of = per_anchor_tau_terms(gap, negative, tau, b_old)
+        b_new, g, dg_dtau, g_of = per_anchor_tau_terms(gap, pairs.negative, tau, b_old, pairs.count, views)
         u = update_u(old["u"], g, seen, gamma, rescale=torch.exp(b_old - b_new))
-        state.write(u_img=u[0], u_txt=u[1], b_img=b_new[0], b_txt=b_new[1])
+        kept = u.mean(dim=0, keepdim=True).expand_as(u) if views else u
+        state.write(u_img=kept[0], u_txt=kept[1], b_img=b_new[0], b_txt=b_new[1])
         denom, log_denom = objective_eps_shifted(u, b_new, eps)
         grad_tau = tau * dg_dtau / denom + log_denom + b_new + self.rho
         tau_term = weighted_directions((tau_head * grad_tau.to(tau_head.dtype)).mean(dim=-1), weights)

@@ -244,6 +244,22 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class SSLConfig:
+    # Self-supervised images (fastclip/train/ssl.py): two augmented views of each image, the image tower plus a
+    # projector MLP, the loss in its unimodal form. Captions are not read; evaluation is kNN on data.val's labels.
+    enabled: bool = False
+    projector_hidden: int = 512  # the projector MLP's hidden width
+    projector_dim: int = 128  # the features the loss sees
+    crop_min_scale: float = 0.08  # SimCLR's augmentation (fastclip/data/views.py)
+    jitter_strength: float = 0.5
+    jitter_p: float = 0.8
+    grayscale_p: float = 0.2
+    blur_p: float = 0.5
+    knn_k: int = 20  # kNN evaluation (DINO's weighted vote): neighbours, and the vote's temperature
+    knn_temperature: float = 0.07
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -253,6 +269,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    ssl: SSLConfig = field(default_factory=SSLConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -694,6 +711,10 @@ def _check(cfg: Config) -> None:
             "model.compile",
             "torch.compile of the towers is not supported with ZeRO stage 3 (parameters gathered by hooks)",
         )
+    if cfg.ssl.enabled:
+        from fastclip.train.ssl import check_ssl_config
+
+        check_ssl_config(cfg)
 
 
 def _check_aug(a: AugConfig) -> None:

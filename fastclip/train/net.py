@@ -86,7 +86,9 @@ def loss_options(cfg: Config, embed_dim: int | None = None) -> dict:
     if cfg.loss.name == "fastclip-v2":  # v2 updates its per-sample tau itself, at lr_tau
         opts["lr_tau"] = cfg.optim.base_lr_tau
     if cfg.loss.name == "fastclip-tempnet" and embed_dim is not None:
-        opts["embed_dim"] = embed_dim
+        opts["embed_dim"] = cfg.ssl.projector_dim if cfg.ssl.enabled else embed_dim
+    if cfg.ssl.enabled:  # two views of each image (fastclip/train/ssl.py)
+        opts["unimodal"] = True
     return opts
 
 
@@ -160,6 +162,10 @@ def build_net(
     device = info.device
     seed_all(cfg.train.seed)
     built = build_model(cfg.model.arch, aug_cfg=aug_options(cfg.data.aug))
+    if cfg.ssl.enabled:  # the image tower + projector, two views per image (fastclip/train/ssl.py)
+        from fastclip.train.ssl import ssl_built
+
+        built = ssl_built(built, cfg)
     model = built.model.to(device)
     speedups = apply_backend_flags(cfg, device)  # CUDA: TF32, cudnn.benchmark (fastclip/train/gpu.py)
     if wants_channels_last(cfg, model, device):  # convolutional towers on CUDA

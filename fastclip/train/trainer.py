@@ -18,6 +18,7 @@ from fastclip.data import DataSpecError, StreamConfig
 from fastclip.data.catalog import global_batch_too_large
 from fastclip.data.plan import Layout, num_batches
 from fastclip.data.stream import shard_weights
+from fastclip.data.views import split_views
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
 from fastclip.losses import LossInputError, NonFiniteFeaturesError
 from fastclip.optim import ThresholdRule, get_lr, get_tau_lr
@@ -531,6 +532,8 @@ class Run:
                 if batch is None:
                     break  # epoch done
                 batch = tuple(t.to(self.device, non_blocking=True) for t in batch)
+                if cfg.ssl.enabled:  # [B, 2, C, H, W] images: view 1 takes the image's place, view 2 the text's
+                    batch = (*split_views(batch[0]), batch[2])
                 self.throughput.data += time.perf_counter() - t0
                 loss, grad_norm, skip = self.train_step(*batch)
                 if guard.on_device and (self.is_logging_step() or self.checkpoint_due() or self.stop_check_due()):
@@ -787,6 +790,8 @@ class Run:
             return
         from fastclip.eval import EvalDataError, run_evals
 
+        if cfg.ssl.enabled:  # images alone: kNN on data.val's labels (fastclip/train/ssl.py)
+            return self._knn_evaluate()
         built = self.net.built
         amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
         results, what = {}, ""
@@ -830,6 +835,21 @@ class Run:
             max_train=e.probe_max_train,
             unnamed=Path(self.cfg.data.val).name,
         )
+
+    def _knn_evaluate(self) -> None:
+        from fastclip.eval import EvalDataError
+        from fastclip.train.ssl import knn_evaluate
+
+        with self.engine.full_params():
+            try:
+                results = knn_evaluate(
+                    self.model, self.net.built.preprocess_val, self.cfg.data.val, self.device, self.cfg
+                )
+            except EvalDataError as e:
+                raise TrainingError(f"evaluation at step {self.step}: {e} (data.val {self.cfg.data.val})") from None
+        record = {"step": self.step, "samples_seen": self.samples_seen}
+        record.update({f"eval/{k}": v for k, v in results.items()})
+        self.log.log(record, ("eval/knn_top1",) if results else ())
 
     def _imagenet_zeroshot(self) -> dict[str, float]:
         from fastclip.eval.evaluate import evaluate

@@ -1,4 +1,5 @@
-"""`fastclip data folder`: a folder of images plus a CSV/TSV/JSONL of captions -> shards + manifest.
+"""`fastclip data folder`: a folder of images plus a CSV/TSV/JSONL of captions -> shards + manifest; or, without
+captions (`--images DIR` alone), the folder's images alone, for self-supervised training (ssl.enabled).
 
 OpenCLIP's CSV habits: `--csv-img-key filepath --csv-caption-key title --csv-separator "\\t"`; a .jsonl file
 uses the same key names per line. The separator defaults by extension (.tsv: tab, .csv: comma). Image paths
@@ -137,3 +138,37 @@ def build_folder(
         "data_size": index_offset + rows,
         "shards": len(writer.shards),
     }
+
+
+def build_image_folder(
+    images: str | os.PathLike, out: str | os.PathLike, *, shard_size: int = 2000, index_offset: int = 0,
+    prefix: str = "train",
+) -> dict:  # fmt: skip
+    """Every image file under ``images`` (recursively, in sorted path order) as a sample without a caption: its
+    index is --index-offset + its position in that order; undecodable files are skipped and reported."""
+    root, out = Path(images), Path(out)
+    paths = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in PICTURE_SUFFIXES)
+    skipped = []
+    with removed_on_failure(out):
+        writer = ShardWriter(out, prefix=prefix, shard_size=shard_size)
+        for row, path in enumerate(paths):
+            try:
+                data, ext = _image_bytes(path)
+            except Exception as e:  # PIL raises many kinds for bad files
+                skipped.append(f"{path.relative_to(root)}: undecodable ({type(e).__name__}: {e})")
+                continue
+            writer.write(index_offset + row, data, ext, None)
+        written = sum(s.num_samples for s in writer.shards)
+        if written:
+            writer.close(index_offset + len(paths), extra={"created_by": "fastclip data folder", "images": str(root)})
+    return {
+        "rows": len(paths),
+        "written": written,
+        "skipped": skipped,
+        "data_size": index_offset + len(paths),
+        "shards": len(writer.shards),
+    }
+
+
+# the files an image folder's walk takes (others, such as a README or labels file, are not images)
+PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")

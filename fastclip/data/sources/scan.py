@@ -354,9 +354,11 @@ def scan_shards(
     from_tars: bool = False,
     samples_per_shard: int | None = None,
     progress=None,
+    captions: bool = True,
 ) -> ScanResult:
     """Scan in `workers` processes (default: all cores), one shard summary at a time: what stays in memory is a
-    bitmap of the indices seen (fastclip/data/bits.py), each shard's ShardInfo and the problems found."""
+    bitmap of the indices seen (fastclip/data/bits.py), each shard's ShardInfo and the problems found.
+    ``captions`` False (image-only shards, for ssl training): a sample without a caption is no problem."""
     folder, paths = find_shards(spec)
     tasks = _plan(folder, paths, from_tars, samples_per_shard)
     _check_key_scheme(tasks, paths, samples_per_shard or IMG2DATASET_SAMPLES_PER_SHARD)
@@ -377,6 +379,8 @@ def scan_shards(
     position, largest, usable = 0, -1, 0  # samples in the shards before this one, in manifest order
     for s_id, summary in enumerate(_map(_summarise, tasks, workers)):
         via[summary.via] += 1
+        if not captions:
+            summary.notes = [note for note in summary.notes if note[1] != "missing_caption"]
         info = ShardInfo(summary.name, summary.num_samples)
         if summary.broken:
             problem(summary.name, None, summary.broken_reason, summary.broken)

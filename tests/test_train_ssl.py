@@ -1,0 +1,329 @@
+"""Self-supervised training on images alone (config section ``ssl``, fastclip/train/ssl.py): two seeded views
+per image, the image tower + projector, the losses' unimodal form. A 2-process iSogCLR run stopped and resumed
+equals the uninterrupted one bitwise; the export is the image tower, loaded strictly by open_clip's
+``model.visual``; images without captions train; every caption-dependent option is one line, exit 2; the kNN
+evaluation is its formula."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from fastclip.train.cli import main as train_main
+
+from helpers import Job, assert_same_training_state, load, one_line_error, overrides, step_dir, train_records
+
+SSL = {
+    "ssl.enabled": "true",
+    "ssl.projector_hidden": 32,
+    "ssl.projector_dim": 16,
+    "data.zeroshot": "null",
+    "data.val": "null",
+}
+
+
+NO_GAMMA = {"loss.gamma_min": "null", "loss.gamma_decay_epochs": "null", "loss.gamma_schedule": "null"}
+
+
+def ssl_args(data: Path, run: Path, mode: str = "fastclip-v2", **extra) -> list[str]:
+    return overrides(data, run, mode, **{**SSL, **extra})
+
+
+# ----------------------------------------------------------------------------- views
+def test_the_two_views_differ_and_repeat_under_the_batch_seed():
+    from fastclip.data.views import Augment, TwoViews, split_views
+    from fastclip.data.worker import _seeded_rngs
+
+    views = TwoViews(32, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), Augment())
+    image = Image.frombytes("L", (28, 28), bytes(range(256)) * 3 + bytes(28 * 28 - 768)).convert("RGB")
+    draws = []
+    for _ in range(2):
+        with _seeded_rngs(7, 0, 1, 0, 0, 3):
+            draws.append(torch.stack([views(image), views(image)]))
+    assert draws[0].shape == (2, 2, 3, 32, 32)
+    assert torch.equal(draws[0], draws[1])  # a function of the seed: a resumed run sees the same views
+    first, second = split_views(draws[0][0][None])
+    assert not torch.equal(first, second)  # two independent draws of the augmentation
+    assert not torch.equal(draws[0][0], draws[0][1])  # the next sample draws anew
+
+
+# ----------------------------------------------------------------------------- configs
+SSL_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "ssl").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SSL_CONFIGS, ids=lambda p: p.stem)
+def test_every_ssl_config_starts_with_its_command_and_passes_the_checks(path, tiny_embedded, tmp_path, capsys):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and f"fastclip train --config configs/ssl/{path.name}" in first
+    data = ["--data.train", str(tiny_embedded / "train"), "--data.val", str(tiny_embedded / "val")]
+    assert train_main(["--config", str(path), *data, "--train.run_dir", str(tmp_path / "run"), "--check"]) == 0, (
+        capsys.readouterr().err
+    )
+
+
+def test_the_shipped_ssl_configs_cover_every_method():
+    names = {p.stem for p in SSL_CONFIGS}
+    assert names >= {f"{m}-embedded" for m in ("simclr", "dcl", "sogclr", "isogclr", "rgclg", "tempnet")}
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"data.zeroshot": "ZS"}, ["data.zeroshot", "zero-shot", "set data.zeroshot null"]),
+        ({"eval.imagenet_val": "ZS"}, ["eval.imagenet_val", "zero-shot"]),
+        ({"model.arch": "tiny-vit-hf"}, ["model.arch", "Hugging Face text tower"]),
+        ({"mode": "openclip"}, ["openclip", "no unimodal form", "ntxent"]),
+        ({"mode": "siglip", **NO_GAMMA}, ["siglip", "no unimodal form"]),
+        ({"loss.impl": "fused"}, ["unimodal", "autograd"]),
+        ({"model.ema_momentum": 0.99}, ["model.ema_momentum"]),
+        ({"ssl.grayscale_p": 1.5}, ["ssl.grayscale_p", "probability"]),
+    ],
+)
+def test_a_caption_dependent_or_bad_option_is_one_line_exit_2(tiny_embedded, tmp_path, capsys, extra, words):
+    extra = {k: (str(tiny_embedded / "zeroshot.json") if v == "ZS" else v) for k, v in extra.items()}
+    if "eval.imagenet_val" in extra:
+        extra["eval.imagenet_val"] = str(tmp_path)
+    mode = extra.pop("mode", "fastclip-v2")
+    args = ssl_args(tiny_embedded, tmp_path / "run", mode, **extra)
+    one_line_error(capsys, train_main, [*args, "--check"], *words)
+
+
+# ----------------------------------------------------------------------------- stop, resume, export
+@pytest.fixture(scope="module")
+def runs(tiny_embedded, tmp_path_factory):
+    """iSogCLR (per-image u and τ) on 2 processes: 6 steps straight; 3 steps, then resumed to 6."""
+    root = tmp_path_factory.mktemp("ssl")
+    straight = Job(ssl_args(tiny_embedded, root / "straight", **{"train.max_steps": 6}), 2, root / "logs_straight")
+    codes = straight.wait(300)
+    assert codes == [0, 0], straight.outputs()
+    first = Job(ssl_args(tiny_embedded, root / "stopped", **{"train.max_steps": 3}), 2, root / "logs_first")
+    assert first.wait(300) == [0, 0], first.outputs()
+    args = ssl_args(tiny_embedded, root / "stopped", **{"train.max_steps": 6, "train.resume": "latest"})
+    resumed = Job(args, 2, root / "logs_resumed")
+    assert resumed.wait(300) == [0, 0], resumed.outputs()
+    return root
+
+
+def test_a_stopped_and_resumed_two_process_run_equals_the_uninterrupted_one(runs):
+    assert_same_training_state(step_dir(runs / "straight", 6), step_dir(runs / "stopped", 6), 2)
+    straight, stopped = train_records(runs / "straight"), train_records(runs / "stopped")
+    assert [r["step"] for r in stopped] == [1, 2, 3, 4, 5, 6]
+    assert [(r["loss"], r["objective"]) for r in straight] == [(r["loss"], r["objective"]) for r in stopped]
+    model = load(step_dir(runs / "straight", 6) / "model.pt")
+    keys = model["state_dict"].keys()
+    assert any(k.startswith("visual.") for k in keys) and any(k.startswith("projector.") for k in keys)
+    assert not any(k.startswith(("transformer.", "token_embedding")) for k in keys)  # no text tower
+    state = load(step_dir(runs / "straight", 6) / "rank_0.pt")["loss_state"]["_extra_state"]["fields"]
+    seen = load(step_dir(runs / "straight", 6) / "rank_0.pt")["loss_state"]["_extra_state"]["seen"] > 0
+    assert seen.any() and torch.equal(state["tau_img"][seen], state["tau_txt"][seen])  # one τ per image
+    assert not torch.all(state["tau_img"][seen] == 0.03)  # the per-image temperatures moved
+
+
+def test_the_export_is_the_image_tower_that_open_clip_loads(runs, tmp_path, capsys):
+    from fastclip.compat import import_open_clip
+    from fastclip.eval.export import main as export_main
+
+    out = tmp_path / "tower.pt"
+    assert export_main([str(runs / "straight"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "image tower" in printed and "visual.load_state_dict" in printed
+    state = torch.load(out, weights_only=True)["state_dict"]
+    saved = load(step_dir(runs / "straight", 6) / "model.pt")["state_dict"]
+    open_clip = import_open_clip()
+    open_clip.add_model_config(str(tmp_path / "tiny-vit.json"))
+    visual = open_clip.create_model("tiny-vit").visual
+    visual.load_state_dict(state)  # strict
+    for name, value in visual.state_dict().items():
+        assert torch.equal(value, saved[f"visual.{name}"]), name
+
+
+def test_fastclip_eval_of_an_ssl_run_is_one_line_exit_2(runs, tiny_embedded, capsys):
+    from fastclip.eval.cli import main as eval_main
+
+    argv = [str(runs / "straight"), "--data", str(tiny_embedded / "val")]
+    one_line_error(capsys, eval_main, argv, "self-supervised run", "eval/knn_top1", "fastclip export")
+
+
+# ----------------------------------------------------------------------------- images without captions
+def test_images_without_captions_train(tmp_path):
+    """A plain WebDataset of .png files only (no caption, no json: the index is the position)."""
+    from fastclip.data.cli import main as data_main
+
+    shards = tmp_path / "images"
+    shards.mkdir()
+    with tarfile.open(shards / "images-000000.tar", "w") as tar:
+        for i in range(24):
+            buffer = io.BytesIO()
+            Image.new("RGB", (20, 20), (10 * i, 255 - 10 * i, 3 * i)).save(buffer, format="PNG")
+            info = tarfile.TarInfo(f"{i:06d}.png")
+            info.size = buffer.tell()
+            buffer.seek(0)
+            tar.addfile(info, buffer)
+    assert data_main(["scan", str(shards), "--images-only"]) == 0
+    run = tmp_path / "run"
+    args = ssl_args(shards.parent, run, "ntxent", **{"data.train": str(shards), "train.epochs": 1, **NO_GAMMA})
+    assert train_main(args) == 0
+    records = train_records(run)
+    assert [r["step"] for r in records] == [1, 2, 3] and all(r["loss"] > 0 for r in records)
+    assert json.loads((shards / "manifest.json").read_text())["num_samples"] == 24
+
+
+# ----------------------------------------------------------------------------- kNN
+@pytest.mark.parametrize(("k", "temperature"), [(1, 0.07), (3, 0.07), (5, 1.0)])
+def test_knn_is_the_weighted_vote_of_the_other_images(k, temperature):
+    """Leave-one-out: image i's k most similar other images vote exp(cos/T) for their labels."""
+    from fastclip.train.ssl import knn_accuracy
+
+    features = torch.nn.functional.normalize(
+        torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9], [0.7, 0.7], [0.8, 0.5]]), dim=1
+    )
+    labels = [0, 0, 1, 1, 1, 0]
+    hits = 0
+    for i in range(6):
+        cos = {j: float(features[i] @ features[j]) for j in range(6) if j != i}
+        nearest = sorted(cos, key=cos.get, reverse=True)[:k]
+        votes = {c: sum(math.exp(cos[j] / temperature) for j in nearest if labels[j] == c) for c in (0, 1)}
+        hits += max(votes, key=votes.get) == labels[i]
+    assert knn_accuracy(features, torch.tensor(labels), k, temperature) == pytest.approx(hits / 6)
+    if k == 1:  # images 4 (0.7, 0.7) and 5 (0.8, 0.5) are each other's nearest, across the labels
+        assert hits == 4
+
+
+def test_the_knn_evaluation_scores_the_towers_features_by_dataset_and_label(tiny_embedded):
+    """knn_evaluate = knn_accuracy over the tower's normalised features of every data.val image, with one class per
+    (dataset, label): the glyphs' Fashion-MNIST and MNIST labels share numbers but are different classes."""
+    from fastclip.eval.samples import iter_samples
+    from fastclip.models import build_model
+    from fastclip.train.config import load_config
+    from fastclip.train.ssl import knn_accuracy, knn_evaluate, ssl_built
+
+    cfg = load_config(None, ["--ssl.enabled", "true", "--data.zeroshot", "null", "--ssl.knn_k", "3"])
+    torch.manual_seed(0)
+    built = ssl_built(build_model("tiny-vit"), cfg)
+    got = knn_evaluate(built.model, built.preprocess_val, str(tiny_embedded / "val"), torch.device("cpu"), cfg)
+    samples = list(iter_samples(tiny_embedded / "val"))
+    with torch.no_grad():
+        images = torch.stack([built.preprocess_val(s.image) for s in samples])
+        features = torch.nn.functional.normalize(built.model.visual.eval()(images), dim=-1)
+    names = sorted({(s.dataset, s.label) for s in samples})
+    assert len(names) == 20 and len({s.label for s in samples}) == 10  # two datasets, labels 0-9 each
+    classes = torch.tensor([names.index((s.dataset, s.label)) for s in samples])
+    assert got["knn_samples"] == 20
+    assert got["knn_top1"] == pytest.approx(knn_accuracy(features, classes, 3, cfg.ssl.knn_temperature))
+
+
+def test_the_benchmark_verdict_compares_the_means_within_the_spread():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_ssl
+
+    def arm(finals):
+        return {"global_batch": 64, "best_lr": 1e-3, "seeds": [{"final": f, "curve": []} for f in finals]}
+
+    close = {"arms": {"sogclr@64": arm([0.70, 0.72, 0.74]), "simclr@512": arm([0.71, 0.73, 0.75])}}
+    assert bench_ssl.verdict(close).startswith("the claim holds here: sogclr@64 72.0 against simclr@512 73.0")
+    far = {"arms": {"sogclr@64": arm([0.60, 0.61, 0.62]), "simclr@512": arm([0.73, 0.75, 0.77])}}
+    assert bench_ssl.verdict(far).startswith("the claim does not hold here")
+    assert bench_ssl.verdict({"arms": {"sogclr@64": arm([0.6])}}).startswith("not decided")
+    close["verdict"] = bench_ssl.verdict(close)
+    assert "| sogclr@64 | 64 | 0.001 | 72.0 ± 2.0 |" in bench_ssl.markdown(close)
+
+
+# ----------------------------------------------------------------------------- accumulation
+def ssl_steps(loss_name: str, k: int, n_steps: int = 2) -> dict:
+    """n_steps of the trainer's engine in ssl mode (image tower + projector, the loss's unimodal form) with
+    accum_steps = k on the same batches of two views: gradients, losses, parameters and per-image state."""
+    from fastclip.distributed import DistInfo
+    from fastclip.train.config import load_config
+    from fastclip.train.net import build_net
+
+    args = ["--ssl.enabled", "true", "--data.zeroshot", "null", "--loss.name", loss_name, "--data.batch_size", "8"]
+    args += ["--optim.accum_steps", str(k), "--optim.eps", "1e-4", "--train.seed", "0", "--loss.rho", "0.6"]
+    args += ["--loss.temperature", "0.2", "--optim.lr_tau", "1e-3", "--optim.lr_tau_schedule", "const"]
+    cfg = load_config(None, args)
+    net = build_net(cfg, DistInfo(0, 1, 0, torch.device("cpu"), "none", False), data_size=64)
+    for g in net.engine.param_groups:
+        g["lr"] = 1e-3
+    data = torch.Generator().manual_seed(7)
+    out = {"grads": [], "tau_grads": [], "losses": []}
+    for step in range(n_steps):
+        view_1, view_2 = torch.randn(2, 8, 3, 32, 32, generator=data)
+        indices = torch.randperm(64, generator=data)[:8]
+        loss = net.engine.forward(view_1, view_2, indices, epoch=step)
+        net.engine.backward(loss)
+        out["grads"].append({n: p.grad.clone() for n, p in net.model.named_parameters() if p.grad is not None})
+        out["tau_grads"].append([p.grad.clone() for p in net.engine.tau_params])
+        out["losses"].append(loss.detach())
+        net.engine.step()
+        net.loss_fn.clamp_()
+    out["params"] = {n: p.detach().clone() for n, p in net.model.named_parameters()}
+    out["loss_params"] = {n: p.detach().clone() for n, p in net.loss_fn.named_parameters()}
+    state = net.loss_fn.sample_state().state_dict()
+    out["state"], out["seen"] = state["fields"], state["seen"]
+    return out
+
+
+@pytest.mark.parametrize("loss_name", ["fastclip-v2", "fastclip-v3"])
+def test_k_micro_batches_equal_one_batch_in_ssl_mode(loss_name):
+    from test_accumulate import assert_equivalent
+
+    ref = ssl_steps(loss_name, 1)
+    assert any(n.startswith("projector.") for n in ref["grads"][0])
+    assert_equivalent(ssl_steps(loss_name, 2), ref, f"ssl {loss_name} k=2")
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+def test_deepspeed_zero2_trains_the_same_as_ddp(runs, tiny_embedded, tmp_path):
+    """The 2-process iSogCLR run under ZeRO-2 (sharded optimizer and gradients): the tower, projector and per-image
+    state of DDP's run to float rounding (another reduction order)."""
+    pytest.importorskip("deepspeed")
+    extra = {"train.max_steps": 6, "train.distributed": "deepspeed", "deepspeed.stage": 2}
+    job = Job(ssl_args(tiny_embedded, tmp_path / "zero2", **extra), 2, tmp_path / "logs")
+    assert job.wait(300) == [0, 0], job.outputs()
+    ref, got = runs / "straight", tmp_path / "zero2"
+    ddp, zero = (load(step_dir(run, 6) / "model.pt") for run in (ref, got))
+    assert ddp["state_dict"].keys() == zero["state_dict"].keys()
+    for key, value in ddp["state_dict"].items():
+        torch.testing.assert_close(zero["state_dict"][key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    for r in range(2):
+        a, b = (load(step_dir(run, 6) / f"rank_{r}.pt")["loss_state"]["_extra_state"] for run in (ref, got))
+        assert torch.equal(a["seen"], b["seen"])
+        for field, value in a["fields"].items():
+            torch.testing.assert_close(b["fields"][field], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{field}: {m}")
+
+
+def test_an_image_folder_without_captions_becomes_shards_that_train(tmp_path, capsys):
+    """`fastclip data folder --images DIR` alone: every image under DIR (sorted, recursively; other files left
+    out, an undecodable one skipped and said), no caption member, then an ssl run on the shards."""
+    from fastclip.data.cli import main as data_main
+    from fastclip.eval.samples import iter_samples
+
+    images = tmp_path / "pictures"
+    for i in range(18):
+        folder = images / f"class_{i % 3}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (24, 24), (12 * i, 200 - 9 * i, 5 * i)).save(folder / f"{i:03d}.jpg")
+    (images / "README.txt").write_text("not an image")
+    (images / "broken.png").write_bytes(b"not a png")
+    shards = tmp_path / "shards"
+    assert data_main(["folder", "--images", str(images), "--out", str(shards), "--shard-size", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "broken.png: undecodable" in out and "18 of 19" in out
+    samples = list(iter_samples(shards))
+    assert len(samples) == 18 and all(s.caption is None for s in samples)
+    assert sorted(s.index for s in samples) == [i for i in range(19) if i != 0]  # broken.png sorts first
+    run = tmp_path / "run"
+    args = ssl_args(tmp_path, run, "dcl", **{"data.train": str(shards), "train.epochs": 1, **NO_GAMMA})
+    assert train_main(args) == 0
+    assert [r["step"] for r in train_records(run)] == [1, 2, 3]  # 18 images, batches of 8: the last one filled
+    capsys.readouterr()
+    one_line_error(capsys, data_main, ["folder", "--out", str(tmp_path / "x")], "pass --captions FILE", "--images DIR")

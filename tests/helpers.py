@@ -114,7 +114,7 @@ def overrides(data: Path, run_dir: Path, mode: str = "fastclip-v3", **extra) -> 
 def fault_overrides(data: Path, run_dir: Path, mode: str = "fastclip-v2", **extra) -> list[str]:
     """`overrides` for the fault and operator tests: v2 by default, no held-out data, 20 checkpoints kept."""
     return overrides(
-        data, run_dir, mode, **{"data.val": "null", "data.zeroshot": _UNSET, "checkpoint.keep_last": 20, **extra}
+        data, run_dir, mode, **{"data.val": "null", "data.zeroshot": "null", "checkpoint.keep_last": 20, **extra}
     )
 
 

@@ -25,6 +25,7 @@ OPTIONS = {
     },
     "fastclip-v3-separate autograd": {"rho": 3.0, "separate_temperatures": True, "impl": "autograd"},
     "dcl hard": {"hard_negative_topk": 3, "hard_negative_beta": 0.5, "direction_weights": [0.7, 0.3]},
+    "ntxent": {"unimodal": True},  # (SimCLR: image and text are two views of the same images)
 }
 
 

@@ -372,11 +372,15 @@ def test_eval_and_export_refuse_unusable_checkpoints_in_one_line(trained, tmp_pa
 @pytest.mark.parametrize(
     "extra, key, words",
     [
-        ({"loss.bias": 1}, "loss.bias", "loss fastclip-v2 does not take it (it takes loss.compat, loss.eps"),
+        (
+            {"loss.bias": 1},
+            "loss.bias",
+            "loss fastclip-v2 does not take it (it takes loss.compat, loss.direction_weights",
+        ),
         (
             {"loss.name": "openclip", "loss.rho": 6.5},
             "loss.rho",
-            "(it takes loss.fused_kernels, loss.learn_temperature, loss.similarity,",
+            "(it takes loss.direction_weights, loss.distill_alpha, loss.fused_kernels, loss.hard_negative_beta,",
         ),
         (
             {"loss.name": "fastclip-v2", "loss.separate_temperatures": "true", "loss.rho": 7.0},

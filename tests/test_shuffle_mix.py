@@ -23,8 +23,8 @@ from fastclip.data.sources.synthetic import synthetic_image
 from fastclip.data.writer import ShardWriter
 
 REPO = Path(__file__).resolve().parents[1]
-# the cluster recipes (embedded.yaml and scenes.yaml are the small CPU configs: a few shards, no shuffle window)
-RECIPES = sorted(p.name for p in (REPO / "configs").glob("*.yaml") if p.name not in ("embedded.yaml", "scenes.yaml"))
+# the cluster recipes (embedded*.yaml and scenes*.yaml are the small CPU configs: a few shards, no shuffle window)
+RECIPES = sorted(p.name for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith(("embedded", "scenes")))
 SHARD, SHARDS, BATCH = 10_000, 6, 128
 
 

@@ -603,7 +603,7 @@ def test_run_all_smoke_writes_results_and_plots():
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,  # every program once in its --quick form: 590 s on 2 cores with the scenes-semantic item
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (out / "RESULTS.md").read_text()

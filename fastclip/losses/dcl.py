@@ -12,11 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ContrastiveLoss
-from .objective import AutogradObjective
 from .options import InfoNCEOptions
-from .pairwise import compute_dtype
-from .softmax import softmax_loss
+from .softmax import SoftmaxObjective
 
 
 @dataclass(frozen=True)
@@ -24,18 +21,6 @@ class DCLOptions(InfoNCEOptions):
     """openclip's options: τ (learnable or fixed), the similarity map, hard negatives, queue, distillation."""
 
 
-class DCLLoss(AutogradObjective, ContrastiveLoss):
+class DCLLoss(SoftmaxObjective):
     name = "dcl"
-    needs_indices = True  # copies of one sample are no negatives of each other
-    min_global_batch = 2  # an anchor needs a negative
-    unimodal_form = True  # the views' form: each of the 2N views against the other images' 2N − 2 views
-
-    def __init__(self, options: DCLOptions):
-        super().__init__(options)
-        self._init_logit_scale(options.temperature, options.learn_temperature)
-
-    def _objective(self, features, state):
-        scale = self._scale(compute_dtype(features.image.dtype))
-        loss = softmax_loss(features, scale, self.options, decoupled=True, exclude_copies=True)
-        value = loss.detach()
-        return loss, {"loss": value, "surrogate": value, "objective": value, "tau": 1.0 / scale.detach()}
+    decoupled = True

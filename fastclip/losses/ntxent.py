@@ -13,11 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ContrastiveLoss
-from .objective import AutogradObjective
 from .options import InfoNCEOptions
-from .pairwise import compute_dtype
-from .softmax import softmax_loss
+from .softmax import SoftmaxObjective
 
 
 @dataclass(frozen=True)
@@ -25,18 +22,6 @@ class NTXentOptions(InfoNCEOptions):
     """openclip's options: τ (learnable or fixed), the similarity map, hard negatives."""
 
 
-class NTXentLoss(AutogradObjective, ContrastiveLoss):
+class NTXentLoss(SoftmaxObjective):
     name = "ntxent"
-    needs_indices = True  # copies of one sample are no negatives of each other
-    min_global_batch = 2  # an anchor needs a negative
-    unimodal_form = True
-
-    def __init__(self, options: NTXentOptions):
-        super().__init__(options)
-        self._init_logit_scale(options.temperature, options.learn_temperature)
-
-    def _objective(self, features, state):
-        scale = self._scale(compute_dtype(features.image.dtype))
-        loss = softmax_loss(features, scale, self.options, decoupled=False, exclude_copies=True)
-        value = loss.detach()
-        return loss, {"loss": value, "surrogate": value, "objective": value, "tau": 1.0 / scale.detach()}
+    decoupled = False

@@ -36,7 +36,7 @@ from .pairwise import (
     weighted_surrogate,
 )
 from .similarity import pair_logits
-from .softmax import softmax_loss
+from .softmax import softmax_objective
 
 
 class OpenCLIPLoss(ContrastiveLoss):
@@ -95,7 +95,4 @@ class OpenCLIPAutograd(AutogradObjective, OpenCLIPLoss):
     direction weights, which the fused path does not implement."""
 
     def _objective(self, features, state):
-        scale = self._scale(features.image.dtype)
-        loss = softmax_loss(features, scale, self.options, decoupled=False, exclude_copies=False)
-        value = loss.detach()
-        return loss, {"loss": value, "surrogate": value, "objective": value, "tau": 1.0 / scale.detach()}
+        return softmax_objective(self, features, decoupled=False, exclude_copies=False)

@@ -17,8 +17,17 @@ import math
 
 import torch
 
-from .objective import GlobalFeatures, hard_negatives, masked_logsumexp, pair_map, weighted_directions
+from .base import ContrastiveLoss
+from .objective import (
+    AutogradObjective,
+    GlobalFeatures,
+    hard_negatives,
+    masked_logsumexp,
+    pair_map,
+    weighted_directions,
+)
 from .options import InfoNCEOptions
+from .pairwise import compute_dtype
 
 
 def softmax_loss(
@@ -54,3 +63,28 @@ def distilled_positive(features, rows, negative, scale, options) -> torch.Tensor
         alpha = options.distill_alpha
         targets = alpha * soft + (1.0 - alpha) * positive_cell.to(soft.dtype)
     return (targets * rows.masked_fill(~candidates, 0.0)).sum(dim=-1)
+
+
+def softmax_objective(loss_fn, features: GlobalFeatures, *, decoupled: bool, exclude_copies: bool):
+    """``(loss, metrics)`` of a softmax loss with the module's ``logit_scale`` (openclip, dcl, ntxent)."""
+    scale = loss_fn._scale(compute_dtype(features.image.dtype))
+    loss = softmax_loss(features, scale, loss_fn.options, decoupled=decoupled, exclude_copies=exclude_copies)
+    value = loss.detach()
+    return loss, {"loss": value, "surrogate": value, "objective": value, "tau": 1.0 / scale.detach()}
+
+
+class SoftmaxObjective(AutogradObjective, ContrastiveLoss):
+    """A softmax loss with a learnable or fixed τ whose copies of the anchor's sample are no negatives (dcl,
+    ntxent); ``decoupled``: the positive left out of the denominator."""
+
+    needs_indices = True  # copies of one sample are no negatives of each other
+    min_global_batch = 2  # an anchor needs a negative
+    unimodal_form = True  # the views' form: each of the 2N views against the other images' 2N − 2 views
+    decoupled = False
+
+    def __init__(self, options: InfoNCEOptions):
+        super().__init__(options)
+        self._init_logit_scale(options.temperature, options.learn_temperature)
+
+    def _objective(self, features, state):
+        return softmax_objective(self, features, decoupled=self.decoupled, exclude_copies=True)

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "resumes": sum(1 for s in segments if s["from_step"] > 0),
         "steps": p["steps"],
         "checkpoints_left": dirs,
-        "tmp_left": [d for d in dirs if d.startswith((".tmp", ".old"))],
+        "tmp_left": [d for d in dirs if d.startswith((".tmp", ".old", ".pruned"))],
         "within_keep_last": len([d for d in dirs if d.startswith("step_")]) <= p["keep_last"],
         "final_equals_uninterrupted": equal,
         "first_difference": where,
@@ -234,7 +234,7 @@ def markdown(r: dict) -> str:
         f"2 processes (gloo), embedded data, {r['steps']} steps, a checkpoint every {p['every']} steps, keep_last "
         f"{p['keep_last']}, `kill -9` of the whole job after {p['kill_after_s'][0]}-{p['kill_after_s'][1]} s each "
         f"time, resumed with `--train.resume latest`:", "",
-        "| kills | resumes | checkpoints left | `.tmp`/`.old` left | final state = uninterrupted run (bitwise) | "
+        "| kills | resumes | checkpoints left | `.tmp`/`.old`/`.pruned` left | final state = uninterrupted run (bitwise) | "
         "RSS of each launch after start-up (median) |",
         "|---:|---:|---|---|---|---|",
         f"| {r['kills']} | {r['resumes']} | {', '.join(r['checkpoints_left'])} | {len(r['tmp_left'])} | "

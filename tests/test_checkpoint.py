@@ -49,6 +49,44 @@ def test_crash_leftovers_and_resave_of_same_step(tmp_path):
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000005", "step_00000007"]
 
 
+def test_a_kill_during_pruning_leaves_no_step_folder_behind(tmp_path, monkeypatch):
+    """(a kill -9 in the middle of deleting step_00000100 once left it without its model.pt: no longer a complete
+    checkpoint, it was never pruned again and the run ended with keep_last + 1 folders)"""
+    root = tmp_path / "checkpoints"
+    save(root, 10)
+    save(root, 20)
+    real_rmtree = ckpt.shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):
+        if not path.name.startswith(".pruned_"):
+            return real_rmtree(path, ignore_errors=ignore_errors)
+        (path / "model.pt").unlink()  # part of the folder is gone, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save(root, 30)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    # the half-deleted folder was renamed aside first: it is not a step folder, and latest names the new save
+    assert sorted(p.name for p in root.iterdir()) == [".pruned_step_00000010", "latest", "step_00000020", "step_00000030"]
+    assert ckpt.resolve_resume("latest", tmp_path) == root / "step_00000030"
+    # what an earlier version left: a step folder without its model.pt, older than the newest
+    (root / "step_00000015").mkdir()
+    (root / "step_00000015" / "rank_0.pt").write_bytes(b"half")
+    save(root, 40)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000030", "step_00000040"]
+
+
+def test_an_incomplete_folder_newer_than_the_kept_one_is_left_alone(tmp_path):
+    root = tmp_path / "checkpoints"
+    save(root, 10)
+    (root / "step_00000090").mkdir()  # damaged by hand, newer than anything saved: not ours to delete
+    (root / "step_00000090" / "notes.txt").write_text("keep")
+    save(root, 20)
+    save(root, 30)
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000020", "step_00000030", "step_00000090"]
+
+
 @pytest.mark.parametrize("what", ["file", "link"])
 def test_a_step_name_taken_by_a_file_stops_the_save_and_says_nothing_was_written(tmp_path, what):
     """(the file used to be moved aside, the checkpoint written, and then an error said nothing of it was kept)"""

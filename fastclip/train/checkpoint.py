@@ -315,10 +315,30 @@ def prune_checkpoints(root: Path, keep_last: int, *, keep: Path) -> None:
     """Rank 0: delete the complete checkpoints older than the newest `keep_last` (never `keep`). After each save, and
     when a run resumes: a job killed between a save and its pruning, resumed with nothing left to train, would
     otherwise end with one checkpoint more than keep_last."""
+    # a folder is renamed aside before it is deleted, so a kill during the deletion leaves a .pruned_ folder (swept
+    # here) and never a half-deleted step folder that no longer counts as a checkpoint and so would stay forever
+    for leftover in root.glob(".pruned_step_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    steps = list_checkpoints(root)
     # keep_last counts complete checkpoints: an incomplete folder (a resume passed it over) is not one of them
-    for stale in [p for p in list_checkpoints(root) if is_complete(p)][:-keep_last]:
-        if stale.resolve() != keep.resolve():
-            shutil.rmtree(stale, ignore_errors=True)  # what cannot go now (a busy NFS file) goes at the next save
+    stale = [p for p in steps if is_complete(p)][:-keep_last]
+    # an incomplete folder older than the one kept: what an earlier version's cut-short deletion left
+    newest_kept = STEP_DIR.fullmatch(keep.name)
+    if newest_kept:
+        stale += [
+            p
+            for p in steps
+            if not is_complete(p) and int(STEP_DIR.fullmatch(p.name).group(1)) < int(newest_kept.group(1))
+        ]
+    for folder in stale:
+        if folder.resolve() == keep.resolve():
+            continue
+        aside = root / f".pruned_{folder.name}"
+        try:
+            os.replace(folder, aside)
+        except OSError:
+            continue  # what cannot go now (a busy NFS file) goes at the next save
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- load

@@ -3,7 +3,7 @@ keep_last set, `kill -9` of the whole job at random moments (during steps and sa
 resume with `--train.resume latest`, until the run reaches its last step.
 
     python benchmarks/bench_longrun.py          # 3,000 steps, a kill every 2-5 min -> results/longrun.{json,md,png}
-    python benchmarks/bench_longrun.py --quick  # 200 steps, a kill every 12-20 s (CI smoke) -> benchmarks/out/
+    python benchmarks/bench_longrun.py --quick  # 60 steps, a kill every 12-20 s (CI smoke) -> benchmarks/out/
 
 Reports the steps done, the kills and resumes, the checkpoints left on disk (never more than keep_last, no
 `.tmp` folder), the memory of the job over time (RSS summed over its processes, sampled every second: no growth
@@ -40,7 +40,7 @@ from common import (
 )
 
 FULL = dict(steps=3000, every=50, keep_last=2, kill_after_s=(120, 300), max_per_class=100)
-QUICK = dict(steps=200, every=10, keep_last=2, kill_after_s=(12, 20), max_per_class=20)
+QUICK = dict(steps=60, every=10, keep_last=2, kill_after_s=(12, 20), max_per_class=20)
 
 
 def command(data: Path, run_dir: Path, p: dict, resume: bool) -> list[str]:

@@ -346,6 +346,7 @@ def _run(args) -> int:
             "data_size": catalog.data_size,
             "num_samples": catalog.num_samples,
             "shards": len(catalog.shards),
+            "groups": catalog.grouped,
             "sources": [
                 {
                     "spec": s.spec,

@@ -99,6 +99,8 @@ def test_a_bad_group_is_skipped_and_counted_naming_shard_and_key(model_fns, tmp_
         assert skipped == {"bad_group": len(BAD)}, folder.name
         events = {(e["shard"], e["key"], e["reason"]) for e in stream.recent_skips}
         assert events == {("a.tar", f"{i:09d}", "bad_group") for i in BAD}, folder.name
+        details = {e["key"]: e["detail"] for e in stream.recent_skips}  # the sample's index named too
+        assert details["000000006"].startswith("index 6: json 'group' is -1, not an integer >= 0"), folder.name
 
 
 def test_writer_manifest_and_catalog_checks(tmp_path):

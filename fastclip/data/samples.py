@@ -81,7 +81,7 @@ def check_sample(
         return None, "index_out_of_range", f"index {index} not in [0, {data_size})"
     group, why = group_of(meta, index)
     if group is None:
-        return None, "bad_group", why
+        return None, "bad_group", f"index {index}: {why}"
     caption = caption_of(raw.files, meta)
     if caption is None and need_caption:
         return None, "missing_caption", "no non-empty .txt and no json 'caption'"

@@ -242,7 +242,7 @@ def _summarise(task: tuple) -> ShardSummary:
                     missing.append((ordinal, "missing_index", why or "json has no integer 'index' or 'key'"))
                 group, bad_group = group_of(meta, index)
                 if bad_group:
-                    notes.append((ordinal, "bad_group", bad_group))
+                    notes.append((ordinal, "bad_group", f"index {index}: {bad_group}"))
                 grouped |= group is not None and group != index
                 if caption_of(raw.files, meta) is None:
                     notes.append((ordinal, "missing_caption", "no non-empty .txt and no json 'caption'"))

@@ -234,8 +234,8 @@ def markdown(r: dict) -> str:
         f"2 processes (gloo), embedded data, {r['steps']} steps, a checkpoint every {p['every']} steps, keep_last "
         f"{p['keep_last']}, `kill -9` of the whole job after {p['kill_after_s'][0]}-{p['kill_after_s'][1]} s each "
         f"time, resumed with `--train.resume latest`:", "",
-        "| kills | resumes | checkpoints left | `.tmp`/`.old`/`.pruned` left | final state = uninterrupted run (bitwise) | "
-        "RSS of each launch after start-up (median) |",
+        "| kills | resumes | checkpoints left | `.tmp`/`.old`/`.pruned` left | "
+        "final state = uninterrupted run (bitwise) | RSS of each launch after start-up (median) |",
         "|---:|---:|---|---|---|---|",
         f"| {r['kills']} | {r['resumes']} | {', '.join(r['checkpoints_left'])} | {len(r['tmp_left'])} | "
         f"{'yes' if r['final_equals_uninterrupted'] else 'NO (' + r['first_difference'] + ')'} | "

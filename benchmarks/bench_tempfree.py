@@ -51,7 +51,7 @@ def load_training_set(train_dir: Path, built, batch: int, seed: int):
         preprocess=built.preprocess_train,
         tokenizer=built.tokenizer,
     )
-    images, texts, indices = zip(*stream.epoch(0))
+    images, texts, indices, _ = zip(*stream.epoch(0))
     return torch.cat(images), torch.cat(texts), torch.cat(indices), stream.data_size
 
 

@@ -125,3 +125,39 @@ def zeroshot_json() -> dict:
             "colours": {"classnames": list(COLOURS), "templates": ["{}"]},
         }
     }
+
+
+# ----------------------------------------------------------------------------- several captions per image
+# CAPTION_SCORES[image, caption]: images A, B, C; captions 0-1 are A's, 2-3 B's, 4-5 C's (CAPTION_OWNER)
+CAPTION_SCORES = torch.tensor(
+    [
+        [0.9, 0.1, 0.8, 0.0, 0.2, 0.3],
+        [0.5, 0.2, 0.3, 0.4, 0.1, 0.45],
+        [0.3, 0.95, 0.2, 0.1, 0.85, 0.5],
+    ]
+)
+CAPTION_OWNER = [0, 0, 1, 1, 2, 2]
+CAPTION_WORDS = ("apple", "banana", "cherry", "grape", "lemon", "mango")  # one token each: caption j's embedding
+SHARD_ORDER = [0, 2, 4, 1, 3, 5]  # data index -> caption: the first captions of A, B, C, then their second
+
+
+def caption_probe(tokenizer) -> ProbeCLIP:
+    """Image g embeds to e_g; caption j to column j of CAPTION_SCORES / 2 completed to unit length by a 4th
+    component, so the normalised similarities are CAPTION_SCORES / 2 exactly (the same ranks)."""
+    half = CAPTION_SCORES / 2
+    pad = (1 - (half**2).sum(dim=0)).sqrt()
+    model = ProbeCLIP(tokenizer, dict(zip(CAPTION_WORDS, torch.cat([half, pad[None]]).T)))
+    model.text_projection = torch.zeros(4, 4)  # (tells evaluate the embedding width: no class names here)
+    return model
+
+
+def write_caption_shards(out_dir, groups: bool = True) -> Path:
+    """The 6 captions as samples (SHARD_ORDER), each with its image; groups: json "group" = the image's number."""
+    writer = ShardWriter(out_dir, shard_size=4)
+    for index, j in enumerate(SHARD_ORDER):
+        g = CAPTION_OWNER[j]
+        png = io.BytesIO()
+        probe_image([255 if i == g else 0 for i in range(4)]).save(png, format="PNG")
+        writer.write(index, png.getvalue(), "png", f"a photo of a {CAPTION_WORDS[j]}.", group=g if groups else None)
+    writer.close(len(SHARD_ORDER))
+    return Path(out_dir)

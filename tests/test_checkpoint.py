@@ -68,7 +68,12 @@ def test_a_kill_during_pruning_leaves_no_step_folder_behind(tmp_path, monkeypatc
         save(root, 30)
     monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
     # the half-deleted folder was renamed aside first: it is not a step folder, and latest names the new save
-    assert sorted(p.name for p in root.iterdir()) == [".pruned_step_00000010", "latest", "step_00000020", "step_00000030"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".pruned_step_00000010",
+        "latest",
+        "step_00000020",
+        "step_00000030",
+    ]
     assert ckpt.resolve_resume("latest", tmp_path) == root / "step_00000030"
     # what an earlier version left: a step folder without its model.pt, older than the newest
     (root / "step_00000015").mkdir()

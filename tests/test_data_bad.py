@@ -98,7 +98,7 @@ def run_epoch(model_fns, path, workers):
         tokenizer=model_fns[1],
     )
     batches = list(stream.epoch(0))
-    return stream, batches, [i for _, _, idx in batches for i in idx.tolist()]
+    return stream, batches, [i for _, _, idx, _ in batches for i in idx.tolist()]
 
 
 def check_events_match_counts(stream):
@@ -249,7 +249,7 @@ def _epochs(root, world, workers, epochs=1, shuffle_buffer=1000, batch=16):
             preprocess=_cheap_image,
             tokenizer=_cheap_tokens,
         )
-        served.append([[i for _, _, idx in stream.epoch(e) for i in idx.tolist()] for e in range(epochs)])
+        served.append([[i for _, _, idx, _ in stream.epoch(e) for i in idx.tolist()] for e in range(epochs)])
         streams.append(stream)
     return streams, served
 

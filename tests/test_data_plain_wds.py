@@ -76,7 +76,7 @@ def test_the_stream_attaches_each_sample_its_position_index(plain):
         tokenizer=lambda texts: torch.zeros(len(texts), 1, dtype=torch.long),
     )
     served = {}
-    for images, _, indices in stream.epoch(0):
+    for images, _, indices, _ in stream.epoch(0):
         for image, index in zip(images, indices.tolist()):
             served[index] = image.numpy()
     assert sorted(served) == list(range(16))

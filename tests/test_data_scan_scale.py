@@ -146,7 +146,7 @@ def test_scan_from_img2dataset_stats_without_opening_the_tars(tmp_path, model_fn
         preprocess=model_fns[0],
         tokenizer=model_fns[1],
     )
-    ((_, _, indices),) = list(stream.epoch(0))
+    ((_, _, indices, _),) = list(stream.epoch(0))
     assert sorted(indices.tolist()) == [
         i for s, n in enumerate([10, 10, 6]) for i in range(s * 100, s * 100 + n) if i not in {2, 105, 205}
     ]

@@ -184,3 +184,45 @@ def test_cli_writes_scenes_and_rejects_bad_counts(tmp_path, capsys):
     bad = ["embedded", "--source", "scenes", "--out", str(tmp_path / "bad"), "--num-train", "0"]
     one_line_error(capsys, data_main, bad, "argument --num-train: 0 must be >= 1")
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("source", ["scenes", "scenes-semantic"])
+def test_captions_per_scene_writes_one_sample_per_phrasing_sharing_a_group(source, tmp_path, capsys):
+    """--captions-per-scene 3: each scene is 3 samples, its image with 3 distinct captions of the same scene (caption
+    0 the one-caption data set's), one json group (the first one's index), one label; same seed, same bytes."""
+    from fastclip.data.sources.scenes import variant_functions
+    from fastclip.data.sources.scenes_semantic import CaptionReader
+
+    argv = ["embedded", "--source", source, "--num-train", "6", "--num-val", "2", "--num-test", "0"]
+    argv += ["--num-novel", "0", "--shard-size", "7", "--seed", "3", "--captions-per-scene", "3"]
+    assert data_main([*argv, "--out", str(tmp_path / "k3"), "--workers", "2"]) == 0
+    assert "train: 6 scenes x 3 captions (18 distinct captions" in capsys.readouterr().out
+    build_scenes(tmp_path / "again", **SMALL, captions_per_scene=3, workers=1, variant=VARIANTS[source])
+    assert digest(tmp_path / "again") == digest(tmp_path / "k3")
+    variant = variant_functions(VARIANTS[source])
+    summary = json.loads((tmp_path / "k3" / "scenes.json").read_text())
+    vocab, pools = glyph_pools(summary["datasets"], "/usr/share/datasets/fashion-mnist", 3)
+    reads = vocab.parse_caption if source == "scenes" else CaptionReader(vocab).parse
+    for split, first_index in (("train", 0), ("val", 18)):
+        manifest = json.loads((tmp_path / "k3" / split / "manifest.json").read_text())
+        assert manifest["groups"] is True and manifest["captions_per_scene"] == 3
+        assert {s["num_samples"] for s in manifest["shards"]} == {6}  # 2 whole scenes per shard of at most 7
+        samples = sorted(read_split(tmp_path / "k3", split), key=lambda s: s["meta"]["index"])
+        assert [s["meta"]["index"] for s in samples] == list(range(first_index, first_index + len(samples)))
+        sizes = [len(p) for p in pools["train" if split == "train" else "heldout"]]
+        for n, scene in enumerate(samples[i : i + 3] for i in range(0, len(samples), 3)):
+            assert {s["meta"]["group"] for s in scene} == {scene[0]["meta"]["index"]}
+            assert len({s["png"] for s in scene}) == 1 and len({json.dumps(s["meta"]["scene"]) for s in scene}) == 1
+            assert len({s["txt"] for s in scene}) == 3  # distinct phrasings ...
+            assert len({reads(s["txt"]) for s in scene}) == 1  # ... of the same scene
+            assert scene[0]["txt"] == variant.scene_and_caption(3, split, n, vocab, sizes)[1]
+            one_object = len(scene[0]["meta"]["scene"]["objects"]) == 1
+            assert ["label" in s["meta"] for s in scene] == [one_object, False, False]  # each image labelled once
+    bad = [*argv[:-1], "4", "--out", str(tmp_path / "bad")]
+    one_line_error(capsys, data_main, bad, "--captions-per-scene 4: must be 1..3")
+    glyphs = ["embedded", "--out", str(tmp_path / "glyphs"), "--captions-per-scene", "2"]
+    one_line_error(capsys, data_main, glyphs, "--captions-per-scene 2: scenes sources only")
+
+
+VARIANTS = {"scenes": "classic", "scenes-semantic": "semantic"}
+SMALL = dict(num_train=6, num_val=2, num_test=0, num_novel=0, shard_size=7, seed=3)

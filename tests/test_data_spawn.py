@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent("""
                                     preprocess=built.preprocess_train, tokenizer=built.tokenizer)
         batches = list(stream.epoch(0))
         assert len(batches) == stream.batches_per_epoch == 10, len(batches)
-        indices = sorted(int(i) for _, _, idx in batches for i in idx)
+        indices = sorted(int(i) for _, _, idx, _ in batches for i in idx)
         assert indices == list(range(40)), indices
         print("spawned-worker-ok")
 """)

@@ -32,17 +32,18 @@ make = functools.partial(make_stream, shuffle_buffer=32)
 
 
 def indices_of(batches) -> list[int]:
-    return [i for _, _, idx in batches for i in idx.tolist()]
+    return [i for _, _, idx, _ in batches for i in idx.tolist()]
 
 
 def test_batch_format_matches_the_contract(model_fns, shards):
     stream = make(model_fns, shards / "uneven")
     assert stream.data_size == 234 and stream.batches_per_epoch == 30  # ceil(234 / 8)
-    images, texts, indices = next(iter(stream.epoch(0)))
+    images, texts, indices, groups = next(iter(stream.epoch(0)))
     assert images.dtype == torch.float32 and images.shape == (8, 3, 32, 32)
     assert texts.dtype == torch.int64 and texts.shape == (8, 32)
     assert indices.dtype == torch.int64 and indices.shape == (8,)
     assert ((indices >= 0) & (indices < stream.data_size)).all()
+    assert torch.equal(groups, indices) and not stream.grouped  # no json "group": each sample its own group
     # each row's tokens are the tokenizer's output for that sample's caption: captions travel with their index
     expected = model_fns[1]([synthetic_caption(i) for i in indices.tolist()])
     assert torch.equal(texts, expected)
@@ -163,7 +164,7 @@ def _ddp_rank(rank, world_size, train_data):
         tokenizer=_light_tokenizer,
     )
     steps = 0
-    for _, _, indices in stream.epoch(0):
+    for _, _, indices, _ in stream.epoch(0):
         total = indices.sum()
         dist.all_reduce(total)  # a rank with fewer batches would leave the others waiting here forever
         steps += 1

@@ -16,11 +16,13 @@ from fastclip.eval import EvalDataError, run_evals
 
 from dist_utils import run_distributed
 from probe import (
+    caption_probe,
     colour_samples,
     fruit_probe,
     fruit_samples,
     image_with_rank,
     probe_preprocess,
+    write_caption_shards,
     write_labelled_shards,
     zeroshot_json,
 )
@@ -78,6 +80,17 @@ def evaluations(root, weights) -> dict:
         loss_fn=build_loss("openclip"),
         loss_batch_size=4 // world,
         probe=probe,
+    )
+    # several captions per image (json "group"): the captions' groups gathered with their features
+    out["grouped"] = run_evals(
+        caption_probe(tokenizer),
+        tokenizer=tokenizer,
+        preprocess=probe_preprocess,
+        val_dir=root / "grouped" / "val",
+        device="cpu",
+        batch_size=2,
+        loss_fn=build_loss("openclip"),
+        loss_batch_size=6 // world,
     )
     return out
 
@@ -144,6 +157,7 @@ def data(tmp_path_factory):
     write_bad_image_shard(root / "bad_image")
     write_labelled_shards(root / "odd_size", [apple, (image_with_rank(0, 1, 8).resize((17, 17)),) + apple[1:]])
     write_labelled_shards(root / "mixed", [apple, colour_samples()[0]])
+    write_caption_shards(root / "grouped" / "val")
     (root / "names.txt").write_text("\n".join(zeroshot_json()["datasets"]["fruits"]["classnames"]))
     torch.manual_seed(0)
     weights = root / "tiny-vit.pt"
@@ -182,6 +196,13 @@ def test_two_process_eval_matches_one_process(data):
     assert probe["zeroshot/colours/top1"] == 0.5
     assert ranks[0]["tiny-vit"]["retrieval/num_samples"] == 29.0
     assert set(reference["tiny-vit"]) >= {"zeroshot/fruits/top1", "retrieval/image_to_text_R@10"}
+    # 3 images x 2 captions, one rank holding a caption of each image and the other the rest: the known answer
+    grouped = [{k: v for k, v in r["grouped"].items() if k != "val_loss"} for r in (*ranks, reference)]
+    assert grouped[0] == grouped[1] == grouped[2]
+    assert (grouped[0]["retrieval/image_to_text_R@1"], grouped[0]["retrieval/text_to_image_R@1"]) == (1 / 3, 4 / 6)
+    assert (grouped[0]["retrieval/num_samples"], grouped[0]["retrieval/num_images"]) == (6.0, 3.0)
+    losses = [r["grouped"]["val_loss"] for r in (*ranks, reference)]
+    assert losses[0] == losses[1] == pytest.approx(losses[2], rel=1e-6)
     # a label out of range: counted, all-reduced, raised on both ranks with the same message
     assert ranks[0]["bad_label"] == ranks[1]["bad_label"]
     assert "label outside [0, 8)" in ranks[0]["bad_label"]

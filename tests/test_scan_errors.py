@@ -136,7 +136,7 @@ def test_samples_without_image_and_caption_are_not_counted_as_usable(tmp_path, c
     out = capsys.readouterr().out.splitlines()
     problems = {"missing_caption": 3, "missing_image": 3}
     assert out[0] == f"{folder}: 2 shards, 4 samples (1 usable), data_size 4, 6 problems ({problems})"
-    assert [i for _, _, idx in _stream(str(folder)).epoch(0) for i in idx.tolist()] == [3] * 4
+    assert [i for _, _, idx, _ in _stream(str(folder)).epoch(0) for i in idx.tolist()] == [3] * 4
 
 
 # ----------------------------------------------------------------------------- 5. duplicate keys
@@ -157,7 +157,7 @@ def test_a_key_repeated_next_to_itself_is_listed_and_skipped_one_repeated_apart_
     ]
     # the stream skips exactly what the manifest lists, and counts it
     stream = _stream(str(folder))
-    served = sorted(i for _, _, idx in stream.epoch(0) for i in idx.tolist())
+    served = sorted(i for _, _, idx, _ in stream.epoch(0) for i in idx.tolist())
     assert set(served) == {0, 3, 4, 5, 6, 7} and stream.counters["duplicate_key"] == 1  # (a refill repeats one)
 
 
@@ -172,11 +172,11 @@ def test_problems_are_skipped_by_position_and_by_key_in_a_manifest_without_posit
     capsys.readouterr()
     manifest = json.loads((folder / "manifest.json").read_text())
     assert [(p["key"], p["ordinal"], p["reason"]) for p in manifest["problems"]] == [("0003", 3, "duplicate_index")]
-    assert set(i for _, _, idx in _stream(str(folder)).epoch(0) for i in idx.tolist()) == {0, 1, 2}
+    assert set(i for _, _, idx, _ in _stream(str(folder)).epoch(0) for i in idx.tolist()) == {0, 1, 2}
     manifest["problems"] = [dict(p, key="0000", ordinal=None) for p in manifest["problems"]]  # by key only
     (folder / "manifest.json").write_text(json.dumps(manifest))
     stream = _stream(str(folder))
-    assert set(i for _, _, idx in stream.epoch(0) for i in idx.tolist()) == {1}
+    assert set(i for _, _, idx, _ in stream.epoch(0) for i in idx.tolist()) == {1}
     # both samples under key 0000 (listed), and position 3 (index 1 again: the run-time check, now unlisted)
     assert stream.counters["duplicate_index"] == 3
     for bad in (-1, "3", 1.5, True):

@@ -47,7 +47,7 @@ def _ours(shards: Path, shuffle_buffer: int) -> list[int]:
         preprocess=lambda image: torch.zeros(1),
         tokenizer=lambda texts: torch.zeros(len(texts), 1, dtype=torch.long),
     )
-    return [len(set((indices // SHARD).tolist())) for _, _, indices in stream.epoch(0)]
+    return [len(set((indices // SHARD).tolist())) for _, _, indices, _ in stream.epoch(0)]
 
 
 def _openclip(shards: Path) -> list[int]:

@@ -89,5 +89,11 @@ def test_summary_shows_retrieval_with_distinct_captions(tiny_embedded, tmp_path,
     out = capsys.readouterr().out
     assert "  time       7 min 01 s training, median 120 samples/s" in out
     assert "  retrieval  R@1/5/10 image->text 5.0/25.0/50.0%, text->image 5.0/25.0/50.0%  (20 pairs)" in out
+    # several captions per image (json "group"): the evaluation names its images
+    results = run / "checkpoints" / "results.jsonl"
+    grouped = json.loads(results.read_text().splitlines()[-1]) | {"num_images": 10}
+    results.write_text(results.read_text() + json.dumps(grouped) + "\n")
+    assert fastclip_main(["summary", str(run)]) == 0
+    assert "text->image 5.0/25.0/50.0%  (20 captions of 10 images)" in capsys.readouterr().out
     assert fastclip_main(["summary", str(tmp_path)]) == 2
     assert "no config.yaml" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""fastclip.data: WebDataset shards with global sample indices -> training batches (images, token ids, indices).
+"""fastclip.data: WebDataset shards with global sample indices -> training batches (images, token ids, indices,
+group ids).
 
 Writing shards (`fastclip data ...`, fastclip/data/cli.py):
     embedded   Fashion-MNIST + MNIST-5k (or MNIST-5k + Animal-MNIST) -> DIR/train, DIR/val, DIR/zeroshot.json
@@ -15,7 +16,10 @@ Training (fastclip/data/stream.py has the rules on order, ranks, workers and res
     stream.data_size              1 + the largest index (size the per-sample state from it)
     stream.batches_per_epoch      batches every rank serves in a whole epoch (the same on all ranks)
     stream.batches_remaining(e)   batches stream.epoch(e) will serve from the current position
-    stream.epoch(e)               iterator of (images float [B,3,H,W], texts int64 [B,ctx], indices int64 [B])
+    stream.epoch(e)               iterator of (images float [B,3,H,W], texts int64 [B,ctx], indices int64 [B],
+                                  groups int64 [B]: json "group", else the index; format.py)
+    stream.grouped                whether a manifest says some samples share a group (the trainer then passes
+                                  the groups to the loss)
     stream.state_dict() / stream.load_state_dict(sd)   position (plain types; torch.load(weights_only=True) ok)
     stream.counters               {reason: samples skipped, ..., "wrapped": samples served twice to fill batches}
     stream.drain_skips()          the skipped samples since the last call: {"shard", "key", "reason", "detail",

@@ -59,6 +59,7 @@ class Catalog:
     sources: tuple[Source, ...]
     shards: tuple[Shard, ...]
     data_size: int
+    grouped: bool = False  # a manifest says some samples share a json "group" (the trainer then passes groups)
 
     @property
     def num_samples(self) -> int:
@@ -181,10 +182,12 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
     shards: list[Shard] = []
     sources: list[Source] = []
     taken: dict[str, str] = {}
+    grouped = False
     for source_id, spec in enumerate(s.strip() for s in train_data.split("::")):
         if not spec:
             raise DataSpecError(f"empty source in {train_data!r} (two '::' in a row?)")
         paths, manifests = _shard_paths(spec)
+        grouped |= any(m.groups for m in manifests.values())
         # lookups by path, so 40k-shard patterns stay linear
         entries = {f: {os.path.normpath(s.path): s for s in m.shards} for f, m in manifests.items()}
         problems: dict[tuple[Path, str], list] = {}
@@ -254,7 +257,7 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                 f"(largest index {size - 1} would not fit)"
             )
         size = data_size
-    return Catalog(tuple(sources), tuple(shards), size)
+    return Catalog(tuple(sources), tuple(shards), size, grouped)
 
 
 def _check_disjoint(sources: list[Source]) -> None:

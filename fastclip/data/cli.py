@@ -5,6 +5,7 @@
                          [--seed 0] [--index-offset 0]
   fastclip data embedded --source scenes|scenes-semantic --out data/scenes [--num-train 100000] [--num-val 2000]
                          [--num-test 5000] [--num-novel 2000] [--workers N] [--seed 0] [--shard-size 2000]
+                         [--captions-per-scene 1]
   fastclip data folder --captions caps.csv --out DIR [--images ROOT] [--csv-img-key filepath]
                        [--csv-caption-key title] [--csv-separator ","] [--shard-size 2000] [--index-offset 0]
   fastclip data scan DIR|DIR/manifest.json|PATTERN [--data-size N] [--strict] [--workers N] [--from-tars]
@@ -100,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
         help="scenes: held-out pairs with (class, colour) combinations never seen in training",
     )
     e.add_argument("--workers", type=_count, default=None, help="scenes: generating processes (default: all cores)")
+    e.add_argument(
+        "--captions-per-scene",
+        type=_count,
+        default=1,
+        help="scenes: samples per scene (at most 3), its image with distinct phrasings of its caption, sharing a "
+        "json 'group' (positives of each other in training, one image in retrieval)",
+    )
     e.add_argument(
         "--datasets",
         default="auto",
@@ -227,6 +235,8 @@ def _run(args) -> int:
         )
     if args.command == "embedded" and args.source in ("scenes", "scenes-semantic"):
         return _scenes(args)
+    if args.command == "embedded" and args.captions_per_scene != 1:
+        raise ValueError(f"--captions-per-scene {args.captions_per_scene}: scenes sources only (--source scenes)")
     if args.command == "embedded":
         from fastclip.data.sources.embedded import FASHION_MNIST_ROOT, build_embedded
         from fastclip.progress import Progress
@@ -346,6 +356,7 @@ def _run(args) -> int:
             "data_size": catalog.data_size,
             "num_samples": catalog.num_samples,
             "shards": len(catalog.shards),
+            "groups": catalog.grouped,
             "sources": [
                 {
                     "spec": s.spec,
@@ -374,9 +385,11 @@ def _scenes(args) -> int:
     import time
 
     from fastclip.data.sources.embedded import FASHION_MNIST_ROOT
-    from fastclip.data.sources.scenes import build_scenes
+    from fastclip.data.sources.scenes import build_scenes, check_captions_per_scene
     from fastclip.progress import Progress
 
+    variant = "semantic" if args.source == "scenes-semantic" else "classic"
+    check_captions_per_scene(variant, args.captions_per_scene)  # before the progress line starts
     start = time.perf_counter()
     total = args.num_train + args.num_val + args.num_test + args.num_novel
     with Progress(total, "scenes", unit="scene") as bar:
@@ -393,12 +406,15 @@ def _scenes(args) -> int:
             workers=args.workers,
             fashion_root=args.fashion_mnist_root or FASHION_MNIST_ROOT,
             progress=bar.update,
-            variant="semantic" if args.source == "scenes-semantic" else "classic",
+            variant=variant,
+            captions_per_scene=args.captions_per_scene,
         )
     print(f"scenes of {', '.join(summary['datasets'])} glyphs ({summary['note']}), {time.perf_counter() - start:.0f} s")
+    per = args.captions_per_scene
     for split, info in summary["splits"].items():
+        scenes = f"{info['num_samples']} scenes" if per == 1 else f"{info['scenes']} scenes x {per} captions"
         print(
-            f"{args.out}/{split}: {info['num_samples']} scenes ({info['distinct_captions']} distinct captions, "
+            f"{args.out}/{split}: {scenes} ({info['distinct_captions']} distinct captions, "
             f"{info['labelled_single_object']} single-object for zero-shot) in {info['shards']} shards, indices "
             f"{info['index_range'][0]}..{info['index_range'][1]}"
         )

@@ -3,6 +3,12 @@
 A sample is a group of tar members with the same key (the member name up to the first dot of its basename,
 as WebDataset groups them): `<key>.png|jpg|jpeg|webp`, `<key>.txt`, `<key>.json`, optionally `<key>.cls`.
 Our writers use the global index zero-padded to 9 digits as the key.
+
+json["group"] (optional, an integer >= 0): samples that share it are positives of each other, never negatives
+(several captions of one image, identical captions). Without it a sample is its own group. Group ids share the
+global index space: a writer gives a group the global index of its first sample, so ids stay unique across
+sources joined with `::` (their index ranges are disjoint). A manifest says `"groups": true` when some samples
+share a group; training passes groups to the loss only then (fastclip/data/manifest.py).
 """
 
 from __future__ import annotations
@@ -38,6 +44,16 @@ def index_from_meta(meta: dict) -> int | None:
     if isinstance(key, str) and key.strip().lstrip("-").isdigit():
         return int(key)
     return None
+
+
+def group_of(meta: dict | None, index: int | None) -> tuple[int | None, str | None]:
+    """(group id, None), or (None, why not) for a json "group" that is not an integer >= 0. No "group": `index`."""
+    if meta is None or "group" not in meta:
+        return index, None
+    group = meta["group"]
+    if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+        return None, f"json 'group' is {json.dumps(group)[:40]}, not an integer >= 0"
+    return group, None
 
 
 def parse_meta(data: bytes | None) -> tuple[dict | None, str | None]:

@@ -2,13 +2,15 @@
 
     {"format": "fastclip-shards/1", "data_size": 75000, "num_samples": 63000,
      "shards": [{"path": "train-000000.tar", "num_samples": 1000, "index_min": 0, "index_max": 999}, ...],
-     "problems": [{"shard": "x.tar", "key": "...", "ordinal": 17, "reason": "duplicate_index", "detail": "..."}]}
+     "problems": [{"shard": "x.tar", "key": "...", "ordinal": 17, "reason": "duplicate_index", "detail": "..."}],
+     "groups": true}
 
 `num_samples` of a shard counts its key groups in tar order, bad ones included: the stream addresses samples
 by (shard, ordinal), so this must match what a reader walking the tar sees. `problems` (optional) is written by
 `fastclip data scan`: the stream skips the samples listed there by ordinal (by key where an older manifest names
 none). A duplicate index can only be decided with the whole data set in view, so scan decides it once and the
-stream follows.
+stream follows. `groups` (optional, written only when true): some samples share a json "group" (format.py); the
+trainer then passes the group ids to the loss, which otherwise needs none (each sample its own group).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Manifest:
     shards: list[ShardInfo]
     problems: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # free-form provenance (writer, datasets, seed)
+    groups: bool = False  # some samples share a json "group"
 
     @property
     def num_samples(self) -> int:
@@ -65,6 +68,8 @@ class Manifest:
         }
         if self.problems:
             out["problems"] = self.problems
+        if self.groups:  # absent when false: manifests without groups stay as they were
+            out["groups"] = True
         out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
 
@@ -106,8 +111,11 @@ class Manifest:
             seen.add(info.path)
             shards.append(info)
         problems = data.get("problems", [])
-        known = {"format", "data_size", "num_samples", "shards", "problems"}
-        return cls(data_size, shards, list(problems), {k: v for k, v in data.items() if k not in known})
+        groups = data.get("groups", False)
+        if not isinstance(groups, bool):
+            raise ManifestError(f"{where}: field 'groups' is {groups!r}, expected true or false")
+        known = {"format", "data_size", "num_samples", "shards", "problems", "groups"}
+        return cls(data_size, shards, list(problems), {k: v for k, v in data.items() if k not in known}, groups)
 
 
 def manifest_path(folder_or_file: str | os.PathLike) -> Path:

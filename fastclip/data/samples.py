@@ -5,6 +5,7 @@ A sample is skipped, logged with shard and key, and counted under one reason:
   truncated_tar      the tar ends early or breaks (samples after the break are lost)
   missing_index      no json["index"] and no integer json["key"] (or no/invalid .json)
   index_out_of_range index < 0 or >= data_size
+  bad_group          json["group"] present but not an integer >= 0 (format.py)
   duplicate_index    listed as such by `fastclip data scan` (authoritative: it sees the whole data set), or at
                      run time an index this worker already read this epoch from another (shard, key); the
                      run-time check sees one worker's share only, and after a mid-epoch resume it no longer
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from fastclip.data.format import caption_of, image_of, index_from_meta, parse_meta
+from fastclip.data.format import caption_of, group_of, image_of, index_from_meta, parse_meta
 from fastclip.data.tario import RawSample
 
 MANIFEST_MISMATCH = "manifest_mismatch"  # a tar holding more or fewer samples than its manifest entry (rewritten)
@@ -35,6 +36,7 @@ REASONS = (
     MANIFEST_MISMATCH,
     "missing_index",
     "index_out_of_range",
+    "bad_group",
     "duplicate_index",
     "duplicate_key",
     "missing_caption",
@@ -60,6 +62,7 @@ class Candidate:
     key: str
     wrapped: bool
     meta: dict
+    group: int = -1  # json["group"], else the index (format.py)
 
 
 def check_sample(
@@ -76,13 +79,16 @@ def check_sample(
         return None, "missing_index", why or "json has no integer 'index' and no integer 'key'"
     if not 0 <= index < data_size:
         return None, "index_out_of_range", f"index {index} not in [0, {data_size})"
+    group, why = group_of(meta, index)
+    if group is None:
+        return None, "bad_group", f"index {index}: {why}"
     caption = caption_of(raw.files, meta)
     if caption is None and need_caption:
         return None, "missing_caption", "no non-empty .txt and no json 'caption'"
     image = image_of(raw.files)
     if image is None:
         return None, "missing_image", f"members present: {', '.join(raw.exts) or 'none'}"
-    return Candidate(index, caption, image[0], "", raw.key, False, meta), "", ""
+    return Candidate(index, caption, image[0], "", raw.key, False, meta, group), "", ""
 
 
 def decode_image(data: bytes) -> Image.Image:

@@ -1,10 +1,11 @@
-"""The training stream: shards -> batches of (images, token ids, global indices), resumable, equal per rank.
+"""The training stream: shards -> batches of (images, token ids, global indices, group ids), resumable, equal per
+rank.
 
     stream = build_train_stream(cfg, rank=r, world_size=W, preprocess=built.preprocess_train,
                                 tokenizer=built.tokenizer)
     for epoch in range(start_epoch, epochs):
-        for images, texts, indices in stream.epoch(epoch):   # exactly stream.batches_remaining(epoch) batches
-            ...
+        for images, texts, indices, groups in stream.epoch(epoch):   # stream.batches_remaining(epoch) batches
+            ...      # groups: json["group"] of each sample, else its index (fastclip/data/format.py)
             if time_to_save: save({"data": stream.state_dict(), ...})
 
 What is decided by what (fastclip/data/plan.py has the arithmetic, fastclip/data/worker.py the worker loop):
@@ -158,6 +159,7 @@ class TrainStream:
             catalog = replace(catalog, data_size=cfg.data_size)
         self.catalog: Catalog = catalog
         self.data_size = self.catalog.data_size
+        self.grouped = self.catalog.grouped  # whether the group ids tell anything the indices do not
         self.layout = Layout(world_size, max(1, cfg.workers), cfg.batch_size, cfg.shuffle_buffer)
         self._weights = shard_weights(self.catalog, cfg)
         if cfg.resampled:
@@ -220,7 +222,7 @@ class TrainStream:
             return self.batches_per_epoch
         return num_batches(self._segment.length, self.layout) - self._batches_seen
 
-    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """This rank's batches of `epoch`, from the current position (the saved one after a resume)."""
         self._enter(epoch)
         segment = self._segment
@@ -270,7 +272,7 @@ class TrainStream:
         try:
             for expected in range(first, n_batches):
                 try:
-                    images, texts, indices, meta = next(batches)
+                    images, texts, indices, groups, meta = next(batches)
                 except StopIteration:
                     raise RuntimeError(
                         f"rank {self.rank}: data workers stopped at batch {expected} of {n_batches} in epoch {epoch}"
@@ -287,8 +289,8 @@ class TrainStream:
                 self._batches_seen = expected + 1
                 self.samples_seen += self.layout.batch_size
                 if self.cfg.pin_memory and self.cfg.workers == 0 and torch.cuda.is_available():
-                    images, texts, indices = images.pin_memory(), texts.pin_memory(), indices.pin_memory()
-                yield images, texts, indices
+                    images, texts, indices, groups = (t.pin_memory() for t in (images, texts, indices, groups))
+                yield images, texts, indices, groups
         finally:
             del batches  # shuts worker processes down when the trainer stops early
 

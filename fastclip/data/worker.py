@@ -3,7 +3,7 @@
 The worker gets an `EpochJob` (the plan of fastclip/data/plan.py plus the preprocess and tokenizer), reads its
 positions window by window, drops bad samples (counting them), serves each window in its seeded order, decodes
 and preprocesses images under per-batch seeded RNGs, tokenizes captions per batch, and yields
-(images, texts, indices, meta). `meta` carries what the main process must know about the batch: its number,
+(images, texts, indices, groups, meta). `meta` carries what the main process must know about the batch: its number,
 the worker's cursor after it, and the skips and wraps it cost; the stream strips it before the trainer sees
 the batch.
 """
@@ -116,13 +116,13 @@ class _Worker:
         samples = self._samples()
         try:
             for j in worker_batches(job.n_batches, lay.workers, self.worker, job.first_batch):
-                images, captions, indices, wrapped = [], [], [], 0
+                images, captions, indices, groups, wrapped = [], [], [], [], 0
                 with _seeded_rngs(job.seed, job.epoch, TAG_BATCH, job.seg_tag, job.rank, j):
                     while len(images) < lay.batch_size:
                         try:
                             c = next(samples)
                         except DataExhausted as e:  # handed over as data: an exception from a worker process
-                            yield None, None, None, {"batch": j, "worker": self.worker, "error": str(e)}
+                            yield None, None, None, None, {"batch": j, "worker": self.worker, "error": str(e)}
                             return  # would reach the trainer wrapped in the DataLoader's traceback
                         try:
                             images.append(job.preprocess(decode_image(c.image)))
@@ -140,6 +140,7 @@ class _Worker:
                         self.bad_streak = 0
                         captions.append(c.caption)
                         indices.append(c.index)
+                        groups.append(c.group)
                         wrapped += c.wrapped
                 if job.tokenizer is None:  # image-only training (fastclip/train/ssl.py): no text, no column
                     texts = torch.zeros(len(captions), 0, dtype=torch.int64)
@@ -155,7 +156,13 @@ class _Worker:
                     "events": events,
                     "wrapped": wrapped,
                 }
-                yield torch.stack(images), texts, torch.tensor(indices, dtype=torch.int64), meta
+                yield (
+                    torch.stack(images),
+                    texts,
+                    torch.tensor(indices, dtype=torch.int64),
+                    torch.tensor(groups, dtype=torch.int64),
+                    meta,
+                )
         finally:
             if self.reader is not None:
                 self.reader[1].close()

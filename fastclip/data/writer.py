@@ -24,6 +24,7 @@ class ShardWriter:
         self.shards: list[ShardInfo] = []
         self._tar: TarWriter | None = None
         self._seen: set[int] = set()
+        self.grouped = False  # some sample's group is not its own index: the manifest says groups: true
 
     def write(
         self,
@@ -35,14 +36,20 @@ class ShardWriter:
         label: int | None = None,
         dataset: str | None = None,
         extra: dict | None = None,
+        group: int | None = None,  # shared by the samples of one group: the global index of its first sample
     ) -> None:
         if image_ext not in IMAGE_EXTS:
             raise ValueError(f"sample {index}: image extension {image_ext!r} not one of {IMAGE_EXTS}")
         if index < 0 or index in self._seen:
             raise ValueError(f"sample index {index} is negative or already written")
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 0):
+            raise ValueError(f"sample {index}: group {group!r} is not an integer >= 0")
         self._seen.add(index)
         key = sample_key(index)
         meta = {"index": index, "key": key} | ({} if caption is None else {"caption": caption})
+        if group is not None:
+            meta["group"] = group
+            self.grouped |= group != index
         if label is not None:
             meta["label"], meta["dataset"] = int(label), dataset
         meta.update(extra or {})
@@ -80,7 +87,7 @@ class ShardWriter:
         largest = max((s.index_max for s in self.shards if s.index_max is not None), default=-1)
         if data_size <= largest:
             raise ValueError(f"data_size {data_size} <= largest written index {largest}")
-        manifest = Manifest(data_size, self.shards, extra=dict(extra or {}))
+        manifest = Manifest(data_size, self.shards, extra=dict(extra or {}), groups=self.grouped)
         write_manifest(self.out_dir, manifest)
         return manifest
 

@@ -184,7 +184,13 @@ def format_table(results: EvalResults, per_class: bool) -> str:
             f"single out its image; data with distinct captions: fastclip data embedded --source scenes"
         )
     elif results.retrieval:
-        lines.append(f"\nretrieval over {results.retrieval_samples} image-caption pairs")
+        if results.retrieval_images is None:
+            lines.append(f"\nretrieval over {results.retrieval_samples} image-caption pairs")
+        else:  # the COCO/Flickr protocol (fastclip/eval/retrieval.py)
+            lines.append(
+                f"\nretrieval over {results.retrieval_samples} captions of {results.retrieval_images} images "
+                f"(image->text: a hit when any of its captions is in the top k)"
+            )
         lines.append(f"{'':<14} {'R@1':>7} {'R@5':>7} {'R@10':>7}")
         for direction in ("image_to_text", "text_to_image"):
             values = [results.retrieval[f"{direction}_R@{k}"] for k in (1, 5, 10)]
@@ -249,6 +255,7 @@ def result_records(results: EvalResults, common: dict, probes: dict[str, ProbeRe
                 "task": "retrieval",
                 "num_samples": results.retrieval_samples,
                 "distinct_captions": results.retrieval_distinct_captions,
+                **({} if results.retrieval_images is None else {"num_images": results.retrieval_images}),
                 **results.retrieval,
             }
         )

@@ -35,6 +35,7 @@ class EvalResults:
     retrieval: dict[str, float] = field(default_factory=dict)
     retrieval_samples: int = 0
     retrieval_distinct_captions: int = 0  # captions with distinct embeddings: templated captions repeat
+    retrieval_images: int | None = None  # several captions per image (json "group"): the images; None: pairs
     num_samples: int = 0
     unmatched: int = 0  # labelled samples whose dataset has no class names
     skipped: int = 0  # undecodable samples (and broken shards) left out
@@ -59,7 +60,9 @@ class EvalResults:
             out["zeroshot/mean_top1"] = sum(r.top1 for r in self.zeroshot.values()) / len(self.zeroshot)
         out.update({f"retrieval/{k}": v for k, v in self.retrieval.items()})
         if self.retrieval:
-            out["retrieval/num_samples"] = float(self.retrieval_samples)
+            out["retrieval/num_samples"] = float(self.retrieval_samples)  # captions
+            if self.retrieval_images is not None:
+                out["retrieval/num_images"] = float(self.retrieval_images)
         if self.val_loss is not None:
             out["val_loss"] = self.val_loss
         if self.skipped:
@@ -124,7 +127,9 @@ class _Pass:
         self.retrieval = retrieval
         self.pairs: list[torch.Tensor] = []  # [n, 2d] image|text features of captioned samples
         self.pair_indices: list[torch.Tensor] = []  # their data indices (-1: none), for the validation loss
-        self.gathered_pairs = (torch.zeros(0, 0), torch.zeros(0, dtype=torch.int64))  # every rank's, after the pass
+        self.pair_groups: list[torch.Tensor] = []  # their json "group" (-1: none)
+        # every rank's (pairs, indices, groups or None), after the pass
+        self.gathered_pairs = (torch.zeros(0, 0), torch.zeros(0, dtype=torch.int64), None)
         # collect_features: the name of the samples that name no dataset; None: no probe features kept
         self.collect_features = collect_features
         self.features: list[torch.Tensor] = []  # [n, d] probe features of labelled samples
@@ -175,6 +180,8 @@ class _Pass:
             self.pairs.append(torch.cat([image_features[captioned], text_features], dim=1))
             index = [-1 if batch[i].index is None else batch[i].index for i in captioned]
             self.pair_indices.append(torch.tensor(index, dtype=torch.int64, device=self.device))
+            group = [-1 if batch[i].group is None else batch[i].group for i in captioned]
+            self.pair_groups.append(torch.tensor(group, dtype=torch.int64, device=self.device))
 
     def packed(self, skipped: int, failed: bool) -> torch.Tensor:
         parts = [self.counts[name].packed() for name in self.names]
@@ -258,12 +265,12 @@ def evaluate(
         if loss_fn is not None and retrieval:
             from fastclip.eval.val_loss import validation_loss
 
-            pairs, indices = state.gathered_pairs
+            pairs, indices, groups = state.gathered_pairs
             if pairs.shape[0]:
                 half = pairs.shape[1] // 2
                 per_rank = loss_batch_size or batch_size
                 results.val_loss, results.val_loss_samples = validation_loss(
-                    loss_fn, pairs[:, :half], pairs[:, half:], indices, per_rank, group
+                    loss_fn, pairs[:, :half], pairs[:, half:], indices, per_rank, group, groups=groups
                 )
         return results
     finally:
@@ -320,14 +327,30 @@ def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_s
         pairs = all_gather_rows(local, group)
         local = torch.cat(state.pair_indices) if state.pair_indices else torch.zeros(0, dtype=torch.int64)
         indices = all_gather_rows(local.to(device), group)
+        local = torch.cat(state.pair_groups) if state.pair_groups else torch.zeros(0, dtype=torch.int64)
+        groups = caption_groups(all_gather_rows(local.to(device), group))
         order = torch.sort(indices, stable=True).indices  # data-index order: the validation loss's batches are
-        state.gathered_pairs = (pairs[order], indices[order])  # the same pairs whatever the number of ranks
+        # the same pairs whatever the number of ranks
+        state.gathered_pairs = (pairs[order], indices[order], None if groups is None else groups[order])
         if pairs.shape[0]:
             half = pairs.shape[1] // 2
-            results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:])
+            if groups is None:
+                results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:])
+            else:  # in data-index order: an image is its group's first caption's, whatever the number of ranks
+                pairs, _, groups = state.gathered_pairs
+                results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:], groups=groups)
+                results.retrieval_images = int(torch.unique(groups).shape[0])
             results.retrieval_samples = pairs.shape[0]
             results.retrieval_distinct_captions = int(torch.unique(pairs[:, half:], dim=0).shape[0])
     return results
+
+
+def caption_groups(groups: torch.Tensor) -> torch.Tensor | None:
+    """Each caption's group id where some captions share one (json "group"; -1, none: an id of its own), else
+    None: one caption per image, retrieval as ever."""
+    own = -2 - torch.arange(groups.shape[0], device=groups.device)  # negative: never a json group
+    ids = torch.where(groups >= 0, groups, own)
+    return ids if torch.unique(ids).shape[0] < ids.shape[0] else None
 
 
 NAME_BYTES = 256  # a dataset name's room in the gather of names

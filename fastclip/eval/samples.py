@@ -23,7 +23,16 @@ from pathlib import Path
 from PIL import Image
 
 from fastclip.data.catalog import expand_braces
-from fastclip.data.format import IMAGE_EXTS, MANIFEST_NAME, caption_of, image_of, index_from_meta, label_of, parse_meta
+from fastclip.data.format import (
+    IMAGE_EXTS,
+    MANIFEST_NAME,
+    caption_of,
+    group_of,
+    image_of,
+    index_from_meta,
+    label_of,
+    parse_meta,
+)
 from fastclip.data.manifest import read_manifest
 from fastclip.data.samples import decode_image
 from fastclip.data.tario import ShardReader, TarBroken
@@ -43,6 +52,7 @@ class EvalSample:
     dataset: str | None
     label: int | None
     source: str  # "shard.tar:key" or the image path, for error messages
+    group: int | None = None  # json "group": captions of one image (retrieval counts the image once)
 
 
 # ----------------------------------------------------------------------------- locating the files
@@ -104,11 +114,15 @@ def _decode_shard_sample(files: dict[str, bytes], where: str) -> EvalSample:
         label = label_of(files, meta)
     except ValueError as err:
         raise EvalDataError(f"{where}: {err}") from None
+    group, bad_group = group_of(meta, None)
+    if bad_group:
+        raise EvalDataError(f"{where}.json: {bad_group}")
     try:
         decoded = decode_image(image[0])
     except Exception as err:  # PIL raises several types on corrupt files
         raise EvalDataError(f"{where}.{image[1]}: cannot decode image ({err})") from err
-    return EvalSample(decoded, caption_of(files, meta), index_from_meta(meta), meta.get("dataset"), label, where)
+    index = index_from_meta(meta)
+    return EvalSample(decoded, caption_of(files, meta), index, meta.get("dataset"), label, where, group)
 
 
 def iter_shard_samples(

@@ -107,6 +107,8 @@ def _results_problem(row: dict) -> str | None:
         fields = {"num_samples": COUNT, **dict.fromkeys(RETRIEVAL_KEYS, NUMBER)}
         if "distinct_captions" in row:  # older evaluations did not count them: shown as before
             fields["distinct_captions"] = COUNT
+        if "num_images" in row:  # several captions per image (json "group"); num_samples counts the captions
+            fields["num_images"] = COUNT
     else:
         return None
     for key, (fits, kind) in fields.items():
@@ -288,9 +290,12 @@ def summarize(
                     d: "/".join(f"{100 * retrieval[f'{d}_R@{k}']:.1f}" for k in (1, 5, 10))
                     for d in ("image_to_text", "text_to_image")
                 }
+                images = retrieval.get("num_images")
+                n = retrieval["num_samples"]
+                of = f"{n:,} pairs" if images is None else f"{n:,} captions of {images:,} images"
                 lines.append(
                     f"  retrieval  R@1/5/10 image->text {values['image_to_text']}%, text->image "
-                    f"{values['text_to_image']}%  ({retrieval['num_samples']:,} pairs)"
+                    f"{values['text_to_image']}%  ({of})"
                 )
     else:
         lines.append(f"  zero-shot  not evaluated yet: fastclip eval {run} --data DIR")

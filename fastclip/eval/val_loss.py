@@ -25,10 +25,11 @@ def validation_loss(
     indices: torch.Tensor,
     per_rank: int,
     group=None,
+    groups: torch.Tensor | None = None,
 ) -> tuple[float | None, int]:
     """(mean loss over full global batches of per_rank x world held-out pairs, pairs used); (None, 0) where the
     loss cannot score them: fewer pairs than its smallest global batch, or samples without the data index a
-    loss with per-sample state needs."""
+    loss with per-sample state needs. groups: several captions per image (the loss's groups=), or None."""
     rank, world = rank_and_world(group)
     n = image_features.shape[0]
     per_rank = min(per_rank, n // world)  # a held-out set smaller than one global batch: one batch of all of it
@@ -47,7 +48,12 @@ def validation_loss(
         total, batches = 0.0, n // (per_rank * world)
         for b in range(batches):
             mine = slice(b * per_rank * world + rank * per_rank, b * per_rank * world + (rank + 1) * per_rank)
-            loss = loss_fn(image_features[mine], text_features[mine], indices[mine] if needs_indices else None)
+            loss = loss_fn(
+                image_features[mine],
+                text_features[mine],
+                indices[mine] if needs_indices else None,
+                groups=None if groups is None else groups[mine],
+            )
             objective = getattr(loss_fn, "metrics", {}).get("objective")
             total += float(objective if objective is not None else loss)
     finally:

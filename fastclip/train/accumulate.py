@@ -70,8 +70,10 @@ class GradCache:
         indices: torch.Tensor,
         epoch: int,
         encode_momentum: Callable | None = None,
+        groups: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``encode_momentum``: the momentum towers' features of a micro-batch, or None (model.ema_momentum)."""
+        """``encode_momentum``: the momentum towers' features of a micro-batch, or None (model.ema_momentum).
+        ``groups``: the whole batch's group ids, for the one loss call (as the indices)."""
         micro = split_batch(images, texts, indices, self.steps)
         device = images.device
         states, image_parts, text_parts, momentum_parts = [], [], [], []
@@ -89,7 +91,7 @@ class GradCache:
         text_all = torch.cat(text_parts).requires_grad_(True)
         del image_parts, text_parts
         momentum = tuple(torch.cat(parts) for parts in zip(*momentum_parts)) if momentum_parts else None
-        loss = loss_fn(image_all, text_all, indices, epoch=epoch, momentum=momentum)
+        loss = loss_fn(image_all, text_all, indices, epoch=epoch, momentum=momentum, groups=groups)
         self._pending = (micro, states, image_all, text_all, rng_state(device))
         return loss
 

@@ -100,11 +100,18 @@ class DDPEngine:
         # through the wrapper, so DDP prepares its gradient reduction for the micro-batch's backward
         return self.net(images, texts, None, 0, features_only=True)
 
-    def forward(self, images, texts, indices, epoch: int) -> torch.Tensor:
+    def forward(self, images, texts, indices, epoch: int, groups=None) -> torch.Tensor:
         if self.cache is None:
-            return self.net(images, texts, indices, epoch)
+            return self.net(images, texts, indices, epoch, groups=groups)
         return self.cache.forward(
-            self._encode, self.loss_fn, images, texts, indices, epoch, encode_momentum=self.towers.encode_momentum
+            self._encode,
+            self.loss_fn,
+            images,
+            texts,
+            indices,
+            epoch,
+            encode_momentum=self.towers.encode_momentum,
+            groups=groups,
         )
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -354,11 +361,11 @@ class DeepSpeedEngine:
     def describe(self) -> str:
         return f"DeepSpeed ZeRO-{self.stage}"
 
-    def forward(self, images, texts, indices, epoch: int) -> torch.Tensor:
+    def forward(self, images, texts, indices, epoch: int, groups=None) -> torch.Tensor:
         if self.cache is None:
             image_features, text_features = self.engine(images, texts)
-            return self.loss_fn(image_features, text_features, indices, epoch=epoch)
-        return self.cache.forward(self.engine, self.loss_fn, images, texts, indices, epoch)
+            return self.loss_fn(image_features, text_features, indices, epoch=epoch, groups=groups)
+        return self.cache.forward(self.engine, self.loss_fn, images, texts, indices, epoch, groups=groups)
 
     def backward(self, loss: torch.Tensor) -> None:
         for p in self.tau_params:

@@ -65,12 +65,13 @@ class TowersWithLoss(torch.nn.Module):
         indices: torch.Tensor | None,
         epoch: int,
         features_only: bool = False,
+        groups: torch.Tensor | None = None,
     ):
         image_features, text_features = self.encode(images, texts)
         if features_only:  # gradient accumulation calls the loss itself, once per step (fastclip/train/accumulate.py)
             return image_features, text_features
         momentum = self.encode_momentum(images, texts)
-        return self.loss_fn(image_features, text_features, indices, epoch=epoch, momentum=momentum)
+        return self.loss_fn(image_features, text_features, indices, epoch=epoch, momentum=momentum, groups=groups)
 
 
 def loss_options(cfg: Config, embed_dim: int | None = None) -> dict:

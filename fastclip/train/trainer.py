@@ -533,7 +533,7 @@ class Run:
                     break  # epoch done
                 batch = tuple(t.to(self.device, non_blocking=True) for t in batch)
                 if cfg.ssl.enabled:  # [B, 2, C, H, W] images: view 1 takes the image's place, view 2 the text's
-                    batch = (*split_views(batch[0]), batch[2])
+                    batch = (*split_views(batch[0]), *batch[2:])  # groups: copies of one image, positives
                 self.throughput.data += time.perf_counter() - t0
                 loss, grad_norm, skip = self.train_step(*batch)
                 if guard.on_device and (self.is_logging_step() or self.checkpoint_due() or self.stop_check_due()):
@@ -574,8 +574,12 @@ class Run:
             "samples_per_s": t.trained_steps * self.global_batch / t.train_time if t.train_time > 0 else float("nan"),
         }
 
-    def train_step(self, images, texts, indices) -> tuple[torch.Tensor | None, torch.Tensor | None, str | None]:
-        """One optimizer step, or none when any rank saw NaN/Inf (skip says why); advances step and samples_seen."""
+    def train_step(
+        self, images, texts, indices, groups=None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, str | None]:
+        """One optimizer step, or none when any rank saw NaN/Inf (skip says why); advances step and samples_seen.
+        groups go to the loss only where a manifest says samples share groups (the same choice on every rank): else
+        each is the sample's index, which the loss would only turn into a [B, N] mask of the pairs."""
         engine, loss_fn, guard, step, rank = self.engine, self.loss_fn, self.guard, self.step + 1, self.info.rank
         self.schedules.apply(self.samples_seen)
         self.timeouts.at(step)
@@ -583,7 +587,8 @@ class Run:
         guard.remember(loss_fn, self.info.device)  # journal the per-sample state rows: a skipped step puts them back
         grad_norm = None
         try:
-            loss = engine.forward(images, texts, indices, self.epoch)  # accum_steps > 1: one loss call, k micro-batches
+            groups = groups if self.stream.grouped else None
+            loss = engine.forward(images, texts, indices, self.epoch, groups)  # accum_steps > 1: one loss call
         except NonFiniteFeaturesError as e:  # raised alike on every rank, before the loss writes its state
             loss, skip = None, f"non-finite features: {e}"
         bad = None  # device mode: the skip flag, never read on the host here

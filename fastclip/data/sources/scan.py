@@ -5,7 +5,8 @@ from json["index"] or, as img2dataset writes it, int(json["key"]); a plain WebDa
 `{key}.txt`, no .json) gets the indices of its samples' positions in the manifest's shard order (recorded as
 the shard's `index_base`, which the loader adds to a sample's position in the tar), and checks that indices are
 unique and below
-data_size (--data-size; default 1 + the largest index found). Every problem is reported with shard and key
+data_size (--data-size; default 1 + the largest index found), and that a json "group" is an integer >= 0 (the
+manifest says `groups: true` when some samples share one). Every problem is reported with shard and key
 and recorded in the manifest's "problems" list: the training stream skips exactly those samples. Of two
 samples with the same index, the first in manifest order (shard, then tar order) is kept. Each problem names
 its sample by key and by position in the tar (`ordinal`, what the stream skips by), so two samples of one shard
@@ -42,7 +43,15 @@ import numpy as np
 
 from fastclip.data.bits import IndexBits
 from fastclip.data.catalog import DataSpecError, expand_braces
-from fastclip.data.format import MANIFEST_NAME, SHARD_SUFFIXES, caption_of, image_of, index_from_meta, parse_meta
+from fastclip.data.format import (
+    MANIFEST_NAME,
+    SHARD_SUFFIXES,
+    caption_of,
+    group_of,
+    image_of,
+    index_from_meta,
+    parse_meta,
+)
 from fastclip.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest, write_manifest
 from fastclip.data.remote import is_remote
 from fastclip.data.tario import ShardReader, TarBroken
@@ -74,6 +83,7 @@ class ScanResult:
                 if (plain := sum(s.index_base is not None for s in self.manifest.shards))
                 else ""
             )
+            + ("multi-positive groups (json 'group'), " if self.manifest.groups else "")
             + (f"{plural(len(self.problems), 'problem')} ({dict(counts)})" if self.problems else "no problems")
         ]
         via = self.manifest.extra.get("scanned_from", {})
@@ -181,6 +191,7 @@ class ShardSummary:
     bounds: tuple[int, int] | None = None  # via stats: the shard's key range (img2dataset's key scheme)
     broken: str | None = None
     broken_reason: str = "truncated_tar"  # the loader's reason: unreadable_shard when the tar cannot be opened
+    grouped: bool = False  # some sample's json "group" is not its own index
 
 
 MISSING = np.iinfo(np.int64).min
@@ -216,6 +227,7 @@ def _summarise(task: tuple) -> ShardSummary:
         ]
         return ShardSummary(name, len(keys), via, indices, keys, notes)
     keys, values, notes, missing, any_json, broken, reader = [], [], [], [], False, None, None
+    grouped = False
     try:
         with ShardReader(path, _WANT) as reader:
             while (raw := reader.next_group()) is not None:
@@ -228,6 +240,10 @@ def _summarise(task: tuple) -> ShardSummary:
                 values.append(MISSING if index is None else index)
                 if index is None:
                     missing.append((ordinal, "missing_index", why or "json has no integer 'index' or 'key'"))
+                group, bad_group = group_of(meta, index)
+                if bad_group:
+                    notes.append((ordinal, "bad_group", f"index {index}: {bad_group}"))
+                grouped |= group is not None and group != index
                 if caption_of(raw.files, meta) is None:
                     notes.append((ordinal, "missing_caption", "no non-empty .txt and no json 'caption'"))
                 if image_of({e: b"" for e in raw.exts}) is None:
@@ -235,6 +251,7 @@ def _summarise(task: tuple) -> ShardSummary:
     except TarBroken as e:
         broken = f"{e}; manifest counts the {plural(len(keys), 'complete sample')}"
     summary = ShardSummary(name, len(keys), via, np.array(values, dtype=np.int64), keys, notes, broken=broken)
+    summary.grouped = grouped
     if broken and reader is None:  # never opened: what the loader calls it too
         summary.broken_reason = "unreadable_shard"
     # a plain WebDataset shard ({key}.jpg + {key}.txt, no .json at all): indexed by position in the manifest's
@@ -370,6 +387,7 @@ def scan_shards(
     spans: list[tuple[int, int] | None] = []  # per shard: min/max of the indices it owns (to find a first copy)
     pending: list[tuple[dict, int, int]] = []  # (duplicate problem, its index, its shard) whose first copy is earlier
     via = Counter()
+    grouped = False
 
     def problem(shard: str, key: str | None, reason: str, detail: str, index=None, ordinal=None) -> dict:
         entry = {"shard": shard, "key": key, "ordinal": ordinal, "reason": reason, "detail": detail, "index": index}
@@ -379,6 +397,7 @@ def scan_shards(
     position, largest, usable = 0, -1, 0  # samples in the shards before this one, in manifest order
     for s_id, summary in enumerate(_map(_summarise, tasks, workers)):
         via[summary.via] += 1
+        grouped |= summary.grouped
         if not captions:
             summary.notes = [note for note in summary.notes if note[1] != "missing_caption"]
         info = ShardInfo(summary.name, summary.num_samples)
@@ -451,7 +470,7 @@ def scan_shards(
     unread = 0 if from_tars or _pyarrow_present() else sum(_parquet_of(path).is_file() for path in paths)
     if unread:  # said in the summary: without pyarrow the scan reads those tars (or _stats.json) instead
         extra["parquet_unread"] = unread
-    manifest = Manifest(data_size, shards, problems, extra)
+    manifest = Manifest(data_size, shards, problems, extra, groups=grouped)
     if write:
         write_manifest(folder, manifest)
     return ScanResult(manifest, folder, problems, usable, notes)

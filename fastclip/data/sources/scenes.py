@@ -19,6 +19,11 @@ classification of glyph classes runs on them; zeroshot.json holds the class name
 
 Everything is a function of (seed, split, scene number): shards are generated in parallel and the result is
 byte-identical whatever the number of workers.
+
+`captions_per_scene` K > 1 (`--captions-per-scene`): each scene becomes K samples, its image with K distinct
+captions (caption c in phrasing (p + c) mod 3 and its own object order; caption 0 is the K = 1 caption), K
+consecutive global indices sharing one json "group" (the first one's index), in one shard; only the first is
+labelled, so zero-shot and the kNN probe see each image once. K = 1 writes exactly the former bytes.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import re
 import signal
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -225,9 +230,10 @@ def glyph_pools(names: list[str], fashion_root, seed: int):
 class ShardJob:
     split: str
     shard: int
-    first: int  # scene number within the split of the shard's first sample
-    count: int
+    first: int  # scene number within the split of the shard's first scene
+    count: int  # scenes
     first_index: int  # global index of the shard's first sample
+    captions: int = 1  # samples per scene (captions_per_scene)
 
 
 _WORKER: dict = {}
@@ -262,18 +268,31 @@ class Variant(NamedTuple):
     render: Callable  # (Scene, pools) -> uint8 [64, 64, 3]
     zeroshot_prompts: Callable  # () -> templates
     png_level: int  # zlib level of the PNGs: the classic scenes keep PIL's 6 (their shards stay byte-identical)
+    caption: Callable  # (vocab, Scene, object order) -> caption in the scene's phrasing
+    phrasings: int  # how many phrasings: the most distinct captions a one-object scene has
 
 
 def variant_functions(variant: str) -> Variant:
     """The functions of a scenes variant: "classic" (this module) or "semantic" (scenes_semantic.py)."""
     if variant == "classic":
-        return Variant(classic_scene_and_caption, render, zeroshot_prompts, 6)
+        return Variant(classic_scene_and_caption, render, zeroshot_prompts, 6, Vocabulary.caption, len(PHRASINGS))
     if variant == "semantic":
         from fastclip.data.sources import scenes_semantic as sem
 
         # level 1: 40 % less time per PNG than 6, 10 % larger files
-        return Variant(sem.scene_and_caption, sem.render, sem.zeroshot_prompts, 1)
+        return Variant(sem.scene_and_caption, sem.render, sem.zeroshot_prompts, 1, sem.caption, len(sem.PHRASINGS))
     raise ValueError(f"unknown scenes variant {variant!r}: classic or semantic")
+
+
+def more_captions(variant: Variant, vocab, scene: Scene, seed: int, split: str, number: int, k: int) -> list[str]:
+    """Captions 1..k-1 of scene `number`: phrasing (p + c) mod the phrasings (so all k differ for k <= that), each
+    in its own seeded object order (its own stream: caption 0 and the scene are drawn as before)."""
+    out = []
+    for c in range(1, k):
+        order = np.random.default_rng([seed, 3000 + SPLITS.index(split), number, c]).permutation(len(scene.objects))
+        phrased = replace(scene, phrasing=(scene.phrasing + c) % variant.phrasings)
+        out.append(variant.caption(vocab, phrased, [int(i) for i in order]))
+    return out
 
 
 def _write_shard(job: ShardJob, out_dir: str) -> tuple[str, int, list[str], list[int]]:
@@ -288,27 +307,34 @@ def _write_shard(job: ShardJob, out_dir: str) -> tuple[str, int, list[str], list
         scene, caption = variant.scene_and_caption(seed, job.split, job.first + k, vocab, sizes)
         buf = io.BytesIO()
         Image.fromarray(variant.render(scene, pools)).save(buf, format="PNG", compress_level=variant.png_level)
-        index = job.first_index + k
-        meta = {
-            "index": index,
-            "key": sample_key(index),
-            "caption": caption,
-            "scene": {
-                "objects": [[vocab.nouns[o.cls], o.colour, o.size, o.position] for o in scene.objects],
-                "background": scene.background,
-                "texture": scene.texture,
-            },
-        }
-        files = {"png": buf.getvalue(), "txt": caption.encode()}
-        if len(scene.objects) == 1:  # zero-shot on glyph classes: single-object scenes are labelled
-            meta["label"], meta["dataset"] = scene.objects[0].cls, "scenes"
-            files["cls"] = str(scene.objects[0].cls).encode()
-        files["json"] = json.dumps(meta).encode()
-        writer.add(sample_key(index), files)
-        captions.append(caption)
-        labels.append(scene.objects[0].cls if len(scene.objects) == 1 else -1)
+        group = job.first_index + k * job.captions
+        phrasings = [caption] + more_captions(variant, vocab, scene, seed, job.split, job.first + k, job.captions)
+        for c, caption in enumerate(phrasings):
+            index = group + c
+            meta = {
+                "index": index,
+                "key": sample_key(index),
+                "caption": caption,
+                "scene": {
+                    "objects": [[vocab.nouns[o.cls], o.colour, o.size, o.position] for o in scene.objects],
+                    "background": scene.background,
+                    "texture": scene.texture,
+                },
+            }
+            if job.captions > 1:
+                meta["group"] = group
+            files = {"png": buf.getvalue(), "txt": caption.encode()}
+            # zero-shot on glyph classes: single-object scenes are labelled (once per image)
+            labelled = len(scene.objects) == 1 and c == 0
+            if labelled:
+                meta["label"], meta["dataset"] = scene.objects[0].cls, "scenes"
+                files["cls"] = str(scene.objects[0].cls).encode()
+            files["json"] = json.dumps(meta).encode()
+            writer.add(sample_key(index), files)
+            captions.append(caption)
+            labels.append(scene.objects[0].cls if labelled else -1)
     writer.close()
-    return name, job.count, captions, labels
+    return name, job.count * job.captions, captions, labels
 
 
 def zeroshot_prompts() -> list[str]:
@@ -316,6 +342,16 @@ def zeroshot_prompts() -> list[str]:
     return [
         f"a {size} {colour} {{}} in the centre, on a plain black background." for size in SIZES for colour in COLOURS
     ]
+
+
+def check_captions_per_scene(variant: str, k) -> int:
+    """k, if a scene has k distinct captions (ValueError naming the flag otherwise)."""
+    phrasings = variant_functions(variant).phrasings
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= phrasings:
+        raise ValueError(
+            f"--captions-per-scene {k!r}: must be 1..{phrasings}, the distinct phrasings a one-object scene has"
+        )
+    return k
 
 
 def build_scenes(
@@ -333,11 +369,14 @@ def build_scenes(
     fashion_root: str | os.PathLike = FASHION_MNIST_ROOT,
     progress=None,
     variant: str = "classic",
+    captions_per_scene: int = 1,
 ) -> dict:
     """Write OUT/{train,val,test,novel} (shards + manifests), OUT/zeroshot.json and OUT/scenes.json; `variant`:
-    "classic" (this module) or "semantic" (scenes_semantic.py: captions that need the glyphs' identity)."""
+    "classic" (this module) or "semantic" (scenes_semantic.py: captions that need the glyphs' identity).
+    shard_size counts samples (a scene's captions_per_scene samples stay in one shard)."""
     prompts = variant_functions(variant).zeroshot_prompts
     source = SOURCE_NAMES[variant]
+    k = check_captions_per_scene(variant, captions_per_scene)
     counts = {"train": num_train, "val": num_val, "test": num_test, "novel": num_novel}
     for split, n in counts.items():
         if n < 0 or (split == "train" and n == 0):
@@ -348,13 +387,13 @@ def build_scenes(
     vocab, _ = glyph_pools(names, fashion_root, seed)  # fails here, in the parent, if a dataset is missing
     out = Path(out)
     with removed_on_failure(out, SPLITS):  # a full disk, Ctrl-C: no half data set left to be trained on
-        jobs, first_index = [], index_offset
+        jobs, first_index, per_shard = [], index_offset, max(1, shard_size // k)  # scenes per shard
         for split in SPLITS:
             (out / split).mkdir(parents=True, exist_ok=True)
-            for shard, first in enumerate(range(0, counts[split], shard_size)):
-                n = min(shard_size, counts[split] - first)
-                jobs.append(ShardJob(split, shard, first, n, first_index + first))
-            first_index += counts[split]
+            for shard, first in enumerate(range(0, counts[split], per_shard)):
+                n = min(per_shard, counts[split] - first)
+                jobs.append(ShardJob(split, shard, first, n, first_index + first * k, k))
+            first_index += counts[split] * k
         data_size = first_index
         workers = workers or min(len(jobs), os.cpu_count() or 1)
         results: dict[ShardJob, tuple] = {}
@@ -385,12 +424,16 @@ def build_scenes(
             "data_size": data_size,
             "classes": vocab.nouns,
             "held_out_pairs": sorted([vocab.nouns[k], c] for k, c in vocab.held_out),
+            **({"captions_per_scene": k} if k > 1 else {}),  # (K = 1: the former file, byte for byte)
             "splits": {},
         }
         start = index_offset
         for split in SPLITS:
             split_jobs = [j for j in jobs if j.split == split]
-            shards = [ShardInfo(results[j][0], j.count, j.first_index, j.first_index + j.count - 1) for j in split_jobs]
+            shards = []
+            for j in split_jobs:
+                name, n = results[j][:2]  # n: samples (scenes x captions_per_scene)
+                shards.append(ShardInfo(name, n, j.first_index, j.first_index + n - 1))
             write_manifest(
                 out / split,
                 Manifest(
@@ -401,19 +444,23 @@ def build_scenes(
                         "split": split,
                         "datasets": names,
                         "seed": seed,
+                        **({"captions_per_scene": k} if k > 1 else {}),
                     },
+                    groups=k > 1,
                 ),
             )
             captions = [c for j in split_jobs for c in results[j][2]]
             labels = [lab for j in split_jobs for lab in results[j][3]]
+            samples = counts[split] * k
             summary["splits"][split] = {
-                "num_samples": counts[split],
+                "num_samples": samples,
+                **({"scenes": counts[split]} if k > 1 else {}),
                 "shards": len(shards),
-                "index_range": [start, start + counts[split] - 1],
+                "index_range": [start, start + samples - 1],
                 "distinct_captions": len(set(captions)),
                 "labelled_single_object": sum(lab >= 0 for lab in labels),
             }
-            start += counts[split]
+            start += samples
         zeroshot = {"datasets": {"scenes": {"classnames": vocab.nouns, "templates": prompts()}}}
         (out / "zeroshot.json").write_text(json.dumps(zeroshot, indent=1) + "\n")
         (out / "scenes.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -26,9 +26,9 @@ from fastclip.train.config import load_config
 from dist_utils import free_port, run_distributed
 from helpers import EMBEDDED, assert_same, load, overrides, records, removed_unless_failed
 
-# a loss name, or name:impl
-MODES = ("openclip", "fastclip-v0", "fastclip-v1", "fastclip-v2", "fastclip-v3", "fastclip-tempnet", "dcl")
-MODES += ("fastclip-v3:autograd", "dcl:moco")
+# a loss name, or name:impl: one per code path of the trainer (v0 and v1 are v3's GCL path with other τ settings,
+# and dcl is dcl:moco without the queue: their 2-rank exactness is pinned in test_losses_distributed/_autograd)
+MODES = ("openclip", "fastclip-v2", "fastclip-v3", "fastclip-tempnet", "fastclip-v3:autograd", "dcl:moco")
 # MoCo/ALBEF: a queue of the momentum towers' features and their soft targets
 MOCO = {"loss.queue_size": 24, "loss.distill_alpha": 0.4, "model.ema_momentum": 0.9}
 

@@ -105,12 +105,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_file(obj, path: Path) -> None:
+def save_file(obj, path: Path, *, durable: bool = True) -> None:
     try:
         with open(path, "wb") as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
     except RuntimeError as e:
         # a write that fails inside torch.save (a full disk) surfaces as its zip writer's "unexpected pos ..."
         # RuntimeError, raised while handling the OSError: the OSError is what happened
@@ -147,14 +148,16 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def load_file(path: Path) -> dict:
@@ -223,14 +226,23 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def save_checkpoint(
-    root: Path, step: int, info: DistInfo, *, model_file: dict | None, rank_file: dict, keep_last: int, write_extra=None
+    root: Path,
+    step: int,
+    info: DistInfo,
+    *,
+    model_file: dict | None,
+    rank_file: dict,
+    keep_last: int,
+    write_extra=None,
+    durable: bool = True,
 ) -> Path:
     """Collective: every rank calls it with its rank_file; rank 0 also passes model_file. write_extra(folder),
-    called on every rank, adds files to the step folder before it is renamed into place (DeepSpeed's shards)."""
+    called on every rank, adds files to the step folder before it is renamed into place (DeepSpeed's shards).
+    durable=False skips the fsyncs: the renames still make a kill safe, but a power loss may lose the newest save."""
     final = root / step_dir_name(step)
     tmp = root / f".tmp_{final.name}"
     try:
-        return _save(root, final, tmp, step, info, model_file, rank_file, keep_last, write_extra)
+        return _save(root, final, tmp, step, info, model_file, rank_file, keep_last, write_extra, durable)
     except BaseException as e:
         if info.is_main:  # never leave a half-written folder behind; `latest` still names the last good one
             shutil.rmtree(tmp, ignore_errors=True)
@@ -269,6 +281,7 @@ def _save(
     rank_file: dict,
     keep_last: int,
     write_extra,
+    durable: bool,
 ) -> Path:
     if info.is_main:
         root.mkdir(parents=True, exist_ok=True)
@@ -284,16 +297,17 @@ def _save(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     barrier(info)
-    save_file(rank_file, tmp / rank_file_name(info.rank))
+    save_file(rank_file, tmp / rank_file_name(info.rank), durable=durable)
     faults.hook("checkpoint.rank_files", step=step, rank=info.rank)
     if info.is_main:
         faults.hook("checkpoint.model_file", step=step, rank=info.rank)
-        save_file(model_file, tmp / MODEL_FILE)
+        save_file(model_file, tmp / MODEL_FILE, durable=durable)
     if write_extra is not None:
         write_extra(tmp)
     barrier(info)  # all rank files are on disk
     if info.is_main:
-        fsync_dir(tmp)
+        if durable:
+            fsync_dir(tmp)
         old = None
         if final.exists():  # the same step saved again (a run resumed and stopped at once)
             old = root / f".old_{final.name}"
@@ -301,9 +315,10 @@ def _save(
                 shutil.rmtree(old)
             os.replace(final, old)
         os.replace(tmp, final)
-        fsync_dir(root)
+        if durable:
+            fsync_dir(root)
         faults.hook("checkpoint.renamed", step=step, rank=info.rank)
-        write_text_atomic(root / "latest", final.name + "\n")
+        write_text_atomic(root / "latest", final.name + "\n", durable=durable)
         if old is not None:
             shutil.rmtree(old)
         prune_checkpoints(root, keep_last, keep=final)
@@ -319,17 +334,9 @@ def prune_checkpoints(root: Path, keep_last: int, *, keep: Path) -> None:
     # here) and never a half-deleted step folder that no longer counts as a checkpoint and so would stay forever
     for leftover in root.glob(".pruned_step_*"):
         shutil.rmtree(leftover, ignore_errors=True)
-    steps = list_checkpoints(root)
-    # keep_last counts complete checkpoints: an incomplete folder (a resume passed it over) is not one of them
-    stale = [p for p in steps if is_complete(p)][:-keep_last]
-    # an incomplete folder older than the one kept: what an earlier version's cut-short deletion left
-    newest_kept = STEP_DIR.fullmatch(keep.name)
-    if newest_kept:
-        stale += [
-            p
-            for p in steps
-            if not is_complete(p) and int(STEP_DIR.fullmatch(p.name).group(1)) < int(newest_kept.group(1))
-        ]
+    # keep_last counts complete checkpoints: an incomplete folder (a resume passed it over, or damaged by hand) is not
+    # one of them and is left as it is (what it still holds may be wanted)
+    stale = [p for p in list_checkpoints(root) if is_complete(p)][:-keep_last]
     for folder in stale:
         if folder.resolve() == keep.resolve():
             continue

@@ -783,6 +783,7 @@ class Run:
             rank_file=rank_file,
             keep_last=self.cfg.checkpoint.keep_last,
             write_extra=engine.save_shards,
+            durable=self.cfg.checkpoint.fsync,
         )
         self.last_saved, self.last_save_time = self.step, time.time()
         self.log.message(f"checkpoint {path}")

@@ -43,6 +43,7 @@ class Shard:
     # problems named positions, whose samples are skipped by key
     skip: tuple[tuple[str, int | None, str, str], ...] = ()
     index_base: int | None = None  # plain WebDataset shard: index = index_base + position in the tar (manifest)
+    index_offset: int = 0  # the manifest's (scan --index-offset): added to every index read from the shard
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Source:
     data_size: int
     index_min: int | None
     index_max: int | None
+    index_offset: int | None = None  # scanned (`fastclip data scan` wrote its manifest): its offset; else None
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,7 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                     entry.index_max,
                     skip,
                     entry.index_base,
+                    manifests[folder].index_offset,
                 )
             )
         lows = [shards[i].index_min for i in ids if shards[i].index_min is not None]
@@ -243,6 +246,7 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                 max(m.data_size for m in manifests.values()),
                 min(lows, default=None),
                 max(highs, default=None),
+                _scan_offset(manifests.values()),
             )
         )
     _check_disjoint(sources)
@@ -257,14 +261,27 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
     return Catalog(tuple(sources), tuple(shards), size)
 
 
+def _scan_offset(manifests) -> int | None:
+    """A source's index offset when `fastclip data scan` wrote its manifests (then a rescan can move it); else None."""
+    manifests = list(manifests)
+    if all(m.extra.get("created_by") == "fastclip data scan" for m in manifests):
+        return max(m.index_offset for m in manifests)
+    return None
+
+
 def _check_disjoint(sources: list[Source]) -> None:
-    spans = sorted((s.index_min, s.index_max, s.spec) for s in sources if s.index_min is not None)
-    for (lo_a, hi_a, a), (lo_b, hi_b, b) in zip(spans, spans[1:]):
-        if lo_b <= hi_a:
+    spans = sorted((s.index_min, s.index_max, i) for i, s in enumerate(sources) if s.index_min is not None)
+    for (_, hi, i), (lo_next, _, j) in zip(spans, spans[1:]):
+        if lo_next <= hi:
+            a, b = sources[min(i, j)], sources[max(i, j)]  # named in `::` order; the later one is moved
+            if b.index_offset is not None:  # scanned: the least offset that moves it past the other (no tar rewritten)
+                offset = b.index_offset + a.index_max + 1 - b.index_min
+                fix = f"rescan {b.spec} with `fastclip data scan --index-offset {offset}`"
+            else:
+                fix = f"write {b.spec} again with --index-offset {a.index_max + 1} (or more)"
             raise DataSpecError(
-                f"sources {a!r} (indices {lo_a}..{hi_a}) and {b!r} (indices {lo_b}..{hi_b}) "
-                f"overlap: joined sources need disjoint global indices (write one of them with "
-                f"--index-offset)"
+                f"sources {a.spec!r} (indices {a.index_min}..{a.index_max}) and {b.spec!r} (indices "
+                f"{b.index_min}..{b.index_max}) overlap: joined sources need disjoint global indices; {fix}"
             )
 
 

@@ -8,7 +8,7 @@
   fastclip data folder --captions caps.csv --out DIR [--images ROOT] [--csv-img-key filepath]
                        [--csv-caption-key title] [--csv-separator ","] [--shard-size 2000] [--index-offset 0]
   fastclip data scan DIR|DIR/manifest.json|PATTERN [--data-size N] [--strict] [--workers N] [--from-tars]
-                     [--samples-per-shard N]
+                     [--samples-per-shard N] [--index-offset N]
   fastclip data info "DIR::/other/train-{000..009}.tar" [--batch-size 64 --world-size 8]
 
 Exit status: 0 on success, 1 when `scan --strict` finds problems, 2 on a usage or data-spec error; `embedded` and
@@ -158,6 +158,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="img2dataset's --number_sample_per_shard (default 10000): the key range of a shard counted "
         "from its _stats.json",
+    )
+    s.add_argument(
+        "--index-offset",
+        type=_nonneg,
+        default=None,
+        help="added to every index (recorded in the manifest, no tar rewritten), to join this set with others by "
+        "'::' (default: the old manifest's, else 0)",
     )
 
     i = sub.add_parser("info", help="resolve a training data spec and print what an epoch would be")
@@ -310,6 +317,7 @@ def _run(args) -> int:
             from_tars=args.from_tars,
             samples_per_shard=args.samples_per_shard,
             captions=not args.images_only,
+            index_offset=args.index_offset,
         )
         print(result.summary())
         if result.usable == 0:  # a manifest of samples the stream skips, every one: training would find nothing

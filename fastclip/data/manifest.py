@@ -9,6 +9,10 @@ by (shard, ordinal), so this must match what a reader walking the tar sees. `pro
 `fastclip data scan`: the stream skips the samples listed there by ordinal (by key where an older manifest names
 none). A duplicate index can only be decided with the whole data set in view, so scan decides it once and the
 stream follows.
+
+`index_offset` (optional, `fastclip data scan --index-offset`): added to every index the loader takes from these
+shards (json `index`/`key`, or `index_base` + position), so two scanned data sets can be joined with `::` without
+rewriting a tar; `index_min`, `index_max`, `data_size` and the problems' indices already include it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Manifest:
     shards: list[ShardInfo]
     problems: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # free-form provenance (writer, datasets, seed)
+    index_offset: int = 0  # added to every index read from the shards (scan --index-offset)
 
     @property
     def num_samples(self) -> int:
@@ -63,6 +68,8 @@ class Manifest:
                 for s in self.shards
             ],
         }
+        if self.index_offset:
+            out["index_offset"] = self.index_offset
         if self.problems:
             out["problems"] = self.problems
         out.update({k: v for k, v in self.extra.items() if k not in out})
@@ -106,8 +113,12 @@ class Manifest:
             seen.add(info.path)
             shards.append(info)
         problems = data.get("problems", [])
-        known = {"format", "data_size", "num_samples", "shards", "problems"}
-        return cls(data_size, shards, list(problems), {k: v for k, v in data.items() if k not in known})
+        offset = need(data, "index_offset", int, "") if "index_offset" in data else 0
+        if offset < 0:
+            raise ManifestError(f"{where}: index_offset is negative ({offset})")
+        known = {"format", "data_size", "num_samples", "shards", "problems", "index_offset"}
+        extra = {k: v for k, v in data.items() if k not in known}
+        return cls(data_size, shards, list(problems), extra, offset)
 
 
 def manifest_path(folder_or_file: str | os.PathLike) -> Path:

@@ -235,6 +235,7 @@ class TrainStream:
             skip=[{k if o is None else o: (r, d) for k, o, r, d in s.skip} for s in self.catalog.shards],
             seq=self._sequence(epoch),
             index_base=[s.index_base for s in self.catalog.shards],
+            index_offset=[s.index_offset for s in self.catalog.shards],
             segment=segment,
             layout=self.layout,
             rank=self.rank,

@@ -31,7 +31,7 @@ class ManifestError(ValueError):
 
 @dataclass
 class ShardInfo:
-    path: str  # relative to the manifest's folder
+    path: str  # relative to the manifest's folder, or absolute (a manifest kept apart from its shards)
     num_samples: int
     index_min: int | None = None  # None: the shard has no sample with a usable index
     index_max: int | None = None
@@ -132,9 +132,10 @@ def read_manifest(folder_or_file: str | os.PathLike) -> Manifest:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
+        scan = f"{path.parent}" if path.name == MANIFEST_NAME else f"SHARDS --manifest {path}"
         raise ManifestError(
             f"no manifest at {path}: write shards with `fastclip data embedded|folder` or run "
-            f"`fastclip data scan {path.parent}`"
+            f"`fastclip data scan {scan}`"
         ) from None
     except ValueError as e:
         raise ManifestError(f"{path}: not valid JSON ({e})") from None

@@ -61,7 +61,7 @@ def aug_options(aug: AugConfig) -> dict:
 class DataConfig:
     # Defaults = the embedded recipe (configs/embedded.yaml: tiny-vit, FastCLIP-v3, 2 x 64 samples), except that
     # the loss knobs default to null (the loss library's defaults) and train.device to auto.
-    train: str = "data/embedded/train"  # shard folder(s) with manifest.json; brace patterns; sources joined by "::"
+    train: str = "data/embedded/train"  # shard folders, manifest .json files, brace patterns; sources joined by "::"
     val: str | None = "data/embedded/val"  # labelled held-out shards for evaluation; null: no eval
     zeroshot: str | None = "data/embedded/zeroshot.json"  # class names + templates for zero-shot eval
     batch_size: int = 64  # per process; the global batch is batch_size x world size

@@ -14,7 +14,9 @@ one sample, keeping the last of each member (one image lost): that is a problem 
 manifest's num_samples counts key groups, bad ones included (what a reader walking the tar sees); the summary
 says how many of them are usable, and a scan with none writes nothing. `--index-offset N` adds N to every index
 (recorded as the manifest's `index_offset`, which the loader adds too: no tar is rewritten), so scanned sets can be
-joined with `::`; a rescan keeps the old manifest's offset unless given one.
+joined with `::`; a rescan keeps the old manifest's offset unless given one. `--manifest FILE.json` writes the
+manifest elsewhere (a read-only data set), naming shards outside its folder by absolute path; training reads it as
+`data.train FILE.json`.
 
 A scan never shrinks what a folder's manifest.json offers without being told: a scan that would leave out shards
 the old manifest lists and the folder still holds is refused (scan the folder, or move the manifest away); a
@@ -63,6 +65,7 @@ class ScanResult:
     problems: list[dict]
     usable: int = 0  # samples no problem lists (the stream skips listed ones): what training can use
     notes: list[str] = field(default_factory=list)  # for stderr: what the new manifest leaves out, and why
+    path: Path | None = None  # where the manifest goes: folder/manifest.json, or --manifest
 
     def summary(self) -> str:
         counts = Counter(p["reason"] for p in self.problems)
@@ -140,22 +143,24 @@ def _names(names: list[str], most: int = 3) -> str:
     return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
-def keep_listed_shards(folder: Path, scanned: list[str]) -> tuple[list[str], Manifest | None]:
-    """Refuse a scan whose manifest would drop shards the folder's manifest.json lists and the folder still holds
-    (a scan of one shard would silently shrink the training data to it); notes for what the new manifest leaves
-    out otherwise (listed shards gone from the folder, an old manifest that cannot be read), and the old manifest
-    (None: none, or unreadable)."""
-    path = folder / MANIFEST_NAME
+def keep_listed_shards(folder: Path, scanned: list[str], path: Path | None = None) -> tuple[list[str], Manifest | None]:
+    """Refuse a scan whose manifest would drop shards the manifest it replaces (the folder's manifest.json, or
+    `path`) lists and the folder still holds (a scan of one shard would silently shrink the training data to it);
+    notes for what the new manifest leaves out otherwise (listed shards gone from the folder, an old manifest that
+    cannot be read), and the old manifest (None: none, or unreadable). `scanned`: names as the new manifest has
+    them (relative to its folder, or absolute)."""
+    path = folder / MANIFEST_NAME if path is None else path
     if not path.is_file():
         return [], None
     try:
-        old = read_manifest(folder)
+        old = read_manifest(path)
     except ManifestError as e:  # what a rescan is for: said, since what it held is replaced
         return [f"replacing {path}, which could not be read ({e})"], None
     # compared as the files they are: a shard may be named through a link (scanned as the path it resolves to)
-    reading = {(folder / name).resolve() for name in scanned}
-    left_out = [s.path for s in old.shards if (folder / s.path).resolve() not in reading]
-    present = [name for name in left_out if (folder / name).is_file()]
+    base = path.parent
+    reading = {(base / name).resolve() for name in scanned}
+    left_out = [s.path for s in old.shards if (base / s.path).resolve() not in reading]
+    present = [name for name in left_out if (base / name).is_file()]
     if present:
         raise DataSpecError(
             f"{path} lists {plural(len(old.shards), 'shard')}, this scan reads {len(scanned)}: it would drop "
@@ -289,15 +294,37 @@ def _parquet_of(path: Path) -> Path:
     return stem.with_name(stem.name + ".parquet")
 
 
-def _plan(folder: Path, paths: list[Path], from_tars: bool, samples_per_shard: int | None) -> list[tuple]:
+def shard_name(shard: Path, base: Path, apart: bool = False) -> str:
+    """How a manifest in folder `base` names a shard: by its path relative to `base` (the pair moves together); a
+    manifest kept apart (`--manifest` elsewhere) names shards outside its folder by absolute path, so it can be
+    copied or moved alone. Training reads either (fastclip/data/catalog.py)."""
+    real = shard.resolve()
+    rel = os.path.relpath(real, base.resolve())
+    return str(real) if apart and (rel == os.pardir or rel.startswith(os.pardir + os.sep)) else rel
+
+
+def manifest_unwritable(path: Path) -> str | None:
+    """Why the manifest cannot be written at `path`, said before an hour of scanning rather than after it."""
+    if path.is_dir():
+        return f"--manifest {path}: is a folder; name the manifest file (FILE.json)"
+    ancestor = next(p for p in (path.parent.absolute(), *path.parent.absolute().parents) if p.exists())
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        why = "a file" if not ancestor.is_dir() else "not writable"
+        return f"cannot write {path}: {ancestor} is {why}; pass --manifest PATH in a folder you can write"
+    return None
+
+
+def _plan(
+    base: Path, paths: list[Path], from_tars: bool, samples_per_shard: int | None, apart: bool = False
+) -> list[tuple]:
     """Per shard: where its summary comes from. img2dataset's {shard}.parquet (needs pyarrow) or
-    {shard}_stats.json when present (the tar is not opened), else the tar."""
+    {shard}_stats.json when present (the tar is not opened), else the tar. `base`: the manifest's folder."""
     parquet_ok = _pyarrow_present()
     per_shard = samples_per_shard or IMG2DATASET_SAMPLES_PER_SHARD
     oom = len(str(per_shard - 1)) if per_shard > 1 else 1  # img2dataset: key = shard_id * 10**oom + position
     tasks = []
     for path in paths:
-        name = os.path.relpath(path.resolve(), folder.resolve())
+        name = shard_name(path, base, apart)
         stem = path.parent / _stem(path)
         if not from_tars and parquet_ok and _parquet_of(path).is_file():
             tasks.append((str(_parquet_of(path)), name, "parquet", 0, frozenset()))
@@ -360,22 +387,23 @@ def scan_shards(
     progress=None,
     captions: bool = True,
     index_offset: int | None = None,
+    manifest: str | os.PathLike | None = None,
 ) -> ScanResult:
     """Scan in `workers` processes (default: all cores), one shard summary at a time: what stays in memory is a
     bitmap of the indices seen (fastclip/data/bits.py), each shard's ShardInfo and the problems found.
     ``captions`` False (image-only shards, for ssl training): a sample without a caption is no problem.
     ``index_offset``: added to every index found (recorded in the manifest; the loader adds it too); None: the
-    old manifest's (a rescan keeps the indices a run's per-sample state refers to), else 0."""
+    old manifest's (a rescan keeps the indices a run's per-sample state refers to), else 0. ``manifest``: the
+    file to write (default: manifest.json beside the shards)."""
     folder, paths = find_shards(spec)
-    tasks = _plan(folder, paths, from_tars, samples_per_shard)
+    target = folder / MANIFEST_NAME if manifest is None else Path(manifest)
+    tasks = _plan(target.parent, paths, from_tars, samples_per_shard, apart=manifest is not None)
     _check_key_scheme(tasks, paths, samples_per_shard or IMG2DATASET_SAMPLES_PER_SHARD)
-    notes, old = keep_listed_shards(folder, [task[1] for task in tasks])  # before any work: it may refuse
+    notes, old = keep_listed_shards(folder, [task[1] for task in tasks], target)  # before any work: it may refuse
     if index_offset is None:
         index_offset = old.index_offset if old is not None else 0
         if index_offset:
-            notes.append(
-                f"keeping --index-offset {index_offset} of {folder / MANIFEST_NAME} (pass --index-offset to change it)"
-            )
+            notes.append(f"keeping --index-offset {index_offset} of {target} (pass --index-offset to change it)")
     workers = (os.cpu_count() or 1) if workers is None else workers
     shards: list[ShardInfo] = []
     problems: list[dict] = []
@@ -467,10 +495,10 @@ def scan_shards(
     unread = 0 if from_tars or _pyarrow_present() else sum(_parquet_of(path).is_file() for path in paths)
     if unread:  # said in the summary: without pyarrow the scan reads those tars (or _stats.json) instead
         extra["parquet_unread"] = unread
-    manifest = Manifest(data_size, shards, problems, extra, index_offset)
+    result = Manifest(data_size, shards, problems, extra, index_offset)
     if write:
-        write_manifest(folder, manifest)
-    return ScanResult(manifest, folder, problems, usable, notes)
+        write_manifest(target, result)
+    return ScanResult(result, folder, problems, usable, notes, target)
 
 
 def _name_first_copies(pending, spans, tasks, workers, shards, offset: int = 0) -> None:

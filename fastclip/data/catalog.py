@@ -25,7 +25,7 @@ from pathlib import Path
 
 from fastclip.data import remote
 from fastclip.data.format import MANIFEST_NAME
-from fastclip.data.manifest import Manifest, ManifestError, ShardInfo, manifest_path, read_manifest
+from fastclip.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest
 
 
 class DataSpecError(ValueError):
@@ -155,7 +155,7 @@ def _shard_paths(spec: str) -> tuple[list[tuple[Path, Path, ShardInfo | None]], 
         return _remote_shards(spec)
     path = Path(spec)
     if path.is_dir() or path.suffix == ".json":
-        file = manifest_path(path)
+        file = path / MANIFEST_NAME if path.is_dir() else path
         file = file.parent.resolve() / file.name  # relative shard paths start from the folder it is in
         manifest = read_manifest(file)
         if not manifest.shards:

@@ -139,6 +139,8 @@ def read_manifest(folder_or_file: str | os.PathLike) -> Manifest:
         ) from None
     except ValueError as e:
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a folder, no permission: one line, not a traceback
+        raise ManifestError(f"{path}: cannot be read ({e.strerror or e}); pass a readable manifest file") from None
     return Manifest.from_json(data, str(path))
 
 

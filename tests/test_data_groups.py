@@ -119,3 +119,20 @@ def test_writer_manifest_and_catalog_checks(tmp_path):
     data = json.loads((tmp_path / "grouped" / "manifest.json").read_text()) | {"groups": "yes"}
     with pytest.raises(ManifestError, match="field 'groups' is 'yes', expected true or false"):
         Manifest.from_json(data, "m.json")
+
+
+@pytest.mark.parametrize("offset", [0, 100])
+def test_a_json_group_moves_with_the_index_offset_of_its_data_set(offset):
+    """A group id is in its data set's index space (the group's first index), so `scan --index-offset` shifts it as
+    it shifts the index; a sample without a group is its own (offset) index."""
+    from fastclip.data.samples import check_sample
+    from fastclip.data.tario import RawSample
+
+    def raw(meta: dict) -> RawSample:
+        files = {"png": synthetic_image(0), "txt": b"a caption", "json": json.dumps(meta).encode()}
+        return RawSample("k", 0, files, tuple(files))
+
+    grouped, _, _ = check_sample(raw({"index": 4, "group": 3}), 200, index_offset=offset)
+    alone, _, _ = check_sample(raw({"index": 5}), 200, index_offset=offset)
+    assert (grouped.index, grouped.group) == (4 + offset, 3 + offset)
+    assert (alone.index, alone.group) == (5 + offset, 5 + offset)

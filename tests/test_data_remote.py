@@ -284,3 +284,92 @@ def test_a_rank_whose_remote_shards_all_fail_says_why_and_what_to_do_in_one_line
             "it from the data spec, then restart with --train.resume latest"
         )
         assert "fastclip data scan" not in message
+
+
+# ----------------------------------------------------------------------------- retries, counted
+class _Flaky(_Quiet):
+    """Answers HTTP 503 to a GET of a path in `failing` while its count lasts (-1: always), then serves the file."""
+
+    failing: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def do_GET(self):
+        with self.lock:
+            left = self.failing.get(self.path, 0)
+            if left > 0:
+                self.failing[self.path] = left - 1
+        if left:
+            self.send_error(503, "Service Unavailable")
+            return
+        super().do_GET()
+
+
+@pytest.fixture
+def flaky(http_root):
+    """(base URL of http_root's folder, the {path: failures} the server answers 503 to first)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Flaky, directory=str(http_root[0])))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _Flaky.failing.clear()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _Flaky.failing
+    server.shutdown()
+    server.server_close()
+
+
+def test_retries_and_shards_given_up_are_counted_over_workers(synth, flaky, model_fns):
+    url, failing = flaky
+    shards = names(synth)
+
+    def epoch(workers: int, delays: list[float]):
+        stream = build_train_stream(
+            {"train": pattern("", f"{url}/synth", synth), "batch_size": 4, "workers": workers, "shuffle_buffer": 8}
+            | {"remote_retry_delays": delays},  # the config's knob: no waiting here
+            rank=0,
+            world_size=1,
+            preprocess=model_fns[0],
+            tokenizer=model_fns[1],
+        )
+        assert len(list(stream.epoch(0))) == 6
+        return stream.counters
+
+    # a shard that fails 3 times, then is served: 3 retries, whichever of the 2 worker processes made them
+    failing[f"/synth/{shards[1]}"] = 3
+    counters = epoch(2, [0.0, 0.0, 0.0])
+    assert failing[f"/synth/{shards[1]}"] == 0
+    assert (counters["remote_retries"], counters["remote_shards_skipped"], counters["unreadable_shard"]) == (3, 0, 0)
+    # one that always fails: as many retries as delays configured, then the shard is skipped (its 7 samples)
+    failing[f"/synth/{shards[0]}"] = -1
+    counters = epoch(0, [0.0, 0.0])
+    assert (counters["remote_retries"], counters["remote_shards_skipped"], counters["unreadable_shard"]) == (2, 1, 7)
+    assert sum(counters.values()) == 2 + 1 + 7 + counters["wrapped"]  # nothing else counted
+
+
+def test_a_run_reports_its_remote_retries_in_its_records_and_epoch_line(
+    tiny_embedded, http_root, flaky, tmp_path, capsys
+):
+    url, failing = flaky
+    served = http_root[0] / "embedded"
+    if not served.exists():
+        served.symlink_to(tiny_embedded / "train", target_is_directory=True)
+    train = tiny_embedded / "train"
+    failing[f"/embedded/{names(train)[0]}"] = 2
+    run = tmp_path / "run"
+    args = fault_overrides(
+        tiny_embedded,
+        run,
+        "fastclip-v3",
+        **{
+            "data.train": pattern("", f"{url}/embedded", train),
+            "data.batch_size": 16,  # 80 samples: one epoch in 5 steps
+            "train.max_steps": 5,
+            "checkpoint.every_steps": 0,
+            "data.remote_retry_delays": "[0, 0, 0]",
+        },
+    )
+    assert train_main(["--config", str(REPO / "configs" / "embedded.yaml"), *args]) == 0
+    last = [r for r in records(run) if "data_skipped" in r][-1]
+    assert (last["data_remote_retries"], last["data_remote_shards_skipped"], last["data_skipped"]) == (2, 0, 0)
+    assert (
+        "data: epoch 0: 0 sample(s) skipped, summed over ranks; 0 served twice to fill the batches; remote shards: "
+        "2 retries, 0 skipped as unreadable"
+    ) in capsys.readouterr().out.splitlines()

@@ -224,6 +224,15 @@ def test_summary_reports_pretrained_start_data_skips_and_unreadable_lines(tiny_e
         "(counted in samples and epochs above)"
     ), out
     assert out[-1] == "  note       metrics.jsonl: 2 unreadable lines skipped (2, 4)", out
+    # remote shards: their retries and the shards given up on, after the samples
+    last |= {"data_remote_retries": 1201, "data_remote_shards_skipped": 3}
+    (run / "metrics.jsonl").write_text("\n".join([rows[0], json.dumps(last)]) + "\n")
+    assert main([str(run)]) == 0
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[3]
+        .endswith("(counted in samples and epochs above); remote shards: 1,201 retries, 3 skipped as unreadable")
+    )
 
 
 @pytest.mark.parametrize("seconds", ["-5", "nan", "inf"])

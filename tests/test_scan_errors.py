@@ -208,3 +208,59 @@ def test_a_manifest_stands_for_its_folder_and_a_shard_list_is_refused(tmp_path, 
     )
     _one_line(capsys, ["scan", f"{folder}/*"], f"{folder}/manifest.json (from pattern '{folder}/*') is not a .tar")
     assert (folder / "manifest.json").read_text() == before
+
+
+# ----------------------------------------------------------------------------- 8. a manifest kept elsewhere
+def test_a_read_only_folder_is_scanned_to_a_manifest_elsewhere_that_training_reads(tmp_path, capsys, monkeypatch):
+    folder, sets = (tmp_path / "ro").resolve(), tmp_path / "sets"
+    folder.mkdir()
+    write_tar(folder / "a.tar", [(f"{i:04d}", _sample(i)) for i in range(4)])
+    write_tar(folder / "b.tar", [(f"{i:04d}", _sample(i)) for i in range(4, 9)])
+    files = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    manifest = sets / "ro.manifest.json"
+    folder.chmod(0o555)
+    try:
+        for _ in range(2):  # a rescan to the same file: the same manifest, nothing said
+            assert main(["scan", str(folder), "--manifest", str(manifest), "--workers", "1"]) == 0
+            captured = capsys.readouterr()
+            assert f"wrote {manifest}" in captured.out and captured.err == ""
+    finally:
+        folder.chmod(0o755)
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == files  # nothing written beside the shards
+    data = json.loads(manifest.read_text())
+    assert [(s["path"], s["num_samples"]) for s in data["shards"]] == [(f"{folder}/a.tar", 4), (f"{folder}/b.tar", 5)]
+
+    def indices(spec: str) -> list[int]:
+        return sorted(i for _, _, idx, _ in _stream(spec, batch_size=3).epoch(0) for i in idx.tolist())
+
+    assert indices(str(manifest)) == list(range(9))  # every sample, once
+    # shard paths relative to the manifest's folder (not the working directory) read the same
+    data["shards"] = [dict(s, path=f"../ro/{s['path'].rsplit('/', 1)[1]}") for s in data["shards"]]
+    relative = sets / "relative.json"
+    relative.write_text(json.dumps(data))
+    monkeypatch.chdir(tmp_path)  # where "../ro/a.tar" names nothing
+    assert indices(str(relative)) == list(range(9))
+    # shards that are not there: one line naming the manifest and the first missing shard (exit 2 from the CLI)
+    data["shards"] = [dict(s, path=f"{folder}/gone-{s['path'][-5]}.tar") for s in data["shards"]]
+    manifest.write_text(json.dumps(data))
+    _one_line(
+        capsys,
+        ["info", str(manifest)],
+        f"fastclip data info: error: shard file {folder}/gone-a.tar (listed in {manifest}) does not exist: restore "
+        f"it, or rerun `fastclip data scan` with --manifest {manifest} to list the shards that are there",
+    )
+    # a manifest that cannot be written is said before the scan; one that is no .json, too (training would
+    # take it for a shard pattern)
+    (tmp_path / "file").write_text("")
+    _one_line(
+        capsys,
+        ["scan", str(folder), "--manifest", str(tmp_path / "file" / "x.json")],
+        f"fastclip data scan: error: cannot write {tmp_path}/file/x.json: {tmp_path}/file is a file; pass --manifest "
+        f"PATH in a folder you can write",
+    )
+    _one_line(
+        capsys,
+        ["scan", str(folder), "--manifest", str(sets / "ro.txt")],
+        f"fastclip data scan: error: --manifest {sets}/ro.txt: name a .json file (data.train reads FILE.json as a "
+        f"manifest)",
+    )

@@ -11,8 +11,8 @@ Training (fastclip/data/stream.py has the rules on order, ranks, workers and res
     stream = build_train_stream(cfg, rank=rank, world_size=world, preprocess=built.preprocess_train,
                                 tokenizer=built.tokenizer)
         cfg: StreamConfig or any object/dict with train, batch_size, and optionally seed, workers,
-             shuffle_buffer, resampled, samples_per_epoch, upsampling_factors, data_size, pin_memory. Raises
-             DataSpecError / ManifestError before training for a bad spec.
+             shuffle_buffer, resampled, samples_per_epoch, upsampling_factors, data_size, pin_memory,
+             remote_retry_delays. Raises DataSpecError / ManifestError before training for a bad spec.
     stream.data_size              1 + the largest index (size the per-sample state from it)
     stream.batches_per_epoch      batches every rank serves in a whole epoch (the same on all ranks)
     stream.batches_remaining(e)   batches stream.epoch(e) will serve from the current position
@@ -21,7 +21,9 @@ Training (fastclip/data/stream.py has the rules on order, ranks, workers and res
     stream.grouped                whether a manifest says some samples share a group (the trainer then passes
                                   the groups to the loss)
     stream.state_dict() / stream.load_state_dict(sd)   position (plain types; torch.load(weights_only=True) ok)
-    stream.counters               {reason: samples skipped, ..., "wrapped": samples served twice to fill batches}
+    stream.counters               {reason: samples skipped, ..., "wrapped": samples served twice to fill batches,
+                                  "remote_retries": retries of remote shard reads, "remote_shards_skipped": remote
+                                  shard reads given up (their samples counted under unreadable_shard)}
     stream.drain_skips()          the skipped samples since the last call: {"shard", "key", "reason", "detail",
                                   "samples", "epoch", "rank"} (the last 100 are kept in stream.recent_skips)
     stream.samples_seen           samples this rank has served

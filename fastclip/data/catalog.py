@@ -1,8 +1,9 @@
 """From a `--train-data` string to the list of shards an epoch is planned over.
 
-Syntax (OpenCLIP's habits): sources joined with `::`; each source is a shard folder, a manifest.json, or a
-shard pattern with brace expansion (`/d/train-{000000..000041}.tar`, `{a,b}`) or a glob. Each shard's
-manifest.json must sit beside it (it gives the sample counts an epoch is planned with). Everything is checked
+Syntax (OpenCLIP's habits): sources joined with `::`; each source is a shard folder, a manifest (any FILE.json,
+wherever it lives: `fastclip data scan --manifest`), or a shard pattern with brace expansion
+(`/d/train-{000000..000041}.tar`, `{a,b}`) or a glob, whose manifest.json must sit beside the shards (it gives the
+sample counts an epoch is planned with). Everything is checked
 here, before training starts: an empty pattern, a missing shard file, a shard its manifest does not list, and
 index ranges of different sources that overlap (the per-sample state is indexed by global index, so two
 sources must not share indices; data_size is the largest over sources).
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from fastclip.data import remote
 from fastclip.data.format import MANIFEST_NAME
-from fastclip.data.manifest import Manifest, ManifestError, read_manifest
+from fastclip.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest
 
 
 class DataSpecError(ValueError):
@@ -43,6 +44,7 @@ class Shard:
     # problems named positions, whose samples are skipped by key
     skip: tuple[tuple[str, int | None, str, str], ...] = ()
     index_base: int | None = None  # plain WebDataset shard: index = index_base + position in the tar (manifest)
+    index_offset: int = 0  # the manifest's (scan --index-offset): added to every index read from the shard
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class Source:
     data_size: int
     index_min: int | None
     index_max: int | None
+    index_offset: int | None = None  # scanned (`fastclip data scan` wrote its manifest): its offset; else None
 
 
 @dataclass(frozen=True)
@@ -121,10 +124,11 @@ def expand_braces(pattern: str) -> list[str]:
     return [p for option in options for p in expand_braces(head + option + tail)]
 
 
-def _remote_shards(spec: str) -> tuple[list[tuple[str, str]], dict[str, Manifest]]:
-    """(shard location, location of its manifest) for each shard of a remote source, and those manifests (read
-    through the shards' own transport, once per folder; no shard is opened or stat'ed here)."""
-    if spec.endswith("/" + MANIFEST_NAME) and not spec.startswith("pipe:"):
+def _remote_shards(spec: str) -> tuple[list[tuple[str, str, ShardInfo | None]], dict[str, Manifest]]:
+    """(shard location, location of its manifest, its entry when the source is the manifest) for each shard of a
+    remote source, and those manifests (read through the shards' own transport, once per folder; no shard is
+    opened or stat'ed here)."""
+    if spec.endswith(".json") and not spec.startswith("pipe:"):  # a manifest's URL, by any name
         locations = None
         manifest_locs = [spec]
     else:
@@ -140,21 +144,24 @@ def _remote_shards(spec: str) -> tuple[list[tuple[str, str]], dict[str, Manifest
             raise DataSpecError(f"source {spec!r}: manifest {loc} is not valid JSON ({e})") from None
         manifests[loc] = Manifest.from_json(data, loc)
     if locations is None:
-        return [(remote.sibling(spec, s.path), spec) for s in manifests[spec].shards], manifests
-    return [(loc, remote.sibling(loc, MANIFEST_NAME)) for loc in locations], manifests
+        return [(remote.sibling(spec, s.path), spec, s) for s in manifests[spec].shards], manifests
+    return [(loc, remote.sibling(loc, MANIFEST_NAME), None) for loc in locations], manifests
 
 
-def _shard_paths(spec: str) -> tuple[list[tuple[Path, Path]], dict[Path, Manifest]]:
-    """(shard file, folder of its manifest) for each shard of one source, and those manifests by folder."""
+def _shard_paths(spec: str) -> tuple[list[tuple[Path, Path, ShardInfo | None]], dict[Path, Manifest]]:
+    """(shard file, its manifest file, its entry when the source is the manifest) for each shard of one source,
+    and those manifests by file. A local source ending in .json is a manifest file, wherever it lives (`fastclip
+    data scan --manifest`): its shard paths are absolute or relative to its folder."""
     if remote.is_remote(spec):
         return _remote_shards(spec)
     path = Path(spec)
-    if path.is_dir() or path.name == MANIFEST_NAME:
-        folder = (path if path.is_dir() else path.parent).resolve()
-        manifest = read_manifest(folder)
+    if path.is_dir() or path.suffix == ".json":
+        file = path / MANIFEST_NAME if path.is_dir() else path
+        file = file.parent.resolve() / file.name  # relative shard paths start from the folder it is in
+        manifest = read_manifest(file)
         if not manifest.shards:
-            raise DataSpecError(f"source {spec!r}: manifest {folder / MANIFEST_NAME} lists no shards")
-        return [(folder / s.path, folder) for s in manifest.shards], {folder: manifest}
+            raise DataSpecError(f"source {spec!r}: manifest {file} lists no shards")
+        return [(file.parent / s.path, file, s) for s in manifest.shards], {file: manifest}
     paths = []
     for p in expand_braces(spec):
         if any(ch in p for ch in "*?["):
@@ -167,13 +174,13 @@ def _shard_paths(spec: str) -> tuple[list[tuple[Path, Path]], dict[Path, Manifes
     for p in paths:
         if not p.is_file():
             raise DataSpecError(f"shard file {p} (from pattern {spec!r}) does not exist")
-        folder = p.parent.resolve()
-        if folder not in manifests:
+        file = p.parent.resolve() / MANIFEST_NAME
+        if file not in manifests:
             try:
-                manifests[folder] = read_manifest(folder)
+                manifests[file] = read_manifest(file)
             except ManifestError as e:
                 raise DataSpecError(f"shard {p} (from pattern {spec!r}): {e}") from None
-    return [(p, p.parent.resolve()) for p in paths], manifests
+    return [(p, p.parent.resolve() / MANIFEST_NAME, None) for p in paths], manifests
 
 
 def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
@@ -196,21 +203,27 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                 if q.get("key") is not None:
                     problems.setdefault((f, os.path.normpath(str(q.get("shard")))), []).append(q)
         ids = []
-        for p, folder in paths:
-            if isinstance(p, str):  # remote: named by its file name in the manifest beside it
-                rel, absolute, where = remote.shard_basename(p), p, folder
-            else:
-                rel = os.path.normpath(os.path.relpath(p.resolve(), folder))
-                absolute, where = None, folder / MANIFEST_NAME
-            entry = entries[folder].get(rel)
-            if entry is None:
-                raise DataSpecError(
-                    f"shard {p} (from pattern {spec!r}) is not listed in {where}; "
-                    f"run `fastclip data scan` on its folder to rebuild it"
-                )
+        for p, where, entry in paths:
+            if entry is None:  # a pattern's shard: looked up in the manifest beside it
+                if isinstance(p, str):  # remote: named by its file name there
+                    rel = remote.shard_basename(p)
+                else:
+                    rel = os.path.normpath(os.path.relpath(p.resolve(), where.parent))
+                entry = entries[where].get(rel)
+                if entry is None:
+                    raise DataSpecError(
+                        f"shard {p} (from pattern {spec!r}) is not listed in {where}; "
+                        f"run `fastclip data scan` on its folder to rebuild it"
+                    )
+            rel = os.path.normpath(entry.path)
+            absolute = p if isinstance(p, str) else None
             if absolute is None:
                 if not p.is_file():
-                    raise DataSpecError(f"shard file {p} (listed in {where}) does not exist")
+                    how = "on its folder" if where.name == MANIFEST_NAME else f"with --manifest {where}"
+                    raise DataSpecError(
+                        f"shard file {p} (listed in {where}) does not exist: restore it, or rerun `fastclip data "
+                        f"scan` {how} to list the shards that are there"
+                    )
                 absolute = str(p.resolve())
             if absolute in taken:
                 raise DataSpecError(f"shard {p} appears in two sources: {taken[absolute]!r} and {spec!r}")
@@ -222,7 +235,7 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                     str(q.get("reason", "manifest_problem")),
                     str(q.get("detail", "")),
                 )
-                for q in problems.get((folder, rel), ())
+                for q in problems.get((where, rel), ())
             )
             ids.append(len(shards))
             shards.append(
@@ -235,6 +248,7 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                     entry.index_max,
                     skip,
                     entry.index_base,
+                    manifests[where].index_offset,
                 )
             )
         lows = [shards[i].index_min for i in ids if shards[i].index_min is not None]
@@ -246,6 +260,7 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                 max(m.data_size for m in manifests.values()),
                 min(lows, default=None),
                 max(highs, default=None),
+                _scan_offset(manifests.values()),
             )
         )
     _check_disjoint(sources)
@@ -260,14 +275,27 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
     return Catalog(tuple(sources), tuple(shards), size, grouped)
 
 
+def _scan_offset(manifests) -> int | None:
+    """A source's index offset when `fastclip data scan` wrote its manifests (then a rescan can move it); else None."""
+    manifests = list(manifests)
+    if all(m.extra.get("created_by") == "fastclip data scan" for m in manifests):
+        return max(m.index_offset for m in manifests)
+    return None
+
+
 def _check_disjoint(sources: list[Source]) -> None:
-    spans = sorted((s.index_min, s.index_max, s.spec) for s in sources if s.index_min is not None)
-    for (lo_a, hi_a, a), (lo_b, hi_b, b) in zip(spans, spans[1:]):
-        if lo_b <= hi_a:
+    spans = sorted((s.index_min, s.index_max, i) for i, s in enumerate(sources) if s.index_min is not None)
+    for (_, hi, i), (lo_next, _, j) in zip(spans, spans[1:]):
+        if lo_next <= hi:
+            a, b = sources[min(i, j)], sources[max(i, j)]  # named in `::` order; the later one is moved
+            if b.index_offset is not None:  # scanned: the least offset that moves it past the other (no tar rewritten)
+                offset = b.index_offset + a.index_max + 1 - b.index_min
+                fix = f"rescan {b.spec} with `fastclip data scan --index-offset {offset}`"
+            else:
+                fix = f"write {b.spec} again with --index-offset {a.index_max + 1} (or more)"
             raise DataSpecError(
-                f"sources {a!r} (indices {lo_a}..{hi_a}) and {b!r} (indices {lo_b}..{hi_b}) "
-                f"overlap: joined sources need disjoint global indices (write one of them with "
-                f"--index-offset)"
+                f"sources {a.spec!r} (indices {a.index_min}..{a.index_max}) and {b.spec!r} (indices "
+                f"{b.index_min}..{b.index_max}) overlap: joined sources need disjoint global indices; {fix}"
             )
 
 

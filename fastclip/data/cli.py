@@ -9,7 +9,7 @@
   fastclip data folder --captions caps.csv --out DIR [--images ROOT] [--csv-img-key filepath]
                        [--csv-caption-key title] [--csv-separator ","] [--shard-size 2000] [--index-offset 0]
   fastclip data scan DIR|DIR/manifest.json|PATTERN [--data-size N] [--strict] [--workers N] [--from-tars]
-                     [--samples-per-shard N]
+                     [--samples-per-shard N] [--index-offset N] [--manifest FILE.json]
   fastclip data info "DIR::/other/train-{000..009}.tar" [--batch-size 64 --world-size 8]
 
 Exit status: 0 on success, 1 when `scan --strict` finds problems, 2 on a usage or data-spec error; `embedded` and
@@ -167,6 +167,19 @@ def _parser() -> argparse.ArgumentParser:
         help="img2dataset's --number_sample_per_shard (default 10000): the key range of a shard counted "
         "from its _stats.json",
     )
+    s.add_argument(
+        "--index-offset",
+        type=_nonneg,
+        default=None,
+        help="added to every index (recorded in the manifest, no tar rewritten), to join this set with others by "
+        "'::' (default: the old manifest's, else 0)",
+    )
+    s.add_argument(
+        "--manifest",
+        default=None,
+        help="write the manifest to this .json file instead of manifest.json beside the shards (a read-only data "
+        "set); it names shards outside its folder by absolute path; train with --data.train FILE.json",
+    )
 
     i = sub.add_parser("info", help="resolve a training data spec and print what an epoch would be")
     i.add_argument("train_data", help="as data.train: folders/manifests/patterns joined with '::'")
@@ -307,11 +320,19 @@ def _run(args) -> int:
             return 2
         return 0
     if args.command == "scan":
+        from fastclip.data.format import MANIFEST_NAME
         from fastclip.data.manifest import write_manifest
-        from fastclip.data.sources.scan import plural, scan_shards
+        from fastclip.data.sources.scan import find_shards, manifest_unwritable, plural, scan_shards
 
         if args.data_size is not None and args.data_size < 1:
             raise ValueError(f"--data-size {args.data_size}: must be >= 1 (or omit it: 1 + the largest index found)")
+        if args.manifest is not None and not args.manifest.endswith(".json"):  # else training takes it for shards
+            raise ValueError(
+                f"--manifest {args.manifest}: name a .json file (data.train reads FILE.json as a manifest)"
+            )
+        target = Path(args.manifest) if args.manifest else find_shards(args.shards)[0] / MANIFEST_NAME
+        if problem := manifest_unwritable(target):
+            raise ValueError(problem)
         result = scan_shards(
             args.shards,
             data_size=args.data_size,
@@ -320,6 +341,8 @@ def _run(args) -> int:
             from_tars=args.from_tars,
             samples_per_shard=args.samples_per_shard,
             captions=not args.images_only,
+            index_offset=args.index_offset,
+            manifest=args.manifest,
         )
         print(result.summary())
         if result.usable == 0:  # a manifest of samples the stream skips, every one: training would find nothing
@@ -345,8 +368,8 @@ def _run(args) -> int:
             return 1
         for note in result.notes:  # what the new manifest leaves out of the old one is said where errors are
             print(f"fastclip data scan: note: {note}", file=sys.stderr)
-        write_manifest(result.folder, result.manifest)
-        print(f"wrote {result.folder}/manifest.json")
+        write_manifest(result.path, result.manifest)
+        print(f"wrote {result.path}")
         return 0
     if args.command == "info":
         from fastclip.data.catalog import resolve_catalog

@@ -11,6 +11,11 @@ by (shard, ordinal), so this must match what a reader walking the tar sees. `pro
 none). A duplicate index can only be decided with the whole data set in view, so scan decides it once and the
 stream follows. `groups` (optional, written only when true): some samples share a json "group" (format.py); the
 trainer then passes the group ids to the loss, which otherwise needs none (each sample its own group).
+
+`index_offset` (optional, `fastclip data scan --index-offset`): added to every index the loader takes from these
+shards (json `index`/`key`, or `index_base` + position) and to every json "group", so two scanned data sets can be
+joined with `::` without rewriting a tar; `index_min`, `index_max`, `data_size` and the problems' indices already
+include it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class ManifestError(ValueError):
 
 @dataclass
 class ShardInfo:
-    path: str  # relative to the manifest's folder
+    path: str  # relative to the manifest's folder, or absolute (a manifest kept apart from its shards)
     num_samples: int
     index_min: int | None = None  # None: the shard has no sample with a usable index
     index_max: int | None = None
@@ -45,6 +50,7 @@ class Manifest:
     problems: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # free-form provenance (writer, datasets, seed)
     groups: bool = False  # some samples share a json "group"
+    index_offset: int = 0  # added to every index read from the shards (scan --index-offset)
 
     @property
     def num_samples(self) -> int:
@@ -66,6 +72,8 @@ class Manifest:
                 for s in self.shards
             ],
         }
+        if self.index_offset:
+            out["index_offset"] = self.index_offset
         if self.problems:
             out["problems"] = self.problems
         if self.groups:  # absent when false: manifests without groups stay as they were
@@ -114,8 +122,12 @@ class Manifest:
         groups = data.get("groups", False)
         if not isinstance(groups, bool):
             raise ManifestError(f"{where}: field 'groups' is {groups!r}, expected true or false")
-        known = {"format", "data_size", "num_samples", "shards", "problems", "groups"}
-        return cls(data_size, shards, list(problems), {k: v for k, v in data.items() if k not in known}, groups)
+        offset = need(data, "index_offset", int, "") if "index_offset" in data else 0
+        if offset < 0:
+            raise ManifestError(f"{where}: index_offset is negative ({offset})")
+        known = {"format", "data_size", "num_samples", "shards", "problems", "groups", "index_offset"}
+        extra = {k: v for k, v in data.items() if k not in known}
+        return cls(data_size, shards, list(problems), extra, groups, offset)
 
 
 def manifest_path(folder_or_file: str | os.PathLike) -> Path:
@@ -129,12 +141,15 @@ def read_manifest(folder_or_file: str | os.PathLike) -> Manifest:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
+        scan = f"{path.parent}" if path.name == MANIFEST_NAME else f"SHARDS --manifest {path}"
         raise ManifestError(
             f"no manifest at {path}: write shards with `fastclip data embedded|folder` or run "
-            f"`fastclip data scan {path.parent}`"
+            f"`fastclip data scan {scan}`"
         ) from None
     except ValueError as e:
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:  # a folder, no permission: one line, not a traceback
+        raise ManifestError(f"{path}: cannot be read ({e.strerror or e}); pass a readable manifest file") from None
     return Manifest.from_json(data, str(path))
 
 

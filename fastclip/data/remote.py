@@ -10,8 +10,10 @@ the command's argument that names the shard).
 A failure (a command that exits non-zero, an HTTP error, a connection that drops) raises `RemoteError` whose
 message is one line: the location and the command's stderr tail or the HTTP status. One that happens before the
 first byte and may pass (a command's non-zero exit, HTTP 5xx or 429, a refused or timed-out connection; not an HTTP
-4xx) is retried after RETRY_DELAYS_S seconds, one delay per retry; the message of the last failure says how many
-retries it had. (A stream that breaks after bytes were served is not retried: the reader's position is gone.)
+4xx) is retried after RETRY_DELAYS_S seconds (or the stream's `data.remote_retry_delays`), one delay per retry; the
+message of the last failure says how many retries it had, and its `retries` attribute the number. (A stream that
+breaks after bytes were served is not retried: the reader's position is gone.) The training stream counts them
+under REMOTE_COUNTERS: the retries, and the shards given up on (their samples are skipped as unreadable_shard).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ KEEP = 1 << 16  # bytes kept behind the read position (tarfile seeks back at mos
 _CHUNK = 1 << 20
 HTTP_TIMEOUT_S = 120
 RETRY_DELAYS_S = (1.0, 3.0, 9.0)  # before each retry of a transient failure; then the shard's samples are skipped
+REMOTE_COUNTERS = ("remote_retries", "remote_shards_skipped")  # the training stream's counters of remote reads
 
 
 class RemoteError(OSError):
@@ -42,6 +45,7 @@ class RemoteError(OSError):
     on a retry."""
 
     transient = True
+    retries = 0  # how many retries it had (the last failure of a retried read)
 
 
 def _permanent(message: str) -> RemoteError:
@@ -180,8 +184,9 @@ class StreamFile:
     discarding, backward within the last KEEP bytes). Gzipped shards (.tar.gz, .tgz) are decompressed on the way.
     """
 
-    def __init__(self, location: str):
+    def __init__(self, location: str, retry_delays: tuple[float, ...] | list[float] | None = None):
         self.name = location
+        self.delays = tuple(RETRY_DELAYS_S if retry_delays is None else retry_delays)  # seconds before each retry
         self.retries = 0  # transient failures retried (before the first byte)
         self._open()
         self._pos = 0  # bytes taken from the source
@@ -199,11 +204,13 @@ class StreamFile:
 
     def _wait_or_raise(self, error: RemoteError) -> None:
         """Before the next try of a transient failure, its delay; else the error, saying how many retries it had."""
-        if not error.transient or self.retries >= len(RETRY_DELAYS_S):
+        if not error.transient or self.retries >= len(self.delays):
             if self.retries:
-                raise RemoteError(f"{error} (after {self.retries} retries)") from None
+                error = RemoteError(f"{error} (after {self.retries} retries)")
+                error.retries = self.retries
+                raise error from None
             raise error
-        time.sleep(RETRY_DELAYS_S[self.retries])
+        time.sleep(self.delays[self.retries])
         self.retries += 1
 
     def _take(self, n: int) -> bytes:

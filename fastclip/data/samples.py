@@ -66,22 +66,27 @@ class Candidate:
 
 
 def check_sample(
-    raw: RawSample, data_size: int, index_base: int | None = None, need_caption: bool = True
+    raw: RawSample, data_size: int, index_base: int | None = None, need_caption: bool = True, index_offset: int = 0
 ) -> tuple[Candidate | None, str, str]:
     """(candidate, "", "") or (None, reason, detail). index_base: the shard's (plain WebDataset, from the
-    manifest): a sample without a .json member gets index index_base + its position in the tar. need_caption
-    False (image-only training, fastclip/train/ssl.py): a sample without a caption is kept (caption None)."""
+    manifest): a sample without a .json member gets index index_base + its position in the tar. index_offset:
+    the manifest's (scan --index-offset), added to the index either way. need_caption False (image-only
+    training, fastclip/train/ssl.py): a sample without a caption is kept (caption None)."""
     meta, why = parse_meta(raw.files.get("json"))
     index = index_from_meta(meta) if meta is not None else None
     if index is None and index_base is not None and "json" not in raw.exts:
         index = index_base + raw.ordinal
     if index is None:
         return None, "missing_index", why or "json has no integer 'index' and no integer 'key'"
+    if index >= 0:  # a negative index stays out of range whatever the offset (as scan lists it)
+        index += index_offset
     if not 0 <= index < data_size:
         return None, "index_out_of_range", f"index {index} not in [0, {data_size})"
     group, why = group_of(meta, index)
     if group is None:
         return None, "bad_group", f"index {index}: {why}"
+    if meta is not None and "group" in meta:  # a json group is in its data set's own index space, as the index is
+        group += index_offset
     caption = caption_of(raw.files, meta)
     if caption is None and need_caption:
         return None, "missing_caption", "no non-empty .txt and no json 'caption'"

@@ -75,6 +75,7 @@ from fastclip.data.plan import (
     worker_chunk,
     worker_runs,
 )
+from fastclip.data.remote import REMOTE_COUNTERS
 from fastclip.data.samples import MANIFEST_MISMATCH, REASONS, SHARD_REASONS, DataExhausted
 from fastclip.data.worker import EpochDataset, EpochJob
 
@@ -96,6 +97,7 @@ class StreamConfig:
     pin_memory: bool = False
     prefetch_factor: int = 2
     log_skips_per_reason: int = 20  # warnings per reason and epoch; counts are always exact
+    remote_retry_delays: list[float] | None = None  # remote shards: seconds before each retry (None: 1, 3, 9)
 
     @classmethod
     def from_any(cls, cfg: Any) -> StreamConfig:
@@ -182,7 +184,7 @@ class TrainStream:
         self._cursors: list[tuple[int, int]] = []
         self._seq_cache: tuple[int, EpochSequence] | None = None
         self.samples_seen = 0
-        self.counters: dict[str, int] = {reason: 0 for reason in REASONS} | {"wrapped": 0}
+        self.counters: dict[str, int] = {reason: 0 for reason in REASONS} | {"wrapped": 0} | _remote_zeros()
         self.recent_skips: deque = deque(maxlen=100)
         self._logged: Counter = Counter()
 
@@ -237,6 +239,7 @@ class TrainStream:
             skip=[{k if o is None else o: (r, d) for k, o, r, d in s.skip} for s in self.catalog.shards],
             seq=self._sequence(epoch),
             index_base=[s.index_base for s in self.catalog.shards],
+            index_offset=[s.index_offset for s in self.catalog.shards],
             segment=segment,
             layout=self.layout,
             rank=self.rank,
@@ -249,6 +252,7 @@ class TrainStream:
             cursors=list(self._cursors),
             preprocess=self.preprocess,
             tokenizer=self.tokenizer,
+            retry_delays=None if self.cfg.remote_retry_delays is None else tuple(self.cfg.remote_retry_delays),
         )
         dataset = EpochDataset(job)
         if self.cfg.workers == 0:
@@ -304,6 +308,8 @@ class TrainStream:
         for reason, n in meta["skips"].items():
             self.counters[reason] = self.counters.get(reason, 0) + n
         self.counters["wrapped"] += meta["wrapped"]
+        for name, n in meta["remote"].items():
+            self.counters[name] += n
         for event in meta["events"]:
             event = dict(event, epoch=epoch, rank=self.rank)
             self.recent_skips.append(event)
@@ -389,7 +395,7 @@ class TrainStream:
                     f"counts), seed, resampling and epoch length"
                 )
         self.samples_seen = int(state["samples_seen"])
-        self.counters = {reason: 0 for reason in REASONS} | {"wrapped": 0} | dict(state["counters"])
+        self.counters = {reason: 0 for reason in REASONS} | {"wrapped": 0} | _remote_zeros() | dict(state["counters"])
         if state["epoch"] is None:
             return
         old = Layout(**state["layout"])
@@ -467,6 +473,8 @@ def _check_positive(cfg: StreamConfig, world_size: int, rank: int) -> None:
     for name in ("seed", "workers"):
         if int(getattr(cfg, name)) < 0:
             raise ValueError(f"data config {name!r} must be >= 0, got {getattr(cfg, name)!r}")
+    if cfg.remote_retry_delays is not None and not all(d >= 0 for d in cfg.remote_retry_delays):
+        raise ValueError(f"data config 'remote_retry_delays' must be seconds >= 0, got {cfg.remote_retry_delays!r}")
 
 
 def shard_weights(catalog: Catalog, cfg: StreamConfig) -> list[float] | None:
@@ -487,6 +495,10 @@ def shard_weights(catalog: Catalog, cfg: StreamConfig) -> list[float] | None:
             f"({len(catalog.sources)} sources in {cfg.train!r})"
         )
     return [values[s.source] for s in catalog.shards]
+
+
+def _remote_zeros() -> dict[str, int]:
+    return dict.fromkeys(REMOTE_COUNTERS, 0)
 
 
 def _as_is(batch):  # DataLoader collate_fn: our workers already make whole batches

@@ -27,8 +27,9 @@ _BLOCK = 512
 class TarBroken(Exception):
     """The tar ends early or is corrupt; str() says where, on one line."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, retries: int = 0):
         super().__init__(one_line(message))
+        self.retries = retries  # a remote shard's retries before it was given up on
 
 
 def one_line(text: str) -> str:
@@ -51,9 +52,10 @@ class RawSample:
 
 
 class ShardReader:
-    """Walks one tar shard group by group. `want`: extensions to load (None: all)."""
+    """Walks one tar shard group by group. `want`: extensions to load (None: all). `retry_delays`: a remote shard's
+    (fastclip/data/remote.py)."""
 
-    def __init__(self, path: str | os.PathLike, want: frozenset[str] | None = None):
+    def __init__(self, path: str | os.PathLike, want: frozenset[str] | None = None, retry_delays=None):
         self.path = str(path)
         self.want = want
         self._tar = None
@@ -61,18 +63,21 @@ class ShardReader:
         self.last_key: str | None = None
         self._ahead: tarfile.TarInfo | None = None
         self._stream = None  # a remote shard's stream (fastclip/data/remote.py): read front to back
+        self.retries = 0  # a remote shard's retries: all before its first byte, so all while opening here
         try:
             if is_remote(self.path):
-                self._stream = StreamFile(self.path)
+                self._stream = StreamFile(self.path, retry_delays)
                 self._tar = tarfile.open(fileobj=self._stream, mode="r:")
+                self.retries = self._stream.retries
             else:
                 self._tar = tarfile.open(self.path, mode="r:*")
-        except RemoteError as e:  # already one line naming the location
-            self.close()
-            raise TarBroken(str(e)) from None
         except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+            # StreamFile's own failure carries its retries; one after it opened (not a tar), the stream's
+            retries = self._stream.retries if self._stream is not None else getattr(e, "retries", 0)
             self.close()
-            raise TarBroken(f"cannot open as tar: {e}") from None
+            if isinstance(e, RemoteError):  # already one line naming the location
+                raise TarBroken(str(e), retries) from None
+            raise TarBroken(f"cannot open as tar: {e}", retries) from None
 
     def close(self) -> None:
         if getattr(self, "_tar", None) is not None:

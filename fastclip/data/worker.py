@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -63,6 +64,7 @@ class EpochJob:
     shard_sizes: list[int]  # samples each shard's manifest promises (for messages)
     skip: list[dict[int | str, tuple[str, str]]]  # per shard: ordinal (or key, older manifests) -> (reason, detail)
     index_base: list[int | None]  # per shard: plain WebDataset shards take their index from the position
+    index_offset: list[int]  # per shard: its manifest's, added to every index read (scan --index-offset)
     seq: EpochSequence
     segment: Segment
     layout: Layout
@@ -76,6 +78,7 @@ class EpochJob:
     cursors: list[tuple[int, int]]
     preprocess: Callable
     tokenizer: Callable | None  # None: image-only batches (no captions needed)
+    retry_delays: tuple[float, ...] | None = None  # a remote shard's, seconds before each retry (None: remote.py's)
 
 
 class EpochDataset(torch.utils.data.IterableDataset):
@@ -110,6 +113,7 @@ class _Worker:
         self.shard_events: set[tuple[str, str]] = set()  # (shard, reason) already reported this epoch
         self.bad_by_shard: dict[str, set[str]] = {}  # shard -> reasons seen (for the message if all is bad)
         self.shard_detail: dict[str, str] = {}  # shard -> its first shard-wide problem's detail (same message)
+        self.remote: Counter = Counter()  # remote.REMOTE_COUNTERS since the last batch: every open counts
 
     def batches(self):
         job, lay = self.job, self.job.layout
@@ -155,7 +159,9 @@ class _Worker:
                     "skips": counts,
                     "events": events,
                     "wrapped": wrapped,
+                    "remote": dict(self.remote),
                 }
+                self.remote.clear()
                 yield (
                     torch.stack(images),
                     texts,
@@ -261,7 +267,7 @@ class _Worker:
                     self._skip(run_log, listed[0], name, raw.key, listed[1] + " (listed in manifest)")
                     continue
                 cand, reason, detail = check_sample(
-                    raw, job.data_size, job.index_base[shard], job.tokenizer is not None
+                    raw, job.data_size, job.index_base[shard], job.tokenizer is not None, job.index_offset[shard]
                 )
                 if cand is not None and not self._owns(shard, raw.ordinal, cand.index):
                     reason = "duplicate_index"
@@ -357,11 +363,16 @@ class _Worker:
         if self.reader is not None and self.reader[0] == shard and self.reader[1].ordinal <= ordinal:
             return self.reader[1]  # continue sequentially: the common case inside a shard
         self._drop_reader()
+        path = self.job.shard_paths[shard]
         try:
-            self.reader = (shard, ShardReader(self.job.shard_paths[shard], _WANT))
+            self.reader = (shard, ShardReader(path, _WANT, self.job.retry_delays))
         except TarBroken as e:  # kept for the skip's detail: a remote shard's URL and stderr tail
             self.open_errors[shard] = str(e)
+            if is_remote(path):  # given up (after its retries, if it was allowed any): samples skipped
+                self.remote["remote_retries"] += e.retries
+                self.remote["remote_shards_skipped"] += 1
             return None
+        self.remote["remote_retries"] += self.reader[1].retries
         return self.reader[1]
 
     def _drop_reader(self) -> None:

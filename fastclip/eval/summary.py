@@ -73,7 +73,14 @@ def _rows(path: Path, unreadable: list[str], problem: Callable[[dict], str | Non
 
 # metrics.jsonl fields the summary reads. All optional (a record holds some of them; one missing is shown as
 # "–" or left out), but where present they are what the trainer writes, or the arithmetic below breaks.
-METRIC_COUNTS = ("step", "samples_seen", "data_skipped", "data_wrapped")
+METRIC_COUNTS = (
+    "step",
+    "samples_seen",
+    "data_skipped",
+    "data_wrapped",
+    "data_remote_retries",
+    "data_remote_shards_skipped",
+)
 METRIC_NUMBERS = ("step_time", "samples_per_s", "samples_per_s_per_rank")
 
 
@@ -144,15 +151,22 @@ def _shown_setting(cfg: dict, dotted: str) -> str:
 
 
 def _data_line(rows: list[dict]) -> str | None:
-    """The loader's running totals in the last record holding them: samples skipped (by reason) and re-served."""
+    """The loader's running totals in the last record holding them: samples skipped (by reason), re-served, and
+    remote shards' retries and shards skipped as unreadable."""
     last = next((r for r in reversed(rows) if "data_skipped" in r), None)
-    if last is None or not (last.get("data_skipped") or last.get("data_wrapped")):
+    remote = ("data_remote_retries", "data_remote_shards_skipped")
+    if last is None or not any(last.get(k) for k in ("data_skipped", "data_wrapped", *remote)):
         return None
     reasons = ", ".join(f"{k.split('/', 1)[1]} {v:,}" for k, v in sorted(last.items()) if k.startswith("data_skipped/"))
     return (
         f"  data       {last.get('data_skipped', 0):,} samples skipped"
         + (f" ({reasons})" if reasons else "")
         + f", {last.get('data_wrapped', 0):,} served again to fill batches (counted in samples and epochs above)"
+        + (
+            f"; remote shards: {last[remote[0]]:,} retries, {last.get(remote[1], 0):,} skipped as unreadable"
+            if remote[0] in last
+            else ""
+        )
     )
 
 

@@ -61,7 +61,7 @@ def aug_options(aug: AugConfig) -> dict:
 class DataConfig:
     # Defaults = the embedded recipe (configs/embedded.yaml: tiny-vit, FastCLIP-v3, 2 x 64 samples), except that
     # the loss knobs default to null (the loss library's defaults) and train.device to auto.
-    train: str = "data/embedded/train"  # shard folder(s) with manifest.json; brace patterns; sources joined by "::"
+    train: str = "data/embedded/train"  # shard folders, manifest .json files, brace patterns; sources joined by "::"
     val: str | None = "data/embedded/val"  # labelled held-out shards for evaluation; null: no eval
     zeroshot: str | None = "data/embedded/zeroshot.json"  # class names + templates for zero-shot eval
     batch_size: int = 64  # per process; the global batch is batch_size x world size
@@ -73,6 +73,8 @@ class DataConfig:
     samples_per_epoch: int | None = None  # virtual epoch length; only with resampled (null: all samples)
     upsampling_factors: str | None = None  # "1::2": per-source weights of "::"-joined sources (resampled)
     pin_memory: bool | None = None  # page-locked batches, copied to the GPU asynchronously; null: on for CUDA
+    # remote shards: seconds before each retry of a transient failure, one per retry ([]: none); then skipped
+    remote_retry_delays: list[float] = field(default_factory=lambda: [1.0, 3.0, 9.0])
     aug: AugConfig = field(default_factory=AugConfig)  # training-image augmentation (OpenCLIP's --aug-cfg)
 
 
@@ -642,6 +644,11 @@ def _check(cfg: Config) -> None:
         "needs data.resampled: true (without resampling an epoch is one pass over all shards)",
     )
     need(d.upsampling_factors is None or d.resampled, "data.upsampling_factors", "needs data.resampled: true")
+    need(
+        all(math.isfinite(x) and x >= 0 for x in d.remote_retry_delays),
+        "data.remote_retry_delays",
+        "must be seconds >= 0, one per retry ([]: no retry)",
+    )
     need(t.run_dir.strip() != "", "train.run_dir", "must name a folder (an empty one would be the working directory)")
     need(t.epochs >= 1, "train.epochs", "must be >= 1")
     need(t.seed >= 0, "train.seed", "must be >= 0")

@@ -16,7 +16,8 @@ CollectiveTimeouts  Collectives get train.dist_timeout_minutes while the job sta
 DataSkipReport   On logging steps: the data stream's skip counters summed over ranks, and the skipped
                  samples (rank, shard, key, reason) since the last report, for metrics.jsonl and the log
                  (rank 0 logs each bad sample, and each broken shard, once per epoch); at the end of each
-                 epoch and of the run, one line with the per-reason totals.
+                 epoch and of the run, one line with the per-reason totals (and, for remote shards, the
+                 retries and the shards skipped as unreadable).
 """
 
 from __future__ import annotations
@@ -309,28 +310,39 @@ class DataSkipReport:
     """
 
     def __init__(self, stream, info: DistInfo, reasons, *, max_events: int = 20):
+        from fastclip.data.remote import is_remote
+
         self.stream, self.info, self.max_events = stream, info, max_events
         self.reasons = [r for r in reasons if r != "wrapped"]
+        # remote reads' counters are reported (records and the epoch line) where the data has remote shards
+        self.remote = any(is_remote(s.path) for s in stream.catalog.shards)
         self.last_total = 0
         self.logged: set = set()  # what was logged this epoch: (epoch, shard, reason) or (epoch, shard, key, reason)
         self.epoch_start: dict = {}  # the job-wide counts when the current epoch started (kept in checkpoints)
 
     def _counts(self) -> list[int]:
+        from fastclip.data.remote import REMOTE_COUNTERS
+
         counters = self.stream.counters
         known = [int(counters.get(r, 0)) for r in self.reasons]
-        other = sum(int(v) for k, v in counters.items() if k not in self.reasons and k != "wrapped")
-        return known + [other, int(counters.get("wrapped", 0))]
+        not_samples = {"wrapped", *REMOTE_COUNTERS}
+        other = sum(int(v) for k, v in counters.items() if k not in self.reasons and k not in not_samples)
+        remote = [int(counters.get(k, 0)) for k in REMOTE_COUNTERS]
+        return known + [other, int(counters.get("wrapped", 0))] + remote
 
     def collect(self) -> tuple[dict, list[dict]]:
-        """({"data_skipped": n, "data_skipped/<reason>": n, ..., "data_wrapped": n}, new events of all ranks)."""
+        """({"data_skipped": n, "data_skipped/<reason>": n, ..., "data_wrapped": n, and with remote shards
+        "data_remote_retries": n, "data_remote_shards_skipped": n}, new events of all ranks)."""
         counts = self._counts()
         if self.info.distributed:
             t = torch.tensor(counts, dtype=torch.int64, device=self.info.device)
             dist.all_reduce(t)
             counts = t.tolist()
-        *by_reason, other, wrapped = counts
+        *by_reason, other, wrapped, retries, given_up = counts
         total = sum(by_reason) + other
         record = {"data_skipped": total, "data_wrapped": wrapped}
+        if self.remote or retries or given_up:
+            record.update({"data_remote_retries": retries, "data_remote_shards_skipped": given_up})
         record.update({f"data_skipped/{r}": n for r, n in zip(self.reasons, by_reason) if n})
         if other:
             record["data_skipped/other"] = other
@@ -373,11 +385,16 @@ class DataSkipReport:
         parts = {k: v for k, v in parts.items() if v}
         total = record.get("data_skipped", 0) - since.get("data_skipped", 0)
         wrapped = record.get("data_wrapped", 0) - since.get("data_wrapped", 0)
-        return (
+        line = (
             f"{total} sample(s) skipped, summed over ranks"
             + (f" ({', '.join(f'{k} {v}' for k, v in sorted(parts.items()))})" if parts else "")
             + f"; {wrapped} served twice to fill the batches"
         )
+        if "data_remote_retries" in record:
+            retries = record["data_remote_retries"] - since.get("data_remote_retries", 0)
+            given_up = record["data_remote_shards_skipped"] - since.get("data_remote_shards_skipped", 0)
+            line += f"; remote shards: {retries} retries, {given_up} skipped as unreadable"
+        return line
 
     def end_of_epoch(self, epoch: int, record: dict) -> str:
         """The epoch's per-reason totals (call with a collect() record at its end, on every rank)."""

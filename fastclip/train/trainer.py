@@ -238,6 +238,7 @@ def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamCo
         data_size=data_size,
         pin_memory=device.type == "cuda" and d.pin_memory is not False,
         log_skips_per_reason=0,
+        remote_retry_delays=d.remote_retry_delays,
     )  # rank 0 logs every rank's skips, once per epoch (DataSkipReport)
 
 

@@ -13,7 +13,11 @@ its sample by key and by position in the tar (`ordinal`, what the stream skips b
 under one key are told apart when they are apart in the tar; next to each other a tar reader merges them into
 one sample, keeping the last of each member (one image lost): that is a problem (`duplicate_key`). The
 manifest's num_samples counts key groups, bad ones included (what a reader walking the tar sees); the summary
-says how many of them are usable, and a scan with none writes nothing.
+says how many of them are usable, and a scan with none writes nothing. `--index-offset N` adds N to every index
+(recorded as the manifest's `index_offset`, which the loader adds too: no tar is rewritten), so scanned sets can be
+joined with `::`; a rescan keeps the old manifest's offset unless given one. `--manifest FILE.json` writes the
+manifest elsewhere (a read-only data set), naming shards outside its folder by absolute path; training reads it as
+`data.train FILE.json`.
 
 A scan never shrinks what a folder's manifest.json offers without being told: a scan that would leave out shards
 the old manifest lists and the folder still holds is refused (scan the folder, or move the manifest away); a
@@ -70,6 +74,7 @@ class ScanResult:
     problems: list[dict]
     usable: int = 0  # samples no problem lists (the stream skips listed ones): what training can use
     notes: list[str] = field(default_factory=list)  # for stderr: what the new manifest leaves out, and why
+    path: Path | None = None  # where the manifest goes: folder/manifest.json, or --manifest
 
     def summary(self) -> str:
         counts = Counter(p["reason"] for p in self.problems)
@@ -84,6 +89,7 @@ class ScanResult:
                 else ""
             )
             + ("multi-positive groups (json 'group'), " if self.manifest.groups else "")
+            + (f"indices offset by {offset}, " if (offset := self.manifest.index_offset) else "")
             + (f"{plural(len(self.problems), 'problem')} ({dict(counts)})" if self.problems else "no problems")
         ]
         via = self.manifest.extra.get("scanned_from", {})
@@ -147,21 +153,24 @@ def _names(names: list[str], most: int = 3) -> str:
     return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
-def keep_listed_shards(folder: Path, scanned: list[str]) -> list[str]:
-    """Refuse a scan whose manifest would drop shards the folder's manifest.json lists and the folder still holds
-    (a scan of one shard would silently shrink the training data to it); notes for what the new manifest leaves
-    out otherwise (listed shards gone from the folder, an old manifest that cannot be read)."""
-    path = folder / MANIFEST_NAME
+def keep_listed_shards(folder: Path, scanned: list[str], path: Path | None = None) -> tuple[list[str], Manifest | None]:
+    """Refuse a scan whose manifest would drop shards the manifest it replaces (the folder's manifest.json, or
+    `path`) lists and the folder still holds (a scan of one shard would silently shrink the training data to it);
+    notes for what the new manifest leaves out otherwise (listed shards gone from the folder, an old manifest that
+    cannot be read), and the old manifest (None: none, or unreadable). `scanned`: names as the new manifest has
+    them (relative to its folder, or absolute)."""
+    path = folder / MANIFEST_NAME if path is None else path
     if not path.is_file():
-        return []
+        return [], None
     try:
-        old = read_manifest(folder)
+        old = read_manifest(path)
     except ManifestError as e:  # what a rescan is for: said, since what it held is replaced
-        return [f"replacing {path}, which could not be read ({e})"]
+        return [f"replacing {path}, which could not be read ({e})"], None
     # compared as the files they are: a shard may be named through a link (scanned as the path it resolves to)
-    reading = {(folder / name).resolve() for name in scanned}
-    left_out = [s.path for s in old.shards if (folder / s.path).resolve() not in reading]
-    present = [name for name in left_out if (folder / name).is_file()]
+    base = path.parent
+    reading = {(base / name).resolve() for name in scanned}
+    left_out = [s.path for s in old.shards if (base / s.path).resolve() not in reading]
+    present = [name for name in left_out if (base / name).is_file()]
     if present:
         raise DataSpecError(
             f"{path} lists {plural(len(old.shards), 'shard')}, this scan reads {len(scanned)}: it would drop "
@@ -173,8 +182,8 @@ def keep_listed_shards(folder: Path, scanned: list[str]) -> list[str]:
         return [
             f"{path} listed {plural(len(gone), 'shard')} no longer in {folder} ({_names(gone)}): left out of the "
             f"new manifest ({plural(len(old.shards) - len(gone), 'listed shard')} kept)"
-        ]
-    return []
+        ], old
+    return [], old
 
 
 @dataclass
@@ -302,15 +311,37 @@ def _parquet_of(path: Path) -> Path:
     return stem.with_name(stem.name + ".parquet")
 
 
-def _plan(folder: Path, paths: list[Path], from_tars: bool, samples_per_shard: int | None) -> list[tuple]:
+def shard_name(shard: Path, base: Path, apart: bool = False) -> str:
+    """How a manifest in folder `base` names a shard: by its path relative to `base` (the pair moves together); a
+    manifest kept apart (`--manifest` elsewhere) names shards outside its folder by absolute path, so it can be
+    copied or moved alone. Training reads either (fastclip/data/catalog.py)."""
+    real = shard.resolve()
+    rel = os.path.relpath(real, base.resolve())
+    return str(real) if apart and (rel == os.pardir or rel.startswith(os.pardir + os.sep)) else rel
+
+
+def manifest_unwritable(path: Path) -> str | None:
+    """Why the manifest cannot be written at `path`, said before an hour of scanning rather than after it."""
+    if path.is_dir():
+        return f"--manifest {path}: is a folder; name the manifest file (FILE.json)"
+    ancestor = next(p for p in (path.parent.absolute(), *path.parent.absolute().parents) if p.exists())
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        why = "a file" if not ancestor.is_dir() else "not writable"
+        return f"cannot write {path}: {ancestor} is {why}; pass --manifest PATH in a folder you can write"
+    return None
+
+
+def _plan(
+    base: Path, paths: list[Path], from_tars: bool, samples_per_shard: int | None, apart: bool = False
+) -> list[tuple]:
     """Per shard: where its summary comes from. img2dataset's {shard}.parquet (needs pyarrow) or
-    {shard}_stats.json when present (the tar is not opened), else the tar."""
+    {shard}_stats.json when present (the tar is not opened), else the tar. `base`: the manifest's folder."""
     parquet_ok = _pyarrow_present()
     per_shard = samples_per_shard or IMG2DATASET_SAMPLES_PER_SHARD
     oom = len(str(per_shard - 1)) if per_shard > 1 else 1  # img2dataset: key = shard_id * 10**oom + position
     tasks = []
     for path in paths:
-        name = os.path.relpath(path.resolve(), folder.resolve())
+        name = shard_name(path, base, apart)
         stem = path.parent / _stem(path)
         if not from_tars and parquet_ok and _parquet_of(path).is_file():
             tasks.append((str(_parquet_of(path)), name, "parquet", 0, frozenset()))
@@ -372,14 +403,24 @@ def scan_shards(
     samples_per_shard: int | None = None,
     progress=None,
     captions: bool = True,
+    index_offset: int | None = None,
+    manifest: str | os.PathLike | None = None,
 ) -> ScanResult:
     """Scan in `workers` processes (default: all cores), one shard summary at a time: what stays in memory is a
     bitmap of the indices seen (fastclip/data/bits.py), each shard's ShardInfo and the problems found.
-    ``captions`` False (image-only shards, for ssl training): a sample without a caption is no problem."""
+    ``captions`` False (image-only shards, for ssl training): a sample without a caption is no problem.
+    ``index_offset``: added to every index found (recorded in the manifest; the loader adds it too); None: the
+    old manifest's (a rescan keeps the indices a run's per-sample state refers to), else 0. ``manifest``: the
+    file to write (default: manifest.json beside the shards)."""
     folder, paths = find_shards(spec)
-    tasks = _plan(folder, paths, from_tars, samples_per_shard)
+    target = folder / MANIFEST_NAME if manifest is None else Path(manifest)
+    tasks = _plan(target.parent, paths, from_tars, samples_per_shard, apart=manifest is not None)
     _check_key_scheme(tasks, paths, samples_per_shard or IMG2DATASET_SAMPLES_PER_SHARD)
-    notes = keep_listed_shards(folder, [task[1] for task in tasks])  # before any work: it may refuse
+    notes, old = keep_listed_shards(folder, [task[1] for task in tasks], target)  # before any work: it may refuse
+    if index_offset is None:
+        index_offset = old.index_offset if old is not None else 0
+        if index_offset:
+            notes.append(f"keeping --index-offset {index_offset} of {target} (pass --index-offset to change it)")
     workers = (os.cpu_count() or 1) if workers is None else workers
     shards: list[ShardInfo] = []
     problems: list[dict] = []
@@ -404,15 +445,18 @@ def scan_shards(
         if summary.broken:
             problem(summary.name, None, summary.broken_reason, summary.broken)
         if summary.bounds is not None:  # counts only: the key range bounds the indices, nothing per sample
-            info.index_min, info.index_max = summary.bounds
-            largest = max(largest, summary.bounds[1])
-            spans.append(summary.bounds)
+            bounds = (summary.bounds[0] + index_offset, summary.bounds[1] + index_offset)
+            info.index_min, info.index_max = bounds
+            largest = max(largest, bounds[1])
+            spans.append(bounds)
             usable += summary.num_samples  # nothing per sample is known to be wrong
         else:
             idx = summary.indices
             if summary.plain:
                 info.index_base = position
                 idx = position + np.arange(summary.num_samples, dtype=np.int64)
+            if index_offset:  # as the loader does: a negative index stays negative (out of range)
+                idx = np.where(idx >= 0, idx + index_offset, idx)
             valid = idx != MISSING
             ok = valid & (idx >= 0)
             dup = np.zeros(len(idx), dtype=bool)
@@ -461,7 +505,7 @@ def scan_shards(
         shards.append(info)
         if progress is not None:
             progress(1)
-    _name_first_copies(pending, spans, tasks, workers, shards)
+    _name_first_copies(pending, spans, tasks, workers, shards, index_offset)
     _check_stats_ranges(tasks, spans, shards)
     data_size = largest + 1 if data_size is None else data_size
     extra = {"created_by": "fastclip data scan"}
@@ -470,26 +514,27 @@ def scan_shards(
     unread = 0 if from_tars or _pyarrow_present() else sum(_parquet_of(path).is_file() for path in paths)
     if unread:  # said in the summary: without pyarrow the scan reads those tars (or _stats.json) instead
         extra["parquet_unread"] = unread
-    manifest = Manifest(data_size, shards, problems, extra, groups=grouped)
+    result = Manifest(data_size, shards, problems, extra, groups=grouped, index_offset=index_offset)
     if write:
-        write_manifest(folder, manifest)
-    return ScanResult(manifest, folder, problems, usable, notes)
+        write_manifest(target, result)
+    return ScanResult(result, folder, problems, usable, notes, target)
 
 
-def _name_first_copies(pending, spans, tasks, workers, shards) -> None:
+def _name_first_copies(pending, spans, tasks, workers, shards, offset: int = 0) -> None:
     """A duplicate whose first copy is in an earlier shard: re-read the earlier shards whose index range holds
-    it (usually one, usually none) for that copy's key, so the problem names both samples."""
+    it (usually one, usually none) for that copy's key, so the problem names both samples. (Indices here include
+    the offset; the shards' own do not.)"""
     wanted: dict[int, set[int]] = {}
     for _, index, s_id in pending:
         for t in range(s_id):
             if spans[t] is not None and spans[t][0] <= index <= spans[t][1] and tasks[t][2] != "stats":
-                wanted.setdefault(t, set()).add(index)
+                wanted.setdefault(t, set()).add(index - offset)
     owners: dict[int, tuple[str, str]] = {}
     order = sorted(wanted)
     jobs = [tasks[t][:4] + (frozenset(wanted[t]),) for t in order]
     for t, found in zip(order, _map(_owner_keys, jobs, workers)):
         for index, key in found.items():
-            owners.setdefault(index, (shards[t].path, key))
+            owners.setdefault(index + offset, (shards[t].path, key))
     for entry, index, _ in pending:
         shard, key = owners.get(index, ("(earlier shard)", "?"))
         entry["detail"] = f"index {index} also at shard {shard} key {key}"

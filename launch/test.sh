@@ -6,4 +6,7 @@ bash launch/setup.sh
 .venv/bin/ruff check .           # lint (rules in pyproject.toml); fails on any violation
 .venv/bin/ruff format --check .  # formatting; `ruff format .` fixes it
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python -m pytest -q --durations=15 "$@"
+# one worker per core by default (FASTCLIP_TEST_WORKERS=0: in this process); a test file runs on one worker, so its
+# module fixtures (a 2-process training run shared by its tests) are built once
+WORKERS=${FASTCLIP_TEST_WORKERS:-$(nproc)}
+exec .venv/bin/python -m pytest -q --durations=15 -n "$WORKERS" --dist loadfile "$@"

@@ -68,6 +68,21 @@ def _entry(rank, fn, world_size, port, backend, out_dir, args, timeout):
     exit_without_finalizing()
 
 
+# The processes are forked from a server that has imported torch, open_clip and the trainer once: a spawned process
+# spends seconds of CPU importing them, and the suite starts over a hundred (multiprocessing's forkserver: the
+# server starts clean, so nothing of the test process is inherited, as with spawn).
+PRELOAD = ["forkserver_preload", "dist_utils"]
+
+
+def _start_method() -> str:
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    return "forkserver"
+
+
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 120.0) -> list:
     """``[fn(rank, world_size, *args) for each rank]``, each computed in its own process of one group."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned processes
@@ -77,7 +92,7 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
             args=(fn, world_size, free_port(), backend, out_dir, args, timeout),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=_start_method(),
         )
         deadline = time.monotonic() + timeout
         while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):

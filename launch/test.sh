@@ -8,5 +8,5 @@ bash launch/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # one worker per core by default (FASTCLIP_TEST_WORKERS=0: in this process); a test file runs on one worker, so its
 # module fixtures (a 2-process training run shared by its tests) are built once
-WORKERS=${FASTCLIP_TEST_WORKERS:-$(nproc)}
+WORKERS=${FASTCLIP_TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}  # (nproc obeys OMP_NUM_THREADS)
 exec .venv/bin/python -m pytest -q --durations=15 -n "$WORKERS" --dist loadfile "$@"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from fastclip.cli import OneLineParser, whole_number
 from fastclip.data.catalog import DataSpecError, global_batch_too_large
+from fastclip.data.format import MANIFEST_NAME
 from fastclip.stopping import Stopped, stopped_by_signals
 
 
@@ -66,7 +67,7 @@ def _data_set_in(out: Path) -> Path | None:
     if not out.is_dir():
         return None
     marks = [out / "zeroshot.json", out / "embedded.json", out / "scenes.json"]
-    marks += sorted(p / "manifest.json" for p in out.iterdir() if p.is_dir())
+    marks += sorted(p / MANIFEST_NAME for p in out.iterdir() if p.is_dir())
     # and shards without a manifest (a build stopped before the end, or someone's own): writing would replace them
     marks += sorted(out.glob("*.tar")) + sorted(out.glob("*/*.tar"))
     return next((p for p in marks if p.is_file()), None)
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
     except Stopped as e:  # what was written is removed on the way here
         name, out = e.name, Path(args.out)
-        if (out / "manifest.json").is_file() or _data_set_in(out):  # it came once the data set was written
+        if (out / MANIFEST_NAME).is_file() or _data_set_in(out):  # it came once the data set was written
             said = f"stopped by {name} after the data set in {out} was written"
         else:
             said = f"stopped by {name}; what it wrote in {out} is removed"
@@ -278,7 +279,7 @@ def _run(args) -> int:
         from fastclip.data.sources.folder import build_folder
         from fastclip.data.sources.scan import plural
 
-        if (Path(args.out) / "manifest.json").exists():
+        if (Path(args.out) / MANIFEST_NAME).exists():
             raise ValueError(
                 f"--out {args.out}: already holds a data set (manifest.json), which this would replace with a "
                 f"manifest of the new shards only; write to a new folder"
@@ -320,7 +321,6 @@ def _run(args) -> int:
             return 2
         return 0
     if args.command == "scan":
-        from fastclip.data.format import MANIFEST_NAME
         from fastclip.data.manifest import write_manifest
         from fastclip.data.sources.scan import find_shards, manifest_unwritable, plural, scan_shards
 

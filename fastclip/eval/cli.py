@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from fastclip.cli import OneLineParser, unwritable
+from fastclip.data.format import MANIFEST_NAME
 from fastclip.data.tario import one_line
 from fastclip.eval.evaluate import (
     EvalResults,
@@ -69,7 +70,7 @@ def resolve_data(path: Path) -> tuple[Path, Path | None]:
 
 
 def _is_shard_folder(path: Path) -> bool:
-    return path.is_dir() and ((path / "manifest.json").is_file() or any(path.glob("*.tar")))
+    return path.is_dir() and ((path / MANIFEST_NAME).is_file() or any(path.glob("*.tar")))
 
 
 class _OneLineWarnings(logging.Filter):
@@ -285,7 +286,7 @@ def default_results_file(model_file: Path) -> Path:
 
 def _count_samples(source, max_samples: int | None) -> int | None:
     """Samples to evaluate, for the progress bar: from a shard folder's manifest (else unknown: no bar)."""
-    if not isinstance(source, Path) or not (source / "manifest.json").is_file():
+    if not isinstance(source, Path) or not (source / MANIFEST_NAME).is_file():
         return None
     from fastclip.data.manifest import read_manifest
 

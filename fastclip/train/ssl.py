@@ -9,7 +9,8 @@
 * loss: the loss section's loss in its unimodal form (option ``unimodal``: ntxent = SimCLR, fastclip-v1 = SogCLR,
   fastclip-v2 = iSogCLR, dcl, v0, v3, tempnet), per-image state keyed by the data index;
 * evaluation: weighted kNN (DINO's vote) on data.val's labels with the tower's features (the projector dropped),
-  leave-one-out over the held-out images; zero-shot and retrieval need captions and are refused at config time;
+  leave-one-out over the held-out images; eval.linear_probe and eval.knn as in CLIP mode, on the same features
+  (`fastclip eval RUN --linear-probe --knn K` too); zero-shot and retrieval need captions, refused at config time;
 * export (`fastclip export`): the image tower alone, as open_clip's ``model.visual`` state dict.
 """
 
@@ -148,6 +149,27 @@ def knn_evaluate(model, preprocess, source: str, device, cfg: Config) -> dict[st
     classes = torch.unique(keys, return_inverse=True)[1]  # the same numbering on every rank (the same keys)
     acc = knn_accuracy(features, classes, cfg.ssl.knn_k, cfg.ssl.knn_temperature)
     return {"knn_top1": acc, "knn_samples": int(features.shape[0])}
+
+
+@torch.no_grad()
+def probe_evaluate(model, preprocess, probe, device, cfg: Config) -> dict[str, float]:
+    """eval.linear_probe / eval.knn (a TrainingProbe) on the tower's output: data.val's labelled images against the
+    probe's training data, under CLIP mode's metric names (fastclip/eval/training_probe.py)."""
+    from fastclip.eval.evaluate import evaluate
+
+    test = evaluate(
+        model,
+        tokenizer=None,
+        preprocess=preprocess,
+        source=cfg.data.val,
+        specs={},
+        device=device,
+        batch_size=cfg.eval.batch_size,
+        max_samples=cfg.eval.max_samples,
+        retrieval=False,
+        collect_features=probe.unnamed,
+    ).features
+    return probe.scores(model, preprocess, test, device, None, cfg.eval.batch_size)
 
 
 # ----------------------------------------------------------------------------- export

@@ -65,9 +65,10 @@ def test_the_logged_probe_is_fastclip_eval_probe_on_the_towers_output(probed, ti
 
 
 def eval_rows(argv, results) -> dict:
+    """`fastclip eval` appending to `results` (a file that holds no other rows): {(task, dataset): top1}."""
     from fastclip.eval.cli import main as eval_main
 
-    assert eval_main([*argv, "--device", "cpu", "--results", str(results)]) == 0
+    assert eval_main([*argv, "--device", "cpu"]) == 0
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert {r["features"] for r in rows} == {"tower"}
     return {(r["task"], r["dataset"]): r["top1"] for r in rows}
@@ -75,17 +76,25 @@ def eval_rows(argv, results) -> dict:
 
 def test_fastclip_eval_of_the_run_and_of_its_export_gives_the_logged_numbers(probed, tiny_embedded, tmp_path, capsys):
     from fastclip.eval.export import main as export_main
+    from fastclip.eval.summary import main as summary_main
 
     (logged,) = [r for r in records(probed) if "eval/knn_top1" in r]
     want = {(task, name): logged[f"eval/{task}/{name}/top1"] for task in ("linear_probe", "knn") for name in DATASETS}
     probe = ["--data", str(tiny_embedded), "--linear-probe", "--knn", "3"]
-    assert eval_rows([str(probed), *probe], tmp_path / "run.jsonl") == want
+    assert eval_rows([str(probed), *probe], probed / "checkpoints" / "results.jsonl") == want
     out = capsys.readouterr().out
     assert "(tower)" in out and "zero-shot" not in out
+    assert summary_main([str(probed)]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if "kNN k=3" in line]
+    assert (
+        len(lines) == 2
+        and lines[0][:3] == ["probes", "fashion-mnist", "linear"]
+        and lines[1][:2] == ["mnist", "linear"]
+    )
     tower = tmp_path / "export" / "tower.pt"
     assert export_main([str(probed), "--out", str(tower)]) == 0
     argv = [str(tower), "--arch", str(tower.parent / "tiny-vit.json"), *probe]
-    assert eval_rows(argv, tmp_path / "export.jsonl") == want
+    assert eval_rows(argv, tower.parent / "results.jsonl") == want
 
 
 def image_only_shards(folder, n: int = 24):

@@ -84,7 +84,10 @@ def test_the_shipped_ssl_configs_cover_every_method():
         ({"mode": "siglip", **NO_GAMMA}, ["siglip", "no unimodal form"]),
         ({"loss.impl": "fused"}, ["unimodal", "autograd"]),
         ({"model.ema_momentum": 0.99}, ["model.ema_momentum"]),
-        ({"ssl.grayscale_p": 1.5}, ["ssl.grayscale_p", "probability"]),
+        ({"ssl.blur_p": 1.5}, ["ssl.blur_p", "probability"]),
+        ({"data.aug.use_timm": "true"}, ["data.aug.use_timm", "means nothing for ssl views", "gray_scale_prob"]),
+        ({"data.aug.re_prob": 0.25}, ["data.aug.re_prob", "means nothing for ssl views"]),
+        ({"data.aug.gray_scale_prob": 1.5}, ["data.aug.gray_scale_prob", "probability"]),
     ],
 )
 def test_a_caption_dependent_or_bad_option_is_one_line_exit_2(tiny_embedded, tmp_path, capsys, extra, words):

@@ -7,6 +7,7 @@ hold only {"state_dict"}; their architecture comes from `--arch` or the `<arch>.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -80,6 +81,7 @@ class LoadedModel:
     built: object  # fastclip.models.BuiltModel
     file: Path
     step: int | None
+    image_only: bool = False  # an image tower alone (an ssl run, or its export): no text tower, no tokenizer
 
 
 def nonfinite_tensors(state: dict) -> list[str]:
@@ -87,17 +89,19 @@ def nonfinite_tensors(state: dict) -> list[str]:
     return [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
 
 
-def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu") -> LoadedModel:
-    """Build the architecture and load the weights of a training checkpoint or an exported file."""
+def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu", image_tower=False) -> LoadedModel:
+    """Build the architecture and load the weights of a training checkpoint or an exported file. `image_tower`:
+    an ssl run's image tower, or its export, is loaded alone (the probe's features); else it is refused."""
     from fastclip.models import build_model
+    from fastclip.train.ssl import image_tower_state, is_ssl_checkpoint
 
     file, checkpoint = load_checkpoint(path)
-    from fastclip.train.ssl import is_ssl_checkpoint
-
-    if is_ssl_checkpoint(checkpoint):  # an image tower + projector (fastclip/train/ssl.py): no CLIP model to build
+    ssl = is_ssl_checkpoint(checkpoint)
+    if ssl and not image_tower:  # an image tower + projector (fastclip/train/ssl.py): no CLIP model to build
         raise ValueError(
             f"{file}: a self-supervised run (ssl.enabled) has no text tower for zero-shot or retrieval; its kNN "
-            "accuracy is eval/knn_top1 in metrics.jsonl, and `fastclip export` writes its image tower"
+            "accuracy is eval/knn_top1 in metrics.jsonl, `fastclip eval RUN --linear-probe --knn K` probes its image "
+            "tower, and `fastclip export` writes it"
         )
     saved_arch, model_config = ckpt.architecture(checkpoint)
     if arch is None and saved_arch is not None:
@@ -112,14 +116,26 @@ def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu"
             built = build_model(arch, device=str(device))
     else:
         built = build_model(arch or _exported_arch(file), device=str(device))
-    state = ckpt.towers_state(checkpoint)
+    state = image_tower_state(checkpoint) if ssl else ckpt.towers_state(checkpoint)
+    # an ssl export holds open_clip's model.visual alone (fastclip/train/ssl.py export_image_tower)
+    tower = ssl or set(state) == set(built.model.visual.state_dict())
+    if tower and not image_tower:
+        raise ValueError(
+            f"{file}: an image tower alone (an ssl run's export) has no text tower for zero-shot or retrieval; pass "
+            "--linear-probe or --knn K to probe it"
+        )
+    if tower:
+        from fastclip.models.ssl import ImageTower
+
+        built = dataclasses.replace(built, model=ImageTower(built.model.visual), tokenizer=None)
     # the loss owns the temperature; show it in the model too (it does not change eval rankings)
-    scale = ckpt.loss_logit_scale(checkpoint)
+    scale = None if tower else ckpt.loss_logit_scale(checkpoint)
     if scale is not None and "logit_scale" in state:
         state["logit_scale"] = scale.detach().reshape(state["logit_scale"].shape).to(state["logit_scale"].dtype)
     from fastclip.train.preflight import shape_mismatches
 
-    mismatch = shape_mismatches(built.model.state_dict(), state)
+    target = built.model.visual if tower else built.model
+    mismatch = shape_mismatches(target.state_dict(), state)
     if mismatch:  # checked first: load_state_dict's own error is a multi-line RuntimeError
         raise ValueError(f"{file}: weights do not fit architecture {built.arch!r}: {mismatch}")
     if bad := nonfinite_tensors(state):  # a diverged run: every score would be chance, said as if it were one
@@ -127,6 +143,6 @@ def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu"
             f"{file}: its weights hold NaN/Inf in {len(bad)} tensor(s) (e.g. {', '.join(bad[:3])}): the run diverged "
             f"before this checkpoint; use an earlier one"
         )
-    built.model.load_state_dict(state)
+    target.load_state_dict(state)
     built.model.eval()
-    return LoadedModel(built, file, ckpt.saved_step(checkpoint))
+    return LoadedModel(built, file, ckpt.saved_step(checkpoint), image_only=tower)

@@ -9,7 +9,8 @@ from a zeroshot.json beside the data, else (image folders) from the class folder
 
 --linear-probe and --knn K... score the frozen image features of PATH's labelled samples (fastclip/eval/probe.py)
 against training features from --probe-train: by default the train/ split of an embedded root (or the train/
-folder beside --data), else a seeded 80/20 split of each class of PATH itself.
+folder beside --data), else a seeded 80/20 split of each class of PATH itself. They alone score an image tower
+trained alone (an ssl run, or its export with --arch).
 """
 
 from __future__ import annotations
@@ -473,7 +474,15 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
         problem = nothing_scored(args, specs, names_from)
         if problem:  # known from the flags: refused before the model is loaded
             raise ValueError(problem)
-        loaded = load_model(args.checkpoint, arch=args.arch, device=args.device)
+        loaded = load_model(args.checkpoint, arch=args.arch, device=args.device, image_tower=probe_asked(args))
+        if loaded.image_only:  # an ssl run or export: the probe alone scores an image tower
+            if args.classnames is not None or args.templates is not None:
+                given = "--classnames" if args.classnames is not None else "--templates"
+                raise ValueError(
+                    f"{given}: {loaded.file} is an image tower alone (ssl): the probe scores it, not zero-shot; "
+                    f"drop {given}"
+                )
+            specs, names_from, for_all, args.no_retrieval = {}, None, True, True
         if args.results is None and (problem := unwritable("--results", default_results_file(loaded.file))):
             raise ValueError(f"{problem} (the default beside the model; pass --results FILE)")
         train_path = probe_train_path(args, source)
@@ -552,7 +561,7 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
         print(warnings.said(), file=sys.stderr)
     if specs and results.unmatched:
         print(f"\n{results.unmatched} labelled samples belong to no dataset of {names_from}: not scored")
-    if not specs and results.unmatched:  # retrieval was scored; the labels were not
+    if not specs and results.unmatched and not loaded.image_only:  # retrieval was scored; the labels were not
         print(
             f"\nzero-shot skipped: no class names for the {results.unmatched} labelled samples (no zeroshot.json "
             f"beside --data {args.data}); pass --classnames FILE to score them"

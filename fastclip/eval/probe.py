@@ -2,7 +2,8 @@
 
 Features: the image tower's output before its projection to the joint embedding where the tower has one as a
 plain matrix (open_clip's ViT: `visual.proj`, the CLIP paper's convention for its ViT probes), else its output
-embedding (ResNet attention pooling, timm towers); `feature_kind` says which, and the results record it.
+embedding (ResNet attention pooling, timm towers); a tower trained alone (ssl) is probed on its whole output, as
+its kNN and export see it; `feature_kind` says which, and the results record it.
 
 - Linear probe (Radford et al. 2021): multinomial logistic regression (scikit-learn, L-BFGS) on standardised
   features; the L2 strength is chosen on a seeded 80/20 split of the training features over a log-spaced grid of
@@ -58,7 +59,10 @@ class ProbeResult:
 
 # ----------------------------------------------------------------------------- features
 def feature_kind(model) -> str:
-    """'pre-projection' where the image tower's output is `pooled @ visual.proj` (split cheaply), else 'embedding'."""
+    """'tower' for a tower trained alone (fastclip/models/ssl.py: there is no joint embedding to stop short of),
+    'pre-projection' where the image tower's output is `pooled @ visual.proj` (split cheaply), else 'embedding'."""
+    if getattr(model, "image_only", False):
+        return "tower"
     visual = getattr(model, "visual", None)
     proj = getattr(visual, "proj", None)
     if isinstance(proj, torch.nn.Parameter) and not getattr(visual, "output_tokens", False):
@@ -68,7 +72,11 @@ def feature_kind(model) -> str:
 
 def encode_image_with_features(model, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the image embedding encode_image gives, the probe's features), from one forward of the tower."""
-    if feature_kind(model) == "embedding":
+    kind = feature_kind(model)
+    if kind == "tower":
+        features = model.visual(images)
+        return model.head(features), features
+    if kind == "embedding":
         embedding = model.encode_image(images)
         return embedding, embedding
     visual = model.visual

@@ -36,9 +36,10 @@ class AugConfig:
     """The training images' augmentation: OpenCLIP's --aug-cfg (open_clip.AugmentationCfg), applied by open_clip's
     train transform. Its draws come from the loader's per-batch seeded RNGs (fastclip/data/worker.py), so a
     resumed run sees the same augmented images. Unset (null) keys are open_clip's defaults: no jitter, no
-    grayscale, no erasing."""
+    grayscale, no erasing. ssl mode's two views (fastclip/data/views.py) take scale, ratio, color_jitter(_prob) and
+    gray_scale_prob, SimCLR's where unset (0.08-1, 3/4-4/3, (0.4, 0.4, 0.4, 0.1) at 0.8, 0.2); timm's keys: refused."""
 
-    scale: list[float] = field(default_factory=lambda: [0.9, 1.0])  # RandomResizedCrop's area range (open_clip's)
+    scale: list[float] | None = None  # RandomResizedCrop's area range; null: open_clip's 0.9-1 (ssl: SimCLR's)
     color_jitter: list[float] | None = None  # brightness, contrast, saturation, hue (with color_jitter_prob)
     color_jitter_prob: float | None = None  # probability of the jitter
     gray_scale_prob: float | None = None  # probability of a grayscale image
@@ -49,11 +50,14 @@ class AugConfig:
 
 
 TIMM_ONLY_AUG = ("ratio", "re_prob", "re_count")  # open_clip's own transform ignores them
+VIEW_AUG = ("scale", "ratio", "color_jitter", "color_jitter_prob", "gray_scale_prob")  # what ssl views take
+OPENCLIP_SCALE = [0.9, 1.0]  # open_clip's own default area range
 
 
 def aug_options(aug: AugConfig) -> dict:
     """data.aug as open_clip's aug_cfg: the keys set, tuples where it wants them."""
     out = {k: v for k, v in dataclasses.asdict(aug).items() if v is not None and v is not False}
+    out.setdefault("scale", OPENCLIP_SCALE)
     return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
@@ -254,11 +258,10 @@ class SSLConfig:
     enabled: bool = False
     projector_hidden: int = 512  # the projector MLP's hidden width
     projector_dim: int = 128  # the features the loss sees
-    crop_min_scale: float = 0.08  # SimCLR's augmentation (fastclip/data/views.py)
-    jitter_strength: float = 0.5
-    jitter_p: float = 0.8
-    grayscale_p: float = 0.2
-    blur_p: float = 0.5
+    # the views (fastclip/data/views.py): data.aug's crop, jitter and grayscale keys (SimCLR's where unset), and
+    # these two, which data.aug lacks
+    flip_p: float = 0.5  # horizontal flip probability
+    blur_p: float = 0.5  # Gaussian blur probability
     knn_k: int = 20  # kNN evaluation (DINO's weighted vote): neighbours, and the vote's temperature
     knn_temperature: float = 0.07
 
@@ -678,7 +681,7 @@ def _check(cfg: Config) -> None:
         "loss.tau_betas",
         "must be two numbers in [0, 1)",
     )
-    _check_aug(d.aug)
+    _check_aug(d.aug, views=cfg.ssl.enabled)
     need(e.every_steps >= 0, "eval.every_steps", "must be >= 0")
     need(e.max_samples is None or e.max_samples >= 1, "eval.max_samples", "must be >= 1 or null (all)")
     need(e.batch_size >= 1, "eval.batch_size", "must be >= 1")
@@ -726,18 +729,26 @@ def _check(cfg: Config) -> None:
         check_ssl_config(cfg)
 
 
-def _check_aug(a: AugConfig) -> None:
+def _check_aug(a: AugConfig, views: bool = False) -> None:
+    """`views`: ssl mode's two views read data.aug (fastclip/data/views.py), not open_clip or timm."""
+
     def need(ok: bool, key: str, why: str):
         if not ok:
             raise ConfigError(f"config key 'data.aug.{key}': {why} (got {getattr(a, key)!r})")
 
-    need(len(a.scale) == 2 and 0 < a.scale[0] <= a.scale[1] <= 1, "scale", "must be two numbers 0 < lo <= hi <= 1")
+    scale_ok = a.scale is None or (len(a.scale) == 2 and 0 < a.scale[0] <= a.scale[1] <= 1)
+    need(scale_ok, "scale", "must be two numbers 0 < lo <= hi <= 1")
     need(a.ratio is None or (len(a.ratio) == 2 and 0 < a.ratio[0] <= a.ratio[1]), "ratio", "must be 0 < lo <= hi")
     need(a.color_jitter is None or len(a.color_jitter) == 4, "color_jitter", "must be 4 numbers (b, c, s, h)")
     need(a.color_jitter is None or min(a.color_jitter) >= 0, "color_jitter", "must be >= 0")
+    need(a.color_jitter is None or a.color_jitter[3] <= 0.5, "color_jitter", "its hue (the 4th) must be <= 0.5")
     for key in ("color_jitter_prob", "gray_scale_prob", "re_prob"):
         need(getattr(a, key) is None or 0 <= getattr(a, key) <= 1, key, "must be a probability in [0, 1]")
     need(a.re_count is None or a.re_count >= 1, "re_count", "must be >= 1")
+    if views:  # each key here a view's, or refused (a setting that would do nothing)
+        for key in dataclasses.asdict(a):
+            need(key in VIEW_AUG or not getattr(a, key), key, f"means nothing for ssl views ({', '.join(VIEW_AUG)})")
+        return
     need(not a.color_jitter_prob or a.color_jitter is not None, "color_jitter_prob", "needs data.aug.color_jitter")
     if not a.use_timm:
         for key in TIMM_ONLY_AUG:  # open_clip would warn and drop them: a setting that does nothing

@@ -162,7 +162,8 @@ def build_net(
 
     device = info.device
     seed_all(cfg.train.seed)
-    built = build_model(cfg.model.arch, aug_cfg=aug_options(cfg.data.aug))
+    # ssl: data.aug makes the views (fastclip/train/ssl.py), not open_clip's transform, which is replaced
+    built = build_model(cfg.model.arch, aug_cfg=None if cfg.ssl.enabled else aug_options(cfg.data.aug))
     if cfg.ssl.enabled:  # the image tower + projector, two views per image (fastclip/train/ssl.py)
         from fastclip.train.ssl import ssl_built
 

@@ -1,15 +1,16 @@
 """Self-supervised training on images alone (config section ``ssl``): SimCLR's recipe on the trainer's machinery.
 
 * data: any training shards (the embedded images, an image-only WebDataset: a caption is not needed and not
-  read); each sample becomes two augmented views (fastclip/data/views.py), seeded per batch as every transform,
-  so a resumed run sees the same views;
+  read); each sample becomes two augmented views (fastclip/data/views.py: data.aug's crop, jitter and grayscale,
+  SimCLR's where unset), seeded per batch as every transform, so a resumed run sees the same views;
 * network: the architecture's image tower plus a projector MLP (fastclip/models/ssl.py); the text tower is
   not built into the run. Its two encoders are the same function, so the trainer, DDP/DeepSpeed, accumulation,
   checkpoints, resume and resharding run unchanged with view 1 as "image" and view 2 as "text";
 * loss: the loss section's loss in its unimodal form (option ``unimodal``: ntxent = SimCLR, fastclip-v1 = SogCLR,
   fastclip-v2 = iSogCLR, dcl, v0, v3, tempnet), per-image state keyed by the data index;
 * evaluation: weighted kNN (DINO's vote) on data.val's labels with the tower's features (the projector dropped),
-  leave-one-out over the held-out images; zero-shot and retrieval need captions and are refused at config time;
+  leave-one-out over the held-out images; eval.linear_probe and eval.knn as in CLIP mode, on the same features
+  (`fastclip eval RUN --linear-probe --knn K` too); zero-shot and retrieval need captions, refused at config time;
 * export (`fastclip export`): the image tower alone, as open_clip's ``model.visual`` state dict.
 """
 
@@ -56,9 +57,7 @@ def check_ssl_config(cfg: Config) -> None:
          "does not implement: set it null")  # fmt: skip
     need(s.projector_hidden >= 1, "ssl.projector_hidden", "must be >= 1")
     need(s.projector_dim >= 1, "ssl.projector_dim", "must be >= 1")
-    need(0 < s.crop_min_scale <= 1, "ssl.crop_min_scale", "must be in (0, 1]")
-    need(s.jitter_strength >= 0, "ssl.jitter_strength", "must be >= 0")
-    for key in ("jitter_p", "grayscale_p", "blur_p"):
+    for key in ("flip_p", "blur_p"):
         need(0 <= getattr(s, key) <= 1, f"ssl.{key}", "must be a probability in [0, 1]")
     need(s.knn_k >= 1, "ssl.knn_k", "must be >= 1")
     need(s.knn_temperature > 0, "ssl.knn_temperature", "must be > 0")
@@ -80,16 +79,26 @@ def hf_text_tower(arch: str) -> bool:
 def ssl_built(built, cfg: Config):
     """The BuiltModel of an ssl run: the image tower + projector as the model, two views as the training
     preprocessing, no tokenizer; the evaluation preprocessing stays the tower's."""
-    from fastclip.data.views import Augment, TwoViews
+    from fastclip.data.views import TwoViews
     from fastclip.models.ssl import ImageTowerWithProjector
 
     s, visual = cfg.ssl, built.model.visual
     model = ImageTowerWithProjector(visual, built.config["embed_dim"], s.projector_hidden, s.projector_dim)
     size = visual.image_size
     size = size[0] if isinstance(size, (tuple, list)) else size
-    augment = Augment(**{f.name: getattr(s, f.name) for f in dataclasses.fields(Augment)})
-    views = TwoViews(int(size), visual.image_mean, visual.image_std, augment)
+    views = TwoViews(int(size), visual.image_mean, visual.image_std, view_augment(cfg))
     return dataclasses.replace(built, model=model, preprocess_train=views, tokenizer=None)
+
+
+def view_augment(cfg: Config):
+    """The views' augmentation: data.aug's keys that have a meaning for a view (the others are refused at config
+    time), SimCLR's value where unset; flip and blur, which data.aug lacks, from ssl."""
+    from fastclip.data.views import Augment
+    from fastclip.train.config import VIEW_AUG
+
+    given = {key: getattr(cfg.data.aug, key) for key in VIEW_AUG}
+    given = {key: tuple(v) if isinstance(v, list) else v for key, v in given.items() if v is not None}
+    return Augment(**given, flip_p=cfg.ssl.flip_p, blur_p=cfg.ssl.blur_p)
 
 
 # ----------------------------------------------------------------------------- kNN evaluation
@@ -148,6 +157,27 @@ def knn_evaluate(model, preprocess, source: str, device, cfg: Config) -> dict[st
     classes = torch.unique(keys, return_inverse=True)[1]  # the same numbering on every rank (the same keys)
     acc = knn_accuracy(features, classes, cfg.ssl.knn_k, cfg.ssl.knn_temperature)
     return {"knn_top1": acc, "knn_samples": int(features.shape[0])}
+
+
+@torch.no_grad()
+def probe_evaluate(model, preprocess, probe, device, cfg: Config) -> dict[str, float]:
+    """eval.linear_probe / eval.knn (a TrainingProbe) on the tower's output: data.val's labelled images against the
+    probe's training data, under CLIP mode's metric names (fastclip/eval/training_probe.py)."""
+    from fastclip.eval.evaluate import evaluate
+
+    test = evaluate(
+        model,
+        tokenizer=None,
+        preprocess=preprocess,
+        source=cfg.data.val,
+        specs={},
+        device=device,
+        batch_size=cfg.eval.batch_size,
+        max_samples=cfg.eval.max_samples,
+        retrieval=False,
+        collect_features=probe.unnamed,
+    ).features
+    return probe.scores(model, preprocess, test, device, None, cfg.eval.batch_size)
 
 
 # ----------------------------------------------------------------------------- export

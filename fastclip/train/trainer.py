@@ -845,18 +845,19 @@ class Run:
 
     def _knn_evaluate(self) -> None:
         from fastclip.eval import EvalDataError
-        from fastclip.train.ssl import knn_evaluate
+        from fastclip.train.ssl import knn_evaluate, probe_evaluate
 
+        preprocess, probe = self.net.built.preprocess_val, self._training_probe()
         with self.engine.full_params():
             try:
-                results = knn_evaluate(
-                    self.model, self.net.built.preprocess_val, self.cfg.data.val, self.device, self.cfg
-                )
+                results = knn_evaluate(self.model, preprocess, self.cfg.data.val, self.device, self.cfg)
+                if probe is not None:  # eval.linear_probe / eval.knn, on the same tower features
+                    results.update(probe_evaluate(self.model, preprocess, probe, self.device, self.cfg))
             except EvalDataError as e:
                 raise TrainingError(f"evaluation at step {self.step}: {e} (data.val {self.cfg.data.val})") from None
         record = {"step": self.step, "samples_seen": self.samples_seen}
         record.update({f"eval/{k}": v for k, v in results.items()})
-        self.log.log(record, ("eval/knn_top1",) if results else ())
+        self.log.log(record, tuple(k for k in record if k.endswith("top1")))
 
     def _imagenet_zeroshot(self) -> dict[str, float]:
         from fastclip.eval.evaluate import evaluate

@@ -12,8 +12,8 @@ ToTensor's place, and a `Normalize` to apply to the batch once it is on the devi
         images = normalize(images.to(device, non_blocking=True))   # float32, as built.preprocess_train's
 
 `Normalize` makes ToTensor's and Normalize's float32 operations in their order, x.float() / 255 then
-(x - mean) / std, each correctly rounded (IEEE) on the CPU and on CUDA: the batches are bitwise the float
-pipeline's.
+(x - mean) / std, each a correctly rounded (IEEE) division or subtraction on the CPU and on CUDA: the batches are
+bitwise the float pipeline's.
 """
 
 from __future__ import annotations
@@ -34,11 +34,15 @@ class Normalize(torch.nn.Module):
         # as torchvision's Normalize rounds them: float32 of the given numbers
         self.register_buffer("mean", torch.as_tensor(mean, dtype=torch.float32).view(-1, 1, 1), persistent=False)
         self.register_buffer("std", torch.as_tensor(std, dtype=torch.float32).view(-1, 1, 1), persistent=False)
+        # 255 as a tensor on the device: CUDA divides by a host number as a product with its reciprocal, which
+        # differs from ToTensor's x / 255 in the last bit for about half of the 256 values
+        self.register_buffer("max_value", torch.tensor(255.0), persistent=False)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype != torch.uint8:
             raise TypeError(f"Normalize takes the uint8 images of on_device's transform, got {images.dtype}")
-        return images.float().div_(255).sub_(self.mean.to(images.device)).div_(self.std.to(images.device))
+        max_value, mean, std = (t.to(images.device) for t in (self.max_value, self.mean, self.std))
+        return images.float().div_(max_value).sub_(mean).div_(std)
 
 
 def on_device(transform: Callable) -> tuple[Callable, Normalize] | None:

@@ -5,6 +5,7 @@ the normalisation wait for nothing on the host."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from fastclip.train.cli import main
 from fastclip.train.config import aug_options, load_config
 from fastclip.train.trainer import train_pixels
 
-from helpers import EMBEDDED, load, make_stream, one_line_error, overrides, train_records
+from helpers import EMBEDDED, REPO, load, make_stream, one_line_error, overrides, train_records
 
 AUGS = {
     "default": [],
@@ -144,18 +145,30 @@ def test_a_training_run_is_the_same_with_uint8_batches(tiny_embedded, tmp_path, 
         assert torch.equal(value, float_model["state_dict"][name]), name
 
 
+def test_the_loader_benchmark_measures_the_bytes_of_a_batch(tiny_embedded):
+    """bench_loader.py --pinned-bytes, on the tiny model's 32 px images: the float32 batch is 4 x the uint8."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_loader import pinned_bytes
+
+    got = pinned_bytes(tiny_embedded / "train", build_model("tiny-vit"), 8)
+    assert got["float32_bytes"] == 4 * got["uint8_bytes"] == 4 * 8 * 3 * 32 * 32 and got["ratio"] == 4.0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_pinned_uint8_batch_copies_and_normalises_without_a_host_sync(tiny_embedded):
+def test_cuda_pinned_uint8_batch_copies_and_normalises_without_a_host_sync(tmp_path):
     """The trainer's path on CUDA: a pinned uint8 batch from the loader's workers, `.to(device, non_blocking=True)`
     and Normalize on the device (its mean and std moved there once) wait for nothing on the host (torch raises at
     any op that would), and give the float pipeline's batch bitwise, from a quarter of the pinned bytes."""
+    from fastclip.data.sources.synthetic import write_synthetic
+
+    write_synthetic(tmp_path, [16], image_size=48, fmt="jpg")  # (the GPU machine may lack the embedded sources)
     built = build_model("tiny-vit")
     pixels, normalize = on_device(built.preprocess_train)
     device = torch.device("cuda", torch.cuda.current_device())
     normalize.to(device)
     kw = {"shuffle_buffer": 16, "workers": 1, "pin_memory": True}
-    want = next(iter(make_stream((built.preprocess_train, built.tokenizer), tiny_embedded / "train", **kw).epoch(0)))
-    got = next(iter(make_stream((pixels, built.tokenizer), tiny_embedded / "train", **kw).epoch(0)))
+    want = next(iter(make_stream((built.preprocess_train, built.tokenizer), tmp_path, **kw).epoch(0)))
+    got = next(iter(make_stream((pixels, built.tokenizer), tmp_path, **kw).epoch(0)))
     assert got[0].is_pinned() and want[0].is_pinned() and got[0].dtype == torch.uint8
     assert want[0].nbytes == 4 * got[0].nbytes
     torch.cuda.synchronize()

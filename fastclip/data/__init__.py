@@ -17,8 +17,8 @@ Training (fastclip/data/stream.py has the rules on order, ranks, workers and res
     stream.batches_per_epoch      batches every rank serves in a whole epoch (the same on all ranks)
     stream.batches_remaining(e)   batches stream.epoch(e) will serve from the current position
     stream.epoch(e)               iterator of (images float [B,3,H,W], texts int64 [B,ctx], indices int64 [B],
-                                  groups int64 [B]: json "group", else the index; format.py); images uint8
-                                  with the transform of pixels.on_device(preprocess), normalised on the device
+                                  groups int64 [B]: json "group", else the index; format.py); uint8 images
+                                  with pixels.on_device(preprocess)'s transform, to normalise on the device
     stream.grouped                whether a manifest says some samples share a group (the trainer then passes
                                   the groups to the loss)
     stream.state_dict() / stream.load_state_dict(sd)   position (plain types; torch.load(weights_only=True) ok)

@@ -48,9 +48,12 @@ from common import (
 )
 
 SYSTEMS = ("OpenCLIP trainer", "fastclip openclip", "fastclip fastclip-v3")
-# on request (--systems): ours without page-locked batches (--data.pin_memory false), what pinning costs and buys
+# on request (--systems): ours without page-locked batches (--data.pin_memory false), what pinning costs and buys;
+# ours with float32 batches from the workers (--data.device_normalize false), what uint8 batches buy
 UNPINNED = "fastclip openclip unpinned"
-ALL_SYSTEMS = (*SYSTEMS, UNPINNED)
+FLOAT = "fastclip openclip float"
+EXTRA = {UNPINNED: ("--data.pin_memory", "false"), FLOAT: ("--data.device_normalize", "false")}
+ALL_SYSTEMS = (*SYSTEMS, UNPINNED, FLOAT)
 RUNTIME = dict(arch="tiny-vit", nproc=2, device="cpu", precision="fp32", workers=1)
 FULL = dict(samples=7680, batch=64, reps=2, eval_max=4000, skip_steps=20, log_every=10, **RUNTIME)
 QUICK = dict(samples=192, batch=16, reps=1, eval_max=100, skip_steps=2, log_every=2, **RUNTIME)
@@ -211,8 +214,7 @@ def one_run(system: str, rep: int, data: Path, work: Path, p: dict) -> dict:
         sps = steady_openclip(run_dir / "out.log", global_batch, p["skip_steps"])
         ckpt, arch = sorted((run_dir / "checkpoints").glob("epoch_*.pt"))[-1], p["arch"]
     else:
-        extra = ("--data.pin_memory", "false") if system == UNPINNED else ()
-        cmd = ours_cmd(system.split()[1], data, run_dir, p, warmup, extra)
+        cmd = ours_cmd(system.split()[1], data, run_dir, p, warmup, EXTRA.get(system, ()))
         mem = run_monitored(cmd, work / f"{run_dir.name}.log")
         sps = steady_ours(run_dir / "metrics.jsonl", p["skip_steps"])
         ckpt, arch = run_dir, None

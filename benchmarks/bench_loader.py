@@ -2,6 +2,7 @@
 
     python benchmarks/bench_loader.py                 # full run -> benchmarks/results/loader_bench.{md,json}
     python benchmarks/bench_loader.py --quick         # CI smoke run (small data) -> benchmarks/out/
+    python benchmarks/bench_loader.py --pinned-bytes --arch ViT-B-32 --batch-size 256   # bytes of one batch
 
 Both loaders do the same work per sample: read the tar, decode the image with PIL, apply the model's training
 preprocess (RandomResizedCrop + normalise), tokenize the caption, batch. The baseline is what OpenCLIP's
@@ -14,6 +15,9 @@ Two figures per loader:
   it holds up on a machine shared with other jobs, where wall-clock rates swing.
 - wall-clock samples/s after the first batch, and the time to the first batch.
 Each cell keeps the run with the best CPU figure of --repeats runs; the two loaders alternate.
+
+--pinned-bytes: the bytes of one image batch as the trainer's stream yields it (page-locked where CUDA is), float32
+from the model's own transform and uint8 from its split (data.device_normalize, fastclip/data/pixels.py).
 """
 
 from __future__ import annotations
@@ -69,6 +73,24 @@ def run_fastclip(folder: Path, built, batch_size: int, workers: int, max_batches
         tokenizer=built.tokenizer,
     )
     return _measure(lambda: stream.epoch(0), max_batches)
+
+
+def pinned_bytes(folder: Path, built, batch_size: int) -> dict:
+    """nbytes of the first image batch of the stream with the float transform and with the uint8 one."""
+    from fastclip.data.pixels import on_device
+
+    out = {"batch_size": batch_size, "pinned": torch.cuda.is_available()}
+    for name, preprocess in (("float32", built.preprocess_train), ("uint8", on_device(built.preprocess_train)[0])):
+        stream = build_train_stream(
+            {"train": str(folder), "batch_size": batch_size, "workers": 1, "pin_memory": out["pinned"]},
+            preprocess=preprocess,
+            tokenizer=built.tokenizer,
+        )
+        images = next(iter(stream.epoch(0)))[0]
+        assert images.is_pinned() == out["pinned"]
+        out[f"{name}_shape"], out[f"{name}_bytes"] = list(images.shape), images.nbytes
+    out["ratio"] = out["float32_bytes"] / out["uint8_bytes"]
+    return out
 
 
 def run_wds(folder: Path, built, batch_size: int, workers: int, max_batches: int) -> dict:
@@ -147,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=count(), default=None, help="runs per cell, best kept (default 3, quick 1)")
     p.add_argument("--max-batches", type=count(), default=10**9, help="stop each run after this many batches")
     p.add_argument("--data", default=None, help="where to build/keep the benchmark shards (default: a temp dir)")
+    p.add_argument("--pinned-bytes", action="store_true", help="only the bytes of one batch, float32 vs uint8")
     p.add_argument(
         "--out",
         default=None,
@@ -163,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     from fastclip.models import build_model
 
     built = build_model(args.arch)
+    if args.pinned_bytes:  # 256 x 256 JPEGs, cropped to the model's size
+        with tempfile.TemporaryDirectory() as tmp:
+            write_synthetic(tmp, [args.batch_size], image_size=256, fmt="jpg")
+            print(json.dumps({"arch": args.arch, **pinned_bytes(Path(tmp), built, args.batch_size)}))
+        return 0
     load_before = [round(x, 2) for x in os.getloadavg()]  # other jobs on the machine skew the numbers: record it
     with tempfile.TemporaryDirectory() as tmp:
         datasets = make_datasets(Path(args.data or tmp), args.quick)

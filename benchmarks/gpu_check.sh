@@ -85,10 +85,11 @@ EOF
         [ "$rc" = 0 ] || status=1
     }
     # the tests that skip without CUDA (TF32/cudnn defaults, channels_last RN towers, the loss's exact float32 under
-    # TF32, the fused Triton kernels against the eager loss) and two cheap CPU ones their names select
+    # TF32, the fused Triton kernels against the eager loss, pinned uint8 batches normalised on the device without
+    # a host sync) and two cheap CPU ones their names select
     step cuda_tests 150 "$PY" -m pytest -q -rs -p no:cacheprovider -o tmp_path_retention_policy=none \
         tests/test_gpu_defaults.py tests/test_losses_autocast.py tests/test_losses_fused.py \
-        tests/test_losses_device.py -k "cuda or tf32"
+        tests/test_losses_device.py tests/test_pixels.py -k "cuda or tf32"
     # the trainer's per-sample-temperature paths on CUDA (v2's τ_i and their moments, the temperature network's
     # heads), each to its checkpoint and a zero-shot evaluation: 30 steps of the tiny ViT, bf16
     for loss in fastclip-v2 fastclip-tempnet; do

@@ -17,7 +17,8 @@ Training (fastclip/data/stream.py has the rules on order, ranks, workers and res
     stream.batches_per_epoch      batches every rank serves in a whole epoch (the same on all ranks)
     stream.batches_remaining(e)   batches stream.epoch(e) will serve from the current position
     stream.epoch(e)               iterator of (images float [B,3,H,W], texts int64 [B,ctx], indices int64 [B],
-                                  groups int64 [B]: json "group", else the index; format.py)
+                                  groups int64 [B]: json "group", else the index; format.py); uint8 images
+                                  with pixels.on_device(preprocess)'s transform, to normalise on the device
     stream.grouped                whether a manifest says some samples share a group (the trainer then passes
                                   the groups to the loss)
     stream.state_dict() / stream.load_state_dict(sd)   position (plain types; torch.load(weights_only=True) ok)
@@ -32,7 +33,7 @@ Modules, in the order a sample travels: format.py (shard format), tario.py (tar 
 sources/ (embedded, folder, scan, synthetic), manifest.py, catalog.py (patterns, `::`, manifests, checks), plan.py
 (epoch
 order, ranks, workers, windows, resume arithmetic), samples.py (checks, skip reasons), worker.py (one
-worker's epoch), stream.py (the trainer's object).
+worker's epoch), stream.py (the trainer's object), pixels.py (uint8 images, normalised on the device).
 
 Evaluation reads held-out shards through format.py, tario.py and manifest.py: fastclip/eval/samples.py.
 """

@@ -3,14 +3,16 @@
 SimCLR's augmentation (Chen et al. 2020, appendix A): a random resized crop (area 0.08-1, aspect 3/4-4/3), a
 horizontal flip, colour jitter (brightness, contrast, saturation 0.8·s, hue 0.2·s; s = 0.5) with probability 0.8,
 grayscale with probability 0.2 and a Gaussian blur (kernel about a tenth of the image, σ in [0.1, 2]) with
-probability 0.5; then the tower's own tensor conversion and normalisation. The trainer takes the crop, jitter and
-grayscale from data.aug's keys of those names, flip and blur from ssl (fastclip/train/ssl.py view_augment). Each
-view draws from the global RNGs, which the data worker seeds per batch (worker.py ``_seeded_rngs``): the views of a
-sample are a function of the seed, epoch, rank and batch, so a resumed run sees the same views bitwise.
+probability 0.5; then the tower's own tensor conversion and normalisation (the trainer's views are uint8,
+normalised on the device: fastclip/data/pixels.py). The trainer takes the crop, jitter and grayscale from data.aug's
+keys of those names, flip and blur from ssl (fastclip/train/ssl.py view_augment). Each view draws from the global
+RNGs, which the data worker seeds per batch (worker.py ``_seeded_rngs``): the views of a sample are a function of
+the seed, epoch, rank and batch, so a resumed run sees the same views bitwise.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +56,15 @@ class TwoViews:
     def __call__(self, image) -> torch.Tensor:
         image = image.convert("RGB")
         return torch.stack([self.transform(image), self.transform(image)])
+
+    def on_device(self):
+        """(views of uint8 pixels, the device's Normalize): fastclip.data.pixels.on_device of the ssl views."""
+        from fastclip.data.pixels import on_device
+
+        transform, normalize = on_device(self.transform)
+        views = copy.copy(self)
+        views.transform = transform
+        return views, normalize
 
 
 def split_views(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

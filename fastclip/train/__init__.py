@@ -5,6 +5,7 @@ The path of one batch (fastclip/train/trainer.py, top to bottom):
     shards --fastclip.data.TrainStream.epoch(e)-->  (images [B,3,H,W], texts [B,ctx] int64, indices [B] int64,
         groups [B] int64) this rank's B samples of the global batch; the stream's position is part of every
         checkpoint; groups reach the loss (groups=) only where a manifest says samples share them
+    --> to the device; images uint8 -> float, normalised there (data.device_normalize, fastclip/data/pixels.py)
     --> DDP( TowersWithLoss )                       one module holding the towers AND the loss, so the loss's
         |   encode_image / encode_text              temperature is a DDP parameter averaged with the towers
         |     (autocast bf16/fp16, optional torch.compile, optional gradient checkpointing)

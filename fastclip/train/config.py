@@ -77,6 +77,9 @@ class DataConfig:
     samples_per_epoch: int | None = None  # virtual epoch length; only with resampled (null: all samples)
     upsampling_factors: str | None = None  # "1::2": per-source weights of "::"-joined sources (resampled)
     pin_memory: bool | None = None  # page-locked batches, copied to the GPU asynchronously; null: on for CUDA
+    # uint8 images from the workers, normalised on the device (4x fewer bytes pinned and copied; bitwise the same
+    # batches: fastclip/data/pixels.py); null: on unless data.aug.re_prob (timm erases normalised pixels)
+    device_normalize: bool | None = None
     # remote shards: seconds before each retry of a transient failure, one per retry ([]: none); then skipped
     remote_retry_delays: list[float] = field(default_factory=lambda: [1.0, 3.0, 9.0])
     aug: AugConfig = field(default_factory=AugConfig)  # training-image augmentation (OpenCLIP's --aug-cfg)
@@ -682,6 +685,8 @@ def _check(cfg: Config) -> None:
         "must be two numbers in [0, 1)",
     )
     _check_aug(d.aug, views=cfg.ssl.enabled)
+    need(not (d.device_normalize and d.aug.re_prob), "data.device_normalize", "cannot be true with data.aug.re_prob: "
+         "timm's random erasing works on normalised pixels, in the workers (set it null or false)")  # fmt: skip
     need(e.every_steps >= 0, "eval.every_steps", "must be >= 0")
     need(e.max_samples is None or e.max_samples >= 1, "eval.max_samples", "must be >= 1 or null (all)")
     need(e.batch_size >= 1, "eval.batch_size", "must be >= 1")

@@ -16,6 +16,7 @@ import torch
 
 from fastclip.data import DataSpecError, StreamConfig
 from fastclip.data.catalog import global_batch_too_large
+from fastclip.data.pixels import on_device
 from fastclip.data.plan import Layout, num_batches
 from fastclip.data.stream import shard_weights
 from fastclip.data.views import split_views
@@ -242,6 +243,18 @@ def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamCo
     )  # rank 0 logs every rank's skips, once per epoch (DataSkipReport)
 
 
+def train_pixels(cfg: Config, preprocess):
+    """(the data workers' transform, the device's Normalize): uint8 batches, normalised on the device, unless
+    data.device_normalize is false or the transform cannot be split (timm's erasing): then (preprocess, None)."""
+    split = on_device(preprocess) if cfg.data.device_normalize is not False else None
+    if split is None and cfg.data.device_normalize:
+        raise ConfigError(
+            "config key 'data.device_normalize': the training transform does not end in ToTensor + Normalize, so "
+            "its pixels cannot be normalised on the device: set it null or false"
+        )
+    return split or (preprocess, None)
+
+
 def towers_of(momentum) -> dict | None:
     return None if momentum is None else momentum.state_dict()
 
@@ -405,12 +418,15 @@ class Run:
         self.net = net = build_net(cfg, info, data_size, load=load, momentum_state=momentum_state)
         resumed: ckpt.RankResume | None = net.loaded
         self.model, self.loss_fn, self.engine = net.model, net.loss_fn, net.engine
-        # this rank's part of every global batch
+        # this rank's part of every global batch; uint8 images, normalised on the device (fastclip/data/pixels.py)
+        preprocess, self.normalize = train_pixels(cfg, net.built.preprocess_train)
+        if self.normalize is not None:
+            self.normalize.to(self.device)
         self.stream = build_train_stream(
             stream_config(cfg, data_size, self.device),
             rank=info.rank,
             world_size=info.world_size,
-            preprocess=net.built.preprocess_train,
+            preprocess=preprocess,
             tokenizer=net.built.tokenizer,
             catalog=catalog,
         )
@@ -533,6 +549,8 @@ class Run:
                 if batch is None:
                     break  # epoch done
                 batch = tuple(t.to(self.device, non_blocking=True) for t in batch)
+                if self.normalize is not None:  # ssl: [B, 2, C, H, W], the same per channel
+                    batch = (self.normalize(batch[0]), *batch[1:])
                 if cfg.ssl.enabled:  # [B, 2, C, H, W] images: view 1 takes the image's place, view 2 the text's
                     batch = (*split_views(batch[0]), *batch[2:])  # groups: copies of one image, positives
                 self.throughput.data += time.perf_counter() - t0

@@ -348,3 +348,25 @@ def assert_value_and_grads(got, want, wrt, retain_graph: bool = False, **tol) ->
     torch.testing.assert_close(got, want, **tol)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, **tol)
+
+
+def image_only_shards(folder, n: int = 24):
+    """A plain WebDataset of .png files only (no caption, no label: the index is the position), scanned."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    from fastclip.data.cli import main as data_main
+
+    folder.mkdir()
+    with tarfile.open(folder / "images-000000.tar", "w") as tar:
+        for i in range(n):
+            buffer = io.BytesIO()
+            Image.new("RGB", (20, 20), (10 * i, 255 - 10 * i, 3 * i)).save(buffer, format="PNG")
+            info = tarfile.TarInfo(f"{i:06d}.png")
+            info.size = buffer.tell()
+            buffer.seek(0)
+            tar.addfile(info, buffer)
+    assert data_main(["scan", str(folder), "--images-only"]) == 0
+    return folder

@@ -4,17 +4,14 @@ tower's output; `fastclip eval` of the run and of its export gives the same; wha
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from test_train_ssl import NO_GAMMA, ssl_args
 
-from helpers import load, one_line_error, records, step_dir
+from helpers import image_only_shards, load, one_line_error, records, step_dir
 
 DATASETS = ("fashion-mnist", "mnist")  # the tiny embedded data: 40 training and 10 held-out images of each
 STEPS = 3
@@ -95,23 +92,6 @@ def test_fastclip_eval_of_the_run_and_of_its_export_gives_the_logged_numbers(pro
     assert export_main([str(probed), "--out", str(tower)]) == 0
     argv = [str(tower), "--arch", str(tower.parent / "tiny-vit.json"), *probe]
     assert eval_rows(argv, tower.parent / "results.jsonl") == want
-
-
-def image_only_shards(folder, n: int = 24):
-    """A plain WebDataset of .png files only (no caption, no label: the index is the position), scanned."""
-    from fastclip.data.cli import main as data_main
-
-    folder.mkdir()
-    with tarfile.open(folder / "images-000000.tar", "w") as tar:
-        for i in range(n):
-            buffer = io.BytesIO()
-            Image.new("RGB", (20, 20), (10 * i, 255 - 10 * i, 3 * i)).save(buffer, format="PNG")
-            info = tarfile.TarInfo(f"{i:06d}.png")
-            info.size = buffer.tell()
-            buffer.seek(0)
-            tar.addfile(info, buffer)
-    assert data_main(["scan", str(folder), "--images-only"]) == 0
-    return folder
 
 
 def test_what_a_tower_cannot_be_scored_on_is_one_line_exit_2(probed, tiny_embedded, tmp_path, capsys):

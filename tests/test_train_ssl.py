@@ -6,10 +6,8 @@ evaluation is its formula."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,16 @@ from PIL import Image
 
 from fastclip.train.cli import main as train_main
 
-from helpers import Job, assert_same_training_state, load, one_line_error, overrides, step_dir, train_records
+from helpers import (
+    Job,
+    assert_same_training_state,
+    image_only_shards,
+    load,
+    one_line_error,
+    overrides,
+    step_dir,
+    train_records,
+)
 
 SSL = {
     "ssl.enabled": "true",
@@ -158,19 +165,7 @@ def test_fastclip_eval_of_an_ssl_run_is_one_line_exit_2(runs, tiny_embedded, cap
 # ----------------------------------------------------------------------------- images without captions
 def test_images_without_captions_train(tmp_path):
     """A plain WebDataset of .png files only (no caption, no json: the index is the position)."""
-    from fastclip.data.cli import main as data_main
-
-    shards = tmp_path / "images"
-    shards.mkdir()
-    with tarfile.open(shards / "images-000000.tar", "w") as tar:
-        for i in range(24):
-            buffer = io.BytesIO()
-            Image.new("RGB", (20, 20), (10 * i, 255 - 10 * i, 3 * i)).save(buffer, format="PNG")
-            info = tarfile.TarInfo(f"{i:06d}.png")
-            info.size = buffer.tell()
-            buffer.seek(0)
-            tar.addfile(info, buffer)
-    assert data_main(["scan", str(shards), "--images-only"]) == 0
+    shards = image_only_shards(tmp_path / "images")
     run = tmp_path / "run"
     args = ssl_args(shards.parent, run, "ntxent", **{"data.train": str(shards), "train.epochs": 1, **NO_GAMMA})
     assert train_main(args) == 0

@@ -200,8 +200,8 @@ def _broadcast_catalog(rank, world_size, data):
     """Rank 1 cannot read manifests at all here: it must get rank 0's catalog."""
     import fastclip.data
     from fastclip.distributed import DistInfo
+    from fastclip.train.catalog_checks import shared_catalog
     from fastclip.train.config import ConfigError, load_config
-    from fastclip.train.trainer import shared_catalog
 
     if rank == 1:
 

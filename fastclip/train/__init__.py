@@ -26,7 +26,9 @@ The path of one batch (fastclip/train/trainer.py, top to bottom):
     --> every N steps / M minutes: checkpoints/step_<N>/{model.pt, rank_<r>.pt} + `latest`  (checkpoint.py)
     --> every N steps: fastclip.eval.run_evals on every rank -> metrics.jsonl "eval/..."
 
-Modules: config.py (every knob, YAML + overrides + checks), trainer.py (the loop), net.py (towers + loss +
+Modules: config.py (every knob, YAML + overrides + checks), trainer.py (the loop), catalog_checks.py (the data
+catalog and the checks made with it before the first step, `--check` too), preflight.py (the operator's input, run
+folder, resume and pretrained files), evaluation.py (the scheduled evaluations), net.py (towers + loss +
 engine, built once: build_net), engine.py (the backend:
 DDP or DeepSpeed ZeRO-1/2/3, train.distributed), accumulate.py (gradient accumulation, GradCache, exact for the
 FastCLIP estimator: optim.accum_steps), checkpoint.py (the checkpoint layout: atomic step folders, model.pt and

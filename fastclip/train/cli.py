@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         env = dist_env_from()  # the launcher's variables, before a run folder or a tower exists
         if check_only:
-            from fastclip.train.trainer import check_before_launch
+            from fastclip.train.catalog_checks import check_before_launch
 
             if world_size is None:
                 world_size = env.world_size

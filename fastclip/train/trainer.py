@@ -1,227 +1,38 @@
 """The trainer: `train(cfg)` runs the same way as one process, under torchrun and under srun; every loss goes
-through the same code. Top to bottom: checks -> processes -> `Run(...)`: towers + loss + engine (net.py), data,
-resume (checkpoint.py), logging -> `Run.train()`: the loop, one `train_step` per batch, then logging,
-evaluation and checkpoints when due.
+through the same code. Top to bottom: checks -> processes -> `Run(...)`: the catalog and its checks
+(catalog_checks.py), towers + loss + engine (net.py), data, resume (checkpoint.py), logging -> `Run.train()`: the
+loop, one `train_step` per batch, then logging, evaluation (evaluation.py) and checkpoints when due.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-from fastclip.data import DataSpecError, StreamConfig
-from fastclip.data.catalog import global_batch_too_large
+from fastclip.data import StreamConfig
 from fastclip.data.pixels import on_device
 from fastclip.data.plan import Layout, num_batches
-from fastclip.data.stream import shard_weights
 from fastclip.data.views import split_views
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
 from fastclip.losses import LossInputError, NonFiniteFeaturesError
 from fastclip.optim import ThresholdRule, get_lr, get_tau_lr
 from fastclip.train import checkpoint as ckpt
-from fastclip.train import faults, net, preflight
+from fastclip.train import faults, preflight
+from fastclip.train.catalog_checks import check_inputs, shared_catalog
 from fastclip.train.config import Config, ConfigError, dump_config, note
 from fastclip.train.errors import DataFailure, TrainingError
+from fastclip.train.evaluation import Evaluation
 from fastclip.train.guards import CollectiveTimeouts, DataSkipReport, NonFiniteGuard
 from fastclip.train.metrics import MetricsLogger
 from fastclip.train.net import build_net, seed_all
 from fastclip.train.preemption import EXIT_PREEMPTED, StopSignals
 
-
 # ----------------------------------------------------------------------------- helpers
-def read_catalog(cfg: Config):
-    """The shard list of data.train from its manifests (ConfigError naming the key if it is wrong)."""
-    from fastclip.data import DataSpecError, ManifestError, resolve_catalog
-    from fastclip.data.remote import RemoteError
-
-    try:
-        return resolve_catalog(cfg.data.train, cfg.data.data_size)
-    except (DataSpecError, ManifestError, FileNotFoundError, RemoteError) as e:
-        key = "data.data_size" if "data_size" in str(e) and cfg.data.data_size is not None else "data.train"
-        raise ConfigError(f"config key '{key}': {e}") from None
-
-
-def shared_catalog(cfg: Config, info: DistInfo):
-    """Rank 0 reads the manifests (and checks local shard files exist, and the evaluations' inputs); the other
-    ranks get its catalog, or its one-line error, by one broadcast: a 1,000-rank start does not read every manifest
-    and stat every shard 1,000 times over (a shared file system or an object store would feel it)."""
-    result = None
-    if info.rank == 0:
-        try:
-            result = read_catalog(cfg)
-            check_eval_inputs(cfg)
-        except ConfigError as e:
-            result = str(e)
-    if info.distributed:
-        import torch.distributed as dist
-
-        box = [result]
-        dist.broadcast_object_list(box, src=0, device=info.device if info.device.type == "cuda" else None)
-        result = box[0]
-    if isinstance(result, str):
-        raise ConfigError(result)
-    return result
-
-
-STATE_BYTES_PER_INDEX = 12  # the least any per-sample loss keeps: u for both modalities and a seen mark, float32
-
-
-def sparse_indices(data_size: int, num_samples: int, world_size: int) -> str | None:
-    """Per-sample state is indexed up to data_size (the largest index + 1): indices far sparser than the samples
-    (a mistyped --index-offset) would make each rank allocate for indices no sample has, until memory runs out.
-    Said only when that exceeds half this machine's memory."""
-    per_rank = -(-data_size // world_size) * STATE_BYTES_PER_INDEX
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    if data_size <= 1000 * max(num_samples, 1) or per_rank <= memory // 2:
-        return None
-    return (
-        f"data_size {data_size:,} (the largest index + 1) for {num_samples:,} samples: the per-sample state of each "
-        f"of {world_size} rank(s) would take at least {per_rank / 2**30:,.0f} GiB, this machine has "
-        f"{memory / 2**30:,.0f}; number the samples densely (a mistyped --index-offset?)"
-    )
-
-
-def check_eval_inputs(cfg: Config) -> None:
-    """The held-out data, class names and ImageNet folder the scheduled evaluations read: found now, not after the
-    training. Rank 0 checks them for a job (shared_catalog)."""
-    for key in ("val", "zeroshot"):
-        path = getattr(cfg.data, key)
-        evaluating = cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end)
-        if path is not None and evaluating and not Path(path).exists():
-            raise ConfigError(f"config key 'data.{key}': {path!r} does not exist (set it to null to skip eval)")
-        if key == "val" and path is not None and evaluating:  # its shards are found now, not at the first eval
-            from fastclip.eval.samples import is_image_folder, shard_paths
-
-            try:
-                if not is_image_folder(path):
-                    shard_paths(path)
-            except (ValueError, OSError) as e:  # (EvalDataError, and a ManifestError of a bad manifest.json)
-                raise ConfigError(f"config key 'data.val': {e} (set it to null to skip eval)") from None
-        if key == "zeroshot" and path is not None and evaluating:  # read now, not after the training
-            from fastclip.eval.spec import load_zeroshot_spec
-
-            try:
-                load_zeroshot_spec(path)
-            except (ValueError, OSError) as e:
-                raise ConfigError(f"config key 'data.zeroshot': {e}") from None
-    probing = cfg.eval.linear_probe or cfg.eval.knn
-    if probing and cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
-        from fastclip.eval.training_probe import probe_train_beside
-
-        probe_train = cfg.eval.probe_train or probe_train_beside(cfg.data.val)
-        if not Path(probe_train).exists():
-            said = "" if cfg.eval.probe_train else f" (null: the train/ folder beside data.val, {probe_train})"
-            raise ConfigError(
-                f"config key 'eval.probe_train': {str(probe_train)!r}{said} does not exist; set it to labelled "
-                "training data, or turn eval.linear_probe and eval.knn off"
-            )
-    if cfg.eval.imagenet_val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
-        from fastclip.eval.imagenet import class_folders, subset_note
-
-        try:
-            folders = class_folders(cfg.eval.imagenet_val)
-        except (ValueError, OSError) as e:
-            raise ConfigError(f"config key 'eval.imagenet_val': {e} (set it to null to skip it)") from None
-        if said := subset_note(cfg.eval.imagenet_val, folders):
-            note(f"fastclip train: note: eval.imagenet_val {said}")
-    elif cfg.eval.imagenet_val is not None:  # given (--imagenet-val) but never read: say so rather than ignore it
-        note(
-            f"fastclip train: note: eval.imagenet_val {cfg.eval.imagenet_val} is not read: no evaluation is "
-            "scheduled (eval.every_steps 0, eval.at_end false)"
-        )
-
-
-def check_data(cfg: Config, world_size: int, catalog) -> int:
-    """Checks that need the data and the world size, before anything heavy is built; returns data_size.
-    catalog: the shards (read_catalog, or rank 0's by shared_catalog)."""
-    if problem := sparse_indices(catalog.data_size, catalog.num_samples, world_size):
-        raise ConfigError(f"config key '{'data.data_size' if cfg.data.data_size else 'data.train'}': {problem}")
-    per_epoch = cfg.data.samples_per_epoch if cfg.data.resampled and cfg.data.samples_per_epoch else catalog.num_samples
-    if problem := global_batch_too_large(cfg.data.batch_size, world_size, per_epoch, cfg.data.train):
-        raise ConfigError(f"config key 'data.batch_size': {problem}")
-    try:
-        shard_weights(catalog, cfg.data)
-    except DataSpecError as e:
-        raise ConfigError(f"config key 'data.upsampling_factors': {e}") from None
-    return catalog.data_size
-
-
 PRECISION_WORDS = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast with loss scaling"}
-
-
-def check_inputs(
-    cfg: Config, world_size: int, catalog=None, *, rank_files: bool = False
-) -> tuple[int, Path | None, dict | None, dict | None]:
-    """Everything checkable before a tower is built: the data for this world size, the resume (a foreign file,
-    another seed or data) and --model.pretrained. Returns (data_size, resume_dir, its model.pt, pretrained
-    tensors); raises ConfigError. `fastclip train --check` runs it before a launcher starts the processes."""
-    if catalog is None:  # (a job's ranks have both from rank 0: shared_catalog)
-        catalog = read_catalog(cfg)
-        check_eval_inputs(cfg)
-    data_size = check_data(cfg, world_size, catalog)
-    net.check_loss(cfg, data_size)
-    if cfg.train.resume and cfg.train.resume != "latest" and Path(cfg.train.resume).is_file():
-        raise preflight.describe_resume_file(Path(cfg.train.resume))  # an OpenCLIP epoch_N.pt, a state dict, ...
-    try:
-        resume_dir = ckpt.resolve_resume(cfg.train.resume, Path(cfg.train.run_dir)) if cfg.train.resume else None
-    except FileNotFoundError as e:
-        raise ConfigError(f"config key 'train.resume': {e}") from None
-    model_file, pretrained = None, None
-    if resume_dir is not None:  # same model, loss, data, seed and epoch length, or a one-line error now
-        model_file = preflight.read_resume(resume_dir, cfg.train.resume)
-        preflight.check_resume(
-            cfg,
-            resume_dir,
-            model_file,
-            fingerprint=catalog.fingerprint,
-            num_samples=catalog.num_samples,
-            data_size=data_size,
-            rank_files=rank_files,
-        )
-    elif cfg.model.pretrained:
-        pretrained = preflight.read_pretrained(cfg.model.pretrained)
-    return data_size, resume_dir, model_file, pretrained
-
-
-def check_no_empty_shard(catalog) -> None:
-    """`--check`: a local shard of 0 bytes that its manifest lists with samples (a copy that failed). Training skips
-    its samples (and a rank with nothing else to read stops), so the launchers' check refuses it while it is cheap to
-    fix; remote shards are not read here."""
-    from fastclip.data.remote import is_remote
-
-    for shard in catalog.shards:
-        if shard.num_samples and not is_remote(shard.path) and os.path.getsize(shard.path) == 0:
-            raise ConfigError(
-                f"config key 'data.train': shard {shard.path} is empty (0 bytes) but its manifest lists "
-                f"{shard.num_samples} samples, which training would skip: copy it again, or remove it and rerun "
-                f"`fastclip data scan` on its folder"
-            )
-
-
-def check_before_launch(cfg: Config, world_size: int) -> None:
-    """`fastclip train --check`: every check train makes before its first step, without a process group or a run
-    folder: the operator's input, the data and resume (check_inputs), the run folder's lock, whether the resume's
-    or --model.pretrained's weights fit the architecture (built on the meta device: shapes only), and, beyond what
-    train refuses, a 0-byte local shard."""
-    preflight.check_operator_input(cfg, create=False)  # --check leaves no run folder
-    preflight.check_run_dir_free(cfg)
-    catalog = read_catalog(cfg)
-    check_eval_inputs(cfg)
-    check_no_empty_shard(catalog)
-    _, resume_dir, model_file, pretrained = check_inputs(cfg, world_size, catalog, rank_files=True)
-    if model_file is not None:
-        what = f"checkpoint {resume_dir / ckpt.MODEL_FILE}"
-        preflight.check_fits_arch(cfg, ckpt.towers_state(model_file), what, "train.resume")
-    elif pretrained is not None:
-        preflight.check_fits_arch(cfg, pretrained, cfg.model.pretrained, "model.pretrained")
 
 
 def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamConfig:
@@ -394,7 +205,6 @@ class Run:
 
         self.cfg, self.info, self.timeouts, self.stop = cfg, info, timeouts, stop
         self.device, self.run_dir = info.device, Path(cfg.train.run_dir)
-        self._imagenet = None  # (class names spec, file list source) for eval.imagenet_val, made at its first use
         # checks that need the data and the world size, before anything heavy
         catalog = shared_catalog(cfg, info)
         data_size, self.resume_dir, model_file, pretrained = check_inputs(cfg, info.world_size, catalog)
@@ -470,6 +280,7 @@ class Run:
             progress=cfg.train.progress,
             wandb=dict(project=cfg.train.wandb_project, config=cfg.to_dict()) if cfg.train.wandb else None,
         )
+        self.evaluation = Evaluation(cfg, net, self.device, self.log)
         if info.is_main:
             (self.run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
             self.log.message(self.describe())
@@ -580,7 +391,7 @@ class Run:
             if cfg.checkpoint.at_end and self.last_saved != self.step:  # first: an evaluation error loses nothing
                 self.save()
             if cfg.eval.at_end and self.step > 0 and not guard.stop:  # a stopped run evaluates when it completes
-                self.evaluate()
+                self.evaluation.evaluate(self.step, self.samples_seen)
             barrier(self.info)
         t = self.throughput
         return {
@@ -726,7 +537,7 @@ class Run:
         cfg, step, t_pause = self.cfg, self.step, time.perf_counter()
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != self.last_step and not self.guard.stop:
             with self.timeouts.relaxed("evaluation"):
-                self.evaluate()
+                self.evaluation.evaluate(self.step, self.samples_seen)
         # no checkpoint on a skipped step: after too many in a row the last checkpoint is a good one
         if skip is None and (save_due or self.checkpoint_due()):
             with self.timeouts.relaxed("checkpoint save"):
@@ -806,103 +617,3 @@ class Run:
         )
         self.last_saved, self.last_save_time = self.step, time.time()
         self.log.message(f"checkpoint {path}")
-
-    def evaluate(self) -> None:
-        """data.val (zero-shot and retrieval) and eval.imagenet_val (zero-shot), on every rank, under the run's
-        autocast, as OpenCLIP evaluates."""
-        cfg = self.cfg
-        if cfg.data.val is None and cfg.eval.imagenet_val is None:
-            return
-        from fastclip.eval import EvalDataError, run_evals
-
-        if cfg.ssl.enabled:  # images alone: kNN on data.val's labels (fastclip/train/ssl.py)
-            return self._knn_evaluate()
-        built = self.net.built
-        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
-        results, what = {}, ""
-        with self.engine.full_params(), torch.autocast(self.device.type, dtype=amp, enabled=amp is not None):
-            try:  # ZeRO-3: whole parameters for the evaluation
-                if cfg.data.val is not None:
-                    what = f"data.val {cfg.data.val}, data.zeroshot {cfg.data.zeroshot}"
-                    results = run_evals(
-                        self.model,
-                        tokenizer=built.tokenizer,
-                        preprocess=built.preprocess_val,
-                        val_dir=cfg.data.val,
-                        zeroshot_file=cfg.data.zeroshot,
-                        device=self.device,
-                        batch_size=cfg.eval.batch_size,
-                        max_samples=cfg.eval.max_samples,
-                        loss_fn=self.loss_fn if cfg.eval.val_loss else None,
-                        loss_batch_size=cfg.data.batch_size,
-                        probe=self._training_probe(),
-                    )
-                if cfg.eval.imagenet_val is not None:
-                    what = f"eval.imagenet_val {cfg.eval.imagenet_val}"
-                    results.update(self._imagenet_zeroshot())
-            except EvalDataError as e:  # the same on every rank (the same files); checkpoints are already written
-                raise TrainingError(f"evaluation at step {self.step}: {e} ({what})") from None
-        record = {"step": self.step, "samples_seen": self.samples_seen}
-        record.update({f"eval/{k}": v for k, v in results.items() if isinstance(v, (int, float))})
-        self.log.log(record, tuple(k for k in record if k.endswith("top1")))
-
-    def _training_probe(self):
-        """eval.linear_probe / eval.knn's settings for run_evals (None: off)."""
-        e = self.cfg.eval
-        if not (e.linear_probe or e.knn):
-            return None
-        from fastclip.eval.training_probe import TrainingProbe, probe_train_beside
-
-        return TrainingProbe(
-            train_source=e.probe_train or str(probe_train_beside(self.cfg.data.val)),
-            linear=e.linear_probe,
-            ks=tuple(sorted(set(e.knn))),
-            max_train=e.probe_max_train,
-            unnamed=Path(self.cfg.data.val).name,
-        )
-
-    def _knn_evaluate(self) -> None:
-        from fastclip.eval import EvalDataError
-        from fastclip.train.ssl import knn_evaluate, probe_evaluate
-
-        preprocess, probe = self.net.built.preprocess_val, self._training_probe()
-        with self.engine.full_params():
-            try:
-                results = knn_evaluate(self.model, preprocess, self.cfg.data.val, self.device, self.cfg)
-                if probe is not None:  # eval.linear_probe / eval.knn, on the same tower features
-                    results.update(probe_evaluate(self.model, preprocess, probe, self.device, self.cfg))
-            except EvalDataError as e:
-                raise TrainingError(f"evaluation at step {self.step}: {e} (data.val {self.cfg.data.val})") from None
-        record = {"step": self.step, "samples_seen": self.samples_seen}
-        record.update({f"eval/{k}": v for k, v in results.items()})
-        self.log.log(record, tuple(k for k in record if k.endswith("top1")))
-
-    def _imagenet_zeroshot(self) -> dict[str, float]:
-        from fastclip.eval.evaluate import evaluate
-        from fastclip.eval.imagenet import ImageNetSource, class_folders, imagenet_spec, prepared
-
-        cfg = self.cfg
-        if self._imagenet is None:  # the class names, templates and file list, kept for the later evaluations
-            source = ImageNetSource(
-                cfg.eval.imagenet_val,
-                self.net.built.preprocess_val,
-                workers=cfg.data.workers,
-                batch_size=cfg.eval.batch_size,
-            )
-            folders = class_folders(cfg.eval.imagenet_val)  # all 1,000, or a variant's subset (ImageNet-R, -A)
-            self._imagenet = (imagenet_spec(cfg.eval.imagenet_templates, folders), source)
-        spec, source = self._imagenet
-        results = evaluate(
-            self.model,
-            tokenizer=self.net.built.tokenizer,
-            preprocess=prepared,
-            source=source,
-            specs={spec.name: spec},
-            device=self.device,
-            batch_size=cfg.eval.batch_size,
-            retrieval=False,
-        )
-        flat = results.flat()
-        if "skipped_samples" in flat:  # beside data.val's own count
-            flat[f"zeroshot/{spec.name}/skipped_samples"] = flat.pop("skipped_samples")
-        return flat

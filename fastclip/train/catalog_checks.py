@@ -1,0 +1,213 @@
+"""The data catalog, read once for a job, and the checks train makes with it before anything heavy is built:
+the data for this world size, the evaluations' inputs, the resume and --model.pretrained (preflight.py checks
+what the operator typed). `fastclip train --check` runs them all (check_before_launch) before a launcher starts
+the processes.
+
+    read_catalog(cfg)                   the shard list of data.train from its manifests
+    shared_catalog(cfg, info)           the same, read by rank 0 and broadcast (with check_eval_inputs)
+    check_eval_inputs(cfg)              data.val, data.zeroshot, eval.probe_train and eval.imagenet_val exist
+    check_data(cfg, world_size, ...)    sparse indices, a global batch larger than an epoch, upsampling factors
+    check_inputs(cfg, world_size, ...)  check_data, the loss, the resume and --model.pretrained
+    check_no_empty_shard(catalog)       `--check`: a 0-byte local shard its manifest lists with samples
+    check_before_launch(cfg, ...)       `fastclip train --check`: every check above, without a process group
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fastclip.data import DataSpecError
+from fastclip.data.catalog import global_batch_too_large
+from fastclip.data.stream import shard_weights
+from fastclip.distributed import DistInfo
+from fastclip.train import checkpoint as ckpt
+from fastclip.train import net, preflight
+from fastclip.train.config import Config, ConfigError, note
+
+
+def read_catalog(cfg: Config):
+    """The shard list of data.train from its manifests (ConfigError naming the key if it is wrong)."""
+    from fastclip.data import DataSpecError, ManifestError, resolve_catalog
+    from fastclip.data.remote import RemoteError
+
+    try:
+        return resolve_catalog(cfg.data.train, cfg.data.data_size)
+    except (DataSpecError, ManifestError, FileNotFoundError, RemoteError) as e:
+        key = "data.data_size" if "data_size" in str(e) and cfg.data.data_size is not None else "data.train"
+        raise ConfigError(f"config key '{key}': {e}") from None
+
+
+def shared_catalog(cfg: Config, info: DistInfo):
+    """Rank 0 reads the manifests (and checks local shard files exist, and the evaluations' inputs); the other
+    ranks get its catalog, or its one-line error, by one broadcast: a 1,000-rank start does not read every manifest
+    and stat every shard 1,000 times over (a shared file system or an object store would feel it)."""
+    result = None
+    if info.rank == 0:
+        try:
+            result = read_catalog(cfg)
+            check_eval_inputs(cfg)
+        except ConfigError as e:
+            result = str(e)
+    if info.distributed:
+        import torch.distributed as dist
+
+        box = [result]
+        dist.broadcast_object_list(box, src=0, device=info.device if info.device.type == "cuda" else None)
+        result = box[0]
+    if isinstance(result, str):
+        raise ConfigError(result)
+    return result
+
+
+STATE_BYTES_PER_INDEX = 12  # the least any per-sample loss keeps: u for both modalities and a seen mark, float32
+
+
+def sparse_indices(data_size: int, num_samples: int, world_size: int) -> str | None:
+    """Per-sample state is indexed up to data_size (the largest index + 1): indices far sparser than the samples
+    (a mistyped --index-offset) would make each rank allocate for indices no sample has, until memory runs out.
+    Said only when that exceeds half this machine's memory."""
+    per_rank = -(-data_size // world_size) * STATE_BYTES_PER_INDEX
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    if data_size <= 1000 * max(num_samples, 1) or per_rank <= memory // 2:
+        return None
+    return (
+        f"data_size {data_size:,} (the largest index + 1) for {num_samples:,} samples: the per-sample state of each "
+        f"of {world_size} rank(s) would take at least {per_rank / 2**30:,.0f} GiB, this machine has "
+        f"{memory / 2**30:,.0f}; number the samples densely (a mistyped --index-offset?)"
+    )
+
+
+def check_eval_inputs(cfg: Config) -> None:
+    """The held-out data, class names and ImageNet folder the scheduled evaluations read: found now, not after the
+    training. Rank 0 checks them for a job (shared_catalog)."""
+    for key in ("val", "zeroshot"):
+        path = getattr(cfg.data, key)
+        evaluating = cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end)
+        if path is not None and evaluating and not Path(path).exists():
+            raise ConfigError(f"config key 'data.{key}': {path!r} does not exist (set it to null to skip eval)")
+        if key == "val" and path is not None and evaluating:  # its shards are found now, not at the first eval
+            from fastclip.eval.samples import is_image_folder, shard_paths
+
+            try:
+                if not is_image_folder(path):
+                    shard_paths(path)
+            except (ValueError, OSError) as e:  # (EvalDataError, and a ManifestError of a bad manifest.json)
+                raise ConfigError(f"config key 'data.val': {e} (set it to null to skip eval)") from None
+        if key == "zeroshot" and path is not None and evaluating:  # read now, not after the training
+            from fastclip.eval.spec import load_zeroshot_spec
+
+            try:
+                load_zeroshot_spec(path)
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"config key 'data.zeroshot': {e}") from None
+    probing = cfg.eval.linear_probe or cfg.eval.knn
+    if probing and cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
+        from fastclip.eval.training_probe import probe_train_beside
+
+        probe_train = cfg.eval.probe_train or probe_train_beside(cfg.data.val)
+        if not Path(probe_train).exists():
+            said = "" if cfg.eval.probe_train else f" (null: the train/ folder beside data.val, {probe_train})"
+            raise ConfigError(
+                f"config key 'eval.probe_train': {str(probe_train)!r}{said} does not exist; set it to labelled "
+                "training data, or turn eval.linear_probe and eval.knn off"
+            )
+    if cfg.eval.imagenet_val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
+        from fastclip.eval.imagenet import class_folders, subset_note
+
+        try:
+            folders = class_folders(cfg.eval.imagenet_val)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"config key 'eval.imagenet_val': {e} (set it to null to skip it)") from None
+        if said := subset_note(cfg.eval.imagenet_val, folders):
+            note(f"fastclip train: note: eval.imagenet_val {said}")
+    elif cfg.eval.imagenet_val is not None:  # given (--imagenet-val) but never read: say so rather than ignore it
+        note(
+            f"fastclip train: note: eval.imagenet_val {cfg.eval.imagenet_val} is not read: no evaluation is "
+            "scheduled (eval.every_steps 0, eval.at_end false)"
+        )
+
+
+def check_data(cfg: Config, world_size: int, catalog) -> int:
+    """Checks that need the data and the world size, before anything heavy is built; returns data_size.
+    catalog: the shards (read_catalog, or rank 0's by shared_catalog)."""
+    if problem := sparse_indices(catalog.data_size, catalog.num_samples, world_size):
+        raise ConfigError(f"config key '{'data.data_size' if cfg.data.data_size else 'data.train'}': {problem}")
+    per_epoch = cfg.data.samples_per_epoch if cfg.data.resampled and cfg.data.samples_per_epoch else catalog.num_samples
+    if problem := global_batch_too_large(cfg.data.batch_size, world_size, per_epoch, cfg.data.train):
+        raise ConfigError(f"config key 'data.batch_size': {problem}")
+    try:
+        shard_weights(catalog, cfg.data)
+    except DataSpecError as e:
+        raise ConfigError(f"config key 'data.upsampling_factors': {e}") from None
+    return catalog.data_size
+
+
+def check_inputs(
+    cfg: Config, world_size: int, catalog=None, *, rank_files: bool = False
+) -> tuple[int, Path | None, dict | None, dict | None]:
+    """Everything checkable before a tower is built: the data for this world size, the resume (a foreign file,
+    another seed or data) and --model.pretrained. Returns (data_size, resume_dir, its model.pt, pretrained
+    tensors); raises ConfigError. `fastclip train --check` runs it before a launcher starts the processes."""
+    if catalog is None:  # (a job's ranks have both from rank 0: shared_catalog)
+        catalog = read_catalog(cfg)
+        check_eval_inputs(cfg)
+    data_size = check_data(cfg, world_size, catalog)
+    net.check_loss(cfg, data_size)
+    if cfg.train.resume and cfg.train.resume != "latest" and Path(cfg.train.resume).is_file():
+        raise preflight.describe_resume_file(Path(cfg.train.resume))  # an OpenCLIP epoch_N.pt, a state dict, ...
+    try:
+        resume_dir = ckpt.resolve_resume(cfg.train.resume, Path(cfg.train.run_dir)) if cfg.train.resume else None
+    except FileNotFoundError as e:
+        raise ConfigError(f"config key 'train.resume': {e}") from None
+    model_file, pretrained = None, None
+    if resume_dir is not None:  # same model, loss, data, seed and epoch length, or a one-line error now
+        model_file = preflight.read_resume(resume_dir, cfg.train.resume)
+        preflight.check_resume(
+            cfg,
+            resume_dir,
+            model_file,
+            fingerprint=catalog.fingerprint,
+            num_samples=catalog.num_samples,
+            data_size=data_size,
+            rank_files=rank_files,
+        )
+    elif cfg.model.pretrained:
+        pretrained = preflight.read_pretrained(cfg.model.pretrained)
+    return data_size, resume_dir, model_file, pretrained
+
+
+def check_no_empty_shard(catalog) -> None:
+    """`--check`: a local shard of 0 bytes that its manifest lists with samples (a copy that failed). Training skips
+    its samples (and a rank with nothing else to read stops), so the launchers' check refuses it while it is cheap to
+    fix; remote shards are not read here."""
+    from fastclip.data.remote import is_remote
+
+    for shard in catalog.shards:
+        if shard.num_samples and not is_remote(shard.path) and os.path.getsize(shard.path) == 0:
+            raise ConfigError(
+                f"config key 'data.train': shard {shard.path} is empty (0 bytes) but its manifest lists "
+                f"{shard.num_samples} samples, which training would skip: copy it again, or remove it and rerun "
+                f"`fastclip data scan` on its folder"
+            )
+
+
+def check_before_launch(cfg: Config, world_size: int) -> None:
+    """`fastclip train --check`: every check train makes before its first step, without a process group or a run
+    folder: the operator's input, the data and resume (check_inputs), the run folder's lock, whether the resume's
+    or --model.pretrained's weights fit the architecture (built on the meta device: shapes only), and, beyond what
+    train refuses, a 0-byte local shard."""
+    preflight.check_operator_input(cfg, create=False)  # --check leaves no run folder
+    preflight.check_run_dir_free(cfg)
+    catalog = read_catalog(cfg)
+    check_eval_inputs(cfg)
+    check_no_empty_shard(catalog)
+    _, resume_dir, model_file, pretrained = check_inputs(cfg, world_size, catalog, rank_files=True)
+    if model_file is not None:
+        what = f"checkpoint {resume_dir / ckpt.MODEL_FILE}"
+        preflight.check_fits_arch(cfg, ckpt.towers_state(model_file), what, "train.resume")
+    elif pretrained is not None:
+        preflight.check_fits_arch(cfg, pretrained, cfg.model.pretrained, "model.pretrained")

@@ -596,14 +596,16 @@ def test_shard_pattern_is_openclip_brace_syntax(tmp_path):
 
 
 def test_run_all_smoke_writes_results_and_plots():
-    """Every program in its --quick form (tiny sizes); RESULTS.md names the machine and links readable PNGs."""
+    """Every program in its --quick form (tiny sizes) but the kill -9 soak; RESULTS.md names the machine and links
+    readable PNGs. (bench_longrun --quick is a soak of 2-5 launches, minutes on 2 busy cores; the kill/resume it
+    checks is pinned here by test_faults: kills at named points of a save, and at a random step.)"""
     out = REPO / "benchmarks" / "out"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--smoke"],
+        [sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--smoke", "--skip", "longrun"],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=1200,  # every program once in its --quick form: 590 s on 2 cores with the scenes-semantic item
+        timeout=1200,  # 620 s on 2 cores running the rest of the suite beside it
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (out / "RESULTS.md").read_text()

@@ -232,7 +232,7 @@ def test_scenes_stopped_with_workers_stop_at_once_and_leave_nothing(tmp_path, si
     else:
         assert last == f"fastclip data embedded: stopped by SIGTERM; what it wrote in {out} is removed", err
     assert "Traceback" not in err and not out.exists(), err
-    assert stopped_in < 6, stopped_in  # under 1 s here; starting the queued shards took 14 s
+    assert stopped_in < 10, stopped_in  # under 1 s idle, 7 s on 2 busy cores; starting the queued shards took 14 s
 
 
 @pytest.mark.parametrize("variable", ["LOCAL_RANK", "SLURM_LOCALID"])

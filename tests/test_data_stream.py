@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import torch
 from fastclip.data import DataSpecError, build_train_stream, expand_braces, resolve_catalog
 from fastclip.data.plan import epoch_sequence
 from fastclip.data.sources.synthetic import synthetic_caption, write_synthetic
+from fastclip.data.stream import _leave_stop_signals_to_the_trainer
 
 from dist_utils import run_distributed
 from helpers import make_stream
@@ -181,8 +184,6 @@ def _worker_survives_stop_signals(queue) -> None:
     import os
     import signal
 
-    from fastclip.data.stream import _leave_stop_signals_to_the_trainer
-
     _leave_stop_signals_to_the_trainer(0)
     for name in ("SIGINT", "SIGUSR1"):  # a terminal's Ctrl-C to the group, a scheduler's SIGUSR1 to the job
         os.kill(os.getpid(), getattr(signal, name))
@@ -200,3 +201,20 @@ def test_a_loader_worker_leaves_ctrl_c_and_sigusr1_to_the_trainer():
     worker.start()
     worker.join(60)
     assert worker.exitcode == 0 and queue.get(timeout=5) == "alive"
+
+
+def _signalled_before_its_init(worker_id: int) -> None:
+    """A worker_init_fn that first receives SLURM's SIGTERM, as a worker does when the job's signal lands between
+    the worker's start and the moment it ignores the stop signals."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    _leave_stop_signals_to_the_trainer(worker_id)  # the original: the test patches the name the stream calls
+
+
+def test_a_stop_signal_that_reaches_a_worker_before_its_init_does_not_kill_it(model_fns, shards, monkeypatch):
+    # without the mask the worker dies of SIGTERM here and the epoch ends in "DataLoader worker ... is killed by
+    # signal: Terminated" in every rank instead of the trainer's checkpoint and exit 75
+    from fastclip.data import stream
+
+    monkeypatch.setattr(stream, "_leave_stop_signals_to_the_trainer", _signalled_before_its_init)
+    got = indices_of(make(model_fns, shards / "uneven", 0, 1, workers=1).epoch(0))
+    assert got == indices_of(make(model_fns, shards / "uneven", 0, 1).epoch(0)) and len(got) > 200

@@ -57,6 +57,7 @@ import signal
 import sys
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -258,21 +259,21 @@ class TrainStream:
         if self.cfg.workers == 0:
             batches = iter(dataset)
         else:
-            batches = iter(
-                torch.utils.data.DataLoader(
-                    dataset,
-                    batch_size=None,
-                    num_workers=self.layout.workers,
-                    collate_fn=_as_is,
-                    pin_memory=self.cfg.pin_memory,
-                    prefetch_factor=self.cfg.prefetch_factor,
-                    persistent_workers=False,  # fresh workers per epoch: the job changes (and wds#365's leak)
-                    worker_init_fn=_leave_stop_signals_to_the_trainer,
-                    # its base seed from its own generator, not the caller's torch RNG: a resume mid-epoch starts one
-                    # more loader than the uninterrupted run did, and must not shift the trainer's RNG stream
-                    generator=torch.Generator().manual_seed(self.cfg.seed),
-                )
+            loader = torch.utils.data.DataLoader(
+                dataset,
+                batch_size=None,
+                num_workers=self.layout.workers,
+                collate_fn=_as_is,
+                pin_memory=self.cfg.pin_memory,
+                prefetch_factor=self.cfg.prefetch_factor,
+                persistent_workers=False,  # fresh workers per epoch: the job changes (and wds#365's leak)
+                worker_init_fn=_leave_stop_signals_to_the_trainer,
+                # its base seed from its own generator, not the caller's torch RNG: a resume mid-epoch starts one
+                # more loader than the uninterrupted run did, and must not shift the trainer's RNG stream
+                generator=torch.Generator().manual_seed(self.cfg.seed),
             )
+            with _stop_signals_blocked():  # iter() starts the workers: they are born with the stop signals blocked
+                batches = iter(loader)
         try:
             for expected in range(first, n_batches):
                 try:
@@ -511,11 +512,32 @@ def _leave_stop_signals_to_the_trainer(_worker_id: int) -> None:
     them (one line and exit 130; a checkpoint and exit 75) and shuts its workers down itself. A worker that died
     of the signal first would turn the stop into "DataLoader worker (pid ...) is killed by signal" in every rank.
     DataLoader's own last resort for a worker that does not end when asked is SIGTERM, now ignored: such a worker
-    is killed with the trainer instead (PR_SET_PDEATHSIG), whichever way the trainer ends."""
-    for name in ("SIGINT", "SIGUSR1", "SIGTERM"):
-        if hasattr(signal, name):  # (no SIGUSR1 on Windows)
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    is killed with the trainer instead (PR_SET_PDEATHSIG), whichever way the trainer ends. The worker was started
+    with these signals blocked (_stop_signals_blocked), so one sent before this ran stayed pending: ignoring it
+    discards it, and unblocking lets later ones reach SIG_IGN."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     die_with_parent()
+
+
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGUSR1", "SIGTERM") if hasattr(signal, n))
+
+
+@contextmanager
+def _stop_signals_blocked():
+    """Blocks the stop signals in this thread while loader workers start. A child inherits the mask, so SLURM's
+    SIGTERM to every process of the job cannot kill a worker in the moment between its start and its
+    worker_init_fn (seconds for a spawned one on busy cores); here a signal sent meanwhile is delivered on exit."""
+    if not hasattr(signal, "pthread_sigmask"):  # (Windows)
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def die_with_parent() -> None:

@@ -292,8 +292,31 @@ def weighted_directions(per_direction: torch.Tensor, weights: tuple[float, float
 
 
 def masked_logsumexp(logits: torch.Tensor, keep: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """log Σ exp over the ``keep`` cells (−inf where none)."""
-    return torch.logsumexp(logits.masked_fill(~keep, -math.inf), dim=dim)
+    """log Σ exp over the ``keep`` cells (−inf where none), differentiable (``_MaskedLogSumExp``)."""
+    if dim not in (-1, logits.dim() - 1):
+        return torch.logsumexp(logits.masked_fill(~keep, -math.inf), dim=dim)
+    return _MaskedLogSumExp.apply(logits, keep)
+
+
+class _MaskedLogSumExp(torch.autograd.Function):
+    """``masked_logsumexp`` over the last dimension in fewer passes over the ``[2, B, M]`` cells than autograd
+    through masked_fill and logsumexp (4 forward, 1 backward): the shifted exponentials are kept for the gradient
+    softmax·grad (0 on the cells left out, and on a row with none)."""
+
+    @staticmethod
+    def forward(ctx, logits, keep):
+        e = logits.masked_fill(~keep, -math.inf)
+        top = e.amax(dim=-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, 0.0)  # (a row with no cell kept: 0, its sum 0, log −inf)
+        total = e.sub_(top).exp_().sum(dim=-1, keepdim=True)
+        ctx.save_for_backward(e, total)
+        return (top + torch.log(total)).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        e, total = ctx.saved_tensors
+        weight = torch.where(total > 0, grad.unsqueeze(-1) / total, 0.0)
+        return e * weight, None
 
 
 def hard_negatives(

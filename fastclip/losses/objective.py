@@ -222,7 +222,7 @@ class GlobalFeatures:
         if self.unimodal:
             return self._view_pairs()
         cos = self._blocks(2)  # [2, B, N]
-        positive = cos[0].diagonal(offset=self.local.start)  # image i · text i
+        positive = (self.image * self.text).sum(dim=-1)  # image i · text i (not cos's cells: no [2, B, N] backward)
         negative = (~self.same_sample()).expand(2, -1, -1)
         count = self.size - 1
         if self.queue is not None:
@@ -241,7 +241,7 @@ class GlobalFeatures:
         n = self.size
         rows = _ViewBlocks.apply(self.image, self.text, self.gathered, self.local, self.comm)  # [2, B, 2N]
         negative = (~self.same_sample()).repeat(1, 2).expand(2, -1, -1)
-        positive = rows[0].diagonal(offset=n + self.local.start)  # view 1 · view 2 of each image, for both anchors
+        positive = (self.image * self.text).sum(dim=-1)  # view 1 · view 2 of each image, for both anchors
         return Pairs(cos=rows, positive=positive.expand(2, -1), negative=negative, count=2 * n - 2)
 
     @torch.no_grad()

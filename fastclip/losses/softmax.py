@@ -39,7 +39,8 @@ def softmax_loss(
     similarity, clamp = options.similarity, options.similarity_clamp
     rows, positive = scale * pair_map(pairs.cos, similarity, clamp), scale * pair_map(pairs.positive, similarity, clamp)
     negative = pairs.negative
-    if not exclude_copies:  # only the pair (its group) is excluded: a copy of the anchor's sample counts
+    if not exclude_copies and features.ids is not None and not features.grouped:
+        # only the pair (its group) is excluded: a copy of the anchor's sample counts
         n = features.size
         negative = torch.cat([(~features.same_pair()).expand(2, -1, -1), negative[..., n:]], dim=-1)
     rows, negative = hard_negatives(rows, negative, options.hard_negative_topk, options.hard_negative_beta)

@@ -444,8 +444,9 @@ def _run(args, plan: dict) -> int:
             "",
             "Each loss's two implementations (the loss option `impl`, fastclip/losses/objective.py), deferred checks, "
             "interleaved with the rest: `fused`, the hand-written backward over this rank's B x N blocks; `autograd`, "
-            "the objective as autograd code over the global N x N matrix, whose backward makes only this rank's rows' "
-            "products. Ratio: the median of each autograd step's time over its fused twin's in the same repetition.",
+            "the objective as autograd code over this rank's B x N rows, whose backward hands each rank the gradient "
+            "columns of its own rows in one all_to_all. Ratio: the median of each autograd step's time over its fused "
+            "twin's in the same repetition.",
             "",
             _impl_table(rows),
             "",

@@ -433,3 +433,49 @@ def _pushed(size):
     loss_fn = build_loss("dcl", queue_size=size)
     loss_fn(*(x.float() for x in batch(0, 6)), torch.arange(6))
     return {k: v for k, v in loss_fn.state_dict().items() if k.startswith("queue.")}
+
+
+# --- what a rank computes and sends ---------------------------------------------------------------------------
+
+
+def anchors_run(rank, world_size):
+    """One training call of dcl and of v3 (after a first call, which adds the handshake): the similarity blocks the
+    objective sees and the collectives the call (forward and backward) makes."""
+    from fastclip.losses import objective
+    from fastclip.losses.byte_counter import CollectiveByteCounter
+
+    shapes, pairs = [], objective.GlobalFeatures.pairs
+
+    def recorded(self):
+        out = pairs(self)
+        shapes.append(tuple(out.cos.shape))
+        return out
+
+    objective.GlobalFeatures.pairs = recorded
+    b = len(STEPS[0][0]) // world_size
+    rows, out = slice(rank * b, (rank + 1) * b), {}
+    for case in ("dcl", "v3"):
+        loss_fn = make(case, "autograd")
+        for step, (indices, epoch) in enumerate(STEPS[:2]):
+            e1, e2 = (x[rows].clone().requires_grad_() for x in batch(step, len(indices)))
+            shapes.clear()
+            with CollectiveByteCounter() as counter:
+                loss_fn(e1, e2, torch.tensor(indices)[rows], epoch=epoch).backward()
+        out[case] = {"shapes": list(shapes), "calls": dict(counter.calls), "bytes": counter.total,
+                     "ledger": dict(loss_fn.comm_bytes)}  # fmt: skip
+    return out
+
+
+def test_each_rank_computes_its_own_anchors_rows_and_one_all_to_all():
+    """2 ranks, B = 3, N = 6: the objective sees [2, B, N] blocks (not the N×N batch on every rank); a step makes
+    the feature all_gather, the end-of-call all_reduce (value, metrics, new state rows), for v3 the old state rows'
+    all_reduce, and in the backward one all_to_all of the blocks' gradient columns; comm_bytes counts them all."""
+    for result in run_distributed(anchors_run, 2):
+        for case, state in (("dcl", 0), ("v3", 1)):
+            got = result[case]
+            assert got["shapes"] == [(2, 3, 6)], case
+            calls = {name.replace("_into_tensor", "_single").replace("_tensor", "_single"): n
+                     for name, n in got["calls"].items()}  # fmt: skip
+            assert calls == {"all_gather_single": 1, "all_reduce": 1 + state, "all_to_all_single": 1}, case
+            assert got["ledger"]["gradients"] == 2 * 3 * 6 * 8 // 2, case  # (K−1)/K of [2, B, N] float64
+            assert got["ledger"]["total"] == got["bytes"], case

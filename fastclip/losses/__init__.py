@@ -24,7 +24,9 @@ Usage in your own training loop (the model in DDP; the loss holds the temperatur
 Contract: every rank backpropagates its own loss; once parameter gradients are averaged over ranks (as DDP
 does) they equal the single-process gradient on the rank-major concatenation of the ranks' batches, and the
 per-sample state after the step is the same too. Features travel in one all_gather without autograd (no
-backward collective), plus O(N) scalars; ``loss_fn.comm_bytes`` counts the bytes of the last call. The loss's
+backward collective), plus O(N) scalars; ``loss_fn.comm_bytes`` counts the bytes of the last call. (The
+``impl="autograd"`` objectives add a backward reduce-scatter of the features' gradients and an all_reduce of
+the value: objective.py.) The loss's
 own parameters (τ, the temperature network's heads) are set to rank 0's at the first call, as DDP does for a
 model, so ranks seeded differently still train one loss.
 
@@ -75,9 +77,10 @@ Beyond the reference:
 Module attributes: ``name``, ``uses_sample_state``, ``metrics`` (detached tensors of the last call: ``loss``,
 ``surrogate``, ``objective`` (the estimated global objective from u), ``gamma``, ``tau``; v2: ``tau_q05``,
 ``tau_q50``, ``tau_q95`` and ``tau_quantiles`` (shape [3]); all others 0-d), ``comm_bytes``
-(``header``/``features``/``indices``/``state``/``total``), ``set_epoch(e)``, ``clamp_()``, ``temperature()``,
-``tau_param_names()``, ``average_grads_()``. Per-sample state: ``state_dict()`` holds this rank's shard under
-``_extra_state`` (``sharded_state.py``); ``reshard_states`` / ``reshard_for_rank`` change the world size.
+(``header``/``features``/``indices``/``state``/``values``/``gradients``/``total``), ``set_epoch(e)``,
+``clamp_()``, ``temperature()``, ``tau_param_names()``, ``average_grads_()``. Per-sample state: ``state_dict()``
+holds this rank's shard under ``_extra_state`` (``sharded_state.py``); ``reshard_states`` / ``reshard_for_rank``
+change the world size.
 """
 
 from __future__ import annotations

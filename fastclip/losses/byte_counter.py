@@ -27,6 +27,7 @@ class CollectiveByteCounter:
         "all_reduce",
         "reduce_scatter",
         "reduce_scatter_tensor",
+        "reduce_scatter_single",
         "scatter",
         "all_to_all",
         "all_to_all_single",
@@ -51,7 +52,7 @@ class CollectiveByteCounter:
             return (k - 1) * self._nbytes(args[0]) // k  # output: list or flat tensor
         if name == "all_reduce":
             return 2 * (k - 1) * self._nbytes(args[0]) // k
-        if name in ("reduce_scatter", "reduce_scatter_tensor"):
+        if name in ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single"):
             return (k - 1) * self._nbytes(args[1]) // k  # input: list or flat tensor
         if name == "scatter":
             src = kwargs.get("src", args[2] if len(args) > 2 else 0)

@@ -10,9 +10,17 @@ A loss call makes at most these data collectives:
 * ``features`` + ``indices`` (+ ``header``): ONE all_gather of ``[image | text | indices | 5 check words]``
   packed into a single flat buffer of the feature dtype; the int64 indices and words travel bit-cast
   (``Tensor.view(dtype)``), which a copy-only collective preserves exactly. Nothing here carries autograd,
-  so there is no backward collective;
+  so the fused losses make no backward collective;
 * ``state``    all_reduce(SUM) of an ``[N, m]`` table in which every entry has exactly one contributing rank
   (all others add 0), so the sum is exact. FastCLIP-v2 makes two of these.
+
+The autograd objectives (objective.py) make, besides the feature all_gather and (with per-sample state) the one
+``state`` all_reduce of the old rows:
+
+* ``values``   one all_reduce(SUM) at the end of the call: the loss value and the metrics (a few scalars), and the
+  anchors' new state rows (counted under ``state``);
+* ``gradients`` in the backward, one all_to_all of the pair blocks' ``[2, B, N]`` gradient: each rank receives
+  the columns of its own rows (``exchange_columns``); counted in the forward that sets it up.
 
 Bytes are counted per rank with the usual ring formulas (what each rank sends on the wire):
 all_gather ``(K-1)/K * output_bytes``, all_reduce ``2(K-1)/K * bytes``; nothing at K = 1.
@@ -28,7 +36,7 @@ import torch.nn.functional as F
 
 from .batch import GlobalBatch
 
-LEDGER_KEYS = ("header", "features", "indices", "state")
+LEDGER_KEYS = ("header", "features", "indices", "state", "values", "gradients")
 
 
 def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
@@ -71,11 +79,12 @@ class Comm:
         self.ledger[ledger_key] += (self.world_size - 1) * tensor.numel() * tensor.element_size()
         return out.view(self.world_size, *tensor.shape)
 
-    def all_reduce_sum_(self, tensor: torch.Tensor, *, ledger_key: str) -> torch.Tensor:
+    def all_reduce_sum_(self, tensor: torch.Tensor, *, ledger_key: str, state_part: int = 0) -> torch.Tensor:
+        """In place; ``state_part``: the first elements are state rows, counted under ``state``."""
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-            nbytes = tensor.numel() * tensor.element_size()
-            self.ledger[ledger_key] += 2 * (self.world_size - 1) * nbytes // self.world_size
+            for key, count in ((ledger_key, tensor.numel() - state_part), ("state", state_part)):
+                self.ledger[key] += 2 * (self.world_size - 1) * count * tensor.element_size() // self.world_size
         return tensor
 
     def gather_batch(
@@ -171,6 +180,29 @@ class Comm:
         # (a new tensor either way: the all_reduce writes into it, and the caller may still read owner_values)
         table = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone() if anchor_stats is None else parts[0]
         return self.all_reduce_sum_(table, ledger_key="state")
+
+    def exchange_columns(self, grad: torch.Tensor, *, views: bool = False) -> torch.Tensor:
+        """The backward of the autograd objectives' pair blocks (objective.py): from every rank's ``[S, B, N]`` ``grad``
+        (its anchors' rows against the N rank-major candidates) the columns of this rank's own rows, in one
+        all_to_all: ``[K, S, B, B]`` with out[r, b, i, m] = grad of rank r [b, i, this rank's row m]. ``views``
+        (the unimodal form): ``grad`` is ``[2, B, 2N]`` against [view 1; view 2], and out ``[K, 2, B, 2, B]`` holds
+        out[r, a, i, v, m] = grad of rank r [a, i, v·N + this rank's row m]."""
+        k = self.world_size
+        sets, rows = grad.shape[0], grad.shape[1]
+        if views:  # [a, i, v, s, m] -> [s, a, i, v, m]: one contiguous chunk per destination rank s
+            send = grad.reshape(sets, rows, 2, k, rows).permute(3, 0, 1, 2, 4)
+        else:  # [b, i, s, m] -> [s, b, i, m]
+            send = grad.reshape(sets, rows, k, rows).permute(2, 0, 1, 3)
+        if k == 1:
+            return send
+        send = send.contiguous()
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received.view(-1), send.view(-1), group=self.group)
+        return received
+
+    def count_columns(self, cells: int, item: int) -> None:
+        """The bytes ``exchange_columns`` of ``cells`` values sends: (K-1)/K of them (the own share stays)."""
+        self.ledger["gradients"] += (self.world_size - 1) * cells * item // self.world_size
 
     def broadcast_from_first_(self, parameters: list[torch.Tensor], device: torch.device) -> None:
         """Every rank's ``parameters`` set to rank 0's (of the group): one broadcast of their values, sent on

@@ -242,13 +242,13 @@ class GCLAutograd(AutogradObjective):
         dtype = features.image.dtype
         scale = self._scale(dtype)  # s = 1/τ: 0-d, or [2] (image anchors, text anchors) when separate
         weights = self.options.direction_weights
-        pairs = features.pairs()  # [2, N, M]: both directions' anchors against the batch (and the queue)
+        pairs = features.pairs()  # [2, B, M]: both directions' anchors against the batch (and the queue)
         similarity, clamp = self.options.similarity, self.options.similarity_clamp
         rows, positive = pair_map(pairs.cos, similarity, clamp), pair_map(pairs.positive, similarity, clamp)
         per_direction = scale.reshape(-1, 1, 1) if self.separate else scale
         d = (rows - positive[..., None]) * per_direction
         log_count = math.log(pairs.count) if isinstance(pairs.count, int) else torch.log(pairs.count.to(d.dtype))
-        log_g = (masked_logsumexp(d, pairs.negative) - log_count).T  # [N, 2] (image, text)
+        log_g = (masked_logsumexp(d, pairs.negative) - log_count).T  # [B, 2] (image, text)
         old = torch.stack([state.old["log_u_img"], state.old["log_u_txt"]], dim=1)
         gamma = self.gamma()
         log_u = update_log_u(old, log_g.detach(), state.seen[:, None], gamma)

@@ -19,6 +19,7 @@ fetched by its own all_reduce first, then the per-anchor results (g, b, τ-gradi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -53,7 +54,7 @@ def per_sample_tau_metrics(loss, surrogate, objective, gamma: float, tau: torch.
     A function computing them when read (the trainer: on logging steps; a quantile sorts, and its q tensor would be
     a host copy every step)."""
     loss, surrogate, objective, tau = loss.detach(), surrogate.detach(), objective.detach(), tau.detach()
-    return lambda: _tau_metrics(loss, surrogate, objective, gamma, tau)
+    return functools.partial(_tau_metrics, loss, surrogate, objective, gamma, tau)  # (objective.py reads its args)
 
 
 def _tau_metrics(loss, surrogate, objective, gamma: float, tau: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -198,9 +199,9 @@ class FastCLIPV2Autograd(AutogradObjective, FastCLIPV2Loss):
 
     def _objective(self, features, state):
         eps, weights, views = self.options.eps, self.options.direction_weights, features.unimodal
-        pairs = features.pairs()  # [2, N, M]: both directions' anchors against their candidates
+        pairs = features.pairs()  # [2, B, M]: both directions' anchors against their candidates
         old = {name: torch.stack([state.old[f"{name}_img"], state.old[f"{name}_txt"]]) for name in ("u", "tau", "b")}
-        seen = state.seen[None, :]  # [1, N]: per (direction, anchor) tables are [2, N] here
+        seen = state.seen[None, :]  # [1, B]: per (direction, anchor) tables are [2, B] here
         tau_old, b_old = old["tau"], torch.where(seen, old["b"], 0.0)  # the bound starts at 0
         gap = pairs.cos - pairs.positive[..., None]  # φ_ik − φ_i+
         b_new, g, dg_dtau, g_of = per_anchor_tau_terms(gap, pairs.negative, tau_old, b_old, pairs.count, views)
@@ -220,4 +221,5 @@ class FastCLIPV2Autograd(AutogradObjective, FastCLIPV2Loss):
         surrogate = (w * g_of(tau_old, gap)).mean(dim=-1)  # [2]: the encoders' gradient
         loss = weighted_directions(surrogate, weights)
         objective = weighted_directions((tau_old * (log_denom + b_new + self.rho)).mean(dim=-1), weights)
-        return loss, per_sample_tau_metrics(loss, loss, objective, self.gamma(), tau_old.T)
+        batch_tau = torch.stack([state.batch_old["tau_img"], state.batch_old["tau_txt"]], dim=1)  # the N rows'
+        return loss, per_sample_tau_metrics(loss, loss, objective, self.gamma(), batch_tau)

@@ -134,7 +134,7 @@ class SigLIPAutograd(AutogradObjective, SigLIPLoss):
         scale, bias = self._scale(dtype), self.logit_bias.to(dtype)
         logits = features.cosines() * scale + bias
         sign = 2.0 * features.same_pair().to(dtype) - 1.0  # +1 on the pairs (and their groups)
-        loss = F.softplus(-sign * logits).sum() / features.size
+        loss = F.softplus(-sign * logits).sum() / features.anchors  # this rank's image rows: its share
         value = loss.detach()
         return loss, {
             "loss": value,

@@ -4,7 +4,7 @@ own denominator) and DCL (the positive left out), with hard-negative mining and 
 Per anchor i of either direction, with logits z = s·φ(cos) (s = 1/τ, φ the similarity map):
     InfoNCE: ℓ_i = −z_ii + log(exp(z_ii) + Σ_{j∈neg(i)} exp(z'_ij))
     DCL:     ℓ_i = −z_ii + log Σ_{j∈neg(i)} exp(z'_ij)
-neg(i) and z' after ``hard_negatives`` (objective.py); the loss is the direction-weighted mean over the N anchors.
+neg(i) and z' after ``hard_negatives`` (objective.py); the loss is the direction-weighted mean over the anchors.
 
 Momentum distillation (``distill_alpha`` α, ALBEF): the positive's logit z_ii becomes Σ_j y_ij z_ij with targets
 y_i = (1−α)·one-hot(i) + α·softmax_j(s·φ(cos^m_ij)) over the anchor's positive and negatives, cos^m from the
@@ -35,11 +35,12 @@ def softmax_loss(
 ) -> torch.Tensor:
     """The global loss. ``exclude_copies``: a copy of the anchor's own sample (the same data index twice in the
     batch) is no negative (DCL, the FastCLIP losses); openclip keeps it, as OpenCLIP's ClipLoss does."""
-    pairs = features.pairs()  # [2, N, M]: both directions' anchors against the batch (and the queue)
+    pairs = features.pairs()  # [2, B, M]: both directions' anchors against the batch (and the queue)
     similarity, clamp = options.similarity, options.similarity_clamp
     rows, positive = scale * pair_map(pairs.cos, similarity, clamp), scale * pair_map(pairs.positive, similarity, clamp)
     negative = pairs.negative
-    if not exclude_copies:  # only the pair (its group) is excluded: a copy of the anchor's sample counts
+    if not exclude_copies and features.ids is not None and not features.grouped:
+        # only the pair (its group) is excluded: a copy of the anchor's sample counts
         n = features.size
         negative = torch.cat([(~features.same_pair()).expand(2, -1, -1), negative[..., n:]], dim=-1)
     rows, negative = hard_negatives(rows, negative, options.hard_negative_topk, options.hard_negative_beta)
@@ -53,9 +54,8 @@ def softmax_loss(
 
 def distilled_positive(features, rows, negative, scale, options) -> torch.Tensor:
     """``[2, N]`` Σ_j y_ij z_ij: the logits weighted by the targets mixed from the momentum model's softmax."""
-    n = features.size
-    eye = torch.eye(n, dtype=torch.bool, device=rows.device)
-    positive_cell = torch.cat([eye, eye.new_zeros(n, rows.shape[-1] - n)], dim=-1).expand_as(negative)
+    own = features.positive_cells()  # [B, N]
+    positive_cell = torch.cat([own, own.new_zeros(own.shape[0], rows.shape[-1] - own.shape[1])], -1).expand_as(negative)
     candidates = negative | positive_cell
     with torch.no_grad():
         momentum = scale.detach() * pair_map(features.momentum_cos(), options.similarity, options.similarity_clamp)

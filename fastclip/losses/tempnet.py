@@ -165,7 +165,8 @@ class TempNetAutograd(AutogradObjective, TempNetLoss):
     (τ_i/(u_i+ε))·g_i at fixed τ (w: direction_weights, ½ each by default).
 
     Unimodal form: one image tower, so one head (``tempnet_img``; ``tempnet_txt`` is dropped) predicts τ for
-    either view from its own features; u and b one per image, shared by the views as v2's (individual.py)."""
+    either view from its own features; u and b one per image, shared by the views as v2's (individual.py).
+    The τ quantiles among the metrics are, on several ranks, the ranks' mean of their anchors' quantiles."""
 
     unimodal_form = True
 
@@ -181,9 +182,9 @@ class TempNetAutograd(AutogradObjective, TempNetLoss):
         image, text = features.image.detach().to(head_dtype), features.text.detach().to(head_dtype)
         second_head = self.tempnet_img if views else self.tempnet_txt
         tau_head = torch.stack([self.tempnet_img(image), second_head(text)])  # autograd into the heads
-        tau = tau_head.detach().to(features.image.dtype)  # [2, N]
+        tau = tau_head.detach().to(features.image.dtype)  # [2, B]
         pairs = features.pairs()
-        gap = pairs.cos - pairs.positive[..., None]  # [2, N, M] φ_ik − φ_i+
+        gap = pairs.cos - pairs.positive[..., None]  # [2, B, M] φ_ik − φ_i+
         seen = state.seen[None, :]
         old = {name: torch.stack([state.old[f"{name}_img"], state.old[f"{name}_txt"]]) for name in ("u", "b")}
         b_old = torch.where(seen, old["b"], -math.inf)

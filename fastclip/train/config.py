@@ -21,14 +21,11 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from fastclip.errors import ConfigError
 from fastclip.losses import LOSSES
 from fastclip.train.preemption import signal_number
 
 LOSS_NAMES = tuple(LOSSES)  # loss.name's choices: the losses build_loss knows
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key (and the file when there is one)."""
 
 
 @dataclass

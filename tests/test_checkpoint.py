@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from fastclip import checkpoint as ckpt
+from fastclip.checkpoint import layout
 from fastclip.distributed import DistInfo
-from fastclip.train import checkpoint as ckpt
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none", owns_group=False)
 
@@ -55,7 +56,7 @@ def test_a_kill_during_pruning_leaves_no_step_folder_behind(tmp_path, monkeypatc
     root = tmp_path / "checkpoints"
     save(root, 10)
     save(root, 20)
-    real_rmtree = ckpt.shutil.rmtree
+    real_rmtree = layout.shutil.rmtree
 
     def killed_midway(path, ignore_errors=False):
         if not path.name.startswith(".pruned_"):
@@ -63,10 +64,10 @@ def test_a_kill_during_pruning_leaves_no_step_folder_behind(tmp_path, monkeypatc
         (path / "model.pt").unlink()  # part of the folder is gone, then the process dies
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    monkeypatch.setattr(layout.shutil, "rmtree", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         save(root, 30)
-    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    monkeypatch.setattr(layout.shutil, "rmtree", real_rmtree)
     # the half-deleted folder was renamed aside first: it is not a step folder, and latest names the new save
     assert sorted(p.name for p in root.iterdir()) == [
         ".pruned_step_00000010",
@@ -169,7 +170,7 @@ def test_model_file_of_another_format_version_is_refused(tmp_path):
 
 
 def test_an_empty_latest_pointer_resumes_from_the_newest_complete_step_folder(tmp_path, capsys):
-    from fastclip.train.checkpoint import resolve_resume
+    from fastclip.checkpoint import resolve_resume
 
     root = tmp_path / "checkpoints"
     for step in (2, 4):

@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fastclip import checkpoint as ckpt
 from fastclip.data import DataSpecError
 from fastclip.data.catalog import global_batch_too_large
 from fastclip.data.stream import shard_weights
 from fastclip.distributed import DistInfo
-from fastclip.train import checkpoint as ckpt
 from fastclip.train import net, preflight
 from fastclip.train.config import Config, ConfigError, note
 

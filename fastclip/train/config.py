@@ -21,6 +21,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from fastclip.cli import note
 from fastclip.errors import ConfigError
 from fastclip.losses import LOSSES
 from fastclip.train.preemption import signal_number
@@ -476,15 +477,6 @@ OPENCLIP_UNSUPPORTED = {
     "horovod": "processes are started by torchrun or srun (launch/)",
     "distill": "distillation is not supported",
 }
-
-
-def note(line: str) -> None:
-    """One line on stderr, from the first process only (every rank parses the same command line)."""
-    import os
-    import sys
-
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(line, file=sys.stderr)
 
 
 def _report_to(raw: str) -> dict:

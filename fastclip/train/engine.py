@@ -52,10 +52,10 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from fastclip.checkpoint import saved_backend, saved_optimizer, saved_world_size
 from fastclip.distributed import DistInfo
 from fastclip.optim import build_optimizer, param_groups
 from fastclip.train.accumulate import GradCache
-from fastclip.train.checkpoint import saved_backend, saved_optimizer, saved_world_size
 from fastclip.train.config import Config, ConfigError
 from fastclip.train.gpu import ddp_options, overlap_comm
 from fastclip.train.guards import total_grad_norm

@@ -9,12 +9,10 @@ Each failure is a ConfigError: one line naming the key or file and what to do; `
     check_run_dir(cfg)                  a run folder that cannot be written, or that holds a run and no resume
     lock_run_dir(cfg, info)             a run folder another job (or a leftover rank of a killed one) trains in
     check_run_dir_free(cfg)             the same for `--check`, which takes no lock
-    describe_checkpoint(obj)            what a loaded file is: our training checkpoint, our export, an OpenCLIP
-                                        epoch_N.pt, a bare state dict, or something else
     read_resume(cfg, step_dir)          the resume's model.pt, refused with a pointer to --model.pretrained
                                         when it is not one of our training checkpoints
     check_resume(cfg, ...)              a resume whose model, loss, seed, epoch length, data or batch size differ
-    read_pretrained(path)               the towers' tensors of --model.pretrained (any of the formats above)
+    read_pretrained(path)               the towers' tensors of --model.pretrained (any format describe_checkpoint knows)
     check_fits(model, state, what)      every tensor present with the model's shape (strict: no partial loads)
     check_fits_arch(cfg, state, ...)    the same for `--check`, against the architecture built on the meta device
 """
@@ -28,20 +26,24 @@ from pathlib import Path
 
 import torch
 
-from fastclip.train.checkpoint import (
+from fastclip.checkpoint import (
+    BARE_STATE_DICT,
     MODEL_FILE,
+    RANK_FILE,
     STEP_DIR,
-    is_training_checkpoint,
+    WEIGHTS,
+    describe_checkpoint,
     list_checkpoints,
     load_file,
     rank_file_name,
     read_model_file,
     saved_config,
     saved_step,
+    shape_mismatches,
     strip_module_prefix,
 )
+from fastclip.errors import CheckpointError
 from fastclip.train.config import Config, ConfigError
-from fastclip.train.errors import CheckpointError
 
 
 # ----------------------------------------------------------------------------- machine and names
@@ -286,39 +288,6 @@ def _run_dir_in_use(cfg: Config, holder: str) -> ConfigError:
 
 
 # ----------------------------------------------------------------------------- checkpoint files
-RANK_FILE = "a fastclip rank file"
-BARE_STATE_DICT = "a bare state dict"
-WEIGHTS = (  # what describe_checkpoint calls files that hold the towers' weights (usable as --model.pretrained)
-    "a fastclip training checkpoint",
-    "an OpenCLIP training checkpoint",
-    "a model-only checkpoint",
-    "a checkpoint with a state_dict",
-    BARE_STATE_DICT,
-)
-
-
-def describe_checkpoint(obj) -> str:
-    """What a loaded checkpoint file is, in words (starting with RANK_FILE, one of WEIGHTS, or "not a")."""
-    if not isinstance(obj, dict):
-        return f"not a checkpoint (holds a {type(obj).__name__})"
-    if is_training_checkpoint(obj):
-        return "a fastclip training checkpoint"
-    if {"rank", "world_size", "loss_state"} <= set(obj):  # rank_<r>.pt: per-sample state, no weights
-        return (
-            f"{RANK_FILE} (rank {obj.get('rank')} of {obj.get('world_size')}, step {obj.get('step')}: one "
-            f"process's per-sample state and data position, no weights)"
-        )
-    if isinstance(obj.get("state_dict"), dict):
-        if "epoch" in obj and ("optimizer" in obj or "name" in obj):
-            return f"an OpenCLIP training checkpoint (epoch_N.pt, epoch {obj.get('epoch')})"
-        if set(obj) == {"state_dict"}:
-            return "a model-only checkpoint (fastclip export, or an open_clip weights file)"
-        return f"a checkpoint with a state_dict but no fastclip training state (keys {sorted(obj)[:8]})"
-    if obj and all(torch.is_tensor(v) for v in obj.values()):
-        return f"{BARE_STATE_DICT} ({len(obj)} tensors)"
-    return f"not a model checkpoint (a dict with keys {sorted(map(str, obj))[:8]})"
-
-
 def _load(path: Path, key: str):
     if path.suffix == ".safetensors":
         try:
@@ -544,31 +513,11 @@ def check_fits_arch(cfg: Config, state: dict, what: str, key: str) -> None:
     check_fits(model, state, what, key)
 
 
-def shape_mismatches(expected: dict, state: dict) -> str:
-    """'' when `state` has exactly the keys and shapes of `expected`, else a short description."""
-    missing = [k for k in expected if k not in state]
-    extra = [k for k in state if k not in expected]
-    shapes = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state and tuple(state[k].shape) != tuple(v.shape)
-    ]
-    parts = []
-    if shapes:
-        parts.append(f"{len(shapes)} tensor(s) of another shape (checkpoint vs model), e.g. {'; '.join(shapes[:3])}")
-    if missing:
-        parts.append(f"{len(missing)} missing, e.g. {missing[:3]}")
-    if extra:
-        parts.append(f"{len(extra)} unexpected, e.g. {extra[:3]}")
-    return ", ".join(parts)
-
-
 __all__ = [
     "check_device",
     "check_arch",
     "check_run_dir",
     "check_no_run_held",
-    "describe_checkpoint",
     "read_resume",
     "check_resume",
     "describe_resume_file",
@@ -576,6 +525,5 @@ __all__ = [
     "check_fits",
     "check_fits_arch",
     "check_run_dir_free",
-    "shape_mismatches",
     "known_archs",
 ]

@@ -1,6 +1,6 @@
 """The trainer: `train(cfg)` runs the same way as one process, under torchrun and under srun; every loss goes
 through the same code. Top to bottom: checks -> processes -> `Run(...)`: the catalog and its checks
-(catalog_checks.py), towers + loss + engine (net.py), data, resume (checkpoint.py), logging -> `Run.train()`: the
+(catalog_checks.py), towers + loss + engine (net.py), data, resume (fastclip/checkpoint), logging -> `Run.train()`: the
 loop, one `train_step` per batch, then logging, evaluation (evaluation.py) and checkpoints when due.
 """
 
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from fastclip import checkpoint as ckpt
+from fastclip import faults
 from fastclip.data import StreamConfig
 from fastclip.data.pixels import on_device
 from fastclip.data.plan import Layout, num_batches
@@ -20,8 +22,7 @@ from fastclip.data.views import split_views
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
 from fastclip.losses import LossInputError, NonFiniteFeaturesError
 from fastclip.optim import ThresholdRule, get_lr, get_tau_lr
-from fastclip.train import checkpoint as ckpt
-from fastclip.train import faults, preflight
+from fastclip.train import preflight
 from fastclip.train.catalog_checks import check_inputs, shared_catalog
 from fastclip.train.config import Config, ConfigError, dump_config, note
 from fastclip.train.errors import DataFailure, TrainingError
@@ -571,7 +572,7 @@ class Run:
         return None
 
     def save(self) -> None:
-        """Collective: model.pt on rank 0 and every rank's file (fastclip/train/checkpoint.py)."""
+        """Collective: model.pt on rank 0 and every rank's file (fastclip/checkpoint/)."""
         self.check_loss_inputs()  # never a checkpoint after an index the loss refused
         model, loss_fn, engine, info = self.model, self.loss_fn, self.engine, self.info
         with torch.no_grad():  # keep the towers' own (frozen) logit_scale equal to the learned one: open_clip reads it

@@ -145,28 +145,83 @@ def test_model_file_of_another_format_version_is_refused(tmp_path):
     from fastclip.train.errors import CheckpointError
 
     path = tmp_path / ckpt.MODEL_FILE
-    contents = ckpt.model_file_contents(
-        towers={"w": torch.ones(2)},
-        loss={"logit_scale": torch.tensor(2.0), "_extra_state": {}},
-        optimizer={},
-        scaler={},
-        step=3,
-        epoch=0,
-        samples_seen=48,
-        world_size=1,
-        config={},
-        schedules={},
-        arch="tiny-vit",
-        model_config={},
-        guards={},
-        data_skip_report={},
-    )
-    assert contents["format"] == ckpt.CHECKPOINT_FORMAT and "_extra_state" not in contents["loss"]
+    contents = {"format": ckpt.CHECKPOINT_FORMAT, "state_dict": {"w": torch.ones(2)}, "step": 3, "world_size": 1}
     ckpt.save_file(contents, path)
     assert ckpt.saved_step(ckpt.read_model_file(path)) == 3
     ckpt.save_file({**contents, "format": "fastclip-checkpoint/999"}, path)
     with pytest.raises(CheckpointError, match="fastclip-checkpoint/999"):
         ckpt.read_model_file(path)
+
+
+# ----------------------------------------------------------------------------- the manager over stateful parts
+class Counter:
+    def __init__(self, n=0):
+        self.n = n
+
+    def state_dict(self):
+        return {"n": torch.tensor(self.n)}
+
+    def load_state_dict(self, state):
+        self.n = int(state["n"])
+
+
+class Shards(Counter):
+    """A per-rank part whose old states are summed at another world size (and who saw them, in which order)."""
+
+    seen: list
+
+    def reshard(self, old_states, rank, world_size):
+        self.seen = [int(s["n"]) for s in old_states]
+        return {"n": torch.tensor(sum(self.seen))}
+
+
+def test_the_manager_saves_every_part_added_and_loads_each_as_it_is_added(tmp_path):
+    from fastclip.checkpoint.manager import CheckpointManager, SavedCheckpoint
+    from fastclip.checkpoint.parts import Record, Value
+
+    class Run:
+        step = 5
+
+    run, towers = Run(), torch.nn.Linear(2, 2)
+    manager = CheckpointManager(tmp_path, SINGLE, keep_last=2)
+    manager.add(shared={"state_dict": towers, "step": Value(run, "step"), "config": Record(lambda: {"a": 1})})
+    manager.add(per_rank={"data": Counter(3)})
+    step_dir = manager.save(5)
+    model_file = ckpt.read_model_file(step_dir / ckpt.MODEL_FILE)
+    assert set(model_file) == {"format", "world_size", "state_dict", "step", "config"} and model_file["step"] == 5
+    assert set(ckpt.load_file(step_dir / "rank_0.pt")) == {"rank", "world_size", "step", "data"}
+
+    again, towers2, data = Run(), torch.nn.Linear(2, 2), Counter()
+    again.step = 0
+    resumed = CheckpointManager(tmp_path, SINGLE, keep_last=2, resume=SavedCheckpoint(step_dir, model_file, SINGLE))
+    resumed.add(shared={"state_dict": towers2, "step": Value(again, "step")})
+    assert again.step == 5 and torch.equal(towers2.weight, towers.weight)
+    resumed.add(per_rank={"data": data})
+    assert data.n == 3
+
+
+def test_the_manager_reshards_per_rank_parts_reading_each_old_rank_file_once(tmp_path, monkeypatch):
+    """Saved by 3 ranks, resumed by 1: the first per-rank part gets the old states as the files are read; the
+    others get theirs, kept on the way, later."""
+    from fastclip.checkpoint import layout as checkpoint_layout
+    from fastclip.checkpoint.manager import SavedCheckpoint
+
+    step_dir = tmp_path / "step_00000004"
+    step_dir.mkdir()
+    model_file = {"format": ckpt.CHECKPOINT_FORMAT, "world_size": 3, "step": 4}
+    ckpt.save_file(model_file, step_dir / ckpt.MODEL_FILE)
+    for r in range(3):
+        rank_file = {"rank": r, "world_size": 3, "step": 4, "loss_state": {"n": torch.tensor(r + 1)}}
+        ckpt.save_file({**rank_file, "data": {"n": torch.tensor(10 * r)}}, step_dir / f"rank_{r}.pt")
+    reads = []
+    real = checkpoint_layout.load_file
+    monkeypatch.setattr(checkpoint_layout, "load_file", lambda path: reads.append(path.name) or real(path))
+    saved = SavedCheckpoint(step_dir, model_file, SINGLE)
+    loss, data = Shards(), Shards()
+    loss.load_state_dict(saved.rank_state("loss_state", loss))
+    data.load_state_dict(saved.rank_state("data", data))
+    assert (loss.seen, loss.n, data.seen, data.n) == ([1, 2, 3], 6, [0, 10, 20], 30)
+    assert reads == ["rank_0.pt", "rank_1.pt", "rank_2.pt"]
 
 
 def test_an_empty_latest_pointer_resumes_from_the_newest_complete_step_folder(tmp_path, capsys):

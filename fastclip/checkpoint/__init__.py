@@ -1,10 +1,12 @@
 """Checkpoints: one folder per step, written atomically, a `latest` pointer, the last k kept.
 
     <run_dir>/checkpoints/
-        step_00001000/model.pt      rank 0: towers (open_clip state_dict), loss parameters, optimizer, scaler,
-                                    step, epoch, world size, resolved config, arch, model config
-        step_00001000/rank_<r>.pt   rank r: its shard of the per-sample state ("loss_state"), its data-stream
-                                    position ("data"), its RNG states ("rng")
+        step_00001000/model.pt      rank 0: "format", "world_size" and one key per shared part (the trainer's:
+                                    towers "state_dict", loss parameters, optimizer, scaler, step, epoch,
+                                    samples_seen, resolved config, schedules, arch, model config, guards, ...)
+        step_00001000/rank_<r>.pt   rank r: "rank", "world_size", "step" and one key per per-rank part (its shard
+                                    of the per-sample state "loss_state", its data-stream position "data", its
+                                    RNG states "rng")
         latest                      text naming the newest complete step folder; written last
 
 Every file holds only tensors and primitives, so torch.load(weights_only=True) reads it: RNG states are stored as
@@ -16,7 +18,8 @@ that would run on load) is refused with a CheckpointError naming it.
     save.py      the collective write of one step folder
     records.py   reading a model.pt (the accessors eval, export and the resume checks use; what a file is)
     rng.py       the RNG states as tensors
-    resume.py    the two records written, and read back to resume one rank (resharding at another world size)
+    manager.py   the manager: a run's stateful parts by name, saved and loaded (resharded at another world size)
+    parts.py     parts for what has no state_dict of its own: values, records, RNG, the loss, the data position
 
 Nothing here imports fastclip.train: the trainer, `fastclip eval` and `fastclip export` all read checkpoints
 through this package.
@@ -44,6 +47,7 @@ from fastclip.checkpoint.layout import (
     resolve_resume,
     step_dir_name,
 )
+from fastclip.checkpoint.manager import CheckpointManager, SavedCheckpoint, Stateful
 from fastclip.checkpoint.records import (
     BARE_STATE_DICT,
     RANK_FILE,
@@ -66,13 +70,6 @@ from fastclip.checkpoint.records import (
     strip_module_prefix,
     towers_state,
 )
-from fastclip.checkpoint.resume import (
-    RankResume,
-    model_file_contents,
-    rank_file_contents,
-    restore_rank,
-    restore_training_state,
-)
 from fastclip.checkpoint.rng import capture_rng_states, restore_rng_states
 from fastclip.checkpoint.save import save_checkpoint
 from fastclip.errors import CheckpointError, CheckpointFileMissing
@@ -85,8 +82,10 @@ __all__ = [
     "RANK_FILE",
     "WEIGHTS",
     "CheckpointError",
+    "CheckpointManager",
+    "SavedCheckpoint",
+    "Stateful",
     "CheckpointFileMissing",
-    "RankResume",
     "architecture",
     "capture_rng_states",
     "check_format",
@@ -103,16 +102,12 @@ __all__ = [
     "load_file",
     "loss_logit_scale",
     "loss_parameters",
-    "model_file_contents",
     "prune_checkpoints",
-    "rank_file_contents",
     "rank_file_name",
     "rank_files_in",
     "read_model_file",
     "resolve_resume",
-    "restore_rank",
     "restore_rng_states",
-    "restore_training_state",
     "save_checkpoint",
     "save_file",
     "saved_backend",

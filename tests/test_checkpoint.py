@@ -235,3 +235,61 @@ def test_an_empty_latest_pointer_resumes_from_the_newest_complete_step_folder(tm
     (root / "latest").write_text("\n")
     assert resolve_resume("latest", tmp_path) == root / "step_00000004"
     assert f"{root / 'latest'} is empty; resuming from the newest step folder" in capsys.readouterr().err
+
+
+def expected(**changes):
+    from fastclip.checkpoint.compat import Expected
+
+    data = {"seed": 0, "resampled": False, "epoch_length": 64, "fingerprint": "abc"}
+    run = dict(arch="tiny", loss="fastclip-v3", backend="ddp", zero_stage=None, world_size=2, batch_size=8)
+    run |= dict(batch_change_ok=False, max_steps=None, data_size=64, data=data, data_keys={"seed": "train.seed"})
+    return Expected(**(run | changes))
+
+
+def saved_run(root, *, backend="ddp", stage=None, world_size=2, data=None):
+    """A step folder as the trainer writes it, with only what the resume checks read."""
+    step_dir = root / "step_00000004"
+    step_dir.mkdir(parents=True)
+    config = {"model": {"arch": "tiny"}, "loss": {"name": "fastclip-v3"}, "train": {"distributed": backend}}
+    optimizer = {"backend": "deepspeed", "stage": stage, "temperature": None} if backend == "deepspeed" else {}
+    model_file = {"format": ckpt.CHECKPOINT_FORMAT, "world_size": world_size, "step": 4, "config": config}
+    model_file |= {"optimizer": optimizer}
+    data = {"seed": 0, "resampled": False, "epoch_length": 64, "fingerprint": "abc", "layout": {"batch_size": 8}}
+    for rank in range(world_size):
+        ckpt.save_file({"rank": rank, "data": data, "loss_state": {}}, step_dir / f"rank_{rank}.pt")
+    if backend == "deepspeed":
+        (step_dir / ckpt.DEEPSPEED_TAG).mkdir()
+    return step_dir, model_file
+
+
+@pytest.mark.parametrize(
+    "saved,changes,said",
+    [
+        (dict(), dict(arch="other"), "config key 'model.arch': 'other' but checkpoint"),
+        (dict(), dict(data={"seed": 3, "resampled": False, "epoch_length": 64, "fingerprint": "abc"}), "train.seed"),
+        (dict(), dict(batch_size=16), "config key 'data.batch_size': 16 but checkpoint"),
+        (dict(), dict(max_steps=2), "config key 'train.max_steps': 2 is below step 4"),
+        (dict(backend="deepspeed", stage=2), dict(), "config key 'train.distributed': ddp, but checkpoint"),
+        (dict(), dict(backend="deepspeed", zero_stage=2), "train.distributed': deepspeed, but checkpoint"),
+        (dict(backend="deepspeed", stage=2), dict(backend="deepspeed", zero_stage=3), "deepspeed.stage': 3"),
+        (dict(backend="deepspeed", stage=2), dict(backend="deepspeed", zero_stage=1, world_size=4), "ZeRO shards"),
+    ],
+)
+def test_every_resume_check_runs_before_anything_is_built_in_one_line(tmp_path, saved, changes, said):
+    from fastclip.checkpoint.compat import check_resume
+    from fastclip.errors import ConfigError
+
+    step_dir, model_file = saved_run(tmp_path, **saved)
+    check_resume(step_dir, model_file, expected(backend=saved.get("backend", "ddp"), zero_stage=saved.get("stage")))
+    with pytest.raises(ConfigError, match=said) as e:
+        check_resume(step_dir, model_file, expected(**changes))
+    assert "\n" not in str(e.value)
+
+
+def test_the_data_layer_names_what_a_saved_position_depends_on_once():
+    from fastclip.data.stream import IDENTITY, identity_mismatches
+
+    state = {"seed": 0, "resampled": True, "epoch_length": 10, "fingerprint": "abc", "rank": 1}
+    assert identity_mismatches(state, state) == []
+    assert identity_mismatches(state, state | {"seed": 1, "fingerprint": "x"}) == ["seed", "fingerprint"]
+    assert set(IDENTITY) == {"seed", "resampled", "epoch_length", "fingerprint"}

@@ -20,6 +20,7 @@ that would run on load) is refused with a CheckpointError naming it.
     rng.py       the RNG states as tensors
     manager.py   the manager: a run's stateful parts by name, saved and loaded (resharded at another world size)
     parts.py     parts for what has no state_dict of its own: values, records, RNG, the loss, the data position
+    compat.py    whether a checkpoint can resume this run: every part's check, before anything is built
 
 Nothing here imports fastclip.train: the trainer, `fastclip eval` and `fastclip export` all read checkpoints
 through this package.
@@ -34,6 +35,7 @@ from fastclip.checkpoint.files import (
 )
 from fastclip.checkpoint.layout import (
     CHECKPOINT_FORMAT,
+    DEEPSPEED_TAG,
     MODEL_FILE,
     STEP_DIR,
     find_model_file,
@@ -76,6 +78,7 @@ from fastclip.errors import CheckpointError, CheckpointFileMissing
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "DEEPSPEED_TAG",
     "MODEL_FILE",
     "STEP_DIR",
     "BARE_STATE_DICT",

@@ -20,6 +20,7 @@ from fastclip.cli import note
 STEP_DIR = re.compile(r"step_(\d{8,})")
 CHECKPOINT_FORMAT = "fastclip-checkpoint/1"  # model.pt's "format"; bump when a key changes meaning
 MODEL_FILE = "model.pt"
+DEEPSPEED_TAG = "deepspeed"  # DeepSpeed's files go to <step dir>/deepspeed/
 
 
 def step_dir_name(step: int) -> str:

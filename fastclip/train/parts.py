@@ -4,6 +4,7 @@ saved through the engine and checked against the architecture, and the optimizer
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -33,13 +34,13 @@ class Towers:
 
 class Optimizer:
     """model.pt "optimizer": the engine's record (DDP: torch's state_dict; DeepSpeed: the temperature's, and where
-    its shards are: the engine reads them from the step folder)."""
+    its shards are: the engine reads them from the step folder resumed from)."""
 
-    def __init__(self, engine, resume):
-        self.engine, self.resume = engine, resume
+    def __init__(self, engine, step_dir: Path | None):
+        self.engine, self.step_dir = engine, step_dir
 
     def state_dict(self) -> dict:
         return self.engine.optimizer_state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.engine.load_checkpoint(self.resume.model_file, self.resume.step_dir)
+        self.engine.load_optimizer(state, self.step_dir)

@@ -45,7 +45,7 @@ def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamCo
     return StreamConfig(
         train=d.train,
         batch_size=d.batch_size,
-        seed=cfg.train.seed if d.seed is None else d.seed,
+        seed=preflight.data_seed(cfg),
         workers=d.workers,
         shuffle_buffer=d.shuffle_buffer,
         resampled=d.resampled,
@@ -258,7 +258,7 @@ class Run:
         self.checkpoints.add(
             shared={
                 "loss": LossParameters(self.loss_fn),  # for export and eval: the rank files restore the loss
-                "optimizer": Optimizer(self.engine, resume),  # DeepSpeed: its shards too
+                "optimizer": Optimizer(self.engine, self.resume_dir),  # DeepSpeed: its shards too
                 "step": Value(self, "step"),
                 "epoch": Value(self, "epoch"),
                 "samples_seen": Value(self, "samples_seen"),

@@ -36,11 +36,13 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fastclip.data.manifest import read_manifest, write_manifest
+
 from common import REPO, RESULTS, SMOKE_OUT, check_out, count, machine_info, publish, read_jsonl, save_figure
 
 LOSSES = (
@@ -388,7 +390,7 @@ def loss_name(variant: str) -> str:
 
 
 def command(run: Run, study: dict, data: Path, run_dir: Path, keep_last: int = 1) -> list[str]:
-    train_samples = json.loads((data / "train" / "manifest.json").read_text())["num_samples"]
+    train_samples = read_manifest(data / "train").num_samples
     steps = train_samples // run.global_batch * study["epochs"]
     eval_split = "val" if run.phase == "tune" else "test"
     return [
@@ -731,8 +733,8 @@ def ensure_data(study: dict, dataset: str, work: Path) -> Path:
 
 def _split_val(root: Path) -> None:
     """glyphs: val's shards split into val (tuning) and test (reporting) halves; no novel split."""
-    manifest = json.loads((root / "val" / "manifest.json").read_text())
-    shards = manifest["shards"]
+    manifest = read_manifest(root / "val")
+    shards = manifest.shards
     if len(shards) < 2:
         raise SystemExit(
             f"{root / 'val'}: {len(shards)} shard(s); the study needs at least 2 to split val/test "
@@ -741,10 +743,9 @@ def _split_val(root: Path) -> None:
     half = len(shards) // 2
     (root / "test").mkdir()
     for entry in shards[half:]:
-        shutil.move(str(root / "val" / entry["path"]), str(root / "test" / entry["path"]))
+        shutil.move(str(root / "val" / entry.path), str(root / "test" / entry.path))
     for folder, part in (("val", shards[:half]), ("test", shards[half:])):
-        m = dict(manifest, shards=part, num_samples=sum(s["num_samples"] for s in part))
-        (root / folder / "manifest.json").write_text(json.dumps(m, indent=1))
+        write_manifest(root / folder, replace(manifest, shards=part))
 
 
 # ----------------------------------------------------------------------------- running
@@ -851,7 +852,7 @@ def finish(active: Active, study: dict, results: Path) -> None:
     if run.phase == "seed":
         if (active.data / "novel").is_dir():
             out["novel"] = evaluate_split(run_dir, active.data, "novel")
-        eval_samples = json.loads((active.data / "test" / "manifest.json").read_text())["num_samples"]
+        eval_samples = read_manifest(active.data / "test").num_samples
         out["train"] = evaluate_split(run_dir, active.data, "train", max_samples=eval_samples)
     (results / "runs").mkdir(parents=True, exist_ok=True)
     (results / "runs" / f"{run.id}.json").write_text(json.dumps(out, indent=1))

@@ -14,6 +14,9 @@ import threading
 import time
 from pathlib import Path
 
+from fastclip.data.format import MANIFEST_NAME
+from fastclip.data.manifest import read_manifest
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 SMOKE_OUT = REPO / "benchmarks" / "out"
@@ -196,7 +199,7 @@ def torchrun(nproc: int) -> list[str]:
 
 def ensure_embedded(root: Path, *, max_per_class: int | None = None, shard_size: int | None = None) -> Path:
     """`fastclip data embedded --out root` unless it is already there."""
-    if (root / "train" / "manifest.json").is_file() and (root / "zeroshot.json").is_file():
+    if (root / "train" / MANIFEST_NAME).is_file() and (root / "zeroshot.json").is_file():
         return root
     cmd = [sys.executable, "-m", "fastclip", "data", "embedded", "--out", str(root)]
     if max_per_class:
@@ -209,16 +212,16 @@ def ensure_embedded(root: Path, *, max_per_class: int | None = None, shard_size:
 
 def shard_pattern(split_dir: Path) -> tuple[str, int]:
     """OpenCLIP's brace pattern for a shard folder written by fastclip data, and its sample count."""
-    manifest = json.loads((split_dir / "manifest.json").read_text())
-    paths = [s["path"] for s in manifest["shards"]]
+    manifest = read_manifest(split_dir)
+    paths = [s.path for s in manifest.shards]
     stem, ext = paths[0].rsplit("-", 1)[0], ".tar"
     numbers = sorted(int(p.rsplit("-", 1)[1].split(".")[0]) for p in paths)
     if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
-        raise ValueError(f"{split_dir}/manifest.json: shard numbers are not contiguous")
+        raise ValueError(f"{split_dir / MANIFEST_NAME}: shard numbers are not contiguous")
     width = len(paths[0].rsplit("-", 1)[1].split(".")[0])
     if len(numbers) == 1:
-        return str(split_dir / paths[0]), manifest["num_samples"]
-    return (f"{split_dir}/{stem}-{{{numbers[0]:0{width}d}..{numbers[-1]:0{width}d}}}{ext}", manifest["num_samples"])
+        return str(split_dir / paths[0]), manifest.num_samples
+    return (f"{split_dir}/{stem}-{{{numbers[0]:0{width}d}..{numbers[-1]:0{width}d}}}{ext}", manifest.num_samples)
 
 
 def loss_overrides(name: str, *, gamma_decay_epochs: int | None = None) -> list[str]:

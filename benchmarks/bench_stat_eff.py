@@ -42,6 +42,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fastclip.data.manifest import read_manifest, write_manifest
+from fastclip.eval.retrieval import mean_r1
 
 from common import REPO, RESULTS, SMOKE_OUT, check_out, count, machine_info, publish, read_jsonl, save_figure
 
@@ -668,7 +669,7 @@ def group_runs(study: dict, results: Path, *, provisional: bool = False) -> list
 def score(record: dict, dataset: str) -> float:
     """The tuning criterion: mean R@1 of both retrieval directions (scenes), mean zero-shot top-1 (glyphs)."""
     if dataset == "scenes":
-        return 0.5 * (record["retrieval/image_to_text_R@1"] + record["retrieval/text_to_image_R@1"])
+        return mean_r1(record)
     tops = [v for k, v in record.items() if k.startswith("zeroshot/") and k.endswith("/top1")]
     return sum(tops) / len(tops)
 
@@ -960,9 +961,7 @@ METRICS = {
         sum(v for k, v in rec.items() if k.startswith("zeroshot/") and k.endswith("/top1"))
         / max(1, sum(1 for k in rec if k.startswith("zeroshot/") and k.endswith("/top1")))
     ),
-    "retrieval_R@1": lambda rec: (
-        0.5 * (rec.get("retrieval/image_to_text_R@1", 0.0) + rec.get("retrieval/text_to_image_R@1", 0.0))
-    ),
+    "retrieval_R@1": lambda rec: mean_r1(rec) or 0.0,
 }
 
 

@@ -1,5 +1,6 @@
 """Shared pieces of the benchmark programs: machine description, a process-tree memory monitor, launching
-torchrun jobs, free ports, and the stamp every figure carries (machine + date)."""
+torchrun jobs, free ports, and the stamp every figure carries (machine + date). Nothing of fastclip or torch is
+imported at the top: bench_quickstart.py runs before the set-up."""
 
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-
-from fastclip.data.format import MANIFEST_NAME
-from fastclip.data.manifest import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -199,6 +197,8 @@ def torchrun(nproc: int) -> list[str]:
 
 def ensure_embedded(root: Path, *, max_per_class: int | None = None, shard_size: int | None = None) -> Path:
     """`fastclip data embedded --out root` unless it is already there."""
+    from fastclip.data.format import MANIFEST_NAME  # (nothing of fastclip at the top: see the module's note)
+
     if (root / "train" / MANIFEST_NAME).is_file() and (root / "zeroshot.json").is_file():
         return root
     cmd = [sys.executable, "-m", "fastclip", "data", "embedded", "--out", str(root)]
@@ -212,6 +212,9 @@ def ensure_embedded(root: Path, *, max_per_class: int | None = None, shard_size:
 
 def shard_pattern(split_dir: Path) -> tuple[str, int]:
     """OpenCLIP's brace pattern for a shard folder written by fastclip data, and its sample count."""
+    from fastclip.data.format import MANIFEST_NAME
+    from fastclip.data.manifest import read_manifest
+
     manifest = read_manifest(split_dir)
     paths = [s.path for s in manifest.shards]
     stem, ext = paths[0].rsplit("-", 1)[0], ".tar"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fastclip.data.format import MANIFEST_NAME
 from fastclip.data.manifest import read_manifest
+from fastclip.eval.retrieval import mean_r1
 
 from . import records
 from .plan import Run, plan
@@ -114,8 +115,7 @@ def command(spec: Spec, run: Run, data: Path, extra: dict | None = None) -> list
 def metric(record: dict, name: str) -> float | None:
     """The study's metric from one evaluation's keys (without the eval/ prefix); None when it is not there."""
     if name == "retrieval_R1":
-        keys = ("retrieval/image_to_text_R@1", "retrieval/text_to_image_R@1")
-        return 0.5 * (record[keys[0]] + record[keys[1]]) if all(k in record for k in keys) else None
+        return mean_r1(record)
     tops = [v for k, v in record.items() if k.startswith("zeroshot/") and k.endswith("/top1")]
     return sum(tops) / len(tops) if tops else None
 

@@ -30,7 +30,7 @@ from fastclip.train.config import Config, ConfigError, dump_config, note
 from fastclip.train.errors import DataFailure, TrainingError
 from fastclip.train.evaluation import Evaluation
 from fastclip.train.guards import CollectiveTimeouts, DataSkipReport, NonFiniteGuard
-from fastclip.train.metrics import MetricsLogger
+from fastclip.train.metrics import STEP_LINE, MetricsLogger
 from fastclip.train.net import build_net, seed_all
 from fastclip.train.parts import Optimizer, Towers
 from fastclip.train.preemption import EXIT_PREEMPTED, StopSignals
@@ -76,11 +76,8 @@ def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:
     for name, value in getattr(loss_fn, "metrics", {}).items():
         if not torch.is_tensor(value):
             continue
-        if value.numel() == 1:
+        if value.numel() == 1:  # (a per-sample τ loss's "tau_quantiles" [3] also comes as tau_q05, ...: those)
             out[name] = value.item()
-        elif name == "tau_quantiles":  # v2: 5/50/95 % of the batch's per-sample tau
-            for q, v in zip(("q05", "q50", "q95"), value.flatten().tolist()):
-                out[f"tau_{q}"] = v
     tau = loss_fn.temperature()
     if tau is not None:
         out["tau"] = float(tau)
@@ -522,22 +519,7 @@ class Run:
             record["data_skips"] = self.skips.as_metrics(data_events)
             for line in self.skips.describe(data_events):
                 self.log.message(line)
-        self.log.log(
-            record,
-            (
-                "loss",
-                "objective",
-                "tau",
-                "tau_q05",
-                "tau_q50",
-                "tau_q95",
-                "lr",
-                "gamma",
-                "samples_per_s",
-                "samples_per_s_per_rank",
-                "data_time",
-            ),
-        )
+        self.log.log(record, STEP_LINE)
         self.record = record
         due = cfg.checkpoint.every_minutes > 0 and broadcast_flag(
             time.time() - self.last_save_time >= 60 * cfg.checkpoint.every_minutes, self.info

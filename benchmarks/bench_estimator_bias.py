@@ -114,8 +114,8 @@ def sample_state(towers: Path) -> dict | None:
     index: ``log_u_img``, ``log_u_txt``, ``seen``), or None for a loss without one (openclip)."""
     import torch
 
+    from fastclip import checkpoint as ckpt
     from fastclip.losses import reshard_for_rank
-    from fastclip.train import checkpoint as ckpt
 
     step_dir = ckpt.find_model_file(towers).parent
     states = [torch.load(f, weights_only=True)["loss_state"] for f in sorted(step_dir.glob("rank_*.pt"))]

@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fastclip.data import build_train_stream, read_manifest  # noqa: E402
+from fastclip.data.format import MANIFEST_NAME  # noqa: E402
 from fastclip.data.sources.embedded import build_embedded  # noqa: E402
 from fastclip.data.sources.synthetic import write_synthetic  # noqa: E402
 
@@ -51,11 +52,11 @@ def make_datasets(root: Path, quick: bool) -> dict[str, Path]:
     """Two kinds of shards: the embedded 28x28 PNGs (tiny decode) and 256x256 JPEGs (photo-like decode cost)."""
     sets = {}
     emb = root / "embedded"
-    if not (emb / "train" / "manifest.json").exists():
+    if not (emb / "train" / MANIFEST_NAME).exists():
         build_embedded(emb, max_per_class=20 if quick else 250, shard_size=100 if quick else 500)
     sets["embedded-png28"] = emb / "train"
     jpg = root / "jpeg256"
-    if not (jpg / "manifest.json").exists():
+    if not (jpg / MANIFEST_NAME).exists():
         n, per = (192, 24) if quick else (2400, 150)
         write_synthetic(jpg, [per] * (n // per), image_size=256, fmt="jpg")
     sets["synthetic-jpeg256"] = jpg

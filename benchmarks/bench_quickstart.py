@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         r = json.loads(x)
         split = Path(r["data"]).name
         if r.get("task") == "retrieval":
+            # fastclip.eval.retrieval.mean_r1, written out: this script runs before the set-up (no torch, no fastclip)
             scenes.setdefault(split, {})["retrieval_R@1"] = 0.5 * (r["image_to_text_R@1"] + r["text_to_image_R@1"])
         elif r.get("task") == "zeroshot_classification":
             scenes.setdefault(split, {})["zeroshot_top1"] = r["top1"]

@@ -23,6 +23,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fastclip.data.manifest import read_manifest
+
 from common import REPO, RESULTS, SMOKE_OUT, check_out, machine_info, write_json
 
 FULL = dict(num_train=100_000, num_val=2_000, num_test=5_000, num_novel=2_000)
@@ -30,10 +32,9 @@ QUICK = dict(num_train=2_000, num_val=200, num_test=200, num_novel=200)
 
 
 def read_meta(split_dir: Path) -> list[dict]:
-    manifest = json.loads((split_dir / "manifest.json").read_text())
     metas = []
-    for shard in manifest["shards"]:
-        with tarfile.open(split_dir / shard["path"]) as tar:
+    for shard in read_manifest(split_dir).shards:
+        with tarfile.open(split_dir / shard.path) as tar:
             for member in tar:
                 if member.name.endswith(".json"):
                     metas.append(json.loads(tar.extractfile(member).read()))

@@ -28,6 +28,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fastclip.data.manifest import read_manifest
+
 from common import REPO, RESULTS, SMOKE_OUT, check_out, ensure_embedded, machine_info, publish, read_jsonl, save_figure
 
 ARMS = {"sogclr@64": ("sogclr", 64), "simclr@64": ("simclr", 64), "simclr@512": ("simclr", 512),
@@ -67,9 +69,8 @@ def run_one(root: Path, data: Path, arm: str, config: str, batch: int, lr: float
 
 
 def _num_samples(split: Path) -> int:
-    import json
 
-    return json.loads((split / "manifest.json").read_text())["num_samples"]
+    return read_manifest(split).num_samples
 
 
 def mean_std(xs: list[float]) -> tuple[float, float | None]:

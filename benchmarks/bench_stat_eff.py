@@ -36,11 +36,14 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fastclip.data.manifest import read_manifest, write_manifest
+from fastclip.eval.retrieval import mean_r1
+
 from common import REPO, RESULTS, SMOKE_OUT, check_out, count, machine_info, publish, read_jsonl, save_figure
 
 LOSSES = (
@@ -388,7 +391,7 @@ def loss_name(variant: str) -> str:
 
 
 def command(run: Run, study: dict, data: Path, run_dir: Path, keep_last: int = 1) -> list[str]:
-    train_samples = json.loads((data / "train" / "manifest.json").read_text())["num_samples"]
+    train_samples = read_manifest(data / "train").num_samples
     steps = train_samples // run.global_batch * study["epochs"]
     eval_split = "val" if run.phase == "tune" else "test"
     return [
@@ -666,7 +669,7 @@ def group_runs(study: dict, results: Path, *, provisional: bool = False) -> list
 def score(record: dict, dataset: str) -> float:
     """The tuning criterion: mean R@1 of both retrieval directions (scenes), mean zero-shot top-1 (glyphs)."""
     if dataset == "scenes":
-        return 0.5 * (record["retrieval/image_to_text_R@1"] + record["retrieval/text_to_image_R@1"])
+        return mean_r1(record)
     tops = [v for k, v in record.items() if k.startswith("zeroshot/") and k.endswith("/top1")]
     return sum(tops) / len(tops)
 
@@ -731,8 +734,8 @@ def ensure_data(study: dict, dataset: str, work: Path) -> Path:
 
 def _split_val(root: Path) -> None:
     """glyphs: val's shards split into val (tuning) and test (reporting) halves; no novel split."""
-    manifest = json.loads((root / "val" / "manifest.json").read_text())
-    shards = manifest["shards"]
+    manifest = read_manifest(root / "val")
+    shards = manifest.shards
     if len(shards) < 2:
         raise SystemExit(
             f"{root / 'val'}: {len(shards)} shard(s); the study needs at least 2 to split val/test "
@@ -741,10 +744,9 @@ def _split_val(root: Path) -> None:
     half = len(shards) // 2
     (root / "test").mkdir()
     for entry in shards[half:]:
-        shutil.move(str(root / "val" / entry["path"]), str(root / "test" / entry["path"]))
+        shutil.move(str(root / "val" / entry.path), str(root / "test" / entry.path))
     for folder, part in (("val", shards[:half]), ("test", shards[half:])):
-        m = dict(manifest, shards=part, num_samples=sum(s["num_samples"] for s in part))
-        (root / folder / "manifest.json").write_text(json.dumps(m, indent=1))
+        write_manifest(root / folder, replace(manifest, shards=part))
 
 
 # ----------------------------------------------------------------------------- running
@@ -851,7 +853,7 @@ def finish(active: Active, study: dict, results: Path) -> None:
     if run.phase == "seed":
         if (active.data / "novel").is_dir():
             out["novel"] = evaluate_split(run_dir, active.data, "novel")
-        eval_samples = json.loads((active.data / "test" / "manifest.json").read_text())["num_samples"]
+        eval_samples = read_manifest(active.data / "test").num_samples
         out["train"] = evaluate_split(run_dir, active.data, "train", max_samples=eval_samples)
     (results / "runs").mkdir(parents=True, exist_ok=True)
     (results / "runs" / f"{run.id}.json").write_text(json.dumps(out, indent=1))
@@ -959,9 +961,7 @@ METRICS = {
         sum(v for k, v in rec.items() if k.startswith("zeroshot/") and k.endswith("/top1"))
         / max(1, sum(1 for k in rec if k.startswith("zeroshot/") and k.endswith("/top1")))
     ),
-    "retrieval_R@1": lambda rec: (
-        0.5 * (rec.get("retrieval/image_to_text_R@1", 0.0) + rec.get("retrieval/text_to_image_R@1", 0.0))
-    ),
+    "retrieval_R@1": lambda rec: mean_r1(rec) or 0.0,
 }
 
 

@@ -1,5 +1,6 @@
 """Shared pieces of the benchmark programs: machine description, a process-tree memory monitor, launching
-torchrun jobs, free ports, and the stamp every figure carries (machine + date)."""
+torchrun jobs, free ports, and the stamp every figure carries (machine + date). Nothing of fastclip or torch is
+imported at the top: bench_quickstart.py runs before the set-up."""
 
 from __future__ import annotations
 
@@ -196,7 +197,9 @@ def torchrun(nproc: int) -> list[str]:
 
 def ensure_embedded(root: Path, *, max_per_class: int | None = None, shard_size: int | None = None) -> Path:
     """`fastclip data embedded --out root` unless it is already there."""
-    if (root / "train" / "manifest.json").is_file() and (root / "zeroshot.json").is_file():
+    from fastclip.data.format import MANIFEST_NAME  # (nothing of fastclip at the top: see the module's note)
+
+    if (root / "train" / MANIFEST_NAME).is_file() and (root / "zeroshot.json").is_file():
         return root
     cmd = [sys.executable, "-m", "fastclip", "data", "embedded", "--out", str(root)]
     if max_per_class:
@@ -209,16 +212,19 @@ def ensure_embedded(root: Path, *, max_per_class: int | None = None, shard_size:
 
 def shard_pattern(split_dir: Path) -> tuple[str, int]:
     """OpenCLIP's brace pattern for a shard folder written by fastclip data, and its sample count."""
-    manifest = json.loads((split_dir / "manifest.json").read_text())
-    paths = [s["path"] for s in manifest["shards"]]
+    from fastclip.data.format import MANIFEST_NAME
+    from fastclip.data.manifest import read_manifest
+
+    manifest = read_manifest(split_dir)
+    paths = [s.path for s in manifest.shards]
     stem, ext = paths[0].rsplit("-", 1)[0], ".tar"
     numbers = sorted(int(p.rsplit("-", 1)[1].split(".")[0]) for p in paths)
     if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
-        raise ValueError(f"{split_dir}/manifest.json: shard numbers are not contiguous")
+        raise ValueError(f"{split_dir / MANIFEST_NAME}: shard numbers are not contiguous")
     width = len(paths[0].rsplit("-", 1)[1].split(".")[0])
     if len(numbers) == 1:
-        return str(split_dir / paths[0]), manifest["num_samples"]
-    return (f"{split_dir}/{stem}-{{{numbers[0]:0{width}d}..{numbers[-1]:0{width}d}}}{ext}", manifest["num_samples"])
+        return str(split_dir / paths[0]), manifest.num_samples
+    return (f"{split_dir}/{stem}-{{{numbers[0]:0{width}d}..{numbers[-1]:0{width}d}}}{ext}", manifest.num_samples)
 
 
 def loss_overrides(name: str, *, gamma_decay_epochs: int | None = None) -> list[str]:

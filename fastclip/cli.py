@@ -112,5 +112,11 @@ def _dispatch(argv: list[str]) -> int:
     return int(module.main(argv[1:]) or 0)
 
 
+def note(line: str) -> None:
+    """One line on stderr, from the first process only (every rank parses the same command line)."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(line, file=sys.stderr)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fastclip.errors import CollectiveFailure
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -297,8 +299,6 @@ def join_process_group(env: DistEnv, backend: str, timeout_minutes: float) -> No
     CollectiveFailure (one line, exit 1) naming the address, the count and what to check; a port another
     program holds is the operator's choice, a LaunchError naming MASTER_PORT (exit 2).
     """
-    from fastclip.train.errors import CollectiveFailure
-
     where = f"{env.master_addr}:{env.master_port}"
     limit = f"{timeout_minutes:g} min (train.dist_timeout_minutes)"
     note = threading.Timer(

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from fastclip import checkpoint as ckpt
+from fastclip.checkpoint import layout
 from fastclip.distributed import DistInfo
-from fastclip.train import checkpoint as ckpt
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="none", owns_group=False)
 
@@ -55,7 +56,7 @@ def test_a_kill_during_pruning_leaves_no_step_folder_behind(tmp_path, monkeypatc
     root = tmp_path / "checkpoints"
     save(root, 10)
     save(root, 20)
-    real_rmtree = ckpt.shutil.rmtree
+    real_rmtree = layout.shutil.rmtree
 
     def killed_midway(path, ignore_errors=False):
         if not path.name.startswith(".pruned_"):
@@ -63,10 +64,10 @@ def test_a_kill_during_pruning_leaves_no_step_folder_behind(tmp_path, monkeypatc
         (path / "model.pt").unlink()  # part of the folder is gone, then the process dies
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    monkeypatch.setattr(layout.shutil, "rmtree", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         save(root, 30)
-    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    monkeypatch.setattr(layout.shutil, "rmtree", real_rmtree)
     # the half-deleted folder was renamed aside first: it is not a step folder, and latest names the new save
     assert sorted(p.name for p in root.iterdir()) == [
         ".pruned_step_00000010",
@@ -144,23 +145,7 @@ def test_model_file_of_another_format_version_is_refused(tmp_path):
     from fastclip.train.errors import CheckpointError
 
     path = tmp_path / ckpt.MODEL_FILE
-    contents = ckpt.model_file_contents(
-        towers={"w": torch.ones(2)},
-        loss={"logit_scale": torch.tensor(2.0), "_extra_state": {}},
-        optimizer={},
-        scaler={},
-        step=3,
-        epoch=0,
-        samples_seen=48,
-        world_size=1,
-        config={},
-        schedules={},
-        arch="tiny-vit",
-        model_config={},
-        guards={},
-        data_skip_report={},
-    )
-    assert contents["format"] == ckpt.CHECKPOINT_FORMAT and "_extra_state" not in contents["loss"]
+    contents = {"format": ckpt.CHECKPOINT_FORMAT, "state_dict": {"w": torch.ones(2)}, "step": 3, "world_size": 1}
     ckpt.save_file(contents, path)
     assert ckpt.saved_step(ckpt.read_model_file(path)) == 3
     ckpt.save_file({**contents, "format": "fastclip-checkpoint/999"}, path)
@@ -168,8 +153,79 @@ def test_model_file_of_another_format_version_is_refused(tmp_path):
         ckpt.read_model_file(path)
 
 
+# ----------------------------------------------------------------------------- the manager over stateful parts
+class Counter:
+    def __init__(self, n=0):
+        self.n = n
+
+    def state_dict(self):
+        return {"n": torch.tensor(self.n)}
+
+    def load_state_dict(self, state):
+        self.n = int(state["n"])
+
+
+class Shards(Counter):
+    """A per-rank part whose old states are summed at another world size (and who saw them, in which order)."""
+
+    seen: list
+
+    def reshard(self, old_states, rank, world_size):
+        self.seen = [int(s["n"]) for s in old_states]
+        return {"n": torch.tensor(sum(self.seen))}
+
+
+def test_the_manager_saves_every_part_added_and_loads_each_as_it_is_added(tmp_path):
+    from fastclip.checkpoint.manager import CheckpointManager, SavedCheckpoint
+    from fastclip.checkpoint.parts import Record, Value
+
+    class Run:
+        step = 5
+
+    run, towers = Run(), torch.nn.Linear(2, 2)
+    manager = CheckpointManager(tmp_path, SINGLE, keep_last=2)
+    manager.add(shared={"state_dict": towers, "step": Value(run, "step"), "config": Record(lambda: {"a": 1})})
+    manager.add(per_rank={"data": Counter(3)})
+    step_dir = manager.save(5)
+    model_file = ckpt.read_model_file(step_dir / ckpt.MODEL_FILE)
+    assert set(model_file) == {"format", "world_size", "state_dict", "step", "config"} and model_file["step"] == 5
+    assert set(ckpt.load_file(step_dir / "rank_0.pt")) == {"rank", "world_size", "step", "data"}
+
+    again, towers2, data = Run(), torch.nn.Linear(2, 2), Counter()
+    again.step = 0
+    resumed = CheckpointManager(tmp_path, SINGLE, keep_last=2, resume=SavedCheckpoint(step_dir, model_file, SINGLE))
+    resumed.add(shared={"state_dict": towers2, "step": Value(again, "step")})
+    assert again.step == 5 and torch.equal(towers2.weight, towers.weight)
+    resumed.add(per_rank={"data": data})
+    assert data.n == 3
+
+
+def test_the_manager_reshards_per_rank_parts_reading_each_old_rank_file_once(tmp_path, monkeypatch):
+    """Saved by 3 ranks, resumed by 1: the first per-rank part gets the old states as the files are read; the
+    others get theirs, kept on the way, later."""
+    from fastclip.checkpoint import layout as checkpoint_layout
+    from fastclip.checkpoint.manager import SavedCheckpoint
+
+    step_dir = tmp_path / "step_00000004"
+    step_dir.mkdir()
+    model_file = {"format": ckpt.CHECKPOINT_FORMAT, "world_size": 3, "step": 4}
+    ckpt.save_file(model_file, step_dir / ckpt.MODEL_FILE)
+    for r in range(3):
+        rank_file = {"rank": r, "world_size": 3, "step": 4, "loss_state": {"n": torch.tensor(r + 1)}}
+        ckpt.save_file({**rank_file, "data": {"n": torch.tensor(10 * r)}}, step_dir / f"rank_{r}.pt")
+    reads = []
+    real = checkpoint_layout.load_file
+    monkeypatch.setattr(checkpoint_layout, "load_file", lambda path: reads.append(path.name) or real(path))
+    saved = SavedCheckpoint(step_dir, model_file, SINGLE)
+    loss, data = Shards(), Shards()
+    loss.load_state_dict(saved.rank_state("loss_state", loss))
+    data.load_state_dict(saved.rank_state("data", data))
+    assert (loss.seen, loss.n, data.seen, data.n) == ([1, 2, 3], 6, [0, 10, 20], 30)
+    assert reads == ["rank_0.pt", "rank_1.pt", "rank_2.pt"]
+
+
 def test_an_empty_latest_pointer_resumes_from_the_newest_complete_step_folder(tmp_path, capsys):
-    from fastclip.train.checkpoint import resolve_resume
+    from fastclip.checkpoint import resolve_resume
 
     root = tmp_path / "checkpoints"
     for step in (2, 4):
@@ -179,3 +235,61 @@ def test_an_empty_latest_pointer_resumes_from_the_newest_complete_step_folder(tm
     (root / "latest").write_text("\n")
     assert resolve_resume("latest", tmp_path) == root / "step_00000004"
     assert f"{root / 'latest'} is empty; resuming from the newest step folder" in capsys.readouterr().err
+
+
+def expected(**changes):
+    from fastclip.checkpoint.compat import Expected
+
+    data = {"seed": 0, "resampled": False, "epoch_length": 64, "fingerprint": "abc"}
+    run = dict(arch="tiny", loss="fastclip-v3", backend="ddp", zero_stage=None, world_size=2, batch_size=8)
+    run |= dict(batch_change_ok=False, max_steps=None, data_size=64, data=data, data_keys={"seed": "train.seed"})
+    return Expected(**(run | changes))
+
+
+def saved_run(root, *, backend="ddp", stage=None, world_size=2, data=None):
+    """A step folder as the trainer writes it, with only what the resume checks read."""
+    step_dir = root / "step_00000004"
+    step_dir.mkdir(parents=True)
+    config = {"model": {"arch": "tiny"}, "loss": {"name": "fastclip-v3"}, "train": {"distributed": backend}}
+    optimizer = {"backend": "deepspeed", "stage": stage, "temperature": None} if backend == "deepspeed" else {}
+    model_file = {"format": ckpt.CHECKPOINT_FORMAT, "world_size": world_size, "step": 4, "config": config}
+    model_file |= {"optimizer": optimizer}
+    data = {"seed": 0, "resampled": False, "epoch_length": 64, "fingerprint": "abc", "layout": {"batch_size": 8}}
+    for rank in range(world_size):
+        ckpt.save_file({"rank": rank, "data": data, "loss_state": {}}, step_dir / f"rank_{rank}.pt")
+    if backend == "deepspeed":
+        (step_dir / ckpt.DEEPSPEED_TAG).mkdir()
+    return step_dir, model_file
+
+
+@pytest.mark.parametrize(
+    "saved,changes,said",
+    [
+        (dict(), dict(arch="other"), "config key 'model.arch': 'other' but checkpoint"),
+        (dict(), dict(data={"seed": 3, "resampled": False, "epoch_length": 64, "fingerprint": "abc"}), "train.seed"),
+        (dict(), dict(batch_size=16), "config key 'data.batch_size': 16 but checkpoint"),
+        (dict(), dict(max_steps=2), "config key 'train.max_steps': 2 is below step 4"),
+        (dict(backend="deepspeed", stage=2), dict(), "config key 'train.distributed': ddp, but checkpoint"),
+        (dict(), dict(backend="deepspeed", zero_stage=2), "train.distributed': deepspeed, but checkpoint"),
+        (dict(backend="deepspeed", stage=2), dict(backend="deepspeed", zero_stage=3), "deepspeed.stage': 3"),
+        (dict(backend="deepspeed", stage=2), dict(backend="deepspeed", zero_stage=1, world_size=4), "ZeRO shards"),
+    ],
+)
+def test_every_resume_check_runs_before_anything_is_built_in_one_line(tmp_path, saved, changes, said):
+    from fastclip.checkpoint.compat import check_resume
+    from fastclip.errors import ConfigError
+
+    step_dir, model_file = saved_run(tmp_path, **saved)
+    check_resume(step_dir, model_file, expected(backend=saved.get("backend", "ddp"), zero_stage=saved.get("stage")))
+    with pytest.raises(ConfigError, match=said) as e:
+        check_resume(step_dir, model_file, expected(**changes))
+    assert "\n" not in str(e.value)
+
+
+def test_the_data_layer_names_what_a_saved_position_depends_on_once():
+    from fastclip.data.stream import IDENTITY, identity_mismatches
+
+    state = {"seed": 0, "resampled": True, "epoch_length": 10, "fingerprint": "abc", "rank": 1}
+    assert identity_mismatches(state, state) == []
+    assert identity_mismatches(state, state | {"seed": 1, "fingerprint": "x"}) == ["seed", "fingerprint"]
+    assert set(IDENTITY) == {"seed", "resampled", "epoch_length", "fingerprint"}

@@ -260,3 +260,12 @@ def test_report_omits_retrieval_with_templated_captions():
         )
         assert "image->text       0.00    0.00    0.00" in table and "omitted" not in table
         assert ("1 of the captions repeat another" in table) == note
+
+
+def test_mean_r1_is_the_mean_of_both_directions_or_none():
+    from fastclip.eval.retrieval import mean_r1
+
+    record = {"retrieval/image_to_text_R@1": 0.5, "retrieval/text_to_image_R@1": 0.25, "zeroshot/x/top1": 0.1}
+    assert mean_r1(record) == 0.375
+    assert mean_r1({"image_to_text_R@1": 1.0, "text_to_image_R@1": 0.0}, prefix="") == 0.5
+    assert mean_r1({"retrieval/image_to_text_R@1": 0.5}) is None

@@ -153,7 +153,7 @@ def test_a_disk_that_fills_while_exporting_is_one_line_status_1_and_leaves_no_fi
 ):
     """Not a usage error (the checkpoint and --out are fine): status 1, and neither the export nor its temporary
     file is left behind."""
-    from fastclip.train import checkpoint as ckpt
+    from fastclip import checkpoint as ckpt
 
     real = ckpt.save_file
 

@@ -1,7 +1,7 @@
 """Faults, with real processes: a job killed at a random step and resumed, a kill in the middle of a checkpoint
 write, one rank dying or hanging mid-step, NaN/Inf steps, a resume at another world size, rotten shards,
 checkpoints carrying pickled objects, bad configuration. Faults are injected through FASTCLIP_FAULTS
-(fastclip/train/faults.py) into the real code paths, or by signals sent from here.
+(fastclip/faults.py) into the real code paths, or by signals sent from here.
 
 Process launches are kept few (each imports torch + open_clip): one 2-process spawn runs the reference run,
 the world-size change, the NaN runs and the rotten-data run one after the other; the killed job, its resume
@@ -433,7 +433,7 @@ def test_kill_during_a_checkpoint_write_leaves_latest_complete(data, uninterrupt
     assert f"kill at checkpoint.{stage}, step 4" in job.output(0)
     assert latest(run) == "step_00000002"
     two = run / "checkpoints" / latest(run)
-    from fastclip.train.checkpoint import load_file, resolve_resume
+    from fastclip.checkpoint import load_file, resolve_resume
 
     assert resolve_resume("latest", run) == two
     assert load_file(two / "model.pt")["step"] == 2 and load_file(two / "rank_0.pt")["step"] == 2

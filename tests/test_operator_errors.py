@@ -597,7 +597,7 @@ def test_a_disk_that_fills_inside_torch_save_is_one_line_with_the_bytes(tiny_emb
     import io
     import os
 
-    from fastclip.train import checkpoint as ckpt
+    from fastclip.checkpoint import files
 
     class FillsUp(io.FileIO):  # the disk is full after the first 4 KiB of this file
         def write(self, data):
@@ -610,7 +610,7 @@ def test_a_disk_that_fills_inside_torch_save_is_one_line_with_the_bytes(tiny_emb
             return FillsUp(path, "wb")
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt, "open", opener, raising=False)
+    monkeypatch.setattr(files, "open", opener, raising=False)
     run = tmp_path / "run"
     err = _fails(
         capsys,
@@ -625,7 +625,7 @@ def test_a_disk_that_fills_inside_torch_save_is_one_line_with_the_bytes(tiny_emb
     assert "unexpected pos" not in err
     needed = float(err.split("need about ")[1].split(" MiB")[0])
     weights = load(step_dir(run, 2) / "model.pt")
-    assert needed == pytest.approx(ckpt.tensor_bytes(weights) / 2**20, rel=0.05, abs=0.2)  # model.pt + rank file
+    assert needed == pytest.approx(files.tensor_bytes(weights) / 2**20, rel=0.05, abs=0.2)  # model.pt + rank file
     assert latest(run) == "step_00000002" and not list((run / "checkpoints").glob(".tmp_*"))
 
 
@@ -844,7 +844,7 @@ def test_a_resume_with_nothing_left_to_train_finishes_the_pruning_a_kill_cut_sho
 def test_resume_latest_without_the_pointer_takes_the_newest_step_folder(tiny_embedded, trained, tmp_path, capsys):
     """`latest` lost (or a crash between the rename and its write): the newest step folder is resumed, with a note,
     never a silent start from scratch over it; a run folder given as train.resume resolves the same way."""
-    from fastclip.train.checkpoint import resolve_resume
+    from fastclip.checkpoint import resolve_resume
 
     run = tmp_path / "run"
     shutil.copytree(trained, run)

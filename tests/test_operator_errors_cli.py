@@ -481,7 +481,7 @@ def test_a_run_without_its_latest_pointer_or_with_only_cut_short_saves(tiny_run,
     folders without one: said as such, not as if the path were no run."""
     import shutil
 
-    from fastclip.train.checkpoint import find_model_file
+    from fastclip.checkpoint import find_model_file
 
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
@@ -497,7 +497,7 @@ def test_an_empty_latest_pointer_means_the_newest_step_folder(tiny_run, tmp_path
     """(it was read as naming the checkpoints folder itself: 'has no model.pt')"""
     import shutil
 
-    from fastclip.train.checkpoint import find_model_file
+    from fastclip.checkpoint import find_model_file
 
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)

@@ -47,3 +47,17 @@ def test_embedded_data_prints_progress(tmp_path, capsys):
     )
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("embedded: 60/60 samples (")  # 2 x 10 classes x (2 train + 1 val)
+
+
+def test_a_per_sample_tau_loss_logs_each_tau_quantile_once_and_the_step_line_shows_them():
+    import torch
+
+    from fastclip.losses import build_loss
+    from fastclip.train.metrics import STEP_LINE, TAU_QUANTILES
+    from fastclip.train.trainer import scalar_metrics
+
+    loss_fn = build_loss("fastclip-v2", data_size=10)
+    e1, e2 = (torch.nn.functional.normalize(torch.randn(4, 8), dim=-1) for _ in range(2))
+    values = scalar_metrics(loss_fn, loss_fn(e1, e2, torch.arange(4)))
+    assert [k for k in values if k.startswith("tau_q")] == list(TAU_QUANTILES)
+    assert set(TAU_QUANTILES) <= set(STEP_LINE)

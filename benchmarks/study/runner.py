@@ -14,6 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastclip.data.format import MANIFEST_NAME
+from fastclip.data.manifest import read_manifest
+from fastclip.eval.retrieval import mean_r1
+
 from . import records
 from .plan import Run, plan
 from .spec import Spec, SpecError, resolve_setting
@@ -29,13 +33,13 @@ class MixedCommits(RuntimeError):
 def ensure_data(spec: Spec, dataset: str) -> Path:
     """The dataset's folder, made by its `make` command when missing; SpecError when it cannot be used."""
     d = spec.datasets[dataset]
-    if not (d.data / "train" / "manifest.json").is_file() and d.make:
+    if not (d.data / "train" / MANIFEST_NAME).is_file() and d.make:
         cmd = [sys.executable if x == "python" else x.replace("{data}", str(d.data)) for x in d.make]
         print(f"making {dataset}: {' '.join(cmd)}", flush=True)
         done = subprocess.run(cmd, cwd=records.REPO, env=_env(), stdout=subprocess.DEVNULL)
         if done.returncode != 0:
             raise SpecError(f"datasets.{dataset}.make exited {done.returncode}; run it by hand to see why")
-    for part in ("train/manifest.json", "val/manifest.json", "test/manifest.json", "zeroshot.json"):
+    for part in (*(f"{split}/{MANIFEST_NAME}" for split in ("train", "val", "test")), "zeroshot.json"):
         if not (d.data / part).is_file():
             raise SpecError(
                 f"datasets.{dataset}.data {d.data}: no {part}; the study needs train/, val/ and test/ shard "
@@ -45,7 +49,7 @@ def ensure_data(spec: Spec, dataset: str) -> Path:
 
 
 def train_samples(data: Path) -> int:
-    return json.loads((data / "train" / "manifest.json").read_text())["num_samples"]
+    return read_manifest(data / "train").num_samples
 
 
 # ----------------------------------------------------------------------------- one run
@@ -111,8 +115,7 @@ def command(spec: Spec, run: Run, data: Path, extra: dict | None = None) -> list
 def metric(record: dict, name: str) -> float | None:
     """The study's metric from one evaluation's keys (without the eval/ prefix); None when it is not there."""
     if name == "retrieval_R1":
-        keys = ("retrieval/image_to_text_R@1", "retrieval/text_to_image_R@1")
-        return 0.5 * (record[keys[0]] + record[keys[1]]) if all(k in record for k in keys) else None
+        return mean_r1(record)
     tops = [v for k, v in record.items() if k.startswith("zeroshot/") and k.endswith("/top1")]
     return sum(tops) / len(tops) if tops else None
 
@@ -193,7 +196,7 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
         "wall_s": wall_s,
         "samples_per_s": logged[-1]["samples_per_s"] if logged else None,
     }
-    if run.phase != "tune" and (data / "novel" / "manifest.json").is_file():
+    if run.phase != "tune" and (data / "novel" / MANIFEST_NAME).is_file():
         novel = evaluate_split(folder, data, "novel")
         out["novel"] = {"metric": metric(novel, name), "zeroshot_top1": zeroshot_top1(novel)}
     return records.round_floats(out)

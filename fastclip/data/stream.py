@@ -34,8 +34,8 @@ Resume (state_dict / load_state_dict; everything in it is plain ints, lists and 
   bad data made old workers read past their share, plus the usual wrap (< new_world_size * B) to fill the
   last batches. `batches_remaining(epoch)` says how many batches the rest of the epoch has; the trainer's
   step count for that epoch must follow it, not batches_per_epoch.
-- The data (shard names and counts), seed, resampling and epoch length must be the same; load_state_dict
-  raises otherwise. load_state_dict(None) starts fresh.
+- The data (shard names and counts), seed, resampling and epoch length (IDENTITY) must be the same;
+  load_state_dict raises otherwise. load_state_dict(None) starts fresh.
 
 Bad data does not stop training (fastclip/data/samples.py has the reasons), except when a rank's whole share
 of an epoch is bad: then `epoch()` raises DataExhausted naming the rank and its shards (the trainer stops with
@@ -82,6 +82,26 @@ from fastclip.data.worker import EpochDataset, EpochJob
 
 log = logging.getLogger(__name__)
 STATE_FORMAT = "fastclip-stream/1"
+
+# What a saved position is a place in, with why: a state is loaded only where these are the same. state_dict writes
+# them, load_state_dict compares them, and so does the trainer's resume check (fastclip/checkpoint/compat.py).
+IDENTITY = {
+    "seed": "the data order and the shuffle come from it",
+    "resampled": "the data order depends on it",
+    "epoch_length": "samples per epoch: the saved position is a place in an epoch of that length",
+    "fingerprint": "the shards (names and sample counts) differ from the ones the saved position refers to",
+}
+
+
+def stream_identity(*, seed: int, resampled: bool, samples_per_epoch: int | None, catalog: Catalog) -> dict:
+    """The IDENTITY values of a stream over `catalog` (without building it)."""
+    length = (samples_per_epoch or catalog.num_samples) if resampled else catalog.num_samples
+    return {"seed": seed, "resampled": bool(resampled), "epoch_length": length, "fingerprint": catalog.fingerprint}
+
+
+def identity_mismatches(state: dict, identity: dict) -> list[str]:
+    """The IDENTITY fields a saved state has with another value than `identity` (IDENTITY's order)."""
+    return [field for field in IDENTITY if field in state and state[field] != identity[field]]
 
 
 @dataclass
@@ -335,13 +355,17 @@ class TrainStream:
                 )
 
     # ------------------------------------------------------------------ state
+    def identity(self) -> dict:
+        """What a saved position of this stream is a place in (IDENTITY)."""
+        cfg = self.cfg
+        return stream_identity(
+            seed=cfg.seed, resampled=cfg.resampled, samples_per_epoch=cfg.samples_per_epoch, catalog=self.catalog
+        )
+
     def state_dict(self) -> dict:
         return {
             "format": STATE_FORMAT,
-            "fingerprint": self.catalog.fingerprint,
-            "seed": self.cfg.seed,
-            "resampled": bool(self.cfg.resampled),
-            "epoch_length": self.epoch_length,
+            **self.identity(),
             "layout": self.layout.as_dict(),
             "rank": self.rank,
             "epoch": self._epoch,
@@ -383,18 +407,13 @@ class TrainStream:
             return
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a data stream state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
-        for key, mine in (
-            ("fingerprint", self.catalog.fingerprint),
-            ("seed", self.cfg.seed),
-            ("resampled", bool(self.cfg.resampled)),
-            ("epoch_length", self.epoch_length),
-        ):
-            if state[key] != mine:
-                raise ValueError(
-                    f"saved data stream position has {key}={state[key]!r} but this stream has "
-                    f"{mine!r}: the position is only meaningful for the same shards (names and "
-                    f"counts), seed, resampling and epoch length"
-                )
+        mine = self.identity()
+        if differ := identity_mismatches(state, mine):
+            said = ", ".join(f"{k}={state[k]!r} but this stream has {mine[k]!r}" for k in differ)
+            raise ValueError(
+                f"saved data stream position has {said}: the position is only meaningful for the same shards "
+                f"(names and counts), seed, resampling and epoch length"
+            )
         self.samples_seen = int(state["samples_seen"])
         self.counters = {reason: 0 for reason in REASONS} | {"wrapped": 0} | _remote_zeros() | dict(state["counters"])
         if state["epoch"] is None:

@@ -1,6 +1,6 @@
 """Loading a model for evaluation from a training checkpoint or an exported file.
 
-The layout of training checkpoints belongs to fastclip/train/checkpoint.py (`<run>/checkpoints/step_<N>/model.pt`,
+The layout of training checkpoints belongs to fastclip/checkpoint/ (`<run>/checkpoints/step_<N>/model.pt`,
 `latest` naming the last step folder); it is read here through that module. Exported files (`fastclip export`)
 hold only {"state_dict"}; their architecture comes from `--arch` or the `<arch>.json` written beside them.
 """
@@ -14,13 +14,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastclip.train import checkpoint as ckpt
+from fastclip import checkpoint as ckpt
+from fastclip.errors import CheckpointError
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
     """(the model file found from `path`, its contents): a run, checkpoints or step folder, or the file."""
-    from fastclip.train.errors import CheckpointError
-
     try:
         file = ckpt.find_model_file(path)
     except FileNotFoundError:
@@ -35,14 +34,12 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
     except CheckpointError as err:
         raise ValueError(str(err)) from None
     if "state_dict" not in checkpoint:
-        from fastclip.train.preflight import BARE_STATE_DICT, RANK_FILE, describe_checkpoint
-
-        what = describe_checkpoint(checkpoint)
-        if what.startswith(BARE_STATE_DICT):  # open_clip's model.state_dict() saved as is: what --arch builds
+        what = ckpt.describe_checkpoint(checkpoint)
+        if what.startswith(ckpt.BARE_STATE_DICT):  # open_clip's model.state_dict() saved as is: what --arch builds
             return file, {"state_dict": checkpoint}
         advice = (
             "pass the model.pt of its step folder, or the step folder"
-            if what.startswith(RANK_FILE)
+            if what.startswith(ckpt.RANK_FILE)
             else ("pass a run folder, a step folder, a model.pt or an export")
         )
         raise ValueError(f"{file} is {what}: {advice}")
@@ -93,11 +90,10 @@ def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu"
     """Build the architecture and load the weights of a training checkpoint or an exported file. `image_tower`:
     an ssl run's image tower, or its export, is loaded alone (the probe's features); else it is refused."""
     from fastclip.models import build_model
-    from fastclip.train.ssl import image_tower_state, is_ssl_checkpoint
 
     file, checkpoint = load_checkpoint(path)
-    ssl = is_ssl_checkpoint(checkpoint)
-    if ssl and not image_tower:  # an image tower + projector (fastclip/train/ssl.py): no CLIP model to build
+    ssl = ckpt.is_ssl_checkpoint(checkpoint)
+    if ssl and not image_tower:  # an image tower + projector (fastclip/models/ssl.py): no CLIP model to build
         raise ValueError(
             f"{file}: a self-supervised run (ssl.enabled) has no text tower for zero-shot or retrieval; its kNN "
             "accuracy is eval/knn_top1 in metrics.jsonl, `fastclip eval RUN --linear-probe --knn K` probes its image "
@@ -116,8 +112,8 @@ def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu"
             built = build_model(arch, device=str(device))
     else:
         built = build_model(arch or _exported_arch(file), device=str(device))
-    state = image_tower_state(checkpoint) if ssl else ckpt.towers_state(checkpoint)
-    # an ssl export holds open_clip's model.visual alone (fastclip/train/ssl.py export_image_tower)
+    state = ckpt.image_tower_state(checkpoint) if ssl else ckpt.towers_state(checkpoint)
+    # an ssl export holds open_clip's model.visual alone (fastclip/eval/export_ssl.py)
     tower = ssl or set(state) == set(built.model.visual.state_dict())
     if tower and not image_tower:
         raise ValueError(
@@ -132,10 +128,8 @@ def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu"
     scale = None if tower else ckpt.loss_logit_scale(checkpoint)
     if scale is not None and "logit_scale" in state:
         state["logit_scale"] = scale.detach().reshape(state["logit_scale"].shape).to(state["logit_scale"].dtype)
-    from fastclip.train.preflight import shape_mismatches
-
     target = built.model.visual if tower else built.model
-    mismatch = shape_mismatches(target.state_dict(), state)
+    mismatch = ckpt.shape_mismatches(target.state_dict(), state)
     if mismatch:  # checked first: load_state_dict's own error is a multi-line RuntimeError
         raise ValueError(f"{file}: weights do not fit architecture {built.arch!r}: {mismatch}")
     if bad := nonfinite_tensors(state):  # a diverged run: every score would be chance, said as if it were one

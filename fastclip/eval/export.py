@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
+from fastclip import checkpoint as ckpt
 from fastclip.cli import OneLineParser, unwritable
+from fastclip.errors import CheckpointError
 from fastclip.eval.checkpoint import load_checkpoint
 from fastclip.stopping import Stopped, signals_deferred, stopped_by_signals
-from fastclip.train import checkpoint as ckpt
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -121,8 +122,6 @@ def _check_hf_copies(out: Path, copies: list[tuple[Path, Path]]) -> None:
 
 
 def _is_training(folder: Path) -> bool:
-    from fastclip.train.errors import CheckpointError
-
     try:
         return ckpt.is_training_checkpoint(ckpt.load_file(folder / ckpt.MODEL_FILE))
     except CheckpointError:  # unreadable: not a training checkpoint to protect
@@ -149,11 +148,11 @@ def export_model(
                 f"{file}: not a fastclip training checkpoint (no {key!r}: an export, or a bare state dict); pass a "
                 f"run, step folder or model.pt that fastclip train wrote"
             )
-    from fastclip.train.ssl import export_image_tower, is_ssl_checkpoint
-
-    if is_ssl_checkpoint(checkpoint):  # images alone: the image tower is the model (fastclip/train/ssl.py)
+    if ckpt.is_ssl_checkpoint(checkpoint):  # images alone: the image tower is the model (fastclip/eval/export_ssl.py)
         if momentum_towers:
             raise ValueError(f"{file}: an ssl run has no momentum towers; export without --momentum-towers")
+        from fastclip.eval.export_ssl import export_image_tower
+
         return export_image_tower(file, checkpoint, out, PRECISIONS[precision])
     arch, model_config = ckpt.architecture(checkpoint)
     _check_arch_field(file, checkpoint, arch, model_config)
@@ -337,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     size_mb = written["file"].stat().st_size / 2**20
     print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}")
     if "logit_scale" not in written:  # an ssl run's image tower (fastclip/train/ssl.py)
-        from fastclip.train.ssl import tower_loading_code
+        from fastclip.eval.export_ssl import tower_loading_code
 
         if written["config_file"] is not None:
             print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")

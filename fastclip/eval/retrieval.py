@@ -6,6 +6,19 @@ from __future__ import annotations
 import torch
 
 DEFAULT_KS = (1, 5, 10)
+DIRECTIONS = ("image_to_text", "text_to_image")
+
+
+def recall_name(direction: str, k: int) -> str:
+    """The key of R@k in one direction: image_to_text_R@1, ... (an evaluation's record prefixes retrieval/)."""
+    return f"{direction}_R@{k}"
+
+
+def mean_r1(values: dict, prefix: str = "retrieval/") -> float | None:
+    """The mean R@1 of both directions (the studies' retrieval score) from an evaluation's record (prefix "": from
+    retrieval_metrics' values); None when a direction is missing."""
+    keys = [prefix + recall_name(direction, 1) for direction in DIRECTIONS]
+    return sum(values[k] for k in keys) / 2 if all(k in values for k in keys) else None
 
 
 def _ranks_of_positives(
@@ -88,5 +101,5 @@ def retrieval_metrics(
         }
     counts = [r.shape[0] for r in ranks.values() for _ in ks]
     hits = torch.stack([(r <= k).sum() for r in ranks.values() for k in ks]).tolist()  # one device sync
-    names = [f"{direction}_R@{k}" for direction in ranks for k in ks]
+    names = [recall_name(direction, k) for direction in ranks for k in ks]
     return {name: h / count for name, h, count in zip(names, hits, counts)}

@@ -23,7 +23,7 @@ The path of one batch (fastclip/train/trainer.py, top to bottom):
         |   (no host read and no other collective until here: tests/test_faults.py)
     --> every log_every steps: skips, input checks, loss_fn.metrics .item() -> progress line, metrics.jsonl,
         |                                           TensorBoard, W&B; stop signals agreed
-    --> every N steps / M minutes: checkpoints/step_<N>/{model.pt, rank_<r>.pt} + `latest`  (checkpoint.py)
+    --> every N steps / M minutes: checkpoints/step_<N>/{model.pt, rank_<r>.pt} + `latest`  (fastclip/checkpoint)
     --> every N steps: fastclip.eval.run_evals on every rank -> metrics.jsonl "eval/..."
 
 Modules: config.py (every knob, YAML + overrides + checks), trainer.py (the loop), catalog_checks.py (the data
@@ -31,9 +31,9 @@ catalog and the checks made with it before the first step, `--check` too), prefl
 folder, resume and pretrained files), evaluation.py (the scheduled evaluations), net.py (towers + loss +
 engine, built once: build_net), engine.py (the backend:
 DDP or DeepSpeed ZeRO-1/2/3, train.distributed), accumulate.py (gradient accumulation, GradCache, exact for the
-FastCLIP estimator: optim.accum_steps), checkpoint.py (the checkpoint layout: atomic step folders, model.pt and
-rank files written and read, format version checked, resume and resharding; RNG states as tensors), metrics.py
+FastCLIP estimator: optim.accum_steps), metrics.py
 (rank-0 reporting), cli.py (`main(argv)`), reshard.py (`fastclip reshard`: rank files to another world size).
 Launch and rank discovery (torchrun / SLURM / single process):
-fastclip/distributed.py; optimizers and schedules: fastclip/optim.
+fastclip/distributed.py; optimizers and schedules: fastclip/optim; checkpoints (atomic step folders, model.pt and
+rank files, resume and resharding): fastclip/checkpoint.
 """

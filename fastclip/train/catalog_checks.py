@@ -17,11 +17,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fastclip import checkpoint as ckpt
+from fastclip.checkpoint import compat
 from fastclip.data import DataSpecError
 from fastclip.data.catalog import global_batch_too_large
 from fastclip.data.stream import shard_weights
 from fastclip.distributed import DistInfo
-from fastclip.train import checkpoint as ckpt
 from fastclip.train import net, preflight
 from fastclip.train.config import Config, ConfigError, note
 
@@ -157,24 +158,12 @@ def check_inputs(
         check_eval_inputs(cfg)
     data_size = check_data(cfg, world_size, catalog)
     net.check_loss(cfg, data_size)
-    if cfg.train.resume and cfg.train.resume != "latest" and Path(cfg.train.resume).is_file():
-        raise preflight.describe_resume_file(Path(cfg.train.resume))  # an OpenCLIP epoch_N.pt, a state dict, ...
-    try:
-        resume_dir = ckpt.resolve_resume(cfg.train.resume, Path(cfg.train.run_dir)) if cfg.train.resume else None
-    except FileNotFoundError as e:
-        raise ConfigError(f"config key 'train.resume': {e}") from None
-    model_file, pretrained = None, None
-    if resume_dir is not None:  # same model, loss, data, seed and epoch length, or a one-line error now
-        model_file = preflight.read_resume(resume_dir, cfg.train.resume)
-        preflight.check_resume(
-            cfg,
-            resume_dir,
-            model_file,
-            fingerprint=catalog.fingerprint,
-            num_samples=catalog.num_samples,
-            data_size=data_size,
-            rank_files=rank_files,
-        )
+    resume_dir, model_file, pretrained = None, None, None
+    if cfg.train.resume:
+        resume_dir, model_file = compat.read_resume(cfg.train.resume, Path(cfg.train.run_dir))
+    if resume_dir is not None:  # the same model, loss, data, seed, epoch length and backend, or a one-line error now
+        expected = preflight.expected_by(cfg, world_size, catalog, data_size)
+        compat.check_resume(resume_dir, model_file, expected, rank_files=rank_files)
     elif cfg.model.pretrained:
         pretrained = preflight.read_pretrained(cfg.model.pretrained)
     return data_size, resume_dir, model_file, pretrained

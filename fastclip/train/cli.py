@@ -54,7 +54,7 @@ def _interrupted_line(error: BaseException, run_dir) -> str:
     # the trainer tags the error it re-raises with the step it was on
     step = next((e.at_step for e in _chain(error) if getattr(e, "at_step", None) is not None), None)
     where = f"at step {step}" if step else "before the first step"
-    from fastclip.train.checkpoint import latest_complete
+    from fastclip.checkpoint import latest_complete
 
     last = latest_complete(Path(run_dir)) if run_dir else None
     if last is None:

@@ -21,14 +21,12 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from fastclip.cli import note
+from fastclip.errors import ConfigError
 from fastclip.losses import LOSSES
 from fastclip.train.preemption import signal_number
 
 LOSS_NAMES = tuple(LOSSES)  # loss.name's choices: the losses build_loss knows
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key (and the file when there is one)."""
 
 
 @dataclass
@@ -479,15 +477,6 @@ OPENCLIP_UNSUPPORTED = {
     "horovod": "processes are started by torchrun or srun (launch/)",
     "distill": "distillation is not supported",
 }
-
-
-def note(line: str) -> None:
-    """One line on stderr, from the first process only (every rank parses the same command line)."""
-    import os
-    import sys
-
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(line, file=sys.stderr)
 
 
 def _report_to(raw: str) -> dict:

@@ -52,15 +52,14 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from fastclip.checkpoint import DEEPSPEED_TAG
 from fastclip.distributed import DistInfo
+from fastclip.errors import CheckpointError
 from fastclip.optim import build_optimizer, param_groups
 from fastclip.train.accumulate import GradCache
-from fastclip.train.checkpoint import saved_backend, saved_optimizer, saved_world_size
 from fastclip.train.config import Config, ConfigError
 from fastclip.train.gpu import ddp_options, overlap_comm
 from fastclip.train.guards import total_grad_norm
-
-DEEPSPEED_TAG = "deepspeed"  # DeepSpeed's files go to <step dir>/deepspeed/
 
 
 # ----------------------------------------------------------------------------- DDP
@@ -169,14 +168,9 @@ class DDPEngine:
     def save_shards(self, step_dir: Path) -> None:
         """Nothing beyond model.pt and the rank files."""
 
-    def load_checkpoint(self, model_file: dict, step_dir: Path) -> None:
-        if saved_backend(model_file) != "ddp":
-            raise ConfigError(
-                f"config key 'train.distributed': ddp, but checkpoint {step_dir} was written with "
-                f"{saved_backend(model_file)} (its optimizer state is in DeepSpeed's shards); resume "
-                f"with --train.distributed {saved_backend(model_file)}"
-            )
-        self.optimizer.load_state_dict(saved_optimizer(model_file))
+    def load_optimizer(self, state: dict, step_dir: Path) -> None:
+        """model.pt's "optimizer" (the checkpoint's backend was checked at start-up: fastclip/checkpoint/compat.py)."""
+        self.optimizer.load_state_dict(state)
 
     def full_params(self):
         return contextlib.nullcontext()
@@ -462,25 +456,9 @@ class DeepSpeedEngine:
         # DeepSpeed also drops its zero_to_fp32.py recovery scripts into step_dir: kept, they read these files
         _fsync_tree(step_dir / DEEPSPEED_TAG)
 
-    def load_checkpoint(self, model_file: dict, step_dir: Path) -> None:
-        saved = saved_optimizer(model_file)
-        if saved_backend(model_file) != "deepspeed" or not (step_dir / DEEPSPEED_TAG).is_dir():
-            raise ConfigError(
-                f"config key 'train.distributed': deepspeed, but checkpoint {step_dir} was written with "
-                f"{saved_backend(model_file)} (no {DEEPSPEED_TAG}/ shard folder); resume with "
-                f"--train.distributed {saved_backend(model_file)}"
-            )
-        if (saved["stage"] == 3) != (self.stage == 3):
-            raise ConfigError(
-                f"config key 'deepspeed.stage': {self.stage}, but checkpoint {step_dir} holds ZeRO-"
-                f"{saved['stage']} shards (stages 1-2 and 3 store them differently)"
-            )
-        if saved_world_size(model_file) != self.info.world_size:
-            raise ConfigError(
-                f"config key 'train.distributed': deepspeed checkpoint {step_dir} was written by "
-                f"{saved_world_size(model_file)} processes, this run has {self.info.world_size}; ZeRO shards "
-                f"are per rank (convert with DeepSpeed's ds_to_universal, or resume at the same size)"
-            )
+    def load_optimizer(self, state: dict, step_dir: Path) -> None:
+        """model.pt's "optimizer" (the temperature's) and DeepSpeed's shards in <step_dir>/deepspeed/ (backend, stage
+        and world size were checked at start-up: fastclip/checkpoint/compat.py)."""
         path, _ = self.engine.load_checkpoint(
             str(step_dir),
             tag=DEEPSPEED_TAG,
@@ -489,11 +467,9 @@ class DeepSpeedEngine:
             load_lr_scheduler_states=False,
         )
         if path is None:
-            from fastclip.train.errors import CheckpointError
-
             raise CheckpointError(f"{step_dir / DEEPSPEED_TAG}: DeepSpeed found no checkpoint to load")
         if self.tau_optimizer is not None:
-            self.tau_optimizer.load_state_dict(saved["temperature"])
+            self.tau_optimizer.load_state_dict(state["temperature"])
 
     def full_params(self):
         """Whole parameters on every rank for the duration (evaluation under ZeRO-3)."""

@@ -10,7 +10,7 @@ import torch
 
 from fastclip.train.config import Config
 from fastclip.train.errors import TrainingError
-from fastclip.train.metrics import MetricsLogger
+from fastclip.train.metrics import MetricsLogger, eval_line
 
 
 class Evaluation:
@@ -57,7 +57,7 @@ class Evaluation:
                 raise TrainingError(f"evaluation at step {step}: {e} ({what})") from None
         record = {"step": step, "samples_seen": samples_seen}
         record.update({f"eval/{k}": v for k, v in results.items() if isinstance(v, (int, float))})
-        self.log.log(record, tuple(k for k in record if k.endswith("top1")))
+        self.log.log(record, eval_line(record))
 
     def _training_probe(self):
         """eval.linear_probe / eval.knn's settings for run_evals (None: off)."""
@@ -88,7 +88,7 @@ class Evaluation:
                 raise TrainingError(f"evaluation at step {step}: {e} (data.val {self.cfg.data.val})") from None
         record = {"step": step, "samples_seen": samples_seen}
         record.update({f"eval/{k}": v for k, v in results.items()})
-        self.log.log(record, tuple(k for k in record if k.endswith("top1")))
+        self.log.log(record, eval_line(record))
 
     def _imagenet_zeroshot(self) -> dict[str, float]:
         from fastclip.eval.evaluate import evaluate

@@ -12,6 +12,19 @@ import sys
 import time
 from pathlib import Path
 
+# The names a record's values go by where they are shown (metrics.jsonl keeps every key of a record):
+TAU_QUANTILES = ("tau_q05", "tau_q50", "tau_q95")  # a per-sample τ loss's batch τ quantiles (losses/individual.py)
+STEP_LINE = (  # a logging step's line, in this order
+    *("loss", "objective", "tau", *TAU_QUANTILES, "lr", "gamma"),
+    *("samples_per_s", "samples_per_s_per_rank", "data_time"),
+)
+STEP_BAR = ("loss", "tau")  # beside the progress bar (and samples/s)
+
+
+def eval_line(record: dict) -> tuple[str, ...]:
+    """An evaluation's line: its top-1 accuracies."""
+    return tuple(k for k in record if k.endswith("top1"))
+
 
 def _fmt(v) -> str:
     if isinstance(v, float):
@@ -106,7 +119,7 @@ class MetricsLogger:
             return
         if self.bar is not None:
             if "loss" in record:  # the bar itself gives steps, elapsed and ETA; beside it what one reads at a glance
-                brief = {k: _fmt(record[k]) for k in ("loss", "tau") if k in record}
+                brief = {k: _fmt(record[k]) for k in STEP_BAR if k in record}
                 if "samples_per_s" in record:
                     brief["samples/s"] = f"{record['samples_per_s']:.0f}"
                 self.bar.n = step

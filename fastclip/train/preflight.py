@@ -9,12 +9,9 @@ Each failure is a ConfigError: one line naming the key or file and what to do; `
     check_run_dir(cfg)                  a run folder that cannot be written, or that holds a run and no resume
     lock_run_dir(cfg, info)             a run folder another job (or a leftover rank of a killed one) trains in
     check_run_dir_free(cfg)             the same for `--check`, which takes no lock
-    describe_checkpoint(obj)            what a loaded file is: our training checkpoint, our export, an OpenCLIP
-                                        epoch_N.pt, a bare state dict, or something else
-    read_resume(cfg, step_dir)          the resume's model.pt, refused with a pointer to --model.pretrained
-                                        when it is not one of our training checkpoints
-    check_resume(cfg, ...)              a resume whose model, loss, seed, epoch length, data or batch size differ
-    read_pretrained(path)               the towers' tensors of --model.pretrained (any of the formats above)
+    expected_by(cfg, world_size, ...)   what this run expects of a checkpoint it resumes (the checks are
+                                        fastclip/checkpoint/compat.py's)
+    read_pretrained(path)               the towers' tensors of --model.pretrained (any format describe_checkpoint knows)
     check_fits(model, state, what)      every tensor present with the model's shape (strict: no partial loads)
     check_fits_arch(cfg, state, ...)    the same for `--check`, against the architecture built on the meta device
 """
@@ -23,25 +20,23 @@ from __future__ import annotations
 
 import difflib
 import os
-import zipfile
 from pathlib import Path
 
 import torch
 
-from fastclip.train.checkpoint import (
+from fastclip.checkpoint import (
+    BARE_STATE_DICT,
     MODEL_FILE,
+    RANK_FILE,
     STEP_DIR,
-    is_training_checkpoint,
+    describe_checkpoint,
     list_checkpoints,
-    load_file,
-    rank_file_name,
-    read_model_file,
-    saved_config,
-    saved_step,
+    shape_mismatches,
     strip_module_prefix,
 )
+from fastclip.checkpoint.compat import Expected, read_given
+from fastclip.data.stream import stream_identity
 from fastclip.train.config import Config, ConfigError
-from fastclip.train.errors import CheckpointError
 
 
 # ----------------------------------------------------------------------------- machine and names
@@ -285,206 +280,35 @@ def _run_dir_in_use(cfg: Config, holder: str) -> ConfigError:
     )
 
 
-# ----------------------------------------------------------------------------- checkpoint files
-RANK_FILE = "a fastclip rank file"
-BARE_STATE_DICT = "a bare state dict"
-WEIGHTS = (  # what describe_checkpoint calls files that hold the towers' weights (usable as --model.pretrained)
-    "a fastclip training checkpoint",
-    "an OpenCLIP training checkpoint",
-    "a model-only checkpoint",
-    "a checkpoint with a state_dict",
-    BARE_STATE_DICT,
-)
-
-
-def describe_checkpoint(obj) -> str:
-    """What a loaded checkpoint file is, in words (starting with RANK_FILE, one of WEIGHTS, or "not a")."""
-    if not isinstance(obj, dict):
-        return f"not a checkpoint (holds a {type(obj).__name__})"
-    if is_training_checkpoint(obj):
-        return "a fastclip training checkpoint"
-    if {"rank", "world_size", "loss_state"} <= set(obj):  # rank_<r>.pt: per-sample state, no weights
-        return (
-            f"{RANK_FILE} (rank {obj.get('rank')} of {obj.get('world_size')}, step {obj.get('step')}: one "
-            f"process's per-sample state and data position, no weights)"
-        )
-    if isinstance(obj.get("state_dict"), dict):
-        if "epoch" in obj and ("optimizer" in obj or "name" in obj):
-            return f"an OpenCLIP training checkpoint (epoch_N.pt, epoch {obj.get('epoch')})"
-        if set(obj) == {"state_dict"}:
-            return "a model-only checkpoint (fastclip export, or an open_clip weights file)"
-        return f"a checkpoint with a state_dict but no fastclip training state (keys {sorted(obj)[:8]})"
-    if obj and all(torch.is_tensor(v) for v in obj.values()):
-        return f"{BARE_STATE_DICT} ({len(obj)} tensors)"
-    return f"not a model checkpoint (a dict with keys {sorted(map(str, obj))[:8]})"
-
-
-def _load(path: Path, key: str):
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file as load_safetensors
-        except ImportError:
-            raise ConfigError(
-                f"config key '{key}': {path} is a .safetensors file and the safetensors package is "
-                f"not installed (pip install safetensors)"
-            ) from None
-        try:
-            return load_safetensors(str(path))
-        except Exception as e:  # safetensors' own error type: a torn or foreign file
-            raise ConfigError(
-                f"config key '{key}': {path}: not a readable .safetensors file ({str(e).splitlines()[0][:200]})"
-            ) from None
-    try:  # found before anything is built: the operator's file, exit 2 as in eval/export (a rank file read
-        return read_model_file(path)  # later, during the run, stops it with exit 1)
-    except FileNotFoundError:
-        raise ConfigError(f"config key '{key}': {path} does not exist") from None
-    except CheckpointError as e:  # torn, foreign or carrying pickled objects
-        raise ConfigError(f"config key '{key}': {e}") from None
-
-
-def read_resume(step_dir: Path, given: str) -> dict:
-    """The resume's model.pt; a file that is not our training checkpoint is refused, saying what it is."""
-    obj = _load(step_dir / MODEL_FILE, "train.resume")
-    kind = describe_checkpoint(obj)
-    if not kind.startswith("a fastclip training checkpoint"):
-        raise foreign_resume(step_dir / MODEL_FILE, kind)
-    return obj
-
-
-def check_rank_files(step_dir: Path, model_file: dict) -> None:
-    """Every rank file the checkpoint was saved with is there and whole, checked without reading it: a torch.save
-    file is a zip, whose directory sits at its end (a cut-short copy has none). Each rank reads its own file only
-    once the job has started: a bad one there stops the job after start-up, with a traceback per launcher."""
-    saved = model_file.get("world_size")
-    for rank in range(1, int(saved) if isinstance(saved, int) else 1):
-        path = step_dir / rank_file_name(rank)
-        if not path.is_file():
-            problem = "is missing"
-        elif not zipfile.is_zipfile(path):
-            problem = "is not whole (cut short, or not a torch.save file)"
-        else:
-            continue
-        raise ConfigError(
-            f"config key 'train.resume': {path} {problem}, and the checkpoint was saved by {saved} ranks; restore "
-            f"it, or resume from another step folder (`fastclip train --train.resume {step_dir.parent}/step_...`)"
-        )
-
-
-def foreign_resume(path: Path, kind: str) -> ConfigError:
-    if kind.startswith(RANK_FILE):
-        where = (
-            f"pass its step folder ({path.parent})"
-            if path.name != MODEL_FILE
-            else f"restore the step folder's {MODEL_FILE} (rank 0's training checkpoint)"
-        )
-        return ConfigError(f"config key 'train.resume': {path} is {kind}; {where}")
-    start = (
-        f"to start from its weights with a fresh optimizer and per-sample state, pass --model.pretrained {path} "
-        f"(and no --train.resume)"
-        if kind.startswith(WEIGHTS)
-        else "pass a run folder, its checkpoints folder or a step_XXXXXXXX folder of `fastclip train`"
-    )
-    return ConfigError(
-        f"config key 'train.resume': {path} is {kind}, not a fastclip training checkpoint: it has "
-        f"no optimizer, per-sample state or data position to resume; {start}"
+# ----------------------------------------------------------------------------- resume
+def expected_by(cfg: Config, world_size: int, catalog, data_size: int) -> Expected:
+    """What this run expects of a checkpoint it resumes, and the config keys that set the data's identity."""
+    d = cfg.data
+    return Expected(
+        arch=cfg.model.arch,
+        loss=cfg.loss.name,
+        backend=cfg.train.distributed,
+        zero_stage=cfg.deepspeed.stage if cfg.train.distributed == "deepspeed" else None,
+        world_size=world_size,
+        batch_size=d.batch_size,
+        batch_change_ok=bool(cfg.train.resume_batch_change),
+        max_steps=cfg.train.max_steps,
+        data_size=data_size,
+        data=stream_identity(
+            seed=data_seed(cfg), resampled=d.resampled, samples_per_epoch=d.samples_per_epoch, catalog=catalog
+        ),
+        data_keys={
+            "seed": "data.seed" if d.seed is not None else "train.seed",
+            "resampled": "data.resampled",
+            "epoch_length": "data.samples_per_epoch" if d.resampled else "data.train",
+            "fingerprint": "data.train",
+        },
     )
 
 
-def describe_resume_file(path: Path) -> ConfigError:
-    """--train.resume given a file: say what it is (our model.pt belongs in its step folder)."""
-    obj = _load(path, "train.resume")
-    kind = describe_checkpoint(obj)
-    if kind.startswith("a fastclip training checkpoint"):
-        return ConfigError(
-            f"config key 'train.resume': {path} is a fastclip training checkpoint file; pass its "
-            f"folder ({path.parent}), which also holds the ranks' files"
-        )
-    return foreign_resume(path, kind)
-
-
-def check_resume(
-    cfg: Config,
-    step_dir: Path,
-    model_file: dict,
-    *,
-    fingerprint: str,
-    num_samples: int,
-    data_size: int,
-    rank_files: bool = False,
-) -> None:
-    """A resume continues the same run: same towers, loss, data, seed and epoch length (the data stream's
-    position and the per-sample state mean nothing otherwise)."""
-    saved_cfg = saved_config(model_file)
-    for key in ("model.arch", "loss.name"):
-        section, name = key.split(".")
-        saved, now = saved_cfg[section][name], getattr(getattr(cfg, section), name)
-        if saved != now:
-            raise ConfigError(
-                f"config key '{key}': {now!r} but checkpoint {step_dir} was trained with {saved!r}; "
-                f"resume with the same value, or start a new run from its weights with "
-                f"--model.pretrained {step_dir / 'model.pt'}"
-            )
-    try:
-        rank0 = load_file(step_dir / rank_file_name(0))
-    except CheckpointError as e:  # found before anything is built: exit 2, as a bad model.pt
-        raise ConfigError(f"config key 'train.resume': {e}") from None
-    if rank_files:  # --check, once: not every rank of a job over every rank's file
-        check_rank_files(step_dir, model_file)
-    data = rank0.get("data") or {}
-    seed = cfg.train.seed if cfg.data.seed is None else cfg.data.seed
-    resampled = bool(cfg.data.resampled)
-    length = (cfg.data.samples_per_epoch or num_samples) if resampled else num_samples
-    extra = (rank0.get("loss_state") or {}).get("_extra_state")
-    saved_size = extra.get("data_size") if isinstance(extra, dict) else None
-    checks = [
-        (
-            "data.seed" if cfg.data.seed is not None else "train.seed",
-            "seed",
-            seed,
-            "the data order and the shuffle come from it",
-        ),
-        ("data.resampled", "resampled", resampled, "the data order depends on it"),
-        (
-            "data.samples_per_epoch" if resampled else "data.train",
-            "epoch_length",
-            length,
-            "samples per epoch: the saved position is a place in an epoch of that length",
-        ),
-        (
-            "data.train",
-            "fingerprint",
-            fingerprint,
-            "the shards (names and sample counts) differ from the ones the saved position refers to",
-        ),
-    ]
-    for key, field, now, why in checks:
-        if field in data and data[field] != now:
-            shown = (f"{data[field]!r}", f"{now!r}") if field != "fingerprint" else ("other shards", "these")
-            raise ConfigError(
-                f"config key '{key}': checkpoint {step_dir} was trained with {shown[0]}, this config "
-                f"gives {shown[1]} ({why}); resume with the same data and value, or start a new run "
-                f"from its weights with --model.pretrained {step_dir / 'model.pt'}"
-            )
-    saved_batch = (data.get("layout") or {}).get("batch_size")
-    if saved_batch is not None and saved_batch != cfg.data.batch_size and not cfg.train.resume_batch_change:
-        raise ConfigError(
-            f"config key 'data.batch_size': {cfg.data.batch_size} but checkpoint {step_dir} was trained with "
-            f"{saved_batch} per process: the steps per epoch would change, and with them the lr schedule and the "
-            f"other schedules; resume with --data.batch_size {saved_batch}, or add --train.resume_batch_change true "
-            f"if the change is intended"
-        )
-    step = saved_step(model_file)
-    if cfg.train.max_steps is not None and step is not None and cfg.train.max_steps < step:
-        raise ConfigError(
-            f"config key 'train.max_steps': {cfg.train.max_steps} is below step {step} of checkpoint {step_dir}, "
-            f"so nothing would be trained; it counts the run's steps in all, not the steps still to go: raise it"
-        )
-    if saved_size is not None and int(saved_size) != int(data_size):
-        raise ConfigError(
-            f"config key 'data.data_size': checkpoint {step_dir} holds per-sample state for "
-            f"{int(saved_size)} samples, this data gives {data_size}; resume with the same data, or "
-            f"start a new run from its weights with --model.pretrained {step_dir / 'model.pt'}"
-        )
+def data_seed(cfg: Config) -> int:
+    """The data order's seed: data.seed, else train.seed."""
+    return cfg.train.seed if cfg.data.seed is None else cfg.data.seed
 
 
 # ----------------------------------------------------------------------------- pretrained towers
@@ -503,7 +327,7 @@ def read_pretrained(path: str) -> dict[str, torch.Tensor]:
                 else ""
             )
         )
-    obj = _load(file, "model.pretrained")
+    obj = read_given(file, "model.pretrained")
     kind = describe_checkpoint(obj)
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         state = obj["state_dict"]
@@ -544,38 +368,16 @@ def check_fits_arch(cfg: Config, state: dict, what: str, key: str) -> None:
     check_fits(model, state, what, key)
 
 
-def shape_mismatches(expected: dict, state: dict) -> str:
-    """'' when `state` has exactly the keys and shapes of `expected`, else a short description."""
-    missing = [k for k in expected if k not in state]
-    extra = [k for k in state if k not in expected]
-    shapes = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state and tuple(state[k].shape) != tuple(v.shape)
-    ]
-    parts = []
-    if shapes:
-        parts.append(f"{len(shapes)} tensor(s) of another shape (checkpoint vs model), e.g. {'; '.join(shapes[:3])}")
-    if missing:
-        parts.append(f"{len(missing)} missing, e.g. {missing[:3]}")
-    if extra:
-        parts.append(f"{len(extra)} unexpected, e.g. {extra[:3]}")
-    return ", ".join(parts)
-
-
 __all__ = [
     "check_device",
     "check_arch",
     "check_run_dir",
     "check_no_run_held",
-    "describe_checkpoint",
-    "read_resume",
-    "check_resume",
-    "describe_resume_file",
+    "expected_by",
+    "data_seed",
     "read_pretrained",
     "check_fits",
     "check_fits_arch",
     "check_run_dir_free",
-    "shape_mismatches",
     "known_archs",
 ]

@@ -12,11 +12,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from fastclip.checkpoint import MODEL_FILE, fsync_dir, load_file, rank_file_name, rank_files_in, save_file
 from fastclip.cli import OneLineParser
+from fastclip.errors import CheckpointError
 from fastclip.losses import reshard_for_rank
 from fastclip.stopping import Stopped, stopped_by_signals
-from fastclip.train.checkpoint import MODEL_FILE, fsync_dir, load_file, rank_file_name, rank_files_in, save_file
-from fastclip.train.errors import CheckpointError
 
 
 def _rank_files(folder: Path) -> list[Path]:

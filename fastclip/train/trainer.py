@@ -1,6 +1,6 @@
 """The trainer: `train(cfg)` runs the same way as one process, under torchrun and under srun; every loss goes
 through the same code. Top to bottom: checks -> processes -> `Run(...)`: the catalog and its checks
-(catalog_checks.py), towers + loss + engine (net.py), data, resume (checkpoint.py), logging -> `Run.train()`: the
+(catalog_checks.py), towers + loss + engine (net.py), data, resume (fastclip/checkpoint), logging -> `Run.train()`: the
 loop, one `train_step` per batch, then logging, evaluation (evaluation.py) and checkpoints when due.
 """
 
@@ -13,6 +13,10 @@ from pathlib import Path
 
 import torch
 
+from fastclip import faults
+from fastclip.checkpoint import MODEL_FILE
+from fastclip.checkpoint.manager import CheckpointManager, SavedCheckpoint
+from fastclip.checkpoint.parts import DataPosition, LossParameters, LossState, Record, RNGStates, Value
 from fastclip.data import StreamConfig
 from fastclip.data.pixels import on_device
 from fastclip.data.plan import Layout, num_batches
@@ -20,15 +24,15 @@ from fastclip.data.views import split_views
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
 from fastclip.losses import LossInputError, NonFiniteFeaturesError
 from fastclip.optim import ThresholdRule, get_lr, get_tau_lr
-from fastclip.train import checkpoint as ckpt
-from fastclip.train import faults, preflight
+from fastclip.train import preflight
 from fastclip.train.catalog_checks import check_inputs, shared_catalog
 from fastclip.train.config import Config, ConfigError, dump_config, note
 from fastclip.train.errors import DataFailure, TrainingError
 from fastclip.train.evaluation import Evaluation
 from fastclip.train.guards import CollectiveTimeouts, DataSkipReport, NonFiniteGuard
-from fastclip.train.metrics import MetricsLogger
+from fastclip.train.metrics import STEP_LINE, MetricsLogger
 from fastclip.train.net import build_net, seed_all
+from fastclip.train.parts import Optimizer, Towers
 from fastclip.train.preemption import EXIT_PREEMPTED, StopSignals
 
 # ----------------------------------------------------------------------------- helpers
@@ -41,7 +45,7 @@ def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamCo
     return StreamConfig(
         train=d.train,
         batch_size=d.batch_size,
-        seed=cfg.train.seed if d.seed is None else d.seed,
+        seed=preflight.data_seed(cfg),
         workers=d.workers,
         shuffle_buffer=d.shuffle_buffer,
         resampled=d.resampled,
@@ -66,21 +70,14 @@ def train_pixels(cfg: Config, preprocess):
     return split or (preprocess, None)
 
 
-def towers_of(momentum) -> dict | None:
-    return None if momentum is None else momentum.state_dict()
-
-
 def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:
     """Host values of the loss's metrics (call on logging steps only: .item() waits for the device)."""
     out = {"loss": loss.item()}
     for name, value in getattr(loss_fn, "metrics", {}).items():
         if not torch.is_tensor(value):
             continue
-        if value.numel() == 1:
+        if value.numel() == 1:  # (a per-sample τ loss's "tau_quantiles" [3] also comes as tau_q05, ...: those)
             out[name] = value.item()
-        elif name == "tau_quantiles":  # v2: 5/50/95 % of the batch's per-sample tau
-            for q, v in zip(("q05", "q50", "q95"), value.flatten().tolist()):
-                out[f"tau_{q}"] = v
     tau = loss_fn.temperature()
     if tau is not None:
         out["tau"] = float(tau)
@@ -210,23 +207,29 @@ class Run:
         data_size, self.resume_dir, model_file, pretrained = check_inputs(cfg, info.world_size, catalog)
         self.pretrained = pretrained is not None
 
+        resume = SavedCheckpoint(self.resume_dir, model_file, info) if model_file is not None else None
+        # every part of the run's state, by name, added as it is built (and loaded then, resuming): fastclip/checkpoint
+        self.checkpoints = CheckpointManager(
+            self.run_dir / "checkpoints",
+            info,
+            keep_last=cfg.checkpoint.keep_last,
+            durable=cfg.checkpoint.fsync,
+            write_extra=lambda folder: self.engine.save_shards(folder),  # DeepSpeed's shards
+            resume=resume,
+        )
+
         def load(model, loss_fn):  # before the engine wraps them: DDP then broadcasts identical tensors
-            if model_file is not None:
-                preflight.check_fits(
-                    model,
-                    ckpt.towers_state(model_file),
-                    f"checkpoint {self.resume_dir / ckpt.MODEL_FILE}",
-                    "train.resume",
-                )
-                return ckpt.restore_rank(self.resume_dir, model_file, model, loss_fn, info)
+            what = f"checkpoint {self.resume_dir / MODEL_FILE}" if resume is not None else ""
+            towers = Towers(model, gather=lambda: self.engine.model_state_dict(), what=what)
+            self.checkpoints.add(shared={"state_dict": towers}, per_rank={"loss_state": LossState(loss_fn)})
             if pretrained is not None:  # strict: a partial load would train a half-random model without a word
                 preflight.check_fits(model, pretrained, cfg.model.pretrained, "model.pretrained")
                 model.load_state_dict(pretrained)
-            return None
 
-        momentum_state = model_file.get("momentum_towers") if model_file is not None else None
+        momentum_state = resume.shared_state("momentum_towers") if resume is not None else None
         self.net = net = build_net(cfg, info, data_size, load=load, momentum_state=momentum_state)
-        resumed: ckpt.RankResume | None = net.loaded
+        if net.momentum_towers is not None:  # (loaded by build_net, into the copy made before the engine wraps it)
+            self.checkpoints.add(shared={"momentum_towers": net.momentum_towers}, load=False)
         self.model, self.loss_fn, self.engine = net.model, net.loss_fn, net.engine
         # this rank's part of every global batch; uint8 images, normalised on the device (fastclip/data/pixels.py)
         preprocess, self.normalize = train_pixels(cfg, net.built.preprocess_train)
@@ -247,25 +250,31 @@ class Run:
             total_steps=cfg.train.epochs * self.stream.batches_per_epoch,
             global_batch=self.global_batch,
         )
-        self.step, self.samples_seen, self.epoch = (
-            (resumed.step, resumed.samples_seen, resumed.epoch) if resumed else (0, 0, 0)
+        self.step, self.samples_seen, self.epoch = 0, 0, 0
+        position = DataPosition(self.stream)
+        self.checkpoints.add(
+            shared={
+                "loss": LossParameters(self.loss_fn),  # for export and eval: the rank files restore the loss
+                "optimizer": Optimizer(self.engine, self.resume_dir),  # DeepSpeed: its shards too
+                "step": Value(self, "step"),
+                "epoch": Value(self, "epoch"),
+                "samples_seen": Value(self, "samples_seen"),
+                "config": Record(cfg.to_dict),
+                "schedules": Record(self.schedules.state),  # for reading: pure functions of samples_seen
+                "arch": Record(lambda: net.built.arch),
+                "model_config": Record(lambda: net.built.config),
+            },
+            per_rank={"data": position},
         )
         # the data layout the checkpoint was trained at (setting_notes: a batch size change is said with its rule)
-        saved_layout = (resumed.data or {}).get("layout") if resumed is not None else None
+        saved_layout = (position.loaded or {}).get("layout")
         self.resumed_layout = Layout(**saved_layout) if saved_layout else None
-        if resumed is not None:
-            self.engine.load_checkpoint(model_file, self.resume_dir)  # the optimizer(s); DeepSpeed: its shards too
-            self.stream.load_state_dict(resumed.data)
-            root = self.run_dir / "checkpoints"
-            complete = [p.resolve() for p in ckpt.list_checkpoints(root) if ckpt.is_complete(p)] if info.is_main else []
-            if complete and complete[-1] == self.resume_dir.resolve():
-                # resumed from the newest: finish the pruning of its save, which a kill may have cut short (an older
-                # checkpoint resumed from, to branch, leaves the newer ones to the next save's pruning)
-                ckpt.prune_checkpoints(root, cfg.checkpoint.keep_last, keep=self.resume_dir)
-        if resumed is not None and resumed.rng is not None:  # same world size: this rank's RNG streams exactly
-            ckpt.restore_rng_states(resumed.rng, self.device)
-        else:
-            seed_all(cfg.train.seed + 1000 * info.rank + self.step)
+        self.checkpoints.finish_pruning()
+        # same world size: this rank's RNG streams exactly; else (and in a new run) fresh ones
+        rng = RNGStates(self.device, reseed=lambda: seed_all(cfg.train.seed + 1000 * info.rank + self.step))
+        self.checkpoints.add(per_rank={"rng": rng})
+        if resume is None:
+            rng.reseed()
         remaining = sum(self.stream.batches_remaining(e) for e in range(self.epoch, cfg.train.epochs))
         self.last_step = self.step + remaining
         if cfg.train.max_steps is not None:
@@ -295,8 +304,9 @@ class Run:
             on_device=cfg.train.nonfinite_check == "device" and self.engine.skips_on_device,
         )
         self.skips = DataSkipReport(self.stream, info, REASONS)
-        if resumed is not None:
-            ckpt.restore_training_state(model_file, scaler=self.engine.scaler, guard=self.guard, skip_report=self.skips)
+        self.checkpoints.add(
+            shared={"scaler": self.engine.scaler, "guards": self.guard, "data_skip_report": self.skips}
+        )
         # a checkpoint of this run exists at the resume step; one taken from elsewhere does not (so it is saved)
         resumed_here = (
             self.resume_dir is not None and self.resume_dir.parent.resolve() == (self.run_dir / "checkpoints").resolve()
@@ -509,22 +519,7 @@ class Run:
             record["data_skips"] = self.skips.as_metrics(data_events)
             for line in self.skips.describe(data_events):
                 self.log.message(line)
-        self.log.log(
-            record,
-            (
-                "loss",
-                "objective",
-                "tau",
-                "tau_q05",
-                "tau_q50",
-                "tau_q95",
-                "lr",
-                "gamma",
-                "samples_per_s",
-                "samples_per_s_per_rank",
-                "data_time",
-            ),
-        )
+        self.log.log(record, STEP_LINE)
         self.record = record
         due = cfg.checkpoint.every_minutes > 0 and broadcast_flag(
             time.time() - self.last_save_time >= 60 * cfg.checkpoint.every_minutes, self.info
@@ -571,49 +566,12 @@ class Run:
         return None
 
     def save(self) -> None:
-        """Collective: model.pt on rank 0 and every rank's file (fastclip/train/checkpoint.py)."""
+        """Collective: model.pt on rank 0 and every rank's file, of every part added (fastclip/checkpoint)."""
         self.check_loss_inputs()  # never a checkpoint after an index the loss refused
-        model, loss_fn, engine, info = self.model, self.loss_fn, self.engine, self.info
+        model, tau = self.model, self.loss_fn.temperature()
         with torch.no_grad():  # keep the towers' own (frozen) logit_scale equal to the learned one: open_clip reads it
-            tau = loss_fn.temperature()
             if tau is not None:
                 model.logit_scale.copy_(-torch.log(tau.to(model.logit_scale)))
-        model_file, towers = None, engine.model_state_dict()  # collective under ZeRO-3 (gathers)
-        if info.is_main:
-            model_file = ckpt.model_file_contents(
-                towers=towers,
-                loss=loss_fn.state_dict(),
-                optimizer=engine.optimizer_state_dict(),
-                scaler=engine.scaler.state_dict(),
-                step=self.step,
-                epoch=self.epoch,
-                samples_seen=self.samples_seen,
-                world_size=info.world_size,
-                config=self.cfg.to_dict(),
-                schedules=self.schedules.state(),
-                arch=self.net.built.arch,
-                model_config=self.net.built.config,
-                guards=self.guard.state_dict(),
-                data_skip_report=self.skips.state_dict(),
-                momentum_towers=towers_of(self.net.momentum_towers),
-            )
-        rank_file = ckpt.rank_file_contents(
-            rank=info.rank,
-            world_size=info.world_size,
-            step=self.step,
-            loss_state=loss_fn.state_dict(),
-            data=self.stream.state_dict(),
-            rng=ckpt.capture_rng_states(self.device),
-        )
-        path = ckpt.save_checkpoint(
-            self.run_dir / "checkpoints",
-            self.step,
-            info,
-            model_file=model_file,
-            rank_file=rank_file,
-            keep_last=self.cfg.checkpoint.keep_last,
-            write_extra=engine.save_shards,
-            durable=self.cfg.checkpoint.fsync,
-        )
+        path = self.checkpoints.save(self.step)
         self.last_saved, self.last_save_time = self.step, time.time()
         self.log.message(f"checkpoint {path}")

@@ -1,0 +1,270 @@
+"""Whether a checkpoint can resume this run: every check in one place, run before anything is built (by the trainer
+at start-up and by `fastclip train --check`), each failure one line naming the config key and what to do (a
+ConfigError: `fastclip train` exits 2).
+
+    Expected                            what this run is, as far as a saved state depends on it (the trainer builds
+                                        it from its config: nothing here reads a Config)
+    read_given(path, key)               a checkpoint or weights file the operator named (a .safetensors too)
+    read_resume(given, run_dir)         (the step folder, its model.pt) of train.resume, or a file refused saying
+                                        what it is (with a pointer to --model.pretrained for weights)
+    check_resume(step_dir, model_file, expected, rank_files=False)
+                                        every part's check (CHECKS) on model.pt's and rank 0's states; rank_files:
+                                        every other rank file there and whole (`--check`, once for the job)
+
+The checks are per part, under the part's name in the checkpoint (fastclip/checkpoint/manager.py): the config
+(same towers and loss), the optimizer (same backend, ZeRO stage and, under ZeRO, world size), the step (steps left
+to train), the data position (the data layer's IDENTITY, the batch size) and the loss state (the per-sample state's
+length). The towers' shapes need the architecture: the trainer's Towers part checks them when it loads, `--check`
+against the architecture on the meta device.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastclip.checkpoint.files import load_file
+from fastclip.checkpoint.layout import DEEPSPEED_TAG, MODEL_FILE, rank_file_name, resolve_resume
+from fastclip.checkpoint.records import (
+    RANK_FILE,
+    WEIGHTS,
+    describe_checkpoint,
+    read_model_file,
+    saved_backend,
+    saved_config,
+    saved_step,
+    saved_world_size,
+)
+from fastclip.data.stream import IDENTITY, identity_mismatches
+from fastclip.errors import CheckpointError, ConfigError
+
+TRAINING_CHECKPOINT = "a fastclip training checkpoint"
+
+
+@dataclass(frozen=True)
+class Expected:
+    arch: str  # model.arch
+    loss: str  # loss.name
+    backend: str  # train.distributed: "ddp" or "deepspeed"
+    zero_stage: int | None  # deepspeed.stage (None under ddp)
+    world_size: int
+    batch_size: int  # data.batch_size, per process
+    batch_change_ok: bool  # train.resume_batch_change
+    max_steps: int | None  # train.max_steps
+    data_size: int  # the per-sample state's length
+    data: dict  # the data stream's IDENTITY values (fastclip.data.stream.stream_identity)
+    data_keys: dict = field(default_factory=dict)  # IDENTITY field -> the config key that sets it
+
+
+# ----------------------------------------------------------------------------- files
+def read_given(path: Path, key: str):
+    """A checkpoint or weights file named by config key `key`, read before anything is built: a missing, torn or
+    foreign file is a ConfigError (exit 2, as in eval and export; a rank file read later, during the run, stops it
+    with exit 1)."""
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file as load_safetensors
+        except ImportError:
+            raise ConfigError(
+                f"config key '{key}': {path} is a .safetensors file and the safetensors package is "
+                f"not installed (pip install safetensors)"
+            ) from None
+        try:
+            return load_safetensors(str(path))
+        except Exception as e:  # safetensors' own error type: a torn or foreign file
+            raise ConfigError(
+                f"config key '{key}': {path}: not a readable .safetensors file ({str(e).splitlines()[0][:200]})"
+            ) from None
+    try:
+        return read_model_file(path)
+    except FileNotFoundError:
+        raise ConfigError(f"config key '{key}': {path} does not exist") from None
+    except CheckpointError as e:  # torn, foreign or carrying pickled objects
+        raise ConfigError(f"config key '{key}': {e}") from None
+
+
+def read_resume(given: str, run_dir: Path) -> tuple[Path | None, dict | None]:
+    """(the step folder train.resume names, its model.pt), or (None, None) for `latest` in a run folder without a
+    checkpoint yet (a fresh start); a file that is not our training checkpoint is refused, saying what it is."""
+    if given != "latest" and Path(given).is_file():
+        raise _describe_resume_file(Path(given))  # an OpenCLIP epoch_N.pt, a state dict, our model.pt ...
+    try:
+        step_dir = resolve_resume(given, run_dir)
+    except FileNotFoundError as e:
+        raise ConfigError(f"config key 'train.resume': {e}") from None
+    if step_dir is None:
+        return None, None
+    model_file = read_given(step_dir / MODEL_FILE, "train.resume")
+    kind = describe_checkpoint(model_file)
+    if not kind.startswith(TRAINING_CHECKPOINT):
+        raise _foreign_resume(step_dir / MODEL_FILE, kind)
+    return step_dir, model_file
+
+
+def _describe_resume_file(path: Path) -> ConfigError:
+    """--train.resume given a file: say what it is (our model.pt belongs in its step folder)."""
+    kind = describe_checkpoint(read_given(path, "train.resume"))
+    if kind.startswith(TRAINING_CHECKPOINT):
+        return ConfigError(
+            f"config key 'train.resume': {path} is a fastclip training checkpoint file; pass its "
+            f"folder ({path.parent}), which also holds the ranks' files"
+        )
+    return _foreign_resume(path, kind)
+
+
+def _foreign_resume(path: Path, kind: str) -> ConfigError:
+    if kind.startswith(RANK_FILE):
+        where = (
+            f"pass its step folder ({path.parent})"
+            if path.name != MODEL_FILE
+            else f"restore the step folder's {MODEL_FILE} (rank 0's training checkpoint)"
+        )
+        return ConfigError(f"config key 'train.resume': {path} is {kind}; {where}")
+    start = (
+        f"to start from its weights with a fresh optimizer and per-sample state, pass --model.pretrained {path} "
+        f"(and no --train.resume)"
+        if kind.startswith(WEIGHTS)
+        else "pass a run folder, its checkpoints folder or a step_XXXXXXXX folder of `fastclip train`"
+    )
+    return ConfigError(
+        f"config key 'train.resume': {path} is {kind}, not a fastclip training checkpoint: it has "
+        f"no optimizer, per-sample state or data position to resume; {start}"
+    )
+
+
+def check_rank_files(step_dir: Path, model_file: dict) -> None:
+    """Every rank file the checkpoint was saved with is there and whole, checked without reading it: a torch.save
+    file is a zip, whose directory sits at its end (a cut-short copy has none). Each rank reads its own file only
+    once the job has started: a bad one there stops the job after start-up, with a traceback per launcher."""
+    saved = model_file.get("world_size")
+    for rank in range(1, int(saved) if isinstance(saved, int) else 1):
+        path = step_dir / rank_file_name(rank)
+        if not path.is_file():
+            problem = "is missing"
+        elif not zipfile.is_zipfile(path):
+            problem = "is not whole (cut short, or not a torch.save file)"
+        else:
+            continue
+        raise ConfigError(
+            f"config key 'train.resume': {path} {problem}, and the checkpoint was saved by {saved} ranks; restore "
+            f"it, or resume from another step folder (`fastclip train --train.resume {step_dir.parent}/step_...`)"
+        )
+
+
+# ----------------------------------------------------------------------------- the parts' checks
+def check_resume(step_dir: Path, model_file: dict, expected: Expected, *, rank_files: bool = False) -> None:
+    """A resume continues the same run: every part's check (CHECKS, in order) on its saved state, model.pt's or
+    rank 0's file's (read after the config's check: a checkpoint of other towers is said as such)."""
+    rank0 = None
+    for name, (in_rank_file, check) in CHECKS.items():
+        if in_rank_file and rank0 is None:
+            try:
+                rank0 = load_file(step_dir / rank_file_name(0))
+            except CheckpointError as e:  # found before anything is built: exit 2, as a bad model.pt
+                raise ConfigError(f"config key 'train.resume': {e}") from None
+            if rank_files:  # --check, once: not every rank of a job over every rank's file
+                check_rank_files(step_dir, model_file)
+        check((rank0 if in_rank_file else model_file).get(name), expected, step_dir, model_file)
+
+
+def _start_anew(step_dir: Path) -> str:
+    return f"start a new run from its weights with --model.pretrained {step_dir / MODEL_FILE}"
+
+
+def check_config(config: dict, expected: Expected, step_dir: Path, model_file: dict) -> None:
+    """The same towers and loss."""
+    saved = saved_config(model_file)
+    for key, now in (("model.arch", expected.arch), ("loss.name", expected.loss)):
+        section, name = key.split(".")
+        if saved[section][name] != now:
+            raise ConfigError(
+                f"config key '{key}': {now!r} but checkpoint {step_dir} was trained with {saved[section][name]!r}; "
+                f"resume with the same value, or {_start_anew(step_dir)}"
+            )
+
+
+def check_optimizer(optimizer: Any, expected: Expected, step_dir: Path, model_file: dict) -> None:
+    """The backend that wrote the optimizer state; under ZeRO its shard folder, the stage's storage and the world
+    size (ZeRO shards are per rank)."""
+    saved = saved_backend(model_file)
+    if expected.backend != "deepspeed":
+        if saved != expected.backend:
+            raise ConfigError(
+                f"config key 'train.distributed': {expected.backend}, but checkpoint {step_dir} was written with "
+                f"{saved} (its optimizer state is in DeepSpeed's shards); resume with --train.distributed {saved}"
+            )
+        return
+    if saved != "deepspeed" or not (step_dir / DEEPSPEED_TAG).is_dir():
+        raise ConfigError(
+            f"config key 'train.distributed': deepspeed, but checkpoint {step_dir} was written with {saved} (no "
+            f"{DEEPSPEED_TAG}/ shard folder); resume with --train.distributed {saved}"
+        )
+    if (optimizer["stage"] == 3) != (expected.zero_stage == 3):
+        raise ConfigError(
+            f"config key 'deepspeed.stage': {expected.zero_stage}, but checkpoint {step_dir} holds ZeRO-"
+            f"{optimizer['stage']} shards (stages 1-2 and 3 store them differently)"
+        )
+    if saved_world_size(model_file) != expected.world_size:
+        raise ConfigError(
+            f"config key 'train.distributed': deepspeed checkpoint {step_dir} was written by "
+            f"{saved_world_size(model_file)} processes, this run has {expected.world_size}; ZeRO shards "
+            f"are per rank (convert with DeepSpeed's ds_to_universal, or resume at the same size)"
+        )
+
+
+def check_step(step: Any, expected: Expected, step_dir: Path, model_file: dict) -> None:
+    """Steps left to train."""
+    step = saved_step(model_file)
+    if expected.max_steps is not None and step is not None and expected.max_steps < step:
+        raise ConfigError(
+            f"config key 'train.max_steps': {expected.max_steps} is below step {step} of checkpoint {step_dir}, "
+            f"so nothing would be trained; it counts the run's steps in all, not the steps still to go: raise it"
+        )
+
+
+def check_data(data: dict | None, expected: Expected, step_dir: Path, model_file: dict) -> None:
+    """The data position is a place in the same data (the data layer's IDENTITY), at the same batch size unless the
+    change is intended (the steps per epoch, and with them the schedules, follow it)."""
+    data = data or {}
+    for name in identity_mismatches(data, expected.data)[:1]:
+        saved, now = data[name], expected.data[name]
+        shown = (f"{saved!r}", f"{now!r}") if name != "fingerprint" else ("other shards", "these")
+        raise ConfigError(
+            f"config key '{expected.data_keys.get(name, 'data.train')}': checkpoint {step_dir} was trained with "
+            f"{shown[0]}, this config gives {shown[1]} ({IDENTITY[name]}); resume with the same data and value, or "
+            f"{_start_anew(step_dir)}"
+        )
+    saved_batch = (data.get("layout") or {}).get("batch_size")
+    if saved_batch is not None and saved_batch != expected.batch_size and not expected.batch_change_ok:
+        raise ConfigError(
+            f"config key 'data.batch_size': {expected.batch_size} but checkpoint {step_dir} was trained with "
+            f"{saved_batch} per process: the steps per epoch would change, and with them the lr schedule and the "
+            f"other schedules; resume with --data.batch_size {saved_batch}, or add --train.resume_batch_change true "
+            f"if the change is intended"
+        )
+
+
+def check_loss_state(loss_state: dict | None, expected: Expected, step_dir: Path, model_file: dict) -> None:
+    """The per-sample state is as long as this data's."""
+    extra = (loss_state or {}).get("_extra_state")
+    saved = extra.get("data_size") if isinstance(extra, dict) else None
+    if saved is not None and int(saved) != int(expected.data_size):
+        raise ConfigError(
+            f"config key 'data.data_size': checkpoint {step_dir} holds per-sample state for {int(saved)} samples, "
+            f"this data gives {expected.data_size}; resume with the same data, or {_start_anew(step_dir)}"
+        )
+
+
+Check = Callable[[Any, Expected, Path, dict], None]  # (the part's saved state, this run, the step folder, model.pt)
+CHECKS: dict[str, tuple[bool, Check]] = {  # part name: (in the rank files, its check)
+    "config": (False, check_config),
+    "data": (True, check_data),
+    "step": (False, check_step),
+    "loss_state": (True, check_loss_state),
+    "optimizer": (False, check_optimizer),
+}
+
+__all__ = ["Expected", "read_given", "read_resume", "check_rank_files", "check_resume", "TRAINING_CHECKPOINT"]

@@ -1,0 +1,188 @@
+"""Where checkpoints live and how they are found: step folder and file names, `latest`, the complete step folders,
+the checkpoint a resume continues from, and the pruning of old ones.
+
+    <run_dir>/checkpoints/step_<N:08d>/model.pt      rank 0's record (fastclip/checkpoint/manager.py)
+    <run_dir>/checkpoints/step_<N:08d>/rank_<r>.pt   rank r's record
+    <run_dir>/checkpoints/latest                     text naming the newest complete step folder
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from fastclip.checkpoint.files import load_file
+from fastclip.cli import note
+
+STEP_DIR = re.compile(r"step_(\d{8,})")
+CHECKPOINT_FORMAT = "fastclip-checkpoint/1"  # model.pt's "format"; bump when a key changes meaning
+MODEL_FILE = "model.pt"
+DEEPSPEED_TAG = "deepspeed"  # DeepSpeed's files go to <step dir>/deepspeed/
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete step folders under `root`, oldest first (temporary folders start with a dot)."""
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)]
+    return sorted(dirs, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+
+
+def prune_checkpoints(root: Path, keep_last: int, *, keep: Path) -> None:
+    """Rank 0: delete the complete checkpoints older than the newest `keep_last` (never `keep`). After each save, and
+    when a run resumes: a job killed between a save and its pruning, resumed with nothing left to train, would
+    otherwise end with one checkpoint more than keep_last."""
+    # a folder is renamed aside before it is deleted, so a kill during the deletion leaves a .pruned_ folder (swept
+    # here) and never a half-deleted step folder that no longer counts as a checkpoint and so would stay forever
+    for leftover in root.glob(".pruned_step_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    # keep_last counts complete checkpoints: an incomplete folder (a resume passed it over, or damaged by hand) is not
+    # one of them and is left as it is (what it still holds may be wanted)
+    stale = [p for p in list_checkpoints(root) if is_complete(p)][:-keep_last]
+    for folder in stale:
+        if folder.resolve() == keep.resolve():
+            continue
+        aside = root / f".pruned_{folder.name}"
+        try:
+            os.replace(folder, aside)
+        except OSError:
+            continue  # what cannot go now (a busy NFS file) goes at the next save
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def resolve_resume(resume: str, run_dir: Path) -> Path | None:
+    """ "latest" -> the step folder named by <run_dir>/checkpoints/latest (None if there is no checkpoint yet: a
+    fresh start, so one job script serves the first and every following job); a path -> that step folder, or a
+    run/checkpoints folder -> its latest. Without the `latest` pointer (lost, or a crash between the rename and
+    its write) the newest complete step folder (is_complete) is taken, with a note: never a silent fresh start."""
+    if resume == "latest":
+        root = run_dir / "checkpoints"
+        pointer = root / "latest"
+        return _from_pointer(pointer) if pointer.is_file() else _newest(root, pointer)
+    path = Path(resume)
+    for pointer in (path / "latest", path / "checkpoints" / "latest"):
+        if pointer.is_file():
+            return _from_pointer(pointer)
+    if not (path / MODEL_FILE).is_file():  # a run or checkpoints folder without its pointer
+        for root in (path / "checkpoints", path):
+            if list_checkpoints(root):
+                return _newest(root, root / "latest")
+    return _checked(path, "given as train.resume")
+
+
+def is_complete(step_dir: Path) -> bool:
+    """A step folder holding its model.pt and rank_0..rank_{n-1}.pt (as every save writes it; a folder damaged by
+    hand or by a cut-short cleanup may not)."""
+    ranks = sorted(rank_files_in(step_dir))
+    return (step_dir / MODEL_FILE).is_file() and bool(ranks) and ranks == list(range(len(ranks)))
+
+
+def rank_files_in(folder: Path) -> dict[int, Path]:
+    """The rank_<r>.pt files of a folder, by rank."""
+    return {int(f.stem[5:]): f for f in folder.glob("rank_*.pt") if f.stem[5:].isdigit()}
+
+
+def latest_complete(run_dir: Path) -> Path | None:
+    """The checkpoint `--train.resume latest` continues from: the step folder `latest` names, else the newest
+    complete one; None when there is none."""
+    root = run_dir / "checkpoints"
+    try:
+        pointer = root / "latest"
+        if pointer.is_file() and is_complete(named := root / pointer.read_text().strip()):
+            return named
+        complete = [p for p in list_checkpoints(root) if is_complete(p)]
+    except OSError:
+        return None
+    return complete[-1] if complete else None
+
+
+def _from_pointer(pointer: Path) -> Path | None:
+    """The step folder `latest` names; if it is gone (a crash between a re-saved step's two renames), the newest
+    complete one, with a note."""
+    text = pointer.read_text(errors="replace").strip()
+    if not text:  # emptied (a full disk while it was written, a hand edit)
+        return _newest(pointer.parent, pointer, why="is empty")
+    named = pointer.parent / text
+    if not named.exists() and STEP_DIR.fullmatch(named.name):
+        return _newest(pointer.parent, pointer, why=f"names {named.name}, which does not exist")
+    return _checked(named, f"named by {pointer}")
+
+
+def _newest(root: Path, pointer: Path, why: str = "is missing") -> Path | None:
+    """The newest complete step folder under `root` (named in a note), None when `root` has none."""
+    found = list_checkpoints(root)
+    complete = [p for p in found if is_complete(p)]
+    if not complete:
+        if found:  # only incomplete step folders: starting from scratch would overwrite them
+            raise FileNotFoundError(
+                f"{pointer} {why} and no step folder under {root} is complete ({MODEL_FILE} and every rank file;"
+                f" newest {found[-1].name}): restore one, or start a new run in another --train.run_dir"
+            )
+        return None
+    skipped = [p.name for p in found[found.index(complete[-1]) + 1 :]]
+    note(
+        f"fastclip train: note: {pointer} {why}; resuming from the newest step folder {complete[-1]}"
+        + (f" (skipped {', '.join(skipped)}: incomplete)" if skipped else "")
+    )
+    return complete[-1]
+
+
+def _checked(step_dir: Path, how: str) -> Path:
+    if not step_dir.exists():
+        raise FileNotFoundError(f"checkpoint {step_dir} ({how}) does not exist")
+    if not (step_dir / MODEL_FILE).is_file():
+        raise FileNotFoundError(
+            f"checkpoint {step_dir} ({how}) has no {MODEL_FILE}: pass a run folder, its checkpoints folder or a "
+            f"step_XXXXXXXX folder"
+        )
+    return step_dir
+
+
+def iter_rank_files(step_dir: Path, world_size: int) -> Iterator[dict]:
+    """The saved ranks' files one at a time (resharding reads them in turn, never all at once)."""
+    for r in range(world_size):
+        yield load_file(step_dir / rank_file_name(r))
+
+
+def find_model_file(path: str | os.PathLike) -> Path:
+    """A model file from a run folder, its checkpoints/ folder, a step folder or the file itself."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if (path / MODEL_FILE).is_file():
+        return path / MODEL_FILE
+    for checkpoints in (path / "checkpoints", path):
+        latest = checkpoints / "latest"
+        named = latest.read_text(errors="replace").strip() if latest.is_file() else ""
+        if named:  # (none, or an empty one: the newest step folder, below)
+            step_dir = checkpoints / named
+            if not (step_dir / MODEL_FILE).is_file():
+                raise FileNotFoundError(f"{latest} names {step_dir}, which has no {MODEL_FILE}")
+            return step_dir / MODEL_FILE
+    for checkpoints in (path / "checkpoints", path):  # no `latest` (a copy that left it out): as resume does
+        steps = list_checkpoints(checkpoints)
+        with_model = [s for s in steps if (s / MODEL_FILE).is_file()]
+        if with_model:
+            return with_model[-1] / MODEL_FILE
+        if steps:
+            names = ", ".join(s.name for s in steps[-3:])
+            raise FileNotFoundError(
+                f"{checkpoints}: no step folder holds a {MODEL_FILE} ({names}; saves cut short?): pass a run, step "
+                f"folder or .pt file that has one"
+            )
+    raise FileNotFoundError(
+        f"{path}: no {MODEL_FILE}, no checkpoints/latest: pass a run directory, a step directory or a .pt file"
+    )

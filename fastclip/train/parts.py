@@ -1,0 +1,46 @@
+"""The run's parts that need the trainer's objects to save and load (fastclip/checkpoint/manager.py): the towers,
+saved through the engine and checked against the architecture, and the optimizer(s) of the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fastclip.checkpoint import strip_module_prefix
+from fastclip.train import preflight
+
+
+class Towers:
+    """model.pt "state_dict": the towers in open_clip's names. Saved through the engine (a gather under ZeRO-3: every
+    rank calls it); loaded strictly (a partial load would train a half-random model without a word), before the
+    engine wraps the towers."""
+
+    collective = True
+
+    def __init__(self, model: torch.nn.Module, *, gather: Callable[[], dict | None], what: str):
+        self.model, self.gather, self.what = model, gather, what
+
+    def state_dict(self) -> dict | None:
+        return self.gather()
+
+    def check(self, state: dict) -> None:
+        preflight.check_fits(self.model, dict(strip_module_prefix(state)), self.what, "train.resume")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(dict(strip_module_prefix(state)))
+
+
+class Optimizer:
+    """model.pt "optimizer": the engine's record (DDP: torch's state_dict; DeepSpeed: the temperature's, and where
+    its shards are: the engine reads them from the step folder resumed from)."""
+
+    def __init__(self, engine, step_dir: Path | None):
+        self.engine, self.step_dir = engine, step_dir
+
+    def state_dict(self) -> dict:
+        return self.engine.optimizer_state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_optimizer(state, self.step_dir)

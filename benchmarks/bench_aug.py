@@ -1,9 +1,11 @@
 """The embedded default's training augmentation (data.aug), chosen by an out-of-distribution check: does the
 quickstart model recognise digits and clothing drawn differently from its training images?
 
-    python benchmarks/bench_aug.py                  # 4 settings x 2 seeds, 2 runs at a time, 1 thread each
-    python benchmarks/bench_aug.py --epochs 3       # the quickstart's length (see RESULTS below for what was used)
+    python benchmarks/bench_aug.py                  # 4 settings x 2 seeds, 1 epoch of data/embedded, 2 at a time
+    python benchmarks/bench_aug.py --epochs 3       # the quickstart's length
     python benchmarks/bench_aug.py --quick          # a few steps on a tiny data set (the CI smoke test)
+    # what benchmarks/results/aug.md holds (2 shared cores: 1,000-1,250 s per 149-step run, 4 at a time):
+    python benchmarks/bench_aug.py --data data/embedded-aug1500 --max-per-class 1500 --parallel 4 --ood-per-dataset 500
 
 Each setting trains configs/embedded.yaml (tiny ViT, fastclip-v3) with its data.aug on 1 process at the
 quickstart's global batch (128), once per seed, then scores the final checkpoint zero-shot with the data's own

@@ -82,7 +82,9 @@ class DataConfig:
     device_normalize: bool | None = None
     # remote shards: seconds before each retry of a transient failure, one per retry ([]: none); then skipped
     remote_retry_delays: list[float] = field(default_factory=lambda: [1.0, 3.0, 9.0])
-    aug: AugConfig = field(default_factory=AugConfig)  # training-image augmentation (OpenCLIP's --aug-cfg)
+    # training-image augmentation (OpenCLIP's --aug-cfg); unset = open_clip's, which the embedded default keeps by
+    # the out-of-distribution measurement in configs/embedded.yaml (python benchmarks/bench_aug.py)
+    aug: AugConfig = field(default_factory=AugConfig)
 
 
 @dataclass

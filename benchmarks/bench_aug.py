@@ -297,8 +297,8 @@ def plot(result: dict, path: Path) -> None:
     width = 0.8 / len(table)
     for i, (name, row) in enumerate(table.items()):
         xs = np.arange(len(transforms)) + i * width
-        ax.bar(xs, [100 * row[t]["mean"] for t in transforms], width, yerr=[100 * row[t]["sd"] for t in transforms])
-        ax.bar(xs[:0], [], label=name)
+        means, sds = [100 * row[t]["mean"] for t in transforms], [100 * row[t]["sd"] for t in transforms]
+        ax.bar(xs, means, width, yerr=sds, label=name)
     ax.set_xticks(np.arange(len(transforms)) + 0.4 - width / 2)
     ax.set_xticklabels([t.replace("ood/", "") for t in transforms], rotation=20)
     ax.set_ylabel("zero-shot top-1 %")

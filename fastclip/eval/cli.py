@@ -4,7 +4,8 @@ and appended to a JSONL file.
 PATH is the folder written by `fastclip data embedded` (its val/ split and zeroshot.json are used), a
 labelled shard folder / tar / glob, or an image folder with one subfolder per class. Class names and
 templates come from --classnames (zeroshot.json, a single-dataset JSON, a .txt with --templates, or `imagenet`
-for an ImageNet validation folder: the standard 1,000 class names and OpenAI's 80 templates), else
+for an ImageNet validation folder or variant: the standard class names and OpenAI's 80 templates; ObjectNet's
+folder through its mapping, see fastclip/eval/imagenet.py), else
 from a zeroshot.json beside the data, else (image folders) from the class folder names.
 
 --linear-probe and --knn K... score the frozen image features of PATH's labelled samples (fastclip/eval/probe.py)
@@ -127,20 +128,25 @@ def image_folder_source(root: Path, spec: ZeroShotSpec, names_file):
     return source
 
 
-def load_specs(args, data: Path, default_names: Path | None) -> tuple[dict[str, ZeroShotSpec], str | None]:
-    if args.classnames is not None and str(args.classnames) == "imagenet" and not args.classnames.exists():
-        from fastclip.eval.imagenet import class_folders, imagenet_spec, subset_note
+def imagenet_asked(args) -> bool:
+    return args.classnames is not None and str(args.classnames) == "imagenet" and not args.classnames.exists()
 
-        # ImageNet's class folders (all 1,000 or a variant's subset), or a one-line error naming the odd one
-        folders = class_folders(data)
-        spec = imagenet_spec(folders=folders)
+
+def load_specs(args, data: Path, default_names: Path | None) -> tuple[dict[str, ZeroShotSpec], str | None]:
+    if imagenet_asked(args):
+        from fastclip.eval.imagenet import read_variant, with_templates
+
+        # ImageNet's class folders (all 1,000 or a variant's subset) or ObjectNet's mapping, or a one-line error
+        # naming the odd folder or the missing file
+        spec, note = read_variant(data)
         if args.templates:
             from fastclip.eval.spec import load_templates
 
-            spec = ZeroShotSpec(spec.name, spec.classnames, tuple(load_templates(args.templates)))
-        if note := subset_note(data, folders):
+            spec = with_templates(spec, tuple(load_templates(args.templates)))
+        if note:
             print(f"fastclip eval: note: {note}", file=sys.stderr)
-        return {spec.name: spec}, f"ImageNet's class names ({len(folders):,}, open_clip's), " + (
+        which = "ImageNet's" if spec.prompted is None else f"ObjectNet's ({len(spec.prompted):,} ImageNet classes')"
+        return {spec.name: spec}, f"{which} class names ({len(spec.classnames):,}, open_clip's), " + (
             f"templates {args.templates}" if args.templates else "OpenAI's 80 templates"
         )
     names_file = args.classnames or default_names
@@ -310,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="classnames",
         type=Path,
         help="zeroshot.json, single-dataset JSON, or classnames .txt; 'imagenet': an ImageNet val folder's 1,000 "
-        "standard class names with OpenAI's 80 templates",
+        "standard class names with OpenAI's 80 templates (a variant's subset; ObjectNet's folder: its mapping)",
     )
     parser.add_argument("--templates", type=Path, help="templates .txt (one per line) or JSON list; '{}' = class")
     parser.add_argument("--no-retrieval", action="store_true", help="skip image-text retrieval")
@@ -486,7 +492,14 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
         if args.results is None and (problem := unwritable("--results", default_results_file(loaded.file))):
             raise ValueError(f"{problem} (the default beside the model; pass --results FILE)")
         train_path = probe_train_path(args, source)
-        if is_image_folder(source) and specs:
+        preprocess = loaded.built.preprocess_val
+        if specs and imagenet_asked(args) and next(iter(specs.values())).name == "objectnet":
+            from fastclip.eval.imagenet import ImageNetSource, prepared
+
+            # decoded here, border cropped (ObjectNet's red frame), preprocessed: the trainer's source
+            source = ImageNetSource(source, preprocess, workers=0, batch_size=args.batch_size)
+            preprocess = prepared
+        elif is_image_folder(source) and specs:
             if len(specs) != 1:
                 raise ValueError(f"{names_from}: an image folder takes one class list, the file has {sorted(specs)}")
             source = image_folder_source(source, next(iter(specs.values())), names_from)
@@ -498,7 +511,7 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
             results = evaluate(
                 built.model,
                 tokenizer=built.tokenizer,
-                preprocess=built.preprocess_val,
+                preprocess=preprocess,
                 source=source,
                 specs=specs,
                 device=args.device,

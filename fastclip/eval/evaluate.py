@@ -122,7 +122,9 @@ class _Pass:
         self.one_list_for_all = one_list_for_all
         self.datasets_scored: set[str] = set()  # named datasets one list scored (a few: it stops at the 2nd)
         self.names = sorted(specs)  # same order on every rank: the packed counts line up
-        self.counts = {name: ZeroShotCounts(len(specs[name].classnames), device) for name in self.names}
+        self.counts = {
+            name: ZeroShotCounts(len(specs[name].classnames), device, specs[name].pool) for name in self.names
+        }
         self.device = device
         self.retrieval = retrieval
         self.pairs: list[torch.Tensor] = []  # [n, 2d] image|text features of captioned samples
@@ -281,7 +283,7 @@ def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_s
     device, specs, retrieval = state.device, state.specs, state.retrieval
     rank, world = rank_and_world(group)
     classifiers = {
-        name: zeroshot_classifier(model, tokenizer, spec.classnames, spec.templates, device)
+        name: zeroshot_classifier(model, tokenizer, spec.prompted_names, spec.templates, device)
         for name, spec in specs.items()
     }
     error: BaseException | None = None

@@ -5,17 +5,28 @@ numbers compare with OpenCLIP's; images are decoded and preprocessed in DataLoad
 The folder is the usual ``val/`` layout: one subfolder per synset (``n01440764/`` ... ``n15075141/``), which in
 sorted order are the class indices of the names list. Variants read the same way: ImageNet-Sketch (1,000 synset
 folders), ImageNet-V2 (folders 0..999, class numbers), ImageNet-R and -A (200 synset folders: scored among their
-200 classes, with a note); a folder that is not an ImageNet class is refused. ObjectNet (its own class folder
-names, mapped to ImageNet's by a file of its own) is not read. A corrupt image is skipped and counted, as in
-every eval.
+200 classes, with a note); a folder that is not an ImageNet class is refused. A corrupt image is skipped and
+counted, as in every eval.
+
+ObjectNet is read from its download's layout, ``images/<folder>/*.png`` beside ``mappings/`` (the four files it
+ships: folder -> ObjectNet class, ObjectNet class -> ImageNet class names, ImageNet label lines, PyTorch index ->
+ImageNet 2012 id). Its 113 classes that overlap ImageNet are scored as the CLIP paper's robustness numbers are
+(Taori et al.'s testbed, which the paper uses): the ImageNet classes the mapping names are prompted with
+open_clip's names and templates, and an image counts as correct when the predicted one of them is one of its own
+class's ImageNet classes (top-5: one of them among the 5 highest). clip_benchmark instead prompts the 113
+ObjectNet class names; the numbers differ. The 1-pixel red border of every image is cropped first, as the
+ObjectNet authors instruct. Images of ObjectNet's other 200 classes are left out, with a note; a folder the
+mapping does not name, or a missing mapping file, is refused. Results are named ``objectnet``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -112,15 +123,172 @@ def class_folders(root: str | os.PathLike) -> list[str]:
 
 
 def list_images(root: str | os.PathLike) -> list[tuple[str, int]]:
-    """(image path, label) for every image, folders in label order and files sorted within each."""
+    """(image path, label) for every image, folders in label order and files sorted within each (ObjectNet: the
+    images of its classes that overlap ImageNet)."""
     root = Path(root)
+    if is_objectnet(root):
+        objectnet = read_objectnet(root)
+        root, pairs = objectnet.root / "images", list(objectnet.folders.items())
+    else:
+        pairs = list(enumerate(class_folders(root)))
     out = []
-    for label, folder in enumerate(class_folders(root)):
+    for label, folder in pairs:
+        if not (root / folder).is_dir():  # an ObjectNet class without images here (a partial copy)
+            continue
         names = sorted(
             e.name for e in os.scandir(root / folder) if e.is_file() and e.name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS
         )
         out += [(str(root / folder / name), label) for name in names]
     return out
+
+
+# ----------------------------------------------------------------------------- ObjectNet
+OBJECTNET = "objectnet"
+FOLDER_TO_LABEL = "folder_to_objectnet_label.json"
+TO_IMAGENET = "objectnet_to_imagenet_1k.json"
+PYTORCH_TO_ID = "pytorch_to_imagenet_2012_id.json"
+IMAGENET_LABELS = "imagenet_to_label_2012_v2"
+_SHIPPED = "as the ObjectNet download ships it (objectnet-1.0/mappings/)"
+
+
+def is_objectnet(root: str | os.PathLike) -> bool:
+    """An ObjectNet download's layout: images/ and mappings/ (either marks it, so that a missing one is named)."""
+    root = Path(root)
+    return (root / "images").is_dir() or (root / "mappings").is_dir()
+
+
+@dataclass(frozen=True)
+class ObjectNet:
+    root: Path
+    classnames: tuple[str, ...]  # the ObjectNet classes that overlap ImageNet, in label order (sorted folders)
+    folders: dict[int, str]  # label -> its image folder under images/
+    imagenet: tuple[tuple[int, ...], ...]  # per label, the ImageNet class indices that count as it
+    left_out: tuple[str, ...]  # image folders of ObjectNet classes outside ImageNet: not scored
+
+
+def _mapping(root: Path, name: str):
+    path = root / "mappings" / name
+    if not path.is_file():
+        raise ValueError(f"{path}: missing; an ObjectNet folder has mappings/{name} {_SHIPPED}")
+    if not name.endswith(".json"):
+        return path.read_text().splitlines()
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); restore the file {_SHIPPED}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object; restore the file {_SHIPPED}")
+    return data
+
+
+def read_objectnet(root: str | os.PathLike) -> ObjectNet:
+    """ObjectNet's classes that overlap ImageNet and their ImageNet classes, from its mappings/ files; ValueError
+    naming the missing file, or the image folder the mapping does not name."""
+    root = Path(root)
+    images = root / "images"
+    if not images.is_dir():
+        raise ValueError(f"{images}: missing; an ObjectNet folder has images/<class folder>/*.png beside mappings/")
+    folder_to_label = _mapping(root, FOLDER_TO_LABEL)
+    to_imagenet = _mapping(root, TO_IMAGENET)
+    pytorch_to_id = _mapping(root, PYTORCH_TO_ID)
+    labels = _mapping(root, IMAGENET_LABELS)
+    where = root / "mappings"
+    try:  # line i of imagenet_to_label_2012_v2 names ImageNet 2012 id i; the PyTorch index is our class index
+        id_to_index = {int(i): int(p) for p, i in pytorch_to_id.items()}
+    except (TypeError, ValueError):
+        raise ValueError(f"{where / PYTORCH_TO_ID}: expected index -> id integers; restore it {_SHIPPED}") from None
+    by_name: dict[str, list[int]] = {}
+    for i, line in enumerate(labels):
+        if i in id_to_index:
+            by_name.setdefault(line.strip(), []).append(id_to_index[i])
+    label_to_folder = {label: folder for folder, label in folder_to_label.items()}
+    overlap = {}  # folder -> ImageNet class indices
+    for label, names in to_imagenet.items():
+        if label not in label_to_folder:
+            raise ValueError(
+                f"{where / TO_IMAGENET}: class {label!r} is no folder's class in {FOLDER_TO_LABEL}; restore the "
+                f"mapping files {_SHIPPED}"
+            )
+        indices = []
+        for name in str(names).split("; "):
+            if name not in by_name:
+                raise ValueError(
+                    f"{where / TO_IMAGENET}: ImageNet class {name!r} (of {label!r}) is not a line of "
+                    f"{IMAGENET_LABELS} with an id in {PYTORCH_TO_ID}; restore the mapping files {_SHIPPED}"
+                )
+            indices += by_name[name]
+        overlap[label_to_folder[label]] = tuple(sorted(set(indices)))
+    present = sorted(entry.name for entry in os.scandir(images) if entry.is_dir())
+    odd = next((f for f in present if f not in folder_to_label), None)
+    if odd is not None:
+        raise ValueError(
+            f"{images / odd}: not a folder of {where / FOLDER_TO_LABEL}; ObjectNet's images/ holds only the class "
+            "folders its mapping names (move the others out)"
+        )
+    if not present:
+        raise ValueError(f"{images}: no class folders; an ObjectNet folder has images/<class folder>/*.png")
+    scored = sorted(overlap)
+    return ObjectNet(
+        root=root,
+        classnames=tuple(folder_to_label[f] for f in scored),
+        folders=dict(enumerate(scored)),
+        imagenet=tuple(overlap[f] for f in scored),
+        left_out=tuple(f for f in present if f not in overlap),
+    )
+
+
+def objectnet_spec(objectnet: ObjectNet, templates: str = "openai") -> ZeroShotSpec:
+    """Scored among ObjectNet's overlapping classes, prompted with the ImageNet classes they map to."""
+    imagenet = imagenet_spec(templates)
+    prompted = sorted({i for group in objectnet.imagenet for i in group})
+    position = {c: i for i, c in enumerate(prompted)}
+    return ZeroShotSpec(
+        OBJECTNET,
+        objectnet.classnames,
+        imagenet.templates,
+        prompted=tuple(imagenet.classnames[c] for c in prompted),
+        pool=tuple(tuple(position[c] for c in group) for group in objectnet.imagenet),
+    )
+
+
+def objectnet_note(objectnet: ObjectNet) -> str:
+    left = ""
+    if objectnet.left_out:
+        left = f"; the images of its {len(objectnet.left_out)} other class folders are left out"
+    return (
+        f"{objectnet.root}: ObjectNet, scored on its {len(objectnet.classnames)} classes that overlap ImageNet "
+        f"(a hit: the predicted ImageNet class is one of its class's){left}"
+    )
+
+
+def read_variant(root: str | os.PathLike, templates: str = "openai") -> tuple[ZeroShotSpec, str | None]:
+    """The spec of an ImageNet folder, a variant of it or ObjectNet, and what to note of it (a subset, ObjectNet's
+    mapping) or None; ValueError naming what is off."""
+    if is_objectnet(root):
+        objectnet = read_objectnet(root)
+        return objectnet_spec(objectnet, templates), objectnet_note(objectnet)
+    folders = class_folders(root)
+    return imagenet_spec(templates, folders), subset_note(root, folders)
+
+
+def with_templates(spec: ZeroShotSpec, templates: tuple[str, ...]) -> ZeroShotSpec:
+    return replace(spec, templates=templates)
+
+
+def crop_border(image):
+    """ObjectNet's images carry a 1-pixel red border, which its authors say to remove before testing."""
+    width, height = image.size
+    return image.crop((1, 1, width - 1, height - 1))
+
+
+class _BorderCropped:
+    """The preprocess after crop_border (a class: DataLoader workers unpickle it)."""
+
+    def __init__(self, preprocess: Callable):
+        self.preprocess = preprocess
+
+    def __call__(self, image):
+        return self.preprocess(crop_border(image))
 
 
 class _Images(torch.utils.data.Dataset):
@@ -147,13 +315,16 @@ def _as_list(batch):
 
 
 class ImageNetSource:
-    """An `evaluate` source over an ImageNet validation folder. The file list is made once (50,000 names) and
-    kept for the run's later evaluations; samples come out preprocessed, so `evaluate` takes ``preprocess=None``
-    (identity) with it."""
+    """An `evaluate` source over an ImageNet validation folder, a variant or ObjectNet. The file list is made once
+    (50,000 names) and kept for the run's later evaluations; samples come out preprocessed, so `evaluate` takes
+    ``preprocess=prepared`` (identity) with it."""
 
     def __init__(self, root: str | os.PathLike, preprocess: Callable, *, workers: int = 0, batch_size: int = 64):
         self.root, self.preprocess, self.workers, self.batch_size = Path(root), preprocess, workers, batch_size
         self._files: list[tuple[str, int]] | None = None
+        self.name = NAME
+        if is_objectnet(self.root):  # its images lose their red border first
+            self.preprocess, self.name = _BorderCropped(preprocess), OBJECTNET
 
     def __call__(self, rank: int, world_size: int, skipped: list[str]) -> Iterator[EvalSample]:
         if self._files is None:
@@ -171,7 +342,7 @@ class ImageNetSource:
                     log.warning("eval data: skipped %s", error)
                     skipped.append(error)
                     continue
-                yield EvalSample(image, None, None, NAME, label, path)
+                yield EvalSample(image, None, None, self.name, label, path)
 
 
 def prepared(image):

@@ -23,6 +23,14 @@ class ZeroShotSpec:
     name: str
     classnames: tuple[str, ...]
     templates: tuple[str, ...]
+    # Classes scored through other classes' prompts (ObjectNet's through ImageNet's): the names prompted, and per
+    # class the indices of those whose prediction counts as it. None: each class is prompted by its own name.
+    prompted: tuple[str, ...] | None = None
+    pool: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def prompted_names(self) -> tuple[str, ...]:
+        return self.classnames if self.prompted is None else self.prompted
 
     def prompts(self, classname: str) -> list[str]:
         return [t.replace("{c}", "{}").format(classname) for t in self.templates]

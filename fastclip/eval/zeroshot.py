@@ -36,11 +36,21 @@ def zeroshot_classifier(model, tokenizer, classnames, templates, device, batch_s
 
 
 class ZeroShotCounts:
-    """Per-class sample, top-1 and top-k counts, plus a count of labels outside the class list."""
+    """Per-class sample, top-1 and top-k counts, plus a count of labels outside the class list.
 
-    def __init__(self, num_classes: int, device):
+    With `pool` (per class, the indices of the prompted classes that count as it; ZeroShotSpec.pool) the logits
+    are over the prompted classes: a sample is a top-k hit when one of its class's prompted classes is among the
+    k highest (ObjectNet's convention: the predicted ImageNet class is one of its class's)."""
+
+    def __init__(self, num_classes: int, device, pool: tuple[tuple[int, ...], ...] | None = None):
         self.num_classes = num_classes
-        self.k = min(TOP_K, num_classes)
+        self.members = None
+        if pool is not None:
+            prompted = 1 + max(i for group in pool for i in group)
+            self.members = torch.zeros(num_classes, prompted, dtype=torch.bool, device=device)
+            for c, group in enumerate(pool):
+                self.members[c, list(group)] = True
+        self.k = min(TOP_K, num_classes if pool is None else self.members.shape[1])
         self.counts = torch.zeros(3, num_classes, dtype=torch.int64, device=device)  # total, top-1, top-k
         self.invalid = torch.zeros(1, dtype=torch.int64, device=device)
 
@@ -49,9 +59,15 @@ class ZeroShotCounts:
         valid = (labels >= 0) & (labels < self.num_classes)
         self.invalid += (~valid).sum()  # raised after the all-reduce, on every rank at once
         logits, labels = logits[valid], labels[valid]
-        topk = logits.topk(self.k, dim=1).indices
-        hit1 = (topk[:, 0] == labels).long()
-        hitk = (topk == labels[:, None]).any(dim=1).long()
+        if self.members is None:
+            topk = logits.topk(self.k, dim=1).indices
+            hit1 = (topk[:, 0] == labels).long()
+            hitk = (topk == labels[:, None]).any(dim=1).long()
+        else:  # the rank of the best-scored prompted class of the sample's own class
+            mine = self.members.to(logits.device)[labels]
+            best = logits.masked_fill(~mine, float("-inf")).max(dim=1, keepdim=True).values
+            rank = (logits > best).sum(dim=1)
+            hit1, hitk = (rank == 0).long(), (rank < self.k).long()
         for row, values in enumerate((torch.ones_like(labels), hit1, hitk)):
             self.counts[row].index_add_(0, labels, values)
 

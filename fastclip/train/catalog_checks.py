@@ -117,13 +117,13 @@ def check_eval_inputs(cfg: Config) -> None:
                 "training data, or turn eval.linear_probe and eval.knn off"
             )
     if cfg.eval.imagenet_val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
-        from fastclip.eval.imagenet import class_folders, subset_note
+        from fastclip.eval.imagenet import read_variant
 
         try:
-            folders = class_folders(cfg.eval.imagenet_val)
+            _, said = read_variant(cfg.eval.imagenet_val)
         except (ValueError, OSError) as e:
             raise ConfigError(f"config key 'eval.imagenet_val': {e} (set it to null to skip it)") from None
-        if said := subset_note(cfg.eval.imagenet_val, folders):
+        if said:
             note(f"fastclip train: note: eval.imagenet_val {said}")
     elif cfg.eval.imagenet_val is not None:  # given (--imagenet-val) but never read: say so rather than ignore it
         note(

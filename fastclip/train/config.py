@@ -80,7 +80,9 @@ class DataConfig:
     device_normalize: bool | None = None
     # remote shards: seconds before each retry of a transient failure, one per retry ([]: none); then skipped
     remote_retry_delays: list[float] = field(default_factory=lambda: [1.0, 3.0, 9.0])
-    aug: AugConfig = field(default_factory=AugConfig)  # training-image augmentation (OpenCLIP's --aug-cfg)
+    # training-image augmentation (OpenCLIP's --aug-cfg); unset = open_clip's, which the embedded default keeps by
+    # the out-of-distribution measurement in configs/embedded.yaml (python benchmarks/bench_aug.py)
+    aug: AugConfig = field(default_factory=AugConfig)
 
 
 @dataclass
@@ -215,8 +217,9 @@ class EvalConfig:
     at_end: bool = True  # evaluate after the last step
     batch_size: int = 256
     max_samples: int | None = None  # cap on evaluated val samples (fast checks); null: all
-    # OpenCLIP's --imagenet-val: an ImageNet validation ImageFolder (1,000 synset folders), scored zero-shot at
-    # every evaluation (all of it: max_samples caps data.val only) with open_clip's class names and templates
+    # OpenCLIP's --imagenet-val: an ImageNet validation ImageFolder (1,000 synset folders; a variant, or ObjectNet's
+    # folder: fastclip/eval/imagenet.py), scored zero-shot at every evaluation (all of it: max_samples caps data.val
+    # only) with open_clip's class names and templates
     imagenet_val: str | None = None
     imagenet_templates: Literal["openai", "simple"] = "openai"  # OpenAI's 80 prompts, or open_clip's 7
     val_loss: bool = True  # the loss (in eval mode: no state written) on data.val's captioned samples

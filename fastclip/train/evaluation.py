@@ -92,7 +92,7 @@ class Evaluation:
 
     def _imagenet_zeroshot(self) -> dict[str, float]:
         from fastclip.eval.evaluate import evaluate
-        from fastclip.eval.imagenet import ImageNetSource, class_folders, imagenet_spec, prepared
+        from fastclip.eval.imagenet import ImageNetSource, prepared, read_variant
 
         cfg = self.cfg
         if self._imagenet is None:  # the class names, templates and file list, kept for the later evaluations
@@ -102,8 +102,8 @@ class Evaluation:
                 workers=cfg.data.workers,
                 batch_size=cfg.eval.batch_size,
             )
-            folders = class_folders(cfg.eval.imagenet_val)  # all 1,000, or a variant's subset (ImageNet-R, -A)
-            self._imagenet = (imagenet_spec(cfg.eval.imagenet_templates, folders), source)
+            # all 1,000, a variant's subset (ImageNet-R, -A), or ObjectNet's overlap with ImageNet
+            self._imagenet = (read_variant(cfg.eval.imagenet_val, cfg.eval.imagenet_templates)[0], source)
         spec, source = self._imagenet
         results = evaluate(
             self.net.model,

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -222,8 +224,7 @@ def test_stat_eff_seed_crossing_pairs_must_come_both_ways_off_the_diagonal():
 
 
 def _manifest(root: Path) -> Path:
-    (root / "data" / "train").mkdir(parents=True, exist_ok=True)
-    (root / "data" / "train" / "manifest.json").write_text(json.dumps({"num_samples": 640}))
+    write_manifest(root / "data" / "train", Manifest(640, [ShardInfo("train-000000.tar", 640, 0, 639)]))
     return root / "data"
 
 
@@ -589,9 +590,7 @@ def test_e2e_reports_the_held_out_samples_it_scored_not_the_cap():
 
 
 def test_shard_pattern_is_openclip_brace_syntax(tmp_path):
-    (tmp_path / "manifest.json").write_text(
-        json.dumps({"num_samples": 30, "shards": [{"path": f"train-{i:06d}.tar", "num_samples": 10} for i in range(3)]})
-    )
+    write_manifest(tmp_path, Manifest(30, [ShardInfo(f"train-{i:06d}.tar", 10, 10 * i, 10 * i + 9) for i in range(3)]))
     assert shard_pattern(tmp_path) == (f"{tmp_path}/train-{{000000..000002}}.tar", 30)
 
 

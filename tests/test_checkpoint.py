@@ -1,6 +1,7 @@
 """Checkpoint files: atomic step folders, the latest pointer, keep-last-k, RNG states under weights_only."""
 
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -293,3 +294,37 @@ def test_the_data_layer_names_what_a_saved_position_depends_on_once():
     assert identity_mismatches(state, state) == []
     assert identity_mismatches(state, state | {"seed": 1, "fingerprint": "x"}) == ["seed", "fingerprint"]
     assert set(IDENTITY) == {"seed", "resampled", "epoch_length", "fingerprint"}
+
+
+def test_a_rank_whose_folder_rank_0_removed_goes_on_to_the_barrier_that_names_the_failed_save(tmp_path, monkeypatch):
+    """Rank 0's part of a save fails and it removes the temporary folder while rank 1 still writes into it (seen
+    under load): rank 1 must not blame a file of its own ("No such file") but reach the next barrier, whose
+    failure names the save (test_operator_errors checks those words end to end)."""
+    from fastclip.checkpoint import save
+
+    class RankZeroGone(RuntimeError):
+        pass
+
+    barriers = []
+
+    def barrier(info):  # the first barrier passes; rank 0 then removes the folder; the next one fails
+        barriers.append(info.rank)
+        if len(barriers) == 1:
+            return
+        raise RankZeroGone("rank 0 is gone")
+
+    real_save_file = save.save_file
+
+    def save_file(obj, path, durable=True):
+        shutil.rmtree(path.parent)  # rank 0 gave up first
+        real_save_file(obj, path, durable=durable)
+
+    monkeypatch.setattr(save, "barrier", barrier)
+    monkeypatch.setattr(save, "save_file", save_file)
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / ".tmp_step_00000004").mkdir()  # made by rank 0
+    rank1 = DistInfo(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), launcher="none", owns_group=False)
+    with pytest.raises(RankZeroGone):
+        ckpt.save_checkpoint(root, 4, rank1, model_file=None, rank_file={"x": torch.ones(2)}, keep_last=2)
+    assert barriers == [1, 1]

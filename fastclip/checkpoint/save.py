@@ -91,7 +91,13 @@ def _save(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     barrier(info)
-    save_file(rank_file, tmp / rank_file_name(info.rank), durable=durable)
+    try:
+        save_file(rank_file, tmp / rank_file_name(info.rank), durable=durable)
+    except FileNotFoundError:
+        if info.is_main or tmp.exists():
+            raise
+        # rank 0's part of this save failed and it removed the folder: the barrier below then names the save that
+        # failed (rank 0's own line says why), rather than this rank blaming a file of its own
     faults.hook("checkpoint.rank_files", step=step, rank=info.rank)
     if info.is_main:
         faults.hook("checkpoint.model_file", step=step, rank=info.rank)

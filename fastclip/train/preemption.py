@@ -53,6 +53,14 @@ class StopSignals:
         self.received: str | None = None
         self._previous: dict[int, object] = {}
         self._watch: threading.Event | None = None  # set: the parent watch ends
+        self._parent: int | None = None  # the watched parent's pid
+
+    def reason(self) -> str | None:
+        """What stopped this process, checked again now: when the agent dies, another rank's watch may see it
+        first and the stop is agreed before this one's next poll; its words then still name the agent."""
+        if self.received is None and self._parent is not None and os.getppid() != self._parent:
+            self.received = f"the loss of its torchrun agent (pid {self._parent} is gone)"
+        return self.received
 
     @property
     def requested(self) -> bool:
@@ -71,7 +79,7 @@ class StopSignals:
                 self._previous[number] = signal.signal(number, self._handle)
         if watch_parent if watch_parent is not None else "TORCHELASTIC_RUN_ID" in os.environ:
             self._watch = threading.Event()
-            parent = os.getppid()
+            parent = self._parent = os.getppid()
             threading.Thread(target=self._watch_parent, args=(parent, self._watch), daemon=True).start()
         return self
 

@@ -389,7 +389,7 @@ class Run:
                 if guard.stop:  # every rank saw the request at this step (verdict): checkpoint here and leave
                     self.save_once("checkpoint save")
                     self.log.message(
-                        f"stopped at step {self.step} by {self.stop.received or 'a signal to another rank'}"
+                        f"stopped at step {self.step} by {self.stop.reason() or 'a signal to another rank'}"
                         f": checkpoint saved; exit status {EXIT_PREEMPTED}, continue with "
                         f"--train.resume latest"
                     )

@@ -181,9 +181,6 @@ def test_ddp_ranks_finish_together_with_uneven_shards(shards):
 
 
 def _worker_survives_stop_signals(queue) -> None:
-    import os
-    import signal
-
     _leave_stop_signals_to_the_trainer(0)
     for name in ("SIGINT", "SIGUSR1"):  # a terminal's Ctrl-C to the group, a scheduler's SIGUSR1 to the job
         os.kill(os.getpid(), getattr(signal, name))

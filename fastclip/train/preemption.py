@@ -86,8 +86,7 @@ class StopSignals:
     def _watch_parent(self, parent: int, done: threading.Event, every: float = 1.0) -> None:
         while not done.wait(every):
             if os.getppid() != parent:  # reparented: the agent is gone
-                if self.received is None:
-                    self.received = f"the loss of its torchrun agent (pid {parent} is gone)"
+                self.reason()  # records it, unless a signal came first
                 return
 
     def release(self, *, stopped: bool) -> None:

@@ -417,6 +417,24 @@ def test_distillation_without_momentum_features_is_one_error():
         build_loss("openclip", distill_alpha=1.5)
 
 
+def test_in_eval_mode_the_queue_and_the_soft_targets_are_left_out():
+    """A validation loss (eval mode) is the in-batch objective with one-hot targets, pushes nothing, and needs no
+    momentum features: the trainer's evaluation has none (it failed on distill_alpha before)."""
+    loss_fn = build_loss("dcl", temperature=0.2, queue_size=4, distill_alpha=0.3).double()
+    for step, (indices, _) in enumerate(STEPS[:2]):  # a queue with entries
+        loss_fn(*batch(step, len(indices)), torch.tensor(indices), momentum=momentum_batch(step, len(indices)))
+    queued = {k: v.clone() for k, v in loss_fn.state_dict().items() if k.startswith("queue.")}
+    indices = torch.tensor(STEPS[2][0])
+    e1, e2 = batch(2, len(indices))
+    loss_fn.eval()
+    got = loss_fn(e1, e2, indices)
+    want = build_loss("dcl", temperature=0.2).double()(e1, e2, indices)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0) and not torch.allclose(got, want * 1.01)
+    assert all(torch.equal(loss_fn.state_dict()[k], v) for k, v in queued.items())
+    loss_fn.train()
+    assert not torch.allclose(loss_fn(e1, e2, indices, momentum=momentum_batch(2, len(indices))), want, rtol=1e-6)
+
+
 def test_a_queue_where_it_is_not_defined_is_refused():
     with pytest.raises(TypeError, match="queue_size.*per-sample temperatures"):
         build_loss("fastclip-v2", data_size=8, queue_size=4)

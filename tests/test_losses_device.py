@@ -25,6 +25,8 @@ OPTIONS = {
     },
     "fastclip-v3-separate autograd": {"rho": 3.0, "separate_temperatures": True, "impl": "autograd"},
     "dcl hard": {"hard_negative_topk": 3, "hard_negative_beta": 0.5, "direction_weights": [0.7, 0.3]},
+    "dcl queue": {"queue_size": 24},  # (a push per call: the second and third calls read queued rows)
+    "fastclip-v3 queue": {**LOSS_OPTIONS["fastclip-v3"], "queue_size": 24},
     "ntxent": {"unimodal": True},  # (SimCLR: image and text are two views of the same images)
 }
 

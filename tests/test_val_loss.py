@@ -67,3 +67,14 @@ def test_no_value_where_the_indices_a_state_needs_are_missing():
     assert validation_loss(loss_fn, e1, e2, torch.full((16,), -1), per_rank=8) == (None, 0)
     assert validation_loss(loss_fn, e1, e2, torch.arange(90, 106), per_rank=8) == (None, 0)  # past data_size
     assert validation_loss(loss_fn, e1[:1], e2[:1], torch.arange(1), per_rank=8) == (None, 0)  # below 2 a batch
+
+
+def test_a_queue_and_momentum_distillation_leave_the_validation_loss_the_in_batch_one():
+    """The trainer's evaluation has no momentum features: the soft targets and the queued negatives are left out
+    (before, a run with distill_alpha stopped at its first evaluation)."""
+    moco = build_loss("dcl", temperature=0.1, queue_size=8, distill_alpha=0.4)
+    e1, e2 = (t.detach() for t in features(32, 8, seed=4))
+    moco(e1[:16], e2[:16], torch.arange(16), momentum=(e1[:16].flip(0), e2[:16].flip(0)))  # the queue fills
+    got = validation_loss(moco, e1, e2, torch.arange(16, 48), per_rank=8)
+    want = validation_loss(build_loss("dcl", temperature=0.1), e1, e2, torch.arange(16, 48), per_rank=8)
+    assert got[1] == want[1] == 32 and got[0] == pytest.approx(want[0], rel=1e-6)

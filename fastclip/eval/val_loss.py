@@ -1,10 +1,12 @@
 """The contrastive loss on held-out pairs: the training objective's value on data it never stepped on.
 
 The loss is called as in training, on global batches spread over the ranks (each rank its slice of every batch,
-since the loss gathers the features itself), but in eval mode: `loss_fn.eval()` reads the per-sample state
-(v2's τ_i of the samples named) and writes none of it, and γ = 1 makes u the batch's own estimate, so the value
-does not depend on what an earlier evaluation saw. Every rank holds all the held-out features (gathered for
-retrieval), so every rank cuts the same batches and all return the same number.
+since the loss gathers the features itself), but in eval mode: `loss_fn.eval()` reads the per-sample state (v2's
+τ_i of the samples named) and writes none of it, and γ = 1 makes u the batch's own estimate, so the value does not
+depend on what an earlier evaluation saw. For the same reason a feature queue's entries and a momentum model's soft
+targets (distill_alpha) are left out: the value is the in-batch objective with one-hot targets. Every rank holds
+all the held-out features (gathered for retrieval), so every rank cuts the same batches and all return the same
+number.
 
 The value is the loss's estimated objective where it reports one (the FastCLIP losses' `objective` metric: their
 surrogate's value is not the objective), else the loss itself, averaged over the ranks.

@@ -84,7 +84,7 @@ class ContrastiveLoss(nn.Module):
     ):
         if epoch is not None:
             self.set_epoch(epoch)
-        if momentum is None and self.needs_momentum:
+        if momentum is None and self.needs_momentum and self.training:  # (eval mode: the in-batch objective)
             raise LossInputError(
                 f"{self.name}: distill_alpha needs the momentum model's features: loss_fn(image, text, indices, "
                 "momentum=(momentum_image, momentum_text)) (the trainer: model.ema_momentum)"

@@ -287,8 +287,8 @@ def weighted_directions(per_direction: torch.Tensor, weights: tuple[float, float
     their mean."""
     if weights is None:
         return per_direction.mean()
-    w = per_direction.new_tensor(weights)
-    return (w * per_direction).sum() / w.sum()
+    w_i2t, w_t2i = (float(w) for w in weights)  # Python floats: a tensor of them is a host copy on CUDA
+    return (w_i2t * per_direction[0] + w_t2i * per_direction[1]) / (w_i2t + w_t2i)
 
 
 def masked_logsumexp(logits: torch.Tensor, keep: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -416,7 +416,7 @@ class AutogradObjective:
         features.unimodal = bool(getattr(self.options, "unimodal", False))
         if batch.momentum is not None:
             features.momentum = (batch.momentum[1].to(dtype), batch.momentum[0].to(dtype))
-        if self.queue is not None:
+        if self.queue is not None and self.training:  # eval mode (a validation loss): the in-batch objective
             features.queue = self.queue.entries(batch.all_image.to(dtype))
         state = StateRows(self, comm, batch, dtype) if self.uses_sample_state else None
         loss, metrics = self._finish(comm, batch, *self._objective(features, state), state)

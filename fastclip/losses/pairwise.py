@@ -177,7 +177,8 @@ def exclude_(sim: torch.Tensor, cells) -> torch.Tensor:
     with torch.no_grad():
         if isinstance(cells, torch.Tensor):
             return sim.masked_fill_(cells, EXCLUDED)
-        sim[..., cells[0], cells[1]] = EXCLUDED
+        # the value as a device tensor: a Python scalar is copied from the host, a sync on CUDA
+        sim[..., cells[0], cells[1]] = sim.new_full((), EXCLUDED)
         return sim
 
 

@@ -155,7 +155,7 @@ class ShardedSampleState:
         if self.journal is not None:
             self.journal.append((where, self.read(where) if previous is None else previous))
         self._table[where.write_slots] = values.detach().to(device=self.device, dtype=self.dtype)
-        self._seen[where.write_slots] = True
+        self._seen.index_fill_(0, where.write_slots, True)  # (an assigned Python scalar is a host copy on CUDA)
 
     def state_dict(self) -> dict:
         # Contiguous CPU copies: checkpoints load anywhere (offline resharding on a machine without the GPU),

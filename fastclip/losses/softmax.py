@@ -46,7 +46,7 @@ def softmax_loss(
     rows, negative = hard_negatives(rows, negative, options.hard_negative_topk, options.hard_negative_beta)
     log_negatives = masked_logsumexp(rows, negative)  # [2, N]
     log_denominator = log_negatives if decoupled else torch.logaddexp(positive, log_negatives)
-    if options.distill_alpha:
+    if options.distill_alpha and features.momentum is not None:  # (none in eval mode: one-hot targets)
         positive = distilled_positive(features, rows, negative, scale, options)
     per_direction = (log_denominator - positive).mean(dim=1)  # [2]
     return weighted_directions(per_direction, options.direction_weights)

@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_check.sh run       # there (the repo root, torch with CUDA installed): logs and tables -> $OUT
 #
 # With the device tool: run(command="bash benchmarks/gpu_check.sh run", carry=[".whl", ".gpu"], timeout_s=540).
+# GPU_CHECK_STEPS="cuda_tests loss_impl ..." runs only the steps it names (default: all of them; the names are the
+# step lines below).
 # Every step has its own time limit and its own log, so one that fails or hangs still leaves the others' results,
 # and all of it ends within 500 s. `run` stops at once with exit 2 on a machine without CUDA, exit 3 where an import
 # fails (the wheels missing or not matching), exit 1 where a step failed.
@@ -71,6 +73,9 @@ EOF
         local name=$1 limit=$2
         shift 2
         [ $((END - SECONDS - 10)) -lt "$limit" ] && limit=$((END - SECONDS - 10))  # (10: timeout's kill-after)
+        if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+            return  # not selected
+        fi
         if [ "$limit" -le 0 ]; then
             echo "== $name: not run, the deadline has passed"
             status=1
@@ -98,10 +103,28 @@ EOF
             --data.zeroshot "$DATA/zeroshot.json" --loss.name "$loss" --train.device cuda --train.precision bf16 \
             --train.max_steps 30 --eval.every_steps 0 --train.progress false --train.run_dir "/tmp/gpu_check_$loss"
     done
+    # each loss's two implementations (impl fused / autograd) on the device: float64 agreement, float32 time
+    step loss_impl 90 "$PY" benchmarks/bench_loss_gpu.py --reps 20 --out "$OUT"
+    # the autograd-only objectives on CUDA in bf16: dcl with a feature queue filled by the momentum (EMA) towers,
+    # hard negatives (to a checkpoint and a resume from it), momentum distillation
+    step train_dcl_objectives 120 bash -c '
+        run() { "$0" -m torch.distributed.run --standalone --nproc_per_node 1 -m fastclip train -- \
+            --config configs/embedded.yaml --data.train "$1/train" --data.val "$1/val" --data.zeroshot "$1/zeroshot.json" \
+            --loss.name dcl --loss.queue_size 1024 --model.ema_momentum 0.995 --train.device cuda \
+            --train.precision bf16 --eval.every_steps 0 --train.progress false "${@:2}"; }
+        run "$1" --loss.hard_negative_topk 32 --train.run_dir /tmp/gpu_check_dcl --train.max_steps 20 &&
+        run "$1" --loss.hard_negative_topk 32 --train.run_dir /tmp/gpu_check_dcl --train.max_steps 30 \
+            --train.resume latest &&
+        run "$1" --loss.distill_alpha 0.4 --train.run_dir /tmp/gpu_check_distill --train.max_steps 20' "$PY" "$DATA"
+    # the unimodal (image-only) mode on CUDA: SogCLR on two views of each image, bf16
+    step train_ssl_sogclr 75 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m fastclip train -- \
+        --config configs/ssl/sogclr-embedded.yaml --data.train "$DATA/train" --data.val "$DATA/val" \
+        --train.device cuda --train.precision bf16 --train.max_steps 30 --eval.every_steps 0 --train.progress false \
+        --train.run_dir /tmp/gpu_check_ssl
     # end to end on one GPU: OpenCLIP's trainer (amp_bf16) against ours (bf16 autocast), ViT-B-32, 256 per step
     step e2e_gpu 320 "$PY" benchmarks/bench_e2e.py --arch ViT-B-32 --batch 256 --precision bf16 --device cuda \
         --nproc 1 --workers 6 --samples 51200 --reps 1 --data "$DATA" --out "$OUT"
-    if [ ! -f "$OUT/e2e.json" ]; then  # the table is written at the end: keep what each system's run logged
+    if [ -f "$OUT/e2e_gpu.log" ] && [ ! -f "$OUT/e2e.json" ]; then  # the table is written at the end: keep what each system's run logged
         tail -n 40 benchmarks/out/e2e_runs/*.log > "$OUT/e2e_runs.log" 2>&1
     fi
     exit $status

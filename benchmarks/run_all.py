@@ -237,6 +237,38 @@ def _gpu_section(folder: Path) -> list[str]:
     return lines
 
 
+def _gpu_loss_section(folder: Path) -> list[str]:
+    """Item 2's implementations on one lent GPU: `GPU_CHECK_STEPS="cuda_tests loss_impl train_dcl_objectives ..."
+    bash benchmarks/gpu_check.sh run`, its files copied into results/gpu_loss/."""
+    text = lambda name: (folder / name).read_text().strip() if (folder / name).is_file() else ""  # noqa: E731
+    md = text("loss_impl_gpu.md")
+    if not md:
+        return []
+    env, tests = text("env.txt").splitlines(), text("cuda_tests.log").splitlines()
+    date = json.loads(text("loss_impl_gpu.json") or "{}").get("date", "-")
+    trained = [line for line in text("train_dcl_objectives.log").splitlines() if line.startswith("checkpoint ")]
+    lines = [
+        "## 2g. Each loss's two implementations on one GPU",
+        "",
+        f"Run {date} by `bash benchmarks/gpu_check.sh run` on a lent machine (its `loss_impl` step is "
+        "`python benchmarks/bench_loss_gpu.py`); the files are in `benchmarks/results/gpu_loss/`. One process: the "
+        "gather is the identity, so this times the loss math, which is what the implementations differ in.",
+        "",
+        *(f"    {line}" for line in env),
+        "",
+    ]
+    if tests:
+        lines += [f"CUDA-only tests (`benchmarks/results/gpu_loss/cuda_tests.log`): {tests[-1].strip('= ')}.", ""]
+    if trained:
+        lines += [
+            "The autograd-only objectives trained on CUDA in bf16 (`train_dcl_objectives.log`): dcl with a "
+            "1,024-row queue of the momentum towers' features and top-32 hard negatives, 20 steps, resumed to 30; "
+            f"dcl with momentum distillation (α 0.4), 20 steps: {len(trained)} checkpoints written.",
+            "",
+        ]
+    return lines + [md.split("\n", 1)[1].strip(), ""]
+
+
 def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
     info = machine_info()
     gpu = _gpu_section(out / "gpu")  # item 1 on a lent GPU, where its results are
@@ -273,6 +305,8 @@ def write_report(out: Path, smoke: bool, runs: dict, command: str) -> Path:
         lines += _section(name, out, runs)
         if name == "e2e":
             lines += gpu
+        if name == "loss":
+            lines += _gpu_loss_section(out / "gpu_loss")
     loader = out / "loader_bench.md"
     if loader.is_file():
         lines += [

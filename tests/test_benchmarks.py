@@ -654,6 +654,22 @@ def test_gpu_check_resolves_its_imports_and_refuses_a_machine_without_cuda(tmp_p
     assert usage.returncode == 2 and usage.stderr.startswith("usage: bash benchmarks/gpu_check.sh prepare|run")
 
 
+def test_bench_loss_gpu_agreement_is_float64_close_and_it_refuses_a_machine_without_cuda(capsys):
+    """Its agreement check (the part that runs anywhere): fused and autograd within 1e-13 in float64 on this
+    device; without CUDA its main is one line and exit 2."""
+    import bench_loss_gpu
+
+    for name in ("fastclip-v2", "openclip"):
+        worst = bench_loss_gpu.agreement(name, torch.device("cpu"), batch=32, dim=8)
+        assert worst.keys() == {"value", "grad_features", "grad_temperature"}
+        assert all(0 <= v < 1e-13 for v in worst.values()), (name, worst)
+    if not torch.cuda.is_available():
+        assert bench_loss_gpu.main([]) == 2
+        assert capsys.readouterr().err.strip() == (
+            "bench_loss_gpu: torch sees no CUDA device: run this on a GPU machine"
+        )
+
+
 def test_bench_loss_against_a_revision_times_it_step_by_step_and_refuses_a_bad_one(tmp_path):
     """--against REV runs v3 as committed at REV (extracted as another package) interleaved with this tree's: at
     HEAD the code is this tree's (or close to it), so the paired ratio is near 1; a name git does not know is a

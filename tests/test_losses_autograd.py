@@ -101,7 +101,7 @@ def run_steps(loss_fn, rows: slice, momentum: bool = False, groups: bool = False
         loss.backward()
         params = {n: p.grad.clone() for n, p in loss_fn.named_parameters() if p.grad is not None}
         records.append({"loss": loss.detach(), "e1": e1.grad, "e2": e2.grad, "params": params,
-                        "objective": loss_fn.metrics["objective"]})  # fmt: skip
+                        "metrics": dict(loss_fn.metrics)})  # fmt: skip
     state = loss_fn.state_dict()
     queue = {k: v for k, v in state.items() if k.startswith("queue.")}
     return {"steps": records, "state": state.get("_extra_state"), "queue": queue}
@@ -140,7 +140,9 @@ def test_autograd_equals_fused_in_one_process(case):
     for step, (f, a) in enumerate(zip(fused["steps"], autograd["steps"])):
         where = f"{case} step {step}"
         torch.testing.assert_close(a["loss"], f["loss"], **TOL, msg=f"{where} value")
-        torch.testing.assert_close(a["objective"], f["objective"], **TOL, msg=f"{where} objective")
+        for name in f["metrics"].keys() & a["metrics"].keys():  # (τ quantiles: the same 2N anchors' in both)
+            torch.testing.assert_close(a["metrics"][name], f["metrics"][name], **TOL, msg=f"{where} metric {name}")
+        assert "objective" in a["metrics"].keys() & f["metrics"].keys(), where
         torch.testing.assert_close(a["e1"], f["e1"], **TOL, msg=f"{where} image grad")
         torch.testing.assert_close(a["e2"], f["e2"], **TOL, msg=f"{where} text grad")
         assert a["params"].keys() == f["params"].keys(), where
@@ -156,7 +158,9 @@ def assert_ranks_equal_one_process(per_rank, single, world_size, label):
         where = f"{label} step {step}"
         for rec in got:  # every rank computes the global loss
             torch.testing.assert_close(rec["loss"], want["loss"], **TOL, msg=f"{where} value")
-            torch.testing.assert_close(rec["objective"], want["objective"], **TOL, msg=f"{where} objective")
+            assert rec["metrics"].keys() == want["metrics"].keys(), where
+            for name, value in want["metrics"].items():  # the global batch's (τ quantiles: of its 2N anchors)
+                torch.testing.assert_close(rec["metrics"][name], value, **TOL, msg=f"{where} metric {name}")
         for key in ("e1", "e2"):  # this rank's rows: K × its share, which DDP's average divides by K
             stacked = torch.cat([rec[key] for rec in got]) / world_size
             torch.testing.assert_close(stacked, want[key], **TOL, msg=f"{where} {key} grad")

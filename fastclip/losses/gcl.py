@@ -133,7 +133,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
         # each modality's terms weighted by its τ when the temperatures are separate (the shared τ multiplies
         # the whole surrogate in _outer instead)
         row_w = torch.exp(rows.shift - row_values(log_w[local]))  # bounded by (N-1)/γ
-        col_w = 1.0
+        surrogate_w, col_w = row_w, 1.0  # (the metric: S without the τ weights, as for a shared τ)
         if self.separate:
             row_w, col_w = row_w / row_scale, 1.0 / col_scale
         kept = dict(positive=pos, positive_all=pos_all) if learnable else {}
@@ -155,7 +155,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
         def metrics():  # computed when read (logging steps), from this call's detached tensors (and not self)
             out = {
                 "loss": loss_value,
-                "surrogate": coef * (row_w * row_total).sum(),  # S alone, as the surrogate's forward sums it
+                "surrogate": coef * (surrogate_w * row_total).sum(),  # S alone, as the surrogate's forward sums it
                 "objective": objective(),
                 "gamma": loss_value.new_full((), gamma, dtype=dtype),
                 "tau": 1.0 / s.mean() if not separate else torch.exp(-torch.log(s).mean()),

@@ -28,7 +28,7 @@ from .base import SampleStateLoss
 from .batch import GlobalBatch
 from .comm import Comm
 from .estimator import update_u
-from .objective import AutogradObjective, weighted_directions
+from .objective import AnchorRows, AutogradObjective, weighted_directions
 from .options import IndividualTemperatureOptions
 from .pairwise import (
     PairBlocks,
@@ -53,7 +53,8 @@ def per_sample_tau_metrics(loss, surrogate, objective, gamma: float, tau: torch.
     """The metrics of a loss with per-anchor temperatures (v2, TempNet): the batch's τ by its 5/50/95 % quantiles.
     A function computing them when read (the trainer: on logging steps; a quantile sorts, and its q tensor would be
     a host copy every step)."""
-    loss, surrogate, objective, tau = loss.detach(), surrogate.detach(), objective.detach(), tau.detach()
+    loss, surrogate, objective = loss.detach(), surrogate.detach(), objective.detach()
+    tau = tau if isinstance(tau, AnchorRows) else tau.detach()  # (AnchorRows: this rank's, gathered by _finish)
     return functools.partial(_tau_metrics, loss, surrogate, objective, gamma, tau)  # (objective.py reads its args)
 
 

@@ -389,6 +389,15 @@ class _GlobalValue(torch.autograd.Function):
         return grad, None
 
 
+class AnchorRows:
+    """A metric's argument holding a value per anchor of this rank, ``[..., B]``: ``_finish`` hands the metric the
+    whole global batch's ``[..., N]`` (rank-major), exact, in its one all_reduce (each rank adds its rows into its
+    own slot of zeros: 2N values for two directions, no collective of their own)."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows.detach()
+
+
 class AutogradObjective:
     """Mixin (first in the bases) that runs a loss as ``_objective(features, state)``: see the module docstring.
     ``state`` is a StateRows for losses with per-sample state, else None. With the option ``queue_size`` the
@@ -432,11 +441,14 @@ class AutogradObjective:
         mean (the global mean of a mean over anchors); the owners store their rows. The loss keeps this rank's
         gradient (module docstring)."""
         rows = state.pending() if state is not None else None
+        lazy = isinstance(metrics, functools.partial)  # computed when read: its 0-d tensor arguments are reduced
         if comm.world_size == 1:
             if rows is not None:
                 state.store(rows)
+            if lazy:  # (this rank's anchors are the whole batch)
+                args = (a.rows if isinstance(a, AnchorRows) else a for a in metrics.args)
+                metrics = functools.partial(metrics.func, *args, **metrics.keywords)
             return loss, metrics
-        lazy = isinstance(metrics, functools.partial)  # computed when read: its 0-d tensor arguments are reduced
         if callable(metrics) and not lazy:
             raise TypeError(f"{self.name}: an objective's metrics are a dict or a functools.partial")
         given = dict(enumerate(metrics.args)) if lazy else metrics
@@ -444,13 +456,22 @@ class AutogradObjective:
         names = [k for k in names if given[k].dim() == 0] if lazy else names
         values = [loss.detach().reshape(1)] + [given[k].detach().reshape(-1) for k in names]
         dtype = loss.dtype
-        flat = torch.cat(([rows.reshape(-1).to(dtype)] if rows is not None else []) + [v.to(dtype) for v in values])
+        anchor_rows = [k for k, v in given.items() if isinstance(v, AnchorRows)]
+        slots = [self._rank_slot(comm, given[k].rows, dtype) for k in anchor_rows]  # summed, not averaged
+        flat = torch.cat(
+            ([rows.reshape(-1).to(dtype)] if rows is not None else []) + slots + [v.to(dtype) for v in values]
+        )
         comm.all_reduce_sum_(flat, ledger_key="values", state_part=0 if rows is None else rows.numel())
         if rows is not None:
             state.store(flat[: rows.numel()].view_as(rows))
             flat = flat[rows.numel() :]
-        means = (flat / comm.world_size).split([v.numel() for v in values])
         reduced = dict(given)
+        for name, slot in zip(anchor_rows, slots):
+            local = given[name].rows
+            whole = flat[: slot.numel()].view(comm.world_size, *local.shape).movedim(0, -2)
+            reduced[name] = whole.reshape(*local.shape[:-1], -1).to(local.dtype)
+            flat = flat[slot.numel() :]
+        means = (flat / comm.world_size).split([v.numel() for v in values])
         for name, mean in zip(names, means[1:]):
             reduced[name] = mean.view_as(given[name]).to(given[name].dtype)
         if lazy:
@@ -458,6 +479,13 @@ class AutogradObjective:
         else:
             metrics = reduced
         return _GlobalValue.apply(loss, means[0].view_as(loss)), metrics
+
+    @staticmethod
+    def _rank_slot(comm: Comm, rows: torch.Tensor, dtype) -> torch.Tensor:
+        """``rows`` in this rank's slot of a flat ``[world, *rows.shape]`` of zeros."""
+        slot = rows.new_zeros((comm.world_size, *rows.shape), dtype=dtype)
+        slot[comm.rank] = rows.to(dtype)
+        return slot.reshape(-1)
 
     def _objective(self, features: GlobalFeatures, state: StateRows | None):
         raise NotImplementedError
@@ -489,6 +517,7 @@ QUEUE_PREFIX = "queue."  # the queue's keys in the loss's state_dict
 
 
 __all__ = [
+    "AnchorRows",
     "AutogradObjective",
     "GlobalFeatures",
     "StateRows",

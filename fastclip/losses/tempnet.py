@@ -31,7 +31,7 @@ from .comm import Comm
 from .errors import LossInputError
 from .estimator import update_u
 from .individual import objective_eps_shifted, per_anchor_tau_terms, per_sample_tau_metrics
-from .objective import AutogradObjective, weighted_directions
+from .objective import AnchorRows, AutogradObjective, weighted_directions
 from .options import TempNetOptions
 from .pairwise import (
     PairBlocks,
@@ -166,7 +166,7 @@ class TempNetAutograd(AutogradObjective, TempNetLoss):
 
     Unimodal form: one image tower, so one head (``tempnet_img``; ``tempnet_txt`` is dropped) predicts τ for
     either view from its own features; u and b one per image, shared by the views as v2's (individual.py).
-    The τ quantiles among the metrics are, on several ranks, the ranks' mean of their anchors' quantiles."""
+    The τ quantiles among the metrics are those of the global batch's 2N anchors, on any number of ranks."""
 
     unimodal_form = True
 
@@ -198,4 +198,5 @@ class TempNetAutograd(AutogradObjective, TempNetLoss):
         surrogate = weighted_directions((tau / denom * g_of(tau, gap)).mean(dim=-1), weights)
         loss = surrogate + tau_term - tau_term.detach()  # value: the surrogate; gradient: both
         objective = weighted_directions((tau * (log_denom + b_new + self.rho)).mean(dim=-1), weights)
-        return loss, per_sample_tau_metrics(loss, surrogate, objective, gamma, tau.T)
+        # τ of every anchor of the global batch, as the fused loss reports: gathered in the call's one all_reduce
+        return loss, per_sample_tau_metrics(loss, surrogate, objective, gamma, AnchorRows(tau))

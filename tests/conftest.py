@@ -24,6 +24,12 @@ def tiny_embedded(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def data(tiny_embedded) -> Path:
+    """The embedded shards, under the name the training tests use (a module may define its own data)."""
+    return tiny_embedded
+
+
+@pytest.fixture(scope="session")
 def model_fns():
     """The tiny model's train preprocess and tokenizer, for the data-stream tests."""
     from fastclip.models import build_model

@@ -271,19 +271,28 @@ def make_stream(model_fns, path, rank: int = 0, world_size: int = 1, **kw):
     return build_train_stream(cfg, rank=rank, world_size=world_size, preprocess=model_fns[0], tokenizer=model_fns[1])
 
 
-def one_line_error(capsys, fn, argv, *words, code=2) -> str:
+def one_line_error(capsys, fn, argv, *words, code=2, stdout_empty=False) -> str:
     """fn(argv) (a command's main) ends with `code` and one stderr line holding every word; argparse's exit counts
-    too. Returns the line."""
+    too. stdout_empty: nothing was printed to stdout either. Returns the line."""
     try:
         status = fn(argv)
     except SystemExit as e:
         status = e.code
-    err = capsys.readouterr().err.strip()
+    captured = capsys.readouterr()
+    err = captured.err.strip()
     assert status == code, (status, err)
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not stdout_empty or captured.out == "", captured.out
     for w in words:
         assert w in err, (w, err)
     return err
+
+
+def the_error_line(err: str, notes: str = "fastclip train: note:") -> str:
+    """The one line of a stderr text besides the notes (lines starting with ``notes``); no traceback."""
+    lines = [x for x in err.strip().splitlines() if not x.startswith(notes)]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
 
 
 def truncate_file(path, keep_bytes: int) -> None:

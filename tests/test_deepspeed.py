@@ -24,11 +24,6 @@ from helpers import overrides as shared_overrides  # noqa: E402
 STEPS = 4  # 2 x 8 per step; 80 training samples -> 5 steps per epoch
 
 
-@pytest.fixture(scope="session")
-def data(tiny_embedded) -> Path:
-    return tiny_embedded
-
-
 def overrides(data: Path, run_dir: Path, **extra) -> list[str]:
     return shared_overrides(data, run_dir, **{"train.max_steps": STEPS, **extra})
 

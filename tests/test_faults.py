@@ -45,11 +45,6 @@ from helpers import (
 STEPS = 8  # of the killed job and its reference: 5 steps per epoch at 2 x 8, so it crosses into epoch 1
 
 
-@pytest.fixture(scope="session")
-def data(tiny_embedded) -> Path:
-    return tiny_embedded
-
-
 # ----------------------------------------------------------------------------- rotten shards
 def _sample(i: int, **override) -> dict:
     from fastclip.data.sources.synthetic import synthetic_image

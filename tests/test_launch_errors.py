@@ -17,7 +17,7 @@ import pytest
 from fastclip.train.cli import main
 
 from dist_utils import free_port
-from helpers import EMBEDDED, REPO, clean_env, fault_overrides, latest, step_dir, wait_for
+from helpers import EMBEDDED, REPO, clean_env, fault_overrides, latest, step_dir, the_error_line, wait_for
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_", "TORCHELASTIC")
 
@@ -33,12 +33,6 @@ def bare_env(monkeypatch):
 
 def _args(data, run, **extra) -> list[str]:
     return ["--config", str(EMBEDDED), *fault_overrides(data, run, **{"train.dist_timeout_minutes": 0.05, **extra})]
-
-
-def _one_line(err: str) -> str:
-    lines = [x for x in err.strip().splitlines() if not x.startswith("fastclip train: note:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def _ctrl_c(argv, cwd, ready, what: str, *, wait_s: float, finish_s: float, settle_s: float = 0.0, sig=signal.SIGINT):
@@ -89,7 +83,7 @@ def test_a_launch_environment_mistake_is_one_line_with_exit_2(
         bare_env.setenv(key, value)
     run = tmp_path / "run"
     assert main(_args(tiny_embedded, run, **{"train.max_steps": 1}) + (["--check"] if check else [])) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = the_error_line(capsys.readouterr().err)
     slurm = "SLURM_PROCID" in env and "RANK" not in env
     assert line.startswith("fastclip train: launch error: " + ("SLURM job" if slurm else "environment variable")), line
     for w in words:
@@ -103,7 +97,7 @@ def test_check_takes_the_world_size_from_the_launcher(tiny_embedded, tmp_path, c
     assert main(_args(tiny_embedded, tmp_path / "run") + ["--check"]) == 0
     assert "config ok for 2 process(es)" in capsys.readouterr().out
     assert main(_args(tiny_embedded, tmp_path / "run") + ["--check", "--world-size", "4"]) == 2
-    assert "--world-size 4 but the environment says WORLD_SIZE=2" in _one_line(capsys.readouterr().err)
+    assert "--world-size 4 but the environment says WORLD_SIZE=2" in the_error_line(capsys.readouterr().err)
 
 
 def test_a_master_port_in_use_is_one_line_naming_it(tiny_embedded, tmp_path, capsys, bare_env):
@@ -114,7 +108,7 @@ def test_a_master_port_in_use_is_one_line_naming_it(tiny_embedded, tmp_path, cap
         for key, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
             bare_env.setenv(key, str(value))
         assert main(_args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1})) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = the_error_line(capsys.readouterr().err)
     assert f"MASTER_PORT={port}: the port is in use" in line and "choose another MASTER_PORT" in line, line
 
 
@@ -137,7 +131,7 @@ def test_a_peer_that_never_joins_is_announced_then_one_line(tiny_embedded, tmp_p
         f"fastclip train: note: rank 0: waiting up to 0.05 min (train.dist_timeout_minutes) for all 2 processes to "
         f"join at {where}"
     ) in out.stderr
-    line = _one_line(out.stderr)
+    line = the_error_line(out.stderr)
     assert line.startswith(f"fastclip train: error: only 1 of 2 processes joined at {where} within 0.05 min"), line
     assert "check that every node started" in line and "MASTER_ADDR and MASTER_PORT" in line, line
 
@@ -154,7 +148,7 @@ def test_ctrl_c_is_one_line_exit_130_and_the_resume_continues_from_the_last_comp
     # settle 0.05 s after the first checkpoint: into the next step or its save
     status, err = _ctrl_c(["train", *args], tmp_path, ready, "a checkpoint", wait_s=240, finish_s=120, settle_s=0.05)
     assert status == 130, err
-    line = _one_line(err)
+    line = the_error_line(err)
     last = latest(run)
     assert line.startswith("fastclip train: interrupted at step "), line
     assert line.endswith(
@@ -251,7 +245,9 @@ def test_a_config_error_is_said_at_once_by_local_rank_0_and_after_a_wait_by_the_
         start = time.monotonic()
         assert main(argv + extra) == 2
         assert (time.monotonic() - start >= 0.5) is waits
-        assert "fastclip train: config error: unknown config key 'train.bogus'" in _one_line(capsys.readouterr().err)
+        assert "fastclip train: config error: unknown config key 'train.bogus'" in the_error_line(
+            capsys.readouterr().err
+        )
 
 
 def test_a_config_error_under_a_hand_run_torchrun_is_said_once(tmp_path):

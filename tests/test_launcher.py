@@ -21,11 +21,6 @@ from helpers import EMBEDDED, clean_env, fault_overrides, latest, train_records,
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def data(tiny_embedded) -> Path:
-    return tiny_embedded
-
-
 class LaunchedJob:
     """launch/single_node.sh CONFIG 2 as its own session (as a batch job is); output to a file."""
 

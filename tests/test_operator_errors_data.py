@@ -19,16 +19,12 @@ from fastclip.data.sources.synthetic import write_synthetic
 from helpers import REPO, full_disk_after, one_line_error, truncate_file
 
 
-def _one_line(capsys, argv, *words, code=2) -> str:
-    return one_line_error(capsys, main, argv, *words, code=code)
-
-
 # ----------------------------------------------------------------------------- 1. a failed `data folder`
 def test_folder_that_writes_nothing_leaves_nothing_and_its_fixed_rerun_succeeds(tmp_path, capsys):
     captions, out = tmp_path / "c.csv", tmp_path / "o"
     captions.write_text("filepath,title\nmissing.png,a cat\n")
     argv = ["folder", "--captions", str(captions), "--out", str(out)]
-    _one_line(capsys, argv, "no sample written (first skip: c.csv:2: image", "missing.png not found")
+    one_line_error(capsys, main, argv, "no sample written (first skip: c.csv:2: image", "missing.png not found")
     assert not out.exists()  # no 0-sample manifest.json that would refuse the rerun
     Image.new("RGB", (8, 8)).save(tmp_path / "missing.png")  # the operator fixes the data, runs the same command
     assert main(argv) == 0
@@ -44,7 +40,7 @@ def test_folder_refuses_an_out_holding_shards_without_a_manifest(tmp_path, capsy
     out.mkdir()
     (out / "train-000000.tar").write_bytes(b"an earlier run's shard")
     argv = ["folder", "--captions", str(captions), "--out", str(out)]
-    _one_line(capsys, argv, f"--out {out}: already holds 1 shard named train-*.tar (train-000000.tar, ...)")
+    one_line_error(capsys, main, argv, f"--out {out}: already holds 1 shard named train-*.tar (train-000000.tar, ...)")
     assert (out / "train-000000.tar").read_bytes() == b"an earlier run's shard"
     assert sorted(x.name for x in out.iterdir()) == ["train-000000.tar"]
     assert main([*argv, "--prefix", "more"]) == 0  # other names do not collide
@@ -62,7 +58,7 @@ def test_folder_that_fails_midway_removes_what_it_wrote_and_nothing_else(tmp_pat
     (kept / "notes.txt").write_text("the operator's")
     for out in (kept, tmp_path / "new" / "sub"):
         argv = ["folder", "--captions", str(captions), "--out", str(out), "--shard-size", "1"]
-        _one_line(capsys, argv, f"{captions}:4: not valid JSON")
+        one_line_error(capsys, main, argv, f"{captions}:4: not valid JSON")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.png", "1.png", "2.png", "c.jsonl", "kept"]
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]  # its 3 shards gone, the file that was there kept
 
@@ -125,22 +121,26 @@ def test_embedded_refuses_an_out_holding_a_data_set_and_leaves_it(tmp_path, caps
     out = tmp_path / "o"
     shutil.copytree(tiny_embedded, out)
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    _one_line(capsys, ["embedded", "--out", str(out), *SMALL], f"--out {out}: already holds a data set ({out}/")
+    one_line_error(
+        capsys, main, ["embedded", "--out", str(out), *SMALL], f"--out {out}: already holds a data set ({out}/"
+    )
     for name in ("zeroshot.json", "embedded.json"):  # a split's manifest alone is enough
         (out / name).unlink()
         del before[Path(name)]
-    _one_line(capsys, ["embedded", "--out", str(out), *SMALL], f"({out}/train/manifest.json); write to a new folder")
+    one_line_error(
+        capsys, main, ["embedded", "--out", str(out), *SMALL], f"({out}/train/manifest.json); write to a new folder"
+    )
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     mine = tmp_path / "mine"  # shards without a manifest (someone's own, or a build stopped before the end)
     (mine / "train").mkdir(parents=True)
     (mine / "train" / "train-000000.tar").write_text("mine")
-    _one_line(capsys, ["embedded", "--out", str(mine), *SMALL], f"({mine}/train/train-000000.tar)")
+    one_line_error(capsys, main, ["embedded", "--out", str(mine), *SMALL], f"({mine}/train/train-000000.tar)")
     assert (mine / "train" / "train-000000.tar").read_text() == "mine"
 
 
 def test_embedded_refuses_a_dataset_named_twice(tmp_path, capsys):
     args = ["embedded", "--out", str(tmp_path / "o"), *SMALL, "--datasets", "mnist,mnist"]
-    _one_line(capsys, args, "--datasets mnist,mnist: mnist named twice; name each once")
+    one_line_error(capsys, main, args, "--datasets mnist,mnist: mnist named twice; name each once")
     assert not (tmp_path / "o").exists()
 
 
@@ -171,7 +171,7 @@ def test_data_numbers_out_of_range_name_the_flag(argv, words, tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.csv").write_text("filepath,title\nx.png,a cat\n")
     (tmp_path / "d").mkdir()
-    _one_line(capsys, argv, *words)
+    one_line_error(capsys, main, argv, *words)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.csv", "d"]  # nothing written
 
 
@@ -179,8 +179,9 @@ def test_data_numbers_out_of_range_name_the_flag(argv, words, tmp_path, monkeypa
 def test_data_info_refuses_a_global_batch_larger_than_the_data_as_train_does(tmp_path, capsys):
     write_synthetic(tmp_path / "d", [6, 6])
     spec = str(tmp_path / "d")
-    _one_line(
+    one_line_error(
         capsys,
+        main,
         ["info", spec, "--batch-size", "7", "--world-size", "2"],
         f"--batch-size 7 per process x 2 process(es) = 14 is larger than the data (12 samples per epoch in {spec})",
         "pass a smaller --batch-size",
@@ -331,7 +332,7 @@ def test_a_data_build_under_nohup_keeps_sighup_ignored(tmp_path, monkeypatch):
 def test_folder_separator_and_encoding_mistakes_are_one_line(tmp_path, capsys, separator, text, said):
     (tmp_path / "c.csv").write_bytes(text.encode("latin-1"))
     argv = ["folder", "--captions", str(tmp_path / "c.csv"), "--out", str(tmp_path / "o")]
-    _one_line(capsys, argv + (["--csv-separator", separator] if separator else []), said)
+    one_line_error(capsys, main, argv + (["--csv-separator", separator] if separator else []), said)
     assert not (tmp_path / "o").exists()
 
 
@@ -345,5 +346,7 @@ def test_folder_separator_and_encoding_mistakes_are_one_line(tmp_path, capsys, s
 )
 def test_folder_flags_that_would_write_elsewhere_or_skip_every_row_are_one_line(tmp_path, capsys, extra, said):
     (tmp_path / "c.csv").write_text("filepath,title\na.png,cat\n")
-    _one_line(capsys, ["folder", "--captions", str(tmp_path / "c.csv"), "--out", str(tmp_path / "o"), *extra], said)
+    one_line_error(
+        capsys, main, ["folder", "--captions", str(tmp_path / "c.csv"), "--out", str(tmp_path / "o"), *extra], said
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.csv"]

@@ -22,11 +22,6 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 8  # 5 steps per epoch at 2 x 8: the runs cross into epoch 1
 
 
-@pytest.fixture(scope="session")
-def data(tiny_embedded) -> Path:
-    return tiny_embedded
-
-
 def _args(data: Path, run: Path, **extra) -> list[str]:
     # no checkpoints by step count or time: the only checkpoint before the end is the one the signal asks for
     return fault_overrides(

@@ -19,10 +19,6 @@ from fastclip.data.tario import write_tar
 from helpers import one_line_error
 
 
-def _one_line(capsys, argv, *words, code=2) -> str:
-    return one_line_error(capsys, main, argv, *words, code=code)
-
-
 def _stream(spec: str, batch_size: int = 1):
     return build_train_stream(
         {"train": spec, "batch_size": batch_size, "workers": 0, "shuffle_buffer": 8},
@@ -44,8 +40,9 @@ def test_a_scan_of_one_shard_does_not_replace_the_folders_manifest(tmp_path, cap
     folder = tmp_path / "d"
     write_synthetic(folder, [4, 4])
     before = (folder / "manifest.json").read_text()
-    _one_line(
+    one_line_error(
         capsys,
+        main,
         ["scan", str(folder / "train-000000.tar"), "--workers", "1"],
         f"fastclip data scan: error: {folder}/manifest.json lists 2 shards, this scan reads 1: it would drop "
         f"train-000001.tar from the manifest; scan the folder itself (or a pattern naming every listed shard), or "
@@ -109,8 +106,9 @@ def test_a_remote_source_is_not_scanned_and_the_line_says_where_its_manifest_com
     folder = tmp_path / "d"
     write_synthetic(folder, [4, 4])
     spec = spec.format(folder=folder)
-    err = _one_line(
+    err = one_line_error(
         capsys,
+        main,
         ["scan", spec, "--workers", "1"],
         f"fastclip data scan: error: {spec}: a remote source; `fastclip data scan` reads local shards only: scan "
         f"them where they are (or a local copy) and upload the manifest.json beside them, where training reads it",
@@ -123,8 +121,9 @@ def test_samples_without_image_and_caption_are_not_counted_as_usable(tmp_path, c
     folder = tmp_path / "d"
     folder.mkdir()
     write_tar(folder / "a.tar", [(f"{i:04d}", {"json": json.dumps({"index": i}).encode()}) for i in range(3)])
-    _one_line(
+    one_line_error(
         capsys,
+        main,
         ["scan", str(folder), "--workers", "1"],
         f"fastclip data scan: error: {folder}: no usable sample in 1 file(s), no manifest written (each of the 3 "
         f"samples read has a problem listed above; WebDataset .tar shards of image + caption files are expected)",
@@ -200,13 +199,16 @@ def test_a_manifest_stands_for_its_folder_and_a_shard_list_is_refused(tmp_path, 
     before = (folder / "manifest.json").read_text()
     listing = tmp_path / "list.txt"
     listing.write_text(f"{folder}/train-000000.tar\n")
-    _one_line(
+    one_line_error(
         capsys,
+        main,
         ["scan", str(listing)],
         f"fastclip data scan: error: {listing} is not a .tar/.tar.gz/.tgz shard; pass the shards' folder (or its "
         f"manifest.json) or a brace/glob pattern of the shard files",
     )
-    _one_line(capsys, ["scan", f"{folder}/*"], f"{folder}/manifest.json (from pattern '{folder}/*') is not a .tar")
+    one_line_error(
+        capsys, main, ["scan", f"{folder}/*"], f"{folder}/manifest.json (from pattern '{folder}/*') is not a .tar"
+    )
     assert (folder / "manifest.json").read_text() == before
 
 
@@ -243,8 +245,9 @@ def test_a_read_only_folder_is_scanned_to_a_manifest_elsewhere_that_training_rea
     # shards that are not there: one line naming the manifest and the first missing shard (exit 2 from the CLI)
     data["shards"] = [dict(s, path=f"{folder}/gone-{s['path'][-5]}.tar") for s in data["shards"]]
     manifest.write_text(json.dumps(data))
-    _one_line(
+    one_line_error(
         capsys,
+        main,
         ["info", str(manifest)],
         f"fastclip data info: error: shard file {folder}/gone-a.tar (listed in {manifest}) does not exist: restore "
         f"it, or rerun `fastclip data scan` with --manifest {manifest} to list the shards that are there",
@@ -252,14 +255,16 @@ def test_a_read_only_folder_is_scanned_to_a_manifest_elsewhere_that_training_rea
     # a manifest that cannot be written is said before the scan; one that is no .json, too (training would
     # take it for a shard pattern)
     (tmp_path / "file").write_text("")
-    _one_line(
+    one_line_error(
         capsys,
+        main,
         ["scan", str(folder), "--manifest", str(tmp_path / "file" / "x.json")],
         f"fastclip data scan: error: cannot write {tmp_path}/file/x.json: {tmp_path}/file is a file; pass --manifest "
         f"PATH in a folder you can write",
     )
-    _one_line(
+    one_line_error(
         capsys,
+        main,
         ["scan", str(folder), "--manifest", str(sets / "ro.txt")],
         f"fastclip data scan: error: --manifest {sets}/ro.txt: name a .json file (data.train reads FILE.json as a "
         f"manifest)",

@@ -11,6 +11,8 @@ import pytest
 from fastclip.cli import main as fastclip_main
 from fastclip.train.config import dump_config, load_config
 
+from helpers import one_line_error
+
 REPO = Path(__file__).resolve().parents[1]
 NO_HELD_OUT = ["--data.val", "null", "--data.zeroshot", "null"]  # with data of our own: else a note
 TRAIN_ROW = {"step": 5, "samples_seen": 80, "loss": 0.6, "samples_per_s": 100.0, "step_time": 0.2}
@@ -26,17 +28,6 @@ def _run(root: Path, rows: list[dict] = (TRAIN_ROW,)) -> Path:
     return run
 
 
-def _one_line(capsys, argv: list[str]) -> str:
-    try:
-        status = fastclip_main(argv)
-    except SystemExit as e:  # argparse exits
-        status = e.code
-    assert status == 2, argv
-    captured = capsys.readouterr()
-    assert captured.out == "" and len(captured.err.splitlines()) == 1, captured.err
-    return captured.err.strip()
-
-
 # ----------------------------------------------------------------------------- summary: config.yaml
 @pytest.mark.parametrize(
     "text, holds",
@@ -45,7 +36,7 @@ def _one_line(capsys, argv: list[str]) -> str:
 def test_summary_refuses_a_config_that_is_not_a_mapping(text, holds, tmp_path, capsys):
     run = _run(tmp_path)
     (run / "config.yaml").write_text(text)
-    assert _one_line(capsys, ["summary", str(run)]) == (
+    assert one_line_error(capsys, fastclip_main, ["summary", str(run)], stdout_empty=True) == (
         f"fastclip summary: {run / 'config.yaml'}: {holds} instead of the run's settings (model, loss, data, ...); "
         "pass the folder fastclip train wrote"
     )
@@ -75,7 +66,7 @@ def test_summary_shows_settings_and_samples_it_lacks_as_a_dash(tmp_path, capsys)
 )
 def test_summary_names_the_metrics_line_with_a_field_of_the_wrong_type(field, value, said, tmp_path, capsys):
     run = _run(tmp_path, [TRAIN_ROW, {**TRAIN_ROW, "step": 10, field: value}])
-    assert _one_line(capsys, ["summary", str(run)]) == (
+    assert one_line_error(capsys, fastclip_main, ["summary", str(run)], stdout_empty=True) == (
         f"fastclip summary: {run / 'metrics.jsonl'}:2: {said}; fix or delete that line"
     )
 
@@ -83,7 +74,7 @@ def test_summary_names_the_metrics_line_with_a_field_of_the_wrong_type(field, va
 def test_summary_names_a_metrics_file_that_is_not_text(tmp_path, capsys):
     run = _run(tmp_path)
     (run / "metrics.jsonl").write_bytes(b"\xff\xfe" + json.dumps(TRAIN_ROW).encode())
-    assert _one_line(capsys, ["summary", str(run)]) == (
+    assert one_line_error(capsys, fastclip_main, ["summary", str(run)], stdout_empty=True) == (
         f"fastclip summary: {run / 'metrics.jsonl'}: not a text file (byte 0 is not UTF-8); "
         "pass the folder fastclip train wrote"
     )
@@ -92,12 +83,12 @@ def test_summary_names_a_metrics_file_that_is_not_text(tmp_path, capsys):
 def test_summary_says_metrics_are_missing_or_hold_no_step(tmp_path, capsys):
     run = _run(tmp_path)
     (run / "metrics.jsonl").unlink()
-    assert _one_line(capsys, ["summary", str(run)]) == (
+    assert one_line_error(capsys, fastclip_main, ["summary", str(run)], stdout_empty=True) == (
         f"fastclip summary: {run / 'metrics.jsonl'}: missing; pass a run folder that fastclip train has logged "
         "steps into"
     )
     (run / "metrics.jsonl").write_text("")  # the trainer creates it before its first logged step
-    assert _one_line(capsys, ["summary", str(run)]).startswith(
+    assert one_line_error(capsys, fastclip_main, ["summary", str(run)], stdout_empty=True).startswith(
         f"fastclip summary: {run / 'metrics.jsonl'}: no training steps logged (no line with step and loss); "
         "summarize the run once fastclip train has logged one"
     )
@@ -118,7 +109,7 @@ def test_summary_names_the_results_line_an_evaluation_cannot_have_written(row, s
     good = {"step": 5, "task": "zeroshot_classification", "dataset": "mnist", "num_samples": 10, "top1": 0.5}
     results = run / "checkpoints" / "results.jsonl"
     results.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
-    err = _one_line(capsys, ["summary", str(run)])
+    err = one_line_error(capsys, fastclip_main, ["summary", str(run)], stdout_empty=True)
     assert err.startswith(f"fastclip summary: {results}:2: {said}") and err.endswith("; fix or delete that line"), err
 
 
@@ -128,7 +119,7 @@ def test_plot_refuses_runs_with_nothing_to_plot_and_notes_one_among_others(tmp_p
     empty.mkdir()
     (empty / "metrics.jsonl").write_text("")
     out = tmp_path / "png"
-    assert _one_line(capsys, ["plot", str(empty), "--out", str(out)]) == (
+    assert one_line_error(capsys, fastclip_main, ["plot", str(empty), "--out", str(out)], stdout_empty=True) == (
         f"fastclip plot: nothing to plot in {empty / 'metrics.jsonl'} (empty); plot the run once fastclip train "
         "has logged a step (every train.log_every steps)"
     )
@@ -143,7 +134,7 @@ def test_plot_refuses_runs_with_nothing_to_plot_and_notes_one_among_others(tmp_p
 def test_plot_refuses_an_empty_out(tmp_path, capsys, monkeypatch):
     run = _run(tmp_path / "a")
     monkeypatch.chdir(tmp_path)  # where an empty --out would write
-    assert _one_line(capsys, ["plot", str(run), "--out", ""]).startswith(
+    assert one_line_error(capsys, fastclip_main, ["plot", str(run), "--out", ""], stdout_empty=True).startswith(
         "fastclip plot: error: argument --out: empty; pass the folder for the PNG files"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
@@ -152,7 +143,7 @@ def test_plot_refuses_an_empty_out(tmp_path, capsys, monkeypatch):
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc, where no folder can be made")
 def test_plot_names_an_out_that_cannot_be_created(tmp_path, capsys):
     run = _run(tmp_path)
-    err = _one_line(capsys, ["plot", str(run), "--out", "/proc/plots"])
+    err = one_line_error(capsys, fastclip_main, ["plot", str(run), "--out", "/proc/plots"], stdout_empty=True)
     assert err.startswith("fastclip plot: --out /proc/plots: cannot create it (") and err.endswith(
         "); choose another --out"
     ), err
@@ -163,7 +154,7 @@ def test_plot_names_a_checkpoint_passed_as_a_run(tmp_path, capsys):
 
     model = tmp_path / "model.pt"
     torch.save({"state_dict": {"w": torch.zeros(4)}}, model)
-    err = _one_line(capsys, ["plot", str(model), "--out", str(tmp_path / "png")])
+    err = one_line_error(capsys, fastclip_main, ["plot", str(model), "--out", str(tmp_path / "png")], stdout_empty=True)
     assert err.startswith(f"fastclip plot: {model}: not a metrics.jsonl (") and err.endswith(
         "; pass a run directory or its metrics.jsonl"
     ), err

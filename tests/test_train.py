@@ -42,11 +42,6 @@ def mode_overrides(data, run_dir, mode, **extra):
 STEPS = 7  # crosses into epoch 1, where gamma < 1
 
 
-@pytest.fixture(scope="session")
-def data(tiny_embedded) -> Path:
-    return tiny_embedded
-
-
 # ----------------------------------------------------------------------------- 2 processes: modes + resume
 def _live_ddp_wrappers() -> int:
     return sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())

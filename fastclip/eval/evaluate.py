@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fastclip.data.format import ZEROSHOT_NAME
 from fastclip.eval.collectives import all_gather_rows, all_reduce_sum, rank_and_world
 from fastclip.eval.probe import LabelledFeatures, encode_image_with_features
 from fastclip.eval.retrieval import retrieval_metrics
@@ -417,7 +418,7 @@ def _embed_dim(model, classifiers) -> int:
 
 def default_zeroshot_file(val_dir) -> Path | None:
     """`fastclip data embedded` writes DIR/zeroshot.json beside DIR/val."""
-    for candidate in (Path(val_dir) / "zeroshot.json", Path(val_dir).parent / "zeroshot.json"):
+    for candidate in (Path(val_dir) / ZEROSHOT_NAME, Path(val_dir).parent / ZEROSHOT_NAME):
         if candidate.is_file():
             return candidate
     return None

@@ -79,6 +79,11 @@ def resolve_data(path: Path) -> tuple[Path, Path | None]:
     return path, default_zeroshot_file(path) if path.is_dir() else None
 
 
+def _is_pattern(path: Path) -> bool:
+    """A glob or brace pattern of shard files (not a path that must exist)."""
+    return any(ch in str(path) for ch in "*{")
+
+
 def _is_shard_folder(path: Path) -> bool:
     return path.is_dir() and ((path / MANIFEST_NAME).is_file() or any(path.glob("*.tar")))
 
@@ -441,8 +446,7 @@ def _usage_problem(args) -> str | None:
         return f"--probe-max-train {args.probe_max_train}: must be >= 1"
     if args.probe_train is not None and not probe_asked(args):
         return f"--probe-train {args.probe_train}: given without --linear-probe or --knn K; pass one of them"
-    pattern = args.probe_train is not None and any(c in str(args.probe_train) for c in "*{")
-    if args.probe_train is not None and not args.probe_train.exists() and not pattern:
+    if args.probe_train is not None and not args.probe_train.exists() and not _is_pattern(args.probe_train):
         return f"--probe-train {args.probe_train}: not found; pass labelled shards or an image folder"
     if args.templates is not None and not args.templates.is_file():
         return f"--templates {args.templates}: no such file; pass a .txt (one template per line) or a JSON list"
@@ -514,7 +518,7 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
 def _prepare(args, load_model) -> _Prepared:
     """The data, its class names and the model, each refused in one line before anything is evaluated."""
     source, default_names = resolve_data(args.data)
-    if not source.exists() and not any(ch in str(source) for ch in "*{"):
+    if not source.exists() and not _is_pattern(source):
         raise FileNotFoundError(f"--data {source}: not found")
     specs, names_from = load_specs(args, source, default_names)
     for_all = one_list_for_all(specs, default_names)

@@ -355,16 +355,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     size_mb = written["file"].stat().st_size / 2**20
     print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}")
+    if written["config_file"] is not None:
+        print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
     if "logit_scale" not in written:  # an ssl run's image tower (fastclip/train/ssl.py)
         from fastclip.eval.export_ssl import tower_loading_code
 
-        if written["config_file"] is not None:
-            print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
         print("the image tower alone (open_clip's model.visual; the projector is not exported)")
         print("\nload it with:\n" + tower_loading_code(written))
         return 0
-    if written["config_file"] is not None:
-        print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
     if written.get("tempnet_file") is not None:
         print(f"wrote {written['tempnet_file']} (the temperature network's heads, for further training)")
     if written["temperature_from_loss"]:

@@ -26,14 +26,18 @@ import torch.distributed as dist
 
 from fastclip.errors import CollectiveFailure
 
+# the rendezvous of a single process, and of a torchrun job that leaves MASTER_ADDR/MASTER_PORT unset
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+
 
 @dataclass(frozen=True)
 class DistEnv:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
     launcher: str = "none"  # "torchrun" | "slurm" | "none"
 
 
@@ -172,61 +176,81 @@ def dist_env_from(env=None) -> DistEnv:
     """
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world, local = _ranks(env, "RANK", "WORLD_SIZE", "LOCAL_RANK")
-        return DistEnv(
-            rank=rank,
-            world_size=world,
-            local_rank=local,
-            master_addr=_master_addr(env) or "127.0.0.1",
-            master_port=_port(env) if "MASTER_PORT" in env else 29500,
-            launcher="torchrun",
-        )
+        return _torchrun_env(env)
     slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env
-    # one of the pair without the other, outside SLURM: a hand-set or half-cleared environment; training alone would
-    # silently give a different job than the one asked for (RANK=0 or WORLD_SIZE=1 alone describe this process)
-    if not slurm and "WORLD_SIZE" in env and _int_env(env, "WORLD_SIZE", low=1, what=_SET_BY_LAUNCHER) > 1:
+    if not slurm:
+        _refuse_half_pair(env)
+        return DistEnv()
+    return _slurm_env(env)
+
+
+def _torchrun_env(env) -> DistEnv:
+    rank, world, local = _ranks(env, "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    return DistEnv(
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        master_addr=_master_addr(env) or DEFAULT_MASTER_ADDR,
+        master_port=_port(env) if "MASTER_PORT" in env else DEFAULT_MASTER_PORT,
+        launcher="torchrun",
+    )
+
+
+def _refuse_half_pair(env) -> None:
+    """One of RANK and WORLD_SIZE without the other, outside SLURM: a hand-set or half-cleared environment; training
+    alone would silently give a different job than the one asked for (RANK=0 or WORLD_SIZE=1 alone describe this
+    process)."""
+    if "WORLD_SIZE" in env and _int_env(env, "WORLD_SIZE", low=1, what=_SET_BY_LAUNCHER) > 1:
         raise LaunchError(f"environment variable WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: {_RESTART}")
-    if not slurm and "RANK" in env and _int_env(env, "RANK", what=_SET_BY_LAUNCHER) > 0:
+    if "RANK" in env and _int_env(env, "RANK", what=_SET_BY_LAUNCHER) > 0:
         raise LaunchError(f"environment variable RANK={env['RANK']} is set but WORLD_SIZE is not: {_RESTART}")
-    if slurm:
-        rank, world, local = _ranks(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
-        # sbatch scripts often export WORLD_SIZE=$SLURM_NTASKS (or RANK=$SLURM_PROCID) for other tools: fine when
-        # they agree with SLURM's, which is what the job runs by
-        for key, slurm_key, value in (("WORLD_SIZE", "SLURM_NTASKS", world), ("RANK", "SLURM_PROCID", rank)):
-            if key in env and _int_env(env, key, what=_SET_BY_LAUNCHER) != value:
-                raise LaunchError(
-                    f"environment variable {key}={env[key]} disagrees with {slurm_key}={value} of this SLURM task: "
-                    f"unset {key}, or set it from {slurm_key}"
-                )
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        master = _master_addr(env)
-        if master is None and world > 1:
-            if not nodelist:
-                raise LaunchError(
-                    f"SLURM job of {world} tasks without SLURM_JOB_NODELIST and without MASTER_ADDR: cannot find "
-                    "the master; start the tasks with srun inside the allocation, or set MASTER_ADDR to the host of "
-                    "task 0"
-                )
-            key = "SLURM_JOB_NODELIST" if env.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
-            try:
-                master = slurm_master_addr(nodelist)
-            except ValueError as e:
-                raise LaunchError(f"environment variable {key}: {e}; set MASTER_ADDR to the host of task 0") from None
-        if "MASTER_PORT" in env:
-            port = _port(env)
-        elif "SLURM_JOB_ID" in env:  # same on every task of the job, different for concurrent jobs on a shared node
-            port = 20000 + _int_env(env, "SLURM_JOB_ID", what=": set MASTER_PORT instead") % 20000
-        else:
-            port = 29500
-        return DistEnv(
-            rank=rank,
-            world_size=world,
-            local_rank=local,
-            master_addr=master or "127.0.0.1",
-            master_port=port,
-            launcher="slurm",
+
+
+def _slurm_env(env) -> DistEnv:
+    rank, world, local = _ranks(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+    # sbatch scripts often export WORLD_SIZE=$SLURM_NTASKS (or RANK=$SLURM_PROCID) for other tools: fine when
+    # they agree with SLURM's, which is what the job runs by
+    for key, slurm_key, value in (("WORLD_SIZE", "SLURM_NTASKS", world), ("RANK", "SLURM_PROCID", rank)):
+        if key in env and _int_env(env, key, what=_SET_BY_LAUNCHER) != value:
+            raise LaunchError(
+                f"environment variable {key}={env[key]} disagrees with {slurm_key}={value} of this SLURM task: "
+                f"unset {key}, or set it from {slurm_key}"
+            )
+    return DistEnv(
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        master_addr=_slurm_master_addr(env, world) or DEFAULT_MASTER_ADDR,
+        master_port=_slurm_master_port(env),
+        launcher="slurm",
+    )
+
+
+def _slurm_master_addr(env, world: int) -> str | None:
+    """MASTER_ADDR, else (several tasks) the first host of the job's node list."""
+    master = _master_addr(env)
+    if master is not None or world == 1:
+        return master
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise LaunchError(
+            f"SLURM job of {world} tasks without SLURM_JOB_NODELIST and without MASTER_ADDR: cannot find "
+            "the master; start the tasks with srun inside the allocation, or set MASTER_ADDR to the host of "
+            "task 0"
         )
-    return DistEnv()
+    key = "SLURM_JOB_NODELIST" if env.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
+    try:
+        return slurm_master_addr(nodelist)
+    except ValueError as e:
+        raise LaunchError(f"environment variable {key}: {e}; set MASTER_ADDR to the host of task 0") from None
+
+
+def _slurm_master_port(env) -> int:
+    if "MASTER_PORT" in env:
+        return _port(env)
+    if "SLURM_JOB_ID" in env:  # same on every task of the job, different for concurrent jobs on a shared node
+        return 20000 + _int_env(env, "SLURM_JOB_ID", what=": set MASTER_PORT instead") % 20000
+    return DEFAULT_MASTER_PORT
 
 
 # ----------------------------------------------------------------------------- process group

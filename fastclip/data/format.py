@@ -17,6 +17,8 @@ import json
 import posixpath
 
 MANIFEST_NAME = "manifest.json"
+# an embedded data set's class names and templates, beside its split folders (fastclip data embedded)
+ZEROSHOT_NAME = "zeroshot.json"
 MANIFEST_FORMAT = "fastclip-shards/1"
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")  # in the order a reader looks for them
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")

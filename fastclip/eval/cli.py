@@ -23,13 +23,15 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from fastclip.cli import OneLineParser, unwritable
-from fastclip.data.format import MANIFEST_NAME
+from fastclip.data.format import MANIFEST_NAME, ZEROSHOT_NAME
 from fastclip.data.tario import one_line
+from fastclip.eval import records
 from fastclip.eval.evaluate import (
     EvalResults,
     LabelOutOfRange,
@@ -46,29 +48,40 @@ from fastclip.eval.probe import (
     run_probe,
     split_for_probe,
 )
+from fastclip.eval.retrieval import DEFAULT_KS, DIRECTIONS, recall_name
 from fastclip.eval.samples import EvalDataError, image_folder_classes, is_image_folder, iter_image_folder
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders
 from fastclip.progress import Progress
 
 
+def embedded_split(root: Path, split: str) -> Path | None:
+    """root/split where root is a data set written by `fastclip data embedded` (its splits beside zeroshot.json)."""
+    return root / split if (root / split).is_dir() and (root / ZEROSHOT_NAME).is_file() else None
+
+
 def resolve_data(path: Path) -> tuple[Path, Path | None]:
     """(samples source, default class names file) for an embedded root or a plain source."""
-    if (path / "val").is_dir() and (path / "zeroshot.json").is_file():
-        return path / "val", path / "zeroshot.json"
+    if (val := embedded_split(path, "val")) is not None:
+        return val, path / ZEROSHOT_NAME
     if is_image_folder(path):
         shard_folders = [p.name for p in sorted(path.iterdir()) if _is_shard_folder(p)]
         if shard_folders:  # read as classes, train/ and val/ would give 0 samples and a 2-class "accuracy"
             hint = (
-                f"a data root without zeroshot.json: pass --data {path / 'val'}"
+                f"a data root without {ZEROSHOT_NAME}: pass --data {path / 'val'}"
                 if "val" in shard_folders
                 else f"pass one of them as --data, e.g. --data {path / shard_folders[0]}"
             )
             raise EvalDataError(
-                f"--data {path}: its subfolders {', '.join(shard_folders)} are shard folders (manifest.json or .tar), "
-                f"not one folder of images per class; {hint} (and --classnames FILE for zero-shot)"
+                f"--data {path}: its subfolders {', '.join(shard_folders)} are shard folders ({MANIFEST_NAME} or "
+                f".tar), not one folder of images per class; {hint} (and --classnames FILE for zero-shot)"
             )
         return path, None  # a zeroshot.json inside would look like a class folder's sibling, not ours
     return path, default_zeroshot_file(path) if path.is_dir() else None
+
+
+def _is_pattern(path: Path) -> bool:
+    """A glob or brace pattern of shard files (not a path that must exist)."""
+    return any(ch in str(path) for ch in "*{")
 
 
 def _is_shard_folder(path: Path) -> bool:
@@ -162,13 +175,8 @@ def load_specs(args, data: Path, default_names: Path | None) -> tuple[dict[str, 
     return {}, None
 
 
-# below this share of distinct captions, image->text recall is near 0 by construction (a templated caption ties
-# with every image of its class), so retrieval is not reported as a result
-MIN_DISTINCT_CAPTIONS = 0.9
-
-
 def retrieval_meaningful(results: EvalResults) -> bool:
-    return results.retrieval_distinct_captions >= MIN_DISTINCT_CAPTIONS * results.retrieval_samples
+    return records.retrieval_reported(results.retrieval_distinct_captions, results.retrieval_samples)
 
 
 def format_table(results: EvalResults, per_class: bool) -> str:
@@ -199,9 +207,9 @@ def format_table(results: EvalResults, per_class: bool) -> str:
                 f"\nretrieval over {results.retrieval_samples} captions of {results.retrieval_images} images "
                 f"(image->text: a hit when any of its captions is in the top k)"
             )
-        lines.append(f"{'':<14} {'R@1':>7} {'R@5':>7} {'R@10':>7}")
-        for direction in ("image_to_text", "text_to_image"):
-            values = [results.retrieval[f"{direction}_R@{k}"] for k in (1, 5, 10)]
+        lines.append(f"{'':<14} " + " ".join(f"{f'R@{k}':>7}" for k in DEFAULT_KS))
+        for direction in DIRECTIONS:
+            values = [results.retrieval[recall_name(direction, k)] for k in DEFAULT_KS]
             lines.append(f"{direction.replace('_to_', '->'):<14} " + " ".join(f"{100 * v:>7.2f}" for v in values))
         repeated = results.retrieval_samples - results.retrieval_distinct_captions
         if results.retrieval_distinct_captions and repeated > 0:
@@ -242,12 +250,12 @@ def nothing_scored(args, specs: dict, names_from: str | None, results: EvalResul
 def result_records(results: EvalResults, common: dict, probes: dict[str, ProbeResult] | None = None) -> list[dict]:
     """One JSON object per zero-shot dataset, one for retrieval, and per probed dataset one for the linear probe
     and one per kNN k (DataComp-style rows; the trainer's names: <task>/<dataset>/top1)."""
-    records = []
+    rows = []
     for name, r in results.zeroshot.items():
-        records.append(
+        rows.append(
             {
                 **common,
-                "task": "zeroshot_classification",
+                "task": records.ZEROSHOT,
                 "dataset": name,
                 "num_samples": r.num_samples,
                 "top1": r.top1,
@@ -257,10 +265,10 @@ def result_records(results: EvalResults, common: dict, probes: dict[str, ProbeRe
             }
         )
     if results.retrieval:
-        records.append(
+        rows.append(
             {
                 **common,
-                "task": "retrieval",
+                "task": records.RETRIEVAL,
                 "num_samples": results.retrieval_samples,
                 "distinct_captions": results.retrieval_distinct_captions,
                 **({} if results.retrieval_images is None else {"num_images": results.retrieval_images}),
@@ -276,12 +284,12 @@ def result_records(results: EvalResults, common: dict, probes: dict[str, ProbeRe
             "features": probe.feature_kind,
         }
         if probe.linear_top1 is not None:
-            records.append({**shared, "task": "linear_probe", "top1": probe.linear_top1, "C": probe.linear_c})
+            rows.append({**shared, "task": records.LINEAR_PROBE, "top1": probe.linear_top1, "C": probe.linear_c})
         for k, top1 in (probe.knn_top1 or {}).items():
-            records.append({**shared, "task": "knn", "k": k, "temperature": KNN_TEMPERATURE, "top1": top1})
-    for record in records:
-        record["skipped_samples"] = results.skipped
-    return records
+            rows.append({**shared, "task": records.KNN, "k": k, "temperature": KNN_TEMPERATURE, "top1": top1})
+    for row in rows:
+        row["skipped_samples"] = results.skipped
+    return rows
 
 
 def default_results_file(model_file: Path) -> Path:
@@ -357,7 +365,7 @@ def probe_train_path(args, source) -> Path | None:
     the evaluated one (an embedded root's split, ImageNet's train/ beside val/), else None: a split of the data."""
     if args.probe_train is not None:
         given = args.probe_train
-        return given / "train" if (given / "train").is_dir() and (given / "zeroshot.json").is_file() else given
+        return embedded_split(given, "train") or given
     if isinstance(source, Path) and source.name != "train" and (source.parent / "train").is_dir():
         return source.parent / "train"
     return None
@@ -438,8 +446,7 @@ def _usage_problem(args) -> str | None:
         return f"--probe-max-train {args.probe_max_train}: must be >= 1"
     if args.probe_train is not None and not probe_asked(args):
         return f"--probe-train {args.probe_train}: given without --linear-probe or --knn K; pass one of them"
-    pattern = args.probe_train is not None and any(c in str(args.probe_train) for c in "*{")
-    if args.probe_train is not None and not args.probe_train.exists() and not pattern:
+    if args.probe_train is not None and not args.probe_train.exists() and not _is_pattern(args.probe_train):
         return f"--probe-train {args.probe_train}: not found; pass labelled shards or an image folder"
     if args.templates is not None and not args.templates.is_file():
         return f"--templates {args.templates}: no such file; pass a .txt (one template per line) or a JSON list"
@@ -470,120 +477,167 @@ def main(argv: list[str] | None = None) -> int:
         evaluate_log.setLevel(level)
 
 
+@dataclass
+class _Prepared:
+    """What the evaluation runs on, once the flags, the data, the class names and the model are known usable."""
+
+    source: object  # a Path (shards), or a function of (rank, world_size, skipped) yielding samples
+    preprocess: object
+    specs: dict[str, ZeroShotSpec]
+    names_from: str | None  # where the class names came from, as said in the header and the errors
+    for_all: bool  # one class list scores every labelled sample
+    loaded: object  # fastclip.eval.checkpoint.load_model's model, file and step
+    train_path: Path | None  # the probe's training data (None: a split of --data)
+    default_name: str  # the dataset of samples that name none
+
+
+@dataclass
+class _Scored:
+    results: EvalResults
+    probes: dict[str, ProbeResult] = field(default_factory=dict)
+    probe_where: str = ""  # where the probe's training features came from
+    probe_skipped: int = 0  # training samples of the probe skipped as unreadable
+
+
 def _main(args, load_model, warnings: _OneLineWarnings) -> int:
     try:
-        source, default_names = resolve_data(args.data)
-        if not source.exists() and not any(ch in str(source) for ch in "*{"):
-            raise FileNotFoundError(f"--data {source}: not found")
-        specs, names_from = load_specs(args, source, default_names)
-        for_all = one_list_for_all(specs, default_names)
-        problem = nothing_scored(args, specs, names_from)
-        if problem:  # known from the flags: refused before the model is loaded
-            raise ValueError(problem)
-        loaded = load_model(args.checkpoint, arch=args.arch, device=args.device, image_tower=probe_asked(args))
-        if loaded.image_only:  # an ssl run or export: the probe alone scores an image tower
-            if args.classnames is not None or args.templates is not None:
-                given = "--classnames" if args.classnames is not None else "--templates"
-                raise ValueError(
-                    f"{given}: {loaded.file} is an image tower alone (ssl): the probe scores it, not zero-shot; "
-                    f"drop {given}"
-                )
-            specs, names_from, for_all, args.no_retrieval = {}, None, True, True
-        if args.results is None and (problem := unwritable("--results", default_results_file(loaded.file))):
-            raise ValueError(f"{problem} (the default beside the model; pass --results FILE)")
-        train_path = probe_train_path(args, source)
-        preprocess = loaded.built.preprocess_val
-        if specs and imagenet_asked(args) and next(iter(specs.values())).name == "objectnet":
-            from fastclip.eval.imagenet import ImageNetSource, prepared
-
-            # decoded here, border cropped (ObjectNet's red frame), preprocessed: the trainer's source
-            source = ImageNetSource(source, preprocess, workers=0, batch_size=args.batch_size)
-            preprocess = prepared
-        elif is_image_folder(source) and specs:
-            if len(specs) != 1:
-                raise ValueError(f"{names_from}: an image folder takes one class list, the file has {sorted(specs)}")
-            source = image_folder_source(source, next(iter(specs.values())), names_from)
-        built = loaded.built
-        default_name = next(iter(specs)) if len(specs) == 1 else Path(args.data).name  # of samples naming none
+        run = _prepare(args, load_model)
         started = time.time()
-        total = _count_samples(source, args.max_samples)
-        with Progress(total, "eval", unit="sample") if total else contextlib.nullcontext() as bar:
-            results = evaluate(
-                built.model,
-                tokenizer=built.tokenizer,
-                preprocess=preprocess,
-                source=source,
-                specs=specs,
-                device=args.device,
-                batch_size=args.batch_size,
-                max_samples=args.max_samples,
-                retrieval=not args.no_retrieval,
-                progress=bar.update if bar is not None else None,
-                one_list_for_all=for_all,
-                collect_features=default_name if probe_asked(args) else None,
-            )
-        probes, probe_where, probe_skipped = {}, "", 0
-        if probe_asked(args) and results.num_samples:
-            probe_source = train_path
-            if train_path is not None and is_image_folder(train_path) and len(specs) == 1:
-                probe_source = image_folder_source(train_path, next(iter(specs.values())), names_from)
-            probe_total = _count_samples(train_path, args.probe_max_train) if train_path is not None else None
-            probes, probe_where, probe_skipped = run_probes(
-                args, built, results, train_path, probe_source, default_name, probe_total
-            )
-    except MixedDatasets as err:
-        print(
-            f"fastclip eval: --classnames {names_from}: {err}; pass a list per dataset (a zeroshot.json with "
-            f'"datasets"), or name the list for the one dataset to score ("name" in a .json, <dataset>.txt)',
-            file=sys.stderr,
-        )
-        return 2
-    except LabelOutOfRange as err:
-        print(
-            f"fastclip eval: {err}: the class names of {names_from} are not this data's; pass its own --classnames",
-            file=sys.stderr,
-        )
-        return 2
+        with _class_list_errors(run.names_from):
+            scored = _score(args, run)
     except (FileNotFoundError, ValueError, EvalDataError) as err:  # a checkpoint or data named that is unusable
         print(f"fastclip eval: {err}", file=sys.stderr)
         return 2
-    if results.num_samples == 0:  # every shard or image unreadable: a table of zeros would read as a result
-        first = f"; first: {warnings.first.removeprefix('eval data: skipped ')}" if warnings.first else ""
-        print(
-            f"fastclip eval: no readable sample in --data {args.data} ({results.skipped} skipped as unreadable"
-            f"{first}); check it with fastclip data scan (shards) or pass another --data",
-            file=sys.stderr,
-        )
-        return 2
-    problem = nothing_scored(args, specs, names_from, results)
-    if problem:
+    if problem := _unscored(args, run, scored.results, warnings):
         print(f"fastclip eval: {problem}", file=sys.stderr)
         return 2
-    seconds = time.time() - started
-    print(
-        f"model {loaded.file} ({built.arch}{'' if loaded.step is None else f', step {loaded.step}'}); "
-        f"data {args.data}; class names: {names_from or 'none'}"
-    )
+    _print_report(args, run, scored, warnings, seconds=time.time() - started)
+    return _append_records(args, run, scored)
+
+
+def _prepare(args, load_model) -> _Prepared:
+    """The data, its class names and the model, each refused in one line before anything is evaluated."""
+    source, default_names = resolve_data(args.data)
+    if not source.exists() and not _is_pattern(source):
+        raise FileNotFoundError(f"--data {source}: not found")
+    specs, names_from = load_specs(args, source, default_names)
+    for_all = one_list_for_all(specs, default_names)
+    problem = nothing_scored(args, specs, names_from)
+    if problem:  # known from the flags: refused before the model is loaded
+        raise ValueError(problem)
+    loaded = load_model(args.checkpoint, arch=args.arch, device=args.device, image_tower=probe_asked(args))
+    if loaded.image_only:  # an ssl run or export: the probe alone scores an image tower
+        if args.classnames is not None or args.templates is not None:
+            given = "--classnames" if args.classnames is not None else "--templates"
+            raise ValueError(
+                f"{given}: {loaded.file} is an image tower alone (ssl): the probe scores it, not zero-shot; "
+                f"drop {given}"
+            )
+        specs, names_from, for_all, args.no_retrieval = {}, None, True, True
+    if args.results is None and (problem := unwritable("--results", default_results_file(loaded.file))):
+        raise ValueError(f"{problem} (the default beside the model; pass --results FILE)")
+    train_path = probe_train_path(args, source)
+    preprocess = loaded.built.preprocess_val
+    if specs and imagenet_asked(args) and next(iter(specs.values())).name == "objectnet":
+        from fastclip.eval.imagenet import ImageNetSource, prepared
+
+        # decoded here, border cropped (ObjectNet's red frame), preprocessed: the trainer's source
+        source = ImageNetSource(source, preprocess, workers=0, batch_size=args.batch_size)
+        preprocess = prepared
+    elif is_image_folder(source) and specs:
+        if len(specs) != 1:
+            raise ValueError(f"{names_from}: an image folder takes one class list, the file has {sorted(specs)}")
+        source = image_folder_source(source, next(iter(specs.values())), names_from)
+    default_name = next(iter(specs)) if len(specs) == 1 else Path(args.data).name
+    return _Prepared(source, preprocess, specs, names_from, for_all, loaded, train_path, default_name)
+
+
+@contextlib.contextmanager
+def _class_list_errors(names_from: str | None):
+    """A class list that is not the data's, said naming where it came from."""
+    try:
+        yield
+    except MixedDatasets as err:
+        raise EvalDataError(
+            f"--classnames {names_from}: {err}; pass a list per dataset (a zeroshot.json with "
+            f'"datasets"), or name the list for the one dataset to score ("name" in a .json, <dataset>.txt)'
+        ) from None
+    except LabelOutOfRange as err:
+        raise EvalDataError(
+            f"{err}: the class names of {names_from} are not this data's; pass its own --classnames"
+        ) from None
+
+
+def _score(args, run: _Prepared) -> _Scored:
+    """Zero-shot and retrieval over --data, then the probes on its image features."""
+    built = run.loaded.built
+    total = _count_samples(run.source, args.max_samples)
+    with Progress(total, "eval", unit="sample") if total else contextlib.nullcontext() as bar:
+        results = evaluate(
+            built.model,
+            tokenizer=built.tokenizer,
+            preprocess=run.preprocess,
+            source=run.source,
+            specs=run.specs,
+            device=args.device,
+            batch_size=args.batch_size,
+            max_samples=args.max_samples,
+            retrieval=not args.no_retrieval,
+            progress=bar.update if bar is not None else None,
+            one_list_for_all=run.for_all,
+            collect_features=run.default_name if probe_asked(args) else None,
+        )
+    scored = _Scored(results)
+    if probe_asked(args) and results.num_samples:
+        train_path, probe_source = run.train_path, run.train_path
+        if train_path is not None and is_image_folder(train_path) and len(run.specs) == 1:
+            probe_source = image_folder_source(train_path, next(iter(run.specs.values())), run.names_from)
+        probe_total = _count_samples(train_path, args.probe_max_train) if train_path is not None else None
+        scored.probes, scored.probe_where, scored.probe_skipped = run_probes(
+            args, built, results, train_path, probe_source, run.default_name, probe_total
+        )
+    return scored
+
+
+def _unscored(args, run: _Prepared, results: EvalResults, warnings: _OneLineWarnings) -> str | None:
+    """Why the evaluation gave no number to report (a table of zeros would read as a result), else None."""
+    if results.num_samples == 0:  # every shard or image unreadable
+        first = f"; first: {warnings.first.removeprefix('eval data: skipped ')}" if warnings.first else ""
+        return (
+            f"no readable sample in --data {args.data} ({results.skipped} skipped as unreadable"
+            f"{first}); check it with fastclip data scan (shards) or pass another --data"
+        )
+    return nothing_scored(args, run.specs, run.names_from, results)
+
+
+def _print_report(args, run: _Prepared, scored: _Scored, warnings: _OneLineWarnings, seconds: float) -> None:
+    results, probes, loaded = scored.results, scored.probes, run.loaded
+    step = "" if loaded.step is None else f", step {loaded.step}"
+    print(f"model {loaded.file} ({loaded.built.arch}{step}); data {args.data}; class names: {run.names_from or 'none'}")
     print(f"{results.num_samples} samples in {seconds:.1f} s\n")
     print(format_table(results, args.per_class) if results.zeroshot or results.retrieval or not probes else "")
     if probes:
-        print(format_probe_table(probes, probe_where))
-        if probe_skipped:
-            print(f"({probe_skipped} training samples of the probe skipped as unreadable)")
+        print(format_probe_table(probes, scored.probe_where))
+        if scored.probe_skipped:
+            print(f"({scored.probe_skipped} training samples of the probe skipped as unreadable)")
     if warnings.count:
         print(warnings.said(), file=sys.stderr)
-    if specs and results.unmatched:
-        print(f"\n{results.unmatched} labelled samples belong to no dataset of {names_from}: not scored")
-    if not specs and results.unmatched and not loaded.image_only:  # retrieval was scored; the labels were not
+    if run.specs and results.unmatched:
+        print(f"\n{results.unmatched} labelled samples belong to no dataset of {run.names_from}: not scored")
+    if not run.specs and results.unmatched and not loaded.image_only:  # retrieval was scored; the labels were not
         print(
             f"\nzero-shot skipped: no class names for the {results.unmatched} labelled samples (no zeroshot.json "
             f"beside --data {args.data}); pass --classnames FILE to score them"
         )
 
+
+def _append_records(args, run: _Prepared, scored: _Scored) -> int:
+    """The results' JSON records appended to --results (exit status 1 where that fails: the table still stands)."""
+    loaded = run.loaded
     common = {
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
         "checkpoint": str(loaded.file),
-        "arch": built.arch,
+        "arch": loaded.built.arch,
         "step": loaded.step,
         "data": str(args.data),
     }
@@ -591,7 +645,7 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
     try:  # (a read-only file, a disk that filled during the evaluation: the table above still stands)
         results_file.parent.mkdir(parents=True, exist_ok=True)
         with open(results_file, "a") as f:
-            for record in result_records(results, common, probes):
+            for record in result_records(scored.results, common, scored.probes):
                 f.write(json.dumps(record) + "\n")
     except OSError as e:
         print(f"fastclip eval: --results {results_file}: cannot append ({e.strerror or e})", file=sys.stderr)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fastclip.data.format import ZEROSHOT_NAME
 from fastclip.eval.collectives import all_gather_rows, all_reduce_sum, rank_and_world
 from fastclip.eval.probe import LabelledFeatures, encode_image_with_features
 from fastclip.eval.retrieval import retrieval_metrics
@@ -280,10 +281,10 @@ def evaluate(
 
 
 def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_size, max_samples, progress=None):
-    device, specs, retrieval = state.device, state.specs, state.retrieval
+    specs = state.specs
     rank, world = rank_and_world(group)
     classifiers = {
-        name: zeroshot_classifier(model, tokenizer, spec.prompted_names, spec.templates, device)
+        name: zeroshot_classifier(model, tokenizer, spec.prompted_names, spec.templates, state.device)
         for name, spec in specs.items()
     }
     error: BaseException | None = None
@@ -305,7 +306,20 @@ def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_s
         if error is not None:
             raise error
         raise EvalDataError(f"evaluation failed on {failures} other rank(s); see their logs")
-    offset, results = 0, EvalResults(num_samples=num_samples, unmatched=unmatched, skipped=num_skipped)
+    results = EvalResults(num_samples=num_samples, unmatched=unmatched, skipped=num_skipped)
+    _unpack_zeroshot(state, packed, results)
+    if len(specs) == 1 and state.one_list_for_all:
+        _refuse_mixed_datasets(state, group)
+    if unmatched and specs and rank == 0:  # (no class names at all: the caller knows zero-shot is off)
+        log.warning("%d labelled samples belong to no dataset of the class names file; not scored", unmatched)
+    if state.retrieval:
+        _gather_retrieval(state, results, 2 * _embed_dim(model, classifiers), group)
+    return results
+
+
+def _unpack_zeroshot(state: _Pass, packed: torch.Tensor, results: EvalResults) -> None:
+    """Each dataset's summed counts, in `state.names` order at the start of `packed`, into `results.zeroshot`."""
+    offset = 0
     for name in state.names:
         counts = state.counts[name]
         size = counts.packed().numel()
@@ -317,34 +331,33 @@ def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_s
                 f"[0, {counts.num_classes}) (its class list has {counts.num_classes} names)"
             )
         if int(counts.counts[0].sum()):
-            results.zeroshot[name] = ZeroShotResult.from_counts(name, specs[name].classnames, counts.counts)
-    if len(specs) == 1 and state.one_list_for_all:
-        _refuse_mixed_datasets(state, group)
-    if unmatched and specs and rank == 0:  # (no class names at all: the caller knows zero-shot is off)
-        log.warning("%d labelled samples belong to no dataset of the class names file; not scored", unmatched)
+            results.zeroshot[name] = ZeroShotResult.from_counts(name, state.specs[name].classnames, counts.counts)
 
-    if retrieval:
-        width = 2 * _embed_dim(model, classifiers)
-        local = torch.cat(state.pairs) if state.pairs else torch.zeros(0, width, device=device)
-        pairs = all_gather_rows(local, group)
-        local = torch.cat(state.pair_indices) if state.pair_indices else torch.zeros(0, dtype=torch.int64)
-        indices = all_gather_rows(local.to(device), group)
-        local = torch.cat(state.pair_groups) if state.pair_groups else torch.zeros(0, dtype=torch.int64)
-        groups = caption_groups(all_gather_rows(local.to(device), group))
-        order = torch.sort(indices, stable=True).indices  # data-index order: the validation loss's batches are
-        # the same pairs whatever the number of ranks
-        state.gathered_pairs = (pairs[order], indices[order], None if groups is None else groups[order])
-        if pairs.shape[0]:
-            half = pairs.shape[1] // 2
-            if groups is None:
-                results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:])
-            else:  # in data-index order: an image is its group's first caption's, whatever the number of ranks
-                pairs, _, groups = state.gathered_pairs
-                results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:], groups=groups)
-                results.retrieval_images = int(torch.unique(groups).shape[0])
-            results.retrieval_samples = pairs.shape[0]
-            results.retrieval_distinct_captions = int(torch.unique(pairs[:, half:], dim=0).shape[0])
-    return results
+
+def _gather_retrieval(state: _Pass, results: EvalResults, width: int, group) -> None:
+    """Every rank's image-caption pairs, in data-index order, into `state.gathered_pairs` and their recall into
+    `results`."""
+    device = state.device
+    local = torch.cat(state.pairs) if state.pairs else torch.zeros(0, width, device=device)
+    pairs = all_gather_rows(local, group)
+    local = torch.cat(state.pair_indices) if state.pair_indices else torch.zeros(0, dtype=torch.int64)
+    indices = all_gather_rows(local.to(device), group)
+    local = torch.cat(state.pair_groups) if state.pair_groups else torch.zeros(0, dtype=torch.int64)
+    groups = caption_groups(all_gather_rows(local.to(device), group))
+    order = torch.sort(indices, stable=True).indices  # data-index order: the validation loss's batches are
+    # the same pairs whatever the number of ranks
+    state.gathered_pairs = (pairs[order], indices[order], None if groups is None else groups[order])
+    if not pairs.shape[0]:
+        return
+    half = pairs.shape[1] // 2
+    if groups is None:
+        results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:])
+    else:  # in data-index order: an image is its group's first caption's, whatever the number of ranks
+        pairs, _, groups = state.gathered_pairs
+        results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:], groups=groups)
+        results.retrieval_images = int(torch.unique(groups).shape[0])
+    results.retrieval_samples = pairs.shape[0]
+    results.retrieval_distinct_captions = int(torch.unique(pairs[:, half:], dim=0).shape[0])
 
 
 def caption_groups(groups: torch.Tensor) -> torch.Tensor | None:
@@ -405,7 +418,7 @@ def _embed_dim(model, classifiers) -> int:
 
 def default_zeroshot_file(val_dir) -> Path | None:
     """`fastclip data embedded` writes DIR/zeroshot.json beside DIR/val."""
-    for candidate in (Path(val_dir) / "zeroshot.json", Path(val_dir).parent / "zeroshot.json"):
+    for candidate in (Path(val_dir) / ZEROSHOT_NAME, Path(val_dir).parent / ZEROSHOT_NAME):
         if candidate.is_file():
             return candidate
     return None

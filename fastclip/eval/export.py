@@ -136,18 +136,10 @@ def export_model(
     if precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     from fastclip.eval.checkpoint import load_model
-    from fastclip.models import copy_hf_folder, hf_folder_copies, with_hf_folders
+    from fastclip.models import hf_folder_copies
 
-    file, checkpoint = load_checkpoint(checkpoint_path)
     out = Path(out)
-    _refuse_checkpoint_out(out, file)
-    _check_out(out)
-    for key in ("arch", "model_config"):
-        if key not in checkpoint:
-            raise ValueError(
-                f"{file}: not a fastclip training checkpoint (no {key!r}: an export, or a bare state dict); pass a "
-                f"run, step folder or model.pt that fastclip train wrote"
-            )
+    file, checkpoint = _training_checkpoint(checkpoint_path, out)
     if ckpt.is_ssl_checkpoint(checkpoint):  # images alone: the image tower is the model (fastclip/eval/export_ssl.py)
         if momentum_towers:
             raise ValueError(f"{file}: an ssl run has no momentum towers; export without --momentum-towers")
@@ -157,22 +149,7 @@ def export_model(
     arch, model_config = ckpt.architecture(checkpoint)
     _check_arch_field(file, checkpoint, arch, model_config)
     load_model(file)  # the tensors fit the architecture they claim, all finite (a one-line ValueError otherwise)
-    state = ckpt.towers_state(checkpoint)
-    if momentum_towers:
-        if "momentum_towers" not in checkpoint:
-            raise ValueError(
-                f"{file}: no momentum towers (the run did not set model.ema_momentum); export without --momentum-towers"
-            )
-        state = dict(checkpoint["momentum_towers"])
-
-    scale = ckpt.loss_logit_scale(checkpoint)
-    if scale is not None:
-        if "logit_scale" not in state:
-            raise ValueError(f"{file}: the loss has a logit_scale but the model state_dict has none to receive it")
-        state["logit_scale"] = scale.detach().reshape(state["logit_scale"].shape)
-    dtype = PRECISIONS[precision]
-    # clone: a tensor that is a view of a larger storage would otherwise save the whole storage
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone().contiguous() for k, v in state.items()}
+    state, scale = _exported_state(file, checkpoint, momentum_towers, PRECISIONS[precision])
 
     # fastclip-tempnet: its temperature heads belong to training, not to the CLIP model open_clip loads, so
     # they are written beside the export (weights only) for whoever continues training from it
@@ -183,10 +160,58 @@ def export_model(
     hf_copies = hf_folder_copies(model_config, out.parent) if config_file is not None else []
     _check_beside(out, [f for f in (tempnet_file, config_file) if f is not None])
     _check_hf_copies(out, hf_copies)
+    _write_verified(out, arch, model_config, state, heads, tempnet_file, config_file, hf_copies)
+    return {
+        "file": out,
+        "arch": arch,
+        "config_file": config_file,
+        "tempnet_file": tempnet_file,
+        "logit_scale": float(state["logit_scale"]) if "logit_scale" in state else None,
+        "temperature_from_loss": scale is not None,
+        "step": ckpt.saved_step(checkpoint),
+        "source": file,
+    }
+
+
+def _training_checkpoint(checkpoint_path, out: Path) -> tuple[Path, dict]:
+    """(file, contents) of the checkpoint to export, once `out` is known not to replace training files."""
+    file, checkpoint = load_checkpoint(checkpoint_path)
+    _refuse_checkpoint_out(out, file)
+    _check_out(out)
+    for key in ("arch", "model_config"):
+        if key not in checkpoint:
+            raise ValueError(
+                f"{file}: not a fastclip training checkpoint (no {key!r}: an export, or a bare state dict); pass a "
+                f"run, step folder or model.pt that fastclip train wrote"
+            )
+    return file, checkpoint
+
+
+def _exported_state(file: Path, checkpoint: dict, momentum_towers: bool, dtype: torch.dtype):
+    """(the towers' tensors in `dtype` with the loss's learned logit_scale, that logit_scale or None)."""
+    state = ckpt.towers_state(checkpoint)
+    if momentum_towers:
+        if "momentum_towers" not in checkpoint:
+            raise ValueError(
+                f"{file}: no momentum towers (the run did not set model.ema_momentum); export without --momentum-towers"
+            )
+        state = dict(checkpoint["momentum_towers"])
+    scale = ckpt.loss_logit_scale(checkpoint)
+    if scale is not None:
+        if "logit_scale" not in state:
+            raise ValueError(f"{file}: the loss has a logit_scale but the model state_dict has none to receive it")
+        state["logit_scale"] = scale.detach().reshape(state["logit_scale"].shape)
+    # clone: a tensor that is a view of a larger storage would otherwise save the whole storage
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone().contiguous() for k, v in state.items()}
+    return state, scale
+
+
+def _write_verified(out, arch, model_config, state, heads, tempnet_file, config_file, hf_copies) -> None:
+    """Everything is written into a staging folder beside --out and verified there; only then does it take the final
+    names, so a failure (a full disk, a tower open_clip builds otherwise) leaves an earlier export as it was."""
+    from fastclip.models import copy_hf_folder
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    # everything is written into a staging folder beside --out and verified there; only then does it take the final
-    # names, so a failure (a full disk, a tower open_clip builds otherwise) leaves an earlier export as it was
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=".fastclip-export-"))
     committed = False
     try:  # (through an open file: torch.save's own open fails with a RuntimeError, not an OSError)
@@ -198,7 +223,7 @@ def export_model(
         for source, target in staged_folders.items():
             copy_hf_folder(source, target)
         if staged is not None:
-            staged.write_text(json.dumps(with_hf_folders(model_config, staged_folders), indent=4) + "\n")
+            _write_model_config(staged, model_config, staged_folders)
         _verify_in_open_clip(staging / out.name, arch, staged, state)
         # the moves are one update: a stop (Ctrl-C, SIGTERM) acts once they are made and the staging folder gone
         with signals_deferred():
@@ -213,22 +238,17 @@ def export_model(
         raise Stopped(e.signum if isinstance(e, Stopped) else signal.SIGINT, done=f"{out} was written") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return {
-        "file": out,
-        "arch": arch,
-        "config_file": config_file,
-        "tempnet_file": tempnet_file,
-        "logit_scale": float(state["logit_scale"]) if "logit_scale" in state else None,
-        "temperature_from_loss": scale is not None,
-        "step": ckpt.saved_step(checkpoint),
-        "source": file,
-    }
+
+
+def _write_model_config(path: Path, model_config: dict, hf_folders: dict) -> None:
+    """`<arch>.json`, its Hugging Face text tower's folders named as in `hf_folders` (source -> place)."""
+    from fastclip.models import with_hf_folders
+
+    path.write_text(json.dumps(with_hf_folders(model_config, hf_folders), indent=4) + "\n")
 
 
 def _commit(out, staging, staged, config_file, model_config, hf_copies, staged_folders, tempnet_file) -> None:
     """Give the verified staged files their final names, the model file last."""
-    from fastclip.models import with_hf_folders
-
     for source, copy in hf_copies:  # file by file: a folder of an earlier export takes the new files
         if copy.resolve() == source.resolve():  # exported beside the folder itself
             continue
@@ -236,7 +256,7 @@ def _commit(out, staging, staged, config_file, model_config, hf_copies, staged_f
         for file in staged_folders[source].iterdir():
             shutil.move(file, copy / file.name)  # (a rename, or a copy where copy links to another disk)
     if staged is not None:  # naming the folders' final places
-        staged.write_text(json.dumps(with_hf_folders(model_config, dict(hf_copies)), indent=4) + "\n")
+        _write_model_config(staged, model_config, dict(hf_copies))
         os.replace(staged, config_file)
         _register(config_file)  # for whoever loads the export in this process
     if tempnet_file is not None:
@@ -335,16 +355,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     size_mb = written["file"].stat().st_size / 2**20
     print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}")
+    if written["config_file"] is not None:
+        print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
     if "logit_scale" not in written:  # an ssl run's image tower (fastclip/train/ssl.py)
         from fastclip.eval.export_ssl import tower_loading_code
 
-        if written["config_file"] is not None:
-            print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
         print("the image tower alone (open_clip's model.visual; the projector is not exported)")
         print("\nload it with:\n" + tower_loading_code(written))
         return 0
-    if written["config_file"] is not None:
-        print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
     if written.get("tempnet_file") is not None:
         print(f"wrote {written['tempnet_file']} (the temperature network's heads, for further training)")
     if written["temperature_from_loss"]:

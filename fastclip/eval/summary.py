@@ -16,6 +16,8 @@ from pathlib import Path
 import yaml
 
 from fastclip.cli import OneLineParser
+from fastclip.eval import records
+from fastclip.eval.retrieval import DEFAULT_KS, DIRECTIONS, recall_name
 
 RUN_FOLDER = "pass the folder fastclip train wrote"
 FIX_LINE = "fix or delete that line"
@@ -94,7 +96,6 @@ def _metrics_problem(row: dict) -> str | None:
 
 
 COUNT, NUMBER = (_is_count, "a count"), (_is_number, "a number")
-RETRIEVAL_KEYS = tuple(f"{d}_R@{k}" for d in ("image_to_text", "text_to_image") for k in (1, 5, 10))
 
 
 def _results_problem(row: dict) -> str | None:
@@ -106,12 +107,12 @@ def _results_problem(row: dict) -> str | None:
     step = row.get("step")
     if step is not None and not _is_count(step):  # null: a model file evaluated outside a run
         return f"step is {_shown(step)}, not a count"
-    if task in ("zeroshot_classification", "linear_probe", "knn"):
+    if task in records.PER_DATASET:
         if not isinstance(row.get("dataset"), str):
             return f"dataset is {_shown(row.get('dataset'))}, not a name"
-        fields = {"num_samples": COUNT, "top1": NUMBER, **({"k": COUNT} if task == "knn" else {})}
-    elif task == "retrieval":
-        fields = {"num_samples": COUNT, **dict.fromkeys(RETRIEVAL_KEYS, NUMBER)}
+        fields = {"num_samples": COUNT, "top1": NUMBER, **({"k": COUNT} if task == records.KNN else {})}
+    elif task == records.RETRIEVAL:
+        fields = {"num_samples": COUNT, **dict.fromkeys(records.RETRIEVAL_KEYS, NUMBER)}
         if "distinct_captions" in row:  # older evaluations did not count them: shown as before
             fields["distinct_captions"] = COUNT
         if "num_images" in row:  # several captions per image (json "group"); num_samples counts the captions
@@ -200,14 +201,16 @@ def _num_samples(spec: str) -> int | None:
 
 def _probe_lines(latest: dict, step: int) -> list[str]:
     """Per dataset: the linear probe's and each kNN k's top-1 (fastclip eval --linear-probe --knn K)."""
-    datasets = sorted({d for (task, d, _) in latest if task in ("linear_probe", "knn")})
+    datasets = sorted({d for (task, d, _) in latest if task in (records.LINEAR_PROBE, records.KNN)})
     width = max((len(d) for d in datasets), default=0)
     lines = []
     for i, dataset in enumerate(datasets):
         parts = []
-        if (linear := latest.get(("linear_probe", dataset, None))) is not None:
+        if (linear := latest.get((records.LINEAR_PROBE, dataset, None))) is not None:
             parts.append(f"linear {100 * linear['top1']:5.1f}%")
-        knn = sorted((r for (task, d, _), r in latest.items() if task == "knn" and d == dataset), key=lambda r: r["k"])
+        knn = sorted(
+            (r for (task, d, _), r in latest.items() if task == records.KNN and d == dataset), key=lambda r: r["k"]
+        )
         parts += [f"kNN k={r['k']} {100 * r['top1']:5.1f}%" for r in knn]
         shown = linear or knn[0]
         lines.append(
@@ -224,11 +227,24 @@ def summarize(
     plots: str | Path | None = None,
     train_seconds: float | None = None,
 ) -> str:
-    from fastclip.eval.cli import MIN_DISTINCT_CAPTIONS
-
     run = Path(run)
     cfg = _config(run)
     unreadable: list[str] = []
+    rows, train_rows = _logged_rows(run, unreadable)
+    lines = [f"summary of {run}", *_training_lines(cfg, rows, train_rows, train_seconds)]
+    results_advice = f"move it aside and run fastclip eval {run} --data DIR again"
+    results = _rows(run / "checkpoints" / "results.jsonl", unreadable, _results_problem, results_advice)
+    if results:
+        lines += _result_lines(results)
+    else:
+        lines.append(f"  zero-shot  not evaluated yet: fastclip eval {run} --data DIR")
+    lines += _file_lines(run, plots, export)
+    lines += [f"  note       {line}" for line in unreadable]
+    return "\n".join(lines)
+
+
+def _logged_rows(run: Path, unreadable: list[str]) -> tuple[list[dict], list[dict]]:
+    """(every record of metrics.jsonl, those of training steps); a run without one step logged is refused."""
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
         said = "not a file" if metrics.exists() else "missing"
@@ -240,6 +256,11 @@ def summarize(
             f"{metrics}: no training steps logged (no line with step and loss); summarize the run once fastclip "
             "train has logged one (every train.log_every steps)"
         )
+    return rows, train_rows
+
+
+def _training_lines(cfg: dict, rows: list[dict], train_rows: list[dict], train_seconds: float | None) -> list[str]:
+    """What was trained on what, how far (steps, samples, epochs, batch, processes), the loader's skips, the time."""
     last = train_rows[-1]
     speeds = sorted(r["samples_per_s"] for r in train_rows if _rate(r.get("samples_per_s")))
     per_rank = [
@@ -251,14 +272,13 @@ def summarize(
     train_data = _setting(cfg, "data.train")
     pairs = _num_samples(train_data) if isinstance(train_data, str) else None
 
-    lines = [f"summary of {run}"]
     pretrained = _setting(cfg, "model.pretrained")
     start = f"from {pretrained}" if pretrained else "random init"
     what = (
         f"{_shown_setting(cfg, 'loss.name')} on {_shown_setting(cfg, 'model.arch')} ({start}), "
         f"{_shown_setting(cfg, 'data.train')}" + (f" ({pairs:,} pairs)" if pairs else "")
     )
-    lines.append(f"  trained    {what}")
+    lines = [f"  trained    {what}"]
     seen = last.get("samples_seen")  # missing (a hand-cut file): "–", and no epochs
     epochs = seen / pairs if pairs and seen is not None else None
     lines.append(
@@ -274,52 +294,50 @@ def summarize(
         f"  time       {_duration(seconds)} training"
         + (f", median {speeds[len(speeds) // 2]:.0f} samples/s" if speeds else "")
     )
+    return lines
 
-    results_advice = f"move it aside and run fastclip eval {run} --data DIR again"
-    results = _rows(run / "checkpoints" / "results.jsonl", unreadable, _results_problem, results_advice)
-    if results:
-        newest = max(r.get("step") or 0 for r in results)
-        latest = {}
-        for r in results:  # the last evaluation of the newest checkpoint, one record per task, dataset (and k)
-            if (r.get("step") or 0) == newest:
-                latest[(r["task"], r.get("dataset"), r.get("k"))] = r
-        zeroshot = [r for (task, _, _), r in latest.items() if task == "zeroshot_classification"]
-        width = max((len(r["dataset"]) for r in zeroshot), default=0)
-        for i, r in enumerate(zeroshot):
-            lines.append(
-                f"  {'zero-shot' if i == 0 else '':<10} {r['dataset']:<{width}}  {100 * r['top1']:5.1f}% top-1"
-                f"  ({r['num_samples']:,} held-out images, step {newest})"
-            )
-        lines += _probe_lines(latest, newest)
-        retrieval = latest.get(("retrieval", None, None))
-        if retrieval is not None:
-            distinct = retrieval.get("distinct_captions")
-            if distinct is not None and distinct < MIN_DISTINCT_CAPTIONS * retrieval["num_samples"]:
-                lines.append(
-                    f"  retrieval  not reported: {distinct} distinct captions for {retrieval['num_samples']:,}"
-                    f" images (templated)"
-                )
-            else:
-                values = {
-                    d: "/".join(f"{100 * retrieval[f'{d}_R@{k}']:.1f}" for k in (1, 5, 10))
-                    for d in ("image_to_text", "text_to_image")
-                }
-                images = retrieval.get("num_images")
-                n = retrieval["num_samples"]
-                of = f"{n:,} pairs" if images is None else f"{n:,} captions of {images:,} images"
-                lines.append(
-                    f"  retrieval  R@1/5/10 image->text {values['image_to_text']}%, text->image "
-                    f"{values['text_to_image']}%  ({of})"
-                )
-    else:
-        lines.append(f"  zero-shot  not evaluated yet: fastclip eval {run} --data DIR")
 
+def _result_lines(results: list[dict]) -> list[str]:
+    """The last evaluation of the newest checkpoint: zero-shot per dataset, the probes, retrieval."""
+    newest = max(r.get("step") or 0 for r in results)
+    latest = {}
+    for r in results:  # the last evaluation of the newest checkpoint, one record per task, dataset (and k)
+        if (r.get("step") or 0) == newest:
+            latest[(r["task"], r.get("dataset"), r.get("k"))] = r
+    zeroshot = [r for (task, _, _), r in latest.items() if task == records.ZEROSHOT]
+    width = max((len(r["dataset"]) for r in zeroshot), default=0)
+    lines = [
+        f"  {'zero-shot' if i == 0 else '':<10} {r['dataset']:<{width}}  {100 * r['top1']:5.1f}% top-1"
+        f"  ({r['num_samples']:,} held-out images, step {newest})"
+        for i, r in enumerate(zeroshot)
+    ]
+    lines += _probe_lines(latest, newest)
+    retrieval = latest.get((records.RETRIEVAL, None, None))
+    if retrieval is not None:
+        lines.append(_retrieval_line(retrieval))
+    return lines
+
+
+def _retrieval_line(retrieval: dict) -> str:
+    n, distinct = retrieval["num_samples"], retrieval.get("distinct_captions")
+    if distinct is not None and not records.retrieval_reported(distinct, n):
+        return f"  retrieval  not reported: {distinct} distinct captions for {n:,} images (templated)"
+    values = {d: "/".join(f"{100 * retrieval[recall_name(d, k)]:.1f}" for k in DEFAULT_KS) for d in DIRECTIONS}
+    images = retrieval.get("num_images")
+    of = f"{n:,} pairs" if images is None else f"{n:,} captions of {images:,} images"
+    return (
+        f"  retrieval  R@1/5/10 image->text {values['image_to_text']}%, text->image {values['text_to_image']}%  ({of})"
+    )
+
+
+def _file_lines(run: Path, plots: str | Path | None, export: str | Path | None) -> list[str]:
+    """Where the run's files, its plots and its exported model are."""
     contents = [
         name
         for name in ("config.yaml", "metrics.jsonl", "checkpoints/", "tensorboard/")
         if (run / name.rstrip("/")).exists()
     ]
-    lines.append(f"  run        {run}/ ({', '.join(contents)})")
+    lines = [f"  run        {run}/ ({', '.join(contents)})"]
     if plots is not None:
         plot = Path(plots) / "overview.png"
         lines.append(
@@ -337,8 +355,7 @@ def summarize(
             if export.is_file()
             else f"  model      not exported ({export} missing)"
         )
-    lines += [f"  note       {line}" for line in unreadable]
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

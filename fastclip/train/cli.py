@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastclip.cli import EXIT_INTERRUPTED
@@ -79,6 +80,74 @@ def _say_config_error(error: ConfigError, check_only: bool) -> None:
     print(f"fastclip train: config error: {error}", file=sys.stderr, flush=True)
 
 
+class _UsageError(ValueError):
+    """A flag of `fastclip train` itself given wrong (the config's keys are ConfigError's)."""
+
+
+@dataclass
+class _TrainArgs:
+    config_path: str | None = None
+    print_only: bool = False
+    check_only: bool = False
+    world_size: int | None = None  # --check's number of processes
+    overrides: list[str] = field(default_factory=list)  # --section.key value ..., for load_config
+
+
+def _parse(argv: list[str]) -> _TrainArgs:
+    """The flags read here; everything else is a config override."""
+    args, i = _TrainArgs(), 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--config", "-c") or a.startswith("--config="):
+            given = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else None)
+            if not given:
+                raise _UsageError("--config needs a file")
+            if args.config_path is not None:  # one would silently win
+                raise _UsageError(f"--config given twice ({args.config_path}, {given}): pass one file")
+            args.config_path, i = given, i + (1 if "=" in a else 2)
+        elif a == "--print-config":
+            args.print_only, i = True, i + 1
+        elif a == "--check":
+            args.check_only, i = True, i + 1
+        elif a == "--world-size":
+            if i + 1 >= len(argv) or not argv[i + 1].isdigit() or int(argv[i + 1]) < 1:
+                raise _UsageError("--world-size needs a number of processes >= 1")
+            args.world_size, i = int(argv[i + 1]), i + 2
+        else:
+            args.overrides.append(a)
+            i += 1
+    if args.world_size is not None and not args.check_only:  # the launcher starts the processes; this would be ignored
+        n = args.world_size
+        raise _UsageError(
+            f"--world-size {n} is read by --check only; start {n} processes with "
+            f"a launcher (torchrun --nproc_per_node {n} -m fastclip train ..., launch/single_node.sh)"
+        )
+    return args
+
+
+def _print_config(cfg) -> None:
+    from fastclip.train.net import check_loss
+
+    # a loss option the loss refuses is refused here too, not printed as if it would run
+    check_loss(cfg, 1)  # (cheap: a loss holds no per-sample state before its first call)
+    print(dump_config(cfg), end="")
+
+
+def _check(cfg, env, world_size: int | None) -> None:
+    """--check: every check that needs no process group, for --world-size processes (default: the launcher's)."""
+    from fastclip.train.catalog_checks import check_before_launch
+
+    if world_size is None:
+        world_size = env.world_size
+    elif env.world_size > 1 and world_size != env.world_size:
+        raise LaunchError(
+            f"--world-size {world_size} but the environment says WORLD_SIZE={env.world_size} "
+            f"({env.launcher}): drop --world-size or make them agree"
+        )
+    check_before_launch(cfg, world_size)
+    print(f"fastclip train: config ok for {world_size} process(es)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     while argv and argv[0] == "--":  # torchrun passes a separating "--" through to the script
@@ -86,68 +155,27 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    config_path, print_only, rest = None, False, []
-    check_only, world_size = False, None
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a in ("--config", "-c") or a.startswith("--config="):
-            given = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else None)
-            if not given:
-                print("fastclip train: --config needs a file", file=sys.stderr)
-                return 2
-            if config_path is not None:  # one would silently win
-                print(f"fastclip train: --config given twice ({config_path}, {given}): pass one file", file=sys.stderr)
-                return 2
-            config_path, i = given, i + (1 if "=" in a else 2)
-        elif a == "--print-config":
-            print_only, i = True, i + 1
-        elif a == "--check":
-            check_only, i = True, i + 1
-        elif a == "--world-size":
-            if i + 1 >= len(argv) or not argv[i + 1].isdigit() or int(argv[i + 1]) < 1:
-                print("fastclip train: --world-size needs a number of processes >= 1", file=sys.stderr)
-                return 2
-            world_size, i = int(argv[i + 1]), i + 2
-        else:
-            rest.append(a)
-            i += 1
-    if world_size is not None and not check_only:  # the launcher starts the processes; this would be ignored
-        print(
-            f"fastclip train: --world-size {world_size} is read by --check only; start {world_size} processes with "
-            f"a launcher (torchrun --nproc_per_node {world_size} -m fastclip train ..., launch/single_node.sh)",
-            file=sys.stderr,
-        )
+    try:
+        args = _parse(argv)
+    except _UsageError as e:
+        print(f"fastclip train: {e}", file=sys.stderr)
         return 2
     cfg = None
     try:
-        cfg = load_config(config_path, rest)
-        if print_only:  # a loss option the loss refuses is refused here too, not printed as if it would run
-            from fastclip.train.net import check_loss
-
-            check_loss(cfg, 1)  # (cheap: a loss holds no per-sample state before its first call)
-            print(dump_config(cfg), end="")
+        cfg = load_config(args.config_path, args.overrides)
+        if args.print_only:
+            _print_config(cfg)
             return 0
         env = dist_env_from()  # the launcher's variables, before a run folder or a tower exists
-        if check_only:
-            from fastclip.train.catalog_checks import check_before_launch
-
-            if world_size is None:
-                world_size = env.world_size
-            elif env.world_size > 1 and world_size != env.world_size:
-                raise LaunchError(
-                    f"--world-size {world_size} but the environment says WORLD_SIZE={env.world_size} "
-                    f"({env.launcher}): drop --world-size or make them agree"
-                )
-            check_before_launch(cfg, world_size)
-            print(f"fastclip train: config ok for {world_size} process(es)")
+        if args.check_only:
+            _check(cfg, env, args.world_size)
             return 0
         from fastclip.train.trainer import train
 
         if train(cfg)["preempted"]:
             return EXIT_PREEMPTED
     except ConfigError as e:
-        _say_config_error(e, check_only)
+        _say_config_error(e, args.check_only)
         return 2
     except LaunchError as e:
         print(f"fastclip train: launch error: {e}", file=sys.stderr)

@@ -266,6 +266,7 @@ def test_run_record_from_metrics_jsonl_is_small(tmp_path):
     from 30 evaluations (evenly spread, the first and the last kept), rounded floats."""
     spec = load(write_spec(tmp_path))
     run = tune_runs(spec, "d", 32, "base")[0]
+    run = dataclasses.replace(run, setting=(("optim.lr", 2.5e-4), ("loss.temperature", 0.07)))  # (rounds to 3e-4)
     folder = tmp_path / "run"
     folder.mkdir()
     lines = []
@@ -280,6 +281,6 @@ def test_run_record_from_metrics_jsonl_is_small(tmp_path):
     assert record["final"]["zeroshot_top1"] == 0.25 and record["final"]["samples_seen"] == 960
     assert len(record["curve"]) == 20 and record["curve"][-1] == [960, 0.45] and record["curve"][0] == [32, 0.015]
     assert record["wall_s"] == 12.3457 and record["samples_per_s"] == 60.1235
-    assert record["run"]["setting"] == {"optim.lr": 1e-3, "loss.temperature": 0.07} and "novel" not in record
+    assert record["run"]["setting"] == {"optim.lr": 2.5e-4, "loss.temperature": 0.07} and "novel" not in record
     assert {"commit", "code", "dirty"} <= set(record)
     assert len(json.dumps(record, separators=(",", ":"))) < 1500

@@ -199,7 +199,8 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
     if run.phase != "tune" and (data / "novel" / MANIFEST_NAME).is_file():
         novel = evaluate_split(folder, data, "novel")
         out["novel"] = {"metric": metric(novel, name), "zeroshot_top1": zeroshot_top1(novel)}
-    return records.round_floats(out)
+    # the measurements rounded, the run's settings as given (rounded, an lr of 2.5e-4 read 3e-4)
+    return {**records.round_floats(out), "run": out["run"]}
 
 
 def add_wall(active: Active) -> float:

@@ -389,6 +389,16 @@ class DataSkipReport:
         self.last_total = total
         return record, events
 
+    def collect_into(self, record: dict) -> list[str]:
+        """`collect` on a logging step: its counts (and "data_skips", the new events, if any) added to the step's
+        record; returns the lines to log (describe)."""
+        counts, events = self.collect()
+        record.update(counts)
+        if not events:
+            return []
+        record["data_skips"] = self.as_metrics(events)
+        return self.describe(events)
+
     def describe(self, events: list[dict]) -> list[str]:
         """A line per bad sample and per broken shard not yet logged this epoch (a shard split over ranks or
         workers is reported by each of them: logged once)."""

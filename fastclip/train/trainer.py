@@ -30,7 +30,7 @@ from fastclip.train.errors import DataFailure
 from fastclip.train.evaluation import Evaluation
 from fastclip.train.guards import CollectiveTimeouts, build_guards, check_loss_inputs
 from fastclip.train.metrics import STEP_LINE, Throughput, scalar_metrics
-from fastclip.train.net import build_net, seed_all
+from fastclip.train.net import build_net, seed_all, temperature_to_towers
 from fastclip.train.parts import Optimizer, Towers, run_checkpoints
 from fastclip.train.preemption import StopSignals, stopped_line
 from fastclip.train.schedules import Schedules
@@ -346,12 +346,8 @@ class Run:
             nonfinite_skipped=self.guard.skipped,
             grad_norm=float(grad_norm) if skip is None else None,
         )
-        data_counts, data_events = self.skips.collect()  # summed over ranks: a collective on logging steps
-        record.update(data_counts)
-        if data_events:
-            record["data_skips"] = self.skips.as_metrics(data_events)
-            for line in self.skips.describe(data_events):
-                self.log.message(line)
+        for line in self.skips.collect_into(record):  # summed over ranks: a collective on logging steps
+            self.log.message(line)
         self.log.log(record, STEP_LINE)
         self.record = record
         due = cfg.checkpoint.every_minutes > 0 and broadcast_flag(
@@ -389,10 +385,7 @@ class Run:
     def save(self) -> None:
         """Collective: model.pt on rank 0 and every rank's file, of every part added (fastclip/checkpoint)."""
         self.check_loss_inputs()  # never a checkpoint after an index the loss refused
-        model, tau = self.model, self.loss_fn.temperature()
-        with torch.no_grad():  # keep the towers' own (frozen) logit_scale equal to the learned one: open_clip reads it
-            if tau is not None:
-                model.logit_scale.copy_(-torch.log(tau.to(model.logit_scale)))
+        temperature_to_towers(self.model, self.loss_fn)
         path = self.checkpoints.save(self.step)
         self.last_saved, self.last_save_time = self.step, time.time()
         self.log.message(f"checkpoint {path}")

@@ -49,9 +49,9 @@ class Optimizer:
 
 
 def run_checkpoints(cfg, info, resume: SavedCheckpoint | None, *, write_extra: Callable[[Path], None]):
-    """(the run's CheckpointManager, the step it holds a checkpoint at, or -1). Every part of the run's state is added
-    to it by name as it is built (and loaded then, resuming). A checkpoint of this run exists at the step resumed
-    from; one taken from elsewhere does not (so the run saves its own at that step)."""
+    """(the run's CheckpointManager, whether the step resumed from is one of this run's checkpoints). Every part of
+    the run's state is added to it by name as it is built (and loaded then, resuming). A checkpoint of this run
+    exists at the step resumed from; one taken from elsewhere does not (so the run saves its own at that step)."""
     root = Path(cfg.train.run_dir) / "checkpoints"
     manager = CheckpointManager(
         root,

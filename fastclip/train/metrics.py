@@ -26,17 +26,15 @@ STEP_BAR = ("loss", "tau")  # beside the progress bar (and samples/s)
 PRECISION_WORDS = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast with loss scaling"}
 
 
-def start_line(
-    cfg, info, net, stream, *, pretrained: str | None, steps: tuple[int, int], run_dir: Path, resume_dir: Path | None
-) -> str:
-    """The run's first line: loss, towers (`pretrained`: the towers' file loaded, or None), processes, engine,
+def start_line(cfg, info, net, stream, steps: tuple[int, int], resume_dir: Path | None, pretrained: bool) -> str:
+    """The run's first line: loss, towers (`pretrained`: model.pretrained was loaded into them), processes, engine,
     precision, speedups (net: fastclip/train/net.py), batch, steps (first, last) and folders."""
     o = cfg.optim
     # open_clip's own "No pretrained weights loaded" warning is dropped (fastclip/models): said here once
     if resume_dir is not None:  # the checkpoint's weights: --model.pretrained only starts a new run
         start = "weights from the checkpoint" + (", model.pretrained not loaded" if cfg.model.pretrained else "")
     else:
-        start = f"towers from {pretrained}" if pretrained else "random init"
+        start = f"towers from {cfg.model.pretrained}" if pretrained else "random init"
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in net.model.parameters())  # ZeRO-3: full sizes
     return (
         f"fastclip train: {cfg.loss.name}, {net.built.arch} ({n_params / 1e6:.1f}M parameters, {start}), "
@@ -46,7 +44,7 @@ def start_line(
         + f"global batch {cfg.data.batch_size * info.world_size}"
         + (f" in {o.accum_steps} micro-batches per process" if o.accum_steps > 1 else "")
         + ", "
-        f"{stream.batches_per_epoch} steps/epoch, steps {steps[0]} -> {steps[1]}, run {run_dir}"
+        f"{stream.batches_per_epoch} steps/epoch, steps {steps[0]} -> {steps[1]}, run {Path(cfg.train.run_dir)}"
         + (f", resumed from {resume_dir}" if resume_dir else "")
     )
 

@@ -88,12 +88,10 @@ class Run:
         data_size, self.resume_dir, model_file, pretrained = check_inputs(cfg, info.world_size, catalog)
         self.pretrained = pretrained is not None
         resume = SavedCheckpoint(self.resume_dir, model_file, info) if model_file is not None else None
-        # every part of the run's state, by name, added as it is built (and loaded then, resuming): fastclip/checkpoint
+        # every part of the run's state, by name, added as it is built (and loaded then, resuming): fastclip/checkpoint;
+        # DeepSpeed's shards are written beside
         self.checkpoints, resumed_here = run_checkpoints(
-            cfg,
-            info,
-            resume,
-            write_extra=lambda folder: self.engine.save_shards(folder),  # DeepSpeed's shards
+            cfg, info, resume, write_extra=lambda d: self.engine.save_shards(d)
         )
         self.net = self.build_net(data_size, resume, pretrained)
         self.model, self.loss_fn, self.engine = self.net.model, self.net.loss_fn, self.net.engine
@@ -165,18 +163,10 @@ class Run:
         self.evaluation = Evaluation(cfg, self.net, self.device, self.log)
         if info.is_main:
             (self.run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
-            steps, pretrained = (self.step, self.last_step), cfg.model.pretrained if self.pretrained else None
-            line = metrics.start_line(
-                cfg,
-                info,
-                self.net,
-                self.stream,
-                pretrained=pretrained,
-                steps=steps,
-                run_dir=self.run_dir,
-                resume_dir=self.resume_dir,
+            steps = (self.step, self.last_step)
+            self.log.message(
+                metrics.start_line(cfg, info, self.net, self.stream, steps, self.resume_dir, self.pretrained)
             )
-            self.log.message(line)
             total_steps = self.schedules.total_steps
             for line in preflight.setting_notes(cfg, self.device, self.resumed_layout, self.stream, total_steps, steps):
                 note(line)

@@ -149,7 +149,7 @@ def test_cuda_rn_tower_trains_channels_last(tiny_rn):
 def test_batches_are_pinned_for_cuda_unless_turned_off(setting, cuda, cpu):
     """data.pin_memory: on by default for CUDA (async copies, 6 % samples/s on an H100), off by request (3.2 GB
     of page-locked host memory per process there: RESULTS.md 1g); never on the CPU, where it would do nothing."""
-    from fastclip.train.trainer import stream_config
+    from fastclip.train.data import stream_config
 
     cfg = load_config(None, [] if setting is None else ["--data.pin_memory", str(setting).lower()])
     assert stream_config(cfg, 10, torch.device("cuda", 0)).pin_memory is cuda

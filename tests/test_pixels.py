@@ -16,7 +16,7 @@ from fastclip.data.pixels import Normalize, on_device
 from fastclip.models import build_model
 from fastclip.train.cli import main
 from fastclip.train.config import aug_options, load_config
-from fastclip.train.trainer import train_pixels
+from fastclip.train.data import train_pixels
 
 from helpers import EMBEDDED, REPO, load, make_stream, one_line_error, overrides, train_records
 

@@ -53,8 +53,7 @@ def test_a_per_sample_tau_loss_logs_each_tau_quantile_once_and_the_step_line_sho
     import torch
 
     from fastclip.losses import build_loss
-    from fastclip.train.metrics import STEP_LINE, TAU_QUANTILES
-    from fastclip.train.trainer import scalar_metrics
+    from fastclip.train.metrics import STEP_LINE, TAU_QUANTILES, scalar_metrics
 
     loss_fn = build_loss("fastclip-v2", data_size=10)
     e1, e2 = (torch.nn.functional.normalize(torch.randn(4, 8), dim=-1) for _ in range(2))

@@ -62,8 +62,8 @@ def first_step_loss(args: list[str], groups: bool) -> float:
     from fastclip.data import build_train_stream
     from fastclip.data.views import split_views
     from fastclip.distributed import DistInfo
+    from fastclip.train.data import stream_config
     from fastclip.train.net import build_net
-    from fastclip.train.trainer import stream_config
 
     cfg = load_config(EMBEDDED, args)
     info = DistInfo(0, 1, 0, torch.device("cpu"), "none", False)

@@ -188,75 +188,22 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
         raise DataSpecError(f"empty data pattern {train_data!r}")
     shards: list[Shard] = []
     sources: list[Source] = []
-    taken: dict[str, str] = {}
+    taken: dict[str, str] = {}  # a shard's absolute path -> the source that has it
     grouped = False
     for source_id, spec in enumerate(s.strip() for s in train_data.split("::")):
         if not spec:
             raise DataSpecError(f"empty source in {train_data!r} (two '::' in a row?)")
         paths, manifests = _shard_paths(spec)
         grouped |= any(m.groups for m in manifests.values())
-        # lookups by path, so 40k-shard patterns stay linear
-        entries = {f: {os.path.normpath(s.path): s for s in m.shards} for f, m in manifests.items()}
-        problems: dict[tuple[Path, str], list] = {}
-        for f, m in manifests.items():
-            for q in m.problems:
-                if q.get("key") is not None:
-                    problems.setdefault((f, os.path.normpath(str(q.get("shard")))), []).append(q)
-        ids = []
-        for p, where, entry in paths:
-            if entry is None:  # a pattern's shard: looked up in the manifest beside it
-                if isinstance(p, str):  # remote: named by its file name there
-                    rel = remote.shard_basename(p)
-                else:
-                    rel = os.path.normpath(os.path.relpath(p.resolve(), where.parent))
-                entry = entries[where].get(rel)
-                if entry is None:
-                    raise DataSpecError(
-                        f"shard {p} (from pattern {spec!r}) is not listed in {where}; "
-                        f"run `fastclip data scan` on its folder to rebuild it"
-                    )
-            rel = os.path.normpath(entry.path)
-            absolute = p if isinstance(p, str) else None
-            if absolute is None:
-                if not p.is_file():
-                    how = "on its folder" if where.name == MANIFEST_NAME else f"with --manifest {where}"
-                    raise DataSpecError(
-                        f"shard file {p} (listed in {where}) does not exist: restore it, or rerun `fastclip data "
-                        f"scan` {how} to list the shards that are there"
-                    )
-                absolute = str(p.resolve())
-            if absolute in taken:
-                raise DataSpecError(f"shard {p} appears in two sources: {taken[absolute]!r} and {spec!r}")
-            taken[absolute] = spec
-            skip = tuple(
-                (
-                    str(q["key"]),
-                    _problem_ordinal(q, rel, where),
-                    str(q.get("reason", "manifest_problem")),
-                    str(q.get("detail", "")),
-                )
-                for q in problems.get((where, rel), ())
-            )
-            ids.append(len(shards))
-            shards.append(
-                Shard(
-                    absolute,
-                    entry.path,
-                    entry.num_samples,
-                    source_id,
-                    entry.index_min,
-                    entry.index_max,
-                    skip,
-                    entry.index_base,
-                    manifests[where].index_offset,
-                )
-            )
+        first = len(shards)
+        shards += _source_shards(spec, source_id, paths, manifests, taken)
+        ids = tuple(range(first, len(shards)))
         lows = [shards[i].index_min for i in ids if shards[i].index_min is not None]
         highs = [shards[i].index_max for i in ids if shards[i].index_max is not None]
         sources.append(
             Source(
                 spec,
-                tuple(ids),
+                ids,
                 max(m.data_size for m in manifests.values()),
                 min(lows, default=None),
                 max(highs, default=None),
@@ -273,6 +220,76 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
             )
         size = data_size
     return Catalog(tuple(sources), tuple(shards), size, grouped)
+
+
+def _source_shards(spec: str, source_id: int, paths: list, manifests: dict, taken: dict[str, str]) -> list[Shard]:
+    """The shards of one source (its pattern `spec`), each with its manifest entry and the samples its manifest
+    lists as problems; `taken` gains each one (a shard in two sources is refused)."""
+    # lookups by path, so 40k-shard patterns stay linear
+    entries = {f: {os.path.normpath(s.path): s for s in m.shards} for f, m in manifests.items()}
+    problems: dict[tuple[Path, str], list] = {}
+    for f, m in manifests.items():
+        for q in m.problems:
+            if q.get("key") is not None:
+                problems.setdefault((f, os.path.normpath(str(q.get("shard")))), []).append(q)
+    shards = []
+    for p, where, entry in paths:
+        if entry is None:  # a pattern's shard: looked up in the manifest beside it
+            entry = _listed_entry(p, where, entries[where], spec)
+        rel = os.path.normpath(entry.path)
+        absolute = p if isinstance(p, str) else _existing_shard(p, where)
+        if absolute in taken:
+            raise DataSpecError(f"shard {p} appears in two sources: {taken[absolute]!r} and {spec!r}")
+        taken[absolute] = spec
+        skip = tuple(
+            (
+                str(q["key"]),
+                _problem_ordinal(q, rel, where),
+                str(q.get("reason", "manifest_problem")),
+                str(q.get("detail", "")),
+            )
+            for q in problems.get((where, rel), ())
+        )
+        shards.append(
+            Shard(
+                absolute,
+                entry.path,
+                entry.num_samples,
+                source_id,
+                entry.index_min,
+                entry.index_max,
+                skip,
+                entry.index_base,
+                manifests[where].index_offset,
+            )
+        )
+    return shards
+
+
+def _listed_entry(p, where: Path, entries: dict, spec: str):
+    """The entry of the manifest `where` for shard p (remote: named by its file name there)."""
+    if isinstance(p, str):
+        rel = remote.shard_basename(p)
+    else:
+        rel = os.path.normpath(os.path.relpath(p.resolve(), where.parent))
+    entry = entries.get(rel)
+    if entry is None:
+        raise DataSpecError(
+            f"shard {p} (from pattern {spec!r}) is not listed in {where}; "
+            f"run `fastclip data scan` on its folder to rebuild it"
+        )
+    return entry
+
+
+def _existing_shard(p: Path, where: Path) -> str:
+    """The absolute path of a local shard the manifest `where` lists, which must exist."""
+    if not p.is_file():
+        how = "on its folder" if where.name == MANIFEST_NAME else f"with --manifest {where}"
+        raise DataSpecError(
+            f"shard file {p} (listed in {where}) does not exist: restore it, or rerun `fastclip data "
+            f"scan` {how} to list the shards that are there"
+        )
+    return str(p.resolve())
 
 
 def _scan_offset(manifests) -> int | None:

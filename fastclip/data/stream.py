@@ -248,52 +248,11 @@ class TrainStream:
     def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """This rank's batches of `epoch`, from the current position (the saved one after a resume)."""
         self._enter(epoch)
-        segment = self._segment
-        n_batches = num_batches(segment.length, self.layout)
+        n_batches = num_batches(self._segment.length, self.layout)
         first = self._batches_seen
         if first >= n_batches:
             return
-        job = EpochJob(
-            shard_paths=[s.path for s in self.catalog.shards],
-            shard_names=[s.name for s in self.catalog.shards],
-            shard_sizes=[s.num_samples for s in self.catalog.shards],
-            skip=[{k if o is None else o: (r, d) for k, o, r, d in s.skip} for s in self.catalog.shards],
-            seq=self._sequence(epoch),
-            index_base=[s.index_base for s in self.catalog.shards],
-            index_offset=[s.index_offset for s in self.catalog.shards],
-            segment=segment,
-            layout=self.layout,
-            rank=self.rank,
-            seed=self.cfg.seed,
-            epoch=epoch,
-            seg_tag=segment.tag(self.epoch_length),
-            data_size=self.data_size,
-            first_batch=first,
-            n_batches=n_batches,
-            cursors=list(self._cursors),
-            preprocess=self.preprocess,
-            tokenizer=self.tokenizer,
-            retry_delays=None if self.cfg.remote_retry_delays is None else tuple(self.cfg.remote_retry_delays),
-        )
-        dataset = EpochDataset(job)
-        if self.cfg.workers == 0:
-            batches = iter(dataset)
-        else:
-            loader = torch.utils.data.DataLoader(
-                dataset,
-                batch_size=None,
-                num_workers=self.layout.workers,
-                collate_fn=_as_is,
-                pin_memory=self.cfg.pin_memory,
-                prefetch_factor=self.cfg.prefetch_factor,
-                persistent_workers=False,  # fresh workers per epoch: the job changes (and wds#365's leak)
-                worker_init_fn=_leave_stop_signals_to_the_trainer,
-                # its base seed from its own generator, not the caller's torch RNG: a resume mid-epoch starts one
-                # more loader than the uninterrupted run did, and must not shift the trainer's RNG stream
-                generator=torch.Generator().manual_seed(self.cfg.seed),
-            )
-            with _stop_signals_blocked():  # iter() starts the workers: they are born with the stop signals blocked
-                batches = iter(loader)
+        batches = self._start(EpochDataset(self._job(epoch, first, n_batches)))
         try:
             for expected in range(first, n_batches):
                 try:
@@ -318,6 +277,52 @@ class TrainStream:
                 yield images, texts, indices, groups
         finally:
             del batches  # shuts worker processes down when the trainer stops early
+
+    def _job(self, epoch: int, first: int, n_batches: int) -> EpochJob:
+        """What the data workers need to serve batches first..n_batches - 1 of `epoch` from the current position."""
+        segment = self._segment
+        return EpochJob(
+            shard_paths=[s.path for s in self.catalog.shards],
+            shard_names=[s.name for s in self.catalog.shards],
+            shard_sizes=[s.num_samples for s in self.catalog.shards],
+            skip=[{k if o is None else o: (r, d) for k, o, r, d in s.skip} for s in self.catalog.shards],
+            seq=self._sequence(epoch),
+            index_base=[s.index_base for s in self.catalog.shards],
+            index_offset=[s.index_offset for s in self.catalog.shards],
+            segment=segment,
+            layout=self.layout,
+            rank=self.rank,
+            seed=self.cfg.seed,
+            epoch=epoch,
+            seg_tag=segment.tag(self.epoch_length),
+            data_size=self.data_size,
+            first_batch=first,
+            n_batches=n_batches,
+            cursors=list(self._cursors),
+            preprocess=self.preprocess,
+            tokenizer=self.tokenizer,
+            retry_delays=None if self.cfg.remote_retry_delays is None else tuple(self.cfg.remote_retry_delays),
+        )
+
+    def _start(self, dataset: EpochDataset) -> Iterator:
+        """The epoch's batches: read here (data.workers 0) or by data worker processes, started now."""
+        if self.cfg.workers == 0:
+            return iter(dataset)
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.layout.workers,
+            collate_fn=_as_is,
+            pin_memory=self.cfg.pin_memory,
+            prefetch_factor=self.cfg.prefetch_factor,
+            persistent_workers=False,  # fresh workers per epoch: the job changes (and wds#365's leak)
+            worker_init_fn=_leave_stop_signals_to_the_trainer,
+            # its base seed from its own generator, not the caller's torch RNG: a resume mid-epoch starts one
+            # more loader than the uninterrupted run did, and must not shift the trainer's RNG stream
+            generator=torch.Generator().manual_seed(self.cfg.seed),
+        )
+        with _stop_signals_blocked():  # iter() starts the workers: they are born with the stop signals blocked
+            return iter(loader)
 
     def drain_skips(self) -> list[dict]:
         """The skipped samples recorded since the last call (copies), forgetting them."""

@@ -28,11 +28,13 @@ The path of one batch (fastclip/train/trainer.py, top to bottom):
 
 Modules: config.py (every knob, YAML + overrides + checks), trainer.py (the loop), catalog_checks.py (the data
 catalog and the checks made with it before the first step, `--check` too), preflight.py (the operator's input, run
-folder, resume and pretrained files), evaluation.py (the scheduled evaluations), net.py (towers + loss +
-engine, built once: build_net), engine.py (the backend:
-DDP or DeepSpeed ZeRO-1/2/3, train.distributed), accumulate.py (gradient accumulation, GradCache, exact for the
-FastCLIP estimator: optim.accum_steps), metrics.py
-(rank-0 reporting), cli.py (`main(argv)`), reshard.py (`fastclip reshard`: rank files to another world size).
+folder, resume and pretrained files, notes on legal but unlikely settings), data.py (the train stream and the
+device's Normalize), schedules.py (the lr of the towers and of the temperature), evaluation.py (the scheduled
+evaluations), net.py (towers + loss + engine, built once: build_net), engine.py (the backend: DDP or DeepSpeed
+ZeRO-1/2/3, train.distributed), accumulate.py (gradient accumulation, GradCache, exact for the FastCLIP estimator:
+optim.accum_steps), metrics.py (rank-0 reporting; the names of the metrics), parts.py (the run's checkpointed parts
+that need the engine), guards.py (fault handling), cli.py (`main(argv)`), reshard.py (`fastclip reshard`: rank files
+to another world size).
 Launch and rank discovery (torchrun / SLURM / single process):
 fastclip/distributed.py; optimizers and schedules: fastclip/optim; checkpoints (atomic step folders, model.pt and
 rank files, resume and resharding): fastclip/checkpoint.

@@ -30,7 +30,39 @@ import torch
 import torch.distributed as dist
 
 from fastclip.distributed import DistInfo
+from fastclip.losses import LossInputError, NonFiniteFeaturesError
 from fastclip.train.errors import CollectiveFailure, NonFiniteStepsError, TrainingError
+
+
+def build_guards(cfg, info: DistInfo, *, log, stream, skips_on_device: bool):
+    """(NonFiniteGuard, DataSkipReport) of a run: NaN/Inf steps skipped (on the device where the engine can:
+    `skips_on_device`), skipped samples reported over ranks."""
+    from fastclip.data import REASONS
+
+    guard = NonFiniteGuard(
+        cfg.train.max_nonfinite_steps,
+        info,
+        log=log,
+        checkpoints=Path(cfg.train.run_dir) / "checkpoints",
+        on_device=cfg.train.nonfinite_check == "device" and skips_on_device,
+    )
+    return guard, DataSkipReport(stream, info, REASONS)
+
+
+def check_loss_inputs(loss_fn, step: int) -> str | None:
+    """loss.validate "deferred": the input checks of the loss calls since the last look (one host read; every
+    rank holds every rank's check words, so all decide the same without a collective). Returns the
+    non-finite-features error (the guard skips such a step: its loss is NaN too), raises for a bad index."""
+    try:
+        loss_fn.check_inputs()
+    except NonFiniteFeaturesError as e:
+        return str(e)
+    except LossInputError as e:
+        raise TrainingError(
+            f"step {step}: the loss refused its inputs: {e}. The shards' global indices must lie in "
+            f"[0, num_samples of the manifest): re-run `fastclip data scan` on these shards"
+        ) from None
+    return None
 
 
 # ----------------------------------------------------------------------------- gradient norm
@@ -356,6 +388,16 @@ class DataSkipReport:
             events = mine
         self.last_total = total
         return record, events
+
+    def collect_into(self, record: dict) -> list[str]:
+        """`collect` on a logging step: its counts (and "data_skips", the new events, if any) added to the step's
+        record; returns the lines to log (describe)."""
+        counts, events = self.collect()
+        record.update(counts)
+        if not events:
+            return []
+        record["data_skips"] = self.as_metrics(events)
+        return self.describe(events)
 
     def describe(self, events: list[dict]) -> list[str]:
         """A line per bad sample and per broken shard not yet logged this epoch (a shard split over ranks or

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 # The names a record's values go by where they are shown (metrics.jsonl keeps every key of a record):
 TAU_QUANTILES = ("tau_q05", "tau_q50", "tau_q95")  # a per-sample τ loss's batch τ quantiles (losses/individual.py)
 STEP_LINE = (  # a logging step's line, in this order
@@ -19,6 +21,120 @@ STEP_LINE = (  # a logging step's line, in this order
     *("samples_per_s", "samples_per_s_per_rank", "data_time"),
 )
 STEP_BAR = ("loss", "tau")  # beside the progress bar (and samples/s)
+
+
+PRECISION_WORDS = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast with loss scaling"}
+
+
+def start_line(cfg, info, net, stream, steps: tuple[int, int], resume_dir: Path | None, pretrained: bool) -> str:
+    """The run's first line: loss, towers (`pretrained`: model.pretrained was loaded into them), processes, engine,
+    precision, speedups (net: fastclip/train/net.py), batch, steps (first, last) and folders."""
+    o = cfg.optim
+    # open_clip's own "No pretrained weights loaded" warning is dropped (fastclip/models): said here once
+    if resume_dir is not None:  # the checkpoint's weights: --model.pretrained only starts a new run
+        start = "weights from the checkpoint" + (", model.pretrained not loaded" if cfg.model.pretrained else "")
+    else:
+        start = f"towers from {cfg.model.pretrained}" if pretrained else "random init"
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in net.model.parameters())  # ZeRO-3: full sizes
+    return (
+        f"fastclip train: {cfg.loss.name}, {net.built.arch} ({n_params / 1e6:.1f}M parameters, {start}), "
+        f"{info.world_size} process(es) on {info.device.type} ({info.launcher}), {net.engine.describe()}, "
+        f"{PRECISION_WORDS[cfg.train.precision]}, "
+        + "".join(f"{s}, " for s in net.speedups)
+        + f"global batch {cfg.data.batch_size * info.world_size}"
+        + (f" in {o.accum_steps} micro-batches per process" if o.accum_steps > 1 else "")
+        + ", "
+        f"{stream.batches_per_epoch} steps/epoch, steps {steps[0]} -> {steps[1]}, run {Path(cfg.train.run_dir)}"
+        + (f", resumed from {resume_dir}" if resume_dir else "")
+    )
+
+
+def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:
+    """Host values of the loss's metrics (call on logging steps only: .item() waits for the device)."""
+    out = {"loss": loss.item()}
+    for name, value in getattr(loss_fn, "metrics", {}).items():
+        if not torch.is_tensor(value):
+            continue
+        if value.numel() == 1:  # (a per-sample τ loss's "tau_quantiles" [3] also comes as tau_q05, ...: those)
+            out[name] = value.item()
+    tau = loss_fn.temperature()
+    if tau is not None:
+        out["tau"] = float(tau)
+    comm = getattr(loss_fn, "comm_bytes", None) or {}
+    if "total" in comm:
+        out["comm_bytes"] = int(comm["total"])
+    return out
+
+
+class Throughput:
+    """Wall time between logging steps, without the pauses (evaluation, checkpoints), and the run's total."""
+
+    def __init__(self):
+        self.train_time, self.trained_steps = 0.0, 0
+        self.restart()
+
+    def restart(self) -> None:
+        self.steps, self.data, self.pause, self.start = 0, 0.0, 0.0, time.perf_counter()
+
+    def window(self, global_batch: int, batch_size: int) -> dict:
+        """Closes the window (its training seconds are added to the run's total): its rates."""
+        elapsed = time.perf_counter() - self.start - self.pause
+        self.train_time, self.trained_steps = self.train_time + elapsed, self.trained_steps + self.steps
+        return {
+            "samples_per_s": self.steps * global_batch / elapsed,
+            "samples_per_s_per_rank": self.steps * batch_size / elapsed,
+            "data_time": self.data / self.steps,
+            "step_time": elapsed / self.steps,
+        }
+
+    def samples_per_s(self, global_batch: int) -> float:
+        """The run's rate over all its windows."""
+        return self.trained_steps * global_batch / self.train_time if self.train_time > 0 else float("nan")
+
+
+def step_record(
+    step: int,
+    epoch: int,
+    samples_seen: int,
+    values: dict,
+    *,
+    lr: float,
+    lr_tau: float,
+    rates: dict,
+    nonfinite_skipped: int,
+    grad_norm: float | None,
+) -> dict:
+    """A logging step's record (metrics.jsonl, in this key order): where the run is, the loss's values (none on a
+    skipped step), the schedules, the throughput window's rates, the guard's count; grad_norm unless skipped."""
+    record = {
+        "step": step,
+        "epoch": epoch,
+        "samples_seen": samples_seen,
+        **values,
+        "lr": lr,
+        "lr_tau": lr_tau,
+        **rates,
+        "nonfinite_skipped": nonfinite_skipped,
+    }
+    if grad_norm is not None:
+        record["grad_norm"] = grad_norm
+    return record
+
+
+def run_summary(
+    step: int, epoch: int, samples_seen: int, *, run_dir: Path, last: dict, preempted: bool, samples_per_s: float
+) -> dict:
+    """What `train(cfg)` returns: where the run ended, its last logging step's record, whether a stop signal ended
+    it ("preempted": `fastclip train` then exits with EXIT_PREEMPTED) and its training rate."""
+    return {
+        "step": step,
+        "epoch": epoch,
+        "samples_seen": samples_seen,
+        "run_dir": str(run_dir),
+        "last": last,
+        "preempted": preempted,
+        "samples_per_s": samples_per_s,
+    }
 
 
 def eval_line(record: dict) -> tuple[str, ...]:
@@ -152,6 +268,20 @@ class MetricsLogger:
             self.tb.close()
         if self.file is not None:
             self.file.close()
+
+
+def run_logger(cfg, *, enabled: bool, start_step: int, total_steps: int) -> MetricsLogger:
+    """The logger of a run of `cfg` (train.run_dir, train.tensorboard, train.progress, train.wandb)."""
+    t = cfg.train
+    return MetricsLogger(
+        Path(t.run_dir),
+        enabled=enabled,
+        total_steps=total_steps,
+        start_step=start_step,
+        tensorboard=t.tensorboard,
+        progress=t.progress,
+        wandb=dict(project=t.wandb_project, config=cfg.to_dict()) if t.wandb else None,
+    )
 
 
 def start_wandb(run_dir: Path, *, project: str, config: dict):

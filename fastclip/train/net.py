@@ -134,6 +134,14 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def temperature_to_towers(model: torch.nn.Module, loss_fn) -> None:
+    """Keep the towers' own (frozen) logit_scale equal to the loss's learned temperature: open_clip reads it."""
+    tau = loss_fn.temperature()
+    with torch.no_grad():
+        if tau is not None:
+            model.logit_scale.copy_(-torch.log(tau.to(model.logit_scale)))
+
+
 @dataclass
 class Net:
     built: object  # fastclip.models.BuiltModel: arch, model config, preprocessing, tokenizer
@@ -191,4 +199,4 @@ def build_net(
     return Net(built, model, loss_fn, build_engine(net, cfg, info), speedups, loaded, momentum)
 
 
-__all__ = ["TowersWithLoss", "Net", "build_net", "loss_options", "seed_all"]
+__all__ = ["TowersWithLoss", "Net", "build_net", "loss_options", "seed_all", "temperature_to_towers"]

@@ -1,5 +1,6 @@
 """The run's parts that need the trainer's objects to save and load (fastclip/checkpoint/manager.py): the towers,
-saved through the engine and checked against the architecture, and the optimizer(s) of the engine."""
+saved through the engine and checked against the architecture, and the optimizer(s) of the engine; the run's
+CheckpointManager."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 
 from fastclip.checkpoint import strip_module_prefix
+from fastclip.checkpoint.manager import CheckpointManager, SavedCheckpoint
 from fastclip.train import preflight
 
 
@@ -44,3 +46,19 @@ class Optimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.engine.load_optimizer(state, self.step_dir)
+
+
+def run_checkpoints(cfg, info, resume: SavedCheckpoint | None, *, write_extra: Callable[[Path], None]):
+    """(the run's CheckpointManager, whether the step resumed from is one of this run's checkpoints). Every part of
+    the run's state is added to it by name as it is built (and loaded then, resuming). A checkpoint of this run
+    exists at the step resumed from; one taken from elsewhere does not (so the run saves its own at that step)."""
+    root = Path(cfg.train.run_dir) / "checkpoints"
+    manager = CheckpointManager(
+        root,
+        info,
+        keep_last=cfg.checkpoint.keep_last,
+        durable=cfg.checkpoint.fsync,
+        write_extra=write_extra,
+        resume=resume,
+    )
+    return manager, resume is not None and resume.step_dir.parent.resolve() == root.resolve()

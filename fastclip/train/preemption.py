@@ -36,6 +36,14 @@ EXIT_PREEMPTED = 75
 DEFAULT_SIGNALS = ("SIGUSR1", "SIGTERM")
 
 
+def stopped_line(step: int, reason: str | None) -> str:
+    """The trainer's line after the stop checkpoint (`reason`: this rank's StopSignals.reason(), if it had one)."""
+    return (
+        f"stopped at step {step} by {reason or 'a signal to another rank'}: checkpoint saved; exit status "
+        f"{EXIT_PREEMPTED}, continue with --train.resume latest"
+    )
+
+
 def signal_number(name: str) -> int:
     """ "SIGUSR1" or "USR1" -> its number; ValueError naming the signal if this platform lacks it."""
     full = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"

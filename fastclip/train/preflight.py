@@ -14,6 +14,7 @@ Each failure is a ConfigError: one line naming the key or file and what to do; `
     read_pretrained(path)               the towers' tensors of --model.pretrained (any format describe_checkpoint knows)
     check_fits(model, state, what)      every tensor present with the model's shape (strict: no partial loads)
     check_fits_arch(cfg, state, ...)    the same for `--check`, against the architecture built on the meta device
+    setting_notes(cfg, device, ...)     settings that are legal but rarely what was meant: notes, said at the start
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fastclip.checkpoint import (
     strip_module_prefix,
 )
 from fastclip.checkpoint.compat import Expected, read_given
+from fastclip.data.plan import num_batches
 from fastclip.data.stream import stream_identity
 from fastclip.train.config import Config, ConfigError
 
@@ -381,3 +383,34 @@ __all__ = [
     "check_run_dir_free",
     "known_archs",
 ]
+
+
+# ----------------------------------------------------------------------------- notes on legal settings
+def setting_notes(
+    cfg: Config, device: torch.device, resumed_layout, stream, total_steps: int, steps: tuple[int, int]
+) -> list[str]:
+    """Settings that are legal but rarely what was meant, said once at the start (`resumed_layout`: the data layout
+    the checkpoint was trained at, or None; `stream`: the run's train stream; `total_steps`: the schedules' span;
+    `steps`: the run's first and last)."""
+    step, last_step = steps
+    o, notes = cfg.optim, []
+    if cfg.train.precision == "fp16" and device.type == "cpu":  # OpenCLIP's --precision amp, on a CPU
+        notes.append(
+            "fastclip train: note: train.precision fp16 (--precision amp) on the CPU: most CPUs have no fast "
+            "float16 matmul, so this runs several times slower than fp32, which suits a CPU"
+        )
+    if resumed_layout is not None and resumed_layout.batch_size != cfg.data.batch_size:
+        before = num_batches(stream.epoch_length, resumed_layout)
+        notes.append(
+            f"fastclip train: note: data.batch_size {resumed_layout.batch_size} -> {cfg.data.batch_size} per "
+            f"process (train.resume_batch_change): {before} -> {stream.batches_per_epoch} steps per epoch; "
+            f"the schedules now span {cfg.train.epochs} epochs x {stream.batches_per_epoch} = "
+            f"{total_steps} steps and continue from step {step} on that new span (the lr "
+            f"there is the new schedule's); the rest of the interrupted epoch is served at the new batch size"
+        )
+    if o.warmup_steps > last_step:
+        notes.append(
+            f"fastclip train: note: optim.warmup_steps {o.warmup_steps} > the run's {last_step} steps: the "
+            f"learning rate never reaches optim.lr {o.lr:g}"
+        )
+    return notes

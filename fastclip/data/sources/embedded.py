@@ -249,6 +249,48 @@ def _png(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def _load_and_split(names: list[str], fashion_root, rng, val_fraction, max_per_class, max_val_per_class):
+    """({name: (spec, parts, origin)}, train, val): every dataset's rows split (split_indices), then each split's
+    (name, part, row, label) shuffled over datasets and classes: the stream only shuffles within windows of a
+    shard order, so every shard mixes them."""
+    loaded, train, val = {}, [], []
+    for name in names:
+        spec, parts, origin = load_dataset(name, fashion_root)
+        loaded[name] = (spec, parts, origin)
+        tr, va = split_indices(
+            spec,
+            parts,
+            val_fraction=val_fraction,
+            max_per_class=max_per_class,
+            max_val_per_class=max_val_per_class,
+            rng=rng,
+        )
+        train += [(name, *t) for t in tr]
+        val += [(name, *v) for v in va]
+    train = [train[i] for i in rng.permutation(len(train))]
+    val = [val[i] for i in rng.permutation(len(val))]
+    return loaded, train, val
+
+
+def _write_split(writer: ShardWriter, items: list, first: int, loaded: dict, rng, bar) -> dict:
+    """The split's samples as PNG + a caption from a random template, indices from `first`; its summary entry."""
+    per_class: dict[str, list[int]] = {n: [0] * len(spec.classnames) for n, (spec, _, _) in loaded.items()}
+    for offset, (name, part, row, label) in enumerate(items):
+        spec, parts, _ = loaded[name]
+        template = spec.templates[int(rng.integers(len(spec.templates)))]
+        caption = template.format(spec.classnames[label])
+        writer.write(first + offset, _png(parts[part][0][row]), "png", caption, label=label, dataset=name)
+        per_class[name][label] += 1
+        if bar is not None:
+            bar.update(1)
+    return {
+        "num_samples": len(items),
+        "index_range": [first, first + len(items) - 1],
+        "shards": len(writer.shards),
+        "per_class": per_class,
+    }
+
+
 def build_embedded(
     out: str | os.PathLike,
     *,
@@ -270,23 +312,7 @@ def build_embedded(
         max_val_per_class = max(1, math.ceil(max_per_class * val_fraction / (1 - val_fraction)))
     names, note = choose_datasets(datasets, fashion_root)
     rng = np.random.default_rng(seed)
-    loaded, train, val = {}, [], []
-    for name in names:
-        spec, parts, origin = load_dataset(name, fashion_root)
-        loaded[name] = (spec, parts, origin)
-        tr, va = split_indices(
-            spec,
-            parts,
-            val_fraction=val_fraction,
-            max_per_class=max_per_class,
-            max_val_per_class=max_val_per_class,
-            rng=rng,
-        )
-        train += [(name, *t) for t in tr]
-        val += [(name, *v) for v in va]
-    # mix datasets and classes inside every shard: the stream only shuffles within windows of a shard order
-    train = [train[i] for i in rng.permutation(len(train))]
-    val = [val[i] for i in rng.permutation(len(val))]
+    loaded, train, val = _load_and_split(names, fashion_root, rng, val_fraction, max_per_class, max_val_per_class)
     data_size = index_offset + len(train) + len(val)
     out = Path(out)
     summary = {
@@ -304,21 +330,7 @@ def build_embedded(
         writers = {}
         for split, items, first in (("train", train, index_offset), ("val", val, index_offset + len(train))):
             writer = writers[split] = ShardWriter(out / split, prefix=split, shard_size=shard_size)
-            per_class: dict[str, list[int]] = {n: [0] * len(loaded[n][0].classnames) for n in names}
-            for offset, (name, part, row, label) in enumerate(items):
-                spec, parts, _ = loaded[name]
-                template = spec.templates[int(rng.integers(len(spec.templates)))]
-                caption = template.format(spec.classnames[label])
-                writer.write(first + offset, _png(parts[part][0][row]), "png", caption, label=label, dataset=name)
-                per_class[name][label] += 1
-                if bar is not None:
-                    bar.update(1)
-            summary["splits"][split] = {
-                "num_samples": len(items),
-                "index_range": [first, first + len(items) - 1],
-                "shards": len(writer.shards),
-                "per_class": per_class,
-            }
+            summary["splits"][split] = _write_split(writer, items, first, loaded, rng, bar)
         if bar is not None:
             bar.__exit__(None, None, None)
         for split, writer in writers.items():

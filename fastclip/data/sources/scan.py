@@ -422,102 +422,122 @@ def scan_shards(
         if index_offset:
             notes.append(f"keeping --index-offset {index_offset} of {target} (pass --index-offset to change it)")
     workers = (os.cpu_count() or 1) if workers is None else workers
-    shards: list[ShardInfo] = []
-    problems: list[dict] = []
-    seen = IndexBits()
-    spans: list[tuple[int, int] | None] = []  # per shard: min/max of the indices it owns (to find a first copy)
-    pending: list[tuple[dict, int, int]] = []  # (duplicate problem, its index, its shard) whose first copy is earlier
-    via = Counter()
-    grouped = False
-
-    def problem(shard: str, key: str | None, reason: str, detail: str, index=None, ordinal=None) -> dict:
-        entry = {"shard": shard, "key": key, "ordinal": ordinal, "reason": reason, "detail": detail, "index": index}
-        problems.append(entry)
-        return entry
-
-    position, largest, usable = 0, -1, 0  # samples in the shards before this one, in manifest order
+    tally = _Tally(data_size, index_offset)
     for s_id, summary in enumerate(_map(_summarise, tasks, workers)):
-        via[summary.via] += 1
-        grouped |= summary.grouped
         if not captions:
             summary.notes = [note for note in summary.notes if note[1] != "missing_caption"]
-        info = ShardInfo(summary.name, summary.num_samples)
-        if summary.broken:
-            problem(summary.name, None, summary.broken_reason, summary.broken)
-        if summary.bounds is not None:  # counts only: the key range bounds the indices, nothing per sample
-            bounds = (summary.bounds[0] + index_offset, summary.bounds[1] + index_offset)
-            info.index_min, info.index_max = bounds
-            largest = max(largest, bounds[1])
-            spans.append(bounds)
-            usable += summary.num_samples  # nothing per sample is known to be wrong
-        else:
-            idx = summary.indices
-            if summary.plain:
-                info.index_base = position
-                idx = position + np.arange(summary.num_samples, dtype=np.int64)
-            if index_offset:  # as the loader does: a negative index stays negative (out of range)
-                idx = np.where(idx >= 0, idx + index_offset, idx)
-            valid = idx != MISSING
-            ok = valid & (idx >= 0)
-            dup = np.zeros(len(idx), dtype=bool)
-            dup[ok] = seen.add_many(idx[ok])
-            keep = ok & ~dup
-            if data_size is not None:
-                out = keep & (idx >= data_size)
-            else:
-                out = np.zeros(len(idx), dtype=bool)
-            rows: list[tuple[int, str, str, int | None]] = [
-                (o, r, d, None) for o, r, d in summary.notes if r == "missing_index"
-            ]
-            rows += [(o, r, d, int(idx[o])) for o, r, d in summary.notes if r != "missing_index" and keep[o]]
-            rows += [
-                (o, "index_out_of_range", f"index {int(idx[o])} not in [0, {data_size})", int(idx[o]))
-                for o in np.nonzero((valid & (idx < 0)) | out)[0].tolist()
-            ]
-            first_here = {}
-            for o in np.nonzero(keep)[0].tolist():
-                first_here.setdefault(int(idx[o]), o)
-            for o in np.nonzero(dup)[0].tolist():
-                i = int(idx[o])
-                if i in first_here and first_here[i] < o:
-                    rows.append(
-                        (
-                            o,
-                            "duplicate_index",
-                            f"index {i} also at shard {summary.name} key {summary.keys[first_here[i]]}",
-                            i,
-                        )
-                    )
-                else:
-                    rows.append((o, "duplicate_index", None, i))
-            for o, reason, detail, index in sorted(rows, key=lambda r: r[0]):
-                entry = problem(summary.name, summary.keys[o], reason, detail, index, o)
-                if detail is None:
-                    pending.append((entry, index, s_id))
-            usable += summary.num_samples - len({o for o, *_ in rows})
-            owned = idx[ok & ~dup]
-            spans.append((int(owned.min()), int(owned.max())) if len(owned) else None)
-            kept = idx[keep & ~out]
-            if len(kept):
-                info.index_min, info.index_max = int(kept.min()), int(kept.max())
-                largest = max(largest, info.index_max)
-        position += info.num_samples
-        shards.append(info)
+        tally.add(s_id, summary)
         if progress is not None:
             progress(1)
-    _name_first_copies(pending, spans, tasks, workers, shards, index_offset)
-    _check_stats_ranges(tasks, spans, shards)
-    data_size = largest + 1 if data_size is None else data_size
+    shards = tally.shards
+    _name_first_copies(tally.pending, tally.spans, tasks, workers, shards, index_offset)
+    _check_stats_ranges(tasks, tally.spans, shards)
+    data_size = tally.largest + 1 if data_size is None else data_size
     extra = {"created_by": "fastclip data scan"}
-    if via["stats"] or via["parquet"]:
-        extra["scanned_from"] = dict(via)
+    if tally.via["stats"] or tally.via["parquet"]:
+        extra["scanned_from"] = dict(tally.via)
     unread = 0 if from_tars or _pyarrow_present() else sum(_parquet_of(path).is_file() for path in paths)
     if unread:  # said in the summary: without pyarrow the scan reads those tars (or _stats.json) instead
         extra["parquet_unread"] = unread
-    result = Manifest(data_size, shards, problems, extra, groups=grouped, index_offset=index_offset)
+    result = Manifest(data_size, shards, tally.problems, extra, groups=tally.grouped, index_offset=index_offset)
     if write:
         write_manifest(target, result)
-    return ScanResult(result, folder, problems, usable, notes, target)
+    return ScanResult(result, folder, tally.problems, tally.usable, notes, target)
+
+
+class _Tally:
+    """What a scan keeps across the shard summaries, in manifest order: a bitmap of the indices seen, each shard's
+    ShardInfo and span of indices it owns, the problems found and the samples usable."""
+
+    def __init__(self, data_size: int | None, index_offset: int):
+        self.data_size, self.index_offset = data_size, index_offset
+        self.shards: list[ShardInfo] = []
+        self.problems: list[dict] = []
+        self.seen = IndexBits()
+        self.spans: list[
+            tuple[int, int] | None
+        ] = []  # per shard: min/max of the indices it owns (to find a first copy)
+        self.pending: list[tuple[dict, int, int]] = []  # (duplicate problem, its index, its shard): first copy earlier
+        self.via = Counter()
+        self.grouped = False
+        self.position, self.largest, self.usable = 0, -1, 0  # position: samples in the shards before this one
+
+    def problem(self, shard: str, key: str | None, reason: str, detail: str, index=None, ordinal=None) -> dict:
+        entry = {"shard": shard, "key": key, "ordinal": ordinal, "reason": reason, "detail": detail, "index": index}
+        self.problems.append(entry)
+        return entry
+
+    def add(self, s_id: int, summary: ShardSummary) -> None:
+        """Shard number s_id's summary."""
+        self.via[summary.via] += 1
+        self.grouped |= summary.grouped
+        info = ShardInfo(summary.name, summary.num_samples)
+        if summary.broken:
+            self.problem(summary.name, None, summary.broken_reason, summary.broken)
+        if summary.bounds is not None:  # counts only: the key range bounds the indices, nothing per sample
+            bounds = (summary.bounds[0] + self.index_offset, summary.bounds[1] + self.index_offset)
+            info.index_min, info.index_max = bounds
+            self.largest = max(self.largest, bounds[1])
+            self.spans.append(bounds)
+            self.usable += summary.num_samples  # nothing per sample is known to be wrong
+        else:
+            self._add_samples(s_id, summary, info)
+        self.position += info.num_samples
+        self.shards.append(info)
+
+    def _add_samples(self, s_id: int, summary: ShardSummary, info: ShardInfo) -> None:
+        """A shard read sample by sample: its indices checked against those seen and data_size."""
+        idx = summary.indices
+        if summary.plain:
+            info.index_base = self.position
+            idx = self.position + np.arange(summary.num_samples, dtype=np.int64)
+        if self.index_offset:  # as the loader does: a negative index stays negative (out of range)
+            idx = np.where(idx >= 0, idx + self.index_offset, idx)
+        valid = idx != MISSING
+        ok = valid & (idx >= 0)
+        dup = np.zeros(len(idx), dtype=bool)
+        dup[ok] = self.seen.add_many(idx[ok])
+        keep = ok & ~dup
+        if self.data_size is not None:
+            out = keep & (idx >= self.data_size)
+        else:
+            out = np.zeros(len(idx), dtype=bool)
+        rows = self._rows(summary, idx, valid, keep, dup, out)
+        for o, reason, detail, index in sorted(rows, key=lambda r: r[0]):
+            entry = self.problem(summary.name, summary.keys[o], reason, detail, index, o)
+            if detail is None:
+                self.pending.append((entry, index, s_id))
+        self.usable += summary.num_samples - len({o for o, *_ in rows})
+        owned = idx[ok & ~dup]
+        self.spans.append((int(owned.min()), int(owned.max())) if len(owned) else None)
+        kept = idx[keep & ~out]
+        if len(kept):
+            info.index_min, info.index_max = int(kept.min()), int(kept.max())
+            self.largest = max(self.largest, info.index_max)
+
+    def _rows(self, summary: ShardSummary, idx, valid, keep, dup, out) -> list[tuple[int, str, str | None, int | None]]:
+        """(ordinal, reason, detail, index) of the shard's problem samples; a duplicate whose first copy is in an
+        earlier shard has no detail yet (_name_first_copies writes it)."""
+        data_size = self.data_size
+        rows: list[tuple[int, str, str, int | None]] = [
+            (o, r, d, None) for o, r, d in summary.notes if r == "missing_index"
+        ]
+        rows += [(o, r, d, int(idx[o])) for o, r, d in summary.notes if r != "missing_index" and keep[o]]
+        rows += [
+            (o, "index_out_of_range", f"index {int(idx[o])} not in [0, {data_size})", int(idx[o]))
+            for o in np.nonzero((valid & (idx < 0)) | out)[0].tolist()
+        ]
+        first_here = {}
+        for o in np.nonzero(keep)[0].tolist():
+            first_here.setdefault(int(idx[o]), o)
+        for o in np.nonzero(dup)[0].tolist():
+            i = int(idx[o])
+            if i in first_here and first_here[i] < o:
+                detail = f"index {i} also at shard {summary.name} key {summary.keys[first_here[i]]}"
+                rows.append((o, "duplicate_index", detail, i))
+            else:
+                rows.append((o, "duplicate_index", None, i))
+        return rows
 
 
 def _name_first_copies(pending, spans, tasks, workers, shards, offset: int = 0) -> None:

@@ -378,44 +378,14 @@ def build_scenes(
     source = SOURCE_NAMES[variant]
     k = check_captions_per_scene(variant, captions_per_scene)
     counts = {"train": num_train, "val": num_val, "test": num_test, "novel": num_novel}
-    for split, n in counts.items():
-        if n < 0 or (split == "train" and n == 0):
-            raise ValueError(f"number of {split} scenes must be {'>= 1' if split == 'train' else '>= 0'}, got {n}")
-    if shard_size < 1:
-        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    _check_sizes(counts, shard_size)
     names, note = choose_datasets(datasets, fashion_root)
     vocab, _ = glyph_pools(names, fashion_root, seed)  # fails here, in the parent, if a dataset is missing
     out = Path(out)
     with removed_on_failure(out, SPLITS):  # a full disk, Ctrl-C: no half data set left to be trained on
-        jobs, first_index, per_shard = [], index_offset, max(1, shard_size // k)  # scenes per shard
-        for split in SPLITS:
-            (out / split).mkdir(parents=True, exist_ok=True)
-            for shard, first in enumerate(range(0, counts[split], per_shard)):
-                n = min(per_shard, counts[split] - first)
-                jobs.append(ShardJob(split, shard, first, n, first_index + first * k, k))
-            first_index += counts[split] * k
-        data_size = first_index
-        workers = workers or min(len(jobs), os.cpu_count() or 1)
-        results: dict[ShardJob, tuple] = {}
-        if workers <= 1:
-            _init_worker(names, str(fashion_root), seed, variant)
-            for job in jobs:
-                results[job] = _write_shard(job, str(out))
-                if progress:
-                    progress(job.count)
-        else:
-            with ProcessPoolExecutor(
-                workers, initializer=_init_pool_worker, initargs=(names, str(fashion_root), seed, variant)
-            ) as pool:
-                try:
-                    futures = {job: pool.submit(_write_shard, job, str(out)) for job in jobs}
-                    for job, fut in futures.items():
-                        results[job] = fut.result()
-                        if progress:
-                            progress(job.count)
-                except BaseException:  # Ctrl-C, a failed shard: start no further shard (the workers would)
-                    pool.shutdown(wait=True, cancel_futures=True)
-                    raise
+        jobs, data_size = _shard_jobs(out, counts, max(1, shard_size // k), index_offset, k)
+        pool_args = (names, str(fashion_root), seed, variant)
+        results = _write_shards(jobs, out, workers or min(len(jobs), os.cpu_count() or 1), pool_args, progress)
         summary = {
             "source": source,
             "datasets": names,
@@ -430,38 +400,77 @@ def build_scenes(
         start = index_offset
         for split in SPLITS:
             split_jobs = [j for j in jobs if j.split == split]
-            shards = []
-            for j in split_jobs:
-                name, n = results[j][:2]  # n: samples (scenes x captions_per_scene)
-                shards.append(ShardInfo(name, n, j.first_index, j.first_index + n - 1))
-            write_manifest(
-                out / split,
-                Manifest(
-                    data_size,
-                    shards,
-                    extra={
-                        "created_by": f"fastclip data embedded --source {source}",
-                        "split": split,
-                        "datasets": names,
-                        "seed": seed,
-                        **({"captions_per_scene": k} if k > 1 else {}),
-                    },
-                    groups=k > 1,
-                ),
+            extra = {"created_by": f"fastclip data embedded --source {source}", "split": split, "datasets": names}
+            extra.update({"seed": seed, **({"captions_per_scene": k} if k > 1 else {})})
+            summary["splits"][split] = _finish_split(
+                out / split, split_jobs, results, counts[split], k, data_size, extra, start
             )
-            captions = [c for j in split_jobs for c in results[j][2]]
-            labels = [lab for j in split_jobs for lab in results[j][3]]
-            samples = counts[split] * k
-            summary["splits"][split] = {
-                "num_samples": samples,
-                **({"scenes": counts[split]} if k > 1 else {}),
-                "shards": len(shards),
-                "index_range": [start, start + samples - 1],
-                "distinct_captions": len(set(captions)),
-                "labelled_single_object": sum(lab >= 0 for lab in labels),
-            }
-            start += samples
+            start += counts[split] * k
         zeroshot = {"datasets": {"scenes": {"classnames": vocab.nouns, "templates": prompts()}}}
         (out / "zeroshot.json").write_text(json.dumps(zeroshot, indent=1) + "\n")
         (out / "scenes.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def _check_sizes(counts: dict[str, int], shard_size: int) -> None:
+    for split, n in counts.items():
+        if n < 0 or (split == "train" and n == 0):
+            raise ValueError(f"number of {split} scenes must be {'>= 1' if split == 'train' else '>= 0'}, got {n}")
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+
+
+def _shard_jobs(out: Path, counts: dict[str, int], per_shard: int, index_offset: int, k: int):
+    """(the shards to write, split by split, `per_shard` scenes each, data_size); makes the split folders. Global
+    indices run on over the splits from index_offset, k per scene."""
+    jobs, first_index = [], index_offset
+    for split in SPLITS:
+        (out / split).mkdir(parents=True, exist_ok=True)
+        for shard, first in enumerate(range(0, counts[split], per_shard)):
+            n = min(per_shard, counts[split] - first)
+            jobs.append(ShardJob(split, shard, first, n, first_index + first * k, k))
+        first_index += counts[split] * k
+    return jobs, first_index
+
+
+def _write_shards(jobs: list[ShardJob], out: Path, workers: int, pool_args: tuple, progress) -> dict[ShardJob, tuple]:
+    """Every job's shard, written here (workers <= 1) or in a process pool; each job's result."""
+    results: dict[ShardJob, tuple] = {}
+    if workers <= 1:
+        _init_worker(*pool_args)
+        for job in jobs:
+            results[job] = _write_shard(job, str(out))
+            if progress:
+                progress(job.count)
+        return results
+    with ProcessPoolExecutor(workers, initializer=_init_pool_worker, initargs=pool_args) as pool:
+        try:
+            futures = {job: pool.submit(_write_shard, job, str(out)) for job in jobs}
+            for job, fut in futures.items():
+                results[job] = fut.result()
+                if progress:
+                    progress(job.count)
+        except BaseException:  # Ctrl-C, a failed shard: start no further shard (the workers would)
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return results
+
+
+def _finish_split(folder: Path, split_jobs, results, scenes: int, k: int, data_size: int, extra: dict, start: int):
+    """Writes the split's manifest; its entry of scenes.json (`start`: its first global index)."""
+    shards = []
+    for j in split_jobs:
+        name, n = results[j][:2]  # n: samples (scenes x captions_per_scene)
+        shards.append(ShardInfo(name, n, j.first_index, j.first_index + n - 1))
+    write_manifest(folder, Manifest(data_size, shards, extra=extra, groups=k > 1))
+    captions = [c for j in split_jobs for c in results[j][2]]
+    labels = [lab for j in split_jobs for lab in results[j][3]]
+    samples = scenes * k
+    return {
+        "num_samples": samples,
+        **({"scenes": scenes} if k > 1 else {}),
+        "shards": len(shards),
+        "index_range": [start, start + samples - 1],
+        "distinct_captions": len(set(captions)),
+        "labelled_single_object": sum(lab >= 0 for lab in labels),
+    }

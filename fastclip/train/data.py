@@ -1,0 +1,61 @@
+"""The trainer's data: the stream of this rank's part of every global batch (fastclip/data), configured from the
+data section, with uint8 images normalised on the device (fastclip/data/pixels.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from fastclip.data import StreamConfig
+from fastclip.data.pixels import on_device
+from fastclip.train import preflight
+from fastclip.train.config import Config, ConfigError
+
+
+def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamConfig:
+    """The data section (the same field names) plus what the trainer decides: seed, data_size, pinning."""
+    d = cfg.data
+    return StreamConfig(
+        train=d.train,
+        batch_size=d.batch_size,
+        seed=preflight.data_seed(cfg),
+        workers=d.workers,
+        shuffle_buffer=d.shuffle_buffer,
+        resampled=d.resampled,
+        samples_per_epoch=d.samples_per_epoch,
+        upsampling_factors=d.upsampling_factors,
+        data_size=data_size,
+        pin_memory=device.type == "cuda" and d.pin_memory is not False,
+        log_skips_per_reason=0,
+        remote_retry_delays=d.remote_retry_delays,
+    )  # rank 0 logs every rank's skips, once per epoch (DataSkipReport)
+
+
+def train_pixels(cfg: Config, preprocess):
+    """(the data workers' transform, the device's Normalize): uint8 batches, normalised on the device, unless
+    data.device_normalize is false or the transform cannot be split (timm's erasing): then (preprocess, None)."""
+    split = on_device(preprocess) if cfg.data.device_normalize is not False else None
+    if split is None and cfg.data.device_normalize:
+        raise ConfigError(
+            "config key 'data.device_normalize': the training transform does not end in ToTensor + Normalize, so "
+            "its pixels cannot be normalised on the device: set it null or false"
+        )
+    return split or (preprocess, None)
+
+
+def build_data(cfg: Config, info, built, catalog, data_size: int):
+    """(the train stream of this rank, the device's Normalize or None) for the towers `built` (their transform and
+    tokenizer)."""
+    from fastclip.data import build_train_stream
+
+    preprocess, normalize = train_pixels(cfg, built.preprocess_train)
+    if normalize is not None:
+        normalize.to(info.device)
+    stream = build_train_stream(
+        stream_config(cfg, data_size, info.device),
+        rank=info.rank,
+        world_size=info.world_size,
+        preprocess=preprocess,
+        tokenizer=built.tokenizer,
+        catalog=catalog,
+    )
+    return stream, normalize

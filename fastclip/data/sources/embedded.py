@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from fastclip.data.format import ZEROSHOT_NAME
 from fastclip.data.writer import ShardWriter, removed_on_failure
 
 FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -344,6 +345,6 @@ def build_embedded(
                 for n in names
             }
         }
-        (out / "zeroshot.json").write_text(json.dumps(zeroshot, indent=1) + "\n")
+        (out / ZEROSHOT_NAME).write_text(json.dumps(zeroshot, indent=1) + "\n")
         (out / "embedded.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

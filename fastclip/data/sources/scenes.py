@@ -43,7 +43,7 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image
 
-from fastclip.data.format import sample_key
+from fastclip.data.format import ZEROSHOT_NAME, sample_key
 from fastclip.data.manifest import Manifest, ShardInfo, write_manifest
 from fastclip.data.sources.embedded import FASHION_MNIST_ROOT, choose_datasets, load_dataset
 from fastclip.data.tario import TarWriter
@@ -407,7 +407,7 @@ def build_scenes(
             )
             start += counts[split] * k
         zeroshot = {"datasets": {"scenes": {"classnames": vocab.nouns, "templates": prompts()}}}
-        (out / "zeroshot.json").write_text(json.dumps(zeroshot, indent=1) + "\n")
+        (out / ZEROSHOT_NAME).write_text(json.dumps(zeroshot, indent=1) + "\n")
         (out / "scenes.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 

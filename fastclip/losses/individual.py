@@ -58,17 +58,19 @@ def per_sample_tau_metrics(loss, surrogate, objective, gamma: float, tau: torch.
     return functools.partial(_tau_metrics, loss, surrogate, objective, gamma, tau)  # (objective.py reads its args)
 
 
+TAU_QUANTILES = {"tau_q05": 0.05, "tau_q50": 0.5, "tau_q95": 0.95}  # metric name: quantile of the batch's τ
+
+
 def _tau_metrics(loss, surrogate, objective, gamma: float, tau: torch.Tensor) -> dict[str, torch.Tensor]:
-    quantiles = torch.quantile(tau.reshape(-1), torch.tensor([0.05, 0.5, 0.95], dtype=tau.dtype, device=tau.device))
+    q = torch.tensor(list(TAU_QUANTILES.values()), dtype=tau.dtype, device=tau.device)
+    quantiles = torch.quantile(tau.reshape(-1), q)
     return {
         "loss": loss,
         "surrogate": surrogate,
         "objective": objective,
         "gamma": tau.new_full((), gamma),
         "tau_quantiles": quantiles,
-        "tau_q05": quantiles[0],
-        "tau_q50": quantiles[1],
-        "tau_q95": quantiles[2],
+        **dict(zip(TAU_QUANTILES, quantiles)),
     }
 
 

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from fastclip.losses import individual
+
 # The names a record's values go by where they are shown (metrics.jsonl keeps every key of a record):
-TAU_QUANTILES = ("tau_q05", "tau_q50", "tau_q95")  # a per-sample τ loss's batch τ quantiles (losses/individual.py)
+TAU_QUANTILES = tuple(individual.TAU_QUANTILES)  # a per-sample τ loss's batch τ quantiles
 STEP_LINE = (  # a logging step's line, in this order
     *("loss", "objective", "tau", *TAU_QUANTILES, "lr", "gamma"),
     *("samples_per_s", "samples_per_s_per_rank", "data_time"),

@@ -43,6 +43,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fastclip.data.manifest import read_manifest, write_manifest
 from fastclip.eval.retrieval import mean_r1
+from fastclip.eval.zeroshot import mean_top1
 
 from common import REPO, RESULTS, SMOKE_OUT, check_out, count, machine_info, publish, read_jsonl, save_figure
 
@@ -957,10 +958,7 @@ def holm(ps: list[float]) -> list[float]:
 
 
 METRICS = {
-    "zeroshot_top1": lambda rec: (
-        sum(v for k, v in rec.items() if k.startswith("zeroshot/") and k.endswith("/top1"))
-        / max(1, sum(1 for k in rec if k.startswith("zeroshot/") and k.endswith("/top1")))
-    ),
+    "zeroshot_top1": lambda rec: mean_top1(rec) or 0.0,
     "retrieval_R@1": lambda rec: mean_r1(rec) or 0.0,
 }
 

@@ -269,3 +269,11 @@ def test_mean_r1_is_the_mean_of_both_directions_or_none():
     assert mean_r1(record) == 0.375
     assert mean_r1({"image_to_text_R@1": 1.0, "text_to_image_R@1": 0.0}, prefix="") == 0.5
     assert mean_r1({"retrieval/image_to_text_R@1": 0.5}) is None
+
+
+def test_mean_zero_shot_top1_is_over_the_data_sets_top1_keys_only():
+    from fastclip.eval.zeroshot import mean_top1
+
+    record = {"zeroshot/a/top1": 0.2, "zeroshot/b/top1": 0.5, "zeroshot/a/top5": 0.9, "zeroshot/mean_top1": 0.35}
+    assert mean_top1(record) == pytest.approx(0.35) and mean_top1({"retrieval/x": 1.0}) is None
+    assert mean_top1({"eval/zeroshot/a/top1": 0.25}, prefix="eval/zeroshot/") == 0.25

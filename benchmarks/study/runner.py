@@ -17,6 +17,7 @@ from pathlib import Path
 from fastclip.data.format import MANIFEST_NAME
 from fastclip.data.manifest import read_manifest
 from fastclip.eval.retrieval import mean_r1
+from fastclip.eval.zeroshot import mean_top1
 
 from . import records
 from .plan import Run, plan
@@ -116,8 +117,7 @@ def metric(record: dict, name: str) -> float | None:
     """The study's metric from one evaluation's keys (without the eval/ prefix); None when it is not there."""
     if name == "retrieval_R1":
         return mean_r1(record)
-    tops = [v for k, v in record.items() if k.startswith("zeroshot/") and k.endswith("/top1")]
-    return sum(tops) / len(tops) if tops else None
+    return mean_top1(record)
 
 
 def zeroshot_top1(record: dict) -> float | None:

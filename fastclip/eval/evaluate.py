@@ -25,7 +25,7 @@ from fastclip.eval.probe import LabelledFeatures, encode_image_with_features
 from fastclip.eval.retrieval import retrieval_metrics
 from fastclip.eval.samples import EvalDataError, EvalSample, iter_samples
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec
-from fastclip.eval.zeroshot import ZeroShotCounts, ZeroShotResult, zeroshot_classifier
+from fastclip.eval.zeroshot import ZeroShotCounts, ZeroShotResult, mean_top1, zeroshot_classifier
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class EvalResults:
             if per_class:
                 out.update({f"{prefix}/class/{c}": a for c, a in result.per_class.items() if a is not None})
         if len(self.zeroshot) > 1:
-            out["zeroshot/mean_top1"] = sum(r.top1 for r in self.zeroshot.values()) / len(self.zeroshot)
+            out["zeroshot/mean_top1"] = mean_top1(out)
         out.update({f"retrieval/{k}": v for k, v in self.retrieval.items()})
         if self.retrieval:
             out["retrieval/num_samples"] = float(self.retrieval_samples)  # captions

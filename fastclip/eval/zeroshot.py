@@ -130,3 +130,10 @@ def evaluate_zeroshot(model, loader, classifier: torch.Tensor, device, group=Non
         "num_samples": result.num_samples,
         "per_class": result.per_class,
     }
+
+
+def mean_top1(values: dict, prefix: str = "zeroshot/") -> float | None:
+    """The mean zero-shot top-1 over the data sets of an evaluation's record (its ``<prefix><name>/top1`` keys; the
+    studies' zero-shot score); None when it has none."""
+    tops = [v for k, v in values.items() if k.startswith(prefix) and k.endswith("/top1")]
+    return sum(tops) / len(tops) if tops else None

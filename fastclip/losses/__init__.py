@@ -107,6 +107,7 @@ from .options import (
     ConstantTemperatureOptions,
     GlobalTemperatureOptions,
     IndividualTemperatureOptions,
+    LossOptionError,
     OpenCLIPOptions,
     RGCLOptions,
     SigLIPOptions,
@@ -182,9 +183,24 @@ class UnknownLossOptions(TypeError):
 
 def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Module:
     """The loss ``name`` with its options; ``data_size`` is required by the FastCLIP versions, ignored by openclip."""
+    built = _options(name, data_size, options)
+    return implementation(name, LOSSES[name], built)(built)
+
+
+def check_options(name: str, **options) -> None:
+    """The value checks build_loss makes of the options ``name`` takes, before the run's data and towers exist (a
+    config check): what is not known yet (data_size, embed_dim) stands in as 1, and options the loss does not take
+    are left to build_loss, whose error names them. Raises LossOptionError (one option) or ValueError."""
+    taken = {key: value for key, value in options.items() if key in option_names(name)}
+    if "embed_dim" in option_names(name) and taken.get("embed_dim") is None:
+        taken["embed_dim"] = 1
+    _options(name, taken.pop("data_size", None) or 1, taken)
+
+
+def _options(name: str, data_size: int | None, options: dict):
+    """``options`` (None: the default) as the loss's options dataclass, which checks every value."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
-    entry = LOSSES[name]
     accepted = option_names(name)
     given = {key: value for key, value in options.items() if value is not None}
     unknown = sorted(set(given) - accepted)
@@ -198,8 +214,7 @@ def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Modu
         if data_size is None:
             raise TypeError(f"loss {name!r} needs data_size= (1 + the largest data index)")
         given["data_size"] = data_size
-    options = entry.options(**given)
-    return implementation(name, entry, options)(options)
+    return LOSSES[name].options(**given)
 
 
 def implementation(name: str, entry: LossEntry, options) -> type:
@@ -222,7 +237,9 @@ def implementation(name: str, entry: LossEntry, options) -> type:
 
 __all__ = [
     "build_loss",
+    "check_options",
     "option_names",
+    "LossOptionError",
     "UnknownLossOptions",
     "LOSSES",
     "LossEntry",

@@ -9,11 +9,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .schedules import GammaSchedule
+from .schedules import GAMMA_SCHEDULES, GammaSchedule
 
 COMPAT_MODES = ("faithful", "reference")
 IMPLS = ("fused", "autograd")  # the hand-written backward, or the objective as autograd code (objective.py)
 SIMILARITIES = ("cosine", "atanh")  # logits s·cos, or s·2·atanh(cos) (temperature-free; similarity.py)
+
+
+class LossOptionError(ValueError):
+    """One option's value breaks its rule: ``option``, ``rule`` and ``value`` let a caller name it in its own terms
+    (the trainer: "config key 'loss.gamma_min': must be in (0, 1] (got 0.0)")."""
+
+    def __init__(self, option: str, rule: str, value):
+        self.option, self.rule, self.value = option, rule, value
+        super().__init__(f"loss option {option} {rule}, got {value!r}")
 
 
 def _is_number(value) -> bool:
@@ -23,12 +32,12 @@ def _is_number(value) -> bool:
 
 def _positive(name: str, value: float) -> None:
     if not (_is_number(value) and value > 0):
-        raise ValueError(f"loss option {name} must be a positive number, got {value!r}")
+        raise LossOptionError(name, "must be a positive number", value)
 
 
 def _finite(name: str, value: float) -> None:
     if not _is_number(value):
-        raise ValueError(f"loss option {name} must be a finite number, got {value!r}")
+        raise LossOptionError(name, "must be a finite number", value)
 
 
 def _is_count(value, least: int) -> bool:
@@ -38,19 +47,19 @@ def _is_count(value, least: int) -> bool:
 
 def _count(name: str, value, least: int) -> None:
     if not _is_count(value, least):
-        raise ValueError(f"loss option {name} must be an integer >= {least}, got {value!r}")
+        raise LossOptionError(name, f"must be an integer >= {least}", value)
 
 
 def _check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"loss option {name} must be true or false, got {value!r}")
+        raise LossOptionError(name, "must be true or false", value)
 
 
 def _check_similarity(options) -> None:
     if options.similarity not in SIMILARITIES:
-        raise ValueError(f"loss option similarity must be one of {SIMILARITIES}, got {options.similarity!r}")
+        raise LossOptionError("similarity", f"must be one of {SIMILARITIES}", options.similarity)
     if not (_is_number(options.similarity_clamp) and 0 < options.similarity_clamp < 1):
-        raise ValueError(f"loss option similarity_clamp must be in (0, 1), got {options.similarity_clamp!r}")
+        raise LossOptionError("similarity_clamp", "must be in (0, 1)", options.similarity_clamp)
 
 
 def _check_queue(options) -> None:
@@ -87,15 +96,13 @@ class CommonOptions:
                         "unimodal (the trainer's ssl.enabled)"
                     )
         if self.impl is not None and self.impl not in IMPLS:
-            raise ValueError(f"loss option impl must be one of {IMPLS}, got {self.impl!r}")
+            raise LossOptionError("impl", f"must be one of {IMPLS}", self.impl)
         weights = self.direction_weights
         if weights is not None:
             pair = isinstance(weights, (tuple, list)) and len(weights) == 2
             if not pair or not all(_is_number(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-                raise ValueError(
-                    "loss option direction_weights must be two numbers >= 0 with a positive sum "
-                    f"([w_i2t, w_t2i]), got {weights!r}"
-                )
+                rule = "must be two numbers >= 0 with a positive sum ([w_i2t, w_t2i])"
+                raise LossOptionError("direction_weights", rule, weights)
             object.__setattr__(self, "direction_weights", (float(weights[0]), float(weights[1])))
         if getattr(self, "fused_kernels", False) and self.impl == "autograd":
             raise ValueError("loss option fused_kernels compiles the fused backward's passes: it needs impl fused")
@@ -142,7 +149,7 @@ class InfoNCEOptions(CommonOptions):
         _check_queue(self)
         if self.distill_alpha is not None:
             if not (_is_number(self.distill_alpha) and 0 <= self.distill_alpha <= 1):
-                raise ValueError(f"loss option distill_alpha must be in [0, 1], got {self.distill_alpha!r}")
+                raise LossOptionError("distill_alpha", "must be in [0, 1]", self.distill_alpha)
             if self.hard_negative_topk is not None or self.hard_negative_beta is not None:
                 raise ValueError(
                     "loss options distill_alpha and hard_negative_topk/beta: the soft targets are a distribution "
@@ -151,7 +158,7 @@ class InfoNCEOptions(CommonOptions):
         if self.hard_negative_beta is not None and not (
             _is_number(self.hard_negative_beta) and self.hard_negative_beta >= 0
         ):
-            raise ValueError(f"loss option hard_negative_beta must be a number >= 0, got {self.hard_negative_beta!r}")
+            raise LossOptionError("hard_negative_beta", "must be a number >= 0", self.hard_negative_beta)
 
 
 @dataclass(frozen=True)
@@ -183,28 +190,29 @@ class SampleStateOptions(CommonOptions):
         super().__post_init__()
         _check_bool("fused_kernels", self.fused_kernels)
         if not _is_count(self.data_size, 1):
-            raise ValueError(
-                f"loss option data_size must be a positive int (1 + the largest data index), got {self.data_size!r}"
-            )
+            raise LossOptionError("data_size", "must be a positive int (1 + the largest data index)", self.data_size)
         object.__setattr__(self, "data_size", int(self.data_size))  # (a numpy integer, e.g. from len of an array)
         if not (_is_number(self.eps) and self.eps >= 0):
-            raise ValueError(f"loss option eps must be a number >= 0, got {self.eps!r}")
+            raise LossOptionError("eps", "must be a number >= 0", self.eps)
         _finite("gamma_min", self.gamma_min)
+        if not 0 < self.gamma_min <= 1:  # γ weighs the new batch's estimate into u: 0 would never update it
+            raise LossOptionError("gamma_min", "must be in (0, 1]", self.gamma_min)
         _count("gamma_decay_epochs", self.gamma_decay_epochs, 0)
+        if self.gamma_schedule not in GAMMA_SCHEDULES:
+            raise LossOptionError("gamma_schedule", f"must be one of {GAMMA_SCHEDULES}", self.gamma_schedule)
         if self.compat not in COMPAT_MODES:
-            raise ValueError(f"loss option compat must be one of {COMPAT_MODES}, got {self.compat!r}")
+            raise LossOptionError("compat", f"must be one of {COMPAT_MODES}", self.compat)
         if self.state_dtype is not None and not (
             isinstance(self.state_dtype, torch.dtype) and self.state_dtype.is_floating_point
         ):
-            raise ValueError(f"loss option state_dtype must be a floating torch.dtype, got {self.state_dtype!r}")
+            raise LossOptionError("state_dtype", "must be a floating torch.dtype", self.state_dtype)
         if self.state_device is not None:  # said now, not at the first call
             try:
                 device = torch.device(self.state_device)
             except (RuntimeError, TypeError):
-                raise ValueError(f"loss option state_device must be a device, got {self.state_device!r}") from None
+                raise LossOptionError("state_device", "must be a device", self.state_device) from None
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"loss option state_device is {self.state_device!r} but CUDA is not available here")
-        self.gamma()  # validates the schedule options
 
     def gamma(self) -> GammaSchedule:
         return GammaSchedule(self.gamma_schedule, float(self.gamma_min), self.gamma_decay_epochs)
@@ -237,7 +245,7 @@ class GlobalTemperatureOptions(ConstantTemperatureOptions):
         super().__post_init__()
         _check_bool("learn_temperature", self.learn_temperature)
         if not (_is_number(self.tau_min) and 0 < self.tau_min <= min(1.0, self.temperature)):
-            raise ValueError(f"loss option tau_min must be in (0, min(1, temperature)], got {self.tau_min!r}")
+            raise LossOptionError("tau_min", "must be in (0, min(1, temperature)]", self.tau_min)
 
 
 @dataclass(frozen=True)
@@ -292,7 +300,7 @@ class IndividualTemperatureOptions(SampleStateOptions):
         betas = self.tau_betas
         pair = isinstance(betas, (tuple, list)) and len(betas) == 2
         if not pair or not all(_is_number(b) and 0 <= b < 1 for b in betas):
-            raise ValueError(f"loss option tau_betas must be two numbers in [0, 1), got {self.tau_betas!r}")
+            raise LossOptionError("tau_betas", "must be two numbers in [0, 1)", self.tau_betas)
 
 
 @dataclass(frozen=True)
@@ -315,7 +323,7 @@ class TempNetOptions(SampleStateOptions):
         for name in ("embed_dim", "tempnet_hidden"):
             value = getattr(self, name)
             if not _is_count(value, 1):
-                raise ValueError(f"loss option {name} must be a positive int, got {value!r}")
+                raise LossOptionError(name, "must be a positive int", value)
             object.__setattr__(self, name, int(value))
         for name in ("temperature", "tau_min", "tau_max"):
             _positive(name, getattr(self, name))

@@ -667,15 +667,7 @@ def _check(cfg: Config) -> None:
     need(not lo.distill_alpha or m is not None, "loss.distill_alpha", "needs model.ema_momentum (the momentum model "
          "whose softmax it mixes into the targets)")  # fmt: skip
     need(m is None or t.distributed == "ddp", "model.ema_momentum", "works with train.distributed ddp only")
-    need(lo.temperature is None or lo.temperature > 0, "loss.temperature", "must be > 0")
-    need(lo.eps is None or lo.eps >= 0, "loss.eps", "must be >= 0")
-    need(lo.gamma_min is None or 0 < lo.gamma_min <= 1, "loss.gamma_min", "must be in (0, 1]")
-    need(lo.gamma_decay_epochs is None or lo.gamma_decay_epochs >= 0, "loss.gamma_decay_epochs", "must be >= 0")
-    need(
-        lo.tau_betas is None or (len(lo.tau_betas) == 2 and all(0 <= b < 1 for b in lo.tau_betas)),
-        "loss.tau_betas",
-        "must be two numbers in [0, 1)",
-    )
+    _check_loss(lo)
     _check_aug(d.aug, views=cfg.ssl.enabled)
     need(not (d.device_normalize and d.aug.re_prob), "data.device_normalize", "cannot be true with data.aug.re_prob: "
          "timm's random erasing works on normalised pixels, in the workers (set it null or false)")  # fmt: skip
@@ -724,6 +716,20 @@ def _check(cfg: Config) -> None:
         from fastclip.train.ssl import check_ssl_config
 
         check_ssl_config(cfg)
+
+
+def _check_loss(loss: LossConfig) -> None:
+    """The loss section's values, by the loss library's own rules (fastclip/losses/options.py), so a bad one is
+    refused before anything is built; an option the loss does not take is refused when it is built (make_loss)."""
+    from fastclip.losses import LossOptionError, check_options
+
+    options = {f.name: getattr(loss, f.name) for f in dataclasses.fields(loss) if f.name != "name"}
+    try:
+        check_options(loss.name, **options)
+    except LossOptionError as e:
+        raise ConfigError(f"config key 'loss.{e.option}': {e.rule} (got {e.value!r})") from None
+    except ValueError as e:
+        raise ConfigError(f"config section 'loss' (name {loss.name}): {e}") from None
 
 
 def _check_aug(a: AugConfig, views: bool = False) -> None:

@@ -86,6 +86,7 @@ change the world size.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 from torch import nn
 
@@ -170,6 +171,18 @@ def option_names(name: str) -> set[str]:
     return {f.name for f in dataclasses.fields(LOSSES[name].options)}
 
 
+def config_options() -> dict[str, object]:
+    """Every loss's options but the LIBRARY_ONLY ones (options.py), in LOSSES order, each with its type: the keys
+    of the trainer's loss section. One name has one type in every loss that takes it."""
+    types: dict[str, object] = {}
+    for entry in LOSSES.values():
+        hints = typing.get_type_hints(entry.options)
+        for f in dataclasses.fields(entry.options):
+            if f.metadata.get("config_key", True) and types.setdefault(f.name, hints[f.name]) != hints[f.name]:
+                raise TypeError(f"loss option {f.name} is {types[f.name]} in one loss, {hints[f.name]} in another")
+    return types
+
+
 class UnknownLossOptions(TypeError):
     """build_loss given options the loss does not take; ``unknown``, ``accepted`` and ``why`` (key -> reason) let a
     caller name them in its own terms (the trainer: config keys)."""
@@ -238,6 +251,7 @@ def implementation(name: str, entry: LossEntry, options) -> type:
 __all__ = [
     "build_loss",
     "check_options",
+    "config_options",
     "option_names",
     "LossOptionError",
     "UnknownLossOptions",

@@ -1,19 +1,29 @@
 """Options of each loss, as dataclasses: ``build_loss`` maps its keyword arguments onto one of these, so an
-option a version does not take is a TypeError naming it, and every value is checked here once."""
+option a version does not take is a TypeError naming it, and every value is checked here once.
+
+These dataclasses are also the schema of the trainer's `loss` section (fastclip/train/config.py makes a key of
+every field, with its type, null meaning the default here), so a field's comment is its help there too; a field
+marked LIBRARY_ONLY is not a key."""
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from .schedules import GAMMA_SCHEDULES, GammaSchedule
+from .schedules import GAMMA_SCHEDULES, GammaSchedule, GammaScheduleKind
 
-COMPAT_MODES = ("faithful", "reference")
-IMPLS = ("fused", "autograd")  # the hand-written backward, or the objective as autograd code (objective.py)
-SIMILARITIES = ("cosine", "atanh")  # logits s·cos, or s·2·atanh(cos) (temperature-free; similarity.py)
+Compat = Literal["faithful", "reference"]
+Impl = Literal["fused", "autograd"]  # the hand-written backward, or the objective as autograd code (objective.py)
+Similarity = Literal["cosine", "atanh"]  # logits s·cos, or s·2·atanh(cos) (temperature-free; similarity.py)
+COMPAT_MODES, IMPLS, SIMILARITIES = typing.get_args(Compat), typing.get_args(Impl), typing.get_args(Similarity)
+# A field that is no key of the trainer's loss section: a Python object, or a value the trainer derives from its
+# other sections (fastclip/train/net.py: data_size, lr_tau, embed_dim, unimodal).
+LIBRARY_ONLY = {"config_key": False}
 
 
 class LossOptionError(ValueError):
@@ -70,19 +80,20 @@ def _check_queue(options) -> None:
 
 @dataclass(frozen=True)
 class CommonOptions:
-    group: object | None = None  # process group; None = the default (WORLD) when torch.distributed is initialised
+    # process group; None = the default (WORLD) when torch.distributed is initialised
+    group: object | None = field(default=None, metadata=LIBRARY_ONLY)
     validate: bool = True  # header collective + checks that raise the same LossInputError on all ranks
     # eager validation on several ranks: raise where a rank's τ or heads are not rank 0's (gradients not averaged);
     # false for local SGD / periodic model averaging, where they differ on purpose between the averaging rounds
-    check_parameters: bool = True
+    check_parameters: bool = field(default=True, metadata=LIBRARY_ONLY)
     # "fused": the hand-written backward (pairwise.py); "autograd": the objective written as autograd code over the
     # global batch (objective.py); None: fused where the loss has it and it implements every option given
-    impl: str | None = None
+    impl: Impl | None = None
     # [w_i2t, w_t2i]: loss = (w_i2t·L_i2t + w_t2i·L_t2i)/(w_i2t + w_t2i); None: the symmetric loss (equal weights)
     direction_weights: tuple[float, float] | None = None
     # self-supervised images: image and text features are two augmented views of the same images, every view an
     # anchor against all 2N views (objective.py); autograd objectives only
-    unimodal: bool = False
+    unimodal: bool = field(default=False, metadata=LIBRARY_ONLY)  # the trainer's ssl.enabled
 
     def __post_init__(self):
         _check_bool("check_parameters", self.check_parameters)
@@ -130,8 +141,8 @@ class InfoNCEOptions(CommonOptions):
     """The softmax losses over the global batch (openclip's InfoNCE, dcl) and their hard-negative options."""
 
     temperature: float = 0.07  # initial τ; logit_scale = log(1/τ)
-    learn_temperature: bool = True
-    similarity: str = "cosine"  # "atanh": logits 2·atanh(cos)/τ (temperature-free with τ = 1, see similarity.py)
+    learn_temperature: bool = True  # false keeps τ at `temperature` (fixed-τ runs)
+    similarity: Similarity = "cosine"  # "atanh": logits 2·atanh(cos)/τ (temperature-free with τ = 1, see similarity.py)
     similarity_clamp: float = 1e-6  # "atanh": the cosine is clamped to ±(1 − this)
     hard_negative_topk: int | None = None  # only each anchor's k most similar negatives in its denominator
     hard_negative_beta: float | None = None  # Robinson et al. 2021: negatives weighted ∝ exp(β·logit), mean 1
@@ -163,7 +174,8 @@ class InfoNCEOptions(CommonOptions):
 
 @dataclass(frozen=True)
 class OpenCLIPOptions(InfoNCEOptions):
-    fused_kernels: bool = False  # the [2, B, N] exponentials as torch.compile'd kernels (kernels.py)
+    # the [2, B, N] exponentials as torch.compile'd kernels (kernels.py); needs a C++ compiler (CPU) or Triton
+    fused_kernels: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -172,16 +184,19 @@ class OpenCLIPOptions(InfoNCEOptions):
 
 @dataclass(frozen=True)
 class SampleStateOptions(CommonOptions):
-    data_size: int = 0  # 1 + the largest index that may appear; required
-    eps: float = 1e-14  # ε in the weights 1/(u+ε)
-    gamma_min: float = 0.8  # reference code default; the published recipes use 0.2. At batch 64 with samples
-    # revisited once per epoch u lags g less at 0.8 (e^0.1-0.5 vs e^1-2.4) but test R@1 ties (RESULTS.md §4). Kept
-    # over 1.0 (u = the batch's estimate): 1.0 wins at scenes batch 128, 0.8 at glyphs batch 32, each 3 of 3 seeds
-    gamma_decay_epochs: int = 10
-    gamma_schedule: str = "cosine"
-    compat: str = "faithful"  # "faithful": the stated objectives; "reference": the reference's two deviations
-    state_device: str | torch.device | None = None  # None: the features' device
-    state_dtype: torch.dtype | None = None  # None: float64 for float64 features, else float32
+    data_size: int = field(default=0, metadata=LIBRARY_ONLY)  # 1 + the largest index that may appear; required
+    eps: float = 1e-14  # ε in the weights 1/(u+ε) (FastCLIP's --fastclip_eps)
+    # γ after the decay (reference --gamma). 0.8: the reference code's default; the published recipes use 0.2. At
+    # batch 64 with samples revisited once per epoch u lags g less at 0.8 (e^0.1-0.5 vs e^1-2.4) but test R@1 ties
+    # (RESULTS.md §4). Kept over 1.0 (u = the batch's estimate): 1.0 wins at scenes batch 128, 0.8 at glyphs batch
+    # 32, each 3 of 3 seeds
+    gamma_min: float = 0.8
+    gamma_decay_epochs: int = 10  # epochs of the cosine decay of γ from 1 to gamma_min
+    gamma_schedule: GammaScheduleKind = "cosine"
+    compat: Compat = "faithful"  # "faithful": the stated objectives; "reference": reproduce the reference's gradients
+    state_device: str | torch.device | None = field(default=None, metadata=LIBRARY_ONLY)  # None: the features' device
+    # None: float64 for float64 features, else float32
+    state_dtype: torch.dtype | None = field(default=None, metadata=LIBRARY_ONLY)
     # the [2, B, N] exponentials as torch.compile'd kernels, one pass each instead of 3-4 (kernels.py): faster from
     # about B = 256 per rank, a few seconds of compiling at the first call; eager where the backend cannot compile
     fused_kernels: bool = False
@@ -223,7 +238,7 @@ class ConstantTemperatureOptions(SampleStateOptions):
     """FastCLIP-v1 (SogCLR with the cosine γ schedule): one constant τ."""
 
     temperature: float = 0.07
-    similarity: str = "cosine"  # as OpenCLIPOptions (v1/v0/v3): "atanh" maps the cosine to 2·atanh(cos)
+    similarity: Similarity = "cosine"  # as OpenCLIPOptions (v1/v0/v3): "atanh" maps the cosine to 2·atanh(cos)
     similarity_clamp: float = 1e-6
     queue_size: int | None = None  # g's mean also over a FIFO of the last Q gathered features (queue.py)
 
@@ -278,12 +293,13 @@ class IndividualTemperatureOptions(SampleStateOptions):
 
     temperature: float = 0.03  # initial τ of every sample
     rho: float = 7.0
-    lr_tau: float = 0.0133
-    tau_betas: tuple[float, float] = (0.9, 0.98)  # used from epoch 1 on; epoch 0 uses (0, 0)
-    tau_eps: float = 1e-6
-    tau_min: float = 0.01
+    lr_tau: float = field(default=0.0133, metadata=LIBRARY_ONLY)  # the trainer's optim.lr_tau
+    # Adam betas of the per-sample τ update, used from epoch 1 on (epoch 0 uses (0, 0))
+    tau_betas: tuple[float, float] = (0.9, 0.98)
+    tau_eps: float = 1e-6  # Adam eps of the per-sample τ update
+    tau_min: float = 0.01  # per-sample τ bounds
     tau_max: float = 1.0
-    tau_grad_clamp: float = 5.0
+    tau_grad_clamp: float = 5.0  # clamp of the per-sample τ gradient
 
     def __post_init__(self):
         super().__post_init__()
@@ -308,7 +324,7 @@ class TempNetOptions(SampleStateOptions):
     """FastCLIP with a temperature network: RGCL with τ_i predicted from the features by a small MLP per
     modality (tempnet.py)."""
 
-    embed_dim: int = 0  # feature dimension (the towers' embed_dim); required
+    embed_dim: int = field(default=0, metadata=LIBRARY_ONLY)  # feature dimension (the towers' embed_dim); required
     tempnet_hidden: int = 256  # hidden width of each head
     temperature: float = 0.03  # the heads' initial τ (output layer starts at zero)
     rho: float = 7.0
@@ -343,7 +359,7 @@ class SigLIPOptions(CommonOptions):
     temperature: float = 0.1  # initial 1/t; logit_scale = log t = log(1/τ)
     bias: float = -10.0  # initial logit_bias
     learn_temperature: bool = True
-    learn_bias: bool = True
+    learn_bias: bool = field(default=True, metadata=LIBRARY_ONLY)  # the trainer learns the bias always
 
     def __post_init__(self):
         super().__post_init__()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
-GAMMA_SCHEDULES = ("cosine", "constant")
+GammaScheduleKind = Literal["cosine", "constant"]
+GAMMA_SCHEDULES = typing.get_args(GammaScheduleKind)
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,7 @@ class GammaSchedule:
     they are given, once: the loss options (options.py).
     """
 
-    kind: str = "cosine"
+    kind: GammaScheduleKind = "cosine"
     gamma_min: float = 0.8
     decay_epochs: int = 10
 

@@ -23,7 +23,7 @@ import yaml
 
 from fastclip.cli import note
 from fastclip.errors import ConfigError
-from fastclip.losses import LOSSES
+from fastclip.losses import LOSSES, config_options
 from fastclip.train.preemption import signal_number
 
 LOSS_NAMES = tuple(LOSSES)  # loss.name's choices: the losses build_loss knows
@@ -100,45 +100,26 @@ class ModelConfig:
     # ignored when --train.resume finds a checkpoint to continue
 
 
-@dataclass
-class LossConfig:
-    name: Literal[LOSS_NAMES] = "fastclip-v3"
-    # null = the loss library's default (fastclip.losses); each set value is passed to build_loss, which
-    # rejects an option the chosen version does not have.
-    temperature: float | None = None  # initial tau (v0, v3, openclip, per-sample in v2) or the constant (v1)
-    learn_temperature: bool | None = None  # openclip/v0/v3/siglip: false keeps tau at `temperature` (fixed-tau runs)
-    rho: float | None = None  # v2/v3: rho of the robust (RGCL) objective
-    eps: float | None = None  # epsilon in the 1/(u + eps) weights (FastCLIP's --fastclip_eps)
-    gamma_min: float | None = None  # gamma after the decay (reference --gamma)
-    gamma_decay_epochs: int | None = None  # epochs of the cosine decay of gamma from 1 to gamma_min
-    gamma_schedule: Literal["cosine", "constant"] | None = None
-    compat: Literal["faithful", "reference"] | None = None  # reference: reproduce the published code's gradients
-    tau_betas: list[float] | None = None  # v2: Adam betas of the per-sample tau update (reference: the model's betas)
-    tau_eps: float | None = None  # v2: Adam eps of the per-sample tau update
-    tau_min: float | None = None  # v2: per-sample tau bounds; v0/v3: the lower bound tau0 (0.01)
-    separate_temperatures: bool | None = None  # v3: tau1 (image-anchored) and tau2 (text-anchored), textbook RGCL-g
-    tempnet_hidden: int | None = None  # fastclip-tempnet: hidden width of the temperature heads (256)
-    tau_max: float | None = None
-    tau_grad_clamp: float | None = None  # v2: clamp of the per-sample tau gradient
-    similarity: Literal["cosine", "atanh"] | None = None  # openclip/v0/v1/v3: "atanh" = temperature-free 2·atanh(cos)
-    similarity_clamp: float | None = None  # atanh: the cosine is clamped to ±(1 − this)
-    bias: float | None = None  # siglip: initial logit bias (-10)
-    # all but siglip: the [2, B, N] exponentials as torch.compile'd kernels (fastclip/losses/kernels.py); faster
-    # from about 256 samples per rank, a few seconds of compiling at start; needs a C++ compiler (CPU) or Triton
-    fused_kernels: bool | None = None
+# The loss section: `name`, the trainer's own `validate`, and a key for every loss option (fastclip/losses/options.py,
+# its one schema: type, rule and help), null by default = the loss library's default. Each set value is passed to
+# build_loss, which rejects an option the chosen loss does not take.
+LOSS_TRAINER_KEYS = {
+    "name": (Literal[LOSS_NAMES], "fastclip-v3"),
     # input checks (fastclip/losses/validation.py): "deferred" rides the feature all_gather and is read on logging
     # steps and before each checkpoint (no host sync per step); "eager" raises in the step (one host sync per step)
-    validate: Literal["deferred", "eager", "off"] = "deferred"
-    # "fused": the hand-written backward; "autograd": the objective as autograd code over the global batch
-    # (fastclip/losses/objective.py); null: fused where the loss has it and it implements every option set
-    impl: Literal["fused", "autograd"] | None = None
-    direction_weights: list[float] | None = None  # [w_i2t, w_t2i] (null: symmetric); not siglip
-    hard_negative_topk: int | None = None  # openclip/dcl: only each anchor's k most similar negatives
-    hard_negative_beta: float | None = None  # openclip/dcl: negatives weighted by exp(beta·logit) (Robinson et al.)
-    queue_size: int | None = None  # openclip/dcl/v0/v1/v3: negatives also from a FIFO of the last Q features
-    distill_alpha: float | None = (
-        None  # openclip/dcl: ALBEF's soft targets from the momentum model (model.ema_momentum)
-    )
+    "validate": (Literal["deferred", "eager", "off"], "deferred"),
+}
+LossConfig = dataclasses.make_dataclass(
+    "LossConfig",
+    [("name", *LOSS_TRAINER_KEYS["name"])]
+    + [
+        (key, LOSS_TRAINER_KEYS[key][0], LOSS_TRAINER_KEYS[key][1])
+        if key in LOSS_TRAINER_KEYS
+        else (key, tp | None, None)
+        for key, tp in config_options().items()
+    ],
+)
+LossConfig.__module__ = __name__  # (make_dataclass names its caller's module from Python 3.12 only)
 
 
 @dataclass
@@ -399,10 +380,10 @@ def _text_keys() -> set[str]:
     """Dotted keys of the string-valued fields: their command-line values stay text (YAML would make
     2024-11-23 a date, 2024 a number, a::b: a mapping)."""
     keys = set()
-    for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(typing.get_type_hints(Config)[section.name]):
-            if str(f.type).replace(" ", "") in ("str", "str|None", "Optional[str]"):
-                keys.add(f"{section.name}.{f.name}")
+    for section, cls in typing.get_type_hints(Config).items():
+        for name, tp in typing.get_type_hints(cls).items():
+            if tp in (str, str | None):
+                keys.add(f"{section}.{name}")
     return keys
 
 

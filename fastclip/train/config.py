@@ -22,6 +22,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from fastclip.cli import note
+from fastclip.data.stream import StreamOptions
 from fastclip.errors import ConfigError
 from fastclip.losses import LOSSES, config_options
 from fastclip.train.preemption import signal_number
@@ -60,26 +61,16 @@ def aug_options(aug: AugConfig) -> dict:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(StreamOptions):
     # Defaults = the embedded recipe (configs/embedded.yaml: tiny-vit, FastCLIP-v3, 2 x 64 samples), except that
-    # the loss knobs default to null (the loss library's defaults) and train.device to auto.
-    train: str = "data/embedded/train"  # shard folders, manifest .json files, brace patterns; sources joined by "::"
+    # the loss knobs default to null (the loss library's defaults) and train.device to auto. The training stream's
+    # keys (train, batch_size, workers, seed, ...) are StreamOptions' (fastclip/data/stream.py): their defaults
+    # and help are there; these are what the trainer alone reads.
     val: str | None = "data/embedded/val"  # labelled held-out shards for evaluation; null: no eval
     zeroshot: str | None = "data/embedded/zeroshot.json"  # class names + templates for zero-shot eval
-    batch_size: int = 64  # per process; the global batch is batch_size x world size
-    data_size: int | None = None  # 1 + largest sample index (sizes the per-sample state); null: manifest's
-    workers: int = 1  # data loader worker processes per rank (0: load in the main process)
-    shuffle_buffer: int = 1000  # samples per seeded shuffle window
-    seed: int | None = None  # shard order / shuffle / augmentation seed; null: train.seed
-    resampled: bool = False  # draw shards with replacement (OpenCLIP --dataset-resampled)
-    samples_per_epoch: int | None = None  # virtual epoch length; only with resampled (null: all samples)
-    upsampling_factors: str | None = None  # "1::2": per-source weights of "::"-joined sources (resampled)
-    pin_memory: bool | None = None  # page-locked batches, copied to the GPU asynchronously; null: on for CUDA
     # uint8 images from the workers, normalised on the device (4x fewer bytes pinned and copied; bitwise the same
     # batches: fastclip/data/pixels.py); null: on unless data.aug.re_prob (timm erases normalised pixels)
     device_normalize: bool | None = None
-    # remote shards: seconds before each retry of a transient failure, one per retry ([]: none); then skipped
-    remote_retry_delays: list[float] = field(default_factory=lambda: [1.0, 3.0, 9.0])
     # training-image augmentation (OpenCLIP's --aug-cfg); unset = open_clip's, which the embedded default keeps by
     # the out-of-distribution measurement in configs/embedded.yaml (python benchmarks/bench_aug.py)
     aug: AugConfig = field(default_factory=AugConfig)

@@ -30,6 +30,16 @@ from fastclip.train.preemption import signal_number
 LOSS_NAMES = tuple(LOSSES)  # loss.name's choices: the losses build_loss knows
 
 
+def _rules(section: Any, prefix: str):
+    """need(ok, key, why): unless ok, the ConfigError "config key '<prefix><key>': <why> (got <value>)"."""
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key '{prefix}{key}': {why} (got {_get(section, key)!r})")
+
+    return need
+
+
 @dataclass
 class AugConfig:
     """The training images' augmentation: OpenCLIP's --aug-cfg (open_clip.AugmentationCfg), applied by open_clip's
@@ -75,6 +85,24 @@ class DataConfig(StreamOptions):
     # the out-of-distribution measurement in configs/embedded.yaml (python benchmarks/bench_aug.py)
     aug: AugConfig = field(default_factory=AugConfig)
 
+    def check(self) -> None:  # (data.aug: _check_aug, which needs ssl.enabled)
+        need = _rules(self, "data.")
+        need(self.batch_size >= 1, "batch_size", "must be >= 1")
+        need(self.data_size is None or self.data_size >= 1, "data_size", "must be >= 1 or null")
+        need(self.workers >= 0, "workers", "must be >= 0")
+        need(self.shuffle_buffer >= 1, "shuffle_buffer", "must be >= 1")
+        need(self.seed is None or self.seed >= 0, "seed", "must be >= 0 or null")
+        per_epoch = self.samples_per_epoch
+        need(per_epoch is None or per_epoch >= 1, "samples_per_epoch", "must be >= 1 or null")
+        need(per_epoch is None or self.resampled, "samples_per_epoch", "needs data.resampled: true (without "
+             "resampling an epoch is one pass over all shards)")  # fmt: skip
+        need(self.upsampling_factors is None or self.resampled, "upsampling_factors", "needs data.resampled: true")
+        need(
+            all(math.isfinite(x) and x >= 0 for x in self.remote_retry_delays),
+            "remote_retry_delays",
+            "must be seconds >= 0, one per retry ([]: no retry)",
+        )
+
 
 @dataclass
 class ModelConfig:
@@ -89,6 +117,10 @@ class ModelConfig:
     # OpenCLIP epoch_N.pt, an open_clip state dict, a fastclip export or
     # model.pt; shapes must match; fresh optimizer and per-sample state;
     # ignored when --train.resume finds a checkpoint to continue
+
+    def check(self) -> None:
+        m = self.ema_momentum
+        _rules(self, "model.")(m is None or 0 < m < 1, "ema_momentum", "must be in (0, 1) or null")
 
 
 # The loss section: `name`, the trainer's own `validate`, and a key for every loss option (fastclip/losses/options.py,
@@ -140,6 +172,21 @@ class OptimConfig:
         """The temperature's peak lr: lr_tau, or lr when lr_tau is null."""
         return self.lr if self.lr_tau is None else self.lr_tau
 
+    def check(self) -> None:
+        need = _rules(self, "optim.")
+        need(self.lr >= 0 and math.isfinite(self.lr), "lr", "must be a finite number >= 0")
+        need(0 <= self.lr_min <= self.lr, "lr_min", "must be in [0, optim.lr]")
+        need(self.lr_tau is None or self.lr_tau >= 0, "lr_tau", "must be >= 0")
+        need(self.lr_tau_min >= 0, "lr_tau_min", "must be >= 0")
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        need(self.wd >= 0 and math.isfinite(self.wd), "wd", "must be a finite number >= 0")
+        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "must be two numbers in [0, 1)")
+        need(self.eps > 0, "eps", "must be > 0")
+        need(self.grad_clip is None or self.grad_clip > 0, "grad_clip", "must be > 0 or null")
+        need(0 < self.tau_threshold, "tau_threshold", "must be > 0")
+        need(self.tau_threshold_factor >= 1, "tau_threshold_factor", "must be >= 1")
+        need(self.accum_steps >= 1, "accum_steps", "must be >= 1")
+
 
 @dataclass
 class TrainConfig:
@@ -182,6 +229,23 @@ class TrainConfig:
     ddp_bucket_view: bool = True  # DDP gradient_as_bucket_view
     ddp_static_graph: bool | None = None  # DDP static_graph; null: on with accum_steps 1 and no compile
 
+    def check(self) -> None:
+        need = _rules(self, "train.")
+        need(self.run_dir.strip() != "", "run_dir", "must name a folder (an empty one would be the working directory)")
+        need(self.epochs >= 1, "epochs", "must be >= 1")
+        need(self.seed >= 0, "seed", "must be >= 0")
+        need(self.max_steps is None or self.max_steps >= 0, "max_steps", "must be >= 0 or null")
+        need(self.log_every >= 1, "log_every", "must be >= 1")
+        need(self.stop_check_every >= 1, "stop_check_every", "must be >= 1")
+        need(self.dist_timeout_minutes > 0, "dist_timeout_minutes", "must be > 0")
+        need(self.collective_timeout_seconds > 0, "collective_timeout_seconds", "must be > 0")
+        need(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", "must be >= 1")
+        for name in self.stop_signals:
+            try:
+                signal_number(name)
+            except ValueError as e:
+                raise ConfigError(f"config key 'train.stop_signals': {e}") from None
+
 
 @dataclass
 class EvalConfig:
@@ -202,6 +266,14 @@ class EvalConfig:
     probe_train: str | None = None  # labelled shards or image folder; null: the train/ folder beside data.val
     probe_max_train: int = 5000
 
+    def check(self) -> None:
+        need = _rules(self, "eval.")
+        need(self.every_steps >= 0, "every_steps", "must be >= 0")
+        need(self.max_samples is None or self.max_samples >= 1, "max_samples", "must be >= 1 or null (all)")
+        need(self.batch_size >= 1, "batch_size", "must be >= 1")
+        need(all(k >= 1 for k in self.knn), "knn", "every k must be >= 1")
+        need(self.probe_max_train >= 1, "probe_max_train", "must be >= 1")
+
 
 @dataclass
 class CheckpointConfig:
@@ -211,6 +283,12 @@ class CheckpointConfig:
     at_end: bool = True
     # false: no fsync of the files (scratch disks, tests); a kill still leaves the last save whole, a power loss may not
     fsync: bool = True
+
+    def check(self) -> None:
+        need = _rules(self, "checkpoint.")
+        need(self.every_steps >= 0, "every_steps", "must be >= 0")
+        need(self.every_minutes >= 0, "every_minutes", "must be >= 0")
+        need(self.keep_last >= 1, "keep_last", "must be >= 1")
 
 
 @dataclass
@@ -225,6 +303,17 @@ class DeepSpeedConfig:
     param_persistence_threshold: int = 100_000  # stage 3: parameters with fewer elements stay whole on every rank
     config_file: str | None = None  # a DeepSpeed JSON merged over the generated config (for the knobs
     # not listed here); it may not set batch sizes, optimizer, fp16/bf16
+
+    def check(self) -> None:
+        need = _rules(self, "deepspeed.")
+        need(
+            self.stage in (1, 2, 3) and not isinstance(self.stage, bool),
+            "stage",
+            "must be 1, 2 or 3 (ZeRO without sharding, stage 0, is what train.distributed: ddp does)",
+        )
+        need(self.reduce_bucket_size >= 1, "reduce_bucket_size", "must be >= 1")
+        need(self.allgather_bucket_size >= 1, "allgather_bucket_size", "must be >= 1")
+        need(self.param_persistence_threshold >= 0, "param_persistence_threshold", "must be >= 0")
 
 
 @dataclass
@@ -587,103 +676,32 @@ def parse_overrides(args: list[str]) -> dict:
 
 # ----------------------------------------------------------------------------- value checks
 def _check(cfg: Config) -> None:
-    def need(ok: bool, key: str, why: str):
-        if not ok:
-            raise ConfigError(f"config key '{key}': {why} (got {_get(cfg, key)!r})")
-
-    o, t, d, lo, e, c = cfg.optim, cfg.train, cfg.data, cfg.loss, cfg.eval, cfg.checkpoint
-    need(o.lr >= 0 and math.isfinite(o.lr), "optim.lr", "must be a finite number >= 0")
-    need(0 <= o.lr_min <= o.lr, "optim.lr_min", "must be in [0, optim.lr]")
-    need(o.lr_tau is None or o.lr_tau >= 0, "optim.lr_tau", "must be >= 0")
-    need(o.lr_tau_min >= 0, "optim.lr_tau_min", "must be >= 0")
-    need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    need(o.wd >= 0 and math.isfinite(o.wd), "optim.wd", "must be a finite number >= 0")
-    need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)")
-    need(o.eps > 0, "optim.eps", "must be > 0")
-    need(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", "must be > 0 or null")
-    need(0 < o.tau_threshold, "optim.tau_threshold", "must be > 0")
-    need(o.tau_threshold_factor >= 1, "optim.tau_threshold_factor", "must be >= 1")
-    need(d.batch_size >= 1, "data.batch_size", "must be >= 1")
-    need(d.data_size is None or d.data_size >= 1, "data.data_size", "must be >= 1 or null")
-    need(d.workers >= 0, "data.workers", "must be >= 0")
-    need(d.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
-    need(d.samples_per_epoch is None or d.samples_per_epoch >= 1, "data.samples_per_epoch", "must be >= 1 or null")
-    need(
-        d.samples_per_epoch is None or d.resampled,
-        "data.samples_per_epoch",
-        "needs data.resampled: true (without resampling an epoch is one pass over all shards)",
-    )
-    need(d.upsampling_factors is None or d.resampled, "data.upsampling_factors", "needs data.resampled: true")
-    need(
-        all(math.isfinite(x) and x >= 0 for x in d.remote_retry_delays),
-        "data.remote_retry_delays",
-        "must be seconds >= 0, one per retry ([]: no retry)",
-    )
-    need(t.run_dir.strip() != "", "train.run_dir", "must name a folder (an empty one would be the working directory)")
-    need(t.epochs >= 1, "train.epochs", "must be >= 1")
-    need(t.seed >= 0, "train.seed", "must be >= 0")
-    need(d.seed is None or d.seed >= 0, "data.seed", "must be >= 0 or null")
-    need(t.max_steps is None or t.max_steps >= 0, "train.max_steps", "must be >= 0 or null")
-    need(t.log_every >= 1, "train.log_every", "must be >= 1")
-    need(t.stop_check_every >= 1, "train.stop_check_every", "must be >= 1")
-    need(t.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")
-    need(t.collective_timeout_seconds > 0, "train.collective_timeout_seconds", "must be > 0")
-    need(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
-    for name in t.stop_signals:
-        try:
-            signal_number(name)
-        except ValueError as e:
-            raise ConfigError(f"config key 'train.stop_signals': {e}") from None
+    """Each section's own checks (its check()), then those across sections."""
+    for section in (cfg.optim, cfg.data, cfg.train, cfg.model, cfg.eval, cfg.checkpoint, cfg.deepspeed):
+        section.check()
+    need = _rules(cfg, "")
+    o, t, d, ds = cfg.optim, cfg.train, cfg.data, cfg.deepspeed
     m = cfg.model.ema_momentum
-    need(m is None or 0 < m < 1, "model.ema_momentum", "must be in (0, 1) or null")
-    need(not lo.distill_alpha or m is not None, "loss.distill_alpha", "needs model.ema_momentum (the momentum model "
-         "whose softmax it mixes into the targets)")  # fmt: skip
+    need(not cfg.loss.distill_alpha or m is not None, "loss.distill_alpha", "needs model.ema_momentum (the "
+         "momentum model whose softmax it mixes into the targets)")  # fmt: skip
     need(m is None or t.distributed == "ddp", "model.ema_momentum", "works with train.distributed ddp only")
-    _check_loss(lo)
+    _check_loss(cfg.loss)
     _check_aug(d.aug, views=cfg.ssl.enabled)
     need(not (d.device_normalize and d.aug.re_prob), "data.device_normalize", "cannot be true with data.aug.re_prob: "
          "timm's random erasing works on normalised pixels, in the workers (set it null or false)")  # fmt: skip
-    need(e.every_steps >= 0, "eval.every_steps", "must be >= 0")
-    need(e.max_samples is None or e.max_samples >= 1, "eval.max_samples", "must be >= 1 or null (all)")
-    need(e.batch_size >= 1, "eval.batch_size", "must be >= 1")
-    need(all(k >= 1 for k in e.knn), "eval.knn", "every k must be >= 1")
-    need(e.probe_max_train >= 1, "eval.probe_max_train", "must be >= 1")
-    need(c.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
-    need(c.every_minutes >= 0, "checkpoint.every_minutes", "must be >= 0")
-    need(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
-    need(o.accum_steps >= 1, "optim.accum_steps", "must be >= 1")
     need(
         d.batch_size % o.accum_steps == 0,
         "optim.accum_steps",
         f"must divide data.batch_size ({d.batch_size}): each step's per-process batch is split into this many "
         f"equal micro-batches",
     )
-    ds = cfg.deepspeed
-    need(
-        ds.stage in (1, 2, 3) and not isinstance(ds.stage, bool),
-        "deepspeed.stage",
-        "must be 1, 2 or 3 (ZeRO without sharding, stage 0, is what train.distributed: ddp does)",
-    )
-    need(ds.reduce_bucket_size >= 1, "deepspeed.reduce_bucket_size", "must be >= 1")
-    need(ds.allgather_bucket_size >= 1, "deepspeed.allgather_bucket_size", "must be >= 1")
-    need(ds.param_persistence_threshold >= 0, "deepspeed.param_persistence_threshold", "must be >= 0")
     if t.distributed == "deepspeed":
-        need(
-            t.precision != "fp16",
-            "train.precision",
-            "fp16 (GradScaler) is not supported with train.distributed: "
-            "deepspeed; use bf16 (autocast, fp32 master weights) or fp32",
-        )
-        need(
-            o.optimizer == "adamw",
-            "optim.optimizer",
-            "lamb's per-tensor trust ratio needs whole tensors; ZeRO shards flattened ones: use adamw (or ddp)",
-        )
-        need(
-            not (cfg.model.compile and ds.stage == 3),
-            "model.compile",
-            "torch.compile of the towers is not supported with ZeRO stage 3 (parameters gathered by hooks)",
-        )
+        need(t.precision != "fp16", "train.precision", "fp16 (GradScaler) is not supported with train.distributed: "
+             "deepspeed; use bf16 (autocast, fp32 master weights) or fp32")  # fmt: skip
+        need(o.optimizer == "adamw", "optim.optimizer", "lamb's per-tensor trust ratio needs whole tensors; ZeRO "
+             "shards flattened ones: use adamw (or ddp)")  # fmt: skip
+        need(not (cfg.model.compile and ds.stage == 3), "model.compile", "torch.compile of the towers is not "
+             "supported with ZeRO stage 3 (parameters gathered by hooks)")  # fmt: skip
     if cfg.ssl.enabled:
         from fastclip.train.ssl import check_ssl_config
 
@@ -734,8 +752,8 @@ def _check_aug(a: AugConfig, views: bool = False) -> None:
         need(importlib.util.find_spec("timm") is not None, "use_timm", "needs timm installed (pip install timm)")
 
 
-def _get(cfg: Config, key: str) -> Any:
-    node: Any = cfg
+def _get(node: Any, key: str) -> Any:
+    """node.a.b for key "a.b"."""
     for part in key.split("."):
         node = getattr(node, part)
     return node

@@ -580,50 +580,9 @@ def parse_overrides(args: list[str]) -> dict:
     differences: list[str] = []  # OpenCLIP flags used whose meaning here differs in a detail
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"expected --key value, got {arg!r}")
-        flag = arg[2:].replace("-", "_")
-        if flag in NO_OP_FLAGS:  # OpenCLIP switches: no value follows
-            note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
-            i += 1
+        i, key, raw = _next_flag(args, i, index, out)
+        if key is None:  # a flag without a key of its own (done)
             continue
-        if (bare := flag.split("=", 1)[0]) in OPENCLIP_UNSUPPORTED or bare.startswith(("lock_image", "lock_text")):
-            instead = OPENCLIP_UNSUPPORTED.get(bare, OPENCLIP_UNSUPPORTED["lock_image"])
-            raise ConfigError(f"unknown option --{bare.replace('_', '-')} (an OpenCLIP option): {instead}")
-        if bare in EPOCH_FREQUENCY_FLAGS:
-            raise ConfigError(f"--{bare.replace('_', '-')} (OpenCLIP, in epochs): {EPOCH_FREQUENCY_FLAGS[bare]}")
-        if flag == "name":  # OpenCLIP's run name; "name" alone would otherwise mean loss.name
-            raise ConfigError(
-                "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the "
-                "folder itself, not its parent); the loss is --loss.name"
-            )
-        if flag == "aug_cfg":  # OpenCLIP's --aug-cfg k=v k=v ...: each pair a data.aug key
-            i += 1
-            while i < len(args) and not args[i].startswith("--"):
-                _aug_pair(args[i], out)
-                i += 1
-            continue
-        if "=" in arg:
-            key, raw = arg[2:].split("=", 1)
-            i += 1
-        elif flag in SWITCH_FLAGS and (i + 1 >= len(args) or args[i + 1].startswith("--")):
-            key, raw = arg[2:], "true"
-            i += 1
-        else:
-            switch = i + 1 >= len(args) or args[i + 1].startswith("--")  # no value follows
-            if switch and not _known(flag, index):  # a switch of another trainer, or a typo: not "has no value"
-                raise ConfigError(
-                    f"unknown option {arg}: no config key of that name (--section.key VALUE, or an OpenCLIP flag "
-                    f"that has one; `fastclip train --print-config` lists the keys)"
-                )
-            if i + 1 >= len(args):
-                raise ConfigError(f"config key '{arg[2:]}' has no value")
-            if args[i + 1].startswith("--"):  # a flag, not a value (negative numbers start with one '-')
-                raise ConfigError(
-                    f"config key '{arg[2:]}' has no value (next is {args[i + 1]}): give one, or --{arg[2:]}=VALUE"
-                )
-            key, raw = arg[2:], args[i + 1]
-            i += 2
         key = key.replace("-", "_")
         if key in OPENCLIP_DIFFERENCES and OPENCLIP_DIFFERENCES[key] not in differences:
             differences.append(OPENCLIP_DIFFERENCES[key])
@@ -631,28 +590,8 @@ def parse_overrides(args: list[str]) -> dict:
         if key == "report_to":
             out.setdefault("train", {}).update(_report_to(raw))
             continue
-        if "." not in key and key in FLAG_ALIASES:
-            key = FLAG_ALIASES[key]
-        if "." not in key:
-            owners = index.get(key, [])
-            if len(owners) != 1:
-                hint = f"ambiguous, use one of {', '.join(owners)}" if owners else "no such field in any section"
-                raise ConfigError(f"unknown config key '{key}' ({hint})")
-            key = owners[0]
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as e:
-            problem = str(getattr(e, "problem", None) or type(e).__name__)
-            raise ConfigError(f"config key '{key}': {raw!r} is not a valid value ({problem}); quote it") from None
-        if key in text_keys and value is not None and not isinstance(value, str):
-            value = raw
-        if key == "train.precision" and value in PRECISION_ALIASES:
-            value = PRECISION_ALIASES[value]
-        elif key == "train.precision" and value in ("pure_bf16", "pure_fp16"):
-            raise ConfigError(
-                f"config key 'train.precision': {value!r} (OpenCLIP: weights in half precision) is not "
-                f"supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is 'fp16'"
-            )
+        key = _dotted_key(key, index)
+        value = _override_value(key, raw, key in text_keys)
         # The same flag twice: the last wins (a script's default, then the user's "$@"). Two spellings of one key
         # with different values (--batch-size 32 --data.batch_size 64) is a conflict, not an override.
         before = spelled.get(key)
@@ -662,16 +601,104 @@ def parse_overrides(args: list[str]) -> dict:
                 f"{written[0]} {value!r}; keep one"
             )
         spelled[key] = (written, value)
-        node = out
-        *parents, leaf = key.split(".")
-        for depth, p in enumerate(parents):
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"config key '{key}': {'.'.join(parents[: depth + 1])} is a value, not a section")
-        node[leaf] = value
+        _put(out, key, value)
     if differences:
         note(f"fastclip train: note: where fastclip differs from OpenCLIP: {'; '.join(differences)}")
     return out
+
+
+def _next_flag(args: list[str], i: int, index: dict[str, list[str]], out: dict) -> tuple[int, str | None, str]:
+    """The flag at args[i]: (where the next one starts, its key as typed, its raw value); key None for a flag that
+    sets no key of its own (an OpenCLIP no-op, --aug-cfg's pairs: put in `out` here)."""
+    arg = args[i]
+    if not arg.startswith("--") or arg == "--":
+        raise ConfigError(f"expected --key value, got {arg!r}")
+    flag = arg[2:].replace("-", "_")
+    if flag in NO_OP_FLAGS:  # OpenCLIP switches: no value follows
+        note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
+        return i + 1, None, ""
+    _refuse_openclip_only(flag)
+    if flag == "aug_cfg":  # OpenCLIP's --aug-cfg k=v k=v ...: each pair a data.aug key
+        i += 1
+        while i < len(args) and not args[i].startswith("--"):
+            _aug_pair(args[i], out)
+            i += 1
+        return i, None, ""
+    if "=" in arg:
+        key, raw = arg[2:].split("=", 1)
+        return i + 1, key, raw
+    if flag in SWITCH_FLAGS and (i + 1 >= len(args) or args[i + 1].startswith("--")):
+        return i + 1, arg[2:], "true"
+    switch = i + 1 >= len(args) or args[i + 1].startswith("--")  # no value follows
+    if switch and not _known(flag, index):  # a switch of another trainer, or a typo: not "has no value"
+        raise ConfigError(
+            f"unknown option {arg}: no config key of that name (--section.key VALUE, or an OpenCLIP flag "
+            f"that has one; `fastclip train --print-config` lists the keys)"
+        )
+    if i + 1 >= len(args):
+        raise ConfigError(f"config key '{arg[2:]}' has no value")
+    if args[i + 1].startswith("--"):  # a flag, not a value (negative numbers start with one '-')
+        raise ConfigError(
+            f"config key '{arg[2:]}' has no value (next is {args[i + 1]}): give one, or --{arg[2:]}=VALUE"
+        )
+    return i + 2, arg[2:], args[i + 1]
+
+
+def _refuse_openclip_only(flag: str) -> None:
+    """OpenCLIP's options that have no key here, or another one: what to use instead."""
+    if (bare := flag.split("=", 1)[0]) in OPENCLIP_UNSUPPORTED or bare.startswith(("lock_image", "lock_text")):
+        instead = OPENCLIP_UNSUPPORTED.get(bare, OPENCLIP_UNSUPPORTED["lock_image"])
+        raise ConfigError(f"unknown option --{bare.replace('_', '-')} (an OpenCLIP option): {instead}")
+    if bare in EPOCH_FREQUENCY_FLAGS:
+        raise ConfigError(f"--{bare.replace('_', '-')} (OpenCLIP, in epochs): {EPOCH_FREQUENCY_FLAGS[bare]}")
+    if flag == "name":  # OpenCLIP's run name; "name" alone would otherwise mean loss.name
+        raise ConfigError(
+            "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the "
+            "folder itself, not its parent); the loss is --loss.name"
+        )
+
+
+def _dotted_key(key: str, index: dict[str, list[str]]) -> str:
+    """section.key for a flag: itself, its OpenCLIP alias's key, or the one key of that name."""
+    if "." not in key and key in FLAG_ALIASES:
+        key = FLAG_ALIASES[key]
+    if "." not in key:
+        owners = index.get(key, [])
+        if len(owners) != 1:
+            hint = f"ambiguous, use one of {', '.join(owners)}" if owners else "no such field in any section"
+            raise ConfigError(f"unknown config key '{key}' ({hint})")
+        key = owners[0]
+    return key
+
+
+def _override_value(key: str, raw: str, text: bool) -> Any:
+    """A typed value as YAML reads it (text keys keep the text); OpenCLIP's precision names as ours."""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        problem = str(getattr(e, "problem", None) or type(e).__name__)
+        raise ConfigError(f"config key '{key}': {raw!r} is not a valid value ({problem}); quote it") from None
+    if text and value is not None and not isinstance(value, str):
+        value = raw
+    if key == "train.precision" and value in PRECISION_ALIASES:
+        value = PRECISION_ALIASES[value]
+    elif key == "train.precision" and value in ("pure_bf16", "pure_fp16"):
+        raise ConfigError(
+            f"config key 'train.precision': {value!r} (OpenCLIP: weights in half precision) is not "
+            f"supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is 'fp16'"
+        )
+    return value
+
+
+def _put(out: dict, key: str, value: Any) -> None:
+    """out[a][b] = value for key "a.b"."""
+    node = out
+    *parents, leaf = key.split(".")
+    for depth, p in enumerate(parents):
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config key '{key}': {'.'.join(parents[: depth + 1])} is a value, not a section")
+    node[leaf] = value
 
 
 # ----------------------------------------------------------------------------- value checks

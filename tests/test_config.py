@@ -194,3 +194,38 @@ def test_a_section_that_is_not_a_mapping_is_named_without_its_dot(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value) == f"config section 'data' (in {path}): expected a mapping, got 5"
+
+
+def test_the_loss_section_is_the_loss_options():
+    """loss's keys are made from the options of every loss (fastclip/losses/options.py), each null by default (the
+    library's default), with the option's type; only the trainer's name and validate are its own, and the options
+    the trainer derives or cannot write in YAML are no keys."""
+    import dataclasses
+
+    from fastclip.losses import LOSSES, option_names
+    from fastclip.train.config import LossConfig
+
+    keys = {f.name: f.default for f in dataclasses.fields(LossConfig)}
+    options = set().union(*(option_names(name) for name in LOSSES))
+    derived_or_objects = {"data_size", "lr_tau", "embed_dim", "unimodal", "group", "state_device", "state_dtype"}
+    assert set(keys) == options - derived_or_objects - {"check_parameters", "learn_bias"} | {"name"}
+    assert {k: v for k, v in keys.items() if v is not None} == {"name": "fastclip-v3", "validate": "deferred"}
+    assert load_config(None, ["--loss.tau_betas", "[0.5, 0.9]"]).loss.tau_betas == [0.5, 0.9]  # a tuple option
+    with pytest.raises(ConfigError, match="config key 'loss.similarity': 'cos' is not one of cosine, atanh"):
+        load_config(None, ["--loss.similarity", "cos"])
+    with pytest.raises(ConfigError, match=r"config key 'loss.gamma_min': must be in \(0, 1\] \(got 1.5\)"):
+        load_config(None, ["--loss.gamma_min", "1.5"])
+
+
+def test_the_stream_and_the_data_section_share_their_defaults():
+    """The trainer's data section extends the stream's options (fastclip/data/stream.py): one default each."""
+    import dataclasses
+
+    from fastclip.data import StreamConfig, StreamOptions
+    from fastclip.train.config import DataConfig
+
+    data, stream = DataConfig(), StreamConfig(train="t", batch_size=8)
+    shared = {f.name for f in dataclasses.fields(StreamOptions)} - {"train", "batch_size", "seed", "pin_memory"}
+    assert {k: getattr(stream, k) for k in shared} == {k: getattr(data, k) for k in shared}
+    assert stream.workers == data.workers == 1 and stream.remote_retry_delays == [1.0, 3.0, 9.0]
+    assert (data.seed, stream.seed) == (None, 0)  # null: train.seed in the trainer; a stream by itself: 0

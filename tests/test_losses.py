@@ -310,8 +310,13 @@ def test_gamma_schedule():
     assert cosine(0) == 1.0 and cosine(4) == cosine(9) == pytest.approx(0.2)
     assert cosine(2) == pytest.approx(0.2 + 0.5 * 0.8 * (1 + math.cos(math.pi / 2)))
     assert GammaSchedule("constant", gamma_min=0.3)(1) == 0.3
+    # its values are checked once, as loss options
     with pytest.raises(ValueError, match="gamma_schedule"):
-        GammaSchedule("linear")
+        build_loss("fastclip-v3", data_size=10, gamma_schedule="linear")
+    for gamma_min in (0, 1.5):
+        with pytest.raises(ValueError) as e:
+            build_loss("fastclip-v1", data_size=10, gamma_min=gamma_min)
+        assert str(e.value) == f"loss option gamma_min must be in (0, 1], got {gamma_min!r}"
 
 
 def test_build_loss_options():

@@ -41,12 +41,13 @@ Evaluation reads held-out shards through format.py, tario.py and manifest.py: fa
 from fastclip.data.catalog import Catalog, DataSpecError, expand_braces, resolve_catalog
 from fastclip.data.manifest import Manifest, ManifestError, ShardInfo, read_manifest, write_manifest
 from fastclip.data.samples import REASONS
-from fastclip.data.stream import StreamConfig, TrainStream, build_train_stream, state_for_new_world_size
+from fastclip.data.stream import StreamConfig, StreamOptions, TrainStream, build_train_stream, state_for_new_world_size
 from fastclip.data.writer import ShardWriter
 
 __all__ = [
     "build_train_stream",
     "StreamConfig",
+    "StreamOptions",
     "TrainStream",
     "state_for_new_world_size",
     "REASONS",

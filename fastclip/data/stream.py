@@ -58,7 +58,7 @@ import sys
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -76,7 +76,7 @@ from fastclip.data.plan import (
     worker_chunk,
     worker_runs,
 )
-from fastclip.data.remote import REMOTE_COUNTERS
+from fastclip.data.remote import REMOTE_COUNTERS, RETRY_DELAYS_S
 from fastclip.data.samples import MANIFEST_MISMATCH, REASONS, SHARD_REASONS, DataExhausted
 from fastclip.data.worker import EpochDataset, EpochJob
 
@@ -105,31 +105,50 @@ def identity_mismatches(state: dict, identity: dict) -> list[str]:
 
 
 @dataclass
-class StreamConfig:
-    train: str  # shard folder, manifest.json or brace pattern; several sources joined with "::"
-    batch_size: int  # per rank
-    seed: int = 0
-    workers: int = 2  # DataLoader worker processes per rank; 0 loads in the main process
-    shuffle_buffer: int = 1000  # samples per shuffle window (raw bytes of this many samples held per worker)
-    resampled: bool = False  # draw shards with replacement (OpenCLIP's --dataset-resampled)
-    samples_per_epoch: int | None = None  # only with resampled (default: all samples; OpenCLIP's --train-num-samples)
-    upsampling_factors: str | list | None = None  # "1::2": per-source shard weights (resampled)
-    data_size: int | None = None  # override; must cover the manifests' data_size
-    pin_memory: bool = False
+class StreamOptions:
+    """The stream's knobs, and the schema of the trainer's data section too (fastclip/train/config.py's DataConfig
+    extends this class with what the trainer alone reads), so each knob has one default and one comment: here.
+    Defaults: the embedded recipe's (configs/embedded.yaml)."""
+
+    train: str = "data/embedded/train"  # shard folders, manifest .json files, brace patterns; sources joined by "::"
+    batch_size: int = 64  # per process; the global batch is batch_size x world size
+    data_size: int | None = None  # 1 + largest sample index (sizes the per-sample state); null: manifest's
+    workers: int = 1  # data loader worker processes per rank (0: load in the main process)
+    shuffle_buffer: int = 1000  # samples per seeded shuffle window (raw bytes of this many held per worker)
+    seed: int | None = None  # shard order / shuffle / augmentation seed; null: train.seed (a stream by itself: 0)
+    resampled: bool = False  # draw shards with replacement (OpenCLIP --dataset-resampled)
+    samples_per_epoch: int | None = None  # virtual epoch length; only with resampled (null: all samples)
+    upsampling_factors: str | None = None  # "1::2": per-source weights of "::"-joined sources (resampled)
+    # page-locked batches, copied to the GPU asynchronously; null: on for CUDA in the trainer, off in a stream by
+    # itself (the trainer decides it: fastclip/train/trainer.py's stream_config)
+    pin_memory: bool | None = None
+    # remote shards: seconds before each retry of a transient failure, one per retry ([]: none); then skipped
+    remote_retry_delays: list[float] = field(default_factory=lambda: list(RETRY_DELAYS_S))
+
+
+@dataclass
+class StreamConfig(StreamOptions):
+    """StreamOptions plus what only the maker of a stream sets."""
+
+    upsampling_factors: str | list | None = None  # as StreamOptions, or a list of numbers
     prefetch_factor: int = 2
     log_skips_per_reason: int = 20  # warnings per reason and epoch; counts are always exact
-    remote_retry_delays: list[float] | None = None  # remote shards: seconds before each retry (None: 1, 3, 9)
+
+    def __post_init__(self):
+        if self.seed is None:  # (the trainer passes its train.seed)
+            self.seed = 0
 
     @classmethod
-    def from_any(cls, cfg: Any) -> StreamConfig:
+    def from_any(cls, cfg: Any, **decided) -> StreamConfig:
         """A StreamConfig from itself, a dict, or any config object with these field names (the trainer's data
-        section's; OpenCLIP's spellings are command-line aliases only, fastclip/train/config.py)."""
-        if isinstance(cfg, cls):
+        section, whose schema StreamOptions is; OpenCLIP's spellings are command-line aliases only,
+        fastclip/train/config.py), with the values in `decided` instead of its own."""
+        if isinstance(cfg, cls) and not decided:
             return cfg
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         values = {}
         for f in fields(cls):
-            value = get(f.name, None)
+            value = decided[f.name] if f.name in decided else get(f.name, None)
             if value is not None:
                 values[f.name] = value
         for required in ("train", "batch_size"):

@@ -86,6 +86,7 @@ change the world size.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 from torch import nn
 
@@ -107,6 +108,7 @@ from .options import (
     ConstantTemperatureOptions,
     GlobalTemperatureOptions,
     IndividualTemperatureOptions,
+    LossOptionError,
     OpenCLIPOptions,
     RGCLOptions,
     SigLIPOptions,
@@ -169,6 +171,18 @@ def option_names(name: str) -> set[str]:
     return {f.name for f in dataclasses.fields(LOSSES[name].options)}
 
 
+def config_options() -> dict[str, object]:
+    """Every loss's options but the LIBRARY_ONLY ones (options.py), in LOSSES order, each with its type: the keys
+    of the trainer's loss section. One name has one type in every loss that takes it."""
+    types: dict[str, object] = {}
+    for entry in LOSSES.values():
+        hints = typing.get_type_hints(entry.options)
+        for f in dataclasses.fields(entry.options):
+            if f.metadata.get("config_key", True) and types.setdefault(f.name, hints[f.name]) != hints[f.name]:
+                raise TypeError(f"loss option {f.name} is {types[f.name]} in one loss, {hints[f.name]} in another")
+    return types
+
+
 class UnknownLossOptions(TypeError):
     """build_loss given options the loss does not take; ``unknown``, ``accepted`` and ``why`` (key -> reason) let a
     caller name them in its own terms (the trainer: config keys)."""
@@ -182,9 +196,24 @@ class UnknownLossOptions(TypeError):
 
 def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Module:
     """The loss ``name`` with its options; ``data_size`` is required by the FastCLIP versions, ignored by openclip."""
+    built = _options(name, data_size, options)
+    return implementation(name, LOSSES[name], built)(built)
+
+
+def check_options(name: str, **options) -> None:
+    """The value checks build_loss makes of the options ``name`` takes, before the run's data and towers exist (a
+    config check): what is not known yet (data_size, embed_dim) stands in as 1, and options the loss does not take
+    are left to build_loss, whose error names them. Raises LossOptionError (one option) or ValueError."""
+    taken = {key: value for key, value in options.items() if key in option_names(name)}
+    if "embed_dim" in option_names(name) and taken.get("embed_dim") is None:
+        taken["embed_dim"] = 1
+    _options(name, taken.pop("data_size", None) or 1, taken)
+
+
+def _options(name: str, data_size: int | None, options: dict):
+    """``options`` (None: the default) as the loss's options dataclass, which checks every value."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
-    entry = LOSSES[name]
     accepted = option_names(name)
     given = {key: value for key, value in options.items() if value is not None}
     unknown = sorted(set(given) - accepted)
@@ -198,8 +227,7 @@ def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Modu
         if data_size is None:
             raise TypeError(f"loss {name!r} needs data_size= (1 + the largest data index)")
         given["data_size"] = data_size
-    options = entry.options(**given)
-    return implementation(name, entry, options)(options)
+    return LOSSES[name].options(**given)
 
 
 def implementation(name: str, entry: LossEntry, options) -> type:
@@ -222,7 +250,10 @@ def implementation(name: str, entry: LossEntry, options) -> type:
 
 __all__ = [
     "build_loss",
+    "check_options",
+    "config_options",
     "option_names",
+    "LossOptionError",
     "UnknownLossOptions",
     "LOSSES",
     "LossEntry",

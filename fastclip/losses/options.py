@@ -1,19 +1,38 @@
 """Options of each loss, as dataclasses: ``build_loss`` maps its keyword arguments onto one of these, so an
-option a version does not take is a TypeError naming it, and every value is checked here once."""
+option a version does not take is a TypeError naming it, and every value is checked here once.
+
+These dataclasses are also the schema of the trainer's `loss` section (fastclip/train/config.py makes a key of
+every field, with its type, null meaning the default here), so a field's comment is its help there too; a field
+marked LIBRARY_ONLY is not a key."""
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from .schedules import GammaSchedule
+from .schedules import GAMMA_SCHEDULES, GammaSchedule, GammaScheduleKind
 
-COMPAT_MODES = ("faithful", "reference")
-IMPLS = ("fused", "autograd")  # the hand-written backward, or the objective as autograd code (objective.py)
-SIMILARITIES = ("cosine", "atanh")  # logits s·cos, or s·2·atanh(cos) (temperature-free; similarity.py)
+Compat = Literal["faithful", "reference"]
+Impl = Literal["fused", "autograd"]  # the hand-written backward, or the objective as autograd code (objective.py)
+Similarity = Literal["cosine", "atanh"]  # logits s·cos, or s·2·atanh(cos) (temperature-free; similarity.py)
+COMPAT_MODES, IMPLS, SIMILARITIES = typing.get_args(Compat), typing.get_args(Impl), typing.get_args(Similarity)
+# A field that is no key of the trainer's loss section: a Python object, or a value the trainer derives from its
+# other sections (fastclip/train/net.py: data_size, lr_tau, embed_dim, unimodal).
+LIBRARY_ONLY = {"config_key": False}
+
+
+class LossOptionError(ValueError):
+    """One option's value breaks its rule: ``option``, ``rule`` and ``value`` let a caller name it in its own terms
+    (the trainer: "config key 'loss.gamma_min': must be in (0, 1] (got 0.0)")."""
+
+    def __init__(self, option: str, rule: str, value):
+        self.option, self.rule, self.value = option, rule, value
+        super().__init__(f"loss option {option} {rule}, got {value!r}")
 
 
 def _is_number(value) -> bool:
@@ -23,12 +42,12 @@ def _is_number(value) -> bool:
 
 def _positive(name: str, value: float) -> None:
     if not (_is_number(value) and value > 0):
-        raise ValueError(f"loss option {name} must be a positive number, got {value!r}")
+        raise LossOptionError(name, "must be a positive number", value)
 
 
 def _finite(name: str, value: float) -> None:
     if not _is_number(value):
-        raise ValueError(f"loss option {name} must be a finite number, got {value!r}")
+        raise LossOptionError(name, "must be a finite number", value)
 
 
 def _is_count(value, least: int) -> bool:
@@ -38,19 +57,19 @@ def _is_count(value, least: int) -> bool:
 
 def _count(name: str, value, least: int) -> None:
     if not _is_count(value, least):
-        raise ValueError(f"loss option {name} must be an integer >= {least}, got {value!r}")
+        raise LossOptionError(name, f"must be an integer >= {least}", value)
 
 
 def _check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"loss option {name} must be true or false, got {value!r}")
+        raise LossOptionError(name, "must be true or false", value)
 
 
 def _check_similarity(options) -> None:
     if options.similarity not in SIMILARITIES:
-        raise ValueError(f"loss option similarity must be one of {SIMILARITIES}, got {options.similarity!r}")
+        raise LossOptionError("similarity", f"must be one of {SIMILARITIES}", options.similarity)
     if not (_is_number(options.similarity_clamp) and 0 < options.similarity_clamp < 1):
-        raise ValueError(f"loss option similarity_clamp must be in (0, 1), got {options.similarity_clamp!r}")
+        raise LossOptionError("similarity_clamp", "must be in (0, 1)", options.similarity_clamp)
 
 
 def _check_queue(options) -> None:
@@ -61,19 +80,20 @@ def _check_queue(options) -> None:
 
 @dataclass(frozen=True)
 class CommonOptions:
-    group: object | None = None  # process group; None = the default (WORLD) when torch.distributed is initialised
+    # process group; None = the default (WORLD) when torch.distributed is initialised
+    group: object | None = field(default=None, metadata=LIBRARY_ONLY)
     validate: bool = True  # header collective + checks that raise the same LossInputError on all ranks
     # eager validation on several ranks: raise where a rank's τ or heads are not rank 0's (gradients not averaged);
     # false for local SGD / periodic model averaging, where they differ on purpose between the averaging rounds
-    check_parameters: bool = True
+    check_parameters: bool = field(default=True, metadata=LIBRARY_ONLY)
     # "fused": the hand-written backward (pairwise.py); "autograd": the objective written as autograd code over the
     # global batch (objective.py); None: fused where the loss has it and it implements every option given
-    impl: str | None = None
+    impl: Impl | None = None
     # [w_i2t, w_t2i]: loss = (w_i2t·L_i2t + w_t2i·L_t2i)/(w_i2t + w_t2i); None: the symmetric loss (equal weights)
     direction_weights: tuple[float, float] | None = None
     # self-supervised images: image and text features are two augmented views of the same images, every view an
     # anchor against all 2N views (objective.py); autograd objectives only
-    unimodal: bool = False
+    unimodal: bool = field(default=False, metadata=LIBRARY_ONLY)  # the trainer's ssl.enabled
 
     def __post_init__(self):
         _check_bool("check_parameters", self.check_parameters)
@@ -87,15 +107,13 @@ class CommonOptions:
                         "unimodal (the trainer's ssl.enabled)"
                     )
         if self.impl is not None and self.impl not in IMPLS:
-            raise ValueError(f"loss option impl must be one of {IMPLS}, got {self.impl!r}")
+            raise LossOptionError("impl", f"must be one of {IMPLS}", self.impl)
         weights = self.direction_weights
         if weights is not None:
             pair = isinstance(weights, (tuple, list)) and len(weights) == 2
             if not pair or not all(_is_number(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-                raise ValueError(
-                    "loss option direction_weights must be two numbers >= 0 with a positive sum "
-                    f"([w_i2t, w_t2i]), got {weights!r}"
-                )
+                rule = "must be two numbers >= 0 with a positive sum ([w_i2t, w_t2i])"
+                raise LossOptionError("direction_weights", rule, weights)
             object.__setattr__(self, "direction_weights", (float(weights[0]), float(weights[1])))
         if getattr(self, "fused_kernels", False) and self.impl == "autograd":
             raise ValueError("loss option fused_kernels compiles the fused backward's passes: it needs impl fused")
@@ -123,8 +141,8 @@ class InfoNCEOptions(CommonOptions):
     """The softmax losses over the global batch (openclip's InfoNCE, dcl) and their hard-negative options."""
 
     temperature: float = 0.07  # initial τ; logit_scale = log(1/τ)
-    learn_temperature: bool = True
-    similarity: str = "cosine"  # "atanh": logits 2·atanh(cos)/τ (temperature-free with τ = 1, see similarity.py)
+    learn_temperature: bool = True  # false keeps τ at `temperature` (fixed-τ runs)
+    similarity: Similarity = "cosine"  # "atanh": logits 2·atanh(cos)/τ (temperature-free with τ = 1, see similarity.py)
     similarity_clamp: float = 1e-6  # "atanh": the cosine is clamped to ±(1 − this)
     hard_negative_topk: int | None = None  # only each anchor's k most similar negatives in its denominator
     hard_negative_beta: float | None = None  # Robinson et al. 2021: negatives weighted ∝ exp(β·logit), mean 1
@@ -142,7 +160,7 @@ class InfoNCEOptions(CommonOptions):
         _check_queue(self)
         if self.distill_alpha is not None:
             if not (_is_number(self.distill_alpha) and 0 <= self.distill_alpha <= 1):
-                raise ValueError(f"loss option distill_alpha must be in [0, 1], got {self.distill_alpha!r}")
+                raise LossOptionError("distill_alpha", "must be in [0, 1]", self.distill_alpha)
             if self.hard_negative_topk is not None or self.hard_negative_beta is not None:
                 raise ValueError(
                     "loss options distill_alpha and hard_negative_topk/beta: the soft targets are a distribution "
@@ -151,12 +169,13 @@ class InfoNCEOptions(CommonOptions):
         if self.hard_negative_beta is not None and not (
             _is_number(self.hard_negative_beta) and self.hard_negative_beta >= 0
         ):
-            raise ValueError(f"loss option hard_negative_beta must be a number >= 0, got {self.hard_negative_beta!r}")
+            raise LossOptionError("hard_negative_beta", "must be a number >= 0", self.hard_negative_beta)
 
 
 @dataclass(frozen=True)
 class OpenCLIPOptions(InfoNCEOptions):
-    fused_kernels: bool = False  # the [2, B, N] exponentials as torch.compile'd kernels (kernels.py)
+    # the [2, B, N] exponentials as torch.compile'd kernels (kernels.py); needs a C++ compiler (CPU) or Triton
+    fused_kernels: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -165,16 +184,19 @@ class OpenCLIPOptions(InfoNCEOptions):
 
 @dataclass(frozen=True)
 class SampleStateOptions(CommonOptions):
-    data_size: int = 0  # 1 + the largest index that may appear; required
-    eps: float = 1e-14  # ε in the weights 1/(u+ε)
-    gamma_min: float = 0.8  # reference code default; the published recipes use 0.2. At batch 64 with samples
-    # revisited once per epoch u lags g less at 0.8 (e^0.1-0.5 vs e^1-2.4) but test R@1 ties (RESULTS.md §4). Kept
-    # over 1.0 (u = the batch's estimate): 1.0 wins at scenes batch 128, 0.8 at glyphs batch 32, each 3 of 3 seeds
-    gamma_decay_epochs: int = 10
-    gamma_schedule: str = "cosine"
-    compat: str = "faithful"  # "faithful": the stated objectives; "reference": the reference's two deviations
-    state_device: str | torch.device | None = None  # None: the features' device
-    state_dtype: torch.dtype | None = None  # None: float64 for float64 features, else float32
+    data_size: int = field(default=0, metadata=LIBRARY_ONLY)  # 1 + the largest index that may appear; required
+    eps: float = 1e-14  # ε in the weights 1/(u+ε) (FastCLIP's --fastclip_eps)
+    # γ after the decay (reference --gamma). 0.8: the reference code's default; the published recipes use 0.2. At
+    # batch 64 with samples revisited once per epoch u lags g less at 0.8 (e^0.1-0.5 vs e^1-2.4) but test R@1 ties
+    # (RESULTS.md §4). Kept over 1.0 (u = the batch's estimate): 1.0 wins at scenes batch 128, 0.8 at glyphs batch
+    # 32, each 3 of 3 seeds
+    gamma_min: float = 0.8
+    gamma_decay_epochs: int = 10  # epochs of the cosine decay of γ from 1 to gamma_min
+    gamma_schedule: GammaScheduleKind = "cosine"
+    compat: Compat = "faithful"  # "faithful": the stated objectives; "reference": reproduce the reference's gradients
+    state_device: str | torch.device | None = field(default=None, metadata=LIBRARY_ONLY)  # None: the features' device
+    # None: float64 for float64 features, else float32
+    state_dtype: torch.dtype | None = field(default=None, metadata=LIBRARY_ONLY)
     # the [2, B, N] exponentials as torch.compile'd kernels, one pass each instead of 3-4 (kernels.py): faster from
     # about B = 256 per rank, a few seconds of compiling at the first call; eager where the backend cannot compile
     fused_kernels: bool = False
@@ -183,28 +205,29 @@ class SampleStateOptions(CommonOptions):
         super().__post_init__()
         _check_bool("fused_kernels", self.fused_kernels)
         if not _is_count(self.data_size, 1):
-            raise ValueError(
-                f"loss option data_size must be a positive int (1 + the largest data index), got {self.data_size!r}"
-            )
+            raise LossOptionError("data_size", "must be a positive int (1 + the largest data index)", self.data_size)
         object.__setattr__(self, "data_size", int(self.data_size))  # (a numpy integer, e.g. from len of an array)
         if not (_is_number(self.eps) and self.eps >= 0):
-            raise ValueError(f"loss option eps must be a number >= 0, got {self.eps!r}")
+            raise LossOptionError("eps", "must be a number >= 0", self.eps)
         _finite("gamma_min", self.gamma_min)
+        if not 0 < self.gamma_min <= 1:  # γ weighs the new batch's estimate into u: 0 would never update it
+            raise LossOptionError("gamma_min", "must be in (0, 1]", self.gamma_min)
         _count("gamma_decay_epochs", self.gamma_decay_epochs, 0)
+        if self.gamma_schedule not in GAMMA_SCHEDULES:
+            raise LossOptionError("gamma_schedule", f"must be one of {GAMMA_SCHEDULES}", self.gamma_schedule)
         if self.compat not in COMPAT_MODES:
-            raise ValueError(f"loss option compat must be one of {COMPAT_MODES}, got {self.compat!r}")
+            raise LossOptionError("compat", f"must be one of {COMPAT_MODES}", self.compat)
         if self.state_dtype is not None and not (
             isinstance(self.state_dtype, torch.dtype) and self.state_dtype.is_floating_point
         ):
-            raise ValueError(f"loss option state_dtype must be a floating torch.dtype, got {self.state_dtype!r}")
+            raise LossOptionError("state_dtype", "must be a floating torch.dtype", self.state_dtype)
         if self.state_device is not None:  # said now, not at the first call
             try:
                 device = torch.device(self.state_device)
             except (RuntimeError, TypeError):
-                raise ValueError(f"loss option state_device must be a device, got {self.state_device!r}") from None
+                raise LossOptionError("state_device", "must be a device", self.state_device) from None
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"loss option state_device is {self.state_device!r} but CUDA is not available here")
-        self.gamma()  # validates the schedule options
 
     def gamma(self) -> GammaSchedule:
         return GammaSchedule(self.gamma_schedule, float(self.gamma_min), self.gamma_decay_epochs)
@@ -215,7 +238,7 @@ class ConstantTemperatureOptions(SampleStateOptions):
     """FastCLIP-v1 (SogCLR with the cosine γ schedule): one constant τ."""
 
     temperature: float = 0.07
-    similarity: str = "cosine"  # as OpenCLIPOptions (v1/v0/v3): "atanh" maps the cosine to 2·atanh(cos)
+    similarity: Similarity = "cosine"  # as OpenCLIPOptions (v1/v0/v3): "atanh" maps the cosine to 2·atanh(cos)
     similarity_clamp: float = 1e-6
     queue_size: int | None = None  # g's mean also over a FIFO of the last Q gathered features (queue.py)
 
@@ -237,7 +260,7 @@ class GlobalTemperatureOptions(ConstantTemperatureOptions):
         super().__post_init__()
         _check_bool("learn_temperature", self.learn_temperature)
         if not (_is_number(self.tau_min) and 0 < self.tau_min <= min(1.0, self.temperature)):
-            raise ValueError(f"loss option tau_min must be in (0, min(1, temperature)], got {self.tau_min!r}")
+            raise LossOptionError("tau_min", "must be in (0, min(1, temperature)]", self.tau_min)
 
 
 @dataclass(frozen=True)
@@ -270,12 +293,13 @@ class IndividualTemperatureOptions(SampleStateOptions):
 
     temperature: float = 0.03  # initial τ of every sample
     rho: float = 7.0
-    lr_tau: float = 0.0133
-    tau_betas: tuple[float, float] = (0.9, 0.98)  # used from epoch 1 on; epoch 0 uses (0, 0)
-    tau_eps: float = 1e-6
-    tau_min: float = 0.01
+    lr_tau: float = field(default=0.0133, metadata=LIBRARY_ONLY)  # the trainer's optim.lr_tau
+    # Adam betas of the per-sample τ update, used from epoch 1 on (epoch 0 uses (0, 0))
+    tau_betas: tuple[float, float] = (0.9, 0.98)
+    tau_eps: float = 1e-6  # Adam eps of the per-sample τ update
+    tau_min: float = 0.01  # per-sample τ bounds
     tau_max: float = 1.0
-    tau_grad_clamp: float = 5.0
+    tau_grad_clamp: float = 5.0  # clamp of the per-sample τ gradient
 
     def __post_init__(self):
         super().__post_init__()
@@ -292,7 +316,7 @@ class IndividualTemperatureOptions(SampleStateOptions):
         betas = self.tau_betas
         pair = isinstance(betas, (tuple, list)) and len(betas) == 2
         if not pair or not all(_is_number(b) and 0 <= b < 1 for b in betas):
-            raise ValueError(f"loss option tau_betas must be two numbers in [0, 1), got {self.tau_betas!r}")
+            raise LossOptionError("tau_betas", "must be two numbers in [0, 1)", self.tau_betas)
 
 
 @dataclass(frozen=True)
@@ -300,7 +324,7 @@ class TempNetOptions(SampleStateOptions):
     """FastCLIP with a temperature network: RGCL with τ_i predicted from the features by a small MLP per
     modality (tempnet.py)."""
 
-    embed_dim: int = 0  # feature dimension (the towers' embed_dim); required
+    embed_dim: int = field(default=0, metadata=LIBRARY_ONLY)  # feature dimension (the towers' embed_dim); required
     tempnet_hidden: int = 256  # hidden width of each head
     temperature: float = 0.03  # the heads' initial τ (output layer starts at zero)
     rho: float = 7.0
@@ -315,7 +339,7 @@ class TempNetOptions(SampleStateOptions):
         for name in ("embed_dim", "tempnet_hidden"):
             value = getattr(self, name)
             if not _is_count(value, 1):
-                raise ValueError(f"loss option {name} must be a positive int, got {value!r}")
+                raise LossOptionError(name, "must be a positive int", value)
             object.__setattr__(self, name, int(value))
         for name in ("temperature", "tau_min", "tau_max"):
             _positive(name, getattr(self, name))
@@ -335,7 +359,7 @@ class SigLIPOptions(CommonOptions):
     temperature: float = 0.1  # initial 1/t; logit_scale = log t = log(1/τ)
     bias: float = -10.0  # initial logit_bias
     learn_temperature: bool = True
-    learn_bias: bool = True
+    learn_bias: bool = field(default=True, metadata=LIBRARY_ONLY)  # the trainer learns the bias always
 
     def __post_init__(self):
         super().__post_init__()

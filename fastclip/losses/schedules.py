@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
-GAMMA_SCHEDULES = ("cosine", "constant")
+GammaScheduleKind = Literal["cosine", "constant"]
+GAMMA_SCHEDULES = typing.get_args(GammaScheduleKind)
 
 
 @dataclass(frozen=True)
@@ -13,20 +16,13 @@ class GammaSchedule:
     """γ(epoch): 1 in epoch 0 (u starts as the plain mini-batch estimate), then towards ``gamma_min``.
 
     ``cosine``: ``gamma_min + ½(1-gamma_min)(1+cos(π e/E))`` for 1 <= e < E = ``decay_epochs``, then
-    ``gamma_min``. ``constant``: ``gamma_min`` from epoch 1 on (SogCLR's schedule).
+    ``gamma_min``. ``constant``: ``gamma_min`` from epoch 1 on (SogCLR's schedule). The values are checked where
+    they are given, once: the loss options (options.py).
     """
 
-    kind: str = "cosine"
+    kind: GammaScheduleKind = "cosine"
     gamma_min: float = 0.8
     decay_epochs: int = 10
-
-    def __post_init__(self):
-        if self.kind not in GAMMA_SCHEDULES:
-            raise ValueError(f"gamma_schedule must be one of {GAMMA_SCHEDULES}, got {self.kind!r}")
-        if not 0.0 < self.gamma_min <= 1.0:
-            raise ValueError(f"gamma_min must be in (0, 1], got {self.gamma_min}")
-        if self.decay_epochs < 0:
-            raise ValueError(f"gamma_decay_epochs must be >= 0, got {self.decay_epochs}")
 
     def __call__(self, epoch: float) -> float:
         if epoch <= 0:

@@ -22,11 +22,22 @@ from typing import Any, Literal, Union
 import yaml
 
 from fastclip.cli import note
+from fastclip.data.stream import StreamOptions
 from fastclip.errors import ConfigError
-from fastclip.losses import LOSSES
+from fastclip.losses import LOSSES, config_options
 from fastclip.train.preemption import signal_number
 
 LOSS_NAMES = tuple(LOSSES)  # loss.name's choices: the losses build_loss knows
+
+
+def _rules(section: Any, prefix: str):
+    """need(ok, key, why): unless ok, the ConfigError "config key '<prefix><key>': <why> (got <value>)"."""
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key '{prefix}{key}': {why} (got {_get(section, key)!r})")
+
+    return need
 
 
 @dataclass
@@ -60,29 +71,37 @@ def aug_options(aug: AugConfig) -> dict:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(StreamOptions):
     # Defaults = the embedded recipe (configs/embedded.yaml: tiny-vit, FastCLIP-v3, 2 x 64 samples), except that
-    # the loss knobs default to null (the loss library's defaults) and train.device to auto.
-    train: str = "data/embedded/train"  # shard folders, manifest .json files, brace patterns; sources joined by "::"
+    # the loss knobs default to null (the loss library's defaults) and train.device to auto. The training stream's
+    # keys (train, batch_size, workers, seed, ...) are StreamOptions' (fastclip/data/stream.py): their defaults
+    # and help are there; these are what the trainer alone reads.
     val: str | None = "data/embedded/val"  # labelled held-out shards for evaluation; null: no eval
     zeroshot: str | None = "data/embedded/zeroshot.json"  # class names + templates for zero-shot eval
-    batch_size: int = 64  # per process; the global batch is batch_size x world size
-    data_size: int | None = None  # 1 + largest sample index (sizes the per-sample state); null: manifest's
-    workers: int = 1  # data loader worker processes per rank (0: load in the main process)
-    shuffle_buffer: int = 1000  # samples per seeded shuffle window
-    seed: int | None = None  # shard order / shuffle / augmentation seed; null: train.seed
-    resampled: bool = False  # draw shards with replacement (OpenCLIP --dataset-resampled)
-    samples_per_epoch: int | None = None  # virtual epoch length; only with resampled (null: all samples)
-    upsampling_factors: str | None = None  # "1::2": per-source weights of "::"-joined sources (resampled)
-    pin_memory: bool | None = None  # page-locked batches, copied to the GPU asynchronously; null: on for CUDA
     # uint8 images from the workers, normalised on the device (4x fewer bytes pinned and copied; bitwise the same
     # batches: fastclip/data/pixels.py); null: on unless data.aug.re_prob (timm erases normalised pixels)
     device_normalize: bool | None = None
-    # remote shards: seconds before each retry of a transient failure, one per retry ([]: none); then skipped
-    remote_retry_delays: list[float] = field(default_factory=lambda: [1.0, 3.0, 9.0])
     # training-image augmentation (OpenCLIP's --aug-cfg); unset = open_clip's, which the embedded default keeps by
     # the out-of-distribution measurement in configs/embedded.yaml (python benchmarks/bench_aug.py)
     aug: AugConfig = field(default_factory=AugConfig)
+
+    def check(self) -> None:  # (data.aug: _check_aug, which needs ssl.enabled)
+        need = _rules(self, "data.")
+        need(self.batch_size >= 1, "batch_size", "must be >= 1")
+        need(self.data_size is None or self.data_size >= 1, "data_size", "must be >= 1 or null")
+        need(self.workers >= 0, "workers", "must be >= 0")
+        need(self.shuffle_buffer >= 1, "shuffle_buffer", "must be >= 1")
+        need(self.seed is None or self.seed >= 0, "seed", "must be >= 0 or null")
+        per_epoch = self.samples_per_epoch
+        need(per_epoch is None or per_epoch >= 1, "samples_per_epoch", "must be >= 1 or null")
+        need(per_epoch is None or self.resampled, "samples_per_epoch", "needs data.resampled: true (without "
+             "resampling an epoch is one pass over all shards)")  # fmt: skip
+        need(self.upsampling_factors is None or self.resampled, "upsampling_factors", "needs data.resampled: true")
+        need(
+            all(math.isfinite(x) and x >= 0 for x in self.remote_retry_delays),
+            "remote_retry_delays",
+            "must be seconds >= 0, one per retry ([]: no retry)",
+        )
 
 
 @dataclass
@@ -99,46 +118,31 @@ class ModelConfig:
     # model.pt; shapes must match; fresh optimizer and per-sample state;
     # ignored when --train.resume finds a checkpoint to continue
 
+    def check(self) -> None:
+        m = self.ema_momentum
+        _rules(self, "model.")(m is None or 0 < m < 1, "ema_momentum", "must be in (0, 1) or null")
 
-@dataclass
-class LossConfig:
-    name: Literal[LOSS_NAMES] = "fastclip-v3"
-    # null = the loss library's default (fastclip.losses); each set value is passed to build_loss, which
-    # rejects an option the chosen version does not have.
-    temperature: float | None = None  # initial tau (v0, v3, openclip, per-sample in v2) or the constant (v1)
-    learn_temperature: bool | None = None  # openclip/v0/v3/siglip: false keeps tau at `temperature` (fixed-tau runs)
-    rho: float | None = None  # v2/v3: rho of the robust (RGCL) objective
-    eps: float | None = None  # epsilon in the 1/(u + eps) weights (FastCLIP's --fastclip_eps)
-    gamma_min: float | None = None  # gamma after the decay (reference --gamma)
-    gamma_decay_epochs: int | None = None  # epochs of the cosine decay of gamma from 1 to gamma_min
-    gamma_schedule: Literal["cosine", "constant"] | None = None
-    compat: Literal["faithful", "reference"] | None = None  # reference: reproduce the published code's gradients
-    tau_betas: list[float] | None = None  # v2: Adam betas of the per-sample tau update (reference: the model's betas)
-    tau_eps: float | None = None  # v2: Adam eps of the per-sample tau update
-    tau_min: float | None = None  # v2: per-sample tau bounds; v0/v3: the lower bound tau0 (0.01)
-    separate_temperatures: bool | None = None  # v3: tau1 (image-anchored) and tau2 (text-anchored), textbook RGCL-g
-    tempnet_hidden: int | None = None  # fastclip-tempnet: hidden width of the temperature heads (256)
-    tau_max: float | None = None
-    tau_grad_clamp: float | None = None  # v2: clamp of the per-sample tau gradient
-    similarity: Literal["cosine", "atanh"] | None = None  # openclip/v0/v1/v3: "atanh" = temperature-free 2·atanh(cos)
-    similarity_clamp: float | None = None  # atanh: the cosine is clamped to ±(1 − this)
-    bias: float | None = None  # siglip: initial logit bias (-10)
-    # all but siglip: the [2, B, N] exponentials as torch.compile'd kernels (fastclip/losses/kernels.py); faster
-    # from about 256 samples per rank, a few seconds of compiling at start; needs a C++ compiler (CPU) or Triton
-    fused_kernels: bool | None = None
+
+# The loss section: `name`, the trainer's own `validate`, and a key for every loss option (fastclip/losses/options.py,
+# its one schema: type, rule and help), null by default = the loss library's default. Each set value is passed to
+# build_loss, which rejects an option the chosen loss does not take.
+LOSS_TRAINER_KEYS = {
+    "name": (Literal[LOSS_NAMES], "fastclip-v3"),
     # input checks (fastclip/losses/validation.py): "deferred" rides the feature all_gather and is read on logging
     # steps and before each checkpoint (no host sync per step); "eager" raises in the step (one host sync per step)
-    validate: Literal["deferred", "eager", "off"] = "deferred"
-    # "fused": the hand-written backward; "autograd": the objective as autograd code over the global batch
-    # (fastclip/losses/objective.py); null: fused where the loss has it and it implements every option set
-    impl: Literal["fused", "autograd"] | None = None
-    direction_weights: list[float] | None = None  # [w_i2t, w_t2i] (null: symmetric); not siglip
-    hard_negative_topk: int | None = None  # openclip/dcl: only each anchor's k most similar negatives
-    hard_negative_beta: float | None = None  # openclip/dcl: negatives weighted by exp(beta·logit) (Robinson et al.)
-    queue_size: int | None = None  # openclip/dcl/v0/v1/v3: negatives also from a FIFO of the last Q features
-    distill_alpha: float | None = (
-        None  # openclip/dcl: ALBEF's soft targets from the momentum model (model.ema_momentum)
-    )
+    "validate": (Literal["deferred", "eager", "off"], "deferred"),
+}
+LossConfig = dataclasses.make_dataclass(
+    "LossConfig",
+    [("name", *LOSS_TRAINER_KEYS["name"])]
+    + [
+        (key, LOSS_TRAINER_KEYS[key][0], LOSS_TRAINER_KEYS[key][1])
+        if key in LOSS_TRAINER_KEYS
+        else (key, tp | None, None)
+        for key, tp in config_options().items()
+    ],
+)
+LossConfig.__module__ = __name__  # (make_dataclass names its caller's module from Python 3.12 only)
 
 
 @dataclass
@@ -167,6 +171,21 @@ class OptimConfig:
     def base_lr_tau(self) -> float:
         """The temperature's peak lr: lr_tau, or lr when lr_tau is null."""
         return self.lr if self.lr_tau is None else self.lr_tau
+
+    def check(self) -> None:
+        need = _rules(self, "optim.")
+        need(self.lr >= 0 and math.isfinite(self.lr), "lr", "must be a finite number >= 0")
+        need(0 <= self.lr_min <= self.lr, "lr_min", "must be in [0, optim.lr]")
+        need(self.lr_tau is None or self.lr_tau >= 0, "lr_tau", "must be >= 0")
+        need(self.lr_tau_min >= 0, "lr_tau_min", "must be >= 0")
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        need(self.wd >= 0 and math.isfinite(self.wd), "wd", "must be a finite number >= 0")
+        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "must be two numbers in [0, 1)")
+        need(self.eps > 0, "eps", "must be > 0")
+        need(self.grad_clip is None or self.grad_clip > 0, "grad_clip", "must be > 0 or null")
+        need(0 < self.tau_threshold, "tau_threshold", "must be > 0")
+        need(self.tau_threshold_factor >= 1, "tau_threshold_factor", "must be >= 1")
+        need(self.accum_steps >= 1, "accum_steps", "must be >= 1")
 
 
 @dataclass
@@ -210,6 +229,23 @@ class TrainConfig:
     ddp_bucket_view: bool = True  # DDP gradient_as_bucket_view
     ddp_static_graph: bool | None = None  # DDP static_graph; null: on with accum_steps 1 and no compile
 
+    def check(self) -> None:
+        need = _rules(self, "train.")
+        need(self.run_dir.strip() != "", "run_dir", "must name a folder (an empty one would be the working directory)")
+        need(self.epochs >= 1, "epochs", "must be >= 1")
+        need(self.seed >= 0, "seed", "must be >= 0")
+        need(self.max_steps is None or self.max_steps >= 0, "max_steps", "must be >= 0 or null")
+        need(self.log_every >= 1, "log_every", "must be >= 1")
+        need(self.stop_check_every >= 1, "stop_check_every", "must be >= 1")
+        need(self.dist_timeout_minutes > 0, "dist_timeout_minutes", "must be > 0")
+        need(self.collective_timeout_seconds > 0, "collective_timeout_seconds", "must be > 0")
+        need(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", "must be >= 1")
+        for name in self.stop_signals:
+            try:
+                signal_number(name)
+            except ValueError as e:
+                raise ConfigError(f"config key 'train.stop_signals': {e}") from None
+
 
 @dataclass
 class EvalConfig:
@@ -230,6 +266,14 @@ class EvalConfig:
     probe_train: str | None = None  # labelled shards or image folder; null: the train/ folder beside data.val
     probe_max_train: int = 5000
 
+    def check(self) -> None:
+        need = _rules(self, "eval.")
+        need(self.every_steps >= 0, "every_steps", "must be >= 0")
+        need(self.max_samples is None or self.max_samples >= 1, "max_samples", "must be >= 1 or null (all)")
+        need(self.batch_size >= 1, "batch_size", "must be >= 1")
+        need(all(k >= 1 for k in self.knn), "knn", "every k must be >= 1")
+        need(self.probe_max_train >= 1, "probe_max_train", "must be >= 1")
+
 
 @dataclass
 class CheckpointConfig:
@@ -239,6 +283,12 @@ class CheckpointConfig:
     at_end: bool = True
     # false: no fsync of the files (scratch disks, tests); a kill still leaves the last save whole, a power loss may not
     fsync: bool = True
+
+    def check(self) -> None:
+        need = _rules(self, "checkpoint.")
+        need(self.every_steps >= 0, "every_steps", "must be >= 0")
+        need(self.every_minutes >= 0, "every_minutes", "must be >= 0")
+        need(self.keep_last >= 1, "keep_last", "must be >= 1")
 
 
 @dataclass
@@ -253,6 +303,17 @@ class DeepSpeedConfig:
     param_persistence_threshold: int = 100_000  # stage 3: parameters with fewer elements stay whole on every rank
     config_file: str | None = None  # a DeepSpeed JSON merged over the generated config (for the knobs
     # not listed here); it may not set batch sizes, optimizer, fp16/bf16
+
+    def check(self) -> None:
+        need = _rules(self, "deepspeed.")
+        need(
+            self.stage in (1, 2, 3) and not isinstance(self.stage, bool),
+            "stage",
+            "must be 1, 2 or 3 (ZeRO without sharding, stage 0, is what train.distributed: ddp does)",
+        )
+        need(self.reduce_bucket_size >= 1, "reduce_bucket_size", "must be >= 1")
+        need(self.allgather_bucket_size >= 1, "allgather_bucket_size", "must be >= 1")
+        need(self.param_persistence_threshold >= 0, "param_persistence_threshold", "must be >= 0")
 
 
 @dataclass
@@ -399,10 +460,10 @@ def _text_keys() -> set[str]:
     """Dotted keys of the string-valued fields: their command-line values stay text (YAML would make
     2024-11-23 a date, 2024 a number, a::b: a mapping)."""
     keys = set()
-    for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(typing.get_type_hints(Config)[section.name]):
-            if str(f.type).replace(" ", "") in ("str", "str|None", "Optional[str]"):
-                keys.add(f"{section.name}.{f.name}")
+    for section, cls in typing.get_type_hints(Config).items():
+        for name, tp in typing.get_type_hints(cls).items():
+            if tp in (str, str | None):
+                keys.add(f"{section}.{name}")
     return keys
 
 
@@ -519,50 +580,9 @@ def parse_overrides(args: list[str]) -> dict:
     differences: list[str] = []  # OpenCLIP flags used whose meaning here differs in a detail
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"expected --key value, got {arg!r}")
-        flag = arg[2:].replace("-", "_")
-        if flag in NO_OP_FLAGS:  # OpenCLIP switches: no value follows
-            note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
-            i += 1
+        i, key, raw = _next_flag(args, i, index, out)
+        if key is None:  # a flag without a key of its own (done)
             continue
-        if (bare := flag.split("=", 1)[0]) in OPENCLIP_UNSUPPORTED or bare.startswith(("lock_image", "lock_text")):
-            instead = OPENCLIP_UNSUPPORTED.get(bare, OPENCLIP_UNSUPPORTED["lock_image"])
-            raise ConfigError(f"unknown option --{bare.replace('_', '-')} (an OpenCLIP option): {instead}")
-        if bare in EPOCH_FREQUENCY_FLAGS:
-            raise ConfigError(f"--{bare.replace('_', '-')} (OpenCLIP, in epochs): {EPOCH_FREQUENCY_FLAGS[bare]}")
-        if flag == "name":  # OpenCLIP's run name; "name" alone would otherwise mean loss.name
-            raise ConfigError(
-                "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the "
-                "folder itself, not its parent); the loss is --loss.name"
-            )
-        if flag == "aug_cfg":  # OpenCLIP's --aug-cfg k=v k=v ...: each pair a data.aug key
-            i += 1
-            while i < len(args) and not args[i].startswith("--"):
-                _aug_pair(args[i], out)
-                i += 1
-            continue
-        if "=" in arg:
-            key, raw = arg[2:].split("=", 1)
-            i += 1
-        elif flag in SWITCH_FLAGS and (i + 1 >= len(args) or args[i + 1].startswith("--")):
-            key, raw = arg[2:], "true"
-            i += 1
-        else:
-            switch = i + 1 >= len(args) or args[i + 1].startswith("--")  # no value follows
-            if switch and not _known(flag, index):  # a switch of another trainer, or a typo: not "has no value"
-                raise ConfigError(
-                    f"unknown option {arg}: no config key of that name (--section.key VALUE, or an OpenCLIP flag "
-                    f"that has one; `fastclip train --print-config` lists the keys)"
-                )
-            if i + 1 >= len(args):
-                raise ConfigError(f"config key '{arg[2:]}' has no value")
-            if args[i + 1].startswith("--"):  # a flag, not a value (negative numbers start with one '-')
-                raise ConfigError(
-                    f"config key '{arg[2:]}' has no value (next is {args[i + 1]}): give one, or --{arg[2:]}=VALUE"
-                )
-            key, raw = arg[2:], args[i + 1]
-            i += 2
         key = key.replace("-", "_")
         if key in OPENCLIP_DIFFERENCES and OPENCLIP_DIFFERENCES[key] not in differences:
             differences.append(OPENCLIP_DIFFERENCES[key])
@@ -570,28 +590,8 @@ def parse_overrides(args: list[str]) -> dict:
         if key == "report_to":
             out.setdefault("train", {}).update(_report_to(raw))
             continue
-        if "." not in key and key in FLAG_ALIASES:
-            key = FLAG_ALIASES[key]
-        if "." not in key:
-            owners = index.get(key, [])
-            if len(owners) != 1:
-                hint = f"ambiguous, use one of {', '.join(owners)}" if owners else "no such field in any section"
-                raise ConfigError(f"unknown config key '{key}' ({hint})")
-            key = owners[0]
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as e:
-            problem = str(getattr(e, "problem", None) or type(e).__name__)
-            raise ConfigError(f"config key '{key}': {raw!r} is not a valid value ({problem}); quote it") from None
-        if key in text_keys and value is not None and not isinstance(value, str):
-            value = raw
-        if key == "train.precision" and value in PRECISION_ALIASES:
-            value = PRECISION_ALIASES[value]
-        elif key == "train.precision" and value in ("pure_bf16", "pure_fp16"):
-            raise ConfigError(
-                f"config key 'train.precision': {value!r} (OpenCLIP: weights in half precision) is not "
-                f"supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is 'fp16'"
-            )
+        key = _dotted_key(key, index)
+        value = _override_value(key, raw, key in text_keys)
         # The same flag twice: the last wins (a script's default, then the user's "$@"). Two spellings of one key
         # with different values (--batch-size 32 --data.batch_size 64) is a conflict, not an override.
         before = spelled.get(key)
@@ -601,129 +601,152 @@ def parse_overrides(args: list[str]) -> dict:
                 f"{written[0]} {value!r}; keep one"
             )
         spelled[key] = (written, value)
-        node = out
-        *parents, leaf = key.split(".")
-        for depth, p in enumerate(parents):
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"config key '{key}': {'.'.join(parents[: depth + 1])} is a value, not a section")
-        node[leaf] = value
+        _put(out, key, value)
     if differences:
         note(f"fastclip train: note: where fastclip differs from OpenCLIP: {'; '.join(differences)}")
     return out
 
 
+def _next_flag(args: list[str], i: int, index: dict[str, list[str]], out: dict) -> tuple[int, str | None, str]:
+    """The flag at args[i]: (where the next one starts, its key as typed, its raw value); key None for a flag that
+    sets no key of its own (an OpenCLIP no-op, --aug-cfg's pairs: put in `out` here)."""
+    arg = args[i]
+    if not arg.startswith("--") or arg == "--":
+        raise ConfigError(f"expected --key value, got {arg!r}")
+    flag = arg[2:].replace("-", "_")
+    if flag in NO_OP_FLAGS:  # OpenCLIP switches: no value follows
+        note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
+        return i + 1, None, ""
+    _refuse_openclip_only(flag)
+    if flag == "aug_cfg":  # OpenCLIP's --aug-cfg k=v k=v ...: each pair a data.aug key
+        i += 1
+        while i < len(args) and not args[i].startswith("--"):
+            _aug_pair(args[i], out)
+            i += 1
+        return i, None, ""
+    if "=" in arg:
+        key, raw = arg[2:].split("=", 1)
+        return i + 1, key, raw
+    if flag in SWITCH_FLAGS and (i + 1 >= len(args) or args[i + 1].startswith("--")):
+        return i + 1, arg[2:], "true"
+    switch = i + 1 >= len(args) or args[i + 1].startswith("--")  # no value follows
+    if switch and not _known(flag, index):  # a switch of another trainer, or a typo: not "has no value"
+        raise ConfigError(
+            f"unknown option {arg}: no config key of that name (--section.key VALUE, or an OpenCLIP flag "
+            f"that has one; `fastclip train --print-config` lists the keys)"
+        )
+    if i + 1 >= len(args):
+        raise ConfigError(f"config key '{arg[2:]}' has no value")
+    if args[i + 1].startswith("--"):  # a flag, not a value (negative numbers start with one '-')
+        raise ConfigError(
+            f"config key '{arg[2:]}' has no value (next is {args[i + 1]}): give one, or --{arg[2:]}=VALUE"
+        )
+    return i + 2, arg[2:], args[i + 1]
+
+
+def _refuse_openclip_only(flag: str) -> None:
+    """OpenCLIP's options that have no key here, or another one: what to use instead."""
+    if (bare := flag.split("=", 1)[0]) in OPENCLIP_UNSUPPORTED or bare.startswith(("lock_image", "lock_text")):
+        instead = OPENCLIP_UNSUPPORTED.get(bare, OPENCLIP_UNSUPPORTED["lock_image"])
+        raise ConfigError(f"unknown option --{bare.replace('_', '-')} (an OpenCLIP option): {instead}")
+    if bare in EPOCH_FREQUENCY_FLAGS:
+        raise ConfigError(f"--{bare.replace('_', '-')} (OpenCLIP, in epochs): {EPOCH_FREQUENCY_FLAGS[bare]}")
+    if flag == "name":  # OpenCLIP's run name; "name" alone would otherwise mean loss.name
+        raise ConfigError(
+            "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the "
+            "folder itself, not its parent); the loss is --loss.name"
+        )
+
+
+def _dotted_key(key: str, index: dict[str, list[str]]) -> str:
+    """section.key for a flag: itself, its OpenCLIP alias's key, or the one key of that name."""
+    if "." not in key and key in FLAG_ALIASES:
+        key = FLAG_ALIASES[key]
+    if "." not in key:
+        owners = index.get(key, [])
+        if len(owners) != 1:
+            hint = f"ambiguous, use one of {', '.join(owners)}" if owners else "no such field in any section"
+            raise ConfigError(f"unknown config key '{key}' ({hint})")
+        key = owners[0]
+    return key
+
+
+def _override_value(key: str, raw: str, text: bool) -> Any:
+    """A typed value as YAML reads it (text keys keep the text); OpenCLIP's precision names as ours."""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        problem = str(getattr(e, "problem", None) or type(e).__name__)
+        raise ConfigError(f"config key '{key}': {raw!r} is not a valid value ({problem}); quote it") from None
+    if text and value is not None and not isinstance(value, str):
+        value = raw
+    if key == "train.precision" and value in PRECISION_ALIASES:
+        value = PRECISION_ALIASES[value]
+    elif key == "train.precision" and value in ("pure_bf16", "pure_fp16"):
+        raise ConfigError(
+            f"config key 'train.precision': {value!r} (OpenCLIP: weights in half precision) is not "
+            f"supported; amp_bf16 (bf16 autocast, fp32 weights) is 'bf16' here, amp is 'fp16'"
+        )
+    return value
+
+
+def _put(out: dict, key: str, value: Any) -> None:
+    """out[a][b] = value for key "a.b"."""
+    node = out
+    *parents, leaf = key.split(".")
+    for depth, p in enumerate(parents):
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config key '{key}': {'.'.join(parents[: depth + 1])} is a value, not a section")
+    node[leaf] = value
+
+
 # ----------------------------------------------------------------------------- value checks
 def _check(cfg: Config) -> None:
-    def need(ok: bool, key: str, why: str):
-        if not ok:
-            raise ConfigError(f"config key '{key}': {why} (got {_get(cfg, key)!r})")
-
-    o, t, d, lo, e, c = cfg.optim, cfg.train, cfg.data, cfg.loss, cfg.eval, cfg.checkpoint
-    need(o.lr >= 0 and math.isfinite(o.lr), "optim.lr", "must be a finite number >= 0")
-    need(0 <= o.lr_min <= o.lr, "optim.lr_min", "must be in [0, optim.lr]")
-    need(o.lr_tau is None or o.lr_tau >= 0, "optim.lr_tau", "must be >= 0")
-    need(o.lr_tau_min >= 0, "optim.lr_tau_min", "must be >= 0")
-    need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    need(o.wd >= 0 and math.isfinite(o.wd), "optim.wd", "must be a finite number >= 0")
-    need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)")
-    need(o.eps > 0, "optim.eps", "must be > 0")
-    need(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", "must be > 0 or null")
-    need(0 < o.tau_threshold, "optim.tau_threshold", "must be > 0")
-    need(o.tau_threshold_factor >= 1, "optim.tau_threshold_factor", "must be >= 1")
-    need(d.batch_size >= 1, "data.batch_size", "must be >= 1")
-    need(d.data_size is None or d.data_size >= 1, "data.data_size", "must be >= 1 or null")
-    need(d.workers >= 0, "data.workers", "must be >= 0")
-    need(d.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
-    need(d.samples_per_epoch is None or d.samples_per_epoch >= 1, "data.samples_per_epoch", "must be >= 1 or null")
-    need(
-        d.samples_per_epoch is None or d.resampled,
-        "data.samples_per_epoch",
-        "needs data.resampled: true (without resampling an epoch is one pass over all shards)",
-    )
-    need(d.upsampling_factors is None or d.resampled, "data.upsampling_factors", "needs data.resampled: true")
-    need(
-        all(math.isfinite(x) and x >= 0 for x in d.remote_retry_delays),
-        "data.remote_retry_delays",
-        "must be seconds >= 0, one per retry ([]: no retry)",
-    )
-    need(t.run_dir.strip() != "", "train.run_dir", "must name a folder (an empty one would be the working directory)")
-    need(t.epochs >= 1, "train.epochs", "must be >= 1")
-    need(t.seed >= 0, "train.seed", "must be >= 0")
-    need(d.seed is None or d.seed >= 0, "data.seed", "must be >= 0 or null")
-    need(t.max_steps is None or t.max_steps >= 0, "train.max_steps", "must be >= 0 or null")
-    need(t.log_every >= 1, "train.log_every", "must be >= 1")
-    need(t.stop_check_every >= 1, "train.stop_check_every", "must be >= 1")
-    need(t.dist_timeout_minutes > 0, "train.dist_timeout_minutes", "must be > 0")
-    need(t.collective_timeout_seconds > 0, "train.collective_timeout_seconds", "must be > 0")
-    need(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
-    for name in t.stop_signals:
-        try:
-            signal_number(name)
-        except ValueError as e:
-            raise ConfigError(f"config key 'train.stop_signals': {e}") from None
+    """Each section's own checks (its check()), then those across sections."""
+    for section in (cfg.optim, cfg.data, cfg.train, cfg.model, cfg.eval, cfg.checkpoint, cfg.deepspeed):
+        section.check()
+    need = _rules(cfg, "")
+    o, t, d, ds = cfg.optim, cfg.train, cfg.data, cfg.deepspeed
     m = cfg.model.ema_momentum
-    need(m is None or 0 < m < 1, "model.ema_momentum", "must be in (0, 1) or null")
-    need(not lo.distill_alpha or m is not None, "loss.distill_alpha", "needs model.ema_momentum (the momentum model "
-         "whose softmax it mixes into the targets)")  # fmt: skip
+    need(not cfg.loss.distill_alpha or m is not None, "loss.distill_alpha", "needs model.ema_momentum (the "
+         "momentum model whose softmax it mixes into the targets)")  # fmt: skip
     need(m is None or t.distributed == "ddp", "model.ema_momentum", "works with train.distributed ddp only")
-    need(lo.temperature is None or lo.temperature > 0, "loss.temperature", "must be > 0")
-    need(lo.eps is None or lo.eps >= 0, "loss.eps", "must be >= 0")
-    need(lo.gamma_min is None or 0 < lo.gamma_min <= 1, "loss.gamma_min", "must be in (0, 1]")
-    need(lo.gamma_decay_epochs is None or lo.gamma_decay_epochs >= 0, "loss.gamma_decay_epochs", "must be >= 0")
-    need(
-        lo.tau_betas is None or (len(lo.tau_betas) == 2 and all(0 <= b < 1 for b in lo.tau_betas)),
-        "loss.tau_betas",
-        "must be two numbers in [0, 1)",
-    )
+    _check_loss(cfg.loss)
     _check_aug(d.aug, views=cfg.ssl.enabled)
     need(not (d.device_normalize and d.aug.re_prob), "data.device_normalize", "cannot be true with data.aug.re_prob: "
          "timm's random erasing works on normalised pixels, in the workers (set it null or false)")  # fmt: skip
-    need(e.every_steps >= 0, "eval.every_steps", "must be >= 0")
-    need(e.max_samples is None or e.max_samples >= 1, "eval.max_samples", "must be >= 1 or null (all)")
-    need(e.batch_size >= 1, "eval.batch_size", "must be >= 1")
-    need(all(k >= 1 for k in e.knn), "eval.knn", "every k must be >= 1")
-    need(e.probe_max_train >= 1, "eval.probe_max_train", "must be >= 1")
-    need(c.every_steps >= 0, "checkpoint.every_steps", "must be >= 0")
-    need(c.every_minutes >= 0, "checkpoint.every_minutes", "must be >= 0")
-    need(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
-    need(o.accum_steps >= 1, "optim.accum_steps", "must be >= 1")
     need(
         d.batch_size % o.accum_steps == 0,
         "optim.accum_steps",
         f"must divide data.batch_size ({d.batch_size}): each step's per-process batch is split into this many "
         f"equal micro-batches",
     )
-    ds = cfg.deepspeed
-    need(
-        ds.stage in (1, 2, 3) and not isinstance(ds.stage, bool),
-        "deepspeed.stage",
-        "must be 1, 2 or 3 (ZeRO without sharding, stage 0, is what train.distributed: ddp does)",
-    )
-    need(ds.reduce_bucket_size >= 1, "deepspeed.reduce_bucket_size", "must be >= 1")
-    need(ds.allgather_bucket_size >= 1, "deepspeed.allgather_bucket_size", "must be >= 1")
-    need(ds.param_persistence_threshold >= 0, "deepspeed.param_persistence_threshold", "must be >= 0")
     if t.distributed == "deepspeed":
-        need(
-            t.precision != "fp16",
-            "train.precision",
-            "fp16 (GradScaler) is not supported with train.distributed: "
-            "deepspeed; use bf16 (autocast, fp32 master weights) or fp32",
-        )
-        need(
-            o.optimizer == "adamw",
-            "optim.optimizer",
-            "lamb's per-tensor trust ratio needs whole tensors; ZeRO shards flattened ones: use adamw (or ddp)",
-        )
-        need(
-            not (cfg.model.compile and ds.stage == 3),
-            "model.compile",
-            "torch.compile of the towers is not supported with ZeRO stage 3 (parameters gathered by hooks)",
-        )
+        need(t.precision != "fp16", "train.precision", "fp16 (GradScaler) is not supported with train.distributed: "
+             "deepspeed; use bf16 (autocast, fp32 master weights) or fp32")  # fmt: skip
+        need(o.optimizer == "adamw", "optim.optimizer", "lamb's per-tensor trust ratio needs whole tensors; ZeRO "
+             "shards flattened ones: use adamw (or ddp)")  # fmt: skip
+        need(not (cfg.model.compile and ds.stage == 3), "model.compile", "torch.compile of the towers is not "
+             "supported with ZeRO stage 3 (parameters gathered by hooks)")  # fmt: skip
     if cfg.ssl.enabled:
         from fastclip.train.ssl import check_ssl_config
 
         check_ssl_config(cfg)
+
+
+def _check_loss(loss: LossConfig) -> None:
+    """The loss section's values, by the loss library's own rules (fastclip/losses/options.py), so a bad one is
+    refused before anything is built; an option the loss does not take is refused when it is built (make_loss)."""
+    from fastclip.losses import LossOptionError, check_options
+
+    options = {f.name: getattr(loss, f.name) for f in dataclasses.fields(loss) if f.name != "name"}
+    try:
+        check_options(loss.name, **options)
+    except LossOptionError as e:
+        raise ConfigError(f"config key 'loss.{e.option}': {e.rule} (got {e.value!r})") from None
+    except ValueError as e:
+        raise ConfigError(f"config section 'loss' (name {loss.name}): {e}") from None
 
 
 def _check_aug(a: AugConfig, views: bool = False) -> None:
@@ -756,8 +779,8 @@ def _check_aug(a: AugConfig, views: bool = False) -> None:
         need(importlib.util.find_spec("timm") is not None, "use_timm", "needs timm installed (pip install timm)")
 
 
-def _get(cfg: Config, key: str) -> Any:
-    node: Any = cfg
+def _get(node: Any, key: str) -> Any:
+    """node.a.b for key "a.b"."""
     for part in key.split("."):
         node = getattr(node, part)
     return node

@@ -12,22 +12,11 @@ from fastclip.train.config import Config, ConfigError
 
 
 def stream_config(cfg: Config, data_size: int, device: torch.device) -> StreamConfig:
-    """The data section (the same field names) plus what the trainer decides: seed, data_size, pinning."""
-    d = cfg.data
-    return StreamConfig(
-        train=d.train,
-        batch_size=d.batch_size,
-        seed=preflight.data_seed(cfg),
-        workers=d.workers,
-        shuffle_buffer=d.shuffle_buffer,
-        resampled=d.resampled,
-        samples_per_epoch=d.samples_per_epoch,
-        upsampling_factors=d.upsampling_factors,
-        data_size=data_size,
-        pin_memory=device.type == "cuda" and d.pin_memory is not False,
-        log_skips_per_reason=0,
-        remote_retry_delays=d.remote_retry_delays,
-    )  # rank 0 logs every rank's skips, once per epoch (DataSkipReport)
+    """The data section (its stream keys are StreamConfig's) plus what the trainer decides: seed, data_size,
+    pinning; rank 0 logs every rank's skips, once per epoch (DataSkipReport)."""
+    pin_memory = device.type == "cuda" and cfg.data.pin_memory is not False
+    decided = {"seed": preflight.data_seed(cfg), "data_size": data_size, "pin_memory": pin_memory}
+    return StreamConfig.from_any(cfg.data, **decided, log_skips_per_reason=0)
 
 
 def train_pixels(cfg: Config, preprocess):

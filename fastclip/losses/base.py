@@ -90,18 +90,12 @@ class ContrastiveLoss(nn.Module):
                 "momentum=(momentum_image, momentum_text)) (the trainer: model.ema_momentum)"
             )
         comm = comm or Comm.resolve(self.group)
-        data_size = getattr(self.options, "data_size", None)
         if isinstance(indices, torch.Tensor) and isinstance(image_features, torch.Tensor):
             indices = indices.to(image_features.device, non_blocking=True)  # data loaders hand them over on CPU
         checks = self.input_checks
         given = (image_features, text_features, indices)  # (a redo is made with what the caller gave)
         given_momentum, given_groups = momentum, groups
-        if groups is not None:
-            rows = image_features.shape[0] if isinstance(image_features, torch.Tensor) else None
-            if not isinstance(groups, torch.Tensor) or groups.shape != (rows,) or groups.is_floating_point():
-                shape = tuple(groups.shape) if isinstance(groups, torch.Tensor) else type(groups).__name__
-                raise LossInputError(f"{self.name}: groups must be integer ids [B] = [{rows}], got {shape}")
-            groups = groups.to(image_features.device, torch.int64)
+        groups = self._checked_groups(groups, image_features)
         stand_in = self.validate == "eager" and comm.world_size > 1 and checks.changed(comm, *given)
         if stand_in:  # the other ranks cannot know: join their all_gather with the agreed shapes and say so
             image_features, text_features, indices = checks.stand_in(header_device(comm, *given))
@@ -109,36 +103,14 @@ class ContrastiveLoss(nn.Module):
                 momentum = (torch.zeros_like(image_features), torch.zeros_like(text_features))
             if groups is not None:
                 groups = torch.zeros(image_features.shape[0], dtype=torch.int64, device=image_features.device)
-        elif self.validate != "off":  # the structure handshake: first call, or this rank's shapes changed
-            checks.structure(
-                comm,
-                image_features,
-                text_features,
-                indices,
-                data_size=data_size,
-                need_indices=self.needs_indices,
-                min_global_batch=self.min_global_batch,
-            )
-        elif self.needs_indices and indices is None:
-            raise LossInputError(f"{self.name} needs indices (int64 [B] global data indices)")
+        else:
+            self._check_structure(comm, image_features, text_features, indices)
         if not self._parameters_shared and comm.world_size > 1:  # rank 0's τ and heads (DDP does this for models)
             comm.broadcast_from_first_(list(self.parameters()), header_device(comm, *given))
             self._parameters_shared = True
-        if not self.needs_indices:
-            indices = None  # not needed (whatever was passed): do not ship them
-        if indices is not None:
-            indices = indices.to(torch.int64)
-        words = None
-        if self.validate != "off":  # value checks ride in the feature all_gather's buffer
-            # the parameters' sum, where eager mode reads it (deferred reads no words per call); else a zero word
-            fingerprint = None
-            if self.validate == "eager" and comm.world_size > 1 and self.options.check_parameters:
-                fingerprint = parameter_fingerprint(list(self.parameters()))
-            if fingerprint is None:
-                fingerprint = checks.zero_word(image_features.device)
-            words = value_words(image_features, text_features, indices, data_size, fingerprint)
-            if stand_in:
-                words[0] = SIGNATURE_CHANGED
+        # not needed (whatever was passed): not shipped
+        indices = indices.to(torch.int64) if self.needs_indices and indices is not None else None
+        words = self._value_words(comm, image_features, text_features, indices, stand_in)
         if momentum is not None:
             momentum = tuple(m.detach().to(image_features.device) for m in momentum)
         batch = comm.gather_batch(
@@ -157,6 +129,48 @@ class ContrastiveLoss(nn.Module):
         self._metrics = metrics if callable(metrics) else {name: value.detach() for name, value in metrics.items()}
         self.comm_bytes = comm.bytes_moved()
         return loss
+
+    def _checked_groups(self, groups, image_features):
+        """``groups`` as int64 on the features' device, or None; anything but integer ids ``[B]`` is refused."""
+        if groups is None:
+            return None
+        rows = image_features.shape[0] if isinstance(image_features, torch.Tensor) else None
+        if not isinstance(groups, torch.Tensor) or groups.shape != (rows,) or groups.is_floating_point():
+            shape = tuple(groups.shape) if isinstance(groups, torch.Tensor) else type(groups).__name__
+            raise LossInputError(f"{self.name}: groups must be integer ids [B] = [{rows}], got {shape}")
+        return groups.to(image_features.device, torch.int64)
+
+    def _check_structure(self, comm: Comm, image_features, text_features, indices) -> None:
+        """The structure handshake (first call, or this rank's shapes changed); with validate off, only the indices
+        a loss needs."""
+        if self.validate != "off":
+            self.input_checks.structure(
+                comm,
+                image_features,
+                text_features,
+                indices,
+                data_size=getattr(self.options, "data_size", None),
+                need_indices=self.needs_indices,
+                min_global_batch=self.min_global_batch,
+            )
+        elif self.needs_indices and indices is None:
+            raise LossInputError(f"{self.name} needs indices (int64 [B] global data indices)")
+
+    def _value_words(self, comm: Comm, image_features, text_features, indices, stand_in: bool):
+        """The value checks' words, which ride in the feature all_gather's buffer (None with validate off)."""
+        if self.validate == "off":
+            return None
+        # the parameters' sum, where eager mode reads it (deferred reads no words per call); else a zero word
+        fingerprint = None
+        if self.validate == "eager" and comm.world_size > 1 and self.options.check_parameters:
+            fingerprint = parameter_fingerprint(list(self.parameters()))
+        if fingerprint is None:
+            fingerprint = self.input_checks.zero_word(image_features.device)
+        data_size = getattr(self.options, "data_size", None)
+        words = value_words(image_features, text_features, indices, data_size, fingerprint)
+        if stand_in:
+            words[0] = SIGNATURE_CHANGED
+        return words
 
     def _compute(self, comm: Comm, batch: GlobalBatch) -> tuple[torch.Tensor, dict | Callable[[], dict]]:
         raise NotImplementedError

@@ -119,30 +119,16 @@ class Comm:
                 gathered = gathered.view(self.world_size, -1)
         n_feat = rows * dim
         if self.world_size > 1:
-            item = image.element_size()
-            self.ledger["features"] += (self.world_size - 1) * n_sets * n_feat * item
-            for ids in (indices, groups):
-                if ids is not None:
-                    self.ledger["indices"] += (self.world_size - 1) * rows * 8
-            if header is not None:
-                self.ledger["header"] += (self.world_size - 1) * header.numel() * 8
+            self._count_gather(n_sets * n_feat * image.element_size(), rows, indices, groups, header)
         features = gathered[:, : n_sets * n_feat].view(self.world_size, n_sets, rows, dim)
         every = features.transpose(0, 1).reshape(n_sets, self.world_size * rows, dim)  # [2 or 4, N, d], rank-major
         candidates, momentum_all = every[:2], (every[2:] if momentum is not None else None)
-        all_indices = all_groups = all_header = None
-        words = gathered[:, n_sets * n_feat :]
         if self.world_size == 1:  # the inputs themselves (no copy to make: nothing was gathered)
-            all_indices, all_groups = indices, groups
-            all_header = None if header is None else header[None]
-        elif indices is not None or groups is not None or header is not None:
-            words = words.contiguous().view(torch.int64)  # [K, B (+ B) (+ len(header))]: one copy (strided)
-            start = 0
-            if indices is not None:
-                all_indices, start = words[:, :rows].reshape(-1), rows
-            if groups is not None:
-                all_groups, start = words[:, start : start + rows].reshape(-1), start + rows
-            if header is not None:
-                all_header = words[:, start:]
+            all_indices, all_groups, all_header = indices, groups, None if header is None else header[None]
+        else:
+            all_indices, all_groups, all_header = _unpack_words(
+                gathered[:, n_sets * n_feat :], rows, indices, groups, header
+            )
         return GlobalBatch(
             image=image,
             text=text,
@@ -156,6 +142,16 @@ class Comm:
             groups=groups,
             all_groups=all_groups,
         )
+
+    def _count_gather(self, feature_bytes: int, rows: int, indices, groups, header) -> None:
+        """The ledger's bytes of one feature all_gather (ring: each rank receives the other K - 1 ranks' parts)."""
+        others = self.world_size - 1
+        self.ledger["features"] += others * feature_bytes
+        for ids in (indices, groups):
+            if ids is not None:
+                self.ledger["indices"] += others * rows * 8
+        if header is not None:
+            self.ledger["header"] += others * header.numel() * 8
 
     def share_rows(
         self,
@@ -227,3 +223,20 @@ class Comm:
             if param.grad is not None:
                 dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.group)
                 param.grad.div_(self.world_size)
+
+
+def _unpack_words(words: torch.Tensor, rows: int, indices, groups, header):
+    """(all indices, all groups, all headers) from the int64 words gathered after the features (None where not
+    sent): [K, B (+ B) (+ len(header))], bit-cast back in one (strided) copy."""
+    if indices is None and groups is None and header is None:
+        return None, None, None
+    words = words.contiguous().view(torch.int64)
+    all_indices = all_groups = all_header = None
+    start = 0
+    if indices is not None:
+        all_indices, start = words[:, :rows].reshape(-1), rows
+    if groups is not None:
+        all_groups, start = words[:, start : start + rows].reshape(-1), start + rows
+    if header is not None:
+        all_header = words[:, start:]
+    return all_indices, all_groups, all_header

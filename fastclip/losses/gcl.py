@@ -40,6 +40,7 @@ The gradient chains ∂L/∂φ with φ'(c) = 2/(1−c²) (0 where c is clamped t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -83,36 +84,17 @@ class GlobalTemperatureGCL(SampleStateLoss):
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
         slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices, repeats=batch.indices_repeat())
-        gamma = self.gamma()
-        n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
+        gamma, n_neg, cells, local = self.gamma(), batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
         scale = self._scale(dtype)  # s = 1/τ, autograd into logit_scale when learnable
-        learnable = scale.requires_grad
-        s = scale.detach()
-        # s·(local images vs all texts), s·(local texts vs all images) as one [2, B, N] tensor, positives; cosines
-        # mapped by φ = 2·atanh for similarity="atanh" (then φ' rides along in the block for backward)
-        # With one τ per modality (v3, separate_temperatures) the blocks stay unscaled: block 0's rows (image
-        # anchors) take s_img and its columns (text anchors) s_txt, block 1 the other way round.
-        s_img, s_txt = (s[0], s[1]) if self.separate else (s, s)
-        row_scale, col_scale = (s[:, None], s.flip(0)[:, None]) if self.separate else (s, s)
-        logits = pair_logits(
-            batch, dtype, None if self.separate else s, self.options.similarity, self.options.similarity_clamp
-        )
+        learnable, s = scale.requires_grad, scale.detach()
+        logits, row_scale, col_scale, scaled = self._logits(batch, dtype, s, cells)
         sim, pos, pos_all = logits.sim, logits.pos, logits.pos_all
-        exclude_(sim, cells)  # a pair's positive and copies of its sample are no negatives (both readings)
-        scaled = not self.separate
-
         # loss1 terms: this rank's anchors against all N candidates, each row shifted by its maximum b_i.
         rows = row_terms(sim, pos, row_scale, sim_is_scaled=scaled, max_shift=True, fused=fused)
         log_g_local = (rows.shift + torch.log(rows.total / n_neg)).T  # [B, 2] (image, text)
 
-        # One all_reduce: each anchor's log g from its rank, each sample's old log u (and seen) from its owner.
-        before = state.read(slots)
-        table = comm.share_rows(batch, log_g_local, before, dtype=dtype)
-        log_g, log_u_old, seen = table[:, 0:2], table[:, 2:4], table[:, 4:5] > 0.5
-        log_u = update_log_u(log_u_old, log_g, seen, gamma)
-        self.store(state, slots, log_u, previous=before)
+        log_g, log_u = self._update_u(comm, batch, state, slots, log_g_local, dtype, gamma)
         log_w = self.log_u_eps(log_u)  # weights 1/(u+ε) = exp(−log_w), constants for autograd
-
         # loss2 terms: every global anchor (column) against this rank's candidates: they give the local
         # negatives the gradient of all anchors; summed over ranks this completes each anchor's g. Shifted by
         # log(u_j+ε), their weight is 1.
@@ -150,25 +132,35 @@ class GlobalTemperatureGCL(SampleStateLoss):
             scale_in_columns=in_columns,
             temperature_term=tau_term,
         )
-        loss_value, separate, row_total = loss.detach(), self.separate, rows.total
-
-        def metrics():  # computed when read (logging steps), from this call's detached tensors (and not self)
-            out = {
-                "loss": loss_value,
-                "surrogate": coef * (surrogate_w * row_total).sum(),  # S alone, as the surrogate's forward sums it
-                "objective": objective(),
-                "gamma": loss_value.new_full((), gamma, dtype=dtype),
-                "tau": 1.0 / s.mean() if not separate else torch.exp(-torch.log(s).mean()),
-            }
-            # how far the moving average lags this batch's estimate (log u − log g, mean and mean |.|): the
-            # staleness of u, a diagnostic of the estimator (the study logs it)
-            lag = log_u - log_g
-            out.update(u_lag=lag.mean(), u_lag_abs=lag.abs().mean())
-            if separate:
-                out.update(tau_img=1.0 / s_img, tau_txt=1.0 / s_txt)
-            return out
-
+        # computed when read (logging steps), from this call's detached tensors (and not self)
+        surrogate = (coef, surrogate_w, rows.total)
+        metrics = functools.partial(
+            _gcl_metrics, loss.detach(), surrogate, objective, gamma, s, self.separate, log_u, log_g
+        )
         return loss, metrics
+
+    def _logits(self, batch: GlobalBatch, dtype, s, cells):
+        """(logits, row scale, column scale, whether the similarities are scaled): s·(local images vs all texts),
+        s·(local texts vs all images) as one [2, B, N] tensor, positives; cosines mapped by φ = 2·atanh for
+        similarity="atanh" (then φ' rides along in the block for backward). With one τ per modality (v3,
+        separate_temperatures) the blocks stay unscaled: block 0's rows (image anchors) take s[0] (the image τ)
+        and its columns (text anchors) s[1], block 1 the other way round."""
+        row_scale, col_scale = (s[:, None], s.flip(0)[:, None]) if self.separate else (s, s)
+        logits = pair_logits(
+            batch, dtype, None if self.separate else s, self.options.similarity, self.options.similarity_clamp
+        )
+        exclude_(logits.sim, cells)  # a pair's positive and copies of its sample are no negatives (both readings)
+        return logits, row_scale, col_scale, not self.separate
+
+    def _update_u(self, comm: Comm, batch: GlobalBatch, state, slots, log_g_local, dtype, gamma: float):
+        """(log g, new log u) of the batch's N samples. One all_reduce: each anchor's log g from its rank, each
+        sample's old log u (and seen) from its owner; the owners store the new u."""
+        before = state.read(slots)
+        table = comm.share_rows(batch, log_g_local, before, dtype=dtype)
+        log_g, log_u_old, seen = table[:, 0:2], table[:, 2:4], table[:, 4:5] > 0.5
+        log_u = update_log_u(log_u_old, log_g, seen, gamma)
+        self.store(state, slots, log_u, previous=before)
+        return log_g, log_u
 
     def _outer(self, s, log_u, log_w, local):
         """How the loss is built on the surrogate S: ``(q, t, objective)`` for loss = S/q + Σ t·τ (q None: 1,
@@ -221,6 +213,26 @@ class FastCLIPV3Loss(GlobalTemperatureGCL):
             return None, per_modality, lambda: 0.5 * ((log_w.mean(dim=0) + rho) / s).sum()
         log_u_local = (log_u if self.reference else log_w)[local].mean()  # ½·mean(log u1 + log u2)
         return s, log_u_local + rho, lambda: (log_w.mean() + rho) / s
+
+
+def _gcl_metrics(loss, surrogate, objective, gamma: float, s, separate: bool, log_u, log_g) -> dict:
+    """The fused GCL losses' metrics, from one call's detached tensors (``objective``: a function of them;
+    ``surrogate``: (coef, row weights, row totals), S summed as the surrogate's forward sums it)."""
+    coef, row_w, row_total = surrogate
+    out = {
+        "loss": loss,
+        "surrogate": coef * (row_w * row_total).sum(),
+        "objective": objective(),
+        "gamma": loss.new_full((), gamma, dtype=log_u.dtype),
+        "tau": 1.0 / s.mean() if not separate else torch.exp(-torch.log(s).mean()),
+    }
+    # how far the moving average lags this batch's estimate (log u − log g, mean and mean |.|): the staleness of u,
+    # a diagnostic of the estimator (the study logs it)
+    lag = log_u - log_g
+    out.update(u_lag=lag.mean(), u_lag_abs=lag.abs().mean())
+    if separate:
+        out.update(tau_img=1.0 / s[0], tau_txt=1.0 / s[1])
+    return out
 
 
 class GCLAutograd(AutogradObjective):

@@ -96,13 +96,11 @@ class TempNetLoss(SampleStateLoss):
 
     def _compute(self, comm: Comm, batch: GlobalBatch):
         self.check_dim(batch.image.shape[1])
-        fused = self.options.fused_kernels  # the exponentials' passes as compiled kernels (kernels.py)
-        eps = self.options.eps
+        fused, eps = self.options.fused_kernels, self.options.eps  # fused: the exponentials' passes compiled
         dtype = compute_dtype(batch.image.dtype)
         state = self.state_for_batch(comm, batch)
         slots = state.locate(batch.all_indices, assert_in_range=self._assert_indices, repeats=batch.indices_repeat())
-        gamma = self.gamma()
-        n_neg, cells, local = batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
+        gamma, n_neg, cells, local = self.gamma(), batch.global_size - 1, batch.same_sample_cells(), batch.local_rows
         head_dtype = self.tempnet_img.out.weight.dtype
         # τ of this rank's anchors, with autograd into the heads; of all N anchors (the columns) without
         tau_local = torch.stack(

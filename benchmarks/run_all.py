@@ -190,13 +190,27 @@ def _percent(mean_std, sign: str = "", unit: str = "") -> str:
     return f"{100 * mean:{sign}.1f}" + ("" if std is None else f" ± {100 * std:.1f}") + unit
 
 
+def _reader(folder: Path):
+    """A file of `folder` as stripped text ("" when it is not there)."""
+    return lambda name: (folder / name).read_text().strip() if (folder / name).is_file() else ""
+
+
+def _lent_machine_lines(folder: Path, text) -> list[str]:
+    """The lent machine (env.txt, indented) and its CUDA-only tests' summary line, as gpu_check.sh wrote them."""
+    lines = ["", *(f"    {line}" for line in text("env.txt").splitlines()), ""]
+    tests = text("cuda_tests.log").splitlines()
+    if tests:
+        log = f"benchmarks/{folder.parent.name}/{folder.name}/cuda_tests.log"
+        lines += [f"CUDA-only tests (`{log}`): {tests[-1].strip('= ')}.", ""]
+    return lines
+
+
 def _gpu_section(folder: Path) -> list[str]:
     """Item 1 on one lent GPU: what `bash benchmarks/gpu_check.sh run` wrote there (copied into results/gpu/)."""
-    text = lambda name: (folder / name).read_text().strip() if (folder / name).is_file() else ""  # noqa: E731
+    text = _reader(folder)
     md = text("e2e.md")
     if not md:
         return []
-    env, tests = text("env.txt").splitlines(), text("cuda_tests.log").splitlines()
     result = json.loads(text("e2e.json") or "{}")
     machine, p = result.get("machine", {}), result.get("params", {})
     steps = p["samples"] // (p["batch"] * p["nproc"]) if p else "-"
@@ -214,12 +228,8 @@ def _gpu_section(folder: Path) -> list[str]:
             if memory
             else ""
         ),
-        "",
-        *(f"    {line}" for line in env),
-        "",
+        *_lent_machine_lines(folder, text),
     ]
-    if tests:
-        lines += [f"CUDA-only tests (`benchmarks/results/gpu/cuda_tests.log`): {tests[-1].strip('= ')}.", ""]
     lines += [md, ""]
     if (folder / "e2e.png").is_file():
         lines += ["![1g. End to end on one GPU](results/gpu/e2e.png)", ""]
@@ -240,11 +250,10 @@ def _gpu_section(folder: Path) -> list[str]:
 def _gpu_loss_section(folder: Path) -> list[str]:
     """Item 2's implementations on one lent GPU: `GPU_CHECK_STEPS="cuda_tests loss_impl train_dcl_objectives ..."
     bash benchmarks/gpu_check.sh run`, its files copied into results/gpu_loss/."""
-    text = lambda name: (folder / name).read_text().strip() if (folder / name).is_file() else ""  # noqa: E731
+    text = _reader(folder)
     md = text("loss_impl_gpu.md")
     if not md:
         return []
-    env, tests = text("env.txt").splitlines(), text("cuda_tests.log").splitlines()
     date = json.loads(text("loss_impl_gpu.json") or "{}").get("date", "-")
     trained = [line for line in text("train_dcl_objectives.log").splitlines() if line.startswith("checkpoint ")]
     lines = [
@@ -253,12 +262,8 @@ def _gpu_loss_section(folder: Path) -> list[str]:
         f"Run {date} by `bash benchmarks/gpu_check.sh run` on a lent machine (its `loss_impl` step is "
         "`python benchmarks/bench_loss_gpu.py`); the files are in `benchmarks/results/gpu_loss/`. One process: the "
         "gather is the identity, so this times the loss math, which is what the implementations differ in.",
-        "",
-        *(f"    {line}" for line in env),
-        "",
+        *_lent_machine_lines(folder, text),
     ]
-    if tests:
-        lines += [f"CUDA-only tests (`benchmarks/results/gpu_loss/cuda_tests.log`): {tests[-1].strip('= ')}.", ""]
     if trained:
         lines += [
             "The autograd-only objectives trained on CUDA in bf16 (`train_dcl_objectives.log`): dcl with a "

@@ -120,7 +120,7 @@ class StreamOptions:
     samples_per_epoch: int | None = None  # virtual epoch length; only with resampled (null: all samples)
     upsampling_factors: str | None = None  # "1::2": per-source weights of "::"-joined sources (resampled)
     # page-locked batches, copied to the GPU asynchronously; null: on for CUDA in the trainer, off in a stream by
-    # itself (the trainer decides it: fastclip/train/trainer.py's stream_config)
+    # itself (the trainer decides it: fastclip/train/data.py's stream_config)
     pin_memory: bool | None = None
     # remote shards: seconds before each retry of a transient failure, one per retry ([]: none); then skipped
     remote_retry_delays: list[float] = field(default_factory=lambda: list(RETRY_DELAYS_S))

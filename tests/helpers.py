@@ -183,16 +183,110 @@ def clean_env(**extra) -> dict:
     return env
 
 
+class _Zygote:
+    """The client of tests/zygote.py: one server per test process, started at its first job (see zygote.py)."""
+
+    _instance: _Zygote | None = None
+
+    @classmethod
+    def get(cls) -> _Zygote:
+        if cls._instance is None or cls._instance.server.poll() is not None:
+            cls._instance = cls()
+        return cls._instance
+
+    def __init__(self):
+        import queue
+        import tempfile
+        import threading
+
+        request_r, self.requests = os.pipe()
+        reply_r, reply_w = os.pipe()
+        self.log = tempfile.NamedTemporaryFile(prefix="fastclip-zygote-", suffix=".log", delete=False)
+        self.server = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("zygote.py")), str(request_r), str(reply_w)],
+            pass_fds=(request_r, reply_w),
+            env=clean_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        os.close(request_r)
+        os.close(reply_w)
+        self.replies = os.fdopen(reply_r, "rb")
+        self.started: queue.Queue[int] = queue.Queue()
+        self.exited: dict[int, int] = {}
+        self.changed = threading.Condition()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._read_replies, daemon=True).start()
+
+    def _read_replies(self) -> None:
+        for line in self.replies:
+            reply = json.loads(line)
+            with self.changed:
+                if "started" in reply:
+                    self.exited.pop(reply["started"], None)  # a pid used again
+                    self.started.put(reply["started"])
+                else:
+                    self.exited[reply["exited"]] = reply["code"]
+                self.changed.notify_all()
+
+    def start(self, argv: list[str], env: dict, cwd: Path, log: Path, pgid: int) -> ForkedProcess:
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "log": str(log), "pgid": pgid}
+        with self.lock:
+            os.write(self.requests, (json.dumps(request) + "\n").encode())
+            try:
+                pid = self.started.get(timeout=120)  # the first one waits for the server's imports
+            except Exception:
+                raise AssertionError(f"the zygote did not start a process: {Path(self.log.name).read_text()}") from None
+        return ForkedProcess(self, pid)
+
+
+class ForkedProcess:
+    """What Job uses of subprocess.Popen, for a process forked by the zygote (whose exit the zygote reports)."""
+
+    def __init__(self, zygote: _Zygote, pid: int):
+        self.zygote, self.pid, self.returncode = zygote, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exited.get(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.zygote.changed:
+            while self.poll() is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+                self.zygote.changed.wait(left)
+        return self.returncode
+
+    def kill(self) -> None:
+        import signal
+
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 class Job:
     """`fastclip train` as N processes with torchrun's variables, all in one new process group (as a cluster
-    job is: killing the group kills every rank and its data workers). Output goes to files (no pipe stalls)."""
+    job is: killing the group kills every rank and its data workers). Output goes to files (no pipe stalls).
+
+    The ranks are forked from tests/zygote.py, which has done the imports once (FASTCLIP_TEST_ZYGOTE=0: each is a
+    `python -m fastclip train` of its own instead)."""
 
     def __init__(self, args: list[str], nprocs: int, log_dir: Path, *, env: dict | None = None):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | ForkedProcess] = []
         self.started = time.monotonic()
+        argv = ["train", "--config", str(EMBEDDED), *args]
+        forked = os.environ.get("FASTCLIP_TEST_ZYGOTE", "1") != "0"
         for rank in range(nprocs):
             rank_env = clean_env(**(env or {}))
             if nprocs > 1:
@@ -203,19 +297,23 @@ class Job:
                     MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(port),
                 )
-            out = open(self.log_dir / f"rank_{rank}.log", "w")
             group = 0 if rank == 0 else self.procs[0].pid  # rank 0 leads a new group; the others join it
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "fastclip", "train", "--config", str(EMBEDDED), *args],
-                    cwd=self.log_dir,
-                    env=rank_env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    process_group=group,
+            log = self.log_dir / f"rank_{rank}.log"
+            if forked:
+                log.write_text("")  # there from the start, as with Popen: a test may read it at once
+                self.procs.append(_Zygote.get().start(argv, rank_env, self.log_dir, log, group))
+                continue
+            with open(log, "w") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "fastclip", *argv],
+                        cwd=self.log_dir,
+                        env=rank_env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        process_group=group,
+                    )
                 )
-            )
-            out.close()
 
     @property
     def pgid(self) -> int:

@@ -1,58 +1,96 @@
 """The SogCLR claim in miniature (issue 42 §2): small-batch SogCLR against SimCLR at small and large batch, and
-iSogCLR against SogCLR, on the embedded images alone (configs/ssl/), by kNN accuracy on the held-out images.
+iSogCLR against SogCLR, on the embedded images alone (configs/ssl/), by kNN and linear-probe accuracy.
 
-    python benchmarks/bench_ssl.py                 # the whole comparison; hours on a CPU; resumes where it stopped
+    python benchmarks/bench_ssl.py                 # the whole comparison (core-hours: see PLAN); resumes
     python benchmarks/bench_ssl.py --report        # tables, curves and the verdict from the runs done so far
     python benchmarks/bench_ssl.py --quick         # tiny sizes (a smoke test of the pipeline) -> benchmarks/out/
 
-Protocol (ARMS, LRS, SEEDS, EPOCHS below):
-- every arm sees the same samples (EPOCHS passes over the embedded training images) with the same network
-  (tiny-vit image tower + projector), optimizer (AdamW, cosine lr, 5 % warmup) and augmentation;
-- the same tuning budget: each arm runs the LRS grid with seed 0, scored by its final kNN top-1 on data.val;
-  its best lr then runs with SEEDS, evaluated after every epoch (the curves);
+Protocol (FULL below):
+- data: `fastclip data embedded` capped at `max_per_class` training images per class (20 classes) and
+  `max_val_per_class` held-out ones, whose shards are dealt alternately into val/ (selection, curves) and test/
+  (the reported numbers): nothing reported was looked at to choose a setting;
+- every arm sees the same samples (`epochs` passes over the training images) with the same network (tiny-vit image
+  tower + projector), optimizer (AdamW, cosine lr, 5 % warmup) and augmentation;
+- the same tuning budget: each arm runs the `lrs` grid with each of `tune_seeds`, scored by the mean of their final
+  leave-one-out kNN top-1 on val/; its best lr then runs with `seeds` (other seeds), evaluated on val/ after every
+  epoch (the curves) and at the end on test/ by `fastclip eval --knn 20 --linear-probe` against the training
+  images' features;
 - verdict: the textbook's claim (§6.5: SogCLR at a small batch ≈ SimCLR at a large one) "holds here" when
-  SogCLR@64's mean final kNN top-1 is within the larger of the two arms' seed spreads of SimCLR@512's, or above
-  it; the paired difference seed by seed is reported beside it.
-The kNN is leave-one-out over data.val (fastclip/train/ssl.py); tuning and scoring share that split, as the
-evaluation issue's linear probe on a separate split is not on this branch. Each run is a `fastclip train` process
-whose metrics.jsonl is read back; a finished run is kept and not redone.
+  SogCLR@64's mean test kNN top-1 is within the larger of the two arms' seed spreads of SimCLR@512's, or above
+  it; the paired differences seed by seed are reported beside it, with Wilcoxon's signed-rank p (scipy).
+Each run is a `fastclip train` process whose metrics.jsonl is read back; a finished run is kept and not redone, so a
+stopped study costs at most the run in progress.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fastclip.data.manifest import read_manifest
-
 from common import REPO, RESULTS, SMOKE_OUT, check_out, ensure_embedded, machine_info, publish, read_jsonl, save_figure
 
 ARMS = {"sogclr@64": ("sogclr", 64), "simclr@64": ("simclr", 64), "simclr@512": ("simclr", 512),
         "isogclr@64": ("isogclr", 64)}  # fmt: skip
-LRS = (5e-4, 1e-3, 2e-3)
-SEEDS = (1, 2, 3)
-EPOCHS = 10
+# 3,000 training images (150 of each of the 20 classes), 500 val, 500 test; 36 runs of 18,000 samples each: about
+# 1.5 hours on 2 cores (one run takes both: the model and its loader worker)
+FULL = dict(arms=ARMS, lrs=(5e-4, 1e-3, 2e-3), tune_seeds=(0, 1), seeds=(2, 3, 4), epochs=6,
+            max_per_class=150, max_val_per_class=50, shard_size=50)  # fmt: skip
 QUICK = dict(arms={"sogclr@8": ("sogclr", 8), "simclr@8": ("simclr", 8), "simclr@32": ("simclr", 32)},
-             lrs=(1e-3,), seeds=(0,), epochs=1, max_per_class=10)  # fmt: skip
+             lrs=(1e-3,), tune_seeds=(0,), seeds=(1,), epochs=1, max_per_class=10, max_val_per_class=6,
+             shard_size=30)  # fmt: skip
 CLAIM = ("sogclr@64", "simclr@512")
+PAIRS = (CLAIM, ("isogclr@64", "sogclr@64"), ("sogclr@64", "simclr@64"))  # (arm, against): arm - against, seed by seed
+KNN_K = 20
+FINAL = '{"step": -1, "final": true}\n'  # appended to a run's metrics.jsonl once it has finished
 
 
-def run_one(root: Path, data: Path, arm: str, config: str, batch: int, lr: float, seed: int, epochs: int,
-            run: bool = True) -> dict | None:  # fmt: skip
-    """One `fastclip train` (resumed if it was stopped; None under --report if not finished): its kNN curve
-    [(samples_seen, top1)] and final top-1."""
+def prepare_data(root: Path, q: dict) -> Path:
+    """The embedded images with the held-out shards dealt alternately into val/ and test/ (built aside, then
+    renamed into place: a stop half-way leaves nothing that looks finished)."""
+    from fastclip.data.format import MANIFEST_NAME
+    from fastclip.data.manifest import read_manifest
+
+    if (root / "test" / MANIFEST_NAME).is_file():
+        return root
+    partial = root.with_name(root.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    ensure_embedded(partial, **{k: q[k] for k in ("max_per_class", "max_val_per_class", "shard_size")})
+    data_size = read_manifest(partial / "val").data_size
+    (partial / "test").mkdir()
+    for shard in sorted((partial / "val").glob("*.tar"))[1::2]:
+        shard.rename(partial / "test" / shard.name)
+    (partial / "val" / MANIFEST_NAME).unlink()
+    for split in ("val", "test"):
+        cmd = [sys.executable, "-m", "fastclip", "data", "scan", str(partial / split), "--data-size", str(data_size)]
+        subprocess.run([*cmd, "--workers", "1", "--strict"], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    shutil.rmtree(root, ignore_errors=True)
+    partial.rename(root)
+    return root
+
+
+def run_one(root: Path, data: Path, arm: str, config: str, batch: int, lr: float, seed: int, epochs: int, *,
+            test: bool, run: bool = True) -> dict | None:  # fmt: skip
+    """One `fastclip train` (resumed if it was stopped; None under --report if not finished): its kNN curve on val
+    [(samples_seen, top1)], final val top-1, and with `test` the final model's test kNN and linear-probe top-1."""
+    from fastclip.data.manifest import read_manifest
+
     run_dir = root / "runs" / f"{arm}-lr{lr:g}-seed{seed}"
-    metrics = run_dir / "metrics.jsonl"
-    done = metrics.is_file() and any(r.get("final") for r in read_jsonl(metrics))
-    if not done and not run:
+    metrics, scores = run_dir / "metrics.jsonl", run_dir / "test.jsonl"
+    trained = metrics.is_file() and any(r.get("final") for r in read_jsonl(metrics))
+    tested = not test or (scores.is_file() and {r["task"] for r in read_jsonl(scores)} >= {"knn", "linear_probe"})
+    if not (trained and tested) and not run:
         return None
-    if not done:
-        steps = _num_samples(data / "train") // batch
+    seconds = 0.0
+    if not trained:
+        steps = read_manifest(data / "train").num_samples // batch
         config_file = REPO / "configs" / "ssl" / f"{config}-embedded.yaml"
         cmd = [sys.executable, "-m", "fastclip", "train", "--config", str(config_file)]
         cmd += ["--data.train", str(data / "train"), "--data.val", str(data / "val"), "--data.batch_size", str(batch)]
@@ -60,17 +98,27 @@ def run_one(root: Path, data: Path, arm: str, config: str, batch: int, lr: float
         cmd += ["--train.seed", str(seed), "--train.epochs", str(epochs), "--train.run_dir", str(run_dir)]
         cmd += ["--train.resume", "latest", "--train.progress", "false", "--train.device", "cpu"]
         cmd += ["--eval.every_steps", str(steps), "--eval.max_samples", "null", "--checkpoint.every_steps", str(steps)]
-        subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-        with metrics.open("a") as f:  # the marker that this run is complete
-            f.write('{"step": -1, "final": true}\n')
+        seconds += _timed(cmd)
+        with metrics.open("a") as f:
+            f.write(FINAL)
+    if not tested:
+        scores.unlink(missing_ok=True)  # a stop during the evaluation may have left half of its rows
+        cmd = [sys.executable, "-m", "fastclip", "eval", str(run_dir), "--data", str(data / "test"), "--no-retrieval"]
+        cmd += ["--probe-train", str(data / "train"), "--knn", str(KNN_K), "--linear-probe", "--device", "cpu"]
+        seconds += _timed([*cmd, "--results", str(scores)])
     curve = [(r["samples_seen"], r["eval/knn_top1"]) for r in read_jsonl(metrics) if "eval/knn_top1" in r]
     curve = sorted(dict(curve).items())  # a resumed run may evaluate a step twice: the last one counts
-    return {"arm": arm, "lr": lr, "seed": seed, "curve": curve, "final": curve[-1][1] if curve else math.nan}
+    out = {"arm": arm, "lr": lr, "seed": seed, "curve": curve, "final": curve[-1][1] if curve else math.nan}
+    if test:
+        rows = {r["task"]: r["top1"] for r in read_jsonl(scores)}
+        out.update(test_knn=rows["knn"], test_linear=rows["linear_probe"])
+    return {**out, "seconds": seconds}
 
 
-def _num_samples(split: Path) -> int:
-
-    return read_manifest(split).num_samples
+def _timed(cmd: list[str]) -> float:
+    started = time.monotonic()
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    return time.monotonic() - started
 
 
 def mean_std(xs: list[float]) -> tuple[float, float | None]:
@@ -78,42 +126,78 @@ def mean_std(xs: list[float]) -> tuple[float, float | None]:
     return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None)
 
 
+def paired(result: dict, arm: str, against: str, key: str) -> dict | None:
+    """arm - against on `key`, seed by seed (the seeds both have), with Wilcoxon's two-sided signed-rank p."""
+    from scipy.stats import wilcoxon
+
+    arms = result["arms"]
+    if arm not in arms or against not in arms:
+        return None
+    a, b = ({r["seed"]: r[key] for r in arms[n]["seeds"]} for n in (arm, against))
+    seeds = sorted(set(a) & set(b))
+    diffs = [a[s] - b[s] for s in seeds]
+    if not diffs:
+        return None
+    p = float(wilcoxon(diffs).pvalue) if len(diffs) > 1 and any(diffs) else None
+    return {"arm": arm, "against": against, "metric": key, "seeds": seeds, "diffs": diffs,
+            "diff_mean": mean_std(diffs)[0], "diff_std": mean_std(diffs)[1], "p_wilcoxon": p}  # fmt: skip
+
+
 def verdict(result: dict, claim=CLAIM) -> str:
     """Whether small-batch SogCLR reaches large-batch SimCLR here (module docstring), in one sentence."""
     arms = result["arms"]
     if not all(name in arms for name in claim):
         return "not decided: the runs of both arms are missing"
-    (small, s_std), (large, l_std) = (mean_std([r["final"] for r in arms[n]["seeds"]]) for n in claim)
+    (small, s_std), (large, l_std) = (mean_std([r["test_knn"] for r in arms[n]["seeds"]]) for n in claim)
     spread = max(s_std or 0.0, l_std or 0.0)
     holds = small >= large - spread
     return (
         f"the claim {'holds' if holds else 'does not hold'} here: {claim[0]} {100 * small:.1f} against {claim[1]} "
-        f"{100 * large:.1f} kNN top-1 (largest seed spread {100 * spread:.1f} points)"
+        f"{100 * large:.1f} test kNN top-1 (largest seed spread {100 * spread:.1f} points)"
     )
 
 
-def study(out: Path, data: Path, arms: dict, lrs, seeds, epochs: int, run: bool = True) -> dict:
-    """Tuning (seed 0, every lr), then the best lr with every seed, arm by arm; under --report only what is done."""
-    result = {"machine": machine_info(), "epochs": epochs, "lrs": list(lrs), "arms": {}}
-    for arm, (config, batch) in arms.items():
-        tuning = [run_one(out, data, arm, config, batch, lr, 0, epochs, run) for lr in lrs]
+def study(out: Path, data: Path, q: dict, run: bool = True) -> dict:
+    """Tuning (every lr with each tuning seed), then the best lr with every test seed, arm by arm; under --report
+    only what is done."""
+    result = {"machine": machine_info(), **{k: q[k] for k in FULL if k != "arms"}, "arms": {}}
+    for arm, (config, batch) in q["arms"].items():
+        tuning = [
+            run_one(out, data, arm, config, batch, lr, seed, q["epochs"], test=False, run=run)
+            for lr in q["lrs"]
+            for seed in q["tune_seeds"]
+        ]
         if None in tuning:
             continue
-        best = max(tuning, key=lambda r: -1.0 if math.isnan(r["final"]) else r["final"])["lr"]
-        runs = [r for r in (run_one(out, data, arm, config, batch, best, seed, epochs, run) for seed in seeds) if r]
+        score = {lr: sum(r["final"] for r in tuning if r["lr"] == lr) / len(q["tune_seeds"]) for lr in q["lrs"]}
+        best = max(q["lrs"], key=lambda lr: -1.0 if math.isnan(score[lr]) else score[lr])
+        runs = [run_one(out, data, arm, config, batch, best, s, q["epochs"], test=True, run=run) for s in q["seeds"]]
+        runs = [r for r in runs if r]
         if runs:
             result["arms"][arm] = dict(config=config, global_batch=batch, tuning=tuning, best_lr=best, seeds=runs)
-    result["verdict"] = verdict(result, CLAIM if CLAIM[0] in arms else (list(arms)[0], list(arms)[-1]))
+    result["core_hours"] = sum(r["seconds"] for a in result["arms"].values() for r in a["tuning"] + a["seeds"]) / 3600
+    claim = CLAIM if CLAIM[0] in q["arms"] else (list(q["arms"])[0], list(q["arms"])[-1])
+    pairs = PAIRS if CLAIM[0] in q["arms"] else (claim,)
+    result["paired"] = [p for a, b in pairs for key in ("test_knn", "test_linear") if (p := paired(result, a, b, key))]
+    result["verdict"] = verdict(result, claim)
     return result
 
 
+def _pct(m: float, s: float | None) -> str:
+    return f"{100 * m:.1f}" + (" (one seed)" if s is None else f" ± {100 * s:.1f}")
+
+
 def markdown(result: dict) -> str:
-    lines = ["| arm | global batch | best lr | final kNN top-1 (mean ± std over seeds) |", "|---|---|---|---|"]
+    lines = ["| arm | global batch | best lr | val kNN top-1 | test kNN top-1 | test linear probe |", "|---" * 6 + "|"]
     for arm, a in result["arms"].items():
-        m, s = mean_std([r["final"] for r in a["seeds"]])
-        spread = "one seed" if s is None else f"± {100 * s:.1f}"
-        lines.append(f"| {arm} | {a['global_batch']} | {a['best_lr']:g} | {100 * m:.1f} {spread} |")
-    return "\n".join(lines + ["", result["verdict"]])
+        cells = [_pct(*mean_std([r[key] for r in a["seeds"]])) for key in ("final", "test_knn", "test_linear")]
+        lines.append(f"| {arm} | {a['global_batch']} | {a['best_lr']:g} | " + " | ".join(cells) + " |")
+    lines += ["", "Mean ± std over the test seeds, in %. Paired differences (points, seed by seed):", ""]
+    for p in result.get("paired", []):
+        each = ", ".join(f"{100 * d:+.1f}" for d in p["diffs"])
+        wilcoxon = "n/a" if p["p_wilcoxon"] is None else f"{p['p_wilcoxon']:.3g}"
+        lines.append(f"- {p['arm']} − {p['against']}, {p['metric']}: {each} (Wilcoxon p = {wilcoxon})")
+    return "\n".join(lines + ["", result["verdict"], f"({result.get('core_hours', 0):.2f} core-hours of runs)"])
 
 
 def plot(result: dict, path: Path) -> None:
@@ -129,7 +213,7 @@ def plot(result: dict, path: Path) -> None:
             ax.plot(xs, [100 * y for y in ys], color=f"C{list(result['arms']).index(arm)}", alpha=0.8,
                     label=arm if i == 0 else None)  # fmt: skip
     ax.set_xlabel("samples seen")
-    ax.set_ylabel("kNN top-1 on data.val (%)")
+    ax.set_ylabel("kNN top-1 on val (%)")
     ax.legend()
     save_figure(fig, path, result["machine"], "SogCLR vs SimCLR on the embedded images")
 
@@ -138,19 +222,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one seed (a smoke test)")
     parser.add_argument("--report", action="store_true", help="only report the finished runs (no new run)")
-    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results/ssl)")
+    parser.add_argument("--out", default=None, help="results folder, with its runs (default: benchmarks/results/ssl, "
+                        "the runs in benchmarks/out/ssl_work)")  # fmt: skip
     args = parser.parse_args(argv)
     check_out(parser, args.out)
-    q = QUICK if args.quick else dict(arms=ARMS, lrs=LRS, seeds=SEEDS, epochs=EPOCHS, max_per_class=None)
+    q = QUICK if args.quick else FULL
     out = Path(args.out) if args.out else (SMOKE_OUT / "ssl" if args.quick else RESULTS / "ssl")
-    data = out / "embedded"
-    if args.report and not (out / "runs").is_dir():
-        print(f"bench_ssl: no runs in {out}: run without --report first", file=sys.stderr)
+    work = out if args.quick or args.out else SMOKE_OUT / "ssl_work"  # data, runs and checkpoints: not committed
+    data = work / "embedded"
+    if args.report and not (work / "runs").is_dir():
+        print(f"bench_ssl: no runs in {work}: run without --report first", file=sys.stderr)
         return 2
     if not args.report:
-        ensure_embedded(data, max_per_class=q["max_per_class"])
-    result = study(out, data, q["arms"], q["lrs"], q["seeds"], q["epochs"], run=not args.report)
+        prepare_data(data, q)
+    result = study(work, data, q, run=not args.report)
     publish(out, "ssl", result, markdown, plot)
+    (out / "settings.json").write_text(json.dumps({k: v for k, v in q.items() if k != "arms"}, indent=1) + "\n")
     return 0
 
 

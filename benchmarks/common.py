@@ -195,7 +195,9 @@ def torchrun(nproc: int) -> list[str]:
     ]
 
 
-def ensure_embedded(root: Path, *, max_per_class: int | None = None, shard_size: int | None = None) -> Path:
+def ensure_embedded(
+    root: Path, *, max_per_class: int | None = None, max_val_per_class: int | None = None, shard_size: int | None = None
+) -> Path:
     """`fastclip data embedded --out root` unless it is already there."""
     from fastclip.data.format import MANIFEST_NAME  # (nothing of fastclip at the top: see the module's note)
 
@@ -204,6 +206,8 @@ def ensure_embedded(root: Path, *, max_per_class: int | None = None, shard_size:
     cmd = [sys.executable, "-m", "fastclip", "data", "embedded", "--out", str(root)]
     if max_per_class:
         cmd += ["--max-per-class", str(max_per_class)]
+    if max_val_per_class:
+        cmd += ["--max-val-per-class", str(max_val_per_class)]
     if shard_size:
         cmd += ["--shard-size", str(shard_size)]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)

@@ -218,22 +218,33 @@ def test_the_knn_evaluation_scores_the_towers_features_by_dataset_and_label(tiny
     assert got["knn_top1"] == pytest.approx(knn_accuracy(features, classes, 3, cfg.ssl.knn_temperature))
 
 
-def test_the_benchmark_verdict_compares_the_means_within_the_spread():
+def test_the_benchmark_verdict_compares_the_test_means_within_the_spread_and_pairs_the_seeds():
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_ssl
 
-    def arm(finals):
-        return {"global_batch": 64, "best_lr": 1e-3, "seeds": [{"final": f, "curve": []} for f in finals]}
+    def arm(test_knn, val=0.5):
+        seeds = [
+            {"seed": s, "final": val, "test_knn": t, "test_linear": t / 2, "curve": []} for s, t in enumerate(test_knn)
+        ]
+        return {"global_batch": 64, "best_lr": 1e-3, "seeds": seeds}
 
-    close = {"arms": {"sogclr@64": arm([0.70, 0.72, 0.74]), "simclr@512": arm([0.71, 0.73, 0.75])}}
+    close = {"arms": {"sogclr@64": arm([0.70, 0.72, 0.74]), "simclr@512": arm([0.71, 0.73, 0.75], val=0.9)}}
     assert bench_ssl.verdict(close).startswith("the claim holds here: sogclr@64 72.0 against simclr@512 73.0")
     far = {"arms": {"sogclr@64": arm([0.60, 0.61, 0.62]), "simclr@512": arm([0.73, 0.75, 0.77])}}
     assert bench_ssl.verdict(far).startswith("the claim does not hold here")
     assert bench_ssl.verdict({"arms": {"sogclr@64": arm([0.6])}}).startswith("not decided")
-    close["verdict"] = bench_ssl.verdict(close)
-    assert "| sogclr@64 | 64 | 0.001 | 72.0 ± 2.0 |" in bench_ssl.markdown(close)
+    pair = bench_ssl.paired(far, "sogclr@64", "simclr@512", "test_knn")
+    assert pair["seeds"] == [0, 1, 2] and pair["diffs"] == pytest.approx([-0.13, -0.14, -0.15])
+    assert pair["p_wilcoxon"] == pytest.approx(0.25)  # 3 seeds, all of one sign: the smallest two-sided p there is
+    assert bench_ssl.paired(far, "isogclr@64", "sogclr@64", "test_knn") is None
+    close.update(
+        verdict=bench_ssl.verdict(close), paired=[bench_ssl.paired(close, "sogclr@64", "simclr@512", "test_linear")]
+    )
+    table = bench_ssl.markdown(close)
+    assert "| sogclr@64 | 64 | 0.001 | 50.0 ± 0.0 | 72.0 ± 2.0 | 36.0 ± 1.0 |" in table
+    assert "- sogclr@64 − simclr@512, test_linear: -0.5, -0.5, -0.5 (Wilcoxon p = 0.25)" in table
 
 
 # ----------------------------------------------------------------------------- accumulation
@@ -325,3 +336,23 @@ def test_an_image_folder_without_captions_becomes_shards_that_train(tmp_path, ca
     assert [r["step"] for r in train_records(run)] == [1, 2, 3]  # 18 images, batches of 8: the last one filled
     capsys.readouterr()
     one_line_error(capsys, data_main, ["folder", "--out", str(tmp_path / "x")], "pass --captions FILE", "--images DIR")
+
+
+def test_the_benchmark_deals_the_held_out_shards_into_disjoint_val_and_test_splits(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_ssl
+
+    from fastclip.data.manifest import read_manifest
+    from fastclip.eval.samples import iter_samples
+
+    root = bench_ssl.prepare_data(tmp_path / "embedded", bench_ssl.QUICK)
+    assert not (tmp_path / "embedded.partial").exists()
+    train, val, test = (read_manifest(root / split) for split in ("train", "val", "test"))
+    assert train.num_samples == 200 and val.num_samples == test.num_samples == 60  # 20 classes x (10, 6 held out)
+    assert train.data_size == val.data_size == test.data_size == 320  # one per-sample table covers every split
+    indices = {split: {s.index for s in iter_samples(root / split)} for split in ("train", "val", "test")}
+    assert not indices["val"] & indices["test"] and not indices["train"] & (indices["val"] | indices["test"])
+    assert indices["val"] | indices["test"] == set(range(200, 320))
+    assert bench_ssl.prepare_data(root, bench_ssl.QUICK) == root  # done once: a second call keeps it

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import signal
 import sys
@@ -124,6 +125,25 @@ class StreamOptions:
     pin_memory: bool | None = None
     # remote shards: seconds before each retry of a transient failure, one per retry ([]: none); then skipped
     remote_retry_delays: list[float] = field(default_factory=lambda: list(RETRY_DELAYS_S))
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(knob, what is wrong with it) for each value out of its range: the trainer's config check and a stream's
+        maker each say them in their own words (a config key, a ValueError). How resampled, samples_per_epoch and
+        upsampling_factors go together is the data's question (DataSpecError when the stream reads the shards)."""
+        per_epoch, found = self.samples_per_epoch, []
+        for ok, key, why in (
+            (self.batch_size >= 1, "batch_size", "must be >= 1"),
+            (self.data_size is None or self.data_size >= 1, "data_size", "must be >= 1 or null"),
+            (self.workers >= 0, "workers", "must be >= 0"),
+            (self.shuffle_buffer >= 1, "shuffle_buffer", "must be >= 1"),
+            (self.seed is None or self.seed >= 0, "seed", "must be >= 0 or null"),
+            (per_epoch is None or per_epoch >= 1, "samples_per_epoch", "must be >= 1 or null"),
+            (all(math.isfinite(x) and x >= 0 for x in self.remote_retry_delays or ()), "remote_retry_delays",
+             "must be seconds >= 0, one per retry ([]: no retry)"),
+        ):  # fmt: skip
+            if not ok:
+                found.append((key, why))
+        return found
 
 
 @dataclass
@@ -511,14 +531,10 @@ def state_for_new_world_size(old_states: list[dict], rank: int, world_size: int)
 def _check_positive(cfg: StreamConfig, world_size: int, rank: int) -> None:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} / world_size {world_size} is not a valid rank")
-    for name in ("batch_size", "shuffle_buffer", "prefetch_factor"):
-        if int(getattr(cfg, name)) < 1:
-            raise ValueError(f"data config {name!r} must be >= 1, got {getattr(cfg, name)!r}")
-    for name in ("seed", "workers"):
-        if int(getattr(cfg, name)) < 0:
-            raise ValueError(f"data config {name!r} must be >= 0, got {getattr(cfg, name)!r}")
-    if cfg.remote_retry_delays is not None and not all(d >= 0 for d in cfg.remote_retry_delays):
-        raise ValueError(f"data config 'remote_retry_delays' must be seconds >= 0, got {cfg.remote_retry_delays!r}")
+    problems = cfg.problems() + ([] if cfg.prefetch_factor >= 1 else [("prefetch_factor", "must be >= 1")])
+    if problems:
+        key, why = problems[0]
+        raise ValueError(f"data config {key!r} {why}, got {getattr(cfg, key)!r}")
 
 
 def shard_weights(catalog: Catalog, cfg: StreamConfig) -> list[float] | None:

@@ -87,21 +87,12 @@ class DataConfig(StreamOptions):
 
     def check(self) -> None:  # (data.aug: _check_aug, which needs ssl.enabled)
         need = _rules(self, "data.")
-        need(self.batch_size >= 1, "batch_size", "must be >= 1")
-        need(self.data_size is None or self.data_size >= 1, "data_size", "must be >= 1 or null")
-        need(self.workers >= 0, "workers", "must be >= 0")
-        need(self.shuffle_buffer >= 1, "shuffle_buffer", "must be >= 1")
-        need(self.seed is None or self.seed >= 0, "seed", "must be >= 0 or null")
-        per_epoch = self.samples_per_epoch
-        need(per_epoch is None or per_epoch >= 1, "samples_per_epoch", "must be >= 1 or null")
-        need(per_epoch is None or self.resampled, "samples_per_epoch", "needs data.resampled: true (without "
-             "resampling an epoch is one pass over all shards)")  # fmt: skip
+        for key, why in self.problems():  # the stream's knobs: their ranges are the stream's (StreamOptions)
+            need(False, key, why)
+        # the trainer's rule, at config time: virtual epochs and source weights only when drawing with replacement
+        need(self.samples_per_epoch is None or self.resampled, "samples_per_epoch", "needs data.resampled: true "
+             "(without resampling an epoch is one pass over all shards)")  # fmt: skip
         need(self.upsampling_factors is None or self.resampled, "upsampling_factors", "needs data.resampled: true")
-        need(
-            all(math.isfinite(x) and x >= 0 for x in self.remote_retry_delays),
-            "remote_retry_delays",
-            "must be seconds >= 0, one per retry ([]: no retry)",
-        )
 
 
 @dataclass

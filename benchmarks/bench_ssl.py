@@ -222,13 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one seed (a smoke test)")
     parser.add_argument("--report", action="store_true", help="only report the finished runs (no new run)")
-    parser.add_argument("--out", default=None, help="results folder, with its runs (default: benchmarks/results/ssl, "
-                        "the runs in benchmarks/out/ssl_work)")  # fmt: skip
+    parser.add_argument("--out", default=None, help="results under OUT/ssl, with its runs (default: benchmarks/results;"
+                        " the runs then in benchmarks/out/ssl_work)")  # fmt: skip
     args = parser.parse_args(argv)
     check_out(parser, args.out)
     q = QUICK if args.quick else FULL
-    out = Path(args.out) if args.out else (SMOKE_OUT / "ssl" if args.quick else RESULTS / "ssl")
-    work = out if args.quick or args.out else SMOKE_OUT / "ssl_work"  # data, runs and checkpoints: not committed
+    out = (Path(args.out) if args.out else SMOKE_OUT if args.quick else RESULTS) / "ssl"
+    work = SMOKE_OUT / "ssl_work" if out == RESULTS / "ssl" else out  # data, runs and checkpoints: not committed
     data = work / "embedded"
     if args.report and not (work / "runs").is_dir():
         print(f"bench_ssl: no runs in {work}: run without --report first", file=sys.stderr)

@@ -19,6 +19,7 @@ Items (each its own program, run in a fresh process, writing <name>.{json,md,png
   scenes_semantic  bench_scenes_semantic.py  both scenes variants: class-blind oracle R@1, captions cut, time
   longrun      bench_longrun.py       2 processes killed (-9) and resumed again and again: final state, disk, memory
   scan         bench_scan.py          fastclip data scan: shards/s, samples/s, bytes per sample, projected to 400M
+  ssl          bench_ssl.py           images alone: SogCLR at batch 64 against SimCLR at 64 and 512, iSogCLR (70 min)
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ ITEMS = {  # name -> (program, result stem, title)
     ),
     "scan": ("bench_scan.py", "scan", "9. Preparing data at scale: fastclip data scan"),
     "longrun": ("bench_longrun.py", "longrun", "10. Killed and resumed: a long run under kill -9"),
+    "ssl": ("bench_ssl.py", "ssl/ssl", "11. Images alone: SogCLR at a small batch against SimCLR at a large one"),
 }
 ORDER = (
     "e2e",
@@ -75,6 +77,7 @@ ORDER = (
     "scan",
     "longrun",
     "stat_eff",
+    "ssl",
 )  # the most important first, the longest last
 
 ARGS = {"estimator_bias_during": ["--during", "--seeds", "1"]}  # the program's arguments, when it takes some

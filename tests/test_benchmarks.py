@@ -594,14 +594,15 @@ def test_shard_pattern_is_openclip_brace_syntax(tmp_path):
     assert shard_pattern(tmp_path) == (f"{tmp_path}/train-{{000000..000002}}.tar", 30)
 
 
-SMOKE_SKIPS = "longrun,loss,engines,tempfree"
+SMOKE_SKIPS = "longrun,loss,engines,tempfree,ssl"
 
 
 def test_run_all_smoke_writes_results_and_plots():
     """Every program in its --quick form (tiny sizes) but four whose subject other tests run end to end; RESULTS.md
     names the machine and links readable PNGs. Left out: longrun (a kill -9 soak of 2-5 launches; test_faults kills
     at named points of a save and at a random step), loss (test_bench_loss_against_a_revision runs it), engines
-    (test_deepspeed, test_accumulate) and tempfree (test_train_tempfree_siglip)."""
+    (test_deepspeed, test_accumulate), tempfree (test_train_tempfree_siglip) and ssl (test_train_ssl: its split,
+    verdict and paired test; its runs are `fastclip train` and `fastclip eval`)."""
     out = REPO / "benchmarks" / "out"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "run_all.py"), "--smoke", "--skip", SMOKE_SKIPS],

@@ -113,6 +113,20 @@ def test_a_step_name_taken_by_a_file_stops_the_save_and_says_nothing_was_written
     assert taken.is_symlink() or taken.read_text() == "notes"
 
 
+def test_a_pointer_write_that_fails_keeps_the_old_file_and_leaves_no_temporary_beside_it(tmp_path):
+    from fastclip.checkpoint.files import write_text_atomic
+
+    pointer = tmp_path / "latest"
+    write_text_atomic(pointer, "step_00000002")
+    write_text_atomic(pointer, "step_00000004")
+    assert pointer.read_text() == "step_00000004" and sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+    blocked = tmp_path / "blocked"
+    (blocked / "inside").mkdir(parents=True)  # a non-empty folder: the rename onto it fails, as on a broken disk
+    with pytest.raises(OSError):
+        write_text_atomic(blocked, "step_00000006")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocked", "latest"]
+
+
 def test_resolve_resume(tmp_path):
     assert ckpt.resolve_resume("latest", tmp_path) is None  # nothing yet: a fresh start
     root = tmp_path / "checkpoints"

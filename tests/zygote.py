@@ -37,9 +37,11 @@ def _child(request: dict, fds: tuple[int, ...]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [sys.executable, *request["argv"]]
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        import fastclip
         from fastclip.cli import main
+
+        sys.argv = [os.path.join(os.path.dirname(fastclip.__file__), "__main__.py"), *request["argv"]]  # as -m sets it
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     except BaseException:  # noqa: BLE001 - nothing here may return into the server's loop
         os._exit(127)
     sys.exit(main(request["argv"]))  # unwinds through serve(): the interpreter exits as `python -m fastclip` does

@@ -183,6 +183,14 @@ def clean_env(**extra) -> dict:
     return env
 
 
+# read once when an interpreter starts: a job whose environment differs in these is not forked from the zygote
+STARTUP_ENV = ("PYTHON", "OMP_", "MKL_", "LD_", "MALLOC_")
+
+
+def _startup_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_ENV)}
+
+
 class _Zygote:
     """The client of tests/zygote.py: one server per test process, started at its first job (see zygote.py)."""
 
@@ -190,55 +198,82 @@ class _Zygote:
 
     @classmethod
     def get(cls) -> _Zygote:
-        if cls._instance is None or cls._instance.server.poll() is not None:
+        if cls._instance is None or cls._instance.dead:
             cls._instance = cls()
         return cls._instance
 
     def __init__(self):
-        import queue
+        import atexit
         import tempfile
         import threading
 
         request_r, self.requests = os.pipe()
         reply_r, reply_w = os.pipe()
-        self.log = tempfile.NamedTemporaryFile(prefix="fastclip-zygote-", suffix=".log", delete=False)
+        log = tempfile.NamedTemporaryFile(prefix="fastclip-zygote-", suffix=".log", delete=False)
+        self.log = Path(log.name)
+        atexit.register(self.log.unlink, missing_ok=True)
+        self.env = clean_env()
         self.server = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("zygote.py")), str(request_r), str(reply_w)],
             pass_fds=(request_r, reply_w),
-            env=clean_env(),
+            env=self.env,
             stdin=subprocess.DEVNULL,
-            stdout=self.log,
+            stdout=log,
             stderr=subprocess.STDOUT,
         )
+        log.close()
         os.close(request_r)
         os.close(reply_w)
         self.replies = os.fdopen(reply_r, "rb")
-        self.started: queue.Queue[int] = queue.Queue()
+        self.jobs: dict[int, list[int]] = {}  # request id -> its ranks' pids
         self.exited: dict[int, int] = {}
+        self.dead = False  # the server is gone (its reply pipe closed): nothing more will be reported
         self.changed = threading.Condition()
         self.lock = threading.Lock()
+        self.next_id = 0
         threading.Thread(target=self._read_replies, daemon=True).start()
 
     def _read_replies(self) -> None:
-        for line in self.replies:
-            reply = json.loads(line)
+        try:
+            for line in self.replies:
+                reply = json.loads(line)
+                with self.changed:
+                    if "pids" in reply:
+                        for pid in reply["pids"]:
+                            self.exited.pop(pid, None)  # a pid used again
+                        self.jobs[reply["id"]] = reply["pids"]
+                    else:
+                        self.exited[reply["exited"]] = reply["code"]
+                    self.changed.notify_all()
+        finally:
             with self.changed:
-                if "started" in reply:
-                    self.exited.pop(reply["started"], None)  # a pid used again
-                    self.started.put(reply["started"])
-                else:
-                    self.exited[reply["exited"]] = reply["code"]
+                self.dead = True
                 self.changed.notify_all()
 
-    def start(self, argv: list[str], env: dict, cwd: Path, log: Path, pgid: int) -> ForkedProcess:
-        request = {"argv": argv, "env": env, "cwd": str(cwd), "log": str(log), "pgid": pgid}
+    def fits(self, env: dict) -> bool:
+        return _startup_env(env) == _startup_env(self.env)
+
+    def start(self, ranks: list[dict], cwd: Path) -> list[ForkedProcess]:
+        """Fork a job's ranks ({"argv", "env", "log"} each) in one group; the first job waits for the imports."""
         with self.lock:
-            os.write(self.requests, (json.dumps(request) + "\n").encode())
-            try:
-                pid = self.started.get(timeout=120)  # the first one waits for the server's imports
-            except Exception:
-                raise AssertionError(f"the zygote did not start a process: {Path(self.log.name).read_text()}") from None
-        return ForkedProcess(self, pid)
+            self.next_id += 1
+            job = self.next_id
+            self._send({"id": job, "cwd": str(cwd), "ranks": ranks})
+            with self.changed:
+                if not self.changed.wait_for(lambda: job in self.jobs or self.dead, timeout=180):
+                    self.server.kill()  # its late reply would belong to no one: a new server for the next job
+                    self.dead = True
+                if job not in self.jobs:
+                    raise AssertionError(f"the zygote did not start the job: {self.log.read_text()[-3000:]}")
+                pids = self.jobs.pop(job)
+        return [ForkedProcess(self, pid) for pid in pids]
+
+    def _send(self, request: dict) -> None:
+        os.write(self.requests, (json.dumps(request) + "\n").encode())
+
+    def kill(self, pid: int, sig: int) -> None:
+        if not self.dead:
+            self._send({"kill": pid, "signal": int(sig)})
 
 
 class ForkedProcess:
@@ -250,14 +285,16 @@ class ForkedProcess:
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self.zygote.exited.get(self.pid)
+            if self.returncode is None and self.zygote.dead and not Path(f"/proc/{self.pid}").exists():
+                self.returncode = -255  # gone with no one left to report how: not a status any test expects
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.zygote.changed:
             while self.poll() is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+                if left <= 0:
                     raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
                 self.zygote.changed.wait(left)
         return self.returncode
@@ -266,27 +303,24 @@ class ForkedProcess:
         import signal
 
         if self.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self.zygote.kill(self.pid, signal.SIGKILL)
 
 
 class Job:
     """`fastclip train` as N processes with torchrun's variables, all in one new process group (as a cluster
     job is: killing the group kills every rank and its data workers). Output goes to files (no pipe stalls).
 
-    The ranks are forked from tests/zygote.py, which has done the imports once (FASTCLIP_TEST_ZYGOTE=0: each is a
-    `python -m fastclip train` of its own instead)."""
+    The ranks are forked from tests/zygote.py, which has done the imports once, unless their environment differs
+    from its in what an interpreter reads at start-up (FASTCLIP_TEST_ZYGOTE=0: never): then each is a
+    `python -m fastclip train` of its own."""
 
     def __init__(self, args: list[str], nprocs: int, log_dir: Path, *, env: dict | None = None):
-        self.log_dir = Path(log_dir)
+        self.log_dir = Path(log_dir).resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        self.procs: list[subprocess.Popen | ForkedProcess] = []
         self.started = time.monotonic()
         argv = ["train", "--config", str(EMBEDDED), *args]
-        forked = os.environ.get("FASTCLIP_TEST_ZYGOTE", "1") != "0"
+        ranks = []
         for rank in range(nprocs):
             rank_env = clean_env(**(env or {}))
             if nprocs > 1:
@@ -297,18 +331,22 @@ class Job:
                     MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(port),
                 )
-            group = 0 if rank == 0 else self.procs[0].pid  # rank 0 leads a new group; the others join it
             log = self.log_dir / f"rank_{rank}.log"
-            if forked:
-                log.write_text("")  # there from the start, as with Popen: a test may read it at once
-                self.procs.append(_Zygote.get().start(argv, rank_env, self.log_dir, log, group))
-                continue
-            with open(log, "w") as out:
+            log.write_text("")  # there from the start, as with Popen: a test may read it at once
+            ranks.append({"argv": argv, "env": rank_env, "log": str(log)})
+        zygote = _Zygote.get() if os.environ.get("FASTCLIP_TEST_ZYGOTE", "1") != "0" else None
+        if zygote is not None and all(zygote.fits(r["env"]) for r in ranks):
+            self.procs: list[subprocess.Popen | ForkedProcess] = zygote.start(ranks, self.log_dir)
+            return
+        self.procs = []
+        for r in ranks:
+            group = self.procs[0].pid if self.procs else 0  # rank 0 leads a new group; the others join it
+            with open(r["log"], "w") as out:
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "fastclip", *argv],
+                        [sys.executable, "-m", "fastclip", *r["argv"]],
                         cwd=self.log_dir,
-                        env=rank_env,
+                        env=r["env"],
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         process_group=group,
@@ -345,7 +383,7 @@ class Job:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
-            p.wait()
+            p.wait(timeout=60)
 
 
 def wait_for(predicate, timeout: float, what: str, job: Job | None = None, poll: float = 0.02):

@@ -5,11 +5,18 @@ dozens of them (helpers.Job: every rank of every job). A process forked from thi
 done and then does what `python -m fastclip ARGS` does: its own process group, environment, working directory and
 output file, `fastclip.cli.main(ARGS)`, and the interpreter's normal exit with its status. The parent (the test)
 sees real processes: real pids to signal, real process groups to kill; their exit statuses come back through a
-pipe, since only this server, their parent, can wait for them.
+pipe, since only this server, their parent, can wait for them (and only it may signal a pid it has not yet reaped
+without risking a recycled one: kills go through it too).
 
-Protocol, one JSON object per line. Request (test -> server): {"argv", "env", "cwd", "log", "pgid"} (pgid 0: a new
-group led by the process). Replies (server -> test): {"started": pid} for each request, in order, and
-{"exited": pid, "code": n} (negative: the signal that ended it) whenever a child ends.
+What is read once at interpreter start-up (PYTHON*, OMP_*, ... variables) is this server's: helpers.Job starts a
+job here only when its environment agrees on those, else as `python -m fastclip`.
+
+Protocol, one JSON object per line, test -> server:
+    {"id": n, "cwd": DIR, "ranks": [{"argv": [...], "env": {...}, "log": FILE}, ...]}
+        fork every rank before anything is reaped: rank 0 leads a new process group, the others join it
+    {"kill": pid, "signal": s}     signal a child that has not exited (else nothing)
+server -> test: {"id": n, "pids": [...]} once a job's ranks are forked, {"exited": pid, "code": c} (negative: the
+signal that ended it) whenever a child ends.
 """
 
 from __future__ import annotations
@@ -19,35 +26,39 @@ import os
 import select
 import signal
 import sys
+import traceback
 
 
-def _child(request: dict, fds: tuple[int, ...]) -> None:
+def _child(rank: dict, cwd: str, pgid: int, fds: tuple[int, ...]) -> None:
     """In the forked process: become `python -m fastclip ARGV` and exit as it would (never returns)."""
     try:
-        os.setpgid(0, request["pgid"])
-        for fd in fds:
-            os.close(fd)
-        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND)  # made empty by the test, as Popen's is
+        log = os.open(rank["log"], os.O_WRONLY | os.O_APPEND)  # made empty by the test, as Popen's is
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        os.chdir(request["cwd"])
+        for fd in fds:
+            os.close(fd)
+        os.setpgid(0, pgid)
+        os.chdir(cwd)
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update(rank["env"])
         import fastclip
         from fastclip.cli import main
 
-        sys.argv = [os.path.join(os.path.dirname(fastclip.__file__), "__main__.py"), *request["argv"]]  # as -m sets it
+        sys.argv = [os.path.join(os.path.dirname(fastclip.__file__), "__main__.py"), *rank["argv"]]  # as -m sets it
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     except BaseException:  # noqa: BLE001 - nothing here may return into the server's loop
+        os.write(2, f"zygote: could not start this rank:\n{traceback.format_exc()}".encode())
         os._exit(127)
-    sys.exit(main(request["argv"]))  # unwinds through serve(): the interpreter exits as `python -m fastclip` does
+    sys.exit(main(rank["argv"]))  # unwinds through serve(): the interpreter exits as `python -m fastclip` does
 
 
 def serve(requests: int, replies: int) -> None:
+    import threading
+
     import torch.distributed  # noqa: F401
 
     import fastclip.cli  # noqa: F401
@@ -55,7 +66,12 @@ def serve(requests: int, replies: int) -> None:
     from fastclip.compat import import_open_clip
 
     import_open_clip()
-    pending = b""
+    assert threading.active_count() == 1, "a thread at fork time: the children would inherit its locks"
+
+    def say(reply: dict) -> None:
+        os.write(replies, (json.dumps(reply) + "\n").encode())
+
+    pending, children = b"", set()
     while True:
         ready, _, _ = select.select([requests], [], [], 0.02)
         if ready:
@@ -66,23 +82,32 @@ def serve(requests: int, replies: int) -> None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
-                pid = os.fork()
-                if pid == 0:
-                    _child(request, (requests, replies))
-                try:  # also here, so that the group exists before the next request joins it
-                    os.setpgid(pid, request["pgid"] or pid)
-                except OSError:
-                    pass  # the child already did it, or has already exited
-                os.write(replies, (json.dumps({"started": pid}) + "\n").encode())
-        while True:
+                if "kill" in request:
+                    if request["kill"] in children:  # not reaped yet: the pid is still this child's
+                        os.kill(request["kill"], request["signal"])
+                    continue
+                pids: list[int] = []
+                for rank in request["ranks"]:
+                    pgid = pids[0] if pids else 0
+                    pid = os.fork()
+                    if pid == 0:
+                        _child(rank, request["cwd"], pgid, (requests, replies))
+                    try:  # here too, so that the group exists before the next rank joins it
+                        os.setpgid(pid, pgid or pid)
+                    except OSError:
+                        pass  # the child did it first
+                    children.add(pid)
+                    pids.append(pid)
+                say({"id": request["id"], "pids": pids})
+        while children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            code = os.waitstatus_to_exitcode(status)
-            os.write(replies, (json.dumps({"exited": pid, "code": code}) + "\n").encode())
+            children.discard(pid)
+            say({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 if __name__ == "__main__":

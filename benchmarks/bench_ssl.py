@@ -35,7 +35,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, SMOKE_OUT, check_out, ensure_embedded, machine_info, publish, read_jsonl, save_figure
+from common import REPO, RESULTS, SMOKE_OUT, check_out, ensure_embedded, machine_info, publish, save_figure
 
 ARMS = {"sogclr@64": ("sogclr", 64), "simclr@64": ("simclr", 64), "simclr@512": ("simclr", 512),
         "isogclr@64": ("isogclr", 64)}  # fmt: skip
@@ -50,6 +50,11 @@ CLAIM = ("sogclr@64", "simclr@512")
 PAIRS = (CLAIM, ("isogclr@64", "sogclr@64"), ("sogclr@64", "simclr@64"))  # (arm, against): arm - against, seed by seed
 KNN_K = 20
 FINAL = '{"step": -1, "final": true}\n'  # appended to a run's metrics.jsonl once it has finished
+NOTE = (
+    "Mean ± std over the test seeds, in %. Test: both datasets' images, each scored among its own 10 classes "
+    "(`fastclip eval --knn 20 --linear-probe`). Paired differences (points, seed by seed; with n seeds all of one "
+    "sign Wilcoxon's two-sided p is 2^(1-n), 0.25 at 3):"
+)
 
 
 def prepare_data(root: Path, q: dict) -> Path:
@@ -79,16 +84,16 @@ def prepare_data(root: Path, q: dict) -> Path:
 def run_one(root: Path, data: Path, arm: str, config: str, batch: int, lr: float, seed: int, epochs: int, *,
             test: bool, run: bool = True) -> dict | None:  # fmt: skip
     """One `fastclip train` (resumed if it was stopped; None under --report if not finished): its kNN curve on val
-    [(samples_seen, top1)], final val top-1, and with `test` the final model's test kNN and linear-probe top-1."""
+    [(samples_seen, top1)], final val top-1, and with `test` the final model's test kNN and linear-probe top-1 (the
+    two datasets' scores weighted by their test images: `fastclip eval` scores each dataset's classes apart)."""
     from fastclip.data.manifest import read_manifest
 
     run_dir = root / "runs" / f"{arm}-lr{lr:g}-seed{seed}"
-    metrics, scores = run_dir / "metrics.jsonl", run_dir / "test.jsonl"
-    trained = metrics.is_file() and any(r.get("final") for r in read_jsonl(metrics))
-    tested = not test or (scores.is_file() and {r["task"] for r in read_jsonl(scores)} >= {"knn", "linear_probe"})
+    metrics, scores, wall = run_dir / "metrics.jsonl", run_dir / "test.jsonl", run_dir / "wall_s"
+    trained = any(r.get("final") for r in _rows(metrics))
+    tested = not test or {r["task"] for r in _rows(scores)} >= {"knn", "linear_probe"}
     if not (trained and tested) and not run:
         return None
-    seconds = 0.0
     if not trained:
         steps = read_manifest(data / "train").num_samples // batch
         config_file = REPO / "configs" / "ssl" / f"{config}-embedded.yaml"
@@ -98,27 +103,44 @@ def run_one(root: Path, data: Path, arm: str, config: str, batch: int, lr: float
         cmd += ["--train.seed", str(seed), "--train.epochs", str(epochs), "--train.run_dir", str(run_dir)]
         cmd += ["--train.resume", "latest", "--train.progress", "false", "--train.device", "cpu"]
         cmd += ["--eval.every_steps", str(steps), "--eval.max_samples", "null", "--checkpoint.every_steps", str(steps)]
-        seconds += _timed(cmd)
+        _timed(cmd, wall)
         with metrics.open("a") as f:
             f.write(FINAL)
     if not tested:
-        scores.unlink(missing_ok=True)  # a stop during the evaluation may have left half of its rows
+        scores.unlink(missing_ok=True)  # a stop during the evaluation may have left part of its rows
         cmd = [sys.executable, "-m", "fastclip", "eval", str(run_dir), "--data", str(data / "test"), "--no-retrieval"]
         cmd += ["--probe-train", str(data / "train"), "--knn", str(KNN_K), "--linear-probe", "--device", "cpu"]
-        seconds += _timed([*cmd, "--results", str(scores)])
-    curve = [(r["samples_seen"], r["eval/knn_top1"]) for r in read_jsonl(metrics) if "eval/knn_top1" in r]
+        _timed([*cmd, "--results", str(scores)], wall)
+    curve = [(r["samples_seen"], r["eval/knn_top1"]) for r in _rows(metrics) if "eval/knn_top1" in r]
     curve = sorted(dict(curve).items())  # a resumed run may evaluate a step twice: the last one counts
     out = {"arm": arm, "lr": lr, "seed": seed, "curve": curve, "final": curve[-1][1] if curve else math.nan}
     if test:
-        rows = {r["task"]: r["top1"] for r in read_jsonl(scores)}
-        out.update(test_knn=rows["knn"], test_linear=rows["linear_probe"])
+        rows = _rows(scores)
+        for task, key in (("knn", "test_knn"), ("linear_probe", "test_linear")):
+            mine = [r for r in rows if r["task"] == task]
+            out[key] = sum(r["top1"] * r["num_samples"] for r in mine) / sum(r["num_samples"] for r in mine)
+            out[f"{key}_by_dataset"] = {r["dataset"]: r["top1"] for r in mine}
+    seconds = sum(float(x) for x in wall.read_text().split()) if wall.is_file() else 0.0
     return {**out, "seconds": seconds}
 
 
-def _timed(cmd: list[str]) -> float:
+def _rows(path: Path) -> list[dict]:
+    """A JSONL file's rows, without a last line cut short by a stop (none if the file is not there)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else ():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def _timed(cmd: list[str], wall: Path) -> None:
+    """Run `cmd`, adding its wall seconds to the run's `wall` file (a resumed study still counts every run)."""
     started = time.monotonic()
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-    return time.monotonic() - started
+    with wall.open("a") as f:
+        f.write(f"{time.monotonic() - started:.1f}\n")
 
 
 def mean_std(xs: list[float]) -> tuple[float, float | None]:
@@ -175,7 +197,8 @@ def study(out: Path, data: Path, q: dict, run: bool = True) -> dict:
         runs = [r for r in runs if r]
         if runs:
             result["arms"][arm] = dict(config=config, global_batch=batch, tuning=tuning, best_lr=best, seeds=runs)
-    result["core_hours"] = sum(r["seconds"] for a in result["arms"].values() for r in a["tuning"] + a["seeds"]) / 3600
+    # wall hours of the runs and evaluations (each run keeps both cores busy: its model and its loader worker)
+    result["wall_hours"] = sum(r["seconds"] for a in result["arms"].values() for r in a["tuning"] + a["seeds"]) / 3600
     claim = CLAIM if CLAIM[0] in q["arms"] else (list(q["arms"])[0], list(q["arms"])[-1])
     pairs = PAIRS if CLAIM[0] in q["arms"] else (claim,)
     result["paired"] = [p for a, b in pairs for key in ("test_knn", "test_linear") if (p := paired(result, a, b, key))]
@@ -192,12 +215,13 @@ def markdown(result: dict) -> str:
     for arm, a in result["arms"].items():
         cells = [_pct(*mean_std([r[key] for r in a["seeds"]])) for key in ("final", "test_knn", "test_linear")]
         lines.append(f"| {arm} | {a['global_batch']} | {a['best_lr']:g} | " + " | ".join(cells) + " |")
-    lines += ["", "Mean ± std over the test seeds, in %. Paired differences (points, seed by seed):", ""]
+    lines += ["", NOTE, ""]
     for p in result.get("paired", []):
         each = ", ".join(f"{100 * d:+.1f}" for d in p["diffs"])
         wilcoxon = "n/a" if p["p_wilcoxon"] is None else f"{p['p_wilcoxon']:.3g}"
         lines.append(f"- {p['arm']} − {p['against']}, {p['metric']}: {each} (Wilcoxon p = {wilcoxon})")
-    return "\n".join(lines + ["", result["verdict"], f"({result.get('core_hours', 0):.2f} core-hours of runs)"])
+    hours = result.get("wall_hours", 0.0)
+    return "\n".join(lines + ["", result["verdict"], f"({hours:.2f} h of runs on 2 cores, {2 * hours:.1f} core-hours)"])
 
 
 def plot(result: dict, path: Path) -> None:
@@ -228,16 +252,23 @@ def main(argv: list[str] | None = None) -> int:
     check_out(parser, args.out)
     q = QUICK if args.quick else FULL
     out = (Path(args.out) if args.out else SMOKE_OUT if args.quick else RESULTS) / "ssl"
-    work = SMOKE_OUT / "ssl_work" if out == RESULTS / "ssl" else out  # data, runs and checkpoints: not committed
+    work = SMOKE_OUT / "ssl_work" if out.resolve() == RESULTS / "ssl" else out  # data, runs, checkpoints: not committed
     data = work / "embedded"
     if args.report and not (work / "runs").is_dir():
         print(f"bench_ssl: no runs in {work}: run without --report first", file=sys.stderr)
         return 2
+    settings = json.loads(json.dumps({k: v for k, v in q.items() if k != "arms"} | {"arms": q["arms"]}))
+    kept = work / "settings.json"
+    if kept.is_file() and json.loads(kept.read_text()) != settings:
+        print(f"bench_ssl: {work} holds runs of other settings ({kept}): move it away or pass another --out",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if not args.report:
+        work.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(settings, indent=1) + "\n")
         prepare_data(data, q)
     result = study(work, data, q, run=not args.report)
     publish(out, "ssl", result, markdown, plot)
-    (out / "settings.json").write_text(json.dumps({k: v for k, v in q.items() if k != "arms"}, indent=1) + "\n")
     return 0
 
 

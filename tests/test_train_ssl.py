@@ -356,3 +356,54 @@ def test_the_benchmark_deals_the_held_out_shards_into_disjoint_val_and_test_spli
     assert not indices["val"] & indices["test"] and not indices["train"] & (indices["val"] | indices["test"])
     assert indices["val"] | indices["test"] == set(range(200, 320))
     assert bench_ssl.prepare_data(root, bench_ssl.QUICK) == root  # done once: a second call keeps it
+
+
+def test_the_benchmark_weights_each_datasets_test_score_by_its_images_and_skips_a_torn_line(tmp_path):
+    """`fastclip eval` scores each dataset's classes apart (a row per dataset and task): the run's test score is
+    their mean weighted by test images; a line cut short by a stop does not count (the run is redone)."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_ssl
+
+    run_dir = tmp_path / "runs" / "sogclr@64-lr0.001-seed2"
+    run_dir.mkdir(parents=True)
+    evals = [
+        {"step": 10, "samples_seen": 640, "eval/knn_top1": 0.3},
+        {"step": 20, "samples_seen": 1280, "eval/knn_top1": 0.5},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals) + bench_ssl.FINAL)
+    rows = [
+        {"task": "knn", "dataset": "fashion-mnist", "num_samples": 300, "top1": 0.8},
+        {"task": "knn", "dataset": "mnist", "num_samples": 100, "top1": 0.4},
+        {"task": "linear_probe", "dataset": "fashion-mnist", "num_samples": 300, "top1": 0.6},
+        {"task": "linear_probe", "dataset": "mnist", "num_samples": 100, "top1": 1.0},
+    ]
+    scores = run_dir / "test.jsonl"
+    scores.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "wall_s").write_text("100.0\n20.5\n")
+    got = bench_ssl.run_one(tmp_path, tmp_path, "sogclr@64", "sogclr", 64, 1e-3, 2, 4, test=True, run=False)
+    assert got["curve"] == [(640, 0.3), (1280, 0.5)] and got["final"] == 0.5 and got["seconds"] == 120.5
+    assert got["test_knn"] == pytest.approx(0.7) and got["test_linear"] == pytest.approx(0.7)
+    assert got["test_knn_by_dataset"] == {"fashion-mnist": 0.8, "mnist": 0.4}
+    scores.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[2])[:30])  # the eval stopped while writing
+    assert bench_ssl.run_one(tmp_path, tmp_path, "sogclr@64", "sogclr", 64, 1e-3, 2, 4, test=True, run=False) is None
+
+
+def test_the_benchmark_refuses_a_folder_of_runs_made_with_other_settings(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_ssl
+
+    kept = tmp_path / "ssl" / "settings.json"
+    kept.parent.mkdir()
+    kept.write_text('{"epochs": 6}\n')  # runs of an earlier protocol: resuming them at another length mixes the two
+    assert bench_ssl.main(["--quick", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"bench_ssl: {tmp_path / 'ssl'} holds runs of other settings ({kept}): move it away or pass another --out"
+    )
+    assert sorted(p.name for p in kept.parent.iterdir()) == ["settings.json"]  # nothing else written

@@ -35,6 +35,9 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from study.stats import mean_std
+from study.stats import paired as paired_diffs
+
 from common import REPO, RESULTS, SMOKE_OUT, check_out, ensure_embedded, machine_info, publish, save_figure
 
 ARMS = {"sogclr@64": ("sogclr", 64), "simclr@64": ("simclr", 64), "simclr@512": ("simclr", 512),
@@ -143,23 +146,18 @@ def _timed(cmd: list[str], wall: Path) -> None:
         f.write(f"{time.monotonic() - started:.1f}\n")
 
 
-def mean_std(xs: list[float]) -> tuple[float, float | None]:
-    m = sum(xs) / len(xs)
-    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None)
-
-
 def paired(result: dict, arm: str, against: str, key: str) -> dict | None:
-    """arm - against on `key`, seed by seed (the seeds both have), with Wilcoxon's two-sided signed-rank p."""
+    """arm - against on `key`, seed by seed (the seeds both have), with Wilcoxon's two-sided signed-rank p (scipy's
+    own choice of method: exact at 3 seeds, ties included)."""
     from scipy.stats import wilcoxon
 
     arms = result["arms"]
     if arm not in arms or against not in arms:
         return None
-    a, b = ({r["seed"]: r[key] for r in arms[n]["seeds"]} for n in (arm, against))
-    seeds = sorted(set(a) & set(b))
-    diffs = [a[s] - b[s] for s in seeds]
-    if not diffs:
+    seeds, diffs = paired_diffs(*({r["seed"]: r[key] for r in arms[n]["seeds"]} for n in (arm, against)))
+    if not seeds:
         return None
+    diffs = diffs.tolist()
     p = float(wilcoxon(diffs).pvalue) if len(diffs) > 1 and any(diffs) else None
     return {"arm": arm, "against": against, "metric": key, "seeds": seeds, "diffs": diffs,
             "diff_mean": mean_std(diffs)[0], "diff_std": mean_std(diffs)[1], "p_wilcoxon": p}  # fmt: skip

@@ -59,13 +59,10 @@ def _child(rank: dict, cwd: str, pgid: int, fds: tuple[int, ...]) -> None:
 def serve(requests: int, replies: int) -> None:
     import threading
 
-    import torch.distributed  # noqa: F401
+    import forkserver_preload  # noqa: F401 - what run_distributed's processes start with (tests/ is sys.path[0])
 
     import fastclip.cli  # noqa: F401
-    import fastclip.train.trainer  # noqa: F401
-    from fastclip.compat import import_open_clip
 
-    import_open_clip()
     assert threading.active_count() == 1, "a thread at fork time: the children would inherit its locks"
 
     def say(reply: dict) -> None:

@@ -313,10 +313,9 @@ class Job:
     """`fastclip train` as N processes with torchrun's variables, all in one new process group (as a cluster
     job is: killing the group kills every rank and its data workers). Output goes to files (no pipe stalls).
 
-    Each rank is a `python -m fastclip train` of its own. FASTCLIP_TEST_ZYGOTE=1: forked from tests/zygote.py,
-    which has done the imports once (2.6x faster test_preemption), unless the job's environment differs from its in
-    what an interpreter reads at start-up. Off by default: the one full suite run with it had one failure elsewhere
-    (test_export's SIGINT case, not reproduced since), not yet explained."""
+    Each rank is a `python -m fastclip train` of its own, forked from tests/zygote.py, which has done the imports once
+    (2.6x faster test_preemption), unless the job's environment differs from its in what an interpreter reads at
+    start-up. FASTCLIP_TEST_ZYGOTE=0 starts every rank as `python -m fastclip` instead."""
 
     def __init__(self, args: list[str], nprocs: int, log_dir: Path, *, env: dict | None = None):
         self.log_dir = Path(log_dir).resolve()
@@ -338,7 +337,7 @@ class Job:
             log = self.log_dir / f"rank_{rank}.log"
             log.write_text("")  # there from the start, as with Popen: a test may read it at once
             ranks.append({"argv": argv, "env": rank_env, "log": str(log)})
-        zygote = _Zygote.get() if os.environ.get("FASTCLIP_TEST_ZYGOTE", "0") == "1" else None
+        zygote = _Zygote.get() if os.environ.get("FASTCLIP_TEST_ZYGOTE", "1") == "1" else None
         if zygote is not None and all(zygote.fits(r["env"]) for r in ranks):
             self.procs: list[subprocess.Popen | ForkedProcess] = zygote.start(ranks, self.log_dir)
             return

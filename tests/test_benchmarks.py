@@ -65,6 +65,34 @@ def test_stat_eff_quick_report_keeps_the_runs_it_reports(tmp_path, capsys):
     assert (runs / "x.json").exists() and "x.json: not a run of this study" in capsys.readouterr().err
 
 
+def test_stat_eff_pack_moves_the_run_files_into_one_archive_read_as_they_were(tmp_path, capsys):
+    """--pack: every readable run file into runs.jsonl.gz (a torn one stays, named), read back equal; packing again
+    with the same runs writes the same bytes; a file wins over the packed run of its id."""
+    results = tmp_path / "stat_eff"
+    (results / "runs").mkdir(parents=True)
+    runs = [Run("scenes", 32, "openclip", lr, "temperature", 0.07, 0, "tune", 0.8) for lr in (1e-3, 2e-3)]
+    records = [
+        {"id": r.id, "run": dataclasses.asdict(r), "final_score": s, "tau": [[0, 0.07]]}
+        for r, s in zip(runs, (0.25, 0.5))
+    ]
+    for record in records:
+        (results / "runs" / f"{record['id']}.json").write_text(json.dumps(record, indent=1))
+    (results / "runs" / "torn.json").write_text('{"id": "to')
+    assert bench_stat_eff.pack_results(results) == 2
+    assert "torn.json: not JSON" in capsys.readouterr().err
+    assert [p.name for p in (results / "runs").iterdir()] == ["torn.json"]
+    assert [bench_stat_eff.load_result(results, r) for r in runs] == records
+    packed = (results / "runs.jsonl.gz").read_bytes()
+    (results / "runs" / "torn.json").unlink()
+    assert bench_stat_eff.pack_results(results) == 2 and (results / "runs.jsonl.gz").read_bytes() == packed
+    assert not (results / "runs").exists()
+    newer = dict(records[0], final_score=0.75)
+    (results / "runs").mkdir()
+    (results / "runs" / f"{runs[0].id}.json").write_text(json.dumps(newer))
+    assert [r for _, r in bench_stat_eff.stored_results(results)] == [newer, records[1]]
+    assert bench_stat_eff.load_result(results, runs[0]) == newer
+
+
 def test_samples_to_reach_interpolates_and_reports_never():
     curve = [(100, 0.2), (200, 0.4), (300, 0.5)]
     assert bench_stat_eff.samples_to_reach(curve, 0.3) == pytest.approx(150)

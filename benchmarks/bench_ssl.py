@@ -35,7 +35,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study.stats import mean_std
+from study.stats import mean_std, wilcoxon_p
 from study.stats import paired as paired_diffs
 
 from common import REPO, RESULTS, SMOKE_OUT, check_out, ensure_embedded, machine_info, publish, save_figure
@@ -147,10 +147,8 @@ def _timed(cmd: list[str], wall: Path) -> None:
 
 
 def paired(result: dict, arm: str, against: str, key: str) -> dict | None:
-    """arm - against on `key`, seed by seed (the seeds both have), with Wilcoxon's two-sided signed-rank p (scipy's
-    own choice of method: exact at 3 seeds, ties included)."""
-    from scipy.stats import wilcoxon
-
+    """arm - against on `key`, seed by seed (the seeds both have), with Wilcoxon's two-sided signed-rank p (exact,
+    ties included: study.stats.wilcoxon_p)."""
     arms = result["arms"]
     if arm not in arms or against not in arms:
         return None
@@ -158,7 +156,7 @@ def paired(result: dict, arm: str, against: str, key: str) -> dict | None:
     if not seeds:
         return None
     diffs = diffs.tolist()
-    p = float(wilcoxon(diffs).pvalue) if len(diffs) > 1 and any(diffs) else None
+    p = wilcoxon_p(diffs)
     return {"arm": arm, "against": against, "metric": key, "seeds": seeds, "diffs": diffs,
             "diff_mean": mean_std(diffs)[0], "diff_std": mean_std(diffs)[1], "p_wilcoxon": p}  # fmt: skip
 

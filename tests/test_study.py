@@ -163,6 +163,11 @@ def test_stats_match_scipy_and_holm_by_hand():
     by_hand = np.mean(np.abs((flips * diffs).mean(axis=1)) >= abs(diffs.mean()) - 1e-12)
     assert stats.permutation_p(diffs) == pytest.approx(by_hand)
     assert stats.wilcoxon_p(np.zeros(6)) is None and stats.wilcoxon_p(np.array([1.0])) is None
+    # ties: 3 equal differences of one sign are the most extreme of the 8 sign flips, p = 2/8 (not the normal 0.083)
+    assert stats.wilcoxon_p(np.full(3, 0.05)) == pytest.approx(2 / 8)
+    # a tie and a zero, by hand: the zero dropped, |d| 1, 2, 2, 3 -> ranks 1, 2.5, 2.5, 4; W- = 1 (the -1); of the
+    # 16 flips, W- <= 1 for 2 (W- 0, 1) and W+ <= 1 for 2: p = 4/16
+    assert stats.wilcoxon_p(np.array([-1.0, 2.0, 2.0, 3.0, 0.0])) == pytest.approx(4 / 16)
     # Holm by hand: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> monotone 0.06
     assert stats.holm([0.01, 0.04, 0.03, 0.005, None]) == pytest.approx([0.03, 0.06, 0.06, 0.02, None])
     assert stats.holm([0.5, 0.6]) == pytest.approx([1.0, 1.0])

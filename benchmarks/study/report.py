@@ -156,8 +156,8 @@ def markdown(spec: Spec, summary: dict) -> str:
     lines += [
         f"Code: commit(s) {summary['commit'] or '–'}. Metric in %: mean of the final test metric over seeds "
         "(± sample std). Δ: paired difference by seed against the table's strongest baseline (±: its std), "
-        "wins: seeds where the objective is ahead; p: two-sided Wilcoxon signed-rank (exact without ties or zeros), "
-        "p_Holm over the table's comparisons, perm: the paired permutation test, Holm-adjusted.",
+        "wins: seeds where the objective is ahead; p: two-sided Wilcoxon signed-rank (exact up to 16 seeds, ties and "
+        "zeros included), p_Holm over the table's comparisons, perm: the paired permutation test, Holm-adjusted.",
         "",
     ]
     for t in summary["_tables"]:

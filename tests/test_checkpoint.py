@@ -252,6 +252,87 @@ def test_an_empty_latest_pointer_resumes_from_the_newest_complete_step_folder(tm
     assert f"{root / 'latest'} is empty; resuming from the newest step folder" in capsys.readouterr().err
 
 
+def _complete(root, *steps):
+    for step in steps:
+        (root / f"step_{step:08d}").mkdir(parents=True)
+        for name in ("model.pt", "rank_0.pt"):
+            (root / f"step_{step:08d}" / name).write_bytes(b"")
+
+
+@pytest.mark.parametrize("pointer", ["step_00000040\n", "\n"])
+def test_a_latest_pointer_with_no_step_folder_left_is_an_error_not_a_fresh_start(tmp_path, pointer):
+    """(every step folder moved away to free disk: `latest` used to resolve to nothing, the run started over and its
+    first save overwrote `latest`)"""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "latest").write_text(pointer)
+    with pytest.raises(FileNotFoundError) as e:
+        ckpt.resolve_resume("latest", tmp_path)
+    assert str(e.value).startswith(f"{root / 'latest'} ") and str(e.value).endswith(
+        f"and no step folder is left under {root}: restore the step folders, or start a new run in another "
+        "--train.run_dir"
+    )
+    assert ckpt.latest_complete(tmp_path) is None  # (the Ctrl-C line names no checkpoint then)
+
+
+def test_pruning_after_a_branch_keeps_the_branch_and_drops_the_abandoned_steps(tmp_path):
+    """Resumed from step 20 of {10, 20, 30, 40}, the save at 25 keeps the newest 2 up to it (20, 25); 30 and 40 (the
+    abandoned branch) go: they used to count towards keep_last (20 and 25 were deleted) and, with `latest` lost,
+    resume took step 40 of the abandoned branch."""
+    root = tmp_path / "checkpoints"
+    _complete(root, 10, 20, 30, 40)
+    save(root, 25, keep_last=2)
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000020", "step_00000025"]
+    (root / "latest").unlink()
+    assert ckpt.resolve_resume("latest", tmp_path) == root / "step_00000025"
+
+
+def test_the_ctrl_c_line_and_resume_name_the_same_checkpoint(tmp_path, capsys):
+    """latest_complete (the line after Ctrl-C) follows resolve_resume's rules, quietly: the folder `latest` names
+    (resume takes it, and says what it lacks; the line used to name an older one instead); without `latest`, the
+    newest complete one."""
+    root = tmp_path / "checkpoints"
+    _complete(root, 2)
+    (root / "step_00000004").mkdir()
+    (root / "step_00000004" / "model.pt").write_bytes(b"")
+    (root / "latest").write_text("step_00000004\n")
+    assert ckpt.latest_complete(tmp_path) == ckpt.resolve_resume("latest", tmp_path) == root / "step_00000004"
+    (root / "latest").unlink()
+    assert ckpt.latest_complete(tmp_path) == root / "step_00000002" and capsys.readouterr().err == ""
+
+
+def test_a_resume_from_a_folder_without_every_saved_rank_file_is_refused_before_start_up(tmp_path):
+    """model.pt says 3 ranks saved; rank_2.pt is missing: one line naming it (it used to pass, and rank 2 alone
+    stopped after start-up)."""
+    from fastclip.checkpoint.compat import read_resume
+    from fastclip.errors import ConfigError
+
+    step_dir = tmp_path / "checkpoints" / "step_00000004"
+    step_dir.mkdir(parents=True)
+    config = {"model": {"arch": "tiny"}}
+    torch.save({"format": ckpt.CHECKPOINT_FORMAT, "world_size": 3, "step": 4, "config": config}, step_dir / "model.pt")
+    for rank in (0, 1):
+        torch.save({"rank": rank}, step_dir / f"rank_{rank}.pt")
+    with pytest.raises(ConfigError) as e:
+        read_resume("latest", tmp_path)
+    assert str(e.value) == (
+        f"config key 'train.resume': {step_dir / 'rank_2.pt'} is missing, and the checkpoint was saved by 3 ranks; "
+        f"restore it, or resume from another step folder (`fastclip train --train.resume {step_dir.parent}/step_...`)"
+    )
+    torch.save({"rank": 2}, step_dir / "rank_2.pt")
+    assert read_resume("latest", tmp_path)[0] == step_dir
+
+
+def test_the_checkpoint_folder_helpers_take_odd_names_and_bytes(tmp_path):
+    """A rank file named with a non-ASCII digit is not a rank's; a pointer of undecodable bytes is read, replaced."""
+    (tmp_path / "rank_\u00b2.pt").write_bytes(b"")
+    (tmp_path / "rank_1.pt").write_bytes(b"")
+    assert list(ckpt.rank_files_in(tmp_path)) == [1]
+    (tmp_path / "latest").write_bytes(b"step_\xff\n")
+    assert ckpt.read_pointer(tmp_path) == "step_\ufffd"
+    assert ckpt.describe_checkpoint({"state_dict": {}, 1: 2, "a": 3}).startswith("a checkpoint with a state_dict")
+
+
 def expected(**changes):
     from fastclip.checkpoint.compat import Expected
 

@@ -544,7 +544,11 @@ def test_checkpoint_files_that_are_not_checkpoints_are_one_line(tiny_embedded, t
         (step / "rank_0.pt").unlink()
     args = _args(tiny_embedded, run, **{"train.resume": "latest", "train.max_steps": 3})
     err = _fails(capsys, args, "train.resume", str(step / "rank_0.pt"))
-    want = "is not a torch checkpoint file" if what == "a text rank_0.pt" else "checkpoint file missing"
+    want = (
+        "is not a torch checkpoint file"
+        if what == "a text rank_0.pt"
+        else "is missing, and the checkpoint was saved by 1 rank;"
+    )
     assert want in err, err
     _fails(capsys, ["--check", *args], "train.resume", str(step / "rank_0.pt"))
 

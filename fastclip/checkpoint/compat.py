@@ -93,7 +93,7 @@ def read_resume(given: str, run_dir: Path) -> tuple[Path | None, dict | None]:
         raise _describe_resume_file(Path(given))  # an OpenCLIP epoch_N.pt, a state dict, our model.pt ...
     try:
         step_dir = resolve_resume(given, run_dir)
-    except FileNotFoundError as e:
+    except OSError as e:  # missing, or a folder this user cannot read
         raise ConfigError(f"config key 'train.resume': {e}") from None
     if step_dir is None:
         return None, None
@@ -101,6 +101,7 @@ def read_resume(given: str, run_dir: Path) -> tuple[Path | None, dict | None]:
     kind = describe_checkpoint(model_file)
     if not kind.startswith(TRAINING_CHECKPOINT):
         raise _foreign_resume(step_dir / MODEL_FILE, kind)
+    check_rank_files(step_dir, model_file, whole=False)  # one listing: not a per-rank error after start-up
     return step_dir, model_file
 
 
@@ -135,21 +136,23 @@ def _foreign_resume(path: Path, kind: str) -> ConfigError:
     )
 
 
-def check_rank_files(step_dir: Path, model_file: dict) -> None:
-    """Every rank file the checkpoint was saved with is there and whole, checked without reading it: a torch.save
-    file is a zip, whose directory sits at its end (a cut-short copy has none). Each rank reads its own file only
-    once the job has started: a bad one there stops the job after start-up, with a traceback per launcher."""
+def check_rank_files(step_dir: Path, model_file: dict, *, whole: bool = True) -> None:
+    """Every rank file the checkpoint was saved with is there and (`whole`) whole, checked without reading it: a
+    torch.save file is a zip, whose directory sits at its end (a cut-short copy has none). Each rank reads its own
+    file only once the job has started: a bad one there stops the job after start-up, with a traceback per
+    launcher."""
     saved = model_file.get("world_size")
-    for rank in range(1, int(saved) if isinstance(saved, int) else 1):
+    for rank in range(int(saved) if isinstance(saved, int) else 1):
         path = step_dir / rank_file_name(rank)
         if not path.is_file():
             problem = "is missing"
-        elif not zipfile.is_zipfile(path):
+        elif whole and rank > 0 and not zipfile.is_zipfile(path):  # rank 0's is read (and so checked) before
             problem = "is not whole (cut short, or not a torch.save file)"
         else:
             continue
         raise ConfigError(
-            f"config key 'train.resume': {path} {problem}, and the checkpoint was saved by {saved} ranks; restore "
+            f"config key 'train.resume': {path} {problem}, and the checkpoint was saved by {saved} rank"
+            f"{'' if saved == 1 else 's'}; restore "
             f"it, or resume from another step folder (`fastclip train --train.resume {step_dir.parent}/step_...`)"
         )
 

@@ -98,7 +98,7 @@ def load_file(path: Path) -> dict:
         raise CheckpointError(
             f"{path}: the file is empty (a write that never finished); restore the file or pass another checkpoint"
         )
-    if path.name == "latest" and size < 64:  # the pointer file, not a checkpoint
+    if path.name == "latest" and size < 64:  # the pointer file (layout.LATEST: layout imports this module)
         raise CheckpointError(
             f"{path} is the pointer to the latest step folder ({path.read_text(errors='replace').strip()}), not a "
             f"checkpoint: pass the run folder {path.parent.parent} (or the step folder it names)"

@@ -20,6 +20,7 @@ from fastclip.cli import note
 STEP_DIR = re.compile(r"step_(\d{8,})")
 CHECKPOINT_FORMAT = "fastclip-checkpoint/1"  # model.pt's "format"; bump when a key changes meaning
 MODEL_FILE = "model.pt"
+LATEST = "latest"  # <checkpoints>/latest: the name of the newest complete step folder
 DEEPSPEED_TAG = "deepspeed"  # DeepSpeed's files go to <step dir>/deepspeed/
 
 
@@ -32,24 +33,38 @@ def rank_file_name(rank: int) -> str:
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete step folders under `root`, oldest first (temporary folders start with a dot)."""
+    """The step folders under `root`, complete or not (is_complete), oldest first (temporary ones start with a dot)."""
     if not root.is_dir():
         return []
     dirs = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)]
     return sorted(dirs, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
 
 
+def read_pointer(root: Path) -> str | None:
+    """What <root>/latest names (a step folder's name; "" if emptied), None without one; never raises on its bytes."""
+    pointer = root / LATEST
+    return pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+
+
+def _step(folder: Path) -> int:
+    return int(STEP_DIR.fullmatch(folder.name).group(1))
+
+
 def prune_checkpoints(root: Path, keep_last: int, *, keep: Path) -> None:
-    """Rank 0: delete the complete checkpoints older than the newest `keep_last` (never `keep`). After each save, and
-    when a run resumes: a job killed between a save and its pruning, resumed with nothing left to train, would
-    otherwise end with one checkpoint more than keep_last."""
+    """Rank 0: delete the complete checkpoints older than the newest `keep_last` up to `keep` (never `keep`), and
+    those after `keep`: a branch abandoned by resuming from an older step, which must not count towards keep_last nor
+    be taken for the run's newest if `latest` is lost. After each save (`keep`: the folder just saved, which `latest`
+    names), and when a run resumes from its newest checkpoint: a job killed between a save and its pruning, resumed
+    with nothing left to train, would otherwise end with one checkpoint more than keep_last."""
     # a folder is renamed aside before it is deleted, so a kill during the deletion leaves a .pruned_ folder (swept
     # here) and never a half-deleted step folder that no longer counts as a checkpoint and so would stay forever
     for leftover in root.glob(".pruned_step_*"):
         shutil.rmtree(leftover, ignore_errors=True)
     # keep_last counts complete checkpoints: an incomplete folder (a resume passed it over, or damaged by hand) is not
     # one of them and is left as it is (what it still holds may be wanted)
-    stale = [p for p in list_checkpoints(root) if is_complete(p)][:-keep_last]
+    complete = [p for p in list_checkpoints(root) if is_complete(p)]
+    upto = [p for p in complete if _step(p) <= _step(keep)]
+    stale = upto[:-keep_last] + [p for p in complete if _step(p) > _step(keep)]
     for folder in stale:
         if folder.resolve() == keep.resolve():
             continue
@@ -61,23 +76,24 @@ def prune_checkpoints(root: Path, keep_last: int, *, keep: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def resolve_resume(resume: str, run_dir: Path) -> Path | None:
+def resolve_resume(resume: str, run_dir: Path, *, quiet: bool = False) -> Path | None:
     """ "latest" -> the step folder named by <run_dir>/checkpoints/latest (None if there is no checkpoint yet: a
     fresh start, so one job script serves the first and every following job); a path -> that step folder, or a
     run/checkpoints folder -> its latest. Without the `latest` pointer (lost, or a crash between the rename and
-    its write) the newest complete step folder (is_complete) is taken, with a note: never a silent fresh start."""
-    if resume == "latest":
+    its write) the newest complete step folder (is_complete) is taken, with a note (none if `quiet`): never a silent
+    fresh start; a `latest` that names a step folder when none is left is an error."""
+    if resume == LATEST:
         root = run_dir / "checkpoints"
-        pointer = root / "latest"
-        return _from_pointer(pointer) if pointer.is_file() else _newest(root, pointer)
+        pointer = root / LATEST
+        return _from_pointer(pointer, quiet) if pointer.is_file() else _newest(root, pointer, quiet=quiet)
     path = Path(resume)
-    for pointer in (path / "latest", path / "checkpoints" / "latest"):
+    for pointer in (path / LATEST, path / "checkpoints" / LATEST):
         if pointer.is_file():
-            return _from_pointer(pointer)
+            return _from_pointer(pointer, quiet)
     if not (path / MODEL_FILE).is_file():  # a run or checkpoints folder without its pointer
         for root in (path / "checkpoints", path):
             if list_checkpoints(root):
-                return _newest(root, root / "latest")
+                return _newest(root, root / LATEST, quiet=quiet)
     return _checked(path, "given as train.resume")
 
 
@@ -90,37 +106,34 @@ def is_complete(step_dir: Path) -> bool:
 
 def rank_files_in(folder: Path) -> dict[int, Path]:
     """The rank_<r>.pt files of a folder, by rank."""
-    return {int(f.stem[5:]): f for f in folder.glob("rank_*.pt") if f.stem[5:].isdigit()}
+    return {int(f.stem[5:]): f for f in folder.glob("rank_*.pt") if f.stem[5:].isdecimal()}
 
 
 def latest_complete(run_dir: Path) -> Path | None:
-    """The checkpoint `--train.resume latest` continues from: the step folder `latest` names, else the newest
-    complete one; None when there is none."""
-    root = run_dir / "checkpoints"
+    """The checkpoint `--train.resume latest` continues from (resolve_resume's rules, without its notes); None when
+    there is none or it cannot be told."""
     try:
-        pointer = root / "latest"
-        if pointer.is_file() and is_complete(named := root / pointer.read_text().strip()):
-            return named
-        complete = [p for p in list_checkpoints(root) if is_complete(p)]
-    except OSError:
+        return resolve_resume(LATEST, run_dir, quiet=True)
+    except (OSError, ValueError):
         return None
-    return complete[-1] if complete else None
 
 
-def _from_pointer(pointer: Path) -> Path | None:
+def _from_pointer(pointer: Path, quiet: bool) -> Path:
     """The step folder `latest` names; if it is gone (a crash between a re-saved step's two renames), the newest
-    complete one, with a note."""
-    text = pointer.read_text(errors="replace").strip()
+    complete one, with a note. A checkpoint was written here once: none left is an error, not a fresh start."""
+    text = read_pointer(pointer.parent)
     if not text:  # emptied (a full disk while it was written, a hand edit)
-        return _newest(pointer.parent, pointer, why="is empty")
+        return _newest(pointer.parent, pointer, why="is empty", quiet=quiet, required=True)
     named = pointer.parent / text
     if not named.exists() and STEP_DIR.fullmatch(named.name):
-        return _newest(pointer.parent, pointer, why=f"names {named.name}, which does not exist")
+        why = f"names {named.name}, which does not exist"
+        return _newest(pointer.parent, pointer, why=why, quiet=quiet, required=True)
     return _checked(named, f"named by {pointer}")
 
 
-def _newest(root: Path, pointer: Path, why: str = "is missing") -> Path | None:
-    """The newest complete step folder under `root` (named in a note), None when `root` has none."""
+def _newest(root: Path, pointer: Path, why: str = "is missing", *, quiet: bool, required: bool = False):
+    """The newest complete step folder under `root` (named in a note), None when `root` has none (an error if
+    `required`)."""
     found = list_checkpoints(root)
     complete = [p for p in found if is_complete(p)]
     if not complete:
@@ -129,12 +142,18 @@ def _newest(root: Path, pointer: Path, why: str = "is missing") -> Path | None:
                 f"{pointer} {why} and no step folder under {root} is complete ({MODEL_FILE} and every rank file;"
                 f" newest {found[-1].name}): restore one, or start a new run in another --train.run_dir"
             )
+        if required:  # moved away (to free disk, say): starting over would overwrite `latest` at the first save
+            raise FileNotFoundError(
+                f"{pointer} {why} and no step folder is left under {root}: restore the step folders, or start a "
+                f"new run in another --train.run_dir"
+            )
         return None
     skipped = [p.name for p in found[found.index(complete[-1]) + 1 :]]
-    note(
-        f"fastclip train: note: {pointer} {why}; resuming from the newest step folder {complete[-1]}"
-        + (f" (skipped {', '.join(skipped)}: incomplete)" if skipped else "")
-    )
+    if not quiet:
+        note(
+            f"fastclip train: note: {pointer} {why}; resuming from the newest step folder {complete[-1]}"
+            + (f" (skipped {', '.join(skipped)}: incomplete)" if skipped else "")
+        )
     return complete[-1]
 
 
@@ -165,12 +184,11 @@ def find_model_file(path: str | os.PathLike) -> Path:
     if (path / MODEL_FILE).is_file():
         return path / MODEL_FILE
     for checkpoints in (path / "checkpoints", path):
-        latest = checkpoints / "latest"
-        named = latest.read_text(errors="replace").strip() if latest.is_file() else ""
+        named = read_pointer(checkpoints)
         if named:  # (none, or an empty one: the newest step folder, below)
             step_dir = checkpoints / named
             if not (step_dir / MODEL_FILE).is_file():
-                raise FileNotFoundError(f"{latest} names {step_dir}, which has no {MODEL_FILE}")
+                raise FileNotFoundError(f"{checkpoints / LATEST} names {step_dir}, which has no {MODEL_FILE}")
             return step_dir / MODEL_FILE
     for checkpoints in (path / "checkpoints", path):  # no `latest` (a copy that left it out): as resume does
         steps = list_checkpoints(checkpoints)

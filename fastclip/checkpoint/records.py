@@ -75,12 +75,6 @@ def saved_world_size(model_file: dict) -> int:
     return int(model_file["world_size"])
 
 
-def saved_optimizer(model_file: dict) -> dict:
-    """The engine's optimizer record (DDP: torch's state_dict; DeepSpeed: the temperature's and where its shards
-    are)."""
-    return model_file["optimizer"]
-
-
 def saved_config(model_file: dict) -> dict:
     """The resolved config the run trained with (Config.to_dict())."""
     return model_file["config"]
@@ -130,7 +124,7 @@ def describe_checkpoint(obj) -> str:
             return f"an OpenCLIP training checkpoint (epoch_N.pt, epoch {obj.get('epoch')})"
         if set(obj) == {"state_dict"}:
             return "a model-only checkpoint (fastclip export, or an open_clip weights file)"
-        return f"a checkpoint with a state_dict but no fastclip training state (keys {sorted(obj)[:8]})"
+        return f"a checkpoint with a state_dict but no fastclip training state (keys {sorted(map(str, obj))[:8]})"
     if obj and all(torch.is_tensor(v) for v in obj.values()):
         return f"{BARE_STATE_DICT} ({len(obj)} tensors)"
     return f"not a model checkpoint (a dict with keys {sorted(map(str, obj))[:8]})"

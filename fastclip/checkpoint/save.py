@@ -14,7 +14,14 @@ from pathlib import Path
 
 from fastclip import faults
 from fastclip.checkpoint.files import free_bytes, fsync_dir, mib, save_file, tensor_bytes, write_text_atomic
-from fastclip.checkpoint.layout import MODEL_FILE, prune_checkpoints, rank_file_name, step_dir_name
+from fastclip.checkpoint.layout import (
+    LATEST,
+    MODEL_FILE,
+    prune_checkpoints,
+    rank_file_name,
+    read_pointer,
+    step_dir_name,
+)
 from fastclip.distributed import DistInfo, barrier
 from fastclip.errors import CheckpointError
 
@@ -59,10 +66,10 @@ def save_checkpoint(
 
 def _last_good(root: Path) -> str:
     """What a failed save leaves to resume from, in words."""
-    pointer = root / "latest"
-    if not pointer.is_file():
+    named = read_pointer(root)
+    if named is None:
         return "no earlier checkpoint exists"
-    return f"{pointer} still names {pointer.read_text().strip()}"
+    return f"{root / LATEST} still names {named}"
 
 
 def _save(
@@ -118,7 +125,7 @@ def _save(
         if durable:
             fsync_dir(root)
         faults.hook("checkpoint.renamed", step=step, rank=info.rank)
-        write_text_atomic(root / "latest", final.name + "\n", durable=durable)
+        write_text_atomic(root / LATEST, final.name + "\n", durable=durable)
         if old is not None:
             shutil.rmtree(old)
         prune_checkpoints(root, keep_last, keep=final)

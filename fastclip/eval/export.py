@@ -71,7 +71,7 @@ def _refuse_checkpoint_out(out: Path, source: Path) -> None:
         return
     if any(folder.glob("rank_*.pt")) or ((folder / ckpt.MODEL_FILE).is_file() and _is_training(folder)):
         raise ValueError(f"--out {out} is in the step folder {folder} of a training run; {refuse}")
-    if (folder / "latest").is_file() and ckpt.list_checkpoints(folder):
+    if (folder / ckpt.LATEST).is_file() and ckpt.list_checkpoints(folder):
         raise ValueError(f"--out {out} is in the checkpoints folder {folder} of a training run; {refuse}")
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fastclip.checkpoint import read_pointer
 from fastclip.distributed import DistInfo
 from fastclip.losses import LossInputError, NonFiniteFeaturesError
 from fastclip.train.errors import CollectiveFailure, NonFiniteStepsError, TrainingError
@@ -224,10 +225,10 @@ class NonFiniteGuard:
         self.log.log(record)
 
     def _stop_error(self, in_a_row: int, where: str, why: str):
-        latest = self.checkpoints / "latest" if self.checkpoints is not None else None
-        if latest is not None and latest.is_file():
+        named = read_pointer(self.checkpoints) if self.checkpoints is not None else None
+        if named is not None:
             last = (
-                f"The last checkpoint, {self.checkpoints / latest.read_text().strip()}, was saved before them and is "
+                f"The last checkpoint, {self.checkpoints / named}, was saved before them and is "
                 "intact. Check the data and the learning rate, then resume with --train.resume latest"
             )
         else:  # resuming "latest" would start over: say so instead of suggesting it

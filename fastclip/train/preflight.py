@@ -27,11 +27,13 @@ import torch
 
 from fastclip.checkpoint import (
     BARE_STATE_DICT,
+    LATEST,
     MODEL_FILE,
     RANK_FILE,
     STEP_DIR,
     describe_checkpoint,
     list_checkpoints,
+    read_pointer,
     shape_mismatches,
     strip_module_prefix,
 )
@@ -197,7 +199,7 @@ def check_no_run_held(run_dir: Path, resuming: str | None = None) -> None:
     root = run_dir / "checkpoints"
     try:
         steps = list_checkpoints(root)
-        pointer = (root / "latest").read_text(errors="replace").strip() if (root / "latest").is_file() else None
+        pointer = read_pointer(root)
         logged = (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
     except OSError:  # not a folder, not readable, a name too long: the write probe below says what
         return
@@ -209,7 +211,7 @@ def check_no_run_held(run_dir: Path, resuming: str | None = None) -> None:
             )
         return
     newest = root / pointer if pointer and STEP_DIR.fullmatch(pointer) else steps[-1] if steps else None
-    held = f"step {int(STEP_DIR.fullmatch(newest.name).group(1))}, {newest}" if newest else f"{root / 'latest'}"
+    held = f"step {int(STEP_DIR.fullmatch(newest.name).group(1))}, {newest}" if newest else f"{root / LATEST}"
     if resuming is not None:
         raise ConfigError(
             f"config key 'train.run_dir': {run_dir} already holds a run ({held}); continuing {resuming} there would "

@@ -7,6 +7,7 @@ import torch
 
 from fastclip.data import StreamConfig
 from fastclip.data.pixels import on_device
+from fastclip.data.views import split_views
 from fastclip.train import preflight
 from fastclip.train.config import Config, ConfigError
 
@@ -48,3 +49,14 @@ def build_data(cfg: Config, info, built, catalog, data_size: int):
         catalog=catalog,
     )
     return stream, normalize
+
+
+def to_device(batch: tuple, device: torch.device, normalize, *, ssl: bool) -> tuple:
+    """A loader batch on the device, its uint8 images normalised there; ssl: the two views of each image take the
+    places of image and text (groups: copies of one image are positives)."""
+    batch = tuple(t.to(device, non_blocking=True) for t in batch)
+    if normalize is not None:  # ssl: [B, 2, C, H, W], the same per channel
+        batch = (normalize(batch[0]), *batch[1:])
+    if ssl:
+        batch = (*split_views(batch[0]), *batch[2:])
+    return batch

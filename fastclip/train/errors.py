@@ -17,6 +17,17 @@ class NonFiniteStepsError(TrainingError):
     """Too many optimizer steps in a row were skipped for NaN/Inf loss, gradients or features."""
 
 
+def explain_failure(error: BaseException, timeouts) -> BaseException:
+    """What ended a run, as `fastclip train` reports it: a rank with no training sample left -> DataFailure (its
+    message names the shards); an error of the process group -> a CollectiveFailure naming rank, step and phase
+    (guards.CollectiveTimeouts); anything else unchanged."""
+    from fastclip.data.samples import DataExhausted
+
+    if isinstance(error, DataExhausted):
+        return DataFailure(str(error))
+    return timeouts.explain(error)
+
+
 __all__ = [
     "TrainingError",
     "CheckpointError",
@@ -24,4 +35,5 @@ __all__ = [
     "CollectiveFailure",
     "DataFailure",
     "NonFiniteStepsError",
+    "explain_failure",
 ]

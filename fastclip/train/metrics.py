@@ -51,8 +51,9 @@ def start_line(cfg, info, net, stream, steps: tuple[int, int], resume_dir: Path 
     )
 
 
-def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:
-    """Host values of the loss's metrics (call on logging steps only: .item() waits for the device)."""
+def scalar_metrics(loss_fn, loss: torch.Tensor, step: int) -> dict:
+    """Host values of the loss's metrics (call on logging steps only: .item() waits for the device); a non-finite
+    one stops the run (FloatingPointError), naming the step."""
     out = {"loss": loss.item()}
     for name, value in getattr(loss_fn, "metrics", {}).items():
         if not torch.is_tensor(value):
@@ -65,6 +66,8 @@ def scalar_metrics(loss_fn, loss: torch.Tensor) -> dict:
     comm = getattr(loss_fn, "comm_bytes", None) or {}
     if "total" in comm:
         out["comm_bytes"] = int(comm["total"])
+    if not all(math.isfinite(v) for v in out.values()):
+        raise FloatingPointError(f"non-finite metrics at step {step}: {out}")
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 
 from fastclip.checkpoint import strip_module_prefix
 from fastclip.checkpoint.manager import CheckpointManager, SavedCheckpoint
+from fastclip.checkpoint.parts import LossParameters, Record, Value
 from fastclip.train import preflight
 
 
@@ -62,3 +63,18 @@ def run_checkpoints(cfg, info, resume: SavedCheckpoint | None, *, write_extra: C
         resume=resume,
     )
     return manager, resume is not None and resume.step_dir.parent.resolve() == root.resolve()
+
+
+def run_parts(run) -> dict:
+    """model.pt's parts of a run beside its towers: the loss's parameters (for export and eval; each rank's file
+    restores the loss itself), the optimizer, the counters, and records for reading (the schedules are pure
+    functions of samples_seen)."""
+    return {
+        "loss": LossParameters(run.loss_fn),
+        "optimizer": Optimizer(run.engine, run.resume_dir),  # DeepSpeed: its shards too
+        **{counter: Value(run, counter) for counter in ("step", "epoch", "samples_seen")},
+        "config": Record(run.cfg.to_dict),
+        "schedules": Record(run.schedules.state),
+        "arch": Record(lambda: run.net.built.arch),
+        "model_config": Record(lambda: run.net.built.config),
+    }

@@ -7,7 +7,6 @@ with its sharded state -> optimizer), then logging, evaluation (evaluation.py) a
 
 from __future__ import annotations
 
-import math
 import time
 import traceback
 from pathlib import Path
@@ -17,21 +16,20 @@ import torch
 from fastclip import faults
 from fastclip.checkpoint import MODEL_FILE
 from fastclip.checkpoint.manager import SavedCheckpoint
-from fastclip.checkpoint.parts import DataPosition, LossParameters, LossState, Record, RNGStates, Value
+from fastclip.checkpoint.parts import DataPosition, LossState, RNGStates
 from fastclip.data.plan import Layout
-from fastclip.data.views import split_views
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
 from fastclip.losses import NonFiniteFeaturesError
 from fastclip.train import metrics, preflight
 from fastclip.train.catalog_checks import check_inputs, shared_catalog
 from fastclip.train.config import Config, dump_config, note
-from fastclip.train.data import build_data
-from fastclip.train.errors import DataFailure
+from fastclip.train.data import build_data, to_device
+from fastclip.train.errors import explain_failure
 from fastclip.train.evaluation import Evaluation
 from fastclip.train.guards import CollectiveTimeouts, build_guards, check_loss_inputs
 from fastclip.train.metrics import STEP_LINE, Throughput, scalar_metrics
 from fastclip.train.net import build_net, seed_all, temperature_to_towers
-from fastclip.train.parts import Optimizer, Towers, run_checkpoints
+from fastclip.train.parts import Towers, run_checkpoints, run_parts
 from fastclip.train.preemption import StopSignals, stopped_line
 from fastclip.train.schedules import Schedules
 
@@ -55,14 +53,10 @@ def train(cfg: Config) -> dict:
         e.at_step = timeouts.step  # the step it stopped on, for `fastclip train`'s line after a Ctrl-C
         # the traceback's frames hold the DDP wrapper; cleared, it can be freed before the group goes
         traceback.clear_frames(e.__traceback__)
-        from fastclip.data.samples import DataExhausted
-
-        if isinstance(e, DataExhausted):  # this rank has nothing to train on: its message names the shards
-            raise DataFailure(str(e)) from None
-        explained = timeouts.explain(e)
+        explained = explain_failure(e, timeouts)
         if explained is e:
             raise
-        raise explained from e  # a failed collective becomes a CollectiveFailure naming rank, step and phase
+        raise explained from e  # a rank out of data, a failed collective: one named error (errors.explain_failure)
     finally:
         cleanup(info)
         stop.release(stopped=stopped)
@@ -103,9 +97,7 @@ class Run:
         self.step, self.samples_seen, self.epoch = 0, 0, 0
         self.restore(resume)
         remaining = sum(self.stream.batches_remaining(e) for e in range(self.epoch, cfg.train.epochs))
-        self.last_step = self.step + remaining
-        if cfg.train.max_steps is not None:
-            self.last_step = min(self.last_step, cfg.train.max_steps)
+        self.last_step = min(n for n in (self.step + remaining, cfg.train.max_steps) if n is not None)
         self.start_reporting()
         self.last_saved, self.last_save_time = (self.step if resumed_here else -1), time.time()
         self.throughput, self.record = Throughput(), {}
@@ -130,22 +122,9 @@ class Run:
 
     def restore(self, resume: SavedCheckpoint | None) -> None:
         """Adds the optimizer, counters, data position and RNG streams to the checkpoints (loading them, resuming)."""
-        cfg, net = self.cfg, self.net
+        cfg = self.cfg
         position = DataPosition(self.stream)
-        self.checkpoints.add(
-            shared={
-                "loss": LossParameters(self.loss_fn),  # for export and eval: the rank files restore the loss
-                "optimizer": Optimizer(self.engine, self.resume_dir),  # DeepSpeed: its shards too
-                "step": Value(self, "step"),
-                "epoch": Value(self, "epoch"),
-                "samples_seen": Value(self, "samples_seen"),
-                "config": Record(cfg.to_dict),
-                "schedules": Record(self.schedules.state),  # for reading: pure functions of samples_seen
-                "arch": Record(lambda: net.built.arch),
-                "model_config": Record(lambda: net.built.config),
-            },
-            per_rank={"data": position},
-        )
+        self.checkpoints.add(shared=run_parts(self), per_rank={"data": position})
         # the data layout the checkpoint was trained at (setting_notes: a batch size change is said with its rule)
         saved_layout = (position.loaded or {}).get("layout")
         self.resumed_layout = Layout(**saved_layout) if saved_layout else None
@@ -208,7 +187,7 @@ class Run:
             batch = next(batches, None)
             if batch is None:
                 break  # epoch done
-            batch = self.on_device(batch)
+            batch = to_device(batch, self.device, self.normalize, ssl=self.cfg.ssl.enabled)
             self.throughput.data += time.perf_counter() - t0
             loss, grad_norm, skip = self.train_step(*batch)
             if guard.on_device and (self.is_logging_step() or self.checkpoint_due() or self.stop_check_due()):
@@ -228,14 +207,6 @@ class Run:
         if self.stream.batches_remaining(self.epoch) == 0:  # an epoch with no batch left for this run
             self.end_epoch()
         del batches  # stops the epoch's data workers now when training stops early
-
-    def on_device(self, batch: tuple) -> tuple:
-        batch = tuple(t.to(self.device, non_blocking=True) for t in batch)
-        if self.normalize is not None:  # ssl: [B, 2, C, H, W], the same per channel
-            batch = (self.normalize(batch[0]), *batch[1:])
-        if self.cfg.ssl.enabled:  # [B, 2, C, H, W] images: view 1 takes the image's place, view 2 the text's
-            batch = (*split_views(batch[0]), *batch[2:])  # groups: copies of one image, positives
-        return batch
 
     def train_step(
         self, images, texts, indices, groups=None
@@ -322,9 +293,7 @@ class Run:
         nonfinite = self.check_loss_inputs()
         if nonfinite:
             self.log.message(f"step {self.step}: {nonfinite}")
-        values = scalar_metrics(self.loss_fn, loss) if skip is None else {}
-        if not all(math.isfinite(v) for v in values.values()):
-            raise FloatingPointError(f"non-finite metrics at step {self.step}: {values}")
+        values = scalar_metrics(self.loss_fn, loss, self.step) if skip is None else {}
         record = metrics.step_record(
             self.step,
             self.epoch,

@@ -275,7 +275,7 @@ def test_a_latest_pointer_with_no_step_folder_left_is_an_error_not_a_fresh_start
     assert ckpt.latest_complete(tmp_path) is None  # (the Ctrl-C line names no checkpoint then)
 
 
-def test_pruning_after_a_branch_keeps_the_branch_and_drops_the_abandoned_steps(tmp_path):
+def test_pruning_after_a_branch_keeps_the_branch_and_drops_the_abandoned_steps(tmp_path, capsys):
     """Resumed from step 20 of {10, 20, 30, 40}, the save at 25 keeps the newest 2 up to it (20, 25); 30 and 40 (the
     abandoned branch) go: they used to count towards keep_last (20 and 25 were deleted) and, with `latest` lost,
     resume took step 40 of the abandoned branch."""
@@ -283,20 +283,26 @@ def test_pruning_after_a_branch_keeps_the_branch_and_drops_the_abandoned_steps(t
     _complete(root, 10, 20, 30, 40)
     save(root, 25, keep_last=2)
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000020", "step_00000025"]
+    assert "deleting step_00000030, step_00000040: after step_00000025" in capsys.readouterr().err
     (root / "latest").unlink()
     assert ckpt.resolve_resume("latest", tmp_path) == root / "step_00000025"
+    link = root / "resumed"  # a resume may name a link to its step folder: pruning at start-up keeps what it names
+    link.symlink_to(root / "step_00000025")
+    _complete(root, 30)
+    ckpt.prune_checkpoints(root, 1, keep=link)
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000025"]
 
 
 def test_the_ctrl_c_line_and_resume_name_the_same_checkpoint(tmp_path, capsys):
-    """latest_complete (the line after Ctrl-C) follows resolve_resume's rules, quietly: the folder `latest` names
-    (resume takes it, and says what it lacks; the line used to name an older one instead); without `latest`, the
-    newest complete one."""
+    """latest_complete (the line after Ctrl-C) follows resolve_resume's rules, quietly: `latest` naming an incomplete
+    folder is no checkpoint to continue from (resume takes that folder and refuses it; the line used to name an older
+    one); without `latest`, the newest complete one."""
     root = tmp_path / "checkpoints"
     _complete(root, 2)
     (root / "step_00000004").mkdir()
     (root / "step_00000004" / "model.pt").write_bytes(b"")
     (root / "latest").write_text("step_00000004\n")
-    assert ckpt.latest_complete(tmp_path) == ckpt.resolve_resume("latest", tmp_path) == root / "step_00000004"
+    assert ckpt.resolve_resume("latest", tmp_path) == root / "step_00000004" and ckpt.latest_complete(tmp_path) is None
     (root / "latest").unlink()
     assert ckpt.latest_complete(tmp_path) == root / "step_00000002" and capsys.readouterr().err == ""
 
@@ -423,3 +429,22 @@ def test_a_rank_whose_folder_rank_0_removed_goes_on_to_the_barrier_that_names_th
     with pytest.raises(RankZeroGone):
         ckpt.save_checkpoint(root, 4, rank1, model_file=None, rank_file={"x": torch.ones(2)}, keep_last=2)
     assert barriers == [1, 1]
+
+
+def test_the_ctrl_c_line_says_when_latest_names_nothing_usable(tmp_path):
+    from fastclip.train.cli import _interrupted_line
+
+    error = KeyboardInterrupt()
+    error.at_step = 7
+    assert _interrupted_line(error, tmp_path) == "fastclip train: interrupted at step 7; no checkpoint yet"
+    root = tmp_path / "checkpoints"
+    _complete(root, 4)
+    assert _interrupted_line(error, tmp_path) == (
+        f"fastclip train: interrupted at step 7; last complete checkpoint: {root / 'step_00000004'} (continue with "
+        "--train.resume latest)"
+    )
+    shutil.rmtree(root / "step_00000004")
+    (root / "latest").write_text("step_00000004\n")  # every step folder moved away: resume refuses, and the line says
+    assert _interrupted_line(error, tmp_path) == (
+        f"fastclip train: interrupted at step 7; {root / 'latest'} names no usable step folder"
+    )

@@ -5,11 +5,12 @@ ConfigError: `fastclip train` exits 2).
     Expected                            what this run is, as far as a saved state depends on it (the trainer builds
                                         it from its config: nothing here reads a Config)
     read_given(path, key)               a checkpoint or weights file the operator named (a .safetensors too)
-    read_resume(given, run_dir)         (the step folder, its model.pt) of train.resume, or a file refused saying
-                                        what it is (with a pointer to --model.pretrained for weights)
+    read_resume(given, run_dir)         (the step folder, its model.pt) of train.resume, every saved rank's file
+                                        present, or a file refused saying what it is (with a pointer to
+                                        --model.pretrained for weights)
     check_resume(step_dir, model_file, expected, rank_files=False)
                                         every part's check (CHECKS) on model.pt's and rank 0's states; rank_files:
-                                        every other rank file there and whole (`--check`, once for the job)
+                                        every other rank file whole too (`--check`, once for the job)
 
 The checks are per part, under the part's name in the checkpoint (fastclip/checkpoint/manager.py): the config
 (same towers and loss), the optimizer (same backend, ZeRO stage and, under ZeRO, world size), the step (steps left

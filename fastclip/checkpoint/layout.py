@@ -50,6 +50,12 @@ def _step(folder: Path) -> int:
     return int(STEP_DIR.fullmatch(folder.name).group(1))
 
 
+def _step_of(keep: Path) -> int | None:
+    """The step of `keep`, a step folder or a link to one (a resume may name either); None for neither."""
+    match = STEP_DIR.fullmatch(keep.resolve().name)
+    return int(match.group(1)) if match else None
+
+
 def prune_checkpoints(root: Path, keep_last: int, *, keep: Path) -> None:
     """Rank 0: delete the complete checkpoints older than the newest `keep_last` up to `keep` (never `keep`), and
     those after `keep`: a branch abandoned by resuming from an older step, which must not count towards keep_last nor
@@ -62,9 +68,12 @@ def prune_checkpoints(root: Path, keep_last: int, *, keep: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
     # keep_last counts complete checkpoints: an incomplete folder (a resume passed it over, or damaged by hand) is not
     # one of them and is left as it is (what it still holds may be wanted)
-    complete = [p for p in list_checkpoints(root) if is_complete(p)]
-    upto = [p for p in complete if _step(p) <= _step(keep)]
-    stale = upto[:-keep_last] + [p for p in complete if _step(p) > _step(keep)]
+    complete, kept = [p for p in list_checkpoints(root) if is_complete(p)], _step_of(keep)
+    after = [p for p in complete if kept is not None and _step(p) > kept]
+    if after:
+        note(f"fastclip train: note: deleting {', '.join(p.name for p in after)}: after {keep.name}, which this run "
+             f"continued from (checkpoint.keep_last counts the run's own checkpoints)")  # fmt: skip
+    stale = [p for p in complete if p not in after][:-keep_last] + after
     for folder in stale:
         if folder.resolve() == keep.resolve():
             continue
@@ -110,12 +119,13 @@ def rank_files_in(folder: Path) -> dict[int, Path]:
 
 
 def latest_complete(run_dir: Path) -> Path | None:
-    """The checkpoint `--train.resume latest` continues from (resolve_resume's rules, without its notes); None when
-    there is none or it cannot be told."""
+    """The checkpoint `--train.resume latest` continues from (resolve_resume's rules, without its notes), if it is
+    complete; None when there is none, it is not complete (the resume refuses it) or it cannot be told."""
     try:
-        return resolve_resume(LATEST, run_dir, quiet=True)
+        found = resolve_resume(LATEST, run_dir, quiet=True)
     except (OSError, ValueError):
         return None
+    return found if found is not None and is_complete(found) else None
 
 
 def _from_pointer(pointer: Path, quiet: bool) -> Path:

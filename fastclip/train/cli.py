@@ -16,7 +16,8 @@ train.stop_signals (SIGUSR1, SIGTERM: preemption, the end of a SLURM time slot) 
 that step on every rank: exit status 75 (launch/slurm.sbatch requeues the job on it; fastclip/train/preemption.py).
 The launcher's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, SLURM_*) are checked before
 anything else, by --check too: a missing partner variable or a value out of range is one line naming it, exit 2.
-Interrupted (Ctrl-C, SIGINT): one line naming the step and the last complete checkpoint; exit status 130.
+Interrupted (Ctrl-C, SIGINT): one line naming the step and the last complete checkpoint (or what is wrong with
+`latest`); exit status 130.
 """
 
 from __future__ import annotations
@@ -55,9 +56,13 @@ def _interrupted_line(error: BaseException, run_dir) -> str:
     # the trainer tags the error it re-raises with the step it was on
     step = next((e.at_step for e in _chain(error) if getattr(e, "at_step", None) is not None), None)
     where = f"at step {step}" if step else "before the first step"
-    from fastclip.checkpoint import latest_complete
+    from fastclip.checkpoint import LATEST, latest_complete, read_pointer
 
     last = latest_complete(Path(run_dir)) if run_dir else None
+    if last is None and run_dir and read_pointer(Path(run_dir) / "checkpoints") is not None:
+        return (
+            f"fastclip train: interrupted {where}; {Path(run_dir) / 'checkpoints' / LATEST} names no usable step folder"
+        )
     if last is None:
         return f"fastclip train: interrupted {where}; no checkpoint yet"
     return (

@@ -270,7 +270,7 @@ class EvalConfig:
 class CheckpointConfig:
     every_steps: int = 500  # 0: never by step count
     every_minutes: float = 10.0  # 0: never by time (rank 0's clock decides, on logging steps)
-    keep_last: int = 3  # completed checkpoints kept (older ones are deleted)
+    keep_last: int = 3  # completed checkpoints kept (older ones, and any after a step resumed from, are deleted)
     at_end: bool = True
     # false: no fsync of the files (scratch disks, tests); a kill still leaves the last save whole, a power loss may not
     fsync: bool = True

@@ -24,7 +24,7 @@ from fastclip.train import metrics, preflight
 from fastclip.train.catalog_checks import check_inputs, shared_catalog
 from fastclip.train.config import Config, dump_config, note
 from fastclip.train.data import build_data, to_device
-from fastclip.train.errors import explain_failure
+from fastclip.train.errors import DataFailure, explain_failure
 from fastclip.train.evaluation import Evaluation
 from fastclip.train.guards import CollectiveTimeouts, build_guards, check_loss_inputs
 from fastclip.train.metrics import STEP_LINE, Throughput, scalar_metrics
@@ -56,7 +56,8 @@ def train(cfg: Config) -> dict:
         explained = explain_failure(e, timeouts)
         if explained is e:
             raise
-        raise explained from e  # a rank out of data, a failed collective: one named error (errors.explain_failure)
+        # a rank out of data (its own words, nothing chained), a failed collective: one named error
+        raise explained from (None if isinstance(explained, DataFailure) else e)
     finally:
         cleanup(info)
         stop.release(stopped=stopped)

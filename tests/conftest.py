@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-# A suite started in the background by a shell without job control (`cmd &`, nohup) inherits SIGINT (and SIGHUP)
-# ignored, and fastclip rightly leaves an ignored signal alone (stopping._handled): the tests that send them, in this
-# process or to the commands it starts (an ignored signal stays ignored across exec), would then fail. Give the
-# suite the dispositions of one started from a terminal, however it was launched.
+# A suite started in the background by a shell without job control (`cmd &`) inherits SIGINT ignored, and fastclip
+# rightly leaves an ignored signal alone (stopping._handled): the tests that send it, in this process or to the
+# commands it starts (an ignored signal stays ignored across exec), would then fail. Give the suite a terminal's
+# Ctrl-C however it was launched (SIGHUP stays as it is: nohup's ignoring it is the point of nohup).
 signal.signal(signal.SIGINT, signal.default_int_handler)
-signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 # Jobs and spawned ranks run with 1 thread (helpers.clean_env, dist_utils); in-process runs that are compared
 # with them bit for bit must use the same CPU kernels, whichever test file runs first or alone.

@@ -712,10 +712,13 @@ def pack_results(results: Path) -> int:
     records, files = dict(_packed(results / PACKED)), []
     for path in sorted((results / "runs").glob("*.json")):
         try:
-            records[path.stem] = {"id": path.stem, **json.loads(path.read_text())}
+            record = json.loads(path.read_text())
+            if not isinstance(record, dict) or record.get("id", path.stem) != path.stem:
+                raise ValueError("not a run record of its file's name")
         except ValueError as e:  # a torn write, say: kept as it is, for whoever looks
-            print(f"bench_stat_eff: note: {path}: not JSON ({e}); left where it is, not packed", file=sys.stderr)
+            print(f"bench_stat_eff: note: {path}: not packed ({e}); left where it is", file=sys.stderr)
             continue
+        records[path.stem] = {"id": path.stem, **record}
         files.append(path)
     tmp = results / f"{PACKED}.tmp"
     with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
@@ -1557,7 +1560,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (SMOKE_OUT if args.quick else RESULTS)
     results = out / ("stat_eff_quick" if args.quick else "stat_eff")
     work = SMOKE_OUT / ("stat_eff_work_quick" if args.quick else "stat_eff_work")
-    if args.quick and results.exists() and not args.report:  # a smoke run starts over; a report reads what is there
+    if args.quick and results.exists() and not (args.report or args.pack):  # a smoke run starts over, not a report
         shutil.rmtree(results)
     if (args.report or args.pack) and not ((results / "runs").is_dir() or (results / PACKED).is_file()):
         print(

@@ -78,12 +78,15 @@ def test_stat_eff_pack_moves_the_run_files_into_one_archive_read_as_they_were(tm
     for record in records:
         (results / "runs" / f"{record['id']}.json").write_text(json.dumps(record, indent=1))
     (results / "runs" / "torn.json").write_text('{"id": "to')
+    (results / "runs" / "list.json").write_text("[1, 2]")  # JSON, not a run's record
     assert bench_stat_eff.pack_results(results) == 2
-    assert "torn.json: not JSON" in capsys.readouterr().err
-    assert [p.name for p in (results / "runs").iterdir()] == ["torn.json"]
+    err = capsys.readouterr().err
+    assert "torn.json: not packed (" in err and "list.json: not packed (not a run record" in err
+    assert sorted(p.name for p in (results / "runs").iterdir()) == ["list.json", "torn.json"]
     assert [bench_stat_eff.load_result(results, r) for r in runs] == records
     packed = (results / "runs.jsonl.gz").read_bytes()
     (results / "runs" / "torn.json").unlink()
+    (results / "runs" / "list.json").unlink()
     assert bench_stat_eff.pack_results(results) == 2 and (results / "runs.jsonl.gz").read_bytes() == packed
     assert not (results / "runs").exists()
     newer = dict(records[0], final_score=0.75)

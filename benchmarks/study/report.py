@@ -156,7 +156,7 @@ def markdown(spec: Spec, summary: dict) -> str:
     lines += [
         f"Code: commit(s) {summary['commit'] or '–'}. Metric in %: mean of the final test metric over seeds "
         "(± sample std). Δ: paired difference by seed against the table's strongest baseline (±: its std), "
-        "wins: seeds where the objective is ahead; p: two-sided Wilcoxon signed-rank (exact up to 16 seeds, ties and "
+        "wins: seeds where the objective is ahead; p: two-sided Wilcoxon signed-rank (exact up to 12 seeds, ties and "
         "zeros included), p_Holm over the table's comparisons, perm: the paired permutation test, Holm-adjusted.",
         "",
     ]

@@ -53,11 +53,10 @@ def train(cfg: Config) -> dict:
         e.at_step = timeouts.step  # the step it stopped on, for `fastclip train`'s line after a Ctrl-C
         # the traceback's frames hold the DDP wrapper; cleared, it can be freed before the group goes
         traceback.clear_frames(e.__traceback__)
-        explained = explain_failure(e, timeouts)
+        explained = explain_failure(e, timeouts)  # a rank out of data, a failed collective: one named error
         if explained is e:
             raise
-        # a rank out of data (its own words, nothing chained), a failed collective: one named error
-        raise explained from (None if isinstance(explained, DataFailure) else e)
+        raise explained from (None if isinstance(explained, DataFailure) else e)  # DataFailure: its own words
     finally:
         cleanup(info)
         stop.release(stopped=stopped)

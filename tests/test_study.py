@@ -245,6 +245,44 @@ def test_code_version_names_the_code_tree():
     assert version["dirty"] == ("+dirty-" in version["code"])
 
 
+def test_code_version_outside_a_repository_comes_from_the_file_prepare_wrote(tmp_path, monkeypatch):
+    """On a lent GPU machine the working tree is a copy without .git: the version `gpu_check.sh prepare` recorded
+    here (STUDY_CODE_VERSION) is what its runs record; without that file, "unknown"."""
+    here = records.code_version()
+    (tmp_path / "version.json").write_text(json.dumps(here))
+    monkeypatch.setattr(records, "REPO", tmp_path)  # git finds no repository there
+    monkeypatch.delenv("STUDY_CODE_VERSION", raising=False)
+    assert records.code_version()["commit"] == "unknown"
+    monkeypatch.setenv("STUDY_CODE_VERSION", str(tmp_path / "version.json"))
+    assert records.code_version() == here
+
+
+def test_the_gpu_spec_is_v2_with_its_differences_only(tmp_path, tiny_embedded):
+    """v2-gpu.yaml (`base: v2.yaml`): the same cells, seeds, data and scenes, on cuda, into its own results; its runs
+    decode in a loader worker each. A base that is missing or names itself is one line."""
+    v2, gpu = load(REPO / "benchmarks" / "study" / "v2.yaml"), load(REPO / "benchmarks" / "study" / "v2-gpu.yaml")
+    same = ("objectives", "batches", "tune_seeds", "test_seeds", "other_test_seeds", "long_factor", "curve_points")
+    assert all(getattr(v2, key) == getattr(gpu, key) for key in same)
+    (d2,), (dg,) = v2.datasets.values(), gpu.datasets.values()
+    assert dataclasses.replace(dg, make=d2.make) == d2 and dg.make == (
+        *d2.make,
+        "--fashion-mnist-root",
+        ".gpu/fashion-mnist",
+    )
+    assert (gpu.device, gpu.train) == ("cuda", {**v2.train, "data.workers": 1}) and gpu.results != v2.results
+    run = tune_runs(gpu, dg.name, 32, "dcl")[0]
+    args = runner.command(gpu, run, tiny_embedded)
+    assert args[args.index("--data.workers") + 1] == "1" and args[args.index("--train.device") + 1] == "cuda"
+    args = runner.command(v2, run, tiny_embedded)
+    assert args[args.index("--data.workers") + 1] == "0"  # on CPU a run is one process on one core
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(SpecError, match="loop.yaml: is its own base"):
+        load(tmp_path / "loop.yaml")
+    (tmp_path / "orphan.yaml").write_text("base: gone.yaml\n")
+    with pytest.raises(SpecError, match=r"gone.yaml: no such spec file \(the base of .*orphan.yaml\)"):
+        load(tmp_path / "orphan.yaml")
+
+
 def test_v2_spec_plans_and_every_objective_passes_fastclip_train_check(tmp_path, tiny_embedded, capsys):
     from fastclip.train.cli import main as train_main
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -22,8 +23,14 @@ def _git(*args: str) -> str:
 
 def code_version() -> dict:
     """{commit, code (the key runs are compared by), dirty}: code is the tree id of fastclip/ and configs/ at HEAD,
-    plus "+dirty-<hash of the diff>" when either has uncommitted changes."""
-    commit = _git("rev-parse", "HEAD") or "unknown"
+    plus "+dirty-<hash of the diff>" when either has uncommitted changes. Outside a repository (a copy of the working
+    tree on a lent GPU machine) the file named by STUDY_CODE_VERSION says it (written, from the repository, by
+    `bash benchmarks/gpu_check.sh prepare`)."""
+    commit = _git("rev-parse", "HEAD")
+    given = os.environ.get("STUDY_CODE_VERSION")
+    if not commit and given:
+        return json.loads(Path(given).read_text())
+    commit = commit or "unknown"
     trees = [_git("rev-parse", f"HEAD:{p}")[:12] for p in CODE_PATHS]
     diff = _git("diff", "HEAD", "--", *CODE_PATHS)
     untracked = _git("ls-files", "--others", "--exclude-standard", "--", *CODE_PATHS)

@@ -87,7 +87,7 @@ def command(spec: Spec, run: Run, data: Path, extra: dict | None = None) -> list
         "data.val": data / ("val" if run.phase == "tune" else "test"),
         "data.zeroshot": data / "zeroshot.json",
         "data.batch_size": run.global_batch,
-        "data.workers": 0,
+        "data.workers": spec.train.get("data.workers", 0),  # one core per run on CPU; a GPU's runs decode in workers
         "model.arch": d.arch,
         "loss.name": o.loss,
         "optim.warmup_steps": max(1, int(steps * spec.warmup_frac)),
@@ -143,7 +143,7 @@ def thin(points: list, most: int) -> list:
     return [points[i] for i in keep]
 
 
-def evaluate_split(folder: Path, data: Path, split: str) -> dict:
+def evaluate_split(folder: Path, data: Path, split: str, device: str = "cpu") -> dict:
     """The final model of a run on another split (`novel`), through fastclip.eval as `fastclip eval` does."""
     import torch
 
@@ -151,14 +151,14 @@ def evaluate_split(folder: Path, data: Path, split: str) -> dict:
     from fastclip.eval.checkpoint import load_model
 
     torch.set_num_threads(1)
-    built = load_model(folder, device="cpu").built
+    built = load_model(folder, device=device).built
     out = run_evals(
         built.model,
         tokenizer=built.tokenizer,
         preprocess=built.preprocess_val,
         val_dir=str(data / split),
         zeroshot_file=str(data / "zeroshot.json"),
-        device="cpu",
+        device=device,
         batch_size=256,
     )
     return {k: v for k, v in out.items() if isinstance(v, (int, float))}
@@ -186,6 +186,7 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
             "epochs": run.epochs,
         },
         **records.code_version(),
+        "device": spec.device,
         "final": {
             "metric": metric(final, name),
             "zeroshot_top1": zeroshot_top1(final),
@@ -197,7 +198,7 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
         "samples_per_s": logged[-1]["samples_per_s"] if logged else None,
     }
     if run.phase != "tune" and (data / "novel" / MANIFEST_NAME).is_file():
-        novel = evaluate_split(folder, data, "novel")
+        novel = evaluate_split(folder, data, "novel", spec.device)
         out["novel"] = {"metric": metric(novel, name), "zeroshot_top1": zeroshot_top1(novel)}
     # the measurements rounded, the run's settings as given (rounded, an lr of 2.5e-4 read 3e-4)
     return {**records.round_floats(out), "run": out["run"]}

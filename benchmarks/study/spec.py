@@ -119,12 +119,12 @@ def _objective(name: str, raw: dict, where: str) -> Objective:
     return Objective(name, raw["loss"], options, grid, bool(raw.get("baseline")), bool(raw.get("headline")))
 
 
-def load(path: Path) -> Spec:
-    """The spec at `path` (YAML or JSON), checked: equal tuning budgets, >= 2 tuning seeds, >= 6 test seeds for
-    headline objectives, a longer-training factor >= 3, at least one baseline."""
-    path = Path(path)
+def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """The mapping of a spec file; `base: FILE` (beside it) gives the keys it does not set, mappings merged key by
+    key (lists replaced): a study's variant (another device, more seeds) is its differences only."""
     if not path.is_file():
-        raise SpecError(f"{path}: no such spec file")
+        raise SpecError(f"{path}: no such spec file" + (f" (the base of {seen[-1]})" if seen else ""))
+    _need(path.resolve() not in seen, str(path), "is its own base (a cycle of `base:`)")
     text = path.read_text()
     try:
         import yaml
@@ -133,6 +133,24 @@ def load(path: Path) -> Spec:
     except (ValueError, yaml.YAMLError) as error:
         raise SpecError(f"{path}: not valid YAML/JSON ({str(error).splitlines()[0]})") from None
     _need(isinstance(raw, dict), str(path), "must be a mapping")
+    if "base" not in raw:
+        return raw
+    base = _read(path.parent / str(raw.pop("base")), (*seen, path.resolve()))
+    return _merged(base, raw)
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load(path: Path) -> Spec:
+    """The spec at `path` (YAML or JSON), checked: equal tuning budgets, >= 2 tuning seeds, >= 6 test seeds for
+    headline objectives, a longer-training factor >= 3, at least one baseline."""
+    path = Path(path)
+    raw = _read(path)
     known = {
         "name", "results", "work", "datasets", "objectives", "batches", "tune_seeds", "test_seeds",
         "other_test_seeds", "long_factor", "warmup_frac", "curve_points", "device", "train", "report_md",

@@ -35,8 +35,8 @@ prepare)
     # scenes there), and the code version its runs record (there is no git repository there)
     mkdir -p .gpu/fashion-mnist
     cp -n "$("$PY" -c 'from fastclip.data.sources.embedded import FASHION_MNIST_ROOT as r; print(r)')"/*.gz .gpu/fashion-mnist/
-    "$PY" -c 'import json; from benchmarks.study import records; print(json.dumps(records.code_version()))' \
-        > .gpu/code_version.json
+    "$PY" -c 'import json; from benchmarks.study import records as r
+print(json.dumps({**r.code_version(), "files": r.files_digest()}))' > .gpu/code_version.json
     du -sh .whl "$DATA" .gpu/fashion-mnist
     ;;
 run)

@@ -247,14 +247,23 @@ def test_code_version_names_the_code_tree():
 
 def test_code_version_outside_a_repository_comes_from_the_file_prepare_wrote(tmp_path, monkeypatch):
     """On a lent GPU machine the working tree is a copy without .git: the version `gpu_check.sh prepare` recorded
-    here (STUDY_CODE_VERSION) is what its runs record; without that file, "unknown"."""
+    here (STUDY_CODE_VERSION) is what its runs record, if the copy's code is the code it was written for; without
+    that file, "unknown"."""
+    import shutil
+
     here = records.code_version()
-    (tmp_path / "version.json").write_text(json.dumps(here))
-    monkeypatch.setattr(records, "REPO", tmp_path)  # git finds no repository there
+    (tmp_path / "version.json").write_text(json.dumps({**here, "files": records.files_digest()}))
+    copy = tmp_path / "copy"  # the working tree's code, without .git
+    for root in records.CODE_PATHS:
+        shutil.copytree(REPO / root, copy / root, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(records, "REPO", copy)
     monkeypatch.delenv("STUDY_CODE_VERSION", raising=False)
     assert records.code_version()["commit"] == "unknown"
     monkeypatch.setenv("STUDY_CODE_VERSION", str(tmp_path / "version.json"))
     assert records.code_version() == here
+    (copy / "fastclip" / "cli.py").write_text("# changed after prepare\n")
+    with pytest.raises(ValueError, match="was written for other code than this copy's fastclip, configs: run"):
+        records.code_version()
 
 
 def test_the_gpu_spec_is_v2_with_its_differences_only(tmp_path, tiny_embedded):

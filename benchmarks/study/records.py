@@ -12,6 +12,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from .spec import SpecError
+
 REPO = Path(__file__).resolve().parents[2]
 CODE_PATHS = ("fastclip", "configs")
 
@@ -29,7 +31,13 @@ def code_version() -> dict:
     commit = _git("rev-parse", "HEAD")
     given = os.environ.get("STUDY_CODE_VERSION")
     if not commit and given:
-        return json.loads(Path(given).read_text())
+        version = json.loads(Path(given).read_text())
+        if version.pop("files", None) != files_digest():
+            raise SpecError(
+                f"STUDY_CODE_VERSION {given} was written for other code than this copy's {', '.join(CODE_PATHS)}: "
+                "run `bash benchmarks/gpu_check.sh prepare` again where the repository is, and carry it anew"
+            )
+        return version
     commit = commit or "unknown"
     trees = [_git("rev-parse", f"HEAD:{p}")[:12] for p in CODE_PATHS]
     diff = _git("diff", "HEAD", "--", *CODE_PATHS)
@@ -39,6 +47,17 @@ def code_version() -> dict:
     if dirty:
         code += "+dirty-" + hashlib.sha1((diff + untracked).encode()).hexdigest()[:8]
     return {"commit": commit[:12], "code": code, "dirty": dirty}
+
+
+def files_digest() -> str:
+    """A hash of the code's files as they are (names and bytes; caches left out): what a copy without .git is
+    checked by against the version recorded where the repository is."""
+    digest = hashlib.sha1()
+    for root in CODE_PATHS:
+        for path in sorted((REPO / root).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                digest.update(f"{path.relative_to(REPO)}\0".encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def run_path(results: Path, run_id: str) -> Path:

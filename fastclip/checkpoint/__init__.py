@@ -35,9 +35,11 @@ from fastclip.checkpoint.files import (
 )
 from fastclip.checkpoint.layout import (
     CHECKPOINT_FORMAT,
+    CHECKPOINTS,
     DEEPSPEED_TAG,
     LATEST,
     MODEL_FILE,
+    RANK_FILES,
     STEP_DIR,
     find_model_file,
     is_complete,
@@ -79,6 +81,8 @@ from fastclip.errors import CheckpointError, CheckpointFileMissing
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "CHECKPOINTS",
+    "RANK_FILES",
     "DEEPSPEED_TAG",
     "LATEST",
     "MODEL_FILE",

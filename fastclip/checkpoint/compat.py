@@ -31,6 +31,7 @@ from fastclip.checkpoint.files import load_file
 from fastclip.checkpoint.layout import DEEPSPEED_TAG, MODEL_FILE, rank_file_name, resolve_resume
 from fastclip.checkpoint.records import (
     RANK_FILE,
+    TRAINING_CHECKPOINT,
     WEIGHTS,
     describe_checkpoint,
     read_model_file,
@@ -41,8 +42,6 @@ from fastclip.checkpoint.records import (
 )
 from fastclip.data.stream import IDENTITY, identity_mismatches
 from fastclip.errors import CheckpointError, ConfigError
-
-TRAINING_CHECKPOINT = "a fastclip training checkpoint"
 
 
 @dataclass(frozen=True)

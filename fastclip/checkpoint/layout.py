@@ -21,6 +21,8 @@ STEP_DIR = re.compile(r"step_(\d{8,})")
 CHECKPOINT_FORMAT = "fastclip-checkpoint/1"  # model.pt's "format"; bump when a key changes meaning
 MODEL_FILE = "model.pt"
 LATEST = "latest"  # <checkpoints>/latest: the name of the newest complete step folder
+CHECKPOINTS = "checkpoints"  # <run_dir>/checkpoints/: the step folders and `latest`
+RANK_FILES = "rank_*.pt"
 DEEPSPEED_TAG = "deepspeed"  # DeepSpeed's files go to <step dir>/deepspeed/
 
 
@@ -92,15 +94,15 @@ def resolve_resume(resume: str, run_dir: Path, *, quiet: bool = False) -> Path |
     its write) the newest complete step folder (is_complete) is taken, with a note (none if `quiet`): never a silent
     fresh start; a `latest` that names a step folder when none is left is an error."""
     if resume == LATEST:
-        root = run_dir / "checkpoints"
+        root = run_dir / CHECKPOINTS
         pointer = root / LATEST
         return _from_pointer(pointer, quiet) if pointer.is_file() else _newest(root, pointer, quiet=quiet)
     path = Path(resume)
-    for pointer in (path / LATEST, path / "checkpoints" / LATEST):
+    for pointer in (path / LATEST, path / CHECKPOINTS / LATEST):
         if pointer.is_file():
             return _from_pointer(pointer, quiet)
     if not (path / MODEL_FILE).is_file():  # a run or checkpoints folder without its pointer
-        for root in (path / "checkpoints", path):
+        for root in (path / CHECKPOINTS, path):
             if list_checkpoints(root):
                 return _newest(root, root / LATEST, quiet=quiet)
     return _checked(path, "given as train.resume")
@@ -115,7 +117,7 @@ def is_complete(step_dir: Path) -> bool:
 
 def rank_files_in(folder: Path) -> dict[int, Path]:
     """The rank_<r>.pt files of a folder, by rank."""
-    return {int(f.stem[5:]): f for f in folder.glob("rank_*.pt") if f.stem[5:].isdecimal()}
+    return {int(f.stem[5:]): f for f in folder.glob(RANK_FILES) if f.stem[5:].isdecimal()}  # rank_<r>
 
 
 def latest_complete(run_dir: Path) -> Path | None:
@@ -193,14 +195,14 @@ def find_model_file(path: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if (path / MODEL_FILE).is_file():
         return path / MODEL_FILE
-    for checkpoints in (path / "checkpoints", path):
+    for checkpoints in (path / CHECKPOINTS, path):
         named = read_pointer(checkpoints)
         if named:  # (none, or an empty one: the newest step folder, below)
             step_dir = checkpoints / named
             if not (step_dir / MODEL_FILE).is_file():
                 raise FileNotFoundError(f"{checkpoints / LATEST} names {step_dir}, which has no {MODEL_FILE}")
             return step_dir / MODEL_FILE
-    for checkpoints in (path / "checkpoints", path):  # no `latest` (a copy that left it out): as resume does
+    for checkpoints in (path / CHECKPOINTS, path):  # no `latest` (a copy that left it out): as resume does
         steps = list_checkpoints(checkpoints)
         with_model = [s for s in steps if (s / MODEL_FILE).is_file()]
         if with_model:

@@ -98,9 +98,10 @@ def image_tower_state(checkpoint: dict) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- what a file is
 RANK_FILE = "a fastclip rank file"
+TRAINING_CHECKPOINT = "a fastclip training checkpoint"
 BARE_STATE_DICT = "a bare state dict"
 WEIGHTS = (  # what describe_checkpoint calls files that hold the towers' weights (usable as --model.pretrained)
-    "a fastclip training checkpoint",
+    TRAINING_CHECKPOINT,
     "an OpenCLIP training checkpoint",
     "a model-only checkpoint",
     "a checkpoint with a state_dict",
@@ -113,7 +114,7 @@ def describe_checkpoint(obj) -> str:
     if not isinstance(obj, dict):
         return f"not a checkpoint (holds a {type(obj).__name__})"
     if is_training_checkpoint(obj):
-        return "a fastclip training checkpoint"
+        return TRAINING_CHECKPOINT
     if {"rank", "world_size", "loss_state"} <= set(obj):  # rank_<r>.pt: per-sample state, no weights
         return (
             f"{RANK_FILE} (rank {obj.get('rank')} of {obj.get('world_size')}, step {obj.get('step')}: one "

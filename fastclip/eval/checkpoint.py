@@ -49,8 +49,8 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
 def _run_without_checkpoint(path: Path) -> bool:
     """A run folder (what `fastclip train` writes first: config.yaml, metrics.jsonl, checkpoints/) with no step
     folder yet, e.g. a run stopped before its first save."""
-    markers = ("config.yaml", "metrics.jsonl", "checkpoints")
-    return any((path / m).exists() for m in markers) and not ckpt.list_checkpoints(path / "checkpoints")
+    markers = ("config.yaml", "metrics.jsonl", ckpt.CHECKPOINTS)
+    return any((path / m).exists() for m in markers) and not ckpt.list_checkpoints(path / ckpt.CHECKPOINTS)
 
 
 def _exported_arch(file: Path) -> str:

@@ -69,7 +69,7 @@ def _refuse_checkpoint_out(out: Path, source: Path) -> None:
     folder = out.resolve().parent
     if not folder.is_dir():
         return
-    if any(folder.glob("rank_*.pt")) or ((folder / ckpt.MODEL_FILE).is_file() and _is_training(folder)):
+    if any(folder.glob(ckpt.RANK_FILES)) or ((folder / ckpt.MODEL_FILE).is_file() and _is_training(folder)):
         raise ValueError(f"--out {out} is in the step folder {folder} of a training run; {refuse}")
     if (folder / ckpt.LATEST).is_file() and ckpt.list_checkpoints(folder):
         raise ValueError(f"--out {out} is in the checkpoints folder {folder} of a training run; {refuse}")

@@ -56,13 +56,12 @@ def _interrupted_line(error: BaseException, run_dir) -> str:
     # the trainer tags the error it re-raises with the step it was on
     step = next((e.at_step for e in _chain(error) if getattr(e, "at_step", None) is not None), None)
     where = f"at step {step}" if step else "before the first step"
-    from fastclip.checkpoint import LATEST, latest_complete, read_pointer
+    from fastclip.checkpoint import CHECKPOINTS, LATEST, latest_complete, read_pointer
 
     last = latest_complete(Path(run_dir)) if run_dir else None
-    if last is None and run_dir and read_pointer(Path(run_dir) / "checkpoints") is not None:
-        return (
-            f"fastclip train: interrupted {where}; {Path(run_dir) / 'checkpoints' / LATEST} names no usable step folder"
-        )
+    root = Path(run_dir) / CHECKPOINTS if run_dir else None
+    if last is None and root is not None and read_pointer(root) is not None:
+        return f"fastclip train: interrupted {where}; {root / LATEST} names no usable step folder"
     if last is None:
         return f"fastclip train: interrupted {where}; no checkpoint yet"
     return (

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fastclip.checkpoint import read_pointer
+from fastclip.checkpoint import CHECKPOINTS, read_pointer
 from fastclip.distributed import DistInfo
 from fastclip.losses import LossInputError, NonFiniteFeaturesError
 from fastclip.train.errors import CollectiveFailure, NonFiniteStepsError, TrainingError
@@ -44,7 +44,7 @@ def build_guards(cfg, info: DistInfo, *, log, stream, skips_on_device: bool):
         cfg.train.max_nonfinite_steps,
         info,
         log=log,
-        checkpoints=Path(cfg.train.run_dir) / "checkpoints",
+        checkpoints=Path(cfg.train.run_dir) / CHECKPOINTS,
         on_device=cfg.train.nonfinite_check == "device" and skips_on_device,
     )
     return guard, DataSkipReport(stream, info, REASONS)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from fastclip.checkpoint import strip_module_prefix
+from fastclip.checkpoint import CHECKPOINTS, strip_module_prefix
 from fastclip.checkpoint.manager import CheckpointManager, SavedCheckpoint
 from fastclip.checkpoint.parts import LossParameters, Record, Value
 from fastclip.train import preflight
@@ -53,7 +53,7 @@ def run_checkpoints(cfg, info, resume: SavedCheckpoint | None, *, write_extra: C
     """(the run's CheckpointManager, whether the step resumed from is one of this run's checkpoints). Every part of
     the run's state is added to it by name as it is built (and loaded then, resuming). A checkpoint of this run
     exists at the step resumed from; one taken from elsewhere does not (so the run saves its own at that step)."""
-    root = Path(cfg.train.run_dir) / "checkpoints"
+    root = Path(cfg.train.run_dir) / CHECKPOINTS
     manager = CheckpointManager(
         root,
         info,

@@ -27,6 +27,7 @@ import torch
 
 from fastclip.checkpoint import (
     BARE_STATE_DICT,
+    CHECKPOINTS,
     LATEST,
     MODEL_FILE,
     RANK_FILE,
@@ -136,13 +137,13 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
                 f"config key 'train.run_dir': {run_dir / name} is a folder where the run writes a file; move it "
                 f"away or choose another --train.run_dir"
             )
-    if taken := _step_names_taken(run_dir / "checkpoints"):
+    if taken := _step_names_taken(run_dir / CHECKPOINTS):
         path = taken[0]
         raise ConfigError(
             f"config key 'train.run_dir': {path} is {'a link' if path.is_symlink() else 'a file'} where the run "
             f"writes a step folder; move it away or choose another --train.run_dir"
         )
-    folders = (run_dir, run_dir / "checkpoints")
+    folders = (run_dir, run_dir / CHECKPOINTS)
     if not create:  # (os.path's lexists/isdir never raise: a path too long or not searchable is probed below)
         for path in (*folders, *run_dir.parents):
             if os.path.lexists(path) and not os.path.isdir(path):
@@ -196,7 +197,7 @@ def check_no_run_held(run_dir: Path, resuming: str | None = None) -> None:
     """A fresh start in a folder that holds a run would mix two runs (the old step folders stay beside the new ones,
     `latest` moves back, metrics.jsonl is cut), and so would another run's checkpoint continued there (`resuming`:
     its steps replace this run's): refused. A run that logged steps but saved no checkpoint counts too."""
-    root = run_dir / "checkpoints"
+    root = run_dir / CHECKPOINTS
     try:
         steps = list_checkpoints(root)
         pointer = read_pointer(root)

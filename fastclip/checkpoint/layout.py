@@ -38,8 +38,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     """The step folders under `root`, complete or not (is_complete), oldest first (temporary ones start with a dot)."""
     if not root.is_dir():
         return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)]
-    return sorted(dirs, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+    return sorted((p for p in root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)), key=_step)
 
 
 def read_pointer(root: Path) -> str | None:

@@ -156,9 +156,9 @@ def paired(result: dict, arm: str, against: str, key: str) -> dict | None:
     if not seeds:
         return None
     diffs = diffs.tolist()
-    p = wilcoxon_p(diffs)
+    mean, std = mean_std(diffs)
     return {"arm": arm, "against": against, "metric": key, "seeds": seeds, "diffs": diffs,
-            "diff_mean": mean_std(diffs)[0], "diff_std": mean_std(diffs)[1], "p_wilcoxon": p}  # fmt: skip
+            "diff_mean": mean, "diff_std": std, "p_wilcoxon": wilcoxon_p(diffs)}  # fmt: skip
 
 
 def verdict(result: dict, claim=CLAIM) -> str:

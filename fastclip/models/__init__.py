@@ -12,10 +12,12 @@ overwritten at export.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -28,27 +30,50 @@ from fastclip.compat import import_open_clip
 REPO_MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 
-def resolve_arch(arch: str) -> tuple[str, dict | None]:
-    """Return (open_clip name, config dict or None for built-ins), registering custom configs with open_clip."""
-    open_clip = import_open_clip()
-    path = None
+def open_clip_config(arch: str) -> dict | None:
+    """open_clip's own config of `arch`, None if it has none. From its registry once open_clip is imported (with any
+    config added at run time), else read as the registry would from its package's model_configs/: importing it
+    costs 8-10 s of CPU, which `fastclip train --check` and the launcher's check need not pay."""
+    module = sys.modules.get("open_clip")
+    if module is not None:
+        return module.get_model_config(arch) if arch in module.list_models() else None
+    spec = importlib.util.find_spec("open_clip")
+    for location in spec.submodule_search_locations if spec else ():
+        path = Path(location) / "model_configs" / f"{arch}.json"
+        if path.is_file():
+            with open(path) as f:
+                config = json.load(f)
+            return config if all(key in config for key in ("embed_dim", "vision_cfg", "text_cfg")) else None
+    return None
+
+
+def find_arch(arch: str) -> tuple[str, Path | None, dict | None]:
+    """(open_clip name, our config file or None for one of open_clip's, the config) without importing open_clip.
+
+    Raises FileNotFoundError for a .json path that is not a file, ValueError for a name known nowhere."""
     if arch.endswith(".json"):
         path = Path(arch)
         if not path.is_file():
             raise FileNotFoundError(f"model config file not found: {arch}")
-    elif arch not in open_clip.list_models():
-        candidate = REPO_MODEL_CONFIGS / f"{arch}.json"
-        if candidate.is_file():
-            path = candidate
-        else:
-            raise ValueError(
-                f"unknown model architecture {arch!r}: not an open_clip model, not in {REPO_MODEL_CONFIGS}, "
-                f"not a .json path (open_clip has e.g. RN50, ViT-B-32, ViT-B-16)"
-            )
-    if path is None:
-        return arch, None
+    elif (config := open_clip_config(arch)) is not None:  # open_clip's names come first
+        return arch, None, config
+    elif (REPO_MODEL_CONFIGS / f"{arch}.json").is_file():
+        path = REPO_MODEL_CONFIGS / f"{arch}.json"
+    else:
+        raise ValueError(
+            f"unknown model architecture {arch!r}: not an open_clip model, not in {REPO_MODEL_CONFIGS}, "
+            f"not a .json path (open_clip has e.g. RN50, ViT-B-32, ViT-B-16)"
+        )
     with open(path) as f:
-        config = json.load(f)
+        return path.stem, path, json.load(f)
+
+
+def resolve_arch(arch: str) -> tuple[str, dict | None]:
+    """Return (open_clip name, config dict or None for built-ins), registering custom configs with open_clip."""
+    name, path, config = find_arch(arch)
+    if path is None:
+        return name, None
+    open_clip = import_open_clip()
     if not any(key in config.get("text_cfg", {}) for key in HF_FOLDER_KEYS):
         open_clip.add_model_config(str(path))
         return path.stem, config

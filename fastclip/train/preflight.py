@@ -79,12 +79,14 @@ def known_archs() -> tuple[list[str], list[str]]:
 
 
 def check_arch(cfg: Config) -> None:
-    from fastclip.models import resolve_arch
+    from fastclip.models import HF_FOLDER_KEYS, find_arch, resolve_hf_folders
 
     arch = cfg.model.arch
-    try:
-        _, config = resolve_arch(arch)
-        missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if config is not None and k not in config]
+    try:  # found, not registered: importing open_clip is the ranks' cost, not this check's
+        _, path, config = find_arch(arch)
+        if path is not None and any(key in config.get("text_cfg", {}) for key in HF_FOLDER_KEYS):
+            config = resolve_hf_folders(config, path)  # as resolve_arch does: named from the config's folder
+        missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if k not in config]
     except FileNotFoundError:
         raise ConfigError(f"config key 'model.arch': model config file {arch!r} does not exist") from None
     except (ValueError, KeyError, OSError) as e:
@@ -106,12 +108,11 @@ def check_arch(cfg: Config) -> None:
     )
 
 
-def check_text_tower_local(arch: str, config: dict | None) -> None:
+def check_text_tower_local(arch: str, config: dict) -> None:
     """A Hugging Face text tower named by a hub id must be in the local hub cache: nothing is downloaded."""
-    from fastclip.compat import import_open_clip
     from fastclip.models import hub_names_not_cached
 
-    absent = hub_names_not_cached(config if config is not None else import_open_clip().get_model_config(arch) or {})
+    absent = hub_names_not_cached(config)
     if absent:
         raise ConfigError(
             f"config key 'model.arch': {arch}'s text tower is the Hugging Face hub model {' and '.join(absent)}, "

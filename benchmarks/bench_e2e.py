@@ -56,7 +56,9 @@ EXTRA = {UNPINNED: ("--data.pin_memory", "false"), FLOAT: ("--data.device_normal
 ALL_SYSTEMS = (*SYSTEMS, UNPINNED, FLOAT)
 RUNTIME = dict(arch="tiny-vit", nproc=2, device="cpu", precision="fp32", workers=1)
 FULL = dict(samples=7680, batch=64, reps=2, eval_max=4000, skip_steps=20, log_every=10, **RUNTIME)
-QUICK = dict(samples=192, batch=16, reps=1, eval_max=100, skip_steps=2, log_every=2, **RUNTIME)
+# one process in the smoke: it checks the program end to end (torchrun, both trainers, the evaluation); the 2-rank
+# paths are the training tests' (a process costs 8-10 s of CPU in imports alone)
+QUICK = dict(samples=192, batch=16, reps=1, eval_max=100, skip_steps=2, log_every=2, **dict(RUNTIME, nproc=1))
 OPENCLIP_PRECISION = {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp"}
 OC_LINE = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/(\d+).*?Batch \(t\): ([0-9.]+)")
 

@@ -317,7 +317,8 @@ class Job:
     (2.6x faster test_preemption), unless the job's environment differs from its in what an interpreter reads at
     start-up. FASTCLIP_TEST_ZYGOTE=0 starts every rank as `python -m fastclip` instead."""
 
-    def __init__(self, args: list[str], nprocs: int, log_dir: Path, *, env: dict | None = None):
+    def __init__(self, args: list[str], nprocs: int, log_dir: Path, *, env: dict | None = None, rank_env=None):
+        """rank_env(rank, port) -> a rank's launcher variables (default: torchrun's RANK, WORLD_SIZE, ...)."""
         self.log_dir = Path(log_dir).resolve()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
@@ -325,9 +326,11 @@ class Job:
         argv = ["train", "--config", str(EMBEDDED), *args]
         ranks = []
         for rank in range(nprocs):
-            rank_env = clean_env(**(env or {}))
-            if nprocs > 1:
-                rank_env.update(
+            rank_vars = clean_env(**(env or {}))
+            if rank_env is not None:
+                rank_vars.update(rank_env(rank, port))
+            elif nprocs > 1:
+                rank_vars.update(
                     RANK=str(rank),
                     WORLD_SIZE=str(nprocs),
                     LOCAL_RANK=str(rank),
@@ -336,7 +339,7 @@ class Job:
                 )
             log = self.log_dir / f"rank_{rank}.log"
             log.write_text("")  # there from the start, as with Popen: a test may read it at once
-            ranks.append({"argv": argv, "env": rank_env, "log": str(log)})
+            ranks.append({"argv": argv, "env": rank_vars, "log": str(log)})
         zygote = _Zygote.get() if os.environ.get("FASTCLIP_TEST_ZYGOTE", "1") == "1" else None
         if zygote is not None and all(zygote.fits(r["env"]) for r in ranks):
             self.procs: list[subprocess.Popen | ForkedProcess] = zygote.start(ranks, self.log_dir)

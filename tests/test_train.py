@@ -23,8 +23,8 @@ from fastclip.optim import get_lr
 from fastclip.train.cli import main
 from fastclip.train.config import load_config
 
-from dist_utils import free_port, run_distributed
-from helpers import EMBEDDED, assert_same, load, overrides, records, removed_unless_failed
+from dist_utils import run_distributed
+from helpers import EMBEDDED, Job, assert_same, load, overrides, records, removed_unless_failed
 
 # a loss name, or name:impl: one per code path of the trainer (v0 and v1 are v3's GCL path with other τ settings,
 # and dcl is dcl:moco without the queue: their 2-rank exactness is pinned in test_losses_distributed/_autograd)
@@ -405,28 +405,15 @@ def test_slurm_environment_launch(data, tmp_path):
     """Two plain processes that only know SLURM's variables (as under srun) form the group and train."""
     run = tmp_path / "slurm"
     args = overrides(data, run, "fastclip-v2", **{"train.max_steps": 2, "train.precision": "bf16"})
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "fastclip", "train", "--config", str(EMBEDDED), *args],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=_env(
-                SLURM_PROCID=str(r),
-                SLURM_NTASKS="2",
-                SLURM_LOCALID=str(r),
-                SLURM_JOB_ID="4242",
-                SLURM_JOB_NODELIST="localhost",
-                MASTER_PORT=str(port),
-            ),
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
-    assert "2 process(es) on cpu (slurm)" in outs[0]
+    slurm = dict(SLURM_NTASKS="2", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost")
+    job = Job(
+        args,
+        2,
+        tmp_path / "job",
+        rank_env=lambda r, port: dict(slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r), MASTER_PORT=str(port)),
+    )
+    assert job.wait(240) == [0, 0], job.outputs()
+    assert "2 process(es) on cpu (slurm)" in job.output(0)
     recs = records(run)
     assert [r["step"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
     state = [

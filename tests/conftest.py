@@ -43,25 +43,3 @@ def model_fns():
 
     built = build_model("tiny-vit")
     return built.preprocess_train, built.tokenizer
-
-
-# The files that take longest on 2 cores (each runs on one worker, --dist loadfile), longest first: started first,
-# they leave the short files to fill the end, where a worker would otherwise sit idle while the other finishes
-# (70 s of one idle core at the end of a suite in collection order).
-LONGEST_FIRST = (
-    "test_benchmarks.py",
-    "test_train.py",
-    "test_launcher.py",
-    "test_preemption.py",
-    "test_imagenet_eval.py",
-    "test_faults.py",
-    "test_operator_errors.py",
-    "test_deepspeed.py",
-    "test_launch_errors.py",
-    "test_shuffle_mix.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keeps its order

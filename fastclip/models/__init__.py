@@ -47,7 +47,7 @@ def open_clip_config(arch: str) -> dict | None:
     return None
 
 
-def find_arch(arch: str) -> tuple[str, Path | None, dict | None]:
+def find_arch(arch: str) -> tuple[str, Path | None, dict]:
     """(open_clip name, our config file or None for one of open_clip's, the config) without importing open_clip.
 
     Raises FileNotFoundError for a .json path that is not a file, ValueError for a name known nowhere."""

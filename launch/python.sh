@@ -4,7 +4,9 @@
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=""
 for candidate in "$ROOT/.venv/bin/python" python3 python; do
-  if "$candidate" -c 'import torch, fastclip' 2>/dev/null; then PY=$candidate; break; fi
+  # found, not imported (an import of torch costs 2-3 s of CPU; the check that follows imports what it needs)
+  if "$candidate" -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("torch") and u.find_spec("fastclip")))' \
+    2>/dev/null; then PY=$candidate; break; fi
 done
 if [[ -z "$PY" ]]; then
   echo "launch/${0##*/}: error: found no python with torch and fastclip (tried $ROOT/.venv/bin/python, then" \

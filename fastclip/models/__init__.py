@@ -28,6 +28,8 @@ from typing import Any
 from fastclip.compat import import_open_clip
 
 REPO_MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
+# what open_clip needs of a model config (its registry skips a file without them)
+CONFIG_KEYS = ("embed_dim", "vision_cfg", "text_cfg")
 
 
 def open_clip_config(arch: str) -> dict | None:
@@ -43,14 +45,16 @@ def open_clip_config(arch: str) -> dict | None:
         if path.is_file():
             with open(path) as f:
                 config = json.load(f)
-            return config if all(key in config for key in ("embed_dim", "vision_cfg", "text_cfg")) else None
+            return config if all(key in config for key in CONFIG_KEYS) else None
     return None
 
 
 def find_arch(arch: str) -> tuple[str, Path | None, dict]:
-    """(open_clip name, our config file or None for one of open_clip's, the config) without importing open_clip.
+    """(open_clip name, our config file or None for one of open_clip's, the config) without importing open_clip;
+    a Hugging Face text tower's folders in our config are resolved against the config file's folder.
 
-    Raises FileNotFoundError for a .json path that is not a file, ValueError for a name known nowhere."""
+    Raises FileNotFoundError for a .json path that is not a file (or a tower folder not found), ValueError for a
+    name known nowhere."""
     if arch.endswith(".json"):
         path = Path(arch)
         if not path.is_file():
@@ -65,7 +69,8 @@ def find_arch(arch: str) -> tuple[str, Path | None, dict]:
             f"not a .json path (open_clip has e.g. RN50, ViT-B-32, ViT-B-16)"
         )
     with open(path) as f:
-        return path.stem, path, json.load(f)
+        config = json.load(f)
+    return path.stem, path, resolve_hf_folders(config, path) if names_hf_folders(config) else config
 
 
 def resolve_arch(arch: str) -> tuple[str, dict | None]:
@@ -74,12 +79,11 @@ def resolve_arch(arch: str) -> tuple[str, dict | None]:
     if path is None:
         return name, None
     open_clip = import_open_clip()
-    if not any(key in config.get("text_cfg", {}) for key in HF_FOLDER_KEYS):
+    if not names_hf_folders(config):
         open_clip.add_model_config(str(path))
         return path.stem, config
-    # a Hugging Face text tower: its folders are resolved against the config file's folder, so open_clip (which
-    # takes them as given) builds it from any working directory; registered as resolved, never from the file
-    config = resolve_hf_folders(config, path)
+    # a Hugging Face text tower: open_clip takes its folders as given, so it is registered as find_arch resolved it
+    # (it then builds from any working directory), never from the file
     with tempfile.TemporaryDirectory() as tmp:
         resolved = Path(tmp) / path.name
         resolved.write_text(json.dumps(config))
@@ -88,6 +92,11 @@ def resolve_arch(arch: str) -> tuple[str, dict | None]:
 
 
 HF_FOLDER_KEYS = ("hf_model_name", "hf_tokenizer_name")
+
+
+def names_hf_folders(config: dict) -> bool:
+    """Whether the config's text tower is a Hugging Face one named by folder or hub id."""
+    return any(key in config.get("text_cfg", {}) for key in HF_FOLDER_KEYS)
 
 
 def resolve_hf_folders(config: dict, config_file: Path) -> dict:

@@ -79,14 +79,12 @@ def known_archs() -> tuple[list[str], list[str]]:
 
 
 def check_arch(cfg: Config) -> None:
-    from fastclip.models import HF_FOLDER_KEYS, find_arch, resolve_hf_folders
+    from fastclip.models import CONFIG_KEYS, find_arch
 
     arch = cfg.model.arch
     try:  # found, not registered: importing open_clip is the ranks' cost, not this check's
-        _, path, config = find_arch(arch)
-        if path is not None and any(key in config.get("text_cfg", {}) for key in HF_FOLDER_KEYS):
-            config = resolve_hf_folders(config, path)  # as resolve_arch does: named from the config's folder
-        missing = [k for k in ("embed_dim", "vision_cfg", "text_cfg") if k not in config]
+        _, _, config = find_arch(arch)
+        missing = [k for k in CONFIG_KEYS if k not in config]
     except FileNotFoundError:
         raise ConfigError(f"config key 'model.arch': model config file {arch!r} does not exist") from None
     except (ValueError, KeyError, OSError) as e:

@@ -46,18 +46,23 @@ def test_a_config_added_to_open_clip_at_run_time_resolves_as_before(tmp_path):
     assert resolve_arch("my-rn50") == ("my-rn50", None)
 
 
-def test_the_check_before_a_launch_does_not_import_open_clip(tmp_path):
+def test_the_check_before_a_launch_does_not_import_open_clip_nor_open_clip_wandb(tmp_path):
     data = make_embedded(tmp_path / "data")
     checks = [
         ["train", "--check", "--world-size", "2", "--config", str(EMBEDDED), *overrides(data, tmp_path / "r", **extra)]
         for extra in ({}, {"model.arch": "tiny-vit-hf"}, {"model.arch": "RN50"})
     ]
+    # then open_clip's import, which leaves wandb unimported (timm would import it, for nothing of open_clip's),
+    # and a real `import wandb` after it for train.wandb, when wandb is installed
     script = (
-        "import sys; from fastclip.cli import main\n"
+        "import importlib.util, sys; from fastclip.cli import main\n"
         f"codes = [main(argv) for argv in {checks!r}]\n"
-        "print(codes, 'open_clip' in sys.modules)"
+        "print(codes, 'open_clip' in sys.modules)\n"
+        "from fastclip.compat import import_open_clip; import_open_clip()\n"
+        "installed = importlib.util.find_spec('wandb') is not None\n"
+        "print('wandb' in sys.modules, not installed or callable(__import__('wandb').init))"
     )
     out = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[0, 0, 0] False", out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-2:] == ["[0, 0, 0] False", "False True"], out.stdout + out.stderr
     assert out.stdout.count("config ok for 2 process(es)") == 3

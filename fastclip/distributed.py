@@ -11,6 +11,7 @@ MASTER_PORT or derived from the job id, so every task computes the same address 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -392,6 +393,22 @@ def release_wrappers() -> None:
     gc.collect()
 
 
+@contextlib.contextmanager
+def frozen_heap():
+    """Within: what exists on entry is exempt from garbage collection (gc.freeze), so release_wrappers() scans only
+    what was created inside: a run's DDP wrapper and what holds it. A full collection in a process that has imported
+    open_clip scans ~380,000 objects (0.4 s of CPU, and in a forked process a copy of every page they touch); a
+    caller's own freeze is left as it is."""
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
+
+
 def destroy_process_group() -> None:
     """`dist.destroy_process_group()` after `release_wrappers()`; a no-op without a group."""
     release_wrappers()
@@ -421,5 +438,6 @@ __all__ = [
     "broadcast_flag",
     "cleanup",
     "release_wrappers",
+    "frozen_heap",
     "destroy_process_group",
 ]

@@ -1,11 +1,20 @@
 """SLURM / torchrun environment -> rank, world size, local rank, master address (no processes started)."""
 
+import gc
 import os
 import stat
+import weakref
 
 import pytest
 
-from fastclip.distributed import LaunchError, dist_env_from, parse_slurm_nodelist, slurm_master_addr
+from fastclip.distributed import (
+    LaunchError,
+    dist_env_from,
+    frozen_heap,
+    parse_slurm_nodelist,
+    release_wrappers,
+    slurm_master_addr,
+)
 
 
 @pytest.mark.parametrize(
@@ -150,3 +159,31 @@ def test_scontrol_fallback(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(ValueError):
         slurm_master_addr("weird[x-y]")
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_frozen_heap_collects_what_was_made_inside_and_leaves_a_callers_freeze():
+    """train()'s collection at its end (release_wrappers) scans only what the run made: a cycle made inside is
+    freed, the objects from before are not scanned (gc.get_objects leaves frozen ones out), and on the way out the
+    heap is as it was, frozen by the caller or not."""
+    before = _Cycle()
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0 and not any(o is before for o in gc.get_objects())
+        inside = weakref.ref(_Cycle())
+        assert inside() is not None  # only a collection frees a cycle
+        release_wrappers()
+        assert inside() is None
+    assert gc.get_freeze_count() == 0 and any(o is before for o in gc.get_objects())
+    gc.freeze()  # a caller's own freeze (a fork server's, say) is not undone
+    try:
+        frozen = gc.get_freeze_count()
+        with frozen_heap():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

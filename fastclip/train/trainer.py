@@ -18,7 +18,7 @@ from fastclip.checkpoint import MODEL_FILE
 from fastclip.checkpoint.manager import SavedCheckpoint
 from fastclip.checkpoint.parts import DataPosition, LossState, RNGStates
 from fastclip.data.plan import Layout
-from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, init_distributed
+from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, frozen_heap, init_distributed
 from fastclip.losses import NonFiniteFeaturesError
 from fastclip.train import metrics, preflight
 from fastclip.train.catalog_checks import check_inputs, shared_catalog
@@ -38,6 +38,11 @@ from fastclip.train.schedules import Schedules
 def train(cfg: Config) -> dict:
     # what the operator typed, before a process group, a tower or a data worker exists (ConfigError: exit 2)
     preflight.check_operator_input(cfg)
+    with frozen_heap():  # the collection that frees the DDP wrapper at the end: 0.4 s less
+        return _train_in_group(cfg)
+
+
+def _train_in_group(cfg: Config) -> dict:
     info = init_distributed(cfg.train.device, cfg.train.backend, cfg.train.dist_timeout_minutes)
     timeouts = CollectiveTimeouts(
         info, start_seconds=60 * cfg.train.dist_timeout_minutes, train_seconds=cfg.train.collective_timeout_seconds

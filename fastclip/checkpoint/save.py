@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 from pathlib import Path
 
 from fastclip import faults
@@ -46,7 +47,7 @@ def save_checkpoint(
         return _save(root, final, tmp, step, info, model_file, rank_file, keep_last, write_extra, durable)
     except BaseException as e:
         if info.is_main:  # never leave a half-written folder behind; `latest` still names the last good one
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_while_others_finish(tmp)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:  # what it needed and what was there, in one line
             needed = tensor_bytes(rank_file) + (tensor_bytes(model_file) if model_file is not None else 0)
             raise CheckpointError(
@@ -62,6 +63,18 @@ def save_checkpoint(
                 f"Free space or make {root} writable, then restart with --train.resume latest"
             ) from None
         raise
+
+
+def _remove_while_others_finish(tmp: Path, seconds: float = 5.0) -> None:
+    """rmtree, again while another rank's file still lands in the folder: a rank that was writing when this one
+    failed finishes its file after the first pass (seen: .tmp_step_* left with rank_1.pt in it). A file begun later
+    still is removed by the next save or resume (stale folders)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not tmp.exists() or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _last_good(root: Path) -> str:

@@ -38,7 +38,7 @@ from fastclip.train.schedules import Schedules
 def train(cfg: Config) -> dict:
     # what the operator typed, before a process group, a tower or a data worker exists (ConfigError: exit 2)
     preflight.check_operator_input(cfg)
-    with frozen_heap():  # the collection that frees the DDP wrapper at the end: 0.4 s less
+    with frozen_heap():  # the end's collection scans only the run's objects (0.4 s less if open_clip came first)
         return _train_in_group(cfg)
 
 

@@ -221,6 +221,33 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     assert json.loads(spec.summary_json.read_text()) == summary
 
 
+def test_report_shows_each_cells_tuning_and_a_choice_on_the_grids_edge(tmp_path):
+    path = write_spec(tmp_path, batches=[32])
+    raw = json.loads(path.read_text())
+    for objective in raw["objectives"].values():  # 3 x 2 grids: an lr can sit on an edge
+        objective["grid"]["optim.lr"] = [1e-3, 5e-4, 2.5e-4]
+    path.write_text(json.dumps(raw))
+    spec = load(path)
+    runs = tune_runs(spec, "d", 32, "base2")  # setting i (lr-major), seeds 10 and 11
+    val = {0: (0.30, 0.32), 1: (0.40, 0.42), 2: (0.45, 0.47), 3: (0.20, 0.22), 4: (0.50, 0.52), 5: (0.44, 0.44)}
+    for i, run in enumerate(runs[:-1]):  # lr 2.5e-4 at τ 0.1, seed 11, still running
+        fake(spec, run, val[i // 2][i % 2], zeroshot=0.2)
+    md = report.write(spec)[0]
+    assert "### Tuning d/32/base2: 11 of 12 runs" in md and "### Tuning d/32/base" + ":" not in md
+    assert "| lr0.00025_temperature0.07 | 50.0 | 52.0 | 51.0 | 20.0 |" in md
+    assert "| lr0.00025_temperature0.1 | 44.0 | – | – | 20.0 |" in md
+    # the leader among complete settings, on the lr grid's lowest value
+    assert "Leading so far (settings with every seed done): `lr0.00025_temperature0.07`; on the grid's edge: lr " in md
+    assert "lr 0.00025 is the grid's lowest." in md
+    fake(spec, runs[-1], 0.60)  # now lr 2.5e-4 at τ 0.1 has the best mean (0.52 against 0.51)
+    md = report.write(spec)[0]
+    assert "Chosen: `lr0.00025_temperature0.1`; on the grid's edge: lr 0.00025 is the grid's lowest." in md
+    # a choice inside the grid carries no edge note
+    fake(spec, runs[4], 0.95)
+    fake(spec, runs[5], 0.95)
+    assert "Chosen: `lr0.0005_temperature0.07`." in report.write(spec)[0]
+
+
 def test_mixed_code_is_refused_and_stale_runs_rerun(tmp_path, capsys, monkeypatch):
     path = write_spec(tmp_path)
     spec = load(path)

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import records
-from .plan import PHASES, chosen, plan
+from .plan import PHASES, choose, chosen, metric_of, plan, tune_runs
 from .spec import Spec, setting_id
 from .stats import compare, mean_std, samples_ratio
 
@@ -201,7 +201,61 @@ def markdown(spec: Spec, summary: dict) -> str:
             )
         lines.append("")
     lines += pending_lines(summary["_todo"])
+    tuning = tuning_lines(spec)
+    if tuning:
+        lines += ["## Tuning (val, the final metric in %)", "", *tuning]
     return "\n".join(lines)
+
+
+def edges(spec: Spec, objective: str, setting: dict) -> list[str]:
+    """The knobs whose value in `setting` is the lowest or highest of the objective's grid (of 3 values or more):
+    the optimum may lie past it, so a reviewer would ask for the next value."""
+    out = []
+    for key, values in spec.objectives[objective].grid.items():
+        if len(values) >= 3 and setting[key] in (min(values), max(values)):
+            side = "lowest" if setting[key] == min(values) else "highest"
+            out.append(f"{key.rsplit('.', 1)[-1]} {setting[key]:g} is the grid's {side}")
+    return out
+
+
+def tuning_lines(spec: Spec) -> list[str]:
+    """Per cell with tuning runs: every setting's val metric per tuning seed and mean, zero-shot beside it, the
+    choice (or the leader among the settings whose seeds are all done) and whether it sits on the grid's edge."""
+    lines = []
+    for dataset in spec.datasets:
+        for batch in spec.batches:
+            for objective in spec.objectives:
+                runs = tune_runs(spec, dataset, batch, objective)
+                loaded = {r.id: records.load(spec.results, r.id) for r in runs}
+                if not any(loaded.values()):
+                    continue
+                by_setting: dict[tuple, list] = {}
+                for r in runs:
+                    by_setting.setdefault(r.setting, []).append(loaded[r.id])
+                done = sum(rec is not None for rec in loaded.values())
+                seeds = " | ".join(f"val s{s}" for s in spec.tune_seeds)
+                lines += [f"### Tuning {dataset}/{batch}/{objective}: {done} of {len(runs)} runs", ""]
+                lines += [f"| setting | {seeds} | mean | zero-shot (mean) |", "|---" * (len(spec.tune_seeds) + 3) + "|"]
+                for setting, recs in by_setting.items():
+                    vals = [metric_of(rec) for rec in recs]
+                    zs = [rec["final"]["zeroshot_top1"] for rec in recs if rec and rec["final"]["zeroshot_top1"]]
+                    mean = sum(vals) / len(vals) if None not in vals else None
+                    lines.append(
+                        f"| {setting_id(dict(setting))} | {' | '.join(_pct(v) for v in vals)} | {_pct(mean)} "
+                        f"| {_pct(sum(zs) / len(zs) if zs else None)} |"
+                    )
+                complete = [(dict(s), [metric_of(rec) for rec in recs]) for s, recs in by_setting.items()]
+                best = choose(complete)
+                what = "Chosen"
+                if best is None:
+                    best = choose([(s, v) for s, v in complete if None not in v])
+                    what = "Leading so far (settings with every seed done)"
+                if best is not None:
+                    edge = edges(spec, objective, best)
+                    note = f"; on the grid's edge: {', '.join(edge)}" if edge else ""
+                    lines += ["", f"{what}: `{setting_id(best)}`{note}."]
+                lines.append("")
+    return lines
 
 
 def pending_lines(todo: list) -> list[str]:

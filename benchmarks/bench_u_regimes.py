@@ -51,11 +51,11 @@ HIDDEN, EMBED = 256, 64
 
 @dataclass(frozen=True)
 class Grid:
-    sizes: tuple[int, ...] = (1_000, 4_000, 16_000)  # training pairs N: 64, 16 and 4 epochs of 64,000 samples
+    sizes: tuple[int, ...] = (250, 1_000, 4_000, 16_000)  # training pairs N: 256, 64, 16, 4 epochs of 64,000 samples
     samples: int = 64_000
     val: int = 2_000
-    gammas: tuple[float, ...] = (0.2, 0.5, 0.9)
-    lrs: tuple[float, ...] = (3e-4, 1e-3, 3e-3)
+    gammas: tuple[float, ...] = (0.2, 0.8)  # the published recipes' γ_min (CC3M 0.2, LAION 0.8)
+    lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3)
     tune_seeds: tuple[int, ...] = (100, 101)
     test_seeds: tuple[int, ...] = tuple(range(1, 11))
     evals: int = 4  # val R@1 and the global objective along the run (the curve)
@@ -227,12 +227,17 @@ def load_runs(path: Path) -> dict[str, dict]:
 
 
 def version() -> str:
-    """The code a run ran: the study's code key (fastclip/ and configs/ at HEAD, +dirty) and this file's hash."""
+    """The code a run ran: the study's code key (fastclip/ and configs/ at HEAD, +dirty) and a hash of the source of
+    what decides a run's numbers here (data, towers, schedule, training, measurements; not the grid or the tables,
+    so a size added to the grid keeps the runs already made)."""
     import hashlib
+    import inspect
 
     from benchmarks.study.records import code_version
 
-    return f"{code_version()['code']}/{hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:8]}"
+    parts = (make_data, Towers, get_lr, log_g, recall_at_1, measure, estimator_rmse, train)
+    source = "".join(inspect.getsource(p) for p in parts) + f"{TAU} {BATCH} {HIDDEN} {EMBED}"
+    return f"{code_version()['code']}/{hashlib.sha1(source.encode()).hexdigest()[:8]}"
 
 
 def run_grid(grid: Grid, work: Path) -> dict[str, dict]:
@@ -286,6 +291,7 @@ def summarize(runs: dict, grid: Grid) -> dict:
                     "n": n,
                     "objective_name": objective,
                     "lr": lr,
+                    "lr_on_edge": lr in (min(grid.lrs), max(grid.lrs)),  # the optimum may lie past it
                     "epochs": by_objective[objective][grid.test_seeds[0]]["epochs"],
                 }
             )
@@ -317,7 +323,8 @@ def markdown(result: dict) -> str:
         f"{grid['samples']:,} samples per run; lr chosen among {grid['lrs']} by the mean val R@1 of seeds "
         f"{grid['tune_seeds']}; {len(grid['test_seeds'])} test seeds; {info['date'][:10]}, commit {result['commit']}). "
         "objective: the global objective over the N training pairs (mean log g, lower is better); estimator rmse: "
-        "of log u (v1's state) or of the mini-batch log ĝ (dcl) against the exact log g of the final towers.",
+        "of log u (v1's state) or of the mini-batch log ĝ (dcl) against the exact log g of the final towers; "
+        "(edge): the chosen lr is the grid's lowest or highest.",
         "",
         f"Code of the runs: {', '.join(result['codes'])}"
         + (" — **mixed: rerun the old runs (delete them from runs.jsonl)**" if len(result["codes"]) > 1 else ""),
@@ -327,8 +334,10 @@ def markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         o, v, e = r["objective"], r["val_R1"], r["estimator_rmse"]
+        edge = " (edge)" if r["lr_on_edge"] else ""
         lines.append(
-            f"| {r['n']:,} | {r['epochs']:g} | {r['objective_name']} | {r['lr']:g} | {o['mean']:.3f} ± {o['std']:.3f} "
+            f"| {r['n']:,} | {r['epochs']:g} | {r['objective_name']} | {r['lr']:g}{edge} "
+            f"| {o['mean']:.3f} ± {o['std']:.3f} "
             f"| {100 * v['mean']:.1f} ± {100 * v['std']:.1f} | {e['mean']:.2f} |"
         )
     for metric, what in (

@@ -56,6 +56,7 @@ class Grid:
     sizes: tuple[int, ...] = (250, 1_000, 4_000)
     samples: int = 64_000
     val: int = 2_000
+    pool: int = 16_000  # training scenes rendered (the images' standardisation comes from them): N's are its first N
     gammas: tuple[float, ...] = (0.2, 0.8)  # the published recipes' γ_min (CC3M 0.2, LAION 0.8)
     lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3)
     tune_seeds: tuple[int, ...] = (100, 101)
@@ -63,7 +64,7 @@ class Grid:
     evals: int = 4  # val R@1 and the global objective along the run (the curve)
 
 
-QUICK = Grid(sizes=(256, 1_024), samples=4_096, val=256, gammas=(0.5,), lrs=(1e-3, 3e-3), test_seeds=(1, 2))
+QUICK = Grid(sizes=(256, 1_024), samples=4_096, val=256, pool=1_024, gammas=(0.5,), lrs=(1e-3, 3e-3), test_seeds=(1, 2))
 
 
 def objectives(grid: Grid) -> list[str]:
@@ -249,7 +250,7 @@ def run_grid(grid: Grid, work: Path) -> dict[str, dict]:
     code = version()
     log = work / "runs.jsonl"
     runs = load_runs(log)
-    data = make_data(max(grid.sizes), grid.val, work)
+    data = make_data(grid.pool, grid.val, work)
 
     def ensure(objective: str, n: int, lr: float, seed: int) -> dict:
         k = key(objective, n, lr, seed)

@@ -295,7 +295,7 @@ def summarize(runs: dict, grid: Grid) -> dict:
                     "objective_name": objective,
                     "lr": lr,
                     "lr_on_edge": lr in (min(grid.lrs), max(grid.lrs)),  # the optimum may lie past it
-                    "epochs": by_objective[objective][grid.test_seeds[0]]["epochs"],
+                    "visits": grid.samples / n,  # per sample, on average (an epoch drops the last partial batch)
                 }
             )
             for metric in ("objective", "val_R1", "estimator_rmse"):
@@ -332,14 +332,14 @@ def markdown(result: dict) -> str:
         f"Code of the runs: {', '.join(result['codes'])}"
         + (" — **mixed: rerun the old runs (delete them from runs.jsonl)**" if len(result["codes"]) > 1 else ""),
         "",
-        "| N | epochs | objective | lr | global objective | val R@1 % | estimator rmse |",
+        "| N | visits per sample | objective | lr | global objective | val R@1 % | estimator rmse |",
         "|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         o, v, e = r["objective"], r["val_R1"], r["estimator_rmse"]
         edge = " (edge)" if r["lr_on_edge"] else ""
         lines.append(
-            f"| {r['n']:,} | {r['epochs']:g} | {r['objective_name']} | {r['lr']:g}{edge} "
+            f"| {r['n']:,} | {r['visits']:g} | {r['objective_name']} | {r['lr']:g}{edge} "
             f"| {o['mean']:.3f} ± {o['std']:.3f} "
             f"| {100 * v['mean']:.1f} ± {100 * v['std']:.1f} | {e['mean']:.2f} |"
         )

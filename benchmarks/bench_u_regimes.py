@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -403,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_grid(grid, work)
     result = {**summarize(runs, grid), "machine": machine_info(), "commit": code_version()["commit"]}
     publish(out, "u_regimes", result, markdown, plot)
+    shutil.copyfile(work / "runs.jsonl", out / "u_regimes_runs.jsonl")  # every run, the tables' and any other
     return 0
 
 

@@ -239,13 +239,49 @@ def test_report_shows_each_cells_tuning_and_a_choice_on_the_grids_edge(tmp_path)
     # the leader among complete settings, on the lr grid's lowest value
     assert "Leading so far (settings with every seed done): `lr0.00025_temperature0.07`; on the grid's edge: lr " in md
     assert "lr 0.00025 is the grid's lowest." in md
-    fake(spec, runs[-1], 0.60)  # now lr 2.5e-4 at τ 0.1 has the best mean (0.52 against 0.51)
+    fake(spec, runs[-1], 0.60)  # now lr 2.5e-4 at τ 0.1 has the best mean (0.52 against 0.51), on the lr edge:
+    # one geometric step past it (2.5e-4 · 2.5e-4 / 5e-4) is tuned before anything is chosen
+    step = tune_runs(spec, "d", 32, "base2")[len(runs) :]
+    assert [r.id for r in step] == [f"d/32/base2/lr0.000125_temperature0.1/s{s}/tune/e2" for s in (10, 11)]
+    md = report.write(spec)[0]
+    assert "### Tuning d/32/base2: 12 of 14 runs" in md and "| lr0.000125_temperature0.1 | – | – | – |" in md
+    assert "Leading so far (settings with every seed done): `lr0.00025_temperature0.1`;" in md
+    assert not [r for r in plan(spec, "d/32/base2") if r.phase == "test" and not r.chosen_pending]
+    fake(spec, step[0], 0.52)
+    fake(spec, step[1], 0.50)  # 0.51 < 0.52: the step loses, the edge setting is chosen
     md = report.write(spec)[0]
     assert "Chosen: `lr0.00025_temperature0.1`; on the grid's edge: lr 0.00025 is the grid's lowest." in md
+    assert {r.settings["optim.lr"] for r in plan(spec, "d/32/base2") if r.phase == "test"} == {2.5e-4}
     # a choice inside the grid carries no edge note
     fake(spec, runs[4], 0.95)
     fake(spec, runs[5], 0.95)
     assert "Chosen: `lr0.0005_temperature0.07`." in report.write(spec)[0]
+
+
+def test_a_step_past_the_edge_that_wins_is_followed_by_another_at_most_twice(tmp_path):
+    path = write_spec(tmp_path, batches=[32])
+    raw = json.loads(path.read_text())
+    for objective in raw["objectives"].values():
+        objective["grid"]["optim.lr"] = [1e-3, 5e-4, 2.5e-4]
+    path.write_text(json.dumps(raw))
+    spec = load(path)
+    base = tune_runs(spec, "d", 32, "new")
+    for i, run in enumerate(base):  # lr 1e-3, rho_frac 0.6 best: the lr grid's highest
+        fake(spec, run, 0.7 if i in (2, 3) else 0.3)
+    for lr, metric in ((2e-3, 0.8), (4e-3, 0.9)):  # each step wins; the second is the last one taken
+        (a, b) = tune_runs(spec, "d", 32, "new")[len(base) :][-2:]
+        assert a.settings == {"optim.lr": lr, "loss.rho_frac": 0.6}
+        fake(spec, a, metric)
+        fake(spec, b, metric)
+    runs = tune_runs(spec, "d", 32, "new")
+    assert len(runs) == len(base) + 4 and report.chosen(spec, "d", 32, "new") == {
+        "optim.lr": 4e-3,
+        "loss.rho_frac": 0.6,
+    }
+    assert (
+        "Chosen: `lr0.004_rho_frac0.6`; on the grid's edge: lr 0.004 is past the grid's highest."
+        in report.write(spec)[0]
+    )
 
 
 def test_mixed_code_is_refused_and_stale_runs_rerun(tmp_path, capsys, monkeypatch):

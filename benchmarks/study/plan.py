@@ -51,17 +51,75 @@ def cells(spec: Spec) -> list[tuple[str, int, str]]:
     return [(d, b, o) for d in spec.datasets for b in spec.batches for o in names]
 
 
-def tune_runs(spec: Spec, dataset: str, batch: int, objective: str) -> list[Run]:
+EDGE_STEPS = 2  # at most this many steps past a grid's edge, per knob
+
+
+def _runs_of(spec: Spec, dataset: str, batch: int, objective: str, settings: list[dict]) -> list[Run]:
     epochs = spec.datasets[dataset].epochs
     return [
         Run(dataset, batch, objective, tuple(s.items()), seed, "tune", epochs)
-        for s in spec.objectives[objective].settings()
+        for s in settings
         for seed in spec.tune_seeds
     ]
 
 
 def metric_of(record: dict | None) -> float | None:
     return None if record is None else record["final"]["metric"]
+
+
+def _scores(spec: Spec, runs: list[Run]) -> list[tuple[dict, list]]:
+    by_setting: dict[tuple, list] = {}
+    for run in runs:
+        by_setting.setdefault(run.setting, []).append(metric_of(records.load(spec.results, run.id)))
+    return [(dict(s), scores) for s, scores in by_setting.items()]
+
+
+def step_past(grid: dict, setting: dict, key: str) -> dict | None:
+    """`setting` with `key` one geometric step past its grid's edge (the ratio of the edge to its neighbour), when
+    the value sits on the lowest or highest of 3 or more positive numbers; else None."""
+    values = sorted(grid[key])
+    if len(values) < 3 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
+        return None
+    value = setting[key]
+    if value <= values[0]:
+        nearer = values[1] if value == values[0] else values[0]
+    elif value >= values[-1]:
+        nearer = values[-2] if value == values[-1] else values[-1]
+    else:
+        return None
+    return {**setting, key: float(f"{value * value / nearer:.4g}")}
+
+
+def tune_plan(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[list[Run], dict | None]:
+    """The cell's tuning runs and its choice (None until every run it needs is done). First the grid; once it is
+    done, while the best setting sits on a knob's lowest or highest value, the setting one step past it (2 seeds),
+    kept while it wins, at most EDGE_STEPS steps per knob: the optimum may lie past the grid (issue 38)."""
+    grid = spec.objectives[objective].grid
+    runs = _runs_of(spec, dataset, batch, objective, spec.objectives[objective].settings())
+    best = choose(_scores(spec, runs))
+    for key in grid:
+        for _ in range(EDGE_STEPS):
+            if best is None:
+                return runs, None
+            past = step_past(grid, best, key)
+            if past is None:
+                break
+            extra = _runs_of(spec, dataset, batch, objective, [past])
+            runs += extra
+            scores = _scores(spec, extra)[0][1]
+            if None in scores:
+                return runs, None
+            if (
+                choose([(best, _scores(spec, _runs_of(spec, dataset, batch, objective, [best]))[0][1]), (past, scores)])
+                is best
+            ):
+                break
+            best = past
+    return runs, best
+
+
+def tune_runs(spec: Spec, dataset: str, batch: int, objective: str) -> list[Run]:
+    return tune_plan(spec, dataset, batch, objective)[0]
 
 
 def choose(tune_results: list[tuple[dict, list[float | None]]]) -> dict | None:
@@ -78,10 +136,7 @@ def choose(tune_results: list[tuple[dict, list[float | None]]]) -> dict | None:
 
 
 def chosen(spec: Spec, dataset: str, batch: int, objective: str) -> dict | None:
-    by_setting: dict[tuple, list] = {}
-    for run in tune_runs(spec, dataset, batch, objective):
-        by_setting.setdefault(run.setting, []).append(metric_of(records.load(spec.results, run.id)))
-    return choose([(dict(s), scores) for s, scores in by_setting.items()])
+    return tune_plan(spec, dataset, batch, objective)[1]
 
 
 def final_runs(spec: Spec, dataset: str, batch: int, objective: str, setting: dict | None) -> list[Run]:

@@ -208,13 +208,16 @@ def markdown(spec: Spec, summary: dict) -> str:
 
 
 def edges(spec: Spec, objective: str, setting: dict) -> list[str]:
-    """The knobs whose value in `setting` is the lowest or highest of the objective's grid (of 3 values or more):
-    the optimum may lie past it, so a reviewer would ask for the next value."""
+    """The knobs whose value in `setting` is the lowest or highest of the objective's grid (of 3 values or more), or
+    past it (plan.tune_plan's steps): the optimum may lie further out."""
     out = []
     for key, values in spec.objectives[objective].grid.items():
-        if len(values) >= 3 and setting[key] in (min(values), max(values)):
-            side = "lowest" if setting[key] == min(values) else "highest"
-            out.append(f"{key.rsplit('.', 1)[-1]} {setting[key]:g} is the grid's {side}")
+        value = setting[key]
+        if len(values) < 3 or min(values) < value < max(values):
+            continue
+        side = "lowest" if value <= min(values) else "highest"
+        where = f"the grid's {side}" if value in values else f"past the grid's {side}"
+        out.append(f"{key.rsplit('.', 1)[-1]} {value:g} is {where}")
     return out
 
 

@@ -17,7 +17,7 @@ from collections import Counter
 from fastclip.cli import OneLineParser, whole_number
 
 from . import hours, records, runner
-from .plan import budget, cells, plan
+from .plan import EDGE_STEPS, budget, cells, plan
 from .spec import SpecError, load
 
 
@@ -60,7 +60,8 @@ def cmd_plan(spec, args) -> int:
     print(
         f"tuning budget per cell: {next(iter(per_budget.values()))} runs for every objective "
         f"({len(next(iter(spec.objectives.values())).settings())} settings x {len(spec.tune_seeds)} seeds); "
-        f"chosen on val: the best mean of the {len(spec.tune_seeds)} tuning seeds"
+        f"chosen on val: the best mean of the {len(spec.tune_seeds)} tuning seeds, past a grid's edge by up to "
+        f"{EDGE_STEPS} steps per knob while a step wins ({len(spec.tune_seeds)} runs each)"
     )
     headline = [n for n, o in spec.objectives.items() if o.headline]
     print(

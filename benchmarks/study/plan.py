@@ -96,7 +96,9 @@ def tune_plan(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[lis
     kept while it wins, at most EDGE_STEPS steps per knob: the optimum may lie past the grid (issue 38)."""
     grid = spec.objectives[objective].grid
     runs = _runs_of(spec, dataset, batch, objective, spec.objectives[objective].settings())
-    best = choose(_scores(spec, runs))
+    scores = _scores(spec, runs)
+    best = choose(scores)
+    best_scores = next((v for s, v in scores if s == best), None)
     for key in grid:
         for _ in range(EDGE_STEPS):
             if best is None:
@@ -106,15 +108,12 @@ def tune_plan(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[lis
                 break
             extra = _runs_of(spec, dataset, batch, objective, [past])
             runs += extra
-            scores = _scores(spec, extra)[0][1]
-            if None in scores:
+            past_scores = _scores(spec, extra)[0][1]
+            if None in past_scores:
                 return runs, None
-            if (
-                choose([(best, _scores(spec, _runs_of(spec, dataset, batch, objective, [best]))[0][1]), (past, scores)])
-                is best
-            ):
+            if choose([(best, best_scores), (past, past_scores)]) is best:
                 break
-            best = past
+            best, best_scores = past, past_scores
     return runs, best
 
 

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import records
-from .plan import PHASES, choose, chosen, metric_of, plan, tune_runs
+from .plan import PHASES, choose, chosen, metric_of, plan, tune_plan
 from .spec import Spec, setting_id
 from .stats import compare, mean_std, samples_ratio
 
@@ -228,7 +228,7 @@ def tuning_lines(spec: Spec) -> list[str]:
     for dataset in spec.datasets:
         for batch in spec.batches:
             for objective in spec.objectives:
-                runs = tune_runs(spec, dataset, batch, objective)
+                runs, best = tune_plan(spec, dataset, batch, objective)
                 loaded = {r.id: records.load(spec.results, r.id) for r in runs}
                 if not any(loaded.values()):
                     continue
@@ -247,10 +247,9 @@ def tuning_lines(spec: Spec) -> list[str]:
                         f"| {setting_id(dict(setting))} | {' | '.join(_pct(v) for v in vals)} | {_pct(mean)} "
                         f"| {_pct(sum(zs) / len(zs) if zs else None)} |"
                     )
-                complete = [(dict(s), [metric_of(rec) for rec in recs]) for s, recs in by_setting.items()]
-                best = choose(complete)
-                what = "Chosen"
+                what = "Chosen"  # plan's choice, edge steps included; else the best of the complete settings
                 if best is None:
+                    complete = [(dict(s), [metric_of(rec) for rec in recs]) for s, recs in by_setting.items()]
                     best = choose([(s, v) for s, v in complete if None not in v])
                     what = "Leading so far (settings with every seed done)"
                 if best is not None:

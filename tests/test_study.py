@@ -115,6 +115,7 @@ def test_plan_counts_and_equal_budgets(tmp_path):
         ({"test_seeds": [1, 2, 3, 4, 5]}, ("test_seeds", "at least 6")),
         ({"long_factor": 2}, ("long_factor", ">= 3")),
         ({"curve_points": 40}, ("curve_points",)),
+        ({"curve_points": 8, "tune_curve_points": 9}, ("tune_curve_points", "1..curve_points (8)")),
     ],
 )
 def test_spec_refuses_what_the_protocol_forbids(tmp_path, change, words):
@@ -353,6 +354,21 @@ def test_the_gpu_spec_is_v2_with_its_differences_only(tmp_path, tiny_embedded):
     (tmp_path / "orphan.yaml").write_text("base: gone.yaml\n")
     with pytest.raises(SpecError, match=r"gone.yaml: no such spec file \(the base of .*orphan.yaml\)"):
         load(tmp_path / "orphan.yaml")
+
+
+def test_tuning_runs_evaluate_tune_curve_points_times_and_checkpoint_as_the_others(tmp_path, tiny_embedded):
+    """A tuning run evaluates `tune_curve_points` times (its choice reads the last evaluation only), a test run
+    `curve_points` times (its curve gives samples-to-target); both checkpoint `curve_points` times."""
+    spec = load(write_spec(tmp_path, curve_points=4, tune_curve_points=1))  # 80 samples, 2 epochs: 4 steps at 32
+
+    def every(run) -> tuple[int, int]:
+        args = runner.command(spec, run, tiny_embedded)
+        return int(args[args.index("--eval.every_steps") + 1]), int(args[args.index("--checkpoint.every_steps") + 1])
+
+    tune = tune_runs(spec, "d", 32, "base")[0]
+    assert every(tune) == (4, 1)
+    assert every(dataclasses.replace(tune, phase="test")) == (1, 1)
+    assert load(write_spec(tmp_path)).tune_curve_points == 16  # unset: as curve_points
 
 
 def test_v2_spec_plans_and_every_objective_passes_fastclip_train_check(tmp_path, tiny_embedded, capsys):

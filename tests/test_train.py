@@ -302,6 +302,22 @@ def test_fp16_grad_scaler(data, tmp_path):
     assert scaler["scale"] == 65536.0 and scaler["_growth_tracker"] == 2  # two finite steps at the initial scale
 
 
+def test_evaluating_every_step_trains_exactly_what_evaluating_never_does(data, tmp_path):
+    """An evaluation draws no random number and moves no data state: a run that evaluates after every step ends
+    with the same bits as one that never evaluates (the study evaluates its tuning runs less often on that)."""
+    states = {}
+    for every in (1, 0):
+        run = tmp_path / f"eval_every_{every}"
+        args = overrides(data, run, "fastclip-v1", **{"train.max_steps": 4, "eval.every_steps": every})
+        assert main(["--config", str(EMBEDDED), *args]) == 0
+        # steps 1-3 (the last step's evaluation is eval.at_end's, off here)
+        assert sum("eval/retrieval/image_to_text_R@1" in r for r in records(run)) == (3 if every else 0)
+        model, rank = (load(run / "checkpoints" / "step_00000004" / f) for f in ("model.pt", "rank_0.pt"))
+        assert model["config"]["eval"]["every_steps"] == every
+        states[every] = [{k: v for k, v in model.items() if k != "config"}, rank]
+    assert_same(states[1], states[0])
+
+
 def test_openclip_with_a_fixed_temperature(data, tmp_path, capsys):
     """loss.learn_temperature false keeps openclip's τ at loss.temperature (the study's fixed-τ control), where the
     default learns it; a loss whose τ is constant anyway (v1) refuses the key."""

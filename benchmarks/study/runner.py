@@ -78,7 +78,9 @@ def command(spec: Spec, run: Run, data: Path, extra: dict | None = None) -> list
     setting (resolved at this batch), then the study's own keys (data, schedule, evaluation, checkpoints)."""
     d, o = spec.datasets[run.dataset], spec.objectives[run.objective]
     steps = train_samples(data) // run.global_batch * run.epochs
-    every = max(1, math.ceil(steps / spec.curve_points))  # <= curve_points evaluations, each also a checkpoint
+    every = max(1, math.ceil(steps / spec.curve_points))  # <= curve_points checkpoints (and evaluations)
+    points = spec.tune_curve_points if run.phase == "tune" else spec.curve_points
+    every_eval = max(1, math.ceil(steps / points))
     keys = {
         **spec.train,
         **o.options,
@@ -98,7 +100,7 @@ def command(spec: Spec, run: Run, data: Path, extra: dict | None = None) -> list
         "train.progress": False,
         "train.tensorboard": False,
         "train.log_every": max(1, min(25, every)),
-        "eval.every_steps": every,
+        "eval.every_steps": every_eval,
         "eval.at_end": True,
         "eval.max_samples": None,
         "checkpoint.every_steps": every,

@@ -57,6 +57,9 @@ class Spec:
     long_factor: int  # the headline objectives' longer training: epochs x this, its own schedule
     warmup_frac: float
     curve_points: int  # evaluations per run (the curve), also its checkpoints (a killed run loses at most one)
+    # evaluations per tuning run: its choice reads only the last, and evaluating never changes what trains
+    # (tests/test_study.py), so fewer passes over val cost less; its checkpoints stay at curve_points
+    tune_curve_points: int
     device: str
     train: dict  # config keys every run gets (e.g. optim.wd)
     report_md: Path  # the tables
@@ -153,8 +156,8 @@ def load(path: Path) -> Spec:
     raw = _read(path)
     known = {
         "name", "results", "work", "datasets", "objectives", "batches", "tune_seeds", "test_seeds",
-        "other_test_seeds", "long_factor", "warmup_frac", "curve_points", "device", "train", "report_md",
-        "summary_json",
+        "other_test_seeds", "long_factor", "warmup_frac", "curve_points", "tune_curve_points", "device", "train",
+        "report_md", "summary_json",
     }  # fmt: skip
     unknown = set(raw) - known
     _need(not unknown, str(path), f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -183,6 +186,12 @@ def load(path: Path) -> Spec:
     _need(isinstance(long_factor, int) and long_factor >= 3, f"{path}: long_factor", "must be an integer >= 3")
     curve_points = raw.get("curve_points", 16)
     _need(isinstance(curve_points, int) and 1 <= curve_points <= 20, f"{path}: curve_points", "must be 1..20")
+    tune_points = raw.get("tune_curve_points", curve_points)
+    _need(
+        isinstance(tune_points, int) and 1 <= tune_points <= curve_points,
+        f"{path}: tune_curve_points",
+        f"must be 1..curve_points ({curve_points})",
+    )
     results = (repo / raw.get("results", f"benchmarks/results/{raw['name']}")).resolve()
     return Spec(
         path=path,
@@ -198,6 +207,7 @@ def load(path: Path) -> Spec:
         long_factor=long_factor,
         warmup_frac=float(raw.get("warmup_frac", 0.05)),
         curve_points=curve_points,
+        tune_curve_points=tune_points,
         device=str(raw.get("device", "cpu")),
         train=dict(raw.get("train") or {}),
         report_md=(repo / raw["report_md"]).resolve() if "report_md" in raw else results / "report.md",

@@ -116,6 +116,7 @@ def test_plan_counts_and_equal_budgets(tmp_path):
         ({"long_factor": 2}, ("long_factor", ">= 3")),
         ({"curve_points": 40}, ("curve_points",)),
         ({"curve_points": 8, "tune_curve_points": 9}, ("tune_curve_points", "1..curve_points (8)")),
+        ({"tune_seeds": [1, 100]}, ("tune_seeds", "[1] also test seeds")),
     ],
 )
 def test_spec_refuses_what_the_protocol_forbids(tmp_path, change, words):
@@ -174,6 +175,18 @@ def test_stats_match_scipy_and_holm_by_hand():
     assert stats.holm([0.5, 0.6]) == pytest.approx([1.0, 1.0])
 
 
+def test_equal_differences_are_ties_despite_float_noise():
+    """0.55 − 0.53 and 0.38 − 0.36 differ in the last bits; unrounded, scipy ranks them apart (p 0.359 here),
+    as ties the exact test gives 0.641."""
+    a = dict(enumerate([0.53, 0.24, 0.29, 0.36, 0.29, 0.34, 0.41, 0.13]))
+    b = dict(enumerate([0.55, 0.25, 0.31, 0.38, 0.28, 0.33, 0.40, 0.11]))
+    _, diffs = stats.paired(a, b)
+    exact = np.array([-2, -1, -2, -2, 1, 1, 1, 2]) / 100
+    assert np.array_equal(diffs, exact)
+    want = sps.wilcoxon(exact, method=sps.PermutationMethod(n_resamples=np.inf)).pvalue
+    assert stats.wilcoxon_p(diffs) == pytest.approx(want) == pytest.approx(0.640625)
+
+
 def test_samples_to_target_and_ratio():
     curve = [[100, 0.1], [200, 0.5], [300, 0.4], [400, 0.7]]
     assert stats.samples_to_reach(curve, 0.45) == pytest.approx(300 + 100 * (0.05 / 0.3))  # the dip counts
@@ -185,8 +198,12 @@ def test_samples_to_target_and_ratio():
 
 
 def test_report_schema_strongest_baseline_and_pending(tmp_path):
+    """The winner and the strongest baseline are named on val (new, then base2 among the baselines), before any
+    test seed; base2 is no headline objective, yet as its table's strongest baseline it gets every test seed and
+    the longer training."""
     spec = load(write_spec(tmp_path))
-    finish_tuning(spec)
+    val = {"base": 0.50, "base2": 0.55, "new": 0.60}
+    finish_tuning(spec, lambda name, i, seed: val[name])
     test_metric = {"base": 0.50, "base2": 0.55, "new": 0.60}
     for run in plan(spec):
         if run.phase != "tune" and run.global_batch == 32:  # batch 64's test runs stay pending
@@ -201,25 +218,47 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     cell_keys = {"dataset", "global_batch", "loss", "epochs", "seeds", "metric", "test_mean", "test_std",
                  "best_zeroshot_top1"}  # fmt: skip
     assert all(set(c) == cell_keys for c in summary["cells"])
-    assert len(summary["cells"]) == 3 + 2  # three objectives at 2 epochs, the two headline ones at 6
+    assert len(summary["cells"]) == 3 + 3  # three objectives at 2 epochs and at 6 (base2: the named baseline)
     new = next(c for c in summary["cells"] if c["loss"] == "new" and c["epochs"] == 2)
     assert new["seeds"] == [1, 2, 3, 4, 5, 6] and new["test_mean"] == pytest.approx(0.635)
+    assert next(c for c in summary["cells"] if c["loss"] == "base2" and c["epochs"] == 2)["seeds"] == [1, 2, 3, 4, 5, 6]
     (row,) = summary["comparisons"]
-    assert set(row) == {"dataset", "global_batch", "winner", "baseline", "diff_mean", "p_holm", "samples_ratio"}
-    # base2 (dcl) is the strongest baseline at 2 epochs, though it has 3 seeds and no long runs
+    keys = {"dataset", "global_batch", "winner", "baseline", "diff_mean", "p_holm", "samples_ratio",
+            "samples_ratio_epochs", "complete"}  # fmt: skip
+    assert set(row) == keys and row["complete"] is True
     assert (row["winner"], row["baseline"]) == ("new", "base2")
-    assert row["diff_mean"] == pytest.approx(0.07)  # seeds 1-3 paired: 0.60 + 0.01·(1, 2, 3) − 0.55
-    # Holm over the table's two comparisons with base2 (new: 3 pairs all up, exact p 2/8; base: 3 pairs all down)
-    p_new, p_base = sps.wilcoxon([0.06, 0.07, 0.08], method="exact").pvalue, stats.wilcoxon_p(np.full(3, -0.05))
-    assert p_new == pytest.approx(0.25) and row["p_holm"] == pytest.approx(stats.holm([p_new, p_base])[0])
-    # samples_ratio: no long runs of base2, so at the tuned length: new's mean curve 0.635·k/4 at 320·k samples
-    # reaches base2's final 0.55 between k = 3 and 4
-    needed = 960 + (0.55 - 0.635 * 0.75) / (0.635 * 0.25) * 320
-    assert row["samples_ratio"] == pytest.approx(1280 / needed, abs=1e-4)
-    assert "- d/64: 15 test run(s)" in text and "- d/64: 12 long run(s)" in text
+    assert row["diff_mean"] == pytest.approx(0.085)  # seeds 1-6 paired: 0.60 + 0.01·(1..6) − 0.55
+    # Holm over the table's two comparisons with base2 (new: 6 pairs all up, exact p 2/64; base: 6 pairs all down)
+    p_new, p_base = sps.wilcoxon([0.06, 0.07, 0.08, 0.09, 0.10, 0.11], method="exact").pvalue, 2 / 64
+    assert p_new == pytest.approx(2 / 64) and stats.wilcoxon_p(np.full(6, -0.05)) == pytest.approx(p_base)
+    assert row["p_holm"] == pytest.approx(stats.holm([p_new, p_base])[0]) == pytest.approx(4 / 64)
+    # samples_ratio at the longer length (6 epochs, 3,840 samples, curves at 960·k): new's mean curve 0.655·k/4
+    # reaches base2's final 0.57 between k = 3 and 4
+    needed = 2880 + (0.57 - 0.655 * 0.75) / (0.655 * 0.25) * 960
+    assert row["samples_ratio"] == pytest.approx(3840 / needed, abs=1e-4) and row["samples_ratio_epochs"] == 6
+    assert "- d/64: 18 test run(s)" in text and "- d/64: 18 long run(s)" in text
     md = spec.report_md.read_text()
-    assert "Strongest baseline: `base2`" in md and "| new |" in md
+    assert "Strongest baseline (named on val): `base2`" in md and "| new |" in md
     assert json.loads(spec.summary_json.read_text()) == summary
+
+
+def test_the_winner_is_named_on_val_not_by_test_means_over_unequal_seeds(tmp_path):
+    """Test means over different seed sets would crown base (seeds 1-3 high) over new, which wins every paired
+    seed; naming on val does not read the test seeds at all."""
+    spec = load(write_spec(tmp_path, batches=[32]))
+    val = {"base": 0.50, "base2": 0.40, "new": 0.60}
+    finish_tuning(spec, lambda name, i, seed: val[name])
+    for run in plan(spec):
+        if run.phase == "test":
+            if run.objective == "new":
+                fake(spec, run, 0.70 if run.seed <= 3 else 0.30)
+            else:
+                fake(spec, run, 0.65 if run.seed <= 3 else 0.20)
+    t = report.summarize(spec)["_tables"][0]
+    assert (t["winner"], t["baseline"]) == ("new", "base")
+    assert t["means"]["base2"] > t["means"]["new"]  # base2 ran seeds 1-3 only: its test mean is the highest
+    row = next(r for r in t["comparisons"] if r["objective"] == "new")
+    assert row["wins"] == 6 and row["diff_mean"] == pytest.approx(0.075)
 
 
 def test_report_shows_each_cells_tuning_and_a_choice_on_the_grids_edge(tmp_path):
@@ -301,6 +340,41 @@ def test_mixed_code_is_refused_and_stale_runs_rerun(tmp_path, capsys, monkeypatc
     assert records.load(spec.results, first.id) is None  # pending again; the old record kept under stale/
     assert json.loads((spec.results / "stale" / f"{first.id}.json").read_text())["code"] == "c0"
     assert main(["report", str(path)]) == 0  # one code left
+
+
+def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_resumed(tmp_path, tiny_embedded):
+    """A run records the arguments that decide what it trains; when the spec gives the same run other ones (here
+    the objective's fixed options), its table refuses it as other code and --rerun-stale moves it; a stopped run
+    resumes only with the code and arguments it started with."""
+    path = write_spec(tmp_path)
+    raw = json.loads(path.read_text())
+    raw["datasets"]["d"]["data"] = str(tiny_embedded)
+    path.write_text(json.dumps(raw))
+    spec = load(path)
+    run = tune_runs(spec, "d", 32, "base")[0]
+    args = runner.deciding_args(runner.command(spec, run, tiny_embedded))
+    assert args["optim.lr"] == "0.001" and args["train.seed"] == "10" and "train.run_dir" not in args
+    assert not any(k.startswith(("eval.", "checkpoint.")) for k in args)
+    fake(spec, run, 0.5)
+    record = records.load(spec.results, run.id)
+    records.save(spec.results, run.id, {**record, "args": args})
+    assert runner.table_codes(spec)[("d", 32)] == {"c1": [run.id]}
+    raw["objectives"]["base"]["options"] = {"optim.wd": 0.2}
+    path.write_text(json.dumps(raw))
+    spec = load(path)
+    assert runner.table_codes(spec)[("d", 32)] == {"c1+other-settings": [run.id]}
+    with pytest.raises(runner.MixedCommits, match="1 run.s. from other code"):
+        runner.check_commits(spec, "c1")
+    assert runner.move_stale(spec, "c1", None) == 1 and records.load(spec.results, run.id) is None
+
+    folder = tmp_path / "folder"
+    assert not runner.resumable(folder, "c1", args)  # nothing to resume
+    (folder / "checkpoints" / "step_00000002").mkdir(parents=True)
+    assert runner.resumable(folder, "c1", args)  # a folder from before code.json: as it is
+    (folder / "code.json").write_text(json.dumps({"code": "c1", "args": args}))
+    assert runner.resumable(folder, "c1", args)
+    assert not runner.resumable(folder, "c2", args)
+    assert not runner.resumable(folder, "c1", {**args, "optim.wd": "0.2"})
 
 
 def test_code_version_names_the_code_tree():

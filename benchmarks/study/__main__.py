@@ -65,8 +65,9 @@ def cmd_plan(spec, args) -> int:
     )
     headline = [n for n, o in spec.objectives.items() if o.headline]
     print(
-        f"test seeds: {len(spec.test_seeds)} for {headline}, {len(spec.other_test_seeds)} for the others; "
-        f"longer training: x{spec.long_factor} epochs for the headline objectives"
+        f"test seeds: {len(spec.test_seeds)} for {headline} and for each table's winner and strongest baseline "
+        f"(named on val), {len(spec.other_test_seeds)} for the others; longer training: x{spec.long_factor} epochs "
+        "for the same"
     )
     if args.list:
         for r in runs:

@@ -5,7 +5,12 @@ Phases of a cell (dataset, global batch, objective):
 - test: the chosen setting, the test seeds (headline objectives: all of them; others: other_test_seeds), on `test`;
 - long: headline objectives only, the chosen setting trained epochs x long_factor with its own schedule, on `test`.
 The chosen setting is the best mean over the tuning seeds of the final val metric (a tie: the first in grid
-order); it exists once every tuning run of the cell is done, so test and long runs wait for it."""
+order); it exists once every tuning run of the cell is done, so test and long runs wait for it.
+
+Each table (dataset, batch) names its winner and its strongest baseline on val too (the chosen settings' val
+means), before a test seed is read: the test seeds then measure them afresh, and a table is not a contest won on
+the data that scores it. Both get the headline objectives' treatment (every test seed and the longer training)
+whether the spec marks them headline or not: the comparison the headline reports has the full seeds' power."""
 
 from __future__ import annotations
 
@@ -91,9 +96,16 @@ def step_past(grid: dict, setting: dict, key: str) -> dict | None:
 
 
 def tune_plan(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[list[Run], dict | None]:
-    """The cell's tuning runs and its choice (None until every run it needs is done). First the grid; once it is
-    done, while the best setting sits on a knob's lowest or highest value, the setting one step past it (2 seeds),
-    kept while it wins, at most EDGE_STEPS steps per knob: the optimum may lie past the grid (issue 38)."""
+    """The cell's tuning runs and its choice (None until every run it needs is done)."""
+    runs, best, _ = tune_result(spec, dataset, batch, objective)
+    return runs, best
+
+
+def tune_result(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[list[Run], dict | None, list | None]:
+    """The cell's tuning runs, its choice and the choice's val scores per tuning seed (None, None until every run
+    it needs is done). First the grid; once it is done, while the best setting sits on a knob's lowest or highest
+    value, the setting one step past it (2 seeds), kept while it wins, at most EDGE_STEPS steps per knob: the optimum
+    may lie past the grid (issue 38)."""
     grid = spec.objectives[objective].grid
     runs = _runs_of(spec, dataset, batch, objective, spec.objectives[objective].settings())
     scores = _scores(spec, runs)
@@ -102,7 +114,7 @@ def tune_plan(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[lis
     for key in grid:
         for _ in range(EDGE_STEPS):
             if best is None:
-                return runs, None
+                return runs, None, None
             past = step_past(grid, best, key)
             if past is None:
                 break
@@ -110,11 +122,11 @@ def tune_plan(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[lis
             runs += extra
             past_scores = _scores(spec, extra)[0][1]
             if None in past_scores:
-                return runs, None
+                return runs, None, None
             if choose([(best, best_scores), (past, past_scores)]) is best:
                 break
             best, best_scores = past, past_scores
-    return runs, best
+    return runs, best, best_scores if best is not None else None
 
 
 def tune_runs(spec: Spec, dataset: str, batch: int, objective: str) -> list[Run]:
@@ -138,12 +150,52 @@ def chosen(spec: Spec, dataset: str, batch: int, objective: str) -> dict | None:
     return tune_plan(spec, dataset, batch, objective)[1]
 
 
-def final_runs(spec: Spec, dataset: str, batch: int, objective: str, setting: dict | None) -> list[Run]:
-    """The test runs, and the long runs of a headline objective, at `setting` (None: not chosen yet)."""
+@dataclass(frozen=True)
+class Designation:
+    """A table's winner and strongest baseline, named by the val mean of each objective's chosen setting (a tie:
+    the first in spec order); `complete` once every objective of the table has its choice (until then they are
+    the leaders among those that have one)."""
+
+    winner: str | None
+    baseline: str | None
+    complete: bool
+    val: dict  # objective -> val mean of its chosen setting
+
+
+def designate(spec: Spec, dataset: str, batch: int) -> Designation:
+    val = {}
+    for objective in spec.objectives:
+        _, best, scores = tune_result(spec, dataset, batch, objective)
+        if best is not None:
+            val[objective] = sum(scores) / len(scores)
+    baselines = [n for n in val if spec.objectives[n].baseline]
+    return Designation(
+        winner=max(val, key=val.get) if val else None,
+        baseline=max(baselines, key=val.get) if baselines else None,
+        complete=len(val) == len(spec.objectives),
+        val=val,
+    )
+
+
+def full_treatment(spec: Spec, objective: str, designation: Designation) -> bool:
+    """Every test seed and the longer training: a headline objective, or its table's winner or strongest baseline
+    once every choice of the table is made."""
+    named = designation.complete and objective in (designation.winner, designation.baseline)
+    return spec.objectives[objective].headline or named
+
+
+def final_runs(
+    spec: Spec, dataset: str, batch: int, objective: str, setting: dict | None, full: bool | None = None
+) -> list[Run]:
+    """The test runs, and the long runs of a fully treated objective, at `setting` (None: not chosen yet)."""
+    full = spec.objectives[objective].headline if full is None else full
     key = tuple(setting.items()) if setting else ()
     epochs = spec.datasets[dataset].epochs
-    runs = [Run(dataset, batch, objective, key, s, "test", epochs) for s in spec.seeds_of(objective)]
-    if spec.objectives[objective].headline:
+    runs = [
+        Run(dataset, batch, objective, key, s, "test", epochs)
+        for s in (spec.test_seeds if full else spec.other_test_seeds)
+    ]
+    if full:
         runs += [Run(dataset, batch, objective, key, s, "long", epochs * spec.long_factor) for s in spec.test_seeds]
     return runs
 
@@ -152,11 +204,15 @@ def plan(spec: Spec, only_cell: str | None = None) -> list[Run]:
     """Every run of the study in running order (tuning of every cell first, then test runs, then long runs);
     test and long runs of a cell whose choice is pending carry setting ()."""
     tune, test, long = [], [], []
+    tables: dict[tuple[str, int], Designation] = {}
     for dataset, batch, objective in cells(spec):
         if only_cell and only_cell != f"{dataset}/{batch}/{objective}":
             continue
         tune += tune_runs(spec, dataset, batch, objective)
-        for run in final_runs(spec, dataset, batch, objective, chosen(spec, dataset, batch, objective)):
+        if (dataset, batch) not in tables:
+            tables[dataset, batch] = designate(spec, dataset, batch)
+        full = full_treatment(spec, objective, tables[dataset, batch])
+        for run in final_runs(spec, dataset, batch, objective, chosen(spec, dataset, batch, objective), full):
             (test if run.phase == "test" else long).append(run)
     return tune + test + long
 

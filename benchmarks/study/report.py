@@ -1,8 +1,9 @@
 """The study's tables (markdown) and its flat summary (JSON, the schema in README.md), from the run JSONs.
 
 A table is one dataset at one global batch and one training length (the tuned length: every objective; the longer
-one: the headline objectives). Its strongest baseline is the baseline objective with the best mean test metric;
-every other objective is compared with it seed by seed (stats.compare, Holm over the table)."""
+one: the fully treated objectives). Its winner and strongest baseline are named on val before any test seed
+(plan.designate); every other objective is compared with that baseline seed by seed on the test seeds they share
+(stats.compare, Holm over the table)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import records
-from .plan import PHASES, choose, chosen, metric_of, plan, tune_plan
+from .plan import PHASES, choose, chosen, designate, metric_of, plan, tune_plan
 from .spec import Spec, setting_id
 from .stats import compare, mean_std, samples_ratio
 
@@ -31,15 +32,24 @@ def finished(spec: Spec) -> tuple[dict, list]:
     return done, todo
 
 
-def table(spec: Spec, runs: dict[str, dict[int, dict]]) -> dict:
-    """One table: per objective its seeds' metric, the strongest baseline, the comparisons with it."""
+def table(spec: Spec, dataset: str, batch: int, runs: dict[str, dict[int, dict]]) -> dict:
+    """One table: per objective its seeds' metric; the winner and strongest baseline named on val (None where that
+    objective has no run in this table); the comparisons with the baseline."""
     metric = {name: {s: r["final"]["metric"] for s, r in by_seed.items()} for name, by_seed in runs.items()}
     means = {name: mean_std(list(v.values()))[0] for name, v in metric.items()}
-    baselines = [n for n in metric if spec.objectives[n].baseline]
-    baseline = max(baselines, key=lambda n: means[n]) if baselines else None
-    winner = max(metric, key=lambda n: means[n])
+    named = designate(spec, dataset, batch)
+    baseline = named.baseline if named.baseline in metric else None
+    winner = named.winner if named.winner in metric else None
     rows = compare(metric, baseline) if baseline else []
-    return {"metric": metric, "means": means, "baseline": baseline, "winner": winner, "comparisons": rows}
+    return {
+        "metric": metric,
+        "means": means,
+        "val": named.val,
+        "baseline": baseline,
+        "winner": winner,
+        "named_complete": named.complete,
+        "comparisons": rows,
+    }
 
 
 def _curves(runs: dict[int, dict]) -> list:
@@ -76,7 +86,7 @@ def summarize(spec: Spec) -> dict:
     commits = Counter(r["commit"] for tables in done.values() for by in tables.values() for r in by.values())
     cells, comparisons, tables = [], [], []
     for (dataset, batch, phase), runs in sorted(done.items(), key=lambda kv: (*kv[0][:2], PHASES.index(kv[0][2]))):
-        t = table(spec, runs)
+        t = table(spec, dataset, batch, runs)
         epochs = next(iter(next(iter(runs.values())).values()))["run"]["epochs"]
         tables.append({"dataset": dataset, "global_batch": batch, "phase": phase, "epochs": epochs, **t})
         for name, by_seed in runs.items():
@@ -95,10 +105,11 @@ def summarize(spec: Spec) -> dict:
                     "best_zeroshot_top1": max(zs) if zs else None,
                 }
             )
+    pending = Counter((r.dataset, r.global_batch) for r in todo)  # a table's row is final when none is left
     for t in tables:
-        if t["phase"] != "test" or t["baseline"] is None:
+        if t["phase"] != "test" or t["baseline"] is None or t["winner"] is None:
             continue
-        comparisons.append(headline(spec, t, done))
+        comparisons.append(headline(spec, t, done, complete=pending[t["dataset"], t["global_batch"]] == 0))
     return {
         "commit": ",".join(sorted(commits)) if commits else None,
         "data": [data_checks(spec, name) for name in spec.datasets],
@@ -109,33 +120,35 @@ def summarize(spec: Spec) -> dict:
     }
 
 
-def headline(spec: Spec, t: dict, done: dict) -> dict:
-    """A table's summary row: its winner against the strongest baseline (if the winner is that baseline: against
-    the runner-up, so diff_mean >= 0 says by how much the winner leads); samples_ratio at the longer length where
-    both have long runs, else at the tuned length."""
+def headline(spec: Spec, t: dict, done: dict, complete: bool = False) -> dict:
+    """A table's summary row: its winner against the strongest baseline, both named on val (if the winner is that
+    baseline: against the runner-up on val, so diff_mean >= 0 says by how much the winner leads on test);
+    samples_ratio at the longer length where both have long runs, else at the tuned length (samples_ratio_epochs
+    says which); complete: no run of the table is pending (else the row may change)."""
     winner, baseline = t["winner"], t["baseline"]
     rows = {r["objective"]: r for r in t["comparisons"]}
+    row_of = {"dataset": t["dataset"], "global_batch": t["global_batch"], "winner": winner, "complete": complete}
     if winner == baseline:
-        others = [n for n in t["means"] if n != baseline]
+        others = [n for n in t["means"] if n != baseline and n in t["val"]]
         if not others:
-            return {"dataset": t["dataset"], "global_batch": t["global_batch"], "winner": winner,
-                    "baseline": None, "diff_mean": None, "p_holm": None, "samples_ratio": None}  # fmt: skip
-        runner_up = max(others, key=lambda n: t["means"][n])
+            return {**row_of, "baseline": None, "diff_mean": None, "p_holm": None, "samples_ratio": None,
+                    "samples_ratio_epochs": None}  # fmt: skip
+        runner_up = max(others, key=lambda n: t["val"][n])
         row = rows[runner_up]
         diff, p, pair = -row["diff_mean"] if row["diff_mean"] is not None else None, row["p_holm"], runner_up
     else:
         row = rows[winner]
         diff, p, pair = row["diff_mean"], row["p_holm"], baseline
     long = done.get((t["dataset"], t["global_batch"], "long"), {})
-    source = long if winner in long and pair in long else done[(t["dataset"], t["global_batch"], "test")]
+    phase = "long" if winner in long and pair in long else "test"
+    source = done[(t["dataset"], t["global_batch"], phase)]
     return {
-        "dataset": t["dataset"],
-        "global_batch": t["global_batch"],
-        "winner": winner,
+        **row_of,
         "baseline": pair,
         "diff_mean": diff,
         "p_holm": p,
         "samples_ratio": samples_ratio(_curves(source[winner]), _curves(source[pair])),
+        "samples_ratio_epochs": next(iter(source[winner].values()))["run"]["epochs"],
     }
 
 
@@ -156,15 +169,17 @@ def markdown(spec: Spec, summary: dict) -> str:
     lines += [
         f"Code: commit(s) {summary['commit'] or '–'}. Metric in %: mean of the final test metric over seeds "
         "(± sample std). Δ: paired difference by seed against the table's strongest baseline (±: its std), "
-        "wins: seeds where the objective is ahead; p: two-sided Wilcoxon signed-rank (exact up to 12 seeds, ties and "
-        "zeros included), p_Holm over the table's comparisons, perm: the paired permutation test, Holm-adjusted.",
+        "wins: seeds where the objective is ahead; p: two-sided Wilcoxon signed-rank (exact up to 12 seeds, zero "
+        "differences dropped, ties at their mean rank), p_Holm over the table's comparisons, perm: the paired "
+        "permutation test, Holm-adjusted. The winner and the strongest baseline are named on val (the chosen "
+        "settings' mean val metric) before any test seed is read.",
         "",
     ]
     for t in summary["_tables"]:
         title = f"## {t['dataset']}, global batch {t['global_batch']}, {t['epochs']} epochs"
         lines += [title + (" (longer training)" if t["phase"] == "long" else ""), ""]
         strongest = f"`{t['baseline']}`" if t["baseline"] else "none (no baseline has runs at this length)"
-        lines += [f"Strongest baseline: {strongest}; winner: `{t['winner']}`.", ""]
+        lines += [f"Strongest baseline (named on val): {strongest}; winner (named on val): `{t['winner']}`.", ""]
         lines += ["| objective | setting | seeds | test | Δ vs baseline | wins | p | p_Holm | perm (Holm) |"]
         lines += ["|---|---|---|---|---|---|---|---|---|"]
         rows = {r["objective"]: r for r in t["comparisons"]}
@@ -190,14 +205,14 @@ def markdown(spec: Spec, summary: dict) -> str:
     if summary["comparisons"]:
         lines += ["## Headline: the winner of each batch size against the strongest baseline", ""]
         lines += [
-            "| dataset | batch | winner | baseline | Δ | p_Holm | samples ratio |",
-            "|---|---|---|---|---|---|---|",
+            "| dataset | batch | winner | baseline | Δ | p_Holm | samples ratio (at epochs) | runs |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for c in summary["comparisons"]:
-            ratio = "–" if c["samples_ratio"] is None else f"{c['samples_ratio']:.2f}x"
+            ratio = "–" if c["samples_ratio"] is None else f"{c['samples_ratio']:.2f}x ({c['samples_ratio_epochs']})"
             lines.append(
                 f"| {c['dataset']} | {c['global_batch']} | {c['winner']} | {c['baseline']} | {_pct(c['diff_mean'])} "
-                f"| {_p(c['p_holm'])} | {ratio} |"
+                f"| {_p(c['p_holm'])} | {ratio} | {'all done' if c['complete'] else 'some pending: may change'} |"
             )
         lines.append("")
     lines += pending_lines(summary["_todo"])

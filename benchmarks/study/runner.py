@@ -187,7 +187,7 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
             "phase": run.phase,
             "epochs": run.epochs,
         },
-        **records.code_version(),
+        **started_with(folder),
         "device": spec.device,
         "final": {
             "metric": metric(final, name),
@@ -204,6 +204,13 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
         out["novel"] = {"metric": metric(novel, name), "zeroshot_top1": zeroshot_top1(novel)}
     # the measurements rounded, the run's settings as given (rounded, an lr of 2.5e-4 read 3e-4)
     return {**records.round_floats(out), "run": out["run"]}
+
+
+def started_with(folder: Path) -> dict:
+    """{commit, code, dirty, args}: what the run started with (its folder's code.json; `start` restarts a run whose
+    code or settings changed since), else the code now and no args."""
+    path = folder / "code.json"
+    return json.loads(path.read_text()) if path.is_file() else records.code_version()
 
 
 def add_wall(active: Active) -> float:
@@ -223,14 +230,44 @@ class Active:
     start: float = field(default_factory=time.perf_counter)
 
 
+# keys of a run's command that do not decide what it trains: where things are, and how often it evaluates, logs and
+# checkpoints (evaluating changes nothing that trains: tests/test_train.py)
+NOT_DECIDING = ("data.train", "data.val", "data.zeroshot", "train.run_dir", "train.progress", "train.tensorboard",
+                "train.log_every", "eval.", "checkpoint.")  # fmt: skip
+
+
+def deciding_args(cmd: list[str]) -> dict[str, str]:
+    """The `--key value` pairs of a run's command that decide what it trains (recorded in its JSON, compared
+    before more runs join its table)."""
+    pairs = dict(zip(cmd[4::2], cmd[5::2]))  # after `python -m fastclip train`
+    return {k[2:]: v for k, v in pairs.items() if not k[2:].startswith(NOT_DECIDING)}
+
+
+def resumable(folder: Path, code: str, args: dict) -> bool:
+    """Whether a run folder's checkpoints may be resumed: it has one, and it started with this code and these
+    arguments (a folder from before code.json was written: taken as it is)."""
+    if not any((folder / "checkpoints").glob("step_*")):
+        return False
+    started = folder / "code.json"
+    if not started.is_file():
+        return True
+    before = json.loads(started.read_text())
+    return before["code"] == code and before["args"] == args
+
+
 def start(spec: Spec, run: Run, data: Path) -> Active:
     folder = run_dir(spec, run)
     cmd = command(spec, run, data)
-    if any((folder / "checkpoints").glob("step_*")):
+    code, started = records.code_version(), folder / "code.json"
+    if resumable(folder, code["code"], deciding_args(cmd)):
         cmd += ["--train.resume", "latest"]  # stopped before: go on from its last checkpoint
-    elif folder.exists():
-        shutil.rmtree(folder)  # started but never checkpointed: nothing to keep
+    else:
+        if any((folder / "checkpoints").glob("step_*")):
+            print(f"{run.id}: its checkpoints are from other code or settings than now: it starts over", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)  # (started but never checkpointed: nothing to keep)
     folder.mkdir(parents=True, exist_ok=True)
+    if not started.is_file():  # the code and settings it starts with: what its JSON records, resumed or not
+        started.write_text(json.dumps({**code, "args": deciding_args(cmd)}))
     log = open(folder / "stdout.log", "a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=records.REPO)
     log.close()
@@ -251,13 +288,27 @@ def finish(spec: Spec, active: Active) -> None:
 
 # ----------------------------------------------------------------------------- provenance
 def table_codes(spec: Spec) -> dict[tuple[str, int], dict[str, list[str]]]:
-    """(dataset, batch) -> code key -> ids of the finished runs of that table from that code."""
+    """(dataset, batch) -> code key -> ids of the finished runs of that table from that code; a run whose recorded
+    arguments differ from what the spec gives it now counts as code `<its code>+other-settings`."""
     out: dict[tuple[str, int], dict[str, list[str]]] = {}
     for run in plan(spec):
         record = records.load(spec.results, run.id)
         if record is not None:
-            out.setdefault((run.dataset, run.global_batch), {}).setdefault(record["code"], []).append(run.id)
+            out.setdefault((run.dataset, run.global_batch), {}).setdefault(_code_of(spec, run, record), []).append(
+                run.id
+            )
     return out
+
+
+def _code_of(spec: Spec, run: Run, record: dict) -> str:
+    """The run's code key, marked when the spec now gives it other arguments (its objective's options, the common
+    keys, the data's arch changed since it ran). Runs recorded before arguments were (2026-11-29) are taken as
+    they are."""
+    data = spec.datasets[run.dataset].data
+    if "args" not in record or not (data / "train" / MANIFEST_NAME).is_file():
+        return record["code"]
+    now = deciding_args(command(spec, run, data))
+    return record["code"] if record["args"] == now else record["code"] + "+other-settings"
 
 
 def check_commits(spec: Spec, current: str | None, cell: str | None = None) -> None:
@@ -281,7 +332,7 @@ def move_stale(spec: Spec, current: str, cell: str | None) -> int:
     moved = 0
     for run in plan(spec, cell):
         record = records.load(spec.results, run.id)
-        if record is not None and record["code"] != current:
+        if record is not None and _code_of(spec, run, record) != current:
             records.move_stale(spec.results, run.id)
             moved += 1
     return moved

@@ -65,9 +65,6 @@ class Spec:
     report_md: Path  # the tables
     summary_json: Path  # the flat summary (README.md of this package: its schema)
 
-    def seeds_of(self, objective: str) -> tuple[int, ...]:
-        return self.test_seeds if self.objectives[objective].headline else self.other_test_seeds
-
 
 def _need(cond: bool, where: str, what: str) -> None:
     if not cond:
@@ -182,6 +179,9 @@ def load(path: Path) -> Spec:
     )
     test_seeds = _seeds(raw["test_seeds"], f"{path}: test_seeds", 6)
     other = _seeds(raw.get("other_test_seeds", raw["test_seeds"]), f"{path}: other_test_seeds", 2)
+    tune_seeds = _seeds(raw["tune_seeds"], f"{path}: tune_seeds", 2)
+    shared = sorted(set(tune_seeds) & (set(test_seeds) | set(other)))
+    _need(not shared, f"{path}: tune_seeds", f"{shared} also test seeds; the test seeds must be fresh")
     long_factor = raw.get("long_factor", 3)
     _need(isinstance(long_factor, int) and long_factor >= 3, f"{path}: long_factor", "must be an integer >= 3")
     curve_points = raw.get("curve_points", 16)
@@ -201,7 +201,7 @@ def load(path: Path) -> Spec:
         datasets=datasets,
         objectives=objectives,
         batches=tuple(batches),
-        tune_seeds=_seeds(raw["tune_seeds"], f"{path}: tune_seeds", 2),
+        tune_seeds=tune_seeds,
         test_seeds=test_seeds,
         other_test_seeds=other,
         long_factor=long_factor,

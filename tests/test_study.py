@@ -383,6 +383,27 @@ def test_code_version_names_the_code_tree():
     assert version["dirty"] == ("+dirty-" in version["code"])
 
 
+def test_an_edit_to_an_untracked_code_file_is_other_code(tmp_path, monkeypatch):
+    import subprocess
+
+    for part in records.CODE_PATHS:
+        (tmp_path / part).mkdir()
+        (tmp_path / part / "a.py").write_text("x = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "c"]):
+        subprocess.run([*git, *args], check=True)
+    monkeypatch.setattr(records, "REPO", tmp_path)
+    clean = records.code_version()
+    assert not clean["dirty"]
+    new = tmp_path / records.CODE_PATHS[0] / "new.py"
+    new.write_text("y = 1\n")
+    first = records.code_version()["code"]
+    new.write_text("y = 2\n")
+    second = records.code_version()["code"]
+    assert first.startswith(clean["code"] + "+dirty-") and second.startswith(clean["code"] + "+dirty-")
+    assert first != second
+
+
 def test_code_version_outside_a_repository_comes_from_the_file_prepare_wrote(tmp_path, monkeypatch):
     """On a lent GPU machine the working tree is a copy without .git: the version `gpu_check.sh prepare` recorded
     here (STUDY_CODE_VERSION) is what its runs record, if the copy's code is the code it was written for; without

@@ -41,11 +41,14 @@ def code_version() -> dict:
     commit = commit or "unknown"
     trees = [_git("rev-parse", f"HEAD:{p}")[:12] for p in CODE_PATHS]
     diff = _git("diff", "HEAD", "--", *CODE_PATHS)
-    untracked = _git("ls-files", "--others", "--exclude-standard", "--", *CODE_PATHS)
+    untracked = _git("ls-files", "--others", "--exclude-standard", "--", *CODE_PATHS).splitlines()
     dirty = bool(diff or untracked)
     code = "-".join(trees)
-    if dirty:
-        code += "+dirty-" + hashlib.sha1((diff + untracked).encode()).hexdigest()[:8]
+    if dirty:  # the diff, and each new file's name and bytes (an edit to an untracked file is other code too)
+        digest = hashlib.sha1(diff.encode())
+        for name in untracked:
+            digest.update(f"\0{name}\0".encode() + (REPO / name).read_bytes())
+        code += "+dirty-" + digest.hexdigest()[:8]
     return {"commit": commit[:12], "code": code, "dirty": dirty}
 
 

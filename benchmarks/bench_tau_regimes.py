@@ -1,0 +1,373 @@
+"""Where do FastCLIP's learned and individual temperatures help? FastCLIP-v1 (one constant τ, tuned), v3 (one τ
+learned through ρ) and v2 (a τ per sample, learned through ρ) on balanced and on long-tailed training data. All
+three keep the same u (γ 0.8): they differ by how τ is set, which is what this compares.
+
+    python benchmarks/bench_tau_regimes.py          # -> results/tau_regimes.{json,md,png}; resumes (out/tau_regimes)
+    python benchmarks/bench_tau_regimes.py --quick  # CI smoke (tiny sizes) -> benchmarks/out/tau_regimes_quick
+
+The regime the theory names: iSogCLR gives each sample its own τ because data with imbalanced semantics wants
+different temperatures for frequent and rare content. The proxy of bench_u_regimes.py (the study's scenes-semantic
+scenes at 32 px, captions as multi-hot vectors, MLP towers, fastclip's losses in a plain loop, global batch 32,
+one process) with N = 4,000 training pairs drawn from 64,000 scenes, 64,000 samples per run (16 visits per
+sample):
+- balanced: the first 4,000 scenes (every glyph class about equally often);
+- long-tailed: 4,000 scenes drawn without replacement with weights from a Zipf law over the 20 classes
+  (weight 1/rank^ZIPF_S of a scene's rarest class, the classes ranked by a fixed random order), so a few classes
+  fill most scenes and ten are rare.
+Validation is the same balanced 2,000 scenes for both: val R@1 (mean of both directions) over all of them, and
+tail R@1 over the scenes whose classes are all among the ten rarest of the long-tailed draw (queries among them,
+candidates all 2,000).
+
+Protocol: per (regime, objective) 6 settings (v1: τ {0.05, 0.07, 0.1}; v3 and v2: ρ = {0.4, 0.6, 0.85}·ln(B − 1))
+x lr {3e-4, 1e-3}, chosen on val R@1 by the mean of 2 tuning seeds (the study's rule); then 10 test seeds, paired
+by seed (same towers' init and data order) against v1: two-sided Wilcoxon signed-rank (scipy), Holm over the
+table."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.study: its choice rule and statistics
+
+from bench_u_regimes import Towers, get_lr, make_data
+
+from benchmarks.study.plan import choose
+from benchmarks.study.stats import holm, mean_std, paired, wilcoxon_p
+
+from common import RESULTS, SMOKE_OUT, check_out, machine_info, publish, save_figure
+
+OUT = Path(__file__).resolve().parent / "out"
+BATCH = 32
+GAMMA = 0.8  # the study's γ_min (LAION's recipe); constant schedule: γ 1 in the first epoch, then 0.8
+ZIPF_S = 2.0
+CLASSES, CLASS_COLUMNS = 20, 10  # multi-hot captions: 2 sizes + 8 colours, then 20 classes x 4 cells
+TAIL = 10  # the rarest classes of the long-tailed draw
+
+
+@dataclass(frozen=True)
+class Grid:
+    n: int = 4_000
+    samples: int = 64_000
+    val: int = 2_000
+    pool: int = 64_000  # enough scenes of the frequent classes alone for a strong skew at N = 4,000
+    regimes: tuple[str, ...] = ("balanced", "long-tailed")
+    lrs: tuple[float, ...] = (3e-4, 1e-3)
+    taus: tuple[float, ...] = (0.05, 0.07, 0.1)  # v1's knob
+    rho_fracs: tuple[float, ...] = (0.4, 0.6, 0.85)  # v3's and v2's: ρ = frac·ln(B − 1)
+    tune_seeds: tuple[int, ...] = (100, 101)
+    test_seeds: tuple[int, ...] = tuple(range(1, 11))
+
+
+QUICK = Grid(n=256, samples=2_048, val=256, pool=1_024, lrs=(1e-3,), taus=(0.07,), rho_fracs=(0.6,), test_seeds=(1, 2))
+OBJECTIVES = ("fastclip-v1", "fastclip-v3", "fastclip-v2")
+
+
+def settings(grid: Grid, objective: str) -> list[dict]:
+    knob = [{"tau": t} for t in grid.taus] if objective == "fastclip-v1" else [{"rho_frac": f} for f in grid.rho_fracs]
+    return [{"lr": lr, **k} for lr in grid.lrs for k in knob]
+
+
+# ----------------------------------------------------------------------------- data
+def classes_of(texts: torch.Tensor) -> torch.Tensor:
+    """[n, 20] bool: the glyph classes a multi-hot caption names (in any cell)."""
+    return texts[:, CLASS_COLUMNS:].reshape(len(texts), CLASSES, -1).amax(-1) > 0
+
+
+def class_ranks() -> torch.Tensor:
+    """Each class's rank in the long tail (0: the most frequent), a fixed random order."""
+    return torch.argsort(torch.randperm(CLASSES, generator=torch.Generator().manual_seed(0)))
+
+
+def draw(data: dict, regime: str, n: int) -> torch.Tensor:
+    """The indices (into the pool) of a regime's n training scenes."""
+    if regime == "balanced":
+        return torch.arange(n)
+    present = classes_of(data["t_train"])
+    weight = (class_ranks().double() + 1) ** -ZIPF_S  # per class
+    rarest = torch.where(present, weight, torch.inf).amin(1)  # a scene is as rare as its rarest class
+    return torch.multinomial(rarest, n, replacement=False, generator=torch.Generator().manual_seed(0))
+
+
+def tail_mask(texts: torch.Tensor) -> torch.Tensor:
+    """The val scenes whose classes are all among the TAIL rarest."""
+    tail = class_ranks() >= CLASSES - TAIL
+    present = classes_of(texts)
+    return (present & ~tail).sum(1) == 0
+
+
+# ----------------------------------------------------------------------------- one run
+def recall(img: torch.Tensor, txt: torch.Tensor, rows: torch.Tensor | None = None) -> float:
+    """Mean of both directions' R@1, over the queries `rows` (default all), candidates all."""
+    sim = img @ txt.T
+    target = torch.arange(len(img))
+    hit_i2t, hit_t2i = sim.argmax(1) == target, sim.argmax(0) == target
+    if rows is not None:
+        hit_i2t, hit_t2i = hit_i2t[rows], hit_t2i[rows]
+    return 0.5 * float(hit_i2t.double().mean() + hit_t2i.double().mean())
+
+
+def build(objective: str, setting: dict, n: int):
+    from fastclip.losses import build_loss
+
+    common = {"data_size": n, "gamma_min": GAMMA, "gamma_schedule": "constant"}
+    if objective == "fastclip-v1":
+        return build_loss(objective, temperature=setting["tau"], **common)
+    rho = setting["rho_frac"] * math.log(BATCH - 1)
+    if objective == "fastclip-v3":  # τ0 0.07, learned at lr_tau 1e-3 (the study's v3)
+        return build_loss(objective, temperature=0.07, rho=rho, **common)
+    return build_loss(objective, temperature=0.03, rho=rho, lr_tau=0.0133, **common)  # v2: the reference's τ0, lr_τ
+
+
+def final_taus(loss_fn) -> torch.Tensor:
+    """The temperatures at the end: v1's and v3's one τ, v2's τ_i of every sample and both modalities."""
+    tau = loss_fn.temperature()
+    if tau is None:  # v2: per sample, in its sharded state (one process: all of it)
+        fields = loss_fn.state_dict()["_extra_state"]["fields"]
+        return torch.cat([fields["tau_img"], fields["tau_txt"]]).float()
+    return (tau if torch.is_tensor(tau) else torch.tensor(float(tau))).detach().float().reshape(-1)
+
+
+def train(data: dict, rows: torch.Tensor, objective: str, setting: dict, seed: int, grid: Grid) -> dict:
+    n = len(rows)
+    x, t = data["x_train"][rows], data["t_train"][rows]
+    torch.manual_seed(seed)
+    model = Towers(x.shape[1], t.shape[1])
+    loss_fn = build(objective, setting, n)
+    groups = [{"params": model.parameters(), "weight_decay": 0.1, "base": setting["lr"]}]
+    if list(loss_fn.parameters()):  # v3's τ
+        groups.append({"params": loss_fn.parameters(), "weight_decay": 0.0, "base": 1e-3, "fixed": True})
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6)
+    steps_per_epoch, steps = n // BATCH, grid.samples // BATCH
+    order_rng = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    for step in range(steps):
+        epoch, k = divmod(step, steps_per_epoch)
+        if k == 0:
+            order = torch.randperm(n, generator=order_rng)
+            loss_fn.set_epoch(epoch)
+        batch = order[k * BATCH : (k + 1) * BATCH]
+        for group in optimizer.param_groups:
+            group["lr"] = group["base"] if group.get("fixed") else get_lr(step, steps, group["base"])
+        img, txt = model(x[batch], t[batch])
+        loss = loss_fn(img, txt, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss_fn.clamp_()
+    with torch.no_grad():
+        img, txt = model(data["x_val"], data["t_val"])
+    taus = final_taus(loss_fn)
+    final = {
+        "val_R1": recall(img, txt),
+        "tail_R1": recall(img, txt, tail_mask(data["t_val"])),
+        "tau_mean": float(taus.mean()),
+        "tau_std": float(taus.std()) if taus.numel() > 1 else 0.0,
+    }
+    wall = round(time.perf_counter() - start, 2)
+    return {"objective_name": objective, "setting": setting, "seed": seed, "final": final, "wall_s": wall}
+
+
+# ----------------------------------------------------------------------------- the grid, resumable
+def key(regime: str, objective: str, setting: dict, seed: int) -> str:
+    return f"{regime}/{objective}/{'_'.join(f'{k}{v:g}' for k, v in setting.items())}/s{seed}"
+
+
+def version() -> str:
+    """The study's code key (fastclip/ and configs/) and a hash of the source that decides a run's numbers."""
+    from benchmarks.study.records import code_version
+
+    parts = (make_data, Towers, get_lr, classes_of, class_ranks, draw, tail_mask, recall, build, final_taus, train)
+    source = "".join(inspect.getsource(p) for p in parts) + f"{BATCH} {GAMMA} {ZIPF_S} {TAIL}"
+    return f"{code_version()['code']}/{hashlib.sha1(source.encode()).hexdigest()[:8]}"
+
+
+def load_runs(path: Path) -> dict[str, dict]:
+    runs = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                runs[key(r["regime"], r["objective_name"], r["setting"], r["seed"])] = r
+    return runs
+
+
+def chosen(runs: dict, grid: Grid, regime: str, objective: str) -> dict:
+    scores = [
+        (s, [runs[key(regime, objective, s, seed)]["final"]["val_R1"] for seed in grid.tune_seeds])
+        for s in settings(grid, objective)
+    ]
+    return choose(scores)
+
+
+def run_grid(grid: Grid, work: Path) -> tuple[dict, dict]:
+    """Every tuning run, each cell's choice, every test run; each run appended to runs.jsonl as it ends."""
+    torch.set_num_threads(1)
+    code, log = version(), work / "runs.jsonl"
+    runs = load_runs(log)
+    data = make_data(grid.pool, grid.val, work)
+    draws = {regime: draw(data, regime, grid.n) for regime in grid.regimes}
+
+    def ensure(regime: str, objective: str, setting: dict, seed: int) -> None:
+        k = key(regime, objective, setting, seed)
+        if k not in runs:
+            runs[k] = {"regime": regime, **train(data, draws[regime], objective, setting, seed, grid), "code": code}
+            with log.open("a") as f:
+                f.write(json.dumps(runs[k]) + "\n")
+            print(f"{k}: val R@1 {runs[k]['final']['val_R1']:.4f} ({runs[k]['wall_s']} s)", flush=True)
+
+    for regime in grid.regimes:
+        for objective in OBJECTIVES:
+            for setting in settings(grid, objective):
+                for seed in grid.tune_seeds:
+                    ensure(regime, objective, setting, seed)
+    for regime in grid.regimes:
+        for objective in OBJECTIVES:
+            for seed in grid.test_seeds:
+                ensure(regime, objective, chosen(runs, grid, regime, objective), seed)
+    return runs, {regime: class_shares(data, rows) for regime, rows in draws.items()}
+
+
+def class_shares(data: dict, rows: torch.Tensor) -> dict:
+    """How skewed a draw is: the share of class occurrences in its 4 most frequent classes and in the TAIL rarest."""
+    counts = classes_of(data["t_train"][rows]).sum(0).double()
+    order = torch.argsort(class_ranks())  # classes from the most frequent rank to the rarest
+    total = counts.sum()
+    return {
+        "head4_share": float(counts[order[:4]].sum() / total),
+        "tail_share": float(counts[order[-TAIL:]].sum() / total),
+    }
+
+
+# ----------------------------------------------------------------------------- tables
+def summarize(runs: dict, grid: Grid, shares: dict) -> dict:
+    rows, tests = [], []
+    for regime in grid.regimes:
+        finals = {}
+        for objective in OBJECTIVES:
+            setting = chosen(runs, grid, regime, objective)
+            finals[objective] = {s: runs[key(regime, objective, setting, s)]["final"] for s in grid.test_seeds}
+            row = {"regime": regime, "objective_name": objective, "setting": setting}
+            for metric in ("val_R1", "tail_R1", "tau_mean", "tau_std"):
+                row[metric] = dict(zip(("mean", "std"), mean_std([f[metric] for f in finals[objective].values()])))
+            rows.append(row)
+        for objective in OBJECTIVES[1:]:
+            for metric in ("val_R1", "tail_R1"):
+                _, diffs = paired(
+                    {s: f[metric] for s, f in finals[objective].items()},
+                    {s: f[metric] for s, f in finals["fastclip-v1"].items()},
+                )
+                tests.append({"regime": regime, "objective_name": objective, "metric": metric,
+                              "diff_mean": float(diffs.mean()), "diff_std": mean_std(list(diffs))[1],
+                              "wins": int((diffs > 0).sum()), "seeds": len(diffs), "p": wilcoxon_p(diffs)})  # fmt: skip
+    for row, p in zip(tests, holm([t["p"] for t in tests])):
+        row["p_holm"] = p
+    codes = sorted({r.get("code", "?") for r in runs.values()})
+    return {"grid": asdict(grid), "shares": shares, "rows": rows, "tests": tests, "codes": codes}
+
+
+def _pct(d: dict) -> str:
+    return f"{100 * d['mean']:.1f} ± {100 * (d['std'] or 0):.1f}"
+
+
+def markdown(result: dict) -> str:
+    grid, info, shares = result["grid"], result["machine"], result["shares"]
+    lines = [
+        f"Learned and individual τ against a tuned constant τ (`python benchmarks/bench_tau_regimes.py`; the MLP proxy "
+        f"of bench_u_regimes.py: scenes-semantic at 32 px, captions as multi-hot vectors, N = {grid['n']:,} training "
+        f"pairs, {grid['samples']:,} samples per run, global batch {BATCH}, u with γ {GAMMA} for all three; settings "
+        f"chosen by the mean val R@1 of seeds {grid['tune_seeds']}; {len(grid['test_seeds'])} test seeds; "
+        f"{info['date'][:10]}, commit {result['commit']}). Long-tailed draw: Zipf s = {ZIPF_S} over the classes by "
+        f"a scene's rarest class; its 4 most frequent classes hold "
+        f"{100 * shares.get('long-tailed', {}).get('head4_share', float('nan')):.0f} % of the class occurrences "
+        f"(balanced: {100 * shares.get('balanced', {}).get('head4_share', float('nan')):.0f} %), its {TAIL} rarest "
+        f"{100 * shares.get('long-tailed', {}).get('tail_share', float('nan')):.0f} %. tail R@1: val scenes whose "
+        f"classes are all among those {TAIL} (queries), all val scenes as candidates. τ: the final temperature "
+        "(v2: mean ± std over the samples' τ_i).",
+        "",
+        f"Code of the runs: {', '.join(result['codes'])}"
+        + (" — **mixed: rerun the old runs (delete them from runs.jsonl)**" if len(result["codes"]) > 1 else ""),
+        "",
+        "| regime | objective | chosen | val R@1 % | tail R@1 % | final τ |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        chosen_ = ", ".join(f"{k} {v:g}" for k, v in r["setting"].items())
+        tau = f"{r['tau_mean']['mean']:.3f}" + (f" (± {r['tau_std']['mean']:.3f})" if r["tau_std"]["mean"] else "")
+        lines.append(
+            f"| {r['regime']} | {r['objective_name']} | {chosen_} | {_pct(r['val_R1'])} | {_pct(r['tail_R1'])} "
+            f"| {tau} |"
+        )
+    lines += ["", "Paired by seed against fastclip-v1 (points; > 0: the learned τ better): two-sided Wilcoxon "
+              "signed-rank (scipy.stats), Holm over the table.", ""]  # fmt: skip
+    lines += [
+        "| regime | objective | metric | Δ mean ± std | better | p | p_Holm |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for t in result["tests"]:
+        p = "–" if t["p"] is None else f"{t['p']:.4f}"
+        ph = "–" if t["p_holm"] is None else f"{t['p_holm']:.4f}"
+        lines.append(
+            f"| {t['regime']} | {t['objective_name']} | {t['metric']} | {100 * t['diff_mean']:+.2f} "
+            f"± {100 * (t['diff_std'] or 0):.2f} | {t['wins']}/{t['seeds']} | {p} | {ph} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Val and tail R@1 of each objective in each regime (mean ± std over the test seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    regimes = result["grid"]["regimes"]
+    for ax, metric, title in ((axes[0], "val_R1", "val R@1 (%)"), (axes[1], "tail_R1", "tail R@1 (%), rare classes")):
+        for j, objective in enumerate(OBJECTIVES):
+            rows = [
+                next(r for r in result["rows"] if r["regime"] == g and r["objective_name"] == objective)
+                for g in regimes
+            ]
+            xs = [i + (j - 1) * 0.25 for i in range(len(regimes))]
+            means, stds = [100 * r[metric]["mean"] for r in rows], [100 * (r[metric]["std"] or 0) for r in rows]
+            ax.bar(xs, means, 0.25, yerr=stds, capsize=3, label=objective)
+        ax.set_xticks(range(len(regimes)), regimes)
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=8)
+    save_figure(fig, path, result["machine"], "Learned / individual τ against a tuned constant τ (test seeds)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for CI (-> benchmarks/out/tau_regimes_quick)")
+    parser.add_argument("--out", type=Path, help="where the tables go (default: results/, or out/ with --quick)")
+    args = parser.parse_args(argv)
+    check_out(parser, args.out)
+    grid = QUICK if args.quick else Grid()
+    work = OUT / ("tau_regimes_quick" if args.quick else "tau_regimes")
+    out = args.out or (SMOKE_OUT if args.quick else RESULTS)
+    from benchmarks.study.records import code_version
+
+    work.mkdir(parents=True, exist_ok=True)
+    runs, shares = run_grid(grid, work)
+    result = {**summarize(runs, grid, shares), "machine": machine_info(), "commit": code_version()["commit"]}
+    publish(out, "tau_regimes", result, markdown, plot)
+    shutil.copyfile(work / "runs.jsonl", out / "tau_regimes_runs.jsonl")  # every run, the tables' and any other
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

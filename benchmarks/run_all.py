@@ -14,6 +14,7 @@ Items (each its own program, run in a fresh process, writing <name>.{json,md,png
   (estimator_bias  bench_estimator_bias.py  the mini-batch estimate's error on the study's towers: run after it)
   (estimator_bias_during  bench_estimator_bias.py --during --seeds 1  the same, and the moving average's, in training)
   (u_regimes   bench_u_regimes.py     DCL against FastCLIP-v1 as revisits per sample and γ change, MLP proxy (1 h))
+  (tau_regimes bench_tau_regimes.py   v1's tuned τ against v3's learned and v2's per-sample τ, balanced and long-tailed)
   engines      bench_engines.py       DDP vs DeepSpeed ZeRO-1/2/3 and gradient accumulation: throughput, memory
   tempfree     bench_tempfree.py      zero-shot of the temperature-free (atanh) loss against tuned temperatures
   scenes       bench_scenes.py        the scenes data at 100k: generation time, distinct captions, held-out pairs
@@ -58,6 +59,12 @@ ITEMS = {  # name -> (program, result stem, title)
         "bench_u_regimes.py",
         "u_regimes",
         "4d. Where u helps: DCL against FastCLIP-v1 as revisits per sample and γ change (a proxy)",
+    ),
+    # (not in ORDER either: 132 short runs, about an hour of one core)
+    "tau_regimes": (
+        "bench_tau_regimes.py",
+        "tau_regimes",
+        "4e. Where a learned or per-sample τ helps: balanced and long-tailed data (a proxy)",
     ),
     "scaling": ("bench_scaling.py", "scaling", "5. Scaling: compute vs communication, and a model to 256 GPUs"),
     "engines": ("bench_engines.py", "engines_bench", "6. DDP vs DeepSpeed ZeRO, and gradient accumulation"),

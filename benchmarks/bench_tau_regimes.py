@@ -25,12 +25,10 @@ table."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import inspect
 import json
 import math
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -47,9 +45,8 @@ from bench_u_regimes import Towers, get_lr, make_data
 from benchmarks.study.plan import choose
 from benchmarks.study.stats import holm, mean_std, paired, wilcoxon_p
 
-from common import RESULTS, SMOKE_OUT, check_out, machine_info, publish, save_figure
+from common import proxy_main, save_figure
 
-OUT = Path(__file__).resolve().parent / "out"
 BATCH = 32
 GAMMA = 0.8  # the study's γ_min (LAION's recipe); constant schedule: γ 1 in the first epoch, then 0.8
 ZIPF_S = 2.0
@@ -350,23 +347,13 @@ def plot(result: dict, path: Path) -> None:
     save_figure(fig, path, result["machine"], "Learned / individual τ against a tuned constant τ (test seeds)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes for CI (-> benchmarks/out/tau_regimes_quick)")
-    parser.add_argument("--out", type=Path, help="where the tables go (default: results/, or out/ with --quick)")
-    args = parser.parse_args(argv)
-    check_out(parser, args.out)
-    grid = QUICK if args.quick else Grid()
-    work = OUT / ("tau_regimes_quick" if args.quick else "tau_regimes")
-    out = args.out or (SMOKE_OUT if args.quick else RESULTS)
-    from benchmarks.study.records import code_version
-
-    work.mkdir(parents=True, exist_ok=True)
+def results_of(grid: Grid, work: Path) -> dict:
     runs, shares = run_grid(grid, work)
-    result = {**summarize(runs, grid, shares), "machine": machine_info(), "commit": code_version()["commit"]}
-    publish(out, "tau_regimes", result, markdown, plot)
-    shutil.copyfile(work / "runs.jsonl", out / "tau_regimes_runs.jsonl")  # every run, the tables' and any other
-    return 0
+    return summarize(runs, grid, shares)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return proxy_main(argv, __doc__, "tau_regimes", (Grid(), QUICK), results_of, markdown, plot)
 
 
 if __name__ == "__main__":

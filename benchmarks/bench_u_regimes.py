@@ -21,10 +21,8 @@ log ĝ − log g (dcl: the mini-batch estimate, over one random partition into b
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -42,9 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.study
 from benchmarks.study.plan import choose
 from benchmarks.study.stats import holm, mean_std, paired, wilcoxon_p
 
-from common import RESULTS, SMOKE_OUT, check_out, machine_info, publish, save_figure
+from common import proxy_main, save_figure
 
-OUT = Path(__file__).resolve().parent / "out"
 TAU = 0.07
 BATCH = 32
 HIDDEN, EMBED = 256, 64
@@ -390,22 +387,9 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes for CI (-> benchmarks/out/u_regimes_quick)")
-    parser.add_argument("--out", type=Path, help="where the tables go (default: results/, or out/ with --quick)")
-    args = parser.parse_args(argv)
-    check_out(parser, args.out)
-    grid = QUICK if args.quick else Grid()
-    work = OUT / ("u_regimes_quick" if args.quick else "u_regimes")
-    out = args.out or (SMOKE_OUT if args.quick else RESULTS)
-    from benchmarks.study.records import code_version
-
-    work.mkdir(parents=True, exist_ok=True)
-    runs = run_grid(grid, work)
-    result = {**summarize(runs, grid), "machine": machine_info(), "commit": code_version()["commit"]}
-    publish(out, "u_regimes", result, markdown, plot)
-    shutil.copyfile(work / "runs.jsonl", out / "u_regimes_runs.jsonl")  # every run, the tables' and any other
-    return 0
+    return proxy_main(
+        argv, __doc__, "u_regimes", (Grid(), QUICK), lambda g, w: summarize(run_grid(g, w), g), markdown, plot
+    )
 
 
 if __name__ == "__main__":

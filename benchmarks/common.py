@@ -310,3 +310,27 @@ def check_out(parser, out) -> None:
         parser.error(f"--out {out}: {folder} is not a folder")
     if error is not None:
         parser.error(f"--out {out}: cannot write in {folder} ({error.strerror or error}); choose another --out")
+
+
+def proxy_main(argv, doc: str, name: str, grids: tuple, results_of, markdown, plot) -> int:
+    """The command line of a proxy benchmark (bench_u_regimes.py, bench_tau_regimes.py): `--quick` (the second of
+    `grids`, for CI) or the full grid, runs appended to benchmarks/out/<name>[_quick]/runs.jsonl (it resumes), the
+    tables from `results_of(grid, work)` published as <name>.{json,md,png} with every run beside them."""
+    import argparse
+    import shutil
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"tiny sizes for CI (-> benchmarks/out/{name}_quick)")
+    parser.add_argument("--out", type=Path, help="where the tables go (default: results/, or out/ with --quick)")
+    args = parser.parse_args(argv)
+    check_out(parser, args.out)
+    grid = grids[1] if args.quick else grids[0]
+    work = SMOKE_OUT / (f"{name}_quick" if args.quick else name)
+    out = args.out or (SMOKE_OUT if args.quick else RESULTS)
+    from benchmarks.study.records import code_version
+
+    work.mkdir(parents=True, exist_ok=True)
+    result = {**results_of(grid, work), "machine": machine_info(), "commit": code_version()["commit"]}
+    publish(out, name, result, markdown, plot)
+    shutil.copyfile(work / "runs.jsonl", out / f"{name}_runs.jsonl")  # every run, the tables' and any other
+    return 0

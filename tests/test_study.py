@@ -355,6 +355,8 @@ def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_res
     args = runner.deciding_args(runner.command(spec, run, tiny_embedded))
     assert args["optim.lr"] == "0.001" and args["train.seed"] == "10" and "train.run_dir" not in args
     assert not any(k.startswith(("eval.", "checkpoint.")) for k in args)
+    resumed = runner.command(spec, run, tiny_embedded) + ["--train.resume", "latest"]
+    assert runner.deciding_args(resumed) == args  # a resumed run trains what it started to
     fake(spec, run, 0.5)
     record = records.load(spec.results, run.id)
     records.save(spec.results, run.id, {**record, "args": args})

@@ -230,10 +230,10 @@ class Active:
     start: float = field(default_factory=time.perf_counter)
 
 
-# keys of a run's command that do not decide what it trains: where things are, and how often it evaluates, logs and
-# checkpoints (evaluating changes nothing that trains: tests/test_train.py)
-NOT_DECIDING = ("data.train", "data.val", "data.zeroshot", "train.run_dir", "train.progress", "train.tensorboard",
-                "train.log_every", "eval.", "checkpoint.")  # fmt: skip
+# keys of a run's command that do not decide what it trains: where things are, whether it resumes (exactly), and how
+# often it evaluates, logs and checkpoints (evaluating changes nothing that trains: tests/test_train.py)
+NOT_DECIDING = ("data.train", "data.val", "data.zeroshot", "train.run_dir", "train.resume", "train.progress",
+                "train.tensorboard", "train.log_every", "eval.", "checkpoint.")  # fmt: skip
 
 
 def deciding_args(cmd: list[str]) -> dict[str, str]:

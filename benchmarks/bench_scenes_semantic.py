@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from fastclip.models import import_open_clip, resolve_arch
 
     name, config = resolve_arch(ARCH)
+    config = config or import_open_clip().get_model_config(name)  # (None: already in open_clip's registry)
     tokenizer, context = import_open_clip().get_tokenizer(name), config["text_cfg"]["context_length"]
     sizes = dict(QUICK if args.quick else FULL)
     if args.num_train is not None:

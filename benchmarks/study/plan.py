@@ -162,12 +162,11 @@ class Designation:
     val: dict  # objective -> val mean of its chosen setting
 
 
-def designate(spec: Spec, dataset: str, batch: int) -> Designation:
-    val = {}
-    for objective in spec.objectives:
-        _, best, scores = tune_result(spec, dataset, batch, objective)
-        if best is not None:
-            val[objective] = sum(scores) / len(scores)
+def designate(spec: Spec, dataset: str, batch: int, results: dict | None = None) -> Designation:
+    """`results`: objective -> its tune_result, when the caller has them (else read here)."""
+    if results is None:
+        results = {o: tune_result(spec, dataset, batch, o) for o in spec.objectives}
+    val = {o: sum(scores) / len(scores) for o, (_, best, scores) in results.items() if best is not None}
     baselines = [n for n in val if spec.objectives[n].baseline]
     return Designation(
         winner=max(val, key=val.get) if val else None,
@@ -184,11 +183,9 @@ def full_treatment(spec: Spec, objective: str, designation: Designation) -> bool
     return spec.objectives[objective].headline or named
 
 
-def final_runs(
-    spec: Spec, dataset: str, batch: int, objective: str, setting: dict | None, full: bool | None = None
-) -> list[Run]:
-    """The test runs, and the long runs of a fully treated objective, at `setting` (None: not chosen yet)."""
-    full = spec.objectives[objective].headline if full is None else full
+def final_runs(spec: Spec, dataset: str, batch: int, objective: str, setting: dict | None, full: bool) -> list[Run]:
+    """The test runs, and the long runs of a fully treated objective (full_treatment), at `setting` (None: not
+    chosen yet)."""
     key = tuple(setting.items()) if setting else ()
     epochs = spec.datasets[dataset].epochs
     runs = [
@@ -204,15 +201,17 @@ def plan(spec: Spec, only_cell: str | None = None) -> list[Run]:
     """Every run of the study in running order (tuning of every cell first, then test runs, then long runs);
     test and long runs of a cell whose choice is pending carry setting ()."""
     tune, test, long = [], [], []
-    tables: dict[tuple[str, int], Designation] = {}
+    tables: dict[tuple[str, int], tuple[dict, Designation]] = {}  # each table's tune_results (read once), naming
     for dataset, batch, objective in cells(spec):
         if only_cell and only_cell != f"{dataset}/{batch}/{objective}":
             continue
-        tune += tune_runs(spec, dataset, batch, objective)
         if (dataset, batch) not in tables:
-            tables[dataset, batch] = designate(spec, dataset, batch)
-        full = full_treatment(spec, objective, tables[dataset, batch])
-        for run in final_runs(spec, dataset, batch, objective, chosen(spec, dataset, batch, objective), full):
+            results = {o: tune_result(spec, dataset, batch, o) for o in spec.objectives}
+            tables[dataset, batch] = results, designate(spec, dataset, batch, results)
+        results, named = tables[dataset, batch]
+        runs, best, _ = results[objective]
+        tune += runs
+        for run in final_runs(spec, dataset, batch, objective, best, full_treatment(spec, objective, named)):
             (test if run.phase == "test" else long).append(run)
     return tune + test + long
 

@@ -258,8 +258,8 @@ def resumable(folder: Path, code: str, args: dict) -> bool:
 def start(spec: Spec, run: Run, data: Path) -> Active:
     folder = run_dir(spec, run)
     cmd = command(spec, run, data)
-    code, started = records.code_version(), folder / "code.json"
-    if resumable(folder, code["code"], deciding_args(cmd)):
+    code, args, started = records.code_version(), deciding_args(cmd), folder / "code.json"
+    if resumable(folder, code["code"], args):
         cmd += ["--train.resume", "latest"]  # stopped before: go on from its last checkpoint
     else:
         if any((folder / "checkpoints").glob("step_*")):
@@ -267,7 +267,7 @@ def start(spec: Spec, run: Run, data: Path) -> Active:
         shutil.rmtree(folder, ignore_errors=True)  # (started but never checkpointed: nothing to keep)
     folder.mkdir(parents=True, exist_ok=True)
     if not started.is_file():  # the code and settings it starts with: what its JSON records, resumed or not
-        started.write_text(json.dumps({**code, "args": deciding_args(cmd)}))
+        started.write_text(json.dumps({**code, "args": args}))
     log = open(folder / "stdout.log", "a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=records.REPO)
     log.close()

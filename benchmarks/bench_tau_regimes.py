@@ -49,7 +49,7 @@ from bench_u_regimes import EMBED, HIDDEN, Towers, get_lr, make_data
 from benchmarks.study.plan import choose
 from benchmarks.study.stats import holm, mean_std, paired, wilcoxon_p
 
-from common import proxy_main, save_figure
+from common import p_cells, proxy_main, save_figure
 
 BATCH = 32
 GAMMA = 0.8  # the study's γ_min (LAION's recipe); constant schedule: γ 1 in the first epoch, then 0.8
@@ -361,11 +361,9 @@ def markdown(result: dict) -> str:
         "|---|---|---|---:|---:|---:|---:|",
     ]
     for t in result["tests"]:
-        p = "–" if t["p"] is None else f"{t['p']:.4f}"
-        ph = "–" if t["p_holm"] is None else f"{t['p_holm']:.4f}"
         lines.append(
             f"| {t['regime']} | {t['objective_name']} | {t['metric']} | {100 * t['diff_mean']:+.2f} "
-            f"± {100 * (t['diff_std'] or 0):.2f} | {t['wins']}/{t['seeds']} | {p} | {ph} |"
+            f"± {100 * (t['diff_std'] or 0):.2f} | {t['wins']}/{t['seeds']} | {p_cells(t)} |"
         )
     return "\n".join(lines)
 

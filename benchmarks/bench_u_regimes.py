@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.study
 from benchmarks.study.plan import choose
 from benchmarks.study.stats import holm, mean_std, paired, wilcoxon_p
 
-from common import proxy_main, save_figure
+from common import p_cells, proxy_main, save_figure
 
 TAU = 0.07
 BATCH = 32
@@ -349,12 +349,10 @@ def markdown(result: dict) -> str:
         lines += ["", f"Paired by seed, {what}: two-sided Wilcoxon signed-rank (scipy.stats), Holm over the table.", ""]
         lines += ["| N | objective | Δ mean ± std | v1 better | p | p_Holm |", "|---:|---|---:|---:|---:|---:|"]
         for t in result["tests"][metric]:
-            p = "–" if t["p"] is None else f"{t['p']:.4f}"
-            ph = "–" if t["p_holm"] is None else f"{t['p_holm']:.4f}"
             lines.append(
                 f"| {t['n']:,} | {t['objective_name']} | {scale * t['diff_mean']:+.3f} "
                 f"± {scale * (t['diff_std'] or 0):.3f} "
-                f"| {t['wins']}/{t['seeds']} | {p} | {ph} |"
+                f"| {t['wins']}/{t['seeds']} | {p_cells(t)} |"
             )
     return "\n".join(lines)
 

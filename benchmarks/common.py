@@ -334,3 +334,8 @@ def proxy_main(argv, doc: str, name: str, grids: tuple, results_of, markdown, pl
     publish(out, name, result, markdown, plot)
     shutil.copyfile(work / "runs.jsonl", out / f"{name}_runs.jsonl")  # every run, the tables' and any other
     return 0
+
+
+def p_cells(test: dict) -> str:
+    """A paired test's p and Holm-adjusted p as two markdown cells ("–": not tested)."""
+    return " | ".join("–" if test[k] is None else f"{test[k]:.4f}" for k in ("p", "p_holm"))

@@ -152,6 +152,65 @@ def test_choice_rule_is_the_best_mean_of_the_tuning_seeds(tmp_path):
                for r in tests)  # fmt: skip
 
 
+def with_hard(tmp_path, **from_choice) -> Path:
+    """write_spec's spec plus `hard`: dcl with hard negatives, its τ from `from_choice` (default: base2's choice)."""
+    path = write_spec(tmp_path)
+    raw = json.loads(path.read_text())
+    raw["objectives"]["hard"] = {
+        "loss": "dcl",
+        "baseline": True,
+        "from_choice": from_choice or {"loss.temperature": "base2"},
+        "grid": {"optim.lr": [1e-3, 5e-4], "loss.hard_negative_beta": [0.5, 1.0]},
+    }
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_an_objective_tunes_on_top_of_anothers_choice_in_each_table(tmp_path, tiny_embedded):
+    """`from_choice`: hard negatives tuned at dcl's chosen τ of the same table; its runs wait for that choice."""
+    spec = load(with_hard(tmp_path))
+    for run in tune_runs(spec, "d", 32, "base"):
+        fake(spec, run, 0.5)
+    waiting = tune_runs(spec, "d", 32, "hard")
+    assert len(waiting) == 8 and all(r.chosen_pending for r in waiting)
+    assert not [r for r in runner.pending(spec, "d/32/hard", set(), {})]  # nothing to run before base2's choice
+    # base2 chooses τ 0.1 at batch 32 (settings 1 and 3) and τ 0.07 at batch 64 (settings 0 and 2)
+    for batch, best in ((32, {1, 3}), (64, {0, 2})):
+        for i, run in enumerate(tune_runs(spec, "d", batch, "base2")):
+            fake(spec, run, 0.6 if i // 2 in best else 0.4)
+    for batch, tau in ((32, 0.1), (64, 0.07)):
+        runs = tune_runs(spec, "d", batch, "hard")
+        assert len(runs) == 8 and {r.settings["loss.temperature"] for r in runs} == {tau}
+        assert {(r.settings["optim.lr"], r.settings["loss.hard_negative_beta"]) for r in runs} == {
+            (1e-3, 0.5), (1e-3, 1.0), (5e-4, 0.5), (5e-4, 1.0)}  # fmt: skip
+        args = runner.command(spec, runs[0], tiny_embedded)
+        assert args[args.index("--loss.temperature") + 1] == str(tau)
+    assert len(runner.pending(spec, "d/32/hard", set(), {})) == 8
+
+
+@pytest.mark.parametrize(
+    "from_choice, words",
+    [
+        ({"loss.temperature": "nobody"}, ("objectives.hard.from_choice.loss.temperature", "no other objective")),
+        ({"loss.rho_frac": "base2"}, ("from_choice.loss.rho_frac", "base2 does not tune loss.rho_frac")),
+        ({"optim.lr": "base2"}, ("objectives.hard.from_choice", "['optim.lr'] also fixed in options or tuned")),
+    ],
+)
+def test_from_choice_names_a_tuned_knob_of_another_objective(tmp_path, capsys, from_choice, words):
+    one_line_error(capsys, main, ["plan", str(with_hard(tmp_path, **from_choice))], *words)
+
+
+def test_from_choice_takes_one_step_only(tmp_path, capsys):
+    path = with_hard(tmp_path)
+    raw = json.loads(path.read_text())
+    raw["objectives"]["base2"]["from_choice"] = {"loss.temperature": "base"}
+    raw["objectives"]["base2"]["grid"] = {"optim.lr": [1e-3, 5e-4], "loss.hard_negative_beta": [0.5, 1.0]}
+    raw["objectives"]["hard"]["from_choice"] = {"loss.hard_negative_beta": "base2"}
+    raw["objectives"]["hard"]["grid"] = {"optim.lr": [1e-3, 5e-4], "loss.temperature": [0.07, 0.1]}
+    path.write_text(json.dumps(raw))
+    one_line_error(capsys, main, ["plan", str(path)], "from_choice.loss.hard_negative_beta", "one step only")
+
+
 def test_stats_match_scipy_and_holm_by_hand():
     diffs = np.array([0.8, 2.1, -0.4, 1.3, 3.0, 0.5])
     assert stats.wilcoxon_p(diffs) == pytest.approx(sps.wilcoxon(diffs, method="exact").pvalue)
@@ -483,9 +542,14 @@ def test_v2_spec_plans_and_every_objective_passes_fastclip_train_check(tmp_path,
     for name, target in (("train", "train"), ("val", "val"), ("test", "val"), ("zeroshot.json", "zeroshot.json")):
         (data / name).symlink_to(tiny_embedded / target)
     dataset = dataclasses.replace(next(iter(spec.datasets.values())), data=data)
-    spec = dataclasses.replace(spec, datasets={dataset.name: dataset}, work=tmp_path / "work")
-    for name in spec.objectives:  # every key known, every loss option taken by its loss (`--print-config`)
-        args = runner.command(spec, tune_runs(spec, dataset.name, 512, name)[-1], data)[4:]
+    spec = dataclasses.replace(spec, datasets={dataset.name: dataset}, work=tmp_path / "work", results=tmp_path / "r")
+    for name, objective in spec.objectives.items():  # every key known, every loss option taken (`--print-config`)
+        run = tune_runs(spec, dataset.name, 512, name)[-1]
+        if run.chosen_pending:  # waits for another objective's choice: take that objective's first value
+            taken = {k: spec.objectives[source].grid[k][0] for k, source in objective.from_choice.items()}
+            run = dataclasses.replace(run, setting=tuple({**objective.settings()[-1], **taken}.items()))
+            assert "loss.temperature" in run.settings
+        args = runner.command(spec, run, data)[4:]
         assert train_main([*args, "--print-config"]) == 0, (name, capsys.readouterr())
     assert math.isclose(runner.train_samples(data), 80)
 

@@ -107,7 +107,10 @@ def tune_result(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[l
     value, the setting one step past it (2 seeds), kept while it wins, at most EDGE_STEPS steps per knob: the optimum
     may lie past the grid (issue 38)."""
     grid = spec.objectives[objective].grid
-    runs = _runs_of(spec, dataset, batch, objective, spec.objectives[objective].settings())
+    taken = taken_values(spec, dataset, batch, objective)
+    if taken is None:  # the runs wait for another objective's choice (setting (): pending, as a test run's)
+        return _runs_of(spec, dataset, batch, objective, [{}] * len(spec.objectives[objective].settings())), None, None
+    runs = _runs_of(spec, dataset, batch, objective, [{**s, **taken} for s in spec.objectives[objective].settings()])
     scores = _scores(spec, runs)
     best = choose(scores)
     best_scores = next((v for s, v in scores if s == best), None)
@@ -127,6 +130,18 @@ def tune_result(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[l
                 break
             best, best_scores = past, past_scores
     return runs, best, best_scores if best is not None else None
+
+
+def taken_values(spec: Spec, dataset: str, batch: int, objective: str) -> dict | None:
+    """The values `objective` takes from other objectives' choices in this table (spec `from_choice`); None while
+    one of those choices is pending."""
+    taken = {}
+    for key, source in spec.objectives[objective].from_choice.items():
+        choice = tune_result(spec, dataset, batch, source)[1]
+        if choice is None:
+            return None
+        taken[key] = choice[key]
+    return taken
 
 
 def tune_runs(spec: Spec, dataset: str, batch: int, objective: str) -> list[Run]:

@@ -282,7 +282,15 @@ def pending_lines(todo: list) -> list[str]:
     lines = [f"## Still pending: {len(todo)} run(s)", ""]
     order = sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1], PHASES.index(kv[0][2]), kv[0][3]))
     for (dataset, batch, phase, waiting), n in order:
-        why = " (waiting for the tuning's choice)" if waiting else ""
+        why = (
+            (
+                " (waiting for the choice they take a value from)"
+                if phase == "tune"
+                else " (waiting for the tuning's choice)"
+            )
+            if waiting
+            else ""
+        )
         lines.append(f"- {dataset}/{batch}: {n} {phase} run(s){why}")
     return lines + [""]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 METRICS = ("retrieval_R1", "zeroshot_top1")  # mean R@1 of both retrieval directions; mean zero-shot top-1
@@ -36,6 +36,9 @@ class Objective:
     grid: dict  # dotted key -> values; the settings are their product; loss.rho_frac -> rho = frac * ln(B - 1)
     baseline: bool  # a candidate for "the strongest baseline" of a table
     headline: bool  # gets the full test seeds and the longer training
+    # dotted key -> another objective: the key takes that objective's chosen value in the same table (its tuning
+    # waits for that choice), e.g. hard negatives tuned on top of dcl at dcl's tuned τ
+    from_choice: dict = field(default_factory=dict)
 
     def settings(self) -> list[dict]:
         keys = list(self.grid)
@@ -102,7 +105,7 @@ def _dataset(name: str, raw: dict, base: Path, where: str) -> Dataset:
 
 def _objective(name: str, raw: dict, where: str) -> Objective:
     _need(isinstance(raw, dict) and "loss" in raw, where, "must be a mapping with `loss` (a fastclip loss name)")
-    unknown = set(raw) - {"loss", "options", "grid", "baseline", "headline"}
+    unknown = set(raw) - {"loss", "options", "grid", "baseline", "headline", "from_choice"}
     _need(not unknown, where, f"unknown key(s) {sorted(unknown)}")
     from fastclip.losses import LOSSES
 
@@ -116,7 +119,12 @@ def _objective(name: str, raw: dict, where: str) -> Objective:
     _need(isinstance(options, dict), f"{where}.options", "must map config keys to values")
     clash = set(options) & set(grid)
     _need(not clash, where, f"{sorted(clash)} both fixed in options and tuned in grid")
-    return Objective(name, raw["loss"], options, grid, bool(raw.get("baseline")), bool(raw.get("headline")))
+    from_choice = raw.get("from_choice") or {}
+    _need(isinstance(from_choice, dict), f"{where}.from_choice", "must map config keys to objective names")
+    clash = set(from_choice) & (set(options) | set(grid))
+    _need(not clash, f"{where}.from_choice", f"{sorted(clash)} also fixed in options or tuned in grid")
+    baseline, headline = bool(raw.get("baseline")), bool(raw.get("headline"))
+    return Objective(name, raw["loss"], options, grid, baseline, headline, dict(from_choice))
 
 
 def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
@@ -165,6 +173,12 @@ def load(path: Path) -> Spec:
     objectives = {n: _objective(n, o, f"{path}: objectives.{n}") for n, o in (raw["objectives"] or {}).items()}
     _need(bool(datasets) and bool(objectives), str(path), "needs at least one dataset and one objective")
     _need(any(o.baseline for o in objectives.values()), f"{path}: objectives", "mark at least one `baseline: true`")
+    for name, objective in objectives.items():
+        for key, source in objective.from_choice.items():
+            where = f"{path}: objectives.{name}.from_choice.{key}"
+            _need(source in objectives and source != name, where, f"names no other objective ({source!r})")
+            _need(key in objectives[source].grid, where, f"{source} does not tune {key}, so it has no choice of it")
+            _need(not objectives[source].from_choice, where, f"{source} takes a choice itself (one step only)")
     budgets = {n: len(o.settings()) for n, o in objectives.items()}
     _need(
         len(set(budgets.values())) == 1,

@@ -188,6 +188,19 @@ def test_an_objective_tunes_on_top_of_anothers_choice_in_each_table(tmp_path, ti
     assert len(runner.pending(spec, "d/32/hard", set(), {})) == 8
 
 
+def test_run_takes_only_the_phases_it_is_given(tmp_path, capsys):
+    """`run --phase tune --phase test`: every cell's test runs before any long run (the headline's order)."""
+    spec = load(write_spec(tmp_path))
+    finish_tuning(spec)
+    every = runner.pending(spec, "d/32/base", set(), {})
+    assert {r.phase for r in every} == {"test", "long"}
+    short = runner.pending(spec, "d/32/base", set(), {}, ("tune", "test"))
+    assert {r.phase for r in short} == {"test"} and len(short) == 6 and short == every[:6]
+    assert runner.pending(spec, "d/32/base", set(), {}, ("tune",)) == []
+    path = str(write_spec(tmp_path))
+    one_line_error(capsys, main, ["run", path, "--phase", "longer"], "--phase", "invalid choice: 'longer'")
+
+
 @pytest.mark.parametrize(
     "from_choice, words",
     [

@@ -17,7 +17,7 @@ from collections import Counter
 from fastclip.cli import OneLineParser, whole_number
 
 from . import hours, records, runner
-from .plan import EDGE_STEPS, budget, cells, plan
+from .plan import EDGE_STEPS, PHASES, budget, cells, plan
 from .spec import SpecError, load
 
 
@@ -41,6 +41,13 @@ def build_parser() -> OneLineParser:
     r.add_argument("spec")
     r.add_argument("--cell", help="only dataset/batch/objective")
     r.add_argument("--max-runs", type=_count(0))
+    r.add_argument(
+        "--phase",
+        action="append",
+        choices=PHASES,
+        help="only runs of this phase (repeat for several; default all): e.g. tune and test of every headline cell "
+        "before their long runs",
+    )
     r.add_argument("--parallel", type=_count(1), default=1)
     r.add_argument("--allow-mixed-commits", action="store_true")
     r.add_argument("--rerun-stale", action="store_true", help="re-run the runs of other code (moved to stale/)")
@@ -108,7 +115,8 @@ def cmd_run(spec, args) -> int:
     if current["dirty"]:
         print(f"note: fastclip/ or configs/ has uncommitted changes; runs record code {current['code']}")
     try:
-        failed = runner.run_pending(spec, cell=args.cell, max_runs=args.max_runs, parallel=args.parallel)
+        phases = tuple(args.phase) if args.phase else PHASES
+        failed = runner.run_pending(spec, cell=args.cell, max_runs=args.max_runs, parallel=args.parallel, phases=phases)
     except runner.Stopped as signal_name:
         print(f"stopped by {signal_name}: the runs in progress saved a checkpoint; `run` again resumes them")
         return 75

@@ -20,7 +20,7 @@ from fastclip.eval.retrieval import mean_r1
 from fastclip.eval.zeroshot import mean_top1
 
 from . import records
-from .plan import Run, plan
+from .plan import PHASES, Run, plan
 from .spec import Spec, SpecError, resolve_setting
 
 CURVE_POINTS_MAX = 20
@@ -339,11 +339,14 @@ def move_stale(spec: Spec, current: str, cell: str | None) -> int:
 
 
 # ----------------------------------------------------------------------------- the loop
-def pending(spec: Spec, cell: str | None, busy: set[str], failed: dict[str, int]) -> list[Run]:
+def pending(
+    spec: Spec, cell: str | None, busy: set[str], failed: dict[str, int], phases: tuple[str, ...] = PHASES
+) -> list[Run]:
     return [
         r
         for r in plan(spec, cell)
         if not r.chosen_pending
+        and r.phase in phases
         and r.id not in busy
         and failed.get(r.id, 0) < 2
         and records.load(spec.results, r.id) is None
@@ -358,17 +361,25 @@ def _stop(signum, frame):
     raise Stopped(signal.Signals(signum).name)
 
 
-def run_pending(spec: Spec, *, cell: str | None = None, max_runs: int | None = None, parallel: int = 1) -> int:
+def run_pending(
+    spec: Spec,
+    *,
+    cell: str | None = None,
+    max_runs: int | None = None,
+    parallel: int = 1,
+    phases: tuple[str, ...] = PHASES,
+) -> int:
     """Runs pending runs `parallel` at a time until none is left (a cell's test runs start once its tuning is done)
-    or `max_runs` have started. A failed run is retried once from its checkpoint, then left for the next call.
-    Returns the number of runs that failed twice. SIGINT/SIGTERM: the runs in progress get SIGTERM (the trainer
-    checkpoints and exits 75), then Stopped."""
+    or `max_runs` have started; only runs of `phases` (e.g. tune and test of every cell before any long run). A
+    failed run is retried once from its checkpoint, then left for the next call. Returns the number of runs that
+    failed twice. SIGINT/SIGTERM: the runs in progress get SIGTERM (the trainer checkpoints and exits 75), then
+    Stopped."""
     for dataset in {r.dataset for r in plan(spec, cell)} if max_runs != 0 else ():
         ensure_data(spec, dataset)  # a missing folder is one line now, not after hours of other runs
     active: list[Active] = []
     previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _loop(spec, active, cell, max_runs, parallel)
+        return _loop(spec, active, cell, max_runs, parallel, phases)
     except BaseException:  # a stop, or a bug here: the runs in progress checkpoint and exit, none is orphaned
         for a in active:
             a.proc.send_signal(signal.SIGTERM)
@@ -381,7 +392,9 @@ def run_pending(spec: Spec, *, cell: str | None = None, max_runs: int | None = N
             signal.signal(s, handler)
 
 
-def _loop(spec: Spec, active: list[Active], cell: str | None, max_runs: int | None, parallel: int) -> int:
+def _loop(
+    spec: Spec, active: list[Active], cell: str | None, max_runs: int | None, parallel: int, phases: tuple[str, ...]
+) -> int:
     failed: dict[str, int] = {}
     started = 0
     while True:
@@ -392,7 +405,7 @@ def _loop(spec: Spec, active: list[Active], cell: str | None, max_runs: int | No
             except (RuntimeError, OSError, KeyError, ValueError) as error:
                 failed[a.run.id] = failed.get(a.run.id, 0) + 1
                 print(f"[{time.strftime('%H:%M:%S')}] FAILED {a.run.id}: {error}", flush=True)
-        todo = pending(spec, cell, {a.run.id for a in active}, failed)
+        todo = pending(spec, cell, {a.run.id for a in active}, failed, phases)
         while todo and len(active) < parallel and (max_runs is None or started < max_runs):
             run = todo.pop(0)
             active.append(start(spec, run, ensure_data(spec, run.dataset)))

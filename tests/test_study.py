@@ -314,6 +314,20 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     assert json.loads(spec.summary_json.read_text()) == summary
 
 
+def test_a_winner_that_is_the_strongest_baseline_and_alone_on_test_has_no_comparison_yet(tmp_path):
+    """The first cell to finish its test seeds (study v2: dcl at batch 32) is its table's winner and baseline so far;
+    its headline row says no other objective has test runs instead of printing None."""
+    spec = load(write_spec(tmp_path))
+    finish_tuning(spec, lambda name, i, seed: {"base": 0.7, "base2": 0.5, "new": 0.6}[name])
+    for run in plan(spec):
+        if run.phase == "test" and run.global_batch == 32 and run.objective == "base":
+            fake(spec, run, 0.4 + 0.01 * run.seed)
+    text, summary = report.write(spec)
+    (row,) = summary["comparisons"]
+    assert (row["winner"], row["baseline"], row["diff_mean"], row["complete"]) == ("base", None, None, False)
+    assert "| d | 32 | base | – (no other objective tested yet) | – |" in text
+
+
 def test_the_winner_is_named_on_val_not_by_test_means_over_unequal_seeds(tmp_path):
     """Test means over different seed sets would crown base (seeds 1-3 high) over new, which wins every paired
     seed; naming on val does not read the test seeds at all."""

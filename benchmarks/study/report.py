@@ -210,8 +210,9 @@ def markdown(spec: Spec, summary: dict) -> str:
         ]
         for c in summary["comparisons"]:
             ratio = "–" if c["samples_ratio"] is None else f"{c['samples_ratio']:.2f}x ({c['samples_ratio_epochs']})"
+            against = c["baseline"] or "– (no other objective tested yet)"
             lines.append(
-                f"| {c['dataset']} | {c['global_batch']} | {c['winner']} | {c['baseline']} | {_pct(c['diff_mean'])} "
+                f"| {c['dataset']} | {c['global_batch']} | {c['winner']} | {against} | {_pct(c['diff_mean'])} "
                 f"| {_p(c['p_holm'])} | {ratio} | {'all done' if c['complete'] else 'some pending: may change'} |"
             )
         lines.append("")

@@ -188,6 +188,40 @@ def test_an_objective_tunes_on_top_of_anothers_choice_in_each_table(tmp_path, ti
     assert len(runner.pending(spec, "d/32/hard", set(), {})) == 8
 
 
+def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_embedded, capsys):
+    """plan --hours: a run costs its steps x the median wall seconds per step of finished runs of its batch and phase
+    (a long run: the test runs'; another phase of its batch when its own has none), else the timing run's."""
+    from benchmarks.study import hours
+
+    data = tmp_path / "emb"  # the tiny glyphs, val standing in for test
+    data.mkdir()
+    for name, target in (("train", "train"), ("val", "val"), ("test", "val"), ("zeroshot.json", "zeroshot.json")):
+        (data / name).symlink_to(tiny_embedded / target)
+    spec = load(write_spec(tmp_path))
+    spec = dataclasses.replace(spec, datasets={"d": dataclasses.replace(spec.datasets["d"], data=data)})
+    finish_tuning(spec)  # 80 training samples: a batch-32 run of 2 epochs is 4 steps, at 64 2 steps
+    tune32 = [r for r in plan(spec) if r.phase == "tune" and r.global_batch == 32]
+    for i, run in enumerate(tune32):  # wall 4, 8 or 12 s over 4 steps: median 2 s per step
+        record = records.load(spec.results, run.id)
+        records.save(spec.results, run.id, {**record, "wall_s": 4.0 * (1 + i % 3)})
+    test = next(r for r in plan(spec) if r.phase == "test" and r.global_batch == 32 and r.objective == "base")
+    fake(spec, test, 0.5)
+    records.save(spec.results, test.id, {**records.load(spec.results, test.id), "wall_s": 20.0})  # 5 s per step
+    measured = hours.from_runs(spec)
+    assert measured == {"d/32/tune": (pytest.approx(2.0), 24), "d/32/test": (5.0, 1)}
+    runs = plan(spec)
+    seconds = {
+        ("tune", 32): 2.0, ("test", 32): 5.0, ("long", 32): 5.0,
+        ("tune", 64): 0.25, ("test", 64): 0.25, ("long", 64): 0.25,  # no run at 64: the timing's seconds
+    }  # fmt: skip
+    expected = sum(80 // r.global_batch * r.epochs * seconds[r.phase, r.global_batch] for r in runs) / 3600
+    h = hours.core_hours(spec, {"d/64": 0.25}, measured)
+    assert h["total"] == pytest.approx(expected)
+    assert h["done"] == pytest.approx((24 * 4 * 2.0 + 24 * 2 * 0.25 + 4 * 5.0) / 3600)  # every tuning run, 1 test
+    with pytest.raises(KeyError, match="d/64"):
+        hours.core_hours(spec, {}, measured)
+
+
 def test_run_takes_only_the_phases_it_is_given(tmp_path, capsys):
     """`run --phase tune --phase test`: every cell's test runs before any long run (the headline's order)."""
     spec = load(write_spec(tmp_path))

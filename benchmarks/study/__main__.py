@@ -34,7 +34,9 @@ def build_parser() -> OneLineParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="list the runs, budgets and what is done")
     p.add_argument("spec")
-    p.add_argument("--hours", action="store_true", help="core-hours from the measured seconds per step")
+    p.add_argument(
+        "--hours", action="store_true", help="core-hours from the finished runs' wall time (else a timing run's)"
+    )
     p.add_argument("--measure", action="store_true", help="time a short run per dataset and batch first")
     p.add_argument("--list", action="store_true", help="print every run id")
     r = sub.add_parser("run", help="run pending runs (resumes stopped ones)")
@@ -81,24 +83,31 @@ def cmd_plan(spec, args) -> int:
             print(r.id)
     if args.hours or args.measure:
         path = hours.timing_file(spec)
-        if not args.measure and not path.is_file():
-            print(f"plan --hours: no {path}; measure it with `plan --hours --measure`", file=sys.stderr)
-            return 2
-        timing = hours.measure(spec) if args.measure else json.loads(path.read_text())
-        per_step = timing["seconds_per_step"]
+        timing = hours.measure(spec) if args.measure else json.loads(path.read_text()) if path.is_file() else {}
+        per_step, measured = timing.get("seconds_per_step", {}), hours.from_runs(spec)
         try:
-            h = hours.core_hours(spec, per_step)
+            h = hours.core_hours(spec, per_step, measured)
         except KeyError as missing:
-            print(f"plan --hours: no timing for {missing} in {path}; re-run with --measure", file=sys.stderr)
+            print(
+                f"plan --hours: {missing} has no finished run and no timing in {path}; measure it with "
+                "`plan --hours --measure`",
+                file=sys.stderr,
+            )
             return 2
         print(
-            f"core-hours (training steps only): {h['total']:.1f} in total, {h['headline']:.1f} for the headline "
-            f"objectives; {h['done']:.1f} done, {h['pending']:.1f} pending"
+            f"core-hours: {h['total']:.1f} in total, {h['headline']:.1f} for the headline objectives; "
+            f"{h['done']:.1f} done, {h['pending']:.1f} pending"
         )
-        print("  seconds per step: " + ", ".join(f"{k} {v:.3f}" for k, v in per_step.items()))
-        note = hours.busy_note(timing)
-        if note:
-            print(f"  note: {note}")
+        if measured:
+            print(
+                "  wall seconds per step of the finished runs (median; evaluation included): "
+                + ", ".join(f"{k} {v:.3f} ({n} runs)" for k, (v, n) in sorted(measured.items()))
+            )
+        if per_step:
+            print("  timing run, seconds per training step: " + ", ".join(f"{k} {v:.3f}" for k, v in per_step.items()))
+            note = hours.busy_note(timing)
+            if note:
+                print(f"  note: {note}")
     return 0
 
 

@@ -1,6 +1,7 @@
-"""Core-hours of a study: seconds per training step at each dataset and batch (measured by a short run, or from the
-runs already done), times every run's steps; one run is one process on one core. Evaluations are not counted
-(about curve_points passes over val or test per run)."""
+"""Core-hours of a study: seconds per training step at each dataset and batch, times every run's steps; one run is
+one process on one core. The seconds come from the runs already finished (their wall time: evaluation included)
+where a batch has some, else from a short timing run (training steps only: evaluation, about curve_points passes
+over val or test per run, is not counted)."""
 
 from __future__ import annotations
 
@@ -70,15 +71,39 @@ def busy_note(timing: dict) -> str | None:
     return None
 
 
-def core_hours(spec, per_step: dict[str, float]) -> dict:
-    """{total, headline, done, pending} core-hours, and the tables' pending hours in running order."""
+def from_runs(spec) -> dict[str, tuple[float, int]]:
+    """ "dataset/batch/phase" -> (median wall seconds per training step over its finished runs, how many): what a run
+    has cost on this machine, evaluation and start-up included (a long run is priced as a test run of its batch)."""
+    sizes = {d: train_samples(ensure_data(spec, d)) for d in spec.datasets}
+    walls: dict[str, list[float]] = {}
+    for run in plan(spec):
+        record = None if run.chosen_pending else records.load(spec.results, run.id)
+        if record and record.get("wall_s"):
+            steps = sizes[run.dataset] // run.global_batch * run.epochs
+            walls.setdefault(f"{run.dataset}/{run.global_batch}/{run.phase}", []).append(record["wall_s"] / steps)
+    return {k: (statistics.median(v), len(v)) for k, v in walls.items()}
+
+
+def core_hours(spec, per_step: dict[str, float], measured: dict[str, tuple[float, int]] | None = None) -> dict:
+    """{total, headline, done, pending} core-hours. A run's seconds per step: `measured` (from_runs) for its phase
+    (a long run: its batch's test runs), else for another phase of its batch, else `per_step` (a timing run:
+    training steps only); KeyError names a dataset/batch with neither."""
+    measured = measured or {}
     sizes = {d: train_samples(ensure_data(spec, d)) for d in spec.datasets}
     hours = {"total": 0.0, "headline": 0.0, "done": 0.0, "pending": 0.0}
     for run in plan(spec):
         key = f"{run.dataset}/{run.global_batch}"
-        if key not in per_step:
+        phase = "test" if run.phase == "long" else run.phase
+        same_batch = [v for k, (v, _) in sorted(measured.items()) if k.rsplit("/", 1)[0] == key]
+        if f"{key}/{phase}" in measured:
+            seconds = measured[f"{key}/{phase}"][0]
+        elif same_batch:
+            seconds = same_batch[0]
+        elif key in per_step:
+            seconds = per_step[key]
+        else:
             raise KeyError(key)
-        h = sizes[run.dataset] // run.global_batch * run.epochs * per_step[key] / 3600
+        h = sizes[run.dataset] // run.global_batch * run.epochs * seconds / 3600
         hours["total"] += h
         if spec.objectives[run.objective].headline:
             hours["headline"] += h

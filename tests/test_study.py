@@ -173,7 +173,10 @@ def test_an_objective_tunes_on_top_of_anothers_choice_in_each_table(tmp_path, ti
         fake(spec, run, 0.5)
     waiting = tune_runs(spec, "d", 32, "hard")
     assert len(waiting) == 8 and all(r.chosen_pending for r in waiting)
+    assert len({r.id for r in waiting}) == 8 and all("temperature<base2>/" in r.id for r in waiting)
     assert not [r for r in runner.pending(spec, "d/32/hard", set(), {})]  # nothing to run before base2's choice
+    text, _ = report.write(spec)
+    assert "- d/32: 8 tune run(s) (waiting for the choice they take a value from)" in text
     # base2 chooses τ 0.1 at batch 32 (settings 1 and 3) and τ 0.07 at batch 64 (settings 0 and 2)
     for batch, best in ((32, {1, 3}), (64, {0, 2})):
         for i, run in enumerate(tune_runs(spec, "d", batch, "base2")):
@@ -188,9 +191,9 @@ def test_an_objective_tunes_on_top_of_anothers_choice_in_each_table(tmp_path, ti
     assert len(runner.pending(spec, "d/32/hard", set(), {})) == 8
 
 
-def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_embedded, capsys):
-    """plan --hours: a run costs its steps x the median wall seconds per step of finished runs of its batch and phase
-    (a long run: the test runs'; another phase of its batch when its own has none), else the timing run's."""
+def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_embedded):
+    """plan --hours: a run costs its steps x the median wall seconds per step of the finished runs of its batch and
+    phase (a long run: the test runs'; a phase with none: every phase of its batch), else the timing run's."""
     from benchmarks.study import hours
 
     data = tmp_path / "emb"  # the tiny glyphs, val standing in for test
@@ -199,30 +202,41 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
         (data / name).symlink_to(tiny_embedded / target)
     spec = load(write_spec(tmp_path))
     spec = dataclasses.replace(spec, datasets={"d": dataclasses.replace(spec.datasets["d"], data=data)})
-    finish_tuning(spec)  # 80 training samples: a batch-32 run of 2 epochs is 4 steps, at 64 2 steps
-    tune32 = [r for r in plan(spec) if r.phase == "tune" and r.global_batch == 32]
-    for i, run in enumerate(tune32):  # wall 4, 8 or 12 s over 4 steps: median 2 s per step
-        record = records.load(spec.results, run.id)
-        records.save(spec.results, run.id, {**record, "wall_s": 4.0 * (1 + i % 3)})
+    finish_tuning(spec)  # 80 training samples: a run of 2 epochs is 4 steps at batch 32, 2 at 64
+    for i, run in enumerate(r for r in plan(spec) if r.phase == "tune"):
+        # batch 32: 4, 8 or 12 s over its 4 steps (1, 2 or 3 s per step, 8 runs each); batch 64: 2 s over 2 steps
+        wall = 4.0 * (1 + i % 3) if run.global_batch == 32 else 2.0
+        records.save(spec.results, run.id, {**records.load(spec.results, run.id), "wall_s": wall})
     test = next(r for r in plan(spec) if r.phase == "test" and r.global_batch == 32 and r.objective == "base")
     fake(spec, test, 0.5)
     records.save(spec.results, test.id, {**records.load(spec.results, test.id), "wall_s": 20.0})  # 5 s per step
     measured = hours.from_runs(spec)
-    assert measured == {"d/32/tune": (pytest.approx(2.0), 24), "d/32/test": (5.0, 1)}
-    runs = plan(spec)
+    tune32 = 2.0
+    assert measured["d/32/tune"] == (pytest.approx(tune32), 24) and measured["d/32/test"] == (5.0, 1)
+    assert measured["d/64/tune"] == (1.0, 24) and measured["d/64"] == (1.0, 24) and "d/64/test" not in measured
     seconds = {
-        ("tune", 32): 2.0, ("test", 32): 5.0, ("long", 32): 5.0,
-        ("tune", 64): 0.25, ("test", 64): 0.25, ("long", 64): 0.25,  # no run at 64: the timing's seconds
-    }  # fmt: skip
+        ("tune", 32): tune32,
+        ("test", 32): 5.0,
+        ("long", 32): 5.0,  # long: as its batch's test runs
+        ("tune", 64): 1.0,
+        ("test", 64): 1.0,
+        ("long", 64): 1.0,
+    }  # no test run at 64: every phase of 64's
+    runs = plan(spec)
     expected = sum(80 // r.global_batch * r.epochs * seconds[r.phase, r.global_batch] for r in runs) / 3600
-    h = hours.core_hours(spec, {"d/64": 0.25}, measured)
-    assert h["total"] == pytest.approx(expected)
-    assert h["done"] == pytest.approx((24 * 4 * 2.0 + 24 * 2 * 0.25 + 4 * 5.0) / 3600)  # every tuning run, 1 test
+    h = hours.core_hours(spec, {}, measured)
+    assert h["total"] == pytest.approx(expected) and h["timed"] == []
+    assert h["done"] == pytest.approx((24 * 4 * tune32 + 24 * 2 * 1.0 + 4 * 5.0) / 3600)  # the tuning, 1 test run
+    only32 = {k: v for k, v in measured.items() if k.startswith("d/32")}
+    h = hours.core_hours(spec, {"d/64": 0.25}, only32)  # batch 64 from the timing run
+    assert h["timed"] == ["d/64"]
+    assert h["total"] == pytest.approx(expected - sum(80 // 64 * r.epochs * 0.75 for r in runs if r.global_batch == 64)
+                                       / 3600)  # fmt: skip
     with pytest.raises(KeyError, match="d/64"):
-        hours.core_hours(spec, {}, measured)
+        hours.core_hours(spec, {}, only32)
 
 
-def test_run_takes_only_the_phases_it_is_given(tmp_path, capsys):
+def test_run_takes_only_the_phases_it_is_given(tmp_path, capsys, monkeypatch):
     """`run --phase tune --phase test`: every cell's test runs before any long run (the headline's order)."""
     spec = load(write_spec(tmp_path))
     finish_tuning(spec)
@@ -233,6 +247,11 @@ def test_run_takes_only_the_phases_it_is_given(tmp_path, capsys):
     assert runner.pending(spec, "d/32/base", set(), {}, ("tune",)) == []
     path = str(write_spec(tmp_path))
     one_line_error(capsys, main, ["run", path, "--phase", "longer"], "--phase", "invalid choice: 'longer'")
+    given = []
+    monkeypatch.setattr(runner, "run_pending", lambda spec, **kw: given.append(kw["phases"]) or 0)
+    mixed = "--allow-mixed-commits"  # the made-up runs' code is not this tree's
+    assert main(["run", path, mixed, "--phase", "tune", "--phase", "test"]) == 0 and main(["run", path, mixed]) == 0
+    assert given == [("tune", "test"), ("tune", "test", "long")]
 
 
 @pytest.mark.parametrize(
@@ -241,6 +260,7 @@ def test_run_takes_only_the_phases_it_is_given(tmp_path, capsys):
         ({"loss.temperature": "nobody"}, ("objectives.hard.from_choice.loss.temperature", "no other objective")),
         ({"loss.rho_frac": "base2"}, ("from_choice.loss.rho_frac", "base2 does not tune loss.rho_frac")),
         ({"optim.lr": "base2"}, ("objectives.hard.from_choice", "['optim.lr'] also fixed in options or tuned")),
+        ({"loss.temperature": ["base2"]}, ("from_choice.loss.temperature", "must name an objective, got ['base2']")),
     ],
 )
 def test_from_choice_names_a_tuned_knob_of_another_objective(tmp_path, capsys, from_choice, words):
@@ -460,6 +480,23 @@ def test_mixed_code_is_refused_and_stale_runs_rerun(tmp_path, capsys, monkeypatc
     assert records.load(spec.results, first.id) is None  # pending again; the old record kept under stale/
     assert json.loads((spec.results / "stale" / f"{first.id}.json").read_text())["code"] == "c0"
     assert main(["report", str(path)]) == 0  # one code left
+
+
+def test_rerun_stale_moves_a_dependents_old_runs_while_its_source_retunes(tmp_path):
+    """hard takes base2's τ: once base2's runs of old code are moved (pending again), hard's old-code runs at the
+    τ base2 chose then are listed by no plan; `--rerun-stale` on base2's cell moves them too, so they cannot come
+    back into a table when base2 chooses that τ again. hard's runs of the current code stay."""
+    spec = load(with_hard(tmp_path))
+    finish_tuning(spec)  # every run code c1; hard's at base2's choice (τ 0.07)
+    hard = tune_runs(spec, "d", 32, "hard")
+    kept = tune_runs(spec, "d", 64, "hard")[0]
+    fake(spec, kept, 0.5, code="c2")  # batch 64: another table, and current code
+    assert not any(r.chosen_pending for r in hard)
+    assert runner.move_stale(spec, "c2", "d/32/base2") == 8 + 8  # base2's 8, then hard's 8 (no plan lists them)
+    assert all(r.chosen_pending for r in tune_runs(spec, "d", 32, "hard"))
+    assert all((spec.results / "stale" / f"{r.id}.json").is_file() for r in hard)
+    assert records.load(spec.results, kept.id) is not None
+    assert runner.move_stale(spec, "c2", "d/32/base") == 8  # base's own; hard takes nothing from base
 
 
 def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_resumed(tmp_path, tiny_embedded):

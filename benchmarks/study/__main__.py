@@ -100,11 +100,15 @@ def cmd_plan(spec, args) -> int:
         )
         if measured:
             print(
-                "  wall seconds per step of the finished runs (median; evaluation included): "
-                + ", ".join(f"{k} {v:.3f} ({n} runs)" for k, (v, n) in sorted(measured.items()))
+                "  wall seconds per step of the finished runs (median; evaluation included, at the load they ran "
+                "at): " + ", ".join(f"{k} {v:.3f} ({n} runs)" for k, (v, n) in sorted(measured.items()))
             )
-        if per_step:
-            print("  timing run, seconds per training step: " + ", ".join(f"{k} {v:.3f}" for k, v in per_step.items()))
+        if h["timed"]:
+            print(
+                f"  {', '.join(h['timed'])} without finished runs: a timing run's seconds per training step ("
+                + ", ".join(f"{k} {per_step[k]:.3f}" for k in h["timed"])
+                + "; evaluation not counted)"
+            )
             note = hours.busy_note(timing)
             if note:
                 print(f"  note: {note}")

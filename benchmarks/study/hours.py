@@ -72,37 +72,38 @@ def busy_note(timing: dict) -> str | None:
 
 
 def from_runs(spec) -> dict[str, tuple[float, int]]:
-    """ "dataset/batch/phase" -> (median wall seconds per training step over its finished runs, how many): what a run
-    has cost on this machine, evaluation and start-up included (a long run is priced as a test run of its batch)."""
+    """ "dataset/batch/phase", and "dataset/batch" over every phase -> (median wall seconds per training step over
+    the finished runs, how many runs): what a run has cost on this machine, evaluation and start-up included, at
+    whatever load the machine then had."""
     sizes = {d: train_samples(ensure_data(spec, d)) for d in spec.datasets}
     walls: dict[str, list[float]] = {}
     for run in plan(spec):
         record = None if run.chosen_pending else records.load(spec.results, run.id)
         if record and record.get("wall_s"):
             steps = sizes[run.dataset] // run.global_batch * run.epochs
-            walls.setdefault(f"{run.dataset}/{run.global_batch}/{run.phase}", []).append(record["wall_s"] / steps)
+            for key in (f"{run.dataset}/{run.global_batch}/{run.phase}", f"{run.dataset}/{run.global_batch}"):
+                walls.setdefault(key, []).append(record["wall_s"] / steps)
     return {k: (statistics.median(v), len(v)) for k, v in walls.items()}
 
 
 def core_hours(spec, per_step: dict[str, float], measured: dict[str, tuple[float, int]] | None = None) -> dict:
-    """{total, headline, done, pending} core-hours. A run's seconds per step: `measured` (from_runs) for its phase
-    (a long run: its batch's test runs), else for another phase of its batch, else `per_step` (a timing run:
-    training steps only); KeyError names a dataset/batch with neither."""
+    """{total, headline, done, pending} core-hours, and `timed`: the batches priced by `per_step` (a timing run:
+    training steps only) for want of finished runs. A run's seconds per step: `measured` (from_runs) for its batch
+    and phase; a long run without its own, its batch's test runs'; else every phase of its batch; else `per_step`.
+    KeyError names a dataset/batch with neither."""
     measured = measured or {}
     sizes = {d: train_samples(ensure_data(spec, d)) for d in spec.datasets}
-    hours = {"total": 0.0, "headline": 0.0, "done": 0.0, "pending": 0.0}
+    hours = {"total": 0.0, "headline": 0.0, "done": 0.0, "pending": 0.0, "timed": []}
     for run in plan(spec):
         key = f"{run.dataset}/{run.global_batch}"
-        phase = "test" if run.phase == "long" else run.phase
-        same_batch = [v for k, (v, _) in sorted(measured.items()) if k.rsplit("/", 1)[0] == key]
-        if f"{key}/{phase}" in measured:
-            seconds = measured[f"{key}/{phase}"][0]
-        elif same_batch:
-            seconds = same_batch[0]
-        elif key in per_step:
+        own = [f"{key}/{run.phase}"] + ([f"{key}/test"] if run.phase == "long" else []) + [key]
+        seconds = next((measured[k][0] for k in own if k in measured), None)
+        if seconds is None:
+            if key not in per_step:
+                raise KeyError(key)
             seconds = per_step[key]
-        else:
-            raise KeyError(key)
+            if key not in hours["timed"]:
+                hours["timed"].append(key)
         h = sizes[run.dataset] // run.global_batch * run.epochs * seconds / 3600
         hours["total"] += h
         if spec.objectives[run.objective].headline:

@@ -22,12 +22,19 @@ from .spec import Spec, setting_id
 PHASES = ("tune", "test", "long")
 
 
+class Waiting(str):
+    """A setting's value still to be taken from another objective's choice (spec `from_choice`): its text is
+    `<that objective>`, so a waiting run has an id of its own, and the run is pending."""
+
+
 @dataclass(frozen=True)
 class Run:
     dataset: str
     global_batch: int
     objective: str
-    setting: tuple  # ((config key, value), ...) in grid order; () while the cell's choice is pending
+    # ((config key, value), ...): the grid's keys in order, then the keys taken from another objective's choice
+    # (Waiting values until it exists); () for a test or long run while the cell's own choice is pending
+    setting: tuple
     seed: int
     phase: str
     epochs: int
@@ -47,7 +54,7 @@ class Run:
 
     @property
     def chosen_pending(self) -> bool:
-        return not self.setting
+        return not self.setting or any(isinstance(v, Waiting) for _, v in self.setting)
 
 
 def cells(spec: Spec) -> list[tuple[str, int, str]]:
@@ -108,9 +115,9 @@ def tune_result(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[l
     may lie past the grid (issue 38)."""
     grid = spec.objectives[objective].grid
     taken = taken_values(spec, dataset, batch, objective)
-    if taken is None:  # the runs wait for another objective's choice (setting (): pending, as a test run's)
-        return _runs_of(spec, dataset, batch, objective, [{}] * len(spec.objectives[objective].settings())), None, None
     runs = _runs_of(spec, dataset, batch, objective, [{**s, **taken} for s in spec.objectives[objective].settings()])
+    if any(isinstance(v, Waiting) for v in taken.values()):  # the grid's runs wait for another objective's choice
+        return runs, None, None
     scores = _scores(spec, runs)
     best = choose(scores)
     best_scores = next((v for s, v in scores if s == best), None)
@@ -132,15 +139,13 @@ def tune_result(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[l
     return runs, best, best_scores if best is not None else None
 
 
-def taken_values(spec: Spec, dataset: str, batch: int, objective: str) -> dict | None:
-    """The values `objective` takes from other objectives' choices in this table (spec `from_choice`); None while
-    one of those choices is pending."""
+def taken_values(spec: Spec, dataset: str, batch: int, objective: str) -> dict:
+    """The values `objective` takes from other objectives' choices in this table (spec `from_choice`); a Waiting
+    value where that choice is pending."""
     taken = {}
     for key, source in spec.objectives[objective].from_choice.items():
         choice = tune_result(spec, dataset, batch, source)[1]
-        if choice is None:
-            return None
-        taken[key] = choice[key]
+        taken[key] = Waiting(f"<{source}>") if choice is None else choice[key]
     return taken
 
 
@@ -214,7 +219,8 @@ def final_runs(spec: Spec, dataset: str, batch: int, objective: str, setting: di
 
 def plan(spec: Spec, only_cell: str | None = None) -> list[Run]:
     """Every run of the study in running order (tuning of every cell first, then test runs, then long runs);
-    test and long runs of a cell whose choice is pending carry setting ()."""
+    test and long runs of a cell whose choice is pending carry setting (), tuning runs that wait for another
+    objective's choice a Waiting value (Run.chosen_pending)."""
     tune, test, long = [], [], []
     tables: dict[tuple[str, int], tuple[dict, Designation]] = {}  # each table's tune_results (read once), naming
     for dataset, batch, objective in cells(spec):

@@ -20,7 +20,7 @@ from fastclip.eval.retrieval import mean_r1
 from fastclip.eval.zeroshot import mean_top1
 
 from . import records
-from .plan import PHASES, Run, plan
+from .plan import PHASES, Run, cells, plan
 from .spec import Spec, SpecError, resolve_setting
 
 CURVE_POINTS_MAX = 20
@@ -328,14 +328,36 @@ def check_commits(spec: Spec, current: str | None, cell: str | None = None) -> N
 
 
 def move_stale(spec: Spec, current: str, cell: str | None) -> int:
-    """Move the finished runs of other code out of the tables (to <results>/stale/): they are pending again."""
+    """Move the finished runs of other code out of the tables (to <results>/stale/): they are pending again. Also
+    those of other code that no plan lists now, in `cell` and in the cells that take a value from its choice (a
+    tuning run at a value its source no longer chooses, or not yet again): they would be back in the tables once
+    that choice is."""
     moved = 0
     for run in plan(spec, cell):
         record = records.load(spec.results, run.id)
         if record is not None and _code_of(spec, run, record) != current:
             records.move_stale(spec.results, run.id)
             moved += 1
+    planned = {run.id for run in plan(spec)}
+    root = spec.results / "runs"
+    for prefix in _with_dependents(spec, cell):
+        for path in sorted((root / prefix).rglob("*.json")):
+            run_id = path.relative_to(root).with_suffix("").as_posix()
+            if run_id not in planned and json.loads(path.read_text()).get("code") != current:
+                records.move_stale(spec.results, run_id)
+                moved += 1
     return moved
+
+
+def _with_dependents(spec: Spec, cell: str | None) -> list[str]:
+    """`cell` and the cells of its table whose objective takes a value from its choice (every cell when None)."""
+    every = [f"{d}/{b}/{o}" for d, b, o in cells(spec)]
+    if cell is None:
+        return every
+    table, objective = cell.rsplit("/", 1)
+    return [cell] + [
+        f"{table}/{o}" for o, spec_o in spec.objectives.items() if objective in spec_o.from_choice.values()
+    ]
 
 
 # ----------------------------------------------------------------------------- the loop

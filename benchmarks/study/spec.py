@@ -176,6 +176,7 @@ def load(path: Path) -> Spec:
     for name, objective in objectives.items():
         for key, source in objective.from_choice.items():
             where = f"{path}: objectives.{name}.from_choice.{key}"
+            _need(isinstance(source, str), where, f"must name an objective, got {source!r}")
             _need(source in objectives and source != name, where, f"names no other objective ({source!r})")
             _need(key in objectives[source].grid, where, f"{source} does not tune {key}, so it has no choice of it")
             _need(not objectives[source].from_choice, where, f"{source} takes a choice itself (one step only)")

@@ -375,8 +375,12 @@ def test_a_winner_that_is_the_strongest_baseline_and_alone_on_test_has_no_compar
     finish_tuning(spec, lambda name, i, seed: {"base": 0.7, "base2": 0.5, "new": 0.6}[name])
     for run in plan(spec):
         if run.phase == "test" and run.global_batch == 32 and run.objective == "base":
-            fake(spec, run, 0.4 + 0.01 * run.seed)
+            fake(spec, run, 0.4 + 0.01 * run.seed, zeroshot=0.3 + 0.01 * run.seed)
+            record = records.load(spec.results, run.id)
+            records.save(spec.results, run.id, {**record, "novel": {"metric": 0.5 + 0.01 * run.seed}})
     text, summary = report.write(spec)
+    # beside the metric: zero-shot mean over seeds 1-6 (best seed's), novel's mean
+    assert "| base | lr0.001_temperature0.07 | 6 | 43.5 ± 1.9 | baseline |  | – | – | – | 33.5 (36.0) | 53.5 |" in text
     (row,) = summary["comparisons"]
     assert (row["winner"], row["baseline"], row["diff_mean"], row["complete"]) == ("base", None, None, False)
     assert "| d | 32 | base | – (no other objective tested yet) | – |" in text

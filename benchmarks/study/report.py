@@ -36,6 +36,13 @@ def table(spec: Spec, dataset: str, batch: int, runs: dict[str, dict[int, dict]]
     """One table: per objective its seeds' metric; the winner and strongest baseline named on val (None where that
     objective has no run in this table); the comparisons with the baseline."""
     metric = {name: {s: r["final"]["metric"] for s, r in by_seed.items()} for name, by_seed in runs.items()}
+    beside = {  # reported beside the metric: zero-shot top-1 on the test split, the metric on `novel`
+        name: {
+            "zeroshot": [r["final"]["zeroshot_top1"] for r in by_seed.values() if r["final"].get("zeroshot_top1")],
+            "novel": [r["novel"]["metric"] for r in by_seed.values() if (r.get("novel") or {}).get("metric")],
+        }
+        for name, by_seed in runs.items()
+    }
     means = {name: mean_std(list(v.values()))[0] for name, v in metric.items()}
     named = designate(spec, dataset, batch)
     baseline = named.baseline if named.baseline in metric else None
@@ -43,6 +50,7 @@ def table(spec: Spec, dataset: str, batch: int, runs: dict[str, dict[int, dict]]
     rows = compare(metric, baseline) if baseline else []
     return {
         "metric": metric,
+        "beside": beside,
         "means": means,
         "val": named.val,
         "baseline": baseline,
@@ -172,7 +180,9 @@ def markdown(spec: Spec, summary: dict) -> str:
         "wins: seeds where the objective is ahead; p: two-sided Wilcoxon signed-rank (exact up to 12 seeds, zero "
         "differences dropped, ties at their mean rank), p_Holm over the table's comparisons, perm: the paired "
         "permutation test, Holm-adjusted. The winner and the strongest baseline are named on val (the chosen "
-        "settings' mean val metric) before any test seed is read.",
+        "settings' mean val metric) before any test seed is read. Beside the metric: zero-shot top-1 over the classes "
+        "of the data's zeroshot.json (mean over seeds, and the best seed) and the metric on `novel` (mean), where the "
+        "data has them.",
         "",
     ]
     for t in summary["_tables"]:
@@ -180,8 +190,11 @@ def markdown(spec: Spec, summary: dict) -> str:
         lines += [title + (" (longer training)" if t["phase"] == "long" else ""), ""]
         strongest = f"`{t['baseline']}`" if t["baseline"] else "none (no baseline has runs at this length)"
         lines += [f"Strongest baseline (named on val): {strongest}; winner (named on val): `{t['winner']}`.", ""]
-        lines += ["| objective | setting | seeds | test | Δ vs baseline | wins | p | p_Holm | perm (Holm) |"]
-        lines += ["|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| objective | setting | seeds | test | Δ vs baseline | wins | p | p_Holm | perm (Holm) "
+            "| zero-shot mean (best) | novel |"
+        ]
+        lines += ["|---|---|---|---|---|---|---|---|---|---|---|"]
         rows = {r["objective"]: r for r in t["comparisons"]}
         for name in sorted(t["metric"], key=lambda n: -t["means"][n]):
             values = list(t["metric"][name].values())
@@ -196,10 +209,13 @@ def markdown(spec: Spec, summary: dict) -> str:
                 else "–"
             )
             wins = "" if r is None else f"{r['wins']}/{len(r['seeds'])}"
+            zs, novel = t["beside"][name]["zeroshot"], t["beside"][name]["novel"]
+            zs_cell = f"{_pct(sum(zs) / len(zs))} ({_pct(max(zs))})" if zs else "–"
+            novel_cell = _pct(sum(novel) / len(novel)) if novel else "–"
             lines.append(
                 f"| {name} | {setting_id(setting) if setting else '–'} | {len(values)} | {_pct(mean)} ± {_pct(std)} "
                 f"| {delta} | {wins} | {_p(r and r['p_wilcoxon'])} | {_p(r and r['p_holm'])} "
-                f"| {_p(r and r['p_holm_permutation'])} |"
+                f"| {_p(r and r['p_holm_permutation'])} | {zs_cell} | {novel_cell} |"
             )
         lines.append("")
     if summary["comparisons"]:

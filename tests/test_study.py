@@ -378,7 +378,10 @@ def test_a_winner_that_is_the_strongest_baseline_and_alone_on_test_has_no_compar
             fake(spec, run, 0.4 + 0.01 * run.seed, zeroshot=0.3 + 0.01 * run.seed)
             record = records.load(spec.results, run.id)
             records.save(spec.results, run.id, {**record, "novel": {"metric": 0.5 + 0.01 * run.seed}})
+    started = next(r for r in plan(spec) if r.phase == "test" and r.objective == "base2" and r.global_batch == 32)
+    (runner.run_dir(spec, started) / "checkpoints" / "step_00000004").mkdir(parents=True)  # running, or stopped
     text, summary = report.write(spec)
+    assert f"Started, with a checkpoint (running, or to resume): `{started.id}`." in text
     # beside the metric: zero-shot mean over seeds 1-6 (best seed's), novel's mean
     assert "| base | lr0.001_temperature0.07 | 6 | 43.5 ± 1.9 | baseline |  | – | – | – | 33.5 (36.0) | 53.5 |" in text
     (row,) = summary["comparisons"]

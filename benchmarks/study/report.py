@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import records
 from .plan import PHASES, choose, chosen, designate, metric_of, plan, tune_plan
+from .runner import run_dir
 from .spec import Spec, setting_id
 from .stats import compare, mean_std, samples_ratio
 
@@ -232,7 +233,7 @@ def markdown(spec: Spec, summary: dict) -> str:
                 f"| {_p(c['p_holm'])} | {ratio} | {'all done' if c['complete'] else 'some pending: may change'} |"
             )
         lines.append("")
-    lines += pending_lines(summary["_todo"])
+    lines += pending_lines(spec, summary["_todo"])
     tuning = tuning_lines(spec)
     if tuning:
         lines += ["## Tuning (val, the final metric in %)", "", *tuning]
@@ -292,11 +293,14 @@ def tuning_lines(spec: Spec) -> list[str]:
     return lines
 
 
-def pending_lines(todo: list) -> list[str]:
+def pending_lines(spec: Spec, todo: list) -> list[str]:
     if not todo:
         return ["All planned runs are done."]
     counts = Counter((r.dataset, r.global_batch, r.phase, r.chosen_pending) for r in todo)
     lines = [f"## Still pending: {len(todo)} run(s)", ""]
+    started = [r.id for r in todo if not r.chosen_pending and any((run_dir(spec, r) / "checkpoints").glob("step_*"))]
+    if started:  # running now, or stopped: `run` resumes them from their last checkpoint
+        lines += [f"Started, with a checkpoint (running, or to resume): {', '.join(f'`{i}`' for i in started)}.", ""]
     order = sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1], PHASES.index(kv[0][2]), kv[0][3]))
     for (dataset, batch, phase, waiting), n in order:
         why = (

@@ -191,6 +191,25 @@ def test_an_objective_tunes_on_top_of_anothers_choice_in_each_table(tmp_path, ti
     assert len(runner.pending(spec, "d/32/hard", set(), {})) == 8
 
 
+def test_run_takes_several_cells_and_patterns(tmp_path, capsys, monkeypatch):
+    """`run --cell` repeats and takes shell-style patterns; one runner then takes every named cell's runs in the
+    plan's order (all their tuning before any test run), and the commit check covers their tables only."""
+    path = str(write_spec(tmp_path))
+    spec = load(path)
+    given = []
+    monkeypatch.setattr(runner, "run_pending", lambda spec, **kw: given.append(kw["cell"]) or 0)
+    assert main(["run", path, "--cell", "d/32/*", "--cell", "d/64/new", "--cell", "d/32/base"]) == 0
+    assert given == [["d/32/base", "d/32/new", "d/32/base2", "d/64/new"]]  # headline objectives first, no repeat
+    one_line_error(capsys, main, ["run", path, "--cell", "d/128/*"], "--cell d/128/*", "matches no cell")
+    both = runner.pending(spec, ["d/32/base", "d/64/new"], set(), {})
+    assert [r.phase for r in both] == ["tune"] * 16 and {r.cell for r in both} == {"d/32/base", "d/64/new"}
+    for run in tune_runs(spec, "d", 64, "new"):
+        fake(spec, run, 0.5, code="c0")  # table d/64 from other code
+    runner.check_commits(spec, "c1", ["d/32/base", "d/32/new"])  # table d/32 only: passes
+    with pytest.raises(runner.MixedCommits, match="table d/64"):
+        runner.check_commits(spec, "c1", ["d/32/base", "d/64/base2"])
+
+
 def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_embedded):
     """plan --hours: a run costs its steps x the median wall seconds per step of the finished runs of its batch and
     phase (a long run: the test runs'; a phase with none: every phase of its batch), else the timing run's."""

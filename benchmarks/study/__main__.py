@@ -3,12 +3,14 @@
     python -m benchmarks.study plan benchmarks/study/v2.yaml            # every run, budgets, the choice rule
     python -m benchmarks.study plan benchmarks/study/v2.yaml --hours    # core-hours (--measure: time a short run)
     python -m benchmarks.study run benchmarks/study/v2.yaml --cell scenes-semantic/32/dcl --parallel 2
+    python -m benchmarks.study run benchmarks/study/v2.yaml --cell 'scenes-semantic/32/*' --phase tune --phase test
     python -m benchmarks.study report benchmarks/study/v2.yaml          # tables + summary JSON
 
 Usage mistakes (a spec, a cell, mixed code in a table) are one line and exit 2."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import sys
@@ -41,7 +43,11 @@ def build_parser() -> OneLineParser:
     p.add_argument("--list", action="store_true", help="print every run id")
     r = sub.add_parser("run", help="run pending runs (resumes stopped ones)")
     r.add_argument("spec")
-    r.add_argument("--cell", help="only dataset/batch/objective")
+    r.add_argument(
+        "--cell",
+        action="append",
+        help="only this dataset/batch/objective (repeat for several; shell-style patterns: 'scenes-semantic/32/*')",
+    )
     r.add_argument("--max-runs", type=_count(0))
     r.add_argument(
         "--phase",
@@ -116,9 +122,19 @@ def cmd_plan(spec, args) -> int:
 
 
 def cmd_run(spec, args) -> int:
-    if args.cell and args.cell not in {f"{d}/{b}/{o}" for d, b, o in cells(spec)}:
-        print(f"run --cell {args.cell}: not a cell of {spec.path} (dataset/batch/objective)", file=sys.stderr)
-        return 2
+    every = [f"{d}/{b}/{o}" for d, b, o in cells(spec)]
+    chosen_cells = None
+    if args.cell:
+        chosen_cells = []
+        for pattern in args.cell:
+            matched = [c for c in every if fnmatch.fnmatchcase(c, pattern)]
+            if not matched:
+                print(
+                    f"run --cell {pattern}: matches no cell of {spec.path} (dataset/batch/objective)", file=sys.stderr
+                )
+                return 2
+            chosen_cells += [c for c in matched if c not in chosen_cells]
+    args.cell = chosen_cells
     current = records.code_version()
     if args.rerun_stale:
         moved = runner.move_stale(spec, current["code"], args.cell)

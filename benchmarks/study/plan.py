@@ -14,6 +14,7 @@ whether the spec marks them headline or not: the comparison the headline reports
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import records
@@ -217,14 +218,20 @@ def final_runs(spec: Spec, dataset: str, batch: int, objective: str, setting: di
     return runs
 
 
-def plan(spec: Spec, only_cell: str | None = None) -> list[Run]:
-    """Every run of the study in running order (tuning of every cell first, then test runs, then long runs);
-    test and long runs of a cell whose choice is pending carry setting (), tuning runs that wait for another
-    objective's choice a Waiting value (Run.chosen_pending)."""
+def selected(only: str | Iterable[str] | None) -> set[str] | None:
+    """The cells ("dataset/batch/objective") `only` names: one, several, or None for every cell."""
+    return None if only is None else {only} if isinstance(only, str) else set(only)
+
+
+def plan(spec: Spec, only: str | Iterable[str] | None = None) -> list[Run]:
+    """Every run of the study (of the cells `only` names: one or several) in running order (tuning of every cell
+    first, then test runs, then long runs); test and long runs of a cell whose choice is pending carry setting (),
+    tuning runs that wait for another objective's choice a Waiting value (Run.chosen_pending)."""
+    wanted = selected(only)
     tune, test, long = [], [], []
     tables: dict[tuple[str, int], tuple[dict, Designation]] = {}  # each table's tune_results (read once), naming
     for dataset, batch, objective in cells(spec):
-        if only_cell and only_cell != f"{dataset}/{batch}/{objective}":
+        if wanted is not None and f"{dataset}/{batch}/{objective}" not in wanted:
             continue
         if (dataset, batch) not in tables:
             results = {o: tune_result(spec, dataset, batch, o) for o in spec.objectives}

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from fastclip.eval.retrieval import mean_r1
 from fastclip.eval.zeroshot import mean_top1
 
 from . import records
-from .plan import PHASES, Run, cells, plan
+from .plan import PHASES, Run, cells, plan, selected
 from .spec import Spec, SpecError, resolve_setting
 
 CURVE_POINTS_MAX = 20
@@ -311,11 +312,13 @@ def _code_of(spec: Spec, run: Run, record: dict) -> str:
     return record["code"] if record["args"] == now else record["code"] + "+other-settings"
 
 
-def check_commits(spec: Spec, current: str | None, cell: str | None = None) -> None:
-    """MixedCommits if a table (only the table of `cell`, when given) holds runs from more than one code version,
-    or (`current` given: before running) from another code than `current`."""
+def check_commits(spec: Spec, current: str | None, cell: str | Iterable[str] | None = None) -> None:
+    """MixedCommits if a table (only the tables of the cells `cell` names, when given) holds runs from more than one
+    code version, or (`current` given: before running) from another code than `current`."""
+    wanted = selected(cell)
+    tables = None if wanted is None else {c.rsplit("/", 1)[0] for c in wanted}
     for (dataset, batch), codes in table_codes(spec).items():
-        if cell and not cell.startswith(f"{dataset}/{batch}/"):
+        if tables is not None and f"{dataset}/{batch}" not in tables:
             continue
         keys = set(codes) | ({current} if current else set())
         if len(keys) > 1:
@@ -327,11 +330,11 @@ def check_commits(spec: Spec, current: str | None, cell: str | None = None) -> N
             )
 
 
-def move_stale(spec: Spec, current: str, cell: str | None) -> int:
-    """Move the finished runs of other code out of the tables (to <results>/stale/): they are pending again. Also
-    those of other code that no plan lists now, in `cell` and in the cells that take a value from its choice (a
-    tuning run at a value its source no longer chooses, or not yet again): they would be back in the tables once
-    that choice is."""
+def move_stale(spec: Spec, current: str, cell: str | Iterable[str] | None) -> int:
+    """Move the finished runs of other code (of the cells `cell` names, else every cell) out of the tables (to
+    <results>/stale/): they are pending again. Also those of other code that no plan lists now, in those cells and
+    in the cells that take a value from their choice (a tuning run at a value its source no longer chooses, or not
+    yet again): they would be back in the tables once that choice is."""
     moved = 0
     for run in plan(spec, cell):
         record = records.load(spec.results, run.id)
@@ -349,20 +352,26 @@ def move_stale(spec: Spec, current: str, cell: str | None) -> int:
     return moved
 
 
-def _with_dependents(spec: Spec, cell: str | None) -> list[str]:
-    """`cell` and the cells of its table whose objective takes a value from its choice (every cell when None)."""
-    every = [f"{d}/{b}/{o}" for d, b, o in cells(spec)]
-    if cell is None:
-        return every
-    table, objective = cell.rsplit("/", 1)
-    return [cell] + [
-        f"{table}/{o}" for o, spec_o in spec.objectives.items() if objective in spec_o.from_choice.values()
-    ]
+def _with_dependents(spec: Spec, cell: str | Iterable[str] | None) -> list[str]:
+    """The cells `cell` names and the cells of their tables whose objective takes a value from their choice (every
+    cell when None)."""
+    wanted = selected(cell)
+    out = []
+    for d, b, o in cells(spec):
+        name = f"{d}/{b}/{o}"
+        sources = {f"{d}/{b}/{source}" for source in spec.objectives[o].from_choice.values()}
+        if wanted is None or name in wanted or sources & wanted:
+            out.append(name)
+    return out
 
 
 # ----------------------------------------------------------------------------- the loop
 def pending(
-    spec: Spec, cell: str | None, busy: set[str], failed: dict[str, int], phases: tuple[str, ...] = PHASES
+    spec: Spec,
+    cell: str | Iterable[str] | None,
+    busy: set[str],
+    failed: dict[str, int],
+    phases: tuple[str, ...] = PHASES,
 ) -> list[Run]:
     return [
         r
@@ -386,7 +395,7 @@ def _stop(signum, frame):
 def run_pending(
     spec: Spec,
     *,
-    cell: str | None = None,
+    cell: str | Iterable[str] | None = None,
     max_runs: int | None = None,
     parallel: int = 1,
     phases: tuple[str, ...] = PHASES,
@@ -415,7 +424,12 @@ def run_pending(
 
 
 def _loop(
-    spec: Spec, active: list[Active], cell: str | None, max_runs: int | None, parallel: int, phases: tuple[str, ...]
+    spec: Spec,
+    active: list[Active],
+    cell: str | Iterable[str] | None,
+    max_runs: int | None,
+    parallel: int,
+    phases: tuple[str, ...],
 ) -> int:
     failed: dict[str, int] = {}
     started = 0

@@ -701,3 +701,37 @@ def test_run_record_from_metrics_jsonl_is_small(tmp_path):
     assert record["run"]["setting"] == {"optim.lr": 2.5e-4, "loss.temperature": 0.07} and "novel" not in record
     assert {"commit", "code", "dirty"} <= set(record)
     assert len(json.dumps(record, separators=(",", ":"))) < 1500
+
+
+def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_path):
+    """benchmarks/study/at_commit.sh COMMIT DIR: a worktree at COMMIT running this tree's study package, its finished
+    runs landing in this tree; a second call refreshes it; a wrong commit or a DIR at another commit is one line."""
+    import subprocess
+
+    script = REPO / "benchmarks" / "study" / "at_commit.sh"
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    first = subprocess.run(["git", "-C", str(REPO), "rev-list", "--max-parents=0", "HEAD"], capture_output=True,
+                           text=True).stdout.split()[0]  # fmt: skip
+    wt = tmp_path / "wt"
+    try:
+        for _ in range(2):  # made, then refreshed
+            done = subprocess.run(["bash", str(script), head, str(wt)], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            assert f"{wt}: commit {head[:12]}, code " in done.stdout
+        for name in ("plan.py", "runner.py", "v2.yaml"):
+            assert (wt / "benchmarks/study" / name).read_bytes() == (REPO / "benchmarks/study" / name).read_bytes()
+        for link in ("benchmarks/out/study_v2", "benchmarks/results/study_v2/runs", ".venv"):
+            assert (wt / link).is_symlink() and (wt / link).resolve() == (REPO / link).resolve()
+        for argv, words in (
+            ([head[:7] + "zz", str(wt)], ("is no commit of", "name one the tables' runs record")),
+            ([first, str(wt)], (f"{wt} is at {head[:12]}, not {first}", "name another DIR")),
+            ([head], ("usage: bash benchmarks/study/at_commit.sh COMMIT DIR",)),
+        ):
+            done = subprocess.run(["bash", str(script), *argv], capture_output=True, text=True)
+            assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+            assert all(w in done.stderr for w in words), done.stderr
+    finally:
+        for link in ("benchmarks/out/study_v2", "benchmarks/results/study_v2/runs", ".venv"):
+            if (wt / link).is_symlink():
+                (wt / link).unlink()  # the links only: the folders they name are this tree's
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], capture_output=True)

@@ -109,13 +109,15 @@ def tune_plan(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[lis
     return runs, best
 
 
-def tune_result(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[list[Run], dict | None, list | None]:
+def tune_result(
+    spec: Spec, dataset: str, batch: int, objective: str, known: dict | None = None
+) -> tuple[list[Run], dict | None, list | None]:
     """The cell's tuning runs, its choice and the choice's val scores per tuning seed (None, None until every run
     it needs is done). First the grid; once it is done, while the best setting sits on a knob's lowest or highest
     value, the setting one step past it (2 seeds), kept while it wins, at most EDGE_STEPS steps per knob: the optimum
     may lie past the grid (issue 38)."""
     grid = spec.objectives[objective].grid
-    taken = taken_values(spec, dataset, batch, objective)
+    taken = taken_values(spec, dataset, batch, objective, known)
     runs = _runs_of(spec, dataset, batch, objective, [{**s, **taken} for s in spec.objectives[objective].settings()])
     if any(isinstance(v, Waiting) for v in taken.values()):  # the grid's runs wait for another objective's choice
         return runs, None, None
@@ -140,14 +142,23 @@ def tune_result(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[l
     return runs, best, best_scores if best is not None else None
 
 
-def taken_values(spec: Spec, dataset: str, batch: int, objective: str) -> dict:
+def taken_values(spec: Spec, dataset: str, batch: int, objective: str, known: dict | None = None) -> dict:
     """The values `objective` takes from other objectives' choices in this table (spec `from_choice`); a Waiting
-    value where that choice is pending."""
+    value where that choice is pending. `known`: objective -> tune_result already read for this table."""
     taken = {}
     for key, source in spec.objectives[objective].from_choice.items():
-        choice = tune_result(spec, dataset, batch, source)[1]
+        choice = (known[source] if known and source in known else tune_result(spec, dataset, batch, source))[1]
         taken[key] = Waiting(f"<{source}>") if choice is None else choice[key]
     return taken
+
+
+def table_results(spec: Spec, dataset: str, batch: int) -> dict:
+    """objective -> tune_result, for every objective of a table (spec order), each one's tuning read once: the
+    objectives that take values from another's choice come after the others, and read it from here."""
+    results: dict = {}
+    for name in sorted(spec.objectives, key=lambda n: bool(spec.objectives[n].from_choice)):
+        results[name] = tune_result(spec, dataset, batch, name, results)
+    return {name: results[name] for name in spec.objectives}
 
 
 def tune_runs(spec: Spec, dataset: str, batch: int, objective: str) -> list[Run]:
@@ -186,7 +197,7 @@ class Designation:
 def designate(spec: Spec, dataset: str, batch: int, results: dict | None = None) -> Designation:
     """`results`: objective -> its tune_result, when the caller has them (else read here)."""
     if results is None:
-        results = {o: tune_result(spec, dataset, batch, o) for o in spec.objectives}
+        results = table_results(spec, dataset, batch)
     val = {o: sum(scores) / len(scores) for o, (_, best, scores) in results.items() if best is not None}
     baselines = [n for n in val if spec.objectives[n].baseline]
     return Designation(
@@ -234,7 +245,7 @@ def plan(spec: Spec, only: str | Iterable[str] | None = None) -> list[Run]:
         if wanted is not None and f"{dataset}/{batch}/{objective}" not in wanted:
             continue
         if (dataset, batch) not in tables:
-            results = {o: tune_result(spec, dataset, batch, o) for o in spec.objectives}
+            results = table_results(spec, dataset, batch)
             tables[dataset, batch] = results, designate(spec, dataset, batch, results)
         results, named = tables[dataset, batch]
         runs, best, _ = results[objective]

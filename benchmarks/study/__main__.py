@@ -123,29 +123,22 @@ def cmd_plan(spec, args) -> int:
 
 def cmd_run(spec, args) -> int:
     every = [f"{d}/{b}/{o}" for d, b, o in cells(spec)]
-    chosen_cells = None
-    if args.cell:
-        chosen_cells = []
-        for pattern in args.cell:
-            matched = [c for c in every if fnmatch.fnmatchcase(c, pattern)]
-            if not matched:
-                print(
-                    f"run --cell {pattern}: matches no cell of {spec.path} (dataset/batch/objective)", file=sys.stderr
-                )
-                return 2
-            chosen_cells += [c for c in matched if c not in chosen_cells]
-    args.cell = chosen_cells
+    for pattern in args.cell or ():
+        if not any(fnmatch.fnmatchcase(c, pattern) for c in every):
+            print(f"run --cell {pattern}: matches no cell of {spec.path} (dataset/batch/objective)", file=sys.stderr)
+            return 2
+    named = [c for c in every if any(fnmatch.fnmatchcase(c, p) for p in args.cell)] if args.cell else None  # None: all
     current = records.code_version()
     if args.rerun_stale:
-        moved = runner.move_stale(spec, current["code"], args.cell)
+        moved = runner.move_stale(spec, current["code"], named)
         print(f"{moved} run(s) from other code moved to {spec.results / 'stale'}; they run again")
     if not args.allow_mixed_commits:
-        runner.check_commits(spec, current["code"], args.cell)
+        runner.check_commits(spec, current["code"], named)
     if current["dirty"]:
         print(f"note: fastclip/ or configs/ has uncommitted changes; runs record code {current['code']}")
     try:
         phases = tuple(args.phase) if args.phase else PHASES
-        failed = runner.run_pending(spec, cell=args.cell, max_runs=args.max_runs, parallel=args.parallel, phases=phases)
+        failed = runner.run_pending(spec, cell=named, max_runs=args.max_runs, parallel=args.parallel, phases=phases)
     except runner.Stopped as signal_name:
         print(f"stopped by {signal_name}: the runs in progress saved a checkpoint; `run` again resumes them")
         return 75

@@ -39,8 +39,12 @@ def table(spec: Spec, dataset: str, batch: int, runs: dict[str, dict[int, dict]]
     metric = {name: {s: r["final"]["metric"] for s, r in by_seed.items()} for name, by_seed in runs.items()}
     beside = {  # reported beside the metric: zero-shot top-1 on the test split, the metric on `novel`
         name: {
-            "zeroshot": [r["final"]["zeroshot_top1"] for r in by_seed.values() if r["final"].get("zeroshot_top1")],
-            "novel": [r["novel"]["metric"] for r in by_seed.values() if (r.get("novel") or {}).get("metric")],
+            "zeroshot": [
+                r["final"]["zeroshot_top1"] for r in by_seed.values() if r["final"]["zeroshot_top1"] is not None
+            ],
+            "novel": [
+                r["novel"]["metric"] for r in by_seed.values() if (r.get("novel") or {}).get("metric") is not None
+            ],
         }
         for name, by_seed in runs.items()
     }
@@ -100,7 +104,7 @@ def summarize(spec: Spec) -> dict:
         tables.append({"dataset": dataset, "global_batch": batch, "phase": phase, "epochs": epochs, **t})
         for name, by_seed in runs.items():
             values = [r["final"]["metric"] for r in by_seed.values()]
-            zs = [r["final"]["zeroshot_top1"] for r in by_seed.values() if r["final"]["zeroshot_top1"] is not None]
+            zs = t["beside"][name]["zeroshot"]
             cells.append(
                 {
                     "dataset": dataset,
@@ -303,15 +307,8 @@ def pending_lines(spec: Spec, todo: list) -> list[str]:
         lines += [f"Started, with a checkpoint (running, or to resume): {', '.join(f'`{i}`' for i in started)}.", ""]
     order = sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1], PHASES.index(kv[0][2]), kv[0][3]))
     for (dataset, batch, phase, waiting), n in order:
-        why = (
-            (
-                " (waiting for the choice they take a value from)"
-                if phase == "tune"
-                else " (waiting for the tuning's choice)"
-            )
-            if waiting
-            else ""
-        )
+        waits_for = "the choice they take a value from" if phase == "tune" else "the tuning's choice"
+        why = f" (waiting for {waits_for})" if waiting else ""
         lines.append(f"- {dataset}/{batch}: {n} {phase} run(s){why}")
     return lines + [""]
 

@@ -651,9 +651,29 @@ def test_tuning_runs_evaluate_tune_curve_points_times_and_checkpoint_as_the_othe
     assert load(write_spec(tmp_path)).tune_curve_points == 16  # unset: as curve_points
 
 
-def test_v2_spec_plans_and_every_objective_passes_fastclip_train_check(tmp_path, tiny_embedded, capsys):
+def _every_objective_passes_fastclip_train_check(spec, tmp_path, tiny_embedded, capsys) -> None:
+    """Each objective's last tuning run at the spec's largest batch, on the tiny glyphs: every key known, every loss
+    option taken (`fastclip train --print-config`)."""
     from fastclip.train.cli import main as train_main
 
+    data = tmp_path / "data"  # the tiny glyphs, val standing in for test
+    data.mkdir()
+    for name, target in (("train", "train"), ("val", "val"), ("test", "val"), ("zeroshot.json", "zeroshot.json")):
+        (data / name).symlink_to(tiny_embedded / target)
+    dataset = dataclasses.replace(next(iter(spec.datasets.values())), data=data)
+    spec = dataclasses.replace(spec, datasets={dataset.name: dataset}, work=tmp_path / "work", results=tmp_path / "r")
+    for name, objective in spec.objectives.items():
+        run = tune_runs(spec, dataset.name, max(spec.batches), name)[-1]
+        if run.chosen_pending:  # waits for another objective's choice: take that objective's first value
+            taken = {k: spec.objectives[source].grid[k][0] for k, source in objective.from_choice.items()}
+            run = dataclasses.replace(run, setting=tuple({**objective.settings()[-1], **taken}.items()))
+            assert set(taken) <= set(run.settings)
+        args = runner.command(spec, run, data)[4:]
+        assert train_main([*args, "--print-config"]) == 0, (name, capsys.readouterr())
+    assert math.isclose(runner.train_samples(data), 80)
+
+
+def test_v2_spec_plans_and_every_objective_passes_fastclip_train_check(tmp_path, tiny_embedded, capsys):
     spec = load(REPO / "benchmarks" / "study" / "v2.yaml")
     assert set(spec.batches) == {32, 128, 512} and len(spec.tune_seeds) >= 2 and len(spec.test_seeds) >= 6
     assert len(set(budget(spec).values())) == 1 and spec.long_factor >= 3
@@ -661,21 +681,42 @@ def test_v2_spec_plans_and_every_objective_passes_fastclip_train_check(tmp_path,
     variants = {"fastclip-v2", "fastclip-tempnet", "fastclip-v3-two-tau"}
     assert set(spec.objectives) == compared | variants
     assert not any(spec.objectives[n].headline or spec.objectives[n].baseline for n in variants)
-    data = tmp_path / "data"  # the tiny glyphs, val standing in for test
-    data.mkdir()
-    for name, target in (("train", "train"), ("val", "val"), ("test", "val"), ("zeroshot.json", "zeroshot.json")):
-        (data / name).symlink_to(tiny_embedded / target)
-    dataset = dataclasses.replace(next(iter(spec.datasets.values())), data=data)
-    spec = dataclasses.replace(spec, datasets={dataset.name: dataset}, work=tmp_path / "work", results=tmp_path / "r")
-    for name, objective in spec.objectives.items():  # every key known, every loss option taken (`--print-config`)
-        run = tune_runs(spec, dataset.name, 512, name)[-1]
-        if run.chosen_pending:  # waits for another objective's choice: take that objective's first value
-            taken = {k: spec.objectives[source].grid[k][0] for k, source in objective.from_choice.items()}
-            run = dataclasses.replace(run, setting=tuple({**objective.settings()[-1], **taken}.items()))
-            assert "loss.temperature" in run.settings
-        args = runner.command(spec, run, data)[4:]
-        assert train_main([*args, "--print-config"]) == 0, (name, capsys.readouterr())
-    assert math.isclose(runner.train_samples(data), 80)
+    _every_objective_passes_fastclip_train_check(spec, tmp_path, tiny_embedded, capsys)
+
+
+def test_revisits_spec_tunes_gamma_on_top_of_dcl_and_passes_fastclip_train_check(tmp_path, tiny_embedded, capsys):
+    """v2-revisits.yaml (issue 38 §3): v2's 150,000 samples as 30 passes over 5,000 scenes; fastclip-v1 at dcl's
+    tuned τ, tuning lr x γ_min on the same budget as dcl."""
+    spec = load(REPO / "benchmarks" / "study" / "v2-revisits.yaml")
+    (dataset,) = spec.datasets.values()
+    assert dataset.epochs == 30 and dataset.make[dataset.make.index("--num-train") + 1] == "5000"
+    v1 = spec.objectives["fastclip-v1"]
+    assert v1.from_choice == {"loss.temperature": "dcl"} and set(v1.grid) == {"optim.lr", "loss.gamma_min"}
+    assert set(budget(spec).values()) == {18}  # 9 settings x 2 seeds each
+    _every_objective_passes_fastclip_train_check(spec, tmp_path, tiny_embedded, capsys)
+
+
+def test_fastclip_objectives_of_the_study_specs_use_their_moving_average():
+    """Every objective with u (FastCLIP's) reaches γ <= 0.5 by its last epoch at the shortest length, at one setting
+    of its grid at least: at γ near 1, u is the batch's own estimate and the study would compare FastCLIP with its
+    moving average turned off (v2.yaml had γ 0.8 over 4 epochs in a 3-epoch run: γ >= 0.9 throughout)."""
+    from fastclip.losses.schedules import GammaSchedule
+
+    checked = []
+    for name in ("v2.yaml", "v2-revisits.yaml"):
+        spec = load(REPO / "benchmarks" / "study" / name)
+        (dataset,) = spec.datasets.values()
+        for objective in spec.objectives.values():
+            if not objective.loss.startswith("fastclip"):
+                continue
+            last = []
+            for setting in objective.settings():
+                keys = {**objective.options, **setting}
+                kind, low, over = keys["loss.gamma_schedule"], keys["loss.gamma_min"], keys["loss.gamma_decay_epochs"]
+                last.append(GammaSchedule(kind, low, over)(dataset.epochs - 1))
+            assert min(last) <= 0.5, (name, objective.name, last)
+            checked.append((name, objective.name))
+    assert len(checked) == 6  # v2's five FastCLIP objectives, v2-revisits' fastclip-v1
 
 
 def test_run_record_from_metrics_jsonl_is_small(tmp_path):

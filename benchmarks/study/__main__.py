@@ -19,7 +19,7 @@ from collections import Counter
 from fastclip.cli import OneLineParser, whole_number
 
 from . import hours, records, runner
-from .plan import EDGE_STEPS, PHASES, budget, cells, plan
+from .plan import EDGE_STEPS, PHASES, budget, cell_name, cells, plan
 from .spec import SpecError, load
 
 
@@ -122,7 +122,7 @@ def cmd_plan(spec, args) -> int:
 
 
 def cmd_run(spec, args) -> int:
-    every = [f"{d}/{b}/{o}" for d, b, o in cells(spec)]
+    every = [cell_name(*cell) for cell in cells(spec)]
     for pattern in args.cell or ():
         if not any(fnmatch.fnmatchcase(c, pattern) for c in every):
             print(f"run --cell {pattern}: matches no cell of {spec.path} (dataset/batch/objective)", file=sys.stderr)

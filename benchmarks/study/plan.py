@@ -46,7 +46,7 @@ class Run:
 
     @property
     def cell(self) -> str:
-        return f"{self.dataset}/{self.global_batch}/{self.objective}"
+        return cell_name(self.dataset, self.global_batch, self.objective)
 
     @property
     def id(self) -> str:
@@ -56,6 +56,11 @@ class Run:
     @property
     def chosen_pending(self) -> bool:
         return not self.setting or any(isinstance(v, Waiting) for _, v in self.setting)
+
+
+def cell_name(dataset: str, batch: int, objective: str) -> str:
+    """A cell's name, as `run --cell` matches it and run ids start: dataset/batch/objective."""
+    return f"{dataset}/{batch}/{objective}"
 
 
 def cells(spec: Spec) -> list[tuple[str, int, str]]:
@@ -242,7 +247,7 @@ def plan(spec: Spec, only: str | Iterable[str] | None = None) -> list[Run]:
     tune, test, long = [], [], []
     tables: dict[tuple[str, int], tuple[dict, Designation]] = {}  # each table's tune_results (read once), naming
     for dataset, batch, objective in cells(spec):
-        if wanted is not None and f"{dataset}/{batch}/{objective}" not in wanted:
+        if wanted is not None and cell_name(dataset, batch, objective) not in wanted:
             continue
         if (dataset, batch) not in tables:
             results = table_results(spec, dataset, batch)

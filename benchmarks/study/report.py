@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import records
-from .plan import PHASES, choose, chosen, designate, metric_of, plan, tune_plan
+from .plan import PHASES, cell_name, choose, chosen, designate, metric_of, plan, tune_plan
 from .runner import run_dir
 from .spec import Spec, setting_id
 from .stats import compare, mean_std, samples_ratio
@@ -274,7 +274,7 @@ def tuning_lines(spec: Spec) -> list[str]:
                     by_setting.setdefault(r.setting, []).append(loaded[r.id])
                 done = sum(rec is not None for rec in loaded.values())
                 seeds = " | ".join(f"val s{s}" for s in spec.tune_seeds)
-                lines += [f"### Tuning {dataset}/{batch}/{objective}: {done} of {len(runs)} runs", ""]
+                lines += [f"### Tuning {cell_name(dataset, batch, objective)}: {done} of {len(runs)} runs", ""]
                 lines += [f"| setting | {seeds} | mean | zero-shot (mean) |", "|---" * (len(spec.tune_seeds) + 3) + "|"]
                 for setting, recs in by_setting.items():
                     vals = [metric_of(rec) for rec in recs]

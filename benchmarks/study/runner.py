@@ -21,7 +21,7 @@ from fastclip.eval.retrieval import mean_r1
 from fastclip.eval.zeroshot import mean_top1
 
 from . import records
-from .plan import PHASES, Run, cells, plan, selected
+from .plan import PHASES, Run, cell_name, cells, plan, selected
 from .spec import Spec, SpecError, resolve_setting
 
 CURVE_POINTS_MAX = 20
@@ -358,8 +358,8 @@ def _with_dependents(spec: Spec, cell: str | Iterable[str] | None) -> list[str]:
     wanted = selected(cell)
     out = []
     for d, b, o in cells(spec):
-        name = f"{d}/{b}/{o}"
-        sources = {f"{d}/{b}/{source}" for source in spec.objectives[o].from_choice.values()}
+        name = cell_name(d, b, o)
+        sources = {cell_name(d, b, source) for source in spec.objectives[o].from_choice.values()}
         if wanted is None or name in wanted or sources & wanted:
             out.append(name)
     return out

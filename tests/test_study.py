@@ -108,6 +108,60 @@ def test_plan_counts_and_equal_budgets(tmp_path):
     assert resolve_setting({"loss.rho_frac": 0.6, "optim.lr": 1e-3}, 64) == {"loss.rho": 2.4859, "optim.lr": 1e-3}
 
 
+def test_batch_resolved_keys_mean_one_regime_at_every_batch():
+    """optim.lr_tau_b32 keeps lr_tau x steps (a learned τ's reach) fixed for a fixed sample budget; loss.bias: prior
+    starts SigLIP's bias at sigmoid(b) = 1/B; anything else passes as it is."""
+    keys = {"optim.lr_tau_b32": 1e-3, "loss.bias": "prior", "loss.temperature": 0.07}
+    for batch in (32, 128, 512):
+        out = resolve_setting(keys, batch)
+        assert out["optim.lr_tau"] * (150_000 // batch) == pytest.approx(1e-3 * (150_000 // 32), rel=0.01)
+        assert 1 / (1 + math.exp(-out["loss.bias"])) == pytest.approx(1 / batch, rel=1e-3)
+        assert out["loss.temperature"] == 0.07 and set(out) == {"optim.lr_tau", "loss.bias", "loss.temperature"}
+    assert resolve_setting({"loss.bias": -10.0}, 32) == {"loss.bias": -10.0}
+
+
+def test_a_grid_can_differ_per_batch_with_the_same_budget(tmp_path, tiny_embedded):
+    """A key's values as {batch: values}: each batch tunes its own values (ids name them); every batch of the spec
+    must be named, and the budgets must be equal at each batch. The fixed options are resolved per batch too."""
+    path = write_spec(tmp_path)
+    raw = json.loads(path.read_text())
+    raw["objectives"]["base"]["grid"]["optim.lr"] = {"32": [1e-3, 5e-4], "64": [2e-3, 1e-3]}
+    raw["objectives"]["new"]["options"] = {"optim.lr_tau_b32": 1e-3}
+    path.write_text(json.dumps(raw))
+    spec = load(path)
+    assert {r.settings["optim.lr"] for r in tune_runs(spec, "d", 32, "base")} == {1e-3, 5e-4}
+    assert {r.settings["optim.lr"] for r in tune_runs(spec, "d", 64, "base")} == {2e-3, 1e-3}
+    assert budget(spec) == {"base": 8, "base2": 8, "new": 8}
+    args = runner.command(spec, tune_runs(spec, "d", 64, "new")[0], tiny_embedded)
+    assert args[args.index("--optim.lr_tau") + 1] == "0.002" and "--optim.lr_tau_b32" not in args
+    raw["objectives"]["base"]["grid"]["optim.lr"] = {"32": [1e-3, 5e-4]}
+    path.write_text(json.dumps(raw))
+    with pytest.raises(SpecError, match=r"objectives.base.grid.optim.lr: names batches \[32\], the spec's are"):
+        load(path)
+    raw["objectives"]["base"]["grid"]["optim.lr"] = {"32": [1e-3, 5e-4], "64": [2e-3, 1e-3, 5e-4]}
+    path.write_text(json.dumps(raw))
+    with pytest.raises(SpecError, match="unequal tuning budgets at batch 64"):
+        load(path)
+    raw["objectives"]["base"]["grid"]["optim.lr"] = {"small": [1e-3]}
+    path.write_text(json.dumps(raw))
+    with pytest.raises(SpecError, match="keyed by global batch"):
+        load(path)
+
+
+def test_a_step_past_gamma_min_stops_at_1():
+    """γ_min lives in (0, 1]: past a grid's top of 0.8 the step is 1 (no moving average), not 0.8²/0.5 = 1.28, and a
+    grid already at 1 has no step up."""
+    from benchmarks.study.plan import step_past
+
+    grid = {"loss.gamma_min": [0.2, 0.5, 0.8]}
+    assert step_past(grid, {"loss.gamma_min": 0.8}, "loss.gamma_min") == {"loss.gamma_min": 1.0}
+    assert step_past(grid, {"loss.gamma_min": 1.0}, "loss.gamma_min") is None
+    assert step_past(grid, {"loss.gamma_min": 0.2}, "loss.gamma_min") == {"loss.gamma_min": 0.08}
+    assert step_past({"loss.temperature": [0.05, 0.1, 0.2]}, {"loss.temperature": 0.2}, "loss.temperature") == {
+        "loss.temperature": 0.4
+    }
+
+
 @pytest.mark.parametrize(
     "change, words",
     [
@@ -663,10 +717,11 @@ def _every_objective_passes_fastclip_train_check(spec, tmp_path, tiny_embedded, 
     dataset = dataclasses.replace(next(iter(spec.datasets.values())), data=data)
     spec = dataclasses.replace(spec, datasets={dataset.name: dataset}, work=tmp_path / "work", results=tmp_path / "r")
     for name, objective in spec.objectives.items():
-        run = tune_runs(spec, dataset.name, max(spec.batches), name)[-1]
+        batch = max(spec.batches)
+        run = tune_runs(spec, dataset.name, batch, name)[-1]
         if run.chosen_pending:  # waits for another objective's choice: take that objective's first value
-            taken = {k: spec.objectives[source].grid[k][0] for k, source in objective.from_choice.items()}
-            run = dataclasses.replace(run, setting=tuple({**objective.settings()[-1], **taken}.items()))
+            taken = {k: spec.objectives[source].grid_at(batch)[k][0] for k, source in objective.from_choice.items()}
+            run = dataclasses.replace(run, setting=tuple({**objective.settings(batch)[-1], **taken}.items()))
             assert set(taken) <= set(run.settings)
         args = runner.command(spec, run, data)[4:]
         assert train_main([*args, "--print-config"]) == 0, (name, capsys.readouterr())
@@ -681,6 +736,15 @@ def test_v2_spec_plans_and_every_objective_passes_fastclip_train_check(tmp_path,
     variants = {"fastclip-v2", "fastclip-tempnet", "fastclip-v3-two-tau"}
     assert set(spec.objectives) == compared | variants
     assert not any(spec.objectives[n].headline or spec.objectives[n].baseline for n in variants)
+    # the lr grid centred by sqrt(B/32), the batch-32 grid as its runs were made
+    for batch in spec.batches:
+        lrs = {tuple(o.grid_at(batch)["optim.lr"]) for o in spec.objectives.values()}
+        assert lrs == {tuple(2.5e-4 * math.sqrt(batch / 32) * f for f in (0.5, 1, 2))}
+    # a learned global τ reaches as far in log τ at every batch (lr_tau x steps of 150,000 samples >= 4)
+    for name in ("fastclip-v3", "fastclip-v3-two-tau", "fastclip-tempnet"):
+        for batch in spec.batches:
+            lr_tau = resolve_setting(spec.objectives[name].options, batch)["optim.lr_tau"]
+            assert lr_tau * (150_000 // batch) >= 4, (name, batch)
     _every_objective_passes_fastclip_train_check(spec, tmp_path, tiny_embedded, capsys)
 
 
@@ -710,7 +774,7 @@ def test_fastclip_objectives_of_the_study_specs_use_their_moving_average():
             if not objective.loss.startswith("fastclip"):
                 continue
             last = []
-            for setting in objective.settings():
+            for setting in objective.settings(spec.batches[0]):
                 keys = {**objective.options, **setting}
                 kind, low, over = keys["loss.gamma_schedule"], keys["loss.gamma_min"], keys["loss.gamma_decay_epochs"]
                 last.append(GammaSchedule(kind, low, over)(dataset.epochs - 1))

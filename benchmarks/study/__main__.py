@@ -74,7 +74,7 @@ def cmd_plan(spec, args) -> int:
     print(f"cells: {len(cells(spec))} (datasets {list(spec.datasets)} x batches {list(spec.batches)} x objectives)")
     print(
         f"tuning budget per cell: {next(iter(per_budget.values()))} runs for every objective "
-        f"({len(next(iter(spec.objectives.values())).settings())} settings x {len(spec.tune_seeds)} seeds); "
+        f"({next(iter(per_budget.values())) // len(spec.tune_seeds)} settings x {len(spec.tune_seeds)} seeds); "
         f"chosen on val: the best mean of the {len(spec.tune_seeds)} tuning seeds, past a grid's edge by up to "
         f"{EDGE_STEPS} steps per knob while a step wins ({len(spec.tune_seeds)} runs each)"
     )

@@ -32,8 +32,8 @@ def measure(spec, steps: int = 8) -> dict:
     for dataset in spec.datasets:
         data = ensure_data(spec, dataset)
         name = next(iter(spec.objectives))
-        setting = tuple(spec.objectives[name].settings()[0].items())
         for batch in spec.batches:
+            setting = tuple(spec.objectives[name].settings(batch)[0].items())
             run = Run(dataset, batch, name, setting, spec.tune_seeds[0], "timing", spec.datasets[dataset].epochs)
             extra = {**QUIET, "train.max_steps": steps}
             folder = spec.work / "timing" / f"{dataset}_{batch}"

@@ -70,6 +70,7 @@ def cells(spec: Spec) -> list[tuple[str, int, str]]:
 
 
 EDGE_STEPS = 2  # at most this many steps past a grid's edge, per knob
+KNOB_MAX = {"loss.gamma_min": 1.0}  # a step past a grid's top stops here: the config refuses more (γ_min in (0, 1])
 
 
 def _runs_of(spec: Spec, dataset: str, batch: int, objective: str, settings: list[dict]) -> list[Run]:
@@ -94,7 +95,8 @@ def _scores(spec: Spec, runs: list[Run]) -> list[tuple[dict, list]]:
 
 def step_past(grid: dict, setting: dict, key: str) -> dict | None:
     """`setting` with `key` one geometric step past its grid's edge (the ratio of the edge to its neighbour), when
-    the value sits on the lowest or highest of 3 or more positive numbers; else None."""
+    the value sits on the lowest or highest of 3 or more positive numbers; else None. A step past the key's
+    KNOB_MAX lands on it (γ_min 0.8 -> 1, not 1.28), and a value already there has no step."""
     values = sorted(grid[key])
     if len(values) < 3 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
         return None
@@ -105,7 +107,12 @@ def step_past(grid: dict, setting: dict, key: str) -> dict | None:
         nearer = values[-2] if value == values[-1] else values[-1]
     else:
         return None
-    return {**setting, key: float(f"{value * value / nearer:.4g}")}
+    step = float(f"{value * value / nearer:.4g}")
+    if key in KNOB_MAX and step > KNOB_MAX[key]:
+        if value >= KNOB_MAX[key]:
+            return None
+        step = KNOB_MAX[key]
+    return {**setting, key: step}
 
 
 def tune_plan(spec: Spec, dataset: str, batch: int, objective: str) -> tuple[list[Run], dict | None]:
@@ -121,9 +128,10 @@ def tune_result(
     it needs is done). First the grid; once it is done, while the best setting sits on a knob's lowest or highest
     value, the setting one step past it (2 seeds), kept while it wins, at most EDGE_STEPS steps per knob: the optimum
     may lie past the grid (issue 38)."""
-    grid = spec.objectives[objective].grid
+    grid = spec.objectives[objective].grid_at(batch)
     taken = taken_values(spec, dataset, batch, objective, known)
-    runs = _runs_of(spec, dataset, batch, objective, [{**s, **taken} for s in spec.objectives[objective].settings()])
+    settings = [{**s, **taken} for s in spec.objectives[objective].settings(batch)]
+    runs = _runs_of(spec, dataset, batch, objective, settings)
     if any(isinstance(v, Waiting) for v in taken.values()):  # the grid's runs wait for another objective's choice
         return runs, None, None
     scores = _scores(spec, runs)
@@ -262,7 +270,7 @@ def plan(spec: Spec, only: str | Iterable[str] | None = None) -> list[Run]:
 
 def budget(spec: Spec) -> dict[str, int]:
     """Tuning runs per objective and cell: settings x tuning seeds (spec.load refuses unequal ones)."""
-    return {name: len(o.settings()) * len(spec.tune_seeds) for name, o in spec.objectives.items()}
+    return {name: len(o.settings(spec.batches[0])) * len(spec.tune_seeds) for name, o in spec.objectives.items()}
 
 
 def steps_of(spec: Spec, run: Run, train_samples: int) -> int:

@@ -244,11 +244,11 @@ def markdown(spec: Spec, summary: dict) -> str:
     return "\n".join(lines)
 
 
-def edges(spec: Spec, objective: str, setting: dict) -> list[str]:
+def edges(spec: Spec, objective: str, batch: int, setting: dict) -> list[str]:
     """The knobs whose value in `setting` is the lowest or highest of the objective's grid (of 3 values or more), or
     past it (plan.tune_plan's steps): the optimum may lie further out."""
     out = []
-    for key, values in spec.objectives[objective].grid.items():
+    for key, values in spec.objectives[objective].grid_at(batch).items():
         value = setting[key]
         if len(values) < 3 or min(values) < value < max(values):
             continue
@@ -278,7 +278,8 @@ def tuning_lines(spec: Spec) -> list[str]:
                 lines += [f"| setting | {seeds} | mean | zero-shot (mean) |", "|---" * (len(spec.tune_seeds) + 3) + "|"]
                 for setting, recs in by_setting.items():
                     vals = [metric_of(rec) for rec in recs]
-                    zs = [rec["final"]["zeroshot_top1"] for rec in recs if rec and rec["final"]["zeroshot_top1"]]
+                    zs = [rec["final"]["zeroshot_top1"] for rec in recs if rec]
+                    zs = [z for z in zs if z is not None]
                     mean = sum(vals) / len(vals) if None not in vals else None
                     lines.append(
                         f"| {setting_id(dict(setting))} | {' | '.join(_pct(v) for v in vals)} | {_pct(mean)} "
@@ -290,7 +291,7 @@ def tuning_lines(spec: Spec) -> list[str]:
                     best = choose([(s, v) for s, v in complete if None not in v])
                     what = "Leading so far (settings with every seed done)"
                 if best is not None:
-                    edge = edges(spec, objective, best)
+                    edge = edges(spec, objective, batch, best)
                     note = f"; on the grid's edge: {', '.join(edge)}" if edge else ""
                     lines += ["", f"{what}: `{setting_id(best)}`{note}."]
                 lines.append("")

@@ -84,7 +84,7 @@ def command(spec: Spec, run: Run, data: Path, extra: dict | None = None) -> list
     every_eval = max(1, math.ceil(steps / points))
     keys = {
         **spec.train,
-        **o.options,
+        **resolve_setting(o.options, run.global_batch),
         **resolve_setting(run.settings, run.global_batch),
         "data.train": data / "train",
         "data.val": data / ("val" if run.phase == "tune" else "test"),

@@ -33,16 +33,22 @@ class Objective:
     name: str
     loss: str
     options: dict  # fixed `fastclip train` config keys (dotted: loss.temperature, optim.lr_tau, model.ema_momentum)
-    grid: dict  # dotted key -> values; the settings are their product; loss.rho_frac -> rho = frac * ln(B - 1)
+    # dotted key -> values, or {global batch: values} (e.g. an lr grid centred per batch); the settings are their
+    # product; batch-resolved keys (resolve_setting): loss.rho_frac, optim.lr_tau_b32, loss.bias: prior
+    grid: dict
     baseline: bool  # a candidate for "the strongest baseline" of a table
     headline: bool  # gets the full test seeds and the longer training
     # dotted key -> another objective: the key takes that objective's chosen value in the same table (its tuning
     # waits for that choice), e.g. hard negatives tuned on top of dcl at dcl's tuned τ
     from_choice: dict = field(default_factory=dict)
 
-    def settings(self) -> list[dict]:
-        keys = list(self.grid)
-        return [dict(zip(keys, values)) for values in itertools.product(*(self.grid[k] for k in keys))]
+    def grid_at(self, batch: int) -> dict[str, list]:
+        """The grid at a global batch: a key's per-batch values taken at `batch`."""
+        return {k: v[batch] if isinstance(v, dict) else v for k, v in self.grid.items()}
+
+    def settings(self, batch: int) -> list[dict]:
+        grid = self.grid_at(batch)
+        return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
 @dataclass(frozen=True)
@@ -112,9 +118,16 @@ def _objective(name: str, raw: dict, where: str) -> Objective:
     _need(raw["loss"] in LOSSES, f"{where}.loss", f"unknown loss {raw['loss']!r}; one of {sorted(LOSSES)}")
     grid = raw.get("grid") or {}
     _need(isinstance(grid, dict) and grid, f"{where}.grid", "must map config keys to lists of values")
-    for key, values in grid.items():
-        _need(isinstance(values, list) and values, f"{where}.grid.{key}", "must be a non-empty list")
+    for key, values in list(grid.items()):
         _need("." in key, f"{where}.grid.{key}", "must be a dotted config key (optim.lr, loss.temperature)")
+        if isinstance(values, dict):  # per global batch (JSON keys are strings)
+            ok = all(str(b).isdigit() for b in values)
+            _need(ok, f"{where}.grid.{key}", f"per-batch values must be keyed by global batch, got {sorted(values)}")
+            values = grid[key] = {int(b): v for b, v in values.items()}
+            for b, v in values.items():
+                _need(isinstance(v, list) and v, f"{where}.grid.{key}.{b}", "must be a non-empty list")
+        else:
+            _need(isinstance(values, list) and values, f"{where}.grid.{key}", "must be a non-empty list")
     options = raw.get("options") or {}
     _need(isinstance(options, dict), f"{where}.options", "must map config keys to values")
     clash = set(options) & set(grid)
@@ -180,18 +193,25 @@ def load(path: Path) -> Spec:
             _need(source in objectives and source != name, where, f"names no other objective ({source!r})")
             _need(key in objectives[source].grid, where, f"{source} does not tune {key}, so it has no choice of it")
             _need(not objectives[source].from_choice, where, f"{source} takes a choice itself (one step only)")
-    budgets = {n: len(o.settings()) for n, o in objectives.items()}
-    _need(
-        len(set(budgets.values())) == 1,
-        f"{path}: objectives",
-        f"unequal tuning budgets (settings per objective: {budgets}); give every objective as many settings",
-    )
     batches = raw["batches"]
     _need(
         isinstance(batches, list) and batches and all(isinstance(b, int) and b >= 2 for b in batches),
         f"{path}: batches",
         "must be a list of global batch sizes >= 2",
     )
+    for name, objective in objectives.items():
+        for key, values in objective.grid.items():
+            if isinstance(values, dict):
+                where = f"{path}: objectives.{name}.grid.{key}"
+                _need(set(values) == set(batches), where, f"names batches {sorted(values)}, the spec's are {batches}")
+    for batch in batches:
+        budgets = {n: len(o.settings(batch)) for n, o in objectives.items()}
+        _need(
+            len(set(budgets.values())) == 1,
+            f"{path}: objectives",
+            f"unequal tuning budgets at batch {batch} (settings per objective: {budgets}); give every objective as "
+            "many settings",
+        )
     test_seeds = _seeds(raw["test_seeds"], f"{path}: test_seeds", 6)
     other = _seeds(raw.get("other_test_seeds", raw["test_seeds"]), f"{path}: other_test_seeds", 2)
     tune_seeds = _seeds(raw["tune_seeds"], f"{path}: tune_seeds", 2)
@@ -231,12 +251,21 @@ def load(path: Path) -> Spec:
 
 
 def resolve_setting(setting: dict, global_batch: int) -> dict:
-    """Config keys of a grid setting at a batch size: loss.rho_frac becomes loss.rho = frac * ln(B - 1) (RGCL's ρ
-    bounds the KL to uniform over the B - 1 negatives, so one fraction means one regime at every batch)."""
+    """Config keys of an objective's options or grid setting at a global batch B, where one value should mean one
+    regime at every batch:
+    - loss.rho_frac f: loss.rho = f * ln(B - 1) (RGCL's ρ bounds the KL to uniform over the B - 1 negatives);
+    - optim.lr_tau_b32 v: optim.lr_tau = v * B / 32 (a run of fixed samples takes 32/B times the steps at B, so the
+      learned temperature's reach, lr_tau x steps in log τ under Adam, is the same at every batch);
+    - loss.bias: prior: loss.bias = -ln(B - 1), so sigmoid(bias) = 1/B, a pair's prior chance of being the positive
+      (SigLIP's -10 is that rule at B of about 22,000)."""
     out = {}
     for key, value in setting.items():
         if key == "loss.rho_frac":
             out["loss.rho"] = round(float(value) * math.log(global_batch - 1), 4)
+        elif key == "optim.lr_tau_b32":
+            out["optim.lr_tau"] = float(f"{float(value) * global_batch / 32:.6g}")
+        elif key == "loss.bias" and value == "prior":
+            out["loss.bias"] = round(-math.log(global_batch - 1), 4)
         else:
             out[key] = value
     return out

@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import records
-from .plan import PHASES, cell_name, choose, chosen, designate, metric_of, plan, tune_plan
+from .plan import KNOB_MAX, PHASES, cell_name, choose, chosen, designate, metric_of, plan, tune_plan
 from .runner import run_dir
 from .spec import Spec, setting_id
 from .stats import compare, mean_std, samples_ratio
@@ -250,10 +250,13 @@ def edges(spec: Spec, objective: str, batch: int, setting: dict) -> list[str]:
     out = []
     for key, values in spec.objectives[objective].grid_at(batch).items():
         value = setting[key]
-        if len(values) < 3 or min(values) < value < max(values):
+        numbers = all(isinstance(v, (int, float)) for v in (*values, value))
+        if len(values) < 3 or not numbers or min(values) < value < max(values):
             continue
         side = "lowest" if value <= min(values) else "highest"
         where = f"the grid's {side}" if value in values else f"past the grid's {side}"
+        if key in KNOB_MAX and value >= KNOB_MAX[key]:
+            where += f", at its bound {KNOB_MAX[key]:g}"
         out.append(f"{key.rsplit('.', 1)[-1]} {value:g} is {where}")
     return out
 

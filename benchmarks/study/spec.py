@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 METRICS = ("retrieval_R1", "zeroshot_top1")  # mean R@1 of both retrieval directions; mean zero-shot top-1
+# batch-resolved spec keys and the config key each becomes (resolve_setting)
+RESOLVED_AS = {"loss.rho_frac": "loss.rho", "optim.lr_tau_b32": "optim.lr_tau"}
 
 
 class SpecError(ValueError):
@@ -122,7 +124,8 @@ def _objective(name: str, raw: dict, where: str) -> Objective:
         _need("." in key, f"{where}.grid.{key}", "must be a dotted config key (optim.lr, loss.temperature)")
         if isinstance(values, dict):  # per global batch (JSON keys are strings)
             ok = all(str(b).isdigit() for b in values)
-            _need(ok, f"{where}.grid.{key}", f"per-batch values must be keyed by global batch, got {sorted(values)}")
+            got = sorted(map(str, values))
+            _need(ok, f"{where}.grid.{key}", f"per-batch values must be keyed by global batch, got {got}")
             values = grid[key] = {int(b): v for b, v in values.items()}
             for b, v in values.items():
                 _need(isinstance(v, list) and v, f"{where}.grid.{key}.{b}", "must be a non-empty list")
@@ -130,11 +133,11 @@ def _objective(name: str, raw: dict, where: str) -> Objective:
             _need(isinstance(values, list) and values, f"{where}.grid.{key}", "must be a non-empty list")
     options = raw.get("options") or {}
     _need(isinstance(options, dict), f"{where}.options", "must map config keys to values")
-    clash = set(options) & set(grid)
+    clash = {RESOLVED_AS.get(k, k) for k in options} & {RESOLVED_AS.get(k, k) for k in grid}
     _need(not clash, where, f"{sorted(clash)} both fixed in options and tuned in grid")
     from_choice = raw.get("from_choice") or {}
     _need(isinstance(from_choice, dict), f"{where}.from_choice", "must map config keys to objective names")
-    clash = set(from_choice) & (set(options) | set(grid))
+    clash = {RESOLVED_AS.get(k, k) for k in from_choice} & {RESOLVED_AS.get(k, k) for k in (*options, *grid)}
     _need(not clash, f"{where}.from_choice", f"{sorted(clash)} also fixed in options or tuned in grid")
     baseline, headline = bool(raw.get("baseline")), bool(raw.get("headline"))
     return Objective(name, raw["loss"], options, grid, baseline, headline, dict(from_choice))
@@ -203,15 +206,16 @@ def load(path: Path) -> Spec:
         for key, values in objective.grid.items():
             if isinstance(values, dict):
                 where = f"{path}: objectives.{name}.grid.{key}"
-                _need(set(values) == set(batches), where, f"names batches {sorted(values)}, the spec's are {batches}")
-    for batch in batches:
-        budgets = {n: len(o.settings(batch)) for n, o in objectives.items()}
-        _need(
-            len(set(budgets.values())) == 1,
-            f"{path}: objectives",
-            f"unequal tuning budgets at batch {batch} (settings per objective: {budgets}); give every objective as "
-            "many settings",
-        )
+                missing = sorted(set(batches) - set(values))  # more are fine: a variant may run fewer batches
+                _need(not missing, where, f"has no values for batch(es) {missing} of the spec's {batches}")
+    budgets = {(n, b): len(o.settings(b)) for n, o in objectives.items() for b in batches}
+    _need(
+        len(set(budgets.values())) == 1,
+        f"{path}: objectives",
+        "unequal tuning budgets (settings per objective and batch: "
+        + ", ".join(f"{n}@{b}: {k}" for (n, b), k in budgets.items())
+        + "); give every objective as many settings at every batch",
+    )
     test_seeds = _seeds(raw["test_seeds"], f"{path}: test_seeds", 6)
     other = _seeds(raw.get("other_test_seeds", raw["test_seeds"]), f"{path}: other_test_seeds", 2)
     tune_seeds = _seeds(raw["tune_seeds"], f"{path}: tune_seeds", 2)

@@ -56,6 +56,19 @@ def test_generation_is_deterministic_whatever_the_workers(scenes, tmp_path):
     assert digest(tmp_path / "other") != digest(root)
 
 
+def test_fewer_training_scenes_keep_the_other_splits_and_a_prefix_of_training(scenes, tmp_path):
+    """A scene is a function of (seed, split, number), so a smaller training set (study v2-revisits: 5,000 scenes
+    against v2's 50,000) is the larger one's first scenes, with the very same val, test and novel scenes: both
+    studies score on one test set. Only the stored global indices move."""
+    root, _, _ = scenes
+    build_scenes(tmp_path / "fewer", workers=1, seed=3, variant="semantic", **{**SIZES, "num_train": 60})
+    for split in ("val", "test", "novel"):
+        same = [(s["png"], s["txt"]) for s in read_split(tmp_path / "fewer", split)]
+        assert same == [(s["png"], s["txt"]) for s in read_split(root, split)], split
+    fewer = [(s["png"], s["txt"]) for s in read_split(tmp_path / "fewer", "train")]
+    assert len(fewer) == 60 and fewer == [(s["png"], s["txt"]) for s in read_split(root, "train")][:60]
+
+
 def test_the_captions_of_a_seed_are_pinned():
     """The same (seed, split, number) words the same caption in every release: studies name data by seed."""
     vocab, pools = glyph_pools(["fashion-mnist", "mnist"], FASHION, 0)

@@ -860,6 +860,8 @@ def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_
     import subprocess
 
     script = REPO / "benchmarks" / "study" / "at_commit.sh"
+    studies = ("study_v2", "study_v2_revisits")
+    links = (".venv", *(f"benchmarks/out/{s}" for s in studies), *(f"benchmarks/results/{s}/runs" for s in studies))
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     first = subprocess.run(["git", "-C", str(REPO), "rev-list", "--max-parents=0", "HEAD"], capture_output=True,
                            text=True).stdout.split()[0]  # fmt: skip
@@ -871,7 +873,7 @@ def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_
             assert f"{wt}: commit {head[:12]}, code " in done.stdout
         for name in ("plan.py", "runner.py", "v2.yaml"):
             assert (wt / "benchmarks/study" / name).read_bytes() == (REPO / "benchmarks/study" / name).read_bytes()
-        for link in ("benchmarks/out/study_v2", "benchmarks/results/study_v2/runs", ".venv"):
+        for link in links:
             assert (wt / link).is_symlink() and (wt / link).resolve() == (REPO / link).resolve()
         for argv, words in (
             ([head[:7] + "zz", str(wt)], ("is no commit of", "name one the tables' runs record")),
@@ -882,7 +884,7 @@ def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_
             assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
             assert all(w in done.stderr for w in words), done.stderr
     finally:
-        for link in ("benchmarks/out/study_v2", "benchmarks/results/study_v2/runs", ".venv"):
+        for link in links:
             if (wt / link).is_symlink():
                 (wt / link).unlink()  # the links only: the folders they name are this tree's
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], capture_output=True)

@@ -839,7 +839,9 @@ def test_run_record_from_metrics_jsonl_is_small(tmp_path):
     folder.mkdir()
     lines = []
     for k in range(1, 31):
-        lines.append({"step": k, "samples_seen": 32 * k, "loss": 3.0, "samples_per_s": 60.123456})
+        lines.append(
+            {"step": k, "samples_seen": 32 * k, "loss": 3.0, "samples_per_s": 60.123456, "tau": 0.1 - k / 1000}
+        )
         lines.append({"step": k, "samples_seen": 32 * k, "eval/retrieval/image_to_text_R@1": k / 100 + 1e-9,
                       "eval/retrieval/text_to_image_R@1": k / 50, "eval/zeroshot/d/top1": 0.25,
                       "eval/retrieval/num_samples": 48.0})  # fmt: skip
@@ -849,6 +851,7 @@ def test_run_record_from_metrics_jsonl_is_small(tmp_path):
     assert record["final"]["zeroshot_top1"] == 0.25 and record["final"]["samples_seen"] == 960
     assert len(record["curve"]) == 20 and record["curve"][-1] == [960, 0.45] and record["curve"][0] == [32, 0.015]
     assert record["wall_s"] == 12.3457 and record["samples_per_s"] == 60.1235
+    assert record["final"]["tau"] == 0.07  # where the learned τ went: its last logged value
     assert record["run"]["setting"] == {"optim.lr": 2.5e-4, "loss.temperature": 0.07} and "novel" not in record
     assert {"commit", "code", "dirty"} <= set(record)
     assert len(json.dumps(record, separators=(",", ":"))) < 1500

@@ -45,6 +45,7 @@ def table(spec: Spec, dataset: str, batch: int, runs: dict[str, dict[int, dict]]
             "novel": [
                 r["novel"]["metric"] for r in by_seed.values() if (r.get("novel") or {}).get("metric") is not None
             ],
+            "tau": [r["final"]["tau"] for r in by_seed.values() if r["final"].get("tau") is not None],
         }
         for name, by_seed in runs.items()
     }
@@ -174,6 +175,10 @@ def _p(x) -> str:
     return "–" if x is None else f"{x:.3f}"
 
 
+def _mean_tau(taus: list) -> str:
+    return f"{sum(taus) / len(taus):.3g}" if taus else "–"
+
+
 def markdown(spec: Spec, summary: dict) -> str:
     lines = [f"# Study `{spec.name}` ({spec.path.name})", ""]
     for d in spec.datasets.values():
@@ -186,8 +191,8 @@ def markdown(spec: Spec, summary: dict) -> str:
         "differences dropped, ties at their mean rank), p_Holm over the table's comparisons, perm: the paired "
         "permutation test, Holm-adjusted. The winner and the strongest baseline are named on val (the chosen "
         "settings' mean val metric) before any test seed is read. Beside the metric: zero-shot top-1 over the classes "
-        "of the data's zeroshot.json (mean over seeds, and the best seed) and the metric on `novel` (mean), where the "
-        "data has them.",
+        "of the data's zeroshot.json (mean over seeds, and the best seed), the metric on `novel` (mean), where the "
+        "data has them, and the global τ at the last step (mean over seeds: where a learned τ went).",
         "",
     ]
     for t in summary["_tables"]:
@@ -197,9 +202,9 @@ def markdown(spec: Spec, summary: dict) -> str:
         lines += [f"Strongest baseline (named on val): {strongest}; winner (named on val): `{t['winner']}`.", ""]
         lines += [
             "| objective | setting | seeds | test | Δ vs baseline | wins | p | p_Holm | perm (Holm) "
-            "| zero-shot mean (best) | novel |"
+            "| zero-shot mean (best) | novel | τ at end |"
         ]
-        lines += ["|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["|---|---|---|---|---|---|---|---|---|---|---|---|"]
         rows = {r["objective"]: r for r in t["comparisons"]}
         for name in sorted(t["metric"], key=lambda n: -t["means"][n]):
             values = list(t["metric"][name].values())
@@ -217,10 +222,11 @@ def markdown(spec: Spec, summary: dict) -> str:
             zs, novel = t["beside"][name]["zeroshot"], t["beside"][name]["novel"]
             zs_cell = f"{_pct(sum(zs) / len(zs))} ({_pct(max(zs))})" if zs else "–"
             novel_cell = _pct(sum(novel) / len(novel)) if novel else "–"
+            tau_cell = _mean_tau(t["beside"][name]["tau"])
             lines.append(
                 f"| {name} | {setting_id(setting) if setting else '–'} | {len(values)} | {_pct(mean)} ± {_pct(std)} "
                 f"| {delta} | {wins} | {_p(r and r['p_wilcoxon'])} | {_p(r and r['p_holm'])} "
-                f"| {_p(r and r['p_holm_permutation'])} | {zs_cell} | {novel_cell} |"
+                f"| {_p(r and r['p_holm_permutation'])} | {zs_cell} | {novel_cell} | {tau_cell} |"
             )
         lines.append("")
     if summary["comparisons"]:
@@ -278,15 +284,18 @@ def tuning_lines(spec: Spec) -> list[str]:
                 done = sum(rec is not None for rec in loaded.values())
                 seeds = " | ".join(f"val s{s}" for s in spec.tune_seeds)
                 lines += [f"### Tuning {cell_name(dataset, batch, objective)}: {done} of {len(runs)} runs", ""]
-                lines += [f"| setting | {seeds} | mean | zero-shot (mean) |", "|---" * (len(spec.tune_seeds) + 3) + "|"]
+                header = f"| setting | {seeds} | mean | zero-shot (mean) | τ at end (mean) |"
+                lines += [header, "|---" * (len(spec.tune_seeds) + 4) + "|"]
                 for setting, recs in by_setting.items():
                     vals = [metric_of(rec) for rec in recs]
                     zs = [rec["final"]["zeroshot_top1"] for rec in recs if rec]
                     zs = [z for z in zs if z is not None]
+                    taus = [rec["final"].get("tau") for rec in recs if rec]
+                    taus = [x for x in taus if x is not None]
                     mean = sum(vals) / len(vals) if None not in vals else None
                     lines.append(
                         f"| {setting_id(dict(setting))} | {' | '.join(_pct(v) for v in vals)} | {_pct(mean)} "
-                        f"| {_pct(sum(zs) / len(zs) if zs else None)} |"
+                        f"| {_pct(sum(zs) / len(zs) if zs else None)} | {_mean_tau(taus)} |"
                     )
                 what = "Chosen"  # plan's choice, edge steps included; else the best of the complete settings
                 if best is None:

@@ -195,6 +195,8 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
             "zeroshot_top1": zeroshot_top1(final),
             "samples_seen": final["samples_seen"],
             **{k: v for k, v in final.items() if k.endswith("_R@1")},
+            # the global τ at the last logged step (a learned one: where it went; None for per-sample τ)
+            "tau": logged[-1].get("tau") if logged else None,
         },
         "curve": thin([[e["samples_seen"], metric(e, name)] for e in evals], CURVE_POINTS_MAX),
         "wall_s": wall_s,

@@ -311,7 +311,7 @@ def test_run_takes_several_cells_and_patterns(tmp_path, capsys, monkeypatch):
         runner.check_commits(spec, "c1", ["d/32/base", "d/64/base2"])
 
 
-def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_embedded):
+def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_embedded, capsys):
     """plan --hours: a run costs its steps x the median wall seconds per step of the finished runs of its batch and
     phase (a long run: the test runs'; a phase with none: every phase of its batch), else the timing run's."""
     from benchmarks.study import hours
@@ -354,6 +354,26 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
                                        / 3600)  # fmt: skip
     with pytest.raises(KeyError, match="d/64"):
         hours.core_hours(spec, {}, only32)
+    # a spec not yet run, priced from this one's runs: its dataset of the same architecture takes their seconds
+    other = tmp_path / "other"
+    other.mkdir()
+    raw = json.loads(write_spec(other).read_text())
+    raw["datasets"] = {"e": {**raw["datasets"]["d"], "data": str(data)}}
+    raw["datasets"]["f"] = {**raw["datasets"]["e"], "arch": "tiny-vit-64"}  # another architecture: nothing lent
+    (other / "spec.json").write_text(json.dumps(raw))
+    lent = hours.borrowed(load(other / "spec.json"), spec)
+    assert lent == {f"e/{k[2:]}": v for k, v in measured.items()}
+    priced = json.loads(spec.path.read_text())  # this spec as a file, over the tiny glyphs
+    priced["datasets"]["d"]["data"] = str(data)
+    (tmp_path / "priced.json").write_text(json.dumps(priced))
+    del raw["datasets"]["f"]
+    (other / "spec.json").write_text(json.dumps(raw))
+    assert main(["plan", str(other / "spec.json"), "--price-from", str(tmp_path / "priced.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"core-hours: {expected:.1f} in total" in out and "priced from" in out and "e/32/tune" in out
+    (other / "spec.json").write_text(json.dumps({**raw, "datasets": {"f": raw["datasets"]["e"] | {"arch": "x"}}}))
+    args = ["plan", str(other / "spec.json"), "--price-from", str(tmp_path / "priced.json")]
+    one_line_error(capsys, main, args, "'f/32' has no finished run")
 
 
 def test_run_takes_only_the_phases_it_is_given(tmp_path, capsys, monkeypatch):

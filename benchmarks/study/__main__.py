@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections import Counter
+from pathlib import Path
 
 from fastclip.cli import OneLineParser, whole_number
 
@@ -40,6 +41,11 @@ def build_parser() -> OneLineParser:
         "--hours", action="store_true", help="core-hours from the finished runs' wall time (else a timing run's)"
     )
     p.add_argument("--measure", action="store_true", help="time a short run per dataset and batch first")
+    p.add_argument(
+        "--price-from",
+        metavar="SPEC",
+        help="with --hours: price batches without finished runs from SPEC's finished runs of the same architecture",
+    )
     p.add_argument("--list", action="store_true", help="print every run id")
     r = sub.add_parser("run", help="run pending runs (resumes stopped ones)")
     r.add_argument("spec")
@@ -87,10 +93,13 @@ def cmd_plan(spec, args) -> int:
     if args.list:
         for r in runs:
             print(r.id)
-    if args.hours or args.measure:
+    if args.hours or args.measure or args.price_from:
         path = hours.timing_file(spec)
         timing = hours.measure(spec) if args.measure else json.loads(path.read_text()) if path.is_file() else {}
         per_step, measured = timing.get("seconds_per_step", {}), hours.from_runs(spec)
+        lent = hours.borrowed(spec, load(Path(args.price_from))) if args.price_from else {}
+        lent = {k: v for k, v in lent.items() if k not in measured}
+        measured = {**lent, **measured}
         try:
             h = hours.core_hours(spec, per_step, measured)
         except KeyError as missing:
@@ -109,6 +118,8 @@ def cmd_plan(spec, args) -> int:
                 "  wall seconds per step of the finished runs (median; evaluation included, at the load they ran "
                 "at): " + ", ".join(f"{k} {v:.3f} ({n} runs)" for k, (v, n) in sorted(measured.items()))
             )
+        if lent:
+            print(f"  priced from {args.price_from}'s finished runs (same architecture): {', '.join(sorted(lent))}")
         if h["timed"]:
             print(
                 f"  {', '.join(h['timed'])} without finished runs: a timing run's seconds per training step ("

@@ -86,6 +86,22 @@ def from_runs(spec) -> dict[str, tuple[float, int]]:
     return {k: (statistics.median(v), len(v)) for k, v in walls.items()}
 
 
+def borrowed(spec, other) -> dict[str, tuple[float, int]]:
+    """`other` spec's from_runs, renamed onto this spec's datasets of the same architecture: a study not yet run
+    priced from one that has run (per step, so another data size or length is priced right; its evaluation share is
+    the other's, exact when the eval splits and curve points are the same, as v2-revisits' are v2's)."""
+    theirs, out = from_runs(other), {}
+    for name, dataset in spec.datasets.items():
+        for other_name, other_dataset in other.datasets.items():
+            if other_dataset.arch != dataset.arch:
+                continue
+            for key, value in theirs.items():
+                source, rest = key.split("/", 1)
+                if source == other_name:
+                    out.setdefault(f"{name}/{rest}", value)
+    return out
+
+
 def core_hours(spec, per_step: dict[str, float], measured: dict[str, tuple[float, int]] | None = None) -> dict:
     """{total, headline, done, pending} core-hours, and `timed`: the batches priced by `per_step` (a timing run:
     training steps only) for want of finished runs. A run's seconds per step: `measured` (from_runs) for its batch

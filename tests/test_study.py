@@ -361,8 +361,8 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
     raw["datasets"] = {"e": {**raw["datasets"]["d"], "data": str(data)}}
     raw["datasets"]["f"] = {**raw["datasets"]["e"], "arch": "tiny-vit-64"}  # another architecture: nothing lent
     (other / "spec.json").write_text(json.dumps(raw))
-    lent = hours.borrowed(load(other / "spec.json"), spec)
-    assert lent == {f"e/{k[2:]}": v for k, v in measured.items()}
+    lent, sources = hours.borrowed(load(other / "spec.json"), spec)
+    assert lent == {f"e/{k[2:]}": v for k, v in measured.items()} and sources == {"e": "d"}
     priced = json.loads(spec.path.read_text())  # this spec as a file, over the tiny glyphs
     priced["datasets"]["d"]["data"] = str(data)
     (tmp_path / "priced.json").write_text(json.dumps(priced))
@@ -374,6 +374,56 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
     (other / "spec.json").write_text(json.dumps({**raw, "datasets": {"f": raw["datasets"]["e"] | {"arch": "x"}}}))
     args = ["plan", str(other / "spec.json"), "--price-from", str(tmp_path / "priced.json")]
     one_line_error(capsys, main, args, "'f/32' has no finished run")
+    one_line_error(capsys, main, [*args, "--measure"], "--measure and --price-from", "give one")
+    one_line_error(capsys, main, [*args[:3], str(tmp_path / "none.yaml")], "--price-from", "none.yaml: no such spec")
+
+
+def test_a_borrowed_price_comes_from_one_source_dataset_and_only_for_batches_without_runs(tmp_path, monkeypatch):
+    """plan --price-from: each dataset takes one source (its namesake, else the same architecture's with the most
+    finished runs), never a mix, and a batch with finished runs of its own borrows nothing."""
+    from benchmarks.study import hours
+
+    theirs = {"a/32": (1.0, 2), "a/32/tune": (1.0, 2), "b/32": (9.0, 40), "b/32/test": (9.0, 40), "b/64": (5.0, 4)}
+    monkeypatch.setattr(hours, "from_runs", lambda spec: theirs)  # the other study's finished runs, as measured
+    raw = json.loads(write_spec(tmp_path).read_text())
+    d = raw["datasets"]["d"]
+    raw["datasets"] = {"a": d, "b": d, "c": {**d, "arch": "another"}}
+    (tmp_path / "other.json").write_text(json.dumps(raw))
+    other = load(tmp_path / "other.json")
+    raw["datasets"] = {"new": d, "a": d, "c": {**d, "arch": "another"}}
+    (tmp_path / "mine.json").write_text(json.dumps(raw))
+    mine = load(tmp_path / "mine.json")
+    prices, sources = hours.borrowed(mine, other)
+    assert sources == {"new": "b", "a": "a"}  # c: its architecture has no finished runs
+    assert prices == {"new/32": (9.0, 40), "new/32/test": (9.0, 40), "new/64": (5.0, 4), "a/32": (1.0, 2),
+                      "a/32/tune": (1.0, 2)}  # fmt: skip
+    prices, _ = hours.borrowed(mine, other, own={"new/32/tune": (2.0, 3)})
+    assert sorted(prices) == ["a/32", "a/32/tune", "new/64"]
+    raw["datasets"] = {"x/y": d}
+    (tmp_path / "slash.json").write_text(json.dumps(raw))
+    with pytest.raises(SpecError, match=r"datasets.x/y: a dataset's name may not hold '/'"):
+        load(tmp_path / "slash.json")
+
+
+def test_backfill_tau_takes_each_old_records_final_tau_from_its_run_folder(tmp_path, capsys):
+    """`report --backfill-tau`: a record made before runs kept final.tau gets the last logged τ of its run folder's
+    metrics.jsonl; one whose folder is gone is counted, not guessed; the tables say over how many runs a mean τ is."""
+    spec = load(write_spec(tmp_path, batches=[32]))
+    finish_tuning(spec)  # records without final.tau
+    first, second = tune_runs(spec, "d", 32, "base")[:2]
+    folder = runner.run_dir(spec, first)
+    folder.mkdir(parents=True)
+    lines = [{"step": k, "samples_per_s": 50.0, "tau": 0.07 - k / 1000} for k in (1, 2, 3)]
+    lines.insert(2, {"step": 2, "eval/retrieval/image_to_text_R@1": 0.5})
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert main(["report", str(spec.path), "--backfill-tau"]) == 0
+    assert "backfill-tau: 1 record(s) given final.tau from their metrics.jsonl, 23 without a run folder" in (
+        capsys.readouterr().out
+    )
+    assert records.load(spec.results, first.id)["final"]["tau"] == 0.067
+    assert "tau" not in records.load(spec.results, second.id)["final"]
+    assert "| 0.067 (1 of 2) |" in spec.report_md.read_text()  # first and second share a setting (2 seeds)
+    assert report._mean_tau([0.05, 0.07], 2) == "0.06" and report._mean_tau([], 3) == "–"
 
 
 def test_run_takes_only_the_phases_it_is_given(tmp_path, capsys, monkeypatch):
@@ -875,6 +925,45 @@ def test_run_record_from_metrics_jsonl_is_small(tmp_path):
     assert record["run"]["setting"] == {"optim.lr": 2.5e-4, "loss.temperature": 0.07} and "novel" not in record
     assert {"commit", "code", "dirty"} <= set(record)
     assert len(json.dumps(record, separators=(",", ":"))) < 1500
+
+
+def test_at_commit_brings_back_no_record_its_commit_tracks(tmp_path):
+    """A worktree at an older commit holds that commit's run records, some since moved off the tables here (to
+    stale/ or off_grid/): at_commit.sh links the run folders without copying those back; what the worktree made
+    (untracked) it keeps."""
+    import subprocess
+
+    def git(*args, cwd=REPO):
+        done = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    wt, old = tmp_path / "wt", "benchmarks/results/study_v2/runs/zz_at_commit_test/old.json"
+    new = "benchmarks/results/study_v2/runs/zz_at_commit_test/new.json"
+    try:
+        git("worktree", "add", "--detach", str(wt), "HEAD")
+        (wt / old).parent.mkdir(parents=True)
+        (wt / old).write_text("{}")  # tracked at the worktree's commit, absent here
+        git("add", "-f", old, cwd=wt)
+        git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a record later moved", cwd=wt)
+        (wt / new).write_text("{}")  # made by the worktree, tracked nowhere
+        done = subprocess.run(
+            ["bash", str(REPO / "benchmarks/study/at_commit.sh"), git("rev-parse", "HEAD", cwd=wt), str(wt)],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+        assert not (REPO / old).exists() and (REPO / new).read_text() == "{}"
+    finally:
+        for link in (".venv", "benchmarks/out/study_v2", "benchmarks/out/study_v2_revisits",
+                     "benchmarks/results/study_v2/runs", "benchmarks/results/study_v2_revisits/runs"):  # fmt: skip
+            if (wt / link).is_symlink():
+                (wt / link).unlink()
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], capture_output=True)
+        for path in (REPO / old, REPO / new):
+            path.unlink(missing_ok=True)
+        if (REPO / new).parent.is_dir():
+            (REPO / new).parent.rmdir()
 
 
 def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_path):

@@ -68,6 +68,11 @@ def build_parser() -> OneLineParser:
     s = sub.add_parser("report", help="print and write the tables and the summary JSON")
     s.add_argument("spec")
     s.add_argument("--allow-mixed-commits", action="store_true")
+    s.add_argument(
+        "--backfill-tau",
+        action="store_true",
+        help="first give finished records made before runs kept final.tau theirs, from their run folders' metrics",
+    )
     return parser
 
 
@@ -93,15 +98,22 @@ def cmd_plan(spec, args) -> int:
     if args.list:
         for r in runs:
             print(r.id)
+    if args.measure and args.price_from:
+        print("python -m benchmarks.study plan: --measure and --price-from both price the batches without finished "
+              "runs; give one", file=sys.stderr)  # fmt: skip
+        return 2
     if args.hours or args.measure or args.price_from:
         path = hours.timing_file(spec)
         timing = hours.measure(spec) if args.measure else json.loads(path.read_text()) if path.is_file() else {}
         per_step, measured = timing.get("seconds_per_step", {}), hours.from_runs(spec)
-        lent = hours.borrowed(spec, load(Path(args.price_from))) if args.price_from else {}
-        lent = {k: v for k, v in lent.items() if k not in measured}
-        measured = {**lent, **measured}
+        lent, sources = {}, {}
+        if args.price_from:
+            try:
+                lent, sources = hours.borrowed(spec, load(Path(args.price_from)), own=measured)
+            except SpecError as error:
+                raise SpecError(f"--price-from {args.price_from}: {error}") from None
         try:
-            h = hours.core_hours(spec, per_step, measured)
+            h = hours.core_hours(spec, per_step, {**lent, **measured})
         except KeyError as missing:
             print(
                 f"plan --hours: {missing} has no finished run and no timing in {path}; measure it with "
@@ -119,7 +131,12 @@ def cmd_plan(spec, args) -> int:
                 "at): " + ", ".join(f"{k} {v:.3f} ({n} runs)" for k, (v, n) in sorted(measured.items()))
             )
         if lent:
-            print(f"  priced from {args.price_from}'s finished runs (same architecture): {', '.join(sorted(lent))}")
+            print(
+                f"  priced from {args.price_from}'s finished runs (wall seconds per step, median): "
+                + ", ".join(
+                    f"{k} {v:.3f} ({n} runs of {sources[k.split('/')[0]]})" for k, (v, n) in sorted(lent.items())
+                )
+            )
         if h["timed"]:
             print(
                 f"  {', '.join(h['timed'])} without finished runs: a timing run's seconds per training step ("
@@ -163,6 +180,12 @@ def cmd_report(spec, args) -> int:
     if not args.allow_mixed_commits:
         runner.check_commits(spec, None)
     from . import report  # scipy: not needed to run (a lent GPU machine may lack it)
+
+    if args.backfill_tau:
+        filled, without = runner.backfill_tau(spec)
+        print(
+            f"backfill-tau: {filled} record(s) given final.tau from their metrics.jsonl, {without} without a run folder"
+        )
 
     text, _ = report.write(spec)
     print(text)

@@ -47,8 +47,15 @@ fi
 link() {  # $1: a path relative to the repository root, made a link to this tree's
   mkdir -p "$main/$1" "$(dirname "$dir/$1")"
   if [[ -L $dir/$1 ]]; then return; fi
-  if [[ -d $dir/$1 ]]; then cp -rn "$dir/$1/." "$main/$1/" && rm -rf "${dir:?}/$1"; fi
-  ln -s "$main/$1" "$dir/$1"
+  if [[ -d $dir/$1 ]]; then
+    # only what the worktree made (untracked): its commit's tracked records may be ones this tree has since moved
+    # to stale/ or off the grid, and must not come back
+    (cd "$dir" && git ls-files --others -z -- "$1") | while IFS= read -r -d '' file; do
+      [[ -e $main/$file ]] || { mkdir -p "$(dirname "$main/$file")" && cp "$dir/$file" "$main/$file"; } || exit 1
+    done || { echo "at_commit.sh: could not copy $dir/$1's untracked files into $main/$1: nothing linked" >&2; exit 2; }
+    rm -rf "${dir:?}/$1"
+  fi
+  ln -sT "$main/$1" "$dir/$1"
 }
 [[ -e $dir/.venv ]] || ln -s "$main/.venv" "$dir/.venv"
 STUDIES="study_v2 study_v2_revisits"  # the specs' `name`s (v2.yaml, v2-revisits.yaml)

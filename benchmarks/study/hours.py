@@ -86,20 +86,28 @@ def from_runs(spec) -> dict[str, tuple[float, int]]:
     return {k: (statistics.median(v), len(v)) for k, v in walls.items()}
 
 
-def borrowed(spec, other) -> dict[str, tuple[float, int]]:
-    """`other` spec's from_runs, renamed onto this spec's datasets of the same architecture: a study not yet run
-    priced from one that has run (per step, so another data size or length is priced right; its evaluation share is
-    the other's, exact when the eval splits and curve points are the same, as v2-revisits' are v2's)."""
-    theirs, out = from_runs(other), {}
+def borrowed(spec, other, own: dict | None = None) -> tuple[dict[str, tuple[float, int]], dict[str, str]]:
+    """`other` spec's from_runs, renamed onto this spec's datasets: a study not yet run priced from one that has run
+    (per step, so another data size or length is priced right; its evaluation share is the other's, exact when the
+    eval splits and curve points are the same, as v2-revisits' are v2's). Each dataset takes one source: the other
+    spec's dataset of its name, else the one of its architecture with the most finished runs; a batch with finished
+    runs of its own (`own`, from_runs(spec)) borrows nothing. Returns the prices and {dataset: its source}."""
+    theirs = from_runs(other)
+    mine = {"/".join(key.split("/")[:2]) for key in own or {}}
+    runs = {name: sum(n for key, (_, n) in theirs.items() if key.count("/") == 1 and key.startswith(f"{name}/"))
+            for name in other.datasets}  # fmt: skip
+    prices, sources = {}, {}
     for name, dataset in spec.datasets.items():
-        for other_name, other_dataset in other.datasets.items():
-            if other_dataset.arch != dataset.arch:
-                continue
-            for key, value in theirs.items():
-                source, rest = key.split("/", 1)
-                if source == other_name:
-                    out.setdefault(f"{name}/{rest}", value)
-    return out
+        same = [o for o, d in other.datasets.items() if d.arch == dataset.arch and runs[o]]
+        if not same:
+            continue
+        source = name if name in same else max(same, key=lambda o: runs[o])  # ties: the spec's order
+        sources[name] = source
+        for key, value in theirs.items():
+            renamed = f"{name}/{key[len(source) + 1 :]}"
+            if key.startswith(f"{source}/") and "/".join(renamed.split("/")[:2]) not in mine:
+                prices[renamed] = value
+    return prices, sources
 
 
 def core_hours(spec, per_step: dict[str, float], measured: dict[str, tuple[float, int]] | None = None) -> dict:

@@ -175,8 +175,12 @@ def _p(x) -> str:
     return "–" if x is None else f"{x:.3f}"
 
 
-def _mean_tau(taus: list) -> str:
-    return f"{sum(taus) / len(taus):.3g}" if taus else "–"
+def _mean_tau(taus: list, runs: int) -> str:
+    """The mean final τ, saying over how many of the runs when some records lack it (made before runs kept it)."""
+    if not taus:
+        return "–"
+    mean = f"{sum(taus) / len(taus):.3g}"
+    return mean if len(taus) == runs else f"{mean} ({len(taus)} of {runs})"
 
 
 def markdown(spec: Spec, summary: dict) -> str:
@@ -222,7 +226,7 @@ def markdown(spec: Spec, summary: dict) -> str:
             zs, novel = t["beside"][name]["zeroshot"], t["beside"][name]["novel"]
             zs_cell = f"{_pct(sum(zs) / len(zs))} ({_pct(max(zs))})" if zs else "–"
             novel_cell = _pct(sum(novel) / len(novel)) if novel else "–"
-            tau_cell = _mean_tau(t["beside"][name]["tau"])
+            tau_cell = _mean_tau(t["beside"][name]["tau"], len(values))
             lines.append(
                 f"| {name} | {setting_id(setting) if setting else '–'} | {len(values)} | {_pct(mean)} ± {_pct(std)} "
                 f"| {delta} | {wins} | {_p(r and r['p_wilcoxon'])} | {_p(r and r['p_holm'])} "
@@ -290,12 +294,12 @@ def tuning_lines(spec: Spec) -> list[str]:
                     vals = [metric_of(rec) for rec in recs]
                     zs = [rec["final"]["zeroshot_top1"] for rec in recs if rec]
                     zs = [z for z in zs if z is not None]
-                    taus = [rec["final"].get("tau") for rec in recs if rec]
-                    taus = [x for x in taus if x is not None]
+                    finished = [rec for rec in recs if rec]
+                    taus = [rec["final"]["tau"] for rec in finished if rec["final"].get("tau") is not None]
                     mean = sum(vals) / len(vals) if None not in vals else None
                     lines.append(
                         f"| {setting_id(dict(setting))} | {' | '.join(_pct(v) for v in vals)} | {_pct(mean)} "
-                        f"| {_pct(sum(zs) / len(zs) if zs else None)} | {_mean_tau(taus)} |"
+                        f"| {_pct(sum(zs) / len(zs) if zs else None)} | {_mean_tau(taus, len(finished))} |"
                     )
                 what = "Chosen"  # plan's choice, edge steps included; else the best of the complete settings
                 if best is None:

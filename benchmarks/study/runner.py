@@ -209,6 +209,27 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
     return {**records.round_floats(out), "run": out["run"]}
 
 
+def backfill_tau(spec: Spec) -> tuple[int, int]:
+    """Records made before result_record kept `final.tau` get it from their run folder's metrics.jsonl (the last
+    logged τ, as result_record takes it); (records filled, records lacking it whose folder or log is gone)."""
+    filled = without = 0
+    for run in plan(spec):
+        record = None if run.chosen_pending else records.load(spec.results, run.id)
+        if record is None or "tau" in record["final"]:
+            continue
+        log = run_dir(spec, run) / "metrics.jsonl"
+        logged = (
+            [json.loads(x) for x in log.read_text().splitlines() if '"samples_per_s"' in x] if log.is_file() else []
+        )
+        if not logged:
+            without += 1
+            continue
+        record["final"]["tau"] = records.round_floats({"tau": logged[-1].get("tau")})["tau"]
+        records.save(spec.results, run.id, record)
+        filled += 1
+    return filled, without
+
+
 def started_with(folder: Path) -> dict:
     """{commit, code, dirty, args}: what the run started with (its folder's code.json; `start` restarts a run whose
     code or settings changed since), else the code now and no args."""

@@ -90,6 +90,7 @@ def _seeds(raw, where: str, least: int) -> tuple[int, ...]:
 
 
 def _dataset(name: str, raw: dict, base: Path, where: str) -> Dataset:
+    _need("/" not in str(name), where, "a dataset's name may not hold '/' (run ids are dataset/batch/objective/...)")
     _need(isinstance(raw, dict), where, "must be a mapping (data, arch, epochs, metric)")
     unknown = set(raw) - {"data", "make", "arch", "epochs", "metric", "placeholder", "checks"}
     _need(not unknown, where, f"unknown key(s) {sorted(unknown)}")

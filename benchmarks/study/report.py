@@ -292,10 +292,9 @@ def tuning_lines(spec: Spec) -> list[str]:
                 lines += [header, "|---" * (len(spec.tune_seeds) + 4) + "|"]
                 for setting, recs in by_setting.items():
                     vals = [metric_of(rec) for rec in recs]
-                    zs = [rec["final"]["zeroshot_top1"] for rec in recs if rec]
-                    zs = [z for z in zs if z is not None]
                     finished = [rec for rec in recs if rec]
-                    taus = [rec["final"]["tau"] for rec in finished if rec["final"].get("tau") is not None]
+                    zs = [z for z in (rec["final"]["zeroshot_top1"] for rec in finished) if z is not None]
+                    taus = [x for x in (rec["final"].get("tau") for rec in finished) if x is not None]
                     mean = sum(vals) / len(vals) if None not in vals else None
                     lines.append(
                         f"| {setting_id(dict(setting))} | {' | '.join(_pct(v) for v in vals)} | {_pct(mean)} "

@@ -175,7 +175,7 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
     if not evals:
         raise RuntimeError(f"{folder}/metrics.jsonl has no evaluation")
     final = evals[-1]
-    logged = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if '"samples_per_s"' in x]
+    logged = logged_steps(folder / "metrics.jsonl")
     out = {
         "id": run.id,
         "run": {
@@ -195,8 +195,7 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
             "zeroshot_top1": zeroshot_top1(final),
             "samples_seen": final["samples_seen"],
             **{k: v for k, v in final.items() if k.endswith("_R@1")},
-            # the global τ at the last logged step (a learned one: where it went; None for per-sample τ)
-            "tau": logged[-1].get("tau") if logged else None,
+            "tau": final_tau(logged),
         },
         "curve": thin([[e["samples_seen"], metric(e, name)] for e in evals], CURVE_POINTS_MAX),
         "wall_s": wall_s,
@@ -209,6 +208,18 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
     return {**records.round_floats(out), "run": out["run"]}
 
 
+def logged_steps(metrics_jsonl: Path) -> list[dict]:
+    """The training log lines of a run's metrics.jsonl (those with samples/s; not the evaluations); [] without it."""
+    if not metrics_jsonl.is_file():
+        return []
+    return [json.loads(x) for x in metrics_jsonl.read_text().splitlines() if '"samples_per_s"' in x]
+
+
+def final_tau(logged: list[dict]) -> float | None:
+    """The global τ at the last logged step (a learned one: where it went); None for a per-sample τ or no log."""
+    return logged[-1].get("tau") if logged else None
+
+
 def backfill_tau(spec: Spec) -> tuple[int, int]:
     """Records made before result_record kept `final.tau` get it from their run folder's metrics.jsonl (the last
     logged τ, as result_record takes it); (records filled, records lacking it whose folder or log is gone)."""
@@ -217,14 +228,11 @@ def backfill_tau(spec: Spec) -> tuple[int, int]:
         record = None if run.chosen_pending else records.load(spec.results, run.id)
         if record is None or "tau" in record["final"]:
             continue
-        log = run_dir(spec, run) / "metrics.jsonl"
-        logged = (
-            [json.loads(x) for x in log.read_text().splitlines() if '"samples_per_s"' in x] if log.is_file() else []
-        )
+        logged = logged_steps(run_dir(spec, run) / "metrics.jsonl")
         if not logged:
             without += 1
             continue
-        record["final"]["tau"] = records.round_floats({"tau": logged[-1].get("tau")})["tau"]
+        record["final"]["tau"] = records.round_floats({"tau": final_tau(logged)})["tau"]
         records.save(spec.results, run.id, record)
         filled += 1
     return filled, without

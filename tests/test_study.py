@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))  # `pytest` without PYTHONPATH: benchmarks/ is a f
 
 from benchmarks.study import records, report, runner, stats  # noqa: E402
 from benchmarks.study.__main__ import main  # noqa: E402
-from benchmarks.study.plan import budget, choose, plan, tune_runs  # noqa: E402
+from benchmarks.study.plan import budget, cell_name, cells, choose, designate, plan, tune_runs  # noqa: E402
 from benchmarks.study.spec import SpecError, load, resolve_setting  # noqa: E402
 
 
@@ -88,7 +88,7 @@ def finish_tuning(spec, scores=None) -> None:
     """Every tuning run done; `scores(objective, setting index, seed index)` sets the val metric."""
     for d in spec.datasets:
         for b in spec.batches:
-            for name in spec.objectives:
+            for name in spec.objectives_at(b):
                 for i, run in enumerate(tune_runs(spec, d, b, name)):
                     fake(spec, run, scores(name, i // 2, i % 2) if scores else 0.5)
 
@@ -167,6 +167,65 @@ def test_a_variant_may_run_fewer_batches_than_its_base_grids_name(tmp_path):
     (tmp_path / "only32.json").write_text(json.dumps({"base": path.name, "name": "only32", "batches": [32]}))
     spec = load(tmp_path / "only32.json")
     assert spec.batches == (32,) and {r.global_batch for r in plan(spec)} == {32}
+
+
+def test_an_objective_may_run_at_some_of_the_spec_batches_only(tmp_path):
+    """`batches:` of an objective: its cells, runs and tables are those batches' only; the other batches' tables
+    are complete without it, and name their winner among the objectives that run there."""
+    path = write_spec(tmp_path)
+    raw = json.loads(path.read_text())
+    raw["objectives"]["new"]["batches"] = [32]
+    raw["objectives"]["new"]["grid"]["optim.lr"] = {"32": [1e-3, 5e-4]}  # no values for 64: it does not run there
+    path.write_text(json.dumps(raw))
+    spec = load(path)
+    assert [cell_name(*c) for c in cells(spec)] == ["d/32/base", "d/32/new", "d/32/base2", "d/64/base", "d/64/base2"]
+    assert {(r.objective, r.global_batch) for r in plan(spec)} == {
+        ("base", 32), ("base2", 32), ("new", 32), ("base", 64), ("base2", 64)
+    }  # fmt: skip
+    val = {"base": 0.50, "base2": 0.55, "new": 0.60}
+    finish_tuning(spec, lambda name, i, seed: val[name])
+    at32, at64 = designate(spec, "d", 32), designate(spec, "d", 64)
+    assert (at32.winner, at32.baseline, at32.complete) == ("new", "base2", True)
+    assert (at64.winner, at64.baseline, at64.complete) == ("base2", "base2", True) and "new" not in at64.val
+    for run in plan(spec):
+        if run.phase == "test":
+            fake(spec, run, val[run.objective])
+    text, summary = report.write(spec)
+    assert {(c["loss"], c["global_batch"]) for c in summary["cells"]} == {
+        ("base", 32), ("base2", 32), ("new", 32), ("base", 64), ("base2", 64)
+    }  # fmt: skip
+    assert "### Tuning d/64/new" not in text and "### Tuning d/32/new" in text
+    refusals = [
+        ({"batches": [32, 128]}, r"objectives.new.batches: \[128\] not among the spec's batches \[32, 64\]"),
+        ({"batches": "32"}, r"objectives.new.batches: must be a list of the spec's global batch sizes, got '32'"),
+        ({"batches": [64]}, r"objectives.new.grid.optim.lr: has no values for batch\(es\) \[64\] it runs at"),
+    ]
+    for change, words in refusals:
+        path.write_text(json.dumps({**raw, "objectives": {**raw["objectives"], "new": {**raw["objectives"]["new"],
+                                                                                        **change}}}))  # fmt: skip
+        with pytest.raises(SpecError, match=words):
+            load(path)
+    taker = {**raw["objectives"]["base2"], "from_choice": {"loss.rho_frac": "new"}}
+    taker["grid"] = {"optim.lr": [1e-3, 5e-4], "loss.hard_negative_beta": [0.5, 1.0]}
+    path.write_text(json.dumps({**raw, "objectives": {**raw["objectives"], "base2": taker}}))
+    with pytest.raises(SpecError, match=r"base2.from_choice.loss.rho_frac: new does not run at batch\(es\) \[64\]"):
+        load(path)
+    only32 = {name: {**o, "batches": [32]} for name, o in raw["objectives"].items() if name != "new"}
+    everywhere = {"loss": "fastclip-v3", "grid": {"optim.lr": [1e-3, 5e-4], "loss.rho_frac": [0.4, 0.6]}}
+    path.write_text(json.dumps({**raw, "objectives": {**only32, "new": everywhere}}))  # new runs at 64: no baseline
+    with pytest.raises(SpecError, match=r"no baseline runs at batch\(es\) \[64\]; every table needs one"):
+        load(path)
+
+
+def test_the_readmes_example_spec_loads_as_written(tmp_path):
+    """The study README's spec, as a user would copy it: it loads, and its keys mean what the README says."""
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "study" / "README.md").read_text()
+    block = text.split("## The spec (YAML or JSON)", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "example.yaml").write_text(block)
+    spec = load(tmp_path / "example.yaml")
+    assert spec.batches == (32, 128, 512) and spec.objectives_at(128) == ["infonce-fixed", "dcl", "dcl-hard"]
+    assert spec.objectives["dcl-hard"].from_choice == {"loss.temperature": "dcl"}
+    assert budget(spec) == {"infonce-fixed": 18, "dcl": 18, "dcl-hard": 18, "fastclip-v2": 18}
 
 
 def test_every_finished_v2_run_is_still_planned_under_its_id():
@@ -347,6 +406,15 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
     h = hours.core_hours(spec, {}, measured)
     assert h["total"] == pytest.approx(expected) and h["timed"] == []
     assert h["done"] == pytest.approx((24 * 4 * tune32 + 24 * 2 * 1.0 + 4 * 5.0) / 3600)  # the tuning, 1 test run
+    pending = {}
+    for r in runs:
+        if r.chosen_pending or records.load(spec.results, r.id) is None:
+            key = f"d/{r.global_batch}/{r.phase}"
+            pending[key] = (
+                pending.get(key, 0.0) + 80 // r.global_batch * r.epochs * seconds[r.phase, r.global_batch] / 3600
+            )
+    assert h["pending_by"] == pytest.approx(pending) and "d/32/tune" not in pending  # the tuning is done
+    assert sum(h["pending_by"].values()) == pytest.approx(h["pending"])
     only32 = {k: v for k, v in measured.items() if k.startswith("d/32")}
     h = hours.core_hours(spec, {"d/64": 0.25}, only32)  # batch 64 from the timing run
     assert h["timed"] == ["d/64"]

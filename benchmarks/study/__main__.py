@@ -82,7 +82,11 @@ def cmd_plan(spec, args) -> int:
     done = sum(1 for r in runs if not r.chosen_pending and records.load(spec.results, r.id) is not None)
     phases = Counter(r.phase for r in runs)
     print(f"study {spec.name}: {len(runs)} runs ({', '.join(f'{n} {p}' for p, n in phases.items())}), {done} done")
-    print(f"cells: {len(cells(spec))} (datasets {list(spec.datasets)} x batches {list(spec.batches)} x objectives)")
+    fewer = "; ".join(f"{n} at {list(o.batches)} only" for n, o in spec.objectives.items() if o.batches)
+    print(
+        f"cells: {len(cells(spec))} (datasets {list(spec.datasets)} x batches {list(spec.batches)} x objectives"
+        + (f"; {fewer})" if fewer else ")")
+    )
     print(
         f"tuning budget per cell: {next(iter(per_budget.values()))} runs for every objective "
         f"({next(iter(per_budget.values())) // len(spec.tune_seeds)} settings x {len(spec.tune_seeds)} seeds); "
@@ -125,6 +129,12 @@ def cmd_plan(spec, args) -> int:
             f"core-hours: {h['total']:.1f} in total, {h['headline']:.1f} for the headline objectives; "
             f"{h['done']:.1f} done, {h['pending']:.1f} pending"
         )
+        if h["pending_by"]:
+            print(
+                "  pending by table and phase: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in h["pending_by"].items())
+                + f"; on {os.cpu_count()} free cores, one run per core: {h['pending'] / (os.cpu_count() or 1):.0f} h"
+            )
         if measured:
             print(
                 "  wall seconds per step of the finished runs (median; evaluation included, at the load they ran "

@@ -26,13 +26,13 @@ def timing_file(spec):
 
 
 def measure(spec, steps: int = 8) -> dict:
-    """Seconds per step at every (dataset, batch), from a `steps`-step run of the first objective's first setting
-    (the first 2 steps left out: start-up); saved to <results>/timing.json with the machine's load."""
+    """Seconds per step at every (dataset, batch), from a `steps`-step run of the batch's first objective's first
+    setting (the first 2 steps left out: start-up); saved to <results>/timing.json with the machine's load."""
     out = {}
     for dataset in spec.datasets:
         data = ensure_data(spec, dataset)
-        name = next(iter(spec.objectives))
         for batch in spec.batches:
+            name = spec.objectives_at(batch)[0]
             setting = tuple(spec.objectives[name].settings(batch)[0].items())
             run = Run(dataset, batch, name, setting, spec.tune_seeds[0], "timing", spec.datasets[dataset].epochs)
             extra = {**QUIET, "train.max_steps": steps}
@@ -111,13 +111,14 @@ def borrowed(spec, other, own: dict | None = None) -> tuple[dict[str, tuple[floa
 
 
 def core_hours(spec, per_step: dict[str, float], measured: dict[str, tuple[float, int]] | None = None) -> dict:
-    """{total, headline, done, pending} core-hours, and `timed`: the batches priced by `per_step` (a timing run:
-    training steps only) for want of finished runs. A run's seconds per step: `measured` (from_runs) for its batch
+    """{total, headline, done, pending} core-hours, `pending_by` ("dataset/batch/phase" -> its pending core-hours,
+    in plan order), and `timed`: the batches priced by `per_step` (a timing run: training steps only) for want of
+    finished runs. A run's seconds per step: `measured` (from_runs) for its batch
     and phase; a long run without its own, its batch's test runs'; else every phase of its batch; else `per_step`.
     KeyError names a dataset/batch with neither."""
     measured = measured or {}
     sizes = {d: train_samples(ensure_data(spec, d)) for d in spec.datasets}
-    hours = {"total": 0.0, "headline": 0.0, "done": 0.0, "pending": 0.0, "timed": []}
+    hours = {"total": 0.0, "headline": 0.0, "done": 0.0, "pending": 0.0, "pending_by": {}, "timed": []}
     for run in plan(spec):
         key = f"{run.dataset}/{run.global_batch}"
         own = [f"{key}/{run.phase}"] + ([f"{key}/test"] if run.phase == "long" else []) + [key]
@@ -134,4 +135,7 @@ def core_hours(spec, per_step: dict[str, float], measured: dict[str, tuple[float
             hours["headline"] += h
         done = not run.chosen_pending and records.load(spec.results, run.id) is not None
         hours["done" if done else "pending"] += h
+        if not done:
+            by = f"{key}/{run.phase}"
+            hours["pending_by"][by] = hours["pending_by"].get(by, 0.0) + h
     return hours

@@ -66,7 +66,7 @@ def cell_name(dataset: str, batch: int, objective: str) -> str:
 def cells(spec: Spec) -> list[tuple[str, int, str]]:
     """(dataset, batch, objective) in the order they run: dataset, then batch, headline objectives first."""
     names = sorted(spec.objectives, key=lambda n: not spec.objectives[n].headline)  # stable: spec order within
-    return [(d, b, o) for d in spec.datasets for b in spec.batches for o in names]
+    return [(d, b, o) for d in spec.datasets for b in spec.batches for o in names if spec.objectives[o].runs_at(b)]
 
 
 EDGE_STEPS = 2  # at most this many steps past a grid's edge, per knob
@@ -169,9 +169,9 @@ def table_results(spec: Spec, dataset: str, batch: int) -> dict:
     """objective -> tune_result, for every objective of a table (spec order), each one's tuning read once: the
     objectives that take values from another's choice come after the others, and read it from here."""
     results: dict = {}
-    for name in sorted(spec.objectives, key=lambda n: bool(spec.objectives[n].from_choice)):
+    for name in sorted(spec.objectives_at(batch), key=lambda n: bool(spec.objectives[n].from_choice)):
         results[name] = tune_result(spec, dataset, batch, name, results)
-    return {name: results[name] for name in spec.objectives}
+    return {name: results[name] for name in spec.objectives_at(batch)}
 
 
 def tune_runs(spec: Spec, dataset: str, batch: int, objective: str) -> list[Run]:
@@ -216,7 +216,7 @@ def designate(spec: Spec, dataset: str, batch: int, results: dict | None = None)
     return Designation(
         winner=max(val, key=val.get) if val else None,
         baseline=max(baselines, key=val.get) if baselines else None,
-        complete=len(val) == len(spec.objectives),
+        complete=len(val) == len(results),
         val=val,
     )
 
@@ -270,7 +270,10 @@ def plan(spec: Spec, only: str | Iterable[str] | None = None) -> list[Run]:
 
 def budget(spec: Spec) -> dict[str, int]:
     """Tuning runs per objective and cell: settings x tuning seeds (spec.load refuses unequal ones)."""
-    return {name: len(o.settings(spec.batches[0])) * len(spec.tune_seeds) for name, o in spec.objectives.items()}
+    return {
+        name: len(o.settings(next(b for b in spec.batches if o.runs_at(b)))) * len(spec.tune_seeds)
+        for name, o in spec.objectives.items()
+    }
 
 
 def steps_of(spec: Spec, run: Run, train_samples: int) -> int:

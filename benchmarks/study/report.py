@@ -277,7 +277,7 @@ def tuning_lines(spec: Spec) -> list[str]:
     lines = []
     for dataset in spec.datasets:
         for batch in spec.batches:
-            for objective in spec.objectives:
+            for objective in spec.objectives_at(batch):
                 runs, best = tune_plan(spec, dataset, batch, objective)
                 loaded = {r.id: records.load(spec.results, r.id) for r in runs}
                 if not any(loaded.values()):

@@ -43,6 +43,10 @@ class Objective:
     # dotted key -> another objective: the key takes that objective's chosen value in the same table (its tuning
     # waits for that choice), e.g. hard negatives tuned on top of dcl at dcl's tuned τ
     from_choice: dict = field(default_factory=dict)
+    batches: tuple[int, ...] | None = None  # the spec's batches it runs at (None: every one), e.g. a variant's
+
+    def runs_at(self, batch: int) -> bool:
+        return self.batches is None or batch in self.batches
 
     def grid_at(self, batch: int) -> dict[str, list]:
         """The grid at a global batch: a key's per-batch values taken at `batch`."""
@@ -75,6 +79,10 @@ class Spec:
     train: dict  # config keys every run gets (e.g. optim.wd)
     report_md: Path  # the tables
     summary_json: Path  # the flat summary (README.md of this package: its schema)
+
+    def objectives_at(self, batch: int) -> list[str]:
+        """The objectives of the tables at `batch` (spec order): those that run at it."""
+        return [name for name, o in self.objectives.items() if o.runs_at(batch)]
 
 
 def _need(cond: bool, where: str, what: str) -> None:
@@ -114,7 +122,7 @@ def _dataset(name: str, raw: dict, base: Path, where: str) -> Dataset:
 
 def _objective(name: str, raw: dict, where: str) -> Objective:
     _need(isinstance(raw, dict) and "loss" in raw, where, "must be a mapping with `loss` (a fastclip loss name)")
-    unknown = set(raw) - {"loss", "options", "grid", "baseline", "headline", "from_choice"}
+    unknown = set(raw) - {"loss", "options", "grid", "baseline", "headline", "from_choice", "batches"}
     _need(not unknown, where, f"unknown key(s) {sorted(unknown)}")
     from fastclip.losses import LOSSES
 
@@ -141,7 +149,11 @@ def _objective(name: str, raw: dict, where: str) -> Objective:
     clash = {RESOLVED_AS.get(k, k) for k in from_choice} & {RESOLVED_AS.get(k, k) for k in (*options, *grid)}
     _need(not clash, f"{where}.from_choice", f"{sorted(clash)} also fixed in options or tuned in grid")
     baseline, headline = bool(raw.get("baseline")), bool(raw.get("headline"))
-    return Objective(name, raw["loss"], options, grid, baseline, headline, dict(from_choice))
+    batches = raw.get("batches")
+    ok = batches is None or (isinstance(batches, list) and batches and all(isinstance(b, int) for b in batches))
+    _need(ok, f"{where}.batches", f"must be a list of the spec's global batch sizes, got {batches!r}")
+    batches = None if batches is None else tuple(batches)
+    return Objective(name, raw["loss"], options, grid, baseline, headline, dict(from_choice), batches)
 
 
 def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
@@ -204,12 +216,23 @@ def load(path: Path) -> Spec:
         "must be a list of global batch sizes >= 2",
     )
     for name, objective in objectives.items():
+        own = [b for b in batches if objective.runs_at(b)]
+        if objective.batches is not None:
+            where = f"{path}: objectives.{name}.batches"
+            extra = sorted(set(objective.batches) - set(batches))
+            _need(not extra, where, f"{extra} not among the spec's batches {batches}")
         for key, values in objective.grid.items():
             if isinstance(values, dict):
                 where = f"{path}: objectives.{name}.grid.{key}"
-                missing = sorted(set(batches) - set(values))  # more are fine: a variant may run fewer batches
-                _need(not missing, where, f"has no values for batch(es) {missing} of the spec's {batches}")
-    budgets = {(n, b): len(o.settings(b)) for n, o in objectives.items() for b in batches}
+                missing = sorted(set(own) - set(values))  # more are fine: another spec may run more batches
+                _need(not missing, where, f"has no values for batch(es) {missing} it runs at")
+        for key, source in objective.from_choice.items():
+            lacking = [b for b in own if not objectives[source].runs_at(b)]
+            where = f"{path}: objectives.{name}.from_choice.{key}"
+            _need(not lacking, where, f"{source} does not run at batch(es) {lacking}, so it has no choice there")
+    bare = [b for b in batches if not any(o.baseline and o.runs_at(b) for o in objectives.values())]
+    _need(not bare, f"{path}: objectives", f"no baseline runs at batch(es) {bare}; every table needs one")
+    budgets = {(n, b): len(o.settings(b)) for n, o in objectives.items() for b in batches if o.runs_at(b)}
     _need(
         len(set(budgets.values())) == 1,
         f"{path}: objectives",

@@ -169,7 +169,7 @@ def test_a_variant_may_run_fewer_batches_than_its_base_grids_name(tmp_path):
     assert spec.batches == (32,) and {r.global_batch for r in plan(spec)} == {32}
 
 
-def test_an_objective_may_run_at_some_of_the_spec_batches_only(tmp_path):
+def test_an_objective_may_run_at_some_of_the_spec_batches_only(tmp_path, capsys):
     """`batches:` of an objective: its cells, runs and tables are those batches' only; the other batches' tables
     are complete without it, and name their winner among the objectives that run there."""
     path = write_spec(tmp_path)
@@ -196,8 +196,9 @@ def test_an_objective_may_run_at_some_of_the_spec_batches_only(tmp_path):
     }  # fmt: skip
     assert "### Tuning d/64/new" not in text and "### Tuning d/32/new" in text
     refusals = [
-        ({"batches": [32, 128]}, r"objectives.new.batches: \[128\] not among the spec's batches \[32, 64\]"),
-        ({"batches": "32"}, r"objectives.new.batches: must be a list of the spec's global batch sizes, got '32'"),
+        ({"batches": [32, 32]}, r"objectives.new.batches: repeats a batch: \[32, 32\]"),
+        ({"batches": "32"}, r"objectives.new.batches: must be a list of global batch sizes, got '32'"),
+        ({"batches": [True]}, r"objectives.new.batches: must be a list of global batch sizes, got \[True\]"),
         ({"batches": [64]}, r"objectives.new.grid.optim.lr: has no values for batch\(es\) \[64\] it runs at"),
     ]
     for change, words in refusals:
@@ -205,6 +206,23 @@ def test_an_objective_may_run_at_some_of_the_spec_batches_only(tmp_path):
                                                                                         **change}}}))  # fmt: skip
         with pytest.raises(SpecError, match=words):
             load(path)
+    # at 64 only (not the spec's first batch): its budget is counted there
+    at64 = {**raw["objectives"]["new"], "batches": [64], "grid": {"optim.lr": {"64": [1e-3, 5e-4]},
+                                                                  "loss.rho_frac": [0.4, 0.6]}}  # fmt: skip
+    path.write_text(json.dumps({**raw, "objectives": {**raw["objectives"], "new": at64}}))
+    spec64 = load(path)
+    assert budget(spec64) == {"base": 8, "base2": 8, "new": 8} and spec64.objectives_at(32) == ["base", "base2"]
+    assert {r.global_batch for r in plan(spec64) if r.objective == "new"} == {64}
+    # a spec built on this one (`base:`) at other batches keeps the objective; one it never runs at is left out
+    path.write_text(json.dumps(raw))
+    (tmp_path / "at64.json").write_text(json.dumps({"base": path.name, "name": "at64", "batches": [64]}))
+    only64 = load(tmp_path / "at64.json")
+    assert only64.objectives_at(64) == ["base", "base2"] and budget(only64) == {"base": 8, "base2": 8}
+    assert [cell_name(*c) for c in cells(only64)] == ["d/64/base", "d/64/base2"]
+    assert main(["plan", str(tmp_path / "at64.json")]) == 0
+    assert "new at none of them (its batches: [32])" in capsys.readouterr().out
+    one_line_error(capsys, main, ["run", str(tmp_path / "at64.json"), "--cell", "d/64/new"], "--cell d/64/new",
+                   "matches no cell", "new runs at none of its batches (its batches: [32])")  # fmt: skip
     taker = {**raw["objectives"]["base2"], "from_choice": {"loss.rho_frac": "new"}}
     taker["grid"] = {"optim.lr": [1e-3, 5e-4], "loss.hard_negative_beta": [0.5, 1.0]}
     path.write_text(json.dumps({**raw, "objectives": {**raw["objectives"], "base2": taker}}))

@@ -82,7 +82,12 @@ def cmd_plan(spec, args) -> int:
     done = sum(1 for r in runs if not r.chosen_pending and records.load(spec.results, r.id) is not None)
     phases = Counter(r.phase for r in runs)
     print(f"study {spec.name}: {len(runs)} runs ({', '.join(f'{n} {p}' for p, n in phases.items())}), {done} done")
-    fewer = "; ".join(f"{n} at {list(o.batches)} only" for n, o in spec.objectives.items() if o.batches)
+    fewer = "; ".join(
+        f"{n} at {at} only" if at else f"{n} at none of them (its batches: {list(o.batches)})"
+        for n, o in spec.objectives.items()
+        if o.batches
+        for at in [[b for b in spec.batches if o.runs_at(b)]]
+    )
     print(
         f"cells: {len(cells(spec))} (datasets {list(spec.datasets)} x batches {list(spec.batches)} x objectives"
         + (f"; {fewer})" if fewer else ")")
@@ -133,7 +138,8 @@ def cmd_plan(spec, args) -> int:
             print(
                 "  pending by table and phase: "
                 + ", ".join(f"{k} {v:.1f}" for k, v in h["pending_by"].items())
-                + f"; on {os.cpu_count()} free cores, one run per core: {h['pending'] / (os.cpu_count() or 1):.0f} h"
+                + f"; at best {h['pending'] / (os.cpu_count() or 1):.0f} h on this machine's {os.cpu_count()} cores "
+                "(one run per free core, no core idle while a run waits for a choice)"
             )
         if measured:
             print(
@@ -163,7 +169,17 @@ def cmd_run(spec, args) -> int:
     every = [cell_name(*cell) for cell in cells(spec)]
     for pattern in args.cell or ():
         if not any(fnmatch.fnmatchcase(c, pattern) for c in every):
-            print(f"run --cell {pattern}: matches no cell of {spec.path} (dataset/batch/objective)", file=sys.stderr)
+            name = pattern.split("/")[-1]
+            objective = spec.objectives.get(name)
+            only = ""
+            if objective and objective.batches:
+                at = [b for b in spec.batches if objective.runs_at(b)]
+                only = f"; {name} runs at batch(es) {at} only" if at else f"; {name} runs at none of its batches"
+                only += f" (its batches: {list(objective.batches)})"
+            print(
+                f"run --cell {pattern}: matches no cell of {spec.path} (dataset/batch/objective){only}",
+                file=sys.stderr,
+            )
             return 2
     named = [c for c in every if any(fnmatch.fnmatchcase(c, p) for p in args.cell)] if args.cell else None  # None: all
     current = records.code_version()

@@ -43,7 +43,9 @@ class Objective:
     # dotted key -> another objective: the key takes that objective's chosen value in the same table (its tuning
     # waits for that choice), e.g. hard negatives tuned on top of dcl at dcl's tuned τ
     from_choice: dict = field(default_factory=dict)
-    batches: tuple[int, ...] | None = None  # the spec's batches it runs at (None: every one), e.g. a variant's
+    # the batches it runs at, of the spec's (None: every one), e.g. a variant's; others are ignored, as a grid's
+    # values for them are, so a spec built on this one (`base:`) may run other batches
+    batches: tuple[int, ...] | None = None
 
     def runs_at(self, batch: int) -> bool:
         return self.batches is None or batch in self.batches
@@ -150,8 +152,11 @@ def _objective(name: str, raw: dict, where: str) -> Objective:
     _need(not clash, f"{where}.from_choice", f"{sorted(clash)} also fixed in options or tuned in grid")
     baseline, headline = bool(raw.get("baseline")), bool(raw.get("headline"))
     batches = raw.get("batches")
-    ok = batches is None or (isinstance(batches, list) and batches and all(isinstance(b, int) for b in batches))
-    _need(ok, f"{where}.batches", f"must be a list of the spec's global batch sizes, got {batches!r}")
+    ok = batches is None or (
+        isinstance(batches, list) and batches and all(isinstance(b, int) and not isinstance(b, bool) for b in batches)
+    )
+    _need(ok, f"{where}.batches", f"must be a list of global batch sizes, got {batches!r}")
+    _need(batches is None or len(set(batches)) == len(batches), f"{where}.batches", f"repeats a batch: {batches}")
     batches = None if batches is None else tuple(batches)
     return Objective(name, raw["loss"], options, grid, baseline, headline, dict(from_choice), batches)
 
@@ -217,10 +222,6 @@ def load(path: Path) -> Spec:
     )
     for name, objective in objectives.items():
         own = [b for b in batches if objective.runs_at(b)]
-        if objective.batches is not None:
-            where = f"{path}: objectives.{name}.batches"
-            extra = sorted(set(objective.batches) - set(batches))
-            _need(not extra, where, f"{extra} not among the spec's batches {batches}")
         for key, values in objective.grid.items():
             if isinstance(values, dict):
                 where = f"{path}: objectives.{name}.grid.{key}"

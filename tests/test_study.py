@@ -19,7 +19,7 @@ from helpers import one_line_error
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `pytest` without PYTHONPATH: benchmarks/ is a folder of the repository root
 
-from benchmarks.study import records, report, runner, stats  # noqa: E402
+from benchmarks.study import plots, records, report, runner, stats  # noqa: E402
 from benchmarks.study.__main__ import main  # noqa: E402
 from benchmarks.study.plan import budget, cell_name, cells, choose, designate, plan, tune_runs  # noqa: E402
 from benchmarks.study.spec import SpecError, load, resolve_setting  # noqa: E402
@@ -642,6 +642,17 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     md = spec.report_md.read_text()
     assert "Strongest baseline (named on val): `base2`" in md and "| new |" in md
     assert json.loads(spec.summary_json.read_text()) == summary
+    # a figure per table with a baseline, linked under its title: batch 32 at both lengths (64 has no test run)
+    figures = sorted(p.name for p in spec.report_md.parent.glob("*.png"))
+    assert figures == ["t_d_32_long.png", "t_d_32_test.png"] and "(t_d_32_test.png)" in md
+    assert all((spec.report_md.parent / f).stat().st_size > 10_000 for f in figures)
+    # its band: each evaluation's mean and std over the seeds (new's curves: (0.60 + 0.01 s) k/4 at 320 k samples)
+    t = next(t for t in report.summarize(spec)["_tables"] if t["global_batch"] == 32 and t["phase"] == "test")
+    finals = [0.60 + 0.01 * s for s in range(1, 7)]
+    points = plots.band(t["curves"]["new"])
+    assert [p[0] for p in points] == [320, 640, 960, 1280]
+    assert points[-1][1:] == pytest.approx((np.mean(finals), np.std(finals, ddof=1)))
+    assert points[1][1:] == pytest.approx((np.mean(finals) / 2, np.std(finals, ddof=1) / 2))
 
 
 def test_a_winner_that_is_the_strongest_baseline_and_alone_on_test_has_no_comparison_yet(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import records
 from .plan import KNOB_MAX, PHASES, cell_name, choose, chosen, designate, metric_of, plan, tune_plan
+from .plots import figure_path, write_figures
 from .runner import run_dir
 from .spec import Spec, setting_id
 from .stats import compare, mean_std, samples_ratio
@@ -63,6 +64,7 @@ def table(spec: Spec, dataset: str, batch: int, runs: dict[str, dict[int, dict]]
         "winner": winner,
         "named_complete": named.complete,
         "comparisons": rows,
+        "curves": {name: _curves(by_seed) for name, by_seed in runs.items()},  # for the figures (plots.py)
     }
 
 
@@ -202,6 +204,9 @@ def markdown(spec: Spec, summary: dict) -> str:
     for t in summary["_tables"]:
         title = f"## {t['dataset']}, global batch {t['global_batch']}, {t['epochs']} epochs"
         lines += [title + (" (longer training)" if t["phase"] == "long" else ""), ""]
+        if t["baseline"]:
+            figure = figure_path(spec, t).name
+            lines += [f"![test curves and paired differences]({figure}) ([{figure}]({figure}): plots.py)", ""]
         strongest = f"`{t['baseline']}`" if t["baseline"] else "none (no baseline has runs at this length)"
         lines += [f"Strongest baseline (named on val): {strongest}; winner (named on val): `{t['winner']}`.", ""]
         lines += [
@@ -338,4 +343,5 @@ def write(spec: Spec) -> tuple[str, dict]:
     spec.report_md.write_text(text + "\n")
     spec.summary_json.parent.mkdir(parents=True, exist_ok=True)
     spec.summary_json.write_text(json.dumps(flat, indent=1) + "\n")
+    write_figures(spec, summary["_tables"])
     return text, flat

@@ -29,6 +29,11 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def plural(n: int, word: str) -> str:
+    """'1 shard', '2 shards'."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def whole_number(text: str, least: int) -> int:
     """An argparse value that must be an integer >= least (ArgumentTypeError: the parser's one-line usage error)."""
     try:

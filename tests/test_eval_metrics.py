@@ -259,7 +259,7 @@ def test_report_omits_retrieval_with_templated_captions():
             per_class=False,
         )
         assert "image->text       0.00    0.00    0.00" in table and "omitted" not in table
-        assert ("1 of the captions repeat another" in table) == note
+        assert ("(1 of the captions repeats another;" in table) == note
 
 
 def test_mean_r1_is_the_mean_of_both_directions_or_none():

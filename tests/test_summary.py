@@ -97,3 +97,27 @@ def test_summary_shows_retrieval_with_distinct_captions(tiny_embedded, tmp_path,
     assert "text->image 5.0/25.0/50.0%  (20 captions of 10 images)" in capsys.readouterr().out
     assert fastclip_main(["summary", str(tmp_path)]) == 2
     assert "no config.yaml" in capsys.readouterr().err
+
+
+def test_summary_names_each_data_evaluated_at_the_newest_step(tiny_embedded, tmp_path, capsys):
+    """A run evaluated on two splits (the quickstart's scenes: test, then novel) shows both, each named; with one
+    data the lines stay unnamed (test_summary_reads_at_a_glance)."""
+    run = _run_folder(tmp_path, tiny_embedded, distinct_captions=20)
+    results = run / "checkpoints" / "results.jsonl"
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    split = [
+        {**r, "data": data, "top1": r.get("top1", 0) / scale}
+        | ({"image_to_text_R@1": 0.5 / scale} if r["task"] == "retrieval" else {})
+        for data, scale in (("d/test", 1), ("d/novel", 2))
+        for r in rows
+        if r["step"] == 10 and r.get("dataset") != "fashion-mnist"
+    ]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows[:1] + split))
+    assert fastclip_main(["summary", str(run)]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(("  zero-shot", "  retrieval"))]
+    assert lines == [
+        "  zero-shot  mnist   75.0% top-1  (10 held-out images of d/test, step 10)",
+        "  retrieval  R@1/5/10 image->text 50.0/25.0/50.0%, text->image 5.0/25.0/50.0%  (20 pairs of d/test)",
+        "  zero-shot  mnist   37.5% top-1  (10 held-out images of d/novel, step 10)",
+        "  retrieval  R@1/5/10 image->text 25.0/25.0/50.0%, text->image 5.0/25.0/50.0%  (20 pairs of d/novel)",
+    ]

@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from fastclip.cli import OneLineParser, whole_number
+from fastclip.cli import OneLineParser, plural, whole_number
 from fastclip.data.catalog import DataSpecError, global_batch_too_large
 from fastclip.data.format import MANIFEST_NAME, ZEROSHOT_NAME
 from fastclip.stopping import Stopped, stopped_by_signals
@@ -280,7 +280,7 @@ def _embedded(args) -> int:
     print(f"datasets: {', '.join(summary['datasets'])} ({summary['note']})")
     for split, info in summary["splits"].items():
         print(
-            f"{args.out}/{split}: {info['num_samples']} samples in {info['shards']} shards, indices "
+            f"{args.out}/{split}: {info['num_samples']} samples in {plural(info['shards'], 'shard')}, indices "
             f"{info['index_range'][0]}..{info['index_range'][1]}"
         )
     print(f"data_size {summary['data_size']}; class names and templates in {args.out}/{ZEROSHOT_NAME}")
@@ -289,7 +289,6 @@ def _embedded(args) -> int:
 
 def _check_folder(args) -> None:
     """Flags of `folder` that would fail late, or overwrite shards already there, refused before anything is read."""
-    from fastclip.data.sources.scan import plural
 
     if problem := out_folder_problem("--out", args.out):
         raise ValueError(problem)
@@ -323,7 +322,6 @@ def _check_folder(args) -> None:
 def _folder(args) -> int:
     _check_folder(args)
     from fastclip.data.sources.folder import build_folder, build_image_folder
-    from fastclip.data.sources.scan import plural
 
     if args.captions is None:  # images alone (fastclip/train/ssl.py)
         summary = build_image_folder(
@@ -390,7 +388,6 @@ def _scan(args) -> int:
 def _scan_writable(args, result) -> bool:
     """Whether the scan's manifest is to be written: not when no sample is usable (a usage error), nor under
     --strict with any problem found (exit status 1). Samples that --data-size leaves out are a note."""
-    from fastclip.data.sources.scan import plural
 
     if result.usable == 0:  # a manifest of samples the stream skips, every one: training would find nothing
         read = result.manifest.num_samples
@@ -482,8 +479,8 @@ def _scenes(args) -> int:
         scenes = f"{info['num_samples']} scenes" if per == 1 else f"{info['scenes']} scenes x {per} captions"
         print(
             f"{args.out}/{split}: {scenes} ({info['distinct_captions']} distinct captions, "
-            f"{info['labelled_single_object']} single-object for zero-shot) in {info['shards']} shards, indices "
-            f"{info['index_range'][0]}..{info['index_range'][1]}"
+            f"{info['labelled_single_object']} single-object for zero-shot) in {plural(info['shards'], 'shard')}, "
+            f"indices {info['index_range'][0]}..{info['index_range'][1]}"
         )
     print(
         f"data_size {summary['data_size']}; {len(summary['held_out_pairs'])} (class, colour) pairs held out of "

@@ -213,7 +213,8 @@ def format_table(results: EvalResults, per_class: bool) -> str:
             lines.append(f"{direction.replace('_to_', '->'):<14} " + " ".join(f"{100 * v:>7.2f}" for v in values))
         repeated = results.retrieval_samples - results.retrieval_distinct_captions
         if results.retrieval_distinct_captions and repeated > 0:
-            lines.append(f"({repeated} of the captions repeat another; tied captions count against the pair)")
+            repeats = "repeats" if repeated == 1 else "repeat"
+            lines.append(f"({repeated} of the captions {repeats} another; tied captions count against the pair)")
     if results.skipped:
         lines.append(f"\n{results.skipped} samples skipped as unreadable (listed on stderr)")
     return "\n".join(lines) if lines else "nothing to report: no labelled samples with class names, no captions"

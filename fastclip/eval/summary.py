@@ -199,7 +199,7 @@ def _num_samples(spec: str) -> int | None:
         return None
 
 
-def _probe_lines(latest: dict, step: int) -> list[str]:
+def _probe_lines(latest: dict, step: int, where: str = "") -> list[str]:
     """Per dataset: the linear probe's and each kNN k's top-1 (fastclip eval --linear-probe --knn K)."""
     datasets = sorted({d for (task, d, _) in latest if task in (records.LINEAR_PROBE, records.KNN)})
     width = max((len(d) for d in datasets), default=0)
@@ -215,7 +215,7 @@ def _probe_lines(latest: dict, step: int) -> list[str]:
         shown = linear or knn[0]
         lines.append(
             f"  {'probes' if i == 0 else '':<10} {dataset:<{width}}  {', '.join(parts)}  ({shown['num_samples']:,} "
-            f"held-out images, frozen {shown.get('features', 'image')} features, step {step})"
+            f"held-out images{where}, frozen {shown.get('features', 'image')} features, step {step})"
         )
     return lines
 
@@ -298,27 +298,31 @@ def _training_lines(cfg: dict, rows: list[dict], train_rows: list[dict], train_s
 
 
 def _result_lines(results: list[dict]) -> list[str]:
-    """The last evaluation of the newest checkpoint: zero-shot per dataset, the probes, retrieval."""
+    """The last evaluation of the newest checkpoint on each data it was evaluated on (named when there are several,
+    e.g. a test and a novel split): zero-shot per dataset, the probes, retrieval."""
     newest = max(r.get("step") or 0 for r in results)
-    latest = {}
-    for r in results:  # the last evaluation of the newest checkpoint, one record per task, dataset (and k)
+    by_data: dict = {}  # data -> the last record per task, dataset (and k), in the order the data were evaluated
+    for r in results:
         if (r.get("step") or 0) == newest:
-            latest[(r["task"], r.get("dataset"), r.get("k"))] = r
-    zeroshot = [r for (task, _, _), r in latest.items() if task == records.ZEROSHOT]
-    width = max((len(r["dataset"]) for r in zeroshot), default=0)
-    lines = [
-        f"  {'zero-shot' if i == 0 else '':<10} {r['dataset']:<{width}}  {100 * r['top1']:5.1f}% top-1"
-        f"  ({r['num_samples']:,} held-out images, step {newest})"
-        for i, r in enumerate(zeroshot)
-    ]
-    lines += _probe_lines(latest, newest)
-    retrieval = latest.get((records.RETRIEVAL, None, None))
-    if retrieval is not None:
-        lines.append(_retrieval_line(retrieval))
+            by_data.setdefault(r.get("data"), {})[(r["task"], r.get("dataset"), r.get("k"))] = r
+    lines = []
+    for data, latest in by_data.items():
+        where = f" of {data}" if len(by_data) > 1 and data else ""
+        zeroshot = [r for (task, _, _), r in latest.items() if task == records.ZEROSHOT]
+        width = max((len(r["dataset"]) for r in zeroshot), default=0)
+        lines += [
+            f"  {'zero-shot' if i == 0 else '':<10} {r['dataset']:<{width}}  {100 * r['top1']:5.1f}% top-1"
+            f"  ({r['num_samples']:,} held-out images{where}, step {newest})"
+            for i, r in enumerate(zeroshot)
+        ]
+        lines += _probe_lines(latest, newest, where)
+        retrieval = latest.get((records.RETRIEVAL, None, None))
+        if retrieval is not None:
+            lines.append(_retrieval_line(retrieval, where))
     return lines
 
 
-def _retrieval_line(retrieval: dict) -> str:
+def _retrieval_line(retrieval: dict, where: str = "") -> str:
     n, distinct = retrieval["num_samples"], retrieval.get("distinct_captions")
     if distinct is not None and not records.retrieval_reported(distinct, n):
         return f"  retrieval  not reported: {distinct} distinct captions for {n:,} images (templated)"
@@ -326,7 +330,8 @@ def _retrieval_line(retrieval: dict) -> str:
     images = retrieval.get("num_images")
     of = f"{n:,} pairs" if images is None else f"{n:,} captions of {images:,} images"
     return (
-        f"  retrieval  R@1/5/10 image->text {values['image_to_text']}%, text->image {values['text_to_image']}%  ({of})"
+        f"  retrieval  R@1/5/10 image->text {values['image_to_text']}%, text->image {values['text_to_image']}%  "
+        f"({of}{where})"
     )
 
 

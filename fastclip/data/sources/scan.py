@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastclip.cli import plural
 from fastclip.data.bits import IndexBits
 from fastclip.data.catalog import DataSpecError, expand_braces
 from fastclip.data.format import (
@@ -61,10 +62,6 @@ from fastclip.data.remote import is_remote
 from fastclip.data.tario import ShardReader, TarBroken
 
 _WANT = frozenset({"json", "txt"})
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 @dataclass

@@ -4,10 +4,16 @@
 #   then the compositional scenes (distinct captions): fastclip-v3 with the study's setting (configs/scenes.yaml,
 #   8 of its 16 epochs) -> retrieval and zero-shot on held-out scenes and on unseen (class, colour) pairs.
 #   bash launch/quickstart.sh [--section.key value ...]     (extra arguments override configs/embedded.yaml)
-# Run again, it continues each run where it stopped (--train.resume latest); a run that had finished and been
-# evaluated trains and evaluates nothing again, and its summary is printed; RUN=... / SCENES_RUN=... start new ones.
+# Run again, it continues each run where it stopped (--train.resume latest) and evaluates only what an earlier call
+# has not evaluated at the run's last step (launch/run_state.py); RUN=... / SCENES_RUN=... start new ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+for arg in "$@"; do
+    case "$arg" in --train.run_dir|--train.run_dir=*)
+        echo "launch/quickstart.sh: $arg: the run folder is RUN=... (RUN=runs/mine bash launch/quickstart.sh)" >&2
+        exit 2;;
+    esac
+done
 bash launch/setup.sh
 . .venv/bin/activate
 
@@ -15,32 +21,23 @@ DATA=data/embedded
 if [ ! -f "$DATA/zeroshot.json" ]; then
     fastclip data embedded --out "$DATA"
 fi
-trained_steps() {  # the last training step run $1 logged (0 before its first)
-    python -c 'import json, sys
-rows = [json.loads(x) for x in open(sys.argv[1])] if __import__("os").path.isfile(sys.argv[1]) else []
-print(max([r["step"] for r in rows if "loss" in r] or [0]))' "$1/metrics.jsonl"
-}
-already_done() {  # run $1 trained nothing now ($2: its steps before) and holds the evaluations of an earlier call
-    [ "$(trained_steps "$1")" = "$2" ] && [ -s "$1/checkpoints/results.jsonl" ]
-}
 
 RUN=${RUN:-runs/quickstart-fastclip-v3}
 export OMP_NUM_THREADS=1   # two processes on two cores: one thread each, or they fight for the cores
 STARTED=$SECONDS
-BEFORE=$(trained_steps "$RUN")
+BEFORE=$(python launch/run_state.py steps "$RUN")
 # (launch/single_node.sh: the config and data checks first, so a bad override is one line and status 2)
 bash launch/single_node.sh configs/embedded.yaml 2 --train.run_dir "$RUN" --train.resume latest "$@"
-TRAIN_SECONDS=$((SECONDS - STARTED))
-if already_done "$RUN" "$BEFORE"; then
-    echo "$RUN: finished and evaluated by an earlier call; nothing to train or evaluate (RUN=... starts a new run)"
-    TIMING=()  # the summary takes the training time from the run's own log, not this call's seconds
+TIMING=()  # a resumed run's time: its steps' own, from its log (this call's seconds would be only its share)
+[ "$BEFORE" = 0 ] && TIMING=(--train-seconds "$((SECONDS - STARTED))")
+if python launch/run_state.py evaluated "$RUN" "$DATA"; then
+    echo "$RUN: evaluated on $DATA at its last step by an earlier call (its checkpoints/results.jsonl)"
 else
     fastclip eval "$RUN" --data "$DATA"
-    # training curves and the open_clip-loadable model, in the run folder; their paths are in the summary
-    fastclip plot "$RUN" --out "$RUN/plots" > /dev/null
-    fastclip export "$RUN" --out "$RUN/export/model.pt" > /dev/null
-    TIMING=(--train-seconds "$TRAIN_SECONDS")
 fi
+# training curves and the open_clip-loadable model, in the run folder; their paths are in the summary
+fastclip plot "$RUN" --out "$RUN/plots" > /dev/null
+fastclip export "$RUN" --out "$RUN/export/model.pt" > /dev/null
 echo
 fastclip summary "$RUN" ${TIMING[@]+"${TIMING[@]}"} --plots "$RUN/plots" --export "$RUN/export/model.pt"
 
@@ -54,19 +51,18 @@ if [ ! -f "$SCENES/zeroshot.json" ]; then
 fi
 SCENES_RUN=${SCENES_RUN:-runs/quickstart-scenes}
 STARTED=$SECONDS
-BEFORE=$(trained_steps "$SCENES_RUN")
+BEFORE=$(python launch/run_state.py steps "$SCENES_RUN")
 bash launch/single_node.sh configs/scenes.yaml 2 --train.run_dir "$SCENES_RUN" --train.resume latest --train.epochs 8 \
     --loss.gamma_decay_epochs 4 --optim.warmup_steps 37
-if already_done "$SCENES_RUN" "$BEFORE"; then
-    echo "$SCENES_RUN: finished and evaluated by an earlier call; nothing to train or evaluate (SCENES_RUN=... starts"
-    echo "a new run); its evaluations on test and novel are in $SCENES_RUN/checkpoints/results.jsonl"
-    echo
-    fastclip summary "$SCENES_RUN"
-    exit 0
-fi
-echo "scenes: trained in $((SECONDS - STARTED)) s"
+[ "$BEFORE" = 0 ] && echo "scenes: trained in $((SECONDS - STARTED)) s"
 for split in test novel; do  # novel: each scene holds a (class, colour) pair never seen in training
     echo
     echo "== scenes, $split split"
-    fastclip eval "$SCENES_RUN" --data "$SCENES/$split" --classnames "$SCENES/zeroshot.json"
+    if python launch/run_state.py evaluated "$SCENES_RUN" "$SCENES/$split"; then
+        echo "evaluated at its last step by an earlier call (in $SCENES_RUN/checkpoints/results.jsonl)"
+    else
+        fastclip eval "$SCENES_RUN" --data "$SCENES/$split" --classnames "$SCENES/zeroshot.json"
+    fi
 done
+echo
+fastclip summary "$SCENES_RUN"

@@ -5,6 +5,7 @@ from it) and a reader that closes the pipe (quiet). Real processes where the beh
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -262,3 +263,36 @@ def test_a_config_error_under_a_hand_run_torchrun_is_said_once(tmp_path):
     )
     assert out.returncode != 0
     assert (out.stdout + out.stderr).count("fastclip train: config error: unknown config key 'train.bogus'") == 1
+
+
+def test_quickstart_state_reads_a_runs_last_step_and_what_was_evaluated_there(tmp_path):
+    """launch/run_state.py, what quickstart.sh's reruns decide by: the last logged training step (a line cut by a
+    kill passed over), and whether the results hold an evaluation of a data path (normalised) at that step."""
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        import run_state
+    finally:
+        sys.path.pop(0)
+    run = tmp_path / "run"
+    assert run_state.trained_steps(run) == 0 and not run_state.evaluated(run, "d/test")
+    (run / "checkpoints").mkdir(parents=True)
+    rows = [{"step": 5, "loss": 1.0}, {"step": 10, "loss": 0.9}, {"step": 10, "eval/zeroshot/mean_top1": 0.4}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 15, "lo')
+    assert run_state.trained_steps(run) == 10
+    results = run / "checkpoints" / "results.jsonl"
+    results.write_text(json.dumps({"step": 5, "data": "d/test", "task": "retrieval"}) + "\n")
+    assert not run_state.evaluated(run, "d/test")  # an older checkpoint's evaluation
+    results.write_text(results.read_text() + json.dumps({"step": 10, "data": "d/test/", "task": "retrieval"}) + "\n")
+    assert run_state.evaluated(run, "d/test") and run_state.evaluated(run, "./d/test")
+    assert not run_state.evaluated(run, "d/novel")
+    script = [sys.executable, str(REPO / "launch" / "run_state.py")]
+    assert subprocess.run([*script, "evaluated", str(run), "d/test"]).returncode == 0
+    assert subprocess.run([*script, "evaluated", str(run), "d/novel"]).returncode == 1
+    assert subprocess.run([*script, "steps", str(run)], capture_output=True, text=True).stdout == "10\n"
+    # the run folder is RUN=..., not an override that the rerun checks would not see
+    done = subprocess.run(["bash", str(REPO / "launch" / "quickstart.sh"), "--train.run_dir", "x"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == (
+        "launch/quickstart.sh: --train.run_dir: the run folder is RUN=... (RUN=runs/mine bash launch/quickstart.sh)"
+    )

@@ -644,7 +644,7 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     assert json.loads(spec.summary_json.read_text()) == summary
     # a figure per table with a baseline, linked under its title: batch 32 at both lengths (64 has no test run)
     figures = sorted(p.name for p in spec.report_md.parent.glob("*.png"))
-    assert figures == ["t_d_32_long.png", "t_d_32_test.png"] and "(t_d_32_test.png)" in md
+    assert figures == ["t_d_32_long.png", "t_d_32_test.png"] and "(<t_d_32_test.png>)" in md
     assert all((spec.report_md.parent / f).stat().st_size > 10_000 for f in figures)
     # its band: each evaluation's mean and std over the seeds (new's curves: (0.60 + 0.01 s) k/4 at 320 k samples)
     t = next(t for t in report.summarize(spec)["_tables"] if t["global_batch"] == 32 and t["phase"] == "test")
@@ -653,6 +653,12 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     assert [p[0] for p in points] == [320, 640, 960, 1280]
     assert points[-1][1:] == pytest.approx((np.mean(finals), np.std(finals, ddof=1)))
     assert points[1][1:] == pytest.approx((np.mean(finals) / 2, np.std(finals, ddof=1) / 2))
+    before = (spec.report_md.parent / "t_d_32_test.png").read_bytes()
+    report.write(spec)  # the same runs: the same bytes (no date or machine in the file)
+    assert (spec.report_md.parent / "t_d_32_test.png").read_bytes() == before
+    # curves that share no evaluation (or none at all): the figure leaves their lines out, and is still drawn
+    t["curves"] = {"base2": [[[1, None]], [[2, 0.5]]], "new": [[]] * 6, "base": t["curves"]["base"]}
+    assert plots.table_figure(spec, t, "footer").stat().st_size > 10_000
 
 
 def test_a_winner_that_is_the_strongest_baseline_and_alone_on_test_has_no_comparison_yet(tmp_path):

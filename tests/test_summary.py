@@ -121,3 +121,17 @@ def test_summary_names_each_data_evaluated_at_the_newest_step(tiny_embedded, tmp
         "  zero-shot  mnist   37.5% top-1  (10 held-out images of d/novel, step 10)",
         "  retrieval  R@1/5/10 image->text 25.0/25.0/50.0%, text->image 5.0/25.0/50.0%  (20 pairs of d/novel)",
     ]
+    # the same split typed two ways is one data; rows of an older file (no data recorded) are a group of their own
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    rows = [{**r, "data": "d/test/"} if r.get("data") == "d/test" else r for r in rows]
+    rows.append({k: v for k, v in split[0].items() if k != "data"})
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert fastclip_main(["summary", str(run)]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(("  zero-shot", "  retrieval"))]
+    assert [x.split("(")[-1] for x in lines] == [
+        "10 held-out images of d/test, step 10)",
+        "20 pairs of d/test)",
+        "10 held-out images of d/novel, step 10)",
+        "20 pairs of d/novel)",
+        "10 held-out images of data not recorded, step 10)",
+    ]

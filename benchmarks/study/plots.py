@@ -27,19 +27,39 @@ def band(curves: list) -> list[tuple[float, float, float]]:
     return out
 
 
-def table_figure(spec: Spec, t: dict, info: dict) -> Path:
+def _final(curves: list) -> float | None:
+    """The last point of the seeds' mean curve (None when they share no evaluation)."""
+    mean = mean_curve(curves)
+    return mean[-1][1] if mean else None
+
+
+def table_figure(spec: Spec, t: dict, footer: str) -> Path:
     """Draws table `t` (report.summarize's `_tables` entry, with its seeds' curves) to figure_path."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
-    from benchmarks.common import save_figure
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.6, 1]})
+    try:
+        _draw(spec, t, left, right)
+        length = "longer training" if t["phase"] == "long" else "tuned length"
+        title = f"{spec.name}: {t['dataset']}, global batch {t['global_batch']}, {t['epochs']} epochs ({length})"
+        fig.suptitle(title, fontsize=11)
+        fig.text(0.99, 0.005, footer, ha="right", va="bottom", fontsize=7, color="0.35")
+        fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+        path = figure_path(spec, t)
+        # no date or machine in the file: the same runs give the same bytes, so a report changes no figure it redraws
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+    finally:
+        plt.close(fig)
+    return path
 
+
+def _draw(spec: Spec, t: dict, left, right) -> None:
     baseline = t["baseline"]
     order = sorted(t["metric"], key=lambda n: -t["means"][n])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.6, 1]})
-    target = mean_curve(t["curves"][baseline])[-1][1] if baseline else None
+    target = _final(t["curves"][baseline]) if baseline else None
     colour = {}
     for name in order:
         points = band(t["curves"][name])
@@ -58,9 +78,10 @@ def table_figure(spec: Spec, t: dict, info: dict) -> Path:
     if target is not None:
         left.axhline(100 * target, color="0.3", ls="--", lw=1, label=f"{baseline}'s final mean")
     others_val = [n for n in order if n != baseline and n in t["val"]]
-    if baseline and baseline == t["winner"] and others_val:  # the headline's pair: the winner and the runner-up
-        runner_up = max(others_val, key=lambda n: t["val"][n])
-        second = mean_curve(t["curves"][runner_up])[-1][1]
+    # the headline's pair when the winner is the baseline: the winner and the runner-up on val
+    runner_up = max(others_val, key=lambda n: t["val"][n]) if baseline == t["winner"] and others_val else None
+    second = _final(t["curves"][runner_up]) if baseline and runner_up else None
+    if second is not None:
         left.axhline(100 * second, color="0.3", ls=":", lw=1, label=f"{runner_up}'s final mean")
         reached = samples_to_reach(mean_curve(t["curves"][baseline]), second)
         if reached and baseline in colour:
@@ -72,7 +93,7 @@ def table_figure(spec: Spec, t: dict, info: dict) -> Path:
     others = [n for n in order if n != baseline]
     for row, name in enumerate(others):
         seeds, diffs = paired(t["metric"][name], t["metric"][baseline])
-        right.plot(100 * diffs, [row] * len(diffs), "o", alpha=0.6, ms=4)
+        right.plot(100 * diffs, [row] * len(diffs), "o", alpha=0.6, ms=4, color=colour.get(name))
         if len(diffs):
             right.plot([100 * diffs.mean()], [row], "k|", ms=14, mew=2)
     right.axvline(0, color="0.3", lw=1)
@@ -80,16 +101,9 @@ def table_figure(spec: Spec, t: dict, info: dict) -> Path:
     right.invert_yaxis()
     right.set_xlabel(f"Δ vs {baseline} (points): a dot per seed, bar: mean")
     right.grid(alpha=0.3, axis="x")
-    length = "longer training" if t["phase"] == "long" else "tuned length"
-    title = f"{spec.name}: {t['dataset']}, global batch {t['global_batch']}, {t['epochs']} epochs ({length})"
-    path = figure_path(spec, t)
-    save_figure(fig, path, info, title)
-    return path
 
 
-def write_figures(spec: Spec, tables: list[dict]) -> list[Path]:
+def write_figures(spec: Spec, tables: list[dict], commit: str | None) -> list[Path]:
     """A figure per table with a strongest baseline among its tested objectives."""
-    from benchmarks.common import machine_info
-
-    info = machine_info()
-    return [table_figure(spec, t, info) for t in tables if t["baseline"]]
+    footer = f"runs at commit {commit or '–'}; benchmarks/study/plots.py"
+    return [table_figure(spec, t, footer) for t in tables if t["baseline"]]

@@ -206,7 +206,7 @@ def markdown(spec: Spec, summary: dict) -> str:
         lines += [title + (" (longer training)" if t["phase"] == "long" else ""), ""]
         if t["baseline"]:
             figure = figure_path(spec, t).name
-            lines += [f"![test curves and paired differences]({figure}) ([{figure}]({figure}): plots.py)", ""]
+            lines += [f"![test curves and paired differences](<{figure}>) (plots.py)", ""]
         strongest = f"`{t['baseline']}`" if t["baseline"] else "none (no baseline has runs at this length)"
         lines += [f"Strongest baseline (named on val): {strongest}; winner (named on val): `{t['winner']}`.", ""]
         lines += [
@@ -343,5 +343,5 @@ def write(spec: Spec) -> tuple[str, dict]:
     spec.report_md.write_text(text + "\n")
     spec.summary_json.parent.mkdir(parents=True, exist_ok=True)
     spec.summary_json.write_text(json.dumps(flat, indent=1) + "\n")
-    write_figures(spec, summary["_tables"])
+    write_figures(spec, summary["_tables"], summary["commit"])
     return text, flat

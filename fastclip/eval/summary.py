@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -304,10 +305,11 @@ def _result_lines(results: list[dict]) -> list[str]:
     by_data: dict = {}  # data -> the last record per task, dataset (and k), in the order the data were evaluated
     for r in results:
         if (r.get("step") or 0) == newest:
-            by_data.setdefault(r.get("data"), {})[(r["task"], r.get("dataset"), r.get("k"))] = r
+            data = os.path.normpath(r["data"]) if isinstance(r.get("data"), str) else None  # older files: none
+            by_data.setdefault(data, {})[(r["task"], r.get("dataset"), r.get("k"))] = r
     lines = []
     for data, latest in by_data.items():
-        where = f" of {data}" if len(by_data) > 1 and data else ""
+        where = "" if len(by_data) == 1 else f" of {data}" if data else " of data not recorded"
         zeroshot = [r for (task, _, _), r in latest.items() if task == records.ZEROSHOT]
         width = max((len(r["dataset"]) for r in zeroshot), default=0)
         lines += [
@@ -325,7 +327,7 @@ def _result_lines(results: list[dict]) -> list[str]:
 def _retrieval_line(retrieval: dict, where: str = "") -> str:
     n, distinct = retrieval["num_samples"], retrieval.get("distinct_captions")
     if distinct is not None and not records.retrieval_reported(distinct, n):
-        return f"  retrieval  not reported: {distinct} distinct captions for {n:,} images (templated)"
+        return f"  retrieval  not reported: {distinct} distinct captions for {n:,} images{where} (templated)"
     values = {d: "/".join(f"{100 * retrieval[recall_name(d, k)]:.1f}" for k in DEFAULT_KS) for d in DIRECTIONS}
     images = retrieval.get("num_images")
     of = f"{n:,} pairs" if images is None else f"{n:,} captions of {images:,} images"

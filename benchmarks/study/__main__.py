@@ -83,10 +83,9 @@ def cmd_plan(spec, args) -> int:
     phases = Counter(r.phase for r in runs)
     print(f"study {spec.name}: {len(runs)} runs ({', '.join(f'{n} {p}' for p, n in phases.items())}), {done} done")
     fewer = "; ".join(
-        f"{n} at {at} only" if at else f"{n} at none of them (its batches: {list(o.batches)})"
+        f"{n} at {at} only" if (at := spec.batches_of(n)) else f"{n} at none of them (its batches: {list(o.batches)})"
         for n, o in spec.objectives.items()
         if o.batches
-        for at in [[b for b in spec.batches if o.runs_at(b)]]
     )
     print(
         f"cells: {len(cells(spec))} (datasets {list(spec.datasets)} x batches {list(spec.batches)} x objectives"
@@ -173,7 +172,7 @@ def cmd_run(spec, args) -> int:
             objective = spec.objectives.get(name)
             only = ""
             if objective and objective.batches:
-                at = [b for b in spec.batches if objective.runs_at(b)]
+                at = spec.batches_of(name)
                 only = f"; {name} runs at batch(es) {at} only" if at else f"; {name} runs at none of its batches"
                 only += f" (its batches: {list(objective.batches)})"
             print(

@@ -270,11 +270,10 @@ def plan(spec: Spec, only: str | Iterable[str] | None = None) -> list[Run]:
 
 def budget(spec: Spec) -> dict[str, int]:
     """Tuning runs per objective and cell: settings x tuning seeds (spec.load refuses unequal ones)."""
-    first = {name: next((b for b in spec.batches if o.runs_at(b)), None) for name, o in spec.objectives.items()}
     return {
-        name: len(spec.objectives[name].settings(b)) * len(spec.tune_seeds)
-        for name, b in first.items()
-        if b is not None
+        name: len(spec.objectives[name].settings(at[0])) * len(spec.tune_seeds)
+        for name in spec.objectives
+        if (at := spec.batches_of(name))
     }
 
 

@@ -72,7 +72,8 @@ def _draw(spec: Spec, t: dict, left, right) -> None:
         colour[name] = line.get_color()
         left.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                           color=line.get_color(), alpha=0.15, lw=0)  # fmt: skip
-        reached = samples_to_reach(mean_curve(t["curves"][name]), target) if target and name != baseline else None
+        curve = [[x, m] for x, m, _ in points]  # the seeds' mean curve (band's)
+        reached = samples_to_reach(curve, target) if target and name != baseline else None
         if reached:
             left.plot([reached], [100 * target], "o", color=line.get_color(), ms=5)
     if target is not None:

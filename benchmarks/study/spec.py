@@ -86,6 +86,10 @@ class Spec:
         """The objectives of the tables at `batch` (spec order): those that run at it."""
         return [name for name, o in self.objectives.items() if o.runs_at(batch)]
 
+    def batches_of(self, objective: str) -> list[int]:
+        """The spec's batches `objective` runs at (spec order)."""
+        return [b for b in self.batches if self.objectives[objective].runs_at(b)]
+
 
 def _need(cond: bool, where: str, what: str) -> None:
     if not cond:

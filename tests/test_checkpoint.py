@@ -388,6 +388,24 @@ def test_every_resume_check_runs_before_anything_is_built_in_one_line(tmp_path, 
     assert "\n" not in str(e.value)
 
 
+def test_a_checkpoint_from_before_the_state_shape_checks_still_resumes(tmp_path):
+    """A model.pt without optim.optimizer in its config, a "loss" part or the optimizer's param groups (older
+    checkpoints) is not refused for lack of them; with them, a loss of other shape is."""
+    from fastclip.checkpoint.compat import check_resume
+    from fastclip.errors import ConfigError
+
+    step_dir, model_file = saved_run(tmp_path)
+    shaped = dict(optimizer="adamw", loss_parameters={"logit_scale": ()}, loss_trainable=1)
+    check_resume(step_dir, model_file, expected(**shaped))
+    model_file["loss"] = {"logit_scale": torch.zeros(2)}
+    with pytest.raises(ConfigError, match="loss parameter 'logit_scale' of shape \\[2\\], this loss has shape \\[\\]"):
+        check_resume(step_dir, model_file, expected(**shaped))
+    model_file["loss"] = {"logit_scale": torch.zeros(())}
+    model_file["optimizer"] = {"state": {}, "param_groups": [{"name": "decay", "params": [0, 1]}]}
+    with pytest.raises(ConfigError, match="optimizer state for 0 learned loss parameters, this loss has 1 learned"):
+        check_resume(step_dir, model_file, expected(**shaped))
+
+
 def test_the_data_layer_names_what_a_saved_position_depends_on_once():
     from fastclip.data.stream import IDENTITY, identity_mismatches
 

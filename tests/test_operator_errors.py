@@ -39,8 +39,8 @@ def _fails(capsys, args, key, *words, code=2) -> str:
     return err
 
 
-def _args(data, run, **extra) -> list[str]:
-    return ["--config", str(EMBEDDED), *fault_overrides(data, run, **extra)]
+def _args(data, run, mode="fastclip-v2", **extra) -> list[str]:
+    return ["--config", str(EMBEDDED), *fault_overrides(data, run, mode, **extra)]
 
 
 # ----------------------------------------------------------------------------- names, machine, files
@@ -228,6 +228,33 @@ def test_foreign_checkpoints_given_to_resume_say_what_they_are(tiny_embedded, tr
         "train.resume",
         f"pass its folder ({ours.parent})",
     )
+
+
+def test_resume_with_another_optimizer_or_loss_of_other_shape_is_refused(tiny_embedded, tmp_path, capsys):
+    """Options that change what the saved state holds (the optimizer's kind, one τ per direction, a τ that no longer
+    trains) are refused in one line by the run and by --check, naming the option; before, the run loaded the state
+    and died in a traceback (a size mismatch, a missing parameter group, LAMB's missing hyperparameter at step 1)."""
+    run = tmp_path / "v3"
+    assert main(_args(tiny_embedded, run, mode="fastclip-v3", **{"train.max_steps": 2})) == 0
+    resume = {"train.resume": "latest", "train.max_steps": 3}
+    for change, key, words in [
+        ({"optim.optimizer": "lamb"}, "optim.optimizer", ["'lamb' but checkpoint", "trained with 'adamw'"]),
+        (
+            {"loss.separate_temperatures": True},
+            "loss",
+            ["loss parameter 'logit_scale' of shape [], this loss has shape [2]", "loss.separate_temperatures: null"],
+        ),
+        (
+            {"loss.learn_temperature": False},
+            "loss",
+            ["optimizer state for 1 learned loss parameter, this loss has 0", "loss.learn_temperature"],
+        ),
+    ]:
+        args = _args(tiny_embedded, run, mode="fastclip-v3", **resume, **change)
+        for check in (["--check"], []):
+            _fails(capsys, check + args, key, *words, f"--model.pretrained {step_dir(run, 2) / 'model.pt'}")
+    assert latest(run) == "step_00000002"
+    assert main(_args(tiny_embedded, run, mode="fastclip-v3", **resume)) == 0  # the same settings resume
 
 
 def test_resume_whose_tensors_do_not_fit_the_model(tiny_embedded, trained, tmp_path, capsys):

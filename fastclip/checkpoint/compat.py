@@ -57,6 +57,13 @@ class Expected:
     data_size: int  # the per-sample state's length
     data: dict  # the data stream's IDENTITY values (fastclip.data.stream.stream_identity)
     data_keys: dict = field(default_factory=dict)  # IDENTITY field -> the config key that sets it
+    # what shapes the saved state beyond the towers (None: not checked): optim.optimizer (its state's keys), the
+    # loss's parameters as model.pt "loss" holds them (name -> shape), how many of them train (the optimizer's
+    # temperature group), and the loss section's options (to name the ones that differ from the checkpoint's)
+    optimizer: str | None = None
+    loss_parameters: dict[str, tuple] | None = None
+    loss_trainable: int | None = None
+    loss_options: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- files
@@ -178,10 +185,14 @@ def _start_anew(step_dir: Path) -> str:
 
 
 def check_config(config: dict, expected: Expected, step_dir: Path, model_file: dict) -> None:
-    """The same towers and loss."""
+    """The same towers, loss and optimizer."""
     saved = saved_config(model_file)
-    for key, now in (("model.arch", expected.arch), ("loss.name", expected.loss)):
+    keys = [("model.arch", expected.arch), ("loss.name", expected.loss)]
+    keys += [("optim.optimizer", expected.optimizer)] if expected.optimizer is not None else []
+    for key, now in keys:
         section, name = key.split(".")
+        if name not in saved.get(section, {}):  # a checkpoint from before the key existed
+            continue
         if saved[section][name] != now:
             raise ConfigError(
                 f"config key '{key}': {now!r} but checkpoint {step_dir} was trained with {saved[section][name]!r}; "
@@ -189,9 +200,53 @@ def check_config(config: dict, expected: Expected, step_dir: Path, model_file: d
             )
 
 
+def _loss_options_changed(expected: Expected, model_file: dict) -> str:
+    """The loss options set otherwise than in the checkpoint's config, as '; loss.x: a in the checkpoint, b now'."""
+    saved = saved_config(model_file).get("loss", {})
+    changed = [k for k, now in expected.loss_options.items() if k in saved and saved[k] != now]
+    said = lambda v: "null (the loss's default)" if v is None else repr(v)  # noqa: E731
+    return "".join(
+        f"; loss.{k}: {said(saved[k])} in the checkpoint, {said(expected.loss_options[k])} now" for k in changed
+    )
+
+
+def _loss_misfit(step_dir: Path, expected: Expected, model_file: dict, what: str) -> ConfigError:
+    return ConfigError(
+        f"config section 'loss': checkpoint {step_dir} holds {what}{_loss_options_changed(expected, model_file)}; "
+        f"resume with the checkpoint's loss settings (its run's config.yaml), or {_start_anew(step_dir)}"
+    )
+
+
+def _shape(shape: tuple | None) -> str:
+    return "none" if shape is None else f"shape {list(shape)}"
+
+
+def _learned(n: int) -> str:
+    return f"{n} learned loss parameter{'' if n == 1 else 's'}"
+
+
+def check_loss_parameters(saved: Any, expected: Expected, step_dir: Path, model_file: dict) -> None:
+    """The loss's parameters (temperatures, bias, temperature network) have the same names and shapes as this
+    loss's: another loss option (one τ per direction, a bias, the network's width) makes a loss of other shape."""
+    if expected.loss_parameters is None or not isinstance(saved, dict):
+        return
+    have = {k: tuple(v.shape) for k, v in saved.items() if hasattr(v, "shape")}
+    want = expected.loss_parameters
+    differ = sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))
+    if differ:
+        k = differ[0]
+        raise _loss_misfit(
+            step_dir,
+            expected,
+            model_file,
+            f"loss parameter {k!r} of {_shape(have.get(k))}, this loss has {_shape(want.get(k))}",
+        )
+
+
 def check_optimizer(optimizer: Any, expected: Expected, step_dir: Path, model_file: dict) -> None:
-    """The backend that wrote the optimizer state; under ZeRO its shard folder, the stage's storage and the world
-    size (ZeRO shards are per rank)."""
+    """The backend that wrote the optimizer state; under DDP the temperature's group (a loss whose temperature is
+    learned in one and fixed in the other has another number of groups); under ZeRO its shard folder, the stage's
+    storage and the world size (ZeRO shards are per rank)."""
     saved = saved_backend(model_file)
     if expected.backend != "deepspeed":
         if saved != expected.backend:
@@ -199,6 +254,16 @@ def check_optimizer(optimizer: Any, expected: Expected, step_dir: Path, model_fi
                 f"config key 'train.distributed': {expected.backend}, but checkpoint {step_dir} was written with "
                 f"{saved} (its optimizer state is in DeepSpeed's shards); resume with --train.distributed {saved}"
             )
+        groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+        if expected.loss_trainable is not None and isinstance(groups, list):
+            saved_n = sum(len(g.get("params", [])) for g in groups if g.get("name") == "temperature")
+            if saved_n != expected.loss_trainable:
+                raise _loss_misfit(
+                    step_dir,
+                    expected,
+                    model_file,
+                    f"optimizer state for {_learned(saved_n)}, this loss has {_learned(expected.loss_trainable)}",
+                )
         return
     if saved != "deepspeed" or not (step_dir / DEEPSPEED_TAG).is_dir():
         raise ConfigError(
@@ -264,6 +329,7 @@ def check_loss_state(loss_state: dict | None, expected: Expected, step_dir: Path
 Check = Callable[[Any, Expected, Path, dict], None]  # (the part's saved state, this run, the step folder, model.pt)
 CHECKS: dict[str, tuple[bool, Check]] = {  # part name: (in the rank files, its check)
     "config": (False, check_config),
+    "loss": (False, check_loss_parameters),
     "data": (True, check_data),
     "step": (False, check_step),
     "loss_state": (True, check_loss_state),

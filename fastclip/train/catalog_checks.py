@@ -157,12 +157,12 @@ def check_inputs(
         catalog = read_catalog(cfg)
         check_eval_inputs(cfg)
     data_size = check_data(cfg, world_size, catalog)
-    net.check_loss(cfg, data_size)
+    loss_fn = net.check_loss(cfg, data_size)
     resume_dir, model_file, pretrained = None, None, None
     if cfg.train.resume:
         resume_dir, model_file = compat.read_resume(cfg.train.resume, Path(cfg.train.run_dir))
     if resume_dir is not None:  # the same model, loss, data, seed, epoch length and backend, or a one-line error now
-        expected = preflight.expected_by(cfg, world_size, catalog, data_size)
+        expected = preflight.expected_by(cfg, world_size, catalog, data_size, loss_fn)
         compat.check_resume(resume_dir, model_file, expected, rank_files=rank_files)
     elif cfg.model.pretrained:
         pretrained = preflight.read_pretrained(cfg.model.pretrained)

@@ -112,10 +112,11 @@ def make_loss(cfg: Config, data_size: int, embed_dim: int | None = None):
         raise ConfigError(f"config section 'loss' (name {cfg.loss.name}): {e}") from None
 
 
-def check_loss(cfg: Config, data_size: int) -> None:
+def check_loss(cfg: Config, data_size: int):
     """make_loss before any tower exists (the temperature network's embed_dim from the architecture's config):
-    `--check`, `--print-config` and the ranks at start refuse what the run would."""
-    make_loss(cfg, data_size, arch_embed_dim(cfg.model.arch) if cfg.loss.name == "fastclip-tempnet" else None)
+    `--check`, `--print-config` and the ranks at start refuse what the run would. Returns the loss (a resume compares
+    its parameters with the checkpoint's)."""
+    return make_loss(cfg, data_size, arch_embed_dim(cfg.model.arch) if cfg.loss.name == "fastclip-tempnet" else None)
 
 
 def arch_embed_dim(arch: str) -> int | None:

@@ -285,12 +285,19 @@ def _run_dir_in_use(cfg: Config, holder: str) -> ConfigError:
 
 
 # ----------------------------------------------------------------------------- resume
-def expected_by(cfg: Config, world_size: int, catalog, data_size: int) -> Expected:
-    """What this run expects of a checkpoint it resumes, and the config keys that set the data's identity."""
+def expected_by(cfg: Config, world_size: int, catalog, data_size: int, loss_fn: torch.nn.Module) -> Expected:
+    """What this run expects of a checkpoint it resumes (`loss_fn`: the run's loss, built but not yet called), and
+    the config keys that set the data's identity."""
+    from fastclip.checkpoint.parts import LossParameters
+
     d = cfg.data
     return Expected(
         arch=cfg.model.arch,
         loss=cfg.loss.name,
+        optimizer=cfg.optim.optimizer,
+        loss_parameters={k: tuple(v.shape) for k, v in LossParameters(loss_fn).state_dict().items()},
+        loss_trainable=sum(1 for p in loss_fn.parameters() if p.requires_grad),
+        loss_options={k: v for k, v in cfg.to_dict()["loss"].items() if k not in ("name", "validate")},
         backend=cfg.train.distributed,
         zero_stage=cfg.deepspeed.stage if cfg.train.distributed == "deepspeed" else None,
         world_size=world_size,

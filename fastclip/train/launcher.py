@@ -8,7 +8,8 @@ launch/multi_node.sh start it, with what a cluster's signals need of it.
   data workers leave these signals to it), which checkpoints at the step and exits 75 (train/preemption.py).
   Before any rank exists there is nothing to save: the agent stops, status 75 for a stop signal.
 * The job's status is the ranks': 75 when the ranks that ended stopped with a checkpoint, else the first failed
-  rank's status, or 128 + the signal that killed a rank, said in one line. The ranks print their own one line;
+  rank's status, or 128 + the signal that killed a rank, said in one line (not torchrun's SIGTERM to the others
+  once one rank failed: that rank's status is the job's). The ranks print their own one line;
   torchrun's log lines about its workers and its ChildFailedError traceback are not printed.
 
 An agent killed outright (kill -9) cannot forward anything: each rank watches its parent and stops with a
@@ -67,16 +68,18 @@ def _quiet_torchrun_logs() -> None:
 
 def exit_status(failures: dict) -> tuple[int, str | None]:
     """The job's status from torchrun's failed ranks {rank: ProcessFailure}, and the line to print (None: the
-    ranks said it)."""
+    ranks said it). A rank that died of SIGTERM while another exited with a status of its own was stopped by
+    torchrun, which SIGTERMs the others once one rank fails: the status (and the line) are the one that failed."""
+    exited = any(f.exitcode > 0 for f in failures.values())
     for rank, failure in sorted(failures.items()):
-        if failure.exitcode < 0:
+        if failure.exitcode < 0 and not (exited and failure.exitcode == -signal.SIGTERM):
             name = failure.signal_name()
             why = " (out of memory, or kill -9)" if failure.exitcode == -signal.SIGKILL else ""
             return 128 - failure.exitcode, (
                 f"{PREFIX}: rank {rank} (pid {failure.pid}) was killed by {name}{why}; the other ranks were "
                 f"stopped. Continue with --train.resume latest"
             )
-    codes = [f.exitcode for _, f in sorted(failures.items())]
+    codes = [f.exitcode for _, f in sorted(failures.items()) if f.exitcode > 0]
     return next((c for c in codes if c != EXIT_PREEMPTED), EXIT_PREEMPTED), None
 
 

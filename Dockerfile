@@ -1,6 +1,6 @@
 # docker build -t fastclip .
 # docker run --gpus all --ipc=host -v $PWD/data:/opt/fastclip/data -v $PWD/runs:/opt/fastclip/runs fastclip \
-#     torchrun --standalone --nproc_per_node 8 -m fastclip train -- --config configs/cc3m-fastclip-v3.yaml
+#     bash launch/single_node.sh configs/cc3m-fastclip-v3.yaml 8
 # (runs/ is mounted so checkpoints, metrics and `--train.resume latest` outlive the container)
 # A fastclip command runs without the word: `docker run ... fastclip train --config ...` (launch/docker-entrypoint.sh).
 #

@@ -230,6 +230,16 @@ def test_foreign_checkpoints_given_to_resume_say_what_they_are(tiny_embedded, tr
     )
 
 
+def test_a_mistyped_resume_says_so_in_a_folder_holding_a_run_and_in_a_new_one(tiny_embedded, trained, tmp_path, capsys):
+    """`--train.resume last` (or LATEST) in the run's own folder was told the folder already holds a run, which is
+    true but not the mistake; a path that does not exist is said as such wherever it is given."""
+    for run in (trained, tmp_path / "fresh"):
+        for given, hint in (("last", " (did you mean latest?)"), ("LATEST", " (did you mean latest?)"), ("nope", "")):
+            for check in (["--check"], []):
+                err = _fails(capsys, check + _args(tiny_embedded, run, **{"train.resume": given}), "train.resume")
+                assert f"'{given}' is not 'latest' and no such file or folder exists{hint}; give latest" in err
+
+
 def test_resume_with_another_optimizer_or_loss_of_other_shape_is_refused(tiny_embedded, tmp_path, capsys):
     """Options that change what the saved state holds (the optimizer's kind, one τ per direction, a τ that no longer
     trains) are refused in one line by the run and by --check, naming the option; before, the run loaded the state

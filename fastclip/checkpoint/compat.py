@@ -21,6 +21,8 @@ against the architecture on the meta device.
 
 from __future__ import annotations
 
+import difflib
+import os
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +98,13 @@ def read_given(path: Path, key: str):
 def read_resume(given: str, run_dir: Path) -> tuple[Path | None, dict | None]:
     """(the step folder train.resume names, its model.pt), or (None, None) for `latest` in a run folder without a
     checkpoint yet (a fresh start); a file that is not our training checkpoint is refused, saying what it is."""
+    if given != "latest" and not os.path.lexists(given):  # a typo of latest, or a path that is not there
+        close = " (did you mean latest?)" if difflib.get_close_matches(given.lower(), ["latest"], cutoff=0.6) else ""
+        raise ConfigError(
+            f"config key 'train.resume': {given!r} is not 'latest' and no such file or folder exists{close}; give "
+            f"latest (the run folder's newest checkpoint) or a checkpoint's step folder, run folder or checkpoints "
+            f"folder"
+        )
     if given != "latest" and Path(given).is_file():
         raise _describe_resume_file(Path(given))  # an OpenCLIP epoch_N.pt, a state dict, our model.pt ...
     try:

@@ -128,7 +128,8 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
     resume = cfg.train.resume
     if not resume:
         check_no_run_held(run_dir)
-    elif resume != "latest" and not _within(Path(resume), run_dir):  # another run's checkpoint, continued here
+    elif resume != "latest" and os.path.lexists(resume) and not _within(Path(resume), run_dir):
+        # another run's checkpoint, continued here (a path that does not exist is said by the resume's check)
         check_no_run_held(run_dir, resuming=resume)
     for name in (RUN_LOCK, "metrics.jsonl", "config.yaml"):  # files the run writes: a folder there stops it later
         if os.path.isdir(run_dir / name):  # (never raises: a name too long is said by the probe below)

@@ -230,6 +230,14 @@ def test_foreign_checkpoints_given_to_resume_say_what_they_are(tiny_embedded, tr
     )
 
 
+def test_deepspeed_on_one_process_is_refused_by_check_as_by_the_run(tiny_embedded, tmp_path, capsys):
+    """--check said ok, then the run built the towers and refused: the launchers' first step must say it."""
+    args = _args(tiny_embedded, tmp_path / "run", **{"train.distributed": "deepspeed"})
+    for check in (["--check"], []):
+        _fails(capsys, check + args, "train.distributed", "deepspeed shards the optimizer over processes")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_a_mistyped_resume_says_so_in_a_folder_holding_a_run_and_in_a_new_one(tiny_embedded, trained, tmp_path, capsys):
     """`--train.resume last` (or LATEST) in the run's own folder was told the folder already holds a run, which is
     true but not the mistake; a path that does not exist is said as such wherever it is given."""

@@ -25,6 +25,7 @@ from fastclip.data.stream import shard_weights
 from fastclip.distributed import DistInfo
 from fastclip.train import net, preflight
 from fastclip.train.config import Config, ConfigError, note
+from fastclip.train.engine import check_backend
 
 
 def read_catalog(cfg: Config):
@@ -157,6 +158,7 @@ def check_inputs(
         catalog = read_catalog(cfg)
         check_eval_inputs(cfg)
     data_size = check_data(cfg, world_size, catalog)
+    check_backend(cfg, world_size)
     loss_fn = net.check_loss(cfg, data_size)
     resume_dir, model_file, pretrained = None, None, None
     if cfg.train.resume:

@@ -292,17 +292,22 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def check_backend(cfg: Config, world_size: int) -> None:
+    """DeepSpeed needs processes to shard over."""
+    if cfg.train.distributed == "deepspeed" and world_size == 1:
+        raise ConfigError(
+            "config key 'train.distributed': deepspeed shards the optimizer over processes; with one "
+            "process use ddp (the same training without sharding)"
+        )
+
+
 class DeepSpeedEngine:
     """DeepSpeed ZeRO over the towers; the loss (temperature, per-sample state) outside, as described above."""
 
     name = "deepspeed"
 
     def __init__(self, net: torch.nn.Module, cfg: Config, info: DistInfo):
-        if not info.distributed:
-            raise ConfigError(
-                "config key 'train.distributed': deepspeed shards the optimizer over processes; with one "
-                "process use ddp (the same training without sharding)"
-            )
+        check_backend(cfg, info.world_size)  # (the trainer's start-up and --check said so already)
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if info.device.type == "cuda" else "cpu")
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))  # DeepSpeed asserts it is set
         try:

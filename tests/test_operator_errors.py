@@ -230,6 +230,16 @@ def test_foreign_checkpoints_given_to_resume_say_what_they_are(tiny_embedded, tr
     )
 
 
+def test_a_file_where_the_run_writes_its_tensorboard_folder(tiny_embedded, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tensorboard").write_text("")
+    args = _args(tiny_embedded, run, **{"train.tensorboard": True})
+    for check in (["--check"], []):
+        _fails(capsys, check + args, "train.run_dir", f"{run / 'tensorboard'} is a file", "--train.tensorboard false")
+    assert main(_args(tiny_embedded, run, **{"train.tensorboard": False})) == 0
+
+
 def test_deepspeed_on_one_process_is_refused_by_check_as_by_the_run(tiny_embedded, tmp_path, capsys):
     """--check said ok, then the run built the towers and refused: the launchers' first step must say it."""
     args = _args(tiny_embedded, tmp_path / "run", **{"train.distributed": "deepspeed"})

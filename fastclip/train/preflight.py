@@ -137,6 +137,15 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
                 f"config key 'train.run_dir': {run_dir / name} is a folder where the run writes a file; move it "
                 f"away or choose another --train.run_dir"
             )
+    if (
+        cfg.train.tensorboard
+        and os.path.lexists(run_dir / "tensorboard")
+        and not os.path.isdir(run_dir / "tensorboard")
+    ):
+        raise ConfigError(
+            f"config key 'train.run_dir': {run_dir / 'tensorboard'} is a file where the run writes its TensorBoard "
+            f"folder; move it away, choose another --train.run_dir, or set --train.tensorboard false"
+        )
     if taken := _step_names_taken(run_dir / CHECKPOINTS):
         path = taken[0]
         raise ConfigError(

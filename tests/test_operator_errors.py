@@ -615,6 +615,18 @@ def test_files_and_folders_typed_wrong_in_the_other_commands_are_one_line(traine
     arch = tmp_path / "arch.json"
     arch.write_text('{"embed_dim": 64}')
     _fails(capsys, ["--check", "--config", str(EMBEDDED), "--model.arch", str(arch)], "model.arch", "lacks")
+    arch.write_text("[1, 2]")  # a list: was an AttributeError traceback
+    _fails(capsys, ["--check", "--config", str(EMBEDDED), "--model.arch", str(arch)], "model.arch", "JSON list")
+    # a text embedding smaller than the tokenizer's ids: --check said ok, the first step died of an IndexError
+    tiny = json.loads((Path(EMBEDDED).parent / "models" / "tiny-vit.json").read_text())
+    tiny["text_cfg"]["vocab_size"] = 100
+    arch.write_text(json.dumps(tiny))
+    _fails(
+        capsys,
+        ["--check", "--config", str(EMBEDDED), "--model.arch", str(arch)],
+        "model.arch",
+        "text_cfg.vocab_size is 100, but its tokenizer (open_clip's) gives ids up to 49407",
+    )
     broken = tmp_path / "broken"
     shutil.copytree(trained, broken)
     (broken / "config.yaml").write_text("data: [1,\n")

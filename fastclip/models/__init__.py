@@ -70,6 +70,8 @@ def find_arch(arch: str) -> tuple[str, Path | None, dict]:
         )
     with open(path) as f:
         config = json.load(f)
+    if not isinstance(config, dict) or not isinstance(config.get("text_cfg", {}), dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not a model config object")
     return path.stem, path, resolve_hf_folders(config, path) if names_hf_folders(config) else config
 
 

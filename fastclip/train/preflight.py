@@ -83,7 +83,7 @@ def check_arch(cfg: Config) -> None:
 
     arch = cfg.model.arch
     try:  # found, not registered: importing open_clip is the ranks' cost, not this check's
-        _, _, config = find_arch(arch)
+        _, path, config = find_arch(arch)
         missing = [k for k in CONFIG_KEYS if k not in config]
     except FileNotFoundError:
         raise ConfigError(f"config key 'model.arch': model config file {arch!r} does not exist") from None
@@ -94,6 +94,8 @@ def check_arch(cfg: Config) -> None:
         if missing:
             raise ConfigError(f"config key 'model.arch': {arch}: model config lacks {missing} (open_clip needs all 3)")
         check_text_tower_local(arch, config)
+        if path is not None:
+            check_vocab(arch, config)
         return
     ours, theirs = known_archs()
     theirs = [n for n in theirs if n not in ours]
@@ -104,6 +106,22 @@ def check_arch(cfg: Config) -> None:
         + f"; known: ours (configs/models) {', '.join(ours)}; open_clip's {', '.join(theirs)}; "
         f"or a path to a model config .json"
     )
+
+
+CLIP_VOCAB = 49408  # token ids of open_clip's own tokenizer (the one a text tower without hf_tokenizer_name gets)
+
+
+def check_vocab(arch: str, config: dict) -> None:
+    """A config file's text embedding must hold every id open_clip's tokenizer gives, or the first step fails on an
+    index out of range."""
+    text = config.get("text_cfg", {})
+    vocab = text.get("vocab_size")
+    if "hf_tokenizer_name" not in text and isinstance(vocab, int) and vocab < CLIP_VOCAB:
+        raise ConfigError(
+            f"config key 'model.arch': {arch}: text_cfg.vocab_size is {vocab}, but its tokenizer (open_clip's) "
+            f"gives ids up to {CLIP_VOCAB - 1}; set vocab_size to {CLIP_VOCAB}, or name a tokenizer "
+            f"(text_cfg.hf_tokenizer_name)"
+        )
 
 
 def check_text_tower_local(arch: str, config: dict) -> None:

@@ -112,6 +112,70 @@ def test_a_signal_to_the_whole_job_at_a_random_moment(data, reference, tmp_path,
     _resume_and_compare(data, run, stopped_at, reference, tmp_path / "resumed")
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (/proc's SigCgt mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_while_the_run_starts_ends_in_75_not_in_death(data, tmp_path, sig):
+    """A preemption in the seconds `fastclip train` spends importing torch and reading its config killed it (143,
+    no line) and slurm.sbatch requeues on 75 only: from its first line the signal is held, then the run stops with
+    75, before its first step (nothing to save) or at the step its ranks agree on (a checkpoint)."""
+    run = tmp_path / "run"
+    args = fault_overrides(data, run, **{"train.max_steps": 400, "train.epochs": 100, "checkpoint.every_steps": 0})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastclip", "train", "--config", str(REPO / "configs" / "embedded.yaml"), *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for(lambda: proc.poll() is not None or _catches(proc.pid, sig), 60, "the signal held")
+    proc.send_signal(sig)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == EXIT_PREEMPTED, out
+    lines = [x for x in out.splitlines() if "stopped" in x]
+    before = f"fastclip train: stopped by {sig.name} before the run started: nothing to save; exit status 75"
+    assert len(lines) == 1 and (lines[0].startswith(before) or f"by {sig.name}: checkpoint saved" in lines[0]), out
+    assert "Traceback" not in out
+
+
+def test_a_stop_signal_before_the_config_is_read_is_said_or_taken_as_configured(tmp_path, capsys):
+    """In-process, deterministic: a held signal that train.stop_signals lists ends the command with 75 and its line
+    before anything is built; one it does not list takes its default action (here: a handler of the test's own)."""
+    import os
+
+    from fastclip.train.cli import _stopped_while_starting
+    from fastclip.train.config import Config
+    from fastclip.train.preemption import hold_early, release_early
+
+    cfg = Config()
+    hold_early()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert _stopped_while_starting(cfg) == EXIT_PREEMPTED
+    finally:
+        release_early()
+    assert "stopped by SIGUSR1 before the run started: nothing to save; exit status 75" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda n, f: seen.append(n))
+    try:
+        cfg.train.stop_signals = ["SIGTERM"]
+        hold_early()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert _stopped_while_starting(cfg) == 128 + signal.SIGUSR1 and seen == [signal.SIGUSR1]
+        hold_early()
+        assert _stopped_while_starting(cfg) is None  # nothing came: the run goes on
+    finally:
+        release_early()
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def test_stop_signals_config_error_is_one_line_with_exit_2(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "fastclip", "train", "--train.stop_signals", "[SIGUSR1, SIGFOO]", "--print-config"],

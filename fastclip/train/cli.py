@@ -152,6 +152,29 @@ def _check(cfg, env, world_size: int | None) -> None:
     print(f"fastclip train: config ok for {world_size} process(es)")
 
 
+def _stopped_while_starting(cfg) -> int | None:
+    """A stop signal that came before the config was read (held by fastclip.cli): status 75 with its line when it is
+    one of train.stop_signals, else its default action now; None: go on (one arriving later is the run's)."""
+    import signal
+
+    from fastclip.train.preemption import early_stop, release_early, signal_number
+
+    release_early(keep=cfg.train.stop_signals)
+    name = early_stop()
+    if name is None:
+        return None
+    if signal_number(name) not in {signal_number(s) for s in cfg.train.stop_signals}:
+        signal.raise_signal(signal_number(name))  # (its default action: the process ends here)
+        return 128 + signal_number(name)
+    print(
+        f"fastclip train: stopped by {name} before the run started: nothing to save; exit status {EXIT_PREEMPTED}, "
+        f"continue with --train.resume latest",
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_PREEMPTED
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     while argv and argv[0] == "--":  # torchrun passes a separating "--" through to the script
@@ -174,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.check_only:
             _check(cfg, env, args.world_size)
             return 0
+        if (stopped := _stopped_while_starting(cfg)) is not None:
+            return stopped
         from fastclip.train.trainer import train
 
         if train(cfg)["preempted"]:

@@ -53,6 +53,42 @@ def signal_number(name: str) -> int:
     return int(number)
 
 
+_EARLY: list[str] = []  # the stop signal received before a run's StopSignals took over, if any
+_HELD: dict[int, object] = {}  # the signals hold_early took, with their handlers before
+
+
+def hold_early(names=DEFAULT_SIGNALS) -> None:
+    """From `fastclip train`'s first line: a stop signal is recorded, not fatal, until the run's StopSignals take
+    over. Importing torch, reading the config and joining the group take seconds; a preemption then killed the
+    job (status 143, no line), and launch/slurm.sbatch requeues on 75 only. `fastclip train` reads early_stop()
+    once the config is known."""
+    _EARLY.clear()
+    if threading.current_thread() is threading.main_thread():
+        for name in names:
+            number = signal_number(name)
+            _HELD[number] = signal.signal(number, _record_early)
+
+
+def _record_early(signum, frame) -> None:
+    if not _EARLY:
+        _EARLY.append(signal.Signals(signum).name)
+
+
+def early_stop() -> str | None:
+    """The stop signal received before the run's StopSignals were installed."""
+    return _EARLY[0] if _EARLY else None
+
+
+def release_early(keep=()) -> None:
+    """The held signals not in `keep` (the run's train.stop_signals) back to their handlers before; one a run has
+    set since (its StopSignals, or ignored after its stop) is left as it is."""
+    kept = {signal_number(k) for k in keep}
+    for number in [n for n in _HELD if n not in kept]:
+        previous = _HELD.pop(number)
+        if signal.getsignal(number) is _record_early:
+            signal.signal(number, previous)
+
+
 class StopSignals:
     """Records the first stop signal this process receives; installed for the duration of one training run."""
 
@@ -85,6 +121,8 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for number in self.numbers:
                 self._previous[number] = signal.signal(number, self._handle)
+        if _EARLY and signal_number(_EARLY[0]) in self.numbers:  # came while the run started: stop at its first chance
+            self.received = _EARLY[0]
         if watch_parent if watch_parent is not None else "TORCHELASTIC_RUN_ID" in os.environ:
             self._watch = threading.Event()
             parent = self._parent = os.getppid()
@@ -106,4 +144,12 @@ class StopSignals:
         self._previous.clear()
 
 
-__all__ = ["EXIT_PREEMPTED", "DEFAULT_SIGNALS", "StopSignals", "signal_number"]
+__all__ = [
+    "EXIT_PREEMPTED",
+    "DEFAULT_SIGNALS",
+    "StopSignals",
+    "signal_number",
+    "hold_early",
+    "early_stop",
+    "release_early",
+]

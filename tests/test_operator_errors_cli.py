@@ -90,7 +90,7 @@ def test_eval_whose_every_shard_is_unreadable_exits_2(untrained, tmp_path, capsy
         main,
         args,
         f"no readable sample in --data {val}",
-        "1 skipped as unreadable",
+        "the rest of 1 broken shard whose size no manifest lists",
         "val-000000.tar",
         "not a tar",
     )
@@ -162,6 +162,40 @@ def test_one_class_list_for_data_of_several_datasets_scores_its_own_or_is_refuse
         shutil.rmtree(only)
 
 
+def test_a_truncated_shard_counts_the_samples_it_loses_not_one(untrained, tiny_embedded, tmp_path, capsys):
+    """A shard cut after its first samples: the count is its manifest's samples after the break (before: 1, whatever
+    the shard held), in the report and in results.jsonl's skipped_samples."""
+    import json
+    import shutil
+
+    from fastclip.data.manifest import read_manifest
+    from fastclip.data.tario import iter_shard
+    from fastclip.eval.cli import main
+
+    val = tmp_path / "val"
+    shutil.copytree(tiny_embedded / "val", val)
+    shard = read_manifest(val).shards[0]
+    data = (val / shard.path).read_bytes()
+    (val / shard.path).write_bytes(data[: len(data) // 2])
+    kept = 0
+    try:
+        for _ in iter_shard(val / shard.path):
+            kept += 1
+    except Exception:  # the break itself
+        pass
+    total = sum(s.num_samples for s in read_manifest(val).shards)
+    results = tmp_path / "r.jsonl"
+    classes = str(tiny_embedded / "zeroshot.json")
+    args = [str(untrained), "--arch", "tiny-vit", "--data", str(val), "--device", "cpu", "--classnames", classes]
+    assert main([*args, "--results", str(results)]) == 0
+    out = capsys.readouterr().out
+    lost = shard.num_samples - kept
+    assert 0 < lost < shard.num_samples
+    assert f"{total - lost} samples in" in out, out
+    assert f"{lost} sample{'' if lost == 1 else 's'} skipped as unreadable" in out, out
+    assert {json.loads(x)["skipped_samples"] for x in results.read_text().splitlines()} == {lost}
+
+
 def test_an_unreadable_caption_in_an_image_folder_skips_its_sample(untrained, tmp_path, capsys):
     from PIL import Image
 
@@ -176,7 +210,7 @@ def test_an_unreadable_caption_in_an_image_folder_skips_its_sample(untrained, tm
     args = [str(untrained), "--arch", "tiny-vit", "--data", str(tmp_path / "images"), "--device", "cpu"]
     assert main([*args, "--results", str(tmp_path / "r.jsonl")]) == 0
     out, err = capsys.readouterr()
-    assert "3 samples in" in out and "1 samples skipped as unreadable" in out
+    assert "3 samples in" in out and "1 sample skipped as unreadable" in out
     assert f"{tmp_path / 'images' / 'dog' / '1.txt'}: unreadable caption" in err and "Traceback" not in err
 
 

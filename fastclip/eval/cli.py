@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from fastclip.cli import OneLineParser, unwritable
+from fastclip.cli import OneLineParser, plural, unwritable
 from fastclip.data.format import MANIFEST_NAME, ZEROSHOT_NAME
 from fastclip.data.tario import one_line
 from fastclip.eval import records
@@ -215,8 +215,8 @@ def format_table(results: EvalResults, per_class: bool) -> str:
         if results.retrieval_distinct_captions and repeated > 0:
             repeats = "repeats" if repeated == 1 else "repeat"
             lines.append(f"({repeated} of the captions {repeats} another; tied captions count against the pair)")
-    if results.skipped:
-        lines.append(f"\n{results.skipped} samples skipped as unreadable (listed on stderr)")
+    if results.skipped or results.cut_shards:
+        lines.append(f"\n{skipped_words(results)} (listed on stderr)")
     return "\n".join(lines) if lines else "nothing to report: no labelled samples with class names, no captions"
 
 
@@ -600,12 +600,20 @@ def _score(args, run: _Prepared) -> _Scored:
     return scored
 
 
+def skipped_words(results: EvalResults) -> str:
+    """What the evaluation left out, as exactly as it is known."""
+    words = [f"{plural(results.skipped, 'sample')} skipped as unreadable"] if results.skipped else []
+    if results.cut_shards:
+        words.append(f"the rest of {plural(results.cut_shards, 'broken shard')} whose size no manifest lists")
+    return ", and ".join(words) or "nothing skipped"
+
+
 def _unscored(args, run: _Prepared, results: EvalResults, warnings: _OneLineWarnings) -> str | None:
     """Why the evaluation gave no number to report (a table of zeros would read as a result), else None."""
     if results.num_samples == 0:  # every shard or image unreadable
         first = f"; first: {warnings.first.removeprefix('eval data: skipped ')}" if warnings.first else ""
         return (
-            f"no readable sample in --data {args.data} ({results.skipped} skipped as unreadable"
+            f"no readable sample in --data {args.data} ({skipped_words(results)}"
             f"{first}); check it with fastclip data scan (shards) or pass another --data"
         )
     return nothing_scored(args, run.specs, run.names_from, results)

@@ -23,7 +23,7 @@ from fastclip.data.format import ZEROSHOT_NAME
 from fastclip.eval.collectives import all_gather_rows, all_reduce_sum, rank_and_world
 from fastclip.eval.probe import LabelledFeatures, encode_image_with_features
 from fastclip.eval.retrieval import retrieval_metrics
-from fastclip.eval.samples import EvalDataError, EvalSample, iter_samples
+from fastclip.eval.samples import EvalDataError, EvalSample, Skipped, iter_samples
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec
 from fastclip.eval.zeroshot import ZeroShotCounts, ZeroShotResult, mean_top1, zeroshot_classifier
 
@@ -39,7 +39,8 @@ class EvalResults:
     retrieval_images: int | None = None  # several captions per image (json "group"): the images; None: pairs
     num_samples: int = 0
     unmatched: int = 0  # labelled samples whose dataset has no class names
-    skipped: int = 0  # undecodable samples (and broken shards) left out
+    skipped: int = 0  # samples left out: undecodable, or in a broken shard after the break (its manifest's count)
+    cut_shards: int = 0  # broken shards whose size no manifest lists: their samples after the break are not counted
     # collect_features: the probe's image features of the labelled samples, per dataset, gathered from every rank
     features: dict[str, LabelledFeatures] = field(default_factory=dict)
     val_loss: float | None = None  # loss_fn given: its value on the captioned samples, in eval mode
@@ -68,6 +69,8 @@ class EvalResults:
             out["val_loss"] = self.val_loss
         if self.skipped:
             out["skipped_samples"] = float(self.skipped)
+        if self.cut_shards:
+            out["cut_shards"] = float(self.cut_shards)
         return out
 
 
@@ -186,9 +189,9 @@ class _Pass:
             group = [-1 if batch[i].group is None else batch[i].group for i in captioned]
             self.pair_groups.append(torch.tensor(group, dtype=torch.int64, device=self.device))
 
-    def packed(self, skipped: int, failed: bool) -> torch.Tensor:
+    def packed(self, skipped: int, cut_shards: int, failed: bool) -> torch.Tensor:
         parts = [self.counts[name].packed() for name in self.names]
-        extra = [self.num_samples, self.unmatched, skipped, int(failed)]
+        extra = [self.num_samples, self.unmatched, skipped, cut_shards, int(failed)]
         extra = torch.tensor(extra, dtype=torch.int64, device=self.device)
         return torch.cat(parts + [extra])
 
@@ -288,7 +291,7 @@ def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_s
         for name, spec in specs.items()
     }
     error: BaseException | None = None
-    skipped: list[str] = []
+    skipped = Skipped()
     try:
         samples = source(rank, world, skipped) if callable(source) else iter_samples(source, rank, world, skipped)
         # max_samples caps the total: this rank's share of the first max_samples positions
@@ -300,13 +303,13 @@ def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_s
     except Exception as err:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
         error = err
 
-    packed = all_reduce_sum(state.packed(len(skipped), failed=error is not None), group)
-    num_samples, unmatched, num_skipped, failures = packed[-4:].tolist()
+    packed = all_reduce_sum(state.packed(skipped.samples, skipped.cut_shards, failed=error is not None), group)
+    num_samples, unmatched, num_skipped, cut_shards, failures = packed[-5:].tolist()
     if failures:
         if error is not None:
             raise error
         raise EvalDataError(f"evaluation failed on {failures} other rank(s); see their logs")
-    results = EvalResults(num_samples=num_samples, unmatched=unmatched, skipped=num_skipped)
+    results = EvalResults(num_samples=num_samples, unmatched=unmatched, skipped=num_skipped, cut_shards=cut_shards)
     _unpack_zeroshot(state, packed, results)
     if len(specs) == 1 and state.one_list_for_all:
         _refuse_mixed_datasets(state, group)

@@ -94,9 +94,41 @@ def is_image_folder(path: str | os.PathLike) -> bool:
 
 
 # ----------------------------------------------------------------------------- shards
-def _skip(skipped: list[str], message: str) -> None:
+class Skipped(list):
+    """The messages of what evaluation left out (a list of str), with the samples they stand for: one per sample
+    message; a broken shard's rest counts the samples its manifest lists after the break, or, where no manifest
+    lists the shard's size, adds to `cut_shards` instead (a count of samples would be a guess)."""
+
+    def __init__(self):
+        super().__init__()
+        self.samples = 0
+        self.cut_shards = 0
+
+    def append(self, message: str) -> None:  # one sample (imagenet.py's loader appends its failures)
+        self.add(message, 1)
+
+    def add(self, message: str, samples: int | None) -> None:
+        super().append(message)
+        if samples is None:
+            self.cut_shards += 1
+        else:
+            self.samples += samples
+
+
+def _skip(skipped: list[str], message: str, samples: int | None = 1) -> None:
     log.warning("eval data: skipped %s", message)
-    skipped.append(message)
+    if isinstance(skipped, Skipped):
+        skipped.add(message, samples)
+    else:
+        skipped.append(message)
+
+
+def _listed_sizes(source) -> dict[str, int]:
+    """Each shard's number of samples as a shard folder's manifest lists it (empty without a manifest)."""
+    path = Path(str(source))
+    if path.is_dir() and (path / MANIFEST_NAME).is_file():
+        return {str(path / s.path): s.num_samples for s in read_manifest(path).shards if s.num_samples is not None}
+    return {}
 
 
 def _decode_shard_sample(files: dict[str, bytes], where: str) -> EvalSample:
@@ -130,7 +162,8 @@ def iter_shard_samples(
 ) -> Iterator[EvalSample]:
     skipped = [] if skipped is None else skipped
     position = 0
-    for path in shard_paths(source):
+    paths, sizes = shard_paths(source), _listed_sizes(source)
+    for path in paths:
         # every rank reads every tar: only rank 0 counts a broken one, so the all-reduced count is right.
         # A broken tar ends its shard early, at the same place on every rank.
         reader = None
@@ -146,7 +179,10 @@ def iter_shard_samples(
         except TarBroken as err:
             if rank == 0:
                 after = reader.last_key if reader is not None else None
-                _skip(skipped, f"{path}: unreadable tar shard after key {after} ({err}); rest of the shard skipped")
+                read = reader.ordinal if reader is not None else 0
+                lost = sizes[str(path)] - read if str(path) in sizes else None
+                rest = f"its last {lost} samples" if lost is not None else "the rest of the shard (size not listed)"
+                _skip(skipped, f"{path}: unreadable tar shard after key {after} ({err}); {rest} skipped", lost)
 
 
 # ----------------------------------------------------------------------------- image folders

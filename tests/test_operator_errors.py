@@ -143,6 +143,16 @@ def test_resume_with_another_seed_or_data_is_refused_before_building(tiny_embedd
         f"--model.pretrained {ckpt / 'model.pt'}",
     )
     _fails(capsys, _args(tiny_embedded, tmp_path / "b", **{"train.resume": ckpt, "data.seed": 7}), "data.seed")
+    from fastclip.data.manifest import read_manifest
+
+    size = read_manifest(tiny_embedded / "train").data_size  # a manifest rewritten with another size: said how to fix
+    _fails(
+        capsys,
+        _args(tiny_embedded, tmp_path / "b", **{"train.resume": ckpt, "data.data_size": size + 7}),
+        "data.data_size",
+        f"holds per-sample state for {size} samples, this data gives {size + 7}",
+        f"set --data.data_size {size})",
+    )
     _fails(
         capsys,
         _args(
@@ -154,7 +164,7 @@ def test_resume_with_another_seed_or_data_is_refused_before_building(tiny_embedd
     )
     other = tmp_path / "other"  # the same samples in other shards: the saved position means nothing there
     shutil.copytree(tiny_embedded, other)
-    from fastclip.data.manifest import read_manifest, write_manifest
+    from fastclip.data.manifest import write_manifest
 
     manifest = read_manifest(other / "train")
     manifest.shards = manifest.shards[:-1]

@@ -88,6 +88,9 @@ def test_a_listed_shard_gone_from_the_folder_is_left_out_with_a_note(tmp_path, c
     assert capsys.readouterr().err == (
         f"fastclip data scan: note: {folder}/manifest.json listed 1 shard no longer in {folder} (train-000002.tar): "
         f"left out of the new manifest (2 listed shards kept)\n"
+        # the per-sample state of a run on the old manifest stays sized as it was
+        f"fastclip data scan: note: keeping data_size 12 of {folder}/manifest.json, above the largest index found + 1 "
+        f"(8): a run's per-sample state is sized by it (pass --data-size to change it)\n"
     )
     assert [s.path for s in read_manifest(folder).shards] == ["train-000000.tar", "train-000001.tar"]
     # a manifest that cannot be read is what a rescan repairs: replaced, and said
@@ -269,3 +272,19 @@ def test_a_read_only_folder_is_scanned_to_a_manifest_elsewhere_that_training_rea
         f"fastclip data scan: error: --manifest {sets}/ro.txt: name a .json file (data.train reads FILE.json as a "
         f"manifest)",
     )
+
+
+def test_a_rescan_of_embedded_train_keeps_the_data_size_its_val_split_shares(tiny_embedded, tmp_path, capsys):
+    """`fastclip data embedded` numbers val after train, so train's data_size covers both; a rescan (the README's
+    repair for a damaged shard) set it to train's own largest index + 1, and a resume was then refused as other
+    data. It keeps the larger size, says so, and --data-size still sets it."""
+    train = tmp_path / "train"
+    shutil.copytree(tiny_embedded / "train", train)
+    before = read_manifest(train).data_size
+    largest = max(s.index_max for s in read_manifest(train).shards)
+    assert before > largest + 1  # the val split's indices follow
+    assert main(["scan", str(train), "--workers", "1"]) == 0
+    assert read_manifest(train).data_size == before
+    assert f"keeping data_size {before:,} of {train / 'manifest.json'}" in capsys.readouterr().err
+    assert main(["scan", str(train), "--workers", "1", "--data-size", str(largest + 1)]) == 0
+    assert read_manifest(train).data_size == largest + 1

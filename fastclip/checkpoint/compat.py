@@ -331,7 +331,8 @@ def check_loss_state(loss_state: dict | None, expected: Expected, step_dir: Path
     if saved is not None and int(saved) != int(expected.data_size):
         raise ConfigError(
             f"config key 'data.data_size': checkpoint {step_dir} holds per-sample state for {int(saved)} samples, "
-            f"this data gives {expected.data_size}; resume with the same data, or {_start_anew(step_dir)}"
+            f"this data gives {expected.data_size}; resume with the same data (if it is, its manifest's data_size "
+            f"changed: set --data.data_size {int(saved)}), or {_start_anew(step_dir)}"
         )
 
 

@@ -429,7 +429,14 @@ def scan_shards(
     shards = tally.shards
     _name_first_copies(tally.pending, tally.spans, tasks, workers, shards, index_offset)
     _check_stats_ranges(tasks, tally.spans, shards)
-    data_size = tally.largest + 1 if data_size is None else data_size
+    if data_size is None:
+        data_size = tally.largest + 1
+        if old is not None and old.data_size > data_size:  # e.g. the val split's indices follow train's
+            notes.append(
+                f"keeping data_size {old.data_size:,} of {target}, above the largest index found + 1 ({data_size:,}): "
+                f"a run's per-sample state is sized by it (pass --data-size to change it)"
+            )
+            data_size = old.data_size
     extra = {"created_by": "fastclip data scan"}
     if tally.via["stats"] or tally.via["parquet"]:
         extra["scanned_from"] = dict(tally.via)

@@ -658,13 +658,36 @@ def test_files_and_folders_typed_wrong_in_the_other_commands_are_one_line(traine
 
 
 def test_class_names_that_do_not_fit_the_val_data_stop_the_run_in_one_line(tiny_embedded, tmp_path, capsys):
-    """A zero-shot class list the val labels do not fit is found by the evaluation at the end: one line naming both
-    files, status 1, the checkpoint of the last step written before."""
+    """A zero-shot class list the val labels do not fit: refused before training when val's first shard shows it
+    (--check too); else found by the evaluation: one line naming both files, status 1, the checkpoint of the last
+    step written before. A file of another format (a .yaml read line by line) is refused as such."""
+    import json
+
+    from fastclip.data.tario import iter_shard, write_tar
+    from fastclip.eval.samples import shard_paths
+
     names = tmp_path / "classes.txt"
     names.write_text("hello\n")
+    val = tmp_path / "val"  # the embedded val without its dataset names: one class list then applies to it
+    val.mkdir()
+    for shard in shard_paths(tiny_embedded / "val"):
+        samples = []
+        for raw in iter_shard(shard):
+            meta = json.loads(raw.files["json"])
+            meta.pop("dataset", None)
+            samples.append((raw.key, {**raw.files, "json": json.dumps(meta).encode()}))
+        write_tar(val / shard.name, samples)
     run = tmp_path / "run"
-    extra = {"train.max_steps": 1, "data.val": str(tiny_embedded / "val"), "data.zeroshot": str(names)}
-    err = _fails(capsys, _args(tiny_embedded, run, **extra, **{"eval.at_end": "true"}), None, str(names), code=1)
+    extra = {"train.max_steps": 1, "data.val": str(val), "data.zeroshot": str(names), "eval.at_end": "true"}
+    for check in (["--check"], []):
+        _fails(capsys, check + _args(tiny_embedded, run, **extra), "data.zeroshot", "names 1 class, but sample")
+    assert not (run / "metrics.jsonl").exists()
+    yaml = tmp_path / "classes.yaml"
+    yaml.write_text("- hello\n")
+    _fails(capsys, _args(tiny_embedded, run, **(extra | {"data.zeroshot": str(yaml)})), "data.zeroshot", ".yaml file")
+    # samples that name their dataset (one list may still apply to all: the evaluation decides): found there
+    extra["data.val"] = str(tiny_embedded / "val")
+    err = _fails(capsys, _args(tiny_embedded, run, **extra), None, str(names), code=1)
     assert err.startswith("fastclip train: error: evaluation at step 1:") and "label outside [0, 1)" in err, err
     assert step_dir(run, 1).is_dir()
 

@@ -64,6 +64,9 @@ def load_templates(path: str | os.PathLike) -> list[str]:
     return _read_lines(path)
 
 
+NOT_A_CLASS_LIST = {".yaml", ".yml", ".jsonl", ".csv", ".tsv", ".tar", ".pt", ".pth", ".npy", ".npz", ".parquet", ".py"}
+
+
 def load_zeroshot_spec(path: str | os.PathLike, templates: str | os.PathLike | None = None) -> dict[str, ZeroShotSpec]:
     """Dataset name -> spec, from any of the accepted files (see the module docstring)."""
     path = Path(path)
@@ -71,6 +74,11 @@ def load_zeroshot_spec(path: str | os.PathLike, templates: str | os.PathLike | N
         raise ValueError(f"zero-shot class names: {path} is a folder; pass the file (zeroshot.json, a .txt list)")
     if not path.is_file():
         raise FileNotFoundError(f"zero-shot class names file not found: {path}")
+    if path.suffix.lower() in NOT_A_CLASS_LIST:  # read line by line it would pass as a list of odd class names
+        raise ValueError(
+            f"zero-shot class names: {path} is a {path.suffix} file; pass a zeroshot.json or a .txt list (one class "
+            f"name per line)"
+        )
     template_list = load_templates(templates) if templates else None
     if path.suffix != ".json":
         classnames = _read_lines(path)

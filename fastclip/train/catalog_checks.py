@@ -83,6 +83,33 @@ def sparse_indices(data_size: int, num_samples: int, world_size: int) -> str | N
     )
 
 
+def check_labels_fit(zeroshot, specs: dict, val) -> None:
+    """One class list (no dataset names): the labels of val's first shard must be within it, or the first
+    evaluation, possibly hours in, stops the run. One shard's labels: read in milliseconds."""
+    from fastclip.data.format import label_of, parse_meta
+    from fastclip.data.tario import TarBroken, iter_shard
+    from fastclip.eval.samples import is_image_folder, shard_paths
+
+    if len(specs) != 1 or is_image_folder(val):
+        return
+    spec, shard = next(iter(specs.values())), shard_paths(val)[0]
+    try:
+        for raw in iter_shard(shard, want=frozenset({"json", "cls"})):
+            meta = parse_meta(raw.files.get("json"))[0] or {}
+            try:
+                label = label_of(raw.files, meta)
+            except ValueError:  # the evaluation skips and counts such a sample
+                continue
+            if label is not None and "dataset" not in meta and not 0 <= label < len(spec.classnames):
+                n = len(spec.classnames)
+                raise ConfigError(
+                    f"config key 'data.zeroshot': {zeroshot} names {n} class{'' if n == 1 else 'es'}, but sample "
+                    f"{raw.key} of {shard} (data.val) has label {label}; pass the class names of this data"
+                )
+    except TarBroken:  # the evaluation says it, skipping the rest of that shard
+        return
+
+
 def check_eval_inputs(cfg: Config) -> None:
     """The held-out data, class names and ImageNet folder the scheduled evaluations read: found now, not after the
     training. Rank 0 checks them for a job (shared_catalog)."""
@@ -103,9 +130,10 @@ def check_eval_inputs(cfg: Config) -> None:
             from fastclip.eval.spec import load_zeroshot_spec
 
             try:
-                load_zeroshot_spec(path)
+                specs = load_zeroshot_spec(path)
             except (ValueError, OSError) as e:
                 raise ConfigError(f"config key 'data.zeroshot': {e}") from None
+            check_labels_fit(path, specs, cfg.data.val)
     probing = cfg.eval.linear_probe or cfg.eval.knn
     if probing and cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
         from fastclip.eval.training_probe import probe_train_beside

@@ -116,7 +116,9 @@ def test_check_leaves_no_run_folder_and_refuses_one_under_a_file(tiny_embedded, 
     for value in ("[a]", "{a: 1}"):  # a loss name that is not text: the type check names the key
         _fails(capsys, ["--print-config", "--loss.name", value], "loss.name", "is not one of")
     (tmp_path / "a_file").write_text("x")
-    _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / "a_file" / "run")], "train.run_dir", "is a file")
+    for check in (["--check"], []):  # the run said "cannot write in ... (File exists)"; both name the file now
+        for run in (tmp_path / "a_file", tmp_path / "a_file" / "run"):
+            _fails(capsys, [*check, *_args(tiny_embedded, run)], "train.run_dir", "a_file is a file, not a folder")
     # what the run would refuse, --check refuses too: a broken link, checkpoints/ a file, a name too long
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / "dangling")], "train.run_dir", "broken symbolic link")

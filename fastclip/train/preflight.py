@@ -171,13 +171,13 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
             f"writes a step folder; move it away or choose another --train.run_dir"
         )
     folders = (run_dir, run_dir / CHECKPOINTS)
-    if not create:  # (os.path's lexists/isdir never raise: a path too long or not searchable is probed below)
-        for path in (*folders, *run_dir.parents):
-            if os.path.lexists(path) and not os.path.isdir(path):
-                what = "a broken symbolic link" if os.path.islink(path) else "a file"
-                raise ConfigError(
-                    f"config key 'train.run_dir': {path} is {what}, not a folder; choose another --train.run_dir"
-                )
+    for path in (*folders, *run_dir.parents):  # (lexists/isdir never raise: a path too long is probed below)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            what = "a broken symbolic link" if os.path.islink(path) else "a file"
+            raise ConfigError(
+                f"config key 'train.run_dir': {path} is {what}, not a folder; choose another --train.run_dir"
+            )
+    if not create:
         existing = next((f for f in (run_dir, *run_dir.parents) if os.path.lexists(f)), Path("."))
         try:
             limit = os.pathconf(existing, "PC_NAME_MAX")

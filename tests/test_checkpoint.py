@@ -140,6 +140,9 @@ def test_resolve_resume(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="has no model.pt"):
         ckpt.resolve_resume(str(tmp_path / "empty"), tmp_path)
+    (root / "latest").write_text("garbage\n")  # not a step folder's name: what to do is said
+    with pytest.raises(FileNotFoundError, match="named by .*latest. does not exist: write a step folder's name into"):
+        ckpt.resolve_resume("latest", tmp_path)
 
 
 def test_rng_states_round_trip_through_weights_only(tmp_path):

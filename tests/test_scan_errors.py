@@ -288,3 +288,13 @@ def test_a_rescan_of_embedded_train_keeps_the_data_size_its_val_split_shares(tin
     assert f"keeping data_size {before:,} of {train / 'manifest.json'}" in capsys.readouterr().err
     assert main(["scan", str(train), "--workers", "1", "--data-size", str(largest + 1)]) == 0
     assert read_manifest(train).data_size == largest + 1
+
+
+def test_a_corrupt_manifest_says_how_to_rewrite_it(tmp_path):
+    from fastclip.data.manifest import ManifestError
+
+    folder = tmp_path / "d"
+    write_synthetic(folder, [4])
+    (folder / "manifest.json").write_text("{")
+    with pytest.raises(ManifestError, match=f"not valid JSON .*; rewrite it with `fastclip data scan {folder}`"):
+        read_manifest(folder)

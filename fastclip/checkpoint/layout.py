@@ -139,6 +139,11 @@ def _from_pointer(pointer: Path, quiet: bool) -> Path:
     if not named.exists() and STEP_DIR.fullmatch(named.name):
         why = f"names {named.name}, which does not exist"
         return _newest(pointer.parent, pointer, why=why, quiet=quiet, required=True)
+    if not named.exists():  # not a step folder's name: edited by hand, or overwritten
+        raise FileNotFoundError(
+            f"checkpoint {named} (named by {pointer}) does not exist: write a step folder's name into {pointer}, or "
+            f"delete it to resume from the newest complete step folder"
+        )
     return _checked(named, f"named by {pointer}")
 
 

@@ -147,7 +147,8 @@ def read_manifest(folder_or_file: str | os.PathLike) -> Manifest:
             f"`fastclip data scan {scan}`"
         ) from None
     except ValueError as e:
-        raise ManifestError(f"{path}: not valid JSON ({e})") from None
+        scan = f"{path.parent}" if path.name == MANIFEST_NAME else f"SHARDS --manifest {path}"
+        raise ManifestError(f"{path}: not valid JSON ({e}); rewrite it with `fastclip data scan {scan}`") from None
     except OSError as e:  # a folder, no permission: one line, not a traceback
         raise ManifestError(f"{path}: cannot be read ({e.strerror or e}); pass a readable manifest file") from None
     return Manifest.from_json(data, str(path))

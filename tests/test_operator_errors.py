@@ -431,6 +431,10 @@ def test_eval_and_export_refuse_unusable_checkpoints_in_one_line(trained, tmp_pa
         assert eval_main([str(ckpt), "--data", str(data)]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and words in err, err
+    # another --arch than the checkpoint's: the fix is named
+    assert eval_main([str(step_dir(trained, 2)), "--data", str(data), "--arch", "tiny-vit-64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("it was trained as 'tiny-vit': drop --arch or pass --arch tiny-vit"), err
     # a good checkpoint exports, is loaded back in open_clip before success is reported
     assert export_main([str(step_dir(trained, 2)), "--out", str(tmp_path / "export" / "model.pt")]) == 0
     assert (tmp_path / "export" / "model.pt").is_file()

@@ -100,6 +100,7 @@ def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu"
             "tower, and `fastclip export` writes it"
         )
     saved_arch, model_config = ckpt.architecture(checkpoint)
+    given_arch = arch
     if arch is None and saved_arch is not None:
         arch = saved_arch
         if model_config is not None:
@@ -131,7 +132,13 @@ def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu"
     target = built.model.visual if tower else built.model
     mismatch = ckpt.shape_mismatches(target.state_dict(), state)
     if mismatch:  # checked first: load_state_dict's own error is a multi-line RuntimeError
-        raise ValueError(f"{file}: weights do not fit architecture {built.arch!r}: {mismatch}")
+        if given_arch is None:  # the architecture the file records (or its export's name): the file is at odds
+            fix = " (the architecture the file itself names)"
+        elif saved_arch is not None and saved_arch != given_arch:
+            fix = f"; it was trained as {saved_arch!r}: drop --arch or pass --arch {saved_arch}"
+        else:
+            fix = "; pass the --arch it was trained with"
+        raise ValueError(f"{file}: weights do not fit architecture {built.arch!r}: {mismatch}{fix}")
     if bad := nonfinite_tensors(state):  # a diverged run: every score would be chance, said as if it were one
         raise ValueError(
             f"{file}: its weights hold NaN/Inf in {len(bad)} tensor(s) (e.g. {', '.join(bad[:3])}): the run diverged "

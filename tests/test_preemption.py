@@ -189,6 +189,14 @@ def test_stop_signals_config_error_is_one_line_with_exit_2(tmp_path):
         "fastclip train: config error: config key 'train.stop_signals': 'SIGFOO' is not a "
         "signal that can be caught here"
     )
+    out = subprocess.run(  # one name where a list goes: the line shows the list to type
+        [sys.executable, "-m", "fastclip", "train", "--train.stop_signals", "SIGHUP", "--print-config"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and out.stderr.strip().endswith("(on the command line: --train.stop_signals '[SIGHUP]')")
 
 
 def _sbatch(tmp_path, srun_status: int, check_status: int = 0) -> tuple[subprocess.CompletedProcess, list[str]]:

@@ -369,7 +369,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (list, tuple):
         (item_tp, *_) = typing.get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key '{key}': expected a list, got {type(value).__name__} {value!r}")
+            raise ConfigError(
+                f"config key '{key}': expected a list, got {type(value).__name__} {value!r}"
+                + (f" (on the command line: --{key} '[{value}]')" if isinstance(value, (str, int, float)) else "")
+            )
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if not isinstance(value, bool):

@@ -469,3 +469,43 @@ def test_the_ctrl_c_line_says_when_latest_names_nothing_usable(tmp_path):
     assert _interrupted_line(error, tmp_path) == (
         f"fastclip train: interrupted at step 7; {root / 'latest'} names no usable step folder"
     )
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        ("openclip", {}),
+        ("fastclip-v0", {}),
+        ("fastclip-v2", {}),
+        ("fastclip-v3", {"separate_temperatures": True}),
+        ("fastclip-tempnet", {"tempnet_hidden": 8, "embed_dim": 16}),
+        ("siglip", {}),
+        ("dcl", {"queue_size": 64}),
+    ],
+)
+def test_a_resume_reads_the_loss_parameter_shapes_without_building_per_sample_state(name, options):
+    """The resume's check compares the loss's parameters with the checkpoint's by the names and shapes state_dict()
+    gives, but must not call it: that builds the whole per-sample state (78 bytes a sample for v2: a v2 run on 2B
+    samples would need ~156 GB in `--check`)."""
+    from fastclip.checkpoint.parts import LossParameters
+    from fastclip.losses import build_loss
+
+    small = build_loss(name, data_size=10, **options)
+    saved = {k: tuple(v.shape) for k, v in LossParameters(small).state_dict().items()}
+    assert LossParameters.shapes(build_loss(name, data_size=10, **options)) == saved
+    big = build_loss(name, data_size=10**6, **options)  # (small enough that a regression fails, not swaps)
+    LossParameters.shapes(big)
+    assert getattr(big, "_state", None) is None
+
+
+def test_under_deepspeed_a_loss_whose_temperature_trains_otherwise_is_refused(tmp_path):
+    from fastclip.checkpoint.compat import check_resume
+    from fastclip.errors import ConfigError
+
+    step_dir, model_file = saved_run(tmp_path, backend="deepspeed", stage=2)  # its "temperature": None (fixed τ)
+    ds = dict(backend="deepspeed", zero_stage=2)
+    check_resume(step_dir, model_file, expected(**ds, loss_trainable=0))
+    with pytest.raises(ConfigError, match="optimizer state for 0 learned loss parameters, this loss has 1 learned"):
+        check_resume(step_dir, model_file, expected(**ds, loss_trainable=1))
+    model_file["optimizer"]["temperature"] = {"state": {}, "param_groups": [{"name": "temperature", "params": [0]}]}
+    check_resume(step_dir, model_file, expected(**ds, loss_trainable=1))

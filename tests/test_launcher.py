@@ -157,6 +157,7 @@ def test_one_rank_killed_outright_is_one_line_from_the_survivor_and_one_from_the
         ({0: 2, 1: -15}, 2),  # rank 0 refused its config; torchrun then SIGTERMed rank 1: not a stop to resume
         ({0: 75, 1: -15}, 75),  # rank 0 stopped with the job's checkpoint, torchrun SIGTERMed rank 1 on its way out
         ({0: -15}, 143),  # a rank SIGTERMed on its own (before its handler): said, as a kill
+        ({0: -15, 1: -9}, 137),  # rank 1 killed outright, then torchrun SIGTERMed rank 0: rank 1's is said
     ],
 )
 def test_the_jobs_status_from_the_ranks(codes, status):

@@ -252,10 +252,32 @@ def check_loss_parameters(saved: Any, expected: Expected, step_dir: Path, model_
         )
 
 
+def _check_temperature_group(optimizer: Any, expected: Expected, step_dir: Path, model_file: dict) -> None:
+    """As many learned loss parameters in the saved optimizer's temperature group as this loss has: torch's
+    optimizer state (DDP) or DeepSpeed's record, whose "temperature" is the τ optimizer's state or None."""
+    if expected.loss_trainable is None or not isinstance(optimizer, dict):
+        return
+    if optimizer.get("backend") == "deepspeed":
+        if "temperature" not in optimizer:
+            return
+        optimizer = optimizer["temperature"] or {"param_groups": []}
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(groups, list):
+        return
+    saved = sum(len(g.get("params", [])) for g in groups if g.get("name") == "temperature")
+    if saved != expected.loss_trainable:
+        raise _loss_misfit(
+            step_dir,
+            expected,
+            model_file,
+            f"optimizer state for {_learned(saved)}, this loss has {_learned(expected.loss_trainable)}",
+        )
+
+
 def check_optimizer(optimizer: Any, expected: Expected, step_dir: Path, model_file: dict) -> None:
-    """The backend that wrote the optimizer state; under DDP the temperature's group (a loss whose temperature is
-    learned in one and fixed in the other has another number of groups); under ZeRO its shard folder, the stage's
-    storage and the world size (ZeRO shards are per rank)."""
+    """The backend that wrote the optimizer state; under ZeRO its shard folder, the stage's storage and the world
+    size (ZeRO shards are per rank); under both the temperature's group (a loss whose temperature is learned in one
+    and fixed in the other has another number of groups)."""
     saved = saved_backend(model_file)
     if expected.backend != "deepspeed":
         if saved != expected.backend:
@@ -263,16 +285,7 @@ def check_optimizer(optimizer: Any, expected: Expected, step_dir: Path, model_fi
                 f"config key 'train.distributed': {expected.backend}, but checkpoint {step_dir} was written with "
                 f"{saved} (its optimizer state is in DeepSpeed's shards); resume with --train.distributed {saved}"
             )
-        groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
-        if expected.loss_trainable is not None and isinstance(groups, list):
-            saved_n = sum(len(g.get("params", [])) for g in groups if g.get("name") == "temperature")
-            if saved_n != expected.loss_trainable:
-                raise _loss_misfit(
-                    step_dir,
-                    expected,
-                    model_file,
-                    f"optimizer state for {_learned(saved_n)}, this loss has {_learned(expected.loss_trainable)}",
-                )
+        _check_temperature_group(optimizer, expected, step_dir, model_file)
         return
     if saved != "deepspeed" or not (step_dir / DEEPSPEED_TAG).is_dir():
         raise ConfigError(
@@ -290,6 +303,7 @@ def check_optimizer(optimizer: Any, expected: Expected, step_dir: Path, model_fi
             f"{saved_world_size(model_file)} processes, this run has {expected.world_size}; ZeRO shards "
             f"are per rank (convert with DeepSpeed's ds_to_universal, or resume at the same size)"
         )
+    _check_temperature_group(optimizer, expected, step_dir, model_file)
 
 
 def check_step(step: Any, expected: Expected, step_dir: Path, model_file: dict) -> None:

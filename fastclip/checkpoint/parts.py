@@ -76,6 +76,15 @@ class LossParameters:
     def load_state_dict(self, state) -> None:
         pass  # the rank files' "loss_state" restores the loss whole
 
+    @staticmethod
+    def shapes(loss_fn: torch.nn.Module) -> dict[str, tuple]:
+        """The names and shapes state_dict() gives, from the parameters and buffers alone: state_dict() would also
+        build the per-sample state (a loss's extra state), which a resume's checks must not allocate."""
+        from fastclip.losses.objective import QUEUE_PREFIX
+
+        tensors = [*loss_fn.named_parameters(), *loss_fn.named_buffers()]
+        return {k: tuple(v.shape) for k, v in tensors if not k.startswith(QUEUE_PREFIX)}
+
 
 class LossState:
     """Per rank: the loss's whole state (parameters, this rank's shard of the per-sample state, the feature queue).

@@ -180,8 +180,13 @@ def iter_shard_samples(
             if rank == 0:
                 after = reader.last_key if reader is not None else None
                 read = reader.ordinal if reader is not None else 0
-                lost = sizes[str(path)] - read if str(path) in sizes else None
-                rest = f"its last {lost} samples" if lost is not None else "the rest of the shard (size not listed)"
+                # a stale manifest (fewer listed than read): the rest's size is not known
+                lost = sizes[str(path)] - read if sizes.get(str(path), -1) >= read else None
+                rest = (
+                    f"its last {lost} sample{'' if lost == 1 else 's'}"
+                    if lost is not None
+                    else "the rest of the shard (its size is not listed)"
+                )
                 _skip(skipped, f"{path}: unreadable tar shard after key {after} ({err}); {rest} skipped", lost)
 
 

@@ -64,7 +64,8 @@ def load_templates(path: str | os.PathLike) -> list[str]:
     return _read_lines(path)
 
 
-NOT_A_CLASS_LIST = {".yaml", ".yml", ".jsonl", ".csv", ".tsv", ".tar", ".pt", ".pth", ".npy", ".npz", ".parquet", ".py"}
+# read line by line these would pass as class names (a one-column .csv/.tsv list reads as names: kept)
+NOT_A_CLASS_LIST = {".yaml", ".yml", ".jsonl", ".tar", ".pt", ".pth", ".npy", ".npz", ".parquet", ".py"}
 
 
 def load_zeroshot_spec(path: str | os.PathLike, templates: str | os.PathLike | None = None) -> dict[str, ZeroShotSpec]:
@@ -74,7 +75,7 @@ def load_zeroshot_spec(path: str | os.PathLike, templates: str | os.PathLike | N
         raise ValueError(f"zero-shot class names: {path} is a folder; pass the file (zeroshot.json, a .txt list)")
     if not path.is_file():
         raise FileNotFoundError(f"zero-shot class names file not found: {path}")
-    if path.suffix.lower() in NOT_A_CLASS_LIST:  # read line by line it would pass as a list of odd class names
+    if path.suffix.lower() in NOT_A_CLASS_LIST:
         raise ValueError(
             f"zero-shot class names: {path} is a {path.suffix} file; pass a zeroshot.json or a .txt list (one class "
             f"name per line)"

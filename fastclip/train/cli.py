@@ -154,18 +154,22 @@ def _check(cfg, env, world_size: int | None) -> None:
 
 def _stopped_while_starting(cfg) -> int | None:
     """A stop signal that came before the config was read (held by fastclip.cli): status 75 with its line when it is
-    one of train.stop_signals, else its default action now; None: go on (one arriving later is the run's)."""
+    one of train.stop_signals (a torchrun rank leaves it to the run, whose ranks agree on the stop), else its own
+    action now; None: go on (one arriving later is the run's)."""
     import signal
 
     from fastclip.train.preemption import early_stop, release_early, signal_number
 
-    release_early(keep=cfg.train.stop_signals)
     name = early_stop()
+    release_early(keep=cfg.train.stop_signals)
     if name is None:
         return None
-    if signal_number(name) not in {signal_number(s) for s in cfg.train.stop_signals}:
-        signal.raise_signal(signal_number(name))  # (its default action: the process ends here)
-        return 128 + signal_number(name)
+    number = signal_number(name)
+    if number not in {signal_number(s) for s in cfg.train.stop_signals}:
+        signal.raise_signal(number)  # its own action now: the default ends the process, a caller's handler runs
+        return None
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # one of a job's ranks: the ranks agree on the stop at the first step
+        return None
     print(
         f"fastclip train: stopped by {name} before the run started: nothing to save; exit status {EXIT_PREEMPTED}, "
         f"continue with --train.resume latest",

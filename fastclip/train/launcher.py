@@ -71,8 +71,10 @@ def exit_status(failures: dict) -> tuple[int, str | None]:
     ranks said it). A rank that died of SIGTERM while another exited with a status of its own was stopped by
     torchrun, which SIGTERMs the others once one rank fails: the status (and the line) are the one that failed."""
     exited = any(f.exitcode > 0 for f in failures.values())
+    other_signal = any(f.exitcode < 0 and f.exitcode != -signal.SIGTERM for f in failures.values())
     for rank, failure in sorted(failures.items()):
-        if failure.exitcode < 0 and not (exited and failure.exitcode == -signal.SIGTERM):
+        # (a SIGTERM beside another signal's death: torchrun's too, sent once that rank died)
+        if failure.exitcode < 0 and not ((exited or other_signal) and failure.exitcode == -signal.SIGTERM):
             name = failure.signal_name()
             why = " (out of memory, or kill -9)" if failure.exitcode == -signal.SIGKILL else ""
             return 128 - failure.exitcode, (

@@ -66,7 +66,8 @@ def hold_early(names=DEFAULT_SIGNALS) -> None:
     if threading.current_thread() is threading.main_thread():
         for name in names:
             number = signal_number(name)
-            _HELD[number] = signal.signal(number, _record_early)
+            if signal.getsignal(number) is not signal.SIG_IGN:  # (nohup's, a parent's): left ignored
+                _HELD[number] = signal.signal(number, _record_early)
 
 
 def _record_early(signum, frame) -> None:
@@ -75,8 +76,8 @@ def _record_early(signum, frame) -> None:
 
 
 def early_stop() -> str | None:
-    """The stop signal received before the run's StopSignals were installed."""
-    return _EARLY[0] if _EARLY else None
+    """The stop signal received while held, if any."""
+    return _EARLY[0] if _EARLY and _HELD else None
 
 
 def release_early(keep=()) -> None:
@@ -87,6 +88,8 @@ def release_early(keep=()) -> None:
         previous = _HELD.pop(number)
         if signal.getsignal(number) is _record_early:
             signal.signal(number, previous)
+    if not _HELD:  # nothing held any more: a signal recorded before is no later run's
+        _EARLY.clear()
 
 
 class StopSignals:
@@ -121,8 +124,8 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for number in self.numbers:
                 self._previous[number] = signal.signal(number, self._handle)
-        if _EARLY and signal_number(_EARLY[0]) in self.numbers:  # came while the run started: stop at its first chance
-            self.received = _EARLY[0]
+        if (name := early_stop()) is not None and signal_number(name) in self.numbers:
+            self.received = name  # came while the run started: it stops at its first chance
         if watch_parent if watch_parent is not None else "TORCHELASTIC_RUN_ID" in os.environ:
             self._watch = threading.Event()
             parent = self._parent = os.getppid()

@@ -323,7 +323,7 @@ def expected_by(cfg: Config, world_size: int, catalog, data_size: int, loss_fn: 
         arch=cfg.model.arch,
         loss=cfg.loss.name,
         optimizer=cfg.optim.optimizer,
-        loss_parameters={k: tuple(v.shape) for k, v in LossParameters(loss_fn).state_dict().items()},
+        loss_parameters=LossParameters.shapes(loss_fn),
         loss_trainable=sum(1 for p in loss_fn.parameters() if p.requires_grad),
         loss_options={k: v for k, v in cfg.to_dict()["loss"].items() if k not in ("name", "validate")},
         backend=cfg.train.distributed,

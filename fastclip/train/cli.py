@@ -75,12 +75,19 @@ CONFIG_ERROR_WAIT_S = 5.0
 
 def _say_config_error(error: ConfigError, check_only: bool) -> None:
     """Every process of a node reads the same arguments and files and meets the same error. Local rank 0 says it at
-    once; the others wait: the launcher (torchrun, srun --kill-on-bad-exit) ends them when rank 0 has exited, so the
-    line appears once per node, and a rank 0 that is slow or failed otherwise still leaves the line said."""
+    once; the others wait: the launcher (torchrun, srun --kill-on-bad-exit) stops them when rank 0 has exited (its
+    signal, held, ends the wait unsaid), so the line appears once per node, and a rank 0 that is slow or failed
+    otherwise still leaves the line said."""
     local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
     if not check_only and local.isdigit() and int(local) > 0 and world.isdigit() and int(world) > 1:
-        time.sleep(CONFIG_ERROR_WAIT_S)
+        from fastclip.train.preemption import early_stop
+
+        waited = time.monotonic() + CONFIG_ERROR_WAIT_S
+        while time.monotonic() < waited:  # the launcher's SIGTERM is held (hold_early): it ends the wait
+            if early_stop() is not None:
+                return
+            time.sleep(0.1)
     print(f"fastclip train: config error: {error}", file=sys.stderr, flush=True)
 
 

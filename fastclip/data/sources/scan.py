@@ -39,6 +39,7 @@ import glob
 import json
 import multiprocessing as mp
 import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -380,12 +381,22 @@ def _check_key_scheme(tasks: list[tuple], paths: list[Path], per_shard: int) -> 
         )
 
 
+def _start_method() -> str:
+    """fork, unless pyarrow is loaded here: its jemalloc keeps a background thread, and a fork taken while that
+    thread holds its lock leaves the child waiting on it for ever (a parallel scan hung so in the test suite);
+    forkserver's children fork from a clean server instead."""
+    methods = mp.get_all_start_methods()
+    if "fork" in methods and "pyarrow" not in sys.modules:
+        return "fork"
+    return "forkserver" if "forkserver" in methods else "spawn"
+
+
 def _map(fn, tasks: list, workers: int):
     """fn over tasks in order, in `workers` processes (1: here); results stream back one shard at a time."""
     if workers <= 1 or len(tasks) <= 1:
         yield from map(fn, tasks)
         return
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    ctx = mp.get_context(_start_method())
     with ctx.Pool(min(workers, len(tasks))) as pool:
         yield from pool.imap(fn, tasks, chunksize=1)
 

@@ -244,12 +244,8 @@ def check_loss_parameters(saved: Any, expected: Expected, step_dir: Path, model_
     differ = sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))
     if differ:
         k = differ[0]
-        raise _loss_misfit(
-            step_dir,
-            expected,
-            model_file,
-            f"loss parameter {k!r} of {_shape(have.get(k))}, this loss has {_shape(want.get(k))}",
-        )
+        what = f"loss parameter {k!r} of {_shape(have.get(k))}, this loss has {_shape(want.get(k))}"
+        raise _loss_misfit(step_dir, expected, model_file, what)
 
 
 def _check_temperature_group(optimizer: Any, expected: Expected, step_dir: Path, model_file: dict) -> None:
@@ -266,12 +262,8 @@ def _check_temperature_group(optimizer: Any, expected: Expected, step_dir: Path,
         return
     saved = sum(len(g.get("params", [])) for g in groups if g.get("name") == "temperature")
     if saved != expected.loss_trainable:
-        raise _loss_misfit(
-            step_dir,
-            expected,
-            model_file,
-            f"optimizer state for {_learned(saved)}, this loss has {_learned(expected.loss_trainable)}",
-        )
+        what = f"optimizer state for {_learned(saved)}, this loss has {_learned(expected.loss_trainable)}"
+        raise _loss_misfit(step_dir, expected, model_file, what)
 
 
 def check_optimizer(optimizer: Any, expected: Expected, step_dir: Path, model_file: dict) -> None:

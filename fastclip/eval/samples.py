@@ -58,28 +58,33 @@ class EvalSample:
 # ----------------------------------------------------------------------------- locating the files
 def shard_paths(source: str | os.PathLike) -> list[Path]:
     """The tar files of a shard folder (manifest order, else sorted), a single tar, a glob or a {a..b} pattern."""
+    return [path for path, _ in listed_shards(source)]
+
+
+def listed_shards(source: str | os.PathLike) -> list[tuple[Path, int | None]]:
+    """shard_paths with each shard's number of samples as a folder's manifest lists it (None: not listed)."""
     text = str(source)
     path = Path(text)
     if path.is_dir():
         if (path / MANIFEST_NAME).is_file():
-            paths = [path / s.path for s in read_manifest(path).shards]
-            missing = [p for p in paths if not p.is_file()]
+            listed = [(path / s.path, s.num_samples) for s in read_manifest(path).shards]
+            missing = [p for p, _ in listed if not p.is_file()]
             if missing:
                 raise EvalDataError(f"{path / MANIFEST_NAME}: shard {missing[0]} listed but not found")
-            return paths
+            return listed
         tars = sorted(path.glob("*.tar"))
         if not tars:
             raise EvalDataError(f"{path}: no {MANIFEST_NAME} and no .tar shards in this folder")
-        return tars
+        return [(tar, None) for tar in tars]
     if path.is_file():
-        return [path]
+        return [(path, None)]
     paths = [
         Path(g) for p in expand_braces(text) for g in (sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p])
     ]
     missing = [p for p in paths if not p.is_file()]
     if not paths or missing:
         raise EvalDataError(f"no shards found for {text!r}" + (f" (missing: {missing[0]})" if missing else ""))
-    return paths
+    return [(p, None) for p in paths]
 
 
 def is_image_folder(path: str | os.PathLike) -> bool:
@@ -123,14 +128,6 @@ def _skip(skipped: list[str], message: str, samples: int | None = 1) -> None:
         skipped.append(message)
 
 
-def _listed_sizes(source) -> dict[str, int]:
-    """Each shard's number of samples as a shard folder's manifest lists it (empty without a manifest)."""
-    path = Path(str(source))
-    if path.is_dir() and (path / MANIFEST_NAME).is_file():
-        return {str(path / s.path): s.num_samples for s in read_manifest(path).shards if s.num_samples is not None}
-    return {}
-
-
 def _decode_shard_sample(files: dict[str, bytes], where: str) -> EvalSample:
     image = image_of(files)
     if image is None:
@@ -162,8 +159,7 @@ def iter_shard_samples(
 ) -> Iterator[EvalSample]:
     skipped = [] if skipped is None else skipped
     position = 0
-    paths, sizes = shard_paths(source), _listed_sizes(source)
-    for path in paths:
+    for path, size in listed_shards(source):
         # every rank reads every tar: only rank 0 counts a broken one, so the all-reduced count is right.
         # A broken tar ends its shard early, at the same place on every rank.
         reader = None
@@ -181,7 +177,7 @@ def iter_shard_samples(
                 after = reader.last_key if reader is not None else None
                 read = reader.ordinal if reader is not None else 0
                 # a stale manifest (fewer listed than read): the rest's size is not known
-                lost = sizes[str(path)] - read if sizes.get(str(path), -1) >= read else None
+                lost = size - read if size is not None and size >= read else None
                 rest = (
                     f"its last {lost} sample{'' if lost == 1 else 's'}"
                     if lost is not None

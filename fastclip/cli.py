@@ -113,16 +113,19 @@ def _dispatch(argv: list[str]) -> int:
         lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
         print("usage: fastclip <command> [options]\n\ncommands:\n" + "\n".join(lines))
         return 0
-    if argv[0] == "train" and not {"-h", "--help", "--print-config", "--check"} & set(argv):
-        from fastclip.train.preemption import hold_early, release_early
+    training = argv[0] == "train" and not {"-h", "--help", "--print-config", "--check"} & set(argv)
+    if training:
+        from fastclip.train.preemption import hold_early
 
         hold_early()  # before torch is imported: a stop signal while the run starts ends in status 75, not 143
-        try:
-            return int(importlib.import_module(COMMANDS["train"][0]).main(argv[1:]) or 0)
-        finally:
+    try:
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+        return int(module.main(argv[1:]) or 0)
+    finally:
+        if training:
+            from fastclip.train.preemption import release_early
+
             release_early()
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    return int(module.main(argv[1:]) or 0)
 
 
 def note(line: str) -> None:

@@ -6,6 +6,9 @@
 #   bash benchmarks/gpu_check.sh run       # there (the repo root, torch with CUDA installed): logs and tables -> $OUT
 #
 # With the device tool: run(command="bash benchmarks/gpu_check.sh run", carry=[".whl", ".gpu"], timeout_s=540).
+# What it writes comes back as one archive, $OUT/gpu_check.tar.gz (the tool returns at most 8 files, 2 folders deep):
+# `tar xzf` it, then copy e2e.* and study_timing.* to benchmarks/results/gpu/, loss_impl_gpu.* and the logs to
+# benchmarks/results/gpu_loss/, the study's runs to benchmarks/results/study_v2_gpu/runs/.
 # GPU_CHECK_STEPS="cuda_tests loss_impl ..." runs only the steps it names (default: all of them; the names are the
 # step lines below).
 # Every step has its own time limit and its own log, so one that fails or hangs still leaves the others' results,
@@ -28,9 +31,9 @@ prepare)
     set -e
     mkdir -p .whl
     "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl "${WHEELS[@]}"
-    # 200 training samples per class (4,000 pairs: a run of 51,200 samples goes round them 13 times) and 1,000
-    # held out, about 21 MB: the working tree and all it carries travel within 64 MiB
-    [ -f "$DATA/train/manifest.json" ] || "$PY" -m fastclip data embedded --out "$DATA" --max-per-class 200
+    # 50 training samples per class (1,000 pairs: a run of 51,200 samples goes round them 51 times) and 260 held
+    # out, about 5 MB: with the glyph sources (30 MB) and the wheels the call carries well within 64 MiB
+    [ -f "$DATA/train/manifest.json" ] || "$PY" -m fastclip data embedded --out "$DATA" --max-per-class 50
     # the `study` step (benchmarks/study/v2-gpu.yaml): Fashion-MNIST's files, its scenes' glyphs (31 MB; made into
     # scenes there), and the code version its runs record (there is no git repository there)
     mkdir -p .gpu/fashion-mnist
@@ -42,6 +45,8 @@ print(json.dumps({**r.code_version(), "files": r.files_digest()}))' > .gpu/code_
 run)
     OUT=${OUT:-gpu-check-out}
     mkdir -p "$OUT"
+    # everything in one archive at the end, whatever ends the script (the tool returns at most 8 files)
+    trap 'tar czf /tmp/gpu_check.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_check.tar.gz "$OUT/"' EXIT
     END=$((SECONDS + 500))  # one deadline for everything, inside the device call's limit
     if ls .whl/*.whl > /dev/null 2>&1; then
         timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
@@ -129,6 +134,10 @@ EOF
         --config configs/ssl/sogclr-embedded.yaml --data.train "$DATA/train" --data.val "$DATA/val" \
         --train.device cuda --train.precision bf16 --train.max_steps 30 --eval.every_steps 0 --train.progress false \
         --train.run_dir /tmp/gpu_check_ssl
+    # what one study run costs there, alone and 8 at once (the study's own command, batch 32 and 512, on a small
+    # semantic-scenes set made there): the figure that prices study v2's cells on a lent GPU
+    step study_timing 170 "$PY" benchmarks/bench_study_gpu.py --spec benchmarks/study/v2-gpu.yaml --batches 32 512 \
+        --parallel 1 8 --steps 40 --out "$OUT"
     # study v2's pending runs on the GPU (benchmarks/study/v2-gpu.yaml; only when named in GPU_CHECK_STEPS: it takes
     # what time is left), 8 at once; the finished runs' records come back in $OUT (a run cut short is lost there)
     if [[ " ${GPU_CHECK_STEPS:-} " == *" study "* ]]; then

@@ -240,8 +240,9 @@ def _gpu_section(folder: Path) -> list[str]:
         f"median. The zero-shot figures after {steps} steps of a randomly initialised {p.get('arch', 'model')} "
         "are near chance (10 %) for every system and compare nothing."
         + (
-            f" Host memory: fastclip's peak is {memory:.1f}x OpenCLIP's here (section 1 gives the CPU's); on CUDA our "
-            "loader pins its batches in page-locked host memory, which OpenCLIP's webdataset loader does not."
+            f" Host memory: fastclip's peak is {memory:.2f}x OpenCLIP's here (section 1 gives the CPU's); on CUDA our "
+            "loader pins its batches in page-locked host memory (uint8 images, normalised on the device), which "
+            "OpenCLIP's webdataset loader does not."
             if memory
             else ""
         ),
@@ -250,6 +251,16 @@ def _gpu_section(folder: Path) -> list[str]:
     lines += [md, ""]
     if (folder / "e2e.png").is_file():
         lines += ["![1g. End to end on one GPU](results/gpu/e2e.png)", ""]
+    timing = text("study_timing.md")
+    if timing:
+        lines += [
+            "What one run of study v2 costs on the same machine (`python benchmarks/bench_study_gpu.py`: the study's "
+            "own command for 40 steps, alone and 8 at once, each with one loader worker; a run's minutes are its "
+            "training steps only, evaluation not counted):",
+            "",
+            timing.split("\n\n", 1)[-1],  # the table, without its title
+            "",
+        ]
     pin = text("pin_memory.md")
     if pin:
         lines += [

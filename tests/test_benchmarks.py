@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -673,8 +674,13 @@ def test_gpu_check_resolves_its_imports_and_refuses_a_machine_without_cuda(tmp_p
     run = subprocess.run(["bash", script, "run"], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stdout + run.stderr
     assert "gpu_check: torch sees no CUDA device: run this on the GPU machine" in run.stdout  # (tee: both streams)
-    assert f"| open_clip {import_open_clip().__version__}" in (tmp_path / "out" / "env.txt").read_text()
-    assert not (tmp_path / "out" / "cuda_tests.log").exists()  # stopped before the steps
+    # everything comes back in one archive (the device tool returns at most 8 files), the stop included
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["gpu_check.tar.gz"]
+    with tarfile.open(tmp_path / "out" / "gpu_check.tar.gz") as archive:
+        names = {Path(n).name for n in archive.getnames()} - {""}
+        env_txt = archive.extractfile("./env.txt").read().decode()
+    assert f"| open_clip {import_open_clip().__version__}" in env_txt
+    assert names == {"env.txt"}  # stopped before the steps: no step's log
     # a Python without the packages (no site-packages): one line, exit 3
     bare = tmp_path / "bare-python"
     bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
@@ -750,3 +756,20 @@ def test_benchmarks_refuse_a_count_below_its_minimum(capsys):
             module.main(argv)
         assert stopped.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].endswith(said)
+
+
+def test_bench_study_gpu_makes_a_small_set_with_the_datasets_own_command_and_prices_a_full_run(tmp_path):
+    """bench_study_gpu times the study's own command on a small set made by the dataset's `make` with its split
+    sizes cut (train / 10 for the others), and prices a run at the spec's real training size, not the small set's."""
+    import bench_study_gpu
+
+    from benchmarks.study import spec as spec_module
+    from fastclip.data.manifest import read_manifest
+
+    spec = spec_module.load(REPO / "benchmarks" / "study" / "v2.yaml")
+    data = bench_study_gpu.small_data(spec.datasets["scenes-semantic"], tmp_path / "small", train_size=120)
+    sizes = {split: read_manifest(data / split).num_samples for split in ("train", "val", "test", "novel")}
+    assert sizes == {"train": 120, "val": 12, "test": 12, "novel": 12}, sizes
+    assert bench_study_gpu.spec_train_size(spec, "scenes-semantic", data) == 50_000  # the make command's --num-train
+    # at 3 epochs of 50,000 at batch 32: the runs' own step count (runner.command's 4,687)
+    assert spec.datasets["scenes-semantic"].epochs * 50_000 // 32 == 4_687

@@ -258,7 +258,7 @@ def test_every_finished_v2_run_is_still_planned_under_its_id():
     assert finished <= planned, sorted(finished - planned)[:3]
 
 
-def test_a_step_past_gamma_min_stops_at_1():
+def test_a_step_past_gamma_min_or_rho_frac_stops_at_1():
     """γ_min lives in (0, 1]: past a grid's top of 0.8 the step is 1 (no moving average), not 0.8²/0.5 = 1.28, and a
     grid already at 1 has no step up."""
     from benchmarks.study.plan import step_past
@@ -267,6 +267,10 @@ def test_a_step_past_gamma_min_stops_at_1():
     assert step_past(grid, {"loss.gamma_min": 0.8}, "loss.gamma_min") == {"loss.gamma_min": 1.0}
     assert step_past(grid, {"loss.gamma_min": 1.0}, "loss.gamma_min") is None
     assert step_past(grid, {"loss.gamma_min": 0.2}, "loss.gamma_min") == {"loss.gamma_min": 0.08}
+    # RGCL's ρ past ln(B - 1) is a constraint that never binds: 0.85 -> 1, not 1.204
+    rho = {"loss.rho_frac": [0.4, 0.6, 0.85]}
+    assert step_past(rho, {"loss.rho_frac": 0.85}, "loss.rho_frac") == {"loss.rho_frac": 1.0}
+    assert step_past(rho, {"loss.rho_frac": 1.0}, "loss.rho_frac") is None
     assert step_past({"loss.temperature": [0.05, 0.1, 0.2]}, {"loss.temperature": 0.2}, "loss.temperature") == {
         "loss.temperature": 0.4
     }

@@ -70,7 +70,9 @@ def cells(spec: Spec) -> list[tuple[str, int, str]]:
 
 
 EDGE_STEPS = 2  # at most this many steps past a grid's edge, per knob
-KNOB_MAX = {"loss.gamma_min": 1.0}  # a step past a grid's top stops here: the config refuses more (γ_min in (0, 1])
+# a step past a grid's top stops here: the config refuses more γ_min (in (0, 1]); a KL to uniform over B - 1
+# negatives is below ln(B - 1), so RGCL's ρ at or past that (rho_frac 1) only drives τ down to its floor
+KNOB_MAX = {"loss.gamma_min": 1.0, "loss.rho_frac": 1.0}
 
 
 def _runs_of(spec: Spec, dataset: str, batch: int, objective: str, settings: list[dict]) -> list[Run]:

@@ -197,8 +197,8 @@ def test_an_objective_may_run_at_some_of_the_spec_batches_only(tmp_path, capsys)
     assert "### Tuning d/64/new" not in text and "### Tuning d/32/new" in text
     refusals = [
         ({"batches": [32, 32]}, r"objectives.new.batches: repeats a batch: \[32, 32\]"),
-        ({"batches": "32"}, r"objectives.new.batches: must be a list of global batch sizes, got '32'"),
-        ({"batches": [True]}, r"objectives.new.batches: must be a list of global batch sizes, got \[True\]"),
+        ({"batches": "32"}, r"objectives.new.batches: must be a list of global batch sizes >= 2, got '32'"),
+        ({"batches": [True]}, r"objectives.new.batches: must be a list of global batch sizes >= 2, got \[True\]"),
         ({"batches": [64]}, r"objectives.new.grid.optim.lr: has no values for batch\(es\) \[64\] it runs at"),
     ]
     for change, words in refusals:
@@ -305,6 +305,179 @@ def test_spec_refuses_what_the_protocol_forbids(tmp_path, change, words):
     with pytest.raises(SpecError) as error:
         load(write_spec(tmp_path, **change))
     assert all(w in str(error.value) for w in words), error.value
+
+
+def _objective_change(path: Path, name: str, **changes) -> None:
+    raw = json.loads(path.read_text())
+    raw["objectives"][name] = {**raw["objectives"][name], **changes}
+    path.write_text(json.dumps(raw))
+
+
+def test_an_operators_mistakes_in_a_spec_are_one_line_before_any_run(tmp_path, capsys):
+    """What `fastclip train` would refuse (a misspelt key, a value, an architecture) stops `plan` and `run` before
+    any run starts, and so do a spec's own wrong types, repeats, keys the study sets itself, and test seeds that
+    cannot pair: one line naming the key, exit 2, never a traceback (adversarial review, 2026-11-29)."""
+
+    path = write_spec(tmp_path)
+    _objective_change(path, "base2", options={"loss.learn_temprature": False})
+    one_line_error(capsys, main, ["plan", str(path)], "objectives.base2 at batch 32", "loss.learn_temprature")
+    one_line_error(capsys, main, ["run", str(path), "--max-runs", "1"], "objectives.base2", "loss.learn_temprature")
+    path = write_spec(tmp_path, train={"optim.wdd": 0.1})
+    one_line_error(capsys, main, ["plan", str(path)], "optim.wdd")
+    path = write_spec(tmp_path)
+    _objective_change(path, "base2", grid={"optim.lrr": [1e-3, 5e-4], "loss.temperature": [0.07, 0.1]})
+    one_line_error(capsys, main, ["plan", str(path)], "optim.lrr")
+    path = write_spec(tmp_path)
+    _objective_change(path, "base2", grid={"optim.lr": ["fast", 5e-4], "loss.temperature": [0.07, 0.1]})
+    one_line_error(capsys, main, ["plan", str(path)], "optim.lr")
+    path = write_spec(tmp_path, device="gpu")
+    one_line_error(capsys, main, ["plan", str(path)], "train.device")
+    raw = json.loads(write_spec(tmp_path).read_text())
+    raw["datasets"]["d"]["arch"] = "tiny-vit-46"
+    path.write_text(json.dumps(raw))
+    one_line_error(capsys, main, ["plan", str(path)], "model.arch", "did you mean 'tiny-vit-64'")
+    # the spec's own values
+    grid = {"optim.lr": [1e-3, 5e-4], "loss.temperature": [0.07, 0.1]}
+    for change, words in [
+        ({"grid": {**grid, "optim.lr": ["1e-3", 5e-4]}}, ("grid.optim.lr", "'1e-3' is text, not a number", "0.001")),
+        ({"grid": {**grid, "optim.lr": [5e-4, 5e-4]}}, ("grid.optim.lr", "repeats 0.0005")),
+        ({"grid": {**grid, "optim.lr": [[1e-3], 5e-4]}}, ("grid.optim.lr", "values must be scalars")),
+        ({"options": {"data.batch_size": 7}}, ("options.data.batch_size", "the study sets data.batch_size itself")),
+        ({"options": {"model.arch": "ViT-B-32"}}, ("options.model.arch", "from datasets.<name>.arch")),
+        ({"grid": {**grid, "train.seed": [1, 2]}}, ("grid.train.seed",)),
+        ({"options": ["optim.wd"]}, ("options", "must map dotted config keys")),
+    ]:
+        path = write_spec(tmp_path)
+        _objective_change(path, "base2", **change)
+        one_line_error(capsys, main, ["plan", str(path)], *words)
+    for change, words in [
+        ({"batches": [32, 32]}, ("batches", "repeats a batch")),
+        ({"other_test_seeds": [50, 51]}, ("other_test_seeds", "[50, 51] are not test seeds")),
+        ({"tune_seeds": [-1, -2]}, ("tune_seeds", ">= 0")),
+        ({"train": {"train.epochs": 9}}, ("train.train.epochs", "the study sets train.epochs itself")),
+        ({"train": ["optim.wd"]}, ("train", "must map dotted config keys")),
+        ({"warmup_frac": "x"}, ("warmup_frac", "[0, 1)")),
+        ({"warmup_frac": 2}, ("warmup_frac", "[0, 1)")),
+        ({"results": 5}, ("results", "must be a path")),
+        ({"work": ""}, ("work", "must be a path")),
+        ({"name": [1]}, ("name", "must be a word")),
+        ({"datasets": ["d"]}, ("datasets", "must be a mapping of names")),
+        ({"objectives": ["base"]}, ("objectives", "must be a mapping of names")),
+    ]:
+        one_line_error(capsys, main, ["plan", str(write_spec(tmp_path, **change))], *words)
+    raw = json.loads(write_spec(tmp_path).read_text())
+    for change, words in [({"data": 5}, ("datasets.d.data", "must be a folder")),
+                          ({"checks": "x"}, ("datasets.d.checks", "must map")),
+                          ({"checks": {"oracle": 0.1}}, ("datasets.d.checks.oracle", "unknown")),
+                          ({"epochs": True}, ("datasets.d.epochs", "integer >= 1")),
+                          ({"metrc": "x"}, ("datasets.d", "unknown key(s) ['metrc']; known:"))]:  # fmt: skip
+        path.write_text(json.dumps({**raw, "datasets": {"d": {**raw["datasets"]["d"], **change}}}))
+        one_line_error(capsys, main, ["plan", str(path)], *words)
+    path.write_text(json.dumps({**raw, "objectives": {**raw["objectives"], "dcl/hard": raw["objectives"]["base2"]}}))
+    one_line_error(capsys, main, ["plan", str(path)], "objectives.dcl/hard", "a word without '/'")
+    # files: a directory, a base that is no spec
+    one_line_error(capsys, main, ["plan", str(tmp_path)], "is a directory")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "child.yaml").write_text("base: list.yaml\nname: c\n")
+    one_line_error(capsys, main, ["plan", str(tmp_path / "child.yaml")], "list.yaml (the base of", "must be a mapping")
+
+
+def test_a_step_past_an_integer_knob_stays_an_integer():
+    """A queue's size past its grid's top is 2048, not 2048.0 (the trainer refuses a float there) nor 32770."""
+    from benchmarks.study.plan import step_past
+
+    queue = {"loss.queue_size": [256, 512, 1024]}
+    past = step_past(queue, {"loss.queue_size": 1024}, "loss.queue_size")
+    assert past == {"loss.queue_size": 2048} and isinstance(past["loss.queue_size"], int)
+    assert step_past(queue, {"loss.queue_size": 256}, "loss.queue_size") == {"loss.queue_size": 128}
+    big = step_past({"loss.queue_size": [8192, 16384, 32768]}, {"loss.queue_size": 32768}, "loss.queue_size")
+    assert big == {"loss.queue_size": 65536}
+    assert step_past({"optim.lr": [1.25e-4, 2.5e-4, 5e-4]}, {"optim.lr": 5e-4}, "optim.lr") == {"optim.lr": 0.001}
+
+
+def test_a_corrupt_run_record_is_one_line_naming_it_and_never_a_result(tmp_path, capsys):
+    """A truncated or hand-edited run JSON under results/runs: plan, report and run name the file and say to delete
+    it; a record without a numeric metric never counts as done."""
+    spec = load(write_spec(tmp_path))
+    run = tune_runs(spec, "d", 32, "base")[0]
+    fake(spec, run, 0.5)
+    path = records.run_path(spec.results, run.id)
+    good = path.read_text()
+    for text, why in [(good[: len(good) // 2], "unreadable"), ("[1, 2]", "no `final` mapping"),
+                      (json.dumps({**json.loads(good), "final": {"metric": None}}), "final.metric is None"),
+                      (json.dumps({**json.loads(good), "final": {"metric": "0.5"}}), "final.metric is '0.5'"),
+                      (json.dumps({k: v for k, v in json.loads(good).items() if k != "code"}),
+                       "no `code`")]:  # fmt: skip
+        path.write_text(text)
+        for command in (["plan"], ["report"], ["run", "--max-runs", "0"]):
+            err = one_line_error(capsys, main, [command[0], str(spec.path), *command[1:]], str(path), why)
+            assert f"delete it to run {run.id} again" in err
+    path.write_text(good)
+    assert records.load(spec.results, run.id)["final"]["metric"] == 0.5
+
+
+def test_run_folders_files_are_written_whole_and_an_unreadable_one_restarts_or_is_said(tmp_path, capsys):
+    """code.json and wall_s.txt: an unreadable code.json means the run starts over (what it started with is
+    unknown), an unreadable wall_s.txt is said and counted from this attempt; neither stops the runner."""
+    spec = load(write_spec(tmp_path))
+    run = tune_runs(spec, "d", 32, "base")[0]
+    folder = runner.run_dir(spec, run)
+    (folder / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (folder / "code.json").write_text("")
+    assert runner.resumable(folder, "c1", {}) is False
+    (folder / "code.json").write_text(json.dumps({"code": "c1", "args": {}}))
+    assert runner.resumable(folder, "c1", {}) is True
+    (folder / "wall_s.txt").write_text("")
+    active = runner.Active(run, None, folder, tmp_path, start=0.0)
+    total = runner.add_wall(active)
+    assert total > 0 and float((folder / "wall_s.txt").read_text()) == pytest.approx(total, abs=0.1)
+    assert "wall_s.txt unreadable" in capsys.readouterr().out
+    assert not list(folder.glob("*.tmp"))
+
+
+def test_run_refuses_what_would_waste_every_run(tmp_path, capsys, tiny_embedded):
+    """Before the first run: a results or work path that is a file, a batch larger than the training split, a make
+    command that cannot start, a half-made data folder, a corrupt zeroshot.json or manifest, a second `run` of the
+    same study; and a run with nothing to start says why."""
+    import shutil
+
+    data = tmp_path / "copy"  # the tiny shards, with their val split as test too
+    shutil.copytree(tiny_embedded, data)
+    shutil.copytree(data / "val", data / "test")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+
+    def spec_file(datasets=None, **top) -> Path:
+        path = write_spec(tmp_path, **top)
+        raw = json.loads(path.read_text())
+        raw["datasets"]["d"] = {**raw["datasets"]["d"], "data": str(data), **(datasets or {})}
+        path.write_text(json.dumps(raw))
+        return path
+
+    def refused(path, *words):
+        return one_line_error(capsys, main, ["run", str(path), "--max-runs", "1"], *words)
+
+    for key in ("results", "work"):
+        refused(spec_file(**{key: str(afile)}), key, "cannot write there")
+    size = runner.train_samples(data)
+    refused(spec_file(batches=[32, 4096]), f"batches [4096]: larger than datasets.d's {size} training samples")
+    made = tmp_path / "made"
+    refused(spec_file({"data": str(made), "make": ["no-such-maker-x"]}), "datasets.d.make", "'no-such-maker-x'")
+    (made / "train").mkdir(parents=True)
+    (made / "train" / "manifest.json").write_text((data / "train" / "manifest.json").read_text())
+    refused(spec_file({"data": str(made), "make": ["no-such-maker-x"]}), "no val/manifest.json", "half-made")
+    path = spec_file()
+    (data / "zeroshot.json").write_text("{")
+    refused(path, "zeroshot.json: unreadable")
+    (data / "zeroshot.json").write_text((tiny_embedded / "zeroshot.json").read_text())
+    (data / "val" / "manifest.json").write_text("{")
+    refused(path, "datasets.d", "val")
+    (data / "val" / "manifest.json").write_text((tiny_embedded / "val" / "manifest.json").read_text())
+    held = runner.hold_lock(load(path))
+    refused(path, "another `run` of this study is active")
+    held.close()
+    assert main(["run", str(path), "--phase", "long"]) == 0  # long runs wait for the choices
+    assert "no run to start: " in capsys.readouterr().out
 
 
 def test_spec_refuses_unequal_budgets_and_unknown_losses(tmp_path, capsys):
@@ -461,7 +634,9 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
     assert main(["plan", str(other / "spec.json"), "--price-from", str(tmp_path / "priced.json")]) == 0
     out = capsys.readouterr().out
     assert f"core-hours: {expected:.1f} in total" in out and "priced from" in out and "e/32/tune" in out
-    (other / "spec.json").write_text(json.dumps({**raw, "datasets": {"f": raw["datasets"]["e"] | {"arch": "x"}}}))
+    (other / "spec.json").write_text(
+        json.dumps({**raw, "datasets": {"f": raw["datasets"]["e"] | {"arch": "tiny-vit-64"}}})
+    )
     args = ["plan", str(other / "spec.json"), "--price-from", str(tmp_path / "priced.json")]
     one_line_error(capsys, main, args, "'f/32' has no finished run")
     one_line_error(capsys, main, [*args, "--measure"], "--measure and --price-from", "give one")
@@ -491,7 +666,7 @@ def test_a_borrowed_price_comes_from_one_source_dataset_and_only_for_batches_wit
     assert sorted(prices) == ["a/32", "a/32/tune", "new/64"]
     raw["datasets"] = {"x/y": d}
     (tmp_path / "slash.json").write_text(json.dumps(raw))
-    with pytest.raises(SpecError, match=r"datasets.x/y: a dataset's name may not hold '/'"):
+    with pytest.raises(SpecError, match=r"datasets.x/y: a dataset's name is a word without '/'"):
         load(tmp_path / "slash.json")
 
 
@@ -1107,3 +1282,20 @@ def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_
             if (wt / link).is_symlink():
                 (wt / link).unlink()  # the links only: the folders they name are this tree's
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], capture_output=True)
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_stop_before_any_run_is_one_line_and_exit_75(tmp_path, signum):
+    """A stop while the spec loads and its settings are checked (v2: seconds): one line on stderr, exit 75, no
+    traceback; SIGHUP (the terminal closed) is a stop like the others."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.study", "plan", "benchmarks/study/v2.yaml"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(1.5)  # past the interpreter's start, inside load / check_settings (about 3 s)
+    proc.send_signal(getattr(signal, signum))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, (proc.returncode, out, err)
+    assert err.strip() == f"python -m benchmarks.study plan: stopped by {signum}", err

@@ -10,18 +10,36 @@ Usage mistakes (a spec, a cell, mixed code in a table) are one line and exit 2."
 
 from __future__ import annotations
 
-import fnmatch
-import json
-import os
+import signal
 import sys
-from collections import Counter
-from pathlib import Path
 
-from fastclip.cli import OneLineParser, whole_number
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
 
-from . import hours, records, runner
-from .plan import EDGE_STEPS, PHASES, budget, cell_name, cells, plan
-from .spec import SpecError, load
+
+def _stopped_while_importing(signum, frame):
+    command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in ("plan", "run", "report") else ""
+    before = " before any run started" if command == "run" else ""
+    print(f"python -m benchmarks.study {command}: stopped by {signal.Signals(signum).name}{before}".replace(" :", ":"),
+          file=sys.stderr)  # fmt: skip
+    raise SystemExit(75)
+
+
+if __name__ == "__main__":  # a stop is one line from here on, the imports (torch: seconds) included; main() takes over
+    for _signum in STOPS:
+        signal.signal(_signum, _stopped_while_importing)
+
+import difflib  # noqa: E402
+import fnmatch  # noqa: E402
+import os  # noqa: E402
+from collections import Counter  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from fastclip.cli import OneLineParser, whole_number  # noqa: E402
+from fastclip.data.manifest import ManifestError  # noqa: E402
+
+from . import hours, records, runner  # noqa: E402
+from .plan import EDGE_STEPS, PHASES, budget, cell_name, cells, plan  # noqa: E402
+from .spec import SpecError, load  # noqa: E402
 
 
 def _count(least: int):
@@ -77,6 +95,9 @@ def build_parser() -> OneLineParser:
 
 
 def cmd_plan(spec, args) -> int:
+    if args.measure and args.price_from:
+        raise SpecError("--measure and --price-from both price the batches without finished runs; give one")
+    runner.check_settings(spec)
     runs = plan(spec)
     per_budget = budget(spec)
     done = sum(1 for r in runs if not r.chosen_pending and records.load(spec.results, r.id) is not None)
@@ -106,13 +127,14 @@ def cmd_plan(spec, args) -> int:
     if args.list:
         for r in runs:
             print(r.id)
-    if args.measure and args.price_from:
-        print("python -m benchmarks.study plan: --measure and --price-from both price the batches without finished "
-              "runs; give one", file=sys.stderr)  # fmt: skip
-        return 2
     if args.hours or args.measure or args.price_from:
         path = hours.timing_file(spec)
-        timing = hours.measure(spec) if args.measure else json.loads(path.read_text()) if path.is_file() else {}
+        fix = "delete it and time again with `plan --hours --measure`"
+        timing = hours.measure(spec) if args.measure else records.read_json(path, fix) if path.is_file() else {}
+        seconds = timing.get("seconds_per_step", {}) if isinstance(timing, dict) else None
+        ok = isinstance(seconds, dict) and all(isinstance(v, (int, float)) for v in seconds.values())
+        if not ok:
+            raise SpecError(f"{path}: no `seconds_per_step` mapping of numbers; {fix}")
         per_step, measured = timing.get("seconds_per_step", {}), hours.from_runs(spec)
         lent, sources = {}, {}
         if args.price_from:
@@ -123,12 +145,11 @@ def cmd_plan(spec, args) -> int:
         try:
             h = hours.core_hours(spec, per_step, {**lent, **measured})
         except KeyError as missing:
-            print(
-                f"plan --hours: {missing} has no finished run and no timing in {path}; measure it with "
-                "`plan --hours --measure`",
-                file=sys.stderr,
-            )
-            return 2
+            lent_note = f" (and {args.price_from} has no finished run to price it from)" if args.price_from else ""
+            raise SpecError(
+                f"--hours: {missing} has no finished run and no timing in {path}{lent_note}; measure it with "
+                "`plan --hours --measure`"
+            ) from None
         print(
             f"core-hours: {h['total']:.1f} in total, {h['headline']:.1f} for the headline objectives; "
             f"{h['done']:.1f} done, {h['pending']:.1f} pending"
@@ -175,12 +196,17 @@ def cmd_run(spec, args) -> int:
                 at = spec.batches_of(name)
                 only = f"; {name} runs at batch(es) {at} only" if at else f"; {name} runs at none of its batches"
                 only += f" (its batches: {list(objective.batches)})"
-            print(
-                f"run --cell {pattern}: matches no cell of {spec.path} (dataset/batch/objective){only}",
-                file=sys.stderr,
-            )
-            return 2
+            close = difflib.get_close_matches(pattern, every, n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            if pattern.count("/") < 2:
+                hint += f" (a pattern covers several: '{pattern.rstrip('/')}/*')"
+            shown = ", ".join(every[:6]) + (f", ... ({len(every)} in all)" if len(every) > 6 else "")
+            raise SpecError(f"--cell {pattern}: matches no cell of {spec.path} (dataset/batch/objective){only}{hint}; "
+                            f"cells: {shown}")  # fmt: skip
     named = [c for c in every if any(fnmatch.fnmatchcase(c, p) for p in args.cell)] if args.cell else None  # None: all
+    runner.check_settings(spec)
+    runner.check_outputs(spec)
+    lock = runner.hold_lock(spec)  # noqa: F841  (held until this process ends)
     current = records.code_version()
     if args.rerun_stale:
         moved = runner.move_stale(spec, current["code"], named)
@@ -193,10 +219,14 @@ def cmd_run(spec, args) -> int:
         phases = tuple(args.phase) if args.phase else PHASES
         failed = runner.run_pending(spec, cell=named, max_runs=args.max_runs, parallel=args.parallel, phases=phases)
     except runner.Stopped as signal_name:
-        print(f"stopped by {signal_name}: the runs in progress saved a checkpoint; `run` again resumes them")
+        print(
+            f"python -m benchmarks.study run: stopped by {signal_name}: the runs in progress were stopped, each "
+            "keeping its last checkpoint; `run` again resumes them",
+            file=sys.stderr,
+        )
         return 75
     if failed:
-        print(f"{failed} run(s) failed twice (logs under {spec.work / 'runs'}); the next `run` retries them")
+        print(f"{failed} run(s) failed (logs under {spec.work / 'runs'}); the next `run` retries them", file=sys.stderr)
         return 1
     return 0
 
@@ -212,6 +242,11 @@ def cmd_report(spec, args) -> int:
             f"backfill-tau: {filled} record(s) given final.tau from their metrics.jsonl, {without} without a run folder"
         )
 
+    for key, path in (("report_md", spec.report_md), ("summary_json", spec.summary_json)):
+        if path.is_dir():
+            raise SpecError(f"{key} {path}: is a directory; give a file name")
+    if spec.results.exists() and not spec.results.is_dir():
+        raise SpecError(f"results {spec.results}: is a file; give a folder")
     text, _ = report.write(spec)
     print(text)
     print(f"\nwrote {spec.report_md} and {spec.summary_json}")
@@ -220,15 +255,25 @@ def cmd_report(spec, args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # a stop from the first line on is one line: `run` exits 75 (requeue; nothing started is lost), plan and report
+    # change nothing until their end
+    previous = {s: signal.signal(s, runner._stop) for s in STOPS}
     try:
         spec = load(args.spec)
         return {"plan": cmd_plan, "run": cmd_run, "report": cmd_report}[args.command](spec, args)
-    except (SpecError, runner.MixedCommits) as error:
+    except (SpecError, runner.MixedCommits, ManifestError) as error:
         print(f"python -m benchmarks.study {args.command}: {error}", file=sys.stderr)
         return 2
+    except runner.Stopped as signal_name:  # (run's loop answers the stops it sees itself)
+        before = " before any run started" if args.command == "run" else ""
+        print(f"python -m benchmarks.study {args.command}: stopped by {signal_name}{before}", file=sys.stderr)
+        return 75
     except BrokenPipeError:  # `report ... | head`: the reader left; the files are written
         sys.stdout = open(os.devnull, "w")
         return 0
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

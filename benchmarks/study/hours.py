@@ -15,6 +15,7 @@ import subprocess
 from . import records
 from .plan import Run, plan
 from .runner import _env, command, ensure_data, train_samples
+from .spec import SpecError
 
 # a timing run: every step logged, no evaluation, no checkpoint
 QUIET = {"train.log_every": 1, "eval.every_steps": 0, "eval.at_end": False, "checkpoint.every_steps": 0,
@@ -41,8 +42,8 @@ def measure(spec, steps: int = 8) -> dict:
             extra["train.run_dir"] = folder
             done = subprocess.run(command(spec, run, data, extra), cwd=records.REPO, env=_env(), capture_output=True)
             if done.returncode != 0:
-                tail = (done.stdout + done.stderr).decode().strip().splitlines()[-1:]
-                raise RuntimeError(f"timing run {dataset}/{batch} failed: {tail}")
+                tail = (done.stdout + done.stderr).decode().strip().splitlines()[-1:] or ["(no output)"]
+                raise SpecError(f"--measure: the timing run of {dataset}/{batch} failed: {tail[0]}")
             logged = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if "step_time" in x]
             per_step = [batch / r["samples_per_s"] for r in logged if r["step"] > 2] or [
                 batch / r["samples_per_s"] for r in logged

@@ -109,7 +109,9 @@ def step_past(grid: dict, setting: dict, key: str) -> dict | None:
         nearer = values[-2] if value == values[-1] else values[-1]
     else:
         return None
-    step = float(f"{value * value / nearer:.4g}")
+    step = value * value / nearer
+    # an integer knob (a queue's size, top-k) stays an integer: `fastclip train` refuses 2048.0
+    step = round(step) if all(isinstance(v, int) for v in values) else float(f"{step:.4g}")
     if key in KNOB_MAX and step > KNOB_MAX[key]:
         if value >= KNOB_MAX[key]:
             return None

@@ -67,9 +67,32 @@ def run_path(results: Path, run_id: str) -> Path:
     return results / "runs" / f"{run_id}.json"
 
 
+def read_json(path: Path, fix: str):
+    """A JSON file's content; SpecError naming the file and `fix` (what to do) when it cannot be read or parsed."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        why = getattr(error, "strerror", None) or str(error).splitlines()[0]
+        raise SpecError(f"{path}: unreadable ({why}); {fix}") from None
+
+
 def load(results: Path, run_id: str) -> dict | None:
+    """A finished run's record, None when the run has none; SpecError for a file that is no run record (a
+    truncated write, a hand edit): a table must not take it as a result, nor the runner as done."""
     path = run_path(results, run_id)
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    fix = f"delete it to run {run_id} again"
+    record = read_json(path, fix)
+    final = record.get("final") if isinstance(record, dict) else None
+    if not isinstance(final, dict):
+        raise SpecError(f"{path}: not a run record (no `final` mapping); {fix}")
+    value = final.get("metric")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise SpecError(f"{path}: not a run record (final.metric is {value!r}, not a number); {fix}")
+    if not isinstance(record.get("code"), str):
+        raise SpecError(f"{path}: not a run record (no `code`: the code version that ran it); {fix}")
+    return record
 
 
 def save(results: Path, run_id: str, record: dict) -> None:

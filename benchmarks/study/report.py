@@ -14,8 +14,8 @@ from pathlib import Path
 from . import records
 from .plan import KNOB_MAX, PHASES, cell_name, choose, chosen, designate, metric_of, plan, tune_plan
 from .plots import figure_path, write_figures
-from .runner import run_dir
-from .spec import Spec, setting_id
+from .runner import run_dir, zeroshot_sets
+from .spec import Spec, SpecError, setting_id
 from .stats import compare, mean_std, samples_ratio
 
 
@@ -77,7 +77,7 @@ def chance(data: Path) -> float | None:
     path = data / "zeroshot.json"
     if not path.is_file():
         return None
-    sets = json.loads(path.read_text()).get("datasets", {})
+    sets = zeroshot_sets(path)
     shares = [1 / len(d["classnames"]) for d in sets.values() if d.get("classnames")]
     return sum(shares) / len(shares) if shares else None
 
@@ -87,7 +87,9 @@ def data_checks(spec: Spec, name: str) -> dict:
     d = spec.datasets[name]
     checks = dict(d.checks)
     if not checks and (d.data / "checks.json").is_file():
-        checks = json.loads((d.data / "checks.json").read_text())
+        checks = records.read_json(d.data / "checks.json", "fix or delete it (the report then shows no checks)")
+        if not isinstance(checks, dict):
+            raise SpecError(f"{d.data / 'checks.json'}: must map check names to numbers; fix or delete it")
     return {
         "dataset": name,
         "class_blind_oracle_R1": checks.get("class_blind_oracle_R1"),

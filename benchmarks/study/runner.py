@@ -22,7 +22,7 @@ from fastclip.eval.zeroshot import mean_top1
 
 from . import records
 from .plan import PHASES, Run, cell_name, cells, plan, selected
-from .spec import Spec, SpecError, resolve_setting
+from .spec import Spec, SpecError, resolve_setting, setting_id
 
 CURVE_POINTS_MAX = 20
 
@@ -35,23 +35,101 @@ class MixedCommits(RuntimeError):
 def ensure_data(spec: Spec, dataset: str) -> Path:
     """The dataset's folder, made by its `make` command when missing; SpecError when it cannot be used."""
     d = spec.datasets[dataset]
+    made = False
     if not (d.data / "train" / MANIFEST_NAME).is_file() and d.make:
         cmd = [sys.executable if x == "python" else x.replace("{data}", str(d.data)) for x in d.make]
         print(f"making {dataset}: {' '.join(cmd)}", flush=True)
-        done = subprocess.run(cmd, cwd=records.REPO, env=_env(), stdout=subprocess.DEVNULL)
-        if done.returncode != 0:
-            raise SpecError(f"datasets.{dataset}.make exited {done.returncode}; run it by hand to see why")
+        try:
+            proc = subprocess.Popen(cmd, cwd=records.REPO, env=_env(), stdout=subprocess.DEVNULL)
+        except OSError as error:
+            raise SpecError(f"datasets.{dataset}.make: cannot start {cmd[0]!r} ({error.strerror})") from None
+        try:
+            code = proc.wait()
+        except BaseException:  # a stop while making: the maker stops too (its half-made folder is refused below)
+            proc.terminate()
+            proc.wait()
+            raise
+        if code != 0:
+            raise SpecError(f"datasets.{dataset}.make exited {code}; run it by hand to see why")
+        made = True
     for part in (*(f"{split}/{MANIFEST_NAME}" for split in ("train", "val", "test")), "zeroshot.json"):
         if not (d.data / part).is_file():
+            half = d.make and not made and (d.data / "train" / MANIFEST_NAME).is_file()
             raise SpecError(
-                f"datasets.{dataset}.data {d.data}: no {part}; the study needs train/, val/ and test/ shard "
-                "folders and zeroshot.json (or a `make` command that writes them)"
+                f"datasets.{dataset}.data {d.data}: no {part}; "
+                + (
+                    "a half-made folder (its make was stopped?): remove the folder and run again to make it whole"
+                    if half
+                    else "the study needs train/, val/ and test/ shard folders and zeroshot.json (or a `make` "
+                    "command that writes them)"
+                )
             )
+    zeroshot_sets(d.data / "zeroshot.json")
+    for split in ("train", "val", "test"):
+        try:
+            read_manifest(d.data / split)
+        except ValueError as error:  # ManifestError: names the file and field
+            raise SpecError(f"datasets.{dataset}: {error}") from None
     return d.data
+
+
+def zeroshot_sets(path: Path) -> dict:
+    """The datasets of a zeroshot.json ({name: {classnames, templates}}); SpecError naming the file otherwise."""
+    content = records.read_json(path, "write it again (`fastclip data ...` writes it with the shards)")
+    sets = content.get("datasets") if isinstance(content, dict) else None
+    if not isinstance(sets, dict) or not all(isinstance(v, dict) for v in sets.values()):
+        raise SpecError(f"{path}: has no `datasets` mapping of class lists; write it again with the shards")
+    return sets
 
 
 def train_samples(data: Path) -> int:
     return read_manifest(data / "train").num_samples
+
+
+def check_batches(spec: Spec, data: Path, dataset: str, batches) -> None:
+    """SpecError for a global batch larger than the training split (every run of it would fail)."""
+    size = train_samples(data)
+    big = sorted(b for b in set(batches) if b > size)
+    if big:
+        raise SpecError(f"batches {big}: larger than datasets.{dataset}'s {size} training samples")
+
+
+def check_settings(spec: Spec) -> None:
+    """Every run's `fastclip train` keys (the common ones, an objective's options and each grid setting at each batch
+    it runs at, its loss and the data's arch) through the trainer's own parser and checks, before any run starts: a
+    misspelt key or a value the trainer refuses is one line now, not two failed attempts of every run. A key taken
+    from another objective's choice is checked at that objective's first value."""
+    from fastclip.train.config import ConfigError, load_config
+    from fastclip.train.net import check_loss
+    from fastclip.train.preflight import check_arch
+
+    checked: set[tuple] = set()
+    for batch in spec.batches:
+        for name in spec.objectives_at(batch):
+            objective = spec.objectives[name]
+            stand_in = {k: spec.objectives[src].settings(batch)[0][k] for k, src in objective.from_choice.items()}
+            for setting in objective.settings(batch):
+                for dataset in spec.datasets.values():
+                    keys = {
+                        **spec.train,
+                        **resolve_setting(objective.options, batch),
+                        **resolve_setting({**setting, **stand_in}, batch),
+                        "loss.name": objective.loss,
+                        "model.arch": dataset.arch,
+                        "data.batch_size": batch,
+                        "train.device": spec.device,
+                    }
+                    args = [x for k, v in keys.items() for x in (f"--{k}", _value(v))]
+                    if tuple(args) in checked:
+                        continue
+                    checked.add(tuple(args))
+                    try:
+                        cfg = load_config(None, args)
+                        check_arch(cfg)
+                        check_loss(cfg, data_size=2 * batch)
+                    except (ConfigError, ValueError) as error:
+                        where = f"objectives.{name} at batch {batch}, {setting_id(setting)}, datasets.{dataset.name}"
+                        raise SpecError(f"{spec.path}: {where}: {error}") from None
 
 
 # ----------------------------------------------------------------------------- one run
@@ -241,15 +319,34 @@ def backfill_tau(spec: Spec) -> tuple[int, int]:
 def started_with(folder: Path) -> dict:
     """{commit, code, dirty, args}: what the run started with (its folder's code.json; `start` restarts a run whose
     code or settings changed since), else the code now and no args."""
-    path = folder / "code.json"
-    return json.loads(path.read_text()) if path.is_file() else records.code_version()
+    return _started(folder) or records.code_version()
+
+
+def _started(folder: Path) -> dict | None:
+    """The folder's code.json, None when it has none or it cannot be read (then the run starts over)."""
+    try:
+        before = json.loads((folder / "code.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return before if isinstance(before, dict) and {"code", "args"} <= set(before) else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # never half-written: a crash leaves the old file or the new one
 
 
 def add_wall(active: Active) -> float:
     """The run's wall time over all its attempts (kept in its folder while it runs), this attempt's added."""
     path = active.folder / "wall_s.txt"
-    total = (float(path.read_text()) if path.is_file() else 0.0) + time.perf_counter() - active.start
-    path.write_text(f"{total:.1f}")
+    try:
+        before = float(path.read_text()) if path.is_file() else 0.0
+    except (OSError, ValueError):
+        print(f"note: {path} unreadable: {active.run.id}'s wall time counts from this attempt", flush=True)
+        before = 0.0
+    total = before + time.perf_counter() - active.start
+    _write_atomic(path, f"{total:.1f}")
     return total
 
 
@@ -280,11 +377,10 @@ def resumable(folder: Path, code: str, args: dict) -> bool:
     arguments (a folder from before code.json was written: taken as it is)."""
     if not any((folder / "checkpoints").glob("step_*")):
         return False
-    started = folder / "code.json"
-    if not started.is_file():
+    if not (folder / "code.json").is_file():
         return True
-    before = json.loads(started.read_text())
-    return before["code"] == code and before["args"] == args
+    before = _started(folder)  # unreadable: what it started with is unknown, so it starts over
+    return before is not None and before["code"] == code and before["args"] == args
 
 
 def start(spec: Spec, run: Run, data: Path) -> Active:
@@ -298,8 +394,8 @@ def start(spec: Spec, run: Run, data: Path) -> Active:
             print(f"{run.id}: its checkpoints are from other code or settings than now: it starts over", flush=True)
         shutil.rmtree(folder, ignore_errors=True)  # (started but never checkpointed: nothing to keep)
     folder.mkdir(parents=True, exist_ok=True)
-    if not started.is_file():  # the code and settings it starts with: what its JSON records, resumed or not
-        started.write_text(json.dumps({**code, "args": args}))
+    if _started(folder) is None:  # the code and settings it starts with: what its JSON records, resumed or not
+        _write_atomic(started, json.dumps({**code, "args": args}))
     log = open(folder / "stdout.log", "a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=records.REPO)
     log.close()
@@ -310,9 +406,13 @@ def start(spec: Spec, run: Run, data: Path) -> Active:
 def finish(spec: Spec, active: Active) -> None:
     run, folder = active.run, active.folder
     if active.proc.returncode != 0:
+        add_wall(active)  # a failed attempt's time is the run's too ("over all its attempts")
         tail = (folder / "stdout.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"exit {active.proc.returncode}: {tail[0]} (log {folder}/stdout.log)")
     record = result_record(spec, run, folder, active.data, add_wall(active))
+    if record["final"]["metric"] is None:
+        metric_name = spec.datasets[run.dataset].metric
+        raise RuntimeError(f"its last evaluation has no {metric_name} (log {folder}/stdout.log)")
     records.save(spec.results, run.id, record)
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)  # done: the JSON is the record
     print(f"[{time.strftime('%H:%M:%S')}] done  {run.id}: {record['final']['metric']}", flush=True)
@@ -416,7 +516,49 @@ def pending(
 
 
 class Stopped(Exception):
-    """The runner was told to stop (SIGINT, SIGTERM): its runs checkpoint and resume on the next `run`."""
+    """The runner was told to stop (SIGINT, SIGTERM, SIGHUP): its runs checkpoint and resume on the next `run`."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed (as __main__.STOPS)
+
+
+def check_outputs(spec: Spec) -> None:
+    """SpecError unless the results' runs/ folder and the work folder can be made and written: a run that trains
+    for minutes and then cannot save its record loses them."""
+    for key, folder in (("results", spec.results / "runs"), ("work", spec.work)):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as error:
+            raise SpecError(
+                f"{key} {folder}: cannot write there ({error.strerror}); give a folder you can write"
+            ) from None
+
+
+def hold_lock(spec: Spec):
+    """An exclusive lock on the study's results folder for this process's life (the open file is returned: keep
+    it); SpecError when another `run` of it holds it (two would start the same runs in the same folders)."""
+    import fcntl
+
+    path = spec.results / ".run.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        pid = handle.read().strip() or "?"
+        handle.close()
+        raise SpecError(
+            f"another `run` of this study is active (pid {pid}, lock {path}): wait for it or stop it"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
 
 
 def _stop(signum, frame):
@@ -436,10 +578,13 @@ def run_pending(
     failed run is retried once from its checkpoint, then left for the next call. Returns the number of runs that
     failed twice. SIGINT/SIGTERM: the runs in progress get SIGTERM (the trainer checkpoints and exits 75), then
     Stopped."""
-    for dataset in {r.dataset for r in plan(spec, cell)} if max_runs != 0 else ():
-        ensure_data(spec, dataset)  # a missing folder is one line now, not after hours of other runs
+    check_outputs(spec)
+    selected_runs = plan(spec, cell)
+    for dataset in {r.dataset for r in selected_runs} if max_runs != 0 else ():
+        data = ensure_data(spec, dataset)  # a missing folder is one line now, not after hours of other runs
+        check_batches(spec, data, dataset, [r.global_batch for r in selected_runs if r.dataset == dataset])
     active: list[Active] = []
-    previous = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, _stop) for s in STOP_SIGNALS}
     try:
         return _loop(spec, active, cell, max_runs, parallel, phases)
     except BaseException:  # a stop, or a bug here: the runs in progress checkpoint and exit, none is orphaned
@@ -462,7 +607,7 @@ def _loop(
     parallel: int,
     phases: tuple[str, ...],
 ) -> int:
-    failed: dict[str, int] = {}
+    failed: dict[str, int] = {}  # run id -> failed attempts
     started = 0
     while True:
         for a in [a for a in active if a.proc.poll() is not None]:
@@ -478,5 +623,14 @@ def _loop(
             active.append(start(spec, run, ensure_data(spec, run.dataset)))
             started += 1
         if not active:
-            return sum(1 for n in failed.values() if n >= 2)
+            if started == 0 and max_runs != 0:
+                waiting = [r for r in plan(spec, cell) if r.phase in phases and r.chosen_pending]
+                print(
+                    "no run to start: "
+                    + (f"{len(waiting)} wait for a tuning choice; " if waiting else "")
+                    + "the others of these cells and phases are done (`plan` lists them)",
+                    flush=True,
+                )
+            # runs whose last attempt failed (twice, or once where --max-runs allowed no retry)
+            return sum(1 for run_id in failed if records.load(spec.results, run_id) is None)
         time.sleep(2)

@@ -12,6 +12,19 @@ from pathlib import Path
 METRICS = ("retrieval_R1", "zeroshot_top1")  # mean R@1 of both retrieval directions; mean zero-shot top-1
 # batch-resolved spec keys and the config key each becomes (resolve_setting)
 RESOLVED_AS = {"loss.rho_frac": "loss.rho", "optim.lr_tau_b32": "optim.lr_tau"}
+# `fastclip train` keys every run's command sets from the spec itself (runner.command): a spec that set one in
+# `train`, `options` or a grid would be overridden without a word
+STUDY_SET = {
+    "data.train": "datasets.<name>.data", "data.val": "datasets.<name>.data", "data.zeroshot": "datasets.<name>.data",
+    "data.batch_size": "batches", "model.arch": "datasets.<name>.arch", "loss.name": "objectives.<name>.loss",
+    "optim.warmup_steps": "warmup_frac", "train.epochs": "datasets.<name>.epochs (x long_factor)",
+    "train.seed": "tune_seeds / test_seeds", "train.run_dir": "work", "train.device": "device",
+    "train.progress": None, "train.tensorboard": None, "train.log_every": "curve_points",
+    "eval.every_steps": "curve_points / tune_curve_points", "eval.at_end": None, "eval.max_samples": None,
+    "checkpoint.every_steps": "curve_points", "checkpoint.every_minutes": None, "checkpoint.keep_last": None,
+    "checkpoint.at_end": None,
+}  # fmt: skip
+CHECK_KEYS = ("class_blind_oracle_R1", "context_cut_share")
 
 
 class SpecError(ValueError):
@@ -96,24 +109,78 @@ def _need(cond: bool, where: str, what: str) -> None:
         raise SpecError(f"{where}: {what}")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _not_study_set(keys, where: str) -> None:
+    for key in keys:
+        if key in STUDY_SET:
+            by = f" (from {STUDY_SET[key]})" if STUDY_SET[key] else ""
+            raise SpecError(f"{where}.{key}: the study sets {key} itself in every run{by}; remove it")
+
+
+def _config_keys(raw, where: str) -> dict:
+    _need(isinstance(raw, dict), where, f"must map dotted config keys to values, got {raw!r}")
+    for key in raw:
+        _need(isinstance(key, str) and "." in key, f"{where}.{key}", "must be a dotted config key (optim.lr)")
+    _not_study_set(raw, where)
+    return dict(raw)
+
+
+def _grid_values(values: list, where: str) -> None:
+    _need(isinstance(values, list) and values, where, "must be a non-empty list")
+    for v in values:
+        _need(v is None or isinstance(v, (int, float, str, bool)), where, f"values must be scalars, got {v!r}")
+        if isinstance(v, str):
+            try:
+                float(v)
+            except ValueError:
+                continue
+            raise SpecError(f"{where}: {v!r} is text, not a number (YAML reads 1e-3 as text): write {float(v)!r}")
+    repeated = sorted({repr(v) for v in values if values.count(v) > 1})
+    _need(not repeated, where, f"repeats {', '.join(repeated)}: each value once (every setting costs the same runs)")
+
+
+def _path(raw: dict, key: str, where: str) -> str | None:
+    value = raw.get(key)
+    _need(value is None or (isinstance(value, str) and value.strip()), f"{where}: {key}",
+          f"must be a path (text), got {value!r}")  # fmt: skip
+    return value
+
+
 def _seeds(raw, where: str, least: int) -> tuple[int, ...]:
-    ok = isinstance(raw, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in raw)
-    _need(ok and len(set(raw)) == len(raw), where, f"must be a list of distinct integers, got {raw!r}")
+    ok = isinstance(raw, list) and all(_is_int(s) and s >= 0 for s in raw)
+    _need(ok and len(set(raw)) == len(raw), where, f"must be a list of distinct integers >= 0, got {raw!r}")
     _need(len(raw) >= least, where, f"needs at least {least} seeds (the protocol), got {len(raw)}")
     return tuple(raw)
 
 
 def _dataset(name: str, raw: dict, base: Path, where: str) -> Dataset:
-    _need("/" not in str(name), where, "a dataset's name may not hold '/' (run ids are dataset/batch/objective/...)")
+    _name(name, where, "dataset")
     _need(isinstance(raw, dict), where, "must be a mapping (data, arch, epochs, metric)")
-    unknown = set(raw) - {"data", "make", "arch", "epochs", "metric", "placeholder", "checks"}
-    _need(not unknown, where, f"unknown key(s) {sorted(unknown)}")
+    known = {"data", "make", "arch", "epochs", "metric", "placeholder", "checks"}
+    unknown = set(raw) - known
+    _need(not unknown, where, f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
     for key in ("data", "arch", "epochs", "metric"):
         _need(key in raw, where, f"needs `{key}`")
+    _need(
+        isinstance(raw["data"], str) and raw["data"].strip(), f"{where}.data", f"must be a folder, got {raw['data']!r}"
+    )
+    _need(isinstance(raw["arch"], str) and raw["arch"], f"{where}.arch", f"must be a model name, got {raw['arch']!r}")
     _need(raw["metric"] in METRICS, f"{where}.metric", f"must be one of {METRICS}, got {raw['metric']!r}")
-    _need(isinstance(raw["epochs"], int) and raw["epochs"] >= 1, f"{where}.epochs", "must be an integer >= 1")
+    _need(_is_int(raw["epochs"]) and raw["epochs"] >= 1, f"{where}.epochs", "must be an integer >= 1")
     make = raw.get("make")
     _need(make is None or (isinstance(make, list) and make), f"{where}.make", "must be a command as a list")
+    checks = raw.get("checks") or {}
+    _need(isinstance(checks, dict), f"{where}.checks", f"must map {list(CHECK_KEYS)} to numbers, got {checks!r}")
+    for key, value in checks.items():
+        _need(key in CHECK_KEYS, f"{where}.checks.{key}", f"unknown; known: {list(CHECK_KEYS)}")
+        _need(_is_number(value), f"{where}.checks.{key}", f"must be a number, got {value!r}")
     return Dataset(
         name=name,
         data=(base / raw["data"]).resolve(),
@@ -122,32 +189,40 @@ def _dataset(name: str, raw: dict, base: Path, where: str) -> Dataset:
         epochs=raw["epochs"],
         metric=raw["metric"],
         placeholder=raw.get("placeholder"),
-        checks=dict(raw.get("checks") or {}),
+        checks=dict(checks),
     )
 
 
+def _name(name, where: str, what: str) -> None:
+    ok = isinstance(name, str) and name and not any(c in name for c in "/*?[] ")
+    _need(ok, where, f"a {what}'s name is a word without '/', '*', '?', '[', ']' or spaces (run ids are "
+          "dataset/batch/objective/..., --cell takes patterns)")  # fmt: skip
+
+
 def _objective(name: str, raw: dict, where: str) -> Objective:
+    _name(name, where, "objective")
     _need(isinstance(raw, dict) and "loss" in raw, where, "must be a mapping with `loss` (a fastclip loss name)")
-    unknown = set(raw) - {"loss", "options", "grid", "baseline", "headline", "from_choice", "batches"}
-    _need(not unknown, where, f"unknown key(s) {sorted(unknown)}")
+    known = {"loss", "options", "grid", "baseline", "headline", "from_choice", "batches"}
+    unknown = set(raw) - known
+    _need(not unknown, where, f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
     from fastclip.losses import LOSSES
 
     _need(raw["loss"] in LOSSES, f"{where}.loss", f"unknown loss {raw['loss']!r}; one of {sorted(LOSSES)}")
     grid = raw.get("grid") or {}
     _need(isinstance(grid, dict) and grid, f"{where}.grid", "must map config keys to lists of values")
     for key, values in list(grid.items()):
-        _need("." in key, f"{where}.grid.{key}", "must be a dotted config key (optim.lr, loss.temperature)")
+        _need(isinstance(key, str) and "." in key, f"{where}.grid.{key}", "must be a dotted config key (optim.lr)")
         if isinstance(values, dict):  # per global batch (JSON keys are strings)
             ok = all(str(b).isdigit() for b in values)
             got = sorted(map(str, values))
             _need(ok, f"{where}.grid.{key}", f"per-batch values must be keyed by global batch, got {got}")
             values = grid[key] = {int(b): v for b, v in values.items()}
             for b, v in values.items():
-                _need(isinstance(v, list) and v, f"{where}.grid.{key}.{b}", "must be a non-empty list")
+                _grid_values(v, f"{where}.grid.{key}.{b}")
         else:
-            _need(isinstance(values, list) and values, f"{where}.grid.{key}", "must be a non-empty list")
-    options = raw.get("options") or {}
-    _need(isinstance(options, dict), f"{where}.options", "must map config keys to values")
+            _grid_values(values, f"{where}.grid.{key}")
+    _not_study_set(grid, f"{where}.grid")
+    options = _config_keys(raw.get("options") or {}, f"{where}.options")
     clash = {RESOLVED_AS.get(k, k) for k in options} & {RESOLVED_AS.get(k, k) for k in grid}
     _need(not clash, where, f"{sorted(clash)} both fixed in options and tuned in grid")
     from_choice = raw.get("from_choice") or {}
@@ -159,7 +234,8 @@ def _objective(name: str, raw: dict, where: str) -> Objective:
     ok = batches is None or (
         isinstance(batches, list) and batches and all(isinstance(b, int) and not isinstance(b, bool) for b in batches)
     )
-    _need(ok, f"{where}.batches", f"must be a list of global batch sizes, got {batches!r}")
+    ok = ok and all(b >= 2 for b in batches or ())
+    _need(ok, f"{where}.batches", f"must be a list of global batch sizes >= 2, got {batches!r}")
     _need(batches is None or len(set(batches)) == len(batches), f"{where}.batches", f"repeats a batch: {batches}")
     batches = None if batches is None else tuple(batches)
     return Objective(name, raw["loss"], options, grid, baseline, headline, dict(from_choice), batches)
@@ -168,20 +244,27 @@ def _objective(name: str, raw: dict, where: str) -> Objective:
 def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """The mapping of a spec file; `base: FILE` (beside it) gives the keys it does not set, mappings merged key by
     key (lists replaced): a study's variant (another device, more seeds) is its differences only."""
+    of = f" (the base of {seen[-1]})" if seen else ""
+    if path.is_dir():
+        raise SpecError(f"{path}: is a directory{of}; give a spec file (e.g. benchmarks/study/v2.yaml)")
     if not path.is_file():
-        raise SpecError(f"{path}: no such spec file" + (f" (the base of {seen[-1]})" if seen else ""))
+        raise SpecError(f"{path}: no such spec file{of}")
     _need(path.resolve() not in seen, str(path), "is its own base (a cycle of `base:`)")
-    text = path.read_text()
     try:
         import yaml
 
-        raw = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        text = path.read_text()
+        # JSON is YAML: one parser for any suffix (.yml, .YAML, .txt)
+        raw = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError) as error:
+        raise SpecError(f"{path}: cannot read it{of} ({error})") from None
     except (ValueError, yaml.YAMLError) as error:
-        raise SpecError(f"{path}: not valid YAML/JSON ({str(error).splitlines()[0]})") from None
-    _need(isinstance(raw, dict), str(path), "must be a mapping")
+        raise SpecError(f"{path}: not valid YAML/JSON{of} ({str(error).splitlines()[0]})") from None
+    _need(isinstance(raw, dict), str(path) + of, "must be a mapping of the spec's keys")
     if "base" not in raw:
         return raw
-    base = _read(path.parent / str(raw.pop("base")), (*seen, path.resolve()))
+    _need(isinstance(raw["base"], str) and raw["base"], f"{path}: base", "must name a spec file beside this one")
+    base = _read(path.parent / raw.pop("base"), (*seen, path.resolve()))
     return _merged(base, raw)
 
 
@@ -206,6 +289,11 @@ def load(path: Path) -> Spec:
     _need(not unknown, str(path), f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
     for key in ("name", "datasets", "objectives", "batches", "tune_seeds", "test_seeds"):
         _need(key in raw, str(path), f"needs `{key}`")
+    _need(isinstance(raw["name"], str) and raw["name"].strip(), f"{path}: name", f"must be a word, got {raw['name']!r}")
+    for key in ("datasets", "objectives"):
+        _need(isinstance(raw[key] or {}, dict), f"{path}: {key}", f"must be a mapping of names, got {raw[key]!r}")
+    for key in ("results", "work", "report_md", "summary_json"):
+        _path(raw, key, str(path))
     repo = Path(__file__).resolve().parents[2]
     datasets = {n: _dataset(n, d, repo, f"{path}: datasets.{n}") for n, d in (raw["datasets"] or {}).items()}
     objectives = {n: _objective(n, o, f"{path}: objectives.{n}") for n, o in (raw["objectives"] or {}).items()}
@@ -220,10 +308,11 @@ def load(path: Path) -> Spec:
             _need(not objectives[source].from_choice, where, f"{source} takes a choice itself (one step only)")
     batches = raw["batches"]
     _need(
-        isinstance(batches, list) and batches and all(isinstance(b, int) and b >= 2 for b in batches),
+        isinstance(batches, list) and batches and all(_is_int(b) and b >= 2 for b in batches),
         f"{path}: batches",
         "must be a list of global batch sizes >= 2",
     )
+    _need(len(set(batches)) == len(batches), f"{path}: batches", f"repeats a batch: {batches}")
     for name, objective in objectives.items():
         own = [b for b in batches if objective.runs_at(b)]
         for key, values in objective.grid.items():
@@ -248,6 +337,9 @@ def load(path: Path) -> Spec:
     test_seeds = _seeds(raw["test_seeds"], f"{path}: test_seeds", 6)
     other = _seeds(raw.get("other_test_seeds", raw["test_seeds"]), f"{path}: other_test_seeds", 2)
     tune_seeds = _seeds(raw["tune_seeds"], f"{path}: tune_seeds", 2)
+    outside = sorted(set(other) - set(test_seeds))
+    _need(not outside, f"{path}: other_test_seeds", f"{outside} are not test seeds: the others' seeds must be some "
+          "of test_seeds, for the comparisons to pair them")  # fmt: skip
     shared = sorted(set(tune_seeds) & (set(test_seeds) | set(other)))
     _need(not shared, f"{path}: tune_seeds", f"{shared} also test seeds; the test seeds must be fresh")
     long_factor = raw.get("long_factor", 3)
@@ -260,6 +352,12 @@ def load(path: Path) -> Spec:
         f"{path}: tune_curve_points",
         f"must be 1..curve_points ({curve_points})",
     )
+    warmup_frac = raw.get("warmup_frac", 0.05)
+    ok = _is_number(warmup_frac) and 0 <= warmup_frac < 1
+    _need(ok, f"{path}: warmup_frac", f"must be a number in [0, 1), got {warmup_frac!r}")
+    device = raw.get("device", "cpu")
+    _need(isinstance(device, str) and device, f"{path}: device", f"must be cpu or cuda, got {device!r}")
+    train = _config_keys(raw.get("train") or {}, f"{path}: train")
     results = (repo / raw.get("results", f"benchmarks/results/{raw['name']}")).resolve()
     return Spec(
         path=path,
@@ -273,11 +371,11 @@ def load(path: Path) -> Spec:
         test_seeds=test_seeds,
         other_test_seeds=other,
         long_factor=long_factor,
-        warmup_frac=float(raw.get("warmup_frac", 0.05)),
+        warmup_frac=float(warmup_frac),
         curve_points=curve_points,
         tune_curve_points=tune_points,
-        device=str(raw.get("device", "cpu")),
-        train=dict(raw.get("train") or {}),
+        device=device,
+        train=train,
         report_md=(repo / raw["report_md"]).resolve() if "report_md" in raw else results / "report.md",
         summary_json=(repo / raw["summary_json"]).resolve() if "summary_json" in raw else results / "summary.json",
     )

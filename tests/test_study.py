@@ -30,7 +30,9 @@ def write_spec(tmp_path: Path, **changes) -> Path:
     data = tmp_path / "data"
     (data / "train").mkdir(parents=True, exist_ok=True)
     (data / "train" / "manifest.json").write_text(json.dumps({"num_samples": 640, "shards": []}))
-    (data / "zeroshot.json").write_text(json.dumps({"datasets": {"d": {"classnames": list("abcd"), "templates": []}}}))
+    (data / "zeroshot.json").write_text(
+        json.dumps({"datasets": {"d": {"classnames": list("abcd"), "templates": ["a {}."]}}})
+    )
     raw = {
         "name": "t",
         "results": str(tmp_path / "results"),
@@ -341,7 +343,8 @@ def test_an_operators_mistakes_in_a_spec_are_one_line_before_any_run(tmp_path, c
     for change, words in [
         ({"grid": {**grid, "optim.lr": ["1e-3", 5e-4]}}, ("grid.optim.lr", "'1e-3' is text, not a number", "0.001")),
         ({"grid": {**grid, "optim.lr": [5e-4, 5e-4]}}, ("grid.optim.lr", "repeats 0.0005")),
-        ({"grid": {**grid, "optim.lr": [[1e-3], 5e-4]}}, ("grid.optim.lr", "values must be scalars")),
+        ({"grid": {**grid, "optim.lr": [[1e-3], 5e-4]}}, ("config key 'optim.lr'", "expected a number")),
+        ({"grid": {**grid, "optim.lr": [{"a": 1}, 5e-4]}}, ("grid.optim.lr", "scalars or lists of numbers")),
         ({"options": {"data.batch_size": 7}}, ("options.data.batch_size", "the study sets data.batch_size itself")),
         ({"options": {"model.arch": "ViT-B-32"}}, ("options.model.arch", "from datasets.<name>.arch")),
         ({"grid": {**grid, "train.seed": [1, 2]}}, ("grid.train.seed",)),
@@ -468,14 +471,13 @@ def test_run_refuses_what_would_waste_every_run(tmp_path, capsys, tiny_embedded)
     refused(spec_file({"data": str(made), "make": ["no-such-maker-x"]}), "no val/manifest.json", "half-made")
     path = spec_file()
     (data / "zeroshot.json").write_text("{")
-    refused(path, "zeroshot.json: unreadable")
+    refused(path, "zeroshot.json: invalid JSON", "write it again")
     (data / "zeroshot.json").write_text((tiny_embedded / "zeroshot.json").read_text())
     (data / "val" / "manifest.json").write_text("{")
     refused(path, "datasets.d", "val")
     (data / "val" / "manifest.json").write_text((tiny_embedded / "val" / "manifest.json").read_text())
-    held = runner.hold_lock(load(path))
-    refused(path, "another `run` of this study is active")
-    held.close()
+    with runner.hold_lock(load(path)):
+        refused(path, "another `run` of this study is active")
     assert main(["run", str(path), "--phase", "long"]) == 0  # long runs wait for the choices
     assert "no run to start: " in capsys.readouterr().out
 
@@ -1292,10 +1294,55 @@ def test_a_stop_before_any_run_is_one_line_and_exit_75(tmp_path, signum):
     import subprocess
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.study", "plan", "benchmarks/study/v2.yaml"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    time.sleep(1.5)  # past the interpreter's start, inside load / check_settings (about 3 s)
-    proc.send_signal(getattr(signal, signum))
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 75, (proc.returncode, out, err)
+    def plan_stopped_by(signum, ignore_hup: bool):
+        def child_signals():  # as a terminal's shell leaves them, or as nohup does
+            signal.signal(signal.SIGHUP, signal.SIG_IGN if ignore_hup else signal.SIG_DFL)
+
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.study", "plan", "benchmarks/study/v2.yaml"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=child_signals)  # fmt: skip
+        time.sleep(1.5)  # past the interpreter's start, inside the imports, load or check_settings (about 3 s)
+        proc.send_signal(getattr(signal, signum))
+        out, err = proc.communicate(timeout=60)
+        return proc.returncode, out, err
+
+    code, out, err = plan_stopped_by(signum, ignore_hup=False)
+    assert code == 75, (code, out, err)
     assert err.strip() == f"python -m benchmarks.study plan: stopped by {signum}", err
+    if signum == "SIGHUP":  # under nohup the hangup is ignored: the command goes on to its end
+        code, out, err = plan_stopped_by(signum, ignore_hup=True)
+        assert code == 0 and out.startswith("study study_v2: ") and not err, (code, err)
+
+
+def test_a_second_reviews_findings_stay_fixed(tmp_path, capsys):
+    """An integer knob at 1 has no step below it (0 is refused by the trainer); zeroshot.json's single-dataset form
+    is read as the trainer reads it; data.workers belongs in `train`; 'inf' as text is answered with YAML's .inf;
+    a grid of lists of numbers (loss.tau_betas) is a grid; main() in-process leaves the caller's signal handlers."""
+    import signal
+
+    from benchmarks.study.plan import step_past
+
+    topk = "loss.hard_negative_topk"
+    assert step_past({topk: [1, 2, 4]}, {topk: 1}, topk) is None
+    assert step_past({"k": [2, 4, 8]}, {"k": 2}, "k") == {"k": 1}
+    single = tmp_path / "zs.json"
+    single.write_text(json.dumps({"classnames": ["cat", "dog"], "templates": ["a photo of a {}."]}))
+    assert [len(d.classnames) for d in runner.zeroshot_sets(single).values()] == [2]
+    assert report.chance(tmp_path) is None  # no zeroshot.json there
+    (tmp_path / "zeroshot.json").write_text(single.read_text())
+    assert report.chance(tmp_path) == 0.5
+    path = write_spec(tmp_path)
+    _objective_change(path, "base2", options={"data.workers": 2})
+    one_line_error(capsys, main, ["plan", str(path)], "options.data.workers", "set data.workers in the spec's `train`")
+    grid = {"optim.lr": ["inf", 5e-4], "loss.temperature": [0.07, 0.1]}
+    path = write_spec(tmp_path)
+    _objective_change(path, "base2", grid=grid)
+    one_line_error(capsys, main, ["plan", str(path)], "'inf' is text", "write .inf")
+    spec = load(write_spec(tmp_path))
+    raw = json.loads(spec.path.read_text())
+    raw["objectives"]["base2"]["grid"] = {"optim.lr": [1e-3, 5e-4], "loss.queue_size": [[1], [2]]}
+    spec.path.write_text(json.dumps(raw))
+    assert load(spec.path).objectives["base2"].settings(32)[0] == {"optim.lr": 1e-3, "loss.queue_size": [1]}
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["plan", str(write_spec(tmp_path))]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -24,8 +24,14 @@ def _stopped_while_importing(signum, frame):
     raise SystemExit(75)
 
 
+def _handled() -> list:
+    """The stops to take over: never an ignored one (nohup and setsid ignore SIGHUP: the study goes on after a
+    logout)."""
+    return [s for s in STOPS if signal.getsignal(s) != signal.SIG_IGN]
+
+
 if __name__ == "__main__":  # a stop is one line from here on, the imports (torch: seconds) included; main() takes over
-    for _signum in STOPS:
+    for _signum in _handled():
         signal.signal(_signum, _stopped_while_importing)
 
 import difflib  # noqa: E402
@@ -206,7 +212,12 @@ def cmd_run(spec, args) -> int:
     named = [c for c in every if any(fnmatch.fnmatchcase(c, p) for p in args.cell)] if args.cell else None  # None: all
     runner.check_settings(spec)
     runner.check_outputs(spec)
-    lock = runner.hold_lock(spec)  # noqa: F841  (held until this process ends)
+    with runner.hold_lock(spec):
+        return _run(spec, args, named)
+
+
+def _run(spec, args, named) -> int:
+    """`run` once the study is locked: provenance, then the pending runs."""
     current = records.code_version()
     if args.rerun_stale:
         moved = runner.move_stale(spec, current["code"], named)
@@ -253,11 +264,12 @@ def cmd_report(spec, args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, handle_signals: bool = False) -> int:
+    """The command line. handle_signals (the `python -m` entry): a stop is one line, exit 75 (`run` requeues;
+    nothing started is lost; plan and report change nothing until their end); in-process callers keep their own
+    handlers (`run`'s loop still stops its trainers on a stop)."""
     args = build_parser().parse_args(argv)
-    # a stop from the first line on is one line: `run` exits 75 (requeue; nothing started is lost), plan and report
-    # change nothing until their end
-    previous = {s: signal.signal(s, runner._stop) for s in STOPS}
+    previous = {s: signal.signal(s, runner._stop) for s in (_handled() if handle_signals else [])}
     try:
         spec = load(args.spec)
         return {"plan": cmd_plan, "run": cmd_run, "report": cmd_report}[args.command](spec, args)
@@ -277,4 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main(handle_signals=True)
+    for _signum in _handled():  # past main: a stop while exiting is not "before any run started"
+        signal.signal(_signum, signal.SIG_DFL)
+    sys.exit(code)

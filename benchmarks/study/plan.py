@@ -111,7 +111,9 @@ def step_past(grid: dict, setting: dict, key: str) -> dict | None:
         return None
     step = value * value / nearer
     # an integer knob (a queue's size, top-k) stays an integer: `fastclip train` refuses 2048.0
-    step = round(step) if all(isinstance(v, int) for v in values) else float(f"{step:.4g}")
+    step = max(1, round(step)) if all(isinstance(v, int) for v in values) else float(f"{step:.4g}")
+    if step == value:  # an integer knob at 1: no step below it
+        return None
     if key in KNOB_MAX and step > KNOB_MAX[key]:
         if value >= KNOB_MAX[key]:
             return None

@@ -78,7 +78,7 @@ def chance(data: Path) -> float | None:
     if not path.is_file():
         return None
     sets = zeroshot_sets(path)
-    shares = [1 / len(d["classnames"]) for d in sets.values() if d.get("classnames")]
+    shares = [1 / len(d.classnames) for d in sets.values() if d.classnames]
     return sum(shares) / len(shares) if shares else None
 
 

@@ -3,6 +3,7 @@ from its last checkpoint when it was stopped, recorded as one small JSON when it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -47,7 +48,11 @@ def ensure_data(spec: Spec, dataset: str) -> Path:
             code = proc.wait()
         except BaseException:  # a stop while making: the maker stops too (its half-made folder is refused below)
             proc.terminate()
-            proc.wait()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             raise
         if code != 0:
             raise SpecError(f"datasets.{dataset}.make exited {code}; run it by hand to see why")
@@ -74,12 +79,15 @@ def ensure_data(spec: Spec, dataset: str) -> Path:
 
 
 def zeroshot_sets(path: Path) -> dict:
-    """The datasets of a zeroshot.json ({name: {classnames, templates}}); SpecError naming the file otherwise."""
-    content = records.read_json(path, "write it again (`fastclip data ...` writes it with the shards)")
-    sets = content.get("datasets") if isinstance(content, dict) else None
-    if not isinstance(sets, dict) or not all(isinstance(v, dict) for v in sets.values()):
-        raise SpecError(f"{path}: has no `datasets` mapping of class lists; write it again with the shards")
-    return sets
+    """A zeroshot.json's datasets as the trainer reads it (either of its forms), {name: ZeroShotSpec}; SpecError
+    naming the file otherwise."""
+    from fastclip.eval.spec import load_zeroshot_spec
+
+    try:
+        return load_zeroshot_spec(path)
+    except (OSError, ValueError) as error:
+        why = str(error).splitlines()[0]
+        raise SpecError(f"{why}; write it again (`fastclip data ...` writes it with the shards)") from None
 
 
 def train_samples(data: Path) -> int:
@@ -92,6 +100,11 @@ def check_batches(spec: Spec, data: Path, dataset: str, batches) -> None:
     big = sorted(b for b in set(batches) if b > size)
     if big:
         raise SpecError(f"batches {big}: larger than datasets.{dataset}'s {size} training samples")
+
+
+def _arch(arch: str) -> str:
+    """A model config path as the runs read it: relative to the repository root, where they run."""
+    return str(records.REPO / arch) if arch.endswith(".json") and not Path(arch).is_absolute() else arch
 
 
 def check_settings(spec: Spec) -> None:
@@ -115,7 +128,7 @@ def check_settings(spec: Spec) -> None:
                         **resolve_setting(objective.options, batch),
                         **resolve_setting({**setting, **stand_in}, batch),
                         "loss.name": objective.loss,
-                        "model.arch": dataset.arch,
+                        "model.arch": _arch(dataset.arch),
                         "data.batch_size": batch,
                         "train.device": spec.device,
                     }
@@ -397,7 +410,11 @@ def start(spec: Spec, run: Run, data: Path) -> Active:
     if _started(folder) is None:  # the code and settings it starts with: what its JSON records, resumed or not
         _write_atomic(started, json.dumps({**code, "args": args}))
     log = open(folder / "stdout.log", "a")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=records.REPO)
+    # its own process group: a terminal's signals reach the runner alone, which stops the trainers with SIGTERM
+    # (the trainer's checkpointing stop); the study's lock is inherited
+    fds = (_LOCK.fileno(),) if _LOCK is not None and not _LOCK.closed else ()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=records.REPO,
+                            process_group=0, pass_fds=fds)  # fmt: skip
     log.close()
     print(f"[{time.strftime('%H:%M:%S')}] start {run.id}", flush=True)
     return Active(run, proc, folder, data)
@@ -515,11 +532,18 @@ def pending(
     ]
 
 
-class Stopped(Exception):
-    """The runner was told to stop (SIGINT, SIGTERM, SIGHUP): its runs checkpoint and resume on the next `run`."""
+class Stopped(BaseException):
+    """The runner was told to stop (SIGINT, SIGTERM, SIGHUP): its runs checkpoint and resume on the next `run`. A
+    BaseException, so that no library's `except Exception` on the way swallows it."""
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed (as __main__.STOPS)
+
+
+def handled(kinds=STOP_SIGNALS) -> list:
+    """The stop signals to take over: never one that is ignored (nohup and setsid ignore SIGHUP: the study goes on
+    after a logout, and its trainers inherit the ignoring)."""
+    return [k for k in kinds if signal.getsignal(k) != signal.SIG_IGN]
 
 
 def check_outputs(spec: Spec) -> None:
@@ -537,12 +561,14 @@ def check_outputs(spec: Spec) -> None:
             ) from None
 
 
+@contextlib.contextmanager
 def hold_lock(spec: Spec):
-    """An exclusive lock on the study's results folder for this process's life (the open file is returned: keep
-    it); SpecError when another `run` of it holds it (two would start the same runs in the same folders)."""
+    """An exclusive lock on the study (a file in its work folder) inside the block; SpecError when another `run` of
+    it holds it (two would start the same runs in the same folders)."""
     import fcntl
 
-    path = spec.results / ".run.lock"
+    global _LOCK
+    path = spec.work / ".run.lock"  # the work folder: git-ignored, and shared with an at_commit.sh worktree
     path.parent.mkdir(parents=True, exist_ok=True)
     handle = open(path, "a+")
     try:
@@ -552,13 +578,23 @@ def hold_lock(spec: Spec):
         pid = handle.read().strip() or "?"
         handle.close()
         raise SpecError(
-            f"another `run` of this study is active (pid {pid}, lock {path}): wait for it or stop it"
+            f"another `run` of this study is active (pid {pid}, or its trainers; lock {path}): one `run` per study "
+            "at a time (give it --parallel N for more runs at once); wait for it or stop it"
         ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
     handle.flush()
-    return handle
+    _LOCK = handle
+    try:
+        yield handle
+    finally:
+        _LOCK = None
+        handle.close()  # (trainers still running hold it on: they inherited it)
+
+
+_LOCK = None  # the study's lock while this process holds it: its trainers inherit it (a killed runner's orphaned
+# trainers keep it held, so no second `run` resumes their folders under them)
 
 
 def _stop(signum, frame):
@@ -584,7 +620,7 @@ def run_pending(
         data = ensure_data(spec, dataset)  # a missing folder is one line now, not after hours of other runs
         check_batches(spec, data, dataset, [r.global_batch for r in selected_runs if r.dataset == dataset])
     active: list[Active] = []
-    previous = {s: signal.signal(s, _stop) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, _stop) for s in handled()}
     try:
         return _loop(spec, active, cell, max_runs, parallel, phases)
     except BaseException:  # a stop, or a bug here: the runs in progress checkpoint and exit, none is orphaned

@@ -117,31 +117,38 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _not_study_set(keys, where: str) -> None:
+def _not_study_set(keys, where: str, train: bool = False) -> None:
     for key in keys:
+        if key == "data.workers" and not train:  # the runner reads it from `train` only
+            raise SpecError(f"{where}.{key}: set data.workers in the spec's `train` (every run's loader); remove it")
         if key in STUDY_SET:
             by = f" (from {STUDY_SET[key]})" if STUDY_SET[key] else ""
             raise SpecError(f"{where}.{key}: the study sets {key} itself in every run{by}; remove it")
 
 
-def _config_keys(raw, where: str) -> dict:
+def _config_keys(raw, where: str, train: bool = False) -> dict:
     _need(isinstance(raw, dict), where, f"must map dotted config keys to values, got {raw!r}")
     for key in raw:
         _need(isinstance(key, str) and "." in key, f"{where}.{key}", "must be a dotted config key (optim.lr)")
-    _not_study_set(raw, where)
+    _not_study_set(raw, where, train)
     return dict(raw)
 
 
 def _grid_values(values: list, where: str) -> None:
     _need(isinstance(values, list) and values, where, "must be a non-empty list")
     for v in values:
-        _need(v is None or isinstance(v, (int, float, str, bool)), where, f"values must be scalars, got {v!r}")
+        scalar = v is None or isinstance(v, (int, float, str, bool))
+        numbers = isinstance(v, list) and all(_is_number(x) for x in v)  # e.g. loss.tau_betas: [0.9, 0.98]
+        _need(scalar or numbers, where, f"values must be scalars or lists of numbers, got {v!r}")
         if isinstance(v, str):
             try:
-                float(v)
+                number = float(v)
             except ValueError:
                 continue
-            raise SpecError(f"{where}: {v!r} is text, not a number (YAML reads 1e-3 as text): write {float(v)!r}")
+            as_yaml = (
+                repr(number) if math.isfinite(number) else {"inf": ".inf", "-inf": "-.inf"}.get(str(number), ".nan")
+            )
+            raise SpecError(f"{where}: {v!r} is text, not a number (YAML reads 1e-3 as text): write {as_yaml}")
     repeated = sorted({repr(v) for v in values if values.count(v) > 1})
     _need(not repeated, where, f"repeats {', '.join(repeated)}: each value once (every setting costs the same runs)")
 
@@ -357,7 +364,7 @@ def load(path: Path) -> Spec:
     _need(ok, f"{path}: warmup_frac", f"must be a number in [0, 1), got {warmup_frac!r}")
     device = raw.get("device", "cpu")
     _need(isinstance(device, str) and device, f"{path}: device", f"must be cpu or cuda, got {device!r}")
-    train = _config_keys(raw.get("train") or {}, f"{path}: train")
+    train = _config_keys(raw.get("train") or {}, f"{path}: train", train=True)
     results = (repo / raw.get("results", f"benchmarks/results/{raw['name']}")).resolve()
     return Spec(
         path=path,

@@ -113,7 +113,8 @@ def _dispatch(argv: list[str]) -> int:
         lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
         print("usage: fastclip <command> [options]\n\ncommands:\n" + "\n".join(lines))
         return 0
-    training = argv[0] == "train" and not {"-h", "--help", "--print-config", "--check"} & set(argv)
+    # `--check` too: launch/slurm.sbatch runs it before the job, and a preemption there must requeue (75) as well
+    training = argv[0] == "train" and not {"-h", "--help", "--print-config"} & set(argv)
     if training:
         from fastclip.train.preemption import hold_early
 

@@ -151,6 +151,35 @@ def test_a_stop_signal_while_the_run_starts_ends_in_75_not_in_death(data, tmp_pa
     assert not (run / "metrics.jsonl").exists()
 
 
+def test_a_stop_signal_during_check_ends_in_75_with_its_line(data, tmp_path):
+    """launch/slurm.sbatch runs `--check` before the job: a preemption there killed it (143, no line, no requeue).
+    Now the signal is held as for the run: the check runs to its end, then 75 and one line. Deterministic: the
+    config is a FIFO, so the command waits on it with the signal held."""
+    import os
+
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    args = fault_overrides(data, tmp_path / "run", **{"train.max_steps": 4})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastclip", "train", "--config", str(fifo), *args, "--check"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: proc.poll() is not None or _catches(proc.pid, signal.SIGTERM), 60, "the signal held")
+    proc.send_signal(signal.SIGTERM)
+    fifo.write_text((REPO / "configs" / "embedded.yaml").read_text())
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, (out, err)
+    assert "config ok" in out
+    lines = [x for x in err.splitlines() if not x.startswith("fastclip train: note:")]
+    assert lines == [
+        "fastclip train: stopped by SIGTERM during --check (it ran to its end: config ok); exit status 75, submit "
+        "the job again"
+    ], err
+
+
 def test_a_held_signal_is_said_or_taken_as_configured_and_left_to_no_later_run(tmp_path, capsys):
     """In-process: a held signal that train.stop_signals lists ends the command with 75 and its line before anything
     is built; one it does not list gets its own action (here a handler of the caller's); one inherited as ignored
@@ -271,6 +300,15 @@ def test_sbatch_script_checks_once_passes_cpus_to_srun_and_requeues_on_exit_75(t
 def test_sbatch_script_stops_before_srun_when_the_checks_fail(tmp_path):
     out, calls = _sbatch(tmp_path, srun_status=0, check_status=2)
     assert out.returncode == 2 and [c.split()[0] for c in calls] == ["python3"], (out.stderr, calls)
+
+
+def test_sbatch_script_requeues_a_job_stopped_during_its_checks(tmp_path):
+    """A preemption while `--check` runs ends it in 75 (held, as for the run): the job is requeued, srun never
+    starts."""
+    out, calls = _sbatch(tmp_path, srun_status=0, check_status=EXIT_PREEMPTED)
+    assert out.returncode == EXIT_PREEMPTED, out.stderr
+    assert [c.split()[0] for c in calls] == ["python3", "scontrol"] and calls[1] == "scontrol requeue 4242", calls
+    assert out.stderr.strip() == "fastclip: stopped by a signal before the job started; requeueing job 4242"
 
 
 def test_between_logging_steps_the_stop_follows_within_stop_check_every(data, reference, tmp_path):

@@ -159,6 +159,23 @@ def _check(cfg, env, world_size: int | None) -> None:
     print(f"fastclip train: config ok for {world_size} process(es)")
 
 
+def _stopped_while_checking() -> int | None:
+    """A stop signal held while --check ran (fastclip.cli holds them for it too): its line and status 75, so that a
+    launcher that checks first requeues the job as it would for the run; None: none came."""
+    from fastclip.train.preemption import early_stop
+
+    name = early_stop()
+    if name is None:
+        return None
+    print(
+        f"fastclip train: stopped by {name} during --check (it ran to its end: config ok); exit status "
+        f"{EXIT_PREEMPTED}, submit the job again",
+        file=sys.stderr,
+        flush=True,
+    )
+    return EXIT_PREEMPTED
+
+
 def _stopped_while_starting(cfg) -> int | None:
     """A stop signal that came before the config was read (held by fastclip.cli): status 75 with its line when it is
     one of train.stop_signals (a torchrun rank leaves it to the run, whose ranks agree on the stop), else its own
@@ -207,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dist_env_from()  # the launcher's variables, before a run folder or a tower exists
         if args.check_only:
             _check(cfg, env, args.world_size)
-            return 0
+            return _stopped_while_checking() or 0
         if (stopped := _stopped_while_starting(cfg)) is not None:
             return stopped
         from fastclip.train.trainer import train

@@ -271,14 +271,17 @@ def test_a_mistyped_resume_says_so_in_a_folder_holding_a_run_and_in_a_new_one(ti
 
 
 def test_resume_with_another_optimizer_or_loss_of_other_shape_is_refused(tiny_embedded, tmp_path, capsys):
-    """Options that change what the saved state holds (the optimizer's kind, one τ per direction, a τ that no longer
-    trains) are refused in one line by the run and by --check, naming the option; before, the run loaded the state
-    and died in a traceback (a size mismatch, a missing parameter group, LAMB's missing hyperparameter at step 1)."""
+    """Options that change what the saved state holds (the optimizer's kind, fp16's loss scaler, one τ per
+    direction, a τ that no longer trains) are refused in one line by the run and by --check, naming the option;
+    before, the run loaded the state and died in a traceback (a size mismatch, a missing parameter group, LAMB's
+    missing hyperparameter at step 1, GradScaler's empty state)."""
     run = tmp_path / "v3"
     assert main(_args(tiny_embedded, run, mode="fastclip-v3", **{"train.max_steps": 2})) == 0
     resume = {"train.resume": "latest", "train.max_steps": 3}
     for change, key, words in [
         ({"optim.optimizer": "lamb"}, "optim.optimizer", ["'lamb' but checkpoint", "trained with 'adamw'"]),
+        # fp16's GradScaler had no saved state to load: a traceback at the resume (audit, 2026-11-30)
+        ({"train.precision": "fp16"}, "train.precision", ["'fp16' but checkpoint", "trained with 'fp32'"]),
         (
             {"loss.separate_temperatures": True},
             "loss",

@@ -66,6 +66,7 @@ class Expected:
     loss_parameters: dict[str, tuple] | None = None
     loss_trainable: int | None = None
     loss_options: dict = field(default_factory=dict)
+    precision: str | None = None  # train.precision: fp16's loss scaling needs a saved scaler state
 
 
 # ----------------------------------------------------------------------------- files
@@ -207,6 +208,13 @@ def check_config(config: dict, expected: Expected, step_dir: Path, model_file: d
                 f"config key '{key}': {now!r} but checkpoint {step_dir} was trained with {saved[section][name]!r}; "
                 f"resume with the same value, or {_start_anew(step_dir)}"
             )
+    before = saved.get("train", {}).get("precision")
+    if expected.precision == "fp16" and before not in (None, "fp16"):
+        raise ConfigError(
+            f"config key 'train.precision': 'fp16' but checkpoint {step_dir} was trained with {before!r}, which "
+            f"saves no loss-scaler state for fp16 to go on from; resume with {before!r} (fp32 and bf16 resume each "
+            f"other), or {_start_anew(step_dir)}"
+        )
 
 
 def _loss_options_changed(expected: Expected, model_file: dict) -> str:

@@ -323,6 +323,7 @@ def expected_by(cfg: Config, world_size: int, catalog, data_size: int, loss_fn: 
         arch=cfg.model.arch,
         loss=cfg.loss.name,
         optimizer=cfg.optim.optimizer,
+        precision=cfg.train.precision,
         loss_parameters=LossParameters.shapes(loss_fn),
         loss_trainable=sum(1 for p in loss_fn.parameters() if p.requires_grad),
         loss_options={k: v for k, v in cfg.to_dict()["loss"].items() if k not in ("name", "validate")},

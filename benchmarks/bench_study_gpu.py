@@ -28,7 +28,7 @@ from benchmarks.study import records  # noqa: E402
 from benchmarks.study import spec as spec_module
 from benchmarks.study.hours import QUIET  # noqa: E402
 from benchmarks.study.plan import Run  # noqa: E402
-from benchmarks.study.runner import _env, command, train_samples  # noqa: E402
+from benchmarks.study.runner import _env, command, make_command, train_samples  # noqa: E402
 from fastclip.data.format import MANIFEST_NAME  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def small_data(dataset, out: Path, train_size: int) -> Path:
     """The dataset's `make` command with its split sizes cut to train_size / 10 (train / the others)."""
     if (out / "train" / MANIFEST_NAME).is_file():
         return out
-    cmd = [sys.executable if x == "python" else x.replace("{data}", str(out)) for x in dataset.make]
+    cmd = make_command(dataset.make, out)
     sizes = {"--num-train": train_size, "--num-val": train_size // 10, "--num-test": train_size // 10,
              "--num-novel": train_size // 10, "--shard-size": max(100, train_size // 8)}  # fmt: skip
     for flag, value in sizes.items():

@@ -13,25 +13,17 @@ from __future__ import annotations
 import signal
 import sys
 
-STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
+from .stops import Stopped, handled, raise_stopped, stopped_line
 
 
 def _stopped_while_importing(signum, frame):
     command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in ("plan", "run", "report") else ""
-    before = " before any run started" if command == "run" else ""
-    print(f"python -m benchmarks.study {command}: stopped by {signal.Signals(signum).name}{before}".replace(" :", ":"),
-          file=sys.stderr)  # fmt: skip
+    print(stopped_line(command, signal.Signals(signum).name), file=sys.stderr)
     raise SystemExit(75)
 
 
-def _handled() -> list:
-    """The stops to take over: never an ignored one (nohup and setsid ignore SIGHUP: the study goes on after a
-    logout)."""
-    return [s for s in STOPS if signal.getsignal(s) != signal.SIG_IGN]
-
-
 if __name__ == "__main__":  # a stop is one line from here on, the imports (torch: seconds) included; main() takes over
-    for _signum in _handled():
+    for _signum in handled():
         signal.signal(_signum, _stopped_while_importing)
 
 import difflib  # noqa: E402
@@ -137,11 +129,10 @@ def cmd_plan(spec, args) -> int:
         path = hours.timing_file(spec)
         fix = "delete it and time again with `plan --hours --measure`"
         timing = hours.measure(spec) if args.measure else records.read_json(path, fix) if path.is_file() else {}
-        seconds = timing.get("seconds_per_step", {}) if isinstance(timing, dict) else None
-        ok = isinstance(seconds, dict) and all(isinstance(v, (int, float)) for v in seconds.values())
-        if not ok:
+        per_step = timing.get("seconds_per_step", {}) if isinstance(timing, dict) else None
+        if not (isinstance(per_step, dict) and all(isinstance(v, (int, float)) for v in per_step.values())):
             raise SpecError(f"{path}: no `seconds_per_step` mapping of numbers; {fix}")
-        per_step, measured = timing.get("seconds_per_step", {}), hours.from_runs(spec)
+        measured = hours.from_runs(spec)
         lent, sources = {}, {}
         if args.price_from:
             try:
@@ -229,7 +220,7 @@ def _run(spec, args, named) -> int:
     try:
         phases = tuple(args.phase) if args.phase else PHASES
         failed = runner.run_pending(spec, cell=named, max_runs=args.max_runs, parallel=args.parallel, phases=phases)
-    except runner.Stopped as signal_name:
+    except Stopped as signal_name:
         print(
             f"python -m benchmarks.study run: stopped by {signal_name}: the runs in progress were stopped, each "
             "keeping its last checkpoint; `run` again resumes them",
@@ -269,16 +260,15 @@ def main(argv: list[str] | None = None, handle_signals: bool = False) -> int:
     nothing started is lost; plan and report change nothing until their end); in-process callers keep their own
     handlers (`run`'s loop still stops its trainers on a stop)."""
     args = build_parser().parse_args(argv)
-    previous = {s: signal.signal(s, runner._stop) for s in (_handled() if handle_signals else [])}
+    previous = {s: signal.signal(s, raise_stopped) for s in (handled() if handle_signals else [])}
     try:
         spec = load(args.spec)
         return {"plan": cmd_plan, "run": cmd_run, "report": cmd_report}[args.command](spec, args)
     except (SpecError, runner.MixedCommits, ManifestError) as error:
         print(f"python -m benchmarks.study {args.command}: {error}", file=sys.stderr)
         return 2
-    except runner.Stopped as signal_name:  # (run's loop answers the stops it sees itself)
-        before = " before any run started" if args.command == "run" else ""
-        print(f"python -m benchmarks.study {args.command}: stopped by {signal_name}{before}", file=sys.stderr)
+    except Stopped as signal_name:  # (run's loop answers the stops it sees itself)
+        print(stopped_line(args.command, str(signal_name)), file=sys.stderr)
         return 75
     except BrokenPipeError:  # `report ... | head`: the reader left; the files are written
         sys.stdout = open(os.devnull, "w")
@@ -290,6 +280,6 @@ def main(argv: list[str] | None = None, handle_signals: bool = False) -> int:
 
 if __name__ == "__main__":
     code = main(handle_signals=True)
-    for _signum in _handled():  # past main: a stop while exiting is not "before any run started"
+    for _signum in handled():  # past main: a stop while exiting is not "before any run started"
         signal.signal(_signum, signal.SIG_DFL)
     sys.exit(code)

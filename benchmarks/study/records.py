@@ -95,12 +95,17 @@ def load(results: Path, run_id: str) -> dict | None:
     return record
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Never half-written: a crash leaves the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def save(results: Path, run_id: str, record: dict) -> None:
     path = run_path(results, run_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, separators=(",", ":")))
-    tmp.replace(path)  # a run is done exactly when its JSON exists
+    write_atomic(path, json.dumps(record, separators=(",", ":")))  # a run is done exactly when its JSON exists
 
 
 def move_stale(results: Path, run_id: str) -> Path:

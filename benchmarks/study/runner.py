@@ -24,6 +24,7 @@ from fastclip.eval.zeroshot import mean_top1
 from . import records
 from .plan import PHASES, Run, cell_name, cells, plan, selected
 from .spec import Spec, SpecError, resolve_setting, setting_id
+from .stops import handled, raise_stopped
 
 CURVE_POINTS_MAX = 20
 
@@ -38,7 +39,7 @@ def ensure_data(spec: Spec, dataset: str) -> Path:
     d = spec.datasets[dataset]
     made = False
     if not (d.data / "train" / MANIFEST_NAME).is_file() and d.make:
-        cmd = [sys.executable if x == "python" else x.replace("{data}", str(d.data)) for x in d.make]
+        cmd = make_command(d.make, d.data)
         print(f"making {dataset}: {' '.join(cmd)}", flush=True)
         try:
             proc = subprocess.Popen(cmd, cwd=records.REPO, env=_env(), stdout=subprocess.DEVNULL)
@@ -76,6 +77,11 @@ def ensure_data(spec: Spec, dataset: str) -> Path:
         except ValueError as error:  # ManifestError: names the file and field
             raise SpecError(f"datasets.{dataset}: {error}") from None
     return d.data
+
+
+def make_command(make: tuple[str, ...], data: Path) -> list[str]:
+    """A dataset's `make` as a command: `python` is this interpreter, {data} the folder it writes."""
+    return [sys.executable if x == "python" else x.replace("{data}", str(data)) for x in make]
 
 
 def zeroshot_sets(path: Path) -> dict:
@@ -344,12 +350,6 @@ def _started(folder: Path) -> dict | None:
     return before if isinstance(before, dict) and {"code", "args"} <= set(before) else None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)  # never half-written: a crash leaves the old file or the new one
-
-
 def add_wall(active: Active) -> float:
     """The run's wall time over all its attempts (kept in its folder while it runs), this attempt's added."""
     path = active.folder / "wall_s.txt"
@@ -359,7 +359,7 @@ def add_wall(active: Active) -> float:
         print(f"note: {path} unreadable: {active.run.id}'s wall time counts from this attempt", flush=True)
         before = 0.0
     total = before + time.perf_counter() - active.start
-    _write_atomic(path, f"{total:.1f}")
+    records.write_atomic(path, f"{total:.1f}")
     return total
 
 
@@ -408,7 +408,7 @@ def start(spec: Spec, run: Run, data: Path) -> Active:
         shutil.rmtree(folder, ignore_errors=True)  # (started but never checkpointed: nothing to keep)
     folder.mkdir(parents=True, exist_ok=True)
     if _started(folder) is None:  # the code and settings it starts with: what its JSON records, resumed or not
-        _write_atomic(started, json.dumps({**code, "args": args}))
+        records.write_atomic(started, json.dumps({**code, "args": args}))
     log = open(folder / "stdout.log", "a")
     # its own process group: a terminal's signals reach the runner alone, which stops the trainers with SIGTERM
     # (the trainer's checkpointing stop); the study's lock is inherited
@@ -532,20 +532,6 @@ def pending(
     ]
 
 
-class Stopped(BaseException):
-    """The runner was told to stop (SIGINT, SIGTERM, SIGHUP): its runs checkpoint and resume on the next `run`. A
-    BaseException, so that no library's `except Exception` on the way swallows it."""
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed (as __main__.STOPS)
-
-
-def handled(kinds=STOP_SIGNALS) -> list:
-    """The stop signals to take over: never one that is ignored (nohup and setsid ignore SIGHUP: the study goes on
-    after a logout, and its trainers inherit the ignoring)."""
-    return [k for k in kinds if signal.getsignal(k) != signal.SIG_IGN]
-
-
 def check_outputs(spec: Spec) -> None:
     """SpecError unless the results' runs/ folder and the work folder can be made and written: a run that trains
     for minutes and then cannot save its record loses them."""
@@ -597,10 +583,6 @@ _LOCK = None  # the study's lock while this process holds it: its trainers inher
 # trainers keep it held, so no second `run` resumes their folders under them)
 
 
-def _stop(signum, frame):
-    raise Stopped(signal.Signals(signum).name)
-
-
 def run_pending(
     spec: Spec,
     *,
@@ -614,15 +596,15 @@ def run_pending(
     failed run is retried once from its checkpoint, then left for the next call. Returns the number of runs that
     failed twice. SIGINT/SIGTERM: the runs in progress get SIGTERM (the trainer checkpoints and exits 75), then
     Stopped."""
-    check_outputs(spec)
     selected_runs = plan(spec, cell)
+    data = {}
     for dataset in {r.dataset for r in selected_runs} if max_runs != 0 else ():
-        data = ensure_data(spec, dataset)  # a missing folder is one line now, not after hours of other runs
-        check_batches(spec, data, dataset, [r.global_batch for r in selected_runs if r.dataset == dataset])
+        data[dataset] = ensure_data(spec, dataset)  # a missing folder is one line now, not after hours of other runs
+        check_batches(spec, data[dataset], dataset, [r.global_batch for r in selected_runs if r.dataset == dataset])
     active: list[Active] = []
-    previous = {s: signal.signal(s, _stop) for s in handled()}
+    previous = {s: signal.signal(s, raise_stopped) for s in handled()}
     try:
-        return _loop(spec, active, cell, max_runs, parallel, phases)
+        return _loop(spec, active, data, cell, max_runs, parallel, phases)
     except BaseException:  # a stop, or a bug here: the runs in progress checkpoint and exit, none is orphaned
         for a in active:
             a.proc.send_signal(signal.SIGTERM)
@@ -638,6 +620,7 @@ def run_pending(
 def _loop(
     spec: Spec,
     active: list[Active],
+    data: dict[str, Path],
     cell: str | Iterable[str] | None,
     max_runs: int | None,
     parallel: int,
@@ -656,7 +639,7 @@ def _loop(
         todo = pending(spec, cell, {a.run.id for a in active}, failed, phases)
         while todo and len(active) < parallel and (max_runs is None or started < max_runs):
             run = todo.pop(0)
-            active.append(start(spec, run, ensure_data(spec, run.dataset)))
+            active.append(start(spec, run, data[run.dataset]))
             started += 1
         if not active:
             if started == 0 and max_runs != 0:

@@ -392,6 +392,14 @@ class Job:
             p.wait(timeout=60)
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (/proc's SigCgt mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
 def wait_for(predicate, timeout: float, what: str, job: Job | None = None, poll: float = 0.02):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -16,7 +16,7 @@ import pytest
 from fastclip.train.launcher import children
 from fastclip.train.preemption import EXIT_PREEMPTED
 
-from helpers import Job, assert_same_training_state, fault_overrides, latest, step_dir, train_records, wait_for
+from helpers import Job, assert_same_training_state, catches, fault_overrides, latest, step_dir, train_records, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8  # 5 steps per epoch at 2 x 8: the runs cross into epoch 1
@@ -112,14 +112,6 @@ def test_a_signal_to_the_whole_job_at_a_random_moment(data, reference, tmp_path,
     _resume_and_compare(data, run, stopped_at, reference, tmp_path / "resumed")
 
 
-def _catches(pid: int, sig: int) -> bool:
-    """Whether process `pid` has a handler for `sig` (/proc's SigCgt mask)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigCgt:"):
-            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    return False
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_stop_signal_while_the_run_starts_ends_in_75_not_in_death(data, tmp_path, sig):
     """A preemption in the seconds `fastclip train` spends importing torch and reading its config killed it (143,
@@ -138,7 +130,7 @@ def test_a_stop_signal_while_the_run_starts_ends_in_75_not_in_death(data, tmp_pa
         stderr=subprocess.STDOUT,
         text=True,
     )
-    wait_for(lambda: proc.poll() is not None or _catches(proc.pid, sig), 60, "the signal held")
+    wait_for(lambda: proc.poll() is not None or catches(proc.pid, sig), 60, "the signal held")
     proc.send_signal(sig)
     fifo.write_text((REPO / "configs" / "embedded.yaml").read_text())  # (opening blocks until the reader opens)
     out = proc.communicate(timeout=120)[0]
@@ -167,7 +159,7 @@ def test_a_stop_signal_during_check_ends_in_75_with_its_line(data, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    wait_for(lambda: proc.poll() is not None or _catches(proc.pid, signal.SIGTERM), 60, "the signal held")
+    wait_for(lambda: proc.poll() is not None or catches(proc.pid, signal.SIGTERM), 60, "the signal held")
     proc.send_signal(signal.SIGTERM)
     fifo.write_text((REPO / "configs" / "embedded.yaml").read_text())
     out, err = proc.communicate(timeout=120)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from helpers import one_line_error
+from helpers import catches, one_line_error, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `pytest` without PYTHONPATH: benchmarks/ is a folder of the repository root
@@ -1292,7 +1292,6 @@ def test_a_stop_before_any_run_is_one_line_and_exit_75(tmp_path, signum):
     traceback; SIGHUP (the terminal closed) is a stop like the others."""
     import signal
     import subprocess
-    import time
 
     def plan_stopped_by(signum, ignore_hup: bool):
         def child_signals():  # as a terminal's shell leaves them, or as nohup does
@@ -1301,7 +1300,9 @@ def test_a_stop_before_any_run_is_one_line_and_exit_75(tmp_path, signum):
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.study", "plan", "benchmarks/study/v2.yaml"],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=child_signals)  # fmt: skip
-        time.sleep(1.5)  # past the interpreter's start, inside the imports, load or check_settings (about 3 s)
+        # once its handlers are in (SIGTERM's shows in /proc; Python catches SIGINT from its start), inside the
+        # imports, load or check_settings (seconds)
+        wait_for(lambda: proc.poll() is not None or catches(proc.pid, signal.SIGTERM), 60, "the stop handlers")
         proc.send_signal(getattr(signal, signum))
         out, err = proc.communicate(timeout=60)
         return proc.returncode, out, err

@@ -137,6 +137,21 @@ def test_a_stopped_and_resumed_two_process_run_equals_the_uninterrupted_one(runs
     assert not torch.all(state["tau_img"][seen] == 0.03)  # the per-image temperatures moved
 
 
+def test_check_before_a_requeued_ssl_run_accepts_its_checkpoint_and_refuses_a_clip_one(runs, tiny_embedded, capsys):
+    """The launchers run `--check` before every (re)start: it must build the tower + projector the checkpoint
+    holds, not the CLIP model (which refused every requeued ssl job)."""
+    args = ssl_args(tiny_embedded, runs / "stopped", **{"train.max_steps": 8, "train.resume": "latest"})
+    assert train_main([*args, "--check"]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    clip = overrides(tiny_embedded, runs / "clip", "fastclip-v3", **{"train.max_steps": 1})
+    assert train_main(clip) == 0
+    capsys.readouterr()
+    from_clip = {"model.pretrained": str(step_dir(runs / "clip", 1) / "model.pt")}
+    one_line_error(
+        capsys, train_main, [*ssl_args(tiny_embedded, runs / "other", **from_clip), "--check"], "does not fit"
+    )
+
+
 def test_the_export_is_the_image_tower_that_open_clip_loads(runs, tmp_path, capsys):
     from fastclip.compat import import_open_clip
     from fastclip.eval.export import main as export_main

@@ -154,6 +154,20 @@ class Net:
     momentum_towers: MomentumTowers | None = None  # model.ema_momentum's EMA copy of the towers
 
 
+def build_towers(cfg: Config, device: str = "cpu"):
+    """The run's BuiltModel: cfg.model.arch's towers, or in an ssl run its image tower + projector with two views
+    per image (fastclip/train/ssl.py). The one place both the run and `--check` (on the meta device) build them."""
+    from fastclip.models import build_model
+
+    # ssl: data.aug makes the views, not open_clip's transform, which is replaced
+    built = build_model(cfg.model.arch, device=device, aug_cfg=None if cfg.ssl.enabled else aug_options(cfg.data.aug))
+    if cfg.ssl.enabled:
+        from fastclip.train.ssl import ssl_built
+
+        built = ssl_built(built, cfg)
+    return built
+
+
 def build_net(
     cfg: Config,
     info: DistInfo,
@@ -165,18 +179,12 @@ def build_net(
     """Towers (seeded by train.seed: the same init on every rank) + loss + the engine of train.distributed.
     `load(model, loss_fn)` runs before the engine wraps them (resume, pretrained towers), so DDP broadcasts
     identical tensors."""
-    from fastclip.models import build_model
     from fastclip.train.engine import build_engine
     from fastclip.train.gpu import apply_backend_flags, to_channels_last, wants_channels_last
 
     device = info.device
     seed_all(cfg.train.seed)
-    # ssl: data.aug makes the views (fastclip/train/ssl.py), not open_clip's transform, which is replaced
-    built = build_model(cfg.model.arch, aug_cfg=None if cfg.ssl.enabled else aug_options(cfg.data.aug))
-    if cfg.ssl.enabled:  # the image tower + projector, two views per image (fastclip/train/ssl.py)
-        from fastclip.train.ssl import ssl_built
-
-        built = ssl_built(built, cfg)
+    built = build_towers(cfg)
     model = built.model.to(device)
     speedups = apply_backend_flags(cfg, device)  # CUDA: TF32, cudnn.benchmark (fastclip/train/gpu.py)
     if wants_channels_last(cfg, model, device):  # convolutional towers on CUDA

@@ -401,10 +401,10 @@ def check_fits(model: torch.nn.Module, state: dict, what: str, key: str | None =
 
 def check_fits_arch(cfg: Config, state: dict, what: str, key: str) -> None:
     """`--check`: check_fits against the architecture built on the meta device (shapes only: no memory, no init)."""
-    from fastclip.models import build_model
+    from fastclip.train.net import build_towers
 
     with torch.device("meta"):
-        model = build_model(cfg.model.arch, device="meta").model
+        model = build_towers(cfg, device="meta").model  # an ssl run's checkpoint holds the tower + projector
     check_fits(model, state, what, key)
 
 

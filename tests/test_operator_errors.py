@@ -15,7 +15,7 @@ import torch
 from fastclip.models import hub_names_not_cached
 from fastclip.train.cli import main
 
-from helpers import _UNSET, EMBEDDED, fault_overrides, latest, load, step_dir
+from helpers import _UNSET, BATCH, EMBEDDED, fault_overrides, latest, load, step_dir
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +298,27 @@ def test_resume_with_another_optimizer_or_loss_of_other_shape_is_refused(tiny_em
             _fails(capsys, check + args, key, *words, f"--model.pretrained {step_dir(run, 2) / 'model.pt'}")
     assert latest(run) == "step_00000002"
     assert main(_args(tiny_embedded, run, mode="fastclip-v3", **resume)) == 0  # the same settings resume
+
+
+def test_resume_with_another_feature_queue_size_is_refused_and_a_queue_added_starts_empty(
+    tiny_embedded, tmp_path, capsys
+):
+    """A saved feature queue loads only into as many slots: another loss.queue_size, or none, is one line from the
+    run and --check (it was a RuntimeError from load_state_dict); a queue added on resume starts empty."""
+    run = tmp_path / "queue"
+    assert main(_args(tiny_embedded, run, mode="dcl", **{"train.max_steps": 2, "loss.queue_size": 16})) == 0
+    resume = {"train.resume": "latest", "train.max_steps": 3}
+    for size, now in [(32, "this loss has 32 slots"), ("null", "this loss has no queue")]:
+        args = _args(tiny_embedded, run, mode="dcl", **resume, **{"loss.queue_size": size})
+        for check in (["--check"], []):
+            _fails(capsys, check + args, "loss", f"a feature queue of 16 slots, {now}", "loss.queue_size: 16")
+    assert latest(run) == "step_00000002"
+    plain = tmp_path / "plain"
+    assert main(_args(tiny_embedded, plain, mode="dcl", **{"train.max_steps": 2})) == 0
+    assert main(_args(tiny_embedded, plain, mode="dcl", **resume, **{"loss.queue_size": 16})) == 0
+    capsys.readouterr()
+    queue = load(step_dir(plain, 3) / "rank_0.pt")["loss_state"]
+    assert queue["queue.indices"].shape == (16,) and int(queue["queue.position"]) == BATCH  # one push since
 
 
 def test_resume_whose_tensors_do_not_fit_the_model(tiny_embedded, trained, tmp_path, capsys):

@@ -67,6 +67,7 @@ class Expected:
     loss_trainable: int | None = None
     loss_options: dict = field(default_factory=dict)
     precision: str | None = None  # train.precision: fp16's loss scaling needs a saved scaler state
+    queue_size: int | None = None  # loss.queue_size's slots (0: no queue); a saved queue loads only into as many
 
 
 # ----------------------------------------------------------------------------- files
@@ -339,7 +340,14 @@ def check_data(data: dict | None, expected: Expected, step_dir: Path, model_file
 
 
 def check_loss_state(loss_state: dict | None, expected: Expected, step_dir: Path, model_file: dict) -> None:
-    """The per-sample state is as long as this data's."""
+    """The per-sample state is as long as this data's; a saved feature queue has this loss's slots (a queue added
+    on resume starts empty, which is allowed)."""
+    queued = (loss_state or {}).get("queue.indices")
+    if expected.queue_size is not None and hasattr(queued, "shape") and queued.shape[0] != expected.queue_size:
+        now = f"{expected.queue_size} slots" if expected.queue_size else "no queue"
+        raise _loss_misfit(
+            step_dir, expected, model_file, f"a feature queue of {queued.shape[0]} slots, this loss has {now}"
+        )
     extra = (loss_state or {}).get("_extra_state")
     saved = extra.get("data_size") if isinstance(extra, dict) else None
     if saved is not None and int(saved) != int(expected.data_size):

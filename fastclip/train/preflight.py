@@ -324,6 +324,7 @@ def expected_by(cfg: Config, world_size: int, catalog, data_size: int, loss_fn: 
         loss=cfg.loss.name,
         optimizer=cfg.optim.optimizer,
         precision=cfg.train.precision,
+        queue_size=cfg.loss.queue_size or 0,
         loss_parameters=LossParameters.shapes(loss_fn),
         loss_trainable=sum(1 for p in loss_fn.parameters() if p.requires_grad),
         loss_options={k: v for k, v in cfg.to_dict()["loss"].items() if k not in ("name", "validate")},

@@ -44,6 +44,30 @@ def _args(data, run, mode="fastclip-v2", **extra) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- names, machine, files
+def test_wandb_without_a_key_or_server_is_one_line_and_offline_mode_trains(
+    tiny_embedded, tmp_path, capsys, monkeypatch
+):
+    """train.wandb: no API key, or a malformed one, is refused by --check and the run before anything is written
+    (wandb.init raised a UsageError traceback at the run's start); WANDB_MODE=offline needs no key."""
+    pytest.importorskip("wandb")
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "NETRC", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    run = tmp_path / "run"
+    args = _args(tiny_embedded, run, **{"train.max_steps": 1, "train.wandb": True})
+    for check in (["--check"], []):
+        _fails(capsys, check + args, "train.wandb", "no W&B API key", "wandb login", "WANDB_MODE=offline")
+    monkeypatch.setenv("WANDB_API_KEY", "abc")
+    _fails(capsys, args, "train.wandb", "WANDB_API_KEY invalid", "wandb login")
+    assert not run.exists()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert (
+        main(["--check", *_args(tiny_embedded, tmp_path / "offline", **{"train.max_steps": 1, "train.wandb": True})])
+        == 0
+    )
+    capsys.readouterr()
+
+
 def test_a_run_folder_another_job_trains_in_is_refused_and_free_again_after(tiny_embedded, tmp_path, capsys):
     """A second job (or a rank 0 left alive by a killed launcher) holding <run_dir>/.fastclip.lock: one line, exit 2,
     nothing written; once the holder is gone the same command trains."""

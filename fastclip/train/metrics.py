@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from fastclip.losses import individual
+from fastclip.train.config import ConfigError
 
 # The names a record's values go by where they are shown (metrics.jsonl keeps every key of a record):
 TAU_QUANTILES = tuple(individual.TAU_QUANTILES)  # a per-sample τ loss's batch τ quantiles
@@ -296,13 +297,22 @@ def start_wandb(run_dir: Path, *, project: str, config: dict):
     id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
     id_file.write_text(run_id + "\n")
-    run = wandb.init(
-        project=project,
-        name=run_dir.name,
-        id=run_id,
-        resume="allow",
-        dir=str(run_dir),
-        config=config,
-        settings=wandb.Settings(console="off", quiet=True),
-    )
-    return run
+    try:
+        return wandb.init(
+            project=project,
+            name=run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+            settings=wandb.Settings(console="off", quiet=True, silent=True),
+        )
+    except Exception as e:  # no key, no network, a refused project: wandb's own words, in the run's one line
+        if not type(e).__module__.startswith("wandb"):
+            raise
+        from fastclip.train.preflight import wandb_says
+
+        raise ConfigError(
+            f"config key 'train.wandb': {wandb_says(e)}; set WANDB_MODE=offline to keep the logs under the run "
+            f"folder (`wandb sync` them later), or --train.wandb false"
+        ) from None

@@ -48,15 +48,48 @@ from fastclip.train.config import Config, ConfigError
 def check_operator_input(cfg: Config, *, create: bool = True) -> None:
     check_device(cfg)
     check_arch(cfg)
-    check_run_dir(cfg, create=create)
     if cfg.train.wandb:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "config key 'train.wandb': the wandb package is not installed; pip install 'fastclip[wandb]' "
-                "(or drop wandb from --report-to / set --train.wandb false)"
-            ) from None
+        check_wandb()
+    check_run_dir(cfg, create=create)  # last: a refused run leaves no folder
+
+
+WANDB_NO_SERVER = ("offline", "disabled", "dryrun")  # WANDB_MODE values that need no API key
+
+
+def check_wandb() -> None:
+    """train.wandb: the package is installed and, unless WANDB_MODE keeps the run off the server, an API key is
+    where wandb looks for one (WANDB_API_KEY, ~/.netrc, its settings); wandb.init raised a UsageError at the start
+    of the run otherwise. The key lookup is wandb's own, without a prompt; a wandb without it is not checked."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "config key 'train.wandb': the wandb package is not installed; pip install 'fastclip[wandb]' "
+            "(or drop wandb from --report-to / set --train.wandb false)"
+        ) from None
+    if os.environ.get("WANDB_MODE", "").lower() in WANDB_NO_SERVER:
+        return
+    try:
+        from wandb.sdk.lib.wbauth import authenticate_session
+
+        host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+        found = authenticate_session(host=host, source="fastclip train", prompt=False, update_session=False)
+    except (ImportError, TypeError, AttributeError):  # another wandb version's internals: wandb.init will say
+        return
+    except Exception as e:  # a key in the wrong format (wandb's AuthenticationError)
+        raise ConfigError(
+            f"config key 'train.wandb': {wandb_says(e)}; set a valid key (`wandb login`), or WANDB_MODE=offline"
+        ) from None
+    if found is None:
+        raise ConfigError(
+            f"config key 'train.wandb': no W&B API key for {host} (none in WANDB_API_KEY, ~/.netrc or wandb's "
+            f"settings): run `wandb login`, or set WANDB_MODE=offline to keep the logs under the run folder"
+        )
+
+
+def wandb_says(error: Exception) -> str:
+    """wandb's error, one line."""
+    return f"wandb: {(str(error).strip().splitlines() or [type(error).__name__])[0][:300].rstrip('.')}"
 
 
 def check_device(cfg: Config) -> None:

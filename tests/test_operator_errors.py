@@ -345,6 +345,28 @@ def test_resume_with_another_feature_queue_size_is_refused_and_a_queue_added_sta
     assert queue["queue.indices"].shape == (16,) and int(queue["queue.position"]) == BATCH  # one push since
 
 
+def test_resume_with_train_epochs_below_the_checkpoints_epoch_is_refused(tiny_embedded, tmp_path, capsys):
+    """train.epochs counts the run's epochs in all: below the epochs a checkpoint has trained, or cutting the epoch it
+    is part-way through, nothing (or not that epoch's rest) would be trained, and the run ended 0 without a word.
+    Equal to a finished run's epochs is a requeue of a finished job: it trains nothing and ends 0."""
+    run = tmp_path / "run"
+    args = lambda **extra: _args(tiny_embedded, run, **{"train.epochs": 2, "checkpoint.every_steps": 5, **extra})  # noqa: E731
+    assert main(args()) == 0
+    capsys.readouterr()
+    steps_per_epoch = 80 // BATCH
+    assert latest(run) == f"step_{2 * steps_per_epoch:08d}"
+    mid = step_dir(run, steps_per_epoch + 5)
+    for resume, words in [
+        ("latest", ["has trained 2 epochs", "nothing would be trained"]),
+        (mid, ["is part-way through epoch 2", "whose rest would not be trained"]),
+    ]:
+        for check in (["--check"], []):
+            _fails(capsys, check + args(**{"train.epochs": 1, "train.resume": resume}), "train.epochs", *words)
+    assert main(args(**{"train.resume": "latest"})) == 0  # the finished run, started again
+    assert f"steps {2 * steps_per_epoch} -> {2 * steps_per_epoch}" in capsys.readouterr().out
+    assert latest(run) == f"step_{2 * steps_per_epoch:08d}"
+
+
 def test_resume_whose_tensors_do_not_fit_the_model(tiny_embedded, trained, tmp_path, capsys):
     ckpt = tmp_path / "step_00000002"
     shutil.copytree(step_dir(trained, 2), ckpt)

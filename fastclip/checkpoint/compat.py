@@ -67,6 +67,7 @@ class Expected:
     loss_trainable: int | None = None
     loss_options: dict = field(default_factory=dict)
     precision: str | None = None  # train.precision: fp16's loss scaling needs a saved scaler state
+    epochs: int | None = None  # train.epochs (None: not checked)
     queue_size: int | None = None  # loss.queue_size's slots (0: no queue); a saved queue loads only into as many
 
 
@@ -329,6 +330,7 @@ def check_data(data: dict | None, expected: Expected, step_dir: Path, model_file
             f"{shown[0]}, this config gives {shown[1]} ({IDENTITY[name]}); resume with the same data and value, or "
             f"{_start_anew(step_dir)}"
         )
+    check_epochs(data, expected, step_dir, model_file)
     saved_batch = (data.get("layout") or {}).get("batch_size")
     if saved_batch is not None and saved_batch != expected.batch_size and not expected.batch_change_ok:
         raise ConfigError(
@@ -337,6 +339,26 @@ def check_data(data: dict | None, expected: Expected, step_dir: Path, model_file
             f"other schedules; resume with --data.batch_size {saved_batch}, or add --train.resume_batch_change true "
             f"if the change is intended"
         )
+
+
+def check_epochs(data: dict, expected: Expected, step_dir: Path, model_file: dict) -> None:
+    """train.epochs reaches past the epoch the data stream stands in (0-based `epoch` of its last batch): below it
+    the run trains nothing, or cuts the epoch under way. Equal to a finished run's epochs is allowed: a requeued job
+    of a finished run trains nothing and ends."""
+    current, done = data.get("epoch"), model_file.get("epoch")
+    if expected.epochs is None or not isinstance(current, int) or expected.epochs > current:
+        return
+    at = f"checkpoint {step_dir} (step {saved_step(model_file)})"
+    if isinstance(done, int) and done > current:  # the stream's last batch ended its epoch
+        if expected.epochs >= done:
+            return
+        where = f"{at} has trained {done} epochs, so nothing would be trained"
+    else:
+        where = f"{at} is part-way through epoch {current + 1}, whose rest would not be trained"
+    raise ConfigError(
+        f"config key 'train.epochs': {expected.epochs}, but {where}; it counts the run's epochs in all, not the "
+        f"epochs still to go: raise it"
+    )
 
 
 def check_loss_state(loss_state: dict | None, expected: Expected, step_dir: Path, model_file: dict) -> None:

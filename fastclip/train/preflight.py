@@ -367,6 +367,7 @@ def expected_by(cfg: Config, world_size: int, catalog, data_size: int, loss_fn: 
         batch_size=d.batch_size,
         batch_change_ok=bool(cfg.train.resume_batch_change),
         max_steps=cfg.train.max_steps,
+        epochs=cfg.train.epochs,
         data_size=data_size,
         data=stream_identity(
             seed=data_seed(cfg), resampled=d.resampled, samples_per_epoch=d.samples_per_epoch, catalog=catalog

@@ -594,6 +594,12 @@ def test_another_runs_checkpoint_is_not_continued_over_a_run_and_a_log_is_not_cu
     (logged / "metrics.jsonl").write_text('{"step": 1, "loss": 4.2}\n')
     _fails(capsys, _args(tiny_embedded, logged, **{"train.max_steps": 1}), "train.run_dir", "saved no checkpoint")
     assert (logged / "metrics.jsonl").read_text() == '{"step": 1, "loss": 4.2}\n'
+    # a requeued job that died before its first save starts over, and says so (it was silent)
+    assert main(_args(tiny_embedded, logged, **{"train.max_steps": 1, "train.resume": "latest"})) == 0
+    said = capsys.readouterr().err
+    assert "starts at step 0 and starts metrics.jsonl over (1 record of an earlier attempt" in said, said
+    assert [json.loads(line)["step"] for line in (logged / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert json.loads((logged / "metrics.jsonl").read_text())["loss"] != 4.2
     fresh = _args(tiny_embedded, tmp_path / "new", **{"train.resume": step_dir(trained, 2), "train.max_steps": 3})
     assert main(["--check", *fresh]) == 0
 

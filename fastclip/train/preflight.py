@@ -2,7 +2,7 @@
 
 Each failure is a ConfigError: one line naming the key or file and what to do; `fastclip train` exits 2.
 
-    check_operator_input(cfg)           the three below, and train.wandb without the wandb package
+    check_operator_input(cfg)           the three below, and train.wandb without the wandb package or an API key
     check_device(cfg)                   train.device cuda on a machine without a GPU
     check_arch(cfg)                     model.arch that is no known architecture (lists the known ones), or whose
                                         Hugging Face text tower is a hub id not in the local cache
@@ -15,6 +15,7 @@ Each failure is a ConfigError: one line naming the key or file and what to do; `
     check_fits(model, state, what)      every tensor present with the model's shape (strict: no partial loads)
     check_fits_arch(cfg, state, ...)    the same for `--check`, against the architecture built on the meta device
     setting_notes(cfg, device, ...)     settings that are legal but rarely what was meant: notes, said at the start
+    restart_note(cfg, resume_dir)       `--train.resume latest` over records with no checkpoint: said
 """
 
 from __future__ import annotations
@@ -459,6 +460,22 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- notes on legal settings
+def restart_note(cfg: Config, resume_dir: Path | None) -> str | None:
+    """`--train.resume latest` in a run folder with no checkpoint yet but records (a job that died, or was requeued,
+    before its first save) starts at step 0 and starts its metrics.jsonl over: said, with how many records go."""
+    records = Path(cfg.train.run_dir) / "metrics.jsonl"
+    if cfg.train.resume != "latest" or resume_dir is not None or not records.is_file():
+        return None
+    with open(records, "rb") as f:
+        count = sum(1 for line in f if line.strip())
+    if not count:
+        return None
+    return (
+        f"fastclip train: note: train.resume latest: {cfg.train.run_dir} has no checkpoint yet, so this run starts "
+        f"at step 0 and starts {records.name} over ({count} record{'s' * (count != 1)} of an earlier attempt that saved none)"
+    )
+
+
 def setting_notes(
     cfg: Config, device: torch.device, resumed_layout, stream, total_steps: int, steps: tuple[int, int]
 ) -> list[str]:

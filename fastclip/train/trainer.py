@@ -143,6 +143,7 @@ class Run:
     def start_reporting(self) -> None:
         """Metrics, evaluation, the start lines (rank 0) and fault handling."""
         cfg, info = self.cfg, self.info
+        restart = preflight.restart_note(cfg, self.resume_dir) if info.is_main else None  # before the logger cuts
         self.log = metrics.run_logger(cfg, enabled=info.is_main, start_step=self.step, total_steps=self.last_step)
         self.evaluation = Evaluation(cfg, self.net, self.device, self.log)
         if info.is_main:
@@ -152,7 +153,8 @@ class Run:
                 metrics.start_line(cfg, info, self.net, self.stream, steps, self.resume_dir, self.pretrained)
             )
             total_steps = self.schedules.total_steps
-            for line in preflight.setting_notes(cfg, self.device, self.resumed_layout, self.stream, total_steps, steps):
+            notes = preflight.setting_notes(cfg, self.device, self.resumed_layout, self.stream, total_steps, steps)
+            for line in [restart] * (restart is not None) + notes:
                 note(line)
         # fault handling (guards.py): NaN/Inf steps skipped, skipped samples reported over ranks
         self.guard, self.skips = build_guards(

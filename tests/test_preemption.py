@@ -235,7 +235,9 @@ def test_stop_signals_config_error_is_one_line_with_exit_2(tmp_path):
     assert out.returncode == 2 and out.stderr.strip().endswith("(on the command line: --train.stop_signals '[SIGHUP]')")
 
 
-def _sbatch(tmp_path, srun_status: int, check_status: int = 0) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _sbatch(
+    tmp_path, srun_status: int, check_status: int = 0, **env_change
+) -> tuple[subprocess.CompletedProcess, list[str]]:
     """launch/slurm.sbatch run by bash outside SLURM as sbatch runs it: a copy elsewhere, the repository being the
     submit folder (here a checkout without .venv), with `srun`, `scontrol` and `python3` as stand-ins on PATH that
     record their arguments (python3 answers the launcher's import probe, then `train --check` with check_status)."""
@@ -263,6 +265,7 @@ def _sbatch(tmp_path, srun_status: int, check_status: int = 0) -> tuple[subproce
         "SLURM_NTASKS": "8",
         "SLURM_SUBMIT_DIR": str(submit),
     }
+    env = {k: v for k, v in {**env, **env_change}.items() if v is not None}  # None: unset
     out = subprocess.run(
         ["bash", str(spool / "slurm_script"), "configs/cc3m-fastclip-v3.yaml", "--optim.lr", "5e-4"],
         env=env,
@@ -292,6 +295,20 @@ def test_sbatch_script_checks_once_passes_cpus_to_srun_and_requeues_on_exit_75(t
 def test_sbatch_script_stops_before_srun_when_the_checks_fail(tmp_path):
     out, calls = _sbatch(tmp_path, srun_status=0, check_status=2)
     assert out.returncode == 2 and [c.split()[0] for c in calls] == ["python3"], (out.stderr, calls)
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ({"SLURM_NTASKS": None}, "launch/slurm.sbatch: error: SLURM_NTASKS is not set: give the job its tasks"),
+        ({"SLURM_SUBMIT_DIR": "/"}, "launch/slurm.sbatch: error: the job was submitted from /, which is not the"),
+    ],
+)
+def test_sbatch_script_without_its_tasks_or_outside_the_repository_is_one_line(tmp_path, change, said):
+    """(bash's `unbound variable`, or `launch/python.sh: No such file or directory` and a status of 1, before)"""
+    out, calls = _sbatch(tmp_path, srun_status=0, **change)
+    assert out.returncode == 2 and calls == [], (out.stderr, calls)
+    assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith(said), out.stderr
 
 
 def test_sbatch_script_requeues_a_job_stopped_during_its_checks(tmp_path):

@@ -472,7 +472,8 @@ def restart_note(cfg: Config, resume_dir: Path | None) -> str | None:
         return None
     return (
         f"fastclip train: note: train.resume latest: {cfg.train.run_dir} has no checkpoint yet, so this run starts "
-        f"at step 0 and starts {records.name} over ({count} record{'s' * (count != 1)} of an earlier attempt that saved none)"
+        f"at step 0 and starts {records.name} over ({count} record{'s' * (count != 1)} of an earlier attempt that "
+        f"saved none)"
     )
 
 

@@ -604,11 +604,13 @@ def test_another_runs_checkpoint_is_not_continued_over_a_run_and_a_log_is_not_cu
     assert main(["--check", *fresh]) == 0
 
 
-@pytest.mark.parametrize("name", [".fastclip.lock", "metrics.jsonl", "config.yaml"])
+@pytest.mark.parametrize("name", [".fastclip.lock", "metrics.jsonl", "config.yaml", "checkpoints/latest"])
 def test_a_folder_where_the_run_writes_a_file_is_one_line(tiny_embedded, tmp_path, capsys, name):
     (tmp_path / "run" / name).mkdir(parents=True)
-    args = _args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1})
-    _fails(capsys, args, "train.run_dir", f"{tmp_path / 'run' / name} is a folder where the run writes a file")
+    args = _args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1, "train.resume": "latest"})
+    for check in (["--check"], []):  # (checkpoints/latest was found only at the first save)
+        said = f"{tmp_path / 'run' / name} is a folder where the run writes a file"
+        _fails(capsys, check + args, "train.run_dir", said)
 
 
 def test_resuming_with_max_steps_below_the_checkpoint_is_refused(tiny_embedded, trained, tmp_path, capsys):

@@ -183,7 +183,8 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
     elif resume != "latest" and os.path.lexists(resume) and not _within(Path(resume), run_dir):
         # another run's checkpoint, continued here (a path that does not exist is said by the resume's check)
         check_no_run_held(run_dir, resuming=resume)
-    for name in (RUN_LOCK, "metrics.jsonl", "config.yaml"):  # files the run writes: a folder there stops it later
+    written = (RUN_LOCK, "metrics.jsonl", "config.yaml", f"{CHECKPOINTS}/{LATEST}") + ("wandb_id",) * cfg.train.wandb
+    for name in written:  # files the run writes: a folder there stops it later
         if os.path.isdir(run_dir / name):  # (never raises: a name too long is said by the probe below)
             raise ConfigError(
                 f"config key 'train.run_dir': {run_dir / name} is a folder where the run writes a file; move it "

@@ -566,6 +566,29 @@ def test_a_held_out_folder_without_shards_is_refused_before_training(tiny_embedd
     _fails(capsys, ["--check", *args], "data.val", "manifest.json")
 
 
+@pytest.mark.parametrize(
+    "val, said",
+    [
+        ("", "subfolders train, val are shard folders, not one folder of images per class: give the held-out one"),
+        ("zeroshot.json", "zeroshot.json: not a tar shard"),
+        ("val/x-*.tar", "no shards found for"),
+        ("val/*.tar", None),  # OpenCLIP's --val-data patterns: the evaluation reads them
+        ("val/val-{000000..000000}.tar", None),
+    ],
+)
+def test_data_val_given_as_a_data_root_or_a_file_that_is_no_shard_is_refused(
+    tiny_embedded, tmp_path, capsys, val, said
+):
+    """The data root (its train/ and val/ taken for two classes without images) and a class-names file (read as a
+    shard whose samples were all skipped) passed the checks; a pattern was refused as a path that does not exist."""
+    extra = {"data.val": f"{tiny_embedded}/{val}", "eval.at_end": True, "train.max_steps": 1}
+    args = ["--check", *_args(tiny_embedded, tmp_path / "run", **extra)]
+    if said is None:
+        assert main(args) == 0, capsys.readouterr().err
+    else:
+        _fails(capsys, args, "data.val", said)
+
+
 def test_command_line_mistakes_that_would_be_ignored_are_refused(tiny_embedded, tmp_path, capsys):
     """--world-size outside --check (one process would train), two --config files (the last would win), an
     unknown key typed on the command line (named as typed there, not as from the file)."""

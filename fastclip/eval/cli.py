@@ -49,7 +49,13 @@ from fastclip.eval.probe import (
     split_for_probe,
 )
 from fastclip.eval.retrieval import DEFAULT_KS, DIRECTIONS, recall_name
-from fastclip.eval.samples import EvalDataError, image_folder_classes, is_image_folder, iter_image_folder
+from fastclip.eval.samples import (
+    EvalDataError,
+    image_folder_classes,
+    is_image_folder,
+    iter_image_folder,
+    shard_subfolders,
+)
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders
 from fastclip.progress import Progress
 
@@ -64,7 +70,7 @@ def resolve_data(path: Path) -> tuple[Path, Path | None]:
     if (val := embedded_split(path, "val")) is not None:
         return val, path / ZEROSHOT_NAME
     if is_image_folder(path):
-        shard_folders = [p.name for p in sorted(path.iterdir()) if _is_shard_folder(p)]
+        shard_folders = shard_subfolders(path)
         if shard_folders:  # read as classes, train/ and val/ would give 0 samples and a 2-class "accuracy"
             hint = (
                 f"a data root without {ZEROSHOT_NAME}: pass --data {path / 'val'}"
@@ -82,10 +88,6 @@ def resolve_data(path: Path) -> tuple[Path, Path | None]:
 def _is_pattern(path: Path) -> bool:
     """A glob or brace pattern of shard files (not a path that must exist)."""
     return any(ch in str(path) for ch in "*{")
-
-
-def _is_shard_folder(path: Path) -> bool:
-    return path.is_dir() and ((path / MANIFEST_NAME).is_file() or any(path.glob("*.tar")))
 
 
 class _OneLineWarnings(logging.Filter):

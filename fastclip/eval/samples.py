@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,14 +78,32 @@ def listed_shards(source: str | os.PathLike) -> list[tuple[Path, int | None]]:
             raise EvalDataError(f"{path}: no {MANIFEST_NAME} and no .tar shards in this folder")
         return [(tar, None) for tar in tars]
     if path.is_file():
-        return [(path, None)]
+        return [(_tar_file(path), None)]
     paths = [
         Path(g) for p in expand_braces(text) for g in (sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p])
     ]
     missing = [p for p in paths if not p.is_file()]
     if not paths or missing:
         raise EvalDataError(f"no shards found for {text!r}" + (f" (missing: {missing[0]})" if missing else ""))
-    return [(p, None) for p in paths]
+    return [(_tar_file(p), None) for p in paths]
+
+
+def _tar_file(path: Path) -> Path:
+    """A file given as a shard is a tar (a class-names .json or a manifest given instead was read as a shard whose
+    samples were all skipped)."""
+    if not tarfile.is_tarfile(path):
+        raise EvalDataError(f"{path}: not a tar shard; give a shard folder, a .tar or a pattern of them")
+    return path
+
+
+def shard_subfolders(path: str | os.PathLike) -> list[str]:
+    """The subfolders of `path` that hold shards (a manifest or .tar files): a data root's train/ and val/, which
+    is_image_folder would take for two classes without images."""
+    return [p.name for p in sorted(Path(path).iterdir()) if p.is_dir() and _holds_shards(p)]
+
+
+def _holds_shards(path: Path) -> bool:
+    return (path / MANIFEST_NAME).is_file() or any(path.glob("*.tar"))
 
 
 def is_image_folder(path: str | os.PathLike) -> bool:

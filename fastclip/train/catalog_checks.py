@@ -116,16 +116,22 @@ def check_eval_inputs(cfg: Config) -> None:
     for key in ("val", "zeroshot"):
         path = getattr(cfg.data, key)
         evaluating = cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end)
-        if path is not None and evaluating and not Path(path).exists():
+        pattern = key == "val" and any(c in str(path) for c in "*?[{")  # shards by glob or {a..b}: found below
+        if path is not None and evaluating and not Path(path).exists() and not pattern:
             raise ConfigError(f"config key 'data.{key}': {path!r} does not exist (set it to null to skip eval)")
         if key == "val" and path is not None and evaluating:  # its shards are found now, not at the first eval
-            from fastclip.eval.samples import is_image_folder, shard_paths
+            from fastclip.eval.samples import is_image_folder, shard_paths, shard_subfolders
 
             try:
-                if not is_image_folder(path):
-                    shard_paths(path)
+                folders = shard_subfolders(path) if is_image_folder(path) else shard_paths(path) and []
             except (ValueError, OSError) as e:  # (EvalDataError, and a ManifestError of a bad manifest.json)
                 raise ConfigError(f"config key 'data.val': {e} (set it to null to skip eval)") from None
+            if folders:  # a data root: its train/ and val/ would be read as two classes without images
+                raise ConfigError(
+                    f"config key 'data.val': {path}'s subfolders {', '.join(folders)} are shard folders, not one "
+                    f"folder of images per class: give the held-out one, e.g. --data.val "
+                    f"{Path(path) / ('val' if 'val' in folders else folders[0])}"
+                )
         if key == "zeroshot" and path is not None and evaluating:  # read now, not after the training
             from fastclip.eval.spec import load_zeroshot_spec
 

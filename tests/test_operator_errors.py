@@ -636,6 +636,20 @@ def test_a_folder_where_the_run_writes_a_file_is_one_line(tiny_embedded, tmp_pat
         _fails(capsys, check + args, "train.run_dir", said)
 
 
+@pytest.mark.parametrize("name", [".fastclip.lock", "metrics.jsonl", "config.yaml"])
+def test_a_file_the_run_writes_that_cannot_be_written_is_one_line(tiny_embedded, tmp_path, capsys, name):
+    """A broken link stands in for any file that will not open for writing (another owner's, a read-only mount:
+    as root here, permissions cannot refuse): a FileNotFoundError/PermissionError traceback at the first write."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).symlink_to(tmp_path / "gone" / name)
+    args = _args(tiny_embedded, run, **{"train.max_steps": 1, "train.resume": "latest"})
+    for check in (["--check"], []):
+        said = f"{run / name} cannot be written: No such file or directory (a broken symbolic link)"
+        _fails(capsys, check + args, "train.run_dir", said)
+    assert not (tmp_path / "gone").exists() and sorted(p.name for p in run.iterdir()) == [name]
+
+
 def test_resuming_with_max_steps_below_the_checkpoint_is_refused(tiny_embedded, trained, tmp_path, capsys):
     """train.max_steps counts the run's steps in all: below the checkpoint's step nothing would be trained, and
     the run would exit 0 as if it had finished."""

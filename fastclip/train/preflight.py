@@ -171,6 +171,19 @@ def check_text_tower_local(arch: str, config: dict) -> None:
         )
 
 
+def check_writable(path: Path) -> None:
+    """A file the run writes, already there, opens for writing: probed without creating or changing anything (a
+    file of another owner, a broken link, a read-only mount gave a traceback at the first write)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+    except OSError as e:
+        broken = " (a broken symbolic link)" if os.path.islink(path) and not os.path.exists(path) else ""
+        raise ConfigError(
+            f"config key 'train.run_dir': {path} cannot be written: {e.strerror}{broken}; fix it or move it away, "
+            f"or choose another --train.run_dir"
+        ) from None
+
+
 def check_run_dir(cfg: Config, *, create: bool = True) -> None:
     """The run folder (and its checkpoints/) can be created and written: probe with a real file, since
     permissions alone do not tell (a read-only mount, root, ACLs). ``create=False`` (train --check) leaves the
@@ -190,6 +203,8 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
                 f"config key 'train.run_dir': {run_dir / name} is a folder where the run writes a file; move it "
                 f"away or choose another --train.run_dir"
             )
+        if os.path.lexists(run_dir / name) and name != f"{CHECKPOINTS}/{LATEST}":  # (replaced by a rename)
+            check_writable(run_dir / name)
     if (
         cfg.train.tensorboard
         and os.path.lexists(run_dir / "tensorboard")

@@ -111,6 +111,15 @@ def test_cuda_without_a_gpu(tiny_embedded, tmp_path, capsys):
     )
 
 
+def test_nccl_on_the_cpu_is_one_line(tiny_embedded, tmp_path, capsys):
+    """(2 processes gave 'could not meet at localhost:PORT (Distributed package doesn't have NCCL built in)' on one
+    rank, a 30-minute wait on the other)"""
+    args = _args(tiny_embedded, tmp_path / "run", **{"train.device": "cpu", "train.backend": "nccl"})
+    for check in (["--check", "--world-size", "2"], []):
+        _fails(capsys, check + args, "train.backend", "nccl runs between CUDA GPUs", "(train.device cpu)", "gloo")
+    assert not (tmp_path / "run").exists()
+
+
 def test_config_that_is_a_directory_or_empty(tmp_path, capsys):
     _fails(capsys, ["--config", str(tmp_path)], None, "is a directory")
     empty = tmp_path / "empty.yaml"

@@ -3,7 +3,7 @@
 Each failure is a ConfigError: one line naming the key or file and what to do; `fastclip train` exits 2.
 
     check_operator_input(cfg)           the three below, and train.wandb without the wandb package or an API key
-    check_device(cfg)                   train.device cuda on a machine without a GPU
+    check_device(cfg)                   train.device cuda on a machine without a GPU, train.backend nccl on the CPU
     check_arch(cfg)                     model.arch that is no known architecture (lists the known ones), or whose
                                         Hugging Face text tower is a hub id not in the local cache
     check_run_dir(cfg)                  a run folder that cannot be written, or that holds a run and no resume
@@ -100,6 +100,13 @@ def check_device(cfg: Config) -> None:
             f"config key 'train.device': cuda, but this machine has {built} "
             f"(torch.cuda.is_available() is False); use --train.device cpu, or auto to take a GPU "
             f"when there is one"
+        )
+    on_cpu = cfg.train.device == "cpu" or not torch.cuda.is_available()
+    if cfg.train.backend == "nccl" and on_cpu:  # the processes failed to meet, "doesn't have NCCL built in"
+        where = "train.device cpu" if cfg.train.device == "cpu" else "no CUDA GPU on this machine"
+        raise ConfigError(
+            f"config key 'train.backend': nccl runs between CUDA GPUs, and this run trains on the CPU ({where}); "
+            f"use --train.backend gloo, or auto (nccl on GPUs, gloo on CPUs)"
         )
 
 

@@ -237,6 +237,28 @@ def test_config_errors_name_the_key(tmp_path):
     assert merged["prescale_gradients"] is True and merged["train_batch_size"] == 64 * 2
 
 
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("[1, 2]", "holds a JSON list, not an object of DeepSpeed settings"),
+        ('{"train_batch_size": 3}', "sets ['train_batch_size']; the trainer sets these"),
+        ("{bad", "cannot read"),
+        (None, "cannot read"),
+    ],
+)
+def test_check_reads_the_deepspeed_config_file(data, tmp_path, capsys, text, said):
+    """`--check` read no deepspeed.config_file: a missing, torn or clashing one failed on every rank once the towers
+    were built (a JSON list, in a TypeError traceback)."""
+    ds_file = tmp_path / "ds.json"
+    if text is not None:
+        ds_file.write_text(text)
+    args = ["--config", str(EMBEDDED), *overrides(data, tmp_path / "run", **ZERO[2])]
+    one_line = ["--check", "--world-size", "2", *args, "--deepspeed.config_file", str(ds_file)]
+    assert main(one_line) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'deepspeed.config_file'" in err and said in err, err
+
+
 def test_one_process_and_backend_mismatch_are_refused(runs, data, tmp_path, capsys):
     # one process: nothing to shard over
     assert main(["--config", str(EMBEDDED), *overrides(data, tmp_path / "one", **ZERO[2])]) == 2

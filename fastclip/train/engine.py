@@ -243,6 +243,11 @@ def deepspeed_config(cfg: Config, world_size: int, device_type: str = "cpu") -> 
             extra = json.loads(Path(ds.config_file).read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"config key 'deepspeed.config_file': cannot read {ds.config_file}: {e}") from None
+        if not isinstance(extra, dict):
+            raise ConfigError(
+                f"config key 'deepspeed.config_file': {ds.config_file} holds a JSON {type(extra).__name__}, not an "
+                f"object of DeepSpeed settings"
+            )
         clash = sorted(set(extra) & (set(owned) | {"optimizer", "scheduler"}))
         if clash:
             raise ConfigError(
@@ -293,12 +298,20 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def check_backend(cfg: Config, world_size: int) -> None:
-    """DeepSpeed needs processes to shard over."""
-    if cfg.train.distributed == "deepspeed" and world_size == 1:
+    """DeepSpeed needs processes to shard over, its package, and deepspeed.config_file readable and free of the
+    keys the trainer sets (read now: the run read it only once the towers were built)."""
+    if cfg.train.distributed != "deepspeed":
+        return
+    if world_size == 1:
         raise ConfigError(
             "config key 'train.distributed': deepspeed shards the optimizer over processes; with one "
             "process use ddp (the same training without sharding)"
         )
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("config key 'train.distributed': deepspeed is not installed (pip install deepspeed==0.19.8)")
+    deepspeed_config(cfg, world_size)
 
 
 class DeepSpeedEngine:

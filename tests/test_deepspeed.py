@@ -259,6 +259,30 @@ def test_check_reads_the_deepspeed_config_file(data, tmp_path, capsys, text, sai
     assert len(err.splitlines()) == 1 and "'deepspeed.config_file'" in err and said in err, err
 
 
+@pytest.mark.parametrize("stage_run", ["zero2", "zero3"])
+def test_a_missing_or_cut_deepspeed_shard_is_one_line_from_check(runs, data, tmp_path, capsys, stage_run):
+    """(it failed on one rank inside DeepSpeed's load_checkpoint, after the towers were built; slurm.sbatch's
+    --check passed it)"""
+    import shutil
+
+    step = tmp_path / "step_00000002"
+    shutil.copytree(runs / stage_run / "checkpoints" / "step_00000002", step)
+    stage = 3 if stage_run == "zero3" else 2
+    args = ["--config", str(EMBEDDED), *overrides(data, tmp_path / "run", **ZERO[stage], **{"train.resume": step})]
+    check = ["--check", "--world-size", "2", *args]
+    assert main(check) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    shard = step / "deepspeed" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    whole = shard.read_bytes()
+    for cut, said in [(None, "is missing"), (whole[: len(whole) // 2], "is cut or not a torch.save file")]:
+        shard.unlink(missing_ok=True)
+        if cut is not None:
+            shard.write_bytes(cut)
+        assert main(check) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"DeepSpeed's {shard} {said}" in err, err
+
+
 def test_one_process_and_backend_mismatch_are_refused(runs, data, tmp_path, capsys):
     # one process: nothing to shard over
     assert main(["--config", str(EMBEDDED), *overrides(data, tmp_path / "one", **ZERO[2])]) == 2

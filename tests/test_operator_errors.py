@@ -1295,8 +1295,9 @@ def test_reshard_out_holding_files_is_refused_and_a_failed_reshard_leaves_no_out
 
 
 def test_check_finds_a_rank_file_missing_or_cut_short_before_the_job_starts(tiny_embedded, trained, tmp_path, capsys):
-    """Each rank reads its own file only once the job runs: --check (the launchers run it first) reads the sizes
-    and zip directories of all of them, so a lost or cut-short rank_1.pt is one line and status 2, as rank_0.pt is."""
+    """Each rank reads its own file only once the job runs: --check (the launchers run it first) reads the sizes,
+    zip directories and headers of all of them, so a lost, cut-short or misplaced rank_1.pt is one line and status
+    2, as rank_0.pt is."""
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     step = step_dir(run, 2)
@@ -1307,8 +1308,25 @@ def test_check_finds_a_rank_file_missing_or_cut_short_before_the_job_starts(tiny
     data = (step / "rank_0.pt").read_bytes()
     (step / "rank_1.pt").write_bytes(data[: len(data) // 2])
     _fails(capsys, args, "train.resume", f"{step / 'rank_1.pt'} is not whole")
+    # another rank's file, or this rank's from another step, under the name: read (its header) and refused
     (step / "rank_1.pt").write_bytes(data)
+    _fails(capsys, args, "train.resume", f"{step / 'rank_1.pt'} holds rank 0's state at step 2, not rank 1's at step 2")
+    rank_file = load(step / "rank_0.pt")
+    torch.save({**rank_file, "rank": 1, "step": 1}, step / "rank_1.pt")
+    _fails(capsys, args, "train.resume", f"{step / 'rank_1.pt'} holds rank 1's state at step 1, not rank 1's at step 2")
+    torch.save({**rank_file, "rank": 1}, step / "rank_1.pt")
     assert main(args) == 0
+
+
+def test_a_run_resuming_a_rank_file_of_another_step_is_one_line(tiny_embedded, trained, tmp_path, capsys):
+    """(it resumed that rank's data position and per-sample state from the other step, without a word)"""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    step = step_dir(run, 2)
+    torch.save({**load(step / "rank_0.pt"), "step": 1}, step / "rank_0.pt")
+    args = _args(tiny_embedded, run, **{"train.resume": "latest", "train.max_steps": 3})
+    _fails(capsys, args, "train.resume", f"{step / 'rank_0.pt'} holds rank 0's state at step 1, not rank 0's at step 2")
+    assert latest(run) == "step_00000002"
 
 
 def test_sparse_indices_that_would_exhaust_memory_are_refused_before_allocating(tmp_path, capsys):

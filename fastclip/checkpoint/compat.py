@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastclip.checkpoint.files import load_file
-from fastclip.checkpoint.layout import DEEPSPEED_TAG, MODEL_FILE, rank_file_name, resolve_resume
+from fastclip.checkpoint.layout import DEEPSPEED_TAG, MODEL_FILE, load_rank_file, rank_file_name, resolve_resume
 from fastclip.checkpoint.records import (
     RANK_FILE,
     TRAINING_CHECKPOINT,
@@ -167,6 +166,12 @@ def check_rank_files(step_dir: Path, model_file: dict, *, whole: bool = True) ->
             problem = "is missing"
         elif whole and rank > 0 and not zipfile.is_zipfile(path):  # rank 0's is read (and so checked) before
             problem = "is not whole (cut short, or not a torch.save file)"
+        elif whole and rank > 0:  # its header only (mmap): the rank and step it holds
+            try:
+                load_rank_file(step_dir, rank, saved_step(model_file), mmap=True)
+            except CheckpointError as e:
+                raise ConfigError(f"config key 'train.resume': {e}") from None
+            continue
         else:
             continue
         raise ConfigError(
@@ -184,7 +189,7 @@ def check_resume(step_dir: Path, model_file: dict, expected: Expected, *, rank_f
     for name, (in_rank_file, check) in CHECKS.items():
         if in_rank_file and rank0 is None:
             try:
-                rank0 = load_file(step_dir / rank_file_name(0))
+                rank0 = load_rank_file(step_dir, 0, saved_step(model_file))
             except CheckpointError as e:  # found before anything is built: exit 2, as a bad model.pt
                 raise ConfigError(f"config key 'train.resume': {e}") from None
             if rank_files:  # --check, once: not every rank of a job over every rank's file
@@ -305,7 +310,34 @@ def check_optimizer(optimizer: Any, expected: Expected, step_dir: Path, model_fi
             f"{saved_world_size(model_file)} processes, this run has {expected.world_size}; ZeRO shards "
             f"are per rank (convert with DeepSpeed's ds_to_universal, or resume at the same size)"
         )
+    check_deepspeed_shards(step_dir / DEEPSPEED_TAG, optimizer["stage"], expected.world_size)
     _check_temperature_group(optimizer, expected, step_dir, model_file)
+
+
+def check_deepspeed_shards(folder: Path, stage: int, world_size: int) -> None:
+    """DeepSpeed's files of every rank are there and whole (a torch.save zip with its end record): a missing or
+    cut one failed on one rank inside DeepSpeed's load_checkpoint, after the towers were built. Names as DeepSpeed
+    writes them (a `bf16_` prefix and the like allowed): per rank its optimizer shard, and its model states under
+    ZeRO-3; one model states file under stages 1-2."""
+    import zipfile
+
+    wanted = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)]
+    wanted += (
+        [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)]
+        if stage == 3
+        else ["mp_rank_00_model_states.pt"]
+    )
+    names = os.listdir(folder)
+    for name in wanted:
+        found = [n for n in names if n.endswith(name) and (n == name or n[: -len(name)].endswith("_"))]
+        problem = "is missing" if not found else None
+        if found and not zipfile.is_zipfile(folder / found[0]):
+            name, problem = found[0], "is cut or not a torch.save file"
+        if problem:
+            raise ConfigError(
+                f"config key 'train.resume': DeepSpeed's {folder / name} {problem}; resume from an earlier "
+                f"checkpoint (pass its step folder), or copy the folder again"
+            )
 
 
 def check_step(step: Any, expected: Expected, step_dir: Path, model_file: dict) -> None:

@@ -87,7 +87,7 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
         fsync_dir(path.parent)
 
 
-def load_file(path: Path) -> dict:
+def load_file(path: Path, *, mmap: bool = False) -> dict:
     if not path.is_file():
         raise CheckpointFileMissing(
             f"{path}: checkpoint file missing (an incomplete or hand-edited step folder): resume from another step "
@@ -116,7 +116,7 @@ def load_file(path: Path) -> dict:
             f"pickle); restore the file or pass another checkpoint"
         )
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except PermissionError as e:
         raise CheckpointError(f"{path}: cannot read it ({e.strerror}); make it readable") from None
     except pickle.UnpicklingError as e:  # what weights_only raises for anything but tensors and primitives

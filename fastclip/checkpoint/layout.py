@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fastclip.checkpoint.files import load_file
 from fastclip.cli import note
+from fastclip.errors import CheckpointError
 
 STEP_DIR = re.compile(r"step_(\d{8,})")
 CHECKPOINT_FORMAT = "fastclip-checkpoint/1"  # model.pt's "format"; bump when a key changes meaning
@@ -184,10 +185,26 @@ def _checked(step_dir: Path, how: str) -> Path:
     return step_dir
 
 
-def iter_rank_files(step_dir: Path, world_size: int) -> Iterator[dict]:
+def iter_rank_files(step_dir: Path, world_size: int, step: int | None = None) -> Iterator[dict]:
     """The saved ranks' files one at a time (resharding reads them in turn, never all at once)."""
     for r in range(world_size):
-        yield load_file(step_dir / rank_file_name(r))
+        yield load_rank_file(step_dir, r, step)
+
+
+def load_rank_file(step_dir: Path, rank: int, step: int | None, *, mmap: bool = False) -> dict:
+    """Rank `rank`'s file of the step folder, holding that rank's state at `step` (model.pt's; None: not checked):
+    a file copied in from another step folder, or renamed, would resume a rank's data position and per-sample
+    state from elsewhere without a word. `mmap`: tensors left on disk (a check that reads only the header)."""
+    path = step_dir / rank_file_name(rank)
+    file = load_file(path, mmap=mmap)
+    saved_rank, saved_step = file.get("rank"), file.get("step")
+    if (saved_rank is not None and saved_rank != rank) or (None not in (step, saved_step) and saved_step != step):
+        raise CheckpointError(
+            f"{path} holds rank {saved_rank}'s state at step {saved_step}, not rank {rank}'s at step {step} as "
+            f"model.pt says (copied from another step folder, or renamed): restore the step folder's own file, or "
+            f"resume from another step folder"
+        )
+    return file
 
 
 def find_model_file(path: str | os.PathLike) -> Path:

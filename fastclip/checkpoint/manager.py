@@ -17,16 +17,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from fastclip.checkpoint.files import load_file
 from fastclip.checkpoint.layout import (
     CHECKPOINT_FORMAT,
     is_complete,
     iter_rank_files,
     list_checkpoints,
+    load_rank_file,
     prune_checkpoints,
-    rank_file_name,
 )
-from fastclip.checkpoint.records import saved_world_size
+from fastclip.checkpoint.records import saved_step, saved_world_size
 from fastclip.checkpoint.save import save_checkpoint
 from fastclip.distributed import DistInfo
 
@@ -57,7 +56,7 @@ class SavedCheckpoint:
     def rank_state(self, name: str, part) -> Any:
         if self.world_size == self.info.world_size:
             if self._rank_file is None:
-                self._rank_file = load_file(self.step_dir / rank_file_name(self.info.rank))
+                self._rank_file = load_rank_file(self.step_dir, self.info.rank, saved_step(self.model_file))
             return self._rank_file[name]
         old = self._old_states(name)
         state = part.reshard(old, self.info.rank, self.info.world_size)
@@ -71,7 +70,7 @@ class SavedCheckpoint:
         self._old = {}
 
         def read():
-            for f in iter_rank_files(self.step_dir, self.world_size):
+            for f in iter_rank_files(self.step_dir, self.world_size, saved_step(self.model_file)):
                 for key, value in f.items():
                     if key != name and key not in RANK_FILE_KEYS:
                         self._old.setdefault(key, []).append(value)

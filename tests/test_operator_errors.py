@@ -790,7 +790,8 @@ def test_files_and_folders_typed_wrong_in_the_other_commands_are_one_line(traine
 def test_class_names_that_do_not_fit_the_val_data_stop_the_run_in_one_line(tiny_embedded, tmp_path, capsys):
     """A zero-shot class list the val labels do not fit: refused before training when val's first shard shows it
     (--check too); else found by the evaluation: one line naming both files, status 1, the checkpoint of the last
-    step written before. A file of another format (a .yaml read line by line) is refused as such."""
+    step written before. A file of another format (a .yaml read line by line) is refused as such. A list per
+    dataset: each named dataset's labels against its own list (only unnamed samples were checked)."""
     import json
 
     from fastclip.data.tario import iter_shard, write_tar
@@ -820,6 +821,14 @@ def test_class_names_that_do_not_fit_the_val_data_stop_the_run_in_one_line(tiny_
     err = _fails(capsys, _args(tiny_embedded, run, **extra), None, str(names), code=1)
     assert err.startswith("fastclip train: error: evaluation at step 1:") and "label outside [0, 1)" in err, err
     assert step_dir(run, 1).is_dir()
+    # several lists, one per dataset the samples name: each dataset's labels against its own list, before training
+    spec = json.loads((tiny_embedded / "zeroshot.json").read_text())
+    spec["datasets"]["mnist"]["classnames"] = spec["datasets"]["mnist"]["classnames"][:3]
+    (tmp_path / "short.json").write_text(json.dumps(spec))
+    extra |= {"data.zeroshot": str(tmp_path / "short.json")}
+    for check in (["--check"], []):
+        said = "short.json names 3 classes for dataset 'mnist', but sample"
+        _fails(capsys, check + _args(tiny_embedded, tmp_path / "run2", **extra), "data.zeroshot", said)
 
 
 # ----------------------------------------------------------------------------- a disk that fills during a save

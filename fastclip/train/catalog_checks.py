@@ -84,15 +84,16 @@ def sparse_indices(data_size: int, num_samples: int, world_size: int) -> str | N
 
 
 def check_labels_fit(zeroshot, specs: dict, val) -> None:
-    """One class list (no dataset names): the labels of val's first shard must be within it, or the first
-    evaluation, possibly hours in, stops the run. One shard's labels: read in milliseconds."""
+    """The labels of val's first shard must be within the class list that scores them, or the first evaluation,
+    possibly hours in, stops the run: one list scores the samples that name no dataset, several score the samples
+    of the dataset each names (as fastclip/eval/evaluate.py picks them). One shard's labels: read in milliseconds."""
     from fastclip.data.format import label_of, parse_meta
     from fastclip.data.tario import TarBroken, iter_shard
     from fastclip.eval.samples import is_image_folder, shard_paths
 
-    if len(specs) != 1 or is_image_folder(val):
+    if not specs or is_image_folder(val):
         return
-    spec, shard = next(iter(specs.values())), shard_paths(val)[0]
+    shard = shard_paths(val)[0]
     try:
         for raw in iter_shard(shard, want=frozenset({"json", "cls"})):
             meta = parse_meta(raw.files.get("json"))[0] or {}
@@ -100,12 +101,15 @@ def check_labels_fit(zeroshot, specs: dict, val) -> None:
                 label = label_of(raw.files, meta)
             except ValueError:  # the evaluation skips and counts such a sample
                 continue
-            if label is not None and "dataset" not in meta and not 0 <= label < len(spec.classnames):
-                n = len(spec.classnames)
-                raise ConfigError(
-                    f"config key 'data.zeroshot': {zeroshot} names {n} class{'' if n == 1 else 'es'}, but sample "
-                    f"{raw.key} of {shard} (data.val) has label {label}; pass the class names of this data"
-                )
+            name = meta.get("dataset") if len(specs) > 1 else None if "dataset" in meta else next(iter(specs))
+            if label is None or name not in specs or 0 <= label < len(specs[name].classnames):
+                continue
+            n = len(specs[name].classnames)
+            listed = f"names {n} class{'' if n == 1 else 'es'}" + (f" for dataset {name!r}" if len(specs) > 1 else "")
+            raise ConfigError(
+                f"config key 'data.zeroshot': {zeroshot} {listed}, but sample {raw.key} of {shard} (data.val) has "
+                f"label {label}; pass the class names of this data"
+            )
     except TarBroken:  # the evaluation says it, skipping the rest of that shard
         return
 

@@ -233,7 +233,7 @@ def test_the_manager_reshards_per_rank_parts_reading_each_old_rank_file_once(tmp
         ckpt.save_file({**rank_file, "data": {"n": torch.tensor(10 * r)}}, step_dir / f"rank_{r}.pt")
     reads = []
     real = checkpoint_layout.load_file
-    monkeypatch.setattr(checkpoint_layout, "load_file", lambda path: reads.append(path.name) or real(path))
+    monkeypatch.setattr(checkpoint_layout, "load_file", lambda path, **kw: reads.append(path.name) or real(path, **kw))
     saved = SavedCheckpoint(step_dir, model_file, SINGLE)
     loss, data = Shards(), Shards()
     loss.load_state_dict(saved.rank_state("loss_state", loss))
@@ -362,8 +362,12 @@ def saved_run(root, *, backend="ddp", stage=None, world_size=2, data=None):
     data = {"seed": 0, "resampled": False, "epoch_length": 64, "fingerprint": "abc", "layout": {"batch_size": 8}}
     for rank in range(world_size):
         ckpt.save_file({"rank": rank, "data": data, "loss_state": {}}, step_dir / f"rank_{rank}.pt")
-    if backend == "deepspeed":
+    if backend == "deepspeed":  # DeepSpeed's file names, each a torch.save zip
         (step_dir / ckpt.DEEPSPEED_TAG).mkdir()
+        names = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)]
+        names += [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)] if stage == 3 else []
+        for name in names + ["mp_rank_00_model_states.pt"] * (stage != 3):
+            torch.save({}, step_dir / ckpt.DEEPSPEED_TAG / name)
     return step_dir, model_file
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -44,11 +45,9 @@ def _args(data, run, mode="fastclip-v2", **extra) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- names, machine, files
-def test_wandb_without_a_key_or_server_is_one_line_and_offline_mode_trains(
-    tiny_embedded, tmp_path, capsys, monkeypatch
-):
+def test_wandb_without_a_key_or_with_a_malformed_one_is_one_line(tiny_embedded, tmp_path, capsys, monkeypatch):
     """train.wandb: no API key, or a malformed one, is refused by --check and the run before anything is written
-    (wandb.init raised a UsageError traceback at the run's start); WANDB_MODE=offline needs no key."""
+    (wandb.init raised a UsageError traceback at the run's start)."""
     pytest.importorskip("wandb")
     for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "NETRC", "WANDB_CONFIG_DIR"):
         monkeypatch.delenv(var, raising=False)
@@ -60,12 +59,45 @@ def test_wandb_without_a_key_or_server_is_one_line_and_offline_mode_trains(
     monkeypatch.setenv("WANDB_API_KEY", "abc")
     _fails(capsys, args, "train.wandb", "WANDB_API_KEY invalid", "wandb login")
     assert not run.exists()
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    assert (
-        main(["--check", *_args(tiny_embedded, tmp_path / "offline", **{"train.max_steps": 1, "train.wandb": True})])
-        == 0
-    )
-    capsys.readouterr()
+
+
+def test_wandb_is_checked_as_wandb_resolves_its_mode_server_and_key(tiny_embedded, tmp_path):
+    """The key `wandb login` keeps in ~/.netrc for wandb's own server (not a hard-coded one), WANDB_MODE=offline
+    and `mode = offline` in wandb's settings file (`wandb offline`) pass --check, with no line of wandb's; a
+    settings file's server without a key for it is refused naming that server. Each in a fresh process: wandb
+    caches its settings."""
+    import subprocess
+    import sys
+    from urllib.parse import urlsplit
+
+    pytest.importorskip("wandb")
+    from wandb.sdk.wandb_settings import Settings
+
+    home = tmp_path / "home"
+    (home / ".config" / "wandb").mkdir(parents=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    env = base | {"HOME": str(home)}
+    args = ["--check", *_args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1, "train.wandb": True})]
+
+    def check(**more) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "fastclip", "train", *args]
+        return subprocess.run(command, env=env | more, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    server = urlsplit(Settings().base_url).netloc  # wandb's default server, whatever its version
+    (home / ".netrc").write_text(f"machine {server}\n  login user\n  password {'a' * 40}\n")
+    (home / ".netrc").chmod(0o600)
+    done = check()
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    (home / ".netrc").unlink()
+    done = check(WANDB_MODE="offline")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    (home / ".config" / "wandb" / "settings").write_text("[default]\nmode = offline\n")
+    done = check()
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    (home / ".config" / "wandb" / "settings").write_text("[default]\nbase_url = https://wandb.example.org\n")
+    done = check()
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "no W&B API key for https://wandb.example.org" in done.stderr, done.stderr
 
 
 def test_a_run_folder_another_job_trains_in_is_refused_and_free_again_after(tiny_embedded, tmp_path, capsys):

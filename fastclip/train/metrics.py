@@ -5,6 +5,8 @@ logging steps."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import secrets
@@ -14,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from fastclip.errors import ConfigError, TrainingError
 from fastclip.losses import individual
-from fastclip.train.config import ConfigError
 
 # The names a record's values go by where they are shown (metrics.jsonl keeps every key of a record):
 TAU_QUANTILES = tuple(individual.TAU_QUANTILES)  # a per-sample τ loss's batch τ quantiles
@@ -297,22 +299,25 @@ def start_wandb(run_dir: Path, *, project: str, config: dict):
     id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
     id_file.write_text(run_id + "\n")
+    said = io.StringIO()  # wandb's own lines ("Loaded credentials ..."): the run says what it does itself
     try:
-        return wandb.init(
-            project=project,
-            name=run_dir.name,
-            id=run_id,
-            resume="allow",
-            dir=str(run_dir),
-            config=config,
-            settings=wandb.Settings(console="off", quiet=True, silent=True),
-        )
-    except Exception as e:  # no key, no network, a refused project: wandb's own words, in the run's one line
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            return wandb.init(
+                project=project,
+                name=run_dir.name,
+                id=run_id,
+                resume="allow",
+                dir=str(run_dir),
+                config=config,
+                settings=wandb.Settings(console="off", quiet=True, silent=True),
+            )
+    except Exception as e:  # wandb's own words, in the run's one line
         if not type(e).__module__.startswith("wandb"):
             raise
         from fastclip.train.preflight import wandb_says
 
-        raise ConfigError(
-            f"config key 'train.wandb': {wandb_says(e)}; set WANDB_MODE=offline to keep the logs under the run "
-            f"folder (`wandb sync` them later), or --train.wandb false"
-        ) from None
+        advice = "set WANDB_MODE=offline to keep the logs under the run folder (`wandb sync` them later)"
+        if type(e).__name__ in ("UsageError", "AuthenticationError"):  # the operator's: no or a bad key, a project
+            raise ConfigError(f"config key 'train.wandb': {wandb_says(e)}; {advice}, or --train.wandb false") from None
+        # the server's (unreachable, a timeout): not a usage error, so a requeued job is retried
+        raise TrainingError(f"W&B could not start the run ({wandb_says(e)}); {advice}, or retry") from None

@@ -54,13 +54,17 @@ def check_operator_input(cfg: Config, *, create: bool = True) -> None:
     check_run_dir(cfg, create=create)  # last: a refused run leaves no folder
 
 
-WANDB_NO_SERVER = ("offline", "disabled", "dryrun")  # WANDB_MODE values that need no API key
+WANDB_NO_SERVER = ("offline", "disabled", "dryrun")  # wandb modes that need no API key
 
 
 def check_wandb() -> None:
-    """train.wandb: the package is installed and, unless WANDB_MODE keeps the run off the server, an API key is
-    where wandb looks for one (WANDB_API_KEY, ~/.netrc, its settings); wandb.init raised a UsageError at the start
-    of the run otherwise. The key lookup is wandb's own, without a prompt; a wandb without it is not checked."""
+    """train.wandb: the package is installed and, unless wandb's mode keeps the run off the server, an API key is
+    where wandb looks for one for its server. Mode, server and key are wandb's own resolution (WANDB_* variables,
+    `wandb offline`/`wandb login --host` settings files, ~/.netrc; no prompt), its messages held back; wandb.init
+    raised a UsageError at the start of the run otherwise. A wandb without these internals is not checked."""
+    import contextlib
+    import io
+
     try:
         import wandb  # noqa: F401
     except ImportError:
@@ -68,13 +72,17 @@ def check_wandb() -> None:
             "config key 'train.wandb': the wandb package is not installed; pip install 'fastclip[wandb]' "
             "(or drop wandb from --report-to / set --train.wandb false)"
         ) from None
-    if os.environ.get("WANDB_MODE", "").lower() in WANDB_NO_SERVER:
-        return
+    said = io.StringIO()  # "wandb: Loading settings from ...": not this command's lines
     try:
-        from wandb.sdk.lib.wbauth import authenticate_session
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            from wandb.sdk import wandb_setup
+            from wandb.sdk.lib.wbauth import authenticate_session
 
-        host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-        found = authenticate_session(host=host, source="fastclip train", prompt=False, update_session=False)
+            settings = wandb_setup.singleton().settings
+            if str(settings.mode).lower() in WANDB_NO_SERVER:
+                return
+            host = settings.base_url
+            found = authenticate_session(host=host, source="fastclip train", prompt=False, update_session=False)
     except (ImportError, TypeError, AttributeError):  # another wandb version's internals: wandb.init will say
         return
     except Exception as e:  # a key in the wrong format (wandb's AuthenticationError)

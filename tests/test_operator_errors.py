@@ -689,6 +689,8 @@ def test_a_file_the_run_writes_that_cannot_be_written_is_one_line(tiny_embedded,
         said = f"{run / name} cannot be written: No such file or directory (a broken symbolic link)"
         _fails(capsys, check + args, "train.run_dir", said)
     assert not (tmp_path / "gone").exists() and sorted(p.name for p in run.iterdir()) == [name]
+    (tmp_path / "gone").mkdir()  # a link into a folder that is there: the run's write makes its file
+    assert main(["--check", *args]) == 0
 
 
 def test_resuming_with_max_steps_below_the_checkpoint_is_refused(tiny_embedded, trained, tmp_path, capsys):

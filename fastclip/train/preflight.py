@@ -189,10 +189,13 @@ def check_text_tower_local(arch: str, config: dict) -> None:
 def check_writable(path: Path) -> None:
     """A file the run writes, already there, opens for writing: probed without creating or changing anything (a
     file of another owner, a broken link, a read-only mount gave a traceback at the first write)."""
+    dangling = os.path.islink(path) and not os.path.exists(path)
+    if dangling and os.path.isdir(Path(os.path.realpath(path)).parent):  # the run's write creates the target
+        return
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
     except OSError as e:
-        broken = " (a broken symbolic link)" if os.path.islink(path) and not os.path.exists(path) else ""
+        broken = " (a broken symbolic link)" if dangling else ""
         raise ConfigError(
             f"config key 'train.run_dir': {path} cannot be written: {e.strerror}{broken}; fix it or move it away, "
             f"or choose another --train.run_dir"

@@ -630,6 +630,19 @@ def test_data_val_given_as_a_data_root_or_a_file_that_is_no_shard_is_refused(
         _fails(capsys, args, "data.val", said)
 
 
+def test_data_val_as_a_shard_pattern_finds_the_files_beside_its_folder(tiny_embedded, tmp_path, capsys):
+    """zeroshot.json and the probe's train/ are found beside the folder of the pattern's shards, and the metrics
+    take that folder's name (they were looked for beside the pattern text: no zero-shot, a probe refused)."""
+    extra = {"data.val": f"{tiny_embedded}/val/*.tar", "data.zeroshot": "null", "eval.at_end": True}
+    extra |= {"train.max_steps": 1, "eval.linear_probe": True}
+    run = tmp_path / "run"
+    assert main(["--check", *_args(tiny_embedded, run, **extra)]) == 0, capsys.readouterr().err
+    assert main(_args(tiny_embedded, run, **extra)) == 0, capsys.readouterr().err
+    record = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert {"eval/zeroshot/fashion-mnist/top1", "eval/zeroshot/mnist/top1"} <= set(record), sorted(record)
+    assert any(k.startswith("eval/linear_probe/") for k in record) and not any("*" in k for k in record), record
+
+
 def test_command_line_mistakes_that_would_be_ignored_are_refused(tiny_embedded, tmp_path, capsys):
     """--world-size outside --check (one process would train), two --config files (the last would win), an
     unknown key typed on the command line (named as typed there, not as from the file)."""
@@ -850,13 +863,22 @@ def test_class_names_that_do_not_fit_the_val_data_stop_the_run_in_one_line(tiny_
     yaml = tmp_path / "classes.yaml"
     yaml.write_text("- hello\n")
     _fails(capsys, _args(tiny_embedded, run, **(extra | {"data.zeroshot": str(yaml)})), "data.zeroshot", ".yaml file")
-    # samples that name their dataset (one list may still apply to all: the evaluation decides): found there
+    # one list over samples that name 2 datasets would score both against its classes (found by the evaluation
+    # hours in, before): refused up front, as the evaluation picks lists
     extra["data.val"] = str(tiny_embedded / "val")
-    err = _fails(capsys, _args(tiny_embedded, run, **extra), None, str(names), code=1)
-    assert err.startswith("fastclip train: error: evaluation at step 1:") and "label outside [0, 1)" in err, err
-    assert step_dir(run, 1).is_dir()
-    # several lists, one per dataset the samples name: each dataset's labels against its own list, before training
+    for check in (["--check"], []):
+        said = "holds one class list ('classes'), which would score the labelled samples of 2+ datasets"
+        _fails(capsys, check + _args(tiny_embedded, run, **extra), "data.zeroshot", said, "(fashion-mnist, mnist)")
+    # a list named as one of the data's datasets scores that dataset's samples: its labels checked up front
     spec = json.loads((tiny_embedded / "zeroshot.json").read_text())
+    mnist = {"datasets": {"mnist": {**spec["datasets"]["mnist"], "classnames": ["zero", "one", "two"]}}}
+    (tmp_path / "mnist3.json").write_text(json.dumps(mnist))
+    for check in (["--check"], []):
+        said = "mnist3.json names 3 classes, but sample"
+        args = _args(tiny_embedded, run, **(extra | {"data.zeroshot": str(tmp_path / "mnist3.json")}))
+        _fails(capsys, check + args, "data.zeroshot", said)
+    assert not run.exists() or not (run / "metrics.jsonl").exists()
+    # several lists, one per dataset the samples name: each dataset's labels against its own list, before training
     spec["datasets"]["mnist"]["classnames"] = spec["datasets"]["mnist"]["classnames"][:3]
     (tmp_path / "short.json").write_text(json.dumps(spec))
     extra |= {"data.zeroshot": str(tmp_path / "short.json")}

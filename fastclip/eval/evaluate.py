@@ -23,7 +23,7 @@ from fastclip.data.format import ZEROSHOT_NAME
 from fastclip.eval.collectives import all_gather_rows, all_reduce_sum, rank_and_world
 from fastclip.eval.probe import LabelledFeatures, encode_image_with_features
 from fastclip.eval.retrieval import retrieval_metrics
-from fastclip.eval.samples import EvalDataError, EvalSample, Skipped, iter_samples
+from fastclip.eval.samples import EvalDataError, EvalSample, Skipped, held_out_folder, iter_samples
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec
 from fastclip.eval.zeroshot import ZeroShotCounts, ZeroShotResult, mean_top1, zeroshot_classifier
 
@@ -420,8 +420,10 @@ def _embed_dim(model, classifiers) -> int:
 
 
 def default_zeroshot_file(val_dir) -> Path | None:
-    """`fastclip data embedded` writes DIR/zeroshot.json beside DIR/val."""
-    for candidate in (Path(val_dir) / ZEROSHOT_NAME, Path(val_dir).parent / ZEROSHOT_NAME):
+    """`fastclip data embedded` writes DIR/zeroshot.json beside DIR/val (`val_dir` may be a shard or a pattern of
+    that folder's shards)."""
+    folder = held_out_folder(val_dir)
+    for candidate in (folder / ZEROSHOT_NAME, folder.parent / ZEROSHOT_NAME):
         if candidate.is_file():
             return candidate
     return None

@@ -96,6 +96,18 @@ def _tar_file(path: Path) -> Path:
     return path
 
 
+def held_out_folder(source: str | os.PathLike) -> Path:
+    """The folder of a held-out source: itself, or the folder of its first shard when it is a .tar or a pattern
+    (glob, {a..b}); what sits beside it (zeroshot.json, train/ for the probe, the data's name) is found from there."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    try:
+        return shard_paths(source)[0].parent
+    except (ValueError, OSError):  # nothing matches: said where the shards are read
+        return path.parent
+
+
 def shard_subfolders(path: str | os.PathLike) -> list[str]:
     """The subfolders of `path` that hold shards (a manifest or .tar files): a data root's train/ and val/, which
     is_image_folder would take for two classes without images."""

@@ -22,7 +22,9 @@ from fastclip.eval.samples import EvalDataError
 
 def probe_train_beside(val_dir) -> Path:
     """The default training data of the probe: the train/ folder beside the held-out one (an embedded root's)."""
-    return Path(val_dir).parent / "train"
+    from fastclip.eval.samples import held_out_folder
+
+    return held_out_folder(val_dir).parent / "train"
 
 
 def metric_names(dataset: str, linear: bool, ks: tuple[int, ...]) -> list[str]:

@@ -85,15 +85,20 @@ def sparse_indices(data_size: int, num_samples: int, world_size: int) -> str | N
 
 def check_labels_fit(zeroshot, specs: dict, val) -> None:
     """The labels of val's first shard must be within the class list that scores them, or the first evaluation,
-    possibly hours in, stops the run: one list scores the samples that name no dataset, several score the samples
-    of the dataset each names (as fastclip/eval/evaluate.py picks them). One shard's labels: read in milliseconds."""
+    possibly hours in, stops the run. Each sample's list as fastclip/eval/evaluate.py picks it: one list scores
+    every labelled sample (then they must come from one dataset) unless the data's own class-names file names that
+    list's dataset among others, where it scores that dataset's and the unnamed samples; several lists score the
+    samples of the dataset each names. One shard's labels: read in milliseconds."""
     from fastclip.data.format import label_of, parse_meta
     from fastclip.data.tario import TarBroken, iter_shard
+    from fastclip.eval.evaluate import default_zeroshot_file, one_list_for_all
     from fastclip.eval.samples import is_image_folder, shard_paths
 
     if not specs or is_image_folder(val):
         return
-    shard = shard_paths(val)[0]
+    own = default_zeroshot_file(val)
+    for_all = len(specs) == 1 and one_list_for_all(specs, None if own is None or Path(own) == Path(zeroshot) else own)
+    shard, named, outside = shard_paths(val)[0], set(), None
     try:
         for raw in iter_shard(shard, want=frozenset({"json", "cls"})):
             meta = parse_meta(raw.files.get("json"))[0] or {}
@@ -101,17 +106,35 @@ def check_labels_fit(zeroshot, specs: dict, val) -> None:
                 label = label_of(raw.files, meta)
             except ValueError:  # the evaluation skips and counts such a sample
                 continue
-            name = meta.get("dataset") if len(specs) > 1 else None if "dataset" in meta else next(iter(specs))
-            if label is None or name not in specs or 0 <= label < len(specs[name].classnames):
+            if label is None:
                 continue
-            n = len(specs[name].classnames)
-            listed = f"names {n} class{'' if n == 1 else 'es'}" + (f" for dataset {name!r}" if len(specs) > 1 else "")
-            raise ConfigError(
-                f"config key 'data.zeroshot': {zeroshot} {listed}, but sample {raw.key} of {shard} (data.val) has "
-                f"label {label}; pass the class names of this data"
-            )
+            dataset = meta.get("dataset")
+            if for_all:
+                name = next(iter(specs))
+                named |= {dataset} - {None}
+                if len(named) > 1:
+                    raise ConfigError(
+                        f"config key 'data.zeroshot': {zeroshot} holds one class list ({name!r}), which would score "
+                        f"the labelled samples of {len(named)}+ datasets of data.val ({', '.join(sorted(named))}), "
+                        f"each against the same classes; pass a file with a list per dataset (as `fastclip data` "
+                        f"writes zeroshot.json)"
+                    )
+            elif len(specs) == 1 and dataset is None:
+                name = next(iter(specs))
+            else:
+                name = dataset
+            if outside is None and name in specs and not 0 <= label < len(specs[name].classnames):
+                outside = (name, raw.key, label)  # said after the shard: a mix of datasets is the first thing to fix
     except TarBroken:  # the evaluation says it, skipping the rest of that shard
-        return
+        pass
+    if outside is not None:
+        name, key, label = outside
+        n = len(specs[name].classnames)
+        listed = f"names {n} class{'' if n == 1 else 'es'}" + (f" for dataset {name!r}" if len(specs) > 1 else "")
+        raise ConfigError(
+            f"config key 'data.zeroshot': {zeroshot} {listed}, but sample {key} of {shard} (data.val) has label "
+            f"{label}; pass the class names of this data"
+        )
 
 
 def check_eval_inputs(cfg: Config) -> None:

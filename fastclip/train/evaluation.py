@@ -4,8 +4,6 @@ ssl.enabled a kNN on data.val's labels (fastclip/train/ssl.py). Each logs one me
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from fastclip.train.config import Config
@@ -64,6 +62,7 @@ class Evaluation:
         e = self.cfg.eval
         if not (e.linear_probe or e.knn):
             return None
+        from fastclip.eval.samples import held_out_folder
         from fastclip.eval.training_probe import TrainingProbe, probe_train_beside
 
         return TrainingProbe(
@@ -71,7 +70,7 @@ class Evaluation:
             linear=e.linear_probe,
             ks=tuple(sorted(set(e.knn))),
             max_train=e.probe_max_train,
-            unnamed=Path(self.cfg.data.val).name,
+            unnamed=held_out_folder(self.cfg.data.val).name,
         )
 
     def _knn_evaluate(self, step: int, samples_seen: int) -> None:

@@ -91,6 +91,9 @@ def test_wandb_is_checked_as_wandb_resolves_its_mode_server_and_key(tiny_embedde
     (home / ".netrc").unlink()
     done = check(WANDB_MODE="offline")
     assert done.returncode == 0 and done.stderr == "", done.stderr
+    done = check(WANDB_MODE="bogus")  # a setting wandb refuses: named, with its value (pydantic's lines before)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "wandb setting mode 'bogus': Input should be" in done.stderr and "WANDB_* variable" in done.stderr
     (home / ".config" / "wandb" / "settings").write_text("[default]\nmode = offline\n")
     done = check()
     assert done.returncode == 0 and done.stderr == "", done.stderr
@@ -641,6 +644,13 @@ def test_data_val_as_a_shard_pattern_finds_the_files_beside_its_folder(tiny_embe
     record = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert {"eval/zeroshot/fashion-mnist/top1", "eval/zeroshot/mnist/top1"} <= set(record), sorted(record)
     assert any(k.startswith("eval/linear_probe/") for k in record) and not any("*" in k for k in record), record
+    # fastclip eval on the same pattern: the same class lists, the probe fitted on the train/ beside its folder
+    from fastclip.eval.cli import main as eval_main
+
+    assert eval_main([str(run), "--data", extra["data.val"], "--linear-probe"]) == 0
+    printed = capsys.readouterr().out
+    assert f"class names: {tiny_embedded / 'zeroshot.json'}" in printed and "mnist" in printed, printed
+    assert "80/20 split" not in printed, printed
 
 
 def test_command_line_mistakes_that_would_be_ignored_are_refused(tiny_embedded, tmp_path, capsys):
@@ -699,11 +709,18 @@ def test_a_file_the_run_writes_that_cannot_be_written_is_one_line(tiny_embedded,
     (run / name).symlink_to(tmp_path / "gone" / name)
     args = _args(tiny_embedded, run, **{"train.max_steps": 1, "train.resume": "latest"})
     for check in (["--check"], []):
-        said = f"{run / name} cannot be written: No such file or directory (a broken symbolic link)"
+        said = f"{run / name} cannot be written: No such file or directory (a broken symbolic link to"
         _fails(capsys, check + args, "train.run_dir", said)
     assert not (tmp_path / "gone").exists() and sorted(p.name for p in run.iterdir()) == [name]
     (tmp_path / "gone").mkdir()  # a link into a folder that is there: the run's write makes its file
     assert main(["--check", *args]) == 0
+    assert main(args) == 0 and (tmp_path / "gone" / name).exists()
+    capsys.readouterr()
+    if Path("/proc/self").is_dir():  # a folder that is there but takes no new file, even from root
+        (run / name).unlink()
+        (run / name).symlink_to(f"/proc/self/{name}")
+        for check in (["--check"], []):
+            _fails(capsys, check + args, "train.run_dir", f"{run / name} cannot be written")
 
 
 def test_resuming_with_max_steps_below_the_checkpoint_is_refused(tiny_embedded, trained, tmp_path, capsys):

@@ -51,6 +51,7 @@ from fastclip.eval.probe import (
 from fastclip.eval.retrieval import DEFAULT_KS, DIRECTIONS, recall_name
 from fastclip.eval.samples import (
     EvalDataError,
+    held_out_folder,
     image_folder_classes,
     is_image_folder,
     iter_image_folder,
@@ -82,7 +83,7 @@ def resolve_data(path: Path) -> tuple[Path, Path | None]:
                 f".tar), not one folder of images per class; {hint} (and --classnames FILE for zero-shot)"
             )
         return path, None  # a zeroshot.json inside would look like a class folder's sibling, not ours
-    return path, default_zeroshot_file(path) if path.is_dir() else None
+    return path, default_zeroshot_file(path)  # (a .tar or a pattern: beside its shards' folder)
 
 
 def _is_pattern(path: Path) -> bool:
@@ -369,8 +370,9 @@ def probe_train_path(args, source) -> Path | None:
     if args.probe_train is not None:
         given = args.probe_train
         return embedded_split(given, "train") or given
-    if isinstance(source, Path) and source.name != "train" and (source.parent / "train").is_dir():
-        return source.parent / "train"
+    folder = held_out_folder(source) if isinstance(source, Path) else None  # (a .tar or pattern: its folder)
+    if folder is not None and folder.name != "train" and (folder.parent / "train").is_dir():
+        return folder.parent / "train"
     return None
 
 
@@ -551,7 +553,7 @@ def _prepare(args, load_model) -> _Prepared:
         if len(specs) != 1:
             raise ValueError(f"{names_from}: an image folder takes one class list, the file has {sorted(specs)}")
         source = image_folder_source(source, next(iter(specs.values())), names_from)
-    default_name = next(iter(specs)) if len(specs) == 1 else Path(args.data).name
+    default_name = next(iter(specs)) if len(specs) == 1 else (held_out_folder(args.data) or Path(args.data)).name
     return _Prepared(source, preprocess, specs, names_from, for_all, loaded, train_path, default_name)
 
 

@@ -423,6 +423,8 @@ def default_zeroshot_file(val_dir) -> Path | None:
     """`fastclip data embedded` writes DIR/zeroshot.json beside DIR/val (`val_dir` may be a shard or a pattern of
     that folder's shards)."""
     folder = held_out_folder(val_dir)
+    if folder is None:  # a pattern over several folders: no one file beside them all
+        return None
     for candidate in (folder / ZEROSHOT_NAME, folder.parent / ZEROSHOT_NAME):
         if candidate.is_file():
             return candidate

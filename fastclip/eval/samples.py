@@ -96,16 +96,19 @@ def _tar_file(path: Path) -> Path:
     return path
 
 
-def held_out_folder(source: str | os.PathLike) -> Path:
-    """The folder of a held-out source: itself, or the folder of its first shard when it is a .tar or a pattern
-    (glob, {a..b}); what sits beside it (zeroshot.json, train/ for the probe, the data's name) is found from there."""
+def held_out_folder(source: str | os.PathLike) -> Path | None:
+    """The folder of a held-out source: itself, the folder of a .tar, or the one folder of a pattern's shards (glob,
+    {a..b}); None when the pattern's shards sit in several folders. What sits beside it (zeroshot.json, train/
+    for the probe, the data's name) is found from there; with several folders nothing is taken by default."""
     path = Path(source)
     if path.is_dir():
         return path
-    try:
-        return shard_paths(source)[0].parent
-    except (ValueError, OSError):  # nothing matches: said where the shards are read
+    if path.is_file():
         return path.parent
+    text = str(source)
+    matched = [g for p in expand_braces(text) for g in (glob.glob(p) if any(c in p for c in "*?[") else [p])]
+    folders = {Path(m).parent for m in matched}
+    return folders.pop() if len(folders) == 1 else None
 
 
 def shard_subfolders(path: str | os.PathLike) -> list[str]:

@@ -24,7 +24,8 @@ def probe_train_beside(val_dir) -> Path:
     """The default training data of the probe: the train/ folder beside the held-out one (an embedded root's)."""
     from fastclip.eval.samples import held_out_folder
 
-    return held_out_folder(val_dir).parent / "train"
+    folder = held_out_folder(val_dir)
+    return (folder if folder is not None else Path(val_dir)).parent / "train"
 
 
 def metric_names(dataset: str, linear: bool, ks: tuple[int, ...]) -> list[str]:

@@ -84,13 +84,12 @@ def sparse_indices(data_size: int, num_samples: int, world_size: int) -> str | N
 
 
 def check_labels_fit(zeroshot, specs: dict, val) -> None:
-    """The labels of val's first shard must be within the class list that scores them, or the first evaluation,
+    """The labels of val's first shards must be within the class list that scores them, or the first evaluation,
     possibly hours in, stops the run. Each sample's list as fastclip/eval/evaluate.py picks it: one list scores
     every labelled sample (then they must come from one dataset) unless the data's own class-names file names that
     list's dataset among others, where it scores that dataset's and the unnamed samples; several lists score the
-    samples of the dataset each names. One shard's labels: read in milliseconds."""
-    from fastclip.data.format import label_of, parse_meta
-    from fastclip.data.tario import TarBroken, iter_shard
+    samples of the dataset each names. The first shard of each folder val's shards sit in: read in milliseconds."""
+    from fastclip.data.tario import TarBroken
     from fastclip.eval.evaluate import default_zeroshot_file, one_list_for_all
     from fastclip.eval.samples import is_image_folder, shard_paths
 
@@ -98,43 +97,61 @@ def check_labels_fit(zeroshot, specs: dict, val) -> None:
         return
     own = default_zeroshot_file(val)
     for_all = len(specs) == 1 and one_list_for_all(specs, None if own is None or Path(own) == Path(zeroshot) else own)
-    shard, named, outside = shard_paths(val)[0], set(), None
-    try:
-        for raw in iter_shard(shard, want=frozenset({"json", "cls"})):
-            meta = parse_meta(raw.files.get("json"))[0] or {}
-            try:
-                label = label_of(raw.files, meta)
-            except ValueError:  # the evaluation skips and counts such a sample
-                continue
-            if label is None:
-                continue
-            dataset = meta.get("dataset")
-            if for_all:
-                name = next(iter(specs))
-                named |= {dataset} - {None}
-                if len(named) > 1:
-                    raise ConfigError(
-                        f"config key 'data.zeroshot': {zeroshot} holds one class list ({name!r}), which would score "
-                        f"the labelled samples of {len(named)}+ datasets of data.val ({', '.join(sorted(named))}), "
-                        f"each against the same classes; pass a file with a list per dataset (as `fastclip data` "
-                        f"writes zeroshot.json)"
-                    )
-            elif len(specs) == 1 and dataset is None:
-                name = next(iter(specs))
-            else:
-                name = dataset
-            if outside is None and name in specs and not 0 <= label < len(specs[name].classnames):
-                outside = (name, raw.key, label)  # said after the shard: a mix of datasets is the first thing to fix
-    except TarBroken:  # the evaluation says it, skipping the rest of that shard
-        pass
+    firsts = {}  # the first shard of each folder a pattern spans: each may hold other datasets
+    for path in shard_paths(val):
+        firsts.setdefault(path.parent, path)
+    named, outside = set(), None
+    for shard in firsts.values():
+        try:
+            outside = _labels_outside(shard, specs, for_all, named, zeroshot)
+        except TarBroken:  # the evaluation says it, skipping the rest of that shard
+            continue
+        if outside is not None:
+            break
     if outside is not None:
-        name, key, label = outside
+        name, key, label, shard = outside
         n = len(specs[name].classnames)
         listed = f"names {n} class{'' if n == 1 else 'es'}" + (f" for dataset {name!r}" if len(specs) > 1 else "")
         raise ConfigError(
             f"config key 'data.zeroshot': {zeroshot} {listed}, but sample {key} of {shard} (data.val) has label "
             f"{label}; pass the class names of this data"
         )
+
+
+def _labels_outside(shard, specs: dict, for_all: bool, named: set, zeroshot) -> tuple | None:
+    """check_labels_fit over one shard: the first (list, key, label, shard) outside its list, returned after the
+    whole shard (a mix of datasets under one list, raised at once, is the first thing to fix); `named` collects the
+    dataset names one list would score."""
+    from fastclip.data.format import label_of, parse_meta
+    from fastclip.data.tario import iter_shard
+
+    outside = None
+    for raw in iter_shard(shard, want=frozenset({"json", "cls"})):
+        meta = parse_meta(raw.files.get("json"))[0] or {}
+        try:
+            label = label_of(raw.files, meta)
+        except ValueError:  # the evaluation skips and counts such a sample
+            continue
+        if label is None:
+            continue
+        dataset = meta.get("dataset")
+        if for_all:
+            name = next(iter(specs))
+            named |= {dataset} - {None}
+            if len(named) > 1:
+                raise ConfigError(
+                    f"config key 'data.zeroshot': {zeroshot} holds one class list ({name!r}), which would score the "
+                    f"labelled samples of {len(named)}+ datasets of data.val ({', '.join(sorted(named))}), each "
+                    f"against the same classes; pass a file with a list per dataset (as `fastclip data` writes "
+                    f"zeroshot.json)"
+                )
+        elif len(specs) == 1 and dataset is None:
+            name = next(iter(specs))
+        else:
+            name = dataset
+        if outside is None and name in specs and not 0 <= label < len(specs[name].classnames):
+            outside = (name, raw.key, label, shard)
+    return outside
 
 
 def check_eval_inputs(cfg: Config) -> None:
@@ -159,9 +176,13 @@ def check_eval_inputs(cfg: Config) -> None:
                     f"folder of images per class: give the held-out one, e.g. --data.val "
                     f"{Path(path) / ('val' if 'val' in folders else folders[0])}"
                 )
-        if key == "zeroshot" and path is not None and evaluating:  # read now, not after the training
+        if key == "zeroshot" and evaluating and not cfg.ssl.enabled:  # read now, not after the training
+            from fastclip.eval.evaluate import default_zeroshot_file
             from fastclip.eval.spec import load_zeroshot_spec
 
+            path = path or default_zeroshot_file(cfg.data.val)  # null: the zeroshot.json beside data.val
+            if path is None:
+                continue
             try:
                 specs = load_zeroshot_spec(path)
             except (ValueError, OSError) as e:

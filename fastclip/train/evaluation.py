@@ -4,6 +4,8 @@ ssl.enabled a kNN on data.val's labels (fastclip/train/ssl.py). Each logs one me
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from fastclip.train.config import Config
@@ -70,7 +72,7 @@ class Evaluation:
             linear=e.linear_probe,
             ks=tuple(sorted(set(e.knn))),
             max_train=e.probe_max_train,
-            unnamed=held_out_folder(self.cfg.data.val).name,
+            unnamed=(held_out_folder(self.cfg.data.val) or Path("val")).name,
         )
 
     def _knn_evaluate(self, step: int, samples_seen: int) -> None:

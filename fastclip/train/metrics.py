@@ -299,6 +299,9 @@ def start_wandb(run_dir: Path, *, project: str, config: dict):
     id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
     id_file.write_text(run_id + "\n")
+    import logging
+
+    logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)  # wandb's telemetry export errors, at exit
     said = io.StringIO()  # wandb's own lines ("Loaded credentials ..."): the run says what it does itself
     try:
         with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
@@ -317,7 +320,8 @@ def start_wandb(run_dir: Path, *, project: str, config: dict):
         from fastclip.train.preflight import wandb_says
 
         advice = "set WANDB_MODE=offline to keep the logs under the run folder (`wandb sync` them later)"
-        if type(e).__name__ in ("UsageError", "AuthenticationError"):  # the operator's: no or a bad key, a project
+        refused = any(f"error {code}" in str(e) for code in (401, 403))  # the server refused the key: no retry helps
+        if type(e).__name__ in ("UsageError", "AuthenticationError") or refused:  # the operator's: the key, a project
             raise ConfigError(f"config key 'train.wandb': {wandb_says(e)}; {advice}, or --train.wandb false") from None
         # the server's (unreachable, a timeout): not a usage error, so a requeued job is retried
         raise TrainingError(f"W&B could not start the run ({wandb_says(e)}); {advice}, or retry") from None

@@ -85,10 +85,14 @@ def check_wandb() -> None:
             found = authenticate_session(host=host, source="fastclip train", prompt=False, update_session=False)
     except (ImportError, TypeError, AttributeError):  # another wandb version's internals: wandb.init will say
         return
-    except Exception as e:  # a key in the wrong format (wandb's AuthenticationError)
-        raise ConfigError(
-            f"config key 'train.wandb': {wandb_says(e)}; set a valid key (`wandb login`), or WANDB_MODE=offline"
-        ) from None
+    except Exception as e:  # a key in the wrong format (wandb's AuthenticationError), a setting wandb refuses
+        said = wandb_says(e)
+        fix = (
+            "fix it where it is set (a WANDB_* variable or wandb's settings file)"
+            if said.startswith("wandb setting")
+            else "set a valid key (`wandb login`), or WANDB_MODE=offline"
+        )
+        raise ConfigError(f"config key 'train.wandb': {said}; {fix}") from None
     if found is None:
         raise ConfigError(
             f"config key 'train.wandb': no W&B API key for {host} (none in WANDB_API_KEY, ~/.netrc or wandb's "
@@ -97,7 +101,11 @@ def check_wandb() -> None:
 
 
 def wandb_says(error: Exception) -> str:
-    """wandb's error, one line."""
+    """wandb's error, one line (a settings error, pydantic's, names the setting and its value)."""
+    if type(error).__name__ == "ValidationError" and callable(getattr(error, "errors", None)):
+        first = (error.errors() or [{}])[0]
+        where = ".".join(str(part) for part in first.get("loc", ())) or "a setting"
+        return f"wandb setting {where} {first.get('input')!r}: {first.get('msg', 'invalid')}"
     return f"wandb: {(str(error).strip().splitlines() or [type(error).__name__])[0][:300].rstrip('.')}"
 
 
@@ -190,12 +198,16 @@ def check_writable(path: Path) -> None:
     """A file the run writes, already there, opens for writing: probed without creating or changing anything (a
     file of another owner, a broken link, a read-only mount gave a traceback at the first write)."""
     dangling = os.path.islink(path) and not os.path.exists(path)
-    if dangling and os.path.isdir(Path(os.path.realpath(path)).parent):  # the run's write creates the target
-        return
+    target = Path(os.path.realpath(path))
     try:
+        if dangling and target.parent.is_dir():  # the run's write creates the target: probe that folder
+            probe = target.parent / f".fastclip-probe-{os.getpid()}"
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            os.unlink(probe)
+            return
         os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
     except OSError as e:
-        broken = " (a broken symbolic link)" if dangling else ""
+        broken = f" (a broken symbolic link to {target})" if dangling else ""
         raise ConfigError(
             f"config key 'train.run_dir': {path} cannot be written: {e.strerror}{broken}; fix it or move it away, "
             f"or choose another --train.run_dir"

@@ -653,6 +653,35 @@ def test_data_val_as_a_shard_pattern_finds_the_files_beside_its_folder(tiny_embe
     assert "80/20 split" not in printed, printed
 
 
+def test_a_val_pattern_over_two_folders_takes_no_class_list_by_default_and_checks_each(tiny_embedded, tmp_path, capsys):
+    """Shards of two data sets by one pattern (each folder with its own zeroshot.json): no one list is taken by
+    default (the first folder's scored the other's samples against its classes, found at the first evaluation),
+    and a list given is checked on the first shard of each folder."""
+    from fastclip.data.tario import iter_shard, write_tar
+    from fastclip.eval.samples import shard_paths
+
+    spec = json.loads((tiny_embedded / "zeroshot.json").read_text())
+    for dataset in ("mnist", "fashion-mnist"):
+        (tmp_path / dataset / "val").mkdir(parents=True)
+        names = {"datasets": {dataset: spec["datasets"][dataset]}}
+        (tmp_path / dataset / "zeroshot.json").write_text(json.dumps(names))
+        samples = [
+            (raw.key, raw.files)
+            for shard in shard_paths(tiny_embedded / "val")
+            for raw in iter_shard(shard)
+            if json.loads(raw.files["json"])["dataset"] == dataset
+        ]
+        write_tar(tmp_path / dataset / "val" / "part-000000.tar", samples)
+    extra = {"data.val": f"{tmp_path}/*/val/*.tar", "eval.at_end": True, "train.max_steps": 1}
+    default = _args(tiny_embedded, tmp_path / "run", **extra, **{"data.zeroshot": "null"})
+    assert main(["--check", *default]) == 0 and main(default) == 0, capsys.readouterr().err
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "eval/retrieval/image_to_text_R@1" in record and not any("zeroshot" in k for k in record), record
+    given = {"data.zeroshot": str(tmp_path / "mnist" / "zeroshot.json")}
+    said = "holds one class list ('mnist'), which would score the labelled samples of 2+ datasets"
+    _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / "run", **extra, **given)], "data.zeroshot", said)
+
+
 def test_command_line_mistakes_that_would_be_ignored_are_refused(tiny_embedded, tmp_path, capsys):
     """--world-size outside --check (one process would train), two --config files (the last would win), an
     unknown key typed on the command line (named as typed there, not as from the file)."""

@@ -679,7 +679,7 @@ def test_a_val_pattern_over_two_folders_takes_no_class_list_by_default_and_check
     assert "eval/retrieval/image_to_text_R@1" in record and not any("zeroshot" in k for k in record), record
     given = {"data.zeroshot": str(tmp_path / "mnist" / "zeroshot.json")}
     said = "holds one class list ('mnist'), which would score the labelled samples of 2+ datasets"
-    _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / "run", **extra, **given)], "data.zeroshot", said)
+    _fails(capsys, ["--check", *_args(tiny_embedded, tmp_path / "run2", **extra, **given)], "data.zeroshot", said)
 
 
 def test_command_line_mistakes_that_would_be_ignored_are_refused(tiny_embedded, tmp_path, capsys):

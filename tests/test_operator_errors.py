@@ -49,9 +49,13 @@ def test_wandb_without_a_key_or_with_a_malformed_one_is_one_line(tiny_embedded, 
     """train.wandb: no API key, or a malformed one, is refused by --check and the run before anything is written
     (wandb.init raised a UsageError traceback at the run's start)."""
     pytest.importorskip("wandb")
+    from wandb.sdk import wandb_setup
+
     for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "NETRC", "WANDB_CONFIG_DIR"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.chdir(tmp_path)
+    wandb_setup.teardown()  # wandb's settings as this environment gives them, not as an earlier test's did
     run = tmp_path / "run"
     args = _args(tiny_embedded, run, **{"train.max_steps": 1, "train.wandb": True})
     for check in (["--check"], []):
@@ -61,46 +65,59 @@ def test_wandb_without_a_key_or_with_a_malformed_one_is_one_line(tiny_embedded, 
     assert not run.exists()
 
 
-def test_wandb_is_checked_as_wandb_resolves_its_mode_server_and_key(tiny_embedded, tmp_path):
+def test_wandb_is_checked_as_wandb_resolves_its_mode_server_and_key(tmp_path, capsys, monkeypatch):
     """The key `wandb login` keeps in ~/.netrc for wandb's own server (not a hard-coded one), WANDB_MODE=offline
-    and `mode = offline` in wandb's settings file (`wandb offline`) pass --check, with no line of wandb's; a
-    settings file's server without a key for it is refused naming that server. Each in a fresh process: wandb
-    caches its settings."""
-    import subprocess
-    import sys
+    and `mode = offline` in wandb's settings file (`wandb offline`) pass the check, with no line of wandb's; a
+    settings file's server without a key for it is refused naming that server, a setting wandb refuses naming it
+    and its value. wandb caches its settings per process: each case starts it afresh (teardown)."""
     from urllib.parse import urlsplit
 
     pytest.importorskip("wandb")
+    from wandb.sdk import wandb_setup
     from wandb.sdk.wandb_settings import Settings
+
+    from fastclip.errors import ConfigError
+    from fastclip.train.preflight import check_wandb
 
     home = tmp_path / "home"
     (home / ".config" / "wandb").mkdir(parents=True)
-    base = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
-    env = base | {"HOME": str(home)}
-    args = ["--check", *_args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1, "train.wandb": True})]
+    for var in [k for k in os.environ if k.startswith("WANDB_")] + ["NETRC"]:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)  # no ./wandb/settings of the checkout's
 
-    def check(**more) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "fastclip", "train", *args]
-        return subprocess.run(command, env=env | more, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    def check(**env) -> str:
+        """The check's one line ("" when it passes); wandb prints nothing."""
+        for key in ("WANDB_MODE",):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        wandb_setup.teardown()
+        try:
+            check_wandb()
+            said = ""
+        except ConfigError as e:
+            said = str(e)
+        assert capsys.readouterr() == ("", ""), "wandb printed"
+        assert "\n" not in said
+        return said
 
-    server = urlsplit(Settings().base_url).netloc  # wandb's default server, whatever its version
-    (home / ".netrc").write_text(f"machine {server}\n  login user\n  password {'a' * 40}\n")
-    (home / ".netrc").chmod(0o600)
-    done = check()
-    assert done.returncode == 0 and done.stderr == "", done.stderr
-    (home / ".netrc").unlink()
-    done = check(WANDB_MODE="offline")
-    assert done.returncode == 0 and done.stderr == "", done.stderr
-    done = check(WANDB_MODE="bogus")  # a setting wandb refuses: named, with its value (pydantic's lines before)
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "wandb setting mode 'bogus': Input should be" in done.stderr and "WANDB_* variable" in done.stderr
-    (home / ".config" / "wandb" / "settings").write_text("[default]\nmode = offline\n")
-    done = check()
-    assert done.returncode == 0 and done.stderr == "", done.stderr
-    (home / ".config" / "wandb" / "settings").write_text("[default]\nbase_url = https://wandb.example.org\n")
-    done = check()
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "no W&B API key for https://wandb.example.org" in done.stderr, done.stderr
+    try:
+        server = urlsplit(Settings().base_url).netloc  # wandb's default server, whatever its version
+        (home / ".netrc").write_text(f"machine {server}\n  login user\n  password {'a' * 40}\n")
+        (home / ".netrc").chmod(0o600)
+        assert check() == ""
+        (home / ".netrc").unlink()
+        assert "no W&B API key for" in check()
+        assert check(WANDB_MODE="offline") == ""
+        said = check(WANDB_MODE="bogus")  # pydantic's lines before
+        assert "wandb setting mode 'bogus': Input should be" in said and "WANDB_* variable" in said, said
+        (home / ".config" / "wandb" / "settings").write_text("[default]\nmode = offline\n")
+        assert check() == ""
+        (home / ".config" / "wandb" / "settings").write_text("[default]\nbase_url = https://wandb.example.org\n")
+        assert "no W&B API key for https://wandb.example.org" in check()
+    finally:
+        wandb_setup.teardown()  # nothing of this test's settings left for the next one in this process
 
 
 def test_a_run_folder_another_job_trains_in_is_refused_and_free_again_after(tiny_embedded, tmp_path, capsys):

@@ -337,6 +337,18 @@ def test_a_file_where_the_run_writes_its_tensorboard_folder(tiny_embedded, tmp_p
     assert main(_args(tiny_embedded, run, **{"train.tensorboard": False})) == 0
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc: a folder that takes no file, even from root")
+def test_a_tensorboard_folder_that_takes_no_file_is_one_line(tiny_embedded, tmp_path, capsys):
+    """(the SummaryWriter's first event file failed in a traceback after the towers were built)"""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tensorboard").symlink_to("/proc/self")
+    args = _args(tiny_embedded, run, **{"train.tensorboard": True, "train.max_steps": 1})
+    for check in (["--check"], []):
+        _fails(capsys, check + args, "train.run_dir", f"cannot write in {run / 'tensorboard'}")
+    assert main(_args(tiny_embedded, run, **{"train.tensorboard": False, "train.max_steps": 1})) == 0
+
+
 def test_deepspeed_on_one_process_is_refused_by_check_as_by_the_run(tiny_embedded, tmp_path, capsys):
     """--check said ok, then the run built the towers and refused: the launchers' first step must say it."""
     args = _args(tiny_embedded, tmp_path / "run", **{"train.distributed": "deepspeed"})

@@ -257,6 +257,8 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
             raise ConfigError(
                 f"config key 'train.run_dir': {path} is {what}, not a folder; choose another --train.run_dir"
             )
+    if cfg.train.tensorboard and os.path.isdir(run_dir / "tensorboard"):  # there already: its event files go in
+        folders += (run_dir / "tensorboard",)
     if not create:
         existing = next((f for f in (run_dir, *run_dir.parents) if os.path.lexists(f)), Path("."))
         try:

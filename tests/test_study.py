@@ -1132,7 +1132,8 @@ def test_v2_spec_plans_and_every_objective_passes_fastclip_train_check(tmp_path,
     spec = load(REPO / "benchmarks" / "study" / "v2.yaml")
     assert set(spec.batches) == {32, 128, 512} and len(spec.tune_seeds) >= 2 and len(spec.test_seeds) >= 6
     assert len(set(budget(spec).values())) == 1 and spec.long_factor >= 3
-    compared = {"openclip", "infonce-fixed", "dcl", "dcl-queue", "dcl-hard", "siglip", "fastclip-v1", "fastclip-v3"}
+    compared = {"openclip", "infonce-fixed", "dcl", "dcl-queue", "dcl-moco", "dcl-hard", "siglip", "fastclip-v1"}
+    compared |= {"fastclip-v3"}
     variants = {"fastclip-v2", "fastclip-tempnet", "fastclip-v3-two-tau"}
     assert set(spec.objectives) == compared | variants
     assert not any(spec.objectives[n].headline or spec.objectives[n].baseline for n in variants)

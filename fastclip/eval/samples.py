@@ -79,13 +79,21 @@ def listed_shards(source: str | os.PathLike) -> list[tuple[Path, int | None]]:
         return [(tar, None) for tar in tars]
     if path.is_file():
         return [(_tar_file(path), None)]
-    paths = [
-        Path(g) for p in expand_braces(text) for g in (sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p])
-    ]
+    paths = expand_pattern(text)
     missing = [p for p in paths if not p.is_file()]
     if not paths or missing:
         raise EvalDataError(f"no shards found for {text!r}" + (f" (missing: {missing[0]})" if missing else ""))
     return [(_tar_file(p), None) for p in paths]
+
+
+def is_pattern(source: str | os.PathLike) -> bool:
+    """Shards named by a glob or a {a..b} range (expand_pattern reads them), not a path that must exist."""
+    return any(c in str(source) for c in "*?[{")
+
+
+def expand_pattern(text: str) -> list[Path]:
+    """The paths a {a..b} range and globs name, each glob's matches sorted; a plain part stays as it is."""
+    return [Path(g) for p in expand_braces(text) for g in (sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p])]
 
 
 def _tar_file(path: Path) -> Path:
@@ -105,9 +113,7 @@ def held_out_folder(source: str | os.PathLike) -> Path | None:
         return path
     if path.is_file():
         return path.parent
-    text = str(source)
-    matched = [g for p in expand_braces(text) for g in (glob.glob(p) if any(c in p for c in "*?[") else [p])]
-    folders = {Path(m).parent for m in matched}
+    folders = {m.parent for m in expand_pattern(str(source))}
     return folders.pop() if len(folders) == 1 else None
 
 

@@ -157,17 +157,23 @@ def _labels_outside(shard, specs: dict, for_all: bool, named: set, zeroshot) -> 
 def check_eval_inputs(cfg: Config) -> None:
     """The held-out data, class names and ImageNet folder the scheduled evaluations read: found now, not after the
     training. Rank 0 checks them for a job (shared_catalog)."""
+    from fastclip.eval.samples import is_pattern
+
     for key in ("val", "zeroshot"):
         path = getattr(cfg.data, key)
         evaluating = cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end)
-        pattern = key == "val" and any(c in str(path) for c in "*?[{")  # shards by glob or {a..b}: found below
+        pattern = key == "val" and is_pattern(path)  # shards by glob or {a..b}: found below
         if path is not None and evaluating and not Path(path).exists() and not pattern:
             raise ConfigError(f"config key 'data.{key}': {path!r} does not exist (set it to null to skip eval)")
         if key == "val" and path is not None and evaluating:  # its shards are found now, not at the first eval
             from fastclip.eval.samples import is_image_folder, shard_paths, shard_subfolders
 
             try:
-                folders = shard_subfolders(path) if is_image_folder(path) else shard_paths(path) and []
+                if is_image_folder(path):
+                    folders = shard_subfolders(path)
+                else:
+                    folders = []
+                    shard_paths(path)
             except (ValueError, OSError) as e:  # (EvalDataError, and a ManifestError of a bad manifest.json)
                 raise ConfigError(f"config key 'data.val': {e} (set it to null to skip eval)") from None
             if folders:  # a data root: its train/ and val/ would be read as two classes without images

@@ -226,14 +226,14 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
     elif resume != "latest" and os.path.lexists(resume) and not _within(Path(resume), run_dir):
         # another run's checkpoint, continued here (a path that does not exist is said by the resume's check)
         check_no_run_held(run_dir, resuming=resume)
-    written = (RUN_LOCK, "metrics.jsonl", "config.yaml", f"{CHECKPOINTS}/{LATEST}") + ("wandb_id",) * cfg.train.wandb
-    for name in written:  # files the run writes: a folder there stops it later
-        if os.path.isdir(run_dir / name):  # (never raises: a name too long is said by the probe below)
+    appended = (RUN_LOCK, "metrics.jsonl", "config.yaml") + ("wandb_id",) * cfg.train.wandb  # opened, written
+    for name in (*appended, f"{CHECKPOINTS}/{LATEST}"):  # files the run writes (latest: replaced by a rename)
+        if os.path.isdir(run_dir / name):  # a folder there stops it later (never raises: a name too long is probed)
             raise ConfigError(
                 f"config key 'train.run_dir': {run_dir / name} is a folder where the run writes a file; move it "
                 f"away or choose another --train.run_dir"
             )
-        if os.path.lexists(run_dir / name) and name != f"{CHECKPOINTS}/{LATEST}":  # (replaced by a rename)
+        if name in appended and os.path.lexists(run_dir / name):
             check_writable(run_dir / name)
     if (
         cfg.train.tensorboard

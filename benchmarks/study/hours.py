@@ -114,9 +114,9 @@ def borrowed(spec, other, own: dict | None = None) -> tuple[dict[str, tuple[floa
 def core_hours(spec, per_step: dict[str, float], measured: dict[str, tuple[float, int]] | None = None) -> dict:
     """{total, headline, done, pending} core-hours, `pending_by` ("dataset/batch/phase" -> its pending core-hours,
     in plan order), and `timed`: the batches priced by `per_step` (a timing run: training steps only) for want of
-    finished runs. A run's seconds per step: `measured` (from_runs) for its batch
-    and phase; a long run without its own, its batch's test runs'; else every phase of its batch; else `per_step`.
-    KeyError names a dataset/batch with neither."""
+    finished runs. A finished run costs its own wall time; one to run, its steps x seconds per step: `measured`
+    (from_runs) for its batch and phase; a long run without its own, its batch's test runs'; else every phase of
+    its batch; else `per_step`. KeyError names a dataset/batch with neither."""
     measured = measured or {}
     sizes = {d: train_samples(ensure_data(spec, d)) for d in spec.datasets}
     hours = {"total": 0.0, "headline": 0.0, "done": 0.0, "pending": 0.0, "pending_by": {}, "timed": []}
@@ -131,10 +131,13 @@ def core_hours(spec, per_step: dict[str, float], measured: dict[str, tuple[float
             if key not in hours["timed"]:
                 hours["timed"].append(key)
         h = sizes[run.dataset] // run.global_batch * run.epochs * seconds / 3600
+        record = None if run.chosen_pending else records.load(spec.results, run.id)
+        done = record is not None
+        if done and record.get("wall_s"):
+            h = record["wall_s"] / 3600  # what it took, not the median
         hours["total"] += h
         if spec.objectives[run.objective].headline:
             hours["headline"] += h
-        done = not run.chosen_pending and records.load(spec.results, run.id) is not None
         hours["done" if done else "pending"] += h
         if not done:
             by = f"{key}/{run.phase}"

@@ -149,7 +149,8 @@ def cmd_plan(spec, args) -> int:
             ) from None
         print(
             f"core-hours: {h['total']:.1f} in total, {h['headline']:.1f} for the headline objectives; "
-            f"{h['done']:.1f} done, {h['pending']:.1f} pending"
+            f"{h['done']:.1f} done (their wall time), {h['pending']:.1f} pending (a floor: a step past a grid's edge, "
+            f"{len(spec.tune_seeds)} runs, counts once it is taken)"
         )
         if h["pending_by"]:
             print(

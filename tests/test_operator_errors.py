@@ -680,6 +680,9 @@ def test_data_val_as_a_shard_pattern_finds_the_files_beside_its_folder(tiny_embe
     printed = capsys.readouterr().out
     assert f"class names: {tiny_embedded / 'zeroshot.json'}" in printed and "mnist" in printed, printed
     assert "80/20 split" not in printed, printed
+    # a ? or [..] glob is a pattern too, as train's data.val takes it (it was refused as a path not found)
+    assert eval_main([str(run), "--data", f"{tiny_embedded}/val/val-00000[0-9].tar"]) == 0, capsys.readouterr().err
+    assert f"class names: {tiny_embedded / 'zeroshot.json'}" in capsys.readouterr().out
 
 
 def test_a_val_pattern_over_two_folders_takes_no_class_list_by_default_and_checks_each(tiny_embedded, tmp_path, capsys):

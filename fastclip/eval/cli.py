@@ -54,6 +54,7 @@ from fastclip.eval.samples import (
     held_out_folder,
     image_folder_classes,
     is_image_folder,
+    is_pattern,
     iter_image_folder,
     shard_subfolders,
 )
@@ -84,11 +85,6 @@ def resolve_data(path: Path) -> tuple[Path, Path | None]:
             )
         return path, None  # a zeroshot.json inside would look like a class folder's sibling, not ours
     return path, default_zeroshot_file(path)  # (a .tar or a pattern: beside its shards' folder)
-
-
-def _is_pattern(path: Path) -> bool:
-    """A glob or brace pattern of shard files (not a path that must exist)."""
-    return any(ch in str(path) for ch in "*{")
 
 
 class _OneLineWarnings(logging.Filter):
@@ -451,7 +447,7 @@ def _usage_problem(args) -> str | None:
         return f"--probe-max-train {args.probe_max_train}: must be >= 1"
     if args.probe_train is not None and not probe_asked(args):
         return f"--probe-train {args.probe_train}: given without --linear-probe or --knn K; pass one of them"
-    if args.probe_train is not None and not args.probe_train.exists() and not _is_pattern(args.probe_train):
+    if args.probe_train is not None and not args.probe_train.exists() and not is_pattern(args.probe_train):
         return f"--probe-train {args.probe_train}: not found; pass labelled shards or an image folder"
     if args.templates is not None and not args.templates.is_file():
         return f"--templates {args.templates}: no such file; pass a .txt (one template per line) or a JSON list"
@@ -523,7 +519,7 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
 def _prepare(args, load_model) -> _Prepared:
     """The data, its class names and the model, each refused in one line before anything is evaluated."""
     source, default_names = resolve_data(args.data)
-    if not source.exists() and not _is_pattern(source):
+    if not source.exists() and not is_pattern(source):
         raise FileNotFoundError(f"--data {source}: not found")
     specs, names_from = load_specs(args, source, default_names)
     for_all = one_list_for_all(specs, default_names)

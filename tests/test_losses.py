@@ -388,6 +388,22 @@ def test_a_numpy_data_size_is_taken():
     assert build_loss("fastclip-v3", data_size=np.int64(10)).options.data_size == 10
 
 
+@pytest.mark.parametrize("name", ["dcl", "fastclip-v1", "fastclip-v3", "openclip", "siglip"])
+def test_a_global_batch_of_one_sample_has_no_negatives_and_is_refused(name):
+    """Every row one index (or one group): no row has a negative; dcl returned -inf, v1 0 and v3 a number, silently.
+    The state is left as it was."""
+    e1, e2 = features(N, D, seed=8)
+    loss_fn = build_loss(name, **({} if name in ("openclip", "siglip") else {"data_size": 10})).double()
+    one = torch.full((N,), 3)
+    call = (lambda: loss_fn(e1, e2, groups=one)) if name in ("openclip", "siglip") else (lambda: loss_fn(e1, e2, one))
+    before = str(loss_fn.state_dict())
+    with pytest.raises(LossInputError, match=f"all {N} rows of the global batch are one sample .* no row has a "
+                       "negative"):  # fmt: skip
+        call()
+    assert str(loss_fn.state_dict()) == before
+    assert math.isfinite(loss_fn(e1, e2, IDX).item())  # two samples are enough
+
+
 def test_bad_input_single_process():
     e1, e2 = features(N, D, seed=8)
     loss_fn = build_loss("fastclip-v3", data_size=10).double()
@@ -424,7 +440,9 @@ def test_state_dict_round_trip_and_wrong_world_size():
     for name, value in fresh.state_dict()["_extra_state"]["fields"].items():
         torch.testing.assert_close(value, saved["_extra_state"]["fields"][name], rtol=0, atol=0)
     as_if_two_ranks = reshard_states([saved], 2)[0]
-    with pytest.raises(ValueError, match="reshard first"):
+    # rank 0 of 2's state in a process without a group: the group may be what is missing (it said only: reshard)
+    with pytest.raises(ValueError, match="saved by rank 0 of 2 and this process has no process group yet: call "
+                       "torch.distributed.init_process_group before loading it, or, .*reshard first"):  # fmt: skip
         build_loss("fastclip-v2", data_size=10).load_state_dict(as_if_two_ranks)
     # another data_size: resharding cannot help, and the message does not send the user there
     with pytest.raises(ValueError) as e:

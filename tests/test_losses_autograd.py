@@ -377,6 +377,27 @@ def test_rollback_restores_the_queue_and_the_state(case):
     assert all(torch.equal(loss_fn.state_dict()[k], v) for k, v in kept.items())
 
 
+@pytest.mark.parametrize("case", ["dcl-queue", "v2"])
+def test_a_step_is_begun_before_it_is_undone_and_ended_before_the_next_begins(case):
+    """rollback() without begin_step() undid nothing, silently; begin_step() every step without commit_step()
+    journaled every write since (each holding queue rows): both are refused, and an ended step journals nothing."""
+    loss_fn = make(case, "autograd")
+    indices, epoch = STEPS[0]
+    with pytest.raises(RuntimeError, match=r"rollback\(\) without begin_step\(\): nothing was journaled"):
+        loss_fn.rollback()
+    loss_fn.begin_step()
+    loss_fn(*batch(0, len(indices)), torch.tensor(indices), epoch=epoch)
+    with pytest.raises(RuntimeError, match=r"begin_step\(\) while the last step's writes are journaled"):
+        loss_fn.begin_step()
+    loss_fn.commit_step()
+    loss_fn(*batch(1, len(STEPS[1][0])), torch.tensor(STEPS[1][0]), epoch=1)  # after the step: not journaled
+    assert all(part.journal is None for part in loss_fn.journaled_parts())
+    with pytest.raises(RuntimeError, match="without begin_step"):
+        loss_fn.rollback()
+    loss_fn.begin_step()  # a new step after commit_step
+    loss_fn.rollback()
+
+
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_distillation_is_its_formula_with_a_momentum_queue(decoupled):
     """ALBEF's targets over the positive, the batch's negatives and the queue (which holds the momentum

@@ -185,6 +185,66 @@ def bad_inputs(rank, world_size):
     return results
 
 
+# momentum=, groups= and data_size, wrong on one rank (the culprit): each was read as it came (momentum bytes read
+# as the check words, buffers of other sizes in the gather: gloo aborts) or refused on that rank alone (the other
+# waiting in the all_gather), or, for data_size, never compared (an index valid on one rank only hung the group)
+OPTIONAL_CASES = {
+    "data_size_differs": (1, "data_size differs across ranks (rank 0: 16, rank 1: 18)"),
+    "data_size_differs_index_valid_on_one": (1, "data_size differs across ranks (rank 0: 16, rank 1: 18)"),
+    "momentum_wrong_d": (
+        1,
+        "rank 1: momentum image features must be a float tensor of the features' shape [4, 5], got a 2-D tensor "
+        "of shape [4, 6] of float64",
+    ),
+    "momentum_wrong_b": (0, "rank 0: momentum text features must be a float tensor of the features' shape [4, 5]"),
+    "momentum_not_a_pair": (0, "rank 0: momentum must be a pair (momentum_image, momentum_text)"),
+    "momentum_on_one_rank": (0, "momentum= (given or not) differs across ranks (rank 0: given, rank 1: not given)"),
+    "momentum_missing_for_distill": (1, "rank 1: distill_alpha needs the momentum model's features"),
+    "groups_on_one_rank": (0, "groups= (given or not) differs across ranks (rank 0: given, rank 1: not given)"),
+    "groups_a_list": (1, "rank 1: groups must be integer ids [B] = [4], got something that is not a tensor"),
+    "groups_float": (0, "rank 0: groups must be integer ids [B] = [4], got a 1-D tensor of shape [4] of float64"),
+}
+
+
+def bad_optional_inputs(rank, world_size):
+    results = {}
+    for case, (culprit, _) in OPTIONAL_CASES.items():
+        options = {"distill_alpha": 0.4} if case == "momentum_missing_for_distill" else {}
+        data_size = DATA_SIZE + 2 if case.startswith("data_size") and rank == culprit else DATA_SIZE
+        name = "fastclip-v1" if case.startswith("data_size") else "dcl"  # (v1: u indexed by data_size)
+        loss_fn = build_loss(name, data_size=data_size, **options).double()
+        e1, e2 = step_batch(0, 4)
+        idx = torch.arange(4) + 4 * rank
+        momentum = groups = None
+        if case.startswith("momentum") and case != "momentum_missing_for_distill" or "distill" in case:
+            momentum = (e1.clone(), e2.clone())
+        if case.startswith("groups"):
+            groups = torch.arange(4) + 4 * rank
+        if rank == culprit:
+            if case == "data_size_differs_index_valid_on_one":
+                idx[0] = DATA_SIZE + 1
+            elif case == "momentum_wrong_d":
+                momentum = (torch.cat([e1, e1[:, :1]], dim=1), e2)
+            elif case == "momentum_wrong_b":
+                momentum = (e1, e2[:3])
+            elif case == "momentum_not_a_pair":
+                momentum = e1
+            elif case == "momentum_missing_for_distill":
+                momentum = None
+            elif case == "groups_a_list":
+                groups = groups.tolist()
+            elif case == "groups_float":
+                groups = groups.double()
+        elif case in ("momentum_on_one_rank", "groups_on_one_rank"):
+            momentum = groups = None
+        try:
+            loss_fn(e1, e2, idx, momentum=momentum, groups=groups)
+            results[case] = "no error"
+        except LossInputError as error:
+            results[case] = str(error)
+    return results
+
+
 def later_bad_calls(rank, world_size):
     """After the handshake a call makes only its data collectives; a bad value on one rank is named alike on both."""
     out = {}
@@ -355,6 +415,7 @@ def two_rank_suite(rank, world_size):
         "configs": run_configs(CONFIGS_2, STEPS_2, rank, world_size),
         "clip": clip_loss_comparison(rank, world_size),
         "bad": bad_inputs(rank, world_size),
+        "bad_optional": bad_optional_inputs(rank, world_size),
         "later": later_bad_calls(rank, world_size),
         "shapes_changed": shapes_changed_on_one_rank(rank, world_size),
         "made_early": state_made_before_the_group(rank, world_size),
@@ -472,7 +533,7 @@ def test_comm_bytes_v3_half_of_cliploss(two_ranks):
         assert v3["indices"] == (k - 1) * b * 8
         assert v3["state"] == 2 * (k - 1) * (k * b) * 5 * item // k  # all_reduce of [N, 5]
         # the first call's handshake + the 5 words in the gather + the first call's broadcast of logit_scale
-        assert v3["header"] == (k - 1) * (16 + 5 + 1) * 8
+        assert v3["header"] == (k - 1) * (29 + 5 + 1) * 8
         assert v3["total"] == sum(v3[key] for key in ("features", "indices", "state", "header"))
         # ClipLoss, measured by wrapping torch.distributed: 2 all_gathers forward + their backward
         assert result["clip"]["clip_bytes"] == 4 * (k - 1) * b * D * item
@@ -498,6 +559,12 @@ def test_bad_input_raises_the_same_error_on_every_rank(two_ranks, case):
     assert kind0 == expected[0].__name__
     assert expected[1] in msg0, msg0
     assert all(math.isfinite(r["bad"]["after"]) for r in two_ranks)
+
+
+@pytest.mark.parametrize("case", list(OPTIONAL_CASES))
+def test_momentum_groups_and_data_size_wrong_on_one_rank_are_the_same_error_on_every_rank(two_ranks, case):
+    first, second = (r["bad_optional"][case] for r in two_ranks)
+    assert first == second and OPTIONAL_CASES[case][1] in first, (first, second)
 
 
 def test_after_the_handshake_a_call_makes_no_extra_collective(two_ranks):
@@ -564,9 +631,10 @@ def test_a_state_made_before_the_group_and_never_written_is_made_anew(two_ranks)
     for rank, result in enumerate(two_ranks):
         made_early = result["made_early"]
         assert made_early["values"][0] == made_early["values"][1]
-        assert made_early["written"] == (
-            f"fastclip-v3: sample state belongs to rank 0 of 1 but this call runs as rank {rank} of 2; reshard the "
-            "state first (reshard_for_rank)"
+        assert made_early["written"] == (  # (it said only: reshard)
+            f"fastclip-v3: sample state belongs to rank 0 of 1 but this call runs as rank {rank} of 2; a call before "
+            "init_process_group wrote it: call init_process_group before the loss's first call (or reshard its "
+            "state: reshard_for_rank)"
         )
 
 

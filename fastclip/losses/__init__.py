@@ -25,8 +25,11 @@ Contract: every rank backpropagates its own loss; once parameter gradients are a
 does) they equal the single-process gradient on the rank-major concatenation of the ranks' batches, and the
 per-sample state after the step is the same too. Features travel in one all_gather without autograd (no
 backward collective), plus O(N) scalars; ``loss_fn.comm_bytes`` counts the bytes of the last call. (The
-``impl="autograd"`` objectives add a backward reduce-scatter of the features' gradients and an all_reduce of
-the value: objective.py.) The loss's
+``impl="autograd"`` objectives add a backward all_to_all of the features' gradient columns and an all_reduce of
+the value: objective.py.) The returned tensor is what to backpropagate: its value is this rank's share in the fused
+implementation (the ranks' mean is the global loss; for v0/v1 a surrogate whose value means nothing) and the global
+loss in the autograd one; log ``loss_fn.metrics["objective"]``, the global objective, the same on every rank. Towers
+outside DDP average their gradients over the ranks as the loss's own do. The loss's
 own parameters (τ, the temperature network's heads) are set to rank 0's at the first call, as DDP does for a
 model, so ranks seeded differently still train one loss.
 
@@ -45,7 +48,9 @@ compat (FastCLIP-v0..v3):
 Options (``build_loss(name, *, data_size, **options)``; an option a version does not take is a TypeError,
 an option passed as None means its default): see ``options.py``. Names: ``openclip``, ``fastclip-v0``,
 ``fastclip-v1``, ``fastclip-v2``, ``fastclip-v3``, ``fastclip-tempnet`` (RGCL with τ_i predicted by an MLP head
-per modality from the features, ``embed_dim=`` required; tempnet.py), ``siglip``.
+per modality from the features, ``embed_dim=`` required; tempnet.py), ``siglip``, ``dcl`` (decoupled InfoNCE:
+the positive left out of the denominator; dcl.py) and ``ntxent`` (SimCLR's NT-Xent over two views of images, the
+unimodal mode; ntxent.py); the last two have the autograd implementation only.
 
 Numerics (beyond the reference): autocast is off inside every loss and similarities are multiplied in at least
 fp32; v0/v1/v3 keep log u and shift rows by their maximum (no fp32 overflow at τ = 0.01); v2 adds the

@@ -49,6 +49,7 @@ class ContrastiveLoss(nn.Module):
         # set at the first call: a loss outside DDP whose ranks initialised it differently (the temperature
         # network's heads, seeded per rank) would otherwise train a different loss on each rank
         self._parameters_shared = False
+        self._step_begun = False  # begin_step() until commit_step() or rollback()
 
     # -- per call ---------------------------------------------------------------------------------------------
     def forward(
@@ -84,27 +85,18 @@ class ContrastiveLoss(nn.Module):
     ):
         if epoch is not None:
             self.set_epoch(epoch)
-        if momentum is None and self.needs_momentum and self.training:  # (eval mode: the in-batch objective)
-            raise LossInputError(
-                f"{self.name}: distill_alpha needs the momentum model's features: loss_fn(image, text, indices, "
-                "momentum=(momentum_image, momentum_text)) (the trainer: model.ema_momentum)"
-            )
         comm = comm or Comm.resolve(self.group)
         if isinstance(indices, torch.Tensor) and isinstance(image_features, torch.Tensor):
             indices = indices.to(image_features.device, non_blocking=True)  # data loaders hand them over on CPU
         checks = self.input_checks
         given = (image_features, text_features, indices)  # (a redo is made with what the caller gave)
         given_momentum, given_groups = momentum, groups
-        groups = self._checked_groups(groups, image_features)
-        stand_in = self.validate == "eager" and comm.world_size > 1 and checks.changed(comm, *given)
+        stand_in = self.validate == "eager" and comm.world_size > 1 and checks.changed(comm, *given, momentum, groups)
         if stand_in:  # the other ranks cannot know: join their all_gather with the agreed shapes and say so
-            image_features, text_features, indices = checks.stand_in(header_device(comm, *given))
-            if momentum is not None:
-                momentum = (torch.zeros_like(image_features), torch.zeros_like(text_features))
-            if groups is not None:
-                groups = torch.zeros(image_features.shape[0], dtype=torch.int64, device=image_features.device)
-        else:
-            self._check_structure(comm, image_features, text_features, indices)
+            image_features, text_features, indices, momentum, groups = checks.stand_in(header_device(comm, *given))
+        else:  # momentum and groups are checked here too: a rank alone refusing them would leave the others waiting
+            self._check_structure(comm, image_features, text_features, indices, momentum, groups)
+        groups = self._checked_groups(groups, image_features)
         if not self._parameters_shared and comm.world_size > 1:  # rank 0's τ and heads (DDP does this for models)
             comm.broadcast_from_first_(list(self.parameters()), header_device(comm, *given))
             self._parameters_shared = True
@@ -119,7 +111,7 @@ class ContrastiveLoss(nn.Module):
         if words is not None:
             if self.validate == "eager":  # before the loss writes its state
                 # a rank's shapes changed (every rank sees its stand-in's flag): the handshake, then the call
-                if checks.check_now(batch.header):
+                if checks.check_now(batch.header, batch.all_ids):
                     return self._forward(*given, None, comm, momentum=given_momentum, groups=given_groups)
             else:
                 checks.record(batch.header)
@@ -131,7 +123,8 @@ class ContrastiveLoss(nn.Module):
         return loss
 
     def _checked_groups(self, groups, image_features):
-        """``groups`` as int64 on the features' device, or None; anything but integer ids ``[B]`` is refused."""
+        """``groups`` as int64 on the features' device, or None; anything but integer ids ``[B]`` is refused (here
+        only with validate off: the handshake refused it on every rank)."""
         if groups is None:
             return None
         rows = image_features.shape[0] if isinstance(image_features, torch.Tensor) else None
@@ -140,21 +133,30 @@ class ContrastiveLoss(nn.Module):
             raise LossInputError(f"{self.name}: groups must be integer ids [B] = [{rows}], got {shape}")
         return groups.to(image_features.device, torch.int64)
 
-    def _check_structure(self, comm: Comm, image_features, text_features, indices) -> None:
-        """The structure handshake (first call, or this rank's shapes changed); with validate off, only the indices
-        a loss needs."""
+    def _check_structure(self, comm: Comm, image_features, text_features, indices, momentum, groups) -> None:
+        """The structure handshake (first call, or this rank's inputs changed); with validate off, only the indices
+        and momentum features a loss needs."""
+        need_momentum = self.needs_momentum and self.training  # (eval mode: the in-batch objective)
         if self.validate != "off":
             self.input_checks.structure(
                 comm,
                 image_features,
                 text_features,
                 indices,
+                momentum,
+                groups,
                 data_size=getattr(self.options, "data_size", None),
                 need_indices=self.needs_indices,
                 min_global_batch=self.min_global_batch,
+                need_momentum=need_momentum,
             )
         elif self.needs_indices and indices is None:
             raise LossInputError(f"{self.name} needs indices (int64 [B] global data indices)")
+        elif need_momentum and momentum is None:
+            raise LossInputError(
+                f"{self.name}: distill_alpha needs the momentum model's features: loss_fn(image, text, indices, "
+                "momentum=(momentum_image, momentum_text)) (the trainer: model.ema_momentum)"
+            )
 
     def _value_words(self, comm: Comm, image_features, text_features, indices, stand_in: bool):
         """The value checks' words, which ride in the feature all_gather's buffer (None with validate off)."""
@@ -212,21 +214,35 @@ class ContrastiveLoss(nn.Module):
         return []
 
     def begin_step(self, device=None) -> None:
-        """Journal what the calls write from now on, until ``commit_step()`` or ``rollback()``."""
-        for part in self.journaled_parts(device):
-            if part.journal is None:
-                part.journal = []
+        """Journal what the calls write from now on, until ``commit_step()`` or ``rollback()`` ends the step."""
+        parts = self.journaled_parts(device)
+        if any(part.journal for part in parts):  # (journaling on would keep every write since, unbounded)
+            raise RuntimeError(
+                f"{self.name}: begin_step() while the last step's writes are journaled: end that step first, "
+                "commit_step() to keep them or rollback() to undo them"
+            )
+        for part in parts:
+            part.journal = []
+        self._step_begun = True
 
     def rollback(self, undo: torch.Tensor | None = None) -> None:
-        """Undo the journaled writes (with ``undo``, a 0-d bool on the device: only where it is true, no host read)."""
+        """Undo the journaled writes (with ``undo``, a 0-d bool on the device: only where it is true, no host read)
+        and end the step."""
+        if not self._step_begun:  # (it undid nothing, silently)
+            raise RuntimeError(
+                f"{self.name}: rollback() without begin_step(): nothing was journaled; call loss_fn.begin_step() "
+                "before the forward of a step you may undo"
+            )
         for part in self.journaled_parts():
             part.rollback(undo)
+            part.journal = None
+        self._step_begun = False
 
     def commit_step(self) -> None:
-        """Keep the journaled writes: the step was taken."""
+        """Keep the journaled writes (the step was taken) and end the step: the calls after it journal nothing."""
         for part in self.journaled_parts():
-            if part.journal is not None:
-                part.journal.clear()
+            part.journal = None
+        self._step_begun = False
 
     # -- schedule and temperature -----------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -321,9 +337,16 @@ class SampleStateLoss(ContrastiveLoss):
                 dtype=dtype or self._state_dtype(None),
             )
         elif (self._state.world_size, self._state.rank) != here:
+            early = self._state.world_size == 1 < comm.world_size  # written by a call before init_process_group
             raise RuntimeError(
                 f"{self.name}: sample state belongs to rank {self._state.rank} of {self._state.world_size} but this "
-                f"call runs as rank {comm.rank} of {comm.world_size}; reshard the state first (reshard_for_rank)"
+                f"call runs as rank {comm.rank} of {comm.world_size}; "
+                + (
+                    "a call before init_process_group wrote it: call init_process_group before the loss's first "
+                    "call (or reshard its state: reshard_for_rank)"
+                    if early
+                    else "reshard the state first (reshard_for_rank)"
+                )
             )
         state = self._state
         want_device = torch.device(self.options.state_device or device or state.device)

@@ -82,7 +82,9 @@ def _check_queue(options) -> None:
 class CommonOptions:
     # process group; None = the default (WORLD) when torch.distributed is initialised
     group: object | None = field(default=None, metadata=LIBRARY_ONLY)
-    validate: bool = True  # header collective + checks that raise the same LossInputError on all ranks
+    # input checks that raise the same LossInputError on all ranks (validation.py): True/"eager", "deferred",
+    # False/"off"
+    validate: bool | str = True
     # eager validation on several ranks: raise where a rank's τ or heads are not rank 0's (gradients not averaged);
     # false for local SGD / periodic model averaging, where they differ on purpose between the averaging rounds
     check_parameters: bool = field(default=True, metadata=LIBRARY_ONLY)

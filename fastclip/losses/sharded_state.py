@@ -181,6 +181,16 @@ class ShardedSampleState:
                 f"sample state was saved for data_size={saved[0]} but this loss has data_size={self.data_size}: "
                 f"build it with data_size={saved[0]} (the data it was trained on), or start its state afresh"
             )
+        if (
+            saved != (self.data_size, self.world_size, self.rank)
+            and self.world_size == 1 < saved[1]
+            and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        ):
+            raise ValueError(
+                f"sample state was saved by rank {saved[2]} of {saved[1]} and this process has no process group "
+                "yet: call torch.distributed.init_process_group before loading it, or, to go on in one process, "
+                "reshard first (fastclip reshard --in CKPT_DIR --world-size 1, or reshard_for_rank())"
+            )
         if saved != (self.data_size, self.world_size, self.rank):
             raise ValueError(
                 f"sample state was saved for data_size={saved[0]}, world_size={saved[1]}, rank={saved[2]} but this "

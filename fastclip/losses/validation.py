@@ -2,7 +2,8 @@
 
 Two kinds of check:
 
-* **Structure** (shapes, dtypes, agreement of B, d and dtype across ranks). Each rank describes its inputs in
+* **Structure** (shapes and dtypes of the features, indices, momentum features and groups; agreement of B, d,
+  dtype, data_size and which optional inputs are given across ranks). Each rank describes its inputs in
   a small header, the headers are all_gathered and every rank runs the same checks over all of them in the same
   order, so all ranks raise the same error and none is left waiting in a later collective. This handshake runs
   on the first call and again when an input signature changes; shapes are host metadata, so telling "unchanged"
@@ -69,7 +70,11 @@ _OTHER = 99
 _NAMES = {code: str(dt).replace("torch.", "") for dt, code in _DTYPE_CODES.items()} | {0: "none", _OTHER: "other"}
 _FEATURE_CODES = {_DTYPE_CODES[dt] for dt in FEATURE_DTYPES}
 _INDEX_CODES = {_DTYPE_CODES[dt] for dt in INDEX_DTYPES}
+_INTEGER_CODES = {_DTYPE_CODES[dt] for dt in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)}
 _DESCRIPTOR = 4  # (ndim, size0, size1, dtype code) of one input
+_ABSENT = -2  # a descriptor's ndim for an optional input not given (None); -1: given, not a tensor
+# described inputs, in header order: the features and indices, then the optional momentum features and groups
+_INPUTS = ("image", "text", "indices", "momentum_image", "momentum_text", "groups")
 
 
 @dataclass(frozen=True)
@@ -80,23 +85,45 @@ class _Header:
     image: tuple[int, ...]
     text: tuple[int, ...]
     indices: tuple[int, ...]
+    momentum_image: tuple[int, ...]
+    momentum_text: tuple[int, ...]
+    groups: tuple[int, ...]
     image_sum: float
     text_sum: float
     index_min: float
     index_max: float
+    data_size: float  # -1: none (a loss without per-sample indices)
 
     @classmethod
     def parse(cls, rank: int, values: list[float]) -> _Header:
-        d = _DESCRIPTOR
-        desc = [int(v) for v in values[: 3 * d]]
-        return cls(rank, tuple(desc[:d]), tuple(desc[d : 2 * d]), tuple(desc[2 * d :]), *values[3 * d :])
+        d, n = _DESCRIPTOR, len(_INPUTS)
+        desc = [tuple(int(v) for v in values[i * d : (i + 1) * d]) for i in range(n)]
+        return cls(rank, *desc, *values[n * d :])
 
 
 def _describe(x) -> list[int]:
+    if x is None:
+        return [_ABSENT, -1, -1, 0]
     if not isinstance(x, torch.Tensor):
         return [-1, -1, -1, 0]
     sizes = list(x.shape[:2]) + [-1] * (2 - min(x.dim(), 2))
     return [x.dim(), *sizes, _DTYPE_CODES.get(x.dtype, _OTHER)]
+
+
+def momentum_pair(momentum) -> tuple:
+    """``momentum=`` as its (image, text) pair to describe: None stays absent; anything but a pair of two is
+    described as two non-tensors (refused by the handshake, not read)."""
+    if momentum is None:
+        return None, None
+    if isinstance(momentum, (tuple, list)) and len(momentum) == 2:
+        return tuple(momentum)
+    return object(), object()
+
+
+def signature(comm: Comm, image, text, indices, momentum=None, groups=None) -> tuple:
+    """The inputs' host metadata that the ranks agree on in the handshake (no device op)."""
+    extra = [_describe(x) for x in (*momentum_pair(momentum), groups)]
+    return tuple(map(tuple, [_describe(image), _describe(text), _describe(indices), *extra])) + (comm.world_size,)
 
 
 def _is_features(x) -> bool:
@@ -117,13 +144,17 @@ def header_device(comm: Comm, *inputs) -> torch.device:
     return torch.device("cpu")
 
 
-def build_header(comm: Comm, image, text, indices) -> torch.Tensor:
-    """``[descriptors (12), image sum, text sum, min index, max index]`` as float64, on the inputs' device.
+def build_header(
+    comm: Comm, image, text, indices, momentum=None, groups=None, data_size: int | None = None
+) -> torch.Tensor:
+    """``[descriptors (6 x 4), image sum, text sum, min index, max index, data_size]`` as float64, on the inputs'
+    device.
 
     A tensor's sum is NaN/Inf iff it holds a NaN/Inf (L2-normalised features cannot overflow it).
     """
     device = header_device(comm, image, text, indices)
-    static = torch.tensor(_describe(image) + _describe(text) + _describe(indices), dtype=torch.float64, device=device)
+    described = [v for x in (image, text, indices, *momentum_pair(momentum), groups) for v in _describe(x)]
+    static = torch.tensor(described, dtype=torch.float64, device=device)
     nothing = torch.zeros((), dtype=torch.float64, device=device)
     sums = [x.detach().sum(dtype=torch.float64) if _is_features(x) else nothing for x in (image, text)]
     rows = image.shape[0] if _is_features(image) else -1
@@ -132,7 +163,8 @@ def build_header(comm: Comm, image, text, indices) -> torch.Tensor:
         bounds = [low.to(torch.float64), high.to(torch.float64)]
     else:
         bounds = [nothing, nothing]
-    return torch.cat([static, torch.stack(sums + bounds)])
+    size = torch.full((), -1 if data_size is None else data_size, dtype=torch.float64, device=device)
+    return torch.cat([static, torch.stack(sums + bounds + [size])])
 
 
 def _detail_header(image, text, indices, data_size: int | None) -> torch.Tensor:
@@ -173,7 +205,7 @@ def _structure_error(h: _Header, need_indices: bool) -> str | None:
             f"[{h.text[1]}, {h.text[2]}]"
         )
     ndim, length, _, code = h.indices
-    if ndim == -1 and code == 0:
+    if ndim in (-1, _ABSENT):
         if not need_indices:
             return None
         return "indices must be an int64 [B] tensor of global data indices, got none or not a tensor (torch.as_tensor)"
@@ -184,16 +216,50 @@ def _structure_error(h: _Header, need_indices: bool) -> str | None:
     return None
 
 
-def check_structure(headers: list[_Header], *, need_indices: bool, min_global_batch: int) -> None:
+def _optional_error(h: _Header, need_momentum: bool) -> str | None:
+    """momentum= (a pair of float [B, d] tensors, any float dtype: they are cast to the features') and groups=
+    (integer ids [B]); None where they are right or absent."""
+    given = [desc[0] != _ABSENT for desc in (h.momentum_image, h.momentum_text)]
+    if not any(given) and need_momentum:
+        return (
+            "distill_alpha needs the momentum model's features: loss_fn(image, text, indices, "
+            "momentum=(momentum_image, momentum_text)) (the trainer: model.ema_momentum)"
+        )
+    if any(given):
+        for name, desc in (("image", h.momentum_image), ("text", h.momentum_text)):
+            ndim, _, _, code = desc
+            if ndim == -1:
+                return "momentum must be a pair (momentum_image, momentum_text) of [B, d] tensors"
+            if ndim != 2 or code not in _FEATURE_CODES or desc[1:3] != h.image[1:3]:
+                return (
+                    f"momentum {name} features must be a float tensor of the features' shape [{h.image[1]}, "
+                    f"{h.image[2]}], got {_given(desc)}"
+                )
+    ndim, length, _, code = h.groups
+    if ndim != _ABSENT and (ndim != 1 or length != h.image[1] or code not in _INTEGER_CODES):
+        return f"groups must be integer ids [B] = [{h.image[1]}], got {_given(h.groups)}"
+    return None
+
+
+def _given(desc: tuple[int, ...]) -> str:
+    return "something that is not a tensor" if desc[0] < 0 else f"a {_shape(desc)} of {_NAMES[desc[3]]}"
+
+
+def check_structure(
+    headers: list[_Header], *, need_indices: bool, min_global_batch: int, need_momentum: bool = False
+) -> None:
     """Shapes and dtypes of every rank, then agreement across ranks; raises the first problem."""
     for h in headers:
-        problem = _structure_error(h, need_indices)
+        problem = _structure_error(h, need_indices) or _optional_error(h, need_momentum)
         if problem:
             raise LossInputError(f"rank {h.rank}: {problem}")
     for what, pick in (
         ("local batch size B", lambda h: h.image[1]),
         ("feature size d", lambda h: h.image[2]),
         ("feature dtype", lambda h: _NAMES[h.image[3]]),
+        ("data_size", lambda h: int(h.data_size) if h.data_size >= 0 else None),
+        ("momentum= (given or not)", lambda h: "given" if h.momentum_image[0] != _ABSENT else "not given"),
+        ("groups= (given or not)", lambda h: "given" if h.groups[0] != _ABSENT else "not given"),
     ):
         values = [pick(h) for h in headers]
         if len(set(values)) > 1:
@@ -327,41 +393,53 @@ class InputChecks:
             self._zero_word = torch.zeros(1, dtype=torch.int64, device=device)
         return self._zero_word
 
-    def structure(self, comm: Comm, image, text, indices, **checks) -> None:
+    def structure(self, comm: Comm, image, text, indices, momentum=None, groups=None, **checks) -> None:
         """The structure handshake, when this rank's input signature differs from the agreed one."""
-        signature = (_describe(image), _describe(text), _describe(indices), comm.world_size)
-        if signature != self.signature:
-            validate_inputs(comm, image, text, indices, **checks)  # raises alike on every rank
-            self.signature = signature
+        current = signature(comm, image, text, indices, momentum, groups)
+        if current != self.signature:
+            validate_inputs(comm, image, text, indices, momentum, groups, **checks)  # raises alike on every rank
+            self.signature = current
 
-    def changed(self, comm: Comm, image, text, indices) -> bool:
+    def changed(self, comm: Comm, image, text, indices, momentum=None, groups=None) -> bool:
         """Whether this rank's inputs differ from the signature the ranks last agreed on in this group (host
         metadata only). One agreed at another world size (a call before init_process_group) is no agreement:
         every rank then makes the handshake."""
-        signature = (_describe(image), _describe(text), _describe(indices), comm.world_size)
-        agreed = self.signature is not None and self.signature[3] == comm.world_size
-        return agreed and signature != self.signature
+        agreed = self.signature is not None and self.signature[-1] == comm.world_size
+        return agreed and signature(comm, image, text, indices, momentum, groups) != self.signature
 
-    def stand_in(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Zeros of the agreed shapes (image, text, indices or None), for the all_gather the other ranks make."""
-        image, text, indices, _ = self.signature
+    def stand_in(self, device) -> tuple:
+        """Zeros of the agreed shapes (image, text, indices, momentum, groups; None where absent), for the
+        all_gather the other ranks make."""
+        image, text, indices, momentum_image, momentum_text, groups, _ = self.signature
 
         def zeros(desc):
             ndim, s0, s1, code = desc
             return torch.zeros([s0, s1][:ndim], dtype=_CODE_DTYPES[code], device=device) if ndim > 0 else None
 
-        return zeros(image), zeros(text), zeros(indices)
+        momentum = None if momentum_image[0] == _ABSENT else (zeros(momentum_image), zeros(momentum_text))
+        return zeros(image), zeros(text), zeros(indices), momentum, zeros(groups)
 
-    def check_now(self, words: torch.Tensor) -> bool:
+    def check_now(self, words: torch.Tensor, ids: torch.Tensor | None = None) -> bool:
         """Eager mode: read this call's gathered words (a host sync) and raise if any rank's are bad. True
-        (nothing raised) where a rank sent a stand-in: its shapes changed, and every rank must run the handshake."""
-        values = words.reshape(-1).tolist()
+        (nothing raised) where a rank sent a stand-in: its shapes changed, and every rank must run the handshake.
+        ``ids``: the global batch's ``[N]`` data indices or group ids, read in the same sync: all equal, no row has
+        a negative (a loss would return -inf or a number that means nothing)."""
+        read = words.reshape(-1)
+        if ids is not None:
+            read = torch.cat([read, (ids.amax() - ids.amin()).reshape(1).to(read.dtype)])
+        values = read.tolist()
+        span = values.pop() if ids is not None else None
         if SIGNATURE_CHANGED in values[::HEADER_WORDS]:
             self.signature = None
             return True
         self.calls += 1
         check_details(_details(values), data_size=self.data_size)
         check_parameters_agree(values[FINGERPRINT::HEADER_WORDS])
+        if span == 0:
+            raise LossInputError(
+                f"all {ids.numel()} rows of the global batch are one sample (the same index, or group, on every "
+                "row): no row has a negative; pass rows of distinct samples"
+            )
         return False
 
     def record(self, words: torch.Tensor) -> None:
@@ -426,12 +504,22 @@ class InputChecks:
 
 
 def validate_inputs(
-    comm: Comm, image, text, indices, *, data_size: int | None, need_indices: bool, min_global_batch: int = 2
+    comm: Comm,
+    image,
+    text,
+    indices,
+    momentum=None,
+    groups=None,
+    *,
+    data_size: int | None,
+    need_indices: bool,
+    min_global_batch: int = 2,
+    need_momentum: bool = False,
 ) -> None:
     """Raise the same LossInputError on every rank if any rank's inputs are bad (a collective: all ranks call it)."""
-    header = build_header(comm, image, text, indices)
+    header = build_header(comm, image, text, indices, momentum, groups, data_size)
     headers = [_Header.parse(r, v) for r, v in enumerate(comm.all_gather(header, ledger_key="header").tolist())]
-    check_structure(headers, need_indices=need_indices, min_global_batch=min_global_batch)
+    check_structure(headers, need_indices=need_indices, min_global_batch=min_global_batch, need_momentum=need_momentum)
     if any(_values_suspect(h, data_size) for h in headers):  # the same decision on every rank
         details = comm.all_gather(_detail_header(image, text, indices, data_size), ledger_key="header")
         check_details(details.tolist(), data_size=data_size)

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `pytest` without PYTHONPATH: benchmarks/ is a folder of the repository root
 
 from benchmarks.study import plots, records, report, runner, stats  # noqa: E402
-from benchmarks.study.__main__ import main  # noqa: E402
+from benchmarks.study.__main__ import _h, main  # noqa: E402
 from benchmarks.study.plan import budget, cell_name, cells, choose, designate, plan, tune_runs  # noqa: E402
 from benchmarks.study.spec import SpecError, load, resolve_setting  # noqa: E402
 
@@ -431,11 +431,22 @@ def test_run_folders_files_are_written_whole_and_an_unreadable_one_restarts_or_i
     (folder / "code.json").write_text(json.dumps({"code": "c1", "args": {}}))
     assert runner.resumable(folder, "c1", {}) is True
     (folder / "wall_s.txt").write_text("")
-    active = runner.Active(run, None, folder, tmp_path, start=0.0)
+    active = runner.Active(run, None, folder, tmp_path, before=runner.wall_before(run, folder), start=0.0)
     total = runner.add_wall(active)
     assert total > 0 and float((folder / "wall_s.txt").read_text()) == pytest.approx(total, abs=0.1)
     assert "wall_s.txt unreadable" in capsys.readouterr().out
     assert not list(folder.glob("*.tmp"))
+    # written while it runs (a killed runner kept only the attempts that ended: about half a resumed run's wall
+    # time), each write the whole attempt so far, not added again: the next attempt starts from the last one
+    import time
+
+    (folder / "wall_s.txt").write_text("100.0")
+    active = runner.Active(run, None, folder, tmp_path, before=runner.wall_before(run, folder))
+    active.start -= 30.0  # 30 s into this attempt
+    assert runner.add_wall(active) == pytest.approx(130.0, abs=0.5)
+    assert runner.add_wall(active) == pytest.approx(130.0, abs=0.5)  # (not 160)
+    assert runner.wall_before(run, folder) == pytest.approx(130.0, abs=0.5)  # after a kill, the next attempt's
+    assert time.perf_counter() - active.written < 5
 
 
 def test_run_refuses_what_would_waste_every_run(tmp_path, capsys, tiny_embedded):
@@ -476,10 +487,40 @@ def test_run_refuses_what_would_waste_every_run(tmp_path, capsys, tiny_embedded)
     (data / "val" / "manifest.json").write_text("{")
     refused(path, "datasets.d", "val")
     (data / "val" / "manifest.json").write_text((tiny_embedded / "val" / "manifest.json").read_text())
+    # zeroshot.json: needed for a zero-shot metric only (a user's own images have none: it was refused for any)
+    (data / "zeroshot.json").rename(tmp_path / "zeroshot.json")
+    assert runner.ensure_data(load(path), "d") == data
+    assert "--data.zeroshot null" in " ".join(map(str, runner.command(load(path), plan(load(path))[0], data)))
+    refused(spec_file({"metric": "zeroshot_top1"}), "no zeroshot.json", "(metric zeroshot_top1)")
+    (tmp_path / "zeroshot.json").rename(data / "zeroshot.json")
+    path = spec_file()
     with runner.hold_lock(load(path)):
         refused(path, "another `run` of this study is active")
     assert main(["run", str(path), "--phase", "long"]) == 0  # long runs wait for the choices
     assert "no run to start: " in capsys.readouterr().out
+
+
+def test_spec_refuses_text_flags_a_tuned_key_in_train_and_cuda_without_a_device(tmp_path, capsys):
+    """`headline: "false"` was true (bool of a text); a key tuned in a grid and set in train was the grid's,
+    silently; device cuda on a machine without one failed each run after plan passed."""
+    path = write_spec(tmp_path)
+    raw = json.loads(path.read_text())
+    raw["objectives"]["new"]["headline"] = "false"
+    path.write_text(json.dumps(raw))
+    one_line_error(capsys, main, ["plan", str(path)], "objectives.new.headline", "must be true or false", "'false'")
+    raw["objectives"]["new"]["headline"] = False
+    raw["train"] = {"optim.lr": 1e-3}
+    path.write_text(json.dumps(raw))
+    one_line_error(capsys, main, ["plan", str(path)], "train", "['optim.lr'] also tuned in objectives.base.grid")
+    raw["train"] = {"optim.wd": 0.1}
+    raw["device"] = "cuda"
+    path.write_text(json.dumps(raw))
+    assert main(["plan", str(path)]) == 0  # a GPU study may be planned and priced anywhere
+    capsys.readouterr()
+    import torch
+
+    if not torch.cuda.is_available():
+        one_line_error(capsys, main, ["run", str(path), "--max-runs", "0"], "device cuda", "no usable CUDA device")
 
 
 def test_spec_refuses_unequal_budgets_and_unknown_losses(tmp_path, capsys):
@@ -569,8 +610,11 @@ def test_run_takes_several_cells_and_patterns(tmp_path, capsys, monkeypatch):
 
 def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_embedded, capsys):
     """plan --hours: a run costs its steps x the median wall seconds per step of the finished runs of its batch and
-    phase (a long run: the test runs'; a phase with none: every phase of its batch), else the timing run's."""
+    phase (a long run: the test runs'; a phase with none: every phase of its batch), else the timing run's. Hours
+    print to 0.1, under 1 to two significant digits (a small study's 0.034 printed 0.0)."""
     from benchmarks.study import hours
+
+    assert (_h(0.0341), _h(0.38), _h(12.34), _h(0)) == ("0.034", "0.38", "12.3", "0.0")
 
     data = tmp_path / "emb"  # the tiny glyphs, val standing in for test
     data.mkdir()
@@ -638,7 +682,9 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
     (other / "spec.json").write_text(json.dumps(raw))
     assert main(["plan", str(other / "spec.json"), "--price-from", str(tmp_path / "priced.json")]) == 0
     out = capsys.readouterr().out
-    assert f"core-hours: {sum(at_median.values()):.1f} in total" in out and "priced from" in out and "e/32/tune" in out
+    nothing_done = sum(80 // r.global_batch * r.epochs * seconds[r.phase, r.global_batch] / 3600
+                       for r in plan(load(other / "spec.json")))  # fmt: skip
+    assert f"core-hours: {_h(nothing_done)} in total" in out and "priced from" in out and "e/32/tune" in out
     (other / "spec.json").write_text(
         json.dumps({**raw, "datasets": {"f": raw["datasets"]["e"] | {"arch": "tiny-vit-64"}}})
     )
@@ -885,6 +931,28 @@ def test_the_winner_is_named_on_val_not_by_test_means_over_unequal_seeds(tmp_pat
     assert row["wins"] == 6 and row["diff_mean"] == pytest.approx(0.075)
 
 
+def test_the_runner_up_of_a_winner_that_is_the_strongest_baseline_is_trained_longer_too(tmp_path):
+    """The winner base is the strongest baseline, so its comparison is the runner-up on val, new: new (not a
+    headline objective) gets every test seed and the longer training, so samples-to-target is measured at the longer
+    length (it had the other test seeds only and no long runs: the long table had no comparison)."""
+    path = write_spec(tmp_path, batches=[32])
+    raw = json.loads(path.read_text())
+    raw["objectives"]["new"]["headline"] = False
+    path.write_text(json.dumps(raw))
+    spec = load(path)
+    val = {"base": 0.60, "base2": 0.40, "new": 0.50}
+    finish_tuning(spec, lambda name, i, seed: val[name])
+    named = designate(spec, "d", 32)
+    assert (named.winner, named.baseline, named.runner_up) == ("base", "base", "new")
+    runs = [r for r in plan(spec) if r.objective == "new" and r.phase != "tune"]
+    assert sorted(r.seed for r in runs if r.phase == "test") == list(spec.test_seeds)
+    assert sorted(r.seed for r in runs if r.phase == "long") == list(spec.test_seeds)
+    assert not [r for r in plan(spec) if r.objective == "base2" and r.phase == "long"]
+    val["new"] = 0.70  # new wins: the winner is then not the strongest baseline, and there is no runner-up
+    finish_tuning(spec, lambda name, i, seed: val[name])
+    assert designate(spec, "d", 32).runner_up is None
+
+
 def test_report_shows_each_cells_tuning_and_a_choice_on_the_grids_edge(tmp_path):
     path = write_spec(tmp_path, batches=[32])
     raw = json.loads(path.read_text())
@@ -956,14 +1024,34 @@ def test_mixed_code_is_refused_and_stale_runs_rerun(tmp_path, capsys, monkeypatc
     fake(spec, first, 0.5, code="c0")  # one run of table d/32 from other code
     one_line_error(capsys, main, ["report", str(path)], "table d/32", "c0", "c1", "--rerun-stale")
     assert main(["report", str(path), "--allow-mixed-commits"]) == 0
-    capsys.readouterr()
+    out = capsys.readouterr().out  # the mix is said, with the tuning run's code (it named c1's commit alone)
+    assert "**Mixed code**" in out and "table d/32: c0 (1 runs), c1 (" in out and "commit(s) c0,c1" in out
     monkeypatch.setattr(records, "code_version", lambda: {"commit": "c1", "code": "c1", "dirty": False})
     one_line_error(capsys, main, ["run", str(path), "--max-runs", "0"], "table d/32", "1 run(s) from other code")
     assert main(["run", str(path), "--max-runs", "0", "--cell", "d/64/base"]) == 0  # another table: not blocked
+    assert main(["plan", str(path)]) == 0
+    assert "(1 from other code or data than now: `run --rerun-stale` runs them again)" in capsys.readouterr().out
+    # --rerun-stale over one cell, with stale runs in another cell of its table: refused before anything moves
+    # (it moved the cell's runs, then refused the table)
+    other = tune_runs(spec, "d", 32, "base2")[0]
+    fake(spec, other, 0.5, code="c0")
+    one_line_error(capsys, main, ["run", str(path), "--max-runs", "0", "--rerun-stale", "--cell", "d/32/base"],
+                   "table d/32: 1 run(s) from other code than now (c1): c0 (1), in objective(s) base2",
+                   "--rerun-stale --cell 'd/32/*'")  # fmt: skip
+    assert records.load(spec.results, first.id) is not None  # nothing moved
     assert main(["run", str(path), "--max-runs", "0", "--rerun-stale"]) == 0
     assert records.load(spec.results, first.id) is None  # pending again; the old record kept under stale/
     assert json.loads((spec.results / "stale" / f"{first.id}.json").read_text())["code"] == "c0"
     assert main(["report", str(path)]) == 0  # one code left
+    # stale again (another code since): the record moved the first time stays, this one is kept beside it
+    fake(spec, first, 0.6, code="c0b")
+    assert main(["run", str(path), "--max-runs", "0", "--rerun-stale"]) == 0
+    assert json.loads((spec.results / "stale" / f"{first.id}.json").read_text())["code"] == "c0"
+    stale_name = first.id.rsplit("/", 1)[-1]
+    assert (
+        json.loads((spec.results / "stale" / f"{first.id}.json").with_name(f"{stale_name}~2.json").read_text())["code"]
+        == "c0b"
+    )
 
 
 def test_rerun_stale_moves_a_dependents_old_runs_while_its_source_retunes(tmp_path):
@@ -976,11 +1064,11 @@ def test_rerun_stale_moves_a_dependents_old_runs_while_its_source_retunes(tmp_pa
     kept = tune_runs(spec, "d", 64, "hard")[0]
     fake(spec, kept, 0.5, code="c2")  # batch 64: another table, and current code
     assert not any(r.chosen_pending for r in hard)
-    assert runner.move_stale(spec, "c2", "d/32/base2") == 8 + 8  # base2's 8, then hard's 8 (no plan lists them)
+    assert len(runner.move_stale(spec, "c2", "d/32/base2")) == 8 + 8  # base2's 8, then hard's 8 (no plan lists them)
     assert all(r.chosen_pending for r in tune_runs(spec, "d", 32, "hard"))
     assert all((spec.results / "stale" / f"{r.id}.json").is_file() for r in hard)
     assert records.load(spec.results, kept.id) is not None
-    assert runner.move_stale(spec, "c2", "d/32/base") == 8  # base's own; hard takes nothing from base
+    assert len(runner.move_stale(spec, "c2", "d/32/base")) == 8  # base's own; hard takes nothing from base
 
 
 def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_resumed(tmp_path, tiny_embedded):
@@ -1008,7 +1096,29 @@ def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_res
     assert runner.table_codes(spec)[("d", 32)] == {"c1+other-settings": [run.id]}
     with pytest.raises(runner.MixedCommits, match="1 run.s. from other code"):
         runner.check_commits(spec, "c1")
-    assert runner.move_stale(spec, "c1", None) == 1 and records.load(spec.results, run.id) is None
+    assert len(runner.move_stale(spec, "c1", None)) == 1 and records.load(spec.results, run.id) is None
+    # the data is part of a run's provenance: other shards (or a changed class list) under the same name are not the
+    # data it ran on (they were taken as they were)
+    import shutil
+
+    data = tmp_path / "data_copy"
+    shutil.copytree(tiny_embedded, data)
+    raw["datasets"]["d"]["data"] = str(data)
+    path.write_text(json.dumps(raw))
+    spec = load(path)
+    fake(spec, run, 0.5)
+    record = records.load(spec.results, run.id)
+    now = runner.deciding_args(runner.command(spec, run, data))
+    records.save(spec.results, run.id, {**record, "args": now, "data": records.data_fingerprint(data)})
+    runner.data_fingerprint.cache_clear()
+    assert runner.table_codes(spec)[("d", 32)] == {"c1": [run.id]}
+    spare = sorted((data / "train").glob("*.tar"))[-1]
+    spare.rename(tmp_path / spare.name)  # one shard fewer
+    runner.data_fingerprint.cache_clear()
+    assert runner.table_codes(spec)[("d", 32)] == {"c1+other-data": [run.id]}
+    (tmp_path / spare.name).rename(spare)
+    runner.data_fingerprint.cache_clear()
+    assert runner.table_codes(spec)[("d", 32)] == {"c1": [run.id]}
 
     folder = tmp_path / "folder"
     assert not runner.resumable(folder, "c1", args)  # nothing to resume

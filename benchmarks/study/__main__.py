@@ -92,15 +92,25 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+def _h(hours: float) -> str:
+    """Hours to 0.1 where there are many, else to two significant digits (a small study's 0.03 is not 0.0)."""
+    return f"{hours:.1f}" if hours >= 1 or hours == 0 else f"{hours:.2g}"
+
+
 def cmd_plan(spec, args) -> int:
     if args.measure and args.price_from:
         raise SpecError("--measure and --price-from both price the batches without finished runs; give one")
     runner.check_settings(spec)
     runs = plan(spec)
     per_budget = budget(spec)
-    done = sum(1 for r in runs if not r.chosen_pending and records.load(spec.results, r.id) is not None)
+    finished = [(r, rec) for r in runs if not r.chosen_pending and (rec := records.load(spec.results, r.id))]
     phases = Counter(r.phase for r in runs)
-    print(f"study {spec.name}: {len(runs)} runs ({', '.join(f'{n} {p}' for p, n in phases.items())}), {done} done")
+    now = records.code_version()["code"]
+    stale = sum(1 for r, rec in finished if runner.code_of(spec, r, rec) != now)
+    print(
+        f"study {spec.name}: {len(runs)} runs ({', '.join(f'{n} {p}' for p, n in phases.items())}), {len(finished)} "
+        "done" + (f" ({stale} from other code or data than now: `run --rerun-stale` runs them again)" if stale else "")
+    )
     fewer = "; ".join(
         f"{n} at {at} only" if (at := spec.batches_of(n)) else f"{n} at none of them (its batches: {list(o.batches)})"
         for n, o in spec.objectives.items()
@@ -148,15 +158,15 @@ def cmd_plan(spec, args) -> int:
                 "`plan --hours --measure`"
             ) from None
         print(
-            f"core-hours: {h['total']:.1f} in total, {h['headline']:.1f} for the headline objectives; "
-            f"{h['done']:.1f} done (their wall time), {h['pending']:.1f} pending (a floor: a step past a grid's edge, "
-            f"{len(spec.tune_seeds)} runs, counts once it is taken)"
+            f"core-hours: {_h(h['total'])} in total, {_h(h['headline'])} for the headline objectives; "
+            f"{_h(h['done'])} done (their wall time), {_h(h['pending'])} pending (a floor: a step past a grid's "
+            f"edge, {len(spec.tune_seeds)} runs, counts once it is taken)"
         )
         if h["pending_by"]:
             print(
                 "  pending by table and phase: "
-                + ", ".join(f"{k} {v:.1f}" for k, v in h["pending_by"].items())
-                + f"; at best {h['pending'] / (os.cpu_count() or 1):.0f} h on this machine's {os.cpu_count()} cores "
+                + ", ".join(f"{k} {_h(v)}" for k, v in h["pending_by"].items())
+                + f"; at best {_h(h['pending'] / (os.cpu_count() or 1))} h on this machine's {os.cpu_count()} cores "
                 "(one run per free core, no core idle while a run waits for a choice)"
             )
         if measured:
@@ -202,6 +212,12 @@ def cmd_run(spec, args) -> int:
             raise SpecError(f"--cell {pattern}: matches no cell of {spec.path} (dataset/batch/objective){only}{hint}; "
                             f"cells: {shown}")  # fmt: skip
     named = [c for c in every if any(fnmatch.fnmatchcase(c, p) for p in args.cell)] if args.cell else None  # None: all
+    if spec.device == "cuda":  # (plan may price a GPU study anywhere; its runs would each fail here)
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SpecError(f"{spec.path}: device cuda, but this machine has no usable CUDA device; run it where "
+                            "one is, or set device: cpu")  # fmt: skip
     runner.check_settings(spec)
     runner.check_outputs(spec)
     with runner.hold_lock(spec):
@@ -211,11 +227,15 @@ def cmd_run(spec, args) -> int:
 def _run(spec, args, named) -> int:
     """`run` once the study is locked: provenance, then the pending runs."""
     current = records.code_version()
-    if args.rerun_stale:
-        moved = runner.move_stale(spec, current["code"], named)
-        print(f"{moved} run(s) from other code moved to {spec.results / 'stale'}; they run again")
+    moved = runner.move_stale(spec, current["code"], named) if args.rerun_stale else []
     if not args.allow_mixed_commits:
-        runner.check_commits(spec, current["code"], named)
+        try:
+            runner.check_commits(spec, current["code"], named, rerun_stale=args.rerun_stale)
+        except runner.MixedCommits:
+            runner.put_back(spec, moved)  # refused: the tables as they were (it moved, then refused to run)
+            raise
+    if args.rerun_stale:
+        print(f"{len(moved)} run(s) from other code moved to {spec.results / 'stale'}; they run again")
     if current["dirty"]:
         print(f"note: fastclip/ or configs/ has uncommitted changes; runs record code {current['code']}")
     try:

@@ -212,6 +212,12 @@ class Designation:
     complete: bool
     val: dict  # objective -> val mean of its chosen setting
 
+    @property
+    def runner_up(self) -> str | None:
+        """When the winner is the strongest baseline, the objective it is compared with: the best other on val."""
+        others = [n for n in self.val if n != self.winner]
+        return max(others, key=self.val.get) if self.winner == self.baseline and others else None
+
 
 def designate(spec: Spec, dataset: str, batch: int, results: dict | None = None) -> Designation:
     """`results`: objective -> its tune_result, when the caller has them (else read here)."""
@@ -229,8 +235,9 @@ def designate(spec: Spec, dataset: str, batch: int, results: dict | None = None)
 
 def full_treatment(spec: Spec, objective: str, designation: Designation) -> bool:
     """Every test seed and the longer training: a headline objective, or its table's winner or strongest baseline
-    once every choice of the table is made."""
-    named = designation.complete and objective in (designation.winner, designation.baseline)
+    once every choice of the table is made (and the runner-up where those are one: the winner's comparison, whose
+    samples-to-target is measured at the longer length too)."""
+    named = designation.complete and objective in (designation.winner, designation.baseline, designation.runner_up)
     return spec.objectives[objective].headline or named
 
 

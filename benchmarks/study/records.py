@@ -2,7 +2,8 @@
 
 A run records the commit it ran at, the git tree of the code (fastclip/ and configs/) and whether that code had
 uncommitted changes (then a hash of the diff). Two runs are "from the same code" when those keys are equal, so a
-commit that touches only docs or benchmarks does not make a table stale."""
+commit that touches only docs or benchmarks does not make a table stale. It records its data too (data_fingerprint):
+a run on other data is not from the same code either."""
 
 from __future__ import annotations
 
@@ -109,12 +110,35 @@ def save(results: Path, run_id: str, record: dict) -> None:
 
 
 def move_stale(results: Path, run_id: str) -> Path:
-    """Move a run's JSON out of the tables (to <results>/stale/, kept for the record) so the run is pending again."""
+    """Move a run's JSON out of the tables (to <results>/stale/, kept for the record) so the run is pending again;
+    one moved there before (from older code) stays: this one becomes <run>~2.json, ~3, ..."""
     src = run_path(results, run_id)
     dst = results / "stale" / f"{run_id}.json"
     dst.parent.mkdir(parents=True, exist_ok=True)
+    copy = 2
+    while dst.exists():
+        dst, copy = dst.with_name(f"{Path(run_id).name}~{copy}.json"), copy + 1
     src.replace(dst)
     return dst
+
+
+def data_fingerprint(data: Path) -> str:
+    """What tells a study's data apart without reading its shards: a hash of its splits' manifests, its zeroshot.json
+    and every shard's name and size (shards made again alike keep it; other shards, or more or fewer, change it)."""
+    digest = hashlib.sha1()
+    for split in ("train", "val", "test", "novel"):
+        folder = data / split
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            if path.name == "manifest.json":
+                digest.update(f"{split}/{path.name}\0".encode() + path.read_bytes())
+            elif path.suffix == ".tar":
+                digest.update(f"{split}/{path.name}\0{path.stat().st_size}\0".encode())
+    zeroshot = data / "zeroshot.json"
+    if zeroshot.is_file():
+        digest.update(b"zeroshot.json\0" + zeroshot.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def round_floats(value, digits: int = 4):

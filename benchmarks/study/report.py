@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from . import records
+from . import records, runner
 from .plan import KNOB_MAX, PHASES, cell_name, choose, chosen, designate, metric_of, plan, tune_plan
 from .plots import figure_path, write_figures
 from .runner import run_dir, zeroshot_sets
@@ -101,7 +101,11 @@ def data_checks(spec: Spec, name: str) -> dict:
 def summarize(spec: Spec) -> dict:
     """The summary JSON (README.md's schema) plus, under keys starting with "_", what the markdown needs."""
     done, todo = finished(spec)
-    commits = Counter(r["commit"] for tables in done.values() for by in tables.values() for r in by.values())
+    # every finished run's commit, the tuning runs' too (with --allow-mixed-commits the test runs alone hid a mix)
+    every = [r for r in (records.load(spec.results, run.id) for run in plan(spec) if not run.chosen_pending) if r]
+    commits = Counter(r["commit"] for r in every)
+    mixed = {f"{d}/{b}": {code: len(ids) for code, ids in sorted(codes.items())}
+             for (d, b), codes in runner.table_codes(spec).items() if len(codes) > 1}  # fmt: skip
     cells, comparisons, tables = [], [], []
     for (dataset, batch, phase), runs in sorted(done.items(), key=lambda kv: (*kv[0][:2], PHASES.index(kv[0][2]))):
         t = table(spec, dataset, batch, runs)
@@ -130,6 +134,7 @@ def summarize(spec: Spec) -> dict:
         comparisons.append(headline(spec, t, done, complete=pending[t["dataset"], t["global_batch"]] == 0))
     return {
         "commit": ",".join(sorted(commits)) if commits else None,
+        "_mixed": mixed,
         "data": [data_checks(spec, name) for name in spec.datasets],
         "cells": records.round_floats(cells),
         "comparisons": records.round_floats(comparisons),
@@ -203,6 +208,12 @@ def markdown(spec: Spec, summary: dict) -> str:
         "data has them, and the global τ at the last step (mean over seeds: where a learned τ went).",
         "",
     ]
+    if summary["_mixed"]:  # (--allow-mixed-commits)
+        shown = "; ".join(
+            f"table {t}: " + ", ".join(f"{code} ({n} runs)" for code, n in codes.items())
+            for t, codes in summary["_mixed"].items()
+        )
+        lines += [f"**Mixed code** (made with --allow-mixed-commits; not a table to report): {shown}.", ""]
     for t in summary["_tables"]:
         title = f"## {t['dataset']}, global batch {t['global_batch']}, {t['epochs']} epochs"
         lines += [title + (" (longer training)" if t["phase"] == "long" else ""), ""]

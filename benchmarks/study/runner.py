@@ -4,6 +4,7 @@ from its last checkpoint when it was stopped, recorded as one small JSON when it
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -58,7 +59,9 @@ def ensure_data(spec: Spec, dataset: str) -> Path:
         if code != 0:
             raise SpecError(f"datasets.{dataset}.make exited {code}; run it by hand to see why")
         made = True
-    for part in (*(f"{split}/{MANIFEST_NAME}" for split in ("train", "val", "test")), "zeroshot.json"):
+    # zeroshot.json: for a zero-shot metric only (else the runs report no zero-shot)
+    class_list = ("zeroshot.json",) if d.metric == "zeroshot_top1" else ()
+    for part in (*(f"{split}/{MANIFEST_NAME}" for split in ("train", "val", "test")), *class_list):
         if not (d.data / part).is_file():
             half = d.make and not made and (d.data / "train" / MANIFEST_NAME).is_file()
             raise SpecError(
@@ -66,11 +69,13 @@ def ensure_data(spec: Spec, dataset: str) -> Path:
                 + (
                     "a half-made folder (its make was stopped?): remove the folder and run again to make it whole"
                     if half
-                    else "the study needs train/, val/ and test/ shard folders and zeroshot.json (or a `make` "
-                    "command that writes them)"
+                    else "the study needs train/, val/ and test/ shard folders"
+                    + (" and zeroshot.json (metric zeroshot_top1)" if class_list else "")
+                    + " (or a `make` command that writes them)"
                 )
             )
-    zeroshot_sets(d.data / "zeroshot.json")
+    if (d.data / "zeroshot.json").is_file():
+        zeroshot_sets(d.data / "zeroshot.json")
     for split in ("train", "val", "test"):
         try:
             read_manifest(d.data / split)
@@ -185,7 +190,7 @@ def command(spec: Spec, run: Run, data: Path, extra: dict | None = None) -> list
         **resolve_setting(run.settings, run.global_batch),
         "data.train": data / "train",
         "data.val": data / ("val" if run.phase == "tune" else "test"),
-        "data.zeroshot": data / "zeroshot.json",
+        "data.zeroshot": data / "zeroshot.json" if (data / "zeroshot.json").is_file() else "null",
         "data.batch_size": run.global_batch,
         "data.workers": spec.train.get("data.workers", 0),  # one core per run on CPU; a GPU's runs decode in workers
         "model.arch": d.arch,
@@ -257,7 +262,7 @@ def evaluate_split(folder: Path, data: Path, split: str, device: str = "cpu") ->
         tokenizer=built.tokenizer,
         preprocess=built.preprocess_val,
         val_dir=str(data / split),
-        zeroshot_file=str(data / "zeroshot.json"),
+        zeroshot_file=str(data / "zeroshot.json") if (data / "zeroshot.json").is_file() else None,
         device=device,
         batch_size=256,
     )
@@ -286,6 +291,7 @@ def result_record(spec: Spec, run: Run, folder: Path, data: Path, wall_s: float)
             "epochs": run.epochs,
         },
         **started_with(folder),
+        "data": data_fingerprint(data),
         "device": spec.device,
         "final": {
             "metric": metric(final, name),
@@ -350,17 +356,26 @@ def _started(folder: Path) -> dict | None:
     return before if isinstance(before, dict) and {"code", "args"} <= set(before) else None
 
 
-def add_wall(active: Active) -> float:
-    """The run's wall time over all its attempts (kept in its folder while it runs), this attempt's added."""
-    path = active.folder / "wall_s.txt"
+def wall_before(run: Run, folder: Path) -> float:
+    """The wall time of the run's earlier attempts, kept in its folder (0 for a first attempt)."""
+    path = folder / "wall_s.txt"
     try:
-        before = float(path.read_text()) if path.is_file() else 0.0
+        return float(path.read_text()) if path.is_file() else 0.0
     except (OSError, ValueError):
-        print(f"note: {path} unreadable: {active.run.id}'s wall time counts from this attempt", flush=True)
-        before = 0.0
-    total = before + time.perf_counter() - active.start
-    records.write_atomic(path, f"{total:.1f}")
+        print(f"note: {path} unreadable: {run.id}'s wall time counts from this attempt", flush=True)
+        return 0.0
+
+
+def add_wall(active: Active) -> float:
+    """The run's wall time over all its attempts, this attempt's so far added, written to its folder: at its end and
+    every WALL_EVERY seconds while it runs, so a killed runner loses at most that much of it."""
+    total = active.before + time.perf_counter() - active.start
+    records.write_atomic(active.folder / "wall_s.txt", f"{total:.1f}")
+    active.written = time.perf_counter()
     return total
+
+
+WALL_EVERY = 60.0
 
 
 @dataclass
@@ -369,7 +384,9 @@ class Active:
     proc: subprocess.Popen
     folder: Path
     data: Path
+    before: float = 0.0  # the earlier attempts' wall time
     start: float = field(default_factory=time.perf_counter)
+    written: float = field(default_factory=time.perf_counter)  # when wall_s.txt was last written
 
 
 # keys of a run's command that do not decide what it trains: where things are, whether it resumes (exactly), and how
@@ -417,7 +434,7 @@ def start(spec: Spec, run: Run, data: Path) -> Active:
                             process_group=0, pass_fds=fds)  # fmt: skip
     log.close()
     print(f"[{time.strftime('%H:%M:%S')}] start {run.id}", flush=True)
-    return Active(run, proc, folder, data)
+    return Active(run, proc, folder, data, before=wall_before(run, folder))
 
 
 def finish(spec: Spec, active: Active) -> None:
@@ -438,31 +455,45 @@ def finish(spec: Spec, active: Active) -> None:
 # ----------------------------------------------------------------------------- provenance
 def table_codes(spec: Spec) -> dict[tuple[str, int], dict[str, list[str]]]:
     """(dataset, batch) -> code key -> ids of the finished runs of that table from that code; a run whose recorded
-    arguments differ from what the spec gives it now counts as code `<its code>+other-settings`."""
+    arguments or data differ from what the spec gives it now counts as code `<its code>+other-settings` or
+    `+other-data`."""
     out: dict[tuple[str, int], dict[str, list[str]]] = {}
     for run in plan(spec):
         record = records.load(spec.results, run.id)
         if record is not None:
-            out.setdefault((run.dataset, run.global_batch), {}).setdefault(_code_of(spec, run, record), []).append(
+            out.setdefault((run.dataset, run.global_batch), {}).setdefault(code_of(spec, run, record), []).append(
                 run.id
             )
     return out
 
 
-def _code_of(spec: Spec, run: Run, record: dict) -> str:
+@functools.cache
+def data_fingerprint(data: Path) -> str:
+    """records.data_fingerprint, once per process and folder (the data does not change while a study runs)."""
+    return records.data_fingerprint(data)
+
+
+def code_of(spec: Spec, run: Run, record: dict) -> str:
     """The run's code key, marked when the spec now gives it other arguments (its objective's options, the common
-    keys, the data's arch changed since it ran). Runs recorded before arguments were (2026-11-29) are taken as
-    they are."""
+    keys, the data's arch changed since it ran) or other data. Runs recorded before arguments (2026-11-29) or data
+    (2026-11-30) were are taken as they are."""
     data = spec.datasets[run.dataset].data
-    if "args" not in record or not (data / "train" / MANIFEST_NAME).is_file():
+    if not (data / "train" / MANIFEST_NAME).is_file():
         return record["code"]
-    now = deciding_args(command(spec, run, data))
-    return record["code"] if record["args"] == now else record["code"] + "+other-settings"
+    code = record["code"]
+    if "args" in record and record["args"] != deciding_args(command(spec, run, data)):
+        code += "+other-settings"
+    if "data" in record and record["data"] != data_fingerprint(data):
+        code += "+other-data"
+    return code
 
 
-def check_commits(spec: Spec, current: str | None, cell: str | Iterable[str] | None = None) -> None:
+def check_commits(
+    spec: Spec, current: str | None, cell: str | Iterable[str] | None = None, rerun_stale: bool = False
+) -> None:
     """MixedCommits if a table (only the tables of the cells `cell` names, when given) holds runs from more than one
-    code version, or (`current` given: before running) from another code than `current`."""
+    code version, or (`current` given: before running) from another code than `current`. `rerun_stale`: the cells'
+    stale runs were moved out, and the message says to name the whole table."""
     wanted = selected(cell)
     tables = None if wanted is None else {c.rsplit("/", 1)[0] for c in wanted}
     for (dataset, batch), codes in table_codes(spec).items():
@@ -470,34 +501,45 @@ def check_commits(spec: Spec, current: str | None, cell: str | Iterable[str] | N
             continue
         keys = set(codes) | ({current} if current else set())
         if len(keys) > 1:
-            stale = sum(len(ids) for code, ids in codes.items() if code != current) if current else None
-            what = f"{stale} run(s) from other code" if current else f"runs from {len(codes)} code versions"
+            other = {code: ids for code, ids in codes.items() if code != current} if current else codes
+            shown = ", ".join(f"{code} ({len(ids)})" for code, ids in sorted(other.items()))
+            cells_of = sorted({i.split("/")[2] for ids in other.values() for i in ids})
+            if current:
+                what = f"{sum(map(len, other.values()))} run(s) from other code than now ({current}): {shown}"
+            else:
+                what = f"runs from {len(codes)} code versions: {shown}"
+            rerun = f"`run --rerun-stale --cell '{dataset}/{batch}/*'`" if rerun_stale else "`run --rerun-stale`"
             raise MixedCommits(
-                f"table {dataset}/{batch}: {what} ({', '.join(sorted(keys))}); re-run them with `run --rerun-stale`,"
-                " or pass --allow-mixed-commits"
+                f"table {dataset}/{batch}: {what}, in objective(s) {', '.join(cells_of)}; re-run them with {rerun}, "
+                "or pass --allow-mixed-commits"
             )
 
 
-def move_stale(spec: Spec, current: str, cell: str | Iterable[str] | None) -> int:
+def move_stale(spec: Spec, current: str, cell: str | Iterable[str] | None) -> list[tuple[str, Path]]:
     """Move the finished runs of other code (of the cells `cell` names, else every cell) out of the tables (to
     <results>/stale/): they are pending again. Also those of other code that no plan lists now, in those cells and
     in the cells that take a value from their choice (a tuning run at a value its source no longer chooses, or not
-    yet again): they would be back in the tables once that choice is."""
-    moved = 0
+    yet again): they would be back in the tables once that choice is. Returns (run id, where it went) of each, for
+    put_back."""
+    moved = []
     for run in plan(spec, cell):
         record = records.load(spec.results, run.id)
-        if record is not None and _code_of(spec, run, record) != current:
-            records.move_stale(spec.results, run.id)
-            moved += 1
+        if record is not None and code_of(spec, run, record) != current:
+            moved.append((run.id, records.move_stale(spec.results, run.id)))
     planned = {run.id for run in plan(spec)}
     root = spec.results / "runs"
     for prefix in _with_dependents(spec, cell):
         for path in sorted((root / prefix).rglob("*.json")):
             run_id = path.relative_to(root).with_suffix("").as_posix()
             if run_id not in planned and json.loads(path.read_text()).get("code") != current:
-                records.move_stale(spec.results, run_id)
-                moved += 1
+                moved.append((run_id, records.move_stale(spec.results, run_id)))
     return moved
+
+
+def put_back(spec: Spec, moved: list[tuple[str, Path]]) -> None:
+    """Undo move_stale (its tables refused what it would leave)."""
+    for run_id, where in reversed(moved):
+        where.replace(records.run_path(spec.results, run_id))
 
 
 def _with_dependents(spec: Spec, cell: str | Iterable[str] | None) -> list[str]:
@@ -652,4 +694,7 @@ def _loop(
                 )
             # runs whose last attempt failed (twice, or once where --max-runs allowed no retry)
             return sum(1 for run_id in failed if records.load(spec.results, run_id) is None)
+        for a in active:
+            if time.perf_counter() - a.written >= WALL_EVERY:
+                add_wall(a)
         time.sleep(2)

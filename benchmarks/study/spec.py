@@ -236,6 +236,9 @@ def _objective(name: str, raw: dict, where: str) -> Objective:
     _need(isinstance(from_choice, dict), f"{where}.from_choice", "must map config keys to objective names")
     clash = {RESOLVED_AS.get(k, k) for k in from_choice} & {RESOLVED_AS.get(k, k) for k in (*options, *grid)}
     _need(not clash, f"{where}.from_choice", f"{sorted(clash)} also fixed in options or tuned in grid")
+    for key in ("baseline", "headline"):  # (text "false" is true to bool())
+        _need(raw.get(key) is None or isinstance(raw.get(key), bool), f"{where}.{key}",
+              f"must be true or false, got {raw.get(key)!r}")  # fmt: skip
     baseline, headline = bool(raw.get("baseline")), bool(raw.get("headline"))
     batches = raw.get("batches")
     ok = batches is None or (
@@ -365,6 +368,10 @@ def load(path: Path) -> Spec:
     device = raw.get("device", "cpu")
     _need(isinstance(device, str) and device, f"{path}: device", f"must be cpu or cuda, got {device!r}")
     train = _config_keys(raw.get("train") or {}, f"{path}: train", train=True)
+    for name, objective in objectives.items():  # (the grid's value was taken, the train one dropped, silently)
+        tuned = {RESOLVED_AS.get(k, k) for k in objective.grid} & {RESOLVED_AS.get(k, k) for k in train}
+        _need(not tuned, f"{path}: train", f"{sorted(tuned)} also tuned in objectives.{name}.grid, whose values the "
+              "runs take; remove it from train")  # fmt: skip
     results = (repo / raw.get("results", f"benchmarks/results/{raw['name']}")).resolve()
     return Spec(
         path=path,

@@ -398,6 +398,20 @@ def test_a_step_is_begun_before_it_is_undone_and_ended_before_the_next_begins(ca
     loss_fn.rollback()
 
 
+def test_a_distilling_loss_back_in_training_mode_asks_for_momentum_again():
+    """After an eval-mode call (no momentum needed: the in-batch objective), a training call without momentum=
+    trained without distillation, silently: whether the call needs momentum is part of what the handshake agrees."""
+    loss_fn = build_loss("dcl", data_size=20, distill_alpha=0.4).double()
+    indices = torch.tensor(STEPS[0][0])
+    e1, e2 = batch(0, len(indices))
+    loss_fn.eval()
+    loss_fn(e1, e2, indices)
+    loss_fn.train()
+    with pytest.raises(LossInputError, match="distill_alpha needs the momentum model's features"):
+        loss_fn(e1, e2, indices)
+    loss_fn(e1, e2, indices, momentum=(e1, e2))
+
+
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_distillation_is_its_formula_with_a_momentum_queue(decoupled):
     """ALBEF's targets over the positive, the batch's negatives and the queue (which holds the momentum

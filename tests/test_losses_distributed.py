@@ -345,6 +345,15 @@ def state_made_before_the_group(rank, world_size):
         out["written"] = None
     except RuntimeError as error:
         out["written"] = str(error)
+    # a one-process checkpoint's state loaded before the group (it said a call wrote it)
+    loaded = build_loss("fastclip-v3", data_size=DATA_SIZE).double()
+    saved = written.sample_state(Comm(None, 1, 0)).state_dict()
+    loaded.sample_state(Comm(None, 1, 0)).load_state_dict(saved)
+    try:
+        loaded(e1, e2, idx)
+        out["loaded"] = None
+    except RuntimeError as error:
+        out["loaded"] = str(error)
     return out
 
 
@@ -635,6 +644,11 @@ def test_a_state_made_before_the_group_and_never_written_is_made_anew(two_ranks)
             f"fastclip-v3: sample state belongs to rank 0 of 1 but this call runs as rank {rank} of 2; a call before "
             "init_process_group wrote it: call init_process_group before the loss's first call (or reshard its "
             "state: reshard_for_rank)"
+        )
+        assert made_early["loaded"] == (
+            f"fastclip-v3: sample state belongs to rank 0 of 1 but this call runs as rank {rank} of 2; it was loaded "
+            "before init_process_group: load this rank's state after init_process_group (a one-process checkpoint: "
+            "reshard it to this world size first, fastclip reshard or reshard_for_rank)"
         )
 
 

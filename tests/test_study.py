@@ -614,7 +614,7 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
     print to 0.1, under 1 to two significant digits (a small study's 0.034 printed 0.0)."""
     from benchmarks.study import hours
 
-    assert (_h(0.0341), _h(0.38), _h(12.34), _h(0)) == ("0.034", "0.38", "12.3", "0.0")
+    assert [_h(h) for h in (0.0341, 0.38, 0.999, 12.34, 0, 4e-5)] == ["0.034", "0.38", "1.0", "12.3", "0.0", "<0.001"]
 
     data = tmp_path / "emb"  # the tiny glyphs, val standing in for test
     data.mkdir()
@@ -1071,6 +1071,20 @@ def test_rerun_stale_moves_a_dependents_old_runs_while_its_source_retunes(tmp_pa
     assert len(runner.move_stale(spec, "c2", "d/32/base")) == 8  # base's own; hard takes nothing from base
 
 
+def test_rerun_stale_moves_a_dependents_runs_on_other_data_too(tmp_path):
+    """Of the current code but on other data: base2's runs are stale (+other-data), and hard's runs at base2's old
+    choice, which no plan lists once base2's are moved, too (the second pass compared the code alone)."""
+    spec = load(with_hard(tmp_path))
+    finish_tuning(spec)
+    for run in plan(spec):
+        record = records.load(spec.results, run.id)
+        if record is not None:
+            records.save(spec.results, run.id, {**record, "data": "other shards"})
+    runner.data_fingerprint.cache_clear()
+    assert len(runner.move_stale(spec, "c1", "d/32/base2")) == 8 + 8
+    assert not list((spec.results / "runs" / "d" / "32" / "hard").rglob("*.json"))
+
+
 def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_resumed(tmp_path, tiny_embedded):
     """A run records the arguments that decide what it trains; when the spec gives the same run other ones (here
     the objective's fixed options), its table refuses it as other code and --rerun-stale moves it; a stopped run
@@ -1119,6 +1133,11 @@ def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_res
     (tmp_path / spare.name).rename(spare)
     runner.data_fingerprint.cache_clear()
     assert runner.table_codes(spec)[("d", 32)] == {"c1": [run.id]}
+    raw_bytes = bytearray(spare.read_bytes())  # other content of the same size (tar's 10 KiB blocks): told apart
+    raw_bytes[-2000] ^= 0xFF
+    spare.write_bytes(bytes(raw_bytes))
+    runner.data_fingerprint.cache_clear()
+    assert runner.table_codes(spec)[("d", 32)] == {"c1+other-data": [run.id]}
 
     folder = tmp_path / "folder"
     assert not runner.resumable(folder, "c1", args)  # nothing to resume

@@ -93,8 +93,10 @@ def build_parser() -> OneLineParser:
 
 
 def _h(hours: float) -> str:
-    """Hours to 0.1 where there are many, else to two significant digits (a small study's 0.03 is not 0.0)."""
-    return f"{hours:.1f}" if hours >= 1 or hours == 0 else f"{hours:.2g}"
+    """Hours to 0.1 from 1, below to 0.01 or 0.001 (a small study's 0.034 is not 0.0)."""
+    if hours == 0 or hours >= 0.95:
+        return f"{hours:.1f}"
+    return f"{hours:.2f}" if hours >= 0.1 else f"{hours:.3f}" if hours >= 0.001 else "<0.001"
 
 
 def cmd_plan(spec, args) -> int:

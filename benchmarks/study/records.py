@@ -122,19 +122,30 @@ def move_stale(results: Path, run_id: str) -> Path:
     return dst
 
 
+HASH_DATA_UP_TO = 2 << 30  # bytes of shards read for the fingerprint; past it, their names and sizes stand in
+
+
 def data_fingerprint(data: Path) -> str:
-    """What tells a study's data apart without reading its shards: a hash of its splits' manifests, its zeroshot.json
-    and every shard's name and size (shards made again alike keep it; other shards, or more or fewer, change it)."""
+    """What tells a study's data apart: a hash of its splits' manifests, its zeroshot.json and its shards' bytes (2
+    GiB take about 10 s, once per process); past HASH_DATA_UP_TO, every shard's name and size instead (tar files
+    come in 10 KiB blocks, so other shards of the same count and similar content may then pass)."""
     digest = hashlib.sha1()
+    shards = []
     for split in ("train", "val", "test", "novel"):
         folder = data / split
-        if not folder.is_dir():
-            continue
-        for path in sorted(folder.iterdir()):
-            if path.name == "manifest.json":
-                digest.update(f"{split}/{path.name}\0".encode() + path.read_bytes())
-            elif path.suffix == ".tar":
-                digest.update(f"{split}/{path.name}\0{path.stat().st_size}\0".encode())
+        if folder.is_dir():
+            for path in sorted(folder.iterdir()):
+                if path.name == "manifest.json":
+                    digest.update(f"{split}/{path.name}\0".encode() + path.read_bytes())
+                elif path.suffix == ".tar":
+                    shards.append((f"{split}/{path.name}", path))
+    whole = sum(path.stat().st_size for _, path in shards) <= HASH_DATA_UP_TO
+    for name, path in shards:
+        digest.update(f"{name}\0{path.stat().st_size}\0".encode())
+        if whole:
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
     zeroshot = data / "zeroshot.json"
     if zeroshot.is_file():
         digest.update(b"zeroshot.json\0" + zeroshot.read_bytes())

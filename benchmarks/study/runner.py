@@ -531,9 +531,18 @@ def move_stale(spec: Spec, current: str, cell: str | Iterable[str] | None) -> li
     for prefix in _with_dependents(spec, cell):
         for path in sorted((root / prefix).rglob("*.json")):
             run_id = path.relative_to(root).with_suffix("").as_posix()
-            if run_id not in planned and json.loads(path.read_text()).get("code") != current:
+            if run_id not in planned and _unplanned_stale(spec, run_id, json.loads(path.read_text()), current):
                 moved.append((run_id, records.move_stale(spec.results, run_id)))
     return moved
+
+
+def _unplanned_stale(spec: Spec, run_id: str, record: dict, current: str) -> bool:
+    """A run no plan lists now (so no command to compare its arguments with): of other code, or other data."""
+    data = spec.datasets[run_id.split("/")[0]].data
+    other_data = (
+        "data" in record and (data / "train" / MANIFEST_NAME).is_file() and (record["data"] != data_fingerprint(data))
+    )
+    return record.get("code") != current or other_data
 
 
 def put_back(spec: Spec, moved: list[tuple[str, Path]]) -> None:

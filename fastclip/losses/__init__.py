@@ -27,10 +27,10 @@ per-sample state after the step is the same too. Features travel in one all_gath
 backward collective), plus O(N) scalars; ``loss_fn.comm_bytes`` counts the bytes of the last call. (The
 ``impl="autograd"`` objectives add a backward all_to_all of the features' gradient columns and an all_reduce of
 the value: objective.py.) The returned tensor is what to backpropagate: its value is this rank's share in the fused
-implementation (the ranks' mean is the global loss; for v0/v1 a surrogate whose value means nothing) and the global
-loss in the autograd one; log ``loss_fn.metrics["objective"]``, the global objective, the same on every rank. Towers
-outside DDP average their gradients over the ranks as the loss's own do. The loss's
-own parameters (τ, the temperature network's heads) are set to rank 0's at the first call, as DDP does for a
+implementation (the ranks' mean is the global loss) and the global value in the autograd one; for the FastCLIP
+versions it is a surrogate whose value is not the objective; log ``loss_fn.metrics["objective"]``, the global
+objective, the same on every rank. Towers outside DDP average their gradients over the ranks as the loss's own do.
+The loss's own parameters (τ, the temperature network's heads) are set to rank 0's at the first call, as DDP does for a
 model, so ranks seeded differently still train one loss.
 
 compat (FastCLIP-v0..v3):

@@ -91,7 +91,12 @@ class ContrastiveLoss(nn.Module):
         checks = self.input_checks
         given = (image_features, text_features, indices)  # (a redo is made with what the caller gave)
         given_momentum, given_groups = momentum, groups
-        stand_in = self.validate == "eager" and comm.world_size > 1 and checks.changed(comm, *given, momentum, groups)
+        need_momentum = self.needs_momentum and self.training  # (eval mode: the in-batch objective)
+        stand_in = (
+            self.validate == "eager"
+            and comm.world_size > 1
+            and checks.changed(comm, *given, momentum, groups, need_momentum)
+        )
         if stand_in:  # the other ranks cannot know: join their all_gather with the agreed shapes and say so
             image_features, text_features, indices, momentum, groups = checks.stand_in(header_device(comm, *given))
         else:  # momentum and groups are checked here too: a rank alone refusing them would leave the others waiting
@@ -111,7 +116,7 @@ class ContrastiveLoss(nn.Module):
         if words is not None:
             if self.validate == "eager":  # before the loss writes its state
                 # a rank's shapes changed (every rank sees its stand-in's flag): the handshake, then the call
-                if checks.check_now(batch.header, batch.all_ids):
+                if checks.check_now(batch.header, batch.all_ids if self._negatives_from_batch() else None):
                     return self._forward(*given, None, comm, momentum=given_momentum, groups=given_groups)
             else:
                 checks.record(batch.header)
@@ -121,6 +126,12 @@ class ContrastiveLoss(nn.Module):
         self._metrics = metrics if callable(metrics) else {name: value.detach() for name, value in metrics.items()}
         self.comm_bytes = comm.bytes_moved()
         return loss
+
+    def _negatives_from_batch(self) -> bool:
+        """Whether a row's negatives come from the global batch alone, so a batch of one sample has none (checked in
+        eager mode): not with a feature queue (its entries are negatives), nor in eval mode (a validation batch may
+        be one image and its captions), nor for siglip (its sigmoid loss is defined over positives alone)."""
+        return self.training and getattr(self, "queue", None) is None and self.name != "siglip"
 
     def _checked_groups(self, groups, image_features):
         """``groups`` as int64 on the features' device, or None; anything but integer ids ``[B]`` is refused (here
@@ -337,16 +348,23 @@ class SampleStateLoss(ContrastiveLoss):
                 dtype=dtype or self._state_dtype(None),
             )
         elif (self._state.world_size, self._state.rank) != here:
-            early = self._state.world_size == 1 < comm.world_size  # written by a call before init_process_group
+            early = self._state.world_size == 1 < comm.world_size  # made before init_process_group
+            if early and self._state.loaded:
+                why = (
+                    "it was loaded before init_process_group: load this rank's state after init_process_group (a "
+                    "one-process checkpoint: reshard it to this world size first, fastclip reshard or "
+                    "reshard_for_rank)"
+                )
+            elif early:
+                why = (
+                    "a call before init_process_group wrote it: call init_process_group before the loss's first call "
+                    "(or reshard its state: reshard_for_rank)"
+                )
+            else:
+                why = "reshard the state first (reshard_for_rank)"
             raise RuntimeError(
                 f"{self.name}: sample state belongs to rank {self._state.rank} of {self._state.world_size} but this "
-                f"call runs as rank {comm.rank} of {comm.world_size}; "
-                + (
-                    "a call before init_process_group wrote it: call init_process_group before the loss's first "
-                    "call (or reshard its state: reshard_for_rank)"
-                    if early
-                    else "reshard the state first (reshard_for_rank)"
-                )
+                f"call runs as rank {comm.rank} of {comm.world_size}; {why}"
             )
         state = self._state
         want_device = torch.device(self.options.state_device or device or state.device)

@@ -75,6 +75,7 @@ class ShardedSampleState:
         # When a list: every write() first appends (where, the rows before it), so a caller that decides after
         # the backward not to take the step (the trainer's NaN guard) can roll the writes back (rollback()).
         self.journal: list[tuple[BatchSlots, torch.Tensor]] | None = None
+        self.loaded = False  # its values came from load_state_dict (said where it turns out to be another group's)
 
     @property
     def device(self) -> torch.device:
@@ -205,6 +206,7 @@ class ShardedSampleState:
                 raise ValueError(
                     f"sample state field {name!r} has shape {tuple(value.shape)}, expected ({self.num_slots},)"
                 )
+        self.loaded = True
         with torch.no_grad():
             for col, name in enumerate(self.names):
                 self._table[: self.num_slots, col].copy_(fields[name])

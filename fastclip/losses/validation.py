@@ -120,10 +120,13 @@ def momentum_pair(momentum) -> tuple:
     return object(), object()
 
 
-def signature(comm: Comm, image, text, indices, momentum=None, groups=None) -> tuple:
-    """The inputs' host metadata that the ranks agree on in the handshake (no device op)."""
+def signature(comm: Comm, image, text, indices, momentum=None, groups=None, need_momentum: bool = False) -> tuple:
+    """The inputs' host metadata that the ranks agree on in the handshake (no device op), with whether the call
+    needs momentum features (a distilling loss in training mode: a call after eval mode must make the handshake
+    again) and the world size last."""
     extra = [_describe(x) for x in (*momentum_pair(momentum), groups)]
-    return tuple(map(tuple, [_describe(image), _describe(text), _describe(indices), *extra])) + (comm.world_size,)
+    described = tuple(map(tuple, [_describe(image), _describe(text), _describe(indices), *extra]))
+    return described + (need_momentum, comm.world_size)
 
 
 def _is_features(x) -> bool:
@@ -395,22 +398,23 @@ class InputChecks:
 
     def structure(self, comm: Comm, image, text, indices, momentum=None, groups=None, **checks) -> None:
         """The structure handshake, when this rank's input signature differs from the agreed one."""
-        current = signature(comm, image, text, indices, momentum, groups)
+        current = signature(comm, image, text, indices, momentum, groups, checks.get("need_momentum", False))
         if current != self.signature:
             validate_inputs(comm, image, text, indices, momentum, groups, **checks)  # raises alike on every rank
             self.signature = current
 
-    def changed(self, comm: Comm, image, text, indices, momentum=None, groups=None) -> bool:
+    def changed(self, comm: Comm, image, text, indices, momentum=None, groups=None, need_momentum=False) -> bool:
         """Whether this rank's inputs differ from the signature the ranks last agreed on in this group (host
         metadata only). One agreed at another world size (a call before init_process_group) is no agreement:
         every rank then makes the handshake."""
         agreed = self.signature is not None and self.signature[-1] == comm.world_size
-        return agreed and signature(comm, image, text, indices, momentum, groups) != self.signature
+        now = signature(comm, image, text, indices, momentum, groups, need_momentum)
+        return agreed and now != self.signature
 
     def stand_in(self, device) -> tuple:
         """Zeros of the agreed shapes (image, text, indices, momentum, groups; None where absent), for the
         all_gather the other ranks make."""
-        image, text, indices, momentum_image, momentum_text, groups, _ = self.signature
+        image, text, indices, momentum_image, momentum_text, groups, _, _ = self.signature
 
         def zeros(desc):
             ndim, s0, s1, code = desc
@@ -435,7 +439,7 @@ class InputChecks:
         self.calls += 1
         check_details(_details(values), data_size=self.data_size)
         check_parameters_agree(values[FINGERPRINT::HEADER_WORDS])
-        if span == 0:
+        if span == 0 and ids.numel() > 1:  # (one row: min_global_batch's to refuse or not)
             raise LossInputError(
                 f"all {ids.numel()} rows of the global batch are one sample (the same index, or group, on every "
                 "row): no row has a negative; pass rows of distinct samples"

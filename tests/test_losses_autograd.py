@@ -410,6 +410,10 @@ def test_a_distilling_loss_back_in_training_mode_asks_for_momentum_again():
     with pytest.raises(LossInputError, match="distill_alpha needs the momentum model's features"):
         loss_fn(e1, e2, indices)
     loss_fn(e1, e2, indices, momentum=(e1, e2))
+    # eval mode is the in-batch objective with one-hot targets, momentum features passed or not (they distilled)
+    loss_fn.eval()
+    shuffled = (e1.flip(0), e2.flip(0))
+    assert loss_fn(e1, e2, indices, momentum=shuffled).item() == loss_fn(e1, e2, indices).item()
 
 
 @pytest.mark.parametrize("decoupled", [False, True])

@@ -31,10 +31,17 @@ from .pairwise import compute_dtype
 
 
 def softmax_loss(
-    features: GlobalFeatures, scale: torch.Tensor, options: InfoNCEOptions, *, decoupled: bool, exclude_copies: bool
+    features: GlobalFeatures,
+    scale: torch.Tensor,
+    options: InfoNCEOptions,
+    *,
+    decoupled: bool,
+    exclude_copies: bool,
+    distill: bool = True,
 ) -> torch.Tensor:
     """The global loss. ``exclude_copies``: a copy of the anchor's own sample (the same data index twice in the
-    batch) is no negative (DCL, the FastCLIP losses); openclip keeps it, as OpenCLIP's ClipLoss does."""
+    batch) is no negative (DCL, the FastCLIP losses); openclip keeps it, as OpenCLIP's ClipLoss does. ``distill``
+    false (eval mode): one-hot targets, even where momentum features were passed."""
     pairs = features.pairs()  # [2, B, M]: both directions' anchors against the batch (and the queue)
     similarity, clamp = options.similarity, options.similarity_clamp
     rows, positive = scale * pair_map(pairs.cos, similarity, clamp), scale * pair_map(pairs.positive, similarity, clamp)
@@ -46,7 +53,7 @@ def softmax_loss(
     rows, negative = hard_negatives(rows, negative, options.hard_negative_topk, options.hard_negative_beta)
     log_negatives = masked_logsumexp(rows, negative)  # [2, N]
     log_denominator = log_negatives if decoupled else torch.logaddexp(positive, log_negatives)
-    if options.distill_alpha and features.momentum is not None:  # (none in eval mode: one-hot targets)
+    if options.distill_alpha and distill and features.momentum is not None:
         positive = distilled_positive(features, rows, negative, scale, options)
     per_direction = (log_denominator - positive).mean(dim=1)  # [2]
     return weighted_directions(per_direction, options.direction_weights)
@@ -68,7 +75,9 @@ def distilled_positive(features, rows, negative, scale, options) -> torch.Tensor
 def softmax_objective(loss_fn, features: GlobalFeatures, *, decoupled: bool, exclude_copies: bool):
     """``(loss, metrics)`` of a softmax loss with the module's ``logit_scale`` (openclip, dcl, ntxent)."""
     scale = loss_fn._scale(compute_dtype(features.image.dtype))
-    loss = softmax_loss(features, scale, loss_fn.options, decoupled=decoupled, exclude_copies=exclude_copies)
+    loss = softmax_loss(
+        features, scale, loss_fn.options, decoupled=decoupled, exclude_copies=exclude_copies, distill=loss_fn.training
+    )
     value = loss.detach()
     return loss, {"loss": value, "surrogate": value, "objective": value, "tau": 1.0 / scale.detach()}
 

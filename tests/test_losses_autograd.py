@@ -6,6 +6,7 @@ formulas written out here, independently of the library."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -414,6 +415,24 @@ def test_a_distilling_loss_back_in_training_mode_asks_for_momentum_again():
     loss_fn.eval()
     shuffled = (e1.flip(0), e2.flip(0))
     assert loss_fn(e1, e2, indices, momentum=shuffled).item() == loss_fn(e1, e2, indices).item()
+
+
+@pytest.mark.parametrize("mode", ["eager", "deferred"])
+def test_non_finite_momentum_features_are_named_like_the_features(mode):
+    """A NaN in the momentum towers' features made the loss NaN without a word: its rows are checked with the
+    features' (the state untouched in eager mode)."""
+    from fastclip.losses import NonFiniteFeaturesError
+
+    loss_fn = build_loss("dcl", data_size=20, distill_alpha=0.4, validate=mode).double()
+    indices = torch.tensor(STEPS[0][0])
+    e1, e2 = batch(0, len(indices))
+    momentum = (e1.clone(), e2.clone())
+    momentum[1][2, 3] = float("nan")
+    said = "rank 0: text_features (or its momentum features) has non-finite values (NaN/Inf), first in row 2"
+    with pytest.raises(NonFiniteFeaturesError, match=re.escape(said)):
+        loss_fn(e1, e2, indices, momentum=momentum)
+        loss_fn.check_inputs()  # deferred: read here
+    assert math.isfinite(loss_fn(e1, e2, indices, momentum=(e1, e2)).item())
 
 
 @pytest.mark.parametrize("decoupled", [False, True])

@@ -107,9 +107,9 @@ class ContrastiveLoss(nn.Module):
             self._parameters_shared = True
         # not needed (whatever was passed): not shipped
         indices = indices.to(torch.int64) if self.needs_indices and indices is not None else None
-        words = self._value_words(comm, image_features, text_features, indices, stand_in)
         if momentum is not None:
             momentum = tuple(m.detach().to(image_features.device) for m in momentum)
+        words = self._value_words(comm, image_features, text_features, indices, stand_in, momentum)
         batch = comm.gather_batch(
             image_features, text_features, indices, header=words, momentum=momentum, groups=groups
         )
@@ -169,7 +169,7 @@ class ContrastiveLoss(nn.Module):
                 "momentum=(momentum_image, momentum_text)) (the trainer: model.ema_momentum)"
             )
 
-    def _value_words(self, comm: Comm, image_features, text_features, indices, stand_in: bool):
+    def _value_words(self, comm: Comm, image_features, text_features, indices, stand_in: bool, momentum=None):
         """The value checks' words, which ride in the feature all_gather's buffer (None with validate off)."""
         if self.validate == "off":
             return None
@@ -180,7 +180,7 @@ class ContrastiveLoss(nn.Module):
         if fingerprint is None:
             fingerprint = self.input_checks.zero_word(image_features.device)
         data_size = getattr(self.options, "data_size", None)
-        words = value_words(image_features, text_features, indices, data_size, fingerprint)
+        words = value_words(image_features, text_features, indices, data_size, fingerprint, momentum)
         if stand_in:
             words[0] = SIGNATURE_CHANGED
         return words

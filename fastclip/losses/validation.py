@@ -280,11 +280,15 @@ def _values_suspect(h: _Header, data_size: int | None) -> bool:
     return data_size is not None and has_indices and (h.index_min < 0 or h.index_max >= data_size)
 
 
-def check_details(details: list[list[int]], *, data_size: int | None) -> None:
+def check_details(details: list[list[int]], *, data_size: int | None, momentum: bool = False) -> None:
+    """``momentum``: the momentum features' rows were checked with the features' (value_words)."""
+    also = " (or its momentum features)" if momentum else ""
     for rank, (image_row, text_row, _, _) in enumerate(details):
         for name, row in (("image_features", image_row), ("text_features", text_row)):
             if row >= 0:
-                raise NonFiniteFeaturesError(f"rank {rank}: {name} has non-finite values (NaN/Inf), first in row {row}")
+                raise NonFiniteFeaturesError(
+                    f"rank {rank}: {name}{also} has non-finite values (NaN/Inf), first in row {row}"
+                )
     for rank, (_, _, pos, value) in enumerate(details):
         if pos >= 0:
             raise LossInputError(f"rank {rank}: indices[{pos}] = {value} is out of range [0, data_size={data_size})")
@@ -346,14 +350,18 @@ def value_words(
     indices: torch.Tensor | None,
     data_size: int | None,
     fingerprint: torch.Tensor,
+    momentum: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """``[HEADER_WORDS]`` int64 on the features' device: the three first-bad positions (NO_ROW where nothing is
     wrong), the bad index's value (meaningless unless its position is) and ``fingerprint`` (a [1] int64 word).
+    ``momentum``: its rows count with the features' (a NaN in the momentum towers made the loss NaN, unnamed).
     A dozen small device ops, no host sync: they run at every call, so their number is what they cost at small
     batches."""
     # A row's float64 sum is NaN/Inf iff the row holds a NaN/Inf: one pass over the features. x − x is 0 exactly
     # for a finite x and NaN otherwise (two ops; isfinite decomposes into four).
     sums = torch.stack([image.sum(dim=1, dtype=torch.float64), text.sum(dim=1, dtype=torch.float64)])
+    if momentum is not None:
+        sums = sums + torch.stack([m.sum(dim=1, dtype=torch.float64) for m in momentum])
     ok = (sums - sums) == 0
     checked = data_size is not None and indices is not None
     if checked:
@@ -411,6 +419,10 @@ class InputChecks:
         now = signature(comm, image, text, indices, momentum, groups, need_momentum)
         return agreed and now != self.signature
 
+    def with_momentum(self) -> bool:
+        """Whether the agreed calls pass momentum features (their rows are checked with the features')."""
+        return self.signature is not None and self.signature[3][0] != _ABSENT
+
     def stand_in(self, device) -> tuple:
         """Zeros of the agreed shapes (image, text, indices, momentum, groups; None where absent), for the
         all_gather the other ranks make."""
@@ -437,7 +449,7 @@ class InputChecks:
             self.signature = None
             return True
         self.calls += 1
-        check_details(_details(values), data_size=self.data_size)
+        check_details(_details(values), data_size=self.data_size, momentum=self.with_momentum())
         check_parameters_agree(values[FINGERPRINT::HEADER_WORDS])
         if span == 0 and ids.numel() > 1:  # (one row: min_global_batch's to refuse or not)
             raise LossInputError(
@@ -502,7 +514,7 @@ class InputChecks:
             return
         where = f"loss call {call}: " if call_number else ""
         try:
-            check_details(details, data_size=self.data_size)
+            check_details(details, data_size=self.data_size, momentum=self.with_momentum())
         except (LossInputError, NonFiniteFeaturesError) as error:
             raise type(error)(where + str(error)) from None
 

@@ -436,3 +436,37 @@ def test_slurm_environment_launch(data, tmp_path):
         load(run / "checkpoints" / "step_00000002" / f"rank_{r}.pt")["loss_state"]["_extra_state"] for r in range(2)
     ]
     assert [s["rank"] for s in state] == [0, 1]
+
+
+def test_the_momentum_towers_temperature_does_not_depend_on_when_checkpoints_were_saved(data, tmp_path):
+    """The towers' frozen logit_scale is written from the loss's τ at each save; the EMA averaged it too, so the
+    momentum towers' copy depended on the save cadence (a stop signal's extra save changed it: a resume was not
+    bitwise, 2e-6). Two runs of openclip (learned τ) with a queue of momentum features, saved every 1 and every 4
+    steps, end with the same momentum towers, bitwise."""
+    ends = []
+    for every in (1, 4):
+        run = tmp_path / f"every{every}"
+        moco = {"loss.queue_size": 24, "model.ema_momentum": 0.9, "train.max_steps": 4, "checkpoint.every_steps": every}
+        assert main(["--config", str(EMBEDDED), *overrides(data, run, "openclip", **moco)]) == 0
+        ends.append(load(run / "checkpoints" / "step_00000004" / "model.pt"))
+    assert_same(ends[0]["momentum_towers"], ends[1]["momentum_towers"], "momentum_towers")
+    tau = torch.exp(-ends[0]["momentum_towers"]["logit_scale"])  # the loss's τ at the save, as the online towers'
+    assert torch.equal(ends[0]["momentum_towers"]["logit_scale"], ends[0]["state_dict"]["logit_scale"])
+    assert abs(float(tau) - 0.07) > 1e-5  # (τ was learned: it moved from its start)
+
+
+def test_a_resume_without_model_ema_momentum_is_refused_where_the_checkpoint_has_momentum_towers(
+    data, tmp_path, capsys
+):
+    """Resumed without model.ema_momentum, the saved momentum towers were dropped and the queue filled with the
+    online towers' features, silently (exit 0): now one line naming the key, exit 2, from --check and the run."""
+    run = tmp_path / "moco"
+    moco = {"loss.queue_size": 24, "model.ema_momentum": 0.9, "train.max_steps": 2}
+    assert main(["--config", str(EMBEDDED), *overrides(data, run, "openclip", **moco)]) == 0
+    capsys.readouterr()
+    dropped = {"loss.queue_size": 24, "train.max_steps": 4, "train.resume": "latest"}
+    for check in (["--check"], []):
+        assert main([*check, "--config", str(EMBEDDED), *overrides(data, run, "openclip", **dropped)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "config key 'model.ema_momentum'" in err[0] and "holds momentum towers" in err[0]
+    assert main(["--config", str(EMBEDDED), *overrides(data, run, "openclip", **{**moco, **dropped})]) == 0

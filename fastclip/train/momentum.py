@@ -13,6 +13,10 @@ import copy
 
 import torch
 
+# the towers' frozen copy of the loss's temperature, written at each save (net.temperature_to_towers) into both:
+# averaged, it would hold a value that depends on when the saves happened, and a resume would not be bitwise
+NOT_AVERAGED = ("logit_scale",)
+
 
 class MomentumTowers(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, momentum: float):
@@ -26,7 +30,9 @@ class MomentumTowers(torch.nn.Module):
         weight = 1.0 - self.momentum
         if skipped is not None:
             weight = (1.0 - skipped.to(torch.float32)) * weight
-        for mine, theirs in zip(self.towers.parameters(), model.parameters()):
+        for (name, mine), theirs in zip(self.towers.named_parameters(), model.parameters()):
+            if name in NOT_AVERAGED:
+                continue
             mine.lerp_(theirs.detach(), weight if isinstance(weight, float) else weight.to(mine.dtype))
         for mine, theirs in zip(self.towers.buffers(), model.buffers()):
             mine.copy_(theirs)

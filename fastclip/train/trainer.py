@@ -352,6 +352,8 @@ class Run:
         """Collective: model.pt on rank 0 and every rank's file, of every part added (fastclip/checkpoint)."""
         self.check_loss_inputs()  # never a checkpoint after an index the loss refused
         temperature_to_towers(self.model, self.loss_fn)
+        if self.net.momentum_towers is not None:  # (their logit_scale is not averaged: momentum.NOT_AVERAGED)
+            temperature_to_towers(self.net.momentum_towers.towers, self.loss_fn)
         path = self.checkpoints.save(self.step)
         self.last_saved, self.last_save_time = self.step, time.time()
         self.log.message(f"checkpoint {path}")

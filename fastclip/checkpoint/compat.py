@@ -68,6 +68,7 @@ class Expected:
     precision: str | None = None  # train.precision: fp16's loss scaling needs a saved scaler state
     epochs: int | None = None  # train.epochs (None: not checked)
     queue_size: int | None = None  # loss.queue_size's slots (0: no queue); a saved queue loads only into as many
+    momentum_towers: bool | None = None  # model.ema_momentum is set (None: not checked)
 
 
 # ----------------------------------------------------------------------------- files
@@ -412,6 +413,18 @@ def check_loss_state(loss_state: dict | None, expected: Expected, step_dir: Path
         )
 
 
+def check_momentum_towers(towers: dict | None, expected: Expected, step_dir: Path, model_file: dict) -> None:
+    """Momentum towers saved are kept: a run without model.ema_momentum would drop them (and fill a queue with the
+    online towers' features instead), silently. Towers added on resume start from the online ones, as a queue
+    added starts empty."""
+    if towers is not None and expected.momentum_towers is False:
+        raise ConfigError(
+            f"config key 'model.ema_momentum': checkpoint {step_dir} holds momentum towers (model.ema_momentum), "
+            f"this run has none; pass --model.ema_momentum with the value it trained with to keep them, or "
+            f"{_start_anew(step_dir)}"
+        )
+
+
 Check = Callable[[Any, Expected, Path, dict], None]  # (the part's saved state, this run, the step folder, model.pt)
 CHECKS: dict[str, tuple[bool, Check]] = {  # part name: (in the rank files, its check)
     "config": (False, check_config),
@@ -420,6 +433,7 @@ CHECKS: dict[str, tuple[bool, Check]] = {  # part name: (in the rank files, its 
     "step": (False, check_step),
     "loss_state": (True, check_loss_state),
     "optimizer": (False, check_optimizer),
+    "momentum_towers": (False, check_momentum_towers),
 }
 
 __all__ = ["Expected", "read_given", "read_resume", "check_rank_files", "check_resume", "TRAINING_CHECKPOINT"]

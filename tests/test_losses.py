@@ -538,6 +538,24 @@ def test_reshard_cli(tmp_path):
     assert torch.load(tmp_path / "copy" / "rank_1.pt", weights_only=True)["world_size"] == 2
 
 
+def test_reshard_cli_copies_a_loss_state_without_per_sample_state(tmp_path, capsys):
+    """dcl with a queue: no per-sample state, the same τ and queue on every rank; reshard refused it ("no sample state
+    found"), where the trainer resumes it at any world size (rank 0's)."""
+    from fastclip.train.reshard import main
+
+    loss_fn = build_loss("dcl", data_size=10, queue_size=8).double()
+    e1, e2 = features(N, D, seed=3)
+    loss_fn(e1, e2, IDX)
+    state = loss_fn.state_dict()
+    for r in range(2):
+        torch.save({"loss_state": state, "rank": r}, tmp_path / f"rank_{r}.pt")
+    assert main(["--in", str(tmp_path), "--world-size", "3", "--out", str(tmp_path / "three")]) == 0
+    assert "no per-sample state" in capsys.readouterr().out
+    for r in range(3):
+        got = torch.load(tmp_path / "three" / f"rank_{r}.pt", weights_only=True)
+        assert got["world_size"] == 3 and all(torch.equal(got["loss_state"][k], v) for k, v in state.items())
+
+
 @pytest.mark.parametrize(
     "case, words",
     [

@@ -99,11 +99,14 @@ def _reshard_folder(src: Path, out: Path | None, world_size: int) -> int:
         )
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
+    first = next(_loss_states(files))
+    # a loss without per-sample state (a queue, τ) holds the same on every rank: rank 0's, as the trainer takes it
+    per_sample = first.get("format") is not None or any(k.split(".")[-1] == "_extra_state" for k in first)
     written = []
     try:
         for rank in range(world_size):
             payload = {
-                "loss_state": reshard_for_rank(_loss_states(files), world_size, rank),
+                "loss_state": reshard_for_rank(_loss_states(files), world_size, rank) if per_sample else first,
                 "rank": rank,
                 "world_size": world_size,
             }
@@ -122,6 +125,10 @@ def _reshard_folder(src: Path, out: Path | None, world_size: int) -> int:
     if out_dir.resolve() == src.resolve():
         for stale in files[world_size:]:
             stale.unlink()
+    if not per_sample:
+        print(f"no per-sample state in {src}: rank 0's loss state (its τ, a queue) copied to {world_size} rank(s) in "
+              f"{out_dir}")  # fmt: skip
+        return 0
     print(f"resharded the sample state of {len(files)} rank(s) in {src} into {world_size} rank(s) in {out_dir}")
     return 0
 

@@ -235,6 +235,14 @@ def test_resume_at_another_world_size(two_process_runs, data, tmp_path):
     recs = records(tmp_path / "one")
     assert [r["step"] for r in recs] == [5, 6, 7] and all(math.isfinite(r["loss"]) for r in recs)
     assert [r["samples_seen"] for r in recs] == [64 + 8, 64 + 16, 64 + 24]
+    # to its end: the data rule serves epoch 0 again whole here (its 40-sample chunks are below the shuffle buffer),
+    # so the run is 8 batches longer than the schedule's 30; they trained at lr 0 past its end. The schedules now
+    # end with the run: every step before the last at a positive lr
+    args = overrides(data_dir, tmp_path / "one", "fastclip-v2", **{"train.resume": "latest"})
+    assert main(["--config", str(EMBEDDED), *args]) == 0
+    recs = records(tmp_path / "one")
+    assert recs[-1]["step"] == 34 and recs[-1]["samples_seen"] // 8 == 38
+    assert all(r["lr"] > 0 for r in recs[:-1]), [(r["step"], r["lr"]) for r in recs if r["lr"] <= 0]
 
 
 def test_a_queue_and_momentum_towers_resume_at_another_world_size(two_process_runs, data, tmp_path):

@@ -103,7 +103,15 @@ class Run:
         self.restore(resume)
         remaining = sum(self.stream.batches_remaining(e) for e in range(self.epoch, cfg.train.epochs))
         self.last_step = min(n for n in (self.step + remaining, cfg.train.max_steps) if n is not None)
+        ends_at = self.samples_seen // self.global_batch + remaining  # where the schedules will be at the end
+        if ends_at > total_steps:  # resumed at another layout: the data rule serves part of an epoch twice
+            self.schedules.total_steps = ends_at  # (else the last batches would train at the schedule's end, lr 0)
         self.start_reporting()
+        if ends_at > total_steps:
+            self.log.message(
+                f"resumed at another data layout: the rest of the run is {remaining} batches of {self.global_batch}, "
+                f"so the lr schedules now end at {ends_at} batches, not {total_steps}"
+            )
         self.last_saved, self.last_save_time = (self.step if resumed_here else -1), time.time()
         self.throughput, self.record = Throughput(), {}
 

@@ -97,7 +97,7 @@ class Run:
         # this rank's part of every global batch; uint8 images, normalised on the device (fastclip/data/pixels.py)
         self.stream, self.normalize = build_data(cfg, info, self.net.built, catalog, data_size)
         self.global_batch = cfg.data.batch_size * info.world_size
-        total_steps = cfg.train.epochs * self.stream.batches_per_epoch
+        total_steps = self.epochs_span = cfg.train.epochs * self.stream.batches_per_epoch
         self.schedules = Schedules(cfg, self.engine, total_steps=total_steps, global_batch=self.global_batch)
         self.step, self.samples_seen, self.epoch = 0, 0, 0
         self.restore(resume)
@@ -160,8 +160,8 @@ class Run:
             self.log.message(
                 metrics.start_line(cfg, info, self.net, self.stream, steps, self.resume_dir, self.pretrained)
             )
-            total_steps = self.schedules.total_steps
-            notes = preflight.setting_notes(cfg, self.device, self.resumed_layout, self.stream, total_steps, steps)
+            # (the epochs' span: where a resume's data rule stretches the schedules past it, a line says so)
+            notes = preflight.setting_notes(cfg, self.device, self.resumed_layout, self.stream, self.epochs_span, steps)
             for line in [restart] * (restart is not None) + notes:
                 note(line)
         # fault handling (guards.py): NaN/Inf steps skipped, skipped samples reported over ranks

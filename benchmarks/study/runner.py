@@ -74,14 +74,20 @@ def ensure_data(spec: Spec, dataset: str) -> Path:
                     + " (or a `make` command that writes them)"
                 )
             )
-    if (d.data / "zeroshot.json").is_file():
-        zeroshot_sets(d.data / "zeroshot.json")
+    if (names := zeroshot_file(d.data)) is not None:
+        zeroshot_sets(names)
     for split in ("train", "val", "test"):
         try:
             read_manifest(d.data / split)
         except ValueError as error:  # ManifestError: names the file and field
             raise SpecError(f"datasets.{dataset}: {error}") from None
     return d.data
+
+
+def zeroshot_file(data: Path) -> Path | None:
+    """The data's class list, where it has one (needed for a zero-shot metric only)."""
+    path = data / "zeroshot.json"
+    return path if path.is_file() else None
 
 
 def make_command(make: tuple[str, ...], data: Path) -> list[str]:
@@ -190,7 +196,7 @@ def command(spec: Spec, run: Run, data: Path, extra: dict | None = None) -> list
         **resolve_setting(run.settings, run.global_batch),
         "data.train": data / "train",
         "data.val": data / ("val" if run.phase == "tune" else "test"),
-        "data.zeroshot": data / "zeroshot.json" if (data / "zeroshot.json").is_file() else "null",
+        "data.zeroshot": zeroshot_file(data) or "null",
         "data.batch_size": run.global_batch,
         "data.workers": spec.train.get("data.workers", 0),  # one core per run on CPU; a GPU's runs decode in workers
         "model.arch": d.arch,
@@ -257,12 +263,13 @@ def evaluate_split(folder: Path, data: Path, split: str, device: str = "cpu") ->
 
     torch.set_num_threads(1)
     built = load_model(folder, device=device).built
+    names = zeroshot_file(data)
     out = run_evals(
         built.model,
         tokenizer=built.tokenizer,
         preprocess=built.preprocess_val,
         val_dir=str(data / split),
-        zeroshot_file=str(data / "zeroshot.json") if (data / "zeroshot.json").is_file() else None,
+        zeroshot_file=None if names is None else str(names),
         device=device,
         batch_size=256,
     )
@@ -483,9 +490,14 @@ def code_of(spec: Spec, run: Run, record: dict) -> str:
     code = record["code"]
     if "args" in record and record["args"] != deciding_args(command(spec, run, data)):
         code += "+other-settings"
-    if "data" in record and record["data"] != data_fingerprint(data):
+    if _other_data(data, record):
         code += "+other-data"
     return code
+
+
+def _other_data(data: Path, record: dict) -> bool:
+    """The run recorded data (records before 2026-11-30 did not) other than what `data` holds now (where it exists)."""
+    return "data" in record and (data / "train" / MANIFEST_NAME).is_file() and record["data"] != data_fingerprint(data)
 
 
 def check_commits(
@@ -538,11 +550,7 @@ def move_stale(spec: Spec, current: str, cell: str | Iterable[str] | None) -> li
 
 def _unplanned_stale(spec: Spec, run_id: str, record: dict, current: str) -> bool:
     """A run no plan lists now (so no command to compare its arguments with): of other code, or other data."""
-    data = spec.datasets[run_id.split("/")[0]].data
-    other_data = (
-        "data" in record and (data / "train" / MANIFEST_NAME).is_file() and (record["data"] != data_fingerprint(data))
-    )
-    return record.get("code") != current or other_data
+    return record.get("code") != current or _other_data(spec.datasets[run_id.split("/")[0]].data, record)
 
 
 def put_back(spec: Spec, moved: list[tuple[str, Path]]) -> None:

@@ -16,6 +16,7 @@ from .options import CommonOptions, SampleStateOptions
 from .pairwise import exact_float32
 from .sharded_state import ShardedSampleState
 from .validation import (
+    NEEDS_MOMENTUM,
     SIGNATURE_CHANGED,
     InputChecks,
     header_device,
@@ -100,7 +101,7 @@ class ContrastiveLoss(nn.Module):
         if stand_in:  # the other ranks cannot know: join their all_gather with the agreed shapes and say so
             image_features, text_features, indices, momentum, groups = checks.stand_in(header_device(comm, *given))
         else:  # momentum and groups are checked here too: a rank alone refusing them would leave the others waiting
-            self._check_structure(comm, image_features, text_features, indices, momentum, groups)
+            self._check_structure(comm, image_features, text_features, indices, momentum, groups, need_momentum)
         groups = self._checked_groups(groups, image_features)
         if not self._parameters_shared and comm.world_size > 1:  # rank 0's τ and heads (DDP does this for models)
             comm.broadcast_from_first_(list(self.parameters()), header_device(comm, *given))
@@ -144,10 +145,11 @@ class ContrastiveLoss(nn.Module):
             raise LossInputError(f"{self.name}: groups must be integer ids [B] = [{rows}], got {shape}")
         return groups.to(image_features.device, torch.int64)
 
-    def _check_structure(self, comm: Comm, image_features, text_features, indices, momentum, groups) -> None:
+    def _check_structure(
+        self, comm: Comm, image_features, text_features, indices, momentum, groups, need_momentum: bool
+    ) -> None:
         """The structure handshake (first call, or this rank's inputs changed); with validate off, only the indices
         and momentum features a loss needs."""
-        need_momentum = self.needs_momentum and self.training  # (eval mode: the in-batch objective)
         if self.validate != "off":
             self.input_checks.structure(
                 comm,
@@ -164,10 +166,7 @@ class ContrastiveLoss(nn.Module):
         elif self.needs_indices and indices is None:
             raise LossInputError(f"{self.name} needs indices (int64 [B] global data indices)")
         elif need_momentum and momentum is None:
-            raise LossInputError(
-                f"{self.name}: distill_alpha needs the momentum model's features: loss_fn(image, text, indices, "
-                "momentum=(momentum_image, momentum_text)) (the trainer: model.ema_momentum)"
-            )
+            raise LossInputError(f"{self.name}: {NEEDS_MOMENTUM}")
 
     def _value_words(self, comm: Comm, image_features, text_features, indices, stand_in: bool, momentum=None):
         """The value checks' words, which ride in the feature all_gather's buffer (None with validate off)."""

@@ -120,13 +120,16 @@ def momentum_pair(momentum) -> tuple:
     return object(), object()
 
 
+def _descriptors(image, text, indices, momentum, groups) -> tuple[tuple[int, ...], ...]:
+    """Each of _INPUTS described (host metadata): the header's first words, and the signature's."""
+    return tuple(tuple(_describe(x)) for x in (image, text, indices, *momentum_pair(momentum), groups))
+
+
 def signature(comm: Comm, image, text, indices, momentum=None, groups=None, need_momentum: bool = False) -> tuple:
     """The inputs' host metadata that the ranks agree on in the handshake (no device op), with whether the call
     needs momentum features (a distilling loss in training mode: a call after eval mode must make the handshake
     again) and the world size last."""
-    extra = [_describe(x) for x in (*momentum_pair(momentum), groups)]
-    described = tuple(map(tuple, [_describe(image), _describe(text), _describe(indices), *extra]))
-    return described + (need_momentum, comm.world_size)
+    return _descriptors(image, text, indices, momentum, groups) + (need_momentum, comm.world_size)
 
 
 def _is_features(x) -> bool:
@@ -156,7 +159,7 @@ def build_header(
     A tensor's sum is NaN/Inf iff it holds a NaN/Inf (L2-normalised features cannot overflow it).
     """
     device = header_device(comm, image, text, indices)
-    described = [v for x in (image, text, indices, *momentum_pair(momentum), groups) for v in _describe(x)]
+    described = [v for desc in _descriptors(image, text, indices, momentum, groups) for v in desc]
     static = torch.tensor(described, dtype=torch.float64, device=device)
     nothing = torch.zeros((), dtype=torch.float64, device=device)
     sums = [x.detach().sum(dtype=torch.float64) if _is_features(x) else nothing for x in (image, text)]
@@ -219,15 +222,18 @@ def _structure_error(h: _Header, need_indices: bool) -> str | None:
     return None
 
 
+NEEDS_MOMENTUM = (
+    "distill_alpha needs the momentum model's features: loss_fn(image, text, indices, "
+    "momentum=(momentum_image, momentum_text)) (the trainer: model.ema_momentum)"
+)
+
+
 def _optional_error(h: _Header, need_momentum: bool) -> str | None:
     """momentum= (a pair of float [B, d] tensors, any float dtype: they are cast to the features') and groups=
     (integer ids [B]); None where they are right or absent."""
     given = [desc[0] != _ABSENT for desc in (h.momentum_image, h.momentum_text)]
     if not any(given) and need_momentum:
-        return (
-            "distill_alpha needs the momentum model's features: loss_fn(image, text, indices, "
-            "momentum=(momentum_image, momentum_text)) (the trainer: model.ema_momentum)"
-        )
+        return NEEDS_MOMENTUM
     if any(given):
         for name, desc in (("image", h.momentum_image), ("text", h.momentum_text)):
             ndim, _, _, code = desc

@@ -829,6 +829,37 @@ def test_samples_to_target_and_ratio():
     assert stats.samples_ratio(winner, baseline) == pytest.approx(400 / 200)
 
 
+def test_intervals_of_the_mean_difference_and_of_the_samples_ratio():
+    diffs = np.array([0.8, 2.1, -0.4, 1.3, 3.0, 0.5])
+    half = sps.t.ppf(0.975, 5) * diffs.std(ddof=1) / math.sqrt(6)  # by hand: mean ± t(0.975, n − 1)·sd/√n
+    assert stats.mean_ci95(diffs) == pytest.approx([diffs.mean() - half, diffs.mean() + half])
+    assert stats.mean_ci95(np.full(4, 0.02)) is None and stats.mean_ci95(np.array([1.0])) is None
+    base = {s: [[100, 0.1], [200, 0.3], [400, 0.6]] for s in range(1, 7)}  # ends at 0.6 on every seed
+    # the winner reaches 0.6 at 200 samples on seeds 1-5 (ratio 2) and never on seed 6
+    win = {s: [[100, 0.3], [200, 0.6], [400, 0.8]] for s in range(1, 6)} | {6: [[100, 0.1], [200, 0.2], [400, 0.3]]}
+    ratios = stats.samples_ratio_ci95(win, base)
+    assert ratios == stats.samples_ratio_ci95(win, base)  # seeded: the same report each time
+    assert ratios[1] == pytest.approx(2.0)  # no resample beats every seed at its best
+    # a resample with seed 6 three times or more never gets there (P = 1 − P(≤ 2 of 6 draws) ≈ 0.10 > 2.5 %)
+    assert ratios[0] == 0.0
+    same = {s: [[100, 0.3], [200, 0.6], [400, 0.8]] for s in range(1, 7)}
+    assert stats.samples_ratio_ci95(same, base) == pytest.approx([2.0, 2.0])
+    assert stats.samples_ratio_ci95({1: same[1]}, {1: base[1]}) is None
+
+
+def test_a_table_named_before_every_objective_is_tuned_says_it_is_provisional(tmp_path):
+    spec = load(write_spec(tmp_path, batches=[32]))
+    for run in tune_runs(spec, "d", 32, "base") + tune_runs(spec, "d", 32, "base2"):
+        fake(spec, run, 0.5)
+    for run in plan(spec, "d/32/base") + plan(spec, "d/32/base2"):
+        if run.phase == "test":
+            fake(spec, run, 0.4)
+    md = report.write(spec)[0]
+    assert "Provisional: named among the 2 of 3 objectives whose tuning is done; Holm's family grows" in md
+    finish_tuning(spec)
+    assert "Provisional" not in report.write(spec)[0]
+
+
 def test_report_schema_strongest_baseline_and_pending(tmp_path):
     """The winner and the strongest baseline are named on val (new, then base2 among the baselines), before any
     test seed; base2 is no headline objective, yet as its table's strongest baseline it gets every test seed and
@@ -855,8 +886,8 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     assert new["seeds"] == [1, 2, 3, 4, 5, 6] and new["test_mean"] == pytest.approx(0.635)
     assert next(c for c in summary["cells"] if c["loss"] == "base2" and c["epochs"] == 2)["seeds"] == [1, 2, 3, 4, 5, 6]
     (row,) = summary["comparisons"]
-    keys = {"dataset", "global_batch", "winner", "baseline", "diff_mean", "p_holm", "samples_ratio",
-            "samples_ratio_epochs", "complete"}  # fmt: skip
+    keys = {"dataset", "global_batch", "winner", "baseline", "diff_mean", "diff_ci95", "p_holm", "samples_ratio",
+            "samples_ratio_ci95", "samples_ratio_epochs", "complete"}  # fmt: skip
     assert set(row) == keys and row["complete"] is True
     assert (row["winner"], row["baseline"]) == ("new", "base2")
     assert row["diff_mean"] == pytest.approx(0.085)  # seeds 1-6 paired: 0.60 + 0.01·(1..6) − 0.55
@@ -868,9 +899,18 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     # reaches base2's final 0.57 between k = 3 and 4
     needed = 2880 + (0.57 - 0.655 * 0.75) / (0.655 * 0.25) * 960
     assert row["samples_ratio"] == pytest.approx(3840 / needed, abs=1e-4) and row["samples_ratio_epochs"] == 6
+    # differences 0.06..0.11: mean 0.085 ± t(0.975, 5)·sd/√6; base2's curves are equal on every seed, so each
+    # resample's ratio lies between the slowest and the fastest of new's seeds' own ratios
+    half = sps.t.ppf(0.975, 5) * np.std([0.06, 0.07, 0.08, 0.09, 0.10, 0.11], ddof=1) / math.sqrt(6)
+    assert row["diff_ci95"] == pytest.approx([0.085 - half, 0.085 + half], abs=1e-4)
+    low, high = row["samples_ratio_ci95"]
+    assert low < row["samples_ratio"] < high
     assert "- d/64: 18 test run(s)" in text and "- d/64: 18 long run(s)" in text
     md = spec.report_md.read_text()
-    assert "Strongest baseline (named on val): `base2`" in md and "| new |" in md
+    assert "Strongest baseline (named on val): `base2`; winner (named on val): `new`.\n" in md and "| new |" in md
+    assert "| new | lr0.001_rho_frac0.4 | 6 | 63.5 ± 1.9 | 8.5 ± 1.9 [6.5, 10.5] | 6/6 |" in md
+    # zero-shot top-1 paired too (fake records 0.5 on every run: no difference, no test), each metric its own Holm
+    assert "| new | 0.0 ± 0.0 | 0/6 | – |" in md
     assert json.loads(spec.summary_json.read_text()) == summary
     # a figure per table with a baseline, linked under its title: batch 32 at both lengths (64 has no test run)
     figures = sorted(p.name for p in spec.report_md.parent.glob("*.png"))
@@ -982,7 +1022,10 @@ def test_report_shows_each_cells_tuning_and_a_choice_on_the_grids_edge(tmp_path)
     fake(spec, step[0], 0.52)
     fake(spec, step[1], 0.50)  # 0.51 < 0.52: the step loses, the edge setting is chosen
     md = report.write(spec)[0]
-    assert "Chosen: `lr0.00025_temperature0.1`; on the grid's edge: lr 0.00025 is the grid's lowest." in md
+    assert (
+        "Chosen: `lr0.00025_temperature0.1`; on the grid's edge: lr 0.00025 is the grid's lowest; tuned past the "
+        "grid and not chosen: `lr0.000125_temperature0.1` (51.0)." in md
+    )
     assert {r.settings["optim.lr"] for r in plan(spec, "d/32/base2") if r.phase == "test"} == {2.5e-4}
     # a choice inside the grid carries no edge note
     fake(spec, runs[4], 0.95)
@@ -1011,8 +1054,8 @@ def test_a_step_past_the_edge_that_wins_is_followed_by_another_at_most_twice(tmp
         "loss.rho_frac": 0.6,
     }
     assert (
-        "Chosen: `lr0.004_rho_frac0.6`; on the grid's edge: lr 0.004 is past the grid's highest."
-        in report.write(spec)[0]
+        "Chosen: `lr0.004_rho_frac0.6`; on the grid's edge: lr 0.004 is past the grid's highest; tuned past the grid "
+        "and not chosen: `lr0.002_rho_frac0.6` (80.0)." in report.write(spec)[0]
     )
 
 

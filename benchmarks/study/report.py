@@ -16,7 +16,13 @@ from .plan import KNOB_MAX, PHASES, cell_name, choose, chosen, designate, metric
 from .plots import figure_path, write_figures
 from .runner import run_dir, zeroshot_sets
 from .spec import Spec, SpecError, setting_id
-from .stats import compare, mean_std, samples_ratio
+from .stats import compare, mean_std, samples_ratio, samples_ratio_ci95
+
+# the metrics compared beside the headline metric, each its own Holm family: (name in the tables, record reader)
+SECONDARY = (
+    ("zero-shot top-1", lambda r: r["final"]["zeroshot_top1"]),
+    ("novel", lambda r: (r.get("novel") or {}).get("metric")),
+)
 
 
 def finished(spec: Spec) -> tuple[dict, list]:
@@ -55,6 +61,11 @@ def table(spec: Spec, dataset: str, batch: int, runs: dict[str, dict[int, dict]]
     baseline = named.baseline if named.baseline in metric else None
     winner = named.winner if named.winner in metric else None
     rows = compare(metric, baseline) if baseline else []
+    secondary = {}  # the same pairing on the metrics beside the headline one, where the runs have them
+    for label, read in SECONDARY:
+        values = {n: {s: read(r) for s, r in by_seed.items() if read(r) is not None} for n, by_seed in runs.items()}
+        if baseline and values.get(baseline):
+            secondary[label] = compare({n: v for n, v in values.items() if v}, baseline)
     return {
         "metric": metric,
         "beside": beside,
@@ -63,7 +74,10 @@ def table(spec: Spec, dataset: str, batch: int, runs: dict[str, dict[int, dict]]
         "baseline": baseline,
         "winner": winner,
         "named_complete": named.complete,
+        "named_among": len(named.val),  # objectives with a choice on val so far (the naming is final when all have)
+        "objectives": len(spec.objectives_at(batch)),
         "comparisons": rows,
+        "secondary": secondary,
         "curves": {name: _curves(by_seed) for name, by_seed in runs.items()},  # for the figures (plots.py)
     }
 
@@ -147,21 +161,24 @@ def headline(spec: Spec, t: dict, done: dict, complete: bool = False) -> dict:
     """A table's summary row: its winner against the strongest baseline, both named on val (if the winner is that
     baseline: against the runner-up on val, so diff_mean >= 0 says by how much the winner leads on test);
     samples_ratio at the longer length where both have long runs, else at the tuned length (samples_ratio_epochs
-    says which); complete: no run of the table is pending (else the row may change)."""
+    says which); diff_ci95 and samples_ratio_ci95: their 95 % intervals (stats.mean_ci95, stats.samples_ratio_ci95);
+    complete: no run of the table is pending (else the row may change)."""
     winner, baseline = t["winner"], t["baseline"]
     rows = {r["objective"]: r for r in t["comparisons"]}
     row_of = {"dataset": t["dataset"], "global_batch": t["global_batch"], "winner": winner, "complete": complete}
     if winner == baseline:
         others = [n for n in t["means"] if n != baseline and n in t["val"]]
         if not others:
-            return {**row_of, "baseline": None, "diff_mean": None, "p_holm": None, "samples_ratio": None,
-                    "samples_ratio_epochs": None}  # fmt: skip
+            return {**row_of, "baseline": None, "diff_mean": None, "diff_ci95": None, "p_holm": None,
+                    "samples_ratio": None, "samples_ratio_ci95": None, "samples_ratio_epochs": None}  # fmt: skip
         runner_up = max(others, key=lambda n: t["val"][n])
-        row = rows[runner_up]
-        diff, p, pair = -row["diff_mean"] if row["diff_mean"] is not None else None, row["p_holm"], runner_up
+        row = rows[runner_up]  # runner-up − winner: turned round, so the row says by how much the winner leads
+        diff = -row["diff_mean"] if row["diff_mean"] is not None else None
+        ci = [-row["diff_ci95"][1], -row["diff_ci95"][0]] if row["diff_ci95"] else None
+        p, pair = row["p_holm"], runner_up
     else:
         row = rows[winner]
-        diff, p, pair = row["diff_mean"], row["p_holm"], baseline
+        diff, ci, p, pair = row["diff_mean"], row["diff_ci95"], row["p_holm"], baseline
     long = done.get((t["dataset"], t["global_batch"], "long"), {})
     phase = "long" if winner in long and pair in long else "test"
     source = done[(t["dataset"], t["global_batch"], phase)]
@@ -169,8 +186,12 @@ def headline(spec: Spec, t: dict, done: dict, complete: bool = False) -> dict:
         **row_of,
         "baseline": pair,
         "diff_mean": diff,
+        "diff_ci95": ci,
         "p_holm": p,
         "samples_ratio": samples_ratio(_curves(source[winner]), _curves(source[pair])),
+        "samples_ratio_ci95": samples_ratio_ci95(
+            {s: r["curve"] for s, r in source[winner].items()}, {s: r["curve"] for s, r in source[pair].items()}
+        ),
         "samples_ratio_epochs": next(iter(source[winner].values()))["run"]["epochs"],
     }
 
@@ -182,6 +203,22 @@ def _pct(x) -> str:
 
 def _p(x) -> str:
     return "–" if x is None else f"{x:.3f}"
+
+
+def _delta(r: dict | None) -> str:
+    """A comparison row's mean difference ± its std, and its 95 % interval, in points."""
+    if r is None or r["diff_mean"] is None:
+        return "–"
+    ci = r.get("diff_ci95")
+    return f"{_pct(r['diff_mean'])} ± {_pct(r['diff_std'])}" + (f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "")
+
+
+def _ratio(c: dict) -> str:
+    if c["samples_ratio"] is None:
+        return "–"
+    ci = c.get("samples_ratio_ci95")
+    interval = "" if not ci else f" [{'never' if ci[0] == 0 else f'{ci[0]:.2f}'}, {ci[1]:.2f}]"
+    return f"{c['samples_ratio']:.2f}x{interval} ({c['samples_ratio_epochs']})"
 
 
 def _mean_tau(taus: list, runs: int) -> str:
@@ -199,13 +236,16 @@ def markdown(spec: Spec, summary: dict) -> str:
             lines += [f"**Placeholder data** `{d.name}`: {d.placeholder}", ""]
     lines += [
         f"Code: commit(s) {summary['commit'] or '–'}. Metric in %: mean of the final test metric over seeds "
-        "(± sample std). Δ: paired difference by seed against the table's strongest baseline (±: its std), "
-        "wins: seeds where the objective is ahead; p: two-sided Wilcoxon signed-rank (exact up to 12 seeds, zero "
-        "differences dropped, ties at their mean rank), p_Holm over the table's comparisons, perm: the paired "
-        "permutation test, Holm-adjusted. The winner and the strongest baseline are named on val (the chosen "
-        "settings' mean val metric) before any test seed is read. Beside the metric: zero-shot top-1 over the classes "
-        "of the data's zeroshot.json (mean over seeds, and the best seed), the metric on `novel` (mean), where the "
-        "data has them, and the global τ at the last step (mean over seeds: where a learned τ went).",
+        "(± sample std). Δ: paired difference by seed against the table's strongest baseline (±: its std; "
+        "[..]: the 95 % interval of its mean, scipy's one-sample t), wins: seeds where the objective is ahead; p: "
+        "two-sided Wilcoxon signed-rank (exact up to 12 seeds, zero differences dropped, ties at their mean rank), "
+        "p_Holm over the table's comparisons, perm: the paired permutation test, Holm-adjusted. The winner and the "
+        "strongest baseline are named on val by the chosen settings' mean val metric (the naming reads no test run; "
+        "it is provisional until every objective of the table has its choice). Beside the metric: zero-shot top-1 "
+        "over the classes of the data's zeroshot.json (mean over seeds, and the best seed; on the split's samples "
+        "that carry a class label), the metric on `novel` (mean), where the data has them, and the global τ at the "
+        "last step (mean over seeds: where a learned τ went). Those two are compared with the baseline in the same "
+        "way below each table, each metric its own Holm family.",
         "",
     ]
     if summary["_mixed"]:  # (--allow-mixed-commits)
@@ -221,10 +261,17 @@ def markdown(spec: Spec, summary: dict) -> str:
             figure = figure_path(spec, t).name
             lines += [f"![test curves and paired differences](<{figure}>) (plots.py)", ""]
         strongest = f"`{t['baseline']}`" if t["baseline"] else "none (no baseline has runs at this length)"
-        lines += [f"Strongest baseline (named on val): {strongest}; winner (named on val): `{t['winner']}`.", ""]
+        so_far = (
+            ""
+            if t["named_complete"]
+            else f" Provisional: named among the {t['named_among']} of {t['objectives']} objectives whose tuning is "
+            "done; Holm's family grows with the table."
+        )
+        lines += [f"Strongest baseline (named on val): {strongest}; winner (named on val): `{t['winner']}`.{so_far}"]
         lines += [
-            "| objective | setting | seeds | test | Δ vs baseline | wins | p | p_Holm | perm (Holm) "
-            "| zero-shot mean (best) | novel | τ at end |"
+            "",
+            "| objective | setting | seeds | test | Δ vs baseline [95 %] | wins | p | p_Holm | perm (Holm) "
+            "| zero-shot mean (best) | novel | τ at end |",
         ]
         lines += ["|---|---|---|---|---|---|---|---|---|---|---|---|"]
         rows = {r["objective"]: r for r in t["comparisons"]}
@@ -233,13 +280,7 @@ def markdown(spec: Spec, summary: dict) -> str:
             mean, std = mean_std(values)
             setting = chosen(spec, t["dataset"], t["global_batch"], name)
             r = rows.get(name)
-            delta = (
-                ("baseline" if name == t["baseline"] else "–")
-                if r is None
-                else f"{_pct(r['diff_mean'])} ± {_pct(r['diff_std'])}"
-                if r["diff_mean"] is not None
-                else "–"
-            )
+            delta = ("baseline" if name == t["baseline"] else "–") if r is None else _delta(r)
             wins = "" if r is None else f"{r['wins']}/{len(r['seeds'])}"
             zs, novel = t["beside"][name]["zeroshot"], t["beside"][name]["novel"]
             zs_cell = f"{_pct(sum(zs) / len(zs))} ({_pct(max(zs))})" if zs else "–"
@@ -251,18 +292,28 @@ def markdown(spec: Spec, summary: dict) -> str:
                 f"| {_p(r and r['p_holm_permutation'])} | {zs_cell} | {novel_cell} | {tau_cell} |"
             )
         lines.append("")
+        lines += secondary_lines(t)
     if summary["comparisons"]:
         lines += ["## Headline: the winner of each batch size against the strongest baseline", ""]
         lines += [
-            "| dataset | batch | winner | baseline | Δ | p_Holm | samples ratio (at epochs) | runs |",
+            "Against: the table's strongest baseline; where the winner is itself the strongest baseline, the "
+            "runner-up on val (a headline objective or not). Δ: winner − against on the test seeds, so ≥ 0 where "
+            "the winner leads (its sign is the table's row turned round), with its 95 % interval; p_Holm: that "
+            "row's. Samples ratio: the against objective's samples over those the winner's mean test curve needs to "
+            "reach the against objective's final mean, at the longer length where both have it, [..]: a 95 % "
+            "interval from resampling the paired seeds ('never': in over 2.5 % of the resamples the winner does not "
+            "get there).",
+            "",
+            "| dataset | batch | winner | against | Δ [95 %] | p_Holm | samples ratio [95 %] (at epochs) | runs |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for c in summary["comparisons"]:
-            ratio = "–" if c["samples_ratio"] is None else f"{c['samples_ratio']:.2f}x ({c['samples_ratio_epochs']})"
             against = c["baseline"] or "– (no other objective tested yet)"
+            ci = c.get("diff_ci95")
+            delta = _pct(c["diff_mean"]) + (f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "")
             lines.append(
-                f"| {c['dataset']} | {c['global_batch']} | {c['winner']} | {against} | {_pct(c['diff_mean'])} "
-                f"| {_p(c['p_holm'])} | {ratio} | {'all done' if c['complete'] else 'some pending: may change'} |"
+                f"| {c['dataset']} | {c['global_batch']} | {c['winner']} | {against} | {delta} "
+                f"| {_p(c['p_holm'])} | {_ratio(c)} | {'all done' if c['complete'] else 'some pending: may change'} |"
             )
         lines.append("")
     lines += pending_lines(spec, summary["_todo"])
@@ -270,6 +321,24 @@ def markdown(spec: Spec, summary: dict) -> str:
     if tuning:
         lines += ["## Tuning (val, the final metric in %)", "", *tuning]
     return "\n".join(lines)
+
+
+def secondary_lines(t: dict) -> list[str]:
+    """The metrics beside the headline one, paired by seed against the same baseline (each its own Holm family)."""
+    if not t.get("secondary"):
+        return []
+    labels = list(t["secondary"])
+    lines = [f"Beside it, paired against `{t['baseline']}` (Holm within each metric):", ""]
+    lines.append("| objective | " + " | ".join(f"{label}: Δ [95 %] | wins | p_Holm" for label in labels) + " |")
+    lines.append("|---" * (1 + 3 * len(labels)) + "|")
+    names = sorted({r["objective"] for rows in t["secondary"].values() for r in rows}, key=lambda n: -t["means"][n])
+    for name in names:
+        cells = []
+        for label in labels:
+            r = next((r for r in t["secondary"][label] if r["objective"] == name), None)
+            cells += ["–", "", "–"] if r is None else [_delta(r), f"{r['wins']}/{len(r['seeds'])}", _p(r["p_holm"])]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def edges(spec: Spec, objective: str, batch: int, setting: dict) -> list[str]:
@@ -287,6 +356,20 @@ def edges(spec: Spec, objective: str, batch: int, setting: dict) -> list[str]:
             where += f", at its bound {KNOB_MAX[key]:g}"
         out.append(f"{key.rsplit('.', 1)[-1]} {value:g} is {where}")
     return out
+
+
+def steps_past(spec: Spec, objective: str, batch: int, by_setting: dict, best: dict) -> str:
+    """The settings tuned past the grid's edges that are not the choice, with their mean: the steps that lost."""
+    grid = spec.objectives[objective].grid_at(batch)
+    lost = []
+    for setting, recs in by_setting.items():
+        values = dict(setting)
+        if values == best or all(values[k] in v for k, v in grid.items()):
+            continue
+        vals = [metric_of(rec) for rec in recs]
+        mean = _pct(sum(vals) / len(vals)) if None not in vals else "running"
+        lost.append(f"`{setting_id(values)}` ({mean})")
+    return f"; tuned past the grid and not chosen: {', '.join(lost)}" if lost else ""
 
 
 def tuning_lines(spec: Spec) -> list[str]:
@@ -326,7 +409,8 @@ def tuning_lines(spec: Spec) -> list[str]:
                 if best is not None:
                     edge = edges(spec, objective, batch, best)
                     note = f"; on the grid's edge: {', '.join(edge)}" if edge else ""
-                    lines += ["", f"{what}: `{setting_id(best)}`{note}."]
+                    past = steps_past(spec, objective, batch, by_setting, best)
+                    lines += ["", f"{what}: `{setting_id(best)}`{note}{past}."]
                 lines.append("")
     return lines
 

@@ -24,6 +24,16 @@ def paired(a: dict[int, float], b: dict[int, float]) -> tuple[list[int], np.ndar
     return seeds, np.round(np.array([a[s] - b[s] for s in seeds], dtype=float), 9)
 
 
+def mean_ci95(diffs: np.ndarray) -> list[float] | None:
+    """The 95 % interval of the mean paired difference (scipy's one-sample t interval): how large the effect may
+    be, beside the tests' p (which only say whether it is 0). None below 2 pairs or when the differences are all
+    equal (no spread to estimate)."""
+    if len(diffs) < 2 or np.ptp(diffs) == 0:
+        return None
+    ci = sps.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+    return [float(ci.low), float(ci.high)]
+
+
 def wilcoxon_p(diffs: np.ndarray) -> float | None:
     """Two-sided Wilcoxon signed-rank p of the paired differences (zeros dropped, tied |d| given their mean rank):
     exact up to 12 pairs, every one of the 2^n sign flips of the ranks (scipy's PermutationMethod; its "exact" method
@@ -99,6 +109,24 @@ def samples_ratio(winner_curves: list, baseline_curves: list) -> float | None:
     return None if not needed else baseline[-1][0] / needed
 
 
+def samples_ratio_ci95(winner: dict[int, list], baseline: dict[int, list], resamples: int = 2000) -> list[float] | None:
+    """A 95 % percentile interval of samples_ratio from resampling the paired seeds (each seed's two curves
+    together, with replacement; the random draws are seeded, so a report is the same each time). A resample where
+    the winner never reaches the baseline's final value counts as ratio 0, so a lower end of 0 says that happens in
+    more than 2.5 % of them. None below 2 paired seeds."""
+    seeds = sorted(set(winner) & set(baseline))
+    if len(seeds) < 2:
+        return None
+    rng = np.random.default_rng(0)
+    ratios = []
+    for _ in range(resamples):
+        draw = rng.choice(seeds, size=len(seeds), replace=True)
+        ratio = samples_ratio([winner[s] for s in draw], [baseline[s] for s in draw])
+        ratios.append(ratio or 0.0)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return [float(low), float(high)]
+
+
 def compare(table: dict[str, dict[int, float]], baseline: str) -> list[dict]:
     """Every objective of a table against `baseline`, paired by seed: mean and std of the difference, seeds, both
     p-values, and Holm over the table's comparisons (Wilcoxon's p, the primary; the permutation p beside)."""
@@ -115,6 +143,7 @@ def compare(table: dict[str, dict[int, float]], baseline: str) -> list[dict]:
                 "seeds": seeds,
                 "diff_mean": mean,
                 "diff_std": std,
+                "diff_ci95": mean_ci95(diffs),
                 "wins": int(np.sum(diffs > 0)),
                 "p_wilcoxon": wilcoxon_p(diffs),
                 "p_permutation": permutation_p(diffs),

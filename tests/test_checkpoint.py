@@ -286,7 +286,12 @@ def test_pruning_after_a_branch_keeps_the_branch_and_drops_the_abandoned_steps(t
     _complete(root, 10, 20, 30, 40)
     save(root, 25, keep_last=2)
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000020", "step_00000025"]
-    assert "deleting step_00000030, step_00000040: after step_00000025" in capsys.readouterr().err
+    # the folder it names is the newest save, not the step the run resumed from (it said "which this run continued
+    # from" of step 25)
+    assert (
+        "deleting step_00000030, step_00000040: after step_00000025, this run's newest, a branch left by resuming"
+        in capsys.readouterr().err
+    )
     (root / "latest").unlink()
     assert ckpt.resolve_resume("latest", tmp_path) == root / "step_00000025"
     link = root / "resumed"  # a resume may name a link to its step folder: pruning at start-up keeps what it names
@@ -294,6 +299,7 @@ def test_pruning_after_a_branch_keeps_the_branch_and_drops_the_abandoned_steps(t
     _complete(root, 30)
     ckpt.prune_checkpoints(root, 1, keep=link)
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_00000025"]
+    assert "step_00000030: after step_00000025, this run's newest" in capsys.readouterr().err  # the link's target
 
 
 def test_the_ctrl_c_line_and_resume_name_the_same_checkpoint(tmp_path, capsys):

@@ -73,8 +73,9 @@ def prune_checkpoints(root: Path, keep_last: int, *, keep: Path) -> None:
     complete, kept = [p for p in list_checkpoints(root) if is_complete(p)], _step_of(keep)
     after = [p for p in complete if kept is not None and _step(p) > kept]
     if after:
-        note(f"fastclip train: note: deleting {', '.join(p.name for p in after)}: after {keep.name}, which this run "
-             f"continued from (checkpoint.keep_last counts the run's own checkpoints)")  # fmt: skip
+        note(f"fastclip train: note: deleting {', '.join(p.name for p in after)}: after {keep.resolve().name}, this "
+             f"run's newest, a branch left by resuming from an earlier step (checkpoint.keep_last counts the run's "
+             f"own checkpoints)")  # fmt: skip
     stale = [p for p in complete if p not in after][:-keep_last] + after
     for folder in stale:
         if folder.resolve() == keep.resolve():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -194,3 +195,27 @@ def test_the_container_entrypoint_runs_fastclip_commands_and_others_as_given(tmp
     text = (REPO / "Dockerfile").read_text()
     assert "USER fastclip" in text and 'ENTRYPOINT ["/opt/fastclip/launch/docker-entrypoint.sh"]' in text
     assert "ENV PIP_CONSTRAINT=/opt/torch-constraint.txt" in text  # torch stays the image's through pip install
+
+
+def test_a_stop_signal_in_a_finished_runs_last_moment_leaves_status_0(data, tmp_path):
+    """`python -m fastclip train` whose run is complete and saved gets SIGTERM while the interpreter exits (atexit:
+    where a signal forwarded by the launcher to a rank in its last second lands). It exits 0: the stop signals stay
+    ignored after the run in a process that ends with it. It died of the signal (status -15: the launcher said
+    "killed by SIGTERM ... continue with --train.resume latest" of a finished run)."""
+    code = (
+        "import atexit, os, runpy, signal, sys; "
+        "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM)); "
+        "sys.argv = ['fastclip', *sys.argv[1:]]; runpy.run_module('fastclip', run_name='__main__')"
+    )
+    run_dir = tmp_path / "run"
+    args = fault_overrides(data, run_dir, **{"train.max_steps": 2, "checkpoint.every_steps": 0})
+    done = subprocess.run(
+        [sys.executable, "-c", code, "train", "--config", str(EMBEDDED), *args],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert latest(run_dir) == "step_00000002" and "Traceback" not in done.stderr

@@ -53,6 +53,7 @@ def signal_number(name: str) -> int:
     return int(number)
 
 
+_ENDS_WITH_RUN: list[bool] = []  # [True]: this process exits when its run ends (process_ends_with_run)
 _EARLY: list[str] = []  # the stop signal received before a run's StopSignals took over, if any
 _HELD: dict[int, object] = {}  # the signals hold_early took, with their handlers before
 
@@ -68,6 +69,15 @@ def hold_early(names=DEFAULT_SIGNALS) -> None:
             number = signal_number(name)
             if signal.getsignal(number) is not signal.SIG_IGN:  # (nohup's, a parent's): left ignored
                 _HELD[number] = signal.signal(number, _record_early)
+
+
+def process_ends_with_run() -> None:
+    """Said by the process entry (`python -m fastclip`, what torchrun and the launch scripts start): the process
+    exits once its run ends, so a stop signal after the run has nothing left to stop and is ignored, as after a stop.
+    A SIGTERM forwarded to a rank in its last second, its run saved and complete, killed it: status 143 and the
+    launcher's "continue with --train.resume latest" for a finished run. A caller of train() in a process that goes
+    on gets its handlers back instead."""
+    _ENDS_WITH_RUN[:] = [True]
 
 
 def _record_early(signum, frame) -> None:
@@ -139,11 +149,13 @@ class StopSignals:
                 return
 
     def release(self, *, stopped: bool) -> None:
-        """Put the previous handlers back; after a stop, ignore the signals instead (see the module doc)."""
+        """Put the previous handlers back; after a stop, or where the process ends with the run
+        (process_ends_with_run), ignore the signals instead (see the module doc)."""
         if self._watch is not None:
             self._watch.set()
+        ignore = stopped or bool(_ENDS_WITH_RUN)
         for number, previous in self._previous.items():
-            signal.signal(number, signal.SIG_IGN if stopped else previous)
+            signal.signal(number, signal.SIG_IGN if ignore else previous)
         self._previous.clear()
 
 
@@ -155,4 +167,5 @@ __all__ = [
     "hold_early",
     "early_stop",
     "release_early",
+    "process_ends_with_run",
 ]

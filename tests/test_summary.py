@@ -135,3 +135,26 @@ def test_summary_names_each_data_evaluated_at_the_newest_step(tiny_embedded, tmp
         "20 pairs of d/novel)",
         "10 held-out images of data not recorded, step 10)",
     ]
+
+
+def test_summary_without_fastclip_eval_shows_the_runs_own_last_evaluation(tiny_embedded, tmp_path, capsys):
+    """A run evaluated during training (eval.every_steps, eval.at_end) and never by `fastclip eval`: its last
+    metrics.jsonl evaluation, not "not evaluated yet"."""
+    run = _run_folder(tmp_path, tiny_embedded, distinct_captions=20)
+    (run / "checkpoints" / "results.jsonl").unlink()
+    recalls = {f"eval/retrieval/{d}_R@{k}": k / 20 for d in ("image_to_text", "text_to_image") for k in (1, 5, 10)}
+    evals = [
+        {"step": 5, "samples_seen": 80, "eval/zeroshot/mnist/top1": 0.1, "eval/zeroshot/mnist/num_samples": 20.0},
+        {"step": 10, "samples_seen": 160, "eval/zeroshot/mnist/top1": 0.75, "eval/zeroshot/mnist/num_samples": 20.0,
+         "eval/zeroshot/fashion-mnist/top1": 0.8567, "eval/retrieval/num_samples": 20.0, **recalls},
+    ]  # fmt: skip
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in evals))
+    assert fastclip_main(["summary", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    where = "the run's evaluation of data.val, step 10"
+    assert lines[4:7] == [
+        f"  zero-shot  fashion-mnist   85.7% top-1  (held-out images, {where})",
+        f"             mnist           75.0% top-1  (20 held-out images, {where})",
+        f"  retrieval  R@1/5/10 image->text 5.0/25.0/50.0%, text->image 5.0/25.0/50.0%  (20 pairs, {where})",
+    ]

@@ -2,7 +2,8 @@
 
 From the run folder alone: its resolved config.yaml (loss, model, data, batch), metrics.jsonl (steps, samples,
 speed) and checkpoints/results.jsonl (what `fastclip eval` appended: zero-shot per dataset, retrieval, shown only
-where the captions are distinct). The quickstart ends with it.
+where the captions are distinct); without the latter, the run's own last evaluation of data.val from
+metrics.jsonl. The quickstart ends with it.
 """
 
 from __future__ import annotations
@@ -237,6 +238,8 @@ def summarize(
     results = _rows(run / "checkpoints" / "results.jsonl", unreadable, _results_problem, results_advice)
     if results:
         lines += _result_lines(results)
+    elif during := _training_eval_lines(rows):  # no `fastclip eval` yet: the run's own last evaluation of data.val
+        lines += during
     else:
         lines.append(f"  zero-shot  not evaluated yet: fastclip eval {run} --data DIR")
     lines += _file_lines(run, plots, export)
@@ -321,6 +324,36 @@ def _result_lines(results: list[dict]) -> list[str]:
         retrieval = latest.get((records.RETRIEVAL, None, None))
         if retrieval is not None:
             lines.append(_retrieval_line(retrieval, where))
+    return lines
+
+
+def _training_eval_lines(rows: list[dict]) -> list[str]:
+    """The run's own last evaluation (metrics.jsonl's eval/zeroshot/<dataset>/* and eval/retrieval/*, written by
+    the trainer's eval.every_steps or eval.at_end), shown as fastclip eval's results are."""
+    prefixes = ("eval/zeroshot/", "eval/retrieval/")
+    last = next((r for r in reversed(rows) if any(k.startswith(prefixes) for k in r)), None)
+    if last is None:
+        return []
+    step, where = last.get("step"), ", the run's evaluation of data.val"
+    zeroshot = sorted(
+        (k.removeprefix("eval/zeroshot/").removesuffix("/top1"), v)
+        for k, v in last.items()
+        if k.startswith("eval/zeroshot/") and k.endswith("/top1") and _is_number(v)
+    )
+    width = max((len(d) for d, _ in zeroshot), default=0)
+    lines = []
+    for i, (dataset, top1) in enumerate(zeroshot):
+        n = last.get(f"eval/zeroshot/{dataset}/num_samples")
+        images = f"{int(n):,} held-out images" if _is_number(n) else "held-out images"
+        lines.append(
+            f"  {'zero-shot' if i == 0 else '':<10} {dataset:<{width}}  {100 * top1:5.1f}% top-1  ({images}{where}, "
+            f"step {step})"
+        )
+    retrieval = {k.removeprefix("eval/retrieval/"): v for k, v in last.items() if k.startswith("eval/retrieval/")}
+    names = [recall_name(d, k) for d in DIRECTIONS for k in DEFAULT_KS]
+    if all(_is_number(retrieval.get(name)) for name in names) and _is_number(retrieval.get("num_samples")):
+        retrieval["num_samples"] = int(retrieval["num_samples"])
+        lines.append(_retrieval_line(retrieval, f"{where}, step {step}"))
     return lines
 
 

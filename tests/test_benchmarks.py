@@ -773,3 +773,20 @@ def test_bench_study_gpu_makes_a_small_set_with_the_datasets_own_command_and_pri
     assert bench_study_gpu.spec_train_size(spec, "scenes-semantic", data) == 50_000  # the make command's --num-train
     # at 3 epochs of 50,000 at batch 32: the runs' own step count (runner.command's 4,687)
     assert spec.datasets["scenes-semantic"].epochs * 50_000 // 32 == 4_687
+
+
+def test_bench_probe_saves_what_it_prints(tmp_path, capsys):
+    """Well-separated clusters (noise 0.1): the probe and both kNN are exact; the file holds the command and lines."""
+    import bench_probe
+
+    out = tmp_path / "probe.md"
+    argv = ["--train", "300", "--test", "60", "--dim", "16", "--noise", "0.1", "--out", str(out)]
+    assert bench_probe.main(argv) == 0
+    text = out.read_text()
+    assert "python benchmarks/bench_probe.py --train 300" in text and "300 x 16 training features" in text
+    assert "linear probe" in text and "kNN k=20,200" in text and "top-1 100.00%, 100.00%" in text
+    assert (
+        [line for line in text.splitlines() if line.startswith("linear probe")][0]
+        .split("top-1 ")[1]
+        .startswith("100.00%")
+    )

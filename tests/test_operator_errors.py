@@ -1394,6 +1394,22 @@ def test_a_global_batch_larger_than_the_data_is_refused_in_the_words_data_info_u
     )
 
 
+@pytest.mark.parametrize("mode", ["openclip", "dcl", "fastclip-v1"])
+def test_a_global_batch_of_one_sample_is_refused_before_a_step(mode, tiny_embedded, tmp_path, capsys):
+    """One sample has no negative: openclip trained at loss 0 with no gradient, silently; dcl and fastclip-v1 (a
+    queue or not: it is empty at the first step) passed --check, then the loss's first call was a traceback."""
+    for extra in ({}, {"loss.queue_size": 8}):
+        args = _args(tiny_embedded, tmp_path / "run", mode, **{"data.batch_size": 1, "train.max_steps": 2, **extra})
+        for check in (["--check"], []):
+            _fails(capsys, args + check, "data.batch_size", f"a global batch of 1 sample (1 x 1 process(es)) gives "
+                   f"{mode}'s anchors no negative: use a global batch of at least 2")  # fmt: skip
+    assert not list((tmp_path / "run").glob("checkpoints/step_*"))
+    # siglip's lone positive pair still trains
+    no_gamma = {"loss.gamma_min": "null", "loss.gamma_decay_epochs": "null", "loss.gamma_schedule": "null"}
+    args = _args(tiny_embedded, tmp_path / "sig", "siglip", **{"data.batch_size": 1, "train.max_steps": 1, **no_gamma})
+    assert main([*args, "--check"]) == 0, capsys.readouterr().err
+
+
 def test_reshard_out_holding_files_is_refused_and_a_failed_reshard_leaves_no_out(
     trained, tmp_path, capsys, monkeypatch
 ):

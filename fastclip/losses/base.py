@@ -37,6 +37,9 @@ class ContrastiveLoss(nn.Module):
     needs_momentum = False  # the call must pass momentum= (distill_alpha)
     needs_indices = False
     min_global_batch = 1
+    # a training batch needs a negative for each anchor: at one sample InfoNCE is 0 with no gradient, and the
+    # others have nothing to average (the trainer refuses it before a step; siglip's lone positive still trains)
+    min_training_batch = 2
 
     def __init__(self, options: CommonOptions):
         super().__init__()

@@ -79,6 +79,7 @@ class SigmoidPairs(torch.autograd.Function):
 
 class SigLIPLoss(ContrastiveLoss):
     name = "siglip"
+    min_training_batch = 1  # each pair is its own binary problem: a lone positive pair still has a gradient
 
     def __init__(self, options: SigLIPOptions):
         super().__init__(options)

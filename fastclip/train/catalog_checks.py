@@ -236,6 +236,18 @@ def check_data(cfg: Config, world_size: int, catalog) -> int:
     return catalog.data_size
 
 
+def check_global_batch(cfg: Config, world_size: int, loss_fn) -> None:
+    """A global batch with no negative for its anchors (one sample; a queue is still empty at the first step) trains
+    nothing or fails in the loss's first call: refused before a tower is built."""
+    global_batch = cfg.data.batch_size * world_size
+    if global_batch < loss_fn.min_training_batch:
+        raise ConfigError(
+            f"config key 'data.batch_size': a global batch of {global_batch} sample ({cfg.data.batch_size} x "
+            f"{world_size} process(es)) gives {cfg.loss.name}'s anchors no negative: use a global batch of at least "
+            f"{loss_fn.min_training_batch}"
+        )
+
+
 def check_inputs(
     cfg: Config, world_size: int, catalog=None, *, rank_files: bool = False
 ) -> tuple[int, Path | None, dict | None, dict | None]:
@@ -248,6 +260,7 @@ def check_inputs(
     data_size = check_data(cfg, world_size, catalog)
     check_backend(cfg, world_size)
     loss_fn = net.check_loss(cfg, data_size)
+    check_global_batch(cfg, world_size, loss_fn)
     resume_dir, model_file, pretrained = None, None, None
     if cfg.train.resume:
         resume_dir, model_file = compat.read_resume(cfg.train.resume, Path(cfg.train.run_dir))

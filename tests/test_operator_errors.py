@@ -16,7 +16,7 @@ import torch
 from fastclip.models import hub_names_not_cached
 from fastclip.train.cli import main
 
-from helpers import _UNSET, BATCH, EMBEDDED, fault_overrides, latest, load, step_dir
+from helpers import _UNSET, BATCH, EMBEDDED, clean_env, fault_overrides, latest, load, step_dir
 
 
 @pytest.fixture(scope="module")
@@ -1408,6 +1408,32 @@ def test_a_global_batch_of_one_sample_is_refused_before_a_step(mode, tiny_embedd
     no_gamma = {"loss.gamma_min": "null", "loss.gamma_decay_epochs": "null", "loss.gamma_schedule": "null"}
     args = _args(tiny_embedded, tmp_path / "sig", "siglip", **{"data.batch_size": 1, "train.max_steps": 1, **no_gamma})
     assert main([*args, "--check"]) == 0, capsys.readouterr().err
+
+
+def test_a_queue_too_large_for_memory_is_one_line_naming_it(tiny_embedded, tmp_path):
+    """loss.queue_size 1e9 asks for 256 GB at the first step (2·Q·d floats): the allocator's refusal was a 65-line
+    traceback; now one line naming the rank, the step, the allocator's words and loss.queue_size first. The process's
+    address space is capped at 16 GiB (RLIMIT_AS), so the allocation fails whatever the machine's overcommit."""
+    import resource
+    import subprocess
+    import sys
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))
+
+    args = _args(tiny_embedded, tmp_path / "run", "dcl", **{"loss.queue_size": 1_000_000_000, "train.max_steps": 2})
+    done = subprocess.run(
+        [sys.executable, "-m", "fastclip", "train", *args],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=cap,
+    )
+    err = [line for line in done.stderr.splitlines() if not line.startswith("fastclip train: note:")]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert err[-1].startswith("fastclip train: error: rank 0 ran out of memory at step "), err
+    assert "can't allocate memory" in err[-1] and "lower loss.queue_size (1,000,000,000: 2 x that many" in err[-1]
 
 
 def test_reshard_out_holding_files_is_refused_and_a_failed_reshard_leaves_no_out(

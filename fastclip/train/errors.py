@@ -17,14 +17,40 @@ class NonFiniteStepsError(TrainingError):
     """Too many optimizer steps in a row were skipped for NaN/Inf loss, gradients or features."""
 
 
-def explain_failure(error: BaseException, timeouts) -> BaseException:
+class OutOfMemory(TrainingError):
+    """A rank could not allocate what the run's settings ask for (batch, model, queue)."""
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    import torch
+
+    text = str(error)
+    return isinstance(error, getattr(torch, "OutOfMemoryError", ())) or (
+        isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+    )
+
+
+def out_of_memory(error: BaseException, cfg, rank: int, step: int) -> OutOfMemory:
+    """One line for an allocation that failed: where, how much the allocator was asked (its own words), and the
+    settings that size the memory (the queue's 2·Q·d floats per rank when there is one)."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    knobs = ["lower data.batch_size (optim.accum_steps keeps the global batch)", "model.grad_checkpointing"]
+    if getattr(cfg.loss, "queue_size", None):
+        knobs.insert(0, f"lower loss.queue_size ({cfg.loss.queue_size:,}: 2 x that many feature rows per rank)")
+    return OutOfMemory(f"rank {rank} ran out of memory at step {step} ({first[:200]}): {', or '.join(knobs)}")
+
+
+def explain_failure(error: BaseException, timeouts, cfg=None) -> BaseException:
     """What ended a run, as `fastclip train` reports it: a rank with no training sample left -> DataFailure (its
-    message names the shards); an error of the process group -> a CollectiveFailure naming rank, step and phase
-    (guards.CollectiveTimeouts); anything else unchanged."""
+    message names the shards); an allocation that failed -> OutOfMemory naming the settings that size memory; an
+    error of the process group -> a CollectiveFailure naming rank, step and phase (guards.CollectiveTimeouts);
+    anything else unchanged."""
     from fastclip.data.samples import DataExhausted
 
     if isinstance(error, DataExhausted):
         return DataFailure(str(error))
+    if cfg is not None and not isinstance(error, TrainingError) and _out_of_memory(error):
+        return out_of_memory(error, cfg, timeouts.info.rank, timeouts.step)
     return timeouts.explain(error)
 
 
@@ -35,5 +61,6 @@ __all__ = [
     "CollectiveFailure",
     "DataFailure",
     "NonFiniteStepsError",
+    "OutOfMemory",
     "explain_failure",
 ]

@@ -58,7 +58,7 @@ def _train_in_group(cfg: Config) -> dict:
         e.at_step = timeouts.step  # the step it stopped on, for `fastclip train`'s line after a Ctrl-C
         # the traceback's frames hold the DDP wrapper; cleared, it can be freed before the group goes
         traceback.clear_frames(e.__traceback__)
-        explained = explain_failure(e, timeouts)  # a rank out of data, a failed collective: one named error
+        explained = explain_failure(e, timeouts, cfg)  # out of data or memory, a failed collective: one named error
         if explained is e:
             raise
         raise explained from (None if isinstance(explained, DataFailure) else e)  # DataFailure: its own words

@@ -205,14 +205,20 @@ def test_resume_continues_exactly(two_process_runs, mode):
         assert (x["loss"], x["objective"], x.get("tau"), x["lr"]) == (y["loss"], y["objective"], y.get("tau"), y["lr"])
 
 
-def test_resume_at_another_world_size(two_process_runs, data, tmp_path):
+def test_resume_at_another_world_size(two_process_runs, data, tmp_path, capsys):
     """2 -> 1: the per-sample state is resharded (every entry kept), weights and optimizer carry over, the data
-    position follows the data layer's rule, and training continues."""
+    position follows the data layer's rule, and training continues; the start says what the layout changed (it
+    said only "steps 4 -> 4")."""
     old = two_process_runs / "fastclip-v2" / "split" / "checkpoints" / "step_00000004"
     data_dir = data
     # resume with no further step: the new run's checkpoint holds exactly what was loaded
     args = overrides(data_dir, tmp_path / "one", "fastclip-v2", **{"train.max_steps": 4, "train.resume": old})
     assert main(["--config", str(EMBEDDED), *args]) == 0
+    assert (
+        "fastclip train: note: resumed at 1 process(es), trained at 2: global batch 16 -> 8, 5 -> 10 steps per "
+        "epoch; the lr schedules run on samples seen, so they go on from where the checkpoint left them, over 0 "
+        "more steps" in capsys.readouterr().err
+    )
     new = tmp_path / "one" / "checkpoints" / "step_00000004"
     m_old, m_new = load(old / "model.pt"), load(new / "model.pt")
     assert m_new["world_size"] == 1

@@ -548,6 +548,15 @@ def setting_notes(
             f"{total_steps} steps and continue from step {step} on that new span (the lr "
             f"there is the new schedule's); the rest of the interrupted epoch is served at the new batch size"
         )
+    if resumed_layout is not None and resumed_layout.world_size != stream.layout.world_size:
+        before, now = resumed_layout.world_size, stream.layout.world_size
+        notes.append(
+            f"fastclip train: note: resumed at {now} process(es), trained at {before}: global batch "
+            f"{resumed_layout.batch_size * before} -> {cfg.data.batch_size * now}, "
+            f"{num_batches(stream.epoch_length, resumed_layout)} -> {stream.batches_per_epoch} steps per epoch; "
+            f"the lr schedules run on samples seen, so they go on from where the checkpoint left them, over "
+            f"{last_step - step} more steps"
+        )
     if o.warmup_steps > last_step:
         notes.append(
             f"fastclip train: note: optim.warmup_steps {o.warmup_steps} > the run's {last_step} steps: the "

@@ -150,6 +150,17 @@ def test_check_before_a_requeued_ssl_run_accepts_its_checkpoint_and_refuses_a_cl
     one_line_error(
         capsys, train_main, [*ssl_args(tiny_embedded, runs / "other", **from_clip), "--check"], "does not fit"
     )
+    # a resume across the two kinds names ssl.enabled (it said "does not fit architecture: 29 missing ...")
+    from_ssl = overrides(
+        tiny_embedded, runs / "c2", "fastclip-v2", **{"train.resume": str(step_dir(runs / "stopped", 6))}
+    )
+    for check in (["--check"], []):
+        said = "trained an image tower + projector (ssl.enabled true); resume with --ssl.enabled true"
+        one_line_error(capsys, train_main, [*from_ssl, *check], "ssl.enabled", "false but checkpoint", said)
+    from_clip = ssl_args(tiny_embedded, runs / "s2", "fastclip-v3", **{"train.resume": str(step_dir(runs / "clip", 1))})
+    one_line_error(
+        capsys, train_main, [*from_clip, "--check"], "ssl.enabled", "trained a CLIP model (ssl.enabled false)"
+    )
 
 
 def test_the_export_is_the_image_tower_that_open_clip_loads(runs, tmp_path, capsys):

@@ -69,6 +69,7 @@ class Expected:
     epochs: int | None = None  # train.epochs (None: not checked)
     queue_size: int | None = None  # loss.queue_size's slots (0: no queue); a saved queue loads only into as many
     momentum_towers: bool | None = None  # model.ema_momentum is set (None: not checked)
+    ssl: bool | None = None  # ssl.enabled: an image tower + projector alone, not a CLIP model (None: not checked)
 
 
 # ----------------------------------------------------------------------------- files
@@ -203,8 +204,15 @@ def _start_anew(step_dir: Path) -> str:
 
 
 def check_config(config: dict, expected: Expected, step_dir: Path, model_file: dict) -> None:
-    """The same towers, loss and optimizer."""
+    """The same kind of model (CLIP or ssl), towers, loss and optimizer."""
     saved = saved_config(model_file)
+    saved_ssl = (saved.get("ssl") or {}).get("enabled") if isinstance(saved.get("ssl"), dict) else None
+    if expected.ssl is not None and saved_ssl is not None and bool(saved_ssl) != expected.ssl:
+        trained = "an image tower + projector (ssl.enabled true)" if saved_ssl else "a CLIP model (ssl.enabled false)"
+        raise ConfigError(
+            f"config key 'ssl.enabled': {str(expected.ssl).lower()} but checkpoint {step_dir} trained {trained}; "
+            f"resume with --ssl.enabled {str(bool(saved_ssl)).lower()}, or {_start_anew(step_dir)}"
+        )
     keys = [("model.arch", expected.arch), ("loss.name", expected.loss)]
     keys += [("optim.optimizer", expected.optimizer)] if expected.optimizer is not None else []
     for key, now in keys:

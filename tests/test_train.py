@@ -484,3 +484,24 @@ def test_a_resume_without_model_ema_momentum_is_refused_where_the_checkpoint_has
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "config key 'model.ema_momentum'" in err[0] and "holds momentum towers" in err[0]
     assert main(["--config", str(EMBEDDED), *overrides(data, run, "openclip", **{**moco, **dropped})]) == 0
+
+
+def test_a_resume_that_changes_the_objective_says_which_settings_changed(data, tmp_path, capsys):
+    """A requeue command line that lost --loss.distill_alpha and changed model.ema_momentum and the hard-negative β
+    resumed with no word (config ok, exit 0); the start now lists each changed setting with both values. A resume
+    with the same settings says nothing."""
+    run = tmp_path / "moco"
+    first = {"loss.queue_size": 24, "model.ema_momentum": 0.99, "loss.distill_alpha": 0.4, "train.max_steps": 2}
+    assert main(["--config", str(EMBEDDED), *overrides(data, run, "dcl", **first)]) == 0
+    capsys.readouterr()
+    same = {**first, "train.max_steps": 3, "train.resume": "latest"}
+    assert main(["--config", str(EMBEDDED), *overrides(data, run, "dcl", **same)]) == 0
+    assert "not trained with" not in capsys.readouterr().err
+    changed = {**same, "train.max_steps": 4, "model.ema_momentum": 0.9, "loss.hard_negative_beta": 0.5}
+    del changed["loss.distill_alpha"]
+    assert main(["--config", str(EMBEDDED), *overrides(data, run, "dcl", **changed)]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "not trained with" in line]
+    assert notes == [
+        "fastclip train: note: resumed with settings the checkpoint was not trained with: "
+        "model.ema_momentum 0.99 -> 0.9, loss.hard_negative_beta null -> 0.5, loss.distill_alpha 0.4 -> null"
+    ]

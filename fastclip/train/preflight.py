@@ -527,6 +527,39 @@ def restart_note(cfg: Config, resume_dir: Path | None) -> str | None:
     )
 
 
+# what a resumed run trains on: loss and objective, model (but how it is computed), optimizer, ssl, augmentation
+CHANGED_ON_RESUME = ("loss.", "model.ema_momentum", "optim.", "ssl.", "data.aug.")
+NOT_THE_OBJECTIVE = ("loss.validate", "loss.fused_kernels", "loss.impl")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_on_resume_note(cfg: Config, saved: dict | None) -> str | None:
+    """The settings of what is trained that a resume changes (those that cannot change are refused by the checks):
+    a requeue command line that lost a flag changed the objective without a word."""
+    if not saved:
+        return None
+    before, now = _flat(saved), _flat(cfg.to_dict())
+    changed = [
+        k
+        for k in now
+        if k.startswith(CHANGED_ON_RESUME) and k not in NOT_THE_OBJECTIVE and k in before and before[k] != now[k]
+    ]
+    if not changed:
+        return None
+    said = lambda v: "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+    shown = ", ".join(f"{k} {said(before[k])} -> {said(now[k])}" for k in changed)
+    return f"fastclip train: note: resumed with settings the checkpoint was not trained with: {shown}"
+
+
 def setting_notes(
     cfg: Config, device: torch.device, resumed_layout, stream, total_steps: int, steps: tuple[int, int]
 ) -> list[str]:

@@ -17,6 +17,7 @@ from fastclip import faults
 from fastclip.checkpoint import MODEL_FILE
 from fastclip.checkpoint.manager import SavedCheckpoint
 from fastclip.checkpoint.parts import DataPosition, LossState, RNGStates
+from fastclip.checkpoint.records import saved_config
 from fastclip.data.plan import Layout
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, frozen_heap, init_distributed
 from fastclip.losses import NonFiniteFeaturesError
@@ -86,6 +87,7 @@ class Run:
         catalog = shared_catalog(cfg, info)
         data_size, self.resume_dir, model_file, pretrained = check_inputs(cfg, info.world_size, catalog)
         self.pretrained = pretrained is not None
+        self.saved_config = saved_config(model_file) if model_file is not None else None  # (changed_on_resume_note)
         resume = SavedCheckpoint(self.resume_dir, model_file, info) if model_file is not None else None
         # every part of the run's state, by name, added as it is built (and loaded then, resuming): fastclip/checkpoint;
         # DeepSpeed's shards are written beside
@@ -162,7 +164,8 @@ class Run:
             )
             # (the epochs' span: where a resume's data rule stretches the schedules past it, a line says so)
             notes = preflight.setting_notes(cfg, self.device, self.resumed_layout, self.stream, self.epochs_span, steps)
-            for line in [restart] * (restart is not None) + notes:
+            changed = preflight.changed_on_resume_note(cfg, self.saved_config)
+            for line in [restart] * (restart is not None) + [changed] * (changed is not None) + notes:
                 note(line)
         # fault handling (guards.py): NaN/Inf steps skipped, skipped samples reported over ranks
         self.guard, self.skips = build_guards(

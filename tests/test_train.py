@@ -505,3 +505,29 @@ def test_a_resume_that_changes_the_objective_says_which_settings_changed(data, t
         "fastclip train: note: resumed with settings the checkpoint was not trained with: "
         "model.ema_momentum 0.99 -> 0.9, loss.hard_negative_beta null -> 0.5, loss.distill_alpha 0.4 -> null"
     ]
+
+
+@pytest.mark.parametrize(
+    "loss_options, reads",
+    [({}, False), ({"queue_size": 8}, True), ({"queue_size": 8, "distill_alpha": 0.4}, True)],
+)
+def test_momentum_towers_run_only_where_the_loss_reads_their_features(loss_options, reads):
+    """model.ema_momentum with no queue and no distillation: the momentum towers' forward ran every step and their
+    features doubled the all_gather, read by nothing (the losses were the same to the bit). Now the towers follow
+    the EMA alone there; with a queue or distillation their features are the batch's, from the EMA copy."""
+    from fastclip.losses import build_loss
+    from fastclip.models import build_model
+    from fastclip.train.momentum import MomentumTowers
+    from fastclip.train.net import TowersWithLoss
+
+    model = build_model("tiny-vit").model
+    loss_fn = build_loss("dcl", data_size=16, **loss_options)
+    towers = TowersWithLoss(
+        model, loss_fn, precision="fp32", compile=False, momentum_towers=MomentumTowers(model, 0.99)
+    )
+    images, texts = torch.randn(4, 3, 32, 32), torch.randint(0, 100, (4, 32))
+    got = towers.encode_momentum(images, texts)
+    assert (got is not None) == reads and loss_fn.uses_momentum_features == reads
+    if reads:  # the EMA copy starts equal to the towers: the same features as theirs
+        want = towers.encode(images, texts)
+        assert all(torch.allclose(g, w) for g, w in zip(got, want))

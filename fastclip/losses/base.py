@@ -41,6 +41,11 @@ class ContrastiveLoss(nn.Module):
     # others have nothing to average (the trainer refuses it before a step; siglip's lone positive still trains)
     min_training_batch = 2
 
+    @property
+    def uses_momentum_features(self) -> bool:
+        """Whether a call reads momentum= features: distillation's targets, or a queue's entries (MoCo)."""
+        return self.needs_momentum or getattr(self, "queue", None) is not None
+
     def __init__(self, options: CommonOptions):
         super().__init__()
         self.options = options

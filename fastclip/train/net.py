@@ -44,8 +44,9 @@ class TowersWithLoss(torch.nn.Module):
 
     @torch.no_grad()
     def encode_momentum(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The momentum towers' features of the batch (None without model.ema_momentum)."""
-        if self.momentum_towers is None:
+        """The momentum towers' features of the batch (None without model.ema_momentum, or where the loss reads
+        none: no queue, no distillation; the towers' EMA still follows, for export)."""
+        if self.momentum_towers is None or not getattr(self.loss_fn, "uses_momentum_features", False):
             return None
         towers = self.momentum_towers.towers
         return self._encode_with(towers.encode_image, towers.encode_text, images, texts)

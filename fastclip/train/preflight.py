@@ -591,6 +591,12 @@ def setting_notes(
             f"the lr schedules run on samples seen, so they go on from where the checkpoint left them, over "
             f"{last_step - step} more steps"
         )
+    if cfg.model.ema_momentum is not None and not (cfg.loss.queue_size or cfg.loss.distill_alpha):
+        notes.append(
+            f"fastclip train: note: model.ema_momentum {cfg.model.ema_momentum:g}: no loss.queue_size or "
+            "loss.distill_alpha reads the momentum towers' features, so they are not computed; the towers are kept "
+            "as an EMA of the model only (model.pt's momentum_towers, fastclip export --momentum-towers)"
+        )
     if o.warmup_steps > last_step:
         notes.append(
             f"fastclip train: note: optim.warmup_steps {o.warmup_steps} > the run's {last_step} steps: the "

@@ -24,7 +24,7 @@ from fastclip.train.cli import main
 from fastclip.train.config import load_config
 
 from dist_utils import run_distributed
-from helpers import EMBEDDED, Job, assert_same, load, overrides, records, removed_unless_failed
+from helpers import EMBEDDED, Job, assert_same, clean_env, load, overrides, records, removed_unless_failed
 
 # a loss name, or name:impl: one per code path of the trainer (v0 and v1 are v3's GCL path with other τ settings,
 # and dcl is dcl:moco without the queue: their 2-rank exactness is pinned in test_losses_distributed/_autograd)
@@ -531,3 +531,26 @@ def test_momentum_towers_run_only_where_the_loss_reads_their_features(loss_optio
     if reads:  # the EMA copy starts equal to the towers: the same features as theirs
         want = towers.encode(images, texts)
         assert all(torch.allclose(g, w) for g, w in zip(got, want))
+
+
+def test_a_linear_probe_during_training_leaves_every_rng_state_as_it_was(data, tmp_path):
+    """In a fresh process (its imports are the probe's first), a run with eval.linear_probe and eval.knn every step
+    ends with the bits of one that never evaluates, RNG states included: the first probe's imports advanced
+    Python's random state, so the rank file's rng.python differed (the weights did not)."""
+    states = {}
+    for every in (1, 0):
+        run = tmp_path / f"probe_every_{every}"
+        extra = {"train.max_steps": 3, "eval.every_steps": every, "eval.linear_probe": "true", "eval.knn": "[3]"}
+        args = overrides(data, run, "fastclip-v1", **extra)
+        done = subprocess.run(
+            [sys.executable, "-m", "fastclip", "train", "--config", str(EMBEDDED), *args],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        assert sum("eval/linear_probe/fashion-mnist/top1" in r for r in records(run)) == (2 if every else 0)
+        model, rank = (load(run / "checkpoints" / "step_00000003" / f) for f in ("model.pt", "rank_0.pt"))
+        states[every] = [{k: v for k, v in model.items() if k != "config"}, rank]
+    assert_same(states[1], states[0])

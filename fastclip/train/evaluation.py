@@ -22,7 +22,21 @@ class Evaluation:
 
     def evaluate(self, step: int, samples_seen: int) -> None:
         """data.val (zero-shot and retrieval) and eval.imagenet_val (zero-shot), on every rank, under the run's
-        autocast, as OpenCLIP evaluates."""
+        autocast, as OpenCLIP evaluates. Python's and numpy's global random states are put back after it: the first
+        linear probe's imports drew from Python's, so a run that evaluated saved another RNG state in its rank files
+        than one that did not (training draws from its own seeded generators either way)."""
+        import random
+
+        import numpy as np
+
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            self._evaluate(step, samples_seen)
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+    def _evaluate(self, step: int, samples_seen: int) -> None:
         cfg = self.cfg
         if cfg.data.val is None and cfg.eval.imagenet_val is None:
             return

@@ -200,6 +200,45 @@ def test_images_without_captions_train(tmp_path):
     assert json.loads((shards / "manifest.json").read_text())["num_samples"] == 24
 
 
+def test_an_unlabelled_val_is_refused_for_ssl_and_undecodable_val_images_are_counted(tiny_embedded, tmp_path, capsys):
+    """ssl scores data.val by kNN over its labels: images alone gave no evaluation record and no word (exit 0);
+    refused now by --check and the run. And undecodable val images are counted in eval/skipped_samples, as the
+    CLIP evaluation counts them (ssl said them only as warnings)."""
+    import io
+    import tarfile
+
+    shards = image_only_shards(tmp_path / "images")
+    args = ssl_args(
+        tiny_embedded, tmp_path / "run", "ntxent", **{"data.val": str(shards), "eval.at_end": "true", **NO_GAMMA}
+    )
+    for check in (["--check"], []):
+        one_line_error(capsys, train_main, [*args, *check], "data.val", "scores data.val by kNN over its labels",
+                       "have none")  # fmt: skip
+    # labelled val shards with two samples whose image bytes are no image
+    val = tmp_path / "val"
+    val.mkdir()
+    source = next((tiny_embedded / "val").glob("*.tar"))
+    with tarfile.open(source) as src, tarfile.open(val / source.name, "w") as dst:
+        broken = set()
+        for member in src.getmembers():
+            data = src.extractfile(member).read()
+            stem, ext = member.name.rsplit(".", 1)
+            if ext in ("png", "jpg", "webp") and len(broken) < 2:
+                broken.add(stem)
+                data = b"not an image"
+            member.size = len(data)
+            dst.addfile(member, io.BytesIO(data))
+    run = tmp_path / "run2"
+    extra = {"data.val": str(val / source.name), "train.max_steps": 1, "eval.at_end": "true", **NO_GAMMA}
+    assert train_main(ssl_args(tiny_embedded, run, "ntxent", **extra)) == 0
+    (record,) = [r for r in json_lines(run / "metrics.jsonl") if "eval/knn_samples" in r]
+    assert record["eval/skipped_samples"] == 2 and record["eval/knn_samples"] > 2
+
+
+def json_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 # ----------------------------------------------------------------------------- kNN
 @pytest.mark.parametrize(("k", "temperature"), [(1, 0.07), (3, 0.07), (5, 1.0)])
 def test_knn_is_the_weighted_vote_of_the_other_images(k, temperature):

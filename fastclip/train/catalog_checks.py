@@ -83,6 +83,27 @@ def sparse_indices(data_size: int, num_samples: int, world_size: int) -> str | N
     )
 
 
+def check_val_has_labels(val, look: int = 256) -> None:
+    """ssl scores data.val by kNN over its labels: shards whose first samples carry none (images alone, from
+    `fastclip data folder --images`) would give no evaluation at all, without a word, after the training."""
+    from fastclip.data.tario import TarBroken
+    from fastclip.eval.samples import is_image_folder, iter_samples, shard_paths
+
+    if is_image_folder(val):  # a folder per class: every image has its folder's label
+        return
+    first = shard_paths(val)[0]
+    try:
+        labelled = any(s.label is not None for _, s in zip(range(look), iter_samples(str(first))))
+    except TarBroken:  # the evaluation says it, skipping the rest of that shard
+        return
+    if not labelled:
+        raise ConfigError(
+            f"config key 'data.val': ssl.enabled scores data.val by kNN over its labels, and the first {look} samples "
+            f"of {first} have none: give labelled held-out shards (a .cls or json 'label' per sample), or set "
+            f"data.val null"
+        )
+
+
 def check_labels_fit(zeroshot, specs: dict, val) -> None:
     """The labels of val's first shards must be within the class list that scores them, or the first evaluation,
     possibly hours in, stops the run. Each sample's list as fastclip/eval/evaluate.py picks it: one list scores
@@ -194,6 +215,8 @@ def check_eval_inputs(cfg: Config) -> None:
             except (ValueError, OSError) as e:
                 raise ConfigError(f"config key 'data.zeroshot': {e}") from None
             check_labels_fit(path, specs, cfg.data.val)
+    if cfg.ssl.enabled and cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
+        check_val_has_labels(cfg.data.val)
     probing = cfg.eval.linear_probe or cfg.eval.knn
     if probing and cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
         from fastclip.eval.training_probe import probe_train_beside

@@ -129,7 +129,7 @@ def knn_evaluate(model, preprocess, source: str, device, cfg: Config) -> dict[st
     was_training = visual.training
     visual.eval()
     rank, world = rank_and_world()
-    feats, labels, batch = [], [], []
+    feats, labels, batch, skipped = [], [], [], []
     limit = cfg.eval.max_samples
 
     def flush():
@@ -140,7 +140,7 @@ def knn_evaluate(model, preprocess, source: str, device, cfg: Config) -> dict[st
             labels.extend(zlib.crc32((s.dataset or "").encode()) * 1_000_003 + s.label for s in batch)
             batch.clear()
 
-    for i, sample in enumerate(iter_samples(source, rank, world)):
+    for i, sample in enumerate(iter_samples(source, rank, world, skipped)):
         if limit is not None and i * world + rank >= limit:
             break
         if sample.label is not None:
@@ -153,11 +153,13 @@ def knn_evaluate(model, preprocess, source: str, device, cfg: Config) -> dict[st
     local = torch.cat(feats) if feats else torch.zeros(0, dim, device=device)
     features = all_gather_rows(local)
     keys = all_gather_rows(torch.tensor(labels, dtype=torch.int64, device=device))
+    # undecodable samples, counted over the ranks as the CLIP evaluation counts them
+    skips = int(all_gather_rows(torch.tensor([len(skipped)], dtype=torch.int64, device=device)).sum())
     if features.shape[0] < 2:
-        return {}
+        return {"knn_samples": int(features.shape[0]), "skipped_samples": skips}
     classes = torch.unique(keys, return_inverse=True)[1]  # the same numbering on every rank (the same keys)
     acc = knn_accuracy(features, classes, cfg.ssl.knn_k, cfg.ssl.knn_temperature)
-    return {"knn_top1": acc, "knn_samples": int(features.shape[0])}
+    return {"knn_top1": acc, "knn_samples": int(features.shape[0]), "skipped_samples": skips}
 
 
 @torch.no_grad()

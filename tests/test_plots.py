@@ -72,3 +72,16 @@ def test_bad_metrics_file_names_the_line(tmp_path, capsys):
         load_run(run)
     assert main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "png")]) == 2
     assert "no metrics file" in capsys.readouterr().err
+
+
+def test_an_ssl_runs_knn_is_drawn_in_the_held_out_panel(tmp_path, capsys):
+    """An ssl run logs eval/knn_top1 (leave-one-out over data.val): plot said "not logged by any run:
+    zeroshot_top1" and drew no curve of it."""
+    run = tmp_path / "ssl"
+    run.mkdir()
+    rows = [{"step": s, "samples_seen": 8 * s, "loss": 1.0 / s} for s in (1, 2, 3)]
+    rows += [{"step": 3, "eval/knn_top1": 0.4, "eval/knn_samples": 60}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = plot_runs([run], tmp_path / "png")
+    assert sorted(p.name for p in written) == ["loss.png", "overview.png", "zeroshot_top1.png"]
+    assert load_run(run).series("eval/knn_top1") == ([24.0], [0.4])

@@ -158,3 +158,26 @@ def test_summary_without_fastclip_eval_shows_the_runs_own_last_evaluation(tiny_e
         f"             mnist           75.0% top-1  (20 held-out images, {where})",
         f"  retrieval  R@1/5/10 image->text 5.0/25.0/50.0%, text->image 5.0/25.0/50.0%  (20 pairs, {where})",
     ]
+
+
+def test_summary_of_an_ssl_run_names_images_and_its_knn(tiny_embedded, tmp_path, capsys):
+    """An ssl run (image tower alone): its data are images, not pairs; its evaluation is data.val's kNN (summary
+    advised `fastclip eval RUN`, which refuses an ssl run)."""
+    run = _run_folder(tmp_path, tiny_embedded, distinct_captions=20)
+    (run / "checkpoints" / "results.jsonl").unlink()
+    cfg = load_config(
+        REPO / "configs" / "embedded.yaml",
+        ["--data.train", str(tiny_embedded / "train"), "--data.batch_size", "8", *NO_HELD_OUT, "--ssl.enabled", "true"],
+    )
+    (run / "config.yaml").write_text(dump_config(cfg))
+    assert fastclip_main(["summary", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"{tiny_embedded / 'train'} (80 images)" in out and "  kNN        not evaluated yet: set data.val" in out
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 10, "samples_seen": 160, "eval/knn_top1": 0.4, "eval/knn_samples": 60}) + "\n")
+    assert fastclip_main(["summary", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "  kNN         40.0% top-1  (60 held-out images, leave-one-out, the run's evaluation of data.val, step 10)"
+        in out
+    )

@@ -119,7 +119,13 @@ def _unique_labels(runs: list[Run], paths: list[Path]) -> None:
 
 def zeroshot_keys(runs: list[Run]) -> list[str]:
     keys = set().union(*(r.keys() for r in runs))
-    return sorted(k for k in keys if k.startswith("eval/") and k.endswith("/top1") and "mean" not in k)
+    # every held-out top-1: zero-shot per dataset, the probes', and an ssl run's leave-one-out kNN (eval/knn_top1)
+    return sorted(
+        k for k in keys if (k.startswith("eval/") and k.endswith("/top1") and "mean" not in k) or k == SSL_KNN
+    )
+
+
+SSL_KNN = "eval/knn_top1"
 
 
 # (file stem, title, y label, metrics.jsonl key or None for the zero-shot panel)
@@ -147,6 +153,7 @@ def _draw(ax, runs: list[Run], key: str | None) -> bool:
         styles = itertools.cycle(["-", "--", ":", "-."])
         for metric, style in zip(zeroshot_keys(runs), styles):
             dataset = metric.removeprefix("eval/").removeprefix("zeroshot/").removesuffix("/top1")
+            dataset = "kNN, leave-one-out" if metric == SSL_KNN else dataset
             for run, colour in zip(runs, colours):
                 xs, ys = run.series(metric)
                 if xs:

@@ -148,6 +148,11 @@ def _setting(cfg: dict, dotted: str):
     return value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
 
 
+def _is_ssl(cfg: dict) -> bool:
+    """Whether the run trained an image tower alone (ssl.enabled true)."""
+    return (cfg.get("ssl") or {}).get("enabled") is True if isinstance(cfg.get("ssl"), dict) else False
+
+
 def _shown_setting(cfg: dict, dotted: str) -> str:
     value = _setting(cfg, dotted)
     return "–" if value is None else str(value)
@@ -240,6 +245,11 @@ def summarize(
         lines += _result_lines(results)
     elif during := _training_eval_lines(rows):  # no `fastclip eval` yet: the run's own last evaluation of data.val
         lines += during
+    elif _is_ssl(cfg):  # an image tower alone: kNN during training, or its export's probes
+        lines.append(
+            f"  kNN        not evaluated yet: set data.val (labelled) with eval.at_end, or fastclip export {run} "
+            "and fastclip eval EXPORT --arch ARCH --data DIR --linear-probe --knn 20"
+        )
     else:
         lines.append(f"  zero-shot  not evaluated yet: fastclip eval {run} --data DIR")
     lines += _file_lines(run, plots, export)
@@ -278,9 +288,10 @@ def _training_lines(cfg: dict, rows: list[dict], train_rows: list[dict], train_s
 
     pretrained = _setting(cfg, "model.pretrained")
     start = f"from {pretrained}" if pretrained else "random init"
+    unit = "images" if _is_ssl(cfg) else "pairs"  # ssl: image tower + projector alone
     what = (
         f"{_shown_setting(cfg, 'loss.name')} on {_shown_setting(cfg, 'model.arch')} ({start}), "
-        f"{_shown_setting(cfg, 'data.train')}" + (f" ({pairs:,} pairs)" if pairs else "")
+        f"{_shown_setting(cfg, 'data.train')}" + (f" ({pairs:,} {unit})" if pairs else "")
     )
     lines = [f"  trained    {what}"]
     seen = last.get("samples_seen")  # missing (a hand-cut file): "–", and no epochs
@@ -330,11 +341,15 @@ def _result_lines(results: list[dict]) -> list[str]:
 def _training_eval_lines(rows: list[dict]) -> list[str]:
     """The run's own last evaluation (metrics.jsonl's eval/zeroshot/<dataset>/* and eval/retrieval/*, written by
     the trainer's eval.every_steps or eval.at_end), shown as fastclip eval's results are."""
-    prefixes = ("eval/zeroshot/", "eval/retrieval/")
+    prefixes = ("eval/zeroshot/", "eval/retrieval/", "eval/knn_top1")
     last = next((r for r in reversed(rows) if any(k.startswith(prefixes) for k in r)), None)
     if last is None:
         return []
     step, where = last.get("step"), ", the run's evaluation of data.val"
+    if _is_number(knn := last.get("eval/knn_top1")):  # ssl: leave-one-out kNN over data.val's labelled images
+        n = last.get("eval/knn_samples")
+        images = f"{int(n):,} held-out images" if _is_number(n) else "held-out images"
+        return [f"  kNN        {100 * knn:5.1f}% top-1  ({images}, leave-one-out{where}, step {step})"]
     zeroshot = sorted(
         (k.removeprefix("eval/zeroshot/").removesuffix("/top1"), v)
         for k, v in last.items()

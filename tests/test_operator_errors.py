@@ -1410,6 +1410,18 @@ def test_a_global_batch_of_one_sample_is_refused_before_a_step(mode, tiny_embedd
     assert main([*args, "--check"]) == 0, capsys.readouterr().err
 
 
+def test_a_knn_k_beyond_the_probes_training_features_is_refused_before_training(tiny_embedded, tmp_path, capsys):
+    """eval.knn 1000 with 80 probe training samples stopped the run after training, at its first evaluation, naming
+    fastclip eval's flags (--knn, --probe-train); now --check and the run refuse it, naming the config keys."""
+    n = json.loads((tiny_embedded / "train" / "manifest.json").read_text())["num_samples"]
+    extra = {"data.val": tiny_embedded / "val", "eval.at_end": "true", "eval.knn": "[5, 1000]", "train.max_steps": 1}
+    args = _args(tiny_embedded, tmp_path / "run", **extra)
+    for check in (["--check"], []):
+        _fails(capsys, [*args, *check], "eval.knn", f"k 1000 but the probe has at most {n} training features "
+               f"(eval.probe_max_train 5000, {n} samples in {tiny_embedded / 'train'}): use k <= {n}")  # fmt: skip
+    assert main([*_args(tiny_embedded, tmp_path / "ok", **{**extra, "eval.knn": "[5]"}), "--check"]) == 0
+
+
 def test_a_queue_too_large_for_memory_is_one_line_naming_it(tiny_embedded, tmp_path):
     """loss.queue_size 1e9 asks for 256 GB at the first step (2·Q·d floats): the allocator's refusal was a 65-line
     traceback; now one line naming the rank, the step, the allocator's words and loss.queue_size first. The process's

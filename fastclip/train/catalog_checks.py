@@ -83,6 +83,30 @@ def sparse_indices(data_size: int, num_samples: int, world_size: int) -> str | N
     )
 
 
+def check_knn_fits(cfg: Config, probe_train: Path) -> None:
+    """eval.knn's largest k within the probe's training features (eval.probe_max_train, and the samples the probe
+    data's manifest lists): found at the first evaluation it stopped the run after training, naming eval's flags."""
+    from fastclip.data.format import MANIFEST_NAME
+    from fastclip.data.manifest import read_manifest
+
+    if not cfg.eval.knn:
+        return
+    k, cap = max(cfg.eval.knn), cfg.eval.probe_max_train
+    listed = None
+    if (probe_train / MANIFEST_NAME).is_file():
+        try:
+            listed = read_manifest(probe_train).num_samples
+        except (ValueError, OSError):  # a bad manifest is the probe's to say, with its file
+            listed = None
+    available = min(cap, listed) if listed is not None else cap
+    if k > available:
+        held = f"eval.probe_max_train {cap}" + (f", {listed} samples in {probe_train}" if listed is not None else "")
+        raise ConfigError(
+            f"config key 'eval.knn': k {k} but the probe has at most {available} training features ({held}): "
+            f"use k <= {available}, or more probe training data (eval.probe_train, eval.probe_max_train)"
+        )
+
+
 def check_val_has_labels(val, look: int = 256) -> None:
     """ssl scores data.val by kNN over its labels: shards whose first samples carry none (images alone, from
     `fastclip data folder --images`) would give no evaluation at all, without a word, after the training."""
@@ -228,6 +252,7 @@ def check_eval_inputs(cfg: Config) -> None:
                 f"config key 'eval.probe_train': {str(probe_train)!r}{said} does not exist; set it to labelled "
                 "training data, or turn eval.linear_probe and eval.knn off"
             )
+        check_knn_fits(cfg, Path(probe_train))
     if cfg.eval.imagenet_val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
         from fastclip.eval.imagenet import read_variant
 

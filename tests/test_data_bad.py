@@ -334,3 +334,15 @@ def test_a_rank_whose_every_shard_is_bad_stops_with_one_line(tmp_path):
         tokenizer=_cheap_tokens,
     )
     assert len(list(stream.epoch(0))) == stream.batches_per_epoch
+
+
+def test_an_undecodable_image_is_said_without_a_memory_address():
+    """PIL names an unknown format by the buffer's repr (`<_io.BytesIO object at 0x7f...>`), so the skip records
+    of metrics.jsonl differed from run to run; the error keeps its type and says "the image bytes"."""
+    from PIL import UnidentifiedImageError
+
+    from fastclip.data.samples import decode_image
+
+    with pytest.raises(UnidentifiedImageError) as caught:
+        decode_image(b"not an image")
+    assert str(caught.value) == "cannot identify image file the image bytes"

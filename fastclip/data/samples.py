@@ -21,6 +21,7 @@ and a manifest `problems` entry's own reason when scan listed the sample.
 from __future__ import annotations
 
 import io
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -96,11 +97,26 @@ def check_sample(
     return Candidate(index, caption, image[0], "", raw.key, False, meta, group), "", ""
 
 
+_BUFFER_REPR = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
+
+
 def decode_image(data: bytes) -> Image.Image:
-    """Fully decoded RGB image; raises on a truncated or corrupt file (PIL decodes lazily, so load() here)."""
-    with Image.open(io.BytesIO(data)) as img:
-        img.load()
-        return img.convert("RGB")
+    """Fully decoded RGB image; raises on a truncated or corrupt file (PIL decodes lazily, so load() here). PIL names
+    an unknown format by the buffer's repr, a memory address that differs from run to run in the skip records: it
+    is said as "the image bytes" instead, in an error of the same type."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            return img.convert("RGB")
+    except Exception as e:
+        if not _BUFFER_REPR.search(str(e)):
+            raise
+        said = _BUFFER_REPR.sub("the image bytes", str(e))
+        try:
+            clean = type(e)(said)
+        except Exception:  # a type that wants other arguments
+            clean = ValueError(f"{type(e).__name__}: {said}")
+        raise clean from None
 
 
 class SkipLog:

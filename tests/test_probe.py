@@ -118,3 +118,6 @@ def test_the_probe_sweeps_past_the_small_c_that_give_every_sample_the_majority_c
     train, test = clusters(300), clusters(60)
     top1, c = linear_probe(train, test)
     assert top1 == 1.0 and c >= 1e-2
+    # labels are any integers (negative, or hashed ids far apart): the same answer (np.bincount refused -1)
+    shifted = [LabelledFeatures(d.features, d.labels * 1_000_003 - 5) for d in (train, test)]
+    assert linear_probe(*shifted) == (top1, c)

@@ -26,6 +26,7 @@ from fastclip.eval.samples import EvalDataError
 KNN_TEMPERATURE = 0.07  # InstDisc / DINO
 PROBE_C_GRID = tuple(float(c) for c in np.logspace(-6, 4, 11))  # C = 1/λ, log-spaced (the CLIP paper: 1e-6..1e6)
 SWEEP_PATIENCE = 2  # the sweep stops after this many C values in a row not above the best one
+PLATEAU_PATIENCE = 5  # ... or this many while the best is the majority class's share (the smallest C's plateau)
 PROBE_HOLDOUT = 0.2  # share of the training features that chooses C
 DEFAULT_KS = (20, 200)
 
@@ -129,10 +130,10 @@ def linear_probe(train: LabelledFeatures, test: LabelledFeatures, *, seed: int =
     if len(np.unique(fit_y)) >= 2:
         # ascending C, each fit starting from the last one's weights (the small C fit in a few iterations), and
         # stopped after SWEEP_PATIENCE values in a row that do not beat the best: the large C, slow to fit, only
-        # overfit more. Not while the best is the majority class's share: the smallest C give every sample the
-        # most frequent class (the weights vanish beside the intercepts), a plateau that stopped the sweep below
-        # the C that separate the classes (13 % where 1e-2 gives 100 %)
-        majority = np.bincount(val_y).max() / len(val_y)
+        # overfit more. While the best is the majority class's share it waits PLATEAU_PATIENCE values: the smallest
+        # C give every sample the most frequent class (the weights vanish beside the intercepts), a plateau that
+        # stopped the sweep below the C that separate the classes (13 % where 1e-2 gives 100 %)
+        majority = np.unique(val_y, return_counts=True)[1].max() / len(val_y)  # (labels may be any integers)
         model = LogisticRegression(max_iter=1000, warm_start=True, random_state=seed)
         for c in grid:
             model.set_params(C=c)
@@ -140,8 +141,8 @@ def linear_probe(train: LabelledFeatures, test: LabelledFeatures, *, seed: int =
             acc = float((model.predict(val_x) == val_y).mean())
             if acc > best_acc:  # ties keep the smaller C (the stronger regularisation)
                 best_c, best_acc, worse = c, acc, 0
-            elif best_acc > majority and (worse := worse + 1) >= SWEEP_PATIENCE:
-                break
+            elif (worse := worse + 1) >= (SWEEP_PATIENCE if best_acc > majority else PLATEAU_PATIENCE):
+                break  # (features no C lifts above the majority share stop too, before the slow large C)
     final = LogisticRegression(C=best_c, max_iter=1000, random_state=seed).fit(x, train.labels)
     return float((final.predict(x_test) == test.labels).mean()), best_c
 

@@ -146,18 +146,30 @@ def test_summary_without_fastclip_eval_shows_the_runs_own_last_evaluation(tiny_e
     evals = [
         {"step": 5, "samples_seen": 80, "eval/zeroshot/mnist/top1": 0.1, "eval/zeroshot/mnist/num_samples": 20.0},
         {"step": 10, "samples_seen": 160, "eval/zeroshot/mnist/top1": 0.75, "eval/zeroshot/mnist/num_samples": 20.0,
-         "eval/zeroshot/fashion-mnist/top1": 0.8567, "eval/retrieval/num_samples": 20.0, **recalls},
+         "eval/zeroshot/fashion-mnist/top1": 0.8567, "eval/retrieval/num_samples": 20.0,
+         "eval/retrieval/distinct_captions": 20.0, **recalls},
     ]  # fmt: skip
     with open(run / "metrics.jsonl", "a") as f:
         f.write("".join(json.dumps(r) + "\n" for r in evals))
     assert fastclip_main(["summary", str(run)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    where = "the run's evaluation of data.val, step 10"
+    where = "the run's own evaluation, step 10"
     assert lines[4:7] == [
         f"  zero-shot  fashion-mnist   85.7% top-1  (held-out images, {where})",
         f"             mnist           75.0% top-1  (20 held-out images, {where})",
         f"  retrieval  R@1/5/10 image->text 5.0/25.0/50.0%, text->image 5.0/25.0/50.0%  (20 pairs, {where})",
     ]
+    # templated captions (4 distinct of 20) are said as fastclip eval says them; a run that did not log the count
+    # shows no retrieval (it showed the numbers whatever the captions)
+    for distinct, said in ((4.0, "  retrieval  not reported: 4 distinct captions for 20 images"), (None, None)):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        rows[-1]["eval/retrieval/distinct_captions"] = distinct
+        if distinct is None:
+            del rows[-1]["eval/retrieval/distinct_captions"]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert fastclip_main(["summary", str(run)]) == 0
+        out = capsys.readouterr().out
+        assert (said in out) if said else "retrieval" not in out
 
 
 def test_summary_of_an_ssl_run_names_images_and_its_knn(tiny_embedded, tmp_path, capsys):
@@ -177,7 +189,4 @@ def test_summary_of_an_ssl_run_names_images_and_its_knn(tiny_embedded, tmp_path,
         f.write(json.dumps({"step": 10, "samples_seen": 160, "eval/knn_top1": 0.4, "eval/knn_samples": 60}) + "\n")
     assert fastclip_main(["summary", str(run)]) == 0
     out = capsys.readouterr().out
-    assert (
-        "  kNN         40.0% top-1  (60 held-out images, leave-one-out, the run's evaluation of data.val, step 10)"
-        in out
-    )
+    assert "  kNN         40.0% top-1  (60 held-out images, leave-one-out, the run's own evaluation, step 10)" in out

@@ -63,6 +63,7 @@ class EvalResults:
         out.update({f"retrieval/{k}": v for k, v in self.retrieval.items()})
         if self.retrieval:
             out["retrieval/num_samples"] = float(self.retrieval_samples)  # captions
+            out["retrieval/distinct_captions"] = float(self.retrieval_distinct_captions)  # (summary's rule)
             if self.retrieval_images is not None:
                 out["retrieval/num_images"] = float(self.retrieval_images)
         if self.val_loss is not None:

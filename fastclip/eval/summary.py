@@ -345,7 +345,7 @@ def _training_eval_lines(rows: list[dict]) -> list[str]:
     last = next((r for r in reversed(rows) if any(k.startswith(prefixes) for k in r)), None)
     if last is None:
         return []
-    step, where = last.get("step"), ", the run's evaluation of data.val"
+    step, where = last.get("step"), ", the run's own evaluation"
     if _is_number(knn := last.get("eval/knn_top1")):  # ssl: leave-one-out kNN over data.val's labelled images
         n = last.get("eval/knn_samples")
         images = f"{int(n):,} held-out images" if _is_number(n) else "held-out images"
@@ -366,8 +366,11 @@ def _training_eval_lines(rows: list[dict]) -> list[str]:
         )
     retrieval = {k.removeprefix("eval/retrieval/"): v for k, v in last.items() if k.startswith("eval/retrieval/")}
     names = [recall_name(d, k) for d in DIRECTIONS for k in DEFAULT_KS]
-    if all(_is_number(retrieval.get(name)) for name in names) and _is_number(retrieval.get("num_samples")):
-        retrieval["num_samples"] = int(retrieval["num_samples"])
+    # shown as fastclip eval shows it: only where the captions are known to be distinct (older runs did not log
+    # their count: templated captions would give numbers that mean nothing)
+    counts = ("num_samples", "distinct_captions")
+    if all(_is_number(retrieval.get(n)) for n in (*names, *counts)):
+        retrieval.update({n: int(retrieval[n]) for n in counts})
         lines.append(_retrieval_line(retrieval, f"{where}, step {step}"))
     return lines
 

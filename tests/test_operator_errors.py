@@ -1445,7 +1445,8 @@ def test_a_queue_too_large_for_memory_is_one_line_naming_it(tiny_embedded, tmp_p
     err = [line for line in done.stderr.splitlines() if not line.startswith("fastclip train: note:")]
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert err[-1].startswith("fastclip train: error: rank 0 ran out of memory at step "), err
-    assert "can't allocate memory" in err[-1] and "lower loss.queue_size (1,000,000,000: 2 x that many" in err[-1]
+    assert "(training step; " in err[-1] and "can't allocate memory" in err[-1]
+    assert "lower loss.queue_size (1,000,000,000: 2 x that many" in err[-1] and "raise optim.accum_steps" in err[-1]
 
 
 def test_reshard_out_holding_files_is_refused_and_a_failed_reshard_leaves_no_out(

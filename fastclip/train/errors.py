@@ -30,14 +30,22 @@ def _out_of_memory(error: BaseException) -> bool:
     )
 
 
-def out_of_memory(error: BaseException, cfg, rank: int, step: int) -> OutOfMemory:
-    """One line for an allocation that failed: where, how much the allocator was asked (its own words), and the
-    settings that size the memory (the queue's 2·Q·d floats per rank when there is one)."""
+def out_of_memory(error: BaseException, cfg, rank: int, step: int, phase: str) -> OutOfMemory:
+    """One line for an allocation that failed: where (step and phase), the allocator's own words, and the settings
+    that size the memory there: an evaluation's batch and probe; a training step's micro-batch (optim.accum_steps
+    splits data.batch_size and keeps the global batch), activations and queue (2·Q·d floats per rank)."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    knobs = ["lower data.batch_size (optim.accum_steps keeps the global batch)", "model.grad_checkpointing"]
-    if getattr(cfg.loss, "queue_size", None):
-        knobs.insert(0, f"lower loss.queue_size ({cfg.loss.queue_size:,}: 2 x that many feature rows per rank)")
-    return OutOfMemory(f"rank {rank} ran out of memory at step {step} ({first[:200]}): {', or '.join(knobs)}")
+    if "evaluation" in phase:
+        knobs = ["lower eval.batch_size", "eval.probe_max_train (with eval.linear_probe / eval.knn)"]
+    else:
+        knobs = [
+            "raise optim.accum_steps (the same global batch in smaller micro-batches)",
+            "set model.grad_checkpointing",
+            "lower data.batch_size (a smaller global batch)",
+        ]
+        if getattr(cfg.loss, "queue_size", None):
+            knobs.insert(0, f"lower loss.queue_size ({cfg.loss.queue_size:,}: 2 x that many feature rows per rank)")
+    return OutOfMemory(f"rank {rank} ran out of memory at step {step} ({phase}; {first[:200]}): {', or '.join(knobs)}")
 
 
 def explain_failure(error: BaseException, timeouts, cfg=None) -> BaseException:
@@ -50,7 +58,8 @@ def explain_failure(error: BaseException, timeouts, cfg=None) -> BaseException:
     if isinstance(error, DataExhausted):
         return DataFailure(str(error))
     if cfg is not None and not isinstance(error, TrainingError) and _out_of_memory(error):
-        return out_of_memory(error, cfg, timeouts.info.rank, timeouts.step)
+        phase = timeouts.failed_in[0] if timeouts.failed_in else timeouts.phase
+        return out_of_memory(error, cfg, timeouts.info.rank, timeouts.step, phase)
     return timeouts.explain(error)
 
 

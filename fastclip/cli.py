@@ -76,6 +76,15 @@ EXIT_PIPE = 141  # 128 + SIGPIPE: what `yes | head -1` gives; the reader chose t
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
+def entry() -> None:
+    """The process entry (`fastclip ...`, `python -m fastclip ...`, what torchrun and the launch scripts start): the
+    process exits when its command ends, so a run's stop signals stay ignored after it (preemption.py)."""
+    from fastclip.train.preemption import process_ends_with_run
+
+    process_ends_with_run()
+    sys.exit(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

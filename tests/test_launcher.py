@@ -197,15 +197,21 @@ def test_the_container_entrypoint_runs_fastclip_commands_and_others_as_given(tmp
     assert "ENV PIP_CONSTRAINT=/opt/torch-constraint.txt" in text  # torch stays the image's through pip install
 
 
-def test_a_stop_signal_in_a_finished_runs_last_moment_leaves_status_0(data, tmp_path):
-    """`python -m fastclip train` whose run is complete and saved gets SIGTERM while the interpreter exits (atexit:
-    where a signal forwarded by the launcher to a rank in its last second lands). It exits 0: the stop signals stay
-    ignored after the run in a process that ends with it. It died of the signal (status -15: the launcher said
-    "killed by SIGTERM ... continue with --train.resume latest" of a finished run)."""
+@pytest.mark.parametrize(
+    "start",
+    ["runpy.run_module('fastclip', run_name='__main__')", "from fastclip.cli import entry; entry()"],
+    ids=["python -m fastclip", "the fastclip command"],
+)
+def test_a_stop_signal_in_a_finished_runs_last_moment_leaves_status_0(data, tmp_path, start):
+    """`fastclip train` (as `python -m fastclip` and as the console script `fastclip`, pyproject's entry point) whose
+    run is complete and saved gets SIGTERM while the interpreter exits (atexit: where a signal forwarded by the
+    launcher to a rank in its last second lands). It exits 0: the stop signals stay ignored after the run in a
+    process that ends with it. It died of the signal (status -15: the launcher said "killed by SIGTERM ... continue
+    with --train.resume latest" of a finished run)."""
     code = (
         "import atexit, os, runpy, signal, sys; "
         "atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM)); "
-        "sys.argv = ['fastclip', *sys.argv[1:]]; runpy.run_module('fastclip', run_name='__main__')"
+        f"sys.argv = ['fastclip', *sys.argv[1:]]; {start}"
     )
     run_dir = tmp_path / "run"
     args = fault_overrides(data, run_dir, **{"train.max_steps": 2, "checkpoint.every_steps": 0})

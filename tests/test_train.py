@@ -491,10 +491,13 @@ def test_a_resume_that_changes_the_objective_says_which_settings_changed(data, t
     resumed with no word (config ok, exit 0); the start now lists each changed setting with both values. A resume
     with the same settings says nothing."""
     run = tmp_path / "moco"
-    first = {"loss.queue_size": 24, "model.ema_momentum": 0.99, "loss.distill_alpha": 0.4, "train.max_steps": 2}
+    first = {"loss.queue_size": 24, "model.ema_momentum": 0.99, "loss.distill_alpha": 0.4, "train.max_steps": 2,
+             "loss.temperature": "null"}  # fmt: skip
     assert main(["--config", str(EMBEDDED), *overrides(data, run, "dcl", **first)]) == 0
     capsys.readouterr()
-    same = {**first, "train.max_steps": 3, "train.resume": "latest"}
+    # the same settings, a default spelled out (dcl's τ 0.07 where it was null) and the micro-batches changed:
+    # the same objective, no note
+    same = {**first, "train.max_steps": 3, "train.resume": "latest", "loss.temperature": 0.07, "optim.accum_steps": 2}
     assert main(["--config", str(EMBEDDED), *overrides(data, run, "dcl", **same)]) == 0
     assert "not trained with" not in capsys.readouterr().err
     changed = {**same, "train.max_steps": 4, "model.ema_momentum": 0.9, "loss.hard_negative_beta": 0.5}
@@ -554,3 +557,22 @@ def test_a_linear_probe_during_training_leaves_every_rng_state_as_it_was(data, t
         model, rank = (load(run / "checkpoints" / "step_00000003" / f) for f in ("model.pt", "rank_0.pt"))
         states[every] = [{k: v for k, v in model.items() if k != "config"}, rank]
     assert_same(states[1], states[0])
+
+
+def test_an_evaluation_puts_back_every_global_rng_state_it_drew_from(monkeypatch):
+    """Whatever an evaluation draws from (an ImageNet DataLoader pass takes its base seed from torch's generator,
+    the probe's imports from Python's), the states the rank files save are as before it."""
+    import random
+
+    import numpy as np
+
+    from fastclip.train.evaluation import Evaluation
+
+    def draws(self, step, samples_seen):
+        random.random(), np.random.rand(), torch.rand(3)
+
+    monkeypatch.setattr(Evaluation, "_evaluate", draws)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    Evaluation.evaluate(object.__new__(Evaluation), 1, 8)
+    after = (random.getstate(), np.random.get_state()[1], torch.get_rng_state())
+    assert before[0] == after[0] and np.array_equal(before[1], after[1]) and torch.equal(before[2], after[2])

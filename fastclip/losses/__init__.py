@@ -215,6 +215,14 @@ def check_options(name: str, **options) -> None:
     _options(name, taken.pop("data_size", None) or 1, taken)
 
 
+def resolved_options(name: str, **options) -> dict:
+    """The options build_loss(name, ...) would use, defaults filled in (None: the default; data_size stands in as
+    1): two configs that differ only in spelling a default out resolve equal. Options the loss does not take are
+    left out."""
+    taken = {key: value for key, value in options.items() if key in option_names(name) and key != "data_size"}
+    return dataclasses.asdict(_options(name, 1, taken))
+
+
 def _options(name: str, data_size: int | None, options: dict):
     """``options`` (None: the default) as the loss's options dataclass, which checks every value."""
     if name not in LOSSES:

@@ -529,7 +529,29 @@ def restart_note(cfg: Config, resume_dir: Path | None) -> str | None:
 
 # what a resumed run trains on: loss and objective, model (but how it is computed), optimizer, ssl, augmentation
 CHANGED_ON_RESUME = ("loss.", "model.ema_momentum", "optim.", "ssl.", "data.aug.")
-NOT_THE_OBJECTIVE = ("loss.validate", "loss.fused_kernels", "loss.impl")
+NOT_THE_OBJECTIVE = (  # how it is computed, or evaluated: the same objective
+    "loss.validate",
+    "loss.fused_kernels",
+    "loss.impl",
+    "optim.accum_steps",
+    "ssl.knn_k",
+    "ssl.knn_temperature",
+)
+
+
+def _with_loss_defaults(flat: dict, name) -> dict:
+    """loss.* as the loss resolves them (a null is the library's default: spelling the default out changes
+    nothing); as given where the loss cannot resolve them."""
+    from fastclip.losses import LOSSES, resolved_options
+
+    loss = {k.removeprefix("loss."): v for k, v in flat.items() if k.startswith("loss.") and k != "loss.name"}
+    if name not in LOSSES:
+        return flat
+    try:
+        resolved = resolved_options(name, **loss)
+    except (TypeError, ValueError):
+        return flat
+    return {**flat, **{f"loss.{k}": v for k, v in resolved.items() if f"loss.{k}" in flat}}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -547,7 +569,8 @@ def changed_on_resume_note(cfg: Config, saved: dict | None) -> str | None:
     a requeue command line that lost a flag changed the objective without a word."""
     if not saved:
         return None
-    before, now = _flat(saved), _flat(cfg.to_dict())
+    before = _with_loss_defaults(_flat(saved), cfg.loss.name)
+    now = _with_loss_defaults(_flat(cfg.to_dict()), cfg.loss.name)
     changed = [
         k
         for k in now

@@ -107,25 +107,34 @@ def check_knn_fits(cfg: Config, probe_train: Path) -> None:
         )
 
 
-def check_val_has_labels(val, look: int = 256) -> None:
-    """ssl scores data.val by kNN over its labels: shards whose first samples carry none (images alone, from
-    `fastclip data folder --images`) would give no evaluation at all, without a word, after the training."""
-    from fastclip.data.tario import TarBroken
-    from fastclip.eval.samples import is_image_folder, iter_samples, shard_paths
+def check_val_has_labels(val) -> None:
+    """ssl scores data.val by kNN over its labels: shards that carry none (images alone, from `fastclip data folder
+    --images`) would give no evaluation at all, without a word, after the training. The first shard of each folder
+    val's shards sit in is read for its .json and .cls members only (no image is decoded), as check_labels_fit does."""
+    from fastclip.data.format import label_of, parse_meta
+    from fastclip.data.tario import TarBroken, iter_shard
+    from fastclip.eval.samples import is_image_folder, shard_paths
 
     if is_image_folder(val):  # a folder per class: every image has its folder's label
         return
-    first = shard_paths(val)[0]
-    try:
-        labelled = any(s.label is not None for _, s in zip(range(look), iter_samples(str(first))))
-    except TarBroken:  # the evaluation says it, skipping the rest of that shard
-        return
-    if not labelled:
-        raise ConfigError(
-            f"config key 'data.val': ssl.enabled scores data.val by kNN over its labels, and the first {look} samples "
-            f"of {first} have none: give labelled held-out shards (a .cls or json 'label' per sample), or set "
-            f"data.val null"
-        )
+    firsts = {}
+    for path in shard_paths(val):
+        firsts.setdefault(path.parent, path)
+    for shard in firsts.values():
+        try:
+            for raw in iter_shard(shard, want=frozenset({"json", "cls"})):
+                try:
+                    if label_of(raw.files, parse_meta(raw.files.get("json"))[0] or {}) is not None:
+                        return
+                except ValueError:  # a malformed label: the evaluation skips and counts that sample
+                    continue
+        except TarBroken:  # the evaluation says it, skipping the rest of that shard
+            return
+    raise ConfigError(
+        f"config key 'data.val': ssl.enabled scores data.val by kNN over its labels, and the samples of "
+        f"{', '.join(str(p) for p in firsts.values())} have none: give labelled held-out shards (a .cls or json "
+        f"'label' per sample), or set data.val null"
+    )
 
 
 def check_labels_fit(zeroshot, specs: dict, val) -> None:

@@ -123,13 +123,13 @@ def knn_evaluate(model, preprocess, source: str, device, cfg: Config) -> dict[st
     leave-one-out kNN over the classes (dataset, label); samples without a label are left out."""
     from fastclip.eval.collectives import all_gather_rows, rank_and_world
     from fastclip.eval.evaluate import unwrap_model
-    from fastclip.eval.samples import iter_samples
+    from fastclip.eval.samples import Skipped, iter_samples
 
     visual = unwrap_model(model).visual
     was_training = visual.training
     visual.eval()
     rank, world = rank_and_world()
-    feats, labels, batch, skipped = [], [], [], []
+    feats, labels, batch, skipped = [], [], [], Skipped()  # (samples lost, a cut shard's counted by its manifest)
     limit = cfg.eval.max_samples
 
     def flush():
@@ -154,12 +154,14 @@ def knn_evaluate(model, preprocess, source: str, device, cfg: Config) -> dict[st
     features = all_gather_rows(local)
     keys = all_gather_rows(torch.tensor(labels, dtype=torch.int64, device=device))
     # undecodable samples, counted over the ranks as the CLIP evaluation counts them
-    skips = int(all_gather_rows(torch.tensor([len(skipped)], dtype=torch.int64, device=device)).sum())
+    lost = all_gather_rows(torch.tensor([[skipped.samples, skipped.cut_shards]], dtype=torch.int64, device=device))
+    counts = {"knn_samples": int(features.shape[0]), "skipped_samples": int(lost[:, 0].sum())}
+    if int(lost[:, 1].sum()):
+        counts["cut_shards"] = int(lost[:, 1].sum())
     if features.shape[0] < 2:
-        return {"knn_samples": int(features.shape[0]), "skipped_samples": skips}
+        return counts
     classes = torch.unique(keys, return_inverse=True)[1]  # the same numbering on every rank (the same keys)
-    acc = knn_accuracy(features, classes, cfg.ssl.knn_k, cfg.ssl.knn_temperature)
-    return {"knn_top1": acc, "knn_samples": int(features.shape[0]), "skipped_samples": skips}
+    return {"knn_top1": knn_accuracy(features, classes, cfg.ssl.knn_k, cfg.ssl.knn_temperature), **counts}
 
 
 @torch.no_grad()

@@ -184,7 +184,10 @@ def test_summary_of_an_ssl_run_names_images_and_its_knn(tiny_embedded, tmp_path,
     (run / "config.yaml").write_text(dump_config(cfg))
     assert fastclip_main(["summary", str(run)]) == 0
     out = capsys.readouterr().out
-    assert f"{tiny_embedded / 'train'} (80 images)" in out and "  kNN        not evaluated yet: set data.val" in out
+    assert (
+        f"{tiny_embedded / 'train'} (80 images)" in out
+        and f"  kNN        not evaluated yet: fastclip eval {run} --data DIR --linear-probe --knn 20" in out
+    )
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 10, "samples_seen": 160, "eval/knn_top1": 0.4, "eval/knn_samples": 60}) + "\n")
     assert fastclip_main(["summary", str(run)]) == 0

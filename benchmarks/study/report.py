@@ -367,7 +367,7 @@ def steps_past(spec: Spec, objective: str, batch: int, by_setting: dict, best: d
         if values == best or all(values[k] in v for k, v in grid.items()):
             continue
         vals = [metric_of(rec) for rec in recs]
-        mean = _pct(sum(vals) / len(vals)) if None not in vals else "running"
+        mean = _pct(sum(vals) / len(vals)) if None not in vals else "not done"
         lost.append(f"`{setting_id(values)}` ({mean})")
     return f"; tuned past the grid and not chosen: {', '.join(lost)}" if lost else ""
 

@@ -247,8 +247,8 @@ def summarize(
         lines += during
     elif _is_ssl(cfg):  # an image tower alone: kNN during training, or its export's probes
         lines.append(
-            f"  kNN        not evaluated yet: set data.val (labelled) with eval.at_end, or fastclip export {run} "
-            "and fastclip eval EXPORT --arch ARCH --data DIR --linear-probe --knn 20"
+            f"  kNN        not evaluated yet: fastclip eval {run} --data DIR --linear-probe --knn 20 (or train with "
+            "a labelled data.val and eval.at_end)"
         )
     else:
         lines.append(f"  zero-shot  not evaluated yet: fastclip eval {run} --data DIR")

@@ -111,30 +111,49 @@ def check_val_has_labels(val) -> None:
     """ssl scores data.val by kNN over its labels: shards that carry none (images alone, from `fastclip data folder
     --images`) would give no evaluation at all, without a word, after the training. The first shard of each folder
     val's shards sit in is read for its .json and .cls members only (no image is decoded), as check_labels_fit does."""
-    from fastclip.data.format import label_of, parse_meta
-    from fastclip.data.tario import TarBroken, iter_shard
-    from fastclip.eval.samples import is_image_folder, shard_paths
+    from fastclip.data.tario import TarBroken
+    from fastclip.eval.samples import is_image_folder
 
     if is_image_folder(val):  # a folder per class: every image has its folder's label
         return
-    firsts = {}
-    for path in shard_paths(val):
-        firsts.setdefault(path.parent, path)
-    for shard in firsts.values():
+    firsts = _first_shards(val)
+    for shard in firsts:
         try:
-            for raw in iter_shard(shard, want=frozenset({"json", "cls"})):
-                try:
-                    if label_of(raw.files, parse_meta(raw.files.get("json"))[0] or {}) is not None:
-                        return
-                except ValueError:  # a malformed label: the evaluation skips and counts that sample
-                    continue
+            if next(_shard_labels(shard), None) is not None:
+                return
         except TarBroken:  # the evaluation says it, skipping the rest of that shard
             return
     raise ConfigError(
         f"config key 'data.val': ssl.enabled scores data.val by kNN over its labels, and the samples of "
-        f"{', '.join(str(p) for p in firsts.values())} have none: give labelled held-out shards (a .cls or json "
+        f"{', '.join(str(p) for p in firsts)} have none: give labelled held-out shards (a .cls or json "
         f"'label' per sample), or set data.val null"
     )
+
+
+def _first_shards(val) -> list[Path]:
+    """The first shard of each folder val's shards sit in (a pattern may span folders, each of other data)."""
+    from fastclip.eval.samples import shard_paths
+
+    firsts: dict[Path, Path] = {}
+    for path in shard_paths(val):
+        firsts.setdefault(path.parent, path)
+    return list(firsts.values())
+
+
+def _shard_labels(shard):
+    """(key, dataset, label) of a shard's labelled samples, read from its .json and .cls members only (no image is
+    decoded); a malformed label is passed over, as the evaluation skips and counts that sample."""
+    from fastclip.data.format import label_of, parse_meta
+    from fastclip.data.tario import iter_shard
+
+    for raw in iter_shard(shard, want=frozenset({"json", "cls"})):
+        meta = parse_meta(raw.files.get("json"))[0] or {}
+        try:
+            label = label_of(raw.files, meta)
+        except ValueError:
+            continue
+        if label is not None:
+            yield raw.key, meta.get("dataset"), label
 
 
 def check_labels_fit(zeroshot, specs: dict, val) -> None:
@@ -145,17 +164,14 @@ def check_labels_fit(zeroshot, specs: dict, val) -> None:
     samples of the dataset each names. The first shard of each folder val's shards sit in: read in milliseconds."""
     from fastclip.data.tario import TarBroken
     from fastclip.eval.evaluate import default_zeroshot_file, one_list_for_all
-    from fastclip.eval.samples import is_image_folder, shard_paths
+    from fastclip.eval.samples import is_image_folder
 
     if not specs or is_image_folder(val):
         return
     own = default_zeroshot_file(val)
     for_all = len(specs) == 1 and one_list_for_all(specs, None if own is None or Path(own) == Path(zeroshot) else own)
-    firsts = {}  # the first shard of each folder a pattern spans: each may hold other datasets
-    for path in shard_paths(val):
-        firsts.setdefault(path.parent, path)
     named, outside = set(), None
-    for shard in firsts.values():
+    for shard in _first_shards(val):
         try:
             outside = _labels_outside(shard, specs, for_all, named, zeroshot)
         except TarBroken:  # the evaluation says it, skipping the rest of that shard
@@ -176,19 +192,8 @@ def _labels_outside(shard, specs: dict, for_all: bool, named: set, zeroshot) -> 
     """check_labels_fit over one shard: the first (list, key, label, shard) outside its list, returned after the
     whole shard (a mix of datasets under one list, raised at once, is the first thing to fix); `named` collects the
     dataset names one list would score."""
-    from fastclip.data.format import label_of, parse_meta
-    from fastclip.data.tario import iter_shard
-
     outside = None
-    for raw in iter_shard(shard, want=frozenset({"json", "cls"})):
-        meta = parse_meta(raw.files.get("json"))[0] or {}
-        try:
-            label = label_of(raw.files, meta)
-        except ValueError:  # the evaluation skips and counts such a sample
-            continue
-        if label is None:
-            continue
-        dataset = meta.get("dataset")
+    for key, dataset, label in _shard_labels(shard):
         if for_all:
             name = next(iter(specs))
             named |= {dataset} - {None}
@@ -204,7 +209,7 @@ def _labels_outside(shard, specs: dict, for_all: bool, named: set, zeroshot) -> 
         else:
             name = dataset
         if outside is None and name in specs and not 0 <= label < len(specs[name].classnames):
-            outside = (name, raw.key, label, shard)
+            outside = (name, key, label, shard)
     return outside
 
 

@@ -571,6 +571,8 @@ def test_an_evaluation_puts_back_every_global_rng_state_it_drew_from(monkeypatch
 
     monkeypatch.setattr(Evaluation, "_evaluate", draws)
     before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
-    Evaluation.evaluate(object.__new__(Evaluation), 1, 8)
+    evaluation = object.__new__(Evaluation)
+    evaluation.device = torch.device("cpu")
+    evaluation.evaluate(1, 8)
     after = (random.getstate(), np.random.get_state()[1], torch.get_rng_state())
     assert before[0] == after[0] and np.array_equal(before[1], after[1]) and torch.equal(before[2], after[2])

@@ -23,22 +23,15 @@ class Evaluation:
     def evaluate(self, step: int, samples_seen: int) -> None:
         """data.val (zero-shot and retrieval) and eval.imagenet_val (zero-shot), on every rank, under the run's
         autocast, as OpenCLIP evaluates. The global random states the rank files save (Python's, numpy's, torch's
-        CPU and CUDA generators) are put back after it: the first linear probe's imports drew from Python's, an
+        and the GPU's generators) are put back after it: the first linear probe's imports drew from Python's, an
         ImageNet DataLoader pass from torch's, so a run that evaluated saved other RNG states than one that did not."""
-        import random
+        from fastclip.checkpoint.rng import capture_rng_states, restore_rng_states
 
-        import numpy as np
-
-        python_state, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-        cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        states = capture_rng_states(self.device)  # what the rank files save (RNGStates)
         try:
             self._evaluate(step, samples_seen)
         finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
-            torch.set_rng_state(torch_state)
-            if cuda_states is not None:
-                torch.cuda.set_rng_state_all(cuda_states)
+            restore_rng_states(states, self.device)
 
     def _evaluate(self, step: int, samples_seen: int) -> None:
         cfg = self.cfg

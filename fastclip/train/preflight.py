@@ -584,11 +584,11 @@ def changed_on_resume_note(cfg: Config, saved: dict | None) -> str | None:
 
 
 def setting_notes(
-    cfg: Config, device: torch.device, resumed_layout, stream, total_steps: int, steps: tuple[int, int]
+    cfg: Config, device: torch.device, resumed_layout, stream, total_steps: int, steps: tuple[int, int], loss_fn
 ) -> list[str]:
     """Settings that are legal but rarely what was meant, said once at the start (`resumed_layout`: the data layout
     the checkpoint was trained at, or None; `stream`: the run's train stream; `total_steps`: the schedules' span;
-    `steps`: the run's first and last)."""
+    `steps`: the run's first and last; `loss_fn`: the run's loss)."""
     step, last_step = steps
     o, notes = cfg.optim, []
     if cfg.train.precision == "fp16" and device.type == "cpu":  # OpenCLIP's --precision amp, on a CPU
@@ -614,7 +614,7 @@ def setting_notes(
             f"the lr schedules run on samples seen, so they go on from where the checkpoint left them, over "
             f"{last_step - step} more steps"
         )
-    if cfg.model.ema_momentum is not None and not (cfg.loss.queue_size or cfg.loss.distill_alpha):
+    if cfg.model.ema_momentum is not None and not loss_fn.uses_momentum_features:  # (net.py skips their forward)
         notes.append(
             f"fastclip train: note: model.ema_momentum {cfg.model.ema_momentum:g}: no loss.queue_size or "
             "loss.distill_alpha reads the momentum towers' features, so they are not computed; the towers are kept "

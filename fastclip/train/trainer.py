@@ -106,10 +106,11 @@ class Run:
         remaining = sum(self.stream.batches_remaining(e) for e in range(self.epoch, cfg.train.epochs))
         self.last_step = min(n for n in (self.step + remaining, cfg.train.max_steps) if n is not None)
         ends_at = self.samples_seen // self.global_batch + remaining  # where the schedules will be at the end
-        if ends_at > total_steps:  # resumed at another layout: the data rule serves part of an epoch twice
-            self.schedules.total_steps = ends_at  # (else the last batches would train at the schedule's end, lr 0)
+        stretched = ends_at > total_steps  # resumed at another layout: the data rule serves part of an epoch twice
+        if stretched:  # (else the last batches would train at the schedule's end, lr 0)
+            self.schedules.total_steps = ends_at
         self.start_reporting()
-        if ends_at > total_steps:
+        if stretched:
             self.log.message(
                 f"resumed at another data layout: the rest of the run is {remaining} batches of {self.global_batch}, "
                 f"so the lr schedules now end at {ends_at} batches, not {total_steps}"
@@ -163,7 +164,9 @@ class Run:
                 metrics.start_line(cfg, info, self.net, self.stream, steps, self.resume_dir, self.pretrained)
             )
             # (the epochs' span: where a resume's data rule stretches the schedules past it, a line says so)
-            notes = preflight.setting_notes(cfg, self.device, self.resumed_layout, self.stream, self.epochs_span, steps)
+            notes = preflight.setting_notes(
+                cfg, self.device, self.resumed_layout, self.stream, self.epochs_span, steps, self.loss_fn
+            )
             changed = preflight.changed_on_resume_note(cfg, self.saved_config)
             for line in [restart] * (restart is not None) + [changed] * (changed is not None) + notes:
                 note(line)

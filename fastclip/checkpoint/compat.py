@@ -40,6 +40,7 @@ from fastclip.checkpoint.records import (
     saved_config,
     saved_step,
     saved_world_size,
+    ssl_enabled,
 )
 from fastclip.data.stream import IDENTITY, identity_mismatches
 from fastclip.errors import CheckpointError, ConfigError
@@ -206,12 +207,12 @@ def _start_anew(step_dir: Path) -> str:
 def check_config(config: dict, expected: Expected, step_dir: Path, model_file: dict) -> None:
     """The same kind of model (CLIP or ssl), towers, loss and optimizer."""
     saved = saved_config(model_file)
-    saved_ssl = (saved.get("ssl") or {}).get("enabled") if isinstance(saved.get("ssl"), dict) else None
-    if expected.ssl is not None and saved_ssl is not None and bool(saved_ssl) != expected.ssl:
+    saved_ssl = ssl_enabled(saved)
+    if expected.ssl is not None and saved_ssl is not None and saved_ssl != expected.ssl:
         trained = "an image tower + projector (ssl.enabled true)" if saved_ssl else "a CLIP model (ssl.enabled false)"
         raise ConfigError(
             f"config key 'ssl.enabled': {str(expected.ssl).lower()} but checkpoint {step_dir} trained {trained}; "
-            f"resume with --ssl.enabled {str(bool(saved_ssl)).lower()}, or {_start_anew(step_dir)}"
+            f"resume with --ssl.enabled {str(saved_ssl).lower()}, or {_start_anew(step_dir)}"
         )
     keys = [("model.arch", expected.arch), ("loss.name", expected.loss)]
     keys += [("optim.optimizer", expected.optimizer)] if expected.optimizer is not None else []

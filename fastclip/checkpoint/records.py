@@ -85,8 +85,15 @@ def saved_backend(model_file: dict) -> str:
     return model_file.get("config", {}).get("train", {}).get("distributed", "ddp")
 
 
+def ssl_enabled(config: dict) -> bool | None:
+    """A saved config's ssl.enabled (an image tower + projector alone); None where it has no ssl section (a
+    checkpoint from before it existed)."""
+    ssl = config.get("ssl")
+    return bool(ssl.get("enabled")) if isinstance(ssl, dict) else None
+
+
 def is_ssl_checkpoint(checkpoint: dict) -> bool:
-    return bool(((checkpoint.get("config") or {}).get("ssl") or {}).get("enabled"))
+    return bool(ssl_enabled(checkpoint.get("config") or {}))
 
 
 def image_tower_state(checkpoint: dict) -> dict[str, torch.Tensor]:

@@ -150,7 +150,8 @@ def _setting(cfg: dict, dotted: str):
 
 def _is_ssl(cfg: dict) -> bool:
     """Whether the run trained an image tower alone (ssl.enabled true)."""
-    return (cfg.get("ssl") or {}).get("enabled") is True if isinstance(cfg.get("ssl"), dict) else False
+    ssl = cfg.get("ssl")
+    return isinstance(ssl, dict) and ssl.get("enabled") is True
 
 
 def _shown_setting(cfg: dict, dotted: str) -> str:

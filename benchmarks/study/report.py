@@ -205,12 +205,16 @@ def _p(x) -> str:
     return "–" if x is None else f"{x:.3f}"
 
 
+def _ci(ci: list | None) -> str:
+    """A 95 % interval of a difference, in points, after its mean ("" where there is none)."""
+    return f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else ""
+
+
 def _delta(r: dict | None) -> str:
     """A comparison row's mean difference ± its std, and its 95 % interval, in points."""
     if r is None or r["diff_mean"] is None:
         return "–"
-    ci = r.get("diff_ci95")
-    return f"{_pct(r['diff_mean'])} ± {_pct(r['diff_std'])}" + (f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "")
+    return f"{_pct(r['diff_mean'])} ± {_pct(r['diff_std'])}{_ci(r.get('diff_ci95'))}"
 
 
 def _ratio(c: dict) -> str:
@@ -309,8 +313,7 @@ def markdown(spec: Spec, summary: dict) -> str:
         ]
         for c in summary["comparisons"]:
             against = c["baseline"] or "– (no other objective tested yet)"
-            ci = c.get("diff_ci95")
-            delta = _pct(c["diff_mean"]) + (f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else "")
+            delta = _pct(c["diff_mean"]) + _ci(c.get("diff_ci95"))
             lines.append(
                 f"| {c['dataset']} | {c['global_batch']} | {c['winner']} | {against} | {delta} "
                 f"| {_p(c['p_holm'])} | {_ratio(c)} | {'all done' if c['complete'] else 'some pending: may change'} |"

@@ -55,6 +55,7 @@ def test_eval_cli_gives_the_trainers_numbers_and_summary_shows_them(probed_run, 
     assert eval_main(argv) == 0
     out = capsys.readouterr().out
     assert f"training features from {tiny_embedded / 'train'}" in out and "(pre-projection)" in out
+    assert "\n\n\n" not in out  # one blank line between the tables
     rows = [json.loads(line) for line in (probed_run / "checkpoints" / "results.jsonl").read_text().splitlines()]
     logged = [r for r in records(probed_run) if "eval/val_loss" in r][0]
     for dataset in PROBED:

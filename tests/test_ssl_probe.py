@@ -80,7 +80,7 @@ def test_fastclip_eval_of_the_run_and_of_its_export_gives_the_logged_numbers(pro
     probe = ["--data", str(tiny_embedded), "--linear-probe", "--knn", "3"]
     assert eval_rows([str(probed), *probe], probed / "checkpoints" / "results.jsonl") == want
     out = capsys.readouterr().out
-    assert "(tower)" in out and "zero-shot" not in out
+    assert "(tower)" in out and "zero-shot" not in out and "\n\n\n" not in out  # no empty table, one blank line
     assert summary_main([str(probed)]) == 0
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if "kNN k=3" in line]
     assert (
@@ -92,6 +92,7 @@ def test_fastclip_eval_of_the_run_and_of_its_export_gives_the_logged_numbers(pro
     assert export_main([str(probed), "--out", str(tower)]) == 0
     argv = [str(tower), "--arch", str(tower.parent / "tiny-vit.json"), *probe]
     assert eval_rows(argv, tower.parent / "results.jsonl") == want
+    assert "\n\n\n" not in capsys.readouterr().out
 
 
 def test_what_a_tower_cannot_be_scored_on_is_one_line_exit_2(probed, tiny_embedded, tmp_path, capsys):

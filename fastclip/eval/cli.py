@@ -623,8 +623,9 @@ def _print_report(args, run: _Prepared, scored: _Scored, warnings: _OneLineWarni
     results, probes, loaded = scored.results, scored.probes, run.loaded
     step = "" if loaded.step is None else f", step {loaded.step}"
     print(f"model {loaded.file} ({loaded.built.arch}{step}); data {args.data}; class names: {run.names_from or 'none'}")
-    print(f"{results.num_samples} samples in {seconds:.1f} s\n")
-    print(format_table(results, args.per_class) if results.zeroshot or results.retrieval or not probes else "")
+    print(f"{results.num_samples} samples in {seconds:.1f} s")
+    if results.zeroshot or results.retrieval or not probes:
+        print("\n" + format_table(results, args.per_class).lstrip("\n"))  # one blank line before each table
     if probes:
         print(format_probe_table(probes, scored.probe_where))
         if scored.probe_skipped:

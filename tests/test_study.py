@@ -1447,6 +1447,8 @@ def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_
             assert (wt / "benchmarks/study" / name).read_bytes() == (REPO / "benchmarks/study" / name).read_bytes()
         for link in links:
             assert (wt / link).is_symlink() and (wt / link).resolve() == (REPO / link).resolve()
+        timing = "benchmarks/results/study_v2/timing.json"  # `plan --hours` there prices from this tree's timing
+        assert (wt / timing).read_bytes() == (REPO / timing).read_bytes() and (wt / timing).is_symlink()
         for argv, words in (
             ([head[:7] + "zz", str(wt)], ("is no commit of", "name one the tables' runs record")),
             ([first, str(wt)], (f"{wt} is at {head[:12]}, not {first}", "name another DIR")),
@@ -1456,7 +1458,11 @@ def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_
             assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
             assert all(w in done.stderr for w in words), done.stderr
     finally:
-        for link in links:
+        for link in (
+            *links,
+            "benchmarks/results/study_v2/timing.json",
+            "benchmarks/results/study_v2_revisits/timing.json",
+        ):
             if (wt / link).is_symlink():
                 (wt / link).unlink()  # the links only: the folders they name are this tree's
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], capture_output=True)

@@ -4,8 +4,8 @@
 #   bash benchmarks/study/at_commit.sh COMMIT DIR      e.g. 42a1147 /work/wt/study (study v2's batch-32 table)
 #   cd DIR && .venv/bin/python -m benchmarks.study run benchmarks/study/v2.yaml --cell ... --parallel 2
 # Makes DIR a worktree at COMMIT (kept if there) with this tree's study package and specs, this tree's .venv, and
-# this tree's study folders (benchmarks/out/<study>, benchmarks/results/<study>/runs for each of STUDIES) linked in:
-# finished runs land here, ready to commit. Re-run it after changing the package here.
+# this tree's study folders (benchmarks/out/<study>, benchmarks/results/<study>/runs and timing.json for each of
+# STUDIES) linked in: finished runs land here, ready to commit. Re-run it after changing the package here.
 set -euo pipefail
 [[ $# -eq 2 ]] || { echo "usage: bash benchmarks/study/at_commit.sh COMMIT DIR" >&2; exit 2; }
 commit=$1 dir=$2
@@ -62,6 +62,11 @@ STUDIES="study_v2 study_v2_revisits"  # the specs' `name`s (v2.yaml, v2-revisits
 for study in $STUDIES; do
   link "benchmarks/out/$study"
   link "benchmarks/results/$study/runs"
+  # the timing run's figures too: `plan --hours` here would price the unrun batches from the commit's old ones
+  timing="benchmarks/results/$study/timing.json"
+  if [[ -e $main/$timing && ! -L $dir/$timing ]]; then
+    mkdir -p "$(dirname "$dir/$timing")" && ln -sfT "$main/$timing" "$dir/$timing"
+  fi
 done
 code=$(cd "$dir" && .venv/bin/python -c "from benchmarks.study import records; print(records.code_version()['code'])")
 echo "$dir: commit ${at:0:12}, code $code, with $main's study package; runs land in $main/benchmarks/results/<study>/runs ($STUDIES)"

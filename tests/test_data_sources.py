@@ -345,3 +345,71 @@ def test_info_resolves_a_spec(embedded, capsys):
     assert fastclip_main(["data", "info", str(embedded / "train"), "--batch-size", "16", "--world-size", "2"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["num_samples"] == 120 and info["data_size"] == 160 and info["batches_per_epoch"] == 4
+
+
+def test_folder_rows_a_reader_would_misread_are_skipped_and_named(tmp_path):
+    """A review's own-data findings: an unquoted comma cut a caption short, a stray quote in a TSV swallowed the
+    rows after it, Excel's byte-order mark hid the first column, a JSONL number for a path was a traceback, a
+    caption past csv's field limit stopped the run. Each row is written or skipped with its line named."""
+    make_folder(tmp_path)
+    huge = "a long caption " * 10_000  # 150,000 characters: past csv's default limit of 131,072
+    (tmp_path / "c.csv").write_bytes(
+        b"\xef\xbb\xbffilepath,title\r\n"  # Excel's "CSV UTF-8": a BOM
+        b"img/0.png,a red square, on a table\r\n"  # 2: three fields
+        b'img/1.jpg,"quoted, as it should be"\r\n'  # 3
+        + f"img/4.jpg,{huge}\r\n".encode()  # 4
+        + b'img/2.bmp,"an unclosed quote\r\nimg/3.png,swallowed\r\n'  # 5..6: one row to the end
+    )
+    report = build_folder(tmp_path / "c.csv", tmp_path / "csv")
+    assert report["rows"] == 4 and report["written"] == 2 and report["data_size"] == 4
+    assert report["skipped"] == [
+        "c.csv:2: 3 fields, the header has 2: quote the 'title' field (it holds the separator ',')",
+        "c.csv:6: one row over lines 5..6: a quote mark opened a field that runs over line breaks (the rows in it "
+        'are lost); close the quote or double it ("")',
+    ]
+    written = {json.loads(f["json"])["index"]: f["txt"].decode() for _, _, f in read_all(tmp_path / "csv")[1]}
+    assert written == {1: "quoted, as it should be", 2: huge.strip()}
+
+    (tmp_path / "c.tsv").write_text('filepath\ttitle\nimg/0.png\t"Best pizza in town\nimg/1.jpg\tsecond\n')
+    report = build_folder(tmp_path / "c.tsv", tmp_path / "tsv")  # a TSV has no quoting: the quote is text
+    assert report["written"] == 2 and not report["skipped"]
+    written = {json.loads(f["json"])["index"]: f["txt"].decode() for _, _, f in read_all(tmp_path / "tsv")[1]}
+    assert written == {0: '"Best pizza in town', 1: "second"}
+
+    lines = [
+        '{"filepath": 17, "title": "x"}',
+        '{"filepath": "img/0.png", "title": 5}',
+        '{"filepath": "img/1.jpg", "title": "ok"}',
+    ]
+    (tmp_path / "c.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
+    report = build_folder(tmp_path / "c.jsonl", tmp_path / "jsonl")
+    assert report["written"] == 1 and report["skipped"] == [
+        "c.jsonl:1: 'filepath' is 17, not a path",
+        "c.jsonl:2: 'title' is 5, not text",
+    ]
+
+
+def test_images_decode_as_a_viewer_shows_them(tmp_path):
+    """A camera's EXIF orientation is applied and a 16-bit grey PNG is scaled to 8 bits (convert() made it white);
+    an 8-bit image decodes as before."""
+    from fastclip.data.samples import decode_image
+
+    wide = np.full((20, 60), 40000, dtype=np.uint16)
+    wide[:, :30] = 1000
+    buf = io.BytesIO()
+    Image.fromarray(wide).save(buf, format="PNG")
+    grey = np.asarray(decode_image(buf.getvalue()))
+    assert grey.shape == (20, 60, 3) and (grey[:, :30] == 4).all() and (grey[:, 30:] == 156).all()  # 40000/257
+
+    photo = Image.new("RGB", (60, 20), (255, 0, 0))
+    photo.paste((0, 0, 255), (0, 0, 10, 20))  # blue on the left as stored
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to view": the stored left edge is the top
+    buf = io.BytesIO()
+    photo.save(buf, format="PNG", exif=exif)
+    seen = np.asarray(decode_image(buf.getvalue()))
+    assert seen.shape == (60, 20, 3)
+    assert (seen[:10] == (0, 0, 255)).all() and (seen[10:] == (255, 0, 0)).all()
+
+    plain = io.BytesIO(synthetic_image(3))
+    assert np.array_equal(np.asarray(decode_image(plain.getvalue())), np.asarray(Image.open(plain).convert("RGB")))

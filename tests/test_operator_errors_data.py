@@ -326,7 +326,7 @@ def test_a_data_build_under_nohup_keeps_sighup_ignored(tmp_path, monkeypatch):
     [
         (";;", "filepath,title\na.png,cat\n", "--csv-separator ';;': must be one character"),
         ("\\", "filepath,title\na.png,cat\n", "must be one character"),
-        (None, "filepath,title\na.png,caf\xe9\n", "c.csv: not UTF-8 text (byte 24); pass a UTF-8 CSV/TSV/JSONL"),
+        (None, "filepath,title\na.png,caf\xe9\n", "not UTF-8 text (line 2: byte 0xe9 at offset 24); pass a UTF-8"),
     ],
 )
 def test_folder_separator_and_encoding_mistakes_are_one_line(tmp_path, capsys, separator, text, said):

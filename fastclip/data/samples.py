@@ -25,7 +25,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from PIL import Image
+import numpy as np
+from PIL import Image, ImageOps
 
 from fastclip.data.format import caption_of, group_of, image_of, index_from_meta, parse_meta
 from fastclip.data.tario import RawSample
@@ -100,23 +101,38 @@ def check_sample(
 _BUFFER_REPR = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
 
+_EXIF_ORIENTATION = 0x0112
+_WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # 16-bit grey PNG/TIFF: convert() clips them to white
+
+
 def decode_image(data: bytes) -> Image.Image:
-    """Fully decoded RGB image; raises on a truncated or corrupt file (PIL decodes lazily, so load() here). PIL names
-    an unknown format by the buffer's repr, a memory address that differs from run to run in the skip records: it
-    is said as "the image bytes" instead, in an error of the same type."""
+    """Fully decoded RGB image as a viewer shows it; raises on a truncated or corrupt file (PIL decodes lazily, so
+    load() here). A camera's EXIF orientation is applied (phone photos would train sideways) and 16-bit grey is
+    scaled to 8 bits. PIL names an unknown format by the buffer's repr, a memory address that differs from run to
+    run in the skip records: it is said as "the image bytes" instead, in an error of the same type."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.load()
-            return img.convert("RGB")
+            turned = img.getexif().get(_EXIF_ORIENTATION, 1) != 1
+            image = ImageOps.exif_transpose(img) if turned else img
+            if image.mode in _WIDE_MODES:
+                wide = np.asarray(image, dtype=np.float64)  # 0..65535 (mode I holds 16-bit PNGs as int32)
+                image = Image.fromarray(np.clip(np.rint(wide / 257.0), 0, 255).astype(np.uint8))
+            return image.convert("RGB")
     except Exception as e:
         if not _BUFFER_REPR.search(str(e)):
             raise
-        said = _BUFFER_REPR.sub("the image bytes", str(e))
+        said = without_buffer_repr(str(e))
         try:
             clean = type(e)(said)
         except Exception:  # a type that wants other arguments
             clean = ValueError(f"{type(e).__name__}: {said}")
         raise clean from None
+
+
+def without_buffer_repr(text: str) -> str:
+    """PIL's error text with its buffer's repr (a memory address) said as "the image bytes"."""
+    return _BUFFER_REPR.sub("the image bytes", text)
 
 
 class SkipLog:

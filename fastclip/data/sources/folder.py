@@ -23,6 +23,7 @@ from pathlib import Path
 from PIL import Image
 
 from fastclip.data.format import IMAGE_EXTS
+from fastclip.data.samples import without_buffer_repr
 from fastclip.data.writer import ShardWriter, removed_on_failure
 
 
@@ -31,18 +32,47 @@ class CaptionFileError(ValueError):
 
 
 def read_rows(captions: Path, img_key: str, caption_key: str, separator: str | None):
-    """Yield (line number, image path string or None, caption or None) for each data row."""
+    """Yield (line number, image path, caption, problem) for each data row: problem is why the row cannot be used
+    (its path and caption then None), else ""."""
+    limit = csv.field_size_limit()
+    csv.field_size_limit(2**31 - 1)  # a long caption is the tokenizer's to cut, not a reason to stop
     try:
         yield from _rows(captions, img_key, caption_key, separator)
-    except UnicodeDecodeError as e:  # a latin-1 export, or a parquet/binary file given as --captions
+    except UnicodeDecodeError:  # a latin-1 export, or a parquet/binary file given as --captions
+        where = _first_non_utf8(captions)
         raise CaptionFileError(
-            f"{captions}: not UTF-8 text (byte {e.start}); pass a UTF-8 CSV/TSV/JSONL (e.g. iconv -t utf-8)"
+            f"{captions}: not UTF-8 text ({where}); pass a UTF-8 CSV/TSV/JSONL (e.g. iconv -f latin1 -t utf-8)"
         ) from None
+    finally:
+        csv.field_size_limit(limit)
+
+
+def _first_non_utf8(path: Path) -> str:
+    """Where the file's first byte that is no UTF-8 is (the text reader decodes ahead in chunks: its error's
+    position is not the file's)."""
+    offset = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):  # b"\n" is never inside a multi-byte UTF-8 character
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"line {line_no}: byte 0x{raw[e.start]:02x} at offset {offset + e.start}"
+            offset += len(raw)
+    return "at its end: a multi-byte character cut short"
+
+
+def _checked(line_no: int, rel, caption, img_key: str, caption_key: str):
+    """A row's values as build_folder takes them: text, or why the row cannot be used."""
+    if rel is not None and not isinstance(rel, str):
+        return line_no, None, None, f"{img_key!r} is {json.dumps(rel)}, not a path"
+    if caption is not None and not isinstance(caption, str):
+        return line_no, None, None, f"{caption_key!r} is {json.dumps(caption)}, not text"
+    return line_no, rel, caption, ""
 
 
 def _rows(captions: Path, img_key: str, caption_key: str, separator: str | None):
     if captions.suffix.lower() == ".jsonl":
-        with open(captions, encoding="utf-8") as f:
+        with open(captions, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Excel, Notepad) is no key
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -52,7 +82,7 @@ def _rows(captions: Path, img_key: str, caption_key: str, separator: str | None)
                     raise CaptionFileError(f"{captions}:{line_no}: not valid JSON ({e})") from None
                 if not isinstance(row, dict):
                     raise CaptionFileError(f"{captions}:{line_no}: expected a JSON object per line")
-                yield line_no, row.get(img_key), row.get(caption_key)
+                yield _checked(line_no, row.get(img_key), row.get(caption_key), img_key, caption_key)
         return
     if separator is None:
         separator = "\t" if captions.suffix.lower() == ".tsv" else ","
@@ -63,8 +93,11 @@ def _rows(captions: Path, img_key: str, caption_key: str, separator: str | None)
         separator = None
     if separator is None or len(separator) != 1:
         raise CaptionFileError(f"--csv-separator {given!r}: must be one character (e.g. ',', ';' or '\\t')")
-    with open(captions, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f, delimiter=separator)
+    # a tab-separated file has no quoting (its fields hold no tab): a caption that starts with a quote mark is
+    # text, not the start of a field that runs on over the next rows
+    quoting = csv.QUOTE_NONE if separator == "\t" else csv.QUOTE_MINIMAL
+    with open(captions, encoding="utf-8-sig", newline="") as f:  # -sig: Excel's "CSV UTF-8" starts with a BOM
+        reader = csv.DictReader(f, delimiter=separator, quoting=quoting)
         columns = reader.fieldnames or []
         for key in (img_key, caption_key):
             if key not in columns:
@@ -72,8 +105,31 @@ def _rows(captions: Path, img_key: str, caption_key: str, separator: str | None)
                     f"{captions}: no column {key!r} (columns: {columns}; separator "
                     f"{separator!r}; set --csv-img-key/--csv-caption-key/--csv-separator)"
                 )
+        last = reader.line_num
         for row in reader:
-            yield reader.line_num, row.get(img_key), row.get(caption_key)
+            first, last = last + 1, reader.line_num
+            if None in row:  # more fields than the header: a caption's unquoted separator cut it short
+                yield (
+                    last,
+                    None,
+                    None,
+                    (
+                        f"{len(columns) + len(row[None])} fields, the header has {len(columns)}: quote the "
+                        f"{caption_key!r} field (it holds the separator {separator!r})"
+                    ),
+                )
+            elif first != last and any("\n" in (v or "") or "\r" in (v or "") for v in row.values()):
+                yield (
+                    last,
+                    None,
+                    None,
+                    (
+                        f"one row over lines {first}..{last}: a quote mark opened a field that runs over line "
+                        f'breaks (the rows in it are lost); close the quote or double it ("")'
+                    ),
+                )
+            else:
+                yield last, row.get(img_key), row.get(caption_key), ""
 
 
 def _image_bytes(path: Path) -> tuple[bytes, str]:
@@ -106,10 +162,13 @@ def build_folder(
     skipped, rows = [], 0
     with removed_on_failure(out):  # a bad line, a full disk, Ctrl-C: leave --out as it was, for the rerun
         writer = ShardWriter(out, prefix=prefix, shard_size=shard_size)
-        for row, (line_no, rel, caption) in enumerate(read_rows(captions, img_key, caption_key, separator)):
+        for row, (line_no, rel, caption, problem) in enumerate(read_rows(captions, img_key, caption_key, separator)):
             rows += 1
             where = f"{captions.name}:{line_no}"
-            caption = caption.strip() if isinstance(caption, str) else ""
+            if problem:
+                skipped.append(f"{where}: {problem}")
+                continue
+            caption = caption.strip() if caption else ""
             if not rel:
                 skipped.append(f"{where}: empty {img_key!r}")
                 continue
@@ -123,7 +182,7 @@ def build_folder(
                 skipped.append(f"{where}: image {path} not found")
                 continue
             except Exception as e:  # PIL raises many kinds for bad files
-                skipped.append(f"{where}: image {path} undecodable ({type(e).__name__}: {e})")
+                skipped.append(f"{where}: image {path} undecodable ({type(e).__name__}: {without_buffer_repr(str(e))})")
                 continue
             writer.write(index_offset + row, data, ext, caption)
         if rows == 0:

@@ -413,3 +413,32 @@ def test_images_decode_as_a_viewer_shows_them(tmp_path):
 
     plain = io.BytesIO(synthetic_image(3))
     assert np.array_equal(np.asarray(decode_image(plain.getvalue())), np.asarray(Image.open(plain).convert("RGB")))
+
+
+def test_eval_reads_a_plain_shards_indices_as_training_does(tmp_path):
+    """Plain WebDataset shards (no .json) take their indices from the manifest scan writes (index_base + position,
+    plus --index-offset): evaluation reads the same indices as training (it had none: no validation loss), and
+    json indices get the offset too."""
+    from fastclip.data.samples import check_sample
+    from fastclip.data.tario import ShardReader
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for shard in range(2):
+        groups = [(f"s{shard}_{k}", {"png": synthetic_image(3 * shard + k), "txt": b"a caption"}) for k in range(3)]
+        write_tar(plain / f"{shard:05d}.tar", groups)
+    img2dataset_shard(tmp_path / "00000.tar", ["000000000", "000000001", "000000002"])
+    keyed = tmp_path / "keyed"
+    keyed.mkdir()
+    (tmp_path / "00000.tar").rename(keyed / "00000.tar")
+    for folder in (plain, keyed):
+        assert fastclip_main(["data", "scan", str(folder), "--from-tars", "--index-offset", "1000"]) == 0
+        manifest = read_manifest(folder)
+        trained = []
+        for shard in manifest.shards:
+            with ShardReader(folder / shard.path) as reader:
+                while (raw := reader.next_group()) is not None:
+                    cand, _, _ = check_sample(raw, manifest.data_size, shard.index_base, True, manifest.index_offset)
+                    trained.append(cand.index)
+        assert [s.index for s in iter_samples(folder)] == trained
+        assert sorted(trained) == list(range(1000, 1000 + len(trained))) and len(trained) in (3, 6)

@@ -27,6 +27,21 @@ def test_training_lines_give_position_loss_rate_and_eta(tmp_path, capsys):
     assert steps == [20, 20, 30, 40]
 
 
+def test_an_evaluation_without_class_names_still_prints_a_line(tmp_path, capsys):
+    """Own data often has no class names: the evaluation's line shows retrieval's R@1 and the validation loss."""
+    from fastclip.train.metrics import eval_line
+
+    record = {"step": 5, "samples_seen": 80, "eval/retrieval/image_to_text_R@1": 0.5,
+              "eval/retrieval/image_to_text_R@5": 0.75, "eval/retrieval/text_to_image_R@1": 0.25,
+              "eval/val_loss": 2.5, "eval/retrieval/distinct_captions": 20}  # fmt: skip
+    log = MetricsLogger(tmp_path, enabled=True, total_steps=10, start_step=0, tensorboard=False, progress=True)
+    log.log(record, eval_line(record))
+    log.close()
+    assert capsys.readouterr().out.splitlines() == [
+        "step 5/10 eval/retrieval/image_to_text_R@1=0.5 eval/retrieval/text_to_image_R@1=0.25 eval/val_loss=2.5"
+    ]
+
+
 def test_embedded_data_prints_progress(tmp_path, capsys):
     assert (
         fastclip_main(

@@ -59,31 +59,44 @@ class EvalSample:
 # ----------------------------------------------------------------------------- locating the files
 def shard_paths(source: str | os.PathLike) -> list[Path]:
     """The tar files of a shard folder (manifest order, else sorted), a single tar, a glob or a {a..b} pattern."""
-    return [path for path, _ in listed_shards(source)]
+    return [shard.path for shard in listed_shards(source)]
 
 
-def listed_shards(source: str | os.PathLike) -> list[tuple[Path, int | None]]:
-    """shard_paths with each shard's number of samples as a folder's manifest lists it (None: not listed)."""
+@dataclass(frozen=True)
+class ListedShard:
+    path: Path
+    size: int | None = None  # its number of samples as a folder's manifest lists it (None: not listed)
+    # a manifest's indexing, as the training loader reads it (fastclip/data/samples.py check_sample): a sample
+    # without .json is index_base + its position in the tar; index_offset is added to every index
+    index_base: int | None = None
+    index_offset: int = 0
+
+
+def listed_shards(source: str | os.PathLike) -> list[ListedShard]:
+    """shard_paths with what a folder's manifest says of each shard."""
     text = str(source)
     path = Path(text)
     if path.is_dir():
         if (path / MANIFEST_NAME).is_file():
-            listed = [(path / s.path, s.num_samples) for s in read_manifest(path).shards]
-            missing = [p for p, _ in listed if not p.is_file()]
+            manifest = read_manifest(path)
+            listed = [
+                ListedShard(path / s.path, s.num_samples, s.index_base, manifest.index_offset) for s in manifest.shards
+            ]
+            missing = [shard.path for shard in listed if not shard.path.is_file()]
             if missing:
                 raise EvalDataError(f"{path / MANIFEST_NAME}: shard {missing[0]} listed but not found")
             return listed
         tars = sorted(path.glob("*.tar"))
         if not tars:
             raise EvalDataError(f"{path}: no {MANIFEST_NAME} and no .tar shards in this folder")
-        return [(tar, None) for tar in tars]
+        return [ListedShard(tar) for tar in tars]
     if path.is_file():
-        return [(_tar_file(path), None)]
+        return [ListedShard(_tar_file(path))]
     paths = expand_pattern(text)
     missing = [p for p in paths if not p.is_file()]
     if not paths or missing:
         raise EvalDataError(f"no shards found for {text!r}" + (f" (missing: {missing[0]})" if missing else ""))
-    return [(_tar_file(p), None) for p in paths]
+    return [ListedShard(_tar_file(p)) for p in paths]
 
 
 def is_pattern(source: str | os.PathLike) -> bool:
@@ -168,7 +181,7 @@ def _skip(skipped: list[str], message: str, samples: int | None = 1) -> None:
         skipped.append(message)
 
 
-def _decode_shard_sample(files: dict[str, bytes], where: str) -> EvalSample:
+def _decode_shard_sample(files: dict[str, bytes], where: str, shard: ListedShard, ordinal: int) -> EvalSample:
     image = image_of(files)
     if image is None:
         raise EvalDataError(
@@ -191,6 +204,10 @@ def _decode_shard_sample(files: dict[str, bytes], where: str) -> EvalSample:
     except Exception as err:  # PIL raises several types on corrupt files
         raise EvalDataError(f"{where}.{image[1]}: cannot decode image ({err})") from err
     index = index_from_meta(meta)
+    if index is None and shard.index_base is not None and "json" not in files:
+        index = shard.index_base + ordinal
+    if index is not None and index >= 0:
+        index += shard.index_offset
     return EvalSample(decoded, caption_of(files, meta), index, meta.get("dataset"), label, where, group)
 
 
@@ -199,7 +216,8 @@ def iter_shard_samples(
 ) -> Iterator[EvalSample]:
     skipped = [] if skipped is None else skipped
     position = 0
-    for path, size in listed_shards(source):
+    for shard in listed_shards(source):
+        path, size = shard.path, shard.size
         # every rank reads every tar: only rank 0 counts a broken one, so the all-reduced count is right.
         # A broken tar ends its shard early, at the same place on every rank.
         reader = None
@@ -208,7 +226,7 @@ def iter_shard_samples(
                 while (raw := reader.next_group(load=position % world_size == rank)) is not None:
                     if position % world_size == rank:
                         try:
-                            yield _decode_shard_sample(raw.files, f"{path}:{raw.key}")
+                            yield _decode_shard_sample(raw.files, f"{path}:{raw.key}", shard, raw.ordinal)
                         except EvalDataError as err:
                             _skip(skipped, str(err))
                     position += 1

@@ -146,8 +146,9 @@ def run_summary(
 
 
 def eval_line(record: dict) -> tuple[str, ...]:
-    """An evaluation's line: its top-1 accuracies."""
-    return tuple(k for k in record if k.endswith("top1"))
+    """An evaluation's line: its top-1 accuracies, retrieval's R@1 both ways and the validation loss (own data
+    has often no class names: its evaluation would print nothing)."""
+    return tuple(k for k in record if k.endswith(("top1", "_R@1", "/val_loss")))
 
 
 def _fmt(v) -> str:

@@ -232,3 +232,34 @@ def test_rank_0_reads_the_catalog_and_broadcasts_it(tiny_embedded):
     assert results[0] == results[1]
     assert results[0][1:3] == (80, 3)
     assert results[0][3].startswith("config key 'data.train': shard file ") and "nowhere-0.tar" in results[0][3]
+
+
+def test_a_shard_copied_after_the_scan_is_skipped_and_counted_alike_at_any_world_size(tmp_path, model_fns):
+    """img2dataset shards counted from _stats.json take their index range from the key scheme, unread. A copy of
+    shard 0 under the name 00003 (merged outputs) holds keys 0..9, not 300..309: its samples are skipped as
+    index_outside_shard on every rank (the run-time duplicate check sees one rank's share only: 2 ranks served the
+    copies of the other rank's samples uncounted)."""
+    import shutil
+
+    folder = tmp_path / "d"
+    img2dataset_folder(folder, [10, 10, 6], failed=set(), stats=True)
+    shutil.copy(folder / "00000.tar", folder / "00003.tar")
+    shutil.copy(folder / "00000_stats.json", folder / "00003_stats.json")
+    assert data_main(["scan", str(folder), "--samples-per-shard", str(PER_SHARD), "--workers", "1"]) == 0
+    assert summary_of(read_manifest(folder))[3] == ("00003.tar", 10, 300, 309)
+    for world_size in (1, 2):
+        served, counters = [], {}
+        for rank in range(world_size):
+            stream = build_train_stream(
+                {"train": str(folder), "batch_size": 18 // world_size, "workers": 0, "shuffle_buffer": 36},
+                rank=rank,
+                world_size=world_size,
+                preprocess=model_fns[0],
+                tokenizer=model_fns[1],
+            )
+            served += [i for _, _, indices, _ in stream.epoch(0) for i in indices.tolist()]
+            for k, v in stream.counters.items():
+                counters[k] = counters.get(k, 0) + v
+        assert counters["index_outside_shard"] == 10 and counters["duplicate_index"] == 0, (world_size, counters)
+        # shard 3's places in the epoch are refilled from the good shards (wrapped), never with the copies
+        assert set(served) == {s * 100 + r for s, n in enumerate([10, 10, 6]) for r in range(n)}, world_size

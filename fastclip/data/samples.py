@@ -5,6 +5,9 @@ A sample is skipped, logged with shard and key, and counted under one reason:
   truncated_tar      the tar ends early or breaks (samples after the break are lost)
   missing_index      no json["index"] and no integer json["key"] (or no/invalid .json)
   index_out_of_range index < 0 or >= data_size
+  index_outside_shard an index outside its shard's index_min..index_max in the manifest: the shard is not the one
+                     scanned (a copy or a rename since; img2dataset shards counted from _stats.json take their
+                     range from the key scheme, unread), so its indices would collide with another shard's
   bad_group          json["group"] present but not an integer >= 0 (format.py)
   duplicate_index    listed as such by `fastclip data scan` (authoritative: it sees the whole data set), or at
                      run time an index this worker already read this epoch from another (shard, key); the
@@ -38,6 +41,7 @@ REASONS = (
     MANIFEST_MISMATCH,
     "missing_index",
     "index_out_of_range",
+    "index_outside_shard",
     "bad_group",
     "duplicate_index",
     "duplicate_key",
@@ -68,12 +72,18 @@ class Candidate:
 
 
 def check_sample(
-    raw: RawSample, data_size: int, index_base: int | None = None, need_caption: bool = True, index_offset: int = 0
+    raw: RawSample,
+    data_size: int,
+    index_base: int | None = None,
+    need_caption: bool = True,
+    index_offset: int = 0,
+    index_span: tuple[int, int] | None = None,
 ) -> tuple[Candidate | None, str, str]:
     """(candidate, "", "") or (None, reason, detail). index_base: the shard's (plain WebDataset, from the
     manifest): a sample without a .json member gets index index_base + its position in the tar. index_offset:
     the manifest's (scan --index-offset), added to the index either way. need_caption False (image-only
-    training, fastclip/train/ssl.py): a sample without a caption is kept (caption None)."""
+    training, fastclip/train/ssl.py): a sample without a caption is kept (caption None). index_span: the shard's
+    index_min, index_max in the manifest (offset included), None where it lists none."""
     meta, why = parse_meta(raw.files.get("json"))
     index = index_from_meta(meta) if meta is not None else None
     if index is None and index_base is not None and "json" not in raw.exts:
@@ -84,6 +94,13 @@ def check_sample(
         index += index_offset
     if not 0 <= index < data_size:
         return None, "index_out_of_range", f"index {index} not in [0, {data_size})"
+    if index_span is not None and not index_span[0] <= index <= index_span[1]:
+        lo, hi = index_span
+        detail = (
+            f"index {index} outside the shard's {lo}..{hi} in the manifest (copied or renamed since the scan?): "
+            f"run `fastclip data scan` on the folder again (--from-tars for img2dataset shards)"
+        )
+        return None, "index_outside_shard", detail
     group, why = group_of(meta, index)
     if group is None:
         return None, "bad_group", f"index {index}: {why}"

@@ -328,6 +328,7 @@ class TrainStream:
             seq=self._sequence(epoch),
             index_base=[s.index_base for s in self.catalog.shards],
             index_offset=[s.index_offset for s in self.catalog.shards],
+            index_span=[None if s.index_min is None else (s.index_min, s.index_max) for s in self.catalog.shards],
             segment=segment,
             layout=self.layout,
             rank=self.rank,

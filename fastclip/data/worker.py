@@ -65,6 +65,7 @@ class EpochJob:
     skip: list[dict[int | str, tuple[str, str]]]  # per shard: ordinal (or key, older manifests) -> (reason, detail)
     index_base: list[int | None]  # per shard: plain WebDataset shards take their index from the position
     index_offset: list[int]  # per shard: its manifest's, added to every index read (scan --index-offset)
+    index_span: list[tuple[int, int] | None]  # per shard: its manifest's index_min, index_max (None: not listed)
     seq: EpochSequence
     segment: Segment
     layout: Layout
@@ -267,7 +268,12 @@ class _Worker:
                     self._skip(run_log, listed[0], name, raw.key, listed[1] + " (listed in manifest)")
                     continue
                 cand, reason, detail = check_sample(
-                    raw, job.data_size, job.index_base[shard], job.tokenizer is not None, job.index_offset[shard]
+                    raw,
+                    job.data_size,
+                    job.index_base[shard],
+                    job.tokenizer is not None,
+                    job.index_offset[shard],
+                    job.index_span[shard],
                 )
                 if cand is not None and not self._owns(shard, raw.ordinal, cand.index):
                     reason = "duplicate_index"

@@ -143,6 +143,30 @@ def test_scanned_problems_are_skipped_and_counts_come_back_from_workers(model_fn
     seen = check_events_match_counts(stream)
     assert seen == {(r, "a.tar", k) for k, r in BROKEN.items()}  # undecodable found at run time, rest listed
     assert sum(v for k, v in stream.counters.items() if k != "wrapped") >= len(BROKEN)
+    # b.tar's lost tail is counted by no run: the catalog carries scan's finding for the start's note
+    assert stream.catalog.scan_broken == (("b.tar", "truncated_tar"),)
+
+
+def test_a_run_on_shards_scan_found_broken_says_so_at_the_start(model_fns, bad, tmp_path, capsys):
+    """The samples scan could not read are in no epoch and no data_skipped counter: the start says how many shards
+    and which first; a pattern that leaves the broken shard out says nothing."""
+    from fastclip.data.catalog import resolve_catalog
+    from fastclip.train.cli import main as train_main
+
+    from helpers import overrides
+
+    _, scanned, _, _ = bad
+    assert resolve_catalog(str(scanned / "{a,c}.tar")).scan_broken == ()
+    assert resolve_catalog(str(scanned / "b.tar")).scan_broken == (("b.tar", "truncated_tar"),)
+    argv = overrides(scanned.parent, tmp_path / "run", "dcl", **{"data.train": scanned, "data.val": "null"})
+    argv += ["--data.zeroshot", "null", "--model.arch", "tiny-vit", "--train.max_steps", "1", "--data.batch_size", "8"]
+    assert train_main(argv) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "found 1 broken shard" in line]
+    assert notes == [
+        "fastclip train: note: data.train: `fastclip data scan` found 1 broken shard (truncated_tar 1; the first "
+        "b.tar): the samples it could not read are in no epoch and in no data_skipped counter (its manifest's "
+        "problems list them)"
+    ]
 
 
 def test_shard_unreadable_at_run_time_is_counted(model_fns, bad, tmp_path):

@@ -63,6 +63,9 @@ class Catalog:
     shards: tuple[Shard, ...]
     data_size: int
     grouped: bool = False  # a manifest says some samples share a json "group" (the trainer then passes groups)
+    # (shard, reason) of each shard-wide problem `fastclip data scan` listed for these shards (a truncated or
+    # unreadable tar): the samples it could not read are in no epoch, so the run's counters never see them
+    scan_broken: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_samples(self) -> int:
@@ -190,6 +193,7 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
     sources: list[Source] = []
     taken: dict[str, str] = {}  # a shard's absolute path -> the source that has it
     grouped = False
+    broken: list[tuple[str, str]] = []
     for source_id, spec in enumerate(s.strip() for s in train_data.split("::")):
         if not spec:
             raise DataSpecError(f"empty source in {train_data!r} (two '::' in a row?)")
@@ -198,6 +202,7 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
         first = len(shards)
         shards += _source_shards(spec, source_id, paths, manifests, taken)
         ids = tuple(range(first, len(shards)))
+        broken += _scan_broken(paths, manifests, {os.path.normpath(shards[i].name) for i in ids})
         lows = [shards[i].index_min for i in ids if shards[i].index_min is not None]
         highs = [shards[i].index_max for i in ids if shards[i].index_max is not None]
         sources.append(
@@ -219,7 +224,19 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
                 f"(largest index {size - 1} would not fit)"
             )
         size = data_size
-    return Catalog(tuple(sources), tuple(shards), size, grouped)
+    return Catalog(tuple(sources), tuple(shards), size, grouped, tuple(broken))
+
+
+def _scan_broken(paths: list, manifests: dict, names: set[str]) -> list[tuple[str, str]]:
+    """The shard-wide problems the manifests list for a source's shards: those of its shards, and where the source
+    is the whole manifest (not a pattern), those of shards scan left out of it."""
+    whole = bool(paths) and paths[0][2] is not None
+    return [
+        (str(q.get("shard")), str(q.get("reason", "manifest_problem")))
+        for m in manifests.values()
+        for q in m.problems
+        if q.get("key") is None and (whole or os.path.normpath(str(q.get("shard"))) in names)
+    ]
 
 
 def _source_shards(spec: str, source_id: int, paths: list, manifests: dict, taken: dict[str, str]) -> list[Shard]:

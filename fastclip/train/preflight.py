@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -619,6 +620,15 @@ def setting_notes(
             f"fastclip train: note: model.ema_momentum {cfg.model.ema_momentum:g}: no loss.queue_size or "
             "loss.distill_alpha reads the momentum towers' features, so they are not computed; the towers are kept "
             "as an EMA of the model only (model.pt's momentum_towers, fastclip export --momentum-towers)"
+        )
+    broken = getattr(getattr(stream, "catalog", None), "scan_broken", ())
+    if broken:
+        counts = Counter(reason for _, reason in broken)
+        notes.append(
+            f"fastclip train: note: data.train: `fastclip data scan` found {len(broken)} broken "
+            f"shard{'' if len(broken) == 1 else 's'} ({', '.join(f'{r} {n}' for r, n in sorted(counts.items()))}; "
+            f"the first {broken[0][0]}): the samples it could not read are in no epoch and in no data_skipped "
+            f"counter (its manifest's problems list them)"
         )
     if o.warmup_steps > last_step:
         notes.append(

@@ -263,3 +263,32 @@ def test_a_shard_copied_after_the_scan_is_skipped_and_counted_alike_at_any_world
         assert counters["index_outside_shard"] == 10 and counters["duplicate_index"] == 0, (world_size, counters)
         # shard 3's places in the epoch are refilled from the good shards (wrapped), never with the copies
         assert set(served) == {s * 100 + r for s, n in enumerate([10, 10, 6]) for r in range(n)}, world_size
+
+
+def test_one_stray_key_that_makes_data_size_huge_is_said_with_its_shard(tmp_path, capsys):
+    """One sample keyed 9,999,999 among a hundred makes data_size 10**7, and per-sample state that size: scan
+    says so and names the shard; data a few times sparser than its samples (failed downloads) says nothing."""
+
+    def shard(path, keys):
+        def files(k):
+            return {
+                "jpg": synthetic_image(k % 7, 8, "jpg"),
+                "txt": b"c",
+                "json": json.dumps({"key": f"{k:07d}"}).encode(),
+            }
+
+        write_tar(path, [(f"{k:07d}", files(k)) for k in keys])
+
+    for name, keys in (("stray", [*range(99), 9_999_999]), ("gappy", range(0, 300, 3))):
+        (tmp_path / name).mkdir()
+        shard(tmp_path / name / "00000.tar", keys)
+        assert data_main(["scan", str(tmp_path / name), "--workers", "1"]) == 0
+        notes = [line for line in capsys.readouterr().err.splitlines() if "per-sample state" in line]
+        if name == "gappy":  # 100 samples over 298 indices
+            assert notes == []
+            continue
+        assert notes == [
+            "fastclip data scan: note: data_size 10,000,000 for 100 usable samples (100,000x): per-sample state (u, τ) "
+            "is sized by data_size; the largest index is 9,999,999 (shard 00000.tar): check its keys (a stray json "
+            "'key' or 'index'?), or pass --data-size to skip the samples above it"
+        ]

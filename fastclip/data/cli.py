@@ -403,6 +403,9 @@ def _scan_writable(args, result) -> bool:
             f"out of range: listed as problems, the loader skips them (omit --data-size to keep every sample)",
             file=sys.stderr,
         )
+    sparse_note = _sparse_note(result.manifest, result.usable)
+    if sparse_note:
+        print(f"fastclip data scan: note: {sparse_note}", file=sys.stderr)
     if args.strict and result.problems:
         print(
             f"fastclip data scan: error: --strict: {plural(len(result.problems), 'problem')} found in "
@@ -411,6 +414,24 @@ def _scan_writable(args, result) -> bool:
         )
         return False
     return True
+
+
+SPARSE_RATIO, SPARSE_EXTRA = 4, 100_000  # img2dataset's failed downloads leave gaps of ~2x at most
+
+
+def _sparse_note(manifest, usable: int) -> str | None:
+    """A data_size far above the samples (one stray key can make it 10**7 for a hundred samples): per-sample state
+    is sized by it, so say where the largest index lies."""
+    size = manifest.data_size
+    if size < SPARSE_RATIO * usable or size - usable < SPARSE_EXTRA:
+        return None
+    top = max((s for s in manifest.shards if s.index_max is not None), key=lambda s: s.index_max, default=None)
+    where = f" (shard {top.path})" if top is not None and top.index_max == size - 1 else ""
+    return (
+        f"data_size {size:,} for {plural(usable, 'usable sample')} ({size / max(usable, 1):,.0f}x): per-sample state "
+        f"(u, τ) is sized by data_size; the largest index is {size - 1:,}{where}: check its keys (a stray json "
+        f"'key' or 'index'?), or pass --data-size to skip the samples above it"
+    )
 
 
 def _info(args) -> int:

@@ -48,6 +48,10 @@ def test_aug_cfg_and_data_aug_keys_are_one_setting():
         (["--data.aug.re_prob", "0.25"], ["'data.aug.re_prob': is applied through timm only: set data.aug.use_timm"]),
         (["--aug-cfg", "scale=(0.5, 1.5)"], ["'data.aug.scale': must be two numbers 0 < lo <= hi <= 1"]),
         (["--aug-cfg", "color_jitter_prob=0.5"], ["'data.aug.color_jitter_prob': needs data.aug.color_jitter"]),
+        (  # the hint is the list to type (its 4 numbers), not the one number in brackets (refused next)
+            ["--aug-cfg", "color_jitter=0.4"],
+            ["expected a list, got float 0.4 (on the command line: --data.aug.color_jitter '[0.4, 0.4, 0.4, 0.1]'"],
+        ),
     ],
 )
 def test_a_wrong_aug_setting_is_one_line_exit_2(argv, words, capsys):

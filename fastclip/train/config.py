@@ -58,6 +58,13 @@ class AugConfig:
     re_count: int | None = None  # erased boxes per image (timm)
 
 
+# lists of a fixed length: a scalar's hint shows the whole list, not the scalar in brackets (refused next)
+LIST_EXAMPLES = {
+    "data.aug.color_jitter": "'[0.4, 0.4, 0.4, 0.1]' (brightness, contrast, saturation, hue)",
+    "data.aug.scale": "'[0.9, 1.0]' (the crop's area range)",
+    "data.aug.ratio": "'[0.75, 1.333]' (the crop's aspect-ratio range)",
+    "optim.betas": "'[0.9, 0.98]'",
+}
 TIMM_ONLY_AUG = ("ratio", "re_prob", "re_count")  # open_clip's own transform ignores them
 VIEW_AUG = ("scale", "ratio", "color_jitter", "color_jitter_prob", "gray_scale_prob")  # what ssl views take
 OPENCLIP_SCALE = [0.9, 1.0]  # open_clip's own default area range
@@ -369,9 +376,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (list, tuple):
         (item_tp, *_) = typing.get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):
+            example = LIST_EXAMPLES.get(key, f"'[{value}]'")
             raise ConfigError(
                 f"config key '{key}': expected a list, got {type(value).__name__} {value!r}"
-                + (f" (on the command line: --{key} '[{value}]')" if isinstance(value, (str, int, float)) else "")
+                + (f" (on the command line: --{key} {example})" if isinstance(value, (str, int, float)) else "")
             )
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is bool:

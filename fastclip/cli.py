@@ -82,7 +82,20 @@ def entry() -> None:
     from fastclip.train.preemption import process_ends_with_run
 
     process_ends_with_run()
+    one_line_warnings()
     sys.exit(main())
+
+
+def one_line_warnings() -> None:
+    """Python prints a warning on two lines (the second the source line that warned): an operator gets one, with
+    the warning's file and line at its end (PIL's DecompressionBombWarning for a huge image, a library's notice)."""
+    import warnings
+
+    def formatted(message, category, filename, lineno, line=None) -> str:
+        said = " ".join(str(message).split())
+        return f"fastclip: warning: {category.__name__}: {said} ({Path(filename).name}:{lineno})\n"
+
+    warnings.formatwarning = formatted
 
 
 def main(argv: list[str] | None = None) -> int:

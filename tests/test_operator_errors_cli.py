@@ -537,3 +537,25 @@ def test_an_empty_latest_pointer_means_the_newest_step_folder(tiny_run, tmp_path
     shutil.copytree(tiny_run, run)
     (run / "checkpoints" / "latest").write_text("")
     assert find_model_file(run) == run / "checkpoints" / "step_00000007" / "model.pt"
+
+
+def test_a_warning_is_one_line_naming_where_it_came_from(tmp_path):
+    """A warning through `fastclip` (the process entry) is one line: PIL's DecompressionBombWarning for a 96-megapixel
+    image came on two, the second the source line that warned."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    (tmp_path / "img").mkdir()
+    Image.new("L", (9800, 9800)).save(tmp_path / "img" / "0.png")  # past PIL's 89.5M pixels: a warning, not an error
+    (tmp_path / "c.csv").write_text("filepath,title\nimg/0.png,a huge one\n")
+    argv = ["data", "folder", "--captions", str(tmp_path / "c.csv"), "--out", str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, "-m", "fastclip", *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    import re
+
+    (line,) = done.stderr.splitlines()
+    assert re.fullmatch(
+        r"fastclip: warning: DecompressionBombWarning: Image size \(96040000 pixels\) .* \(Image\.py:\d+\)", line
+    )

@@ -559,3 +559,19 @@ def test_a_warning_is_one_line_naming_where_it_came_from(tmp_path):
     assert re.fullmatch(
         r"fastclip: warning: DecompressionBombWarning: Image size \(96040000 pixels\) .* \(Image\.py:\d+\)", line
     )
+
+
+def test_a_run_that_fails_before_writing_leaves_no_run_folder_it_made(tmp_path, capsys):
+    """A data error found once the run folder is locked (here: no shard file) left an empty folder holding the lock
+    and checkpoints/; a folder the operator made stays."""
+    from fastclip.train.cli import main
+
+    made = tmp_path / "runs" / "a"
+    argv = ["--data.val", "null", "--data.zeroshot", "null", "--data.train", str(tmp_path / "none.tar")]
+    argv += ["--train.run_dir", str(made)]
+    one_line_error(capsys, main, argv, "config key 'data.train'", "does not exist")
+    assert not made.exists() and (tmp_path / "runs").is_dir()
+    (tmp_path / "mine").mkdir()
+    argv[-1] = str(tmp_path / "mine")
+    one_line_error(capsys, main, argv, "config key 'data.train'")
+    assert (tmp_path / "mine").is_dir()

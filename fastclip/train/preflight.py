@@ -361,6 +361,21 @@ def lock_run_dir(cfg: Config, info):
     return handle
 
 
+def remove_if_untouched(run_dir: Path) -> None:
+    """A run folder this run made, holding nothing but its lock and empty folders (it failed before its first
+    metric or checkpoint), is removed: the rerun after the fix is not told the folder holds a run."""
+    try:
+        entries = list(run_dir.iterdir())
+        empty_folder = lambda e: e.is_dir() and not e.is_symlink() and not any(e.iterdir())  # noqa: E731
+        if any(e.name != RUN_LOCK and not empty_folder(e) for e in entries):
+            return
+        for entry in entries:
+            entry.rmdir() if entry.is_dir() else entry.unlink()
+        run_dir.rmdir()
+    except OSError:  # another process wrote there meanwhile, or it is not ours to remove: left as it is
+        pass
+
+
 def check_run_dir_free(cfg: Config) -> None:
     """`--check`: the run folder's lock is not held by a running job (taken and let go at once; no file is made)."""
     path = Path(cfg.train.run_dir) / RUN_LOCK

@@ -38,24 +38,27 @@ from fastclip.train.schedules import Schedules
 # ----------------------------------------------------------------------------- the trainer
 def train(cfg: Config) -> dict:
     # what the operator typed, before a process group, a tower or a data worker exists (ConfigError: exit 2)
+    run_dir = Path(cfg.train.run_dir)
+    fresh = not (run_dir.exists() or run_dir.is_symlink())  # made by this run: removed if it fails before writing
     preflight.check_operator_input(cfg)
     with frozen_heap():  # the end's collection scans only the run's objects (0.4 s less if open_clip came first)
-        return _train_in_group(cfg)
+        return _train_in_group(cfg, fresh)
 
 
-def _train_in_group(cfg: Config) -> dict:
+def _train_in_group(cfg: Config, fresh: bool = False) -> dict:
     info = init_distributed(cfg.train.device, cfg.train.backend, cfg.train.dist_timeout_minutes)
     timeouts = CollectiveTimeouts(
         info, start_seconds=60 * cfg.train.dist_timeout_minutes, train_seconds=cfg.train.collective_timeout_seconds
     )
     # SIGUSR1/SIGTERM: checkpoint at the next step on every rank, then stop (fastclip/train/preemption.py)
-    stop, stopped, lock = StopSignals(cfg.train.stop_signals).install(), False, None
+    stop, stopped, lock, failed = StopSignals(cfg.train.stop_signals).install(), False, None, False
     try:
         lock = preflight.lock_run_dir(cfg, info)  # one job per run folder
         result = _train(cfg, info, timeouts, stop)
         stopped = result["preempted"]
         return result
     except BaseException as e:
+        failed = True
         e.at_step = timeouts.step  # the step it stopped on, for `fastclip train`'s line after a Ctrl-C
         # the traceback's frames hold the DDP wrapper; cleared, it can be freed before the group goes
         traceback.clear_frames(e.__traceback__)
@@ -68,6 +71,8 @@ def _train_in_group(cfg: Config) -> dict:
         stop.release(stopped=stopped)
         if lock is not None:
             lock.close()  # releases the run folder
+            if failed and fresh:  # (rank 0: the lock's holder) a data or config error before anything was written
+                preflight.remove_if_untouched(Path(cfg.train.run_dir))
 
 
 def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts, stop: StopSignals) -> dict:

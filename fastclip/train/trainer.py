@@ -7,6 +7,7 @@ with its sharded state -> optimizer), then logging, evaluation (evaluation.py) a
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from pathlib import Path
@@ -38,8 +39,7 @@ from fastclip.train.schedules import Schedules
 # ----------------------------------------------------------------------------- the trainer
 def train(cfg: Config) -> dict:
     # what the operator typed, before a process group, a tower or a data worker exists (ConfigError: exit 2)
-    run_dir = Path(cfg.train.run_dir)
-    fresh = not (run_dir.exists() or run_dir.is_symlink())  # made by this run: removed if it fails before writing
+    fresh = not os.path.lexists(cfg.train.run_dir)  # made by this run: removed if it fails before writing
     preflight.check_operator_input(cfg)
     with frozen_heap():  # the end's collection scans only the run's objects (0.4 s less if open_clip came first)
         return _train_in_group(cfg, fresh)

@@ -4,6 +4,7 @@ uninterrupted run ends (fastclip/train/preemption.py, launch/slurm.sbatch)."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import signal
@@ -236,7 +237,7 @@ def test_stop_signals_config_error_is_one_line_with_exit_2(tmp_path):
 
 
 def _sbatch(
-    tmp_path, srun_status: int, check_status: int = 0, **env_change
+    tmp_path, srun_status: int, check_status: int = 0, srun_body: str | None = None, **env_change
 ) -> tuple[subprocess.CompletedProcess, list[str]]:
     """launch/slurm.sbatch run by bash outside SLURM as sbatch runs it: a copy elsewhere, the repository being the
     submit folder (here a checkout without .venv), with `srun`, `scontrol` and `python3` as stand-ins on PATH that
@@ -251,7 +252,7 @@ def _sbatch(
     bin_dir.mkdir()
     record = f'echo "${{0##*/}} $*" >> "{tmp_path}/calls"'
     stand_ins = {
-        "srun": f"{record}\nexit {srun_status}",
+        "srun": f"{record}\n{srun_body}" if srun_body else f"{record}\nexit {srun_status}",
         "scontrol": record,
         "python3": f'[ "$1" = -c ] && exit 0\n{record}\nexit {check_status}',
     }
@@ -266,13 +267,16 @@ def _sbatch(
         "SLURM_SUBMIT_DIR": str(submit),
     }
     env = {k: v for k, v in {**env, **env_change}.items() if v is not None}  # None: unset
-    out = subprocess.run(
-        ["bash", str(spool / "slurm_script"), "configs/cc3m-fastclip-v3.yaml", "--optim.lr", "5e-4"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    argv = ["bash", str(spool / "slurm_script"), "configs/cc3m-fastclip-v3.yaml", "--optim.lr", "5e-4"]
+    if srun_body is None:
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    else:  # as SLURM preempts: SIGTERM to every process of the job once the tasks run
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # fmt: skip
+        wait_for(lambda: (tmp_path / "srun_started").exists() or proc.poll() is not None, 30, "srun")
+        os.killpg(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+        out = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
     calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
     return out, calls
 
@@ -290,6 +294,16 @@ def test_sbatch_script_checks_once_passes_cpus_to_srun_and_requeues_on_exit_75(t
     assert calls[0] == f"python3 -m fastclip train --check --world-size 8 {args}"
     assert calls[1] == f"srun --kill-on-bad-exit=1 --cpus-per-task=6 python3 -u -m fastclip train {args}"
     assert calls[2:] == (["scontrol requeue 4242"] if requeued else [])
+
+
+def test_sbatch_script_outlives_slurms_sigterm_and_requeues_on_the_tasks_75(tmp_path):
+    """A preemption's SIGTERM reaches the batch script too: it waited for srun (the tasks checkpoint and exit 75)
+    and requeued; it died of the signal before (143, no requeue)."""
+    body = f'trap "exit {EXIT_PREEMPTED}" TERM\ntouch "{tmp_path}/srun_started"\nwhile true; do sleep 0.05; done'
+    out, calls = _sbatch(tmp_path, EXIT_PREEMPTED, srun_body=body)
+    assert out.returncode == EXIT_PREEMPTED, (out.returncode, out.stderr)
+    assert [c.split()[0] for c in calls] == ["python3", "srun", "scontrol"] and calls[2] == "scontrol requeue 4242"
+    assert "requeueing job 4242" in out.stderr
 
 
 def test_sbatch_script_stops_before_srun_when_the_checks_fail(tmp_path):

@@ -312,17 +312,28 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_minute
         MASTER_ADDR=env.master_addr,
         MASTER_PORT=str(env.master_port),
     )
-    join_process_group(env, backend, timeout_minutes)
+    join_process_group(env, backend, timeout_minutes, dev)
     return DistInfo(env.rank, env.world_size, env.local_rank, dev, env.launcher, True)
 
 
-def join_process_group(env: DistEnv, backend: str, timeout_minutes: float) -> None:
+class JoinAbandoned(Exception):
+    """A stop signal (or Ctrl-C) came while this process waited for its peers to join: the wait is given up. Its
+    thread stays blocked inside the backend, so the process must end with os._exit (fastclip train does)."""
+
+    def __init__(self, signal_name: str, where: str):
+        super().__init__(f"stopped by {signal_name} while waiting for the processes to join at {where}")
+        self.signal_name = signal_name
+
+
+def join_process_group(env: DistEnv, backend: str, timeout_minutes: float, device: torch.device | None = None) -> None:
     """`init_process_group` that says what it waits for and fails in one line.
 
     A process whose peers never come waits train.dist_timeout_minutes in silence otherwise, then ends in a
     DistStoreError traceback: after a few seconds it prints a note, and a timeout or a network error becomes a
     CollectiveFailure (one line, exit 1) naming the address, the count and what to check; a port another
-    program holds is the operator's choice, a LaunchError naming MASTER_PORT (exit 2).
+    program holds is the operator's choice, a LaunchError naming MASTER_PORT (exit 2). The join runs in a thread:
+    inside the backend's C++ wait the main thread runs no signal handler, so a stop signal (held by `fastclip
+    train`: preemption.early_stop) or Ctrl-C did nothing for up to the timeout; they end the wait (JoinAbandoned).
     """
     where = f"{env.master_addr}:{env.master_port}"
     limit = f"{timeout_minutes:g} min (train.dist_timeout_minutes)"
@@ -338,13 +349,7 @@ def join_process_group(env: DistEnv, backend: str, timeout_minutes: float) -> No
     note.daemon = True
     note.start()
     try:
-        dist.init_process_group(
-            backend=backend,
-            init_method="env://",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
+        _join_in_thread(env, backend, timeout_minutes, device, where)
     except RuntimeError as e:  # DistStoreError, DistNetworkError, a backend that cannot connect its pairs
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
@@ -366,6 +371,45 @@ def join_process_group(env: DistEnv, backend: str, timeout_minutes: float) -> No
     finally:
         note.cancel()
         note.join()
+
+
+def _join_in_thread(env: DistEnv, backend: str, timeout_minutes: float, device, where: str) -> None:
+    """init_process_group in a thread, this one waiting in short slices so that its signal handlers run."""
+    from fastclip.train.preemption import early_stop
+
+    outcome: list[BaseException | None] = []
+
+    def join() -> None:
+        try:
+            if device is not None and device.type == "cuda":  # the current device is per thread
+                torch.cuda.set_device(device)
+            dist.init_process_group(
+                backend=backend,
+                init_method="env://",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=datetime.timedelta(minutes=timeout_minutes),
+            )
+            outcome.append(None)
+        except BaseException as e:  # handed to the caller's thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=join, name="fastclip-join-group", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.2)
+            if thread.is_alive() and (name := early_stop()) is not None:
+                raise JoinAbandoned(name, where)
+    except KeyboardInterrupt:
+        thread.join(1.0)  # the signal may end the backend's wait as well (EINTR): then the join failed
+        if outcome == [None]:  # joined: an interrupt of the run, said as such
+            raise
+        raise JoinAbandoned("SIGINT", where) from None
+    if outcome and outcome[0] is not None:
+        if (name := early_stop()) is not None:  # (a stop signal that broke the backend's wait)
+            raise JoinAbandoned(name, where) from None
+        raise outcome[0]
 
 
 def barrier(info: DistInfo) -> None:

@@ -137,6 +137,31 @@ def test_a_peer_that_never_joins_is_announced_then_one_line(tiny_embedded, tmp_p
     assert "check that every node started" in line and "MASTER_ADDR and MASTER_PORT" in line, line
 
 
+@pytest.mark.parametrize("signum, status", [("SIGTERM", 75), ("SIGINT", 130)])
+def test_a_stop_while_waiting_for_peers_ends_the_wait_in_one_line(tiny_embedded, tmp_path, signum, status):
+    """Rank 0 of 2 alone waits for its peer inside the backend, where no signal handler runs: a preemption's
+    SIGTERM (or Ctrl-C) was lost for up to train.dist_timeout_minutes (30). It ends the wait: one line, 75 (130)."""
+    import signal
+    import time
+
+    port = free_port()
+    env = clean_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    argv = _args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1, "train.dist_timeout_minutes": 5})
+    proc = subprocess.Popen([sys.executable, "-m", "fastclip", "train", *argv], cwd=tmp_path, env=env,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    with socket.socket() as probe:  # rank 0's store listens: it waits in the join
+        deadline = time.monotonic() + 120
+        while probe.connect_ex(("127.0.0.1", port)) != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(getattr(signal, signum))
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == status, err
+    said = f"stopped by {signum} while waiting for the processes to join at 127.0.0.1:{port}: nothing to save"
+    assert the_error_line(err).startswith(f"fastclip train: {said}; exit status {status}"), err
+
+
 def test_ctrl_c_is_one_line_exit_130_and_the_resume_continues_from_the_last_complete_checkpoint(
     tiny_embedded, tmp_path, capsys, bare_env
 ):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastclip.cli import EXIT_INTERRUPTED
-from fastclip.distributed import LaunchError, dist_env_from
+from fastclip.distributed import JoinAbandoned, LaunchError, dist_env_from
 from fastclip.train.config import ConfigError, dump_config, load_config
 from fastclip.train.errors import TrainingError
 from fastclip.train.preemption import EXIT_PREEMPTED
@@ -237,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         print(f"fastclip train: launch error: {e}", file=sys.stderr)
         return 2
+    except JoinAbandoned as e:  # its thread is still inside the backend's wait: no clean interpreter exit
+        interrupted = e.signal_name == "SIGINT"
+        code = EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED
+        then = "" if interrupted else ", continue with --train.resume latest"
+        print(f"fastclip train: {e}: nothing to save; exit status {code}{then}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
     except BaseException as e:
         if _interrupt(e) is None:
             if isinstance(e, TrainingError):

@@ -21,3 +21,23 @@ count() {
     exit 2
   fi
 }
+
+# checks ARGS...: `$PY -m fastclip train --check ARGS` with this shell's stop signals held. A SIGTERM to the script
+# alone during the checks killed it with no line (143); one to its process group stops the check too, which says
+# so itself (status 75). Any status but 0 ends the script with it.
+checks() {
+  local stop="" status=0
+  trap 'stop=${stop:-SIGTERM}' TERM
+  trap 'stop=${stop:-SIGUSR1}' USR1
+  trap 'stop=${stop:-SIGINT}' INT
+  "$PY" -m fastclip train --check "$@" >/dev/null || status=$?
+  trap - TERM USR1 INT
+  if [[ $status -ne 0 ]]; then exit "$status"; fi
+  if [[ -n $stop ]]; then
+    local code=75
+    if [[ $stop == SIGINT ]]; then code=130; fi
+    echo "launch/${0##*/}: stopped by $stop during the checks (config ok, nothing started); exit status $code," \
+      "start the job again" >&2
+    exit "$code"
+  fi
+}

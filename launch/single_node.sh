@@ -21,7 +21,7 @@ count NPROC "$NPROC"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
 # the config, data and checkpoint checks first, in this shell: an error is then one line and exit status 2
 # (from inside torchrun it would be followed by torchrun's own ChildFailedError traceback and status 1)
-"$PY" -m fastclip train --check --world-size "$NPROC" --config "$CONFIG" "$@" >/dev/null
+checks --world-size "$NPROC" --config "$CONFIG" "$@"
 # torchrun through fastclip.train.launcher: SIGTERM/SIGUSR1 to it reach the ranks (a checkpoint, then status 75),
 # and the job's status is the ranks' (75 after such a stop), without torchrun's traceback
 exec "$PY" -m fastclip.train.launcher --standalone --nproc_per_node "$NPROC" -m fastclip train -- --config "$CONFIG" "$@"

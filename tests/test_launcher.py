@@ -225,3 +225,48 @@ def test_a_stop_signal_in_a_finished_runs_last_moment_leaves_status_0(data, tmp_
     )
     assert done.returncode == 0, done.stderr
     assert latest(run_dir) == "step_00000002" and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_while_the_launcher_imports_torch_is_one_line(tmp_path, signum):
+    """The launcher's first second or two import torch's elastic agent: a signal then killed it with no line
+    (143, or 138 for SIGUSR1); it is held from main()'s first line and said, as one before the ranks start."""
+    from helpers import catches
+
+    def torch_loaded() -> bool:
+        return "libtorch_cpu" in Path(f"/proc/{proc.pid}/maps").read_text()
+
+    argv = ["--standalone", "--nproc_per_node", "1", "-m", "fastclip", "train", "--", "--config", str(EMBEDDED)]
+    proc = subprocess.Popen([sys.executable, "-m", "fastclip.train.launcher", *argv], cwd=tmp_path, env=clean_env(),
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    number = getattr(signal, signum)
+    wait_for(lambda: proc.poll() is not None or catches(proc.pid, number), 60, "the launcher's first handler")
+    assert not torch_loaded()  # caught before the import: the signal lands inside it
+    proc.send_signal(number)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert err.strip().splitlines()[-1] == (
+        f"fastclip launcher: stopped by {signum} before the ranks started; exit status 75, continue with "
+        "--train.resume latest"
+    )
+
+
+def test_a_sigterm_to_the_launch_script_during_its_checks_is_one_line(data, tmp_path):
+    """single_node.sh runs `train --check` first (seconds): a SIGTERM to the script then killed it with no line
+    (143) and left the check running; the script waits for the check and stops with one line, 75."""
+    args = fault_overrides(data, tmp_path / "run", **{"train.max_steps": 2})
+    proc = subprocess.Popen(["bash", str(REPO / "launch" / "single_node.sh"), str(EMBEDDED), "2", *args], cwd=tmp_path,
+                            env=clean_env(), stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+
+    def checking() -> bool:
+        return any("--check" in Path(f"/proc/{pid}/cmdline").read_text() for pid in children(proc.pid))
+
+    wait_for(lambda: proc.poll() is not None or checking(), 60, "the checks")
+    proc.send_signal(signal.SIGTERM)  # the script alone
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert err.strip().splitlines()[-1] == (
+        "launch/single_node.sh: stopped by SIGTERM during the checks (config ok, nothing started); exit status 75, "
+        "start the job again"
+    )
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -101,12 +101,26 @@ def _take_over_torchruns_handler() -> None:
         signal.signal(kind, handler)
 
 
+def _stopped_line(signum: int, when: str) -> tuple[int, str]:
+    name, stop = signal.Signals(signum).name, signum in STOPS
+    then = f"; exit status {EXIT_PREEMPTED}, continue with --train.resume latest" if stop else ""
+    return (EXIT_PREEMPTED if stop else 128 + signum), f"{PREFIX}: stopped by {name} {when}{then}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    # importing torch takes a second or two: a signal then is held, not fatal (it died with no line, status 143)
+    early: list[int] = []
+    for kind in FORWARDED:
+        signal.signal(kind, lambda signum, frame: early.append(signum))
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     _quiet_torchrun_logs()
+    if early:
+        status, line = _stopped_line(early[0], "before the ranks started")
+        print(line, file=sys.stderr, flush=True)
+        return status
     _take_over_torchruns_handler()
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
@@ -116,15 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr, flush=True)
         return status
     except SignalException as e:
-        name, stop = signal.Signals(e.sigval).name, e.sigval in STOPS
         when = "before the ranks started" if e.sigval in FORWARDED else "(torchrun stopped the ranks with it)"
-        print(
-            f"{PREFIX}: stopped by {name} {when}"
-            + (f"; exit status {EXIT_PREEMPTED}, continue with --train.resume latest" if stop else ""),
-            file=sys.stderr,
-            flush=True,
-        )
-        return EXIT_PREEMPTED if stop else 128 + e.sigval
+        status, line = _stopped_line(e.sigval, when)
+        print(line, file=sys.stderr, flush=True)
+        return status
     except Exception as e:  # rendezvous and agent errors: torchrun's own
         print(f"{PREFIX}: torchrun failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1

@@ -9,6 +9,7 @@ import importlib
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 COMMANDS = {
@@ -142,13 +143,35 @@ def _dispatch(argv: list[str]) -> int:
 
         hold_early()  # before torch is imported: a stop signal while the run starts ends in status 75, not 143
     try:
-        module = importlib.import_module(COMMANDS[argv[0]][0])
+        module = _import_holding_ctrl_c(COMMANDS[argv[0]][0])
+        if module is None:
+            print(f"fastclip {argv[0]}: interrupted", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
         return int(module.main(argv[1:]) or 0)
     finally:
         if training:
             from fastclip.train.preemption import release_early
 
             release_early()
+
+
+def _import_holding_ctrl_c(name: str):
+    """The command's module, imported with Ctrl-C held (None: it came meanwhile). A KeyboardInterrupt inside torch's
+    or numpy's import leaves them half made: the next import of them failed with a traceback ("cannot load module
+    more than once"), or a library's import guard swallowed it and the run went on."""
+    import signal
+
+    held: list[int] = []
+    # (not in a caller's thread, where no handler can be set, nor where Ctrl-C is ignored: a background job)
+    main_thread = threading.current_thread() is threading.main_thread()
+    hold = main_thread and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)) if hold else None
+    try:
+        module = importlib.import_module(name)
+    finally:
+        if hold:
+            signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
+    return None if held else module
 
 
 def note(line: str) -> None:

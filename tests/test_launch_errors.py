@@ -137,6 +137,24 @@ def test_a_peer_that_never_joins_is_announced_then_one_line(tiny_embedded, tmp_p
     assert "check that every node started" in line and "MASTER_ADDR and MASTER_PORT" in line, line
 
 
+def test_ctrl_c_while_torch_is_imported_is_one_line_130(tmp_path):
+    """Ctrl-C 0.3-1 s after the start lands in torch's import: it left numpy or torch half made (an abort, status
+    -6, or a traceback), or an import guard swallowed it and the command went on (here to its config error, 2).
+    It is held while the command's module is imported, then said: one line, 130, wherever it lands."""
+    import time
+
+    for n, delay in enumerate((0.3, 0.4, 0.5, 0.6, 0.8, 1.0)):
+        argv = ["train", "--config", str(EMBEDDED), "--train.run_dir", str(tmp_path / f"run{n}")]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fastclip", *argv], cwd=tmp_path, env=clean_env(), stderr=subprocess.PIPE,
+            text=True, process_group=0, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+        assert proc.returncode == 130 and err.strip().splitlines()[-1] == "fastclip train: interrupted", (delay, err)
+
+
 @pytest.mark.parametrize("signum, status", [("SIGTERM", 75), ("SIGINT", 130)])
 def test_a_stop_while_waiting_for_peers_ends_the_wait_in_one_line(tiny_embedded, tmp_path, signum, status):
     """Rank 0 of 2 alone waits for its peer inside the backend, where no signal handler runs: a preemption's

@@ -90,6 +90,14 @@ def test_folder_checks_name_what_is_wrong(tmp_path):
     for c in range(1000):
         (numbered / f"{c:03d}").mkdir(parents=True)
     assert class_folders(numbered)[:3] == ["000", "001", "002"]
+    # class folders without an image: refused (a run evaluated nothing, with no word, and logged no ImageNet key)
+    from fastclip.eval.imagenet import read_variant
+
+    with pytest.raises(ValueError, match=r"numbered: no image \(\.png.*\) in its 1,000 class folders"):
+        read_variant(numbered)
+    (numbered / "517" / "notes.txt").write_text("x")
+    (numbered / "999" / "ILSVRC2012_val_00000001.JPEG").write_bytes(b"")  # found (decoding is the evaluation's)
+    assert len(read_variant(numbered)[0].classnames) == 1000
 
 
 def test_variants_with_a_subset_of_the_classes_or_unpadded_numbers(tmp_path, capsys):

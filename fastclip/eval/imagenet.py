@@ -268,7 +268,17 @@ def read_variant(root: str | os.PathLike, templates: str = "openai") -> tuple[Ze
         objectnet = read_objectnet(root)
         return objectnet_spec(objectnet, templates), objectnet_note(objectnet)
     folders = class_folders(root)
+    if not any(_holds_an_image(Path(root) / folder) for folder in folders):  # stops at the first image found
+        raise ValueError(
+            f"{root}: no image ({', '.join('.' + e for e in IMAGE_EXTS)}) in its {len(folders):,} class folders: "
+            f"the validation images go inside them"
+        )
     return imagenet_spec(templates, folders), subset_note(root, folders)
+
+
+def _holds_an_image(folder: Path) -> bool:
+    with os.scandir(folder) as entries:
+        return any(e.is_file() and e.name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for e in entries)
 
 
 def with_templates(spec: ZeroShotSpec, templates: tuple[str, ...]) -> ZeroShotSpec:

@@ -112,3 +112,34 @@ def test_a_probe_without_its_training_data_is_refused_before_training(tiny_embed
     one_line_error(
         capsys, train_main, ["--config", str(EMBEDDED), *args], "config key 'eval.probe_train'", "does not exist"
     )
+
+
+def test_eval_on_the_runs_own_training_shards_says_so_and_summary_does_not_call_them_held_out(
+    probed_run, tiny_embedded, tmp_path, capsys
+):
+    """`fastclip eval RUN --data <its data.train>` scored training images, and summary called them held-out. A note
+    says so, the records carry held_out false, and summary says training images; held-out data says nothing."""
+    import shutil
+
+    from fastclip.eval.cli import main as eval_main
+    from fastclip.eval.summary import main as summary_main
+
+    run = shutil.copytree(probed_run, tmp_path / "run")  # its own results file: the module's run keeps its own
+    results = run / "checkpoints" / "results.jsonl"
+    results.unlink(missing_ok=True)
+    base = [str(run), "--device", "cpu"]
+    assert (
+        eval_main([*base, "--data", str(tiny_embedded / "train"), "--classnames", str(tiny_embedded / "zeroshot.json")])
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert f"fastclip eval: note: --data {tiny_embedded / 'train'} holds shards this run trained on" in err
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert rows and all(r["held_out"] is False for r in rows)
+    assert eval_main([*base, "--data", str(tiny_embedded / "val")]) == 0
+    assert "trained on" not in capsys.readouterr().err
+    assert "held_out" not in json.loads(results.read_text().splitlines()[-1])
+
+    assert summary_main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "training images of" in out and "held-out images of" in out, out

@@ -56,6 +56,7 @@ from fastclip.eval.samples import (
     is_image_folder,
     is_pattern,
     iter_image_folder,
+    shard_paths,
     shard_subfolders,
 )
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders
@@ -490,6 +491,7 @@ class _Prepared:
     loaded: object  # fastclip.eval.checkpoint.load_model's model, file and step
     train_path: Path | None  # the probe's training data (None: a split of --data)
     default_name: str  # the dataset of samples that name none
+    trained_on: str | None = None  # the run's data.train where --data holds shards it trained on (not held out)
 
 
 @dataclass
@@ -538,6 +540,13 @@ def _prepare(args, load_model) -> _Prepared:
     if args.results is None and (problem := unwritable("--results", default_results_file(loaded.file))):
         raise ValueError(f"{problem} (the default beside the model; pass --results FILE)")
     train_path = probe_train_path(args, source)
+    trained_on = training_overlap(loaded.file, source)
+    if trained_on is not None:
+        print(
+            f"fastclip eval: note: --data {args.data} holds shards this run trained on (data.train {trained_on}): "
+            f"the numbers are on training data, not held out (the results say so: held_out false)",
+            file=sys.stderr,
+        )
     preprocess = loaded.built.preprocess_val
     if specs and imagenet_asked(args) and next(iter(specs.values())).name == "objectnet":
         from fastclip.eval.imagenet import ImageNetSource, prepared
@@ -550,7 +559,24 @@ def _prepare(args, load_model) -> _Prepared:
             raise ValueError(f"{names_from}: an image folder takes one class list, the file has {sorted(specs)}")
         source = image_folder_source(source, next(iter(specs.values())), names_from)
     default_name = next(iter(specs)) if len(specs) == 1 else (held_out_folder(args.data) or Path(args.data)).name
-    return _Prepared(source, preprocess, specs, names_from, for_all, loaded, train_path, default_name)
+    return _Prepared(source, preprocess, specs, names_from, for_all, loaded, train_path, default_name, trained_on)
+
+
+def training_overlap(model_file: Path, source) -> str | None:
+    """The data.train of the run a checkpoint belongs to (its config.yaml) when `source` holds one of its shards,
+    else None (an export, an image folder, a run whose data is gone: nothing to compare)."""
+    import yaml
+
+    from fastclip.data.catalog import resolve_catalog
+
+    run = default_results_file(model_file).parent.parent  # <run>/checkpoints/results.jsonl
+    try:
+        train = yaml.safe_load((run / "config.yaml").read_text())["data"]["train"]
+        trained = {Path(s.path).resolve() for s in resolve_catalog(str(train)).shards}
+        evaluated = {p.resolve() for p in shard_paths(source)}
+    except Exception:  # noqa: BLE001 - not a run folder, a config or data that cannot be read: no claim made
+        return None
+    return str(train) if trained & evaluated else None
 
 
 @contextlib.contextmanager
@@ -650,6 +676,7 @@ def _append_records(args, run: _Prepared, scored: _Scored) -> int:
         "arch": loaded.built.arch,
         "step": loaded.step,
         "data": str(args.data),
+        **({"held_out": False} if run.trained_on is not None else {}),
     }
     results_file = args.results or default_results_file(loaded.file)
     try:  # (a read-only file, a disk that filled during the evaluation: the table above still stands)

@@ -223,7 +223,7 @@ def _probe_lines(latest: dict, step: int, where: str = "") -> list[str]:
         shown = linear or knn[0]
         lines.append(
             f"  {'probes' if i == 0 else '':<10} {dataset:<{width}}  {', '.join(parts)}  ({shown['num_samples']:,} "
-            f"held-out images{where}, frozen {shown.get('features', 'image')} features, step {step})"
+            f"{_kind(shown)} images{where}, frozen {shown.get('features', 'image')} features, step {step})"
         )
     return lines
 
@@ -329,7 +329,7 @@ def _result_lines(results: list[dict]) -> list[str]:
         width = max((len(r["dataset"]) for r in zeroshot), default=0)
         lines += [
             f"  {'zero-shot' if i == 0 else '':<10} {r['dataset']:<{width}}  {100 * r['top1']:5.1f}% top-1"
-            f"  ({r['num_samples']:,} held-out images{where}, step {newest})"
+            f"  ({r['num_samples']:,} {_kind(r)} images{where}, step {newest})"
             for i, r in enumerate(zeroshot)
         ]
         lines += _probe_lines(latest, newest, where)
@@ -383,10 +383,16 @@ def _retrieval_line(retrieval: dict, where: str = "") -> str:
     values = {d: "/".join(f"{100 * retrieval[recall_name(d, k)]:.1f}" for k in DEFAULT_KS) for d in DIRECTIONS}
     images = retrieval.get("num_images")
     of = f"{n:,} pairs" if images is None else f"{n:,} captions of {images:,} images"
+    trained = ", training data" if retrieval.get("held_out") is False else ""
     return (
         f"  retrieval  R@1/5/10 image->text {values['image_to_text']}%, text->image {values['text_to_image']}%  "
-        f"({of}{where})"
+        f"({of}{where}{trained})"
     )
+
+
+def _kind(result: dict) -> str:
+    """What `fastclip eval` scored: held-out images, or (its note said so) shards the run trained on."""
+    return "training" if result.get("held_out") is False else "held-out"
 
 
 def _file_lines(run: Path, plots: str | Path | None, export: str | Path | None) -> list[str]:

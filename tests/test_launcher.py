@@ -270,3 +270,33 @@ def test_a_sigterm_to_the_launch_script_during_its_checks_is_one_line(data, tmp_
         "start the job again"
     )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_rendezvous_port_in_use_is_one_line_and_a_missing_node_is_announced(tmp_path):
+    """multi_node.sh's torchrun rendezvous: a port held on this (the rendezvous) host printed C++ stack traces, then
+    waited; a node that never starts was waited for in silence. One line, 2; a note, then a stop signal ends it."""
+    import socket
+
+    def launcher(port: int, nnodes: int):
+        argv = ["--nnodes", str(nnodes), "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                f"127.0.0.1:{port}", "-m", "fastclip", "train", "--", "--config", str(EMBEDDED)]  # fmt: skip
+        return subprocess.Popen([sys.executable, "-m", "fastclip.train.launcher", *argv], cwd=tmp_path,
+                                env=clean_env(), stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = launcher(port, 1)
+        err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 2 and err.strip().splitlines() == [
+        f"fastclip launcher: error: MASTER_PORT={port}: the port is in use on 127.0.0.1, this node (another job, or a "
+        f"process left from an earlier one): choose another MASTER_PORT, the same on every node"
+    ], err
+    proc = launcher(port, 2)  # free now; the second node never comes
+    note = "fastclip launcher: note: waiting for all 2 node(s) to join torchrun's rendezvous at 127.0.0.1:"
+    lines: list[str] = []
+    wait_for(lambda: lines.append(proc.stderr.readline()) or note in lines[-1] or proc.poll() is not None, 120, "note")
+    proc.send_signal(signal.SIGTERM)
+    err = "".join(lines) + proc.communicate(timeout=120)[1]
+    assert proc.returncode == EXIT_PREEMPTED and note in err, err

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from fastclip.train.preemption import EXIT_PREEMPTED
 
@@ -122,8 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
         return status
     _take_over_torchruns_handler()
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if problem := rendezvous_port_taken(args):
+        print(f"{PREFIX}: error: {problem}", file=sys.stderr, flush=True)
+        return 2
+    waiting = threading.Timer(WAIT_NOTE_AFTER_S, _say_waiting, args=(args,))
+    waiting.daemon = True
+    waiting.start()
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        run(args)
     except ChildFailedError as e:
         status, line = exit_status(e.failures)
         if line:
@@ -137,7 +145,47 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # rendezvous and agent errors: torchrun's own
         print(f"{PREFIX}: torchrun failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        waiting.cancel()
     return 0
+
+
+WAIT_NOTE_AFTER_S = 10.0  # a rendezvous of nodes that all started is done well within this
+
+
+def _say_waiting(args) -> None:
+    """torchrun waits for the other nodes in silence (up to its join timeout, 600 s): said once, if no rank runs."""
+    if not children() and not args.standalone:
+        print(
+            f"{PREFIX}: note: waiting for all {args.nnodes} node(s) to join torchrun's rendezvous at "
+            f"{args.rdzv_endpoint} (each node runs launch/multi_node.sh with the same NNODES, MASTER_ADDR, MASTER_PORT "
+            f"and RDZV_ID)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def rendezvous_port_taken(args) -> str | None:
+    """Where this node is the rendezvous host and its port is held by another program: torchrun printed C++ stack
+    traces for it, then waited. (Not this host, or free: None; torchrun's --standalone picks a free port itself.)"""
+    import errno
+    import socket
+
+    if args.standalone or args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+        return None
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host.strip("[]"), int(port)))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return (
+                f"MASTER_PORT={port}: the port is in use on {host}, this node (another job, or a process left from "
+                f"an earlier one): choose another MASTER_PORT, the same on every node"
+            )
+    return None  # free, or not this host's address (EADDRNOTAVAIL), or a name that does not resolve here
 
 
 if __name__ == "__main__":

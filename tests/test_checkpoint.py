@@ -262,6 +262,27 @@ def _complete(root, *steps):
             (root / f"step_{step:08d}" / name).write_bytes(b"")
 
 
+def test_a_latest_pointer_behind_a_complete_newer_step_resumes_from_the_newer(tmp_path, capsys):
+    """A stop between a save's rename and the pointer's update leaves `latest` at the step before: resume latest
+    took it, losing the newer whole step and mixing branches; it takes the newest complete one with a note. An
+    incomplete newer folder is not taken; a step folder given by path is taken as given."""
+    from fastclip.checkpoint import resolve_resume
+
+    root = tmp_path / "checkpoints"
+    _complete(root, 5, 10, 12)
+    (root / "step_00000014").mkdir()  # cut short: no model.pt
+    (root / "latest").write_text("step_00000010\n")
+    assert resolve_resume("latest", tmp_path) == root / "step_00000012"
+    assert capsys.readouterr().err.strip() == (
+        f"fastclip train: note: {root / 'latest'} names step_00000010, but step_00000012 is complete and newer (a stop "
+        f"between its save and the pointer's update): resuming from {root / 'step_00000012'}; to resume from "
+        f"step_00000010, give its folder to --train.resume"
+    )
+    assert resolve_resume(str(root / "step_00000010"), tmp_path) == root / "step_00000010"
+    (root / "latest").write_text("step_00000012\n")
+    assert resolve_resume("latest", tmp_path) == root / "step_00000012" and not capsys.readouterr().err
+
+
 @pytest.mark.parametrize("pointer", ["step_00000040\n", "\n"])
 def test_a_latest_pointer_with_no_step_folder_left_is_an_error_not_a_fresh_start(tmp_path, pointer):
     """(every step folder moved away to free disk: `latest` used to resolve to nothing, the run started over and its

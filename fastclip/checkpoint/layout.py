@@ -92,8 +92,9 @@ def resolve_resume(resume: str, run_dir: Path, *, quiet: bool = False) -> Path |
     """ "latest" -> the step folder named by <run_dir>/checkpoints/latest (None if there is no checkpoint yet: a
     fresh start, so one job script serves the first and every following job); a path -> that step folder, or a
     run/checkpoints folder -> its latest. Without the `latest` pointer (lost, or a crash between the rename and
-    its write) the newest complete step folder (is_complete) is taken, with a note (none if `quiet`): never a silent
-    fresh start; a `latest` that names a step folder when none is left is an error."""
+    its write), or where it names an older step than a complete one there, the newest complete step folder
+    (is_complete) is taken, with a note (none if `quiet`): never a silent fresh start or lost steps; a `latest`
+    that names a step folder when none is left is an error."""
     if resume == LATEST:
         root = run_dir / CHECKPOINTS
         pointer = root / LATEST
@@ -146,6 +147,16 @@ def _from_pointer(pointer: Path, quiet: bool) -> Path:
             f"checkpoint {named} (named by {pointer}) does not exist: write a step folder's name into {pointer}, or "
             f"delete it to resume from the newest complete step folder"
         )
+    if STEP_DIR.fullmatch(named.name):
+        newer = [p for p in list_checkpoints(pointer.parent) if _step(p) > _step(named) and is_complete(p)]
+        if newer:  # a crash between a save's rename and the pointer's update: the newest is whole and fsynced
+            if not quiet:
+                note(
+                    f"fastclip train: note: {pointer} names {named.name}, but {newer[-1].name} is complete and newer "
+                    f"(a stop between its save and the pointer's update): resuming from {newer[-1]}; to resume "
+                    f"from {named.name}, give its folder to --train.resume"
+                )
+            return _checked(newer[-1], f"the newest complete step folder under {pointer.parent}")
     return _checked(named, f"named by {pointer}")
 
 

@@ -111,7 +111,9 @@ def test_what_a_tower_cannot_be_scored_on_is_one_line_exit_2(probed, tiny_embedd
     assert err == f"fastclip eval: --data {unlabelled}: no labelled sample for the probe; pass labelled data"
     tower = tmp_path / "tower.pt"
     assert export_main([str(probed), "--out", str(tower)]) == 0
-    capsys.readouterr()
+    assert "replaces" not in capsys.readouterr().out
+    assert export_main([str(probed), "--out", str(tower)]) == 0  # again: an earlier export replaced, and said so
+    assert f"wrote {tower} " in (out := capsys.readouterr().out) and "(it replaces the earlier export there)" in out
     argv = [str(tower), "--arch", str(tmp_path / "tiny-vit.json"), *data, "--device", "cpu"]
     one_line_error(capsys, eval_main, argv, "image tower alone", "--linear-probe or --knn K")
     assert not (tmp_path / "r.jsonl").exists()

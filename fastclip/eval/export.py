@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     if Path(args.out).is_dir():  # checked first: the export would be written and then fail to land
         print(f"fastclip export: --out {args.out}: is a folder; pass the .pt file to write", file=sys.stderr)
         return 2
+    replaced = Path(args.out).is_file()  # an earlier export: replaced, as a re-export after more training means
     try:
         with stopped_by_signals():  # unwinds like Ctrl-C, so the staging folder is removed
             written = export_model(args.checkpoint, args.out, args.precision, args.momentum_towers)
@@ -354,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     size_mb = written["file"].stat().st_size / 2**20
-    print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}")
+    instead = " (it replaces the earlier export there)" if replaced else ""
+    print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}{instead}")
     if written["config_file"] is not None:
         print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
     if "logit_scale" not in written:  # an ssl run's image tower (fastclip/train/ssl.py)

@@ -237,7 +237,7 @@ def test_stop_signals_config_error_is_one_line_with_exit_2(tmp_path):
 
 
 def _sbatch(
-    tmp_path, srun_status: int, check_status: int = 0, srun_body: str | None = None, **env_change
+    tmp_path, srun_status: int, check_status: int = 0, srun_body: str | None = None, extra=(), **env_change
 ) -> tuple[subprocess.CompletedProcess, list[str]]:
     """launch/slurm.sbatch run by bash outside SLURM as sbatch runs it: a copy elsewhere, the repository being the
     submit folder (here a checkout without .venv), with `srun`, `scontrol` and `python3` as stand-ins on PATH that
@@ -267,7 +267,7 @@ def _sbatch(
         "SLURM_SUBMIT_DIR": str(submit),
     }
     env = {k: v for k, v in {**env, **env_change}.items() if v is not None}  # None: unset
-    argv = ["bash", str(spool / "slurm_script"), "configs/cc3m-fastclip-v3.yaml", "--optim.lr", "5e-4"]
+    argv = ["bash", str(spool / "slurm_script"), "configs/cc3m-fastclip-v3.yaml", "--optim.lr", "5e-4", *extra]
     if srun_body is None:
         out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     else:  # as SLURM preempts: SIGTERM to every process of the job once the tasks run
@@ -304,6 +304,18 @@ def test_sbatch_script_outlives_slurms_sigterm_and_requeues_on_the_tasks_75(tmp_
     assert out.returncode == EXIT_PREEMPTED, (out.returncode, out.stderr)
     assert [c.split()[0] for c in calls] == ["python3", "srun", "scontrol"] and calls[2] == "scontrol requeue 4242"
     assert "requeueing job 4242" in out.stderr
+
+
+@pytest.mark.parametrize("given", [["--resume", "runs/a/checkpoints/step_00000100"], ["--train.resume=x"]])
+def test_sbatch_script_refuses_a_resume_of_the_users_that_would_win_on_every_requeue(tmp_path, given):
+    """The script resumes with --train.resume latest: an OpenCLIP --resume X beside it was a conflict (exit 2, "keep
+    one", which the user cannot), a --train.resume X won on every requeue. One line says what to do instead."""
+    out, calls = _sbatch(tmp_path, srun_status=0, extra=given)
+    assert out.returncode == 2 and calls == [], (out.stderr, calls)
+    (line,) = out.stderr.strip().splitlines()
+    flag = given[0].split("=")[0]
+    assert line.startswith(f"launch/slurm.sbatch: error: {flag}: this script resumes with --train.resume latest")
+    assert "copy its step folder into this run's checkpoints/" in line
 
 
 def test_sbatch_script_stops_before_srun_when_the_checks_fail(tmp_path):

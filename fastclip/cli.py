@@ -105,14 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         status = _dispatch(argv)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return status
-    except BrokenPipeError:
+    except BrokenPipeError as e:
         # `fastclip ... | head`: the reader is gone; stdout goes to /dev/null so the exit flush is quiet too
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         training = argv[:1] == ["train"] and not {"-h", "--help", "--print-config"} & set(argv)
         if training:  # a run that stops must say so (`| tee` killed): its stderr may still be read
             print(
-                "fastclip train: stopped: its standard output was closed (the program reading it ended); "
-                "continue with --train.resume latest",
+                f"fastclip train: stopped: its standard output was closed (the program reading it ended); "
+                f"{_what_was_saved(getattr(e, 'run_dir', None))}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -120,6 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # `fastclip train` names its step and checkpoint itself; the others stop here
         print(f"{' '.join(['fastclip', *argv[:1]])}: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+
+
+def _what_was_saved(run_dir) -> str:
+    """What a stopped run can continue from (it advised --train.resume latest where nothing was saved yet)."""
+    if run_dir is None:
+        return "continue with --train.resume latest"
+    from fastclip.checkpoint import latest_complete
+
+    last = latest_complete(Path(run_dir))
+    if last is None:
+        return "no checkpoint was written yet: start it again"
+    return f"last complete checkpoint: {last} (continue with --train.resume latest)"
 
 
 def _dispatch(argv: list[str]) -> int:

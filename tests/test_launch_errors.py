@@ -233,6 +233,30 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(argv):
     assert out.stderr == "" and out.returncode == 141, out.stderr
 
 
+@pytest.mark.parametrize("every", [0, 1])
+def test_a_run_whose_output_reader_ended_says_what_it_saved(tiny_embedded, tmp_path, every):
+    """`fastclip train ... | head -2`: 141 and one line; it advised --train.resume latest where no checkpoint existed
+    (the resume then starts over). It names the last complete checkpoint, or says there is none."""
+    run = tmp_path / "run"
+    args = _args(
+        tiny_embedded, run, **{"train.max_steps": 200, "checkpoint.every_steps": every, "train.progress": "false"}
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "fastclip", "train", *args], cwd=tmp_path, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    if every:
+        wait_for(lambda: (run / "checkpoints" / "latest").is_file() or proc.poll() is not None, 120, "a checkpoint")
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader ends
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    line = err.strip().splitlines()[-1]
+    said = "its standard output was closed (the program reading it ended); "
+    if every:
+        assert line.startswith(f"fastclip train: stopped: {said}last complete checkpoint: {run / 'checkpoints'}"), line
+    else:
+        assert line == f"fastclip train: stopped: {said}no checkpoint was written yet: start it again", line
+
+
 def test_ctrl_c_in_another_command_is_one_line_exit_130(tmp_path):
     """The dispatcher's answer for the commands that have none of their own: `fastclip data embedded` writing
     75,000 samples (half a minute), interrupted once its first shard folder exists."""

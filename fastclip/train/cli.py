@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastclip train: {e}: nothing to save; exit status {code}{then}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(code)
+    except BrokenPipeError as e:  # the reader of stdout ended: fastclip.cli says so, naming what was saved
+        e.run_dir = cfg.train.run_dir if cfg is not None else None
+        raise
     except BaseException as e:
         if _interrupt(e) is None:
             if isinstance(e, TrainingError):

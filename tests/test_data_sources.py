@@ -348,9 +348,12 @@ def test_info_resolves_a_spec(embedded, capsys):
 
 
 def test_folder_rows_a_reader_would_misread_are_skipped_and_named(tmp_path):
-    """A review's own-data findings: an unquoted comma cut a caption short, a stray quote in a TSV swallowed the
-    rows after it, Excel's byte-order mark hid the first column, a JSONL number for a path was a traceback, a
-    caption past csv's field limit stopped the run. Each row is written or skipped with its line named."""
+    """A review's own-data findings: an unquoted comma cut a caption short, a stray quote swallowed the rows after
+    it, Excel's byte-order mark hid the first column, a JSONL number for a path was a traceback, a caption past
+    csv's field limit stopped the run. Each row is written or skipped with its line named; what pandas writes
+    (OpenCLIP's CsvDataset reads with pandas) reads as pandas reads it."""
+    import csv
+
     make_folder(tmp_path)
     huge = "a long caption " * 10_000  # 150,000 characters: past csv's default limit of 131,072
     (tmp_path / "c.csv").write_bytes(
@@ -358,23 +361,27 @@ def test_folder_rows_a_reader_would_misread_are_skipped_and_named(tmp_path):
         b"img/0.png,a red square, on a table\r\n"  # 2: three fields
         b'img/1.jpg,"quoted, as it should be"\r\n'  # 3
         + f"img/4.jpg,{huge}\r\n".encode()  # 4
-        + b'img/2.bmp,"an unclosed quote\r\nimg/3.png,swallowed\r\n'  # 5..6: one row to the end
+        + b"img/3.png,a trailing separator,\r\n"  # 5: an empty extra field
+        + b'img/2.bmp,"an unclosed quote\r\nimg/3.png,swallowed\r\n'  # 6..7: one row to the end
     )
     report = build_folder(tmp_path / "c.csv", tmp_path / "csv")
-    assert report["rows"] == 4 and report["written"] == 2 and report["data_size"] == 4
+    assert report["rows"] == 5 and report["written"] == 3 and report["data_size"] == 5
     assert report["skipped"] == [
         "c.csv:2: 3 fields, the header has 2: quote the 'title' field (it holds the separator ',')",
-        "c.csv:6: one row over lines 5..6: a quote mark opened a field that runs over line breaks (the rows in it "
-        'are lost); close the quote or double it ("")',
+        "c.csv:7: one field runs over lines 6..7 and past separators: a quote mark that opened it was not closed, "
+        'and the rows in it are lost; close the quote or double it ("")',
     ]
     written = {json.loads(f["json"])["index"]: f["txt"].decode() for _, _, f in read_all(tmp_path / "csv")[1]}
-    assert written == {1: "quoted, as it should be", 2: huge.strip()}
+    assert written == {1: "quoted, as it should be", 2: huge.strip(), 3: "a trailing separator"}
 
-    (tmp_path / "c.tsv").write_text('filepath\ttitle\nimg/0.png\t"Best pizza in town\nimg/1.jpg\tsecond\n')
-    report = build_folder(tmp_path / "c.tsv", tmp_path / "tsv")  # a TSV has no quoting: the quote is text
-    assert report["written"] == 2 and not report["skipped"]
+    rows = [("img/0.png", 'a "quoted" word'), ("img/1.jpg", "two\nlines"), ("img/3.png", "plain")]
+    with open(tmp_path / "c.tsv", "w", newline="") as f:  # as pandas' to_csv(sep="\t") quotes
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerows([("filepath", "title"), *rows])
+    report = build_folder(tmp_path / "c.tsv", tmp_path / "tsv")
+    assert report["written"] == 3 and not report["skipped"]
     written = {json.loads(f["json"])["index"]: f["txt"].decode() for _, _, f in read_all(tmp_path / "tsv")[1]}
-    assert written == {0: '"Best pizza in town', 1: "second"}
+    assert written == {0: 'a "quoted" word', 1: "two\nlines", 2: "plain"}
 
     lines = [
         '{"filepath": 17, "title": "x"}',
@@ -387,6 +394,17 @@ def test_folder_rows_a_reader_would_misread_are_skipped_and_named(tmp_path):
         "c.jsonl:1: 'filepath' is 17, not a path",
         "c.jsonl:2: 'title' is 5, not text",
     ]
+
+
+def test_an_unclosed_quote_past_the_field_limit_is_one_error_naming_the_line(tmp_path, monkeypatch):
+    from fastclip.data.sources import folder
+
+    monkeypatch.setattr(folder, "FIELD_LIMIT", 1000)  # (16 MiB: a test file that size is not needed to reach it)
+    make_folder(tmp_path)
+    (tmp_path / "c.csv").write_text('filepath,title\nimg/0.png,fine\nimg/1.jpg,"unclosed ' + "x" * 2000 + "\n")
+    with pytest.raises(CaptionFileError, match=r"c.csv: after line 2: a field longer than 1,000 characters"):
+        build_folder(tmp_path / "c.csv", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_images_decode_as_a_viewer_shows_them(tmp_path):

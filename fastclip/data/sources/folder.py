@@ -26,6 +26,8 @@ from fastclip.data.format import IMAGE_EXTS
 from fastclip.data.samples import without_buffer_repr
 from fastclip.data.writer import ShardWriter, removed_on_failure
 
+FIELD_LIMIT = 16 * 2**20  # characters: csv's 131,072 stopped on a long caption; an unclosed quote still ends
+
 
 class CaptionFileError(ValueError):
     """The captions file cannot be used as asked (missing column, bad JSON line); names file, line and key."""
@@ -35,9 +37,16 @@ def read_rows(captions: Path, img_key: str, caption_key: str, separator: str | N
     """Yield (line number, image path, caption, problem) for each data row: problem is why the row cannot be used
     (its path and caption then None), else ""."""
     limit = csv.field_size_limit()
-    csv.field_size_limit(2**31 - 1)  # a long caption is the tokenizer's to cut, not a reason to stop
+    csv.field_size_limit(FIELD_LIMIT)  # a long caption is the tokenizer's to cut, not a reason to stop
+    line = 0
     try:
-        yield from _rows(captions, img_key, caption_key, separator)
+        for line, *values in _rows(captions, img_key, caption_key, separator):
+            yield line, *values
+    except csv.Error as e:  # past FIELD_LIMIT: a quote opened after the last row read and never closed
+        raise CaptionFileError(
+            f"{captions}: after line {line}: a field longer than {FIELD_LIMIT:,} characters ({e}): a quote mark that "
+            f'opens a field and is never closed? close it or double it ("")'
+        ) from None
     except UnicodeDecodeError:  # a latin-1 export, or a parquet/binary file given as --captions
         where = _first_non_utf8(captions)
         raise CaptionFileError(
@@ -93,11 +102,9 @@ def _rows(captions: Path, img_key: str, caption_key: str, separator: str | None)
         separator = None
     if separator is None or len(separator) != 1:
         raise CaptionFileError(f"--csv-separator {given!r}: must be one character (e.g. ',', ';' or '\\t')")
-    # a tab-separated file has no quoting (its fields hold no tab): a caption that starts with a quote mark is
-    # text, not the start of a field that runs on over the next rows
-    quoting = csv.QUOTE_NONE if separator == "\t" else csv.QUOTE_MINIMAL
+    # quoted as pandas writes (OpenCLIP's CsvDataset reads with pandas): "" inside quotes, line breaks in them
     with open(captions, encoding="utf-8-sig", newline="") as f:  # -sig: Excel's "CSV UTF-8" starts with a BOM
-        reader = csv.DictReader(f, delimiter=separator, quoting=quoting)
+        reader = csv.DictReader(f, delimiter=separator)
         columns = reader.fieldnames or []
         for key in (img_key, caption_key):
             if key not in columns:
@@ -108,28 +115,28 @@ def _rows(captions: Path, img_key: str, caption_key: str, separator: str | None)
         last = reader.line_num
         for row in reader:
             first, last = last + 1, reader.line_num
-            if None in row:  # more fields than the header: a caption's unquoted separator cut it short
-                yield (
-                    last,
-                    None,
-                    None,
-                    (
-                        f"{len(columns) + len(row[None])} fields, the header has {len(columns)}: quote the "
-                        f"{caption_key!r} field (it holds the separator {separator!r})"
-                    ),
-                )
-            elif first != last and any("\n" in (v or "") or "\r" in (v or "") for v in row.values()):
-                yield (
-                    last,
-                    None,
-                    None,
-                    (
-                        f"one row over lines {first}..{last}: a quote mark opened a field that runs over line "
-                        f'breaks (the rows in it are lost); close the quote or double it ("")'
-                    ),
-                )
-            else:
-                yield last, row.get(img_key), row.get(caption_key), ""
+            yield last, *_row_values(row, columns, separator, first, last, img_key, caption_key)
+
+
+def _row_values(row: dict, columns: list, separator: str, first: int, last: int, img_key: str, caption_key: str):
+    """(image path, caption, problem) of one parsed row."""
+    extra = [v for v in row.get(None, []) if v.strip()]  # a trailing separator adds empty fields: no problem
+    if extra:  # more fields than the header: a caption's unquoted separator cut it short
+        why = (
+            f"{len(columns) + len(row[None])} fields, the header has {len(columns)}: quote the {caption_key!r} field "
+            f"(it holds the separator {separator!r})"
+        )
+        return None, None, why
+    # a field quoted over line breaks is legal; one that runs on past a line holding the separator swallowed the
+    # rows after an unclosed quote (a caption that starts with ")
+    swallowed = any(separator in line for v in row.values() if isinstance(v, str) for line in v.splitlines()[1:])
+    if first != last and swallowed:
+        why = (
+            f"one field runs over lines {first}..{last} and past separators: a quote mark that opened it was not "
+            f'closed, and the rows in it are lost; close the quote or double it ("")'
+        )
+        return None, None, why
+    return row.get(img_key), row.get(caption_key), ""
 
 
 def _image_bytes(path: Path) -> tuple[bytes, str]:

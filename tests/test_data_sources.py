@@ -418,6 +418,9 @@ def test_images_decode_as_a_viewer_shows_them(tmp_path):
     Image.fromarray(wide).save(buf, format="PNG")
     grey = np.asarray(decode_image(buf.getvalue()))
     assert grey.shape == (20, 60, 3) and (grey[:, :30] == 4).all() and (grey[:, 30:] == 156).all()  # 40000/257
+    buf = io.BytesIO()
+    Image.fromarray(np.full((4, 4), 200, dtype=np.int32)).save(buf, format="TIFF")  # mode I holding 8-bit values
+    assert (np.asarray(decode_image(buf.getvalue())) == 200).all()  # as they are, not /257
 
     photo = Image.new("RGB", (60, 20), (255, 0, 0))
     photo.paste((0, 0, 255), (0, 0, 10, 20))  # blue on the left as stored

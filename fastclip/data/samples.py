@@ -133,8 +133,10 @@ def decode_image(data: bytes) -> Image.Image:
             turned = img.getexif().get(_EXIF_ORIENTATION, 1) != 1
             image = ImageOps.exif_transpose(img) if turned else img
             if image.mode in _WIDE_MODES:
-                wide = np.asarray(image, dtype=np.float64)  # 0..65535 (mode I holds 16-bit PNGs as int32)
-                image = Image.fromarray(np.clip(np.rint(wide / 257.0), 0, 255).astype(np.uint8))
+                wide = np.asarray(image, dtype=np.float64)  # mode I holds 16-bit PNGs as int32, or 8-bit values
+                if image.mode.startswith("I;16") or wide.max(initial=0) > 255:
+                    wide = wide / 257.0  # 0..65535 -> 0..255
+                image = Image.fromarray(np.clip(np.rint(wide), 0, 255).astype(np.uint8))
             return image.convert("RGB")
     except Exception as e:
         if not _BUFFER_REPR.search(str(e)):

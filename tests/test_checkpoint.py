@@ -264,14 +264,19 @@ def _complete(root, *steps):
 
 def test_a_latest_pointer_behind_a_complete_newer_step_resumes_from_the_newer(tmp_path, capsys):
     """A stop between a save's rename and the pointer's update leaves `latest` at the step before: resume latest
-    took it, losing the newer whole step and mixing branches; it takes the newest complete one with a note. An
-    incomplete newer folder is not taken; a step folder given by path is taken as given."""
+    took it, losing the newer whole step and mixing branches; it takes the newest complete one saved after the
+    pointer, with a note. An incomplete newer folder is not taken; a step folder given by path is taken as given;
+    a pointer set back by hand (written after the folders: a rollback) is followed."""
+    import os
+
     from fastclip.checkpoint import resolve_resume
 
     root = tmp_path / "checkpoints"
-    _complete(root, 5, 10, 12)
-    (root / "step_00000014").mkdir()  # cut short: no model.pt
+    _complete(root, 5, 10)
     (root / "latest").write_text("step_00000010\n")
+    os.utime(root / "latest", (1e9, 1e9))  # written before the next save (file times may tie within a tick)
+    _complete(root, 12)
+    (root / "step_00000014").mkdir()  # cut short: no model.pt
     assert resolve_resume("latest", tmp_path) == root / "step_00000012"
     assert capsys.readouterr().err.strip() == (
         f"fastclip train: note: {root / 'latest'} names step_00000010, but step_00000012 is complete and newer (a stop "
@@ -281,6 +286,8 @@ def test_a_latest_pointer_behind_a_complete_newer_step_resumes_from_the_newer(tm
     assert resolve_resume(str(root / "step_00000010"), tmp_path) == root / "step_00000010"
     (root / "latest").write_text("step_00000012\n")
     assert resolve_resume("latest", tmp_path) == root / "step_00000012" and not capsys.readouterr().err
+    (root / "latest").write_text("step_00000005\n")  # set back by hand, after every save: a rollback, as asked
+    assert resolve_resume("latest", tmp_path) == root / "step_00000005" and not capsys.readouterr().err
 
 
 @pytest.mark.parametrize("pointer", ["step_00000040\n", "\n"])

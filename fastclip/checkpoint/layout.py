@@ -92,7 +92,7 @@ def resolve_resume(resume: str, run_dir: Path, *, quiet: bool = False) -> Path |
     """ "latest" -> the step folder named by <run_dir>/checkpoints/latest (None if there is no checkpoint yet: a
     fresh start, so one job script serves the first and every following job); a path -> that step folder, or a
     run/checkpoints folder -> its latest. Without the `latest` pointer (lost, or a crash between the rename and
-    its write), or where it names an older step than a complete one there, the newest complete step folder
+    its write), or where a complete newer step was saved after it was written, the newest complete step folder
     (is_complete) is taken, with a note (none if `quiet`): never a silent fresh start or lost steps; a `latest`
     that names a step folder when none is left is an error."""
     if resume == LATEST:
@@ -148,8 +148,15 @@ def _from_pointer(pointer: Path, quiet: bool) -> Path:
             f"delete it to resume from the newest complete step folder"
         )
     if STEP_DIR.fullmatch(named.name):
-        newer = [p for p in list_checkpoints(pointer.parent) if _step(p) > _step(named) and is_complete(p)]
-        if newer:  # a crash between a save's rename and the pointer's update: the newest is whole and fsynced
+        # a stop between a save's rename and the pointer's update: a complete newer folder, renamed into place after
+        # the pointer was last written (a pointer set back by hand, to roll back, is newer than every folder)
+        written = pointer.stat().st_mtime
+        newer = [
+            p
+            for p in list_checkpoints(pointer.parent)
+            if _step(p) > _step(named) and p.stat().st_ctime > written and is_complete(p)
+        ]
+        if newer:
             if not quiet:
                 note(
                     f"fastclip train: note: {pointer} names {named.name}, but {newer[-1].name} is complete and newer "

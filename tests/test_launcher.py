@@ -290,9 +290,23 @@ def test_a_rendezvous_port_in_use_is_one_line_and_a_missing_node_is_announced(tm
         proc = launcher(port, 1)
         err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 2 and err.strip().splitlines() == [
-        f"fastclip launcher: error: MASTER_PORT={port}: the port is in use on 127.0.0.1, this node (another job, or a "
-        f"process left from an earlier one): choose another MASTER_PORT, the same on every node"
+        f"fastclip launcher: error: MASTER_PORT={port}: the port is in use on 127.0.0.1, this node, by a program that "
+        f"is not a rendezvous store (another job's, or one left from an earlier run): choose another MASTER_PORT, the "
+        f"same on every node"
     ], err
+    # a store holding it (another agent of the job on this host: NNODES=2 tried on one machine) is no error, nor a
+    # port in TIME_WAIT after a store closed
+    import datetime
+
+    from torch.distributed import TCPStore
+    from torch.distributed.run import parse_args
+
+    from fastclip.train.launcher import rendezvous_port_taken
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    args = parse_args(["--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{store.port}", "x"])
+    assert rendezvous_port_taken(args) is None
+    del store
     proc = launcher(port, 2)  # free now; the second node never comes
     note = "fastclip launcher: note: waiting for all 2 node(s) to join torchrun's rendezvous at 127.0.0.1:"
     lines: list[str] = []

@@ -176,16 +176,43 @@ def rendezvous_port_taken(args) -> str | None:
     host, _, port = args.rdzv_endpoint.rpartition(":")
     if not host or not port.isdigit():
         return None
+    host = host.strip("[]")
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.bind((host.strip("[]"), int(port)))
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds: TIME_WAIT is no owner
+            probe.bind((host, int(port)))
+        return None
     except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            return (
-                f"MASTER_PORT={port}: the port is in use on {host}, this node (another job, or a process left from "
-                f"an earlier one): choose another MASTER_PORT, the same on every node"
-            )
-    return None  # free, or not this host's address (EADDRNOTAVAIL), or a name that does not resolve here
+        if e.errno != errno.EADDRINUSE:
+            return None  # not this host's address (EADDRNOTAVAIL), or a name that does not resolve here
+    if _a_store_answers(host, int(port)):  # another agent of the job on this host holds it: torchrun joins it
+        return None
+    return (
+        f"MASTER_PORT={port}: the port is in use on {host}, this node, by a program that is not a rendezvous store "
+        f"(another job's, or one left from an earlier run): choose another MASTER_PORT, the same on every node"
+    )
+
+
+def _a_store_answers(host: str, port: int, within: float = 3.0) -> bool:
+    """Whether a c10d store answers at host:port. In a thread: a client of a program that accepts and never answers
+    waits past its timeout (measured: over a minute), and is left to wait there."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    answered: list[bool] = []
+
+    def ask() -> None:
+        try:
+            TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=within))
+            answered.append(True)
+        except Exception:  # noqa: BLE001 - refused, closed, timed out, a protocol it does not speak: no store
+            answered.append(False)
+
+    asking = threading.Thread(target=ask, name="fastclip-store-probe", daemon=True)
+    asking.start()
+    asking.join(within + 1.0)
+    return bool(answered and answered[0])
 
 
 if __name__ == "__main__":

@@ -281,7 +281,7 @@ def test_a_latest_pointer_behind_a_complete_newer_step_resumes_from_the_newer(tm
     assert capsys.readouterr().err.strip() == (
         f"fastclip train: note: {root / 'latest'} names step_00000010, but step_00000012 is complete and newer (a stop "
         f"between its save and the pointer's update): resuming from {root / 'step_00000012'}; to resume from "
-        f"step_00000010, give its folder to --train.resume"
+        f"step_00000010, write its name into {root / 'latest'} again"
     )
     assert resolve_resume(str(root / "step_00000010"), tmp_path) == root / "step_00000010"
     (root / "latest").write_text("step_00000012\n")

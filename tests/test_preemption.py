@@ -237,7 +237,13 @@ def test_stop_signals_config_error_is_one_line_with_exit_2(tmp_path):
 
 
 def _sbatch(
-    tmp_path, srun_status: int, check_status: int = 0, srun_body: str | None = None, extra=(), **env_change
+    tmp_path,
+    srun_status: int,
+    check_status: int = 0,
+    srun_body: str | None = None,
+    extra=(),
+    squeue_state: str | None = None,
+    **env_change,
 ) -> tuple[subprocess.CompletedProcess, list[str]]:
     """launch/slurm.sbatch run by bash outside SLURM as sbatch runs it: a copy elsewhere, the repository being the
     submit folder (here a checkout without .venv), with `srun`, `scontrol` and `python3` as stand-ins on PATH that
@@ -254,6 +260,7 @@ def _sbatch(
     stand_ins = {
         "srun": f"{record}\n{srun_body}" if srun_body else f"{record}\nexit {srun_status}",
         "scontrol": record,
+        **({"squeue": f"{record}\necho {squeue_state}"} if squeue_state else {}),
         "python3": f'[ "$1" = -c ] && exit 0\n{record}\nexit {check_status}',
     }
     for name, body in stand_ins.items():
@@ -303,7 +310,7 @@ def test_sbatch_script_outlives_slurms_sigterm_and_requeues_on_the_tasks_75(tmp_
     out, calls = _sbatch(tmp_path, EXIT_PREEMPTED, srun_body=body)
     assert out.returncode == EXIT_PREEMPTED, (out.returncode, out.stderr)
     assert [c.split()[0] for c in calls] == ["python3", "srun", "scontrol"] and calls[2] == "scontrol requeue 4242"
-    assert "requeueing job 4242" in out.stderr
+    assert "requeued job 4242" in out.stderr
 
 
 @pytest.mark.parametrize("given", [["--resume", "runs/a/checkpoints/step_00000100"], ["--train.resume=x"]])
@@ -313,9 +320,21 @@ def test_sbatch_script_refuses_a_resume_of_the_users_that_would_win_on_every_req
     out, calls = _sbatch(tmp_path, srun_status=0, extra=given)
     assert out.returncode == 2 and calls == [], (out.stderr, calls)
     (line,) = out.stderr.strip().splitlines()
-    flag = given[0].split("=")[0]
-    assert line.startswith(f"launch/slurm.sbatch: error: {flag}: this script resumes with --train.resume latest")
+    flag, value = given if len(given) == 2 else given[0].split("=")
+    assert line.startswith(
+        f"launch/slurm.sbatch: error: {flag} {value}: this script resumes with --train.resume latest"
+    )
     assert "copy its step folder into this run's checkpoints/" in line
+
+
+def test_sbatch_script_does_not_requeue_a_cancelled_job_and_lets_a_resume_latest_through(tmp_path):
+    """scancel's SIGTERM is a preemption's: the tasks stop with 75, and a cancelled job must stay cancelled. A
+    `--resume latest` of the user's is what the script passes anyway: taken, not refused."""
+    out, calls = _sbatch(tmp_path, EXIT_PREEMPTED, squeue_state="CANCELLED", extra=["--resume", "latest"])
+    assert out.returncode == EXIT_PREEMPTED, out.stderr
+    assert [c.split()[0] for c in calls] == ["python3", "srun", "squeue"], calls
+    assert calls[1].endswith("--train.resume latest --optim.lr 5e-4 --resume latest")
+    assert out.stderr.strip() == "fastclip: stopped by a signal with a checkpoint; job 4242 was cancelled: not requeued"
 
 
 def test_sbatch_script_stops_before_srun_when_the_checks_fail(tmp_path):
@@ -343,7 +362,7 @@ def test_sbatch_script_requeues_a_job_stopped_during_its_checks(tmp_path):
     out, calls = _sbatch(tmp_path, srun_status=0, check_status=EXIT_PREEMPTED)
     assert out.returncode == EXIT_PREEMPTED, out.stderr
     assert [c.split()[0] for c in calls] == ["python3", "scontrol"] and calls[1] == "scontrol requeue 4242", calls
-    assert out.stderr.strip() == "fastclip: stopped by a signal before the job started; requeueing job 4242"
+    assert out.stderr.strip() == "fastclip: stopped by a signal before the job started; requeued job 4242"
 
 
 def test_between_logging_steps_the_stop_follows_within_stop_check_every(data, reference, tmp_path):

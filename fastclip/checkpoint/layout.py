@@ -161,7 +161,7 @@ def _from_pointer(pointer: Path, quiet: bool) -> Path:
                 note(
                     f"fastclip train: note: {pointer} names {named.name}, but {newer[-1].name} is complete and newer "
                     f"(a stop between its save and the pointer's update): resuming from {newer[-1]}; to resume "
-                    f"from {named.name}, give its folder to --train.resume"
+                    f"from {named.name}, write its name into {pointer} again"
                 )
             return _checked(newer[-1], f"the newest complete step folder under {pointer.parent}")
     return _checked(named, f"named by {pointer}")

@@ -152,7 +152,9 @@ def test_ctrl_c_while_torch_is_imported_is_one_line_130(tmp_path):
         time.sleep(delay)
         os.killpg(proc.pid, signal.SIGINT)
         err = proc.communicate(timeout=60)[1]
-        assert proc.returncode == 130 and err.strip().splitlines()[-1] == "fastclip train: interrupted", (delay, err)
+        # (where torch's import is done by then, as on a fast machine, the run's own line: "interrupted before ...")
+        assert proc.returncode == 130 and "Traceback" not in err, (delay, err)
+        assert err.strip().splitlines()[-1].startswith("fastclip train: interrupted"), (delay, err)
 
 
 @pytest.mark.parametrize("signum, status", [("SIGTERM", 75), ("SIGINT", 130)])

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -373,6 +374,9 @@ def join_process_group(env: DistEnv, backend: str, timeout_minutes: float, devic
         note.join()
 
 
+JOIN_STOP_GRACE_S = 5.0
+
+
 def _join_in_thread(env: DistEnv, backend: str, timeout_minutes: float, device, where: str) -> None:
     """init_process_group in a thread, this one waiting in short slices so that its signal handlers run."""
     from fastclip.train.preemption import early_stop
@@ -396,11 +400,16 @@ def _join_in_thread(env: DistEnv, backend: str, timeout_minutes: float, device, 
 
     thread = threading.Thread(target=join, name="fastclip-join-group", daemon=True)
     thread.start()
+    stop_seen: float | None = None
     try:
         while thread.is_alive():
             thread.join(0.2)
-            if thread.is_alive() and (name := early_stop()) is not None:
-                raise JoinAbandoned(name, where)
+            if stop_seen is None and early_stop() is not None:
+                stop_seen = time.monotonic()
+            # a grace after the stop: ranks that are all there join and agree on it at the first step (one that
+            # joined a moment before its poll would go on while the others left)
+            if thread.is_alive() and stop_seen is not None and time.monotonic() - stop_seen > JOIN_STOP_GRACE_S:
+                raise JoinAbandoned(early_stop(), where)
     except KeyboardInterrupt:
         thread.join(1.0)  # the signal may end the backend's wait as well (EINTR): then the join failed
         if outcome == [None]:  # joined: an interrupt of the run, said as such

@@ -182,6 +182,51 @@ def test_a_stop_while_waiting_for_peers_ends_the_wait_in_one_line(tiny_embedded,
     assert the_error_line(err).startswith(f"fastclip train: {said}; exit status {status}"), err
 
 
+def test_a_stop_while_the_last_peer_is_joining_is_agreed_on_not_abandoned(tiny_embedded, tmp_path):
+    """A stop that reaches rank 0 while its peer is a moment from joining: rank 0 waits a grace (5 s) instead of
+    leaving at once, the peer joins, and both stop together at the first step with status 75 (a rank that left
+    made the other wait in its first collective, and the job's status was not 75)."""
+    import textwrap
+    import time
+
+    port, trigger = free_port(), tmp_path / "go"
+    peer = tmp_path / "peer.py"
+    peer.write_text(
+        textwrap.dedent("""
+        import sys, time
+        from pathlib import Path
+        import torch  # imported before the trigger: the peer joins at once once told
+        while not Path(sys.argv[1]).exists():
+            time.sleep(0.02)
+        from fastclip.cli import main
+        sys.exit(main(sys.argv[2:]))
+    """)
+    )
+    argv = ["train", *_args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 4, "train.dist_timeout_minutes": 2})]
+    procs = []
+    for rank in (0, 1):
+        env = clean_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cmd = (
+            [sys.executable, "-m", "fastclip", *argv] if rank == 0 else [sys.executable, str(peer), str(trigger), *argv]
+        )
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True))
+    with socket.socket() as probe:  # rank 0's store listens: it waits in the join
+        deadline = time.monotonic() + 120
+        while probe.connect_ex(("127.0.0.1", port)) != 0:
+            assert procs[0].poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    procs[0].send_signal(signal.SIGTERM)
+    time.sleep(1.0)  # inside the grace
+    trigger.touch()
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [75, 75], errs
+    assert "while waiting for the processes to join" not in errs[0] and "Traceback" not in errs[0] + errs[1], errs
+
+
 def test_ctrl_c_is_one_line_exit_130_and_the_resume_continues_from_the_last_complete_checkpoint(
     tiny_embedded, tmp_path, capsys, bare_env
 ):

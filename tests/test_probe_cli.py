@@ -143,3 +143,17 @@ def test_eval_on_the_runs_own_training_shards_says_so_and_summary_does_not_call_
     assert summary_main([str(run)]) == 0
     out = capsys.readouterr().out
     assert "training images of" in out and "held-out images of" in out, out
+
+
+def test_remote_training_data_is_not_fetched_to_compare_with_the_evaluated(tiny_embedded, tmp_path):
+    """The held-out check reads the run's data.train: a remote one (pipe:, s3://, http) is not fetched for it."""
+    from fastclip.eval.cli import training_overlap
+
+    marker = tmp_path / "fetched"
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000001").mkdir(parents=True)
+    shard = sorted((tiny_embedded / "train").glob("*.tar"))[0]
+    spec = f"pipe:touch {marker} && cat {shard}"  # its manifest: the same command on manifest.json
+    (run / "config.yaml").write_text(f"data:\n  train: '{spec}'\n")
+    assert training_overlap(run / "checkpoints" / "step_00000001" / "model.pt", tiny_embedded / "val") is None
+    assert not marker.exists()

@@ -568,10 +568,13 @@ def training_overlap(model_file: Path, source) -> str | None:
     import yaml
 
     from fastclip.data.catalog import resolve_catalog
+    from fastclip.data.remote import is_remote
 
     run = default_results_file(model_file).parent.parent  # <run>/checkpoints/results.jsonl
     try:
         train = yaml.safe_load((run / "config.yaml").read_text())["data"]["train"]
+        if any(is_remote(part.strip()) for part in str(train).split("::")):  # not fetched for a note
+            return None
         trained = {Path(s.path).resolve() for s in resolve_catalog(str(train)).shards}
         evaluated = {p.resolve() for p in shard_paths(source)}
     except Exception:  # noqa: BLE001 - not a run folder, a config or data that cannot be read: no claim made

@@ -118,19 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     _quiet_torchrun_logs()
-    if early:
-        status, line = _stopped_line(early[0], "before the ranks started")
-        print(line, file=sys.stderr, flush=True)
-        return status
-    _take_over_torchruns_handler()
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    if problem := rendezvous_port_taken(args):
-        print(f"{PREFIX}: error: {problem}", file=sys.stderr, flush=True)
-        return 2
-    waiting = threading.Timer(WAIT_NOTE_AFTER_S, _say_waiting, args=(args,))
-    waiting.daemon = True
-    waiting.start()
-    try:
+    waiting = None
+    try:  # from here a stop signal before the ranks exist raises SignalException (_forward), said below
+        _take_over_torchruns_handler()
+        if early:  # held while torch was imported
+            raise SignalException("held", sigval=signal.Signals(early[0]))
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        if problem := rendezvous_port_taken(args):
+            print(f"{PREFIX}: error: {problem}", file=sys.stderr, flush=True)
+            return 2
+        waiting = threading.Timer(WAIT_NOTE_AFTER_S, _say_waiting, args=(args,))
+        waiting.daemon = True
+        waiting.start()
         run(args)
     except ChildFailedError as e:
         status, line = exit_status(e.failures)
@@ -146,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PREFIX}: torchrun failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        waiting.cancel()
+        if waiting is not None:
+            waiting.cancel()
     return 0
 
 

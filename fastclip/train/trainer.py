@@ -70,9 +70,9 @@ def _train_in_group(cfg: Config, fresh: bool = False) -> dict:
         cleanup(info)
         stop.release(stopped=stopped)
         if lock is not None:
+            if failed and fresh:  # (rank 0: the lock's holder) a data or config error before anything was written;
+                preflight.remove_if_untouched(Path(cfg.train.run_dir))  # removed while the lock is held
             lock.close()  # releases the run folder
-            if failed and fresh:  # (rank 0: the lock's holder) a data or config error before anything was written
-                preflight.remove_if_untouched(Path(cfg.train.run_dir))
 
 
 def _train(cfg: Config, info: DistInfo, timeouts: CollectiveTimeouts, stop: StopSignals) -> dict:

@@ -22,18 +22,25 @@ count() {
   fi
 }
 
-# checks ARGS...: `$PY -m fastclip train --check ARGS` with this shell's stop signals held. A SIGTERM to the script
-# alone during the checks killed it with no line (143); one to its process group stops the check too, which says
-# so itself (status 75). Any status but 0 ends the script with it.
+# checks ARGS...: `$PY -m fastclip train --check ARGS` with this shell's stop signals held from here to the exec of
+# the launcher (exec gives the signals back). A SIGTERM to the script alone during the checks killed it with no line
+# (143); one to its process group stops the check too, which says so itself (status 75). Any status but 0 ends the
+# script with it; a stop held ends it with one line (stopped_during).
 checks() {
-  local stop="" status=0
+  local status=0
+  stop=""
   trap 'stop=${stop:-SIGTERM}' TERM
   trap 'stop=${stop:-SIGUSR1}' USR1
   trap 'stop=${stop:-SIGINT}' INT
   "$PY" -m fastclip train --check "$@" >/dev/null || status=$?
-  trap - TERM USR1 INT
   if [[ $status -ne 0 ]]; then exit "$status"; fi
-  if [[ -n $stop ]]; then
+  stopped_during
+}
+
+# stopped_during: a stop signal held since `checks` began ends the script in one line, 75 (130 for SIGINT); said
+# again just before the exec, for one that came after the check's end
+stopped_during() {
+  if [[ -n ${stop:-} ]]; then
     local code=75
     if [[ $stop == SIGINT ]]; then code=130; fi
     echo "launch/${0##*/}: stopped by $stop during the checks (config ok, nothing started); exit status $code," \

@@ -24,4 +24,5 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / 
 checks --world-size "$NPROC" --config "$CONFIG" "$@"
 # torchrun through fastclip.train.launcher: SIGTERM/SIGUSR1 to it reach the ranks (a checkpoint, then status 75),
 # and the job's status is the ranks' (75 after such a stop), without torchrun's traceback
+stopped_during  # (one after the check's end, held until here)
 exec "$PY" -m fastclip.train.launcher --standalone --nproc_per_node "$NPROC" -m fastclip train -- --config "$CONFIG" "$@"

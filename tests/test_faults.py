@@ -419,8 +419,9 @@ def uninterrupted_v3(data, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("stage", ["model_file", "renamed"])
 def test_kill_during_a_checkpoint_write_leaves_latest_complete(data, uninterrupted_v3, tmp_path, stage):
     """The process dies inside the real writer (SIGKILL at a chosen stage of the save at step 4): `latest` still
-    names the complete step-2 checkpoint, which loads; a resume from it ends exactly where an uninterrupted run
-    ends."""
+    names the complete step-2 checkpoint, which loads. Killed after step 4's folder was renamed into place, before
+    the pointer moved, the resume takes step 4 (complete, and saved after the pointer). Either way the resume ends
+    exactly where an uninterrupted run ends."""
     run = tmp_path / "run"
     args = fault_overrides(data, run, "fastclip-v3", **{"train.max_steps": 6, "train.resume": "latest"})
     job = Job(args, 1, tmp_path / "job", env={"FASTCLIP_FAULTS": f"kill@checkpoint.{stage}:step=4"})
@@ -430,7 +431,7 @@ def test_kill_during_a_checkpoint_write_leaves_latest_complete(data, uninterrupt
     two = run / "checkpoints" / latest(run)
     from fastclip.checkpoint import load_file, resolve_resume
 
-    assert resolve_resume("latest", run) == two
+    assert resolve_resume("latest", run) == (two if stage == "model_file" else step_dir(run, 4))
     assert load_file(two / "model.pt")["step"] == 2 and load_file(two / "rank_0.pt")["step"] == 2
     if stage == "model_file":  # the half-written folder is hidden and has no model.pt
         assert (run / "checkpoints" / ".tmp_step_00000004" / "rank_0.pt").exists()

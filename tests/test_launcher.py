@@ -265,10 +265,13 @@ def test_a_sigterm_to_the_launch_script_during_its_checks_is_one_line(data, tmp_
     proc.send_signal(signal.SIGTERM)  # the script alone
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == EXIT_PREEMPTED, err
-    assert err.strip().splitlines()[-1] == (
+    # (under load the check may end before the signal lands: the launcher, exec'd, then says it)
+    assert err.strip().splitlines()[-1] in (
         "launch/single_node.sh: stopped by SIGTERM during the checks (config ok, nothing started); exit status 75, "
-        "start the job again"
-    )
+        "start the job again",
+        "fastclip launcher: stopped by SIGTERM before the ranks started; exit status 75, continue with --train.resume "
+        "latest",
+    ), err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

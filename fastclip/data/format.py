@@ -35,6 +35,21 @@ def split_member_name(name: str) -> tuple[str, str]:
     return posixpath.join(folder, stem) if folder else stem, ext.lower() if dot else ""
 
 
+def sample_index(
+    meta: dict | None, exts, ordinal: int, index_base: int | None = None, index_offset: int = 0
+) -> int | None:
+    """A sample's global index as its shard's manifest says to read it: index_from_meta, else (a plain WebDataset
+    shard, whose samples have no .json member) index_base + the sample's position in the tar; the manifest's
+    index_offset is added to an index >= 0 (a negative one stays out of range whatever the offset, as scan lists
+    it). None: the sample has none. The training loader and the evaluation read indices alike through this."""
+    index = index_from_meta(meta) if meta is not None else None
+    if index is None and index_base is not None and "json" not in exts:
+        index = index_base + ordinal
+    if index is not None and index >= 0:
+        index += index_offset
+    return index
+
+
 def index_from_meta(meta: dict) -> int | None:
     """The global index of a sample: json["index"], else int(json["key"]) (img2dataset); None if neither."""
     value = meta.get("index")

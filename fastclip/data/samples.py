@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageOps
 
-from fastclip.data.format import caption_of, group_of, image_of, index_from_meta, parse_meta
+from fastclip.data.format import caption_of, group_of, image_of, parse_meta, sample_index
 from fastclip.data.tario import RawSample
 
 MANIFEST_MISMATCH = "manifest_mismatch"  # a tar holding more or fewer samples than its manifest entry (rewritten)
@@ -85,13 +85,9 @@ def check_sample(
     training, fastclip/train/ssl.py): a sample without a caption is kept (caption None). index_span: the shard's
     index_min, index_max in the manifest (offset included), None where it lists none."""
     meta, why = parse_meta(raw.files.get("json"))
-    index = index_from_meta(meta) if meta is not None else None
-    if index is None and index_base is not None and "json" not in raw.exts:
-        index = index_base + raw.ordinal
+    index = sample_index(meta, raw.exts, raw.ordinal, index_base, index_offset)
     if index is None:
         return None, "missing_index", why or "json has no integer 'index' and no integer 'key'"
-    if index >= 0:  # a negative index stays out of range whatever the offset (as scan lists it)
-        index += index_offset
     if not 0 <= index < data_size:
         return None, "index_out_of_range", f"index {index} not in [0, {data_size})"
     if index_span is not None and not index_span[0] <= index <= index_span[1]:

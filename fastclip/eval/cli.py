@@ -572,11 +572,11 @@ def training_overlap(model_file: Path, source) -> str | None:
 
     run = default_results_file(model_file).parent.parent  # <run>/checkpoints/results.jsonl
     try:
+        evaluated = {p.resolve() for p in shard_paths(source)}  # first: an image folder has none, nothing to compare
         train = yaml.safe_load((run / "config.yaml").read_text())["data"]["train"]
         if any(is_remote(part.strip()) for part in str(train).split("::")):  # not fetched for a note
             return None
         trained = {Path(s.path).resolve() for s in resolve_catalog(str(train)).shards}
-        evaluated = {p.resolve() for p in shard_paths(source)}
     except Exception:  # noqa: BLE001 - not a run folder, a config or data that cannot be read: no claim made
         return None
     return str(train) if trained & evaluated else None

@@ -135,9 +135,7 @@ def list_images(root: str | os.PathLike) -> list[tuple[str, int]]:
     for label, folder in pairs:
         if not (root / folder).is_dir():  # an ObjectNet class without images here (a partial copy)
             continue
-        names = sorted(
-            e.name for e in os.scandir(root / folder) if e.is_file() and e.name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS
-        )
+        names = sorted(e.name for e in os.scandir(root / folder) if _is_image(e))
         out += [(str(root / folder / name), label) for name in names]
     return out
 
@@ -278,7 +276,12 @@ def read_variant(root: str | os.PathLike, templates: str = "openai") -> tuple[Ze
 
 def _holds_an_image(folder: Path) -> bool:
     with os.scandir(folder) as entries:
-        return any(e.is_file() and e.name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS for e in entries)
+        return any(_is_image(e) for e in entries)
+
+
+def _is_image(entry: os.DirEntry) -> bool:
+    """A file named as an image the evaluation reads (.png, .jpg, ...: IMAGE_EXTS)."""
+    return entry.is_file() and entry.name.rsplit(".", 1)[-1].lower() in IMAGE_EXTS
 
 
 def with_templates(spec: ZeroShotSpec, templates: tuple[str, ...]) -> ZeroShotSpec:

@@ -30,9 +30,9 @@ from fastclip.data.format import (
     caption_of,
     group_of,
     image_of,
-    index_from_meta,
     label_of,
     parse_meta,
+    sample_index,
 )
 from fastclip.data.manifest import read_manifest
 from fastclip.data.samples import decode_image
@@ -66,7 +66,7 @@ def shard_paths(source: str | os.PathLike) -> list[Path]:
 class ListedShard:
     path: Path
     size: int | None = None  # its number of samples as a folder's manifest lists it (None: not listed)
-    # a manifest's indexing, as the training loader reads it (fastclip/data/samples.py check_sample): a sample
+    # a manifest's indexing, read as the training loader reads it (fastclip/data/format.py sample_index): a sample
     # without .json is index_base + its position in the tar; index_offset is added to every index
     index_base: int | None = None
     index_offset: int = 0
@@ -203,11 +203,7 @@ def _decode_shard_sample(files: dict[str, bytes], where: str, shard: ListedShard
         decoded = decode_image(image[0])
     except Exception as err:  # PIL raises several types on corrupt files
         raise EvalDataError(f"{where}.{image[1]}: cannot decode image ({err})") from err
-    index = index_from_meta(meta)
-    if index is None and shard.index_base is not None and "json" not in files:
-        index = shard.index_base + ordinal
-    if index is not None and index >= 0:
-        index += shard.index_offset
+    index = sample_index(meta, files, ordinal, shard.index_base, shard.index_offset)  # (every member is loaded)
     return EvalSample(decoded, caption_of(files, meta), index, meta.get("dataset"), label, where, group)
 
 

@@ -41,6 +41,7 @@ from fastclip.checkpoint import (
     strip_module_prefix,
 )
 from fastclip.checkpoint.compat import Expected, read_given
+from fastclip.cli import plural
 from fastclip.data.plan import num_batches
 from fastclip.data.stream import stream_identity
 from fastclip.train.config import Config, ConfigError
@@ -636,14 +637,12 @@ def setting_notes(
             "loss.distill_alpha reads the momentum towers' features, so they are not computed; the towers are kept "
             "as an EMA of the model only (model.pt's momentum_towers, fastclip export --momentum-towers)"
         )
-    broken = getattr(getattr(stream, "catalog", None), "scan_broken", ())
-    if broken:
+    if broken := stream.catalog.scan_broken:
         counts = Counter(reason for _, reason in broken)
         notes.append(
-            f"fastclip train: note: data.train: `fastclip data scan` found {len(broken)} broken "
-            f"shard{'' if len(broken) == 1 else 's'} ({', '.join(f'{r} {n}' for r, n in sorted(counts.items()))}; "
-            f"the first {broken[0][0]}): the samples it could not read are in no epoch and in no data_skipped "
-            f"counter (its manifest's problems list them)"
+            f"fastclip train: note: data.train: `fastclip data scan` found {plural(len(broken), 'broken shard')} "
+            f"({', '.join(f'{r} {n}' for r, n in sorted(counts.items()))}; the first {broken[0][0]}): the samples "
+            f"it could not read are in no epoch and in no data_skipped counter (its manifest's problems list them)"
         )
     if o.warmup_steps > last_step:
         notes.append(

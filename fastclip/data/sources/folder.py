@@ -70,13 +70,13 @@ def _first_non_utf8(path: Path) -> str:
     return "at its end: a multi-byte character cut short"
 
 
-def _checked(line_no: int, rel, caption, img_key: str, caption_key: str):
-    """A row's values as build_folder takes them: text, or why the row cannot be used."""
+def _checked(rel, caption, img_key: str, caption_key: str):
+    """(image path, caption, problem) of a JSONL row: text, or why the row cannot be used."""
     if rel is not None and not isinstance(rel, str):
-        return line_no, None, None, f"{img_key!r} is {json.dumps(rel)}, not a path"
+        return None, None, f"{img_key!r} is {json.dumps(rel)}, not a path"
     if caption is not None and not isinstance(caption, str):
-        return line_no, None, None, f"{caption_key!r} is {json.dumps(caption)}, not text"
-    return line_no, rel, caption, ""
+        return None, None, f"{caption_key!r} is {json.dumps(caption)}, not text"
+    return rel, caption, ""
 
 
 def _rows(captions: Path, img_key: str, caption_key: str, separator: str | None):
@@ -91,7 +91,7 @@ def _rows(captions: Path, img_key: str, caption_key: str, separator: str | None)
                     raise CaptionFileError(f"{captions}:{line_no}: not valid JSON ({e})") from None
                 if not isinstance(row, dict):
                     raise CaptionFileError(f"{captions}:{line_no}: expected a JSON object per line")
-                yield _checked(line_no, row.get(img_key), row.get(caption_key), img_key, caption_key)
+                yield line_no, *_checked(row.get(img_key), row.get(caption_key), img_key, caption_key)
         return
     if separator is None:
         separator = "\t" if captions.suffix.lower() == ".tsv" else ","

@@ -111,6 +111,7 @@ def test_a_master_port_in_use_is_one_line_naming_it(tiny_embedded, tmp_path, cap
         assert main(_args(tiny_embedded, tmp_path / "run", **{"train.max_steps": 1})) == 2
     line = the_error_line(capsys.readouterr().err)
     assert f"MASTER_PORT={port}: the port is in use" in line and "choose another MASTER_PORT" in line, line
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_peer_that_never_joins_is_announced_then_one_line(tiny_embedded, tmp_path):
@@ -135,6 +136,7 @@ def test_a_peer_that_never_joins_is_announced_then_one_line(tiny_embedded, tmp_p
     line = the_error_line(out.stderr)
     assert line.startswith(f"fastclip train: error: only 1 of 2 processes joined at {where} within 0.05 min"), line
     assert "check that every node started" in line and "MASTER_ADDR and MASTER_PORT" in line, line
+    assert not (tmp_path / "run").exists()  # the folder this run made holds nothing: removed, as after a config error
 
 
 def test_ctrl_c_while_torch_is_imported_is_one_line_130(tmp_path):
@@ -180,6 +182,7 @@ def test_a_stop_while_waiting_for_peers_ends_the_wait_in_one_line(tiny_embedded,
     assert proc.returncode == status, err
     said = f"stopped by {signum} while waiting for the processes to join at 127.0.0.1:{port}: nothing to save"
     assert the_error_line(err).startswith(f"fastclip train: {said}; exit status {status}"), err
+    assert not (tmp_path / "run").exists()  # made by this run, nothing written: removed before the os._exit
 
 
 def test_a_stop_while_the_last_peer_is_joining_is_agreed_on_not_abandoned(tiny_embedded, tmp_path):

@@ -441,21 +441,43 @@ def test_reshard_names_what_a_rank_file_is_not_and_which_are_missing(case, words
     _one_line(capsys, main, ["--in", str(tmp_path), "--world-size", "2"], *words)
 
 
-def test_eval_that_can_score_nothing_is_a_usage_error(tiny_run, tmp_path, capsys):
+def test_eval_that_can_score_nothing_is_a_usage_error_said_before_the_model_loads(tiny_run, tmp_path, capsys):
     """Labelled shards without zeroshot.json whose captions are class templates: neither zero-shot nor retrieval
-    gives a number; with --no-retrieval that is known before the model is loaded."""
+    gives a number. The labels and captions are read first (no image decoded): one line before the model loads
+    (a junk checkpoint is not reached) and before the pass (no progress line); it took a full pass before."""
     from fastclip.eval.cli import main
 
     from probe import fruit_samples, write_labelled_shards
 
     data = write_labelled_shards(tmp_path / "val", fruit_samples())
-    args = [str(tiny_run), "--data", str(data), "--device", "cpu", "--results", str(tmp_path / "r.jsonl")]
+    args = ["--data", str(data), "--device", "cpu", "--results", str(tmp_path / "r.jsonl")]
     missing = "no class names for zero-shot (no zeroshot.json beside it: pass --classnames FILE)"
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[0].startswith("eval: 24/24 samples") and len(err) == 2, err  # the progress line, then the error
-    assert f"fastclip eval: --data {data}: nothing to score: {missing}, and its 24 captions are only 8" in err[1], err
-    _one_line(capsys, main, [*args, "--no-retrieval"], f"--data {data}: nothing to score: {missing}, and --no-ret")
+    templates = "its 24 captions are only 8 distinct class templates, so retrieval cannot single out an image"
+    junk = tmp_path / "junk.pt"
+    junk.write_text("not a checkpoint\n")
+    for checkpoint in (tiny_run, junk):
+        assert main([str(checkpoint), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"fastclip eval: --data {data}: nothing to score: {missing}, and {templates}"], err
+    _one_line(
+        capsys, main, [str(junk), *args, "--no-retrieval"], f"--data {data}: nothing to score: {missing}, and --no-ret"
+    )
+    # class names, but the samples carry no label and no caption
+    bare = [(image, None, None, None) for image, *_ in fruit_samples()]
+    data = write_labelled_shards(tmp_path / "bare", bare)
+    names = tmp_path / "fruits.txt"
+    names.write_text("\n".join(f"fruit {i}" for i in range(8)) + "\n")
+    argv = [str(junk), "--data", str(data), "--classnames", str(names), *args[2:]]
+    _one_line(
+        capsys, main, argv, f"--data {data}: nothing to score: no labelled samples for zero-shot, and no captions"
+    )
+    # --max-samples bounds the look ahead as it bounds the pass: labels past it are not counted
+    labelled_late = bare[:20] + [(image, None, None, 3) for image, *_ in fruit_samples()[20:]]
+    data = write_labelled_shards(tmp_path / "late", labelled_late)
+    argv = [str(junk), "--data", str(data), "--classnames", str(names), *args[2:]]
+    _one_line(capsys, main, [*argv, "--max-samples", "20"], f"--data {data}: nothing to score: no labelled samples")
+    assert main(argv) == 2  # the labels at 20..23 will be scored: the checkpoint is read, and refused
+    assert "junk.pt" in capsys.readouterr().err
     assert not (tmp_path / "r.jsonl").exists()
 
 

@@ -39,6 +39,7 @@ from fastclip.eval.evaluate import (
     default_zeroshot_file,
     evaluate,
     one_list_for_all,
+    unscorable,
 )
 from fastclip.eval.probe import (
     KNN_TEMPERATURE,
@@ -228,7 +229,7 @@ def nothing_scored(args, specs: dict, names_from: str | None, results: EvalResul
     if results is None:
         if specs or not args.no_retrieval:
             return None
-    elif results.zeroshot or (results.retrieval and retrieval_meaningful(results)):
+    elif results.zeroshot or (results.retrieval_samples and retrieval_meaningful(results)):
         return None
     if not specs:
         zeroshot = "no class names for zero-shot (no zeroshot.json beside it: pass --classnames FILE)"
@@ -238,7 +239,7 @@ def nothing_scored(args, specs: dict, names_from: str | None, results: EvalResul
         zeroshot = "no labelled samples for zero-shot"
     if args.no_retrieval:
         retrieval = "--no-retrieval is set"
-    elif not results.retrieval:
+    elif not results.retrieval_samples:
         retrieval = "no captions for retrieval"
     else:
         n, distinct = results.retrieval_samples, results.retrieval_distinct_captions
@@ -526,7 +527,13 @@ def _prepare(args, load_model) -> _Prepared:
     specs, names_from = load_specs(args, source, default_names)
     for_all = one_list_for_all(specs, default_names)
     problem = nothing_scored(args, specs, names_from)
-    if problem:  # known from the flags: refused before the model is loaded
+    if problem is None and not probe_asked(args) and not imagenet_asked(args):  # then from the labels and captions
+        try:
+            ahead = unscorable(source, specs, not args.no_retrieval, for_all, args.max_samples)
+        except EvalDataError:  # shards that cannot be listed: said where they are read, after the checkpoint's checks
+            ahead = None
+        problem = None if ahead is None else nothing_scored(args, specs, names_from, ahead)
+    if problem:  # refused before the model is loaded
         raise ValueError(problem)
     loaded = load_model(args.checkpoint, arch=args.arch, device=args.device, image_tower=probe_asked(args))
     if loaded.image_only:  # an ssl run or export: the probe alone scores an image tower

@@ -22,8 +22,17 @@ import torch.nn.functional as F
 from fastclip.data.format import ZEROSHOT_NAME
 from fastclip.eval.collectives import all_gather_rows, all_reduce_sum, rank_and_world
 from fastclip.eval.probe import LabelledFeatures, encode_image_with_features
+from fastclip.eval.records import retrieval_reported
 from fastclip.eval.retrieval import retrieval_metrics
-from fastclip.eval.samples import EvalDataError, EvalSample, Skipped, held_out_folder, iter_samples
+from fastclip.eval.samples import (
+    EvalDataError,
+    EvalSample,
+    Skipped,
+    held_out_folder,
+    is_image_folder,
+    iter_samples,
+    iter_shard_samples,
+)
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec
 from fastclip.eval.zeroshot import ZeroShotCounts, ZeroShotResult, mean_top1, zeroshot_classifier
 
@@ -318,6 +327,45 @@ def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_s
         log.warning("%d labelled samples belong to no dataset of the class names file; not scored", unmatched)
     if state.retrieval:
         _gather_retrieval(state, results, 2 * _embed_dim(model, classifiers), group)
+    return results
+
+
+# captions read before a look ahead takes retrieval for scored (then 90 % distinct, records.MIN_DISTINCT_CAPTIONS)
+_LOOK_AHEAD_CAPTIONS = 64
+
+
+def unscorable(
+    source,
+    specs: dict[str, ZeroShotSpec],
+    retrieval: bool = True,
+    one_list_for_all: bool = True,
+    max_samples: int | None = None,
+) -> EvalResults | None:
+    """The counts an evaluation of shards would end with when it can score nothing (no labelled sample of a
+    class list, no captions or only templated ones), read from the labels and captions alone: no image decoded,
+    no model. None as soon as a sample shows that something will be scored, and for sources it does not read
+    (an image folder's class folders are its labels; a function). An operator learns before the model loads,
+    not after a full pass."""
+    if callable(source) or is_image_folder(source):
+        return None
+    state = _Pass(specs, torch.device("cpu"), retrieval, one_list_for_all)
+    results, captions = EvalResults(), set()
+    for sample in _limited(iter_shard_samples(source, skipped=Skipped(), decode=False), max_samples):
+        results.num_samples += 1
+        if state.spec_name(sample) is not None:  # zero-shot scores it
+            return None
+        results.unmatched += sample.label is not None
+        if retrieval and sample.caption is not None:
+            results.retrieval_samples += 1
+            captions.add(sample.caption)
+            # equal captions embed equally: fewer distinct embeddings than strings, never more
+            if len(captions) >= _LOOK_AHEAD_CAPTIONS and retrieval_reported(len(captions), results.retrieval_samples):
+                return None
+    results.retrieval_distinct_captions = len(captions)
+    if not results.num_samples or (
+        results.retrieval_samples and retrieval_reported(len(captions), results.retrieval_samples)
+    ):
+        return None  # nothing readable (the pass says why), or few captions, distinct enough
     return results
 
 

@@ -47,7 +47,7 @@ class EvalDataError(ValueError):
 
 @dataclass
 class EvalSample:
-    image: Image.Image  # RGB
+    image: Image.Image | None  # RGB; None when read with decode=False (labels and captions only)
     caption: str | None
     index: int | None  # global data index (shards) or position (image folder)
     dataset: str | None
@@ -173,15 +173,18 @@ class Skipped(list):
             self.samples += samples
 
 
-def _skip(skipped: list[str], message: str, samples: int | None = 1) -> None:
-    log.warning("eval data: skipped %s", message)
+def _skip(skipped: list[str], message: str, samples: int | None = 1, quiet: bool = False) -> None:
+    if not quiet:  # (quiet: a look ahead of the evaluation, whose own pass says it)
+        log.warning("eval data: skipped %s", message)
     if isinstance(skipped, Skipped):
         skipped.add(message, samples)
     else:
         skipped.append(message)
 
 
-def _decode_shard_sample(files: dict[str, bytes], where: str, shard: ListedShard, ordinal: int) -> EvalSample:
+def _decode_shard_sample(
+    files: dict[str, bytes], where: str, shard: ListedShard, ordinal: int, decode: bool = True
+) -> EvalSample:
     image = image_of(files)
     if image is None:
         raise EvalDataError(
@@ -200,7 +203,7 @@ def _decode_shard_sample(files: dict[str, bytes], where: str, shard: ListedShard
     if bad_group:
         raise EvalDataError(f"{where}.json: {bad_group}")
     try:
-        decoded = decode_image(image[0])
+        decoded = decode_image(image[0]) if decode else None
     except Exception as err:  # PIL raises several types on corrupt files
         raise EvalDataError(f"{where}.{image[1]}: cannot decode image ({err})") from err
     index = sample_index(meta, files, ordinal, shard.index_base, shard.index_offset)  # (every member is loaded)
@@ -208,8 +211,10 @@ def _decode_shard_sample(files: dict[str, bytes], where: str, shard: ListedShard
 
 
 def iter_shard_samples(
-    source, rank: int = 0, world_size: int = 1, skipped: list[str] | None = None
+    source, rank: int = 0, world_size: int = 1, skipped: list[str] | None = None, decode: bool = True
 ) -> Iterator[EvalSample]:
+    """This rank's samples of the shards; decode=False: their labels and captions alone, no image decoded and
+    nothing logged."""
     skipped = [] if skipped is None else skipped
     position = 0
     for shard in listed_shards(source):
@@ -222,9 +227,9 @@ def iter_shard_samples(
                 while (raw := reader.next_group(load=position % world_size == rank)) is not None:
                     if position % world_size == rank:
                         try:
-                            yield _decode_shard_sample(raw.files, f"{path}:{raw.key}", shard, raw.ordinal)
+                            yield _decode_shard_sample(raw.files, f"{path}:{raw.key}", shard, raw.ordinal, decode)
                         except EvalDataError as err:
-                            _skip(skipped, str(err))
+                            _skip(skipped, str(err), quiet=not decode)
                     position += 1
         except TarBroken as err:
             if rank == 0:
@@ -237,7 +242,8 @@ def iter_shard_samples(
                     if lost is not None
                     else "the rest of the shard (its size is not listed)"
                 )
-                _skip(skipped, f"{path}: unreadable tar shard after key {after} ({err}); {rest} skipped", lost)
+                message = f"{path}: unreadable tar shard after key {after} ({err}); {rest} skipped"
+                _skip(skipped, message, lost, quiet=not decode)
 
 
 # ----------------------------------------------------------------------------- image folders

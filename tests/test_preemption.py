@@ -236,18 +236,32 @@ def test_stop_signals_config_error_is_one_line_with_exit_2(tmp_path):
     assert out.returncode == 2 and out.stderr.strip().endswith("(on the command line: --train.stop_signals '[SIGHUP]')")
 
 
+def _show_job(state: str = "RUNNING", reason: str = "None", preempt_time: str = "None") -> str:
+    """`scontrol show job`'s lines that slurm.sbatch reads, as Slurm 22.05 prints them for a job whose batch script
+    is still running: after scancel COMPLETING / None / PreemptTime=None, at the time limit COMPLETING /
+    TimeLimit, after a preemption RUNNING with PreemptTime set (seen on a one-node slurmctld + slurmd)."""
+    return (
+        f"JobId=4242 JobName=fastclip\n   UserId=root(0) GroupId=root(0) MCS_label=N/A\n"
+        f"   JobState={state} Reason={reason} Dependency=(null)\n"
+        f"   Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0\n"
+        f"   PreemptEligibleTime=2026-11-30T13:27:53 PreemptTime={preempt_time}\n   Partition=low\n"
+    )
+
+
 def _sbatch(
     tmp_path,
     srun_status: int,
     check_status: int = 0,
     srun_body: str | None = None,
     extra=(),
-    squeue_state: str | None = None,
+    show_job: str | None = None,
+    check_body: str | None = None,
     **env_change,
 ) -> tuple[subprocess.CompletedProcess, list[str]]:
     """launch/slurm.sbatch run by bash outside SLURM as sbatch runs it: a copy elsewhere, the repository being the
     submit folder (here a checkout without .venv), with `srun`, `scontrol` and `python3` as stand-ins on PATH that
-    record their arguments (python3 answers the launcher's import probe, then `train --check` with check_status)."""
+    record their arguments (python3 answers the launcher's import probe, then `train --check` with check_status;
+    `scontrol show job` prints `show_job`)."""
     submit = tmp_path / "submit"
     (submit / "launch").mkdir(parents=True)
     shutil.copy(REPO / "launch" / "python.sh", submit / "launch")
@@ -259,10 +273,10 @@ def _sbatch(
     record = f'echo "${{0##*/}} $*" >> "{tmp_path}/calls"'
     stand_ins = {
         "srun": f"{record}\n{srun_body}" if srun_body else f"{record}\nexit {srun_status}",
-        "scontrol": record,
-        **({"squeue": f"{record}\necho {squeue_state}"} if squeue_state else {}),
-        "python3": f'[ "$1" = -c ] && exit 0\n{record}\nexit {check_status}',
+        "scontrol": f'{record}\n[ "$1" = show ] && cat "{tmp_path}/show_job"\nexit 0',
+        "python3": f'[ "$1" = -c ] && exit 0\n{record}\n{check_body or f"exit {check_status}"}',
     }
+    (tmp_path / "show_job").write_text(show_job or _show_job())
     for name, body in stand_ins.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
@@ -275,7 +289,7 @@ def _sbatch(
     }
     env = {k: v for k, v in {**env, **env_change}.items() if v is not None}  # None: unset
     argv = ["bash", str(spool / "slurm_script"), "configs/cc3m-fastclip-v3.yaml", "--optim.lr", "5e-4", *extra]
-    if srun_body is None:
+    if srun_body is None and check_body is None:
         out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     else:  # as SLURM preempts: SIGTERM to every process of the job once the tasks run
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -303,13 +317,18 @@ def test_sbatch_script_checks_once_passes_cpus_to_srun_and_requeues_on_exit_75(t
     assert calls[2:] == (["scontrol requeue 4242"] if requeued else [])
 
 
-def test_sbatch_script_outlives_slurms_sigterm_and_requeues_on_the_tasks_75(tmp_path):
-    """A preemption's SIGTERM reaches the batch script too: it waited for srun (the tasks checkpoint and exit 75)
-    and requeued; it died of the signal before (143, no requeue)."""
+@pytest.mark.parametrize(
+    "show_job",
+    [_show_job(preempt_time="2026-11-30T13:26:54"), _show_job("COMPLETING", reason="TimeLimit")],
+    ids=["preempted", "time-limit"],
+)
+def test_sbatch_script_outlives_slurms_sigterm_and_requeues_on_the_tasks_75(tmp_path, show_job):
+    """A preemption's (or the time limit's) SIGTERM reaches the batch script too: it waited for srun (the tasks
+    checkpoint and exit 75) and requeued; it died of the signal before (143, no requeue)."""
     body = f'trap "exit {EXIT_PREEMPTED}" TERM\ntouch "{tmp_path}/srun_started"\nwhile true; do sleep 0.05; done'
-    out, calls = _sbatch(tmp_path, EXIT_PREEMPTED, srun_body=body)
+    out, calls = _sbatch(tmp_path, EXIT_PREEMPTED, srun_body=body, show_job=show_job)
     assert out.returncode == EXIT_PREEMPTED, (out.returncode, out.stderr)
-    assert [c.split()[0] for c in calls] == ["python3", "srun", "scontrol"] and calls[2] == "scontrol requeue 4242"
+    assert calls[1:] == [calls[1], "scontrol show job 4242", "scontrol requeue 4242"], calls
     assert "requeued job 4242" in out.stderr
 
 
@@ -327,14 +346,25 @@ def test_sbatch_script_refuses_a_resume_of_the_users_that_would_win_on_every_req
     assert "copy its step folder into this run's checkpoints/" in line
 
 
-def test_sbatch_script_does_not_requeue_a_cancelled_job_and_lets_a_resume_latest_through(tmp_path):
-    """scancel's SIGTERM is a preemption's: the tasks stop with 75, and a cancelled job must stay cancelled. A
-    `--resume latest` of the user's is what the script passes anyway: taken, not refused."""
-    out, calls = _sbatch(tmp_path, EXIT_PREEMPTED, squeue_state="CANCELLED", extra=["--resume", "latest"])
+@pytest.mark.parametrize("during", ["run", "check"])
+def test_sbatch_script_does_not_requeue_a_cancelled_job_and_lets_a_resume_latest_through(tmp_path, during):
+    """scancel's SIGTERM is a preemption's: the tasks stop with 75, and a cancelled job must stay cancelled. Slurm
+    22.05 shows such a job COMPLETING, not CANCELLED, while the script runs: the script looked for CANCELLED and
+    requeued every scancel'd job (seen on a real slurmctld). A `--resume latest` of the user's is what the script
+    passes anyway: taken, not refused."""
+    body = f'trap "exit {EXIT_PREEMPTED}" TERM\ntouch "{tmp_path}/srun_started"\nwhile true; do sleep 0.05; done'
+    cancelled = _show_job("COMPLETING")
+    if during == "run":
+        out, calls = _sbatch(tmp_path, EXIT_PREEMPTED, srun_body=body, extra=["--resume", "latest"], show_job=cancelled)
+        assert calls[1].endswith("--train.resume latest --optim.lr 5e-4 --resume latest")
+    else:  # the stand-in python3 is the check: it waits for the signal (held, then said as 75)
+        out, calls = _sbatch(tmp_path, 0, srun_body=body, show_job=cancelled, check_body=body)
     assert out.returncode == EXIT_PREEMPTED, out.stderr
-    assert [c.split()[0] for c in calls] == ["python3", "srun", "squeue"], calls
-    assert calls[1].endswith("--train.resume latest --optim.lr 5e-4 --resume latest")
-    assert out.stderr.strip() == "fastclip: stopped by a signal with a checkpoint; job 4242 was cancelled: not requeued"
+    assert calls[-1] == "scontrol show job 4242", calls
+    started = "with a checkpoint" if during == "run" else "before the job started"
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"fastclip: stopped by a signal {started}; job 4242 was cancelled: not requeued"
+    )
 
 
 def test_sbatch_script_stops_before_srun_when_the_checks_fail(tmp_path):

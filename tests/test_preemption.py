@@ -76,6 +76,41 @@ def test_a_signal_to_one_rank_stops_both_at_that_step_and_the_resume_is_exact(da
     _resume_and_compare(data, run, 3, reference, tmp_path / "resumed")
 
 
+def test_a_stop_on_an_evaluation_step_is_evaluated_by_the_resume(data, tmp_path):
+    """A stop checkpoints at once, without the evaluation its step was due (the signal's lead is short): that
+    point was lost for good, and a study's mean curve, which keeps the points every seed has, lost it for every
+    seed. The resume evaluates the step first: the run's evaluation records equal those of a run never stopped."""
+
+    def evals(run: Path) -> list[dict]:
+        from helpers import records
+
+        return [r for r in records(run) if any(k.startswith("eval/") for k in r)]
+
+    held_out = {"data.val": data / "val", "data.zeroshot": data / "zeroshot.json", "eval.every_steps": 3}
+    held_out["eval.max_samples"] = 40
+    straight = Job(_args(data, tmp_path / "straight", **held_out), 2, tmp_path / "straight_job")
+    assert straight.wait(300) == [0, 0], straight.outputs()
+    run = tmp_path / "run"
+    job = Job(
+        _args(data, run, **held_out), 2, tmp_path / "stopped", env={"FASTCLIP_FAULTS": "usr1@batch:step=3:rank=1"}
+    )
+    assert job.wait(300) == [EXIT_PREEMPTED] * 2, job.outputs()
+    assert latest(run) == "step_00000003" and evals(run) == []  # stopped at step 3, unevaluated
+    resumed = Job(_args(data, run, **held_out), 2, tmp_path / "resumed")
+    assert resumed.wait(300) == [0, 0], resumed.outputs()
+    expected = evals(tmp_path / "straight")
+    assert [r["step"] for r in expected] == [3, 6] and len(expected[0]) > 3, expected
+    assert evals(run) == expected
+    # a resume at a step whose evaluation is logged does not evaluate it again
+    again = tmp_path / "again"
+    shutil.copytree(run, again)
+    (again / "checkpoints" / "latest").write_text("step_00000003\n")
+    shutil.rmtree(step_dir(again, STEPS))
+    rerun = Job(_args(data, again, **held_out), 2, tmp_path / "again_job")
+    assert rerun.wait(300) == [0, 0], rerun.outputs()
+    assert evals(again) == expected
+
+
 @pytest.mark.parametrize("kind", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
 def test_a_signal_to_the_whole_job_at_a_random_moment(data, reference, tmp_path, kind):
     """As SLURM's --signal=USR1@120 (SIGUSR1) and its preemption, time limit and scancel (SIGTERM) do: the signal

@@ -166,6 +166,22 @@ def _step_of(line: str) -> float:
         return float("inf")  # a torn last line from a crash: dropped
 
 
+def evaluated_at(run_dir: Path, step: int) -> bool:
+    """Whether the run's metrics.jsonl holds an evaluation record ("eval/...") of `step`."""
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("step") == step and any(k.startswith("eval/") for k in record):
+            return True
+    return False
+
+
 class MetricsLogger:
     """Rank 0 writes; on other ranks every method is a no-op."""
 

@@ -191,6 +191,9 @@ class Run:
     # ---- the loop: epochs of the data stream, one optimizer step per batch
     def train(self) -> dict:
         cfg, guard = self.cfg, self.guard
+        if self.evaluation_owed():
+            with self.timeouts.relaxed("evaluation"):
+                self.evaluation.evaluate(self.step, self.samples_seen)
         self.model.train()
         while self.step < self.last_step and self.epoch < cfg.train.epochs and not guard.stop:
             self.train_epoch()
@@ -209,6 +212,16 @@ class Run:
             preempted=guard.stop,
             samples_per_s=self.throughput.samples_per_s(self.global_batch),
         )
+
+    def evaluation_owed(self) -> bool:
+        """A stop (75) on an evaluation step checkpoints without evaluating (the signal's lead is short): the resume
+        evaluates that step first, from the same state, so the run logs the curve of one never stopped."""
+        cfg, step = self.cfg, self.step
+        if not (self.resume_dir is not None and step > 0 and cfg.eval.every_steps and step != self.last_step):
+            return False
+        if step % cfg.eval.every_steps:
+            return False
+        return broadcast_flag(self.info.is_main and not metrics.evaluated_at(self.run_dir, step), self.info)
 
     def train_epoch(self) -> None:
         """The rest of this epoch's batches (or up to the last step, or a stop)."""

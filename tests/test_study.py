@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))  # `pytest` without PYTHONPATH: benchmarks/ is a f
 
 from benchmarks.study import plots, records, report, runner, stats  # noqa: E402
 from benchmarks.study.__main__ import _h, main  # noqa: E402
-from benchmarks.study.plan import budget, cell_name, cells, choose, designate, plan, tune_runs  # noqa: E402
+from benchmarks.study.plan import budget, cell_name, cells, choose, designate, plan, steps_of, tune_runs  # noqa: E402
 from benchmarks.study.spec import SpecError, load, resolve_setting  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def write_spec(tmp_path: Path, **changes) -> Path:
 
 def fake(spec, run, metric: float, code: str = "c1", zeroshot: float = 0.5) -> None:
     """A finished run's JSON: final metric, a rising curve ending at it."""
-    steps = 640 // run.global_batch * run.epochs
+    steps = steps_of(run, 640)
     total = steps * run.global_batch
     curve = [[total * k // 4, metric * k / 4] for k in range(1, 5)]
     record = {
@@ -447,6 +447,25 @@ def test_run_folders_files_are_written_whole_and_an_unreadable_one_restarts_or_i
     assert runner.add_wall(active) == pytest.approx(130.0, abs=0.5)  # (not 160)
     assert runner.wall_before(run, folder) == pytest.approx(130.0, abs=0.5)  # after a kill, the next attempt's
     assert time.perf_counter() - active.written < 5
+    # checkpoints from other code: the run starts over, and the attempts given up still count (they were dropped)
+    (folder / "code.json").write_text(json.dumps({"code": "older", "args": {}}))
+    assert runner.prepare_folder(run, folder, {}) is False
+    assert "it starts over" in capsys.readouterr().out
+    assert not (folder / "checkpoints").exists() and runner.wall_before(run, folder) == pytest.approx(130.0, abs=0.5)
+    assert json.loads((folder / "code.json").read_text())["code"] == records.code_version()["code"]
+    (folder / "checkpoints" / "step_00000001").mkdir(parents=True)
+    assert runner.prepare_folder(run, folder, {}) is True  # the next attempt resumes what this one checkpointed
+
+
+def test_report_refuses_a_folder_it_cannot_write_in_one_line(tmp_path, capsys):
+    """(a traceback, exit 1, before: FileNotFoundError or NotADirectoryError from the report's mkdir)"""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    r = afile / "r"
+    path = write_spec(tmp_path, results=str(r), report_md=str(r / "t.md"), summary_json=str(r / "s.json"))
+    one_line_error(capsys, main, ["report", str(path)], f"results {r}: cannot write there")
+    path = write_spec(tmp_path, summary_json=str(afile / "summary.json"))
+    one_line_error(capsys, main, ["report", str(path)], f"summary_json {afile}: cannot write there")
 
 
 def test_run_refuses_what_would_waste_every_run(tmp_path, capsys, tiny_embedded):
@@ -622,14 +641,16 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
         (data / name).symlink_to(tiny_embedded / target)
     spec = load(write_spec(tmp_path))
     spec = dataclasses.replace(spec, datasets={"d": dataclasses.replace(spec.datasets["d"], data=data)})
-    finish_tuning(spec)  # 80 training samples: a run of 2 epochs is 4 steps at batch 32, 2 at 64
+    finish_tuning(
+        spec
+    )  # 80 training samples: a run of 2 epochs is 6 steps at batch 32 (the last batch filled), 4 at 64
     for i, run in enumerate(r for r in plan(spec) if r.phase == "tune"):
-        # batch 32: 4, 8 or 12 s over its 4 steps (1, 2 or 3 s per step, 8 runs each); batch 64: 2 s over 2 steps
-        wall = 4.0 * (1 + i % 3) if run.global_batch == 32 else 2.0
+        # batch 32: 6, 12 or 18 s over its 6 steps (1, 2 or 3 s per step, 8 runs each); batch 64: 4 s over 4 steps
+        wall = 6.0 * (1 + i % 3) if run.global_batch == 32 else 4.0
         records.save(spec.results, run.id, {**records.load(spec.results, run.id), "wall_s": wall})
     test = next(r for r in plan(spec) if r.phase == "test" and r.global_batch == 32 and r.objective == "base")
     fake(spec, test, 0.5)
-    records.save(spec.results, test.id, {**records.load(spec.results, test.id), "wall_s": 20.0})  # 5 s per step
+    records.save(spec.results, test.id, {**records.load(spec.results, test.id), "wall_s": 30.0})  # 5 s per step
     measured = hours.from_runs(spec)
     tune32 = 2.0
     assert measured["d/32/tune"] == (pytest.approx(tune32), 24) and measured["d/32/test"] == (5.0, 1)
@@ -644,8 +665,8 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
     }  # no test run at 64: every phase of 64's
     runs = plan(spec)
     to_run = [r for r in runs if r.chosen_pending or records.load(spec.results, r.id) is None]
-    at_median = {r: 80 // r.global_batch * r.epochs * seconds[r.phase, r.global_batch] / 3600 for r in runs}
-    done = (8 * (4 + 8 + 12) + 24 * 2.0 + 20.0) / 3600  # a finished run costs its own wall time: tuning, 1 test run
+    at_median = {r: {32: 3, 64: 2}[r.global_batch] * r.epochs * seconds[r.phase, r.global_batch] / 3600 for r in runs}
+    done = (8 * (6 + 12 + 18) + 24 * 4.0 + 30.0) / 3600  # a finished run costs its own wall time: tuning, 1 test run
     expected = done + sum(at_median[r] for r in to_run)
     h = hours.core_hours(spec, {}, measured)
     assert h["total"] == pytest.approx(expected) and h["timed"] == []
@@ -655,14 +676,15 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
         if r.chosen_pending or records.load(spec.results, r.id) is None:
             key = f"d/{r.global_batch}/{r.phase}"
             pending[key] = (
-                pending.get(key, 0.0) + 80 // r.global_batch * r.epochs * seconds[r.phase, r.global_batch] / 3600
+                pending.get(key, 0.0)
+                + {32: 3, 64: 2}[r.global_batch] * r.epochs * seconds[r.phase, r.global_batch] / 3600
             )
     assert h["pending_by"] == pytest.approx(pending) and "d/32/tune" not in pending  # the tuning is done
     assert sum(h["pending_by"].values()) == pytest.approx(h["pending"])
     only32 = {k: v for k, v in measured.items() if k.startswith("d/32")}
     h = hours.core_hours(spec, {"d/64": 0.25}, only32)  # batch 64 from the timing run
     assert h["timed"] == ["d/64"]
-    assert h["total"] == pytest.approx(expected - sum(80 // 64 * r.epochs * 0.75 for r in to_run
+    assert h["total"] == pytest.approx(expected - sum(2 * r.epochs * 0.75 for r in to_run
                                                       if r.global_batch == 64) / 3600)  # fmt: skip
     with pytest.raises(KeyError, match="d/64"):
         hours.core_hours(spec, {}, only32)
@@ -682,7 +704,7 @@ def test_core_hours_price_each_run_by_its_phases_finished_runs(tmp_path, tiny_em
     (other / "spec.json").write_text(json.dumps(raw))
     assert main(["plan", str(other / "spec.json"), "--price-from", str(tmp_path / "priced.json")]) == 0
     out = capsys.readouterr().out
-    nothing_done = sum(80 // r.global_batch * r.epochs * seconds[r.phase, r.global_batch] / 3600
+    nothing_done = sum({32: 3, 64: 2}[r.global_batch] * r.epochs * seconds[r.phase, r.global_batch] / 3600
                        for r in plan(load(other / "spec.json")))  # fmt: skip
     assert f"core-hours: {_h(nothing_done)} in total" in out and "priced from" in out and "e/32/tune" in out
     (other / "spec.json").write_text(
@@ -887,8 +909,8 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     assert next(c for c in summary["cells"] if c["loss"] == "base2" and c["epochs"] == 2)["seeds"] == [1, 2, 3, 4, 5, 6]
     (row,) = summary["comparisons"]
     keys = {"dataset", "global_batch", "winner", "baseline", "diff_mean", "diff_ci95", "p_holm", "samples_ratio",
-            "samples_ratio_ci95", "samples_ratio_epochs", "complete"}  # fmt: skip
-    assert set(row) == keys and row["complete"] is True
+            "samples_ratio_never", "samples_ratio_ci95", "samples_ratio_epochs", "complete"}  # fmt: skip
+    assert set(row) == keys and row["complete"] is True and row["samples_ratio_never"] is False
     assert (row["winner"], row["baseline"]) == ("new", "base2")
     assert row["diff_mean"] == pytest.approx(0.085)  # seeds 1-6 paired: 0.60 + 0.01·(1..6) − 0.55
     # Holm over the table's two comparisons with base2 (new: 6 pairs all up, exact p 2/64; base: 6 pairs all down)
@@ -929,6 +951,24 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     # curves that share no evaluation (or none at all): the figure leaves their lines out, and is still drawn
     t["curves"] = {"base2": [[[1, None]], [[2, 0.5]]], "new": [[]] * 6, "base": t["curves"]["base"]}
     assert plots.table_figure(spec, t, "footer").stat().st_size > 10_000
+
+
+def test_a_winner_that_never_reaches_the_baseline_reads_never_not_a_dash(tmp_path):
+    """A winner on test whose mean curve passes the baseline's final value and falls back below it never reaches it:
+    the table said "–", the mark of missing curves (found by a fresh-eyes review)."""
+    spec = load(write_spec(tmp_path))
+    row = {"objective": "new", "diff_mean": 0.01, "diff_ci95": [0.0, 0.02], "p_holm": 0.5}
+    t = {"dataset": "d", "global_batch": 32, "winner": "new", "baseline": "base", "comparisons": [row]}
+    runs = {  # new: 0.5 -> 0.6 -> 0.45 on both seeds; base ends at 0.5
+        "new": {s: {"curve": [[100, 0.5], [200, 0.6], [300, 0.45]], "run": {"epochs": 2}} for s in (1, 2)},
+        "base": {s: {"curve": [[100, 0.3], [200, 0.4], [300, 0.5]], "run": {"epochs": 2}} for s in (1, 2)},
+    }
+    c = report.headline(spec, t, {("d", 32, "test"): runs})
+    assert c["samples_ratio"] is None and c["samples_ratio_never"] is True
+    assert report._ratio(c) == "never [never, 0.00] (2)"  # every resample never gets there either
+    runs["new"] = {s: {"curve": [], "run": {"epochs": 2}} for s in (1, 2)}  # no curves: nothing measured
+    c = report.headline(spec, t, {("d", 32, "test"): runs})
+    assert c["samples_ratio_never"] is False and report._ratio(c) == "–"
 
 
 def test_a_winner_that_is_the_strongest_baseline_and_alone_on_test_has_no_comparison_yet(tmp_path):
@@ -1269,15 +1309,15 @@ def test_the_gpu_spec_is_v2_with_its_differences_only(tmp_path, tiny_embedded):
 def test_tuning_runs_evaluate_tune_curve_points_times_and_checkpoint_as_the_others(tmp_path, tiny_embedded):
     """A tuning run evaluates `tune_curve_points` times (its choice reads the last evaluation only), a test run
     `curve_points` times (its curve gives samples-to-target); both checkpoint `curve_points` times."""
-    spec = load(write_spec(tmp_path, curve_points=4, tune_curve_points=1))  # 80 samples, 2 epochs: 4 steps at 32
+    spec = load(write_spec(tmp_path, curve_points=4, tune_curve_points=1))  # 80 samples, 2 epochs: 6 steps at 32
 
     def every(run) -> tuple[int, int]:
         args = runner.command(spec, run, tiny_embedded)
         return int(args[args.index("--eval.every_steps") + 1]), int(args[args.index("--checkpoint.every_steps") + 1])
 
     tune = tune_runs(spec, "d", 32, "base")[0]
-    assert every(tune) == (4, 1)
-    assert every(dataclasses.replace(tune, phase="test")) == (1, 1)
+    assert every(tune) == (6, 2)  # (3 batches an epoch, the last filled: it said 4 steps, and evaluated at 4 and 6)
+    assert every(dataclasses.replace(tune, phase="test")) == (2, 2)
     assert load(write_spec(tmp_path)).tune_curve_points == 16  # unset: as curve_points
 
 

@@ -272,6 +272,8 @@ def cmd_report(spec, args) -> int:
             raise SpecError(f"{key} {path}: is a directory; give a file name")
     if spec.results.exists() and not spec.results.is_dir():
         raise SpecError(f"results {spec.results}: is a file; give a folder")
+    for key, path in (("report_md", spec.report_md), ("summary_json", spec.summary_json)):  # (the figures beside)
+        runner.check_writable("results" if path.parent == spec.results else key, path.parent)
     text, _ = report.write(spec)
     print(text)
     print(f"\nwrote {spec.report_md} and {spec.summary_json}")

@@ -13,7 +13,7 @@ import statistics
 import subprocess
 
 from . import records
-from .plan import Run, plan
+from .plan import Run, plan, steps_of
 from .runner import _env, command, ensure_data, train_samples
 from .spec import SpecError
 
@@ -81,7 +81,7 @@ def from_runs(spec) -> dict[str, tuple[float, int]]:
     for run in plan(spec):
         record = None if run.chosen_pending else records.load(spec.results, run.id)
         if record and record.get("wall_s"):
-            steps = sizes[run.dataset] // run.global_batch * run.epochs
+            steps = steps_of(run, sizes[run.dataset])
             for key in (f"{run.dataset}/{run.global_batch}/{run.phase}", f"{run.dataset}/{run.global_batch}"):
                 walls.setdefault(key, []).append(record["wall_s"] / steps)
     return {k: (statistics.median(v), len(v)) for k, v in walls.items()}
@@ -130,7 +130,7 @@ def core_hours(spec, per_step: dict[str, float], measured: dict[str, tuple[float
             seconds = per_step[key]
             if key not in hours["timed"]:
                 hours["timed"].append(key)
-        h = sizes[run.dataset] // run.global_batch * run.epochs * seconds / 3600
+        h = steps_of(run, sizes[run.dataset]) * seconds / 3600
         record = None if run.chosen_pending else records.load(spec.results, run.id)
         done = record is not None
         if done and record.get("wall_s"):

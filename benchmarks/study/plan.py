@@ -14,6 +14,7 @@ whether the spec marks them headline or not: the comparison the headline reports
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -290,5 +291,7 @@ def budget(spec: Spec) -> dict[str, int]:
     }
 
 
-def steps_of(spec: Spec, run: Run, train_samples: int) -> int:
-    return train_samples // run.global_batch * run.epochs
+def steps_of(run: Run, train_samples: int) -> int:
+    """The run's training steps as the trainer counts them: each epoch's last batch filled (num_batches in
+    fastclip/data/plan.py), not dropped."""
+    return math.ceil(train_samples / run.global_batch) * run.epochs

@@ -16,7 +16,7 @@ from .plan import KNOB_MAX, PHASES, cell_name, choose, chosen, designate, metric
 from .plots import figure_path, write_figures
 from .runner import run_dir, zeroshot_sets
 from .spec import Spec, SpecError, setting_id
-from .stats import compare, mean_std, samples_ratio, samples_ratio_ci95
+from .stats import compare, mean_curve, mean_std, samples_ratio, samples_ratio_ci95
 
 # the metrics compared beside the headline metric, each its own Holm family: (name in the tables, record reader)
 SECONDARY = (
@@ -170,7 +170,8 @@ def headline(spec: Spec, t: dict, done: dict, complete: bool = False) -> dict:
         others = [n for n in t["means"] if n != baseline and n in t["val"]]
         if not others:
             return {**row_of, "baseline": None, "diff_mean": None, "diff_ci95": None, "p_holm": None,
-                    "samples_ratio": None, "samples_ratio_ci95": None, "samples_ratio_epochs": None}  # fmt: skip
+                    "samples_ratio": None, "samples_ratio_never": False, "samples_ratio_ci95": None,
+                    "samples_ratio_epochs": None}  # fmt: skip
         runner_up = max(others, key=lambda n: t["val"][n])
         row = rows[runner_up]  # runner-up − winner: turned round, so the row says by how much the winner leads
         diff = -row["diff_mean"] if row["diff_mean"] is not None else None
@@ -182,13 +183,16 @@ def headline(spec: Spec, t: dict, done: dict, complete: bool = False) -> dict:
     long = done.get((t["dataset"], t["global_batch"], "long"), {})
     phase = "long" if winner in long and pair in long else "test"
     source = done[(t["dataset"], t["global_batch"], phase)]
+    ratio = samples_ratio(_curves(source[winner]), _curves(source[pair]))
+    curves = mean_curve(_curves(source[winner])) and mean_curve(_curves(source[pair]))
     return {
         **row_of,
         "baseline": pair,
         "diff_mean": diff,
         "diff_ci95": ci,
         "p_holm": p,
-        "samples_ratio": samples_ratio(_curves(source[winner]), _curves(source[pair])),
+        "samples_ratio": ratio,
+        "samples_ratio_never": ratio is None and bool(curves),  # (null with curves: never; without: not measured)
         "samples_ratio_ci95": samples_ratio_ci95(
             {s: r["curve"] for s, r in source[winner].items()}, {s: r["curve"] for s, r in source[pair].items()}
         ),
@@ -218,11 +222,12 @@ def _delta(r: dict | None) -> str:
 
 
 def _ratio(c: dict) -> str:
-    if c["samples_ratio"] is None:
-        return "–"
+    if c["samples_ratio"] is None and not c.get("samples_ratio_never"):
+        return "–"  # no curves to compare
     ci = c.get("samples_ratio_ci95")
     interval = "" if not ci else f" [{'never' if ci[0] == 0 else f'{ci[0]:.2f}'}, {ci[1]:.2f}]"
-    return f"{c['samples_ratio']:.2f}x{interval} ({c['samples_ratio_epochs']})"
+    point = "never" if c["samples_ratio"] is None else f"{c['samples_ratio']:.2f}x"
+    return f"{point}{interval} ({c['samples_ratio_epochs']})"
 
 
 def _mean_tau(taus: list, runs: int) -> str:

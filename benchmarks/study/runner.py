@@ -23,7 +23,7 @@ from fastclip.eval.retrieval import mean_r1
 from fastclip.eval.zeroshot import mean_top1
 
 from . import records
-from .plan import PHASES, Run, cell_name, cells, plan, selected
+from .plan import PHASES, Run, cell_name, cells, plan, selected, steps_of
 from .spec import Spec, SpecError, resolve_setting, setting_id
 from .stops import handled, raise_stopped
 
@@ -186,7 +186,7 @@ def command(spec: Spec, run: Run, data: Path, extra: dict | None = None) -> list
     """The `fastclip train` command of a run: the spec's common keys, the objective's fixed options, then its
     setting (resolved at this batch), then the study's own keys (data, schedule, evaluation, checkpoints)."""
     d, o = spec.datasets[run.dataset], spec.objectives[run.objective]
-    steps = train_samples(data) // run.global_batch * run.epochs
+    steps = steps_of(run, train_samples(data))
     every = max(1, math.ceil(steps / spec.curve_points))  # <= curve_points checkpoints (and evaluations)
     points = spec.tune_curve_points if run.phase == "tune" else spec.curve_points
     every_eval = max(1, math.ceil(steps / points))
@@ -420,19 +420,30 @@ def resumable(folder: Path, code: str, args: dict) -> bool:
     return before is not None and before["code"] == code and before["args"] == args
 
 
+def prepare_folder(run: Run, folder: Path, args: list[str]) -> bool:
+    """The run's folder, ready for an attempt; True when it resumes from its checkpoints (the same code and
+    settings), else emptied, the wall time of its earlier attempts kept."""
+    code = records.code_version()
+    resumes = resumable(folder, code["code"], args)
+    if not resumes:
+        if any((folder / "checkpoints").glob("step_*")):
+            print(f"{run.id}: its checkpoints are from other code or settings than now: it starts over", flush=True)
+        spent = wall_before(run, folder)  # the attempts given up were spent on it too ("over all its attempts")
+        shutil.rmtree(folder, ignore_errors=True)  # (started but never checkpointed: nothing to keep)
+        if spent:
+            folder.mkdir(parents=True, exist_ok=True)
+            records.write_atomic(folder / "wall_s.txt", f"{spent:.1f}")
+    folder.mkdir(parents=True, exist_ok=True)
+    if _started(folder) is None:  # the code and settings it starts with: what its JSON records, resumed or not
+        records.write_atomic(folder / "code.json", json.dumps({**code, "args": args}))
+    return resumes
+
+
 def start(spec: Spec, run: Run, data: Path) -> Active:
     folder = run_dir(spec, run)
     cmd = command(spec, run, data)
-    code, args, started = records.code_version(), deciding_args(cmd), folder / "code.json"
-    if resumable(folder, code["code"], args):
+    if prepare_folder(run, folder, deciding_args(cmd)):
         cmd += ["--train.resume", "latest"]  # stopped before: go on from its last checkpoint
-    else:
-        if any((folder / "checkpoints").glob("step_*")):
-            print(f"{run.id}: its checkpoints are from other code or settings than now: it starts over", flush=True)
-        shutil.rmtree(folder, ignore_errors=True)  # (started but never checkpointed: nothing to keep)
-    folder.mkdir(parents=True, exist_ok=True)
-    if _started(folder) is None:  # the code and settings it starts with: what its JSON records, resumed or not
-        records.write_atomic(started, json.dumps({**code, "args": args}))
     log = open(folder / "stdout.log", "a")
     # its own process group: a terminal's signals reach the runner alone, which stops the trainers with SIGTERM
     # (the trainer's checkpointing stop); the study's lock is inherited
@@ -595,15 +606,18 @@ def check_outputs(spec: Spec) -> None:
     """SpecError unless the results' runs/ folder and the work folder can be made and written: a run that trains
     for minutes and then cannot save its record loses them."""
     for key, folder in (("results", spec.results / "runs"), ("work", spec.work)):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            probe = folder / f".write-test-{os.getpid()}"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as error:
-            raise SpecError(
-                f"{key} {folder}: cannot write there ({error.strerror}); give a folder you can write"
-            ) from None
+        check_writable(key, folder)
+
+
+def check_writable(key: str, folder: Path) -> None:
+    """SpecError naming the spec's key unless `folder` can be made and written in."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise SpecError(f"{key} {folder}: cannot write there ({error.strerror}); give a folder you can write") from None
 
 
 @contextlib.contextmanager

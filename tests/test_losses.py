@@ -392,7 +392,7 @@ def test_a_numpy_data_size_is_taken():
 def test_a_global_batch_of_one_sample_has_no_negatives_and_is_refused(name):
     """Every row one index (or one group): no row has a negative; dcl returned -inf, v1 0 and v3 a number, silently.
     The state is left as it was. Where negatives come from elsewhere, or none are needed, it is no error: a feature
-    queue's entries, one row, siglip; nor in eval mode (a validation batch of one image and its captions: the value
+    queue's entries, siglip; nor in eval mode (a validation batch of one image and its captions: the value
     is the loss's, -inf for dcl)."""
     e1, e2 = features(N, D, seed=8)
     loss_fn = build_loss(name, **({} if name == "openclip" else {"data_size": 10})).double()
@@ -411,8 +411,50 @@ def test_a_global_batch_of_one_sample_has_no_negatives_and_is_refused(name):
     assert math.isfinite(queued(e1[:2], e2[:2], torch.tensor([9, 9])).item())
     siglip = build_loss("siglip").double()
     assert math.isfinite(siglip(e1, e2, groups=one).item())
-    single = build_loss("openclip").double()
-    assert single(e1[:1], e2[:1], groups=one[:1]).item() == single(e1[:1], e2[:1]).item()
+    single = build_loss("openclip").double()  # one pair: 0 with no gradient, taken silently before
+    with pytest.raises(LossInputError, match="global batch has 1 samples; this loss needs at least 2"):
+        single(e1[:1], e2[:1])
+
+
+def test_features_that_are_not_l2_normalised_are_refused_naming_the_row():
+    """The losses take L2-normalised rows; a forgotten F.normalize gave a number that meant nothing (atanh clamps
+    every |cos| > 1), silently. The check rides in the value words (no extra sync): a NaN row is still said first
+    (the trainer skips such a step), and bf16's rounding of a normalised row passes."""
+    e1, e2 = features(N, D, seed=8)
+    for name in ("fastclip-v3", "openclip", "dcl", "siglip"):
+        loss_fn = build_loss(name, **({"data_size": 10} if name in ("fastclip-v3", "dcl") else {})).double()
+        scaled = e2.clone()
+        scaled[4] *= 1.5
+        with pytest.raises(LossInputError, match=r"rank 0: text_features row 4 is not L2-normalised .*F\.normalize"):
+            loss_fn(e1, scaled, IDX)
+        scaled[2, 0] = float("nan")
+        with pytest.raises(NonFiniteFeaturesError, match="text_features has non-finite values .* first in row 2"):
+            loss_fn(e1, scaled, IDX)
+    loss_fn = build_loss("fastclip-v3", data_size=10)
+    assert math.isfinite(loss_fn(e1.bfloat16(), e2.bfloat16(), IDX).item())
+    nearly = e1 * 1.04  # inside the tolerance (0.05)
+    assert math.isfinite(build_loss("openclip")(nearly.float(), e2.float()).item())
+
+
+def test_a_launchers_process_without_a_process_group_is_refused(monkeypatch):
+    """Under torchrun with init_process_group forgotten, each rank trained on its own half batch with a full copy
+    of the per-sample state, silently."""
+    e1, e2 = features(N, D, seed=8)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 .* torch.distributed is not initialised: call torch.distri"):
+        build_loss("fastclip-v3", data_size=10)(e1, e2, IDX)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert math.isfinite(build_loss("fastclip-v3", data_size=10)(e1, e2, IDX).item())
+
+
+def test_the_state_of_another_objective_is_refused_with_its_fields_as_saved():
+    """A v2 state loaded into v3 was converted as an old v3 state first: every field got a log_ prefix and a log."""
+    e1, e2 = features(N, D, seed=8)
+    v2 = build_loss("fastclip-v2", data_size=10)
+    v2(e1.float(), e2.float(), IDX)
+    with pytest.raises(KeyError, match=r"fastclip-v3: sample state fields \['b_img', .*'u_img', .* do not match this "
+                       r"loss's \['log_u_img', 'log_u_txt'\]: it was saved by another objective"):  # fmt: skip
+        build_loss("fastclip-v3", data_size=10).load_state_dict(v2.state_dict())
 
 
 def test_bad_input_single_process():

@@ -388,4 +388,9 @@ class SampleStateLoss(ContrastiveLoss):
 
     def set_extra_state(self, state: dict) -> None:
         saved_dtype = next(iter(state["fields"].values())).dtype if state.get("fields") else None
-        self.sample_state(dtype=self.options.state_dtype or saved_dtype).load_state_dict(state)
+        try:
+            self.sample_state(dtype=self.options.state_dtype or saved_dtype).load_state_dict(state)
+        except KeyError as e:  # other fields: the state of another objective
+            raise KeyError(
+                f"{self.name}: {e.args[0]}: it was saved by another objective; load it into the loss it trained with"
+            ) from None

@@ -28,6 +28,7 @@ all_gather ``(K-1)/K * output_bytes``, all_reduce ``2(K-1)/K * bytes``; nothing 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,13 @@ class Comm:
             return cls(group, dist.get_world_size(group), dist.get_rank(group))
         if group is not None:
             raise RuntimeError("loss option group= was given but torch.distributed is not initialised")
+        world = os.environ.get("WORLD_SIZE", "").strip()
+        if world.isdigit() and int(world) > 1:  # a launcher's process, alone: each rank would train on its own half
+            raise RuntimeError(
+                f"environment variable WORLD_SIZE={world} (a launcher's, e.g. torchrun) but torch.distributed is not "
+                "initialised: call torch.distributed.init_process_group() before the loss's first call, or unset "
+                "WORLD_SIZE to train in one process"
+            )
         return cls(None, 1, 0)
 
     def backend(self) -> str | None:

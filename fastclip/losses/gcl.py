@@ -171,7 +171,7 @@ class GlobalTemperatureGCL(SampleStateLoss):
     def set_extra_state(self, state: dict) -> None:
         """Checkpoints written before the state kept log u held u itself: converted on load."""
         fields = state.get("fields", {})
-        if "u_img" in fields and "log_u_img" not in fields:
+        if set(fields) == {"u_img", "u_txt"}:  # exactly those: another objective's state is refused as saved
             state = dict(state, fields={f"log_{name}": torch.log(value) for name, value in fields.items()})
         super().set_extra_state(state)
 

@@ -41,6 +41,7 @@ from .softmax import softmax_objective
 
 class OpenCLIPLoss(ContrastiveLoss):
     name = "openclip"
+    min_global_batch = 2  # one pair has no negative: its loss is 0 with no gradient
 
     def __init__(self, options: OpenCLIPOptions):
         super().__init__(options)

@@ -289,11 +289,18 @@ def _values_suspect(h: _Header, data_size: int | None) -> bool:
 def check_details(details: list[list[int]], *, data_size: int | None, momentum: bool = False) -> None:
     """``momentum``: the momentum features' rows were checked with the features' (value_words)."""
     also = " (or its momentum features)" if momentum else ""
-    for rank, (image_row, text_row, _, _) in enumerate(details):
+    for rank, (image_row, text_row, _, _) in enumerate(details):  # first: the trainer skips such a step
         for name, row in (("image_features", image_row), ("text_features", text_row)):
-            if row >= 0:
+            if 0 <= row < NOT_UNIT:
                 raise NonFiniteFeaturesError(
                     f"rank {rank}: {name}{also} has non-finite values (NaN/Inf), first in row {row}"
+                )
+    for rank, (image_row, text_row, _, _) in enumerate(details):
+        for name, row in (("image_features", image_row), ("text_features", text_row)):
+            if row >= NOT_UNIT:
+                raise LossInputError(
+                    f"rank {rank}: {name} row {row - NOT_UNIT} is not L2-normalised (its norm is not 1 within "
+                    f"{UNIT_TOLERANCE}): pass F.normalize(features, dim=-1), as the towers' encode_*(normalize=True) do"
                 )
     for rank, (_, _, pos, value) in enumerate(details):
         if pos >= 0:
@@ -324,6 +331,8 @@ VALIDATE_MODES = ("eager", "deferred", "off")
 HEADER_WORDS = 5
 FINGERPRINT = 4  # the fingerprint's position in a rank's words
 NO_ROW = 2**62  # a position word's value when nothing is wrong (above any row: "first" is a minimum)
+NOT_UNIT = 2**40  # added to a feature row's position when the row is finite but not L2-normalised
+UNIT_TOLERANCE = 0.05  # |norm - 1| a row may have (bf16's rounding is far inside; an unnormalised tower far outside)
 FOLD_EVERY = 64  # deferred mode keeps the last calls' words as they are and folds them this often (bounded memory)
 SIGNATURE_CHANGED = -2  # eager mode: a rank's first word when it sent a stand-in (its shapes changed)
 _CODE_DTYPES = {code: dt for dt, code in _DTYPE_CODES.items()}
@@ -374,6 +383,12 @@ def value_words(
         ok = torch.cat([ok, (indices.clamp(0, data_size - 1) == indices)[None]])  # [3, B]
     rows = torch.arange(ok.shape[1], device=ok.device)
     first = rows.masked_fill(ok, NO_ROW).amin(dim=1)  # the first bad row of each, NO_ROW where there is none
+    # a finite row that is not L2-normalised (F.normalize forgotten: the loss would be a number that means nothing),
+    # its position + NOT_UNIT in the same word (a non-finite row, below NOT_UNIT, is said first)
+    norms = torch.stack([torch.linalg.vector_norm(f, dim=1, dtype=torch.float64) for f in (image, text)])
+    unit = (norms - 1).abs() <= UNIT_TOLERANCE
+    off_unit = (rows + NOT_UNIT).masked_fill(unit, NO_ROW).amin(dim=1)
+    first = torch.cat([torch.minimum(first[:2], off_unit), first[2:]])
     tail = fingerprint.to(first.device)
     if not checked:  # (new_full, not new_tensor from a list: that copies host -> device)
         return torch.cat([first, first.new_full((2,), NO_ROW), tail])

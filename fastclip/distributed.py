@@ -112,7 +112,8 @@ def slurm_master_addr(nodelist: str) -> str:
         return parse_slurm_nodelist(nodelist)[0]
     except ValueError:
         hosts = _scontrol_hostnames(nodelist)
-        if not hosts:
+        # (Slurm 22.05's scontrol expands a malformed list too: "n[1-" to "n]", which no host is called)
+        if not hosts or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", hosts[0]):
             raise
         return hosts[0]
 

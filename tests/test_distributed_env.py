@@ -156,6 +156,10 @@ def test_scontrol_fallback(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert slurm_master_addr("weird[x-y]") == "weird-host-1"
     assert slurm_master_addr("n[2-3]") == "n2"  # parsable lists never call scontrol
+    # Slurm 22.05's own scontrol expands "n[1-" to "n]": no host is called that (it was taken as the master)
+    script.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "n]\\n"\n')
+    with pytest.raises(ValueError, match="unbalanced"):
+        slurm_master_addr("n[1-")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(ValueError):
         slurm_master_addr("weird[x-y]")

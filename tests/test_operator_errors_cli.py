@@ -97,14 +97,46 @@ def test_eval_whose_every_shard_is_unreadable_exits_2(untrained, tmp_path, capsy
     assert not (tmp_path / "results.jsonl").exists() and not (untrained.parent / "results.jsonl").exists()
 
 
-def test_eval_refuses_a_results_file_it_could_not_write_before_evaluating(untrained, tiny_embedded, tmp_path, capsys):
+def test_eval_refuses_a_templates_file_that_is_empty_or_lacks_the_placeholder_naming_it(
+    untrained, tiny_embedded, tmp_path, capsys
+):
+    """An empty --templates file fell back to zeroshot.json's own templates (exit 0); a template without '{}' was
+    said naming the class names file."""
     from fastclip.eval.cli import main
+
+    args = [str(untrained), "--arch", "tiny-vit", "--data", str(tiny_embedded), "--device", "cpu", "--no-retrieval"]
+    empty, no_name = tmp_path / "empty.txt", tmp_path / "no_name.txt"
+    empty.write_text("\n \n")
+    no_name.write_text("a photo of a {}.\na photo\n")
+    names = tmp_path / "names.txt"
+    names.write_text("\n".join(f"class {i}" for i in range(10)) + "\n")
+    _one_line(capsys, main, [*args, "--templates", str(empty)], f"{empty}: no templates in it")
+    _one_line(capsys, main, [*args, "--classnames", str(names), "--templates", str(no_name)],
+              f"{no_name}: template 1 ('a photo') has no '{{}}' placeholder")  # fmt: skip
+
+
+def test_eval_refuses_a_results_file_it_could_not_write_before_evaluating(untrained, tiny_embedded, tmp_path, capsys):
+    from fastclip.eval.cli import main, not_results_file
 
     (tmp_path / "a_file").write_text("")
     args = [str(untrained), "--arch", "tiny-vit", "--data", str(tiny_embedded), "--device", "cpu"]
     results = tmp_path / "a_file" / "r.jsonl"
     _one_line(capsys, main, [*args, "--results", str(results)], f"--results {results}:", "is not a folder")
     assert capsys.readouterr().out == ""  # refused before the evaluation, not after it
+    # a file that holds something else: records were appended to a checkpoint, a config, a metrics.jsonl (exit 0)
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 8)
+    config = tmp_path / "config.yaml"
+    config.write_text("# resolved config\ndata:\n  batch_size: 8\n")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 0.5}\n')
+    for path, what in ((checkpoint, "not JSON lines"), (config, "not JSON lines"), (metrics, "of another kind")):
+        before = path.read_bytes()
+        _one_line(capsys, main, [*args, "--results", str(path)], f"--results {path}: holds something other", what)
+        assert path.read_bytes() == before
+    earlier = tmp_path / "r.jsonl"  # an earlier results file, and an empty one, are appended to
+    earlier.write_text('{"task": "zeroshot", "dataset": "mnist"}\n')
+    assert not_results_file(earlier) is None and not_results_file(tmp_path / "new.jsonl") is None
 
 
 def test_one_class_list_for_data_of_several_datasets_scores_its_own_or_is_refused(

@@ -456,8 +456,33 @@ def _usage_problem(args) -> str | None:
     if args.results is not None and args.results.is_dir():
         return f"--results {args.results}: is a folder; pass a .jsonl file to append to"
     if args.results is not None:  # before the evaluation, not after it
-        return unwritable("--results", args.results)
+        return unwritable("--results", args.results) or not_results_file(args.results)
     return None
+
+
+def not_results_file(path: Path) -> str | None:
+    """Why appending records to an existing `path` would damage it (a checkpoint, a config, a run's metrics.jsonl:
+    each was appended to, silently), else None: a results file holds JSON lines with a "task"."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(1 << 16)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"--results {path}: cannot be read ({e.strerror or e}); choose another --results"
+    if not first.strip():
+        return None
+    try:
+        record = json.loads(first)
+    except ValueError:
+        record = None
+    if isinstance(record, dict) and "task" in record:
+        return None
+    what = "JSON lines of another kind (a run's metrics.jsonl?)" if isinstance(record, dict) else "not JSON lines"
+    return (
+        f"--results {path}: holds something other than fastclip eval's records ({what}); appending would damage it: "
+        f"pass a new file or an earlier --results .jsonl"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,12 +41,16 @@ def _checked(name: str, classnames, templates, where: str) -> ZeroShotSpec:
         raise ValueError(f"{where}: 'classnames' must be a non-empty list of strings")
     if not isinstance(templates, (list, tuple)) or not templates:
         raise ValueError(f"{where}: 'templates' must be a non-empty list of strings")
-    for i, template in enumerate(templates):
-        if not isinstance(template, str) or ("{}" not in template and "{c}" not in template):
-            raise ValueError(f"{where}: template {i} ({template!r}) has no '{{}}' placeholder for the class name")
+    _check_templates(templates, where)
     if len(set(classnames)) != len(classnames):
         raise ValueError(f"{where}: duplicate class names")
     return ZeroShotSpec(name, tuple(classnames), tuple(templates))
+
+
+def _check_templates(templates: list, where: str) -> None:
+    for i, template in enumerate(templates):
+        if not isinstance(template, str) or ("{}" not in template and "{c}" not in template):
+            raise ValueError(f"{where}: template {i} ({template!r}) has no '{{}}' placeholder for the class name")
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -54,14 +58,20 @@ def _read_lines(path: Path) -> list[str]:
 
 
 def load_templates(path: str | os.PathLike) -> list[str]:
+    """A --templates file, checked here so that an error names it (an empty one fell back to the class names'
+    own templates, silently)."""
     path = Path(path)
     if path.suffix == ".json":
         with open(path) as f:
             templates = json.load(f)
         if not isinstance(templates, list):
             raise ValueError(f"{path}: expected a JSON list of templates")
-        return templates
-    return _read_lines(path)
+    else:
+        templates = _read_lines(path)
+    if not templates:
+        raise ValueError(f"{path}: no templates in it; one per line (or a JSON list), each with '{{}}' for the name")
+    _check_templates(templates, str(path))
+    return templates
 
 
 # read line by line these would pass as class names (a one-column .csv/.tsv list reads as names: kept)

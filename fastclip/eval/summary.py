@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -308,7 +309,7 @@ def _training_lines(cfg: dict, rows: list[dict], train_rows: list[dict], train_s
     seconds = train_seconds if train_seconds is not None else _training_seconds(train_rows)
     lines.append(
         f"  time       {_duration(seconds)} training"
-        + (f", median {speeds[len(speeds) // 2]:.0f} samples/s" if speeds else "")
+        + (f", median {statistics.median(speeds):.0f} samples/s" if speeds else "")
     )
     return lines
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,12 +105,37 @@ def test_bf16_export(run_dir, tmp_path, images):
     assert math.isclose(float(theirs.logit_scale.detach()), LOSS_LOGIT_SCALE, rel_tol=1e-2)
 
 
+def test_export_reads_the_checkpoint_once_so_a_running_jobs_pruning_cannot_break_it(run_dir, tmp_path, monkeypatch):
+    """A running job's keep_last removes old steps: the export read model.pt, then opened it again by its path and
+    failed 4 times in 4 on a live run ("checkpoint not found", exit 2). Here the file goes right after its read."""
+    import shutil
+
+    from fastclip import checkpoint as ckpt
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    read = ckpt.read_model_file
+
+    def read_then_pruned(file):
+        contents = read(file)
+        shutil.rmtree(Path(file).parent)  # the trainer's keep_last, between the export's read and its checks
+        return contents
+
+    monkeypatch.setattr(ckpt, "read_model_file", read_then_pruned)
+    written = export_model(copy, tmp_path / "m.pt")
+    assert written["file"].is_file() and not written["source"].exists()
+
+
 def test_export_cli_prints_the_loading_code(run_dir, tmp_path, capsys):
     assert export_cli.main([str(run_dir), "--out", str(tmp_path / "m.pt")]) == 0
     out = capsys.readouterr().out
     assert f"open_clip.add_model_config('{tmp_path / (ARCH + '.json')}')" in out
     assert f"create_model_and_transforms('{ARCH}', pretrained='{tmp_path / 'm.pt'}')" in out
     assert "logit_scale = 3.2500" in out
+    # the lines run as printed, in a fresh process (a bare `import open_clip` failed there on this CPU torch)
+    code = out.split("load it with:\n", 1)[1] + "\nprint(type(model).__name__, len(tokenizer(['a cat'])[0]))"
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert ran.returncode == 0 and ran.stdout.split()[0] in ("CLIP", "CustomTextCLIP"), ran.stderr[-2000:]
     # an exported file is not a training checkpoint: say what is missing
     assert export_cli.main([str(tmp_path / "m.pt"), "--out", str(tmp_path / "again.pt")]) == 2
     assert "no 'arch'" in capsys.readouterr().err

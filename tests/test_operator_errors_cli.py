@@ -541,6 +541,20 @@ def test_eval_of_a_run_that_saved_no_checkpoint_says_so(tiny_embedded, tmp_path,
     said = f"{run}: this run has saved no checkpoint yet (no step folder in {run / 'checkpoints'}"
     _one_line(capsys, eval_main, [str(run), "--data", str(tiny_embedded), "--device", "cpu"], said)
     _one_line(capsys, export_main, [str(run), "--out", str(tmp_path / "m.pt")], said)
+    # it did save (`latest` names a step), and the steps were removed since: not "saved no checkpoint yet"
+    checkpoints = run / "checkpoints"
+    (checkpoints / "latest").write_text("step_00000040\n")
+    said = f"{checkpoints / 'latest'} names {checkpoints / 'step_00000040'}, which has no model.pt (removed, or its"
+    _one_line(capsys, export_main, [str(run), "--out", str(tmp_path / "m.pt")], said, "no step folder there holds one")
+    # an older step is complete: named as the fix
+    older = checkpoints / "step_00000020"
+    older.mkdir()
+    (older / "model.pt").write_bytes(b"")
+    _one_line(capsys, export_main, [str(run), "--out", str(tmp_path / "m.pt")], said, f"with one is {older}: pass it")
+    # a step folder without its model.pt: said of the step folder, not of `latest`
+    (checkpoints / "step_00000030").mkdir()
+    said = f"{checkpoints / 'step_00000030'}: no model.pt in this step folder (removed, or its save cut short)"
+    _one_line(capsys, export_main, [str(checkpoints / "step_00000030"), "--out", str(tmp_path / "m.pt")], said)
 
 
 def test_eval_takes_a_bare_state_dict_with_arch_as_train_takes_it_pretrained(untrained, tiny_embedded, tmp_path):

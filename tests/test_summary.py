@@ -98,6 +98,8 @@ def test_summary_shows_retrieval_with_distinct_captions(tiny_embedded, tmp_path,
     assert "text->image 5.0/25.0/50.0%  (20 captions of 10 images)" in capsys.readouterr().out
     assert fastclip_main(["summary", str(tmp_path)]) == 2
     assert "no config.yaml" in capsys.readouterr().err
+    assert fastclip_main(["summary", str(tmp_path / "nonexist")]) == 2  # (it said "no config.yaml" for it too)
+    assert f"{tmp_path / 'nonexist'}: not found; pass the folder fastclip train wrote" in capsys.readouterr().err
 
 
 def test_summary_names_each_data_evaluated_at_the_newest_step(tiny_embedded, tmp_path, capsys):

@@ -235,12 +235,26 @@ def find_model_file(path: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if (path / MODEL_FILE).is_file():
         return path / MODEL_FILE
+    if STEP_DIR.fullmatch(path.name):
+        raise FileNotFoundError(
+            f"{path}: no {MODEL_FILE} in this step folder (removed, or its save cut short): pass another step folder "
+            f"or the run folder"
+        )
     for checkpoints in (path / CHECKPOINTS, path):
         named = read_pointer(checkpoints)
         if named:  # (none, or an empty one: the newest step folder, below)
             step_dir = checkpoints / named
             if not (step_dir / MODEL_FILE).is_file():
-                raise FileNotFoundError(f"{checkpoints / LATEST} names {step_dir}, which has no {MODEL_FILE}")
+                complete = [s for s in list_checkpoints(checkpoints) if (s / MODEL_FILE).is_file()]
+                fix = (
+                    f"the newest step folder with one is {complete[-1]}: pass it"
+                    if complete
+                    else "no step folder there holds one: pass a run, step folder or .pt file that has one"
+                )
+                raise FileNotFoundError(
+                    f"{checkpoints / LATEST} names {step_dir}, which has no {MODEL_FILE} (removed, or its save cut "
+                    f"short); {fix}"
+                )
             return step_dir / MODEL_FILE
     for checkpoints in (path / CHECKPOINTS, path):  # no `latest` (a copy that left it out): as resume does
         steps = list_checkpoints(checkpoints)

@@ -50,6 +50,8 @@ def _run_without_checkpoint(path: Path) -> bool:
     """A run folder (what `fastclip train` writes first: config.yaml, metrics.jsonl, checkpoints/) with no step
     folder yet, e.g. a run stopped before its first save."""
     markers = ("config.yaml", "metrics.jsonl", ckpt.CHECKPOINTS)
+    if ckpt.read_pointer(path / ckpt.CHECKPOINTS):  # it saved one (`latest` names it): removed since, said as such
+        return False
     return any((path / m).exists() for m in markers) and not ckpt.list_checkpoints(path / ckpt.CHECKPOINTS)
 
 
@@ -89,9 +91,14 @@ def nonfinite_tensors(state: dict) -> list[str]:
 def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu", image_tower=False) -> LoadedModel:
     """Build the architecture and load the weights of a training checkpoint or an exported file. `image_tower`:
     an ssl run's image tower, or its export, is loaded alone (the probe's features); else it is refused."""
+    file, checkpoint = load_checkpoint(path)
+    return model_from_checkpoint(file, checkpoint, arch=arch, device=device, image_tower=image_tower)
+
+
+def model_from_checkpoint(file: Path, checkpoint: dict, *, arch=None, device="cpu", image_tower=False) -> LoadedModel:
+    """load_model's work on a file already read (export reads it once: a running job may prune the step after)."""
     from fastclip.models import build_model
 
-    file, checkpoint = load_checkpoint(path)
     ssl = ckpt.is_ssl_checkpoint(checkpoint)
     if ssl and not image_tower:  # an image tower + projector (fastclip/models/ssl.py): no CLIP model to build
         raise ValueError(
@@ -142,7 +149,7 @@ def load_model(path: str | os.PathLike, *, arch: str | None = None, device="cpu"
     if bad := nonfinite_tensors(state):  # a diverged run: every score would be chance, said as if it were one
         raise ValueError(
             f"{file}: its weights hold NaN/Inf in {len(bad)} tensor(s) (e.g. {', '.join(bad[:3])}): the run diverged "
-            f"before this checkpoint; use an earlier one"
+            f"before this checkpoint, or the file is damaged; use an earlier one"
         )
     target.load_state_dict(state)
     built.model.eval()

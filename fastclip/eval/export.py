@@ -135,7 +135,7 @@ def export_model(
     EMA copy of the towers (model.ema_momentum) instead of the trained ones."""
     if precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    from fastclip.eval.checkpoint import load_model
+    from fastclip.eval.checkpoint import model_from_checkpoint
     from fastclip.models import hf_folder_copies
 
     out = Path(out)
@@ -148,7 +148,9 @@ def export_model(
         return export_image_tower(file, checkpoint, out, PRECISIONS[precision])
     arch, model_config = ckpt.architecture(checkpoint)
     _check_arch_field(file, checkpoint, arch, model_config)
-    load_model(file)  # the tensors fit the architecture they claim, all finite (a one-line ValueError otherwise)
+    # the tensors fit the architecture they claim, all finite (a one-line ValueError otherwise); from the contents
+    # read once: a running job's keep_last may remove the file meanwhile
+    model_from_checkpoint(file, checkpoint)
     state, scale = _exported_state(file, checkpoint, momentum_towers, PRECISIONS[precision])
 
     # fastclip-tempnet: its temperature heads belong to training, not to the CLIP model open_clip loads, so
@@ -311,8 +313,8 @@ def _verify_in_open_clip(file: Path, arch: str, config_file: Path | None, state:
 def loading_code(written: dict) -> str:
     """The python lines that load the export (printed, and put in the README by the lead)."""
     lines = [
-        "import open_clip  # on a CPU torch with CUDA torchvision wheels: "
-        "from fastclip.compat import import_open_clip; open_clip = import_open_clip()",
+        # pasted as printed it runs where fastclip is installed, a CPU torch with CUDA torchvision wheels included
+        "from fastclip.compat import import_open_clip; open_clip = import_open_clip()  # elsewhere: import open_clip",
     ]
     if written["config_file"] is not None:
         lines.append(f"open_clip.add_model_config({str(Path(written['config_file']).resolve())!r})")

@@ -131,6 +131,8 @@ def _results_problem(row: dict) -> str | None:
 def _config(run: Path) -> dict:
     """config.yaml as the trainer resolves it: a mapping of sections. Anything else is not a run's config."""
     path = run / "config.yaml"
+    if not os.path.lexists(run):
+        raise FileNotFoundError(f"{run}: not found; {RUN_FOLDER}")
     if not path.is_file():
         raise FileNotFoundError(f"{run}: no config.yaml (not a fastclip run folder); {RUN_FOLDER}")
     cfg = yaml.safe_load(_read_text(path, RUN_FOLDER))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -131,7 +132,16 @@ def test_export_cli_prints_the_loading_code(run_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"open_clip.add_model_config('{tmp_path / (ARCH + '.json')}')" in out
     assert f"create_model_and_transforms('{ARCH}', pretrained='{tmp_path / 'm.pt'}')" in out
-    assert "logit_scale = 3.2500" in out
+    assert "logit_scale = 3.2500" in out and "as written" not in out  # (3.25: exact in every precision)
+    # bf16 rounds the loss's learned value: it printed the rounded one as what the loss learned
+    learned = tmp_path / "learned"
+    shutil.copytree(run_dir, learned)
+    model_file = learned / "checkpoints" / "step_00000007" / "model.pt"
+    contents = torch.load(model_file, weights_only=True)
+    contents["loss"]["logit_scale"] = torch.tensor(2.6988)
+    torch.save(contents, model_file)
+    assert export_cli.main([str(learned), "--out", str(tmp_path / "bf16.pt"), "--precision", "bf16"]) == 0
+    assert "logit_scale = 2.6988 (tau = 0.0673) from the loss (2.7031 as written in bf16)" in capsys.readouterr().out
     # the lines run as printed, in a fresh process (a bare `import open_clip` failed there on this CPU torch)
     code = out.split("load it with:\n", 1)[1] + "\nprint(type(model).__name__, len(tokenizer(['a cat'])[0]))"
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -165,6 +175,10 @@ def test_eval_cli_same_numbers_from_checkpoint_and_export(run_dir, tmp_path, cap
     strip = lambda r: {k: v for k, v in r.items() if k not in ("time", "checkpoint", "step")}  # noqa: E731
     assert [strip(r) for r in rows[:2]] == [strip(r) for r in rows[2:]]
     assert set(rows[0]["per_class"]) == {"apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum"}
+    assert "max_samples" not in rows[0]  # a spot check says so in its records (summary keeps the full one first)
+    assert eval_main([str(exported), "--data", str(data), "--results", str(results), "--max-samples", "10"]) == 0
+    spot = [json.loads(line) for line in results.read_text().splitlines()][4:]
+    assert [(r["max_samples"], r["num_samples"]) for r in spot] == [(10, 10), (10, 10)]
 
 
 def test_eval_cli_errors_name_the_file(tmp_path, run_dir, capsys):

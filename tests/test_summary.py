@@ -175,6 +175,29 @@ def test_summary_without_fastclip_eval_shows_the_runs_own_last_evaluation(tiny_e
         assert (said in out) if said else "retrieval" not in out
 
 
+def test_a_spot_check_or_training_data_does_not_replace_the_held_out_headline(tiny_embedded, tmp_path, capsys):
+    """`fastclip eval --max-samples 10` after the full evaluation of the same data and step became the headline (100 %
+    on 4 images); an evaluation on the training shards alone hid the run's own held-out evaluation."""
+    run = _run_folder(tmp_path, tiny_embedded, distinct_captions=20)
+    results = run / "checkpoints" / "results.jsonl"
+    full = [json.loads(x) for x in results.read_text().splitlines()]
+    mnist = next(r for r in full if r.get("dataset") == "mnist" and r["step"] == 10)
+    spot = {**mnist, "top1": 1.0, "num_samples": 4, "max_samples": 10}
+    results.write_text(results.read_text() + json.dumps(spot) + "\n")
+    assert fastclip_main(["summary", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "mnist           75.0% top-1  (10 held-out images, step 10)" in out and "100.0%" not in out
+    # only training shards evaluated: shown as such, and the run's own held-out evaluation beside them
+    results.write_text("".join(json.dumps({**r, "held_out": False}) + "\n" for r in full if r["step"] == 10))
+    own = {"step": 10, "samples_seen": 160, "eval/zeroshot/mnist/top1": 0.25, "eval/zeroshot/mnist/num_samples": 20.0}
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(own) + "\n")
+    assert fastclip_main(["summary", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "mnist           75.0% top-1  (10 training images, step 10)" in out
+    assert "mnist   25.0% top-1  (20 held-out images, the run's own evaluation, step 10)" in out
+
+
 def test_summary_of_an_ssl_run_names_images_and_its_knn(tiny_embedded, tmp_path, capsys):
     """An ssl run (image tower alone): its data are images, not pairs; its evaluation is data.val's kNN (summary
     advised `fastclip eval RUN`, which refuses an ssl run)."""

@@ -712,6 +712,7 @@ def _append_records(args, run: _Prepared, scored: _Scored) -> int:
         "step": loaded.step,
         "data": str(args.data),
         **({"held_out": False} if run.trained_on is not None else {}),
+        **({"max_samples": args.max_samples} if args.max_samples is not None else {}),  # a spot check, said so
     }
     results_file = args.results or default_results_file(loaded.file)
     try:  # (a read-only file, a disk that filled during the evaluation: the table above still stands)

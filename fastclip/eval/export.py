@@ -168,7 +168,8 @@ def export_model(
         "arch": arch,
         "config_file": config_file,
         "tempnet_file": tempnet_file,
-        "logit_scale": float(state["logit_scale"]) if "logit_scale" in state else None,
+        "logit_scale": float(state["logit_scale"]) if "logit_scale" in state else None,  # as written (bf16: rounded)
+        "loss_logit_scale": float(scale) if scale is not None else None,  # as the loss learned it
         "temperature_from_loss": scale is not None,
         "step": ckpt.saved_step(checkpoint),
         "source": file,
@@ -370,8 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     if written.get("tempnet_file") is not None:
         print(f"wrote {written['tempnet_file']} (the temperature network's heads, for further training)")
     if written["temperature_from_loss"]:
-        scale = written["logit_scale"]
-        print(f"logit_scale = {scale:.4f} (tau = {math.exp(-scale):.4f}) from the loss")
+        scale, stored = written["loss_logit_scale"], written["logit_scale"]
+        rounded = f" ({stored:.4f} as written in {args.precision})" if stored != scale else ""
+        print(f"logit_scale = {scale:.4f} (tau = {math.exp(-scale):.4f}) from the loss{rounded}")
     else:
         print(
             "note: the checkpoint's loss has no global logit_scale (per-sample or constant temperature); "

@@ -245,17 +245,19 @@ def summarize(
     lines = [f"summary of {run}", *_training_lines(cfg, rows, train_rows, train_seconds)]
     results_advice = f"move it aside and run fastclip eval {run} --data DIR again"
     results = _rows(run / "checkpoints" / "results.jsonl", unreadable, _results_problem, results_advice)
+    held_out = [r for r in results if r.get("held_out") is not False]
     if results:
         lines += _result_lines(results)
-    elif during := _training_eval_lines(rows):  # no `fastclip eval` yet: the run's own last evaluation of data.val
-        lines += during
-    elif _is_ssl(cfg):  # an image tower alone: kNN during training, or its export's probes
-        lines.append(
-            f"  kNN        not evaluated yet: fastclip eval {run} --data DIR --linear-probe --knn 20 (or train with "
-            "a labelled data.val and eval.at_end)"
-        )
-    else:
-        lines.append(f"  zero-shot  not evaluated yet: fastclip eval {run} --data DIR")
+    during = [] if held_out else _training_eval_lines(rows)  # the run's own last evaluation of data.val, where
+    lines += during  # `fastclip eval` has not scored held-out data yet (none, or only shards it trained on)
+    if not results and not during:
+        if _is_ssl(cfg):  # an image tower alone: kNN during training, or its export's probes
+            lines.append(
+                f"  kNN        not evaluated yet: fastclip eval {run} --data DIR --linear-probe --knn 20 (or train "
+                "with a labelled data.val and eval.at_end)"
+            )
+        else:
+            lines.append(f"  zero-shot  not evaluated yet: fastclip eval {run} --data DIR")
     lines += _file_lines(run, plots, export)
     lines += [f"  note       {line}" for line in unreadable]
     return "\n".join(lines)
@@ -324,7 +326,11 @@ def _result_lines(results: list[dict]) -> list[str]:
     for r in results:
         if (r.get("step") or 0) == newest:
             data = os.path.normpath(r["data"]) if isinstance(r.get("data"), str) else None  # older files: none
-            by_data.setdefault(data, {})[(r["task"], r.get("dataset"), r.get("k"))] = r
+            latest = by_data.setdefault(data, {})
+            key = (r["task"], r.get("dataset"), r.get("k"))
+            if "max_samples" in r and key in latest and "max_samples" not in latest[key]:
+                continue  # a --max-samples spot check after the full evaluation: the full one stays the headline
+            latest[key] = r
     lines = []
     for data, latest in by_data.items():
         where = "" if len(by_data) == 1 else f" of {data}" if data else " of data not recorded"

@@ -34,6 +34,7 @@ checks() {
   trap 'stop=${stop:-SIGINT}' INT
   "$PY" -m fastclip train --check "$@" >/dev/null || status=$?
   if [[ $status -ne 0 ]]; then exit "$status"; fi
+  export FASTCLIP_CONFIG_NOTES_SAID=1  # (fastclip/train/config.py) the check said them: the run does not again
   stopped_during
 }
 

@@ -73,6 +73,19 @@ class LaunchedJob:
         assert "Traceback" not in self.output()
 
 
+def test_the_configs_notes_are_said_once_by_the_launch_script(data, tmp_path):
+    """single_node.sh runs `train --check` and then the run: a note on the command line's config (an OpenCLIP
+    no-op flag here; your own data.train, ...) was printed by both."""
+    args = fault_overrides(data, tmp_path / "run", **{"data.workers": 0, "train.max_steps": 2})
+    done = subprocess.run(
+        ["bash", str(REPO / "launch" / "single_node.sh"), str(EMBEDDED), "1", *args, "--local-loss"],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = "fastclip train: note: --local-loss is accepted and changes nothing"
+    assert (done.stdout + done.stderr).count(said) == 1, done.stderr[-3000:]
+
+
 def test_sigterm_to_every_process_of_the_job(data, tmp_path):
     """SLURM's preemption, time limit and scancel: SIGTERM to the agent, the ranks and their data workers. The
     workers leave it to their rank, the agent forwards it: a checkpoint at the step, status 75, and nothing printed

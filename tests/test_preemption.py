@@ -307,7 +307,10 @@ def _sbatch(
     bin_dir.mkdir()
     record = f'echo "${{0##*/}} $*" >> "{tmp_path}/calls"'
     stand_ins = {
-        "srun": f"{record}\n{srun_body}" if srun_body else f"{record}\nexit {srun_status}",
+        "srun": (
+            f'{record}\necho "$FASTCLIP_CONFIG_NOTES_SAID" > "{tmp_path}/srun_notes_said"\n'
+            + (srun_body or f"exit {srun_status}")
+        ),
         "scontrol": f'{record}\n[ "$1" = show ] && cat "{tmp_path}/show_job"\nexit 0',
         "python3": f'[ "$1" = -c ] && exit 0\n{record}\n{check_body or f"exit {check_status}"}',
     }
@@ -349,6 +352,7 @@ def test_sbatch_script_checks_once_passes_cpus_to_srun_and_requeues_on_exit_75(t
     args = "--config configs/cc3m-fastclip-v3.yaml --train.resume latest --optim.lr 5e-4"
     assert calls[0] == f"python3 -m fastclip train --check --world-size 8 {args}"
     assert calls[1] == f"srun --kill-on-bad-exit=1 --cpus-per-task=6 python3 -u -m fastclip train {args}"
+    assert (tmp_path / "srun_notes_said").read_text() == "1\n"  # the check said the config's notes: not each task
     assert calls[2:] == (["scontrol requeue 4242"] if requeued else [])
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -605,7 +606,7 @@ def parse_overrides(args: list[str]) -> dict:
         spelled[key] = (written, value)
         _put(out, key, value)
     if differences:
-        note(f"fastclip train: note: where fastclip differs from OpenCLIP: {'; '.join(differences)}")
+        _config_note(f"fastclip train: note: where fastclip differs from OpenCLIP: {'; '.join(differences)}")
     return out
 
 
@@ -617,7 +618,7 @@ def _next_flag(args: list[str], i: int, index: dict[str, list[str]], out: dict) 
         raise ConfigError(f"expected --key value, got {arg!r}")
     flag = arg[2:].replace("-", "_")
     if flag in NO_OP_FLAGS:  # OpenCLIP switches: no value follows
-        note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
+        _config_note(f"fastclip train: note: {arg} is accepted and changes nothing: {NO_OP_FLAGS[flag]}")
         return i + 1, None, ""
     _refuse_openclip_only(flag)
     if flag == "aug_cfg":  # OpenCLIP's --aug-cfg k=v k=v ...: each pair a data.aug key
@@ -849,8 +850,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         source = " (command line)"  # the file's own keys were checked above: what is wrong now was typed
     cfg = config_from_dict(data, source)
     if left_out:  # once the config is good: a refused config is one line
-        note(left_out)
+        _config_note(left_out)
     return cfg
+
+
+# set by the launch scripts for the run after their `train --check`, which has said the config's notes already
+CONFIG_NOTES_SAID = "FASTCLIP_CONFIG_NOTES_SAID"
+
+
+def _config_note(line: str) -> None:
+    """A note on what the command line's config means (said by the check, not again by the run it precedes)."""
+    if os.environ.get(CONFIG_NOTES_SAID) != "1":
+        note(line)
 
 
 def _held_out_follows_train(data: dict, overrides: dict) -> str | None:

@@ -139,6 +139,21 @@ def test_a_peer_that_never_joins_is_announced_then_one_line(tiny_embedded, tmp_p
     assert not (tmp_path / "run").exists()  # the folder this run made holds nothing: removed, as after a config error
 
 
+def test_a_failed_join_leaves_a_run_folder_another_job_holds(tmp_path):
+    """Two launches on one run folder at once: the one whose join fails removed the folder and the lock of the
+    other, which held it and had not written yet. Removed only when no job holds its lock."""
+    from fastclip.train import preflight
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    held, _ = preflight._take_lock(run / preflight.RUN_LOCK)  # the other job's (an open file of its own)
+    preflight.remove_if_untouched_and_free(run)
+    assert (run / preflight.RUN_LOCK).is_file() and (run / "checkpoints").is_dir()
+    held.close()
+    preflight.remove_if_untouched_and_free(run)
+    assert not run.exists()
+
+
 def test_ctrl_c_while_torch_is_imported_is_one_line_130(tmp_path):
     """Ctrl-C 0.3-1 s after the start lands in torch's import: it left numpy or torch half made (an abort, status
     -6, or a traceback), or an import guard swallowed it and the command went on (here to its config error, 2).

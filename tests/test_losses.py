@@ -436,6 +436,32 @@ def test_features_that_are_not_l2_normalised_are_refused_naming_the_row():
     assert math.isfinite(build_loss("openclip")(nearly.float(), e2.float()).item())
 
 
+def test_deferred_checks_keep_a_row_not_normalised_apart_from_a_nan_row():
+    """Deferred mode (the trainer's): a row not L2-normalised shared the non-finite kind, so the NaN guard's
+    check_inputs(features=False) forgot it, and the trainer said it as a bad index ("re-run fastclip data scan")."""
+    from fastclip.losses import FeaturesNotNormalisedError
+    from fastclip.train.errors import TrainingError
+    from fastclip.train.guards import check_loss_inputs
+
+    e1, e2 = features(N, D, seed=8)
+    loss_fn = build_loss("fastclip-v3", data_size=10, validate="deferred").double()
+    nan, zero = e1.clone(), e1.clone()
+    nan[1, 0] = float("nan")
+    zero[3] = 0.0  # what F.normalize gives for a tower's zero output
+    loss_fn(e1, e2, IDX)  # (the first call's handshake reads its words at once)
+    loss_fn(nan, e2, IDX)
+    loss_fn(zero, e2, IDX)
+    with pytest.raises(FeaturesNotNormalisedError, match="loss call 3: rank 0: image_features row 3 is not L2-norm"):
+        loss_fn.check_inputs(features=False)  # the NaN call is forgiven (the guard skipped it), this one is not
+    loss_fn(nan, e2, IDX)
+    with pytest.raises(NonFiniteFeaturesError, match="loss call 4: rank 0: image_features has non-finite"):
+        loss_fn.check_inputs()  # a NaN call alone is said as such (fatal errors come first: index, then norm)
+    loss_fn(zero, e2, IDX)
+    with pytest.raises(TrainingError, match="step 7: the loss refused its inputs: .*row 3 is not L2-normalised") as e:
+        check_loss_inputs(loss_fn, 7)
+    assert "fastclip data scan" not in str(e.value)
+
+
 def test_a_launchers_process_without_a_process_group_is_refused(monkeypatch):
     """Under torchrun with init_process_group forgotten, each rank trained on its own half batch with a full copy
     of the per-sample state, silently."""
@@ -887,7 +913,7 @@ def test_deferred_checks_fold_on_the_device_and_still_name_the_first_bad_call(mo
     calls = [(e1, IDX), (e1, IDX), (e1, bad), (nan, IDX), (e1, worse), (e1, IDX), (e1, IDX), (e1, IDX)]
     for x, idx in calls:  # folds after calls 3 and 6; 7 and 8 pending
         loss_fn(x, e2, idx)
-    assert len(checks._pending) == 2 and set(checks._first_bad) == {"features", "index"}
+    assert len(checks._pending) == 2 and set(checks._first_bad) == {"features", "unit", "index"}
     with pytest.raises(LossInputError, match=r"^loss call 3: rank 0: indices\[5\] = -7 is out of range"):
         loss_fn.check_inputs()
     assert checks._pending == [] and checks._first_bad == {}

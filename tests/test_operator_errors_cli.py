@@ -116,6 +116,8 @@ def test_eval_refuses_a_templates_file_that_is_empty_or_lacks_the_placeholder_na
 
 
 def test_eval_refuses_a_results_file_it_could_not_write_before_evaluating(untrained, tiny_embedded, tmp_path, capsys):
+    import json
+
     from fastclip.eval.cli import main, not_results_file
 
     (tmp_path / "a_file").write_text("")
@@ -137,6 +139,10 @@ def test_eval_refuses_a_results_file_it_could_not_write_before_evaluating(untrai
     earlier = tmp_path / "r.jsonl"  # an earlier results file, and an empty one, are appended to
     earlier.write_text('{"task": "zeroshot", "dataset": "mnist"}\n')
     assert not_results_file(earlier) is None and not_results_file(tmp_path / "new.jsonl") is None
+    # a record of 3,000 classes' per_class is a line over 64 KiB: still a results file (it was refused)
+    per_class = {f"class number {i}": 0.123456789 for i in range(3000)}
+    earlier.write_text(json.dumps({"time": "t", "task": "zeroshot_classification", "per_class": per_class}) + "\n")
+    assert earlier.stat().st_size > 1 << 16 and not_results_file(earlier) is None
 
 
 def test_one_class_list_for_data_of_several_datasets_scores_its_own_or_is_refused(
@@ -473,10 +479,13 @@ def test_reshard_names_what_a_rank_file_is_not_and_which_are_missing(case, words
     _one_line(capsys, main, ["--in", str(tmp_path), "--world-size", "2"], *words)
 
 
-def test_eval_that_can_score_nothing_is_a_usage_error_said_before_the_model_loads(tiny_run, tmp_path, capsys):
+def test_eval_that_can_score_nothing_is_a_usage_error_said_before_the_pass(tiny_run, tmp_path, capsys):
     """Labelled shards without zeroshot.json whose captions are class templates: neither zero-shot nor retrieval
-    gives a number. The labels and captions are read first (no image decoded): one line before the model loads
-    (a junk checkpoint is not reached) and before the pass (no progress line); it took a full pass before."""
+    gives a number. The labels and captions are read first (no image decoded): one line before the pass (no
+    progress line); it took a full pass before. After the model loads: an ssl tower's own refusal comes first."""
+    import io
+
+    from fastclip.data.writer import ShardWriter
     from fastclip.eval.cli import main
 
     from probe import fruit_samples, write_labelled_shards
@@ -485,32 +494,40 @@ def test_eval_that_can_score_nothing_is_a_usage_error_said_before_the_model_load
     args = ["--data", str(data), "--device", "cpu", "--results", str(tmp_path / "r.jsonl")]
     missing = "no class names for zero-shot (no zeroshot.json beside it: pass --classnames FILE)"
     templates = "its 24 captions are only 8 distinct class templates, so retrieval cannot single out an image"
-    junk = tmp_path / "junk.pt"
-    junk.write_text("not a checkpoint\n")
-    for checkpoint in (tiny_run, junk):
-        assert main([str(checkpoint), *args]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"fastclip eval: --data {data}: nothing to score: {missing}, and {templates}"], err
+    assert main([str(tiny_run), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"fastclip eval: --data {data}: nothing to score: {missing}, and {templates}"], err
     _one_line(
-        capsys, main, [str(junk), *args, "--no-retrieval"], f"--data {data}: nothing to score: {missing}, and --no-ret"
+        capsys, main, [str(tiny_run), *args, "--no-retrieval"], f"--data {data}: nothing to score: {missing}, and --no"
     )
     # class names, but the samples carry no label and no caption
     bare = [(image, None, None, None) for image, *_ in fruit_samples()]
     data = write_labelled_shards(tmp_path / "bare", bare)
     names = tmp_path / "fruits.txt"
     names.write_text("\n".join(f"fruit {i}" for i in range(8)) + "\n")
-    argv = [str(junk), "--data", str(data), "--classnames", str(names), *args[2:]]
+    argv = [str(tiny_run), "--data", str(data), "--classnames", str(names), *args[2:]]
     _one_line(
         capsys, main, argv, f"--data {data}: nothing to score: no labelled samples for zero-shot, and no captions"
     )
     # --max-samples bounds the look ahead as it bounds the pass: labels past it are not counted
     labelled_late = bare[:20] + [(image, None, None, 3) for image, *_ in fruit_samples()[20:]]
     data = write_labelled_shards(tmp_path / "late", labelled_late)
-    argv = [str(junk), "--data", str(data), "--classnames", str(names), *args[2:]]
+    argv = [str(tiny_run), "--data", str(data), "--classnames", str(names), *args[2:]]
     _one_line(capsys, main, [*argv, "--max-samples", "20"], f"--data {data}: nothing to score: no labelled samples")
-    assert main(argv) == 2  # the labels at 20..23 will be scored: the checkpoint is read, and refused
-    assert "junk.pt" in capsys.readouterr().err
     assert not (tmp_path / "r.jsonl").exists()
+    assert main(argv) == 0  # the labels at 20..23 are scored
+    # undecodable images are not counted by --max-samples (the pass skips them): the look ahead refused 4 here
+    writer = ShardWriter(tmp_path / "broken", prefix="val", shard_size=16)
+    for index in range(4):
+        writer.write(index, b"not a png", "png", None)
+    for index, (image, *_) in enumerate(fruit_samples()[:8], start=4):
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        writer.write(index, png.getvalue(), "png", None, label=3)
+    writer.close(12)
+    argv = [str(tiny_run), "--data", str(tmp_path / "broken"), "--classnames", str(names), *args[2:]]
+    assert main([*argv, "--max-samples", "4"]) == 0, capsys.readouterr().err
+    assert "4 samples in" in capsys.readouterr().out
 
 
 def test_eval_without_class_names_scores_retrieval_and_says_zero_shot_is_skipped_once(

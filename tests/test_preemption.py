@@ -358,8 +358,8 @@ def test_sbatch_script_checks_once_passes_cpus_to_srun_and_requeues_on_exit_75(t
 
 @pytest.mark.parametrize(
     "show_job",
-    [_show_job(preempt_time="2026-11-30T13:26:54"), _show_job("COMPLETING", reason="TimeLimit")],
-    ids=["preempted", "time-limit"],
+    [_show_job(preempt_time="2026-11-30T13:26:54"), _show_job("COMPLETING", reason="TimeLimit"), _show_job()],
+    ids=["preempted", "time-limit", "scancel-signal-TERM"],  # (the last: a request to checkpoint, the job RUNs)
 )
 def test_sbatch_script_outlives_slurms_sigterm_and_requeues_on_the_tasks_75(tmp_path, show_job):
     """A preemption's (or the time limit's) SIGTERM reaches the batch script too: it waited for srun (the tasks

@@ -116,4 +116,11 @@ def test_what_a_tower_cannot_be_scored_on_is_one_line_exit_2(probed, tiny_embedd
     assert f"wrote {tower} " in (out := capsys.readouterr().out) and "(it replaces the earlier export there)" in out
     argv = [str(tower), "--arch", str(tmp_path / "tiny-vit.json"), *data, "--device", "cpu"]
     one_line_error(capsys, eval_main, argv, "image tower alone", "--linear-probe or --knn K")
+    # data with nothing to score for a CLIP model: the run is an image tower, said first (the look ahead's
+    # "pass --classnames" led to the ssl refusal on the next try)
+    from probe import fruit_samples, write_labelled_shards
+
+    fruits = write_labelled_shards(tmp_path / "fruits", fruit_samples())
+    argv = [str(probed), "--data", str(fruits), "--device", "cpu"]
+    one_line_error(capsys, eval_main, argv, "a self-supervised run (ssl.enabled) has no text tower")
     assert not (tmp_path / "r.jsonl").exists()

@@ -196,6 +196,11 @@ def test_a_spot_check_or_training_data_does_not_replace_the_held_out_headline(ti
     out = capsys.readouterr().out
     assert "mnist           75.0% top-1  (10 training images, step 10)" in out
     assert "mnist   25.0% top-1  (20 held-out images, the run's own evaluation, step 10)" in out
+    # a held-out evaluation of an older step is not what the summary shows: the run's own still comes beside
+    older = [r for r in full if r["step"] == 5]
+    results.write_text("".join(json.dumps(r) + "\n" for r in older) + results.read_text())
+    assert fastclip_main(["summary", str(run)]) == 0
+    assert "the run's own evaluation, step 10" in capsys.readouterr().out
 
 
 def test_summary_of_an_ssl_run_names_images_and_its_knn(tiny_embedded, tmp_path, capsys):

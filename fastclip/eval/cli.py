@@ -465,20 +465,17 @@ def not_results_file(path: Path) -> str | None:
     each was appended to, silently), else None: a results file holds JSON lines with a "task"."""
     try:
         with open(path, "rb") as f:
-            first = f.readline(1 << 16)
+            start = f.read(1 << 16)  # (a record's per_class can make its line longer: "task" comes first)
     except FileNotFoundError:
         return None
     except OSError as e:
         return f"--results {path}: cannot be read ({e.strerror or e}); choose another --results"
-    if not first.strip():
+    first = start.split(b"\n", 1)[0].strip()
+    if not start.strip():
         return None
-    try:
-        record = json.loads(first)
-    except ValueError:
-        record = None
-    if isinstance(record, dict) and "task" in record:
+    if first.startswith(b"{") and b'"task"' in first:
         return None
-    what = "JSON lines of another kind (a run's metrics.jsonl?)" if isinstance(record, dict) else "not JSON lines"
+    what = "JSON lines of another kind (a run's metrics.jsonl?)" if first.startswith(b"{") else "not JSON lines"
     return (
         f"--results {path}: holds something other than fastclip eval's records ({what}); appending would damage it: "
         f"pass a new file or an earlier --results .jsonl"
@@ -552,13 +549,7 @@ def _prepare(args, load_model) -> _Prepared:
     specs, names_from = load_specs(args, source, default_names)
     for_all = one_list_for_all(specs, default_names)
     problem = nothing_scored(args, specs, names_from)
-    if problem is None and not probe_asked(args) and not imagenet_asked(args):  # then from the labels and captions
-        try:
-            ahead = unscorable(source, specs, not args.no_retrieval, for_all, args.max_samples)
-        except EvalDataError:  # shards that cannot be listed: said where they are read, after the checkpoint's checks
-            ahead = None
-        problem = None if ahead is None else nothing_scored(args, specs, names_from, ahead)
-    if problem:  # refused before the model is loaded
+    if problem:  # known from the flags: refused before the model is loaded
         raise ValueError(problem)
     loaded = load_model(args.checkpoint, arch=args.arch, device=args.device, image_tower=probe_asked(args))
     if loaded.image_only:  # an ssl run or export: the probe alone scores an image tower
@@ -571,6 +562,14 @@ def _prepare(args, load_model) -> _Prepared:
         specs, names_from, for_all, args.no_retrieval = {}, None, True, True
     if args.results is None and (problem := unwritable("--results", default_results_file(loaded.file))):
         raise ValueError(f"{problem} (the default beside the model; pass --results FILE)")
+    # then from the labels and captions, before the pass (after the model: an ssl tower's own refusal comes first)
+    if not probe_asked(args) and not imagenet_asked(args):
+        try:
+            ahead = unscorable(source, specs, not args.no_retrieval, for_all, args.max_samples)
+        except EvalDataError:  # shards that cannot be listed: said where they are read
+            ahead = None
+        if ahead is not None and (problem := nothing_scored(args, specs, names_from, ahead)):
+            raise ValueError(problem)
     train_path = probe_train_path(args, source)
     trained_on = training_overlap(loaded.file, source)
     if trained_on is not None:

@@ -344,13 +344,15 @@ def unscorable(
     """The counts an evaluation of shards would end with when it can score nothing (no labelled sample of a
     class list, no captions or only templated ones), read from the labels and captions alone: no image decoded,
     no model. None as soon as a sample shows that something will be scored, and for sources it does not read
-    (an image folder's class folders are its labels; a function). An operator learns before the model loads,
-    not after a full pass."""
+    (an image folder's class folders are its labels; a function). An operator learns before the pass, not after
+    it."""
     if callable(source) or is_image_folder(source):
         return None
     state = _Pass(specs, torch.device("cpu"), retrieval, one_list_for_all)
     results, captions = EvalResults(), set()
-    for sample in _limited(iter_shard_samples(source, skipped=Skipped(), decode=False), max_samples):
+    # --max-samples counts the samples that decode (the pass skips the others): then the look ahead decodes too
+    samples = iter_shard_samples(source, skipped=Skipped(), decode=max_samples is not None, quiet=True)
+    for sample in _limited(samples, max_samples):
         results.num_samples += 1
         if state.spec_name(sample) is not None:  # zero-shot scores it
             return None

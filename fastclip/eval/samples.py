@@ -211,10 +211,15 @@ def _decode_shard_sample(
 
 
 def iter_shard_samples(
-    source, rank: int = 0, world_size: int = 1, skipped: list[str] | None = None, decode: bool = True
+    source,
+    rank: int = 0,
+    world_size: int = 1,
+    skipped: list[str] | None = None,
+    decode: bool = True,
+    quiet: bool = False,
 ) -> Iterator[EvalSample]:
-    """This rank's samples of the shards; decode=False: their labels and captions alone, no image decoded and
-    nothing logged."""
+    """This rank's samples of the shards; decode=False: their labels and captions alone, no image decoded; quiet:
+    what is skipped is not logged (a look ahead of the evaluation, whose pass says it)."""
     skipped = [] if skipped is None else skipped
     position = 0
     for shard in listed_shards(source):
@@ -229,7 +234,7 @@ def iter_shard_samples(
                         try:
                             yield _decode_shard_sample(raw.files, f"{path}:{raw.key}", shard, raw.ordinal, decode)
                         except EvalDataError as err:
-                            _skip(skipped, str(err), quiet=not decode)
+                            _skip(skipped, str(err), quiet=quiet)
                     position += 1
         except TarBroken as err:
             if rank == 0:
@@ -243,7 +248,7 @@ def iter_shard_samples(
                     else "the rest of the shard (its size is not listed)"
                 )
                 message = f"{path}: unreadable tar shard after key {after} ({err}); {rest} skipped"
-                _skip(skipped, message, lost, quiet=not decode)
+                _skip(skipped, message, lost, quiet=quiet)
 
 
 # ----------------------------------------------------------------------------- image folders

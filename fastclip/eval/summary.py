@@ -245,7 +245,8 @@ def summarize(
     lines = [f"summary of {run}", *_training_lines(cfg, rows, train_rows, train_seconds)]
     results_advice = f"move it aside and run fastclip eval {run} --data DIR again"
     results = _rows(run / "checkpoints" / "results.jsonl", unreadable, _results_problem, results_advice)
-    held_out = [r for r in results if r.get("held_out") is not False]
+    newest = max((r.get("step") or 0 for r in results), default=0)  # what _result_lines shows
+    held_out = [r for r in results if (r.get("step") or 0) == newest and r.get("held_out") is not False]
     if results:
         lines += _result_lines(results)
     during = [] if held_out else _training_eval_lines(rows)  # the run's own last evaluation of data.val, where

@@ -97,7 +97,7 @@ from torch import nn
 
 from .base import ContrastiveLoss, SampleStateLoss
 from .dcl import DCLLoss, DCLOptions
-from .errors import LossInputError, NonFiniteFeaturesError
+from .errors import FeaturesNotNormalisedError, LossInputError, NonFiniteFeaturesError
 from .gcl import (
     FastCLIPV0Autograd,
     FastCLIPV0Loss,
@@ -283,6 +283,7 @@ __all__ = [
     "SigLIPLoss",
     "LossInputError",
     "NonFiniteFeaturesError",
+    "FeaturesNotNormalisedError",
     "GammaSchedule",
     "ShardedSampleState",
     "reshard_states",

@@ -391,6 +391,8 @@ class SampleStateLoss(ContrastiveLoss):
         try:
             self.sample_state(dtype=self.options.state_dtype or saved_dtype).load_state_dict(state)
         except KeyError as e:  # other fields: the state of another objective
+            if "do not match this loss's" not in str(e):
+                raise
             raise KeyError(
                 f"{self.name}: {e.args[0]}: it was saved by another objective; load it into the loss it trained with"
             ) from None

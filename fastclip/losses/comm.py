@@ -66,7 +66,7 @@ class Comm:
         if world.isdigit() and int(world) > 1:  # a launcher's process, alone: each rank would train on its own half
             raise RuntimeError(
                 f"environment variable WORLD_SIZE={world} (a launcher's, e.g. torchrun) but torch.distributed is not "
-                "initialised: call torch.distributed.init_process_group() before the loss's first call, or unset "
+                "initialised: call torch.distributed.init_process_group() before the loss's first use, or unset "
                 "WORLD_SIZE to train in one process"
             )
         return cls(None, 1, 0)

@@ -13,3 +13,7 @@ class LossInputError(ValueError):
 
 class NonFiniteFeaturesError(LossInputError):
     """NaN or Inf in the image or text features given to a loss call."""
+
+
+class FeaturesNotNormalisedError(LossInputError):
+    """A finite feature row whose L2 norm is not 1 (F.normalize forgotten, or a tower that output zeros)."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import Comm
-from .errors import LossInputError, NonFiniteFeaturesError
+from .errors import FeaturesNotNormalisedError, LossInputError, NonFiniteFeaturesError
 
 FEATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -298,7 +298,7 @@ def check_details(details: list[list[int]], *, data_size: int | None, momentum: 
     for rank, (image_row, text_row, _, _) in enumerate(details):
         for name, row in (("image_features", image_row), ("text_features", text_row)):
             if row >= NOT_UNIT:
-                raise LossInputError(
+                raise FeaturesNotNormalisedError(
                     f"rank {rank}: {name} row {row - NOT_UNIT} is not L2-normalised (its norm is not 1 within "
                     f"{UNIT_TOLERANCE}): pass F.normalize(features, dim=-1), as the towers' encode_*(normalize=True) do"
                 )
@@ -370,8 +370,8 @@ def value_words(
     """``[HEADER_WORDS]`` int64 on the features' device: the three first-bad positions (NO_ROW where nothing is
     wrong), the bad index's value (meaningless unless its position is) and ``fingerprint`` (a [1] int64 word).
     ``momentum``: its rows count with the features' (a NaN in the momentum towers made the loss NaN, unnamed).
-    A dozen small device ops, no host sync: they run at every call, so their number is what they cost at small
-    batches."""
+    A score of small device ops (two passes over the features: a float64 sum per row, a norm per row in float32),
+    no host sync: they run at every call, so their number is what they cost at small batches."""
     # A row's float64 sum is NaN/Inf iff the row holds a NaN/Inf: one pass over the features. x − x is 0 exactly
     # for a finite x and NaN otherwise (two ops; isfinite decomposes into four).
     sums = torch.stack([image.sum(dim=1, dtype=torch.float64), text.sum(dim=1, dtype=torch.float64)])
@@ -385,7 +385,9 @@ def value_words(
     first = rows.masked_fill(ok, NO_ROW).amin(dim=1)  # the first bad row of each, NO_ROW where there is none
     # a finite row that is not L2-normalised (F.normalize forgotten: the loss would be a number that means nothing),
     # its position + NOT_UNIT in the same word (a non-finite row, below NOT_UNIT, is said first)
-    norms = torch.stack([torch.linalg.vector_norm(f, dim=1, dtype=torch.float64) for f in (image, text)])
+    norms = torch.stack(
+        [torch.linalg.vector_norm(f if f.dtype == torch.float64 else f.float(), dim=1) for f in (image, text)]
+    )
     unit = (norms - 1).abs() <= UNIT_TOLERANCE
     off_unit = (rows + NOT_UNIT).masked_fill(unit, NO_ROW).amin(dim=1)
     first = torch.cat([torch.minimum(first[:2], off_unit), first[2:]])
@@ -496,12 +498,18 @@ class InputChecks:
         words = torch.stack(self._pending)  # [C, K, HEADER_WORDS] of calls self.calls - C + 1 ... self.calls
         calls = torch.arange(self.calls - len(self._pending) + 1, self.calls + 1, device=words.device)
         self._pending = []
-        for kind, columns in (("features", slice(0, 2)), ("index", slice(2, 3))):
+        # features: a non-finite row (a guard may forgive it); unit: a row not L2-normalised (never forgiven)
+        kinds = (
+            ("features", slice(0, 2), lambda w: w < NOT_UNIT),
+            ("unit", slice(0, 2), lambda w: (w >= NOT_UNIT) & (w != NO_ROW)),
+            ("index", slice(2, 3), lambda w: w != NO_ROW),
+        )
+        for kind, columns, is_bad in kinds:
             kind_calls, kind_words = calls, words
             if kind in self._first_bad:
                 kept_call, kept_words = self._first_bad[kind]
                 kind_calls, kind_words = torch.cat([kept_call[None], calls]), torch.cat([kept_words[None], words])
-            bad = (kind_words[:, :, columns] != NO_ROW).any(dim=2).any(dim=1) & (kind_calls >= 0)  # [C]
+            bad = is_bad(kind_words[:, :, columns]).any(dim=2).any(dim=1) & (kind_calls >= 0)  # [C]
             count = len(kind_calls)
             first = torch.where(bad, torch.arange(count, device=bad.device), count).amin()
             pick = first.clamp(max=count - 1).reshape(1)
@@ -510,27 +518,27 @@ class InputChecks:
 
     def raise_if_bad(self, *, features: bool = True, call_number: bool = False) -> None:
         """One host read: raise for the calls since the last check (the same on every rank) and forget them. An
-        out-of-range index is raised first (it is fatal), else the first non-finite-features call.
+        out-of-range index is raised first (it is fatal), then a row not L2-normalised (fatal too), else the first
+        non-finite-features call.
         ``features=False``: non-finite features are forgotten without raising (the caller's NaN guard skipped those
         steps); only an index error raises."""
         self._fold()
         if not self._first_bad:
             return
-        (feature_call, feature_words), (index_call, index_words) = self._first_bad["features"], self._first_bad["index"]
+        picked = [self._first_bad[kind] for kind in ("index", "unit", "features")]
         self._first_bad = {}
-        values = torch.cat([feature_call[None], index_call[None], feature_words.reshape(-1), index_words.reshape(-1)])
-        values = values.tolist()
-        size = feature_words.numel()
-        feature_call, index_call, feature_words, index_words = (
-            values[0],
-            values[1],
-            values[2 : 2 + size],
-            values[2 + size :],
-        )
+        size = picked[0][1].numel()
+        values = torch.cat([torch.stack([call for call, _ in picked])] + [w.reshape(-1) for _, w in picked]).tolist()
+        (index_call, unit_call, feature_call), rest = values[:3], values[3:]
+        index_words, unit_words, feature_words = rest[:size], rest[size : 2 * size], rest[2 * size :]
         if index_call >= 0:
             call, details = index_call, [[-1, -1, pos, value] for _, _, pos, value in _details(index_words)]
+        elif unit_call >= 0:  # its rows alone: a non-finite row of the same call is the features kind's
+            unit = lambda row: row if row >= NOT_UNIT else -1  # noqa: E731
+            call, details = unit_call, [[unit(i), unit(t), -1, 0] for i, t, _, _ in _details(unit_words)]
         elif feature_call >= 0 and features:
-            call, details = feature_call, [[image, text, -1, 0] for image, text, _, _ in _details(feature_words)]
+            finite = lambda row: row if row < NOT_UNIT else -1  # noqa: E731
+            call, details = feature_call, [[finite(i), finite(t), -1, 0] for i, t, _, _ in _details(feature_words)]
         else:
             return
         where = f"loss call {call}: " if call_number else ""

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from fastclip.checkpoint import CHECKPOINTS, read_pointer
 from fastclip.distributed import DistInfo
-from fastclip.losses import LossInputError, NonFiniteFeaturesError
+from fastclip.losses import FeaturesNotNormalisedError, LossInputError, NonFiniteFeaturesError
 from fastclip.train.errors import CollectiveFailure, NonFiniteStepsError, TrainingError
 
 
@@ -58,6 +58,8 @@ def check_loss_inputs(loss_fn, step: int) -> str | None:
         loss_fn.check_inputs()
     except NonFiniteFeaturesError as e:
         return str(e)
+    except FeaturesNotNormalisedError as e:  # the towers normalise: zero rows from a collapsed tower
+        raise TrainingError(f"step {step}: the loss refused its inputs: {e}") from None
     except LossInputError as e:
         raise TrainingError(
             f"step {step}: the loss refused its inputs: {e}. The shards' global indices must lie in "

@@ -377,6 +377,24 @@ def remove_if_untouched(run_dir: Path) -> None:
         pass
 
 
+def remove_if_untouched_and_free(run_dir: Path) -> None:
+    """remove_if_untouched for a run that never took the lock (its group never formed): only while no other job
+    holds it (another launch on the same folder may have made it and be about to write)."""
+    path = run_dir / RUN_LOCK
+    if not path.is_file():
+        return remove_if_untouched(run_dir)
+    try:
+        handle, _ = _take_lock(path)
+    except OSError:  # gone meanwhile, or not ours to open: left as it is
+        return
+    if handle is None:  # held: another job's folder now
+        return
+    try:
+        remove_if_untouched(run_dir)
+    finally:
+        handle.close()
+
+
 def check_run_dir_free(cfg: Config) -> None:
     """`--check`: the run folder's lock is not held by a running job (taken and let go at once; no file is made)."""
     path = Path(cfg.train.run_dir) / RUN_LOCK

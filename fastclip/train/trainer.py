@@ -50,7 +50,7 @@ def _train_in_group(cfg: Config, fresh: bool = False) -> dict:
         info = init_distributed(cfg.train.device, cfg.train.backend, cfg.train.dist_timeout_minutes)
     except BaseException:  # no group, so no lock: the peers failed the same join (or a stop ended this rank's wait)
         if fresh:
-            preflight.remove_if_untouched(Path(cfg.train.run_dir))
+            preflight.remove_if_untouched_and_free(Path(cfg.train.run_dir))
         raise
     timeouts = CollectiveTimeouts(
         info, start_seconds=60 * cfg.train.dist_timeout_minutes, train_seconds=cfg.train.collective_timeout_seconds

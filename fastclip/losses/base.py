@@ -14,7 +14,7 @@ from .comm import Comm
 from .errors import LossInputError
 from .options import CommonOptions, SampleStateOptions
 from .pairwise import exact_float32
-from .sharded_state import ShardedSampleState
+from .sharded_state import ShardedSampleState, StateFieldsMismatch
 from .validation import (
     NEEDS_MOMENTUM,
     SIGNATURE_CHANGED,
@@ -390,9 +390,7 @@ class SampleStateLoss(ContrastiveLoss):
         saved_dtype = next(iter(state["fields"].values())).dtype if state.get("fields") else None
         try:
             self.sample_state(dtype=self.options.state_dtype or saved_dtype).load_state_dict(state)
-        except KeyError as e:  # other fields: the state of another objective
-            if "do not match this loss's" not in str(e):
-                raise
+        except StateFieldsMismatch as e:  # other fields: the state of another objective
             raise KeyError(
                 f"{self.name}: {e.args[0]}: it was saved by another objective; load it into the loss it trained with"
             ) from None

@@ -200,7 +200,9 @@ class ShardedSampleState:
             )
         fields = state["fields"]
         if set(fields) != set(self.names):
-            raise KeyError(f"sample state fields {sorted(fields)} do not match this loss's {sorted(self.names)}")
+            raise StateFieldsMismatch(
+                f"sample state fields {sorted(fields)} do not match this loss's {sorted(self.names)}"
+            )
         for name, value in list(fields.items()) + [("seen", state["seen"])]:
             if value.shape != (self.num_slots,):
                 raise ValueError(
@@ -212,6 +214,10 @@ class ShardedSampleState:
                 self._table[: self.num_slots, col].copy_(fields[name])
             self._seen[: self.num_slots].copy_(state["seen"])
             self._seen[self.num_slots] = False
+
+
+class StateFieldsMismatch(KeyError):
+    """A saved sample state whose fields are not this loss's (another objective saved it)."""
 
 
 def check_format(state: Mapping) -> None:

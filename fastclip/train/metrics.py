@@ -166,22 +166,6 @@ def _step_of(line: str) -> float:
         return float("inf")  # a torn last line from a crash: dropped
 
 
-def evaluated_at(run_dir: Path, step: int) -> bool:
-    """Whether the run's metrics.jsonl holds an evaluation record ("eval/...") of `step`."""
-    try:
-        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return False
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("step") == step and any(k.startswith("eval/") for k in record):
-            return True
-    return False
-
-
 class MetricsLogger:
     """Rank 0 writes; on other ranks every method is a no-op."""
 
@@ -197,6 +181,7 @@ class MetricsLogger:
         wandb: dict | None = None,
     ):
         self.enabled = enabled
+        self.evaluated_at_start = False  # metrics.jsonl holds an evaluation record ("eval/...") of start_step
         self.file = None
         self.tb = None
         self.bar = None
@@ -208,6 +193,9 @@ class MetricsLogger:
         if path.exists():  # a resumed run continues the file; records past the checkpoint will be written again
             kept = [line for line in path.read_text().splitlines() if _step_of(line) <= start_step]
             path.write_text("".join(line + "\n" for line in kept))
+            self.evaluated_at_start = any(
+                _step_of(line) == start_step and any(k.startswith("eval/") for k in json.loads(line)) for line in kept
+            )
         self.file = open(path, "a")
         if tensorboard:
             try:

@@ -221,7 +221,7 @@ class Run:
             return False
         if step % cfg.eval.every_steps:
             return False
-        return broadcast_flag(self.info.is_main and not metrics.evaluated_at(self.run_dir, step), self.info)
+        return broadcast_flag(self.info.is_main and not self.log.evaluated_at_start, self.info)
 
     def train_epoch(self) -> None:
         """The rest of this epoch's batches (or up to the last step, or a stop)."""

@@ -3,6 +3,7 @@ checkpoints, bitwise comparison, whole jobs as real process groups, data streams
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -410,6 +411,27 @@ def wait_for(predicate, timeout: float, what: str, job: Job | None = None, poll:
             break
         time.sleep(poll)
     raise AssertionError(f"timed out waiting for {what}" + (f"\n{job.outputs()}" if job else ""))
+
+
+def feed_fifo(fifo: Path, text: str, procs, timeout: float = 60) -> None:
+    """Write `text` to the FIFO `fifo` once a reader has opened it. A plain open() waits for that reader for ever:
+    if the command that should read it died first, the test hung until CI's limit. Fails instead, naming it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while no reader has it open
+            break
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+        if all(p.poll() is not None for p in procs):
+            raise AssertionError(f"{fifo}: its reader ended (status {[p.returncode for p in procs]}) before opening it")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{fifo}: no reader opened it in {timeout:.0f} s")
+        time.sleep(0.02)
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 # ----------------------------------------------------------------------------- data streams

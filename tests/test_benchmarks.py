@@ -629,6 +629,7 @@ def test_shard_pattern_is_openclip_brace_syntax(tmp_path):
 SMOKE_SKIPS = "longrun,loss,engines,tempfree,ssl"
 
 
+@pytest.mark.timeout(600)  # every benchmark once: ~3 min on 2 idle cores, the suite's longest test
 def test_run_all_smoke_writes_results_and_plots():
     """Every program in its --quick form (tiny sizes) but four whose subject other tests run end to end; RESULTS.md
     names the machine and links readable PNGs. Left out: longrun (a kill -9 soak of 2-5 launches; test_faults kills

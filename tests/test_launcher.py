@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from fastclip.train.launcher import children, exit_status
 from fastclip.train.preemption import EXIT_PREEMPTED
 
-from helpers import EMBEDDED, clean_env, fault_overrides, latest, train_records, wait_for
+from helpers import EMBEDDED, clean_env, fault_overrides, feed_fifo, latest, train_records, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -281,8 +282,7 @@ def test_a_sigterm_to_the_launch_script_during_its_checks_is_one_line(data, tmp_
     wait_for(lambda: proc.poll() is not None or checking(), 60, "the checks")
     proc.send_signal(signal.SIGTERM)  # the script alone
     time.sleep(0.5)  # (bash takes the signal in its trap while it waits for the check)
-    with open(config, "w") as fifo:  # the check reads its config and passes
-        fifo.write(EMBEDDED.read_text())
+    feed_fifo(config, EMBEDDED.read_text(), [proc])  # the check reads its config and passes
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == EXIT_PREEMPTED, err
     assert err.strip().splitlines()[-1] == (
@@ -330,7 +330,10 @@ def test_a_rendezvous_port_in_use_is_one_line_and_a_missing_node_is_announced(tm
     proc = launcher(port, 2)  # free now; the second node never comes
     note = "fastclip launcher: note: waiting for all 2 node(s) to join torchrun's rendezvous at 127.0.0.1:"
     lines: list[str] = []
+    watchdog = threading.Timer(120, proc.kill)  # readline() waits for a line: without the note it waited for ever
+    watchdog.start()
     wait_for(lambda: lines.append(proc.stderr.readline()) or note in lines[-1] or proc.poll() is not None, 120, "note")
+    watchdog.cancel()
     proc.send_signal(signal.SIGTERM)
     err = "".join(lines) + proc.communicate(timeout=120)[1]
     assert proc.returncode == EXIT_PREEMPTED and note in err, err

@@ -17,7 +17,17 @@ import pytest
 from fastclip.train.launcher import children
 from fastclip.train.preemption import EXIT_PREEMPTED
 
-from helpers import Job, assert_same_training_state, catches, fault_overrides, latest, step_dir, train_records, wait_for
+from helpers import (
+    Job,
+    assert_same_training_state,
+    catches,
+    fault_overrides,
+    feed_fifo,
+    latest,
+    step_dir,
+    train_records,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8  # 5 steps per epoch at 2 x 8: the runs cross into epoch 1
@@ -168,7 +178,7 @@ def test_a_stop_signal_while_the_run_starts_ends_in_75_not_in_death(data, tmp_pa
     )
     wait_for(lambda: proc.poll() is not None or catches(proc.pid, sig), 60, "the signal held")
     proc.send_signal(sig)
-    fifo.write_text((REPO / "configs" / "embedded.yaml").read_text())  # (opening blocks until the reader opens)
+    feed_fifo(fifo, (REPO / "configs" / "embedded.yaml").read_text(), [proc])
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == EXIT_PREEMPTED, out
     lines = [x for x in out.splitlines() if not x.startswith("fastclip train: note:")]
@@ -197,7 +207,7 @@ def test_a_stop_signal_during_check_ends_in_75_with_its_line(data, tmp_path):
     )
     wait_for(lambda: proc.poll() is not None or catches(proc.pid, signal.SIGTERM), 60, "the signal held")
     proc.send_signal(signal.SIGTERM)
-    fifo.write_text((REPO / "configs" / "embedded.yaml").read_text())
+    feed_fifo(fifo, (REPO / "configs" / "embedded.yaml").read_text(), [proc])
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, (out, err)
     assert "config ok" in out

@@ -971,6 +971,22 @@ def test_a_winner_that_never_reaches_the_baseline_reads_never_not_a_dash(tmp_pat
     assert c["samples_ratio_never"] is False and report._ratio(c) == "–"
 
 
+def test_the_samples_ratio_point_is_over_the_paired_seeds_as_its_interval(tmp_path):
+    """A winner with 2 test seeds against a baseline with 3: the point used every seed of each side and the interval
+    the paired ones only, so the point could sit outside its own interval (study v2: 1.29x [1.30, 1.42])."""
+    spec = load(write_spec(tmp_path))
+    row = {"objective": "new", "diff_mean": 0.01, "diff_ci95": [0.0, 0.02], "p_holm": 0.5}
+    t = {"dataset": "d", "global_batch": 32, "winner": "new", "baseline": "base", "comparisons": [row]}
+    runs = {  # paired seeds 1 and 2: base ends at 0.4, new reaches 0.4 at 200 samples; seed 3 of base ends at 0.7
+        "new": {s: {"curve": [[100, 0.2], [200, 0.4], [400, 0.5]], "run": {"epochs": 2}} for s in (1, 2)},
+        "base": {s: {"curve": [[100, 0.1], [200, 0.2], [400, 0.4]], "run": {"epochs": 2}} for s in (1, 2)},
+    }
+    runs["base"][3] = {"curve": [[100, 0.3], [200, 0.5], [400, 0.7]], "run": {"epochs": 2}}
+    c = report.headline(spec, t, {("d", 32, "test"): runs})
+    assert c["samples_ratio"] == pytest.approx(400 / 200)  # (over base's 3 seeds: final mean 0.5, reached at 400: 1x)
+    assert c["samples_ratio_ci95"] == pytest.approx([2.0, 2.0])
+
+
 def test_a_winner_that_is_the_strongest_baseline_and_alone_on_test_has_no_comparison_yet(tmp_path):
     """The first cell to finish its test seeds (study v2: dcl at batch 32) is its table's winner and baseline so far;
     its headline row says no other objective has test runs instead of printing None."""

@@ -114,8 +114,7 @@ def samples_ratio_ci95(winner: dict[int, list], baseline: dict[int, list], resam
     together, with replacement; the random draws are seeded, so a report is the same each time). A resample where
     the winner never reaches the baseline's final value counts as ratio 0, so a lower end of 0 says that happens in
     more than 2.5 % of them. None below 2 paired seeds. Rough at few seeds (n seeds give at most C(2n-1, n)
-    distinct resamples: 3 at 2, 92,378 at 10), and over the paired seeds only, where samples_ratio's point uses
-    every seed of each side (the same seeds in the study's tables, whose headline pairs have 10)."""
+    distinct resamples: 3 at 2, 92,378 at 10). The report's point is samples_ratio over the same paired seeds."""
     seeds = sorted(set(winner) & set(baseline))
     if len(seeds) < 2:
         return None

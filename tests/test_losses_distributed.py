@@ -418,6 +418,49 @@ def big_data_size(rank, world_size):
     return out
 
 
+def one_rank_alone_changes(rank, world_size):
+    """A rank that switches to eval() alone (it computed another objective without a word; eager: the handshake
+    names the mode on every rank), and in deferred mode a rank whose batch shrinks or that switches alone (gloo
+    aborted the process inside the handshake's all_gather, or it hung), then every rank shrinking and switching
+    together, which must just work, equal to eager mode's calls bitwise."""
+
+    def attempt(fn):
+        try:
+            return float(fn())
+        except LossInputError as error:
+            return str(error)
+
+    e1, e2 = step_batch(0, 4)
+    idx = torch.arange(4) + 4 * rank
+    out = {}
+    eager = build_loss("fastclip-v3", data_size=DATA_SIZE).double()
+    eager(e1, e2, idx)
+    eager.train(rank == 0)
+    out["eager_alone"] = attempt(lambda: eager(e1, e2, idx))
+    eager.eval()
+    out["eager_together"] = attempt(lambda: eager(e1, e2, idx))
+    for what in ("shrinks", "eval"):
+        deferred = build_loss("fastclip-v3", data_size=DATA_SIZE, validate="deferred").double()
+        deferred(e1, e2, idx)
+        n = 3 if what == "shrinks" and rank == 1 else 4
+        deferred.train(not (what == "eval" and rank == 1))
+        out[f"deferred_{what}_alone"] = attempt(lambda: deferred(e1[:n], e2[:n], idx[:n]))
+    # together: a smaller batch on every rank, then eval mode on every rank, then train mode again
+    s1, s2 = step_batch(1, 3)
+    small = torch.arange(3) + 3 * rank
+    values = {}
+    for mode in ("eager", "deferred"):
+        loss_fn = build_loss("fastclip-v3", data_size=DATA_SIZE, validate=mode).double()
+        values[mode] = [float(loss_fn(e1, e2, idx)), float(loss_fn(s1, s2, small))]
+        loss_fn.eval()
+        values[mode].append(float(loss_fn(s1, s2, small)))
+        loss_fn.train()
+        values[mode].append(float(loss_fn(e1, e2, idx, epoch=1)))
+        loss_fn.check_inputs()
+    out["together"] = values
+    return out
+
+
 def two_rank_suite(rank, world_size):
     torch.manual_seed(0)
     return {
@@ -427,6 +470,7 @@ def two_rank_suite(rank, world_size):
         "bad_optional": bad_optional_inputs(rank, world_size),
         "later": later_bad_calls(rank, world_size),
         "shapes_changed": shapes_changed_on_one_rank(rank, world_size),
+        "alone": one_rank_alone_changes(rank, world_size),
         "made_early": state_made_before_the_group(rank, world_size),
         "forgotten": forgotten_average(rank, world_size),
         "big": big_data_size(rank, world_size),
@@ -542,7 +586,7 @@ def test_comm_bytes_v3_half_of_cliploss(two_ranks):
         assert v3["indices"] == (k - 1) * b * 8
         assert v3["state"] == 2 * (k - 1) * (k * b) * 5 * item // k  # all_reduce of [N, 5]
         # the first call's handshake + the 5 words in the gather + the first call's broadcast of logit_scale
-        assert v3["header"] == (k - 1) * (29 + 5 + 1) * 8
+        assert v3["header"] == (k - 1) * (30 + 5 + 1) * 8
         assert v3["total"] == sum(v3[key] for key in ("features", "indices", "state", "header"))
         # ClipLoss, measured by wrapping torch.distributed: 2 all_gathers forward + their backward
         assert result["clip"]["clip_bytes"] == 4 * (k - 1) * b * D * item
@@ -628,6 +672,27 @@ def test_a_batch_that_shrinks_on_one_rank_is_the_same_error_everywhere_and_loses
         # [call 1, then 2 calls at B=3] of the loss that met the bad call, each beside the untouched loss's
         met, untouched = got["values"][0::2], got["values"][1::2]
         assert met == untouched  # bitwise: the bad call left no trace
+
+
+def test_a_rank_that_changes_mode_or_shapes_alone_is_named_and_all_changing_together_works(two_ranks):
+    (a, b) = (r["alone"] for r in two_ranks)
+    mode = "the loss's mode (train() or eval(): every rank must switch) differs across ranks (rank 0: train, rank 1: "
+    assert a["eager_alone"] == b["eager_alone"] == mode + "eval); every rank must pass the same"
+    assert isinstance(a["eager_together"], float) and a["eager_together"] == b["eager_together"]
+    # deferred: the rank that changed makes the call's collectives with a stand-in, then says what changed; the
+    # other computed on the stand-in (in a run it stops in its next collective, one the raising rank never makes)
+    assert isinstance(a["deferred_shrinks_alone"], float) and isinstance(a["deferred_eval_alone"], float)
+    tail = (
+        "; with validate='deferred' the ranks must change them at the same call (drop each epoch's last partial "
+        "batch, switch train()/eval() on every rank), or build the loss with validate='eager', which checks every "
+        "call on every rank; the other ranks stop in their next collective"
+    )
+    changed = "rank 1: fastclip-v3's inputs changed on this rank alone"
+    shrunk = "image: a 2-D tensor of shape [4, 5] of float64 -> a 2-D tensor of shape [3, 5] of float64"
+    assert b["deferred_shrinks_alone"] == f"{changed} ({shrunk}){tail}"
+    assert b["deferred_eval_alone"] == f"{changed} (the loss's mode: train() -> eval()){tail}"
+    for r in (a, b):  # together: deferred makes the handshake as eager does, the same numbers bitwise
+        assert r["together"]["deferred"] == r["together"]["eager"]
 
 
 def test_loss_parameters_are_rank_0s_after_the_first_call(two_ranks):

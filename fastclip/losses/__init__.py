@@ -59,14 +59,17 @@ global batch are not each other's negatives (g keeps its 1/(N-1) normalisation) 
 occurrence.
 
 Eval mode (``loss_fn.eval()``, e.g. for a validation loss): the FastCLIP losses read their per-sample state and
-write none of it (u is the batch's own estimate, γ = 1; v2 uses the stored τ_i of the indices given).
+write none of it (u is the batch's own estimate, γ = 1; v2 uses the stored τ_i of the indices given). Every rank
+switches together: a rank alone in eval mode is refused like a batch of another size.
 
 Input checks (``validate``, validation.py): ``True``/``"eager"`` (default) names a bad input in the call, before
 the state is written (one host sync per call), and a batch that shrinks on one rank only (an uneven last batch)
 is the same error on every rank, the loss untouched; ``"deferred"`` rides the same checks in the feature
 all_gather and keeps them on the device until ``loss_fn.check_inputs()`` (no host sync, no extra collective: for
 loops with a NaN guard, like the trainer's; the handshake of the first call and of a shape change checks values
-too, and raises there), and needs the ranks to change batch shapes together (drop the last batch);
+too, and raises there), and needs the ranks to change batch shapes (and train/eval mode) together (drop the
+last batch): a rank that changes alone raises, naming the change, after the call's collectives, and the others
+stop in their next collective;
 ``False``/``"off"``: none, and an out-of-range index trips a device-side assert and writes nothing.
 
 Beyond the reference:

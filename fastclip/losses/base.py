@@ -101,13 +101,16 @@ class ContrastiveLoss(nn.Module):
         given = (image_features, text_features, indices)  # (a redo is made with what the caller gave)
         given_momentum, given_groups = momentum, groups
         need_momentum = self.needs_momentum and self.training  # (eval mode: the in-batch objective)
-        stand_in = (
-            self.validate == "eager"
-            and comm.world_size > 1
-            and checks.changed(comm, *given, momentum, groups, need_momentum)
-        )
+        change = None
+        if self.validate != "off" and comm.world_size > 1:
+            change = checks.changed(comm, *given, momentum, groups, need_momentum, self.training)
+        stand_in = change is not None
         if stand_in:  # the other ranks cannot know: join their all_gather with the agreed shapes and say so
-            image_features, text_features, indices, momentum, groups = checks.stand_in(header_device(comm, *given))
+            # (deferred mode may compute with it: its indices out of range, so it reads and writes no state)
+            no_index = getattr(self.options, "data_size", None) if self.validate == "deferred" else None
+            image_features, text_features, indices, momentum, groups = checks.stand_in(
+                header_device(comm, *given), no_index or 0
+            )
         else:  # momentum and groups are checked here too: a rank alone refusing them would leave the others waiting
             self._check_structure(comm, image_features, text_features, indices, momentum, groups, need_momentum)
         groups = self._checked_groups(groups, image_features)
@@ -127,6 +130,19 @@ class ContrastiveLoss(nn.Module):
                 # a rank's shapes changed (every rank sees its stand-in's flag): the handshake, then the call
                 if checks.check_now(batch.header, batch.all_ids if self._negatives_from_batch() else None):
                     return self._forward(*given, None, comm, momentum=given_momentum, groups=given_groups)
+            elif stand_in:  # deferred: only this rank knows, so it reads the flags now (this call only)
+                if not checks.all_changed(batch.header):
+                    # the others compute with the stand-in: this call's collectives with them, then the error
+                    self._compute(comm, batch)
+                    raise LossInputError(
+                        f"rank {comm.rank}: {self.name}'s inputs changed on this rank alone ({change}); with "
+                        "validate='deferred' the ranks must change them at the same call (drop each epoch's last "
+                        "partial batch, switch train()/eval() on every rank), or build the loss with "
+                        "validate='eager', which checks every call on every rank; the other ranks stop in their "
+                        "next collective"
+                    )
+                checks.signature = None  # every rank changed at this call: the handshake together, then the call
+                return self._forward(*given, None, comm, momentum=given_momentum, groups=given_groups)
             else:
                 checks.record(batch.header)
         loss, metrics = self._compute(comm, batch)
@@ -170,6 +186,7 @@ class ContrastiveLoss(nn.Module):
                 need_indices=self.needs_indices,
                 min_global_batch=self.min_global_batch,
                 need_momentum=need_momentum,
+                training=self.training,
             )
         elif self.needs_indices and indices is None:
             raise LossInputError(f"{self.name} needs indices (int64 [B] global data indices)")

@@ -3,16 +3,21 @@
 Two kinds of check:
 
 * **Structure** (shapes and dtypes of the features, indices, momentum features and groups; agreement of B, d,
-  dtype, data_size and which optional inputs are given across ranks). Each rank describes its inputs in
-  a small header, the headers are all_gathered and every rank runs the same checks over all of them in the same
-  order, so all ranks raise the same error and none is left waiting in a later collective. This handshake runs
+  dtype, data_size, which optional inputs are given and the loss's train/eval mode across ranks). Each rank
+  describes its inputs in a small header, the headers are all_gathered and every rank runs the same checks over
+  all of them in the same order, so all ranks raise the same error and none is left waiting in a later
+  collective. This handshake runs
   on the first call and again when an input signature changes; shapes are host metadata, so telling "unchanged"
   costs nothing. The other ranks cannot see one rank's change without a collective of their own. In eager mode
   (multi-rank) that rank joins the feature all_gather with a stand-in of the agreed shapes and a flag in its
   words (SIGNATURE_CHANGED), which every rank reads with the value words: all then run the handshake, which
   raises alike where the ranks disagree (an uneven last batch on one rank), and the call is made again where
   they changed together. In deferred mode nothing is read per call, so the ranks must change their shapes
-  together (every rank's last batch smaller, or dropped); a change on one rank alone fails in the all_gather.
+  together (every rank's last batch smaller, or dropped): a rank whose signature changed sends the stand-in the
+  same way and reads the flags (that call only); where every rank changed, all make the handshake, else that
+  rank makes the call's collectives with the stand-in (its indices data_size: no state is read or written for
+  them) and raises, naming the change, and the others stop in their next collective (without the stand-in a
+  change on one rank alone aborted inside the all_gather, or hung).
 * **Values** (non-finite features, an index outside [0, data_size)). Every call, five int64 words per rank
   (first non-finite row of image and of text, first bad index position and its value, and in eager mode the
   loss parameters' sum) are computed on the device and ride at the end of the feature all_gather's buffer
@@ -93,6 +98,7 @@ class _Header:
     index_min: float
     index_max: float
     data_size: float  # -1: none (a loss without per-sample indices)
+    training: float  # 1: the loss is in train mode (it writes its state), 0: eval
 
     @classmethod
     def parse(cls, rank: int, values: list[float]) -> _Header:
@@ -125,11 +131,27 @@ def _descriptors(image, text, indices, momentum, groups) -> tuple[tuple[int, ...
     return tuple(tuple(_describe(x)) for x in (image, text, indices, *momentum_pair(momentum), groups))
 
 
-def signature(comm: Comm, image, text, indices, momentum=None, groups=None, need_momentum: bool = False) -> tuple:
+def signature(
+    comm: Comm, image, text, indices, momentum=None, groups=None, need_momentum: bool = False, training: bool = True
+) -> tuple:
     """The inputs' host metadata that the ranks agree on in the handshake (no device op), with whether the call
-    needs momentum features (a distilling loss in training mode: a call after eval mode must make the handshake
-    again) and the world size last."""
-    return _descriptors(image, text, indices, momentum, groups) + (need_momentum, comm.world_size)
+    needs momentum features (a distilling loss in training mode), the loss's train/eval mode (a rank alone in
+    eval mode computes another objective and writes no state: the ranks must switch together) and the world size
+    last."""
+    return _descriptors(image, text, indices, momentum, groups) + (need_momentum, training, comm.world_size)
+
+
+def describe_change(agreed: tuple, now: tuple) -> str:
+    """What differs between two signatures, in words (the first difference)."""
+    for name, old, new in zip(_INPUTS, agreed, now):
+        if old != new:
+            return f"{name}: {_given(old) if old[0] != _ABSENT else 'not given'} -> " + (
+                _given(new) if new[0] != _ABSENT else "not given"
+            )
+    mode = lambda training: "train" if training else "eval"  # noqa: E731
+    if agreed[-2] != now[-2]:
+        return f"the loss's mode: {mode(agreed[-2])}() -> {mode(now[-2])}()"
+    return "momentum= (needed or not)"
 
 
 def _is_features(x) -> bool:
@@ -151,10 +173,10 @@ def header_device(comm: Comm, *inputs) -> torch.device:
 
 
 def build_header(
-    comm: Comm, image, text, indices, momentum=None, groups=None, data_size: int | None = None
+    comm: Comm, image, text, indices, momentum=None, groups=None, data_size: int | None = None, training: bool = True
 ) -> torch.Tensor:
-    """``[descriptors (6 x 4), image sum, text sum, min index, max index, data_size]`` as float64, on the inputs'
-    device.
+    """``[descriptors (6 x 4), image sum, text sum, min index, max index, data_size, training]`` as float64, on the
+    inputs' device.
 
     A tensor's sum is NaN/Inf iff it holds a NaN/Inf (L2-normalised features cannot overflow it).
     """
@@ -170,7 +192,8 @@ def build_header(
     else:
         bounds = [nothing, nothing]
     size = torch.full((), -1 if data_size is None else data_size, dtype=torch.float64, device=device)
-    return torch.cat([static, torch.stack(sums + bounds + [size])])
+    mode = torch.full((), float(training), dtype=torch.float64, device=device)
+    return torch.cat([static, torch.stack(sums + bounds + [size, mode])])
 
 
 def _detail_header(image, text, indices, data_size: int | None) -> torch.Tensor:
@@ -269,6 +292,7 @@ def check_structure(
         ("data_size", lambda h: int(h.data_size) if h.data_size >= 0 else None),
         ("momentum= (given or not)", lambda h: "given" if h.momentum_image[0] != _ABSENT else "not given"),
         ("groups= (given or not)", lambda h: "given" if h.groups[0] != _ABSENT else "not given"),
+        ("the loss's mode (train() or eval(): every rank must switch)", lambda h: "train" if h.training else "eval"),
     ):
         values = [pick(h) for h in headers]
         if len(set(values)) > 1:
@@ -334,7 +358,7 @@ NO_ROW = 2**62  # a position word's value when nothing is wrong (above any row: 
 NOT_UNIT = 2**40  # added to a feature row's position when the row is finite but not L2-normalised
 UNIT_TOLERANCE = 0.05  # |norm - 1| a row may have (bf16's rounding is far inside; an unnormalised tower far outside)
 FOLD_EVERY = 64  # deferred mode keeps the last calls' words as they are and folds them this often (bounded memory)
-SIGNATURE_CHANGED = -2  # eager mode: a rank's first word when it sent a stand-in (its shapes changed)
+SIGNATURE_CHANGED = -2  # a rank's first word when it sent a stand-in (its inputs' signature changed)
 _CODE_DTYPES = {code: dt for dt, code in _DTYPE_CODES.items()}
 
 
@@ -429,34 +453,43 @@ class InputChecks:
 
     def structure(self, comm: Comm, image, text, indices, momentum=None, groups=None, **checks) -> None:
         """The structure handshake, when this rank's input signature differs from the agreed one."""
-        current = signature(comm, image, text, indices, momentum, groups, checks.get("need_momentum", False))
+        current = signature(
+            comm, image, text, indices, momentum, groups, checks.get("need_momentum", False), checks.get("training", 1)
+        )
         if current != self.signature:
             validate_inputs(comm, image, text, indices, momentum, groups, **checks)  # raises alike on every rank
             self.signature = current
 
-    def changed(self, comm: Comm, image, text, indices, momentum=None, groups=None, need_momentum=False) -> bool:
-        """Whether this rank's inputs differ from the signature the ranks last agreed on in this group (host
-        metadata only). One agreed at another world size (a call before init_process_group) is no agreement:
-        every rank then makes the handshake."""
+    def changed(
+        self, comm: Comm, image, text, indices, momentum=None, groups=None, need_momentum=False, training=True
+    ) -> str | None:
+        """What differs (describe_change's words) between this rank's inputs and the signature the ranks last
+        agreed on in this group (host metadata only), or None. One agreed at another world size (a call before
+        init_process_group) is no agreement: every rank then makes the handshake."""
         agreed = self.signature is not None and self.signature[-1] == comm.world_size
-        now = signature(comm, image, text, indices, momentum, groups, need_momentum)
-        return agreed and now != self.signature
+        now = signature(comm, image, text, indices, momentum, groups, need_momentum, training)
+        return describe_change(self.signature, now) if agreed and now != self.signature else None
+
+    def all_changed(self, words: torch.Tensor) -> bool:
+        """Deferred mode, read by a rank whose inputs changed (a host read on that call only): whether every rank
+        sent a stand-in, so that all of them know and make the handshake together."""
+        return all(w == SIGNATURE_CHANGED for w in words.reshape(-1).tolist()[::HEADER_WORDS])
 
     def with_momentum(self) -> bool:
         """Whether the agreed calls pass momentum features (their rows are checked with the features')."""
         return self.signature is not None and self.signature[3][0] != _ABSENT
 
-    def stand_in(self, device) -> tuple:
+    def stand_in(self, device, index: int = 0) -> tuple:
         """Zeros of the agreed shapes (image, text, indices, momentum, groups; None where absent), for the
-        all_gather the other ranks make."""
-        image, text, indices, momentum_image, momentum_text, groups, _, _ = self.signature
+        all_gather the other ranks make; its indices all ``index`` (data_size: owned by no rank)."""
+        image, text, indices, momentum_image, momentum_text, groups = self.signature[: len(_INPUTS)]
 
-        def zeros(desc):
+        def zeros(desc, fill=0):
             ndim, s0, s1, code = desc
-            return torch.zeros([s0, s1][:ndim], dtype=_CODE_DTYPES[code], device=device) if ndim > 0 else None
+            return torch.full([s0, s1][:ndim], fill, dtype=_CODE_DTYPES[code], device=device) if ndim > 0 else None
 
         momentum = None if momentum_image[0] == _ABSENT else (zeros(momentum_image), zeros(momentum_text))
-        return zeros(image), zeros(text), zeros(indices), momentum, zeros(groups)
+        return zeros(image), zeros(text), zeros(indices, index), momentum, zeros(groups)
 
     def check_now(self, words: torch.Tensor, ids: torch.Tensor | None = None) -> bool:
         """Eager mode: read this call's gathered words (a host sync) and raise if any rank's are bad. True
@@ -560,9 +593,10 @@ def validate_inputs(
     need_indices: bool,
     min_global_batch: int = 2,
     need_momentum: bool = False,
+    training: bool = True,
 ) -> None:
     """Raise the same LossInputError on every rank if any rank's inputs are bad (a collective: all ranks call it)."""
-    header = build_header(comm, image, text, indices, momentum, groups, data_size)
+    header = build_header(comm, image, text, indices, momentum, groups, data_size, training)
     headers = [_Header.parse(r, v) for r, v in enumerate(comm.all_gather(header, ledger_key="header").tolist())]
     check_structure(headers, need_indices=need_indices, min_global_batch=min_global_batch, need_momentum=need_momentum)
     if any(_values_suspect(h, data_size) for h in headers):  # the same decision on every rank

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from fastclip.models import hub_names_not_cached
 from fastclip.train.cli import main
 
-from helpers import _UNSET, BATCH, EMBEDDED, clean_env, fault_overrides, latest, load, step_dir
+from helpers import _UNSET, BATCH, EMBEDDED, clean_env, fault_overrides, latest, load, step_dir, train_records
 
 
 @pytest.fixture(scope="module")
@@ -1562,11 +1563,21 @@ def test_a_resume_with_another_batch_size_is_refused_unless_intended(tiny_embedd
     assert (
         out.count(
             "fastclip train: note: data.batch_size 8 -> 4 per process (train.resume_batch_change): 10 -> 20 "
-            "steps per epoch; the schedules now span 3 epochs x 20 = 60 steps and continue from step 2"
+            "steps per epoch; the lr schedules run on samples seen in steps of 8 samples (the global batch the run "
+            "began with), so the lr goes on from where the checkpoint left it; the rest of the interrupted epoch is "
+            "served at the new batch size"
         )
         == 1
     )
     assert latest(run) == "step_00000003"
+    # the lr of step 3 (samples 16-19) is the batch-8 schedule's third: it was the batch-4 schedule's at its third
+    # step of 4 samples (warmup 2x slower), while the note said it went on
+    from fastclip.optim import get_lr
+
+    o = yaml.safe_load((run / "config.yaml").read_text())["optim"]
+    lr = get_lr(2, base_lr=o["lr"], warmup_steps=o["warmup_steps"], total_steps=3 * 10, lr_min=o["lr_min"])
+    assert train_records(run)[-1]["step"] == 3 and train_records(run)[-1]["lr"] == pytest.approx(lr, rel=1e-12)
+    assert load(step_dir(run, 3) / "model.pt")["schedules"]["unit"] == 8
 
 
 def test_check_refuses_a_shard_of_0_bytes(tiny_embedded, tmp_path, capsys):

@@ -216,8 +216,8 @@ def test_resume_at_another_world_size(two_process_runs, data, tmp_path, capsys):
     assert main(["--config", str(EMBEDDED), *args]) == 0
     assert (
         "fastclip train: note: resumed at 1 process(es), trained at 2: global batch 16 -> 8, 5 -> 10 steps per "
-        "epoch; the lr schedules run on samples seen, so they go on from where the checkpoint left them, over 0 "
-        "more steps" in capsys.readouterr().err
+        "epoch; the lr schedules run on samples seen in steps of 16 samples (the global batch the run began with), "
+        "so the lr goes on from where the checkpoint left it, over 0 more steps" in capsys.readouterr().err
     )
     new = tmp_path / "one" / "checkpoints" / "step_00000004"
     m_old, m_new = load(old / "model.pt"), load(new / "model.pt")
@@ -241,6 +241,15 @@ def test_resume_at_another_world_size(two_process_runs, data, tmp_path, capsys):
     recs = records(tmp_path / "one")
     assert [r["step"] for r in recs] == [5, 6, 7] and all(math.isfinite(r["loss"]) for r in recs)
     assert [r["samples_seen"] for r in recs] == [64 + 8, 64 + 16, 64 + 24]
+    # the lr goes on in steps of 16 samples, the batch the run began with (it went on in steps of 8: a warmup 2x
+    # slower, the lr halved at the resume): steps 5 and 6 (samples 64-79) at schedule step 4, step 7 at 5, on the
+    # span the data rule stretched (below)
+    from fastclip.optim import get_lr
+
+    schedules = load(tmp_path / "one" / "checkpoints" / "step_00000007" / "model.pt")["schedules"]
+    o = load_config(tmp_path / "one" / "config.yaml").optim
+    lr = lambda at: get_lr(at, base_lr=o.lr, warmup_steps=o.warmup_steps, total_steps=schedules["total_steps"])  # noqa: E731
+    assert schedules["unit"] == 16 and [r["lr"] for r in recs] == pytest.approx([lr(4), lr(4), lr(5)], rel=1e-12)
     # to its end: the data rule serves epoch 0 again whole here (its 40-sample chunks are below the shuffle buffer),
     # so the run is 8 batches longer than the schedule's 30; they trained at lr 0 past its end. The schedules now
     # end with the run: every step before the last at a positive lr

@@ -197,8 +197,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     resume: str | None = None  # "latest" (of run_dir), or a checkpoint step folder
-    # a resume with another data.batch_size is refused (the steps per epoch, and so the schedules, change) unless
-    # this says the change is intended; the new schedule rule is then printed at the start
+    # a resume with another data.batch_size is refused (the steps per epoch change) unless this says the change is
+    # intended; the start then says the new layout (the lr goes on: the schedules run on samples seen)
     resume_batch_change: bool = False
     log_every: int = 10  # steps between metric lines (the only steps that read values back)
     tensorboard: bool = True  # also write <run_dir>/tensorboard when tensorboard is installed

@@ -67,14 +67,13 @@ def run_checkpoints(cfg, info, resume: SavedCheckpoint | None, *, write_extra: C
 
 def run_parts(run) -> dict:
     """model.pt's parts of a run beside its towers: the loss's parameters (for export and eval; each rank's file
-    restores the loss itself), the optimizer, the counters, and records for reading (the schedules are pure
-    functions of samples_seen)."""
+    restores the loss itself), the optimizer, the counters, the schedules' unit, and records for reading."""
     return {
         "loss": LossParameters(run.loss_fn),
         "optimizer": Optimizer(run.engine, run.resume_dir),  # DeepSpeed: its shards too
         **{counter: Value(run, counter) for counter in ("step", "epoch", "samples_seen")},
         "config": Record(run.cfg.to_dict),
-        "schedules": Record(run.schedules.state),
+        "schedules": run.schedules,
         "arch": Record(lambda: run.net.built.arch),
         "model_config": Record(lambda: run.net.built.config),
     }

@@ -619,12 +619,25 @@ def changed_on_resume_note(cfg: Config, saved: dict | None) -> str | None:
 
 
 def setting_notes(
-    cfg: Config, device: torch.device, resumed_layout, stream, total_steps: int, steps: tuple[int, int], loss_fn
+    cfg: Config,
+    device: torch.device,
+    resumed_layout,
+    stream,
+    schedules,
+    steps: tuple[int, int],
+    loss_fn,
+    schedule_end: int,
 ) -> list[str]:
     """Settings that are legal but rarely what was meant, said once at the start (`resumed_layout`: the data layout
-    the checkpoint was trained at, or None; `stream`: the run's train stream; `total_steps`: the schedules' span;
-    `steps`: the run's first and last; `loss_fn`: the run's loss)."""
+    the checkpoint was trained at, or None; `stream`: the run's train stream; `schedules`: the run's (restored)
+    Schedules; `steps`: the run's first and last; `loss_fn`: the run's loss; `schedule_end`: the schedule step the
+    run ends at, its last step where the layout never changed)."""
     step, last_step = steps
+    unit = schedules.unit
+    kept = (
+        f"the lr schedules run on samples seen in steps of {unit} samples (the global batch the run began with), so "
+        f"the lr goes on from where the checkpoint left it"
+    )
     o, notes = cfg.optim, []
     if cfg.train.precision == "fp16" and device.type == "cpu":  # OpenCLIP's --precision amp, on a CPU
         notes.append(
@@ -636,9 +649,7 @@ def setting_notes(
         notes.append(
             f"fastclip train: note: data.batch_size {resumed_layout.batch_size} -> {cfg.data.batch_size} per "
             f"process (train.resume_batch_change): {before} -> {stream.batches_per_epoch} steps per epoch; "
-            f"the schedules now span {cfg.train.epochs} epochs x {stream.batches_per_epoch} = "
-            f"{total_steps} steps and continue from step {step} on that new span (the lr "
-            f"there is the new schedule's); the rest of the interrupted epoch is served at the new batch size"
+            f"{kept}; the rest of the interrupted epoch is served at the new batch size"
         )
     if resumed_layout is not None and resumed_layout.world_size != stream.layout.world_size:
         before, now = resumed_layout.world_size, stream.layout.world_size
@@ -646,8 +657,7 @@ def setting_notes(
             f"fastclip train: note: resumed at {now} process(es), trained at {before}: global batch "
             f"{resumed_layout.batch_size * before} -> {cfg.data.batch_size * now}, "
             f"{num_batches(stream.epoch_length, resumed_layout)} -> {stream.batches_per_epoch} steps per epoch; "
-            f"the lr schedules run on samples seen, so they go on from where the checkpoint left them, over "
-            f"{last_step - step} more steps"
+            f"{kept}, over {last_step - step} more steps"
         )
     if cfg.model.ema_momentum is not None and not loss_fn.uses_momentum_features:  # (net.py skips their forward)
         notes.append(
@@ -662,9 +672,14 @@ def setting_notes(
             f"({', '.join(f'{r} {n}' for r, n in sorted(counts.items()))}; the first {broken[0][0]}): the samples "
             f"it could not read are in no epoch and in no data_skipped counter (its manifest's problems list them)"
         )
-    if o.warmup_steps > last_step:
+    if o.warmup_steps > schedule_end:
+        reach = (
+            f"the run's {last_step} steps"
+            if unit == schedules.global_batch
+            else f"the {schedule_end} steps of {unit} samples the schedules reach by the run's end"
+        )
         notes.append(
-            f"fastclip train: note: optim.warmup_steps {o.warmup_steps} > the run's {last_step} steps: the "
-            f"learning rate never reaches optim.lr {o.lr:g}"
+            f"fastclip train: note: optim.warmup_steps {o.warmup_steps} > {reach}: the learning rate never reaches "
+            f"optim.lr {o.lr:g}"
         )
     return notes

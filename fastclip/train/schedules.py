@@ -8,12 +8,15 @@ from fastclip.train.config import Config
 
 
 class Schedules:
-    """The lr of the towers and of the temperature group. They run on samples seen, counted in global batches
-    of the current run: equal to the step count, and still the right place in the schedule after a resume at
-    another world size. The step_thresh rule (optim.ThresholdRule) scales the temperature's step on device."""
+    """The lr of the towers and of the temperature group, as functions of samples seen. A schedule step is `unit`
+    samples: the global batch the run began with, kept by its checkpoints, so that a resume at another world size
+    or batch size goes on with the same lr at the same sample (optim.warmup_steps and the span count such steps);
+    in a run that never changes its layout it is the step count. The step_thresh rule (optim.ThresholdRule) scales
+    the temperature's step on device."""
 
     def __init__(self, cfg: Config, engine, *, total_steps: int, global_batch: int):
         self.o, self.engine, self.total_steps, self.global_batch = cfg.optim, engine, total_steps, global_batch
+        self.unit = global_batch  # samples per schedule step (load_state_dict: the run's first global batch)
         self.thresh = ThresholdRule(
             engine.tau_params if self.o.lr_tau_schedule == "step_thresh" else [],
             threshold=self.o.tau_threshold,
@@ -21,8 +24,12 @@ class Schedules:
         )
         self.lr, self.lr_tau = 0.0, 0.0  # the last step's values
 
+    def position(self, samples_seen: int) -> int:
+        """The schedule step at `samples_seen`."""
+        return samples_seen // self.unit
+
     def apply(self, samples_seen: int) -> None:
-        o, at = self.o, samples_seen // self.global_batch
+        o, at = self.o, self.position(samples_seen)
         self.lr = get_lr(
             at,
             base_lr=o.lr,
@@ -45,11 +52,21 @@ class Schedules:
     def effective_lr_tau(self) -> float:
         return self.lr_tau * self.thresh.factor_now()
 
-    def state(self) -> dict:
-        """Their horizon and last values, for reading (they are pure functions of samples_seen)."""
+    def state_dict(self) -> dict:
+        """Their unit and span (in schedule steps), and the last values (for reading)."""
         return {
+            "unit": self.unit,
             "total_steps": self.total_steps,
             "global_batch": self.global_batch,
             "lr": self.lr,
             "lr_tau": self.effective_lr_tau(),
         }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Keep the checkpoint's unit (one saved before units were: its global batch; none saved: this run's) and
+        count the epochs' span in it: unchanged where the layout is."""
+        saved = state if isinstance(state, dict) else {}
+        unit = int(saved.get("unit", saved.get("global_batch", self.unit)))
+        if unit != self.unit:
+            self.total_steps = -(-self.total_steps * self.global_batch // unit)
+            self.unit = unit

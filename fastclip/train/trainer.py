@@ -109,21 +109,23 @@ class Run:
         # this rank's part of every global batch; uint8 images, normalised on the device (fastclip/data/pixels.py)
         self.stream, self.normalize = build_data(cfg, info, self.net.built, catalog, data_size)
         self.global_batch = cfg.data.batch_size * info.world_size
-        total_steps = self.epochs_span = cfg.train.epochs * self.stream.batches_per_epoch
+        total_steps = cfg.train.epochs * self.stream.batches_per_epoch
         self.schedules = Schedules(cfg, self.engine, total_steps=total_steps, global_batch=self.global_batch)
         self.step, self.samples_seen, self.epoch = 0, 0, 0
         self.restore(resume)
         remaining = sum(self.stream.batches_remaining(e) for e in range(self.epoch, cfg.train.epochs))
         self.last_step = min(n for n in (self.step + remaining, cfg.train.max_steps) if n is not None)
-        ends_at = self.samples_seen // self.global_batch + remaining  # where the schedules will be at the end
-        stretched = ends_at > total_steps  # resumed at another layout: the data rule serves part of an epoch twice
+        span = self.schedules.total_steps  # the epochs' span in schedule steps (another unit: resumed elsewhere)
+        # where the schedules will be at the end
+        ends_at = self.schedules.position(self.samples_seen + remaining * self.global_batch)
+        stretched = ends_at > span  # resumed at another layout: the data rule serves part of an epoch twice
         if stretched:  # (else the last batches would train at the schedule's end, lr 0)
             self.schedules.total_steps = ends_at
         self.start_reporting()
         if stretched:
             self.log.message(
                 f"resumed at another data layout: the rest of the run is {remaining} batches of {self.global_batch}, "
-                f"so the lr schedules now end at {ends_at} batches, not {total_steps}"
+                f"so the lr schedules now end at {ends_at} steps of {self.schedules.unit} samples, not {span}"
             )
         self.last_saved, self.last_save_time = (self.step if resumed_here else -1), time.time()
         self.throughput, self.record = Throughput(), {}
@@ -175,8 +177,9 @@ class Run:
             )
             # (the epochs' span: where a resume's data rule stretches the schedules past it, a line says so)
             notes = preflight.setting_notes(
-                cfg, self.device, self.resumed_layout, self.stream, self.epochs_span, steps, self.loss_fn
-            )
+                cfg, self.device, self.resumed_layout, self.stream, self.schedules, steps, self.loss_fn,
+                self.schedules.position(self.samples_seen + (self.last_step - self.step) * self.global_batch),
+            )  # fmt: skip
             changed = preflight.changed_on_resume_note(cfg, self.saved_config)
             for line in [restart] * (restart is not None) + [changed] * (changed is not None) + notes:
                 note(line)

@@ -39,6 +39,7 @@ def test_report_to_resume_and_log_every():
     )
     same(["--report-to", "all"], ["--train.tensorboard", "true", "--train.wandb", "true"])  # OpenCLIP: every one
     same(["--imagenet-val", "/data/imagenet/val"], ["--eval.imagenet_val", "/data/imagenet/val"])
+    same(["--dist-backend", "gloo"], ["--train.backend", "gloo"])  # (it was "no such field in any section")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -106,6 +107,18 @@ def test_local_loss_and_gather_with_grad_are_accepted_with_one_note_each():
             "unknown option --lock-image-unlocked-groups (an OpenCLIP option): both towers are trained (no frozen "
             "tower); start them from a file with --model.pretrained",
         ),
+        # OpenCLIP options with an equivalent that was not named (a fresh-eyes user's run)
+        (
+            ["--beta1", "0.9"],
+            "unknown option --beta1 (an OpenCLIP option): use --optim.betas '[BETA1, BETA2]' (both "
+            "at once; default [0.9, 0.98])",
+        ),
+        (
+            ["--imagenet-v2", "/data/v2"],
+            "unknown option --imagenet-v2 (an OpenCLIP option): ImageNet-V2 is not "
+            "evaluated during training; --imagenet-val DIR takes one folder of class subfolders, and `fastclip eval` "
+            "scores an exported model on any such folder",
+        ),
         (
             ["--frobnicate"],
             "unknown option --frobnicate: no config key of that name (--section.key VALUE, or an OpenCLIP flag that "
@@ -136,6 +149,13 @@ def test_where_the_openclip_flags_differ_is_said_once_at_the_start():
         "TensorBoard is written only when it is listed"
     ]
     assert _cli("--batch-size", "8").stderr == ""  # our own spellings: no note
+    # --precision bf16 is a value of ours that OpenCLIP spells the same and means otherwise (weights in bf16)
+    out = _cli("--precision", "bf16")
+    assert out.returncode == 0 and out.stderr.splitlines() == [
+        "fastclip train: note: where fastclip differs from OpenCLIP: --precision bf16 is autocast with fp32 weights "
+        "(OpenCLIP's amp_bf16); OpenCLIP's bf16 puts the weights in half precision, which fastclip does not do"
+    ]
+    assert _cli("--precision", "amp_bf16").stderr == _cli("--train.precision", "bf16").stderr == ""
 
 
 def test_openclip_switches_take_no_value():
@@ -154,6 +174,7 @@ def test_openclip_switches_take_no_value():
         ],
     )
     same(["--dataset-resampled", "false"], ["--data.resampled", "false"])
+    same(["--ddp-static-graph"], ["--train.ddp_static_graph", "true"])  # (it was "has no value")
 
 
 def test_text_options_stay_text_on_the_command_line():

@@ -476,6 +476,7 @@ FLAG_ALIASES = {
     "train_data": "data.train",
     "val_data": "data.val",
     "imagenet_val": "eval.imagenet_val",
+    "dist_backend": "train.backend",
     "workers": "data.workers",
     "dataset_resampled": "data.resampled",
     "train_num_samples": "data.samples_per_epoch",
@@ -522,7 +523,7 @@ EPOCH_FREQUENCY_FLAGS = {
     "val_frequency": "evaluation runs every --eval.every_steps N steps and at the end (--eval.at_end)",
 }
 # OpenCLIP switches (no value) that set a boolean here; "--flag true/false" works too
-SWITCH_FLAGS = ("dataset_resampled", "grad_checkpointing", "torchcompile")
+SWITCH_FLAGS = ("dataset_resampled", "grad_checkpointing", "torchcompile", "ddp_static_graph")
 # OpenCLIP flags taken here with another meaning in a detail: said once, in one note at the start
 OPENCLIP_DIFFERENCES = {
     "accum_freq": "--accum-freq N splits the per-process --batch-size into N micro-batches: the global batch stays "
@@ -542,6 +543,10 @@ OPENCLIP_UNSUPPORTED = {
     "lock_image": "both towers are trained (no frozen tower); start them from a file with --model.pretrained",
     "lock_text": "both towers are trained (no frozen tower); start them from a file with --model.pretrained",
     "horovod": "processes are started by torchrun or srun (launch/)",
+    "beta1": "use --optim.betas '[BETA1, BETA2]' (both at once; default [0.9, 0.98])",
+    "beta2": "use --optim.betas '[BETA1, BETA2]' (both at once; default [0.9, 0.98])",
+    "imagenet_v2": "ImageNet-V2 is not evaluated during training; --imagenet-val DIR takes one folder of class "
+    "subfolders, and `fastclip eval` scores an exported model on any such folder",
     "distill": "distillation is not supported",
 }
 
@@ -589,6 +594,11 @@ def parse_overrides(args: list[str]) -> dict:
         key = key.replace("-", "_")
         if key in OPENCLIP_DIFFERENCES and OPENCLIP_DIFFERENCES[key] not in differences:
             differences.append(OPENCLIP_DIFFERENCES[key])
+        if key == "precision" and str(raw) in ("fp16", "bf16"):  # OpenCLIP's flag, with a value of ours
+            differences.append(
+                f"--precision {raw} is autocast with fp32 weights (OpenCLIP's amp{'_bf16' * (raw == 'bf16')}); "
+                f"OpenCLIP's {raw} puts the weights in half precision, which fastclip does not do"
+            )
         written = (arg.split("=", 1)[0], key)  # as typed, and normalised (--batch-size and --batch_size are one flag)
         if key == "report_to":
             out.setdefault("train", {}).update(_report_to(raw))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,6 +181,10 @@ def test_the_export_is_the_image_tower_that_open_clip_loads(runs, tmp_path, caps
     visual.load_state_dict(state)  # strict
     for name, value in visual.state_dict().items():
         assert torch.equal(value, saved[f"visual.{name}"]), name
+    # the printed lines run as printed, in a fresh process (`import open_clip, torch` failed on this CPU torch)
+    code = printed[printed.index("import torch") :] + "\nprint(type(visual).__name__)"
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert ran.returncode == 0 and ran.stdout.strip() == type(visual).__name__, ran.stderr[-2000:]
 
 
 def test_fastclip_eval_of_an_ssl_run_is_one_line_exit_2(runs, tiny_embedded, capsys):

@@ -48,7 +48,10 @@ def _builtin(arch: str) -> bool:
 
 def tower_loading_code(written: dict) -> str:
     """The python lines that load an ssl export as open_clip's image tower."""
-    lines = ["import open_clip, torch"]
+    lines = [  # as export.loading_code: pasted as printed it runs where fastclip is installed
+        "import torch",
+        "from fastclip.compat import import_open_clip; open_clip = import_open_clip()  # elsewhere: import open_clip",
+    ]
     if written["config_file"] is not None:
         lines.append(f"open_clip.add_model_config({str(Path(written['config_file']).resolve())!r})")
     lines += [

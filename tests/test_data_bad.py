@@ -173,6 +173,7 @@ def test_shard_unreadable_at_run_time_is_counted(model_fns, bad, tmp_path):
     folder = tmp_path / "gone"
     folder.mkdir()
     write_bad_folder(folder)
+    (folder / "b.tar").unlink()  # (a folder's manifest lists every shard in it)
     write_manifest(folder, Manifest(DATA_SIZE, [ShardInfo("c.tar", 13, 27, 39), ShardInfo("a.tar", 12, 0, 11)]))
     stream = build_train_stream(
         {"train": str(folder), "batch_size": 4, "workers": 0, "shuffle_buffer": 8},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import shutil
 import signal
 
 import numpy as np
@@ -145,6 +146,18 @@ def test_spec_errors_name_the_pattern_before_training(model_fns, shards, tmp_pat
         make(model_fns, str(lonely / "a.tar"))
     with pytest.raises(ValueError, match="fastclip data scan"):
         resolve_catalog(str(lonely))
+    # a shard copied into a scanned folder afterwards was left out of every epoch without a word (its pattern was
+    # refused); the broken shards scan leaves out of a manifest stay allowed (test_data_bad)
+    added = tmp_path / "added"
+    shutil.copytree(shards / "uneven", added)
+    shutil.copy(added / "train-000000.tar", added / "train-000099.tar")
+    with pytest.raises(DataSpecError) as err:
+        resolve_catalog(str(added))
+    assert str(err.value) == (
+        f"source {str(added)!r}: shard {added / 'train-000099.tar'} is in the folder but not listed in "
+        f"{added.resolve() / 'manifest.json'}, so it would not be trained on; run `fastclip data scan` on the folder "
+        "again to list it (or move it out)"
+    )
 
 
 # ------------------------------------------------------------------ real processes: no rank waits for another

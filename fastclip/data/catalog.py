@@ -186,6 +186,20 @@ def _shard_paths(spec: str) -> tuple[list[tuple[Path, Path, ShardInfo | None]], 
     return [(p, p.parent.resolve() / MANIFEST_NAME, None) for p in paths], manifests
 
 
+def _refuse_unlisted_shards(spec: str, folder: Path, file: Path, manifest: Manifest) -> None:
+    """A folder source is its manifest's shards: a .tar in the folder that it neither lists nor names as broken was
+    added after the scan, and would be left out of every epoch without a word (as a pattern naming it is refused)."""
+    known = {os.path.normpath(s.path) for s in manifest.shards}
+    known |= {os.path.normpath(str(q.get("shard"))) for q in manifest.problems if q.get("key") is None}
+    unlisted = sorted(f.name for f in folder.glob("*.tar") if f.name not in known)
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        raise DataSpecError(
+            f"source {spec!r}: shard {folder / unlisted[0]}{more} is in the folder but not listed in {file}, so it "
+            f"would not be trained on; run `fastclip data scan` on the folder again to list it (or move it out)"
+        )
+
+
 def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
     if not isinstance(train_data, str) or not train_data.strip():
         raise DataSpecError(f"empty data pattern {train_data!r}")
@@ -201,6 +215,8 @@ def resolve_catalog(train_data: str, data_size: int | None = None) -> Catalog:
         grouped |= any(m.groups for m in manifests.values())
         first = len(shards)
         shards += _source_shards(spec, source_id, paths, manifests, taken)
+        if not remote.is_remote(spec) and Path(spec).is_dir():  # (after its listed shards were found)
+            _refuse_unlisted_shards(spec, Path(spec), *next(iter(manifests.items())))
         ids = tuple(range(first, len(shards)))
         broken += _scan_broken(paths, manifests, {os.path.normpath(shards[i].name) for i in ids})
         lows = [shards[i].index_min for i in ids if shards[i].index_min is not None]

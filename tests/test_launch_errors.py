@@ -36,12 +36,15 @@ def _args(data, run, **extra) -> list[str]:
     return ["--config", str(EMBEDDED), *fault_overrides(data, run, **{"train.dist_timeout_minutes": 0.05, **extra})]
 
 
-def _ctrl_c(argv, cwd, ready, what: str, *, wait_s: float, finish_s: float, settle_s: float = 0.0, sig=signal.SIGINT):
-    """(status, stderr) of `fastclip <argv>` run in its own process group and sent SIGINT as a terminal's Ctrl-C
-    sends it (to the whole group: data workers too) once `ready()` holds; killed if it outlives `finish_s`.
-    `sig`: another signal sent the same way (SIGTERM: a job's time limit, scancel)."""
+def _ctrl_c(
+    argv, cwd, ready, what: str, *, wait_s: float, finish_s: float, settle_s: float = 0.0, sig=signal.SIGINT,
+    module: str = "fastclip",
+):  # fmt: skip
+    """(status, stderr) of `python -m <module> <argv>` (`fastclip` by default) run in its own process group and
+    sent SIGINT as a terminal's Ctrl-C sends it (to the whole group: data workers too) once `ready()` holds; killed
+    if it outlives `finish_s`. `sig`: another signal sent the same way (SIGTERM: a job's time limit, scancel)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fastclip", *argv],
+        [sys.executable, "-m", module, *argv],
         cwd=cwd,
         env=clean_env(),
         stdout=subprocess.DEVNULL,
@@ -152,6 +155,20 @@ def test_a_failed_join_leaves_a_run_folder_another_job_holds(tmp_path):
     held.close()
     preflight.remove_if_untouched_and_free(run)
     assert not run.exists()
+
+
+def test_ctrl_c_to_two_ranks_is_said_once(tiny_embedded, tmp_path):
+    """Ctrl-C reaches every rank of a launch: each printed the interrupted line (two identical lines, a fresh-eyes
+    user's run); rank 0 says it, as a stop's line is said once."""
+    run = tmp_path / "run"
+    args = _args(tiny_embedded, run, **{"train.max_steps": 200, "checkpoint.every_steps": 2})
+    argv = ["--standalone", "--nproc_per_node", "2", "-m", "fastclip", "train", "--", *args]
+    ready = (run / "checkpoints" / "latest").is_file
+    status, err = _ctrl_c(
+        argv, tmp_path, ready, "a checkpoint", wait_s=240, finish_s=120, module="fastclip.train.launcher"
+    )
+    lines = [x for x in err.splitlines() if "interrupted" in x]
+    assert status == 130 and len(lines) == 1 and lines[0].startswith("fastclip train: interrupted at step"), err
 
 
 def test_ctrl_c_while_torch_is_imported_is_one_line_130(tmp_path):

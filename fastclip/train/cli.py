@@ -52,6 +52,11 @@ def _interrupt(error: BaseException) -> KeyboardInterrupt | None:
     return next((e for e in _chain(error) if isinstance(e, KeyboardInterrupt)), None)
 
 
+def _is_first_rank() -> bool:
+    """Whether this process is global rank 0 by the launcher's variables (torchrun's RANK, srun's SLURM_PROCID)."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
 def _interrupted_line(error: BaseException, run_dir) -> str:
     # the trainer tags the error it re-raises with the step it was on
     step = next((e.at_step for e in _chain(error) if getattr(e, "at_step", None) is not None), None)
@@ -253,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"fastclip train: error: {e}", file=sys.stderr, flush=True)
                 return 1
             raise
-        print(_interrupted_line(e, cfg.train.run_dir if cfg is not None else None), file=sys.stderr, flush=True)
+        if _is_first_rank():  # (Ctrl-C reaches every rank: the same line once, as a stop's is)
+            print(_interrupted_line(e, cfg.train.run_dir if cfg is not None else None), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     return 0
 

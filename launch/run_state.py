@@ -33,10 +33,14 @@ def trained_steps(run: Path) -> int:
 
 
 def evaluated(run: Path, data: str) -> bool:
-    """An evaluation of `data` (paths compared normalised) of the checkpoint at the run's last training step."""
+    """A full evaluation of `data` (paths compared normalised) of the checkpoint at the run's last training step: a
+    spot check (`fastclip eval --max-samples`, recorded with max_samples) is not one."""
     step, wanted = trained_steps(run), os.path.normpath(data)
     return step > 0 and any(
-        r.get("step") == step and isinstance(r.get("data"), str) and os.path.normpath(r["data"]) == wanted
+        r.get("step") == step
+        and isinstance(r.get("data"), str)
+        and os.path.normpath(r["data"]) == wanted
+        and r.get("max_samples") is None
         for r in _rows(run / "checkpoints" / "results.jsonl")
     )
 

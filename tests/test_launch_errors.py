@@ -431,6 +431,9 @@ def test_quickstart_state_reads_a_runs_last_step_and_what_was_evaluated_there(tm
     results = run / "checkpoints" / "results.jsonl"
     results.write_text(json.dumps({"step": 5, "data": "d/test", "task": "retrieval"}) + "\n")
     assert not run_state.evaluated(run, "d/test")  # an older checkpoint's evaluation
+    spot = {"step": 10, "data": "d/test", "task": "retrieval", "max_samples": 50}
+    results.write_text(results.read_text() + json.dumps(spot) + "\n")
+    assert not run_state.evaluated(run, "d/test")  # a spot check (it let a rerun skip the full evaluation)
     results.write_text(results.read_text() + json.dumps({"step": 10, "data": "d/test/", "task": "retrieval"}) + "\n")
     assert run_state.evaluated(run, "d/test") and run_state.evaluated(run, "./d/test")
     assert not run_state.evaluated(run, "d/novel")

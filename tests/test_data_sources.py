@@ -339,6 +339,15 @@ def test_scan_writes_a_manifest_and_reports_problems(tmp_path, capsys):
     assert fastclip_main(["data", "scan", str(tmp_path), "--strict"]) == 1
     assert not (tmp_path / "manifest.json").exists()
     assert fastclip_main(["data", "scan", str(tmp_path / "nothing-{0..3}.tar")]) == 2
+    # a negative index without --data-size: there is no upper bound to name (it said "not in [0, None)")
+    negative = tmp_path / "negative"
+    negative.mkdir()
+    samples = [(k, {"jpg": synthetic_image(i, fmt="jpg"), "txt": b"a cat", "json": json.dumps({"index": i * 8 - 5})})
+               for i, k in enumerate(("a", "b"))]  # fmt: skip
+    write_tar(negative / "00000.tar", [(k, {**m, "json": m["json"].encode()}) for k, m in samples])
+    capsys.readouterr()
+    assert fastclip_main(["data", "scan", str(negative)]) == 0
+    assert "shard 00000.tar key a: index_out_of_range (index -5 is negative)" in capsys.readouterr().out
 
 
 def test_info_resolves_a_spec(embedded, capsys):

@@ -538,8 +538,10 @@ class _Tally:
             (o, r, d, None) for o, r, d in summary.notes if r == "missing_index"
         ]
         rows += [(o, r, d, int(idx[o])) for o, r, d in summary.notes if r != "missing_index" and keep[o]]
+        # (without --data-size only a negative index is out of range: no upper bound to name)
+        bound = f"not in [0, {data_size})" if data_size is not None else "is negative"
         rows += [
-            (o, "index_out_of_range", f"index {int(idx[o])} not in [0, {data_size})", int(idx[o]))
+            (o, "index_out_of_range", f"index {int(idx[o])} {bound}", int(idx[o]))
             for o in np.nonzero((valid & (idx < 0)) | out)[0].tolist()
         ]
         first_here = {}

@@ -141,6 +141,14 @@ def test_a_run_folder_another_job_trains_in_is_refused_and_free_again_after(tiny
     assert main(["--check", *args]) == 0
     assert main(args) == 0
     assert (run / ".fastclip.lock").read_text().startswith("pid ")
+    # a fresh start into a folder a running job trains in (with checkpoints by now): "in use", not "continue it with
+    # --train.resume latest", which the lock then refuses (a fresh-eyes operator review)
+    holder = open(run / ".fastclip.lock", "a+")
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    for check in ([], ["--check"]):
+        _fails(capsys, [*check, *args], "train.run_dir", f"{run} is in use by a running job")
+    holder.close()
+    _fails(capsys, args, "train.run_dir", f"{run} already holds a run", "--train.resume latest")
 
 
 def test_unknown_arch_lists_the_known_ones(tiny_embedded, tmp_path, capsys):

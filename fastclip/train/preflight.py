@@ -322,6 +322,7 @@ def check_no_run_held(run_dir: Path, resuming: str | None = None) -> None:
                 f"a new run would cut it: choose another --train.run_dir, or delete that file to start over there"
             )
         return
+    _refuse_if_in_use(run_dir)  # a running job's folder: that is what to say (resuming it would be refused too)
     newest = root / pointer if pointer and STEP_DIR.fullmatch(pointer) else steps[-1] if steps else None
     held = f"step {int(STEP_DIR.fullmatch(newest.name).group(1))}, {newest}" if newest else f"{root / LATEST}"
     if resuming is not None:
@@ -358,7 +359,7 @@ def lock_run_dir(cfg: Config, info):
             handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             handle.flush()
     if broadcast_flag(handle is None and info.is_main, info):
-        raise _run_dir_in_use(cfg, holder)
+        raise _run_dir_in_use(cfg.train.run_dir, holder)
     return handle
 
 
@@ -397,12 +398,16 @@ def remove_if_untouched_and_free(run_dir: Path) -> None:
 
 def check_run_dir_free(cfg: Config) -> None:
     """`--check`: the run folder's lock is not held by a running job (taken and let go at once; no file is made)."""
-    path = Path(cfg.train.run_dir) / RUN_LOCK
+    _refuse_if_in_use(Path(cfg.train.run_dir))
+
+
+def _refuse_if_in_use(run_dir: Path) -> None:
+    path = run_dir / RUN_LOCK
     if not path.is_file():
         return
     handle, holder = _take_lock(path)
     if handle is None:
-        raise _run_dir_in_use(cfg, holder)
+        raise _run_dir_in_use(run_dir, holder)
     handle.close()
 
 
@@ -421,9 +426,9 @@ def _take_lock(path: Path):
         return None, holder
 
 
-def _run_dir_in_use(cfg: Config, holder: str) -> ConfigError:
+def _run_dir_in_use(run_dir, holder: str) -> ConfigError:
     return ConfigError(
-        f"config key 'train.run_dir': {cfg.train.run_dir} is in use by a running job"
+        f"config key 'train.run_dir': {run_dir} is in use by a running job"
         + (f" ({holder})" if holder else "")
         + "; wait for it to end or stop it, or choose another --train.run_dir"
     )

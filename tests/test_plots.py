@@ -85,3 +85,10 @@ def test_an_ssl_runs_knn_is_drawn_in_the_held_out_panel(tmp_path, capsys):
     written = plot_runs([run], tmp_path / "png")
     assert sorted(p.name for p in written) == ["loss.png", "overview.png", "zeroshot_top1.png"]
     assert load_run(run).series("eval/knn_top1") == ([24.0], [0.4])
+    # titled for what it holds: a kNN curve under "zero-shot top-1 accuracy" (a fresh-eyes user's run)
+    from fastclip.eval.plots import PANELS, panel_title
+
+    (_, title, _, key) = PANELS[-1]
+    assert panel_title([load_run(run)], title, key) == "held-out top-1 accuracy"
+    write_run(tmp_path / "clip", speed=1.0)
+    assert panel_title([load_run(tmp_path / "clip")], title, key) == "zero-shot top-1 accuracy"

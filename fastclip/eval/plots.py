@@ -137,6 +137,14 @@ PANELS = [
 ]
 
 
+def panel_title(runs: list[Run], title: str, key: str | None) -> str:
+    """The panel's title: the top-1 panel says "zero-shot" only when every curve in it is a zero-shot one (an ssl
+    run's is leave-one-out kNN, a probe's a classifier trained on features)."""
+    if key is None and any(not k.startswith("eval/zeroshot/") for k in zeroshot_keys(runs)):
+        return "held-out top-1 accuracy"
+    return title
+
+
 def _draw(ax, runs: list[Run], key: str | None) -> bool:
     """Draw one panel; False if no run has the metric."""
     import itertools
@@ -209,6 +217,7 @@ def plot_runs(run_paths: list[str | Path], out_dir: str | Path, notes: list[str]
 
     overview, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
     for (stem, title, y_label, key), ax_overview in zip(PANELS, axes.flat):
+        title = panel_title(runs, title, key)
         fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
         for axis in (ax, ax_overview):
             if _draw(axis, runs, key):

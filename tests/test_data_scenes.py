@@ -221,7 +221,15 @@ def test_captions_per_scene_writes_one_sample_per_phrasing_sharing_a_group(sourc
     bad = [*argv[:-1], "4", "--out", str(tmp_path / "bad")]
     one_line_error(capsys, data_main, bad, "--captions-per-scene 4: must be 1..3")
     glyphs = ["embedded", "--out", str(tmp_path / "glyphs"), "--captions-per-scene", "2"]
-    one_line_error(capsys, data_main, glyphs, "--captions-per-scene 2: scenes sources only")
+    one_line_error(capsys, data_main, glyphs, "--captions-per-scene: scenes sources only", "--source glyphs")
+    # each source's own flags, given with the other: refused (they changed nothing, silently; a fresh-eyes run)
+    for argv, words in (
+        (["--num-train", "10"], ["--num-train: scenes sources only", "this is --source glyphs: drop it"]),
+        (["--source", "scenes", "--max-per-class", "5"], ["--max-per-class: glyphs only", "--source scenes"]),
+        (["--source", "scenes-semantic", "--val-fraction", "0.3"], ["--val-fraction: glyphs only"]),
+    ):
+        one_line_error(capsys, data_main, ["embedded", "--out", str(tmp_path / "x"), *argv], *words)
+        assert not (tmp_path / "x").exists()
 
 
 VARIANTS = {"scenes": "classic", "scenes-semantic": "semantic"}

@@ -100,20 +100,19 @@ def _embedded_arguments(sub) -> None:
         "compositional scenes of 1-3 coloured glyphs with distinct captions; scenes-semantic: scenes whose "
         "captions only the glyphs' classes tell apart (shared colour, minimal pairs in val/test/novel)",
     )
-    p.add_argument("--num-train", type=_count, default=100_000, help="scenes: training pairs")
-    p.add_argument("--num-val", type=_nonneg, default=2_000, help="scenes: i.i.d. held-out pairs for tuning")
-    p.add_argument("--num-test", type=_nonneg, default=5_000, help="scenes: i.i.d. held-out pairs for reporting")
+    # (the defaults of one source's own flags are set after parsing: given with the other source they are refused)
+    p.add_argument("--num-train", type=_count, help="scenes: training pairs (default 100,000)")
+    p.add_argument("--num-val", type=_nonneg, help="scenes: i.i.d. held-out pairs for tuning (default 2,000)")
+    p.add_argument("--num-test", type=_nonneg, help="scenes: i.i.d. held-out pairs for reporting (default 5,000)")
     p.add_argument(
         "--num-novel",
         type=_nonneg,
-        default=2_000,
-        help="scenes: held-out pairs with (class, colour) combinations never seen in training",
+        help="scenes: held-out pairs with (class, colour) combinations never seen in training (default 2,000)",
     )
     p.add_argument("--workers", type=_count, default=None, help="scenes: generating processes (default: all cores)")
     p.add_argument(
         "--captions-per-scene",
         type=_count,
-        default=1,
         help="scenes: samples per scene (at most 3), its image with distinct phrasings of its caption, sharing a "
         "json 'group' (positives of each other in training, one image in retrieval)",
     )
@@ -123,14 +122,16 @@ def _embedded_arguments(sub) -> None:
         help="auto (Fashion-MNIST + MNIST-5k, or MNIST-5k + Animal-MNIST without the Debian files), "
         "or a comma list of fashion-mnist, mnist, animal-mnist",
     )
-    p.add_argument("--max-per-class", type=int, default=None, help="cap on training samples per class and dataset")
+    p.add_argument("--max-per-class", type=int, help="glyphs: cap on training samples per class and dataset")
     p.add_argument(
         "--max-val-per-class",
         type=int,
         default=None,
-        help="cap on held-out samples per class (default with --max-per-class: its val_fraction share)",
+        help="glyphs: cap on held-out samples per class (default with --max-per-class: its val_fraction share)",
     )
-    p.add_argument("--val-fraction", type=_fraction, default=0.2, help="held out per class where no official split")
+    p.add_argument(
+        "--val-fraction", type=_fraction, help="glyphs: held out per class where no official split (default 0.2)"
+    )
     p.add_argument("--shard-size", type=_count, default=2000)
     p.add_argument("--seed", type=_nonneg, default=0)
     p.add_argument("--index-offset", type=_nonneg, default=0, help="first global index (to join with other sources)")
@@ -229,8 +230,28 @@ def _run(args) -> int:
     return {"embedded": _embedded, "folder": _folder, "scan": _scan, "info": _info}[args.command](args)
 
 
+# each source's own flags and their defaults: given with the other source they changed nothing, without a word
+SCENES_ONLY = {"num_train": 100_000, "num_val": 2_000, "num_test": 5_000, "num_novel": 2_000, "workers": None,
+               "captions_per_scene": 1}  # fmt: skip
+GLYPHS_ONLY = {"max_per_class": None, "max_val_per_class": None, "val_fraction": 0.2}
+
+
+def _source_flags(args) -> None:
+    """Refuse a flag of the other source; then every such flag takes its default."""
+    scenes = args.source in ("scenes", "scenes-semantic")
+    other = GLYPHS_ONLY if scenes else SCENES_ONLY
+    for name in other:
+        if getattr(args, name) is not None:
+            which = "glyphs only (the default --source)" if scenes else "scenes sources only (--source scenes)"
+            raise ValueError(f"--{name.replace('_', '-')}: {which}; this is --source {args.source}: drop it")
+    for name, default in (SCENES_ONLY | GLYPHS_ONLY).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def _check_embedded(args) -> None:
     """Flags of `embedded` that would fail late, or silently change the data set, refused before anything is built."""
+    _source_flags(args)
     if problem := out_folder_problem("--out", args.out):
         raise ValueError(problem)
     if held := _data_set_in(Path(args.out)):
@@ -260,8 +281,6 @@ def _embedded(args) -> int:
     _check_embedded(args)
     if args.source in ("scenes", "scenes-semantic"):
         return _scenes(args)
-    if args.captions_per_scene != 1:
-        raise ValueError(f"--captions-per-scene {args.captions_per_scene}: scenes sources only (--source scenes)")
     from fastclip.data.sources.embedded import FASHION_MNIST_ROOT, build_embedded
     from fastclip.progress import Progress
 

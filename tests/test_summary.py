@@ -98,6 +98,13 @@ def test_summary_shows_retrieval_with_distinct_captions(tiny_embedded, tmp_path,
     assert "text->image 5.0/25.0/50.0%  (20 captions of 10 images)" in capsys.readouterr().out
     assert fastclip_main(["summary", str(tmp_path)]) == 2
     assert "no config.yaml" in capsys.readouterr().err
+    # resumed at another world size (its first 5 steps on 1 process): the batch line named the last layout alone
+    metrics = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows[0]["samples_per_s_per_rank"] = rows[0]["samples_per_s"]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert fastclip_main(["summary", str(run)]) == 0
+    assert "batch 8 per process x 2 processes (at the end; 1, 2 over the run)" in capsys.readouterr().out
     assert fastclip_main(["summary", str(tmp_path / "nonexist")]) == 2  # (it said "no config.yaml" for it too)
     assert f"{tmp_path / 'nonexist'}: not found; pass the folder fastclip train wrote" in capsys.readouterr().err
 

@@ -290,6 +290,7 @@ def _training_lines(cfg: dict, rows: list[dict], train_rows: list[dict], train_s
         if _rate(r.get("samples_per_s")) and _rate(r.get("samples_per_s_per_rank"))
     ]
     processes = round(per_rank[-1]) if per_rank else None
+    layouts = sorted({round(x) for x in per_rank})  # more than one: resumed at another world size
     train_data = _setting(cfg, "data.train")
     pairs = _num_samples(train_data) if isinstance(train_data, str) else None
 
@@ -308,6 +309,7 @@ def _training_lines(cfg: dict, rows: list[dict], train_rows: list[dict], train_s
         + (f" ({epochs:.1f} epochs)" if epochs else "")
         + f", batch {_shown_setting(cfg, 'data.batch_size')} per process"
         + (f" x {processes} process{'es' if processes > 1 else ''}" if processes else "")
+        + (f" (at the end; {', '.join(map(str, layouts))} over the run)" if len(layouts) > 1 else "")
     )
     if (data_line := _data_line(rows)) is not None:
         lines.append(data_line)

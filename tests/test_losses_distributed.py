@@ -439,12 +439,18 @@ def one_rank_alone_changes(rank, world_size):
     out["eager_alone"] = attempt(lambda: eager(e1, e2, idx))
     eager.eval()
     out["eager_together"] = attempt(lambda: eager(e1, e2, idx))
-    for what in ("shrinks", "eval"):
-        deferred = build_loss("fastclip-v3", data_size=DATA_SIZE, validate="deferred").double()
+    for what in ("shrinks", "eval", "eval_autograd"):  # (autograd v3: other collectives in eval mode)
+        impl = {"impl": "autograd"} if what == "eval_autograd" else {}
+        deferred = build_loss("fastclip-v3", data_size=DATA_SIZE, validate="deferred", **impl).double()
         deferred(e1, e2, idx)
         n = 3 if what == "shrinks" and rank == 1 else 4
-        deferred.train(not (what == "eval" and rank == 1))
+        deferred.train(not (what.startswith("eval") and rank == 1))
         out[f"deferred_{what}_alone"] = attempt(lambda: deferred(e1[:n], e2[:n], idx[:n]))
+        try:  # the other rank computed with the stand-in: no input error of its own to find later
+            deferred.check_inputs()
+            out[f"deferred_{what}_then"] = None
+        except LossInputError as error:
+            out[f"deferred_{what}_then"] = str(error)
     # together: a smaller batch on every rank, then eval mode on every rank, then train mode again
     s1, s2 = step_batch(1, 3)
     small = torch.arange(3) + 3 * rank
@@ -681,7 +687,8 @@ def test_a_rank_that_changes_mode_or_shapes_alone_is_named_and_all_changing_toge
     assert isinstance(a["eager_together"], float) and a["eager_together"] == b["eager_together"]
     # deferred: the rank that changed makes the call's collectives with a stand-in, then says what changed; the
     # other computed on the stand-in (in a run it stops in its next collective, one the raising rank never makes)
-    assert isinstance(a["deferred_shrinks_alone"], float) and isinstance(a["deferred_eval_alone"], float)
+    assert all(isinstance(a[f"deferred_{w}_alone"], float) for w in ("shrinks", "eval", "eval_autograd"))
+    assert a["deferred_shrinks_then"] is a["deferred_eval_then"] is a["deferred_eval_autograd_then"] is None
     tail = (
         "; with validate='deferred' the ranks must change them at the same call (drop each epoch's last partial "
         "batch, switch train()/eval() on every rank), or build the loss with validate='eager', which checks every "
@@ -691,6 +698,8 @@ def test_a_rank_that_changes_mode_or_shapes_alone_is_named_and_all_changing_toge
     shrunk = "image: a 2-D tensor of shape [4, 5] of float64 -> a 2-D tensor of shape [3, 5] of float64"
     assert b["deferred_shrinks_alone"] == f"{changed} ({shrunk}){tail}"
     assert b["deferred_eval_alone"] == f"{changed} (the loss's mode: train() -> eval()){tail}"
+    assert b["deferred_eval_autograd_alone"] == b["deferred_eval_alone"]  # (gloo aborted it: the stand-in's
+    # collectives were eval mode's)
     for r in (a, b):  # together: deferred makes the handshake as eager does, the same numbers bitwise
         assert r["together"]["deferred"] == r["together"]["eager"]
 

@@ -17,6 +17,7 @@ from .pairwise import exact_float32
 from .sharded_state import ShardedSampleState, StateFieldsMismatch
 from .validation import (
     NEEDS_MOMENTUM,
+    NO_ROW,
     SIGNATURE_CHANGED,
     InputChecks,
     header_device,
@@ -132,8 +133,14 @@ class ContrastiveLoss(nn.Module):
                     return self._forward(*given, None, comm, momentum=given_momentum, groups=given_groups)
             elif stand_in:  # deferred: only this rank knows, so it reads the flags now (this call only)
                 if not checks.all_changed(batch.header):
-                    # the others compute with the stand-in: this call's collectives with them, then the error
-                    self._compute(comm, batch)
+                    # the others compute with the stand-in: this call's collectives with them (in the mode they
+                    # agreed on: an objective's collectives may differ between modes), then the error
+                    was = self.training
+                    self.train(checks.agreed_training())
+                    try:
+                        self._compute(comm, batch)
+                    finally:
+                        self.train(was)
                     raise LossInputError(
                         f"rank {comm.rank}: {self.name}'s inputs changed on this rank alone ({change}); with "
                         "validate='deferred' the ranks must change them at the same call (drop each epoch's last "
@@ -205,8 +212,8 @@ class ContrastiveLoss(nn.Module):
             fingerprint = self.input_checks.zero_word(image_features.device)
         data_size = getattr(self.options, "data_size", None)
         words = value_words(image_features, text_features, indices, data_size, fingerprint, momentum)
-        if stand_in:
-            words[0] = SIGNATURE_CHANGED
+        if stand_in:  # the flag alone: the stand-in's zeros and indices are no input error of the caller's
+            words = torch.cat([words.new_full((1,), SIGNATURE_CHANGED), words.new_full((2,), NO_ROW), words[3:]])
         return words
 
     def _compute(self, comm: Comm, batch: GlobalBatch) -> tuple[torch.Tensor, dict | Callable[[], dict]]:

@@ -470,6 +470,10 @@ class InputChecks:
         now = signature(comm, image, text, indices, momentum, groups, need_momentum, training)
         return describe_change(self.signature, now) if agreed and now != self.signature else None
 
+    def agreed_training(self) -> bool:
+        """The train/eval mode of the agreed signature."""
+        return bool(self.signature[-2])
+
     def all_changed(self, words: torch.Tensor) -> bool:
         """Deferred mode, read by a rank whose inputs changed (a host read on that call only): whether every rank
         sent a stand-in, so that all of them know and make the handshake together."""
@@ -533,7 +537,7 @@ class InputChecks:
         self._pending = []
         # features: a non-finite row (a guard may forgive it); unit: a row not L2-normalised (never forgiven)
         kinds = (
-            ("features", slice(0, 2), lambda w: w < NOT_UNIT),
+            ("features", slice(0, 2), lambda w: (w >= 0) & (w < NOT_UNIT)),  # (a stand-in's flag is negative)
             ("unit", slice(0, 2), lambda w: (w >= NOT_UNIT) & (w != NO_ROW)),
             ("index", slice(2, 3), lambda w: w != NO_ROW),
         )

@@ -95,3 +95,33 @@ def test_threshold_rule_equals_lr_over_factor(opt_name):
             opt_ref.step()
         torch.testing.assert_close(p_rule.detach(), p_ref.detach(), rtol=0, atol=1e-12)
         assert rule.factor_now() == pytest.approx(factor)
+
+
+def test_a_resume_at_another_layout_keeps_the_lr_of_each_sample():
+    """The run's schedules (fastclip/train/schedules.py) count steps of the global batch it began with. 100 samples
+    an epoch, 10 epochs, begun at a global batch of 24 (5 steps an epoch, the last filled: span 50), resumed at 48
+    (3 steps an epoch): the span stays 50 steps of 24 (it was rescaled from the new layout's padded epochs to 60,
+    the lr jumping 5.87e-4 -> 7.08e-4 at epoch 5 and ending at 2.9e-5, not 0)."""
+    from types import SimpleNamespace
+
+    from fastclip.train.config import Config
+    from fastclip.train.schedules import Schedules
+
+    cfg = Config()
+    cfg.train.epochs, cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.lr_min = 10, 1e-3, 5, 0.0
+
+    def schedules(global_batch):
+        engine = SimpleNamespace(param_groups=[{"name": "towers", "lr": 0.0}], tau_params=[])
+        return Schedules(cfg, engine, epoch_length=100, global_batch=global_batch)
+
+    began, resumed = schedules(24), schedules(48)
+    assert began.total_steps == 50 and resumed.total_steps == 30
+    resumed.load_state_dict(began.state_dict())
+    assert resumed.unit == 24 and resumed.total_steps == 50
+    for samples in (0, 96, 600, 1200 - 48):
+        began.apply(samples)
+        resumed.apply(samples)
+        assert resumed.lr == began.lr == get_lr(samples // 24, base_lr=1e-3, warmup_steps=5, total_steps=50)
+    older = schedules(48)
+    older.load_state_dict({"global_batch": 24, "total_steps": 50})  # saved before units were: its global batch
+    assert older.unit == 24 and older.total_steps == 50

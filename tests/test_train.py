@@ -248,6 +248,9 @@ def test_resume_at_another_world_size(two_process_runs, data, tmp_path, capsys):
 
     schedules = load(tmp_path / "one" / "checkpoints" / "step_00000007" / "model.pt")["schedules"]
     o = load_config(tmp_path / "one" / "config.yaml").optim
+    # the span: 3 epochs of 5 steps of 16, stretched to where this run ends: epoch 0 served again whole, then 2
+    # more, each 10 batches of 8 after the 64 samples seen
+    assert schedules["total_steps"] == (64 + 3 * 10 * 8) // 16 == 19
     lr = lambda at: get_lr(at, base_lr=o.lr, warmup_steps=o.warmup_steps, total_steps=schedules["total_steps"])  # noqa: E731
     assert schedules["unit"] == 16 and [r["lr"] for r in recs] == pytest.approx([lr(4), lr(4), lr(5)], rel=1e-12)
     # to its end: the data rule serves epoch 0 again whole here (its 40-sample chunks are below the shuffle buffer),

@@ -14,8 +14,10 @@ class Schedules:
     in a run that never changes its layout it is the step count. The step_thresh rule (optim.ThresholdRule) scales
     the temperature's step on device."""
 
-    def __init__(self, cfg: Config, engine, *, total_steps: int, global_batch: int):
-        self.o, self.engine, self.total_steps, self.global_batch = cfg.optim, engine, total_steps, global_batch
+    def __init__(self, cfg: Config, engine, *, epoch_length: int, global_batch: int):
+        self.o, self.engine, self.global_batch = cfg.optim, engine, global_batch
+        self.epochs, self.epoch_length = cfg.train.epochs, epoch_length
+        self.total_steps = self.span(global_batch)
         self.unit = global_batch  # samples per schedule step (load_state_dict: the run's first global batch)
         self.thresh = ThresholdRule(
             engine.tau_params if self.o.lr_tau_schedule == "step_thresh" else [],
@@ -23,6 +25,11 @@ class Schedules:
             factor=self.o.tau_threshold_factor,
         )
         self.lr, self.lr_tau = 0.0, 0.0  # the last step's values
+
+    def span(self, unit: int) -> int:
+        """The epochs' span in steps of `unit` samples (each epoch's last batch filled, as the data layer serves
+        it)."""
+        return self.epochs * -(-self.epoch_length // unit)
 
     def position(self, samples_seen: int) -> int:
         """The schedule step at `samples_seen`."""
@@ -68,5 +75,4 @@ class Schedules:
         saved = state if isinstance(state, dict) else {}
         unit = int(saved.get("unit", saved.get("global_batch", self.unit)))
         if unit != self.unit:
-            self.total_steps = -(-self.total_steps * self.global_batch // unit)
-            self.unit = unit
+            self.unit, self.total_steps = unit, self.span(unit)

@@ -109,8 +109,8 @@ class Run:
         # this rank's part of every global batch; uint8 images, normalised on the device (fastclip/data/pixels.py)
         self.stream, self.normalize = build_data(cfg, info, self.net.built, catalog, data_size)
         self.global_batch = cfg.data.batch_size * info.world_size
-        total_steps = cfg.train.epochs * self.stream.batches_per_epoch
-        self.schedules = Schedules(cfg, self.engine, total_steps=total_steps, global_batch=self.global_batch)
+        epoch_length = self.stream.epoch_length
+        self.schedules = Schedules(cfg, self.engine, epoch_length=epoch_length, global_batch=self.global_batch)
         self.step, self.samples_seen, self.epoch = 0, 0, 0
         self.restore(resume)
         remaining = sum(self.stream.batches_remaining(e) for e in range(self.epoch, cfg.train.epochs))

@@ -153,6 +153,14 @@ def test_spec_errors_name_the_pattern_before_training(model_fns, shards, tmp_pat
     shutil.copy(added / "train-000000.tar", added / "train-000099.tar")
     with pytest.raises(DataSpecError) as err:
         resolve_catalog(str(added))
+    linked = tmp_path / "linked"  # shards linked into a folder: scan lists them by their targets (../added/...)
+    linked.mkdir()
+    for tar in sorted((shards / "uneven").glob("*.tar")):
+        (linked / tar.name).symlink_to(tar)
+    from fastclip.cli import main as fastclip_main
+
+    assert fastclip_main(["data", "scan", str(linked)]) == 0
+    assert resolve_catalog(str(linked)).num_samples == resolve_catalog(str(shards / "uneven")).num_samples
     assert str(err.value) == (
         f"source {str(added)!r}: shard {added / 'train-000099.tar'} is in the folder but not listed in "
         f"{added.resolve() / 'manifest.json'}, so it would not be trained on; run `fastclip data scan` on the folder "

@@ -149,6 +149,20 @@ def test_a_run_folder_another_job_trains_in_is_refused_and_free_again_after(tiny
         _fails(capsys, [*check, *args], "train.run_dir", f"{run} is in use by a running job")
     holder.close()
     _fails(capsys, args, "train.run_dir", f"{run} already holds a run", "--train.resume latest")
+    # before the job's first checkpoint (its metrics.jsonl only): "in use" too, not "delete that file"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    holder = open(fresh / ".fastclip.lock", "a+")
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    _fails(capsys, _args(tiny_embedded, fresh), "train.run_dir", f"{fresh} is in use by a running job")
+    # a lock held for a moment (another rank of the launch checking too) is no running job
+    import threading
+
+    from fastclip.train.preflight import _refuse_if_in_use
+
+    threading.Timer(0.15, holder.close).start()
+    _refuse_if_in_use(fresh)
 
 
 def test_unknown_arch_lists_the_known_ones(tiny_embedded, tmp_path, capsys):
@@ -263,6 +277,7 @@ def test_resume_with_another_seed_or_data_is_refused_before_building(tiny_embedd
     from fastclip.data.manifest import write_manifest
 
     manifest = read_manifest(other / "train")
+    (other / "train" / manifest.shards[-1].path).unlink()  # (a folder's manifest lists every shard in it)
     manifest.shards = manifest.shards[:-1]
     write_manifest(other / "train", manifest)
     _fails(

@@ -189,9 +189,9 @@ def _shard_paths(spec: str) -> tuple[list[tuple[Path, Path, ShardInfo | None]], 
 def _refuse_unlisted_shards(spec: str, folder: Path, file: Path, manifest: Manifest) -> None:
     """A folder source is its manifest's shards: a .tar in the folder that it neither lists nor names as broken was
     added after the scan, and would be left out of every epoch without a word (as a pattern naming it is refused)."""
-    known = {os.path.normpath(s.path) for s in manifest.shards}
-    known |= {os.path.normpath(str(q.get("shard"))) for q in manifest.problems if q.get("key") is None}
-    unlisted = sorted(f.name for f in folder.glob("*.tar") if f.name not in known)
+    named = [s.path for s in manifest.shards] + [str(q.get("shard")) for q in manifest.problems if q.get("key") is None]
+    known = {os.path.realpath(file.parent / p) for p in named}
+    unlisted = sorted(f.name for f in folder.glob("*.tar") if os.path.realpath(f) not in known)
     if unlisted:
         more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
         raise DataSpecError(

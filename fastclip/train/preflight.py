@@ -312,6 +312,8 @@ def check_no_run_held(run_dir: Path, resuming: str | None = None) -> None:
     try:
         steps = list_checkpoints(root)
         pointer = read_pointer(root)
+        if steps or pointer is not None or (run_dir / "metrics.jsonl").is_file():
+            _refuse_if_in_use(run_dir)  # a running job's folder: that is what to say (its files are being written)
         logged = (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
     except OSError:  # not a folder, not readable, a name too long: the write probe below says what
         return
@@ -322,7 +324,6 @@ def check_no_run_held(run_dir: Path, resuming: str | None = None) -> None:
                 f"a new run would cut it: choose another --train.run_dir, or delete that file to start over there"
             )
         return
-    _refuse_if_in_use(run_dir)  # a running job's folder: that is what to say (resuming it would be refused too)
     newest = root / pointer if pointer and STEP_DIR.fullmatch(pointer) else steps[-1] if steps else None
     held = f"step {int(STEP_DIR.fullmatch(newest.name).group(1))}, {newest}" if newest else f"{root / LATEST}"
     if resuming is not None:
@@ -401,14 +402,21 @@ def check_run_dir_free(cfg: Config) -> None:
     _refuse_if_in_use(Path(cfg.train.run_dir))
 
 
-def _refuse_if_in_use(run_dir: Path) -> None:
+def _refuse_if_in_use(run_dir: Path, tries: int = 5) -> None:
+    """Refused while a running job holds the folder's lock. Tried a few times 0.1 s apart: the other ranks of this
+    launch take it for a moment as they check too, where a running job holds it for its whole run."""
+    import time
+
     path = run_dir / RUN_LOCK
     if not path.is_file():
         return
-    handle, holder = _take_lock(path)
-    if handle is None:
-        raise _run_dir_in_use(run_dir, holder)
-    handle.close()
+    for attempt in range(tries):
+        handle, holder = _take_lock(path)
+        if handle is not None:
+            handle.close()
+            return
+        time.sleep(0.1 * (attempt < tries - 1))
+    raise _run_dir_in_use(run_dir, holder)
 
 
 def _take_lock(path: Path):
@@ -680,7 +688,7 @@ def setting_notes(
     if o.warmup_steps > schedule_end:
         reach = (
             f"the run's {last_step} steps"
-            if unit == schedules.global_batch
+            if schedule_end == last_step
             else f"the {schedule_end} steps of {unit} samples the schedules reach by the run's end"
         )
         notes.append(

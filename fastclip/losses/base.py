@@ -107,10 +107,9 @@ class ContrastiveLoss(nn.Module):
             change = checks.changed(comm, *given, momentum, groups, need_momentum, self.training)
         stand_in = change is not None
         if stand_in:  # the other ranks cannot know: join their all_gather with the agreed shapes and say so
-            # (deferred mode may compute with it: its indices out of range, so it reads and writes no state)
-            no_index = getattr(self.options, "data_size", None) if self.validate == "deferred" else None
+            # (deferred mode may compute with it: its indices data_size, owned by no rank, read and write no state)
             image_features, text_features, indices, momentum, groups = checks.stand_in(
-                header_device(comm, *given), no_index or 0
+                header_device(comm, *given), getattr(self.options, "data_size", None) or 0
             )
         else:  # momentum and groups are checked here too: a rank alone refusing them would leave the others waiting
             self._check_structure(comm, image_features, text_features, indices, momentum, groups, need_momentum)
@@ -129,10 +128,10 @@ class ContrastiveLoss(nn.Module):
         if words is not None:
             if self.validate == "eager":  # before the loss writes its state
                 # a rank's shapes changed (every rank sees its stand-in's flag): the handshake, then the call
-                if checks.check_now(batch.header, batch.all_ids if self._negatives_from_batch() else None):
-                    return self._forward(*given, None, comm, momentum=given_momentum, groups=given_groups)
+                redo = checks.check_now(batch.header, batch.all_ids if self._negatives_from_batch() else None)
             elif stand_in:  # deferred: only this rank knows, so it reads the flags now (this call only)
-                if not checks.all_changed(batch.header):
+                redo = checks.all_changed(batch.header)
+                if not redo:
                     # the others compute with the stand-in: this call's collectives with them (in the mode they
                     # agreed on: an objective's collectives may differ between modes), then the error
                     was = self.training
@@ -148,10 +147,11 @@ class ContrastiveLoss(nn.Module):
                         "validate='eager', which checks every call on every rank; the other ranks stop in their "
                         "next collective"
                     )
-                checks.signature = None  # every rank changed at this call: the handshake together, then the call
-                return self._forward(*given, None, comm, momentum=given_momentum, groups=given_groups)
             else:
                 checks.record(batch.header)
+                redo = False
+            if redo:  # every rank changed at this call, or learnt of a change: the handshake together, then the call
+                return self._forward(*given, None, comm, momentum=given_momentum, groups=given_groups)
         loss, metrics = self._compute(comm, batch)
         # a loss may hand its metrics over as a function of detached tensors: computed when first read (the
         # trainer reads them on logging steps only), so the other steps do not pay their small device ops

@@ -453,9 +453,8 @@ class InputChecks:
 
     def structure(self, comm: Comm, image, text, indices, momentum=None, groups=None, **checks) -> None:
         """The structure handshake, when this rank's input signature differs from the agreed one."""
-        current = signature(
-            comm, image, text, indices, momentum, groups, checks.get("need_momentum", False), checks.get("training", 1)
-        )
+        need_momentum, training = checks.get("need_momentum", False), checks.get("training", True)
+        current = signature(comm, image, text, indices, momentum, groups, need_momentum, training)
         if current != self.signature:
             validate_inputs(comm, image, text, indices, momentum, groups, **checks)  # raises alike on every rank
             self.signature = current
@@ -476,8 +475,12 @@ class InputChecks:
 
     def all_changed(self, words: torch.Tensor) -> bool:
         """Deferred mode, read by a rank whose inputs changed (a host read on that call only): whether every rank
-        sent a stand-in, so that all of them know and make the handshake together."""
-        return all(w == SIGNATURE_CHANGED for w in words.reshape(-1).tolist()[::HEADER_WORDS])
+        sent a stand-in, so that all of them know and make the handshake together (then, as check_now, the
+        agreement is forgotten)."""
+        every = all(w == SIGNATURE_CHANGED for w in words.reshape(-1).tolist()[::HEADER_WORDS])
+        if every:
+            self.signature = None
+        return every
 
     def with_momentum(self) -> bool:
         """Whether the agreed calls pass momentum features (their rows are checked with the features')."""

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastclip.cli import EXIT_INTERRUPTED
+from fastclip.cli import EXIT_INTERRUPTED, note
 from fastclip.distributed import JoinAbandoned, LaunchError, dist_env_from
 from fastclip.train.config import ConfigError, dump_config, load_config
 from fastclip.train.errors import TrainingError
@@ -50,11 +50,6 @@ def _interrupt(error: BaseException) -> KeyboardInterrupt | None:
     """The KeyboardInterrupt behind `error`, if any: Ctrl-C inside torch.save surfaces as the RuntimeError the
     zip writer raises while unwinding it (its __context__), and in a job as a CollectiveFailure (its __cause__)."""
     return next((e for e in _chain(error) if isinstance(e, KeyboardInterrupt)), None)
-
-
-def _is_first_rank() -> bool:
-    """Whether this process is global rank 0 by the launcher's variables (torchrun's RANK, srun's SLURM_PROCID)."""
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 def _interrupted_line(error: BaseException, run_dir) -> str:
@@ -258,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"fastclip train: error: {e}", file=sys.stderr, flush=True)
                 return 1
             raise
-        if _is_first_rank():  # (Ctrl-C reaches every rank: the same line once, as a stop's is)
-            print(_interrupted_line(e, cfg.train.run_dir if cfg is not None else None), file=sys.stderr, flush=True)
+        # (Ctrl-C reaches every rank: the first one says it, as a stop's line is said once)
+        note(_interrupted_line(e, cfg.train.run_dir if cfg is not None else None))
         return EXIT_INTERRUPTED
     return 0
 

@@ -312,9 +312,10 @@ def check_no_run_held(run_dir: Path, resuming: str | None = None) -> None:
     try:
         steps = list_checkpoints(root)
         pointer = read_pointer(root)
-        if steps or pointer is not None or (run_dir / "metrics.jsonl").is_file():
+        metrics = run_dir / "metrics.jsonl"
+        if steps or pointer is not None or metrics.is_file():
             _refuse_if_in_use(run_dir)  # a running job's folder: that is what to say (its files are being written)
-        logged = (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
+        logged = metrics.is_file() and metrics.stat().st_size > 0
     except OSError:  # not a folder, not readable, a name too long: the write probe below says what
         return
     if not steps and pointer is None:

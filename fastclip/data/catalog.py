@@ -190,8 +190,11 @@ def _refuse_unlisted_shards(spec: str, folder: Path, file: Path, manifest: Manif
     """A folder source is its manifest's shards: a .tar in the folder that it neither lists nor names as broken was
     added after the scan, and would be left out of every epoch without a word (as a pattern naming it is refused)."""
     named = [s.path for s in manifest.shards] + [str(q.get("shard")) for q in manifest.problems if q.get("key") is None]
-    known = {os.path.realpath(file.parent / p) for p in named}
-    unlisted = sorted(f.name for f in folder.glob("*.tar") if os.path.realpath(f) not in known)
+    by_name = {os.path.normpath(p) for p in named}
+    unlisted = [f for f in folder.glob("*.tar") if f.name not in by_name]  # (a directory listing: every start)
+    if unlisted:  # linked shards are listed by their targets (scan resolves them): compared resolved, these only
+        known = {os.path.realpath(file.parent / p) for p in named}
+        unlisted = sorted(f.name for f in unlisted if os.path.realpath(f) not in known)
     if unlisted:
         more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
         raise DataSpecError(

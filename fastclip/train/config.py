@@ -595,10 +595,11 @@ def parse_overrides(args: list[str]) -> dict:
         if key in OPENCLIP_DIFFERENCES and OPENCLIP_DIFFERENCES[key] not in differences:
             differences.append(OPENCLIP_DIFFERENCES[key])
         if key == "precision" and str(raw) in ("fp16", "bf16"):  # OpenCLIP's flag, with a value of ours
-            differences.append(
+            said = (
                 f"--precision {raw} is autocast with fp32 weights (OpenCLIP's amp{'_bf16' * (raw == 'bf16')}); "
                 f"OpenCLIP's {raw} puts the weights in half precision, which fastclip does not do"
             )
+            differences += [said] * (said not in differences)
         written = (arg.split("=", 1)[0], key)  # as typed, and normalised (--batch-size and --batch_size are one flag)
         if key == "report_to":
             out.setdefault("train", {}).update(_report_to(raw))

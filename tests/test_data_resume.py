@@ -1,4 +1,5 @@
-"""Resuming the stream: exact at the same layout, bounded repeats and no skips at another world size."""
+"""Resuming the stream: exact at the same layout; at another, each sample served once and each bad one counted once
+(from every old rank's state), or bounded repeats and no skips (from one old rank's state alone)."""
 
 from __future__ import annotations
 
@@ -108,8 +109,8 @@ def test_state_from_other_data_seed_or_rank_is_refused(model_fns, data):
 
 @pytest.mark.parametrize("old,new", [((2, 2), (3, 1)), ((3, 1), (1, 2))])
 def test_resume_at_another_world_size_skips_nothing_and_repeats_at_most_the_bound(model_fns, data, old, new):
-    """The documented rule: after b batches at the old layout, each old worker's fully consumed shuffle windows
-    are done; the rest of the epoch is served at the new layout. Nothing is skipped; repeats are at most
+    """The rule for one old rank's state alone: after b batches at the old layout, each old worker's fully consumed
+    shuffle windows are done; the rest of the epoch is served at the new layout. Nothing is skipped; repeats are at most
     old_world * old_workers * (shuffle_buffer - 1) plus the wrap that fills the new last batches."""
     (w_old, k_old), (w_new, k_new) = old, new
     done_batches, buffer, batch = 9, 16, 8
@@ -183,3 +184,76 @@ def test_resume_with_fewer_samples_left_than_new_ranks(model_fns, data):
         assert len(batches) == s.batches_remaining(0) + len(batches) == 1  # every rank still makes its batch
         after += [i for b in batches for i in b[2].tolist()]
     assert set(served) | set(after) == set(range(234)) and len(set(after)) == 2
+
+
+def _epoch_part(model_fns, path, rank, world_size, workers, state=None, stop=None):
+    """(indices served, the stream) for `stop` batches of epoch 0 (None: to its end), from `state`."""
+    s = make(model_fns, path, rank, world_size, workers=workers)
+    s.load_state_dict(state)
+    it = iter(s.epoch(0))
+    batches = list(it) if stop is None else [next(it) for _ in range(stop)]
+    del it
+    return [i for b in batches for i in b[2].tolist()], s
+
+
+@pytest.mark.parametrize("old,new", [((2, 2), (3, 1)), ((3, 1), (1, 2)), ((2, 1), (2, 2))])
+def test_resume_at_another_layout_serves_each_sample_once_and_counts_each_bad_one_once(model_fns, data, old, new):
+    """With every old rank's state (state_for_new_world_size), the interrupted epoch is finished exactly: every good
+    sample is served once, repeats are only the counted wraps, and each bad sample is counted once, wherever the
+    stop falls (here: at every other batch of the epoch)."""
+    (w_old, k_old), (w_new, k_new) = old, new
+    path = data / "bad"
+    whole, ref = _epoch_part(model_fns, path, 0, 1, 1)
+    good = set(whole)
+    skips = {k: v for k, v in ref.counters.items() if k != "wrapped"}
+    assert skips["undecodable_image"] == 3 and skips["missing_caption"] == 3  # counted when served, when read
+    n_batches = ref.batches_per_epoch // w_old
+    miscounted_by_the_old_rule = 0
+    for stop in range(1, n_batches, 2):
+        served, states = [], []
+        for r in range(w_old):
+            part, s = _epoch_part(model_fns, path, r, w_old, k_old, stop=stop)
+            served += part
+            states.append(saved(s.state_dict()))
+        after, counters = [], collections.Counter()
+        for r in range(w_new):
+            part, s = _epoch_part(model_fns, path, r, w_new, k_new, state=state_for_new_world_size(states, r, w_new))
+            after += part
+            counters.update(s.counters)
+        assert set(served) | set(after) == good, stop
+        assert len(served) + len(after) - len(good) == counters["wrapped"], stop  # every repeat is a counted wrap
+        assert {k: counters[k] for k in skips} == skips, stop
+        # the rule for states without the served samples (one old rank's state) re-reads partly served windows
+        again = collections.Counter()
+        for r in range(w_new):
+            again.update(_epoch_part(model_fns, path, r, w_new, k_new, state=states[0])[1].counters)
+        miscounted_by_the_old_rule += {k: again[k] for k in skips} != {k: v * w_old for k, v in skips.items()}
+    assert miscounted_by_the_old_rule  # the stops reach partly read windows holding bad samples
+
+
+def test_a_second_resume_at_another_layout_within_the_finished_epoch_is_exact_too(model_fns, data):
+    """2 ranks x 2 workers -> 3 x 1 (stopped again inside the rest of the epoch) -> 1 x 2: the rest of the rest is
+    what no rank served, and the positions read but unserved before the first resume stay quiet (their bad samples
+    counted once)."""
+    path = data / "bad"
+    whole, ref = _epoch_part(model_fns, path, 0, 1, 1)
+    skips = {k: v for k, v in ref.counters.items() if k != "wrapped"}
+    for first_stop, second_stop in ((3, 1), (5, 2), (9, 1)):
+        served, states = [], []
+        for r in range(2):
+            part, s = _epoch_part(model_fns, path, r, 2, 2, stop=first_stop)
+            served += part
+            states.append(saved(s.state_dict()))
+        again = []
+        for r in range(3):
+            part, s = _epoch_part(
+                model_fns, path, r, 3, 1, state=state_for_new_world_size(states, r, 3), stop=second_stop
+            )
+            served += part
+            again.append(saved(s.state_dict()))
+        part, s = _epoch_part(model_fns, path, 0, 1, 2, state=state_for_new_world_size(again, 0, 1))
+        served += part
+        where = (first_stop, second_stop)
+        assert set(served) == set(whole), where
+        assert len(served) - len(set(whole)) == s.counters["wrapped"], where
+        assert {k: s.counters[k] for k in skips} == skips, where

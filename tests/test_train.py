@@ -242,25 +242,46 @@ def test_resume_at_another_world_size(two_process_runs, data, tmp_path, capsys):
     assert [r["step"] for r in recs] == [5, 6, 7] and all(math.isfinite(r["loss"]) for r in recs)
     assert [r["samples_seen"] for r in recs] == [64 + 8, 64 + 16, 64 + 24]
     # the lr goes on in steps of 16 samples, the batch the run began with (it went on in steps of 8: a warmup 2x
-    # slower, the lr halved at the resume): steps 5 and 6 (samples 64-79) at schedule step 4, step 7 at 5, on the
-    # span the data rule stretched (below)
+    # slower, the lr halved at the resume): steps 5 and 6 (samples 64-79) at schedule step 4, step 7 at 5
     from fastclip.optim import get_lr
 
     schedules = load(tmp_path / "one" / "checkpoints" / "step_00000007" / "model.pt")["schedules"]
     o = load_config(tmp_path / "one" / "config.yaml").optim
-    # the span: 3 epochs of 5 steps of 16, stretched to where this run ends: epoch 0 served again whole, then 2
-    # more, each 10 batches of 8 after the 64 samples seen
-    assert schedules["total_steps"] == (64 + 3 * 10 * 8) // 16 == 19
+    # the span: 3 epochs of 5 steps of 16. The data rule serves the 16 samples of epoch 0 the old ranks had not
+    # served (2 batches of 8) and nothing again, so the run ends where the schedule does: nothing to stretch
+    assert schedules["total_steps"] == 3 * 80 // 16 == 15
     lr = lambda at: get_lr(at, base_lr=o.lr, warmup_steps=o.warmup_steps, total_steps=schedules["total_steps"])  # noqa: E731
     assert schedules["unit"] == 16 and [r["lr"] for r in recs] == pytest.approx([lr(4), lr(4), lr(5)], rel=1e-12)
-    # to its end: the data rule serves epoch 0 again whole here (its 40-sample chunks are below the shuffle buffer),
-    # so the run is 8 batches longer than the schedule's 30; they trained at lr 0 past its end. The schedules now
-    # end with the run: every step before the last at a positive lr
     args = overrides(data_dir, tmp_path / "one", "fastclip-v2", **{"train.resume": "latest"})
     assert main(["--config", str(EMBEDDED), *args]) == 0
     recs = records(tmp_path / "one")
-    assert recs[-1]["step"] == 34 and recs[-1]["samples_seen"] // 8 == 38
+    assert recs[-1]["step"] == 4 + 2 + 2 * 10 and recs[-1]["samples_seen"] == 3 * 80
     assert all(r["lr"] > 0 for r in recs[:-1]), [(r["step"], r["lr"]) for r in recs if r["lr"] <= 0]
+
+
+def test_resume_at_another_batch_size_serves_the_rest_of_the_epoch_once_and_stretches_the_schedules(
+    data, tmp_path, capsys
+):
+    """Same world size, another layout (data.batch_size 8 -> 14): the data position is rebuilt from every old
+    rank's, so epoch 0's 48 unserved samples are served once, in 4 batches of 14 (8 wrapped, counted); epochs 1 and 2
+    wrap 4 each. The run is then 16 samples longer than the schedules' 3 epochs, which end with it, said in one
+    line."""
+    run = tmp_path / "run"
+    assert main(["--config", str(EMBEDDED), *overrides(data, run, **{"train.max_steps": 4})]) == 0
+    more = {"train.resume": "latest", "data.batch_size": 14, "train.resume_batch_change": True}
+    assert main(["--config", str(EMBEDDED), *overrides(data, run, **more)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "resumed at another data layout: the rest of the run is 16 batches of 14, so the lr schedules now end at "
+        "32 steps of 8 samples, not 30" in out
+    ), out
+    assert "data: epoch 0: 0 sample(s) skipped, summed over ranks; 8 served twice to fill the batches" in out
+    recs = records(run)
+    assert recs[-1]["step"] == 4 + 4 + 2 * 6 and recs[-1]["samples_seen"] == 4 * 8 + 16 * 14 == 3 * 80 + 16
+    assert all(r["lr"] > 0 for r in recs[:-1])
+    last = sorted((run / "checkpoints").glob("step_*"))[-1]
+    counters = _rank_state(last, 0)["data"]["counters"]
+    assert counters["wrapped"] == 16 and sum(counters.values()) == 16  # the batches' fill, and nothing else
 
 
 def test_a_queue_and_momentum_towers_resume_at_another_world_size(two_process_runs, data, tmp_path):

@@ -7,8 +7,10 @@
 
 A run adds its parts as it builds them; when it resumes, each is loaded as it is added (the towers and the loss
 before the engine wraps them, the optimizer once it exists, ...). A save writes every part added. Optional on a
-part: `check(state)`, which refuses a saved state before it is loaded, and `collective = True`, for a state_dict
-every rank must call (a gather under ZeRO-3); the other shared parts' state_dict runs on rank 0 only.
+part: `check(state)`, which refuses a saved state before it is loaded; `collective = True`, for a state_dict
+every rank must call (a gather under ZeRO-3; the other shared parts' state_dict runs on rank 0 only); and
+`needs_every_rank(state)`, true where a per-rank part needs every old rank's state at the same world size too
+(it is then resharded as at another).
 """
 
 from __future__ import annotations
@@ -57,7 +59,15 @@ class SavedCheckpoint:
         if self.world_size == self.info.world_size:
             if self._rank_file is None:
                 self._rank_file = load_rank_file(self.step_dir, self.info.rank, saved_step(self.model_file))
-            return self._rank_file[name]
+            state = self._rank_file[name]
+            if getattr(part, "needs_every_rank", lambda _state: False)(state):
+                # e.g. the data position at another layout, same world size: tensors stay on disk (mmap)
+                old = (
+                    load_rank_file(self.step_dir, r, saved_step(self.model_file), mmap=True)[name]
+                    for r in range(self.world_size)
+                )
+                return part.reshard(old, self.info.rank, self.info.world_size)
+            return state
         old = self._old_states(name)
         state = part.reshard(old, self.info.rank, self.info.world_size)
         for _ in old:  # the rest of the pass (a part that read only rank 0's): the others' states are kept

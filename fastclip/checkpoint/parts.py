@@ -109,8 +109,8 @@ class LossState:
 
 
 class DataPosition:
-    """Per rank: the data stream's position. At another world size the data layer finishes the interrupted epoch
-    from the old position and splits the old ranks' counters over the new ranks (fastclip/data/stream.py)."""
+    """Per rank: the data stream's position. At another layout the data layer finishes the interrupted epoch from
+    every old rank's position and splits the old ranks' counters over the new ranks (fastclip/data/stream.py)."""
 
     def __init__(self, stream):
         self.stream, self.loaded = stream, None  # loaded: the saved state (its layout: what the checkpoint trained at)
@@ -121,6 +121,11 @@ class DataPosition:
     def load_state_dict(self, state: dict | None) -> None:
         self.loaded = state
         self.stream.load_state_dict(state)
+
+    def needs_every_rank(self, state: dict | None) -> bool:
+        """At another layout (workers, batch size, shuffle buffer) the interrupted epoch is finished from every old
+        rank's position, at the same world size too."""
+        return bool(state) and state.get("epoch") is not None and state.get("layout") != self.stream.layout.as_dict()
 
     def reshard(self, old_states: Iterator[dict], rank: int, world_size: int) -> dict:
         from fastclip.data import state_for_new_world_size

@@ -4,7 +4,9 @@
    with replacement (weights per source) until `samples_per_epoch` samples. Sample positions 0..L-1 run through
    the shards in that order (position = shard slot + ordinal inside the shard).
 2. Segment. The part of the epoch sequence still to be served: the whole sequence, or after a resume at
-   another layout, the positions not yet consumed (see `remainder`). A list of [lo, hi) epoch intervals.
+   another layout, the positions not yet consumed (see `remainder`). A list of [lo, hi) epoch intervals. Beside
+   it, the "quiet" positions: those a worker had read before the resume (so their bad samples are counted) but not
+   served; they are served now, and their bad samples are not counted again.
 3. Ranks. Rank r gets segment positions [L*r/W, L*(r+1)/W): shards are split at sample granularity, so ranks
    differ by at most one sample whatever the shard sizes. Every rank serves `ceil(L / (W*B))` batches: a rank
    whose range is shorter than that wraps around within its own range (its "virtual" positions p >= n_r map to
@@ -23,6 +25,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 import zlib
 from dataclasses import dataclass
@@ -103,9 +106,16 @@ def epoch_sequence(
 
 @dataclass(frozen=True)
 class Segment:
-    """Sorted, disjoint [lo, hi) intervals of the epoch sequence, served in order."""
+    """Sorted, disjoint [lo, hi) intervals of the epoch sequence, served in order. (After a resume at another
+    layout, one interval per run of served samples a worker left in its window: lookups bisect.)"""
 
     intervals: tuple[tuple[int, int], ...]
+
+    def __post_init__(self):
+        starts = [lo for lo, _ in self.intervals]
+        ends = np.cumsum([0] + [hi - lo for lo, hi in self.intervals]).tolist()  # segment position of each start
+        object.__setattr__(self, "_starts", starts)
+        object.__setattr__(self, "_ends", ends)
 
     @classmethod
     def full(cls, length: int) -> Segment:
@@ -113,7 +123,7 @@ class Segment:
 
     @property
     def length(self) -> int:
-        return sum(hi - lo for lo, hi in self.intervals)
+        return self._ends[-1]
 
     def tag(self, epoch_length: int) -> int:
         """0 for a whole epoch; else a hash of the intervals (keeps random streams of a remainder apart)."""
@@ -121,13 +131,23 @@ class Segment:
             return 0
         return zlib.crc32(repr(self.intervals).encode())
 
+    def find(self, epoch_pos: int) -> tuple[bool, int]:
+        """(whether the epoch position lies in an interval, positions until that changes)."""
+        i = bisect.bisect_right(self._starts, epoch_pos) - 1
+        if i >= 0 and epoch_pos < self.intervals[i][1]:
+            return True, self.intervals[i][1] - epoch_pos
+        if i + 1 < len(self.intervals):
+            return False, self.intervals[i + 1][0] - epoch_pos
+        return False, 1 << 62
+
     def to_epoch(self, pos: int) -> tuple[int, int]:
         """(epoch position of segment position pos, positions left in its interval)."""
-        for lo, hi in self.intervals:
-            if pos < hi - lo:
-                return lo + pos, hi - lo - pos
-            pos -= hi - lo
-        raise IndexError(f"segment position out of range ({self.length} positions)")
+        if not 0 <= pos < self.length:
+            raise IndexError(f"segment position out of range ({self.length} positions)")
+        i = bisect.bisect_right(self._ends, pos) - 1
+        lo, hi = self.intervals[i]
+        offset = pos - self._ends[i]
+        return lo + offset, hi - lo - offset
 
 
 def num_batches(segment_length: int, layout: Layout) -> int:
@@ -166,6 +186,7 @@ class Run:
     ordinal: int  # first sample's ordinal in the shard
     count: int
     wrapped: bool  # served a second time this epoch (rank wrap or read past the worker's chunk)
+    quiet: bool = False  # read before a resume at another layout: its bad samples are counted already
 
 
 def worker_runs(
@@ -178,8 +199,10 @@ def worker_runs(
     start: int,
     count: int,
     borrowed: bool = False,
+    quiet: Segment | None = None,
 ) -> list[Run]:
-    """Worker positions [start, start+count) as contiguous runs of shard samples."""
+    """Worker positions [start, start+count) as contiguous runs of shard samples (split where `quiet` begins or
+    ends)."""
     runs, a, end = [], start, start + count
     while a < end:
         p = chunk_start + a  # virtual rank position
@@ -189,7 +212,9 @@ def worker_runs(
         n = min(end - a, n_rank - item, seg_room, shard_room)
         if a < chunk_len:
             n = min(n, chunk_len - a)
-        runs.append(Run(slot, ordinal, n, borrowed or a >= chunk_len or p >= n_rank))
+        is_quiet, quiet_room = quiet.find(epoch_pos) if quiet is not None else (False, n)
+        n = min(n, quiet_room)
+        runs.append(Run(slot, ordinal, n, borrowed or a >= chunk_len or p >= n_rank, is_quiet))
         a += n
     return runs
 
@@ -207,39 +232,124 @@ def window_span(k: int, chunk_len: int, window: int, n_rank: int) -> tuple[int, 
     return chunk_len + (k - inside) * refill, refill
 
 
-def remainder(segment: Segment, old: Layout, batches_done: int) -> Segment:
-    """The positions a resume at another layout still has to serve, after `batches_done` batches at `old`.
+@dataclass(frozen=True)
+class WorkerProgress:
+    """How far a worker got: its cursor (window, samples of it served) and which samples of that window it served
+    (offsets from the window's first position)."""
 
-    Worker w of old rank r made len(worker_batches(nb, workers, w) below batches_done) batches of B good
-    samples, so it consumed at least c = that * B positions of its chunk and therefore all of its first
-    floor(c / window) windows. Those positions are done; everything else (including the partly served
-    windows) is served again. So nothing is skipped and at most world_size * workers * (window - 1) samples are
-    served twice, plus positions beyond c consumed because of bad samples.
+    window: int
+    consumed: int
+    taken: tuple[int, ...]
+
+
+def remainder(
+    segment: Segment,
+    old: Layout,
+    batches_done: int,
+    progress: list[list[WorkerProgress]] | None = None,
+    quiet: Segment | None = None,
+) -> tuple[Segment, Segment]:
+    """(positions still to serve, quiet positions) for a resume at another layout after `batches_done` batches at
+    `old`; `quiet` is the segment's own (a second resume within the same epoch).
+
+    With `progress` (every old rank's workers, in rank order): exact. Worker w of rank r with cursor (k, i) has
+    served its windows before k whole, and of window k the samples in `taken`; those positions are done. The rest
+    of window k was read (its bad samples counted) but not served: it is served again, quietly. Nothing is served
+    twice, nothing skipped, each bad sample counted once. (A worker past its chunk, in refill windows, has served
+    its chunk whole; the refills are positions of other workers' chunks, served as counted wraps.)
+
+    Without (a state saved before the taken samples were recorded): worker w made b_w batches of B good samples,
+    so it consumed at least c = b_w * B positions of its chunk and therefore all of its first floor(c / window)
+    windows. Those positions are done; everything else is served again, so nothing is skipped and at most
+    world_size * workers * (window - 1) samples are served twice (and their bad samples counted twice).
     """
     L = segment.length
     nb = num_batches(L, old)
-    done: list[tuple[int, int]] = []
+    done: list[tuple[int, int]] = []  # segment positions
+    rest: list[tuple[int, int]] = []
     for r in range(old.world_size):
         lo, hi = rank_range(L, r, old.world_size)
         n_rank = hi - lo
         if n_rank == 0:
             continue
         for w in range(old.workers):
-            made = len(worker_batches(min(batches_done, nb), old.workers, w))
             chunk_start, chunk_len = worker_chunk(nb, old, w)
-            consumed = made * old.batch_size
-            full = chunk_len if consumed >= chunk_len else (consumed // old.window) * old.window
-            a, b = chunk_start, min(chunk_start + full, n_rank)  # only unwrapped positions
-            if b > a:
-                done.append((lo + a, lo + b))
-    done.sort()
-    todo, cursor = [], 0
-    for a, b in done + [(L, L)]:
+            served, unserved = _worker_done(
+                chunk_len,
+                old,
+                n_rank,
+                len(worker_batches(min(batches_done, nb), old.workers, w)),
+                None if progress is None else progress[r][w],
+            )
+            for spans, into in ((served, done), (unserved, rest)):
+                for a, b in spans:
+                    a, b = chunk_start + a, min(chunk_start + b, n_rank)  # only unwrapped positions
+                    if b > a:
+                        into.append((lo + a, lo + b))
+    todo = _to_epoch(segment, _complement(done, L))
+    kept_quiet = _intersect(list(quiet.intervals), todo) if quiet is not None else []
+    return Segment(tuple(todo)), Segment(tuple(_union(_to_epoch(segment, rest) + kept_quiet)))
+
+
+def _worker_done(
+    chunk_len: int, old: Layout, n_rank: int, made: int, progress: WorkerProgress | None
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(served, read but unserved) spans of worker positions, for `remainder`."""
+    if progress is None:
+        consumed = made * old.batch_size
+        return [(0, chunk_len if consumed >= chunk_len else (consumed // old.window) * old.window)], []
+    k, i = progress.window, progress.consumed
+    inside = -(-chunk_len // old.window)
+    if k >= inside:
+        return [(0, chunk_len)], []
+    start, length = window_span(k, chunk_len, old.window, n_rank)
+    if i == 0:  # window k not read yet
+        return [(0, start)], []
+    taken = sorted(set(progress.taken))
+    if len(taken) != i or (taken and not 0 <= taken[0] <= taken[-1] < length):
+        raise ValueError(f"inconsistent data stream state: cursor {(k, i)} with {len(taken)} taken samples")
+    served = [(0, start)] + [(start + o, start + o + 1) for o in taken]
+    return _union(served), _complement([(o, o + 1) for o in taken], length, start)
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _complement(spans: list[tuple[int, int]], length: int, base: int = 0) -> list[tuple[int, int]]:
+    """[base, base + length) minus `spans` (given relative to base when base is nonzero: spans are offsets)."""
+    out, cursor = [], 0
+    for a, b in _union(spans) + [(length, length)]:
         if a > cursor:
-            todo.append((cursor, a))
+            out.append((base + cursor, base + a))
         cursor = max(cursor, b)
-    intervals = []
-    for a, b in todo:  # segment positions -> epoch intervals
+    return out
+
+
+def _intersect(xs: list[tuple[int, int]], ys: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Of two sorted, disjoint interval lists, the positions in both."""
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if b > a:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _to_epoch(segment: Segment, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Segment position spans -> epoch intervals (sorted, merged)."""
+    intervals: list[tuple[int, int]] = []
+    for a, b in _union(spans):
         while a < b:
             epoch_pos, room = segment.to_epoch(a)
             n = min(room, b - a)
@@ -248,4 +358,4 @@ def remainder(segment: Segment, old: Layout, batches_done: int) -> Segment:
             else:
                 intervals.append((epoch_pos, epoch_pos + n))
             a += n
-    return Segment(tuple(intervals))
+    return intervals

@@ -69,6 +69,7 @@ class Candidate:
     wrapped: bool
     meta: dict
     group: int = -1  # json["group"], else the index (format.py)
+    offset: int = -1  # position in its worker's shuffle window (which samples of a window were served)
 
 
 def check_sample(

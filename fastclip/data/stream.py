@@ -23,17 +23,20 @@ Resume (state_dict / load_state_dict; everything in it is plain ints, lists and 
 - Same world_size, workers, batch_size and shuffle_buffer: exact. Each worker's cursor (window, samples
   consumed in it) is saved; a resumed stream re-reads at most one window per worker and serves exactly the
   batches the uninterrupted run would have served, tensor for tensor. Load each rank's own state.
-- Anything of those four changed (e.g. another world size): the current epoch is finished from a documented
-  point, then epochs run normally at the new layout. Pass any old rank's state to every new rank (they only
-  use what all old ranks share: epoch, batches served, old layout). The rule: after b batches at the old
-  layout, every old worker has consumed at least b_w * B samples (b_w = its share of the b batches) and so
-  all of its first floor(b_w * B / shuffle_buffer) windows (all of its share if it made all its batches);
-  those samples count as served. The rest of the epoch (every position not in such a window) is split over
-  the new ranks as a shorter epoch. Nothing is skipped; at most old_world_size * old_workers *
-  (shuffle_buffer - 1) samples are served twice in that epoch (the partly served windows), plus samples that
-  bad data made old workers read past their share, plus the usual wrap (< new_world_size * B) to fill the
-  last batches. `batches_remaining(epoch)` says how many batches the rest of the epoch has; the trainer's
-  step count for that epoch must follow it, not batches_per_epoch.
+- Anything of those four changed (e.g. another world size): the current epoch is finished exactly, then epochs run
+  normally at the new layout. Give every new rank `state_for_new_world_size(old_states, rank, world_size)` (the
+  trainer's checkpoint manager does, at the same world size too): each old worker's state says which samples of
+  its current shuffle window it served, so the rest of the epoch is exactly the samples no old rank served, split
+  over the new ranks as a shorter epoch. Nothing is skipped, nothing served twice but the usual wrap
+  (< new_world_size * B, counted) that fills the last batches, and each bad sample is counted once: the unserved
+  samples of a partly read window were read before, so their bad samples are not counted again ("quiet"
+  positions, fastclip/data/plan.py). Passed one old rank's state alone (or a state saved before the served samples
+  were recorded), the rest is found from the batch count: after b batches, every old worker has consumed at least
+  b_w * B samples (b_w = its share of the b batches) and so all of its first floor(b_w * B / shuffle_buffer)
+  windows; everything else is served, so nothing is skipped, but up to old_world_size * old_workers *
+  (shuffle_buffer - 1) samples are served twice (and their bad samples counted twice).
+  `batches_remaining(epoch)` says how many batches the rest of the epoch has; the trainer's step count for that
+  epoch must follow it, not batches_per_epoch.
 - The data (shard names and counts), seed, resampling and epoch length (IDENTITY) must be the same;
   load_state_dict raises otherwise. load_state_dict(None) starts fresh.
 
@@ -42,10 +45,10 @@ of an epoch is bad: then `epoch()` raises DataExhausted naming the rank and its 
 that one line, exit status 1). Each lost sample is counted once per epoch, by the worker whose chunk holds it,
 however often refills and wraps re-read it (fastclip/data/plan.py). Counts come back from worker processes
 piggybacked on the batches they belong to, so `stream.counters` counts exactly the samples skipped while making
-the batches handed out so far (and it is restored on resume without double counting; a resume at another
-layout re-reads the partly served windows, whose skips are then counted again). `stream.recent_skips` holds
-the last events (shard, key, reason, detail); each bad sample, and each broken shard, is logged once per epoch
-(the first `log_skips_per_reason` per reason; 0: not logged, as the trainer does, which logs on rank 0).
+the batches handed out so far (and it is restored on resume without double counting, at any layout).
+`stream.recent_skips` holds the last events (shard, key, reason, detail); each bad sample, and each broken shard,
+is logged once per epoch (the first `log_skips_per_reason` per reason; 0: not logged, as the trainer does, which
+logs on rank 0).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from fastclip.data.plan import (
     EpochSequence,
     Layout,
     Segment,
+    WorkerProgress,
     epoch_sequence,
     num_batches,
     rank_span,
@@ -242,6 +246,10 @@ class TrainStream:
         self._segment: Segment | None = None
         self._batches_seen = 0
         self._cursors: list[tuple[int, int]] = []
+        # per worker, the offsets of the samples served from its cursor's window (None: unknown, for a state
+        # saved before they were recorded): an exact resume at another layout needs them
+        self._taken: list[list[int]] | None = []
+        self._quiet = Segment(())  # positions whose bad samples were counted before a resume (plan.py)
         self._seq_cache: tuple[int, EpochSequence] | None = None
         self.samples_seen = 0
         self.counters: dict[str, int] = {reason: 0 for reason in REASONS} | {"wrapped": 0} | _remote_zeros()
@@ -276,6 +284,7 @@ class TrainStream:
         if self._epoch != epoch:  # a new epoch (or another one than the saved position's): start it fresh
             self._epoch, self._segment, self._batches_seen = epoch, Segment.full(self.epoch_length), 0
             self._cursors = [(0, 0)] * self.layout.workers
+            self._taken, self._quiet = [[] for _ in range(self.layout.workers)], Segment(())
             self._logged.clear()
 
     def batches_remaining(self, epoch: int) -> int:
@@ -307,6 +316,7 @@ class TrainStream:
                         f"rank {self.rank}: got batch {meta['batch']} from worker "
                         f"{meta['worker']}, expected batch {expected}"
                     )
+                self._note_taken(meta)
                 self._cursors[meta["worker"]] = tuple(meta["cursor"])
                 self._absorb(meta, epoch)
                 self._batches_seen = expected + 1
@@ -339,10 +349,20 @@ class TrainStream:
             first_batch=first,
             n_batches=n_batches,
             cursors=list(self._cursors),
+            quiet=self._quiet if self._quiet.intervals else None,
             preprocess=self.preprocess,
             tokenizer=self.tokenizer,
             retry_delays=None if self.cfg.remote_retry_delays is None else tuple(self.cfg.remote_retry_delays),
         )
+
+    def _note_taken(self, meta: dict) -> None:
+        """Keep the offsets of the samples each worker served from its cursor's window (a batch may span two)."""
+        if self._taken is None:
+            return
+        w, window = meta["worker"], meta["cursor"][0]
+        if self._cursors[w][0] != window:
+            self._taken[w] = []
+        self._taken[w] += [offset for k, offset in meta["taken"] if k == window]
 
     def _start(self, dataset: EpochDataset) -> Iterator:
         """The epoch's batches: read here (data.workers 0) or by data worker processes, started now."""
@@ -417,6 +437,9 @@ class TrainStream:
             "segment": [list(iv) for iv in self._segment.intervals] if self._segment is not None else None,
             "batches_seen": self._batches_seen,
             "cursors": [list(c) for c in self._cursors],
+            # per worker, which samples of its cursor's window it served: a bitmap over the window, in hex
+            "taken": None if self._taken is None else [_bitmap(t) for t in self._taken],
+            "quiet": [list(iv) for iv in self._quiet.intervals],
             "shard_cursor": self._shard_cursor(),  # for people reading a checkpoint; not used to resume
             "samples_seen": self.samples_seen,
             "counters": dict(self.counters),
@@ -467,26 +490,37 @@ class TrainStream:
         epoch, segment = int(state["epoch"]), Segment(tuple(tuple(iv) for iv in state["segment"]))
         done = int(state["batches_seen"])
         self._epoch, self._logged = epoch, Counter()
+        quiet = Segment(tuple(tuple(iv) for iv in state.get("quiet") or ()))
         if old == self.layout:
             if state["rank"] != self.rank:
                 raise ValueError(
                     f"data stream state of rank {state['rank']} loaded into rank {self.rank} at the "
                     f"same world size: load each rank's own state"
                 )
-            self._segment, self._batches_seen = segment, done
+            self._segment, self._batches_seen, self._quiet = segment, done, quiet
             self._cursors = [tuple(c) for c in state["cursors"]]
+            taken = state.get("taken")
+            self._taken = None if taken is None else [_offsets(t) for t in taken]
             return
-        self._segment = remainder(segment, old, done) if done < num_batches(segment.length, old) else Segment(())
+        progress = _progress(state.get("old_ranks"))
+        if done < num_batches(segment.length, old):
+            self._segment, self._quiet = remainder(segment, old, done, progress, quiet)
+        else:
+            self._segment, self._quiet = Segment(()), Segment(())
         self._batches_seen, self._cursors = 0, [(0, 0)] * self.layout.workers
+        self._taken = [[] for _ in range(self.layout.workers)]
         log.info(
             "data stream: epoch %d resumed at another layout (%s -> %s) after %d batches: %d of its samples "
-            "left, %d batches on this layout",
+            "left, %d batches on this layout%s",
             epoch,
             old.as_dict(),
             self.layout.as_dict(),
             done,
             self._segment.length,
             self.batches_remaining(epoch),
+            ""
+            if progress is not None
+            else " (a state without every old rank's served samples: partly served shuffle windows are served again)",
         )
 
 
@@ -526,7 +560,31 @@ def state_for_new_world_size(old_states: list[dict], rank: int, world_size: int)
         **old_states[0],
         "samples_seen": sum(int(s["samples_seen"]) for s in mine),
         "counters": {k: counters[k] for k in old_states[0]["counters"]} | dict(counters),
+        # what an exact finish of the interrupted epoch needs from every old rank (plan.remainder)
+        "old_ranks": [{"cursors": s["cursors"], "taken": s.get("taken")} for s in old_states],
     }
+
+
+def _bitmap(offsets: list[int]) -> str:
+    bits = bytearray((max(offsets) // 8 + 1) if offsets else 0)
+    for o in offsets:
+        bits[o >> 3] |= 1 << (o & 7)
+    return bits.hex()
+
+
+def _offsets(bitmap: str) -> list[int]:
+    bits = bytes.fromhex(bitmap)
+    return [8 * i + b for i, byte in enumerate(bits) if byte for b in range(8) if byte >> b & 1]
+
+
+def _progress(old_ranks: list[dict] | None) -> list[list[WorkerProgress]] | None:
+    """Every old rank's worker progress, or None where any is unknown (plan.remainder's conservative rule)."""
+    if not old_ranks or any(r.get("taken") is None for r in old_ranks):
+        return None
+    return [
+        [WorkerProgress(int(k), int(i), tuple(_offsets(t))) for (k, i), t in zip(r["cursors"], r["taken"])]
+        for r in old_ranks
+    ]
 
 
 def _check_positive(cfg: StreamConfig, world_size: int, rank: int) -> None:

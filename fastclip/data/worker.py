@@ -80,6 +80,7 @@ class EpochJob:
     preprocess: Callable
     tokenizer: Callable | None  # None: image-only batches (no captions needed)
     retry_delays: tuple[float, ...] | None = None  # a remote shard's, seconds before each retry (None: remote.py's)
+    quiet: Segment | None = None  # positions read before a resume at another layout (fastclip/data/plan.py)
 
 
 class EpochDataset(torch.utils.data.IterableDataset):
@@ -102,6 +103,7 @@ class _Worker:
         self.rank_lo, self.n_rank, self.borrowed = rank_span(job.segment.length, job.rank, lay.world_size)
         self.chunk_start, self.chunk_len = worker_chunk(job.n_batches, lay, worker)
         self.window, self.consumed = job.cursors[worker]
+        self.taken: list[tuple[int, int]] = []  # (window, offset in it) of each sample served since the last batch
         self.skips = SkipLog()
         # this epoch's owners, compactly: the indices served (a bitmap) and, per shard, a bit per position for
         # the sample that owns its index, so a re-read of it (wrap, refill) is not taken for a duplicate
@@ -157,12 +159,14 @@ class _Worker:
                     "batch": j,
                     "worker": self.worker,
                     "cursor": [self.window, self.consumed],
+                    "taken": self.taken,
                     "skips": counts,
                     "events": events,
                     "wrapped": wrapped,
                     "remote": dict(self.remote),
                 }
                 self.remote.clear()
+                self.taken = []
                 yield (
                     torch.stack(images),
                     texts,
@@ -236,6 +240,7 @@ class _Worker:
             )
             for i in range(start, len(items)):
                 self.window, self.consumed = k, i + 1
+                self.taken.append((k, items[order[i]].offset))
                 yield items[order[i]]
             k, start, silent = k + 1, 0, False
 
@@ -253,14 +258,17 @@ class _Worker:
             start,
             length,
             self.borrowed,
+            job.quiet,
         )
-        items = []
+        items, offset = [], 0  # offset: of the run's first position in the window
         for run in runs:
             shard = int(job.seq.slots[run.slot])
             name, skip = job.shard_names[shard], job.skip[shard]
             # only the position's owner counts its skips: a wrapped or refill read repeats positions whose
-            # skips were (or will be) counted once this epoch by the worker whose chunk holds them
-            run_log = SkipLog(0) if run.wrapped else log_
+            # skips were (or will be) counted once this epoch by the worker whose chunk holds them; a quiet
+            # position's were counted before a resume at another layout
+            run_log = SkipLog(0) if run.wrapped or run.quiet else log_
+            run_offset, offset = offset, offset + run.count
             for raw in self._read_run(shard, run.ordinal, run.count, run_log):
                 # listed by position (int), or by key (str) in a manifest that names keys only
                 listed = skip.get(raw.ordinal) or skip.get(raw.key)
@@ -286,6 +294,7 @@ class _Worker:
                     self._skip(run_log, reason, name, raw.key, detail)
                     continue
                 cand.shard, cand.wrapped = name, run.wrapped
+                cand.offset = run_offset + raw.ordinal - run.ordinal
                 items.append(cand)
         return items
 

@@ -118,7 +118,7 @@ class Run:
         span = self.schedules.total_steps  # the epochs' span in schedule steps (another unit: resumed elsewhere)
         # where the schedules will be at the end
         ends_at = self.schedules.position(self.samples_seen + remaining * self.global_batch)
-        stretched = ends_at > span  # resumed at another layout: the data rule serves part of an epoch twice
+        stretched = ends_at > span  # resumed at another layout: its last batches of the epoch wrap to fill
         if stretched:  # (else the last batches would train at the schedule's end, lr 0)
             self.schedules.total_steps = ends_at
         self.start_reporting()

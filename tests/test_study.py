@@ -1115,6 +1115,32 @@ def test_a_step_past_the_edge_that_wins_is_followed_by_another_at_most_twice(tmp
     )
 
 
+def test_a_step_past_the_edge_that_the_trainer_refuses_is_not_tuned_and_the_report_says_why(tmp_path):
+    """ema_momentum 0.999 on the grid's top steps to 1.003, which `fastclip train` refuses: no step is tuned (every
+    attempt would fail and the cell would never have a choice); the choice is the edge, with the reason."""
+    path = write_spec(tmp_path, batches=[32])
+    raw = json.loads(path.read_text())
+    for objective in raw["objectives"].values():  # 3 x 2 grids: the momentum can sit on its top edge
+        objective["grid"] = {"model.ema_momentum": [0.99, 0.995, 0.999], "optim.lr": [1e-3, 5e-4]}
+    path.write_text(json.dumps(raw))
+    spec = load(path)
+    runs = tune_runs(spec, "d", 32, "base")
+    for i, run in enumerate(runs):  # momentum 0.999 at lr 1e-3 leads
+        fake(spec, run, 0.7 if i in (8, 9) else 0.3)
+    assert tune_runs(spec, "d", 32, "base") == runs  # no step past the edge
+    assert report.chosen(spec, "d", 32, "base") == {"model.ema_momentum": 0.999, "optim.lr": 1e-3}
+    md = report.write(spec)[0]
+    assert (
+        "Chosen: `ema_momentum0.999_lr0.001`; on the grid's edge: ema_momentum 0.999 is the grid's highest; no step "
+        "past it to ema_momentum 1.003 (config key 'model.ema_momentum': must be in (0, 1) or null (got 1.003))."
+    ) in md, md
+    # a step the trainer takes is still tuned: at the lowest edge, 0.99 -> 0.985
+    for i, run in enumerate(runs):
+        fake(spec, run, 0.7 if i in (0, 1) else 0.3)
+    step = tune_runs(spec, "d", 32, "base")[len(runs) :]
+    assert [r.settings["model.ema_momentum"] for r in step] == [0.985, 0.985]
+
+
 def test_mixed_code_is_refused_and_stale_runs_rerun(tmp_path, capsys, monkeypatch):
     path = write_spec(tmp_path)
     spec = load(path)

@@ -35,7 +35,7 @@ from pathlib import Path  # noqa: E402
 from fastclip.cli import OneLineParser, whole_number  # noqa: E402
 from fastclip.data.manifest import ManifestError  # noqa: E402
 
-from . import hours, records, runner  # noqa: E402
+from . import hours, records, runner, settings  # noqa: E402
 from .plan import EDGE_STEPS, PHASES, budget, cell_name, cells, plan  # noqa: E402
 from .spec import SpecError, load  # noqa: E402
 
@@ -102,7 +102,7 @@ def _h(hours: float) -> str:
 def cmd_plan(spec, args) -> int:
     if args.measure and args.price_from:
         raise SpecError("--measure and --price-from both price the batches without finished runs; give one")
-    runner.check_settings(spec)
+    settings.check_settings(spec)
     runs = plan(spec)
     per_budget = budget(spec)
     finished = [(r, rec) for r in runs if not r.chosen_pending and (rec := records.load(spec.results, r.id))]
@@ -220,7 +220,7 @@ def cmd_run(spec, args) -> int:
         if not torch.cuda.is_available():
             raise SpecError(f"{spec.path}: device cuda, but this machine has no usable CUDA device; run it where "
                             "one is, or set device: cpu")  # fmt: skip
-    runner.check_settings(spec)
+    settings.check_settings(spec)
     runner.check_outputs(spec)
     with runner.hold_lock(spec):
         return _run(spec, args, named)

@@ -149,7 +149,7 @@ def tune_result(
             if best is None:
                 return runs, None, None
             past = step_past(grid, best, key)
-            if past is None:
+            if past is None or refused_step(spec, dataset, batch, objective, past):
                 break
             extra = _runs_of(spec, dataset, batch, objective, [past])
             runs += extra
@@ -160,6 +160,13 @@ def tune_result(
                 break
             best, best_scores = past, past_scores
     return runs, best, best_scores if best is not None else None
+
+
+def refused_step(spec: Spec, dataset: str, batch: int, objective: str, past: dict) -> str | None:
+    """What the trainer says against a step past a grid's edge (None: it takes it); such a step is not tuned."""
+    from .settings import config_problem  # (the trainer's config: imported when a grid's best sits on an edge)
+
+    return config_problem(spec, objective, batch, past, dataset)
 
 
 def taken_values(spec: Spec, dataset: str, batch: int, objective: str, known: dict | None = None) -> dict:

@@ -12,7 +12,19 @@ from collections import Counter
 from pathlib import Path
 
 from . import records, runner
-from .plan import KNOB_MAX, PHASES, cell_name, choose, chosen, designate, metric_of, plan, tune_plan
+from .plan import (
+    KNOB_MAX,
+    PHASES,
+    cell_name,
+    choose,
+    chosen,
+    designate,
+    metric_of,
+    plan,
+    refused_step,
+    step_past,
+    tune_plan,
+)
 from .plots import figure_path, write_figures
 from .runner import run_dir, zeroshot_sets
 from .spec import Spec, SpecError, setting_id
@@ -370,6 +382,17 @@ def edges(spec: Spec, objective: str, batch: int, setting: dict) -> list[str]:
     return out
 
 
+def refused_steps(spec: Spec, dataset: str, batch: int, objective: str, best: dict) -> str:
+    """The steps past an edge of `best` that were not tuned because the trainer refuses their value."""
+    grid = spec.objectives[objective].grid_at(batch)
+    said = []
+    for key in grid:
+        past = step_past(grid, best, key)
+        if past is not None and (problem := refused_step(spec, dataset, batch, objective, past)):
+            said.append(f"no step past it to {key.rsplit('.', 1)[-1]} {past[key]:g} ({problem})")
+    return "; " + "; ".join(said) if said else ""
+
+
 def steps_past(spec: Spec, objective: str, batch: int, by_setting: dict, best: dict) -> str:
     """The settings tuned past the grid's edges that are not the choice, with their mean: the steps that lost."""
     grid = spec.objectives[objective].grid_at(batch)
@@ -421,6 +444,7 @@ def tuning_lines(spec: Spec) -> list[str]:
                 if best is not None:
                     edge = edges(spec, objective, batch, best)
                     note = f"; on the grid's edge: {', '.join(edge)}" if edge else ""
+                    note += refused_steps(spec, dataset, batch, objective, best)
                     past = steps_past(spec, objective, batch, by_setting, best)
                     lines += ["", f"{what}: `{setting_id(best)}`{note}{past}."]
                 lines.append("")

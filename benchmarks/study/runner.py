@@ -24,7 +24,8 @@ from fastclip.eval.zeroshot import mean_top1
 
 from . import records
 from .plan import PHASES, Run, cell_name, cells, plan, selected, steps_of
-from .spec import Spec, SpecError, resolve_setting, setting_id
+from .settings import value_arg
+from .spec import Spec, SpecError, resolve_setting
 from .stops import handled, raise_stopped
 
 CURVE_POINTS_MAX = 20
@@ -119,61 +120,6 @@ def check_batches(spec: Spec, data: Path, dataset: str, batches) -> None:
         raise SpecError(f"batches {big}: larger than datasets.{dataset}'s {size} training samples")
 
 
-def _arch(arch: str) -> str:
-    """A model config path as the runs read it: relative to the repository root, where they run."""
-    return str(records.REPO / arch) if arch.endswith(".json") and not Path(arch).is_absolute() else arch
-
-
-def check_settings(spec: Spec) -> None:
-    """Every run's `fastclip train` keys (the common ones, an objective's options and each grid setting at each batch
-    it runs at, its loss and the data's arch) through the trainer's own parser and checks, before any run starts: a
-    misspelt key or a value the trainer refuses is one line now, not two failed attempts of every run. A key taken
-    from another objective's choice is checked at that objective's first value."""
-    from fastclip.train.config import ConfigError, load_config
-    from fastclip.train.net import check_loss
-    from fastclip.train.preflight import check_arch
-
-    checked: set[tuple] = set()
-    for batch in spec.batches:
-        for name in spec.objectives_at(batch):
-            objective = spec.objectives[name]
-            stand_in = {k: spec.objectives[src].settings(batch)[0][k] for k, src in objective.from_choice.items()}
-            for setting in objective.settings(batch):
-                for dataset in spec.datasets.values():
-                    keys = {
-                        **spec.train,
-                        **resolve_setting(objective.options, batch),
-                        **resolve_setting({**setting, **stand_in}, batch),
-                        "loss.name": objective.loss,
-                        "model.arch": _arch(dataset.arch),
-                        "data.batch_size": batch,
-                        "train.device": spec.device,
-                    }
-                    args = [x for k, v in keys.items() for x in (f"--{k}", _value(v))]
-                    if tuple(args) in checked:
-                        continue
-                    checked.add(tuple(args))
-                    try:
-                        cfg = load_config(None, args)
-                        check_arch(cfg)
-                        check_loss(cfg, data_size=2 * batch)
-                    except (ConfigError, ValueError) as error:
-                        where = f"objectives.{name} at batch {batch}, {setting_id(setting)}, datasets.{dataset.name}"
-                        raise SpecError(f"{spec.path}: {where}: {error}") from None
-
-
-# ----------------------------------------------------------------------------- one run
-def _value(v) -> str:
-    """A config value as `fastclip train` parses it (YAML)."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if v is None:
-        return "null"
-    if isinstance(v, (list, dict)):
-        return json.dumps(v)
-    return str(v)
-
-
 def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -220,7 +166,7 @@ def command(spec: Spec, run: Run, data: Path, extra: dict | None = None) -> list
     keys.update(extra or {})
     args = [sys.executable, "-m", "fastclip", "train"]
     for key, value in keys.items():
-        args += [f"--{key}", _value(str(value) if isinstance(value, Path) else value)]
+        args += [f"--{key}", value_arg(str(value) if isinstance(value, Path) else value)]
     return args
 
 

@@ -1141,6 +1141,32 @@ def test_a_step_past_the_edge_that_the_trainer_refuses_is_not_tuned_and_the_repo
     assert [r.settings["model.ema_momentum"] for r in step] == [0.985, 0.985]
 
 
+def test_run_stops_when_the_code_changes_under_it(tmp_path, tiny_embedded, capsys, monkeypatch):
+    """fastclip/ edited while `run` goes: the next start finds other code, so the run in progress is stopped at its
+    checkpoint (a trainer imports some modules late) and none starts: one line, status 2 (a run recorded the new
+    code beside the table's old one, and the report then refused the table)."""
+    import shutil
+
+    data = tmp_path / "copy"  # the tiny shards, with their val split as test too
+    shutil.copytree(tiny_embedded, data)
+    shutil.copytree(data / "val", data / "test")
+    path = write_spec(tmp_path, batches=[32])
+    raw = json.loads(path.read_text())
+    raw["datasets"]["d"]["data"] = str(data)
+    path.write_text(json.dumps(raw))
+    started = []  # the code is edited once the first run has started
+    monkeypatch.setattr(records, "code_version", lambda: {"commit": "c1", "code": "c2" if started else "c1",
+                                                           "dirty": bool(started)})  # fmt: skip
+    real_start = runner.start
+    monkeypatch.setattr(runner, "start", lambda *a: started.append(real_start(*a)) or started[-1])
+    status = main(["run", str(path), "--parallel", "2", "--max-runs", "2"])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert "fastclip/ or configs/ changed while `run` ran (code c1 -> c2): the 1 run(s) in progress were stopped" in err
+    assert len(started) == 1 and started[0].proc.returncode is not None  # stopped and waited for, none orphaned
+    assert not any(records.load(load(path).results, r.id) for r in plan(load(path)))  # nothing recorded
+
+
 def test_mixed_code_is_refused_and_stale_runs_rerun(tmp_path, capsys, monkeypatch):
     path = write_spec(tmp_path)
     spec = load(path)

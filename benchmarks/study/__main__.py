@@ -242,7 +242,14 @@ def _run(spec, args, named) -> int:
         print(f"note: fastclip/ or configs/ has uncommitted changes; runs record code {current['code']}")
     try:
         phases = tuple(args.phase) if args.phase else PHASES
-        failed = runner.run_pending(spec, cell=named, max_runs=args.max_runs, parallel=args.parallel, phases=phases)
+        failed = runner.run_pending(
+            spec,
+            cell=named,
+            max_runs=args.max_runs,
+            parallel=args.parallel,
+            phases=phases,
+            code=None if args.allow_mixed_commits else current["code"],
+        )
     except Stopped as signal_name:
         print(
             f"python -m benchmarks.study run: stopped by {signal_name}: the runs in progress were stopped, each "

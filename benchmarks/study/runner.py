@@ -35,6 +35,10 @@ class MixedCommits(RuntimeError):
     """A table would hold runs from different code; the message names the table, the codes and what to do."""
 
 
+class CodeChanged(MixedCommits):
+    """The code changed under a `run` in progress (an edit, a checkout): it stopped rather than mix."""
+
+
 # ----------------------------------------------------------------------------- data
 def ensure_data(spec: Spec, dataset: str) -> Path:
     """The dataset's folder, made by its `make` command when missing; SpecError when it cannot be used."""
@@ -609,12 +613,15 @@ def run_pending(
     max_runs: int | None = None,
     parallel: int = 1,
     phases: tuple[str, ...] = PHASES,
+    code: str | None = None,
 ) -> int:
     """Runs pending runs `parallel` at a time until none is left (a cell's test runs start once its tuning is done)
     or `max_runs` have started; only runs of `phases` (e.g. tune and test of every cell before any long run). A
     failed run is retried once from its checkpoint, then left for the next call. Returns the number of runs that
     failed twice. SIGINT/SIGTERM: the runs in progress get SIGTERM (the trainer checkpoints and exits 75), then
-    Stopped."""
+    Stopped. `code`: the code the tables take; where fastclip/ or configs/ no longer is that code when a run is
+    to start, the runs in progress are stopped the same way (a trainer imports some modules late) and CodeChanged
+    says so."""
     selected_runs = plan(spec, cell)
     data = {}
     for dataset in {r.dataset for r in selected_runs} if max_runs != 0 else ():
@@ -623,7 +630,7 @@ def run_pending(
     active: list[Active] = []
     previous = {s: signal.signal(s, raise_stopped) for s in handled()}
     try:
-        return _loop(spec, active, data, cell, max_runs, parallel, phases)
+        return _loop(spec, active, data, cell, max_runs, parallel, phases, code)
     except BaseException:  # a stop, or a bug here: the runs in progress checkpoint and exit, none is orphaned
         for a in active:
             a.proc.send_signal(signal.SIGTERM)
@@ -644,6 +651,7 @@ def _loop(
     max_runs: int | None,
     parallel: int,
     phases: tuple[str, ...],
+    code: str | None,
 ) -> int:
     failed: dict[str, int] = {}  # run id -> failed attempts
     started = 0
@@ -657,6 +665,12 @@ def _loop(
                 print(f"[{time.strftime('%H:%M:%S')}] FAILED {a.run.id}: {error}", flush=True)
         todo = pending(spec, cell, {a.run.id for a in active}, failed, phases)
         while todo and len(active) < parallel and (max_runs is None or started < max_runs):
+            if code is not None and (now := records.code_version()["code"]) != code:
+                raise CodeChanged(
+                    f"fastclip/ or configs/ changed while `run` ran (code {code} -> {now}): the {len(active)} run(s) "
+                    f"in progress were stopped at their last checkpoint and no other started, as a table takes runs "
+                    f"of one code; restore the code to resume them, or commit it and `run --rerun-stale`"
+                )
             run = todo.pop(0)
             active.append(start(spec, run, data[run.dataset]))
             started += 1

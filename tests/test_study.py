@@ -1261,6 +1261,9 @@ def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_res
     assert runner.table_codes(spec)[("d", 32)] == {"c1+other-settings": [run.id]}
     with pytest.raises(runner.MixedCommits, match="1 run.s. from other code"):
         runner.check_commits(spec, "c1")
+    # the report refuses such a table too (it showed its runs under the new spec's settings, silently)
+    with pytest.raises(runner.MixedCommits, match=r"table d/32: its 1 run\(s\) were made with other settings than"):
+        runner.check_commits(spec, None)
     assert len(runner.move_stale(spec, "c1", None)) == 1 and records.load(spec.results, run.id) is None
     # the data is part of a run's provenance: other shards (or a changed class list) under the same name are not the
     # data it ran on (they were taken as they were)
@@ -1281,6 +1284,8 @@ def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_res
     spare.rename(tmp_path / spare.name)  # one shard fewer
     runner.data_fingerprint.cache_clear()
     assert runner.table_codes(spec)[("d", 32)] == {"c1+other-data": [run.id]}
+    with pytest.raises(runner.MixedCommits, match="made with other data than"):
+        runner.check_commits(spec, None)
     (tmp_path / spare.name).rename(spare)
     runner.data_fingerprint.cache_clear()
     assert runner.table_codes(spec)[("d", 32)] == {"c1": [run.id]}
@@ -1289,6 +1294,8 @@ def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_res
     spare.write_bytes(bytes(raw_bytes))
     runner.data_fingerprint.cache_clear()
     assert runner.table_codes(spec)[("d", 32)] == {"c1+other-data": [run.id]}
+    with pytest.raises(runner.MixedCommits, match="made with other data than"):
+        runner.check_commits(spec, None)
 
     folder = tmp_path / "folder"
     assert not runner.resumable(folder, "c1", args)  # nothing to resume

@@ -465,7 +465,8 @@ def check_commits(
     spec: Spec, current: str | None, cell: str | Iterable[str] | None = None, rerun_stale: bool = False
 ) -> None:
     """MixedCommits if a table (only the tables of the cells `cell` names, when given) holds runs from more than one
-    code version, or (`current` given: before running) from another code than `current`. `rerun_stale`: the cells'
+    code version, or (`current` given: before running) from another code than `current`, or (not given: a report)
+    only runs made with other settings or data than the spec gives now. `rerun_stale`: the cells'
     stale runs were moved out, and the message says to name the whole table."""
     wanted = selected(cell)
     tables = None if wanted is None else {c.rsplit("/", 1)[0] for c in wanted}
@@ -473,6 +474,15 @@ def check_commits(
         if tables is not None and f"{dataset}/{batch}" not in tables:
             continue
         keys = set(codes) | ({current} if current else set())
+        if not current and (other := {c: ids for c, ids in codes.items() if "+other-" in c}) and len(keys) == 1:
+            ((code, ids),) = other.items()
+            what = "settings" if "+other-settings" in code else "data"
+            raise MixedCommits(
+                f"table {dataset}/{batch}: its {len(ids)} run(s) were made with other {what} than {spec.path} gives "
+                f"now ({code}), in objective(s) {', '.join(sorted({i.split('/')[2] for i in ids}))}: the report "
+                f"would show them under this spec; restore the spec's {what}, or re-run them with `run --rerun-stale`, "
+                "or pass --allow-mixed-commits"
+            )
         if len(keys) > 1:
             other = {code: ids for code, ids in codes.items() if code != current} if current else codes
             shown = ", ".join(f"{code} ({len(ids)})" for code, ids in sorted(other.items()))

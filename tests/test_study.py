@@ -1553,11 +1553,20 @@ def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_
     first = subprocess.run(["git", "-C", str(REPO), "rev-list", "--max-parents=0", "HEAD"], capture_output=True,
                            text=True).stdout.split()[0]  # fmt: skip
     wt = tmp_path / "wt"
+    # a user's own study, named on the command line: its folders are linked too (it linked v2's alone, so its runs
+    # landed in the worktree)
+    import shutil
+
+    mine = write_spec(tmp_path, name="zz_at_commit_mine", results="benchmarks/results/zz_at_commit_mine",
+                      work="benchmarks/out/zz_at_commit_mine")  # fmt: skip
+    links += ("benchmarks/out/zz_at_commit_mine", "benchmarks/results/zz_at_commit_mine/runs")
     try:
         for _ in range(2):  # made, then refreshed
-            done = subprocess.run(["bash", str(script), head, str(wt)], capture_output=True, text=True)
+            done = subprocess.run(["bash", str(script), head, str(wt), str(mine)], capture_output=True, text=True)
             assert done.returncode == 0, done.stderr
             assert f"{wt}: commit {head[:12]}, code " in done.stdout
+            named = done.stdout.split("the runs of ")[-1].split(" land in")[0].split()
+            assert {"study_v2", "study_v2_revisits", "zz_at_commit_mine"} <= set(named), done.stdout
         for name in ("plan.py", "runner.py", "v2.yaml"):
             assert (wt / "benchmarks/study" / name).read_bytes() == (REPO / "benchmarks/study" / name).read_bytes()
         for link in links:
@@ -1567,7 +1576,7 @@ def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_
         for argv, words in (
             ([head[:7] + "zz", str(wt)], ("is no commit of", "name one the tables' runs record")),
             ([first, str(wt)], (f"{wt} is at {head[:12]}, not {first}", "name another DIR")),
-            ([head], ("usage: bash benchmarks/study/at_commit.sh COMMIT DIR",)),
+            ([head], ("usage: bash benchmarks/study/at_commit.sh COMMIT DIR [SPEC ...]",)),
         ):
             done = subprocess.run(["bash", str(script), *argv], capture_output=True, text=True)
             assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
@@ -1581,6 +1590,8 @@ def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_
             if (wt / link).is_symlink():
                 (wt / link).unlink()  # the links only: the folders they name are this tree's
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], capture_output=True)
+        for made in ("benchmarks/out/zz_at_commit_mine", "benchmarks/results/zz_at_commit_mine"):
+            shutil.rmtree(REPO / made, ignore_errors=True)
 
 
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP", "SIGINT"])

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Run a study's cells at the code its tables started with, while main moves on (a table takes runs of one code only;
 # the code key covers fastclip/ and configs/, not benchmarks/):
-#   bash benchmarks/study/at_commit.sh COMMIT DIR      e.g. 42a1147 /work/wt/study (study v2's batch-32 table)
+#   bash benchmarks/study/at_commit.sh COMMIT DIR [SPEC ...]   e.g. 42a1147 /work/wt/study (v2's batch-32 table)
 #   cd DIR && .venv/bin/python -m benchmarks.study run benchmarks/study/v2.yaml --cell ... --parallel 2
 # Makes DIR a worktree at COMMIT (kept if there) with this tree's study package and specs, this tree's .venv, and
-# this tree's study folders (benchmarks/out/<study>, benchmarks/results/<study>/runs and timing.json for each of
-# STUDIES) linked in: finished runs land here, ready to commit. Re-run it after changing the package here.
+# this tree's study folders linked in (each spec's work folder, results/runs and timing.json, for every spec in
+# benchmarks/study/ and each SPEC named, relative to this tree's root or absolute): finished runs land here, ready
+# to commit. Re-run it after changing the package here.
 set -euo pipefail
-[[ $# -eq 2 ]] || { echo "usage: bash benchmarks/study/at_commit.sh COMMIT DIR" >&2; exit 2; }
+[[ $# -ge 2 ]] || { echo "usage: bash benchmarks/study/at_commit.sh COMMIT DIR [SPEC ...]" >&2; exit 2; }
 commit=$1 dir=$2
 main=$(cd "$(dirname "$0")/../.." && pwd)
 git -C "$main" rev-parse --verify --quiet "$commit^{commit}" >/dev/null || {
@@ -58,15 +59,37 @@ link() {  # $1: a path relative to the repository root, made a link to this tree
   ln -sT "$main/$1" "$dir/$1"
 }
 [[ -e $dir/.venv ]] || ln -s "$main/.venv" "$dir/.venv"
-STUDIES="study_v2 study_v2_revisits"  # the specs' `name`s (v2.yaml, v2-revisits.yaml)
-for study in $STUDIES; do
-  link "benchmarks/out/$study"
-  link "benchmarks/results/$study/runs"
-  # the timing run's figures too: `plan --hours` here would price the unrun batches from the commit's old ones
-  timing="benchmarks/results/$study/timing.json"
-  if [[ -e $main/$timing && ! -L $dir/$timing ]]; then
-    mkdir -p "$(dirname "$dir/$timing")" && ln -sfT "$main/$timing" "$dir/$timing"
+# every study spec of this tree (benchmarks/study/*.yaml, and each SPEC named): its work folder, its results' runs/
+# and timing.json (the timing run's figures: `plan --hours` there would price unrun batches from the commit's old
+# ones), as paths inside this tree; a folder outside it is the same folder from the worktree
+mapfile -t shared < <(cd "$main" && .venv/bin/python - "${@:3}" <<'EOF'
+import glob
+import sys
+from pathlib import Path
+
+from benchmarks.study.spec import load
+
+root = Path.cwd().resolve()
+for path in dict.fromkeys(sorted(glob.glob("benchmarks/study/*.yaml")) + sys.argv[1:]):
+    try:
+        spec = load(path)
+    except Exception as error:  # noqa: BLE001 - a spec that does not load has nothing to link; said
+        print(f"at_commit.sh: note: {path}: its folders are not linked ({error})", file=sys.stderr)
+        continue
+    for kind, folder in (("dir", spec.work), ("dir", spec.results / "runs"), ("file", spec.results / "timing.json")):
+        if folder.resolve().is_relative_to(root):
+            print(f"{kind} {spec.name} {folder.resolve().relative_to(root)}")
+EOF
+)
+names=()
+for entry in "${shared[@]}"; do
+  read -r kind name path <<<"$entry"
+  [[ " ${names[*]} " == *" $name "* ]] || names+=("$name")
+  if [[ $kind == dir ]]; then
+    link "$path"
+  elif [[ -e $main/$path && ! -L $dir/$path ]]; then
+    mkdir -p "$(dirname "$dir/$path")" && ln -sfT "$main/$path" "$dir/$path"
   fi
 done
 code=$(cd "$dir" && .venv/bin/python -c "from benchmarks.study import records; print(records.code_version()['code'])")
-echo "$dir: commit ${at:0:12}, code $code, with $main's study package; runs land in $main/benchmarks/results/<study>/runs ($STUDIES)"
+echo "$dir: commit ${at:0:12}, code $code, with $main's study package; the runs of ${names[*]} land in $main"

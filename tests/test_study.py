@@ -909,8 +909,10 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     assert next(c for c in summary["cells"] if c["loss"] == "base2" and c["epochs"] == 2)["seeds"] == [1, 2, 3, 4, 5, 6]
     (row,) = summary["comparisons"]
     keys = {"dataset", "global_batch", "winner", "baseline", "diff_mean", "diff_ci95", "p_holm", "samples_ratio",
-            "samples_ratio_never", "samples_ratio_ci95", "samples_ratio_epochs", "complete"}  # fmt: skip
+            "samples_ratio_never", "samples_ratio_at_least", "samples_ratio_ci95", "samples_ratio_epochs",
+            "complete"}  # fmt: skip
     assert set(row) == keys and row["complete"] is True and row["samples_ratio_never"] is False
+    assert row["samples_ratio_at_least"] is False
     assert (row["winner"], row["baseline"]) == ("new", "base2")
     assert row["diff_mean"] == pytest.approx(0.085)  # seeds 1-6 paired: 0.60 + 0.01·(1..6) − 0.55
     # Holm over the table's two comparisons with base2 (new: 6 pairs all up, exact p 2/64; base: 6 pairs all down)
@@ -969,6 +971,29 @@ def test_a_winner_that_never_reaches_the_baseline_reads_never_not_a_dash(tmp_pat
     runs["new"] = {s: {"curve": [], "run": {"epochs": 2}} for s in (1, 2)}  # no curves: nothing measured
     c = report.headline(spec, t, {("d", 32, "test"): runs})
     assert c["samples_ratio_never"] is False and report._ratio(c) == "–"
+
+
+def test_a_winner_at_the_target_from_its_first_evaluation_reads_at_least(tmp_path):
+    """A winner already at the baseline's final value at its first evaluation: the ratio is the evaluation grid's
+    (the baseline's samples over the first evaluation's), a lower bound, read "≥" (it read as a point: 4.00x for a
+    winner at chance against a baseline at chance, with 4 evaluations; helper-57)."""
+    spec = load(write_spec(tmp_path))
+    row = {"objective": "new", "diff_mean": 0.0, "diff_ci95": [0.0, 0.0], "p_holm": 1.0}
+    t = {"dataset": "d", "global_batch": 32, "winner": "new", "baseline": "base", "comparisons": [row]}
+    runs = {
+        "new": {s: {"curve": [[100, 0.016], [200, 0.015], [300, 0.016], [400, 0.016]], "run": {"epochs": 2}}
+                for s in (1, 2)},
+        "base": {s: {"curve": [[100, 0.01], [200, 0.012], [300, 0.013], [400, 0.014]], "run": {"epochs": 2}}
+                 for s in (1, 2)},
+    }  # fmt: skip
+    c = report.headline(spec, t, {("d", 32, "test"): runs})
+    assert c["samples_ratio"] == 4.0 and c["samples_ratio_at_least"] is True
+    assert report._ratio(c).startswith("≥ 4.00x")
+    runs["new"] = {s: {"curve": [[100, 0.005], [200, 0.015], [300, 0.016], [400, 0.016]], "run": {"epochs": 2}}
+                   for s in (1, 2)}  # fmt: skip
+    c = report.headline(spec, t, {("d", 32, "test"): runs})
+    assert c["samples_ratio_at_least"] is False and not report._ratio(c).startswith("≥")
+    assert (report._pct(-0.0), report._pct(-1e-5), report._pct(-0.0006)) == ("0.0", "0.0", "-0.1")  # no "-0.0"
 
 
 def test_the_samples_ratio_point_is_over_the_paired_seeds_as_its_interval(tmp_path):

@@ -28,7 +28,7 @@ from .plan import (
 from .plots import figure_path, write_figures
 from .runner import run_dir, zeroshot_sets
 from .spec import Spec, SpecError, setting_id
-from .stats import compare, mean_curve, mean_std, samples_ratio, samples_ratio_ci95
+from .stats import compare, mean_curve, mean_std, reached_at_first_evaluation, samples_ratio, samples_ratio_ci95
 
 # the metrics compared beside the headline metric, each its own Holm family: (name in the tables, record reader)
 SECONDARY = (
@@ -182,8 +182,8 @@ def headline(spec: Spec, t: dict, done: dict, complete: bool = False) -> dict:
         others = [n for n in t["means"] if n != baseline and n in t["val"]]
         if not others:
             return {**row_of, "baseline": None, "diff_mean": None, "diff_ci95": None, "p_holm": None,
-                    "samples_ratio": None, "samples_ratio_never": False, "samples_ratio_ci95": None,
-                    "samples_ratio_epochs": None}  # fmt: skip
+                    "samples_ratio": None, "samples_ratio_never": False, "samples_ratio_at_least": False,
+                    "samples_ratio_ci95": None, "samples_ratio_epochs": None}  # fmt: skip
         runner_up = max(others, key=lambda n: t["val"][n])
         row = rows[runner_up]  # runner-up − winner: turned round, so the row says by how much the winner leads
         diff = -row["diff_mean"] if row["diff_mean"] is not None else None
@@ -209,6 +209,8 @@ def headline(spec: Spec, t: dict, done: dict, complete: bool = False) -> dict:
         "p_holm": p,
         "samples_ratio": ratio,
         "samples_ratio_never": ratio is None and bool(curves),  # (null with curves: never; without: not measured)
+        # at the target from the first evaluation: the ratio is the evaluation grid's, a lower bound
+        "samples_ratio_at_least": reached_at_first_evaluation(winner_curves, pair_curves),
         "samples_ratio_ci95": samples_ratio_ci95(
             {s: r["curve"] for s, r in source[winner].items()}, {s: r["curve"] for s, r in source[pair].items()}
         ),
@@ -218,7 +220,10 @@ def headline(spec: Spec, t: dict, done: dict, complete: bool = False) -> dict:
 
 # ----------------------------------------------------------------------------- markdown
 def _pct(x) -> str:
-    return "–" if x is None else f"{100 * x:.1f}"
+    if x is None:
+        return "–"
+    shown = f"{100 * x:.1f}"
+    return "0.0" if shown == "-0.0" else shown  # a zero difference (or one that rounds to it) has no sign
 
 
 def _p(x) -> str:
@@ -242,7 +247,8 @@ def _ratio(c: dict) -> str:
         return "–"  # no curves to compare
     ci = c.get("samples_ratio_ci95")
     interval = "" if not ci else f" [{'never' if ci[0] == 0 else f'{ci[0]:.2f}'}, {ci[1]:.2f}]"
-    point = "never" if c["samples_ratio"] is None else f"{c['samples_ratio']:.2f}x"
+    at_least = "≥ " if c.get("samples_ratio_at_least") else ""
+    point = "never" if c["samples_ratio"] is None else f"{at_least}{c['samples_ratio']:.2f}x"
     return f"{point}{interval} ({c['samples_ratio_epochs']})"
 
 

@@ -109,6 +109,14 @@ def samples_ratio(winner_curves: list, baseline_curves: list) -> float | None:
     return None if not needed else baseline[-1][0] / needed
 
 
+def reached_at_first_evaluation(winner_curves: list, baseline_curves: list) -> bool:
+    """Whether the winner's mean curve stands at the baseline's final mean value from its first evaluation on: the
+    samples ratio is then the evaluation grid's bound (the baseline's samples over the first evaluation's), and the
+    true one at least that."""
+    winner, baseline = mean_curve(winner_curves), mean_curve(baseline_curves)
+    return bool(winner and baseline) and all(y >= baseline[-1][1] for _, y in winner)
+
+
 def samples_ratio_ci95(winner: dict[int, list], baseline: dict[int, list], resamples: int = 2000) -> list[float] | None:
     """A 95 % percentile interval of samples_ratio from resampling the paired seeds (each seed's two curves
     together, with replacement; the random draws are seeded, so a report is the same each time). A resample where

@@ -25,7 +25,6 @@
 
 from __future__ import annotations
 
-import bisect
 import math
 import zlib
 from dataclasses import dataclass
@@ -104,50 +103,65 @@ def epoch_sequence(
     return EpochSequence(slots, starts, length)
 
 
-@dataclass(frozen=True)
 class Segment:
-    """Sorted, disjoint [lo, hi) intervals of the epoch sequence, served in order. (After a resume at another
-    layout, one interval per run of served samples a worker left in its window: lookups bisect.)"""
+    """Sorted, disjoint [lo, hi) intervals of the epoch sequence, served in order. After a resume at another layout
+    there is one interval per run of samples an old worker left unserved in its window (up to ~window/2 per old
+    worker, millions at scale): they are numpy arrays, lookups bisect."""
 
-    intervals: tuple[tuple[int, int], ...]
-
-    def __post_init__(self):
-        starts = [lo for lo, _ in self.intervals]
-        ends = np.cumsum([0] + [hi - lo for lo, hi in self.intervals]).tolist()  # segment position of each start
-        object.__setattr__(self, "_starts", starts)
-        object.__setattr__(self, "_ends", ends)
+    def __init__(self, intervals=()):
+        pairs = np.asarray(intervals, dtype=np.int64).reshape(-1, 2)
+        self.lo, self.hi = pairs[:, 0].copy(), pairs[:, 1].copy()
+        self._ends = np.concatenate([[0], np.cumsum(self.hi - self.lo)])  # segment position of each start, and the end
+        self._tag: int | None = None
 
     @classmethod
     def full(cls, length: int) -> Segment:
         return cls(((0, length),) if length > 0 else ())
 
     @property
+    def intervals(self) -> tuple[tuple[int, int], ...]:
+        return tuple(zip(self.lo.tolist(), self.hi.tolist()))
+
+    def __len__(self) -> int:  # intervals
+        return len(self.lo)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Segment) and np.array_equal(self.lo, other.lo) and np.array_equal(self.hi, other.hi)
+
+    def __repr__(self) -> str:
+        return f"Segment({len(self)} intervals, {self.length} positions)"
+
+    @property
     def length(self) -> int:
-        return self._ends[-1]
+        return int(self._ends[-1])
+
+    def as_array(self) -> np.ndarray:
+        return np.stack([self.lo, self.hi], axis=1)
 
     def tag(self, epoch_length: int) -> int:
         """0 for a whole epoch; else a hash of the intervals (keeps random streams of a remainder apart)."""
-        if self.intervals == Segment.full(epoch_length).intervals:
+        if self == Segment.full(epoch_length):
             return 0
-        return zlib.crc32(repr(self.intervals).encode())
+        if self._tag is None:
+            self._tag = zlib.crc32(repr(self.intervals).encode())
+        return self._tag
 
     def find(self, epoch_pos: int) -> tuple[bool, int]:
         """(whether the epoch position lies in an interval, positions until that changes)."""
-        i = bisect.bisect_right(self._starts, epoch_pos) - 1
-        if i >= 0 and epoch_pos < self.intervals[i][1]:
-            return True, self.intervals[i][1] - epoch_pos
-        if i + 1 < len(self.intervals):
-            return False, self.intervals[i + 1][0] - epoch_pos
+        i = int(np.searchsorted(self.lo, epoch_pos, side="right")) - 1
+        if i >= 0 and epoch_pos < self.hi[i]:
+            return True, int(self.hi[i]) - epoch_pos
+        if i + 1 < len(self.lo):
+            return False, int(self.lo[i + 1]) - epoch_pos
         return False, 1 << 62
 
     def to_epoch(self, pos: int) -> tuple[int, int]:
         """(epoch position of segment position pos, positions left in its interval)."""
         if not 0 <= pos < self.length:
             raise IndexError(f"segment position out of range ({self.length} positions)")
-        i = bisect.bisect_right(self._ends, pos) - 1
-        lo, hi = self.intervals[i]
-        offset = pos - self._ends[i]
-        return lo + offset, hi - lo - offset
+        i = int(np.searchsorted(self._ends, pos, side="right")) - 1
+        offset = pos - int(self._ends[i])
+        return int(self.lo[i]) + offset, int(self.hi[i] - self.lo[i]) - offset
 
 
 def num_batches(segment_length: int, layout: Layout) -> int:
@@ -240,6 +254,7 @@ class WorkerProgress:
     window: int
     consumed: int
     taken: tuple[int, ...]
+    bad: tuple[int, ...] = ()  # offsets of that window read and found bad (counted, never to be served)
 
 
 def remainder(
@@ -253,8 +268,10 @@ def remainder(
     `old`; `quiet` is the segment's own (a second resume within the same epoch).
 
     With `progress` (every old rank's workers, in rank order): exact. Worker w of rank r with cursor (k, i) has
-    served its windows before k whole, and of window k the samples in `taken`; those positions are done. The rest
-    of window k was read (its bad samples counted) but not served: it is served again, quietly. Nothing is served
+    served its windows before k whole, and of window k the samples in `taken`; those positions are done, and so
+    are the window's bad ones (`bad`: counted when it was read, never served). The rest of window k was read but
+    not served: it is served now, quietly (a read-time count, such as the samples a tar holds past its manifest,
+    is not made twice). Nothing is served
     twice, nothing skipped, each bad sample counted once. (A worker past its chunk, in refill windows, has served
     its chunk whole; the refills are positions of other workers' chunks, served as counted wraps.)
 
@@ -287,7 +304,7 @@ def remainder(
                     if b > a:
                         into.append((lo + a, lo + b))
     todo = _to_epoch(segment, _complement(done, L))
-    kept_quiet = _intersect(list(quiet.intervals), todo) if quiet is not None else []
+    kept_quiet = _intersect(list(quiet.intervals), todo) if quiet is not None else []  # (a second resume)
     return Segment(tuple(todo)), Segment(tuple(_union(_to_epoch(segment, rest) + kept_quiet)))
 
 
@@ -305,11 +322,10 @@ def _worker_done(
     start, length = window_span(k, chunk_len, old.window, n_rank)
     if i == 0:  # window k not read yet
         return [(0, start)], []
-    taken = sorted(set(progress.taken))
-    if len(taken) != i or (taken and not 0 <= taken[0] <= taken[-1] < length):
-        raise ValueError(f"inconsistent data stream state: cursor {(k, i)} with {len(taken)} taken samples")
-    served = [(0, start)] + [(start + o, start + o + 1) for o in taken]
-    return _union(served), _complement([(o, o + 1) for o in taken], length, start)
+    # (a set: with duplicate indices in unscanned data a same-layout resume can serve an offset twice)
+    done = sorted({o for o in (*progress.taken, *progress.bad) if 0 <= o < length})
+    served = [(0, start)] + [(start + o, start + o + 1) for o in done]
+    return _union(served), _complement([(o, o + 1) for o in done], length, start)
 
 
 def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

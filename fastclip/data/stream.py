@@ -19,18 +19,18 @@ What is decided by what (fastclip/data/plan.py has the arithmetic, fastclip/data
   (data, seed, epoch, world_size, workers, batch_size, shuffle_buffer), whether workers are processes or not
   (workers=0 loads in the main process and gives the same batches as workers=1).
 
-Resume (state_dict / load_state_dict; everything in it is plain ints, lists and strings):
+Resume (state_dict / load_state_dict; plain ints, lists and strings, and an int64 tensor for a long segment):
 - Same world_size, workers, batch_size and shuffle_buffer: exact. Each worker's cursor (window, samples
   consumed in it) is saved; a resumed stream re-reads at most one window per worker and serves exactly the
   batches the uninterrupted run would have served, tensor for tensor. Load each rank's own state.
 - Anything of those four changed (e.g. another world size): the current epoch is finished exactly, then epochs run
   normally at the new layout. Give every new rank `state_for_new_world_size(old_states, rank, world_size)` (the
   trainer's checkpoint manager does, at the same world size too): each old worker's state says which samples of
-  its current shuffle window it served, so the rest of the epoch is exactly the samples no old rank served, split
-  over the new ranks as a shorter epoch. Nothing is skipped, nothing served twice but the usual wrap
-  (< new_world_size * B, counted) that fills the last batches, and each bad sample is counted once: the unserved
-  samples of a partly read window were read before, so their bad samples are not counted again ("quiet"
-  positions, fastclip/data/plan.py). Passed one old rank's state alone (or a state saved before the served samples
+  its current shuffle window it served and which it found bad, so the rest of the epoch is exactly the good
+  samples no old rank served (and those not read yet), split over the new ranks as a shorter epoch, possibly
+  empty. Nothing is skipped, nothing served twice but the usual wrap (< new_world_size * B, counted) that fills the
+  last batches, and each bad sample is counted once (the unserved samples of a partly read window are read again
+  "quietly": fastclip/data/plan.py). Passed one old rank's state alone (or a state saved before the served samples
   were recorded), the rest is found from the batch count: after b batches, every old worker has consumed at least
   b_w * B samples (b_w = its share of the b batches) and so all of its first floor(b_w * B / shuffle_buffer)
   windows; everything else is served, so nothing is skipped, but up to old_world_size * old_workers *
@@ -246,9 +246,10 @@ class TrainStream:
         self._segment: Segment | None = None
         self._batches_seen = 0
         self._cursors: list[tuple[int, int]] = []
-        # per worker, the offsets of the samples served from its cursor's window (None: unknown, for a state
-        # saved before they were recorded): an exact resume at another layout needs them
+        # per worker, the offsets of the samples served from its cursor's window, and of its bad ones (None:
+        # unknown, for a state saved before they were recorded): an exact resume at another layout needs them
         self._taken: list[list[int]] | None = []
+        self._bad: list[list[int]] | None = []
         self._quiet = Segment(())  # positions whose bad samples were counted before a resume (plan.py)
         self._seq_cache: tuple[int, EpochSequence] | None = None
         self.samples_seen = 0
@@ -284,7 +285,8 @@ class TrainStream:
         if self._epoch != epoch:  # a new epoch (or another one than the saved position's): start it fresh
             self._epoch, self._segment, self._batches_seen = epoch, Segment.full(self.epoch_length), 0
             self._cursors = [(0, 0)] * self.layout.workers
-            self._taken, self._quiet = [[] for _ in range(self.layout.workers)], Segment(())
+            self._taken, self._bad = [[] for _ in range(self.layout.workers)], [[] for _ in range(self.layout.workers)]
+            self._quiet = Segment(())
             self._logged.clear()
 
     def batches_remaining(self, epoch: int) -> int:
@@ -356,13 +358,16 @@ class TrainStream:
         )
 
     def _note_taken(self, meta: dict) -> None:
-        """Keep the offsets of the samples each worker served from its cursor's window (a batch may span two)."""
-        if self._taken is None:
+        """Keep the offsets of the samples each worker served from its cursor's window (a batch may span two), and
+        of the window's bad samples (sent when it was read)."""
+        if self._taken is None or self._bad is None:
             return
         w, window = meta["worker"], meta["cursor"][0]
         if self._cursors[w][0] != window:
-            self._taken[w] = []
+            self._taken[w], self._bad[w] = [], []
         self._taken[w] += [offset for k, offset in meta["taken"] if k == window]
+        # (a window read again after a resume at the same layout sends its bad samples again)
+        self._bad[w] = sorted(set(self._bad[w]) | {offset for k, offset in meta["bad"] if k == window})
 
     def _start(self, dataset: EpochDataset) -> Iterator:
         """The epoch's batches: read here (data.workers 0) or by data worker processes, started now."""
@@ -434,12 +439,13 @@ class TrainStream:
             "layout": self.layout.as_dict(),
             "rank": self.rank,
             "epoch": self._epoch,
-            "segment": [list(iv) for iv in self._segment.intervals] if self._segment is not None else None,
+            "segment": _intervals_state(self._segment) if self._segment is not None else None,
             "batches_seen": self._batches_seen,
             "cursors": [list(c) for c in self._cursors],
             # per worker, which samples of its cursor's window it served: a bitmap over the window, in hex
             "taken": None if self._taken is None else [_bitmap(t) for t in self._taken],
-            "quiet": [list(iv) for iv in self._quiet.intervals],
+            "bad": None if self._bad is None else [_bitmap(t) for t in self._bad],
+            "quiet": _intervals_state(self._quiet),
             "shard_cursor": self._shard_cursor(),  # for people reading a checkpoint; not used to resume
             "samples_seen": self.samples_seen,
             "counters": dict(self.counters),
@@ -487,10 +493,10 @@ class TrainStream:
         if state["epoch"] is None:
             return
         old = Layout(**state["layout"])
-        epoch, segment = int(state["epoch"]), Segment(tuple(tuple(iv) for iv in state["segment"]))
+        epoch, segment = int(state["epoch"]), _segment_of(state["segment"])
         done = int(state["batches_seen"])
         self._epoch, self._logged = epoch, Counter()
-        quiet = Segment(tuple(tuple(iv) for iv in state.get("quiet") or ()))
+        quiet = _segment_of(state.get("quiet"))
         if old == self.layout:
             if state["rank"] != self.rank:
                 raise ValueError(
@@ -499,16 +505,17 @@ class TrainStream:
                 )
             self._segment, self._batches_seen, self._quiet = segment, done, quiet
             self._cursors = [tuple(c) for c in state["cursors"]]
-            taken = state.get("taken")
+            taken, bad = state.get("taken"), state.get("bad")
             self._taken = None if taken is None else [_offsets(t) for t in taken]
+            self._bad = None if bad is None else [_offsets(t) for t in bad]
             return
-        progress = _progress(state.get("old_ranks"))
+        progress = _progress(state.get("old_ranks"), old)
         if done < num_batches(segment.length, old):
             self._segment, self._quiet = remainder(segment, old, done, progress, quiet)
         else:
             self._segment, self._quiet = Segment(()), Segment(())
         self._batches_seen, self._cursors = 0, [(0, 0)] * self.layout.workers
-        self._taken = [[] for _ in range(self.layout.workers)]
+        self._taken, self._bad = [[] for _ in range(self.layout.workers)], [[] for _ in range(self.layout.workers)]
         log.info(
             "data stream: epoch %d resumed at another layout (%s -> %s) after %d batches: %d of its samples "
             "left, %d batches on this layout%s",
@@ -561,7 +568,7 @@ def state_for_new_world_size(old_states: list[dict], rank: int, world_size: int)
         "samples_seen": sum(int(s["samples_seen"]) for s in mine),
         "counters": {k: counters[k] for k in old_states[0]["counters"]} | dict(counters),
         # what an exact finish of the interrupted epoch needs from every old rank (plan.remainder)
-        "old_ranks": [{"cursors": s["cursors"], "taken": s.get("taken")} for s in old_states],
+        "old_ranks": [{"cursors": s["cursors"], "taken": s.get("taken"), "bad": s.get("bad")} for s in old_states],
     }
 
 
@@ -577,14 +584,40 @@ def _offsets(bitmap: str) -> list[int]:
     return [8 * i + b for i, byte in enumerate(bits) if byte for b in range(8) if byte >> b & 1]
 
 
-def _progress(old_ranks: list[dict] | None) -> list[list[WorkerProgress]] | None:
-    """Every old rank's worker progress, or None where any is unknown (plan.remainder's conservative rule)."""
-    if not old_ranks or any(r.get("taken") is None for r in old_ranks):
+def _progress(old_ranks: list[dict] | None, old: Layout) -> list[list[WorkerProgress]] | None:
+    """Every old rank's worker progress, or None where any is unknown (plan.remainder's conservative rule): a state
+    saved before the served samples were recorded, or fewer states than old ranks."""
+    if (
+        not old_ranks
+        or len(old_ranks) != old.world_size
+        or any(r.get("taken") is None or r.get("bad") is None for r in old_ranks)
+        or any(not len(r["cursors"]) == len(r["taken"]) == len(r["bad"]) == old.workers for r in old_ranks)
+    ):
         return None
     return [
-        [WorkerProgress(int(k), int(i), tuple(_offsets(t))) for (k, i), t in zip(r["cursors"], r["taken"])]
+        [
+            WorkerProgress(int(k), int(i), tuple(_offsets(t)), tuple(_offsets(b)))
+            for (k, i), t, b in zip(r["cursors"], r["taken"], r["bad"])
+        ]
         for r in old_ranks
     ]
+
+
+INLINE_INTERVALS = 64  # a segment of more intervals is saved as an int64 tensor [n, 2] (millions after a resume)
+
+
+def _intervals_state(segment: Segment) -> list | torch.Tensor:
+    if len(segment) <= INLINE_INTERVALS:
+        return [list(iv) for iv in segment.intervals]
+    return torch.from_numpy(segment.as_array())
+
+
+def _segment_of(saved) -> Segment:
+    if saved is None:
+        return Segment(())
+    if torch.is_tensor(saved):
+        return Segment(saved.numpy())
+    return Segment(tuple(tuple(iv) for iv in saved))
 
 
 def _check_positive(cfg: StreamConfig, world_size: int, rank: int) -> None:

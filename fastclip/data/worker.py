@@ -104,6 +104,7 @@ class _Worker:
         self.chunk_start, self.chunk_len = worker_chunk(job.n_batches, lay, worker)
         self.window, self.consumed = job.cursors[worker]
         self.taken: list[tuple[int, int]] = []  # (window, offset in it) of each sample served since the last batch
+        self.bad: list[tuple[int, int]] = []  # (window, offset in it) of the bad samples of windows read since then
         self.skips = SkipLog()
         # this epoch's owners, compactly: the indices served (a bitmap) and, per shard, a bit per position for
         # the sample that owns its index, so a re-read of it (wrap, refill) is not taken for a duplicate
@@ -160,13 +161,14 @@ class _Worker:
                     "worker": self.worker,
                     "cursor": [self.window, self.consumed],
                     "taken": self.taken,
+                    "bad": self.bad,
                     "skips": counts,
                     "events": events,
                     "wrapped": wrapped,
                     "remote": dict(self.remote),
                 }
                 self.remote.clear()
-                self.taken = []
+                self.taken, self.bad = [], []
                 yield (
                     torch.stack(images),
                     texts,
@@ -296,6 +298,9 @@ class _Worker:
                 cand.shard, cand.wrapped = name, run.wrapped
                 cand.offset = run_offset + raw.ordinal - run.ordinal
                 items.append(cand)
+        if start < self.chunk_len:  # a window of the worker's own chunk: which of its samples are bad (plan.remainder)
+            good = {c.offset for c in items}
+            self.bad += [(k, o) for o in range(length) if o not in good]
         return items
 
     def _owns(self, shard: int, ordinal: int, index: int) -> bool:

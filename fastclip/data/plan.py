@@ -4,9 +4,10 @@
    with replacement (weights per source) until `samples_per_epoch` samples. Sample positions 0..L-1 run through
    the shards in that order (position = shard slot + ordinal inside the shard).
 2. Segment. The part of the epoch sequence still to be served: the whole sequence, or after a resume at
-   another layout, the positions not yet consumed (see `remainder`). A list of [lo, hi) epoch intervals. Beside
-   it, the "quiet" positions: those a worker had read before the resume (so their bad samples are counted) but not
-   served; they are served now, and their bad samples are not counted again.
+   another layout, the good positions not yet served and those not yet read (see `remainder`). A list of [lo, hi)
+   epoch intervals. Beside it, the "quiet" positions: good ones a worker had read before the resume but not
+   served; they are served now, and what reading them counted (a tar's samples past its manifest) is not counted
+   again.
 3. Ranks. Rank r gets segment positions [L*r/W, L*(r+1)/W): shards are split at sample granularity, so ranks
    differ by at most one sample whatever the shard sizes. Every rank serves `ceil(L / (W*B))` batches: a rank
    whose range is shorter than that wraps around within its own range (its "virtual" positions p >= n_r map to

@@ -143,6 +143,15 @@ def test_eval_on_the_runs_own_training_shards_says_so_and_summary_does_not_call_
     assert summary_main([str(run)]) == 0
     out = capsys.readouterr().out
     assert "training images of" in out and "held-out images of" in out, out
+    # a model.pt copied out of its run folder says what it trained on itself (only the run's config.yaml was read)
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    shutil.copy(sorted((run / "checkpoints").glob("step_*"))[-1] / "model.pt", loose / "model.pt")
+    names = ["--classnames", str(tiny_embedded / "zeroshot.json")]
+    assert eval_main([str(loose / "model.pt"), "--device", "cpu", "--data", str(tiny_embedded / "train"), *names]) == 0
+    assert "holds shards this run trained on" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (loose / "results.jsonl").read_text().splitlines()]
+    assert rows and all(r["held_out"] is False for r in rows)
 
 
 def test_remote_training_data_is_not_fetched_to_compare_with_the_evaluated(tiny_embedded, tmp_path):

@@ -81,6 +81,7 @@ class LoadedModel:
     file: Path
     step: int | None
     image_only: bool = False  # an image tower alone (an ssl run, or its export): no text tower, no tokenizer
+    data_train: str | None = None  # the data.train a training checkpoint records (an export records none)
 
 
 def nonfinite_tensors(state: dict) -> list[str]:
@@ -153,4 +154,7 @@ def model_from_checkpoint(file: Path, checkpoint: dict, *, arch=None, device="cp
         )
     target.load_state_dict(state)
     built.model.eval()
-    return LoadedModel(built, file, ckpt.saved_step(checkpoint), image_only=tower)
+    trained = ((checkpoint.get("config") or {}).get("data") or {}).get("train")
+    return LoadedModel(
+        built, file, ckpt.saved_step(checkpoint), image_only=tower, data_train=None if trained is None else str(trained)
+    )

@@ -571,7 +571,7 @@ def _prepare(args, load_model) -> _Prepared:
         if ahead is not None and (problem := nothing_scored(args, specs, names_from, ahead)):
             raise ValueError(problem)
     train_path = probe_train_path(args, source)
-    trained_on = training_overlap(loaded.file, source)
+    trained_on = training_overlap(loaded.file, source, loaded.data_train)
     if trained_on is not None:
         print(
             f"fastclip eval: note: --data {args.data} holds shards this run trained on (data.train {trained_on}): "
@@ -593,9 +593,10 @@ def _prepare(args, load_model) -> _Prepared:
     return _Prepared(source, preprocess, specs, names_from, for_all, loaded, train_path, default_name, trained_on)
 
 
-def training_overlap(model_file: Path, source) -> str | None:
-    """The data.train of the run a checkpoint belongs to (its config.yaml) when `source` holds one of its shards,
-    else None (an export, an image folder, a run whose data is gone: nothing to compare)."""
+def training_overlap(model_file: Path, source, train: str | None = None) -> str | None:
+    """The data.train a checkpoint was trained on (`train`, its own record; else its run folder's config.yaml) when
+    `source` holds one of its shards, else None (an export outside a run, an image folder, data that is gone:
+    nothing to compare). The checkpoint's own record holds for a model.pt copied out of its run, or into another's."""
     import yaml
 
     from fastclip.data.catalog import resolve_catalog
@@ -604,7 +605,8 @@ def training_overlap(model_file: Path, source) -> str | None:
     run = default_results_file(model_file).parent.parent  # <run>/checkpoints/results.jsonl
     try:
         evaluated = {p.resolve() for p in shard_paths(source)}  # first: an image folder has none, nothing to compare
-        train = yaml.safe_load((run / "config.yaml").read_text())["data"]["train"]
+        if train is None:
+            train = yaml.safe_load((run / "config.yaml").read_text())["data"]["train"]
         if any(is_remote(part.strip()) for part in str(train).split("::")):  # not fetched for a note
             return None
         trained = {Path(s.path).resolve() for s in resolve_catalog(str(train)).shards}

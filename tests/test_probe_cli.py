@@ -166,3 +166,29 @@ def test_remote_training_data_is_not_fetched_to_compare_with_the_evaluated(tiny_
     (run / "config.yaml").write_text(f"data:\n  train: '{spec}'\n")
     assert training_overlap(run / "checkpoints" / "step_00000001" / "model.pt", tiny_embedded / "val") is None
     assert not marker.exists()
+
+
+def test_eval_appends_its_records_before_the_report_and_after_a_torn_line(probed_run, tiny_embedded, tmp_path):
+    """`fastclip eval ... | head -1`: the reader leaves before the report, and the records were lost (they were
+    written after it; helper-59). A results file whose last line a killed writer tore keeps that one bad line: the
+    new records start on their own (the first was glued onto it, unreadable)."""
+    import os
+    import subprocess
+    import sys
+
+    results = tmp_path / "results.jsonl"
+    good = {"task": "zeroshot", "checkpoint": "earlier", "dataset": "d", "top1": 0.5}
+    results.write_text(json.dumps(good) + '\n{"task": "zeroshot", "checkp')  # its writer killed mid-line
+    cmd = [sys.executable, "-m", "fastclip", "eval", str(probed_run), "--device", "cpu"]
+    # a reader that left before the report (`| head -1` of a longer output): the report's first line meets EPIPE
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    proc = subprocess.Popen([*cmd, "--data", str(tiny_embedded / "val"), "--results", str(results)],
+                            stdout=write_end, stderr=subprocess.PIPE)  # fmt: skip
+    os.close(write_end)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 141, err.decode()  # 128 + SIGPIPE, as `yes | head -1`
+    lines = results.read_text().splitlines()
+    assert json.loads(lines[0]) == good and lines[1] == '{"task": "zeroshot", "checkp' and len(lines) > 2
+    assert all(json.loads(line)["checkpoint"] == str(probed_run / "checkpoints" / "step_00000004" / "model.pt")
+               for line in lines[2:])  # fmt: skip

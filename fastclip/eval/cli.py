@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -537,8 +538,14 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
     if problem := _unscored(args, run, scored.results, warnings):
         print(f"fastclip eval: {problem}", file=sys.stderr)
         return 2
-    _print_report(args, run, scored, warnings, seconds=time.time() - started)
-    return _append_records(args, run, scored)
+    seconds = time.time() - started
+    appended = _append_records(args, run, scored)  # first: a reader of the report that leaves (`| head`) loses nothing
+    _print_report(args, run, scored, warnings, seconds=seconds)
+    if isinstance(appended, str):
+        print(f"fastclip eval: {appended}", file=sys.stderr)
+        return 1
+    print(f"\nappended to {appended}")
+    return 0
 
 
 def _prepare(args, load_model) -> _Prepared:
@@ -703,8 +710,8 @@ def _print_report(args, run: _Prepared, scored: _Scored, warnings: _OneLineWarni
         )
 
 
-def _append_records(args, run: _Prepared, scored: _Scored) -> int:
-    """The results' JSON records appended to --results (exit status 1 where that fails: the table still stands)."""
+def _append_records(args, run: _Prepared, scored: _Scored) -> Path | str:
+    """The results' JSON records appended to --results: the file, or what went wrong (the table still stands)."""
     loaded = run.loaded
     common = {
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -718,14 +725,15 @@ def _append_records(args, run: _Prepared, scored: _Scored) -> int:
     results_file = args.results or default_results_file(loaded.file)
     try:  # (a read-only file, a disk that filled during the evaluation: the table above still stands)
         results_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(results_file, "a") as f:
+        with open(results_file, "a+b") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                f.write(b"\n")  # a torn last line (a killed writer) stays one bad line: ours start on their own
             for record in result_records(scored.results, common, scored.probes):
-                f.write(json.dumps(record) + "\n")
+                f.write((json.dumps(record) + "\n").encode())
     except OSError as e:
-        print(f"fastclip eval: --results {results_file}: cannot append ({e.strerror or e})", file=sys.stderr)
-        return 1
-    print(f"\nappended to {results_file}")
-    return 0
+        return f"--results {results_file}: cannot append ({e.strerror or e})"
+    return results_file
 
 
 if __name__ == "__main__":

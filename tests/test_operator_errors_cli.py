@@ -149,7 +149,7 @@ def test_one_class_list_for_data_of_several_datasets_scores_its_own_or_is_refuse
     untrained, tiny_embedded, tmp_path, capsys
 ):
     """The embedded data holds fashion-mnist and mnist: one list named for neither would score both against it
-    (refused, after the pass that finds it out); a list named fashion-mnist scores the fashion-mnist samples only
+    (refused, at the first batch that shows it); a list named fashion-mnist scores the fashion-mnist samples only
     and says the others were not scored; and a folder of fashion-mnist samples alone, under the same root, is
     scored by a list of any name, as before."""
     import json
@@ -660,3 +660,29 @@ def test_a_run_that_fails_before_writing_leaves_no_run_folder_it_made(tmp_path, 
     argv[-1] = str(tmp_path / "mine")
     one_line_error(capsys, main, argv, "config key 'data.train'")
     assert (tmp_path / "mine").is_dir()
+
+
+def test_a_class_list_that_is_not_the_datas_is_refused_at_the_first_sample_that_shows_it(
+    untrained, tiny_embedded, tmp_path, capsys, monkeypatch
+):
+    """`fastclip eval` is one process: a list over data of two datasets, or a 3-name mnist list for labels up to
+    9, is refused in one line, status 2, at the first batch that shows it, not after the whole pass (helper-59: the
+    refusal came after 15.6 s of a pass)."""
+    import importlib
+
+    from fastclip.eval.cli import main
+
+    ev = importlib.import_module("fastclip.eval.evaluate")  # (the package's `evaluate` is the function)
+    batches = []
+    real_add = ev._Pass.add
+    monkeypatch.setattr(ev._Pass, "add", lambda self, *a: (batches.append(len(a[3])), real_add(self, *a))[1])
+    common = [str(untrained), "--arch", "tiny-vit", "--device", "cpu", "--no-retrieval", "--batch-size", "2"]
+    for name, words in (("three.txt", "scored labelled samples of 2+ datasets"), ("mnist.txt", "outside [0, 3)")):
+        (tmp_path / name).write_text("a\nb\nc\n")
+        batches.clear()
+        args = [*common, "--data", str(tiny_embedded / "train"), "--classnames", str(tmp_path / name)]
+        assert main([*args, "--results", str(tmp_path / "no.jsonl")]) == 2
+        said = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("eval: ")]  # (progress)
+        assert len(said) == 1 and words in said[0] and name in said[0], said
+        assert sum(batches) < 80 / 4, batches  # a few batches of the 80 samples, not the pass
+        assert not (tmp_path / "no.jsonl").exists()

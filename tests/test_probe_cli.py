@@ -136,6 +136,7 @@ def test_eval_on_the_runs_own_training_shards_says_so_and_summary_does_not_call_
     assert f"fastclip eval: note: --data {tiny_embedded / 'train'} holds shards this run trained on" in err
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert rows and all(r["held_out"] is False for r in rows)
+    assert all(r["classnames"] == str(tiny_embedded / "zeroshot.json") and "templates" not in r for r in rows)
     assert eval_main([*base, "--data", str(tiny_embedded / "val")]) == 0
     assert "trained on" not in capsys.readouterr().err
     assert "held_out" not in json.loads(results.read_text().splitlines()[-1])

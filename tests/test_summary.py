@@ -194,6 +194,16 @@ def test_a_spot_check_or_training_data_does_not_replace_the_held_out_headline(ti
     assert fastclip_main(["summary", str(run)]) == 0
     out = capsys.readouterr().out
     assert "mnist           75.0% top-1  (10 held-out images, step 10)" in out and "100.0%" not in out
+    # other prompts (--templates, --classnames) after it: a variant, not the headline (it replaced it: helper-59)
+    bare = {**mnist, "top1": 0.3, "templates": "/tmp/bare.json"}
+    results.write_text(results.read_text() + json.dumps(bare) + "\n")
+    assert fastclip_main(["summary", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "mnist           75.0% top-1  (10 held-out images, step 10)" in out and "30.0%" not in out
+    # where the variant is all there is, it is shown, saying so
+    results.write_text("".join(json.dumps(r) + "\n" for r in full if r is not mnist) + json.dumps(bare) + "\n")
+    assert fastclip_main(["summary", str(run)]) == 0
+    assert "30.0% top-1  (10 held-out images, step 10, --templates /tmp/bare.json)" in capsys.readouterr().out
     # only training shards evaluated: shown as such, and the run's own held-out evaluation beside them
     results.write_text("".join(json.dumps({**r, "held_out": False}) + "\n" for r in full if r["step"] == 10))
     own = {"step": 10, "samples_seen": 160, "eval/zeroshot/mnist/top1": 0.25, "eval/zeroshot/mnist/num_samples": 20.0}

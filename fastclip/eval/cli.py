@@ -721,6 +721,9 @@ def _append_records(args, run: _Prepared, scored: _Scored) -> Path | str:
         "data": str(args.data),
         **({"held_out": False} if run.trained_on is not None else {}),
         **({"max_samples": args.max_samples} if args.max_samples is not None else {}),  # a spot check, said so
+        # other prompts than the data's own: a variant (summary keeps the default evaluation as the headline)
+        **({"classnames": str(args.classnames)} if args.classnames is not None else {}),
+        **({"templates": str(args.templates)} if args.templates is not None else {}),
     }
     results_file = args.results or default_results_file(loaded.file)
     try:  # (a read-only file, a disk that filled during the evaluation: the table above still stands)

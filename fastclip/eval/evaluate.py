@@ -152,6 +152,9 @@ class _Pass:
         self.feature_labels: list[tuple[str, int, int]] = []  # their (dataset, label, data index or -1)
         self.num_samples = 0
         self.unmatched = 0
+        # one process (`fastclip eval`): a class list that is not the data's is refused at the first sample that
+        # shows it, not after the pass; ranks of a group count, and agree on one message after it
+        self.fail_fast = False
 
     def spec_name(self, sample: EvalSample) -> str | None:
         if sample.label is None:
@@ -159,6 +162,11 @@ class _Pass:
         if len(self.names) == 1 and self.one_list_for_all:  # a single class list applies to every labelled sample
             if sample.dataset is not None and len(self.datasets_scored) < 2:
                 self.datasets_scored.add(sample.dataset)
+                if len(self.datasets_scored) == 2 and self.fail_fast:  # said now, not after the pass
+                    raise MixedDatasets(
+                        f"one class list ({self.names[0]!r}) scored labelled samples of 2+ datasets (here: "
+                        f"{', '.join(sorted(self.datasets_scored))}), each against the same classes"
+                    )
             return self.names[0]
         if len(self.names) == 1 and sample.dataset is None:  # its own dataset's, and those that name none
             return self.names[0]
@@ -188,6 +196,13 @@ class _Pass:
         for name in set(r for r in routed if r is not None):
             rows = [i for i, r in enumerate(routed) if r == name]
             labels = torch.tensor([batch[i].label for i in rows], dtype=torch.int64)
+            classes = self.counts[name].num_classes
+            if self.fail_fast and bool(((labels < 0) | (labels >= classes)).any()):  # said now, not after the pass
+                bad = next(int(x) for x in labels.tolist() if not 0 <= x < classes)
+                raise LabelOutOfRange(
+                    f"a sample of dataset {name!r} has label {bad}, outside [0, {classes}) (its class list has "
+                    f"{classes} names)"
+                )
             self.counts[name].update(image_features[rows] @ classifiers[name], labels)
         captioned = [i for i, s in enumerate(batch) if s.caption is not None]
         if self.retrieval and captioned:
@@ -302,6 +317,7 @@ def _evaluate(model, tokenizer, preprocess, source, state: _Pass, group, batch_s
     }
     error: BaseException | None = None
     skipped = Skipped()
+    state.fail_fast = world == 1
     try:
         samples = source(rank, world, skipped) if callable(source) else iter_samples(source, rank, world, skipped)
         # max_samples caps the total: this rank's share of the first max_samples positions

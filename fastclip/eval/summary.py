@@ -321,6 +321,11 @@ def _training_lines(cfg: dict, rows: list[dict], train_rows: list[dict], train_s
     return lines
 
 
+def _prompts(record: dict) -> str:
+    """ ", --templates FILE" (and --classnames) for an evaluation with other prompts than the data's own, else ""."""
+    return "".join(f", --{flag} {record[flag]}" for flag in ("classnames", "templates") if record.get(flag))
+
+
 def _result_lines(results: list[dict]) -> list[str]:
     """The last evaluation of the newest checkpoint on each data it was evaluated on (named when there are several,
     e.g. a test and a novel split): zero-shot per dataset, the probes, retrieval."""
@@ -333,6 +338,8 @@ def _result_lines(results: list[dict]) -> list[str]:
             key = (r["task"], r.get("dataset"), r.get("k"))
             if "max_samples" in r and key in latest and "max_samples" not in latest[key]:
                 continue  # a --max-samples spot check after the full evaluation: the full one stays the headline
+            if _prompts(r) and key in latest and not _prompts(latest[key]):
+                continue  # --templates / --classnames after the data's own prompts: the default stays the headline
             latest[key] = r
     lines = []
     for data, latest in by_data.items():
@@ -341,7 +348,7 @@ def _result_lines(results: list[dict]) -> list[str]:
         width = max((len(r["dataset"]) for r in zeroshot), default=0)
         lines += [
             f"  {'zero-shot' if i == 0 else '':<10} {r['dataset']:<{width}}  {100 * r['top1']:5.1f}% top-1"
-            f"  ({r['num_samples']:,} {_kind(r)} images{where}, step {newest})"
+            f"  ({r['num_samples']:,} {_kind(r)} images{where}, step {newest}{_prompts(r)})"
             for i, r in enumerate(zeroshot)
         ]
         lines += _probe_lines(latest, newest, where)

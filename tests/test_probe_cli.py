@@ -193,3 +193,26 @@ def test_eval_appends_its_records_before_the_report_and_after_a_torn_line(probed
     assert json.loads(lines[0]) == good and lines[1] == '{"task": "zeroshot", "checkp' and len(lines) > 2
     assert all(json.loads(line)["checkpoint"] == str(probed_run / "checkpoints" / "step_00000004" / "model.pt")
                for line in lines[2:])  # fmt: skip
+
+
+def test_sigterm_during_eval_is_one_line(probed_run, tiny_embedded, tmp_path):
+    """SIGTERM (a cluster's time limit, scancel) during the pass: one line saying nothing was appended, status 143
+    (it ended with no word, status 143; export says its stop so)."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import catches, wait_for
+
+    results = tmp_path / "results.jsonl"
+    cmd = [sys.executable, "-m", "fastclip", "eval", str(probed_run), "--device", "cpu", "--batch-size", "1"]
+    proc = subprocess.Popen([*cmd, "--data", str(tiny_embedded / "train"), "--results", str(results)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait_for(lambda: proc.poll() is not None or catches(proc.pid, signal.SIGTERM), 120, "eval's stop handlers")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    said = [line for line in err.splitlines() if not line.startswith("eval: ")]  # (progress)
+    assert proc.returncode == 143 and said == [
+        "fastclip eval: stopped by SIGTERM before its records were appended (nothing written)"
+    ], (proc.returncode, err)
+    assert not results.exists()

@@ -63,6 +63,7 @@ from fastclip.eval.samples import (
 )
 from fastclip.eval.spec import ZeroShotSpec, load_zeroshot_spec, spec_from_class_folders
 from fastclip.progress import Progress
+from fastclip.stopping import Stopped, signals_deferred, stopped_by_signals
 
 
 def embedded_split(root: Path, split: str) -> Path | None:
@@ -496,8 +497,18 @@ def main(argv: list[str] | None = None) -> int:
     evaluate_log = logging.getLogger("fastclip.eval.evaluate")
     level = evaluate_log.level
     evaluate_log.setLevel(logging.ERROR)  # its warning (unscored labels) is said under the table instead
+    done: dict = {}  # "appended": the results file, once the records are in it
     try:
-        return _main(args, load_model, warnings)
+        with stopped_by_signals():  # SIGTERM, SIGHUP: one line, as Ctrl-C's (they ended it with no word, status 143)
+            return _main(args, load_model, warnings, done)
+    except Stopped as e:
+        said = (
+            f"after appending its records to {done['appended']}"
+            if "appended" in done
+            else "before its records were appended (nothing written)"
+        )
+        print(f"fastclip eval: stopped by {e.name} {said}", file=sys.stderr)
+        return 128 + e.signum
     finally:
         logging.getLogger("fastclip.eval.samples").removeFilter(warnings)
         evaluate_log.setLevel(level)
@@ -526,7 +537,7 @@ class _Scored:
     probe_skipped: int = 0  # training samples of the probe skipped as unreadable
 
 
-def _main(args, load_model, warnings: _OneLineWarnings) -> int:
+def _main(args, load_model, warnings: _OneLineWarnings, done: dict) -> int:
     try:
         run = _prepare(args, load_model)
         started = time.time()
@@ -539,7 +550,11 @@ def _main(args, load_model, warnings: _OneLineWarnings) -> int:
         print(f"fastclip eval: {problem}", file=sys.stderr)
         return 2
     seconds = time.time() - started
-    appended = _append_records(args, run, scored)  # first: a reader of the report that leaves (`| head`) loses nothing
+    # first (a reader of the report that leaves, `| head`, loses nothing), and whole or not at all
+    with signals_deferred():
+        appended = _append_records(args, run, scored)
+        if not isinstance(appended, str):
+            done["appended"] = appended
     _print_report(args, run, scored, warnings, seconds=seconds)
     if isinstance(appended, str):
         print(f"fastclip eval: {appended}", file=sys.stderr)

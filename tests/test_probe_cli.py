@@ -211,8 +211,9 @@ def test_sigterm_during_eval_is_one_line(probed_run, tiny_embedded, tmp_path):
     wait_for(lambda: proc.poll() is not None or catches(proc.pid, signal.SIGTERM), 120, "eval's stop handlers")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    said = [line for line in err.splitlines() if not line.startswith("eval: ")]  # (progress)
-    assert proc.returncode == 143 and said == [
-        "fastclip eval: stopped by SIGTERM before its records were appended (nothing written)"
-    ], (proc.returncode, err)
-    assert not results.exists()
+    said = [line for line in err.splitlines() if not line.startswith(("eval: ", "fastclip eval: note:"))]
+    assert proc.returncode == 143 and len(said) == 1, (proc.returncode, err)
+    if results.exists():  # the signal came after the pass (a slow start here, a fast pass): it says so
+        assert said[0] == f"fastclip eval: stopped by SIGTERM after appending its records to {results}"
+    else:
+        assert said[0] == "fastclip eval: stopped by SIGTERM before its records were appended (nothing written)"

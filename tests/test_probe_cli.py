@@ -217,3 +217,24 @@ def test_sigterm_during_eval_is_one_line(probed_run, tiny_embedded, tmp_path):
         assert said[0] == f"fastclip eval: stopped by SIGTERM after appending its records to {results}"
     else:
         assert said[0] == "fastclip eval: stopped by SIGTERM before its records were appended (nothing written)"
+
+
+def test_eval_of_a_run_whose_newest_model_file_is_torn_names_the_step_before(
+    probed_run, tiny_embedded, tmp_path, capsys
+):
+    """`fastclip eval RUN` where the newest step's model.pt was cut short: the one line names the step folder before
+    it (it said "pass another checkpoint" alone); the torn file named directly is refused without that advice."""
+    import shutil
+
+    from fastclip.eval.cli import main as eval_main
+
+    run = shutil.copytree(probed_run, tmp_path / "run")
+    steps = sorted(p for p in (run / "checkpoints").glob("step_*") if (p / "model.pt").is_file())
+    newest = steps[-1] / "model.pt"
+    newest.write_bytes(newest.read_bytes()[:50_000])
+    args = ["--device", "cpu", "--data", str(tiny_embedded / "val")]
+    for given, advice in ((run, f"; the step folder before it: {steps[-2]}"), (newest, None)):
+        assert eval_main([str(given), *args]) == 2
+        said = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("eval: ")]
+        assert len(said) == 1 and str(newest) in said[0] and "truncated" in said[0], said
+        assert said[0].endswith(advice) if advice else "before it" not in said[0], said

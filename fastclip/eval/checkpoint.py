@@ -18,6 +18,16 @@ from fastclip import checkpoint as ckpt
 from fastclip.errors import CheckpointError
 
 
+def _earlier_step(given: str | os.PathLike, file: Path) -> str:
+    """Where a run or checkpoints folder led to an unreadable newest model file: the step folder before it, named."""
+    chosen = Path(given).resolve() in (file.resolve(), file.parent.resolve())  # the file or its step folder
+    if chosen or not ckpt.STEP_DIR.fullmatch(file.parent.name):
+        return ""
+    steps = [s for s in ckpt.list_checkpoints(file.parent.parent) if (s / ckpt.MODEL_FILE).is_file()]
+    earlier = [s for s in steps if s.name < file.parent.name]
+    return f"; the step folder before it: {earlier[-1]}" if earlier else ""
+
+
 def load_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
     """(the model file found from `path`, its contents): a run, checkpoints or step folder, or the file."""
     try:
@@ -32,7 +42,7 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[Path, dict]:
     try:  # the trainer's loader: weights_only, its one-line refusal of pickled objects, the format version
         checkpoint = ckpt.read_model_file(file)
     except CheckpointError as err:
-        raise ValueError(str(err)) from None
+        raise ValueError(f"{err}{_earlier_step(path, file)}") from None
     if "state_dict" not in checkpoint:
         what = ckpt.describe_checkpoint(checkpoint)
         if what.startswith(ckpt.BARE_STATE_DICT):  # open_clip's model.state_dict() saved as is: what --arch builds

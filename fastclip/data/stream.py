@@ -366,8 +366,9 @@ class TrainStream:
         if self._cursors[w][0] != window:
             self._taken[w], self._bad[w] = [], []
         self._taken[w] += [offset for k, offset in meta["taken"] if k == window]
-        # (a window read again after a resume at the same layout sends its bad samples again)
-        self._bad[w] = sorted(set(self._bad[w]) | {offset for k, offset in meta["bad"] if k == window})
+        # sent once per window read (again after a resume at the same layout: a set)
+        if bad := [offset for k, offset in meta["bad"] if k == window]:
+            self._bad[w] = sorted(set(self._bad[w]).union(bad))
 
     def _start(self, dataset: EpochDataset) -> Iterator:
         """The epoch's batches: read here (data.workers 0) or by data worker processes, started now."""

@@ -882,6 +882,37 @@ def test_a_table_named_before_every_objective_is_tuned_says_it_is_provisional(tm
     assert "Provisional" not in report.write(spec)[0]
 
 
+def test_contrasts_answer_the_specs_questions_on_paired_seeds(tmp_path, capsys):
+    """`contrasts`: a − b on the seeds both have, in the table where both ran (fastclip-v1 − dcl asks whether u
+    helps, which no row against the strongest baseline says), Holm over the contrasts; a mistake in one is a line."""
+    path = write_spec(tmp_path, batches=[32])
+    raw = json.loads(path.read_text())
+    raw["contrasts"] = [{"question": "q1", "a": "new", "b": "base"}, {"question": "q2", "a": "base2", "b": "base"}]
+    path.write_text(json.dumps(raw))
+    spec = load(path)
+    finish_tuning(spec, lambda name, i, seed: {"base": 0.5, "base2": 0.55, "new": 0.6}[name])
+    for run in plan(spec):
+        if run.phase == "test":  # new: base + 0.01·seed; base2: base − 0.02 on seeds 1 and 2, equal on the rest
+            extra = {"new": 0.01 * run.seed, "base2": -0.02 if run.seed < 3 else 0.0, "base": 0.0}[run.objective]
+            fake(spec, run, 0.5 + extra)
+    text, summary = report.write(spec)
+    first, second = summary["contrasts"]
+    assert (first["question"], first["a"], first["b"], first["epochs"]) == ("q1", "new", "base", 2)
+    assert first["seeds"] == [1, 2, 3, 4, 5, 6] and first["wins"] == 6
+    assert first["diff_mean"] == pytest.approx(0.035)
+    p1 = sps.wilcoxon(np.arange(1, 7) * 0.01, method="exact").pvalue
+    assert second["seeds"] == [1, 2, 3, 4, 5, 6] and second["wins"] == 0  # (base2: the strongest baseline)
+    p2 = stats.wilcoxon_p(np.array([-0.02, -0.02, 0.0, 0.0, 0.0, 0.0]))  # ties dropped
+    assert [first["p_holm"], second["p_holm"]] == pytest.approx(stats.holm([p1, p2]), abs=1e-4)
+    assert "| q1 | new − base | 3.5 ± 1.9 [1.5, 5.5] | 6/6 | 0.031 |" in text
+    raw["contrasts"] = [{"question": "q", "a": "new", "b": "nobody"}]
+    path.write_text(json.dumps(raw))
+    one_line_error(capsys, main, ["plan", str(path)], "contrasts[0].b", "names no objective ('nobody')")
+    raw["contrasts"] = [{"question": "q", "a": "new"}]
+    path.write_text(json.dumps(raw))
+    one_line_error(capsys, main, ["plan", str(path)], "contrasts[0]", "must be {question, a, b}")
+
+
 def test_report_schema_strongest_baseline_and_pending(tmp_path):
     """The winner and the strongest baseline are named on val (new, then base2 among the baselines), before any
     test seed; base2 is no headline objective, yet as its table's strongest baseline it gets every test seed and

@@ -28,7 +28,15 @@ from .plan import (
 from .plots import figure_path, write_figures
 from .runner import run_dir, zeroshot_sets
 from .spec import Spec, SpecError, setting_id
-from .stats import compare, mean_curve, mean_std, reached_at_first_evaluation, samples_ratio, samples_ratio_ci95
+from .stats import (
+    compare,
+    contrast,
+    mean_curve,
+    mean_std,
+    reached_at_first_evaluation,
+    samples_ratio,
+    samples_ratio_ci95,
+)
 
 # the metrics compared beside the headline metric, each its own Holm family: (name in the tables, record reader)
 SECONDARY = (
@@ -78,8 +86,10 @@ def table(spec: Spec, dataset: str, batch: int, runs: dict[str, dict[int, dict]]
         values = {n: {s: read(r) for s, r in by_seed.items() if read(r) is not None} for n, by_seed in runs.items()}
         if baseline and values.get(baseline):
             secondary[label] = compare({n: v for n, v in values.items() if v}, baseline)
+    pairs = [(c.question, c.a, c.b) for c in spec.contrasts]
     return {
         "metric": metric,
+        "contrasts": contrast(metric, pairs),  # the spec's questions, a − b (each table its own Holm family)
         "beside": beside,
         "means": means,
         "val": named.val,
@@ -92,6 +102,16 @@ def table(spec: Spec, dataset: str, batch: int, runs: dict[str, dict[int, dict]]
         "secondary": secondary,
         "curves": {name: _curves(by_seed) for name, by_seed in runs.items()},  # for the figures (plots.py)
     }
+
+
+def _contrast_rows(tables: list[dict]) -> list[dict]:
+    """The summary's contrasts: per table (dataset, batch, length), each question's a − b."""
+    keys = ("question", "a", "b", "seeds", "diff_mean", "diff_ci95", "wins", "p_holm")
+    return [
+        {"dataset": t["dataset"], "global_batch": t["global_batch"], "epochs": t["epochs"], **{k: r[k] for k in keys}}
+        for t in tables
+        for r in t["contrasts"]
+    ]
 
 
 def _curves(runs: dict[int, dict]) -> list:
@@ -164,6 +184,7 @@ def summarize(spec: Spec) -> dict:
         "data": [data_checks(spec, name) for name in spec.datasets],
         "cells": records.round_floats(cells),
         "comparisons": records.round_floats(comparisons),
+        **({"contrasts": records.round_floats(_contrast_rows(tables))} if spec.contrasts else {}),
         "_tables": tables,
         "_todo": todo,
     }
@@ -324,6 +345,7 @@ def markdown(spec: Spec, summary: dict) -> str:
             )
         lines.append("")
         lines += secondary_lines(t)
+        lines += contrast_lines(t)
     if summary["comparisons"]:
         lines += ["## Headline: the winner of each batch size against the strongest baseline", ""]
         lines += [
@@ -351,6 +373,24 @@ def markdown(spec: Spec, summary: dict) -> str:
     if tuning:
         lines += ["## Tuning (val, the final metric in %)", "", *tuning]
     return "\n".join(lines)
+
+
+def contrast_lines(t: dict) -> list[str]:
+    """The spec's contrasts in this table: a − b on their paired seeds (Holm over the contrasts)."""
+    if not t.get("contrasts"):
+        return []
+    lines = [
+        "Contrasts (the spec's questions: a − b on the paired test seeds, Holm over this table's contrasts):",
+        "",
+        "| question | a − b | Δ [95 %] | wins | p | p_Holm |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in t["contrasts"]:
+        lines.append(
+            f"| {r['question']} | {r['a']} − {r['b']} | {_delta(r)} | {r['wins']}/{len(r['seeds'])} "
+            f"| {_p(r['p_wilcoxon'])} | {_p(r['p_holm'])} |"
+        )
+    return lines + [""]
 
 
 def secondary_lines(t: dict) -> list[str]:

@@ -73,6 +73,15 @@ class Objective:
 
 
 @dataclass(frozen=True)
+class Contrast:
+    """A question the study asks of two objectives, answered by a − b on their paired test seeds."""
+
+    question: str
+    a: str
+    b: str
+
+
+@dataclass(frozen=True)
 class Spec:
     path: Path
     name: str
@@ -94,6 +103,8 @@ class Spec:
     train: dict  # config keys every run gets (e.g. optim.wd)
     report_md: Path  # the tables
     summary_json: Path  # the flat summary (README.md of this package: its schema)
+    # questions asked of two objectives, a − b on paired test seeds (u: fastclip-v1 − dcl), each table's own family
+    contrasts: tuple[Contrast, ...] = ()
 
     def objectives_at(self, batch: int) -> list[str]:
         """The objectives of the tables at `batch` (spec order): those that run at it."""
@@ -293,7 +304,7 @@ def load(path: Path) -> Spec:
     known = {
         "name", "results", "work", "datasets", "objectives", "batches", "tune_seeds", "test_seeds",
         "other_test_seeds", "long_factor", "warmup_frac", "curve_points", "tune_curve_points", "device", "train",
-        "report_md", "summary_json",
+        "report_md", "summary_json", "contrasts",
     }  # fmt: skip
     unknown = set(raw) - known
     _need(not unknown, str(path), f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -372,6 +383,7 @@ def load(path: Path) -> Spec:
         tuned = {RESOLVED_AS.get(k, k) for k in objective.grid} & {RESOLVED_AS.get(k, k) for k in train}
         _need(not tuned, f"{path}: train", f"{sorted(tuned)} also tuned in objectives.{name}.grid, whose values the "
               "runs take; remove it from train")  # fmt: skip
+    contrasts = _contrasts(raw.get("contrasts") or [], objectives, f"{path}: contrasts")
     results = (repo / raw.get("results", f"benchmarks/results/{raw['name']}")).resolve()
     return Spec(
         path=path,
@@ -392,7 +404,25 @@ def load(path: Path) -> Spec:
         train=train,
         report_md=(repo / raw["report_md"]).resolve() if "report_md" in raw else results / "report.md",
         summary_json=(repo / raw["summary_json"]).resolve() if "summary_json" in raw else results / "summary.json",
+        contrasts=contrasts,
     )
+
+
+def _contrasts(raw, objectives: dict, where: str) -> tuple[Contrast, ...]:
+    """`contrasts: [{question: ..., a: objective, b: objective}, ...]`, checked."""
+    _need(isinstance(raw, list), where, f"must be a list of {{question, a, b}}, got {raw!r}")
+    out = []
+    for i, item in enumerate(raw):
+        at = f"{where}[{i}]"
+        shaped = isinstance(item, dict) and set(item) == {"question", "a", "b"}
+        _need(shaped, at, f"must be {{question, a, b}}, got {item!r}")
+        _need(isinstance(item["question"], str) and item["question"].strip(), f"{at}.question", "must be a sentence")
+        for side in ("a", "b"):
+            _need(item[side] in objectives, f"{at}.{side}", f"names no objective ({item[side]!r}); objectives: "
+                  f"{sorted(objectives)}")  # fmt: skip
+        _need(item["a"] != item["b"], at, f"compares {item['a']} with itself")
+        out.append(Contrast(item["question"].strip(), item["a"], item["b"]))
+    return tuple(out)
 
 
 def resolve_setting(setting: dict, global_batch: int) -> dict:

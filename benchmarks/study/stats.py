@@ -165,6 +165,36 @@ def compare(table: dict[str, dict[int, float]], baseline: str) -> list[dict]:
     return rows
 
 
+def contrast(table: dict[str, dict[int, float]], pairs: list[tuple[str, str, str]]) -> list[dict]:
+    """Each (question, a, b) whose objectives both have seeds in the table: a − b paired by seed, as `compare`'s
+    rows, with Holm over these contrasts (their own family: questions, not rivals of the baseline)."""
+    rows = []
+    for question, a, b in pairs:
+        if not table.get(a) or not table.get(b):
+            continue
+        seeds, diffs = paired(table[a], table[b])
+        if not seeds:
+            continue
+        mean, std = mean_std(list(diffs))
+        rows.append(
+            {
+                "question": question,
+                "a": a,
+                "b": b,
+                "seeds": seeds,
+                "diff_mean": mean,
+                "diff_std": std,
+                "diff_ci95": mean_ci95(diffs),
+                "wins": int(np.sum(diffs > 0)),
+                "p_wilcoxon": wilcoxon_p(diffs),
+                "p_permutation": permutation_p(diffs),
+            }
+        )
+    for row, p in zip(rows, holm([r["p_wilcoxon"] for r in rows])):
+        row["p_holm"] = p
+    return rows
+
+
 def smallest_wilcoxon_p(n: int) -> float:
     """The smallest two-sided exact Wilcoxon p with n pairs (all differences one sign): 2 / 2^n."""
     return min(1.0, 2.0 / math.pow(2, n))

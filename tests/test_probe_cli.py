@@ -136,7 +136,8 @@ def test_eval_on_the_runs_own_training_shards_says_so_and_summary_does_not_call_
     assert f"fastclip eval: note: --data {tiny_embedded / 'train'} holds shards this run trained on" in err
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert rows and all(r["held_out"] is False for r in rows)
-    assert all(r["classnames"] == str(tiny_embedded / "zeroshot.json") and "templates" not in r for r in rows)
+    # the data's own class names given as a flag are no variant: nothing recorded (summary would set it aside)
+    assert all("classnames" not in r and "templates" not in r for r in rows)
     assert eval_main([*base, "--data", str(tiny_embedded / "val")]) == 0
     assert "trained on" not in capsys.readouterr().err
     assert "held_out" not in json.loads(results.read_text().splitlines()[-1])
@@ -238,3 +239,23 @@ def test_eval_of_a_run_whose_newest_model_file_is_torn_names_the_step_before(
         said = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("eval: ")]
         assert len(said) == 1 and str(newest) in said[0] and "truncated" in said[0], said
         assert said[0].endswith(advice) if advice else "before it" not in said[0], said
+
+
+def test_ctrl_c_after_the_records_are_appended_says_so(probed_run, tiny_embedded, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the report prints: the records are in, and the line says so, status 130 (it said "interrupted"
+    alone, as when nothing was written); another class-names file than the data's own is recorded as a variant."""
+    from fastclip.eval import cli as eval_cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_cli, "_print_report", interrupted)
+    results = tmp_path / "results.jsonl"
+    names = tmp_path / "names.json"
+    names.write_text((tiny_embedded / "zeroshot.json").read_text())
+    args = [str(probed_run), "--device", "cpu", "--data", str(tiny_embedded / "val"), "--results", str(results)]
+    assert eval_cli.main([*args, "--classnames", str(names)]) == 130
+    said = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("eval: ")]
+    assert said == [f"fastclip eval: interrupted after appending its records to {results}"], said
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert rows and all(r["classnames"] == str(names) for r in rows if r["task"] == "zeroshot")

@@ -1221,6 +1221,13 @@ def test_run_stops_when_the_code_changes_under_it(tmp_path, tiny_embedded, capsy
     assert "fastclip/ or configs/ changed while `run` ran (code c1 -> c2): the 1 run(s) in progress were stopped" in err
     assert len(started) == 1 and started[0].proc.returncode is not None  # stopped and waited for, none orphaned
     assert not any(records.load(load(path).results, r.id) for r in plan(load(path)))  # nothing recorded
+    # every slot busy (one at a time, one run): `run` notices on its next look, not only when a run would start
+    # (it was noticed only there: a table's last runs finished, and counted, on code that changed under them)
+    started.clear()
+    monkeypatch.setattr(runner, "CODE_CHECK_EVERY_S", 0.0)
+    assert main(["run", str(path), "--parallel", "1", "--max-runs", "1"]) == 2
+    assert "the 1 run(s) in progress were stopped" in capsys.readouterr().err
+    assert len(started) == 1 and started[0].proc.returncode is not None
 
 
 def test_mixed_code_is_refused_and_stale_runs_rerun(tmp_path, capsys, monkeypatch):
@@ -1292,7 +1299,9 @@ def test_rerun_stale_moves_a_dependents_runs_on_other_data_too(tmp_path):
     assert not list((spec.results / "runs" / "d" / "32" / "hard").rglob("*.json"))
 
 
-def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_resumed(tmp_path, tiny_embedded):
+def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_resumed(
+    tmp_path, tiny_embedded, monkeypatch
+):
     """A run records the arguments that decide what it trains; when the spec gives the same run other ones (here
     the objective's fixed options), its table refuses it as other code and --rerun-stale moves it; a stopped run
     resumes only with the code and arguments it started with."""
@@ -1352,6 +1361,11 @@ def test_a_run_made_with_other_settings_is_stale_and_its_checkpoints_are_not_res
     assert runner.table_codes(spec)[("d", 32)] == {"c1+other-data": [run.id]}
     with pytest.raises(runner.MixedCommits, match="made with other data than"):
         runner.check_commits(spec, None)
+    both = {("d", 32): {"c1+other-settings+other-data": [run.id]}}  # a run of both: both named (one was)
+    monkeypatch.setattr(runner, "table_codes", lambda spec: both)
+    with pytest.raises(runner.MixedCommits, match="made with other settings and data than"):
+        runner.check_commits(spec, None)
+    monkeypatch.undo()
 
     folder = tmp_path / "folder"
     assert not runner.resumable(folder, "c1", args)  # nothing to resume
@@ -1711,3 +1725,26 @@ def test_a_second_reviews_findings_stay_fixed(tmp_path, capsys):
     before = signal.getsignal(signal.SIGTERM)
     assert main(["plan", str(write_spec(tmp_path))]) == 0
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_at_commit_refuses_in_one_line_when_it_cannot_list_the_specs(tmp_path):
+    """The script's spec listing failing (here: Python told not to put the tree on its path) linked nothing and
+    exited 0, so the worktree's runs would land in the worktree; it is one line, status 2."""
+    import os
+    import subprocess
+
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    wt = tmp_path / "wt"
+    try:
+        done = subprocess.run(
+            ["bash", str(REPO / "benchmarks" / "study" / "at_commit.sh"), head, str(wt)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONSAFEPATH": "1"},
+        )
+        assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+        (line,) = done.stderr.splitlines()
+        assert line.startswith("at_commit.sh: could not list the study specs' folders (ModuleNotFoundError"), line
+        assert not (wt / "benchmarks" / "out").exists()
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], capture_output=True)

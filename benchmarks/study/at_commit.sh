@@ -62,7 +62,8 @@ link() {  # $1: a path relative to the repository root, made a link to this tree
 # every study spec of this tree (benchmarks/study/*.yaml, and each SPEC named): its work folder, its results' runs/
 # and timing.json (the timing run's figures: `plan --hours` there would price unrun batches from the commit's old
 # ones), as paths inside this tree; a folder outside it is the same folder from the worktree
-mapfile -t shared < <(cd "$main" && .venv/bin/python - "${@:3}" <<'EOF'
+notes=$(mktemp)
+listed=$(cd "$main" && .venv/bin/python - "${@:3}" 2>"$notes" <<'EOF'
 import glob
 import sys
 from pathlib import Path
@@ -80,9 +81,13 @@ for path in dict.fromkeys(sorted(glob.glob("benchmarks/study/*.yaml")) + sys.arg
         if folder.resolve().is_relative_to(root):
             print(f"{kind} {spec.name} {folder.resolve().relative_to(root)}")
 EOF
-)
+) || { echo "at_commit.sh: could not list the study specs' folders ($(tail -n 1 "$notes")): nothing linked" >&2
+       rm -f "$notes"; exit 2; }
+cat "$notes" >&2 && rm -f "$notes"  # (a spec that does not load: its note)
+mapfile -t shared <<<"$listed"
 names=()
 for entry in "${shared[@]}"; do
+  [[ -n $entry ]] || continue
   read -r kind name path <<<"$entry"
   [[ " ${names[*]} " == *" $name "* ]] || names+=("$name")
   if [[ $kind == dir ]]; then
@@ -91,5 +96,8 @@ for entry in "${shared[@]}"; do
     mkdir -p "$(dirname "$dir/$path")" && ln -sfT "$main/$path" "$dir/$path"
   fi
 done
+[[ ${#names[@]} -gt 0 ]] || {
+  echo "at_commit.sh: no study spec of $main/benchmarks/study (or named) loads: nothing linked; fix the notes above" >&2
+  exit 2; }
 code=$(cd "$dir" && .venv/bin/python -c "from benchmarks.study import records; print(records.code_version()['code'])")
 echo "$dir: commit ${at:0:12}, code $code, with $main's study package; the runs of ${names[*]} land in $main"

@@ -476,7 +476,7 @@ def check_commits(
         keys = set(codes) | ({current} if current else set())
         if not current and (other := {c: ids for c, ids in codes.items() if "+other-" in c}) and len(keys) == 1:
             ((code, ids),) = other.items()
-            what = "settings" if "+other-settings" in code else "data"
+            what = " and ".join(m for m in ("settings", "data") if f"+other-{m}" in code)
             raise MixedCommits(
                 f"table {dataset}/{batch}: its {len(ids)} run(s) were made with other {what} than {spec.path} gives "
                 f"now ({code}), in objective(s) {', '.join(sorted({i.split('/')[2] for i in ids}))}: the report "
@@ -653,6 +653,19 @@ def run_pending(
             signal.signal(s, handler)
 
 
+CODE_CHECK_EVERY_S = 30.0  # how often `run` looks for code changed under it while its runs go (git: ~50 ms)
+
+
+def _refuse_changed_code(code: str, active: list) -> None:
+    """CodeChanged where fastclip/ or configs/ is no longer `code` (the runs in progress are then stopped)."""
+    if (now := records.code_version()["code"]) != code:
+        raise CodeChanged(
+            f"fastclip/ or configs/ changed while `run` ran (code {code} -> {now}): the {len(active)} run(s) in "
+            f"progress were stopped at their last checkpoint and no other started, as a table takes runs of one "
+            f"code; restore the code to resume them, or commit it and `run --rerun-stale`"
+        )
+
+
 def _loop(
     spec: Spec,
     active: list[Active],
@@ -664,8 +677,11 @@ def _loop(
     code: str | None,
 ) -> int:
     failed: dict[str, int] = {}  # run id -> failed attempts
-    started = 0
+    started, checked = 0, 0.0
     while True:
+        if code is not None and time.perf_counter() - checked >= CODE_CHECK_EVERY_S:  # before a finished run counts
+            _refuse_changed_code(code, active)
+            checked = time.perf_counter()
         for a in [a for a in active if a.proc.poll() is not None]:
             active.remove(a)
             try:
@@ -675,12 +691,8 @@ def _loop(
                 print(f"[{time.strftime('%H:%M:%S')}] FAILED {a.run.id}: {error}", flush=True)
         todo = pending(spec, cell, {a.run.id for a in active}, failed, phases)
         while todo and len(active) < parallel and (max_runs is None or started < max_runs):
-            if code is not None and (now := records.code_version()["code"]) != code:
-                raise CodeChanged(
-                    f"fastclip/ or configs/ changed while `run` ran (code {code} -> {now}): the {len(active)} run(s) "
-                    f"in progress were stopped at their last checkpoint and no other started, as a table takes runs "
-                    f"of one code; restore the code to resume them, or commit it and `run --rerun-stale`"
-                )
+            if code is not None:
+                _refuse_changed_code(code, active)
             run = todo.pop(0)
             active.append(start(spec, run, data[run.dataset]))
             started += 1

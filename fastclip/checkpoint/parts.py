@@ -119,7 +119,7 @@ class DataPosition:
         return self.stream.state_dict()
 
     def load_state_dict(self, state: dict | None) -> None:
-        self.loaded = state
+        self.loaded = None if state is None else {"layout": state.get("layout")}  # (not its tensors: maybe mmap'd)
         self.stream.load_state_dict(state)
 
     def needs_every_rank(self, state: dict | None) -> bool:

@@ -22,6 +22,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -501,14 +502,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with stopped_by_signals():  # SIGTERM, SIGHUP: one line, as Ctrl-C's (they ended it with no word, status 143)
             return _main(args, load_model, warnings, done)
-    except Stopped as e:
+    except (Stopped, KeyboardInterrupt) as e:
         said = (
             f"after appending its records to {done['appended']}"
             if "appended" in done
             else "before its records were appended (nothing written)"
         )
-        print(f"fastclip eval: stopped by {e.name} {said}", file=sys.stderr)
-        return 128 + e.signum
+        how = f"stopped by {e.name}" if isinstance(e, Stopped) else "interrupted"
+        print(f"fastclip eval: {how} {said}", file=sys.stderr)
+        return 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)
     finally:
         logging.getLogger("fastclip.eval.samples").removeFilter(warnings)
         evaluate_log.setLevel(level)
@@ -527,6 +529,7 @@ class _Prepared:
     train_path: Path | None  # the probe's training data (None: a split of --data)
     default_name: str  # the dataset of samples that name none
     trained_on: str | None = None  # the run's data.train where --data holds shards it trained on (not held out)
+    own_names: bool = False  # --classnames names the data's own class-names file: no variant of its prompts
 
 
 @dataclass
@@ -593,7 +596,7 @@ def _prepare(args, load_model) -> _Prepared:
         if ahead is not None and (problem := nothing_scored(args, specs, names_from, ahead)):
             raise ValueError(problem)
     train_path = probe_train_path(args, source)
-    trained_on = training_overlap(loaded.file, source, loaded.data_train)
+    trained_on = training_overlap(loaded.file, source, getattr(loaded, "data_train", None))  # (a caller's loader: none)
     if trained_on is not None:
         print(
             f"fastclip eval: note: --data {args.data} holds shards this run trained on (data.train {trained_on}): "
@@ -612,7 +615,14 @@ def _prepare(args, load_model) -> _Prepared:
             raise ValueError(f"{names_from}: an image folder takes one class list, the file has {sorted(specs)}")
         source = image_folder_source(source, next(iter(specs.values())), names_from)
     default_name = next(iter(specs)) if len(specs) == 1 else (held_out_folder(args.data) or Path(args.data)).name
-    return _Prepared(source, preprocess, specs, names_from, for_all, loaded, train_path, default_name, trained_on)
+    own_names = (
+        args.classnames is not None
+        and default_names is not None
+        and Path(args.classnames).resolve() == Path(default_names).resolve()
+    )
+    return _Prepared(
+        source, preprocess, specs, names_from, for_all, loaded, train_path, default_name, trained_on, own_names
+    )
 
 
 def training_overlap(model_file: Path, source, train: str | None = None) -> str | None:
@@ -737,7 +747,7 @@ def _append_records(args, run: _Prepared, scored: _Scored) -> Path | str:
         **({"held_out": False} if run.trained_on is not None else {}),
         **({"max_samples": args.max_samples} if args.max_samples is not None else {}),  # a spot check, said so
         # other prompts than the data's own: a variant (summary keeps the default evaluation as the headline)
-        **({"classnames": str(args.classnames)} if args.classnames is not None else {}),
+        **({"classnames": str(args.classnames)} if args.classnames is not None and not run.own_names else {}),
         **({"templates": str(args.templates)} if args.templates is not None else {}),
     }
     results_file = args.results or default_results_file(loaded.file)

@@ -139,25 +139,11 @@ def samples_ratio_ci95(winner: dict[int, list], baseline: dict[int, list], resam
 def compare(table: dict[str, dict[int, float]], baseline: str) -> list[dict]:
     """Every objective of a table against `baseline`, paired by seed: mean and std of the difference, seeds, both
     p-values, and Holm over the table's comparisons (Wilcoxon's p, the primary; the permutation p beside)."""
-    rows = []
-    for name, by_seed in table.items():
-        if name == baseline:
-            continue
-        seeds, diffs = paired(by_seed, table[baseline])
-        mean, std = mean_std(list(diffs))
-        rows.append(
-            {
-                "objective": name,
-                "baseline": baseline,
-                "seeds": seeds,
-                "diff_mean": mean,
-                "diff_std": std,
-                "diff_ci95": mean_ci95(diffs),
-                "wins": int(np.sum(diffs > 0)),
-                "p_wilcoxon": wilcoxon_p(diffs),
-                "p_permutation": permutation_p(diffs),
-            }
-        )
+    rows = [
+        {"objective": name, "baseline": baseline, **paired_difference(by_seed, table[baseline])}
+        for name, by_seed in table.items()
+        if name != baseline
+    ]
     for row, p in zip(rows, holm([r["p_wilcoxon"] for r in rows])):
         row["p_holm"] = p
     for row, p in zip(rows, holm([r["p_permutation"] for r in rows])):
@@ -165,31 +151,30 @@ def compare(table: dict[str, dict[int, float]], baseline: str) -> list[dict]:
     return rows
 
 
+def paired_difference(a: dict[int, float], b: dict[int, float]) -> dict:
+    """a − b on the seeds both have: the seeds, mean and std of the differences, their 95 % interval, the seeds
+    where a is ahead, and both p-values."""
+    seeds, diffs = paired(a, b)
+    mean, std = mean_std(list(diffs))
+    return {
+        "seeds": seeds,
+        "diff_mean": mean,
+        "diff_std": std,
+        "diff_ci95": mean_ci95(diffs),
+        "wins": int(np.sum(diffs > 0)),
+        "p_wilcoxon": wilcoxon_p(diffs),
+        "p_permutation": permutation_p(diffs),
+    }
+
+
 def contrast(table: dict[str, dict[int, float]], pairs: list[tuple[str, str, str]]) -> list[dict]:
     """Each (question, a, b) whose objectives both have seeds in the table: a − b paired by seed, as `compare`'s
     rows, with Holm over these contrasts (their own family: questions, not rivals of the baseline)."""
-    rows = []
-    for question, a, b in pairs:
-        if not table.get(a) or not table.get(b):
-            continue
-        seeds, diffs = paired(table[a], table[b])
-        if not seeds:
-            continue
-        mean, std = mean_std(list(diffs))
-        rows.append(
-            {
-                "question": question,
-                "a": a,
-                "b": b,
-                "seeds": seeds,
-                "diff_mean": mean,
-                "diff_std": std,
-                "diff_ci95": mean_ci95(diffs),
-                "wins": int(np.sum(diffs > 0)),
-                "p_wilcoxon": wilcoxon_p(diffs),
-                "p_permutation": permutation_p(diffs),
-            }
-        )
+    rows = [
+        {"question": question, "a": a, "b": b, **paired_difference(table[a], table[b])}
+        for question, a, b in pairs
+        if table.get(a) and table.get(b) and set(table[a]) & set(table[b])
+    ]
     for row, p in zip(rows, holm([r["p_wilcoxon"] for r in rows])):
         row["p_holm"] = p
     return rows

@@ -226,7 +226,7 @@ def load_rank_file(step_dir: Path, rank: int, step: int | None, *, mmap: bool = 
     return file
 
 
-def _complete_steps(checkpoints: Path, steps: list[Path] | None = None) -> list[Path]:
+def complete_steps(checkpoints: Path, steps: list[Path] | None = None) -> list[Path]:
     """The step folders of `checkpoints` (or `steps`, listed already) that hold a model file, oldest first."""
     return [s for s in (list_checkpoints(checkpoints) if steps is None else steps) if (s / MODEL_FILE).is_file()]
 
@@ -250,7 +250,7 @@ def find_model_file(path: str | os.PathLike) -> Path:
         if named:  # (none, or an empty one: the newest step folder, below)
             step_dir = checkpoints / named
             if not (step_dir / MODEL_FILE).is_file():
-                complete = _complete_steps(checkpoints)
+                complete = complete_steps(checkpoints)
                 fix = (
                     f"the newest step folder with one is {complete[-1]}: pass it"
                     if complete
@@ -263,7 +263,7 @@ def find_model_file(path: str | os.PathLike) -> Path:
             return step_dir / MODEL_FILE
     for checkpoints in (path / CHECKPOINTS, path):  # no `latest` (a copy that left it out): as resume does
         steps = list_checkpoints(checkpoints)
-        with_model = _complete_steps(checkpoints, steps)
+        with_model = complete_steps(checkpoints, steps)
         if with_model:
             return with_model[-1] / MODEL_FILE
         if steps:

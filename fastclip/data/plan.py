@@ -201,7 +201,7 @@ class Run:
     ordinal: int  # first sample's ordinal in the shard
     count: int
     wrapped: bool  # served a second time this epoch (rank wrap or read past the worker's chunk)
-    quiet: bool = False  # read before a resume at another layout: its bad samples are counted already
+    quiet: bool = False  # read before a resume at another layout: what reading it counts was counted then
 
 
 def worker_runs(
@@ -272,9 +272,9 @@ def remainder(
     served its windows before k whole, and of window k the samples in `taken`; those positions are done, and so
     are the window's bad ones (`bad`: counted when it was read, never served). The rest of window k was read but
     not served: it is served now, quietly (a read-time count, such as the samples a tar holds past its manifest,
-    is not made twice). Nothing is served
-    twice, nothing skipped, each bad sample counted once. (A worker past its chunk, in refill windows, has served
-    its chunk whole; the refills are positions of other workers' chunks, served as counted wraps.)
+    is not made twice). Nothing is served twice, nothing skipped, each bad sample counted once. (A worker past
+    its chunk, in refill windows, has served its chunk whole; the refills are positions of other workers' chunks,
+    served as counted wraps.)
 
     Without (a state saved before the taken samples were recorded): worker w made b_w batches of B good samples,
     so it consumed at least c = b_w * B positions of its chunk and therefore all of its first floor(c / window)
@@ -306,7 +306,7 @@ def remainder(
                         into.append((lo + a, lo + b))
     todo = _to_epoch(segment, _complement(done, L))
     kept_quiet = _intersect(list(quiet.intervals), todo) if quiet is not None else []  # (a second resume)
-    return Segment(tuple(todo)), Segment(tuple(_union(_to_epoch(segment, rest) + kept_quiet)))
+    return Segment(todo), Segment(_union(_to_epoch(segment, rest) + kept_quiet))
 
 
 def _worker_done(

@@ -250,7 +250,7 @@ class TrainStream:
         # unknown, for a state saved before they were recorded): an exact resume at another layout needs them
         self._taken: list[list[int]] | None = []
         self._bad: list[list[int]] | None = []
-        self._quiet = Segment(())  # positions whose bad samples were counted before a resume (plan.py)
+        self._quiet = Segment(())  # good positions read, not served, before a resume at another layout (plan.py)
         self._seq_cache: tuple[int, EpochSequence] | None = None
         self.samples_seen = 0
         self.counters: dict[str, int] = {reason: 0 for reason in REASONS} | {"wrapped": 0} | _remote_zeros()
@@ -285,7 +285,7 @@ class TrainStream:
         if self._epoch != epoch:  # a new epoch (or another one than the saved position's): start it fresh
             self._epoch, self._segment, self._batches_seen = epoch, Segment.full(self.epoch_length), 0
             self._cursors = [(0, 0)] * self.layout.workers
-            self._taken, self._bad = [[] for _ in range(self.layout.workers)], [[] for _ in range(self.layout.workers)]
+            self._forget_windows()
             self._quiet = Segment(())
             self._logged.clear()
 
@@ -318,7 +318,7 @@ class TrainStream:
                         f"rank {self.rank}: got batch {meta['batch']} from worker "
                         f"{meta['worker']}, expected batch {expected}"
                     )
-                self._note_taken(meta)
+                self._note_window(meta)
                 self._cursors[meta["worker"]] = tuple(meta["cursor"])
                 self._absorb(meta, epoch)
                 self._batches_seen = expected + 1
@@ -351,13 +351,18 @@ class TrainStream:
             first_batch=first,
             n_batches=n_batches,
             cursors=list(self._cursors),
-            quiet=self._quiet if self._quiet.intervals else None,
+            quiet=self._quiet if len(self._quiet) else None,
             preprocess=self.preprocess,
             tokenizer=self.tokenizer,
             retry_delays=None if self.cfg.remote_retry_delays is None else tuple(self.cfg.remote_retry_delays),
         )
 
-    def _note_taken(self, meta: dict) -> None:
+    def _forget_windows(self) -> None:
+        """No worker has served from or read a window yet (a new epoch, or a resume at another layout)."""
+        self._taken = [[] for _ in range(self.layout.workers)]
+        self._bad = [[] for _ in range(self.layout.workers)]
+
+    def _note_window(self, meta: dict) -> None:
         """Keep the offsets of the samples each worker served from its cursor's window (a batch may span two), and
         of the window's bad samples (sent when it was read)."""
         if self._taken is None or self._bad is None:
@@ -516,7 +521,7 @@ class TrainStream:
         else:
             self._segment, self._quiet = Segment(()), Segment(())
         self._batches_seen, self._cursors = 0, [(0, 0)] * self.layout.workers
-        self._taken, self._bad = [[] for _ in range(self.layout.workers)], [[] for _ in range(self.layout.workers)]
+        self._forget_windows()
         log.info(
             "data stream: epoch %d resumed at another layout (%s -> %s) after %d batches: %d of its samples "
             "left, %d batches on this layout%s",
@@ -616,9 +621,7 @@ def _intervals_state(segment: Segment) -> list | torch.Tensor:
 def _segment_of(saved) -> Segment:
     if saved is None:
         return Segment(())
-    if torch.is_tensor(saved):
-        return Segment(saved.numpy())
-    return Segment(tuple(tuple(iv) for iv in saved))
+    return Segment(saved.numpy() if torch.is_tensor(saved) else saved)
 
 
 def _check_positive(cfg: StreamConfig, world_size: int, rank: int) -> None:

@@ -267,8 +267,8 @@ class _Worker:
             shard = int(job.seq.slots[run.slot])
             name, skip = job.shard_names[shard], job.skip[shard]
             # only the position's owner counts its skips: a wrapped or refill read repeats positions whose
-            # skips were (or will be) counted once this epoch by the worker whose chunk holds them; a quiet
-            # position's were counted before a resume at another layout
+            # skips were (or will be) counted once this epoch by the worker whose chunk holds them; reading a quiet
+            # position counted what it counts before a resume at another layout
             run_log = SkipLog(0) if run.wrapped or run.quiet else log_
             run_offset, offset = offset, offset + run.count
             for raw in self._read_run(shard, run.ordinal, run.count, run_log):

@@ -23,8 +23,7 @@ def _earlier_step(given: str | os.PathLike, file: Path) -> str:
     chosen = Path(given).resolve() in (file.resolve(), file.parent.resolve())  # the file or its step folder
     if chosen or not ckpt.STEP_DIR.fullmatch(file.parent.name):
         return ""
-    steps = [s for s in ckpt.list_checkpoints(file.parent.parent) if (s / ckpt.MODEL_FILE).is_file()]
-    earlier = [s for s in steps if s.name < file.parent.name]
+    earlier = [s for s in ckpt.complete_steps(file.parent.parent) if s.name < file.parent.name]
     return f"; the step folder before it: {earlier[-1]}" if earlier else ""
 
 

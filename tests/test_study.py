@@ -519,6 +519,44 @@ def test_run_refuses_what_would_waste_every_run(tmp_path, capsys, tiny_embedded)
     assert "no run to start: " in capsys.readouterr().out
 
 
+def test_held_out_shares_and_a_split_that_is_mostly_train_is_refused(tmp_path, capsys, tiny_embedded):
+    """A val/test/novel image byte-identical to one of train's counts against its split: none of the embedded
+    val's, every one of a copy of train/, half of a split made of val's shard and a train shard. `run` refused
+    none of them before (a copy or a link of train/ passed every check, and its table measured memory)."""
+    import shutil
+
+    from benchmarks.study import held_out
+
+    data = tmp_path / "d"
+    shutil.copytree(tiny_embedded, data)
+    shutil.copytree(data / "train", data / "test")
+    (data / "novel").mkdir()
+    shutil.copy(data / "val" / "val-000000.tar", data / "novel")
+    shutil.copy(data / "train" / "train-000002.tar", data / "novel")
+    manifest = json.loads((data / "val" / "manifest.json").read_text())
+    last = json.loads((data / "train" / "manifest.json").read_text())["shards"][-1]
+    assert last["path"] == "train-000002.tar" and last["num_samples"] == 20
+    manifest["shards"].append(last)
+    manifest["num_samples"] += 20
+    (data / "novel" / "manifest.json").write_text(json.dumps(manifest))
+    assert held_out.shares_in_train(data) == {"val": 0.0, "test": 1.0, "novel": 0.5}
+    assert held_out.shares_in_train(data, up_to=1000) == {"val": None, "test": None, "novel": None}
+
+    path = write_spec(tmp_path)
+    raw = json.loads(path.read_text())
+    raw["datasets"]["d"]["data"] = str(data)
+    path.write_text(json.dumps(raw))
+    argv = ["run", str(path), "--max-runs", "1"]
+    one_line_error(capsys, main, argv, "datasets.d.data", "100.0 % of test/'s images are train/'s", "a copy or a link")
+    shutil.rmtree(data / "test")
+    shutil.copytree(data / "val", data / "test")
+    one_line_error(capsys, main, argv, "50.0 % of novel/'s images are train/'s")
+    checks = report.data_checks(load(path), "d")
+    assert (checks["val_images_in_train"], checks["test_images_in_train"], checks["novel_images_in_train"]) == (
+        0.0, 0.0, 0.5)  # fmt: skip
+    assert report.data_line(checks).endswith("images that are also train's: val 0.0 %, test 0.0 %, novel 50.0 %.")
+
+
 def test_spec_refuses_text_flags_a_tuned_key_in_train_and_cuda_without_a_device(tmp_path, capsys):
     """`headline: "false"` was true (bool of a text); a key tuned in a grid and set in train was the grid's,
     silently; device cuda on a machine without one failed each run after plan passed."""
@@ -929,8 +967,13 @@ def test_report_schema_strongest_baseline_and_pending(tmp_path):
     assert set(summary) == {"commit", "data", "cells", "comparisons"}
     assert summary["commit"] == "c1"
     assert summary["data"] == [
-        {"dataset": "d", "class_blind_oracle_R1": 0.12, "context_cut_share": 0.0, "zeroshot_chance": 0.25}
-    ]
+        {"dataset": "d", "class_blind_oracle_R1": 0.12, "context_cut_share": 0.0, "zeroshot_chance": 0.25,
+         "val_images_in_train": None, "test_images_in_train": None, "novel_images_in_train": None}
+    ]  # fmt: skip
+    assert (
+        "Data `d`: a class-blind oracle's R@1 12.0 %; captions cut by the text context 0.0 %; zero-shot chance "
+        "25.0 %; images that are also train's: not measured." in text
+    )
     cell_keys = {"dataset", "global_batch", "loss", "epochs", "seeds", "metric", "test_mean", "test_std",
                  "best_zeroshot_top1"}  # fmt: skip
     assert all(set(c) == cell_keys for c in summary["cells"])

@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from . import records, runner
+from . import held_out, records, runner
 from .plan import (
     KNOB_MAX,
     PHASES,
@@ -136,12 +136,29 @@ def data_checks(spec: Spec, name: str) -> dict:
         checks = records.read_json(d.data / "checks.json", "fix or delete it (the report then shows no checks)")
         if not isinstance(checks, dict):
             raise SpecError(f"{d.data / 'checks.json'}: must map check names to numbers; fix or delete it")
+    shares = held_out.shares_in_train(d.data)
     return {
         "dataset": name,
         "class_blind_oracle_R1": checks.get("class_blind_oracle_R1"),
         "context_cut_share": checks.get("context_cut_share"),
         "zeroshot_chance": chance(d.data),
+        **{f"{split}_images_in_train": shares.get(split) for split in held_out.SPLITS},
     }
+
+
+def data_line(checks: dict) -> str:
+    """A dataset's checks in words: what a reviewer asks of the task before reading a table."""
+
+    def pct(value) -> str:
+        return "not measured" if value is None else f"{100 * value:.1f} %"
+
+    held = [f"{s} {pct(checks[f'{s}_images_in_train'])}" for s in held_out.SPLITS
+            if checks[f"{s}_images_in_train"] is not None]  # fmt: skip
+    return (
+        f"Data `{checks['dataset']}`: a class-blind oracle's R@1 {pct(checks['class_blind_oracle_R1'])}; captions "
+        f"cut by the text context {pct(checks['context_cut_share'])}; zero-shot chance "
+        f"{pct(checks['zeroshot_chance'])}; images that are also train's: {', '.join(held) or 'not measured'}."
+    )
 
 
 def summarize(spec: Spec) -> dict:
@@ -286,6 +303,8 @@ def markdown(spec: Spec, summary: dict) -> str:
     for d in spec.datasets.values():
         if d.placeholder:
             lines += [f"**Placeholder data** `{d.name}`: {d.placeholder}", ""]
+    for checks in summary["data"]:
+        lines += [data_line(checks), ""]
     lines += [
         f"Code: commit(s) {summary['commit'] or '–'}. Metric in %: mean of the final test metric over seeds "
         "(± sample std). Δ: paired difference by seed against the table's strongest baseline (±: its std; "

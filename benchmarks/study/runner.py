@@ -22,7 +22,7 @@ from fastclip.data.manifest import read_manifest
 from fastclip.eval.retrieval import mean_r1
 from fastclip.eval.zeroshot import mean_top1
 
-from . import records
+from . import held_out, records
 from .plan import PHASES, Run, cell_name, cells, plan, selected, steps_of
 from .settings import value_arg
 from .spec import Spec, SpecError, resolve_setting
@@ -636,6 +636,7 @@ def run_pending(
     data = {}
     for dataset in {r.dataset for r in selected_runs} if max_runs != 0 else ():
         data[dataset] = ensure_data(spec, dataset)  # a missing folder is one line now, not after hours of other runs
+        held_out.check(data[dataset], dataset)
         check_batches(spec, data[dataset], dataset, [r.global_batch for r in selected_runs if r.dataset == dataset])
     active: list[Active] = []
     previous = {s: signal.signal(s, raise_stopped) for s in handled()}

@@ -987,6 +987,15 @@ def test_class_names_that_do_not_fit_the_val_data_stop_the_run_in_one_line(tiny_
     for check in (["--check"], []):
         said = "short.json names 3 classes for dataset 'mnist', but sample"
         _fails(capsys, check + _args(tiny_embedded, tmp_path / "run2", **extra), "data.zeroshot", said)
+    # a template that cannot take a class name passed the checks and killed the run at its first evaluation
+    spec = json.loads((tiny_embedded / "zeroshot.json").read_text())
+    spec["datasets"]["mnist"]["templates"] = ["a photo of a {} in {style}."]
+    (tmp_path / "style.json").write_text(json.dumps(spec))
+    extra |= {"data.zeroshot": str(tmp_path / "style.json")}
+    for check in (["--check"], []):
+        said = "datasets.mnist: template 0 ('a photo of a {} in {style}.') cannot take the class name"
+        _fails(capsys, check + _args(tiny_embedded, tmp_path / "run3", **extra), "data.zeroshot", said)
+    assert not (tmp_path / "run3" / "metrics.jsonl").exists()
 
 
 # ----------------------------------------------------------------------------- a disk that fills during a save

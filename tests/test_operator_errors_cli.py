@@ -113,6 +113,25 @@ def test_eval_refuses_a_templates_file_that_is_empty_or_lacks_the_placeholder_na
     _one_line(capsys, main, [*args, "--templates", str(empty)], f"{empty}: no templates in it")
     _one_line(capsys, main, [*args, "--classnames", str(names), "--templates", str(no_name)],
               f"{no_name}: template 1 ('a photo') has no '{{}}' placeholder")  # fmt: skip
+    # a template that cannot take one name, a bad JSON list, a file that is not UTF-8, a folder: each was a traceback
+    # (KeyError, IndexError, after the model was loaded) or a bare parser message without the file's name
+    for text, words in (
+        ("a photo of a {} in {style}.", ["template 0 ('a photo of a {} in {style}.') cannot take", "field 'style'"]),
+        ("a {c} photo of a {}.", ["template 0", "cannot take the class name", "double a literal brace"]),
+        ("a photo of a {}. }", ["template 0", "Single '}'"]),
+    ):
+        bad = tmp_path / "bad.txt"
+        bad.write_text(text + "\n")
+        _one_line(capsys, main, [*args, "--templates", str(bad)], f"{bad}: ", *words)
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("[bad")
+    _one_line(capsys, main, [*args, "--templates", str(bad_json)], f"{bad_json}: invalid JSON")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"t-shirt\ncaf\xe9\n")
+    _one_line(
+        capsys, main, [*args, "--classnames", str(latin)], f"{latin}: not UTF-8 text (byte 11", "save it as UTF-8"
+    )
+    _one_line(capsys, main, [*args, "--templates", str(tmp_path)], f"--templates {tmp_path}: a folder; pass a .txt")
 
 
 def test_eval_refuses_a_results_file_it_could_not_write_before_evaluating(untrained, tiny_embedded, tmp_path, capsys):

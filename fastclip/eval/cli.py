@@ -455,7 +455,8 @@ def _usage_problem(args) -> str | None:
     if args.probe_train is not None and not args.probe_train.exists() and not is_pattern(args.probe_train):
         return f"--probe-train {args.probe_train}: not found; pass labelled shards or an image folder"
     if args.templates is not None and not args.templates.is_file():
-        return f"--templates {args.templates}: no such file; pass a .txt (one template per line) or a JSON list"
+        what = "a folder" if args.templates.is_dir() else "no such file"
+        return f"--templates {args.templates}: {what}; pass a .txt (one template per line) or a JSON list"
     if args.results is not None and args.results.is_dir():
         return f"--results {args.results}: is a folder; pass a .jsonl file to append to"
     if args.results is not None:  # before the evaluation, not after it

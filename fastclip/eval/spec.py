@@ -51,10 +51,36 @@ def _check_templates(templates: list, where: str) -> None:
     for i, template in enumerate(templates):
         if not isinstance(template, str) or ("{}" not in template and "{c}" not in template):
             raise ValueError(f"{where}: template {i} ({template!r}) has no '{{}}' placeholder for the class name")
+        try:  # filled as ZeroShotSpec.prompts fills it: "{style}", a second "{}" or a lone "}" failed only there
+            template.replace("{c}", "{}").format("x")
+        except (KeyError, IndexError, ValueError) as error:
+            why = f"field {error}" if isinstance(error, KeyError) else str(error)
+            raise ValueError(
+                f"{where}: template {i} ({template!r}) cannot take the class name ({why}); write '{{}}' (or "
+                "'{c}') once for the name and double a literal brace ('{{' or '}}')"
+            ) from None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8") from None
+    except FileNotFoundError:
+        raise
+    except OSError as error:  # a folder, no permission
+        raise ValueError(f"{path}: cannot read it ({error.strerror})") from None
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(_read_text(path))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: invalid JSON ({error})") from None
 
 
 def _read_lines(path: Path) -> list[str]:
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [line.strip() for line in _read_text(path).splitlines() if line.strip()]
 
 
 def load_templates(path: str | os.PathLike) -> list[str]:
@@ -62,8 +88,7 @@ def load_templates(path: str | os.PathLike) -> list[str]:
     own templates, silently)."""
     path = Path(path)
     if path.suffix == ".json":
-        with open(path) as f:
-            templates = json.load(f)
+        templates = _read_json(path)
         if not isinstance(templates, list):
             raise ValueError(f"{path}: expected a JSON list of templates")
     else:
@@ -94,11 +119,7 @@ def load_zeroshot_spec(path: str | os.PathLike, templates: str | os.PathLike | N
     if path.suffix != ".json":
         classnames = _read_lines(path)
         return {path.stem: _checked(path.stem, classnames, template_list or list(DEFAULT_TEMPLATES), str(path))}
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: invalid JSON ({err})") from err
+    data = _read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object with 'datasets' or 'classnames'")
     if "datasets" in data:

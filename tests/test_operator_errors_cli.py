@@ -705,3 +705,30 @@ def test_a_class_list_that_is_not_the_datas_is_refused_at_the_first_sample_that_
         assert len(said) == 1 and words in said[0] and name in said[0], said
         assert sum(batches) < 80 / 4, batches  # a few batches of the 80 samples, not the pass
         assert not (tmp_path / "no.jsonl").exists()
+
+
+def test_eval_counts_distinct_captions_by_string_whatever_the_batch_size(untrained, tmp_path, capsys):
+    """The count that decides whether retrieval is reported was torch.unique over text embeddings, which differ in
+    their last bits with the batch a caption is encoded in: at --batch-size 7 it said 69 (83 in another process)
+    for 68 distinct strings, 68 at 1 and 100. Now the strings are counted."""
+    import json
+
+    from fastclip.data.cli import main as data_main
+    from fastclip.data.tario import iter_shard
+    from fastclip.eval.cli import main
+    from fastclip.eval.samples import shard_paths
+
+    data = tmp_path / "data"
+    argv = ["embedded", "--out", str(data), "--max-per-class", "2", "--max-val-per-class", "5", "--seed", "0"]
+    assert data_main([*argv, "--shard-size", "100"]) == 0
+    strings = {raw.files["txt"] for shard in shard_paths(data / "val") for raw in iter_shard(shard)}
+    assert len(strings) < 100  # templated captions repeat
+    counts = {}
+    for batch in (1, 7, 100):
+        results = tmp_path / f"r{batch}.jsonl"
+        args = [str(untrained), "--arch", "tiny-vit", "--data", str(data / "val"), "--device", "cpu"]
+        assert main([*args, "--batch-size", str(batch), "--results", str(results)]) == 0
+        rows = [json.loads(line) for line in results.read_text().splitlines()]
+        counts[batch] = [r["distinct_captions"] for r in rows if "distinct_captions" in r]
+    capsys.readouterr()
+    assert counts == {b: [len(strings)] for b in (1, 7, 100)}

@@ -9,6 +9,7 @@ instead of leaving the others blocked; undecodable samples are skipped and count
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import zlib
 from collections.abc import Iterable, Iterator
@@ -144,6 +145,9 @@ class _Pass:
         self.pairs: list[torch.Tensor] = []  # [n, 2d] image|text features of captioned samples
         self.pair_indices: list[torch.Tensor] = []  # their data indices (-1: none), for the validation loss
         self.pair_groups: list[torch.Tensor] = []  # their json "group" (-1: none)
+        # their captions' hashes: distinct captions are counted by string (one string's embedding differs in its
+        # last bits with the batch it is encoded in, so torch.unique over embeddings depended on the batch size)
+        self.pair_captions: list[torch.Tensor] = []
         # every rank's (pairs, indices, groups or None), after the pass
         self.gathered_pairs = (torch.zeros(0, 0), torch.zeros(0, dtype=torch.int64), None)
         # collect_features: the name of the samples that name no dataset; None: no probe features kept
@@ -213,6 +217,8 @@ class _Pass:
             self.pair_indices.append(torch.tensor(index, dtype=torch.int64, device=self.device))
             group = [-1 if batch[i].group is None else batch[i].group for i in captioned]
             self.pair_groups.append(torch.tensor(group, dtype=torch.int64, device=self.device))
+            hashes = [caption_hash(batch[i].caption) for i in captioned]
+            self.pair_captions.append(torch.tensor(hashes, dtype=torch.int64, device=self.device))
 
     def packed(self, skipped: int, cut_shards: int, failed: bool) -> torch.Tensor:
         parts = [self.counts[name].packed() for name in self.names]
@@ -376,7 +382,7 @@ def unscorable(
         if retrieval and sample.caption is not None:
             results.retrieval_samples += 1
             captions.add(sample.caption)
-            # equal captions embed equally: fewer distinct embeddings than strings, never more
+            # the pass counts distinct strings too (caption_hash)
             if len(captions) >= _LOOK_AHEAD_CAPTIONS and retrieval_reported(len(captions), results.retrieval_samples):
                 return None
     results.retrieval_distinct_captions = len(captions)
@@ -414,6 +420,8 @@ def _gather_retrieval(state: _Pass, results: EvalResults, width: int, group) -> 
     indices = all_gather_rows(local.to(device), group)
     local = torch.cat(state.pair_groups) if state.pair_groups else torch.zeros(0, dtype=torch.int64)
     groups = caption_groups(all_gather_rows(local.to(device), group))
+    local = torch.cat(state.pair_captions) if state.pair_captions else torch.zeros(0, dtype=torch.int64)
+    captions = all_gather_rows(local.to(device), group)
     order = torch.sort(indices, stable=True).indices  # data-index order: the validation loss's batches are
     # the same pairs whatever the number of ranks
     state.gathered_pairs = (pairs[order], indices[order], None if groups is None else groups[order])
@@ -427,7 +435,12 @@ def _gather_retrieval(state: _Pass, results: EvalResults, width: int, group) -> 
         results.retrieval = retrieval_metrics(pairs[:, :half], pairs[:, half:], groups=groups)
         results.retrieval_images = int(torch.unique(groups).shape[0])
     results.retrieval_samples = pairs.shape[0]
-    results.retrieval_distinct_captions = int(torch.unique(pairs[:, half:], dim=0).shape[0])
+    results.retrieval_distinct_captions = int(torch.unique(captions).shape[0])
+
+
+def caption_hash(caption: str) -> int:
+    """A caption's 64-bit hash, the same in every process (str's own hash is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(caption.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
 
 
 def caption_groups(groups: torch.Tensor) -> torch.Tensor | None:

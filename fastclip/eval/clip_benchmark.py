@@ -72,14 +72,29 @@ def prepare(data, out, zeroshot_file=None, retrieval_name: str = "fastclip-val")
     specs = load_zeroshot_spec(zeroshot_file) if zeroshot_file else {}
     writers = {name: _ShardWriter(out / name / "test") for name in specs}
     retrieval = _ShardWriter(out / retrieval_name / "test")
+    # captions of one image (json "group") become one sample whose .txt holds them a line each, as clip_benchmark
+    # reads several captions; the image is the group's first caption's in index order, as `fastclip eval` scores it
+    groups: dict[int, list] = {}  # group -> [(index, png)] of its first caption, [(index, caption)]
     for sample in iter_samples(data):
         png = io.BytesIO()
         sample.image.save(png, format="PNG")
         name = next(iter(specs)) if len(specs) == 1 else sample.dataset
         if sample.label is not None and name in writers:
             writers[name].write({"png": png.getvalue(), "cls": str(sample.label).encode()})
-        if sample.caption is not None:
-            retrieval.write({"png": png.getvalue(), "txt": sample.caption.encode()})
+        if sample.caption is None:
+            continue
+        caption = " ".join(sample.caption.split())  # a line break inside would read as two captions there
+        if sample.group is None:
+            retrieval.write({"png": png.getvalue(), "txt": caption.encode()})
+            continue
+        order = -1 if sample.index is None else sample.index
+        first, captions = groups.setdefault(sample.group, [(order, png.getvalue()), []])
+        if order < first[0]:
+            groups[sample.group][0] = (order, png.getvalue())
+        captions.append((order, caption))
+    for group in sorted(groups):
+        (_, png), captions = groups[group]
+        retrieval.write({"png": png, "txt": "\n".join(c for _, c in sorted(captions, key=lambda x: x[0])).encode()})
     roots = {}
     for name, writer in writers.items():
         if writer.finish():

@@ -333,3 +333,38 @@ def test_a_checkpoint_whose_arch_field_is_not_what_it_trained_is_not_exported(ru
             capsys.readouterr().err
         )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tower_has_bias", [False, True])
+def test_a_sigmoid_losss_learned_bias_is_exported_with_its_scale(tmp_path, images, capsys, tower_has_bias):
+    """A SigLIP run's export dropped the loss's learned logit_bias: open_clip's model had none (or its tower's
+    frozen initial one), so sigmoid(scale * sim + bias) could not be computed from the export."""
+    from fastclip.models import build_model
+
+    torch.manual_seed(0)
+    built = build_model("tiny-vit")
+    state, config = dict(built.model.state_dict()), dict(built.config)
+    if tower_has_bias:  # a config with open_clip's init_logit_bias: the tower holds its initial value
+        state["logit_bias"], config["init_logit_bias"] = torch.tensor(-10.0), -10.0
+    step_dir = tmp_path / "run" / "checkpoints" / "step_00000003"
+    step_dir.mkdir(parents=True)
+    loss = {"logit_scale": torch.tensor(2.5), "logit_bias": torch.tensor(-7.25)}
+    torch.save(
+        {"state_dict": state, "arch": ARCH, "model_config": config, "loss": loss, "step": 3}, step_dir / "model.pt"
+    )
+    out = tmp_path / "out" / "model.pt"
+    assert export_cli.main([str(step_dir), "--out", str(out)]) == 0
+    assert "logit_bias = -7.2500 from the loss (model.logit_bias)" in capsys.readouterr().out
+    written_config = json.loads((tmp_path / "out" / f"{ARCH}.json").read_text())
+    assert written_config["init_logit_bias"] == (-10.0 if tower_has_bias else -7.25)
+    assert float(torch.load(out, weights_only=True)["state_dict"]["logit_bias"]) == -7.25
+
+    open_clip = import_open_clip()
+    open_clip.add_model_config(str(tmp_path / "out" / f"{ARCH}.json"))
+    theirs, _, preprocess = open_clip.create_model_and_transforms(ARCH, pretrained=str(out))
+    theirs.eval()
+    assert (float(theirs.logit_scale.detach()), float(theirs.logit_bias.detach())) == (2.5, -7.25)
+    ours = load_model(step_dir).built
+    ours_image, ours_text = embeddings(ours.model, ours.preprocess_val, ours.tokenizer, images)
+    their_image, their_text = embeddings(theirs, preprocess, open_clip.get_tokenizer(ARCH), images)
+    assert torch.equal(ours_image, their_image) and torch.equal(ours_text, their_text)

@@ -60,6 +60,12 @@ def loss_logit_scale(model_file: dict) -> torch.Tensor | None:
     return scale.mean() if isinstance(scale, torch.Tensor) else None
 
 
+def loss_logit_bias(model_file: dict) -> torch.Tensor | None:
+    """The bias a sigmoid loss learned (SigLIP's logit_bias), if the loss has one."""
+    bias = loss_parameters(model_file).get("logit_bias")
+    return bias if isinstance(bias, torch.Tensor) else None
+
+
 def architecture(model_file: dict) -> tuple[str | None, dict | None]:
     """(arch, model config) a training checkpoint records; (None, None) for an export."""
     config = model_file.get("model_config")

@@ -2,8 +2,9 @@
 
 The file is `{"state_dict": {name: tensor}}`, nothing else, so `open_clip.create_model_and_transforms(arch,
 pretrained=PATH)` loads it under `torch.load(weights_only=True)` (DataComp and clip_benchmark load models
-that way). The loss owns the temperature during training, so its learned `logit_scale` replaces the
-tower's frozen one. Custom architectures get their config written beside the file as `<arch>.json`.
+that way). The loss owns the temperature during training, so its learned `logit_scale` (and a sigmoid loss's
+`logit_bias`) replaces the tower's frozen one. Custom architectures get their config written beside the file as
+`<arch>.json`; so does a built-in one given a logit_bias its open_clip config lacks (`init_logit_bias`).
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ def export_model(
     # read once: a running job's keep_last may remove the file meanwhile
     model_from_checkpoint(file, checkpoint)
     state, scale = _exported_state(file, checkpoint, momentum_towers, PRECISIONS[precision])
+    bias = ckpt.loss_logit_bias(checkpoint)
+    if bias is not None and model_config.get("init_logit_bias") is None:  # a tower without one: open_clip's CLIP
+        model_config = {**model_config, "init_logit_bias": float(bias)}  # makes its logit_bias from this key
 
     # fastclip-tempnet: its temperature heads belong to training, not to the CLIP model open_clip loads, so
     # they are written beside the export (weights only) for whoever continues training from it
@@ -170,6 +174,7 @@ def export_model(
         "tempnet_file": tempnet_file,
         "logit_scale": float(state["logit_scale"]) if "logit_scale" in state else None,  # as written (bf16: rounded)
         "loss_logit_scale": float(scale) if scale is not None else None,  # as the loss learned it
+        "loss_logit_bias": float(bias) if bias is not None else None,  # a sigmoid loss's (SigLIP)
         "temperature_from_loss": scale is not None,
         "step": ckpt.saved_step(checkpoint),
         "source": file,
@@ -191,7 +196,8 @@ def _training_checkpoint(checkpoint_path, out: Path) -> tuple[Path, dict]:
 
 
 def _exported_state(file: Path, checkpoint: dict, momentum_towers: bool, dtype: torch.dtype):
-    """(the towers' tensors in `dtype` with the loss's learned logit_scale, that logit_scale or None)."""
+    """(the towers' tensors in `dtype` with the loss's learned logit_scale and logit_bias, that logit_scale or
+    None)."""
     state = ckpt.towers_state(checkpoint)
     if momentum_towers:
         if "momentum_towers" not in checkpoint:
@@ -204,6 +210,9 @@ def _exported_state(file: Path, checkpoint: dict, momentum_towers: bool, dtype: 
         if "logit_scale" not in state:
             raise ValueError(f"{file}: the loss has a logit_scale but the model state_dict has none to receive it")
         state["logit_scale"] = scale.detach().reshape(state["logit_scale"].shape)
+    # SigLIP's learned bias goes with its scale (the tower's own, if it has one, is its frozen initial value)
+    if (bias := ckpt.loss_logit_bias(checkpoint)) is not None:
+        state["logit_bias"] = bias.detach().reshape([])
     # clone: a tensor that is a view of a larger storage would otherwise save the whole storage
     state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone().contiguous() for k, v in state.items()}
     return state, scale
@@ -374,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         scale, stored = written["loss_logit_scale"], written["logit_scale"]
         rounded = f" ({stored:.4f} as written in {args.precision})" if stored != scale else ""
         print(f"logit_scale = {scale:.4f} (tau = {math.exp(-scale):.4f}) from the loss{rounded}")
+    if written["loss_logit_bias"] is not None:
+        print(f"logit_bias = {written['loss_logit_bias']:.4f} from the loss (model.logit_bias)")
     else:
         print(
             "note: the checkpoint's loss has no global logit_scale (per-sample or constant temperature); "

@@ -69,11 +69,16 @@ def _quiet_torchrun_logs() -> None:
 
 def exit_status(failures: dict) -> tuple[int, str | None]:
     """The job's status from torchrun's failed ranks {rank: ProcessFailure}, and the line to print (None: the
-    ranks said it). A rank that died of SIGTERM while another exited with a status of its own was stopped by
-    torchrun, which SIGTERMs the others once one rank fails: the status (and the line) are the one that failed."""
-    exited = any(f.exitcode > 0 for f in failures.values())
+    ranks said it). Once one rank fails, torchrun SIGTERMs the others and SIGKILLs those still there 30 s later:
+    a rank that died of SIGTERM while another exited with a status of its own, or of SIGKILL after such an exit
+    (a rank stuck in a collective, say), was stopped by torchrun, and the status is the one that failed."""
+    exited = [f.timestamp for f in failures.values() if f.exitcode > 0]
     other_signal = any(f.exitcode < 0 and f.exitcode != -signal.SIGTERM for f in failures.values())
+    stuck = None  # (rank, failure) of a rank torchrun had to kill
     for rank, failure in sorted(failures.items()):
+        if failure.exitcode == -signal.SIGKILL and exited and failure.timestamp > min(exited):
+            stuck = stuck or (rank, failure)
+            continue
         # (a SIGTERM beside another signal's death: torchrun's too, sent once that rank died)
         if failure.exitcode < 0 and not ((exited or other_signal) and failure.exitcode == -signal.SIGTERM):
             name = failure.signal_name()
@@ -83,7 +88,16 @@ def exit_status(failures: dict) -> tuple[int, str | None]:
                 f"stopped. Continue with --train.resume latest"
             )
     codes = [f.exitcode for _, f in sorted(failures.items()) if f.exitcode > 0]
-    return next((c for c in codes if c != EXIT_PREEMPTED), EXIT_PREEMPTED), None
+    status = next((c for c in codes if c != EXIT_PREEMPTED), EXIT_PREEMPTED)
+    if stuck is None:
+        return status, None
+    rank, failure = stuck
+    first, ended = min(((r, f) for r, f in failures.items() if f.exitcode > 0), key=lambda rf: rf[1].timestamp)
+    return status, (
+        f"{PREFIX}: rank {rank} (pid {failure.pid}) did not stop when rank {first} ended with status "
+        f"{ended.exitcode} and was killed by torchrun (SIGKILL, 30 s after its SIGTERM: stuck, in a collective "
+        f"perhaps); status {status}. Continue with --train.resume latest"
+    )
 
 
 def _take_over_torchruns_handler() -> None:

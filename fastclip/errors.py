@@ -16,6 +16,9 @@ class ConfigError(ValueError):
 class TrainingError(RuntimeError):
     """A run stopped for a known reason (the message names it)."""
 
+    # raised with the same words on every rank, from a decision the ranks agreed on: rank 0 alone says it
+    agreed = False
+
 
 class CheckpointError(TrainingError):
     """A checkpoint file that cannot be trusted or read: pickled objects, a torn or foreign file."""

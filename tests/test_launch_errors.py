@@ -414,6 +414,41 @@ def test_a_config_error_under_a_hand_run_torchrun_is_said_once(tmp_path):
     assert (out.stdout + out.stderr).count("fastclip train: config error: unknown config key 'train.bogus'") == 1
 
 
+def test_errors_met_in_the_process_group_are_said_once(tmp_path, tiny_embedded):
+    """A global batch larger than the data is found once the ranks have joined (the run's own signal handlers are
+    installed, then released as ignored): rank 1 waited out torchrun's SIGTERM and said the line too; NaN steps in
+    a row stopped every rank, and each said it (helper-61)."""
+    args = ["--config", str(EMBEDDED), "--data.train", str(tiny_embedded / "train"), "--data.val", "null"]
+    args += ["--data.zeroshot", "null", "--data.batch_size", "60", "--train.run_dir", str(tmp_path / "run")]
+    out = subprocess.run(
+        [sys.executable, "-m", "fastclip.train.launcher", "--standalone", "--nproc_per_node", "2", "-m", "fastclip"]
+        + ["train", "--", *args],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "fastclip train: config error:" in line]
+    assert out.returncode == 2 and len(said) == 1, out.stdout + out.stderr
+    assert "data.batch_size" in said[0], said
+    # an error every rank raises with the same words (NaN/Inf steps in a row, all-reduced): said by rank 0 alone
+    args[args.index("--data.batch_size") + 1] = "8"
+    args += ["--train.max_steps", "6", "--train.max_nonfinite_steps", "2", "--train.run_dir", str(tmp_path / "nan")]
+    out = subprocess.run(
+        [sys.executable, "-m", "fastclip.train.launcher", "--standalone", "--nproc_per_node", "2", "-m", "fastclip"]
+        + ["train", "--", *args, "--eval.at_end", "false", "--train.progress", "false"],
+        cwd=REPO,
+        env=clean_env(FASTCLIP_FAULTS="nan@batch:rank=0"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "fastclip train: error:" in line]
+    assert out.returncode == 1 and len(said) == 1, out.stdout + out.stderr
+    assert "2 steps in a row were skipped for NaN/Inf" in said[0], said
+
+
 def test_quickstart_state_reads_a_runs_last_step_and_what_was_evaluated_there(tmp_path):
     """launch/run_state.py, what quickstart.sh's reruns decide by: the last logged training step (a line cut by a
     kill passed over), and whether the results hold an evaluation of a data path (normalised) at that step."""

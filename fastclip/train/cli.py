@@ -23,7 +23,9 @@ Interrupted (Ctrl-C, SIGINT): one line naming the step and the last complete che
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,12 +85,28 @@ def _say_config_error(error: ConfigError, check_only: bool) -> None:
     if not check_only and local.isdigit() and int(local) > 0 and world.isdigit() and int(world) > 1:
         from fastclip.train.preemption import early_stop
 
-        waited = time.monotonic() + CONFIG_ERROR_WAIT_S
-        while time.monotonic() < waited:  # the launcher's SIGTERM is held (hold_early): it ends the wait
-            if early_stop() is not None:
-                return
-            time.sleep(0.1)
+        # the launcher's signal ends the wait: held since the start (hold_early), or here, for an error met in the
+        # process group, after the run's own handlers were released (ignored: rank 1 waited it out and said it too)
+        ended: list[int] = []
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
+                previous[number] = signal.signal(number, lambda signum, frame: ended.append(signum))
+        try:
+            waited = time.monotonic() + CONFIG_ERROR_WAIT_S
+            while time.monotonic() < waited:
+                if ended or early_stop() is not None:
+                    return
+                time.sleep(0.1)
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
     print(f"fastclip train: config error: {error}", file=sys.stderr, flush=True)
+
+
+def _global_rank() -> int:
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return int(rank) if rank.isdigit() else 0
 
 
 class _UsageError(ValueError):
@@ -250,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:
         if _interrupt(e) is None:
             if isinstance(e, TrainingError):
-                print(f"fastclip train: error: {e}", file=sys.stderr, flush=True)
+                if not (e.agreed and _global_rank() > 0):  # (every rank has the same line: said once)
+                    print(f"fastclip train: error: {e}", file=sys.stderr, flush=True)
                 return 1
             raise
         # (Ctrl-C reaches every rank: the first one says it, as a stop's line is said once)

@@ -16,6 +16,8 @@ class DataFailure(TrainingError):
 class NonFiniteStepsError(TrainingError):
     """Too many optimizer steps in a row were skipped for NaN/Inf loss, gradients or features."""
 
+    agreed = True  # (the skip is all-reduced: every rank counts the same steps)
+
 
 class OutOfMemory(TrainingError):
     """A rank could not allocate what the run's settings ask for (batch, model, queue)."""

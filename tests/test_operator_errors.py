@@ -17,7 +17,18 @@ import yaml
 from fastclip.models import hub_names_not_cached
 from fastclip.train.cli import main
 
-from helpers import _UNSET, BATCH, EMBEDDED, clean_env, fault_overrides, latest, load, step_dir, train_records
+from helpers import (
+    _UNSET,
+    BATCH,
+    EMBEDDED,
+    clean_env,
+    fault_overrides,
+    latest,
+    load,
+    step_dir,
+    the_error_line,
+    train_records,
+)
 
 
 @pytest.fixture(scope="module")
@@ -211,8 +222,12 @@ def test_run_dir_that_cannot_be_written(tiny_embedded, capsys):
     else:
         run.rmdir()
         pytest.skip("/sys is writable here")
-    _fails(capsys, _args(tiny_embedded, run), "train.run_dir", "cannot write in", "choose another --train.run_dir")
-    _fails(capsys, ["--check", *_args(tiny_embedded, run)], "train.run_dir", "cannot write in")
+    # the run and --check name the same folder: each named the one it tried (the run, mkdir: /sys/...-run; the
+    # check, its probe: /sys), which told an operator two things (helper-61). (sysfs refuses the two with other
+    # errnos, EPERM and EACCES; a read-only mount gives EROFS to both)
+    for check in ([], ["--check"]):
+        said = "cannot write in /sys ("
+        _fails(capsys, check + _args(tiny_embedded, run), "train.run_dir", said, "choose another --train.run_dir")
 
 
 def test_check_leaves_no_run_folder_and_refuses_one_under_a_file(tiny_embedded, tmp_path, capsys):
@@ -1037,6 +1052,43 @@ def test_a_disk_that_fills_inside_torch_save_is_one_line_with_the_bytes(tiny_emb
     weights = load(step_dir(run, 2) / "model.pt")
     assert needed == pytest.approx(files.tensor_bytes(weights) / 2**20, rel=0.05, abs=0.2)  # model.pt + rank file
     assert latest(run) == "step_00000002" and not list((run / "checkpoints").glob(".tmp_*"))
+
+
+def test_a_disk_without_room_is_refused_by_the_checks_and_mid_run_is_one_line(tiny_embedded, tmp_path):
+    """A file-size limit (RLIMIT_FSIZE) is a disk with that much room left: the kernel refuses a write past it
+    (EFBIG) as a full disk does (ENOSPC). The checks probed with an empty file, which a full disk still takes, and
+    said ok; metrics.jsonl's write that failed mid-run was a traceback (helper-61)."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def run(limit: int, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+        def limited():
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing the process
+
+        args = fault_overrides(tiny_embedded, run_dir, **{"checkpoint.every_steps": 0, "train.max_steps": 60})
+        # -B: a bytecode file cut at the limit would break the next import of that module
+        cmd = [sys.executable, "-B", "-m", "fastclip", "train", "--", "--config", str(EMBEDDED), *args, *extra]
+        return subprocess.run(cmd, preexec_fn=limited, capture_output=True, text=True, env=clean_env(), timeout=300)
+
+    done = run(2048, tmp_path / "full", "--check")
+    assert done.returncode == 2, done.stderr
+    assert the_error_line(done.stderr) == (
+        f"fastclip train: config error: config key 'train.run_dir': cannot write in {tmp_path} (File too large); "
+        "make it writable or choose another --train.run_dir"
+    )
+    done = run(12000, tmp_path / "fills")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    line = the_error_line(done.stderr)
+    assert line.startswith(
+        f"fastclip train: error: rank 0: cannot write {tmp_path / 'fills' / 'metrics.jsonl'} at step "
+    )
+    assert line.endswith(
+        f"(File too large); no checkpoint was saved yet. Free space in {tmp_path / 'fills'} (or make it writable), "
+        "then start it again with --train.resume latest (from step 0)"
+    )
 
 
 def test_disk_full_during_a_save_keeps_the_last_checkpoint(tiny_embedded, tmp_path, capsys, monkeypatch):

@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import errno
+from pathlib import Path
+
 from fastclip.errors import CheckpointError, CheckpointFileMissing, CollectiveFailure, TrainingError
 
 
@@ -17,6 +20,32 @@ class NonFiniteStepsError(TrainingError):
     """Too many optimizer steps in a row were skipped for NaN/Inf loss, gradients or features."""
 
     agreed = True  # (the skip is all-reduced: every rank counts the same steps)
+
+
+class WriteFailure(TrainingError):
+    """A file of the run folder could not be written while training (a full disk, a quota, a read-only remount)."""
+
+
+# what a write can fail with that a full or read-only disk explains (a read error is the data's: skipped, counted)
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def write_failure(error: OSError, cfg, rank: int, step: int) -> WriteFailure:
+    """One line for a write of the run folder that failed mid-run (metrics.jsonl, config.yaml, TensorBoard's
+    events; a checkpoint's save says its own): the file, the step, and that the last checkpoint is intact."""
+    from fastclip.checkpoint.layout import CHECKPOINTS, LATEST, read_pointer
+
+    run_dir = Path(cfg.train.run_dir)
+    named = read_pointer(run_dir / CHECKPOINTS)
+    if named:
+        last, then = f"{run_dir / CHECKPOINTS / LATEST} still names {named}", "continue with --train.resume latest"
+    else:
+        last, then = "no checkpoint was saved yet", "start it again with --train.resume latest (from step 0)"
+    where = f" {error.filename}" if error.filename else " a file of the run folder"
+    return WriteFailure(
+        f"rank {rank}: cannot write{where} at step {step} ({error.strerror or error}); {last}. Free space in "
+        f"{run_dir} (or make it writable), then {then}"
+    )
 
 
 class OutOfMemory(TrainingError):
@@ -53,8 +82,8 @@ def out_of_memory(error: BaseException, cfg, rank: int, step: int, phase: str) -
 def explain_failure(error: BaseException, timeouts, cfg=None) -> BaseException:
     """What ended a run, as `fastclip train` reports it: a rank with no training sample left -> DataFailure (its
     message names the shards); an allocation that failed -> OutOfMemory naming the settings that size memory; an
-    error of the process group -> a CollectiveFailure naming rank, step and phase (guards.CollectiveTimeouts);
-    anything else unchanged."""
+    error of the process group -> a CollectiveFailure naming rank, step and phase (guards.CollectiveTimeouts); a
+    write that a full or read-only disk failed -> WriteFailure naming the file; anything else unchanged."""
     from fastclip.data.samples import DataExhausted
 
     if isinstance(error, DataExhausted):
@@ -62,6 +91,8 @@ def explain_failure(error: BaseException, timeouts, cfg=None) -> BaseException:
     if cfg is not None and not isinstance(error, TrainingError) and _out_of_memory(error):
         phase = timeouts.failed_in[0] if timeouts.failed_in else timeouts.phase
         return out_of_memory(error, cfg, timeouts.info.rank, timeouts.step, phase)
+    if cfg is not None and isinstance(error, OSError) and error.errno in WRITE_ERRNOS:
+        return write_failure(error, cfg, timeouts.info.rank, timeouts.step)
     return timeouts.explain(error)
 
 
@@ -73,5 +104,6 @@ __all__ = [
     "DataFailure",
     "NonFiniteStepsError",
     "OutOfMemory",
+    "WriteFailure",
     "explain_failure",
 ]

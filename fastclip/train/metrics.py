@@ -229,8 +229,11 @@ class MetricsLogger:
     def log(self, record: dict, line_keys: tuple[str, ...] = ()) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: named, for the run's one line (train/errors.py write_failure)
+            raise OSError(e.errno, e.strerror, self.file.name) from None
         step = record["step"]
         scalars = {
             k if "/" in k else f"train/{k}": v

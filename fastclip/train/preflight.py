@@ -279,11 +279,14 @@ def check_run_dir(cfg: Config, *, create: bool = True) -> None:
             if create:
                 folder.mkdir(parents=True, exist_ok=True)
             probe = folder / f".write_probe.{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
+            try:  # some bytes, not an empty file: a full disk still makes an empty one
+                probe.write_bytes(bytes(PROBE_BYTES))
+            finally:
+                probe.unlink(missing_ok=True)
+        except OSError as e:  # named as --check names it: the nearest folder that exists (where mkdir failed)
+            where = next((f for f in (folder, *folder.parents) if os.path.isdir(f)), folder)
             raise ConfigError(
-                f"config key 'train.run_dir': cannot write in {folder} ({e.strerror or e}); make it "
+                f"config key 'train.run_dir': cannot write in {where} ({e.strerror or e}); make it "
                 f"writable or choose another --train.run_dir"
             ) from None
 
@@ -339,6 +342,7 @@ def check_no_run_held(run_dir: Path, resuming: str | None = None) -> None:
 
 
 RUN_LOCK = ".fastclip.lock"
+PROBE_BYTES = 4096  # what check_run_dir writes in each folder of the run (a block: a full disk refuses it)
 
 
 def lock_run_dir(cfg: Config, info):
@@ -352,14 +356,27 @@ def lock_run_dir(cfg: Config, info):
 
     from fastclip.distributed import broadcast_flag
 
-    handle, holder = None, ""
+    handle, holder, unwritable = None, "", False
     if info.is_main:
-        handle, holder = _take_lock(Path(cfg.train.run_dir) / RUN_LOCK)
-        if handle is not None:
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            handle.flush()
+        path = Path(cfg.train.run_dir) / RUN_LOCK
+        try:
+            handle, holder = _take_lock(path)
+            if handle is not None:
+                handle.seek(0)
+                handle.truncate()
+                handle.write(
+                    f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                )
+                handle.flush()
+        except OSError as e:  # a disk that filled since the checks (the lock is the run's first write)
+            if handle is not None:
+                handle.close()
+            handle, unwritable = None, e.strerror or str(e)
+    if broadcast_flag(bool(unwritable), info):
+        raise ConfigError(
+            f"config key 'train.run_dir': cannot write in {cfg.train.run_dir} (its lock file {RUN_LOCK}: "
+            f"{unwritable or 'see rank 0'}); free space or make it writable, or choose another --train.run_dir"
+        )
     if broadcast_flag(handle is None and info.is_main, info):
         raise _run_dir_in_use(cfg.train.run_dir, holder)
     return handle

@@ -170,7 +170,11 @@ class Run:
         self.log = metrics.run_logger(cfg, enabled=info.is_main, start_step=self.step, total_steps=self.last_step)
         self.evaluation = Evaluation(cfg, self.net, self.device, self.log)
         if info.is_main:
-            (self.run_dir / "config.yaml").write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
+            config_file = self.run_dir / "config.yaml"
+            try:
+                config_file.write_text(f"# resolved config of `fastclip train`\n{dump_config(cfg)}")
+            except OSError as e:  # a full disk: named, for the run's one line (train/errors.py write_failure)
+                raise OSError(e.errno, e.strerror, str(config_file)) from None
             steps = (self.step, self.last_step)
             self.log.message(
                 metrics.start_line(cfg, info, self.net, self.stream, steps, self.resume_dir, self.pretrained)

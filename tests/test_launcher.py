@@ -121,6 +121,23 @@ def test_a_signal_to_the_agent_alone_or_to_one_rank(data, tmp_path, target):
     job.stopped_with_a_checkpoint("SIGUSR1" if target == "agent" else "a signal to another rank")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR2])
+def test_a_stop_signal_the_run_names_reaches_the_ranks_through_the_agent(data, tmp_path, sig):
+    """--train.stop_signals with SIGHUP (the README's recipe for an ssh session that drops) or SIGUSR2: the agent
+    alone gets it. Before, torchrun stopped the ranks with SIGHUP itself, and the job said 75 from the ranks and
+    then exited 129; SIGUSR2 killed the agent (140) (helper-61)."""
+    name = signal.Signals(sig).name
+    job = LaunchedJob(data, tmp_path, **{"train.stop_signals": f"[SIGTERM, {name}]"})
+    try:
+        job.at_step(2)
+        os.kill(job.proc.pid, sig)
+        assert job.wait() == EXIT_PREEMPTED, job.output()
+    finally:
+        job.kill()
+    job.stopped_with_a_checkpoint(name)
+    assert "fastclip launcher" not in job.output()
+
+
 def test_ranks_whose_agent_is_killed_stop_with_a_checkpoint(data, tmp_path):
     """kill -9 of the agent forwards nothing: each rank sees its parent gone and the job stops within seconds with a
     checkpoint, saying why. (Before: the orphaned ranks trained on to the end.)"""

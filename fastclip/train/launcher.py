@@ -4,8 +4,9 @@ launch/multi_node.sh start it, with what a cluster's signals need of it.
 * A stop signal reaches the ranks. SLURM sends SIGTERM to every process of a job (preemption, scancel, the
   time limit), `scancel --signal=USR1` or a `kill` may reach the agent alone. torchrun itself dies of SIGUSR1
   (its ranks, orphaned, train on) and answers SIGTERM by signalling its ranks' process groups, then SIGKILL 30 s
-  later, then a traceback. Here SIGTERM, SIGUSR1 and SIGINT are forwarded to each rank (the process alone: its
-  data workers leave these signals to it), which checkpoints at the step and exits 75 (train/preemption.py).
+  later, then a traceback. Here SIGTERM, SIGUSR1, SIGINT, SIGHUP and SIGUSR2 are forwarded to each rank (the
+  process alone: its data workers leave these signals to it), which checkpoints at the step and exits 75 where
+  train.stop_signals names the signal (train/preemption.py), and dies of it otherwise (said, 128 + N).
   Before any rank exists there is nothing to save: the agent stops, status 75 for a stop signal.
 * The job's status is the ranks': 75 when the ranks that ended stopped with a checkpoint, else the first failed
   rank's status, or 128 + the signal that killed a rank, said in one line (not torchrun's SIGTERM to the others
@@ -26,7 +27,9 @@ import threading
 
 from fastclip.train.preemption import EXIT_PREEMPTED
 
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# the ranks answer these as their train.stop_signals say (a checkpoint and 75, or the signal's default); torchrun
+# stopped the ranks itself on SIGHUP (status 129 after their 75) and died of SIGUSR2
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
 STOPS = (signal.SIGTERM, signal.SIGUSR1)  # the trainer's default train.stop_signals: a checkpoint, then 75
 PREFIX = "fastclip launcher"
 

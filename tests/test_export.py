@@ -133,6 +133,7 @@ def test_export_cli_prints_the_loading_code(run_dir, tmp_path, capsys):
     assert f"open_clip.add_model_config('{tmp_path / (ARCH + '.json')}')" in out
     assert f"create_model_and_transforms('{ARCH}', pretrained='{tmp_path / 'm.pt'}')" in out
     assert "logit_scale = 3.2500" in out and "as written" not in out  # (3.25: exact in every precision)
+    assert "note:" not in out and "logit_bias" not in out  # (the note on a loss without a scale followed it)
     # bf16 rounds the loss's learned value: it printed the rounded one as what the loss learned
     learned = tmp_path / "learned"
     shutil.copytree(run_dir, learned)
@@ -368,3 +369,11 @@ def test_a_sigmoid_losss_learned_bias_is_exported_with_its_scale(tmp_path, image
     ours_image, ours_text = embeddings(ours.model, ours.preprocess_val, ours.tokenizer, images)
     their_image, their_text = embeddings(theirs, preprocess, open_clip.get_tokenizer(ARCH), images)
     assert torch.equal(ours_image, their_image) and torch.equal(ours_text, their_text)
+    # the export is still the towers' weights for fastclip, where the loss holds the bias: --model.pretrained and
+    # eval --arch of the architecture trained took it before the bias was exported, and take it now
+    from fastclip.train.preflight import check_fits, read_pretrained
+
+    towers = build_model("tiny-vit").model
+    check_fits(towers, read_pretrained(str(out)), str(out), "model.pretrained")
+    assert "logit_bias" not in dict(towers.named_parameters()) or tower_has_bias
+    assert load_model(out, arch="tiny-vit").built.arch == "tiny-vit"

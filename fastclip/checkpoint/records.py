@@ -66,6 +66,14 @@ def loss_logit_bias(model_file: dict) -> torch.Tensor | None:
     return bias if isinstance(bias, torch.Tensor) else None
 
 
+def fitted_to(model_keys, state: dict) -> dict:
+    """`state` without the sigmoid bias an export carries for open_clip (logit_bias) where the model built here has
+    none: in fastclip a SigLIP loss holds its bias, not the towers (fastclip export puts it in the towers)."""
+    if "logit_bias" in state and "logit_bias" not in model_keys:
+        return {k: v for k, v in state.items() if k != "logit_bias"}
+    return state
+
+
 def architecture(model_file: dict) -> tuple[str | None, dict | None]:
     """(arch, model config) a training checkpoint records; (None, None) for an export."""
     config = model_file.get("model_config")

@@ -161,6 +161,7 @@ def export_model(
     # they are written beside the export (weights only) for whoever continues training from it
     heads = {k: v.detach().clone() for k, v in ckpt.loss_parameters(checkpoint).items() if k.startswith("tempnet_")}
     tempnet_file = out.with_name(out.stem + ".tempnet.pt") if heads else None
+    custom = not _is_builtin(arch, None)  # (a built-in one given a bias its open_clip config lacks is written too)
     config_file = None if _is_builtin(arch, model_config) else out.parent / f"{arch}.json"
     # a Hugging Face text tower's folders (its config.json, tokenizer files) go beside the export too
     hf_copies = hf_folder_copies(model_config, out.parent) if config_file is not None else []
@@ -171,6 +172,7 @@ def export_model(
         "file": out,
         "arch": arch,
         "config_file": config_file,
+        "custom_arch": custom,
         "tempnet_file": tempnet_file,
         "logit_scale": float(state["logit_scale"]) if "logit_scale" in state else None,  # as written (bf16: rounded)
         "loss_logit_scale": float(scale) if scale is not None else None,  # as the loss learned it
@@ -370,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     instead = " (it replaces the earlier export there)" if replaced else ""
     print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}{instead}")
     if written["config_file"] is not None:
-        print(f"wrote {written['config_file']} (model config for the custom architecture {written['arch']!r})")
+        what = "the custom architecture" if written["custom_arch"] else "open_clip's architecture with init_logit_bias:"
+        print(f"wrote {written['config_file']} (model config for {what} {written['arch']!r})")
     if "logit_scale" not in written:  # an ssl run's image tower (fastclip/train/ssl.py)
         from fastclip.eval.export_ssl import tower_loading_code
 
@@ -379,12 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if written.get("tempnet_file") is not None:
         print(f"wrote {written['tempnet_file']} (the temperature network's heads, for further training)")
+    if written["loss_logit_bias"] is not None:
+        print(f"logit_bias = {written['loss_logit_bias']:.4f} from the loss (model.logit_bias)")
     if written["temperature_from_loss"]:
         scale, stored = written["loss_logit_scale"], written["logit_scale"]
         rounded = f" ({stored:.4f} as written in {args.precision})" if stored != scale else ""
         print(f"logit_scale = {scale:.4f} (tau = {math.exp(-scale):.4f}) from the loss{rounded}")
-    if written["loss_logit_bias"] is not None:
-        print(f"logit_bias = {written['loss_logit_bias']:.4f} from the loss (model.logit_bias)")
     else:
         print(
             "note: the checkpoint's loss has no global logit_scale (per-sample or constant temperature); "

@@ -35,6 +35,7 @@ from fastclip.checkpoint import (
     RANK_FILE,
     STEP_DIR,
     describe_checkpoint,
+    fitted_to,
     list_checkpoints,
     read_pointer,
     shape_mismatches,
@@ -545,7 +546,8 @@ def read_pretrained(path: str) -> dict[str, torch.Tensor]:
 def check_fits(model: torch.nn.Module, state: dict, what: str, key: str | None = None) -> None:
     """Every tensor of the model present in `state` with its shape, nothing extra: a partial load would train
     a half-random model without a word. Raises ConfigError (or ValueError with key=None) naming the file."""
-    mismatches = shape_mismatches(model.state_dict(), state)
+    expected = model.state_dict()
+    mismatches = shape_mismatches(expected, fitted_to(expected, state))
     if mismatches:
         message = f"{what} does not fit architecture: {mismatches}"
         raise ConfigError(f"config key '{key}': {message}") if key else ValueError(message)

@@ -1091,6 +1091,33 @@ def test_a_disk_without_room_is_refused_by_the_checks_and_mid_run_is_one_line(ti
     )
 
 
+def test_a_lock_file_that_cannot_be_written_is_the_one_line_config_error(tmp_path):
+    """The run's lock is its first write: on a disk that filled since the checks, closing the file flushed the
+    line again and raised again, past the one-line ConfigError (the session's review)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, signal, types
+from pathlib import Path
+from fastclip.train import preflight
+from fastclip.train.config import ConfigError
+resource.setrlimit(resource.RLIMIT_FSIZE, (10, 10))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+cfg = types.SimpleNamespace(train=types.SimpleNamespace(run_dir=Path({str(tmp_path)!r})))
+info = types.SimpleNamespace(is_main=True, distributed=False)
+try:
+    preflight.lock_run_dir(cfg, info)
+except ConfigError as e:
+    print(e)
+"""
+    done = subprocess.run([sys.executable, "-B", "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == (
+        f"config key 'train.run_dir': cannot write in {tmp_path} (its lock file .fastclip.lock: File too large); "
+        "free space or make it writable, or choose another --train.run_dir"
+    ), done.stdout + done.stderr
+
+
 def test_disk_full_during_a_save_keeps_the_last_checkpoint(tiny_embedded, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     monkeypatch.setenv("FASTCLIP_FAULTS", "enospc@checkpoint.model_file:step=4")

@@ -20,6 +20,7 @@ Each failure is a ConfigError: one line naming the key or file and what to do; `
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 from collections import Counter
@@ -371,7 +372,8 @@ def lock_run_dir(cfg: Config, info):
                 handle.flush()
         except OSError as e:  # a disk that filled since the checks (the lock is the run's first write)
             if handle is not None:
-                handle.close()
+                with contextlib.suppress(OSError):  # (close flushes the line again, and fails again)
+                    handle.close()
             handle, unwritable = None, e.strerror or str(e)
     if broadcast_flag(bool(unwritable), info):
         raise ConfigError(

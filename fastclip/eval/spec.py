@@ -47,18 +47,26 @@ def _checked(name: str, classnames, templates, where: str) -> ZeroShotSpec:
     return ZeroShotSpec(name, tuple(classnames), tuple(templates))
 
 
+_NAME = "\x00class name\x00"  # what a template is checked with: no template holds it
+
+
 def _check_templates(templates: list, where: str) -> None:
     for i, template in enumerate(templates):
         if not isinstance(template, str) or ("{}" not in template and "{c}" not in template):
             raise ValueError(f"{where}: template {i} ({template!r}) has no '{{}}' placeholder for the class name")
         try:  # filled as ZeroShotSpec.prompts fills it: "{style}", a second "{}" or a lone "}" failed only there
-            template.replace("{c}", "{}").format("x")
-        except (KeyError, IndexError, ValueError) as error:
+            filled = template.replace("{c}", "{}").format(_NAME)
+        except Exception as error:  # (KeyError, IndexError, ValueError; AttributeError, TypeError for "{.x}", "{[0]}")
             why = f"field {error}" if isinstance(error, KeyError) else str(error)
             raise ValueError(
                 f"{where}: template {i} ({template!r}) cannot take the class name ({why}); write '{{}}' (or "
                 "'{c}') once for the name and double a literal brace ('{{' or '}}')"
             ) from None
+        if _NAME not in filled:  # "{{}}" is a literal "{}": every class would get the same prompt
+            raise ValueError(
+                f"{where}: template {i} ({template!r}) leaves the class name out ('{{{{}}}}' is a literal brace "
+                "pair); write '{}' (or '{c}') for the name"
+            )
 
 
 def _read_text(path: Path) -> str:

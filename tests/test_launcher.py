@@ -121,6 +121,26 @@ def test_a_signal_to_the_agent_alone_or_to_one_rank(data, tmp_path, target):
     job.stopped_with_a_checkpoint("SIGUSR1" if target == "agent" else "a signal to another rank")
 
 
+def test_the_launcher_reads_the_ranks_stop_signals_from_their_command_line(tmp_path):
+    """What it forwards beyond SIGTERM, SIGUSR1 and SIGINT: SIGHUP and SIGUSR2 only where the ranks stop on them
+    (forwarded to ranks that do not, they died at once without a checkpoint: SIGUSR2 ending the agent leaves them
+    to stop with one) (the session's review)."""
+    from torch.distributed.run import parse_args
+
+    from fastclip.train.launcher import ranks_stop_signals
+
+    def stops(*train_args: str) -> set[int]:
+        args = parse_args(["--standalone", "--nproc_per_node", "2", "-m", "fastclip", "train", "--", *train_args])
+        return ranks_stop_signals(args)
+
+    config = ["--config", str(EMBEDDED), "--train.run_dir", str(tmp_path / "run")]
+    assert stops(*config) == {signal.SIGUSR1, signal.SIGTERM}
+    assert stops(*config, "--train.stop_signals", "[SIGTERM, SIGUSR2]") == {signal.SIGTERM, signal.SIGUSR2}
+    assert stops(*config, "--train.bogus", "1") == {signal.SIGUSR1, signal.SIGTERM}  # (the ranks say why)
+    other = parse_args(["--standalone", "--nproc_per_node", "2", "script.py", "--train.stop_signals", "[SIGHUP]"])
+    assert ranks_stop_signals(other) == {signal.SIGUSR1, signal.SIGTERM}
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR2])
 def test_a_stop_signal_the_run_names_reaches_the_ranks_through_the_agent(data, tmp_path, sig):
     """--train.stop_signals with SIGHUP (the README's recipe for an ssh session that drops) or SIGUSR2: the agent

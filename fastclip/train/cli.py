@@ -154,6 +154,15 @@ def _parse(argv: list[str]) -> _TrainArgs:
     return args
 
 
+def read_config(argv: list[str]):
+    """The Config that `fastclip train ARGV` runs (ConfigError or _UsageError where it cannot be read)."""
+    argv = list(argv)
+    while argv and argv[0] == "--":
+        argv.pop(0)
+    args = _parse(argv)
+    return load_config(args.config_path, args.overrides)
+
+
 def _print_config(cfg) -> None:
     from fastclip.train.net import check_loss
 

@@ -4,9 +4,9 @@ launch/multi_node.sh start it, with what a cluster's signals need of it.
 * A stop signal reaches the ranks. SLURM sends SIGTERM to every process of a job (preemption, scancel, the
   time limit), `scancel --signal=USR1` or a `kill` may reach the agent alone. torchrun itself dies of SIGUSR1
   (its ranks, orphaned, train on) and answers SIGTERM by signalling its ranks' process groups, then SIGKILL 30 s
-  later, then a traceback. Here SIGTERM, SIGUSR1, SIGINT, SIGHUP and SIGUSR2 are forwarded to each rank (the
-  process alone: its data workers leave these signals to it), which checkpoints at the step and exits 75 where
-  train.stop_signals names the signal (train/preemption.py), and dies of it otherwise (said, 128 + N).
+  later, then a traceback. Here SIGTERM, SIGUSR1 and SIGINT are forwarded to each rank (the process alone: its
+  data workers leave these signals to it), which checkpoints at the step and exits 75 (train/preemption.py);
+  SIGHUP and SIGUSR2 too where the ranks' train.stop_signals name them (read from their command line).
   Before any rank exists there is nothing to save: the agent stops, status 75 for a stop signal.
 * The job's status is the ranks': 75 when the ranks that ended stopped with a checkpoint, else the first failed
   rank's status, or 128 + the signal that killed a rank, said in one line (not torchrun's SIGTERM to the others
@@ -19,6 +19,8 @@ checkpoint when the agent is gone (StopSignals.watch_parent).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import signal
@@ -27,10 +29,13 @@ import threading
 
 from fastclip.train.preemption import EXIT_PREEMPTED
 
-# the ranks answer these as their train.stop_signals say (a checkpoint and 75, or the signal's default); torchrun
-# stopped the ranks itself on SIGHUP (status 129 after their 75) and died of SIGUSR2
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 STOPS = (signal.SIGTERM, signal.SIGUSR1)  # the trainer's default train.stop_signals: a checkpoint, then 75
+# forwarded too where the ranks' train.stop_signals name them (a checkpoint and 75); else torchrun stops the ranks
+# with SIGHUP, and SIGUSR2 ends the agent, whose ranks then stop with a checkpoint (StopSignals.watch_parent)
+NAMED = (signal.SIGHUP, signal.SIGUSR2)
+_forwarded: list[int] = list(FORWARDED)  # this launcher's: FORWARDED and those of NAMED the ranks stop on
+_rank_stops: set[int] = set(STOPS)
 PREFIX = "fastclip launcher"
 
 
@@ -112,15 +117,33 @@ def _take_over_torchruns_handler() -> None:
     torchruns = api._terminate_process_handler
 
     def handler(signum, frame):
-        (_forward if signum in FORWARDED else torchruns)(signum, frame)
+        (_forward if signum in _forwarded else torchruns)(signum, frame)
 
     api._terminate_process_handler = handler
-    for kind in FORWARDED:
+    for kind in _forwarded:
         signal.signal(kind, handler)
 
 
+def ranks_stop_signals(args) -> set[int]:
+    """The signals the ranks stop on with a checkpoint: their train.stop_signals, read from their command line as
+    `fastclip train` reads it (STOPS where that is not a fastclip run or its config cannot be read: the ranks say
+    why themselves)."""
+    script = list(args.training_script_args)
+    if not (args.module and args.training_script == "fastclip" and script[:1] == ["train"]):
+        return set(STOPS)
+    try:
+        from fastclip.train.cli import read_config
+        from fastclip.train.preemption import signal_number
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # the ranks'
+            cfg = read_config(script[1:])  # notes, said by them
+        return {signal_number(name) for name in cfg.train.stop_signals}
+    except Exception:
+        return set(STOPS)
+
+
 def _stopped_line(signum: int, when: str) -> tuple[int, str]:
-    name, stop = signal.Signals(signum).name, signum in STOPS
+    name, stop = signal.Signals(signum).name, signum in _rank_stops
     then = f"; exit status {EXIT_PREEMPTED}, continue with --train.resume latest" if stop else ""
     return (EXIT_PREEMPTED if stop else 128 + signum), f"{PREFIX}: stopped by {name} {when}{then}"
 
@@ -130,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     early: list[int] = []
     for kind in FORWARDED:
         signal.signal(kind, lambda signum, frame: early.append(signum))
+    from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -141,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         if early:  # held while torch was imported
             raise SignalException("held", sigval=signal.Signals(early[0]))
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        _rank_stops.clear()
+        _rank_stops.update(ranks_stop_signals(args))
+        for kind in (k for k in NAMED if k in _rank_stops and k not in _forwarded):
+            _forwarded.append(kind)
+            signal.signal(kind, api._terminate_process_handler)  # (ours, set by _take_over_torchruns_handler)
         if problem := rendezvous_port_taken(args):
             print(f"{PREFIX}: error: {problem}", file=sys.stderr, flush=True)
             return 2

@@ -519,7 +519,7 @@ def test_run_refuses_what_would_waste_every_run(tmp_path, capsys, tiny_embedded)
     assert "no run to start: " in capsys.readouterr().out
 
 
-def test_held_out_shares_and_a_split_that_is_mostly_train_is_refused(tmp_path, capsys, tiny_embedded):
+def test_held_out_shares_and_a_split_that_is_mostly_train_is_refused(tmp_path, capsys, tiny_embedded, monkeypatch):
     """A val/test/novel image byte-identical to one of train's counts against its split: none of the embedded
     val's, every one of a copy of train/, half of a split made of val's shard and a train shard. `run` refused
     none of them before (a copy or a link of train/ passed every check, and its table measured memory)."""
@@ -555,6 +555,15 @@ def test_held_out_shares_and_a_split_that_is_mostly_train_is_refused(tmp_path, c
     assert (checks["val_images_in_train"], checks["test_images_in_train"], checks["novel_images_in_train"]) == (
         0.0, 0.0, 0.5)  # fmt: skip
     assert report.data_line(checks).endswith("images that are also train's: val 0.0 %, test 0.0 %, novel 50.0 %.")
+    # a link to a training shard is refused at any size (the shares are read up to 2 GiB of shards)
+    (data / "novel" / "train-000002.tar").unlink()
+    (data / "novel" / "train-000002.tar").symlink_to(data / "train" / "train-000002.tar")
+    monkeypatch.setattr(records, "HASH_DATA_UP_TO", 1000)
+    one_line_error(capsys, main, argv, "novel/'s shard", "train-000002.tar is a training shard's file")
+    (data / "novel" / "train-000002.tar").unlink()
+    shutil.copy(data / "val" / "val-000000.tar", data / "novel" / "train-000002.tar")  # (other bytes, same name)
+    held_out.check(data, "d")
+    assert "whether val, test, novel hold train's images is not measured" in capsys.readouterr().out
 
 
 def test_spec_refuses_text_flags_a_tuned_key_in_train_and_cuda_without_a_device(tmp_path, capsys):

@@ -6,6 +6,7 @@ and the report prints every share (a few exact duplicates are common in scraped 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from fastclip.data.format import IMAGE_EXTS, image_of
@@ -42,12 +43,14 @@ def image_digests(folder: Path) -> list[bytes]:
     return digests
 
 
-def shares_in_train(data: Path, up_to: int = records.HASH_DATA_UP_TO) -> dict[str, float | None]:
+def shares_in_train(data: Path, up_to: int | None = None) -> dict[str, float | None]:
     """{split: share of its images that are train's}, for the splits the data has; every share None when the
-    shards are larger than `up_to` bytes in all (not measured: reading them would take minutes)."""
+    shards are larger than `up_to` bytes in all (default HASH_DATA_UP_TO; not measured: reading them would take
+    minutes), or train has no manifest here."""
+    up_to = records.HASH_DATA_UP_TO if up_to is None else up_to
     splits = [s for s in SPLITS if _shards(data / s)]
     size = sum(p.stat().st_size for s in ("train", *splits) for p in _shards(data / s) if p.is_file())
-    if size > up_to:
+    if size > up_to or not _shards(data / "train"):  # (no train manifest here: nothing to compare with)
         return {s: None for s in splits}
     train = set(image_digests(data / "train"))
     shares = {}
@@ -57,9 +60,33 @@ def shares_in_train(data: Path, up_to: int = records.HASH_DATA_UP_TO) -> dict[st
     return shares
 
 
+def shared_shards(data: Path) -> dict[str, Path]:
+    """{split: a shard of it that is one of train's files (a link, or the same path)}: found at any size."""
+    train = [p for p in _shards(data / "train") if p.is_file()]
+    found = {}
+    for split in SPLITS:
+        for shard in (p for p in _shards(data / split) if p.is_file()):
+            if any(os.path.samefile(shard, t) for t in train):
+                found[split] = shard
+                break
+    return found
+
+
 def check(data: Path, dataset: str) -> dict[str, float | None]:
-    """The shares; SpecError naming the first split that is mostly train's images."""
+    """The shares; SpecError naming the first split that is mostly train's images, or holds one of train's shard
+    files (said at any size; the shares are read up to HASH_DATA_UP_TO, and `run` says when they were not)."""
+    for split, shard in shared_shards(data).items():
+        raise SpecError(
+            f"datasets.{dataset}.data {data}: {split}/'s shard {shard} is a training shard's file; {split}/ must "
+            "hold samples that training does not see"
+        )
     shares = shares_in_train(data)
+    if shares and all(share is None for share in shares.values()):
+        print(
+            f"note: datasets.{dataset}: whether {', '.join(shares)} hold train's images is not measured (shards over "
+            f"{records.HASH_DATA_UP_TO >> 30} GiB, or no train manifest)",
+            flush=True,
+        )
     for split, share in shares.items():
         if share is not None and share >= MOSTLY:
             raise SpecError(

@@ -372,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     instead = " (it replaces the earlier export there)" if replaced else ""
     print(f"wrote {written['file']} ({size_mb:.1f} MiB, {args.precision}) from {written['source']}{instead}")
     if written["config_file"] is not None:
-        what = "the custom architecture" if written["custom_arch"] else "open_clip's architecture with init_logit_bias:"
+        custom = written.get("custom_arch", True)  # (an ssl run's image tower: export_ssl.py)
+        what = "the custom architecture" if custom else "open_clip's architecture with init_logit_bias:"
         print(f"wrote {written['config_file']} (model config for {what} {written['arch']!r})")
     if "logit_scale" not in written:  # an ssl run's image tower (fastclip/train/ssl.py)
         from fastclip.eval.export_ssl import tower_loading_code

@@ -547,21 +547,22 @@ def read_pretrained(path: str) -> dict[str, torch.Tensor]:
 
 def check_fits(model: torch.nn.Module, state: dict, what: str, key: str | None = None) -> None:
     """Every tensor of the model present in `state` with its shape, nothing extra: a partial load would train
-    a half-random model without a word. Raises ConfigError (or ValueError with key=None) naming the file."""
-    expected = model.state_dict()
-    mismatches = shape_mismatches(expected, fitted_to(expected, state))
+    a half-random model without a word. Raises ConfigError (or ValueError with key=None) naming the file. (For
+    model.pretrained, pass `fitted_to(model.state_dict(), state)`: an export's logit_bias is the loss's here.)"""
+    mismatches = shape_mismatches(model.state_dict(), state)
     if mismatches:
         message = f"{what} does not fit architecture: {mismatches}"
         raise ConfigError(f"config key '{key}': {message}") if key else ValueError(message)
 
 
 def check_fits_arch(cfg: Config, state: dict, what: str, key: str) -> None:
-    """`--check`: check_fits against the architecture built on the meta device (shapes only: no memory, no init)."""
+    """`--check`: check_fits against the architecture built on the meta device (shapes only: no memory, no init);
+    model.pretrained's state as the run loads it (fitted_to)."""
     from fastclip.train.net import build_towers
 
     with torch.device("meta"):
         model = build_towers(cfg, device="meta").model  # an ssl run's checkpoint holds the tower + projector
-    check_fits(model, state, what, key)
+    check_fits(model, fitted_to(model.state_dict(), state) if key == "model.pretrained" else state, what, key)
 
 
 __all__ = [

@@ -139,8 +139,9 @@ class Run:
             towers = Towers(model, gather=lambda: self.engine.model_state_dict(), what=what)
             self.checkpoints.add(shared={"state_dict": towers}, per_rank={"loss_state": LossState(loss_fn)})
             if pretrained is not None:  # strict: a partial load would train a half-random model without a word
-                preflight.check_fits(model, pretrained, cfg.model.pretrained, "model.pretrained")
-                model.load_state_dict(fitted_to(model.state_dict(), pretrained))
+                fitted = fitted_to(model.state_dict(), pretrained)  # (an export's logit_bias: the loss's here)
+                preflight.check_fits(model, fitted, cfg.model.pretrained, "model.pretrained")
+                model.load_state_dict(fitted)
 
         momentum_state = resume.shared_state("momentum_towers") if resume is not None else None
         net = build_net(cfg, self.info, data_size, load=load, momentum_state=momentum_state)

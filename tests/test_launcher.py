@@ -293,16 +293,20 @@ def test_a_stop_signal_in_a_finished_runs_last_moment_leaves_status_0(data, tmp_
     assert latest(run_dir) == "step_00000002" and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1", "SIGHUP", "SIGUSR2"])
 def test_a_signal_while_the_launcher_imports_torch_is_one_line(tmp_path, signum):
     """The launcher's first second or two import torch's elastic agent: a signal then killed it with no line
-    (143, or 138 for SIGUSR1); it is held from main()'s first line and said, as one before the ranks start."""
+    (143, or 138 for SIGUSR1); it is held from main()'s first line and said, as one before the ranks start.
+    SIGHUP and SIGUSR2 where the run's train.stop_signals name them: held too (they killed it silently, 129 or 140,
+    until their handlers were set after the command line was read) (second reading of the session's change)."""
     from helpers import catches
 
     def torch_loaded() -> bool:
         return "libtorch_cpu" in Path(f"/proc/{proc.pid}/maps").read_text()
 
     argv = ["--standalone", "--nproc_per_node", "1", "-m", "fastclip", "train", "--", "--config", str(EMBEDDED)]
+    if signum in ("SIGHUP", "SIGUSR2"):
+        argv += ["--train.stop_signals", f"[SIGTERM, {signum}]"]
     proc = subprocess.Popen([sys.executable, "-m", "fastclip.train.launcher", *argv], cwd=tmp_path, env=clean_env(),
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     number = getattr(signal, signum)

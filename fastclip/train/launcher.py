@@ -149,9 +149,10 @@ def _stopped_line(signum: int, when: str) -> tuple[int, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # importing torch takes a second or two: a signal then is held, not fatal (it died with no line, status 143)
+    # importing torch takes a second or two: a signal then is held, not fatal (it died with no line, status 143);
+    # NAMED ones too, until the ranks' command line says whether they stop on them
     early: list[int] = []
-    for kind in FORWARDED:
+    for kind in FORWARDED + NAMED:
         signal.signal(kind, lambda signum, frame: early.append(signum))
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -159,17 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     _quiet_torchrun_logs()
-    waiting = None
+    waiting, before = None, set(FORWARDED)  # signals that, raised as SignalException, came before the ranks
     try:  # from here a stop signal before the ranks exist raises SignalException (_forward), said below
         _take_over_torchruns_handler()
-        if early:  # held while torch was imported
-            raise SignalException("held", sigval=signal.Signals(early[0]))
         args = parse_args(sys.argv[1:] if argv is None else argv)
         _rank_stops.clear()
         _rank_stops.update(ranks_stop_signals(args))
-        for kind in (k for k in NAMED if k in _rank_stops and k not in _forwarded):
-            _forwarded.append(kind)
-            signal.signal(kind, api._terminate_process_handler)  # (ours, set by _take_over_torchruns_handler)
+        for kind in NAMED:  # forwarded where the ranks stop on it; else as torchrun leaves it (see NAMED)
+            if kind in _rank_stops:
+                _forwarded.append(kind)
+            signal.signal(kind, api._terminate_process_handler if kind in _rank_stops else signal.SIG_DFL)
+        before.update(early)
+        if early:  # held while torch was imported and the command line read
+            raise SignalException("held", sigval=signal.Signals(early[0]))
+        before.update(_forwarded)
         if problem := rendezvous_port_taken(args):
             print(f"{PREFIX}: error: {problem}", file=sys.stderr, flush=True)
             return 2
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr, flush=True)
         return status
     except SignalException as e:
-        when = "before the ranks started" if e.sigval in FORWARDED else "(torchrun stopped the ranks with it)"
+        when = "before the ranks started" if e.sigval in before else "(torchrun stopped the ranks with it)"
         status, line = _stopped_line(e.sigval, when)
         print(line, file=sys.stderr, flush=True)
         return status

@@ -418,32 +418,27 @@ def test_errors_met_in_the_process_group_are_said_once(tmp_path, tiny_embedded):
     """A global batch larger than the data is found once the ranks have joined (the run's own signal handlers are
     installed, then released as ignored): rank 1 waited out torchrun's SIGTERM and said the line too; NaN steps in
     a row stopped every rank, and each said it (helper-61)."""
-    args = ["--config", str(EMBEDDED), "--data.train", str(tiny_embedded / "train"), "--data.val", "null"]
-    args += ["--data.zeroshot", "null", "--data.batch_size", "60", "--train.run_dir", str(tmp_path / "run")]
-    out = subprocess.run(
-        [sys.executable, "-m", "fastclip.train.launcher", "--standalone", "--nproc_per_node", "2", "-m", "fastclip"]
-        + ["train", "--", *args],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def launched(*train_args: str, **env: str) -> subprocess.CompletedProcess:
+        data = ["--data.train", str(tiny_embedded / "train"), "--data.val", "null", "--data.zeroshot", "null"]
+        return subprocess.run(
+            [sys.executable, "-m", "fastclip.train.launcher", "--standalone", "--nproc_per_node", "2", "-m"]
+            + ["fastclip", "train", "--", "--config", str(EMBEDDED), *data, *train_args],
+            cwd=REPO,
+            env=clean_env(**env),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    out = launched("--data.batch_size", "60", "--train.run_dir", str(tmp_path / "run"))
     said = [line for line in (out.stdout + out.stderr).splitlines() if "fastclip train: config error:" in line]
     assert out.returncode == 2 and len(said) == 1, out.stdout + out.stderr
     assert "data.batch_size" in said[0], said
     # an error every rank raises with the same words (NaN/Inf steps in a row, all-reduced): said by rank 0 alone
-    args[args.index("--data.batch_size") + 1] = "8"
-    args += ["--train.max_steps", "6", "--train.max_nonfinite_steps", "2", "--train.run_dir", str(tmp_path / "nan")]
-    out = subprocess.run(
-        [sys.executable, "-m", "fastclip.train.launcher", "--standalone", "--nproc_per_node", "2", "-m", "fastclip"]
-        + ["train", "--", *args, "--eval.at_end", "false", "--train.progress", "false"],
-        cwd=REPO,
-        env=clean_env(FASTCLIP_FAULTS="nan@batch:rank=0"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    nan = ["--data.batch_size", "8", "--train.max_steps", "6", "--train.max_nonfinite_steps", "2"]
+    nan += ["--train.run_dir", str(tmp_path / "nan"), "--eval.at_end", "false", "--train.progress", "false"]
+    out = launched(*nan, FASTCLIP_FAULTS="nan@batch:rank=0")
     said = [line for line in (out.stdout + out.stderr).splitlines() if "fastclip train: error:" in line]
     assert out.returncode == 1 and len(said) == 1, out.stdout + out.stderr
     assert "2 steps in a row were skipped for NaN/Inf" in said[0], said

@@ -121,7 +121,7 @@ def test_eval_refuses_a_templates_file_that_is_empty_or_lacks_the_placeholder_na
         ("a photo of a {}. }", ["template 0", "Single '}'"]),
         ("{.foo} photo of a {}", ["template 0", "cannot take the class name", "no attribute 'foo'"]),
         ("{[a]} photo of a {}", ["template 0", "cannot take the class name"]),
-        ("a photo of a {{}}.", ["template 0", "leaves the class name out", "'{{}}' is a literal brace pair"]),
+        ("a photo of a {{}}.", ["template 0", "leaves the class name out", "a doubled brace is a literal one"]),
     ):
         bad = tmp_path / "bad.txt"
         bad.write_text(text + "\n")

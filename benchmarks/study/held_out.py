@@ -6,7 +6,6 @@ and the report prints every share (a few exact duplicates are common in scraped 
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 from fastclip.data.format import IMAGE_EXTS, image_of
@@ -62,11 +61,16 @@ def shares_in_train(data: Path, up_to: int | None = None) -> dict[str, float | N
 
 def shared_shards(data: Path) -> dict[str, Path]:
     """{split: a shard of it that is one of train's files (a link, or the same path)}: found at any size."""
-    train = [p for p in _shards(data / "train") if p.is_file()]
+
+    def file_id(path: Path) -> tuple[int, int]:
+        st = path.stat()
+        return st.st_dev, st.st_ino
+
+    train = {file_id(p) for p in _shards(data / "train") if p.is_file()}
     found = {}
     for split in SPLITS:
         for shard in (p for p in _shards(data / split) if p.is_file()):
-            if any(os.path.samefile(shard, t) for t in train):
+            if file_id(shard) in train:
                 found[split] = shard
                 break
     return found

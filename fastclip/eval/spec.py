@@ -64,8 +64,8 @@ def _check_templates(templates: list, where: str) -> None:
             ) from None
         if _NAME not in filled:  # "{{}}" is a literal "{}": every class would get the same prompt
             raise ValueError(
-                f"{where}: template {i} ({template!r}) leaves the class name out ('{{{{}}}}' is a literal brace "
-                "pair); write '{}' (or '{c}') for the name"
+                f"{where}: template {i} ({template!r}) leaves the class name out (a doubled brace is a literal "
+                "one); write '{}' (or '{c}') for the name"
             )
 
 

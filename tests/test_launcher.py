@@ -141,6 +141,36 @@ def test_the_launcher_reads_the_ranks_stop_signals_from_their_command_line(tmp_p
     assert ranks_stop_signals(other) == {signal.SIGUSR1, signal.SIGTERM}
 
 
+def test_signals_while_the_launcher_reads_the_ranks_command_line(tmp_path):
+    """A SIGTERM while the launcher reads the ranks' config was raised inside that read and taken for a config it
+    could not read: lost, and the ranks started. Under nohup a SIGHUP the run does not name stays ignored until
+    torchrun starts the ranks (the launcher made it fatal). (Third reading of the session's change.)"""
+    from helpers import catches
+
+    base = ["--standalone", "--nproc_per_node", "1", "-m", "fastclip", "train", "--", "--config", str(EMBEDDED)]
+    base += ["--data.train", str(tmp_path / "none"), "--train.run_dir", str(tmp_path / "run")]
+    code = (
+        "import os, signal, sys; import fastclip.train.cli as cli; from fastclip.train import launcher; "
+        "real = cli.read_config; "
+        "cli.read_config = lambda argv: (os.kill(os.getpid(), signal.SIGTERM), real(argv))[1]; "
+        "sys.exit(launcher.main(sys.argv[1:]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *base], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == EXIT_PREEMPTED, done.stderr
+    assert done.stderr.strip() == (
+        "fastclip launcher: stopped by SIGTERM before the ranks started; exit status 75, continue with "
+        "--train.resume latest"
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "fastclip.train.launcher", *base], cwd=tmp_path, env=clean_env(),
+                            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP,
+                            signal.SIG_IGN))  # fmt: skip
+    wait_for(lambda: proc.poll() is not None or catches(proc.pid, signal.SIGTERM), 60, "the launcher's first handler")
+    proc.send_signal(signal.SIGHUP)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 2 and "data.train" in err and "SIGHUP" not in err, err  # the ranks' config error
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR2])
 def test_a_stop_signal_the_run_names_reaches_the_ranks_through_the_agent(data, tmp_path, sig):
     """--train.stop_signals with SIGHUP (the README's recipe for an ssh session that drops) or SIGUSR2: the agent

@@ -131,6 +131,8 @@ def ranks_stop_signals(args) -> set[int]:
     script = list(args.training_script_args)
     if not (args.module and args.training_script == "fastclip" and script[:1] == ["train"]):
         return set(STOPS)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         from fastclip.train.cli import read_config
         from fastclip.train.preemption import signal_number
@@ -138,6 +140,8 @@ def ranks_stop_signals(args) -> set[int]:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # the ranks'
             cfg = read_config(script[1:])  # notes, said by them
         return {signal_number(name) for name in cfg.train.stop_signals}
+    except SignalException:  # a stop, not a config it cannot read
+        raise
     except Exception:
         return set(STOPS)
 
@@ -149,12 +153,12 @@ def _stopped_line(signum: int, when: str) -> tuple[int, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # importing torch takes a second or two: a signal then is held, not fatal (it died with no line, status 143);
-    # NAMED ones too, until the ranks' command line says whether they stop on them
+    # importing torch and reading the ranks' command line take a second or two: a signal then is held, not fatal
+    # (it died with no line, status 143); NAMED ones too, unless ignored (nohup's SIGHUP stays ignored)
     early: list[int] = []
-    for kind in FORWARDED + NAMED:
+    ignored = {kind for kind in NAMED if signal.getsignal(kind) is signal.SIG_IGN}
+    for kind in FORWARDED + tuple(k for k in NAMED if k not in ignored):
         signal.signal(kind, lambda signum, frame: early.append(signum))
-    from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -162,18 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_torchrun_logs()
     waiting, before = None, set(FORWARDED)  # signals that, raised as SignalException, came before the ranks
     try:  # from here a stop signal before the ranks exist raises SignalException (_forward), said below
-        _take_over_torchruns_handler()
         args = parse_args(sys.argv[1:] if argv is None else argv)
         _rank_stops.clear()
         _rank_stops.update(ranks_stop_signals(args))
-        for kind in NAMED:  # forwarded where the ranks stop on it; else as torchrun leaves it (see NAMED)
-            if kind in _rank_stops:
-                _forwarded.append(kind)
-            signal.signal(kind, api._terminate_process_handler if kind in _rank_stops else signal.SIG_DFL)
+        _forwarded[:] = [*FORWARDED, *(kind for kind in NAMED if kind in _rank_stops)]
+        before.update(_forwarded)
+        _take_over_torchruns_handler()  # (the forwarded ones: held until here)
+        for kind in (k for k in NAMED if k not in _rank_stops):  # as torchrun leaves them (see NAMED)
+            signal.signal(kind, signal.SIG_IGN if kind in ignored else signal.SIG_DFL)
         before.update(early)
         if early:  # held while torch was imported and the command line read
             raise SignalException("held", sigval=signal.Signals(early[0]))
-        before.update(_forwarded)
         if problem := rendezvous_port_taken(args):
             print(f"{PREFIX}: error: {problem}", file=sys.stderr, flush=True)
             return 2

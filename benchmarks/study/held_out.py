@@ -28,11 +28,16 @@ def _shards(folder: Path) -> list[Path]:
         return []
 
 
-def image_digests(folder: Path) -> list[bytes]:
-    """One digest per sample with an image, over the split's shards (a shard that breaks or is missing counts up to
+def _split_shards(data: Path) -> dict[str, list[Path]]:
+    """train's and each of SPLITS's shards (its manifest read once)."""
+    return {split: _shards(data / split) for split in ("train", *SPLITS)}
+
+
+def image_digests(shards: list[Path]) -> list[bytes]:
+    """One digest per sample with an image, over a split's shards (a shard that breaks or is missing counts up to
     the break: training and evaluation report those themselves)."""
     digests = []
-    for shard in _shards(folder):
+    for shard in shards:
         try:
             for sample in iter_shard(shard, _IMAGES):
                 if (image := image_of(sample.files)) is not None:
@@ -47,14 +52,15 @@ def shares_in_train(data: Path, up_to: int | None = None) -> dict[str, float | N
     shards are larger than `up_to` bytes in all (default HASH_DATA_UP_TO; not measured: reading them would take
     minutes), or train has no manifest here."""
     up_to = records.HASH_DATA_UP_TO if up_to is None else up_to
-    splits = [s for s in SPLITS if _shards(data / s)]
-    size = sum(p.stat().st_size for s in ("train", *splits) for p in _shards(data / s) if p.is_file())
-    if size > up_to or not _shards(data / "train"):  # (no train manifest here: nothing to compare with)
+    shards = _split_shards(data)
+    splits = [s for s in SPLITS if shards[s]]
+    size = sum(p.stat().st_size for s in ("train", *splits) for p in shards[s] if p.is_file())
+    if size > up_to or not shards["train"]:  # (no train manifest here: nothing to compare with)
         return {s: None for s in splits}
-    train = set(image_digests(data / "train"))
+    train = set(image_digests(shards["train"]))
     shares = {}
     for split in splits:
-        digests = image_digests(data / split)
+        digests = image_digests(shards[split])
         shares[split] = sum(d in train for d in digests) / len(digests) if digests else None
     return shares
 
@@ -66,10 +72,11 @@ def shared_shards(data: Path) -> dict[str, Path]:
         st = path.stat()
         return st.st_dev, st.st_ino
 
-    train = {file_id(p) for p in _shards(data / "train") if p.is_file()}
+    shards = _split_shards(data)
+    train = {file_id(p) for p in shards["train"] if p.is_file()}
     found = {}
     for split in SPLITS:
-        for shard in (p for p in _shards(data / split) if p.is_file()):
+        for shard in (p for p in shards[split] if p.is_file()):
             if file_id(shard) in train:
                 found[split] = shard
                 break

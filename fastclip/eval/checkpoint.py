@@ -147,8 +147,9 @@ def model_from_checkpoint(file: Path, checkpoint: dict, *, arch=None, device="cp
     if scale is not None and "logit_scale" in state:
         state["logit_scale"] = scale.detach().reshape(state["logit_scale"].shape).to(state["logit_scale"].dtype)
     target = built.model.visual if tower else built.model
-    state = ckpt.fitted_to(target.state_dict(), state)
-    mismatch = ckpt.shape_mismatches(target.state_dict(), state)
+    expected = target.state_dict()
+    state = ckpt.fitted_to(expected, state)
+    mismatch = ckpt.shape_mismatches(expected, state)
     if mismatch:  # checked first: load_state_dict's own error is a multi-line RuntimeError
         if given_arch is None:  # the architecture the file records (or its export's name): the file is at odds
             fix = " (the architecture the file itself names)"

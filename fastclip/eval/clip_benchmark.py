@@ -74,7 +74,8 @@ def prepare(data, out, zeroshot_file=None, retrieval_name: str = "fastclip-val")
     retrieval = _ShardWriter(out / retrieval_name / "test")
     # captions of one image (json "group") become one sample whose .txt holds them a line each, as clip_benchmark
     # reads several captions; the image is the group's first caption's in index order, as `fastclip eval` scores it
-    groups: dict[int, list] = {}  # group -> [(index, png)] of its first caption, [(index, caption)]
+    first: dict[int, tuple[int, bytes]] = {}  # group -> (index, png) of its first caption
+    captions: dict[int, list[tuple[int, str]]] = {}  # group -> its (index, caption)s
     for sample in iter_samples(data):
         png = io.BytesIO()
         sample.image.save(png, format="PNG")
@@ -88,13 +89,12 @@ def prepare(data, out, zeroshot_file=None, retrieval_name: str = "fastclip-val")
             retrieval.write({"png": png.getvalue(), "txt": caption.encode()})
             continue
         order = -1 if sample.index is None else sample.index
-        first, captions = groups.setdefault(sample.group, [(order, png.getvalue()), []])
-        if order < first[0]:
-            groups[sample.group][0] = (order, png.getvalue())
-        captions.append((order, caption))
-    for group in sorted(groups):
-        (_, png), captions = groups[group]
-        retrieval.write({"png": png, "txt": "\n".join(c for _, c in sorted(captions, key=lambda x: x[0])).encode()})
+        if sample.group not in first or order < first[sample.group][0]:
+            first[sample.group] = (order, png.getvalue())
+        captions.setdefault(sample.group, []).append((order, caption))
+    for group in sorted(first):
+        in_order = sorted(captions[group], key=lambda oc: oc[0])
+        retrieval.write({"png": first[group][1], "txt": "\n".join(c for _, c in in_order).encode()})
     roots = {}
     for name, writer in writers.items():
         if writer.finish():

@@ -152,8 +152,8 @@ def export_model(
     # the tensors fit the architecture they claim, all finite (a one-line ValueError otherwise); from the contents
     # read once: a running job's keep_last may remove the file meanwhile
     model_from_checkpoint(file, checkpoint)
-    state, scale = _exported_state(file, checkpoint, momentum_towers, PRECISIONS[precision])
     bias = ckpt.loss_logit_bias(checkpoint)
+    state, scale = _exported_state(file, checkpoint, momentum_towers, PRECISIONS[precision], bias)
     if bias is not None and model_config.get("init_logit_bias") is None:  # a tower without one: open_clip's CLIP
         model_config = {**model_config, "init_logit_bias": float(bias)}  # makes its logit_bias from this key
 
@@ -197,9 +197,9 @@ def _training_checkpoint(checkpoint_path, out: Path) -> tuple[Path, dict]:
     return file, checkpoint
 
 
-def _exported_state(file: Path, checkpoint: dict, momentum_towers: bool, dtype: torch.dtype):
-    """(the towers' tensors in `dtype` with the loss's learned logit_scale and logit_bias, that logit_scale or
-    None)."""
+def _exported_state(file: Path, checkpoint: dict, momentum_towers: bool, dtype: torch.dtype, bias=None):
+    """(the towers' tensors in `dtype` with the loss's learned logit_scale and `bias` (its logit_bias, or None),
+    that logit_scale or None)."""
     state = ckpt.towers_state(checkpoint)
     if momentum_towers:
         if "momentum_towers" not in checkpoint:
@@ -213,7 +213,7 @@ def _exported_state(file: Path, checkpoint: dict, momentum_towers: bool, dtype: 
             raise ValueError(f"{file}: the loss has a logit_scale but the model state_dict has none to receive it")
         state["logit_scale"] = scale.detach().reshape(state["logit_scale"].shape)
     # SigLIP's learned bias goes with its scale (the tower's own, if it has one, is its frozen initial value)
-    if (bias := ckpt.loss_logit_bias(checkpoint)) is not None:
+    if bias is not None:
         state["logit_bias"] = bias.detach().reshape([])
     # clone: a tensor that is a view of a larger storage would otherwise save the whole storage
     state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().clone().contiguous() for k, v in state.items()}

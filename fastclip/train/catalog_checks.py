@@ -362,6 +362,6 @@ def check_before_launch(cfg: Config, world_size: int) -> None:
     _, resume_dir, model_file, pretrained = check_inputs(cfg, world_size, catalog, rank_files=True)
     if model_file is not None:
         what = f"checkpoint {resume_dir / ckpt.MODEL_FILE}"
-        preflight.check_fits_arch(cfg, ckpt.towers_state(model_file), what, "train.resume")
+        preflight.check_fits(preflight.meta_towers(cfg), ckpt.towers_state(model_file), what, "train.resume")
     elif pretrained is not None:
-        preflight.check_fits_arch(cfg, pretrained, cfg.model.pretrained, "model.pretrained")
+        preflight.fit_pretrained(preflight.meta_towers(cfg), pretrained, cfg.model.pretrained)

@@ -13,7 +13,8 @@ Each failure is a ConfigError: one line naming the key or file and what to do; `
                                         fastclip/checkpoint/compat.py's)
     read_pretrained(path)               the towers' tensors of --model.pretrained (any format describe_checkpoint knows)
     check_fits(model, state, what)      every tensor present with the model's shape (strict: no partial loads)
-    check_fits_arch(cfg, state, ...)    the same for `--check`, against the architecture built on the meta device
+    fit_pretrained(model, state, path)  model.pretrained's tensors as the model loads them, checked
+    meta_towers(cfg)                    `--check`'s towers: the architecture built on the meta device
     setting_notes(cfg, device, ...)     settings that are legal but rarely what was meant: notes, said at the start
     restart_note(cfg, resume_dir)       `--train.resume latest` over records with no checkpoint: said
 """
@@ -547,22 +548,27 @@ def read_pretrained(path: str) -> dict[str, torch.Tensor]:
 
 def check_fits(model: torch.nn.Module, state: dict, what: str, key: str | None = None) -> None:
     """Every tensor of the model present in `state` with its shape, nothing extra: a partial load would train
-    a half-random model without a word. Raises ConfigError (or ValueError with key=None) naming the file. (For
-    model.pretrained, pass `fitted_to(model.state_dict(), state)`: an export's logit_bias is the loss's here.)"""
+    a half-random model without a word. Raises ConfigError (or ValueError with key=None) naming the file."""
     mismatches = shape_mismatches(model.state_dict(), state)
     if mismatches:
         message = f"{what} does not fit architecture: {mismatches}"
         raise ConfigError(f"config key '{key}': {message}") if key else ValueError(message)
 
 
-def check_fits_arch(cfg: Config, state: dict, what: str, key: str) -> None:
-    """`--check`: check_fits against the architecture built on the meta device (shapes only: no memory, no init);
-    model.pretrained's state as the run loads it (fitted_to)."""
+def fit_pretrained(model: torch.nn.Module, state: dict, path: str) -> dict:
+    """model.pretrained's tensors as the model loads them, checked (check_fits): an export's logit_bias, where the
+    model has none, is left out (a SigLIP loss holds its bias here, not the towers)."""
+    fitted = fitted_to(model.state_dict(), state)
+    check_fits(model, fitted, path, "model.pretrained")
+    return fitted
+
+
+def meta_towers(cfg: Config) -> torch.nn.Module:
+    """`--check`'s stand-in for the run's towers: built on the meta device (shapes only: no memory, no init)."""
     from fastclip.train.net import build_towers
 
     with torch.device("meta"):
-        model = build_towers(cfg, device="meta").model  # an ssl run's checkpoint holds the tower + projector
-    check_fits(model, fitted_to(model.state_dict(), state) if key == "model.pretrained" else state, what, key)
+        return build_towers(cfg, device="meta").model  # an ssl run's checkpoint holds the tower + projector
 
 
 __all__ = [
@@ -574,7 +580,8 @@ __all__ = [
     "data_seed",
     "read_pretrained",
     "check_fits",
-    "check_fits_arch",
+    "fit_pretrained",
+    "meta_towers",
     "check_run_dir_free",
     "known_archs",
 ]

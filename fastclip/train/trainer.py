@@ -18,7 +18,7 @@ from fastclip import faults
 from fastclip.checkpoint import MODEL_FILE
 from fastclip.checkpoint.manager import SavedCheckpoint
 from fastclip.checkpoint.parts import DataPosition, LossState, RNGStates
-from fastclip.checkpoint.records import fitted_to, saved_config
+from fastclip.checkpoint.records import saved_config
 from fastclip.data.plan import Layout
 from fastclip.distributed import DistInfo, barrier, broadcast_flag, cleanup, frozen_heap, init_distributed
 from fastclip.losses import NonFiniteFeaturesError
@@ -139,9 +139,7 @@ class Run:
             towers = Towers(model, gather=lambda: self.engine.model_state_dict(), what=what)
             self.checkpoints.add(shared={"state_dict": towers}, per_rank={"loss_state": LossState(loss_fn)})
             if pretrained is not None:  # strict: a partial load would train a half-random model without a word
-                fitted = fitted_to(model.state_dict(), pretrained)  # (an export's logit_bias: the loss's here)
-                preflight.check_fits(model, fitted, cfg.model.pretrained, "model.pretrained")
-                model.load_state_dict(fitted)
+                model.load_state_dict(preflight.fit_pretrained(model, pretrained, cfg.model.pretrained))
 
         momentum_state = resume.shared_state("momentum_towers") if resume is not None else None
         net = build_net(cfg, self.info, data_size, load=load, momentum_state=momentum_state)

@@ -198,8 +198,9 @@ def test_a_section_that_is_not_a_mapping_is_named_without_its_dot(tmp_path):
 
 def test_the_loss_section_is_the_loss_options():
     """loss's keys are made from the options of every loss (fastclip/losses/options.py), each null by default (the
-    library's default), with the option's type; only the trainer's name and validate are its own, and the options
-    the trainer derives or cannot write in YAML are no keys."""
+    library's default), with the option's type; only the trainer's name and validate are its own (and extra_options,
+    a loss of the user's own's other options), and the options the trainer derives or cannot write in YAML are no
+    keys."""
     import dataclasses
 
     from fastclip.losses import LOSSES, option_names
@@ -208,7 +209,7 @@ def test_the_loss_section_is_the_loss_options():
     keys = {f.name: f.default for f in dataclasses.fields(LossConfig)}
     options = set().union(*(option_names(name) for name in LOSSES))
     derived_or_objects = {"data_size", "lr_tau", "embed_dim", "unimodal", "group", "state_device", "state_dtype"}
-    assert set(keys) == options - derived_or_objects - {"check_parameters", "learn_bias"} | {"name"}
+    assert set(keys) == options - derived_or_objects - {"check_parameters", "learn_bias"} | {"name", "extra_options"}
     assert {k: v for k, v in keys.items() if v is not None} == {"name": "fastclip-v3", "validate": "deferred"}
     assert load_config(None, ["--loss.tau_betas", "[0.5, 0.9]"]).loss.tau_betas == [0.5, 0.9]  # a tuple option
     with pytest.raises(ConfigError, match="config key 'loss.similarity': 'cos' is not one of cosine, atanh"):

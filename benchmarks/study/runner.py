@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -356,7 +357,20 @@ def deciding_args(cmd: list[str]) -> dict[str, str]:
     """The `--key value` pairs of a run's command that decide what it trains (recorded in its JSON, compared
     before more runs join its table)."""
     pairs = dict(zip(cmd[4::2], cmd[5::2]))  # after `python -m fastclip train`
-    return {k[2:]: v for k, v in pairs.items() if not k[2:].startswith(NOT_DECIDING)}
+    args = {k[2:]: v for k, v in pairs.items() if not k[2:].startswith(NOT_DECIDING)}
+    if ":" in args.get("loss.name", ""):  # a loss of the user's own: its file is code no commit of ours records
+        args["loss.source"] = loss_source(args["loss.name"])
+    return args
+
+
+@functools.cache
+def loss_source(name: str) -> str:
+    """A hash of the file that defines a user's loss (``module:attribute``): an edit to it makes the runs made
+    before other settings, as a changed option would."""
+    import importlib.util
+
+    origin = importlib.util.find_spec(name.partition(":")[0]).origin
+    return hashlib.sha1(Path(origin).read_bytes()).hexdigest()[:12]
 
 
 def resumable(folder: Path, code: str, args: dict) -> bool:

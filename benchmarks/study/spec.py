@@ -219,13 +219,17 @@ def _name(name, where: str, what: str) -> None:
 
 def _objective(name: str, raw: dict, where: str) -> Objective:
     _name(name, where, "objective")
-    _need(isinstance(raw, dict) and "loss" in raw, where, "must be a mapping with `loss` (a fastclip loss name)")
+    what = "must be a mapping with `loss` (a fastclip loss name, or module:attribute)"
+    _need(isinstance(raw, dict) and "loss" in raw, where, what)
     known = {"loss", "options", "grid", "baseline", "headline", "from_choice", "batches"}
     unknown = set(raw) - known
     _need(not unknown, where, f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
-    from fastclip.losses import LOSSES
+    from fastclip.losses import UnknownLossError, loss_entry
 
-    _need(raw["loss"] in LOSSES, f"{where}.loss", f"unknown loss {raw['loss']!r}; one of {sorted(LOSSES)}")
+    try:  # a fastclip loss, or module:attribute naming one of the user's own (on PYTHONPATH)
+        loss_entry(raw["loss"])
+    except UnknownLossError as e:
+        _need(False, f"{where}.loss", str(e))
     grid = raw.get("grid") or {}
     _need(isinstance(grid, dict) and grid, f"{where}.grid", "must map config keys to lists of values")
     for key, values in list(grid.items()):

@@ -50,7 +50,8 @@ an option passed as None means its default): see ``options.py``. Names: ``opencl
 ``fastclip-v1``, ``fastclip-v2``, ``fastclip-v3``, ``fastclip-tempnet`` (RGCL with τ_i predicted by an MLP head
 per modality from the features, ``embed_dim=`` required; tempnet.py), ``siglip``, ``dcl`` (decoupled InfoNCE:
 the positive left out of the denominator; dcl.py) and ``ntxent`` (SimCLR's NT-Xent over two views of images, the
-unimodal mode; ntxent.py); the last two have the autograd implementation only.
+unimodal mode; ntxent.py); the last two have the autograd implementation only. A name ``"module:attribute"`` is a
+loss of your own: the ``LossEntry`` that module defines (``loss_entry``; the trainer's ``--loss.name``).
 
 Numerics (beyond the reference): autocast is off inside every loss and similarities are multiplied in at least
 fp32; v0/v1/v3 keep log u and shift rows by their maximum (no fp32 overflow at τ = 0.01); v2 adds the
@@ -174,9 +175,90 @@ WHY_NOT = {
 TEMPERATURE_FREE_DEFAULTS = {"temperature": 1.0, "learn_temperature": False}
 
 
+class UnknownLossError(ValueError):
+    """A loss name that is neither in LOSSES nor an importable ``module:attribute`` naming a LossEntry."""
+
+
+_IMPORTED: dict[str, LossEntry] = {}  # "module:attribute" -> its LossEntry, imported once per process
+
+
+def loss_entry(name: str) -> LossEntry:
+    """``LOSSES[name]``, or for ``"module:attribute"`` (a colon) the LossEntry that a user's module defines: their
+    own objective, built, checked, trained and resharded as the library's own. The module is imported from
+    sys.path (PYTHONPATH); raises UnknownLossError naming what is wrong."""
+    if not isinstance(name, str):
+        raise UnknownLossError(f"a loss name is text, got {type(name).__name__} {name!r}")
+    if name in LOSSES:
+        return LOSSES[name]
+    if not is_import_name(name):
+        raise UnknownLossError(
+            f"unknown loss {name!r}; choose one of {sorted(LOSSES)}, or name your own as module:attribute "
+            "(a fastclip.losses.LossEntry)"
+        )
+    if name not in _IMPORTED:
+        _IMPORTED[name] = _import_entry(name)
+    return _IMPORTED[name]
+
+
+def is_import_name(name: str) -> bool:
+    """Whether ``name`` has the form of ``package.module:attribute`` (Python identifiers around one colon)."""
+    module_name, colon, attribute = name.partition(":")
+    return bool(colon) and attribute.isidentifier() and all(part.isidentifier() for part in module_name.split("."))
+
+
+def _import_entry(name: str) -> LossEntry:
+    import importlib
+    import traceback
+
+    module_name, _, attribute = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name + ".").startswith(e.name + "."):  # it, or its package, is missing
+            raise UnknownLossError(
+                f"loss {name!r}: no module {e.name!r} on the Python path; put its folder on PYTHONPATH"
+            ) from None
+        raise UnknownLossError(f"loss {name!r}: importing {module_name!r} failed: {_said(e, traceback)}") from None
+    except Exception as e:  # the user's module failed: where, in one line
+        raise UnknownLossError(f"loss {name!r}: importing {module_name!r} failed: {_said(e, traceback)}") from None
+    if not hasattr(module, attribute):
+        raise UnknownLossError(f"loss {name!r}: module {module_name!r} ({module.__file__}) has no {attribute!r}")
+    entry = getattr(module, attribute)
+    if not isinstance(entry, LossEntry):
+        raise UnknownLossError(
+            f"loss {name!r} is {f'the class {entry.__name__}' if isinstance(entry, type) else type(entry).__name__}"
+            ", not a fastclip.losses.LossEntry "
+            "(LossEntry(options=YourOptions, autograd=YourLoss))"
+        )
+    from .options import CommonOptions
+
+    if not (isinstance(entry.options, type) and dataclasses.is_dataclass(entry.options)):
+        raise UnknownLossError(f"loss {name!r}: its options must be a dataclass, got {entry.options!r}")
+    if not issubclass(entry.options, CommonOptions):
+        raise UnknownLossError(
+            f"loss {name!r}: its options {entry.options.__name__} must derive from a fastclip.losses.options class "
+            "(CommonOptions, InfoNCEOptions, SampleStateOptions, ...)"
+        )
+    for impl in (entry.fused, entry.autograd):
+        if impl is not None and not (isinstance(impl, type) and issubclass(impl, ContrastiveLoss)):
+            raise UnknownLossError(f"loss {name!r}: {impl!r} is not a fastclip.losses.ContrastiveLoss subclass")
+    if entry.fused is None and entry.autograd is None:
+        raise UnknownLossError(f"loss {name!r}: its LossEntry names no implementation (autograd=YourLoss)")
+    return entry
+
+
+def _said(error: BaseException, traceback) -> str:
+    """``Type: message (file:line)``: where in the user's module it failed."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    if isinstance(error, SyntaxError) and error.filename:
+        where = f" ({error.filename}:{error.lineno})"
+    return f"{type(error).__name__}: {error}{where}"
+
+
 def option_names(name: str) -> set[str]:
     """The options build_loss(name, ...) takes."""
-    return {f.name for f in dataclasses.fields(LOSSES[name].options)}
+    return {f.name for f in dataclasses.fields(loss_entry(name).options)}
 
 
 def config_options() -> dict[str, object]:
@@ -205,7 +287,7 @@ class UnknownLossOptions(TypeError):
 def build_loss(name: str, *, data_size: int | None = None, **options) -> nn.Module:
     """The loss ``name`` with its options; ``data_size`` is required by the FastCLIP versions, ignored by openclip."""
     built = _options(name, data_size, options)
-    return implementation(name, LOSSES[name], built)(built)
+    return implementation(name, loss_entry(name), built)(built)
 
 
 def check_options(name: str, **options) -> None:
@@ -228,8 +310,7 @@ def resolved_options(name: str, **options) -> dict:
 
 def _options(name: str, data_size: int | None, options: dict):
     """``options`` (None: the default) as the loss's options dataclass, which checks every value."""
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
+    entry = loss_entry(name)
     accepted = option_names(name)
     given = {key: value for key, value in options.items() if value is not None}
     unknown = sorted(set(given) - accepted)
@@ -243,7 +324,7 @@ def _options(name: str, data_size: int | None, options: dict):
         if data_size is None:
             raise TypeError(f"loss {name!r} needs data_size= (1 + the largest data index)")
         given["data_size"] = data_size
-    return LOSSES[name].options(**given)
+    return entry.options(**given)
 
 
 def implementation(name: str, entry: LossEntry, options) -> type:
@@ -273,6 +354,9 @@ __all__ = [
     "UnknownLossOptions",
     "LOSSES",
     "LossEntry",
+    "UnknownLossError",
+    "is_import_name",
+    "loss_entry",
     "DCLLoss",
     "NTXentLoss",
     "ContrastiveLoss",

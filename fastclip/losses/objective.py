@@ -28,7 +28,9 @@ the backward all_to_all and the end-of-call all_reduce are what it pays over the
 measures both). An objective gets a fused path only where a benchmark says it pays.
 
 To add one: a ``ContrastiveLoss`` (or ``SampleStateLoss``) subclass with ``AutogradObjective`` first in its bases,
-its options dataclass, one line in ``LOSSES`` (``__init__.py``), and its tests. dcl.py is the example.
+its options dataclass, one line in ``LOSSES`` (``__init__.py``), and its tests. dcl.py is the example. Outside the
+library, the same class and options as a ``LossEntry`` in your own module, named ``module:attribute``
+(tests/user_losses/margin_infonce.py is the example).
 """
 
 from __future__ import annotations

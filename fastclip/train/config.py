@@ -126,7 +126,8 @@ class ModelConfig:
 # its one schema: type, rule and help), null by default = the loss library's default. Each set value is passed to
 # build_loss, which rejects an option the chosen loss does not take.
 LOSS_TRAINER_KEYS = {
-    "name": (Literal[LOSS_NAMES], "fastclip-v3"),
+    # one of LOSS_NAMES, or module:attribute naming a LossEntry of your own (fastclip.losses.loss_entry)
+    "name": (str, "fastclip-v3"),
     # input checks (fastclip/losses/validation.py): "deferred" rides the feature all_gather and is read on logging
     # steps and before each checkpoint (no host sync per step); "eager" raises in the step (one host sync per step)
     "validate": (Literal["deferred", "eager", "off"], "deferred"),
@@ -139,7 +140,10 @@ LossConfig = dataclasses.make_dataclass(
         if key in LOSS_TRAINER_KEYS
         else (key, tp | None, None)
         for key, tp in config_options().items()
-    ],
+    ]
+    # a loss of your own (name module:attribute): its options that no key above names, as a mapping
+    # (--loss.extra_options.margin 0.2); the library's losses take every option as a key of its own
+    + [("extra_options", dict | None, None)],
 )
 LossConfig.__module__ = __name__  # (make_dataclass names its caller's module from Python 3.12 only)
 
@@ -406,6 +410,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"config key '{key}': expected a string, got {type(value).__name__} {value!r}")
         return value
+    if tp is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"config key '{key}': expected a mapping of names to values, got {value!r}")
+        return dict(value)
     raise TypeError(f"unsupported config type {tp} for '{key}'")
 
 
@@ -752,15 +760,63 @@ def _check(cfg: Config) -> None:
 def _check_loss(loss: LossConfig) -> None:
     """The loss section's values, by the loss library's own rules (fastclip/losses/options.py), so a bad one is
     refused before anything is built; an option the loss does not take is refused when it is built (make_loss)."""
-    from fastclip.losses import LossOptionError, check_options
+    from fastclip.losses import LossOptionError, UnknownLossError, check_options, is_import_name, loss_entry
 
-    options = {f.name: getattr(loss, f.name) for f in dataclasses.fields(loss) if f.name != "name"}
     try:
-        check_options(loss.name, **options)
+        entry = loss_entry(loss.name)
+    except UnknownLossError as e:
+        if is_import_name(loss.name):  # a loss of the user's own: the import said what is wrong
+            raise ConfigError(f"config key 'loss.name': {e}") from None
+        raise ConfigError(
+            f"config key 'loss.name': {loss.name!r} is not one of {', '.join(LOSS_NAMES)}, nor module:attribute "
+            "naming a loss of your own (a fastclip.losses.LossEntry)"
+        ) from None
+    _check_extra_options(loss, entry)
+    extra = loss.extra_options or {}
+    try:
+        check_options(loss.name, **section_loss_options(loss))
     except LossOptionError as e:
-        raise ConfigError(f"config key 'loss.{e.option}': {e.rule} (got {e.value!r})") from None
-    except ValueError as e:
+        key = f"extra_options.{e.option}" if e.option in extra else e.option
+        raise ConfigError(f"config key 'loss.{key}': {e.rule} (got {e.value!r})") from None
+    except (TypeError, ValueError) as e:  # (a user's options dataclass may raise either)
         raise ConfigError(f"config section 'loss' (name {loss.name}): {e}") from None
+
+
+def _check_extra_options(loss: LossConfig, entry) -> None:
+    """loss.extra_options holds what a loss of the user's own takes beyond the loss.* keys, and only that."""
+    if not loss.extra_options:
+        return
+    if loss.name in LOSS_NAMES:
+        raise ConfigError(
+            f"config key 'loss.extra_options': for a loss of your own (loss.name module:attribute); {loss.name}'s "
+            "options are loss.* keys of their own: set those instead"
+        )
+    keys = {f.name for f in dataclasses.fields(LossConfig)}
+    library_only = {  # (any loss's: build_loss's data_size is the trainer's whether this loss takes it or not)
+        f.name
+        for options in (*(e.options for e in LOSSES.values()), entry.options)
+        for f in dataclasses.fields(options)
+        if not f.metadata.get("config_key", True)
+    }
+    for key in loss.extra_options:
+        if key in keys:
+            raise ConfigError(f"config key 'loss.extra_options.{key}': loss.{key} is a key of its own: set it there")
+        if key in library_only:
+            raise ConfigError(
+                f"config key 'loss.extra_options.{key}': the trainer sets it (data_size from the data, unimodal "
+                "from ssl.enabled, ...); leave it out"
+            )
+
+
+def section_loss_options(loss: LossConfig) -> dict:
+    """The loss section as build_loss's options: every set key but the name, loss.extra_options' entries among
+    them (a null is the library's default)."""
+    options = {
+        f.name: getattr(loss, f.name)
+        for f in dataclasses.fields(loss)
+        if f.name not in ("name", "extra_options") and getattr(loss, f.name) is not None
+    }
+    return {**options, **(loss.extra_options or {})}
 
 
 def _check_aug(a: AugConfig, views: bool = False) -> None:
@@ -898,16 +954,19 @@ def _held_out_follows_train(data: dict, overrides: dict) -> str | None:
 def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> str | None:
     """`--loss.name X` over a file written for another loss: the file's options for that loss which X does not
     take are left out; returns the note that says so (an option typed on the command line is still refused)."""
-    from fastclip.losses import option_names
+    from fastclip.losses import UnknownLossError, option_names
 
     new = overrides.get("loss", {}).get("name") if isinstance(overrides.get("loss"), dict) else None
     section = data.get("loss")
-    if not isinstance(new, str) or new not in LOSSES or not isinstance(section, dict):
-        return None  # (a name that is no loss is refused by the type check, naming the key)
+    if not isinstance(new, str) or not isinstance(section, dict):
+        return None
+    try:
+        takes = option_names(new) | {"name", "validate"} | ({"extra_options"} if new not in LOSSES else set())
+    except UnknownLossError:
+        return None  # (a name that is no loss is refused by the check, naming the key)
     old = section.get("name", LossConfig.name)
     if old == new:
         return None
-    takes = option_names(new) | {"name", "validate"}
     dropped = [k for k, v in section.items() if k not in takes and k not in overrides["loss"] and v is not None]
     for key in dropped:
         del section[key]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fastclip.distributed import DistInfo
-from fastclip.train.config import Config, ConfigError, LossConfig, aug_options
+from fastclip.train.config import LOSS_NAMES, Config, ConfigError, LossConfig, aug_options, section_loss_options
 from fastclip.train.momentum import MomentumTowers
 
 
@@ -78,11 +78,7 @@ class TowersWithLoss(torch.nn.Module):
 def loss_options(cfg: Config, embed_dim: int | None = None) -> dict:
     """The loss section's set values (every LossConfig field but the name), passed to build_loss, which rejects
     options a version lacks; v2 also gets the temperature lr, the temperature network the towers' embed_dim."""
-    opts = {
-        f.name: getattr(cfg.loss, f.name)
-        for f in dataclasses.fields(LossConfig)
-        if f.name != "name" and getattr(cfg.loss, f.name) is not None
-    }
+    opts = section_loss_options(cfg.loss)
     if "tau_betas" in opts:
         opts["tau_betas"] = tuple(opts["tau_betas"])
     if cfg.loss.name == "fastclip-v2":  # v2 updates its per-sample tau itself, at lr_tau
@@ -102,15 +98,27 @@ def make_loss(cfg: Config, data_size: int, embed_dim: int | None = None):
     try:
         return build_loss(cfg.loss.name, data_size=data_size, **loss_options(cfg, embed_dim))
     except UnknownLossOptions as e:  # in config keys (the library's message lists its own arguments)
-        keys = {f.name for f in dataclasses.fields(LossConfig)} - {"name"}
+        keys = {f.name for f in dataclasses.fields(LossConfig)} - {"name", "extra_options"}
+        extra = cfg.loss.extra_options or {}
+        key = lambda k: f"loss.extra_options.{k}" if k in extra else f"loss.{k}"  # noqa: E731
         why = "".join(f"; {key}: {reason}" for key, reason in e.why.items())
         named, them = ("config keys", "them") if len(e.unknown) > 1 else ("config key", "it")
+        takes = [f"loss.{k}" for k in sorted(e.accepted & keys)]
+        if cfg.loss.name not in LOSS_NAMES:  # a loss of the user's own: its other options are extra_options'
+            takes += [f"loss.extra_options.{k}" for k in sorted(e.accepted - keys - _set_by_trainer(e.name))]
         raise ConfigError(
-            f"{named} {', '.join('loss.' + k for k in e.unknown)}: loss {e.name} does not take {them} (it takes "
-            f"{', '.join('loss.' + k for k in sorted(e.accepted & keys))}); drop {them} or set {them} to null{why}"
+            f"{named} {', '.join(key(k) for k in e.unknown)}: loss {e.name} does not take {them} (it takes "
+            f"{', '.join(takes)}); drop {them} or set {them} to null{why}"
         ) from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config section 'loss' (name {cfg.loss.name}): {e}") from None
+
+
+def _set_by_trainer(name: str) -> set[str]:
+    """The options of loss ``name`` that are no config key (data_size, unimodal, ...: the trainer's)."""
+    from fastclip.losses import loss_entry
+
+    return {f.name for f in dataclasses.fields(loss_entry(name).options) if not f.metadata.get("config_key", True)}
 
 
 def check_loss(cfg: Config, data_size: int):

@@ -620,14 +620,12 @@ NOT_THE_OBJECTIVE = (  # how it is computed, or evaluated: the same objective
 def _with_loss_defaults(flat: dict, name) -> dict:
     """loss.* as the loss resolves them (a null is the library's default: spelling the default out changes
     nothing); as given where the loss cannot resolve them."""
-    from fastclip.losses import LOSSES, resolved_options
+    from fastclip.losses import resolved_options
 
     loss = {k.removeprefix("loss."): v for k, v in flat.items() if k.startswith("loss.") and k != "loss.name"}
-    if name not in LOSSES:
-        return flat
     try:
         resolved = resolved_options(name, **loss)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # (UnknownLossError among them: a name that is no loss)
         return flat
     return {**flat, **{f"loss.{k}": v for k, v in resolved.items() if f"loss.{k}" in flat}}
 

@@ -167,3 +167,38 @@ def test_clip_benchmark_scores_the_captions_of_one_image_as_fastclip_eval_does(t
     for k in (1, 5, 10):  # a near-tie may flip between the tools' batches: one query of slack
         assert theirs[f"image_retrieval_recall@{k}"] == pytest.approx(ours[f"text_to_image_R@{k}"], abs=1.01 / 24)
         assert theirs[f"text_retrieval_recall@{k}"] == pytest.approx(ours[f"image_to_text_R@{k}"], abs=1.01 / 12)
+
+
+def test_prepare_takes_each_groups_first_image_and_holds_no_group_in_memory(tmp_path):
+    """Each group's sample carries the image of its lowest index (written after a higher one here), and the images
+    wait in a spool file: prepare held every group's first PNG until the end (a captioned set's images in memory)."""
+    import tracemalloc
+
+    import numpy as np
+
+    from fastclip.data.tario import iter_shard
+    from fastclip.data.writer import ShardWriter
+
+    data = tmp_path / "grouped" / "val"
+    writer = ShardWriter(data, prefix="val", shard_size=10)
+    generator = torch.Generator().manual_seed(5)
+    images, total = {}, 0
+    for group in range(20):
+        for index in (2 * group + 1, 2 * group):  # the higher index first: the lower one's image must replace it
+            pixels = (torch.rand(96, 96, 3, generator=generator) * 255).to(torch.uint8).numpy()
+            png = io.BytesIO()
+            Image.fromarray(pixels).save(png, format="PNG")
+            images[index], total = pixels, total + len(png.getvalue())
+            writer.write(index, png.getvalue(), "png", f"caption {index}", group=group)
+    writer.close(40)
+    prepare(data, tmp_path / "warm")  # (imports and caches, outside the measurement)
+    tracemalloc.start()
+    roots = prepare(data, tmp_path / "cb")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < total / 4, (peak, total)  # the first images were `total / 2` bytes held at once
+    prepared = list(iter_shard(roots["fastclip-val"] / "test" / "0.tar"))
+    assert len(prepared) == 20 and not list((tmp_path / "cb").glob("tmp*"))  # the spool is gone
+    for group, raw in enumerate(prepared):
+        assert raw.files["txt"].decode() == f"caption {2 * group}\ncaption {2 * group + 1}"
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(raw.files["png"]))), images[2 * group])

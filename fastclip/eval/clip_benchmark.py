@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import sys
+import tempfile
 from pathlib import Path
 
 from fastclip.cli import OneLineParser
@@ -73,28 +74,33 @@ def prepare(data, out, zeroshot_file=None, retrieval_name: str = "fastclip-val")
     writers = {name: _ShardWriter(out / name / "test") for name in specs}
     retrieval = _ShardWriter(out / retrieval_name / "test")
     # captions of one image (json "group") become one sample whose .txt holds them a line each, as clip_benchmark
-    # reads several captions; the image is the group's first caption's in index order, as `fastclip eval` scores it
-    first: dict[int, tuple[int, bytes]] = {}  # group -> (index, png) of its first caption
+    # reads several captions; the image is the group's first caption's in index order, as `fastclip eval` scores it.
+    # Those images wait in a spool file, not in memory (a captioned set's images would all be held until the end).
+    first: dict[int, tuple[int, int, int]] = {}  # group -> (index, offset, length) of its first caption's PNG
     captions: dict[int, list[tuple[int, str]]] = {}  # group -> its (index, caption)s
-    for sample in iter_samples(data):
-        png = io.BytesIO()
-        sample.image.save(png, format="PNG")
-        name = next(iter(specs)) if len(specs) == 1 else sample.dataset
-        if sample.label is not None and name in writers:
-            writers[name].write({"png": png.getvalue(), "cls": str(sample.label).encode()})
-        if sample.caption is None:
-            continue
-        caption = " ".join(sample.caption.split())  # a line break inside would read as two captions there
-        if sample.group is None:
-            retrieval.write({"png": png.getvalue(), "txt": caption.encode()})
-            continue
-        order = -1 if sample.index is None else sample.index
-        if sample.group not in first or order < first[sample.group][0]:
-            first[sample.group] = (order, png.getvalue())
-        captions.setdefault(sample.group, []).append((order, caption))
-    for group in sorted(first):
-        in_order = sorted(captions[group], key=lambda oc: oc[0])
-        retrieval.write({"png": first[group][1], "txt": "\n".join(c for _, c in in_order).encode()})
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=out) as spool:
+        for sample in iter_samples(data):
+            png = io.BytesIO()
+            sample.image.save(png, format="PNG")
+            name = next(iter(specs)) if len(specs) == 1 else sample.dataset
+            if sample.label is not None and name in writers:
+                writers[name].write({"png": png.getvalue(), "cls": str(sample.label).encode()})
+            if sample.caption is None:
+                continue
+            caption = " ".join(sample.caption.split())  # a line break inside would read as two captions there
+            if sample.group is None:
+                retrieval.write({"png": png.getvalue(), "txt": caption.encode()})
+                continue
+            order = -1 if sample.index is None else sample.index
+            if sample.group not in first or order < first[sample.group][0]:
+                first[sample.group] = (order, spool.seek(0, io.SEEK_END), spool.write(png.getvalue()))
+            captions.setdefault(sample.group, []).append((order, caption))
+        for group in sorted(first):
+            _, offset, length = first[group]
+            spool.seek(offset)
+            in_order = sorted(captions[group], key=lambda oc: oc[0])
+            retrieval.write({"png": spool.read(length), "txt": "\n".join(c for _, c in in_order).encode()})
     roots = {}
     for name, writer in writers.items():
         if writer.finish():

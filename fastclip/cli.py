@@ -186,9 +186,16 @@ def _import_holding_ctrl_c(name: str):
     return None if held else module
 
 
+def launch_rank() -> int:
+    """This process's global rank as its launcher set it (torchrun's RANK, srun's SLURM_PROCID), before any process
+    group exists; 0 when neither is set or readable."""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return int(rank) if rank.isdigit() else 0
+
+
 def note(line: str) -> None:
     """One line on stderr, from the first process only (every rank parses the same command line)."""
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    if launch_rank() == 0:
         print(line, file=sys.stderr)
 
 

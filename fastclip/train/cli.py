@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastclip.cli import EXIT_INTERRUPTED, note
+from fastclip.cli import EXIT_INTERRUPTED, launch_rank, note
 from fastclip.distributed import JoinAbandoned, LaunchError, dist_env_from
 from fastclip.train.config import ConfigError, dump_config, load_config
 from fastclip.train.errors import TrainingError
@@ -102,11 +102,6 @@ def _say_config_error(error: ConfigError, check_only: bool) -> None:
             for number, handler in previous.items():
                 signal.signal(number, handler)
     print(f"fastclip train: config error: {error}", file=sys.stderr, flush=True)
-
-
-def _global_rank() -> int:
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    return int(rank) if rank.isdigit() else 0
 
 
 class _UsageError(ValueError):
@@ -277,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:
         if _interrupt(e) is None:
             if isinstance(e, TrainingError):
-                if not (e.agreed and _global_rank() > 0):  # (every rank has the same line: said once)
+                if not (e.agreed and launch_rank() > 0):  # (every rank has the same line: said once)
                     print(f"fastclip train: error: {e}", file=sys.stderr, flush=True)
                 return 1
             raise

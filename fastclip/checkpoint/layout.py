@@ -48,6 +48,14 @@ def read_pointer(root: Path) -> str | None:
     return pointer.read_text(errors="replace").strip() if pointer.is_file() else None
 
 
+def last_good(root: Path) -> str:
+    """What a failed write leaves to resume from, in words: `latest` and the step it names, or that none exists."""
+    named = read_pointer(root)
+    if not named:  # (none, or emptied)
+        return "no checkpoint was saved yet"
+    return f"{root / LATEST} still names {named}"
+
+
 def _step(folder: Path) -> int:
     return int(STEP_DIR.fullmatch(folder.name).group(1))
 

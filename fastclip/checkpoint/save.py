@@ -18,9 +18,9 @@ from fastclip.checkpoint.files import free_bytes, fsync_dir, mib, save_file, ten
 from fastclip.checkpoint.layout import (
     LATEST,
     MODEL_FILE,
+    last_good,
     prune_checkpoints,
     rank_file_name,
-    read_pointer,
     step_dir_name,
 )
 from fastclip.distributed import DistInfo, barrier
@@ -53,13 +53,13 @@ def save_checkpoint(
             raise CheckpointError(
                 f"rank {info.rank}: cannot write checkpoint {final} (No space left on device): this rank's files "
                 f"need about {mib(needed)}, {mib(free_bytes(root))} are free on the disk of {root}; "
-                f"nothing of it was kept and {_last_good(root)}. Free space (or lower --checkpoint.keep_last), then "
+                f"nothing of it was kept and {last_good(root)}. Free space (or lower --checkpoint.keep_last), then "
                 f"restart with --train.resume latest"
             ) from None
         if isinstance(e, OSError):
             raise CheckpointError(
                 f"rank {info.rank}: cannot write checkpoint {final} ({e.strerror or e}"
-                f"{': ' + str(e.filename) if e.filename else ''}); nothing of it was kept and {_last_good(root)}. "
+                f"{': ' + str(e.filename) if e.filename else ''}); nothing of it was kept and {last_good(root)}. "
                 f"Free space or make {root} writable, then restart with --train.resume latest"
             ) from None
         raise
@@ -75,14 +75,6 @@ def _remove_while_others_finish(tmp: Path, seconds: float = 5.0) -> None:
         if not tmp.exists() or time.monotonic() > deadline:
             return
         time.sleep(0.05)
-
-
-def _last_good(root: Path) -> str:
-    """What a failed save leaves to resume from, in words."""
-    named = read_pointer(root)
-    if named is None:
-        return "no earlier checkpoint exists"
-    return f"{root / LATEST} still names {named}"
 
 
 def _save(
@@ -102,7 +94,7 @@ def _save(
         if final.is_symlink() or (final.exists() and not final.is_dir()):  # not ours to move aside
             raise CheckpointError(
                 f"rank {info.rank}: cannot write checkpoint {final}: a {'link' if final.is_symlink() else 'file'} "
-                f"has its name; nothing was written and {_last_good(root)}. Move it away, then restart with "
+                f"has its name; nothing was written and {last_good(root)}. Move it away, then restart with "
                 f"--train.resume latest"
             )
         # left over by a crash during an earlier save: a half-written .tmp, or the .old copy of a step saved

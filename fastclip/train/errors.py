@@ -33,14 +33,14 @@ WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 def write_failure(error: OSError, cfg, rank: int, step: int) -> WriteFailure:
     """One line for a write of the run folder that failed mid-run (metrics.jsonl, config.yaml, TensorBoard's
     events; a checkpoint's save says its own): the file, the step, and that the last checkpoint is intact."""
-    from fastclip.checkpoint.layout import CHECKPOINTS, LATEST, read_pointer
+    from fastclip.checkpoint.layout import CHECKPOINTS, last_good, read_pointer
 
     run_dir = Path(cfg.train.run_dir)
-    named = read_pointer(run_dir / CHECKPOINTS)
-    if named:
-        last, then = f"{run_dir / CHECKPOINTS / LATEST} still names {named}", "continue with --train.resume latest"
+    last = last_good(run_dir / CHECKPOINTS)
+    if read_pointer(run_dir / CHECKPOINTS):
+        then = "continue with --train.resume latest"
     else:
-        last, then = "no checkpoint was saved yet", "start it again with --train.resume latest (from step 0)"
+        then = "start it again with --train.resume latest (from step 0)"
     where = f" {error.filename}" if error.filename else " a file of the run folder"
     return WriteFailure(
         f"rank {rank}: cannot write{where} at step {step} ({error.strerror or error}); {last}. Free space in "

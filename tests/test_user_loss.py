@@ -146,6 +146,8 @@ def test_a_users_loss_resumes_bitwise(tiny_embedded, tmp_path):
         (["--loss.extra_options.temperature", "0.1"], ["loss.temperature is a key of its own"]),
         (["--loss.extra_options.data_size", "3"], ["loss.extra_options.data_size", "the trainer sets it"]),
         (["--loss.extra_options", "5"], ["'loss.extra_options'", "expected a mapping"]),
+        # an option of the library's losses that this objective does not implement: refused, not ignored
+        (["--loss.hard_negative_topk", "4"], ["loss.hard_negative_topk", "does not take it"]),
     ],
 )  # fmt: skip
 def test_every_mistake_in_naming_a_users_loss_is_one_line(tiny_embedded, tmp_path, capsys, args, words):
@@ -221,3 +223,148 @@ def test_the_study_runs_a_users_loss_and_an_edit_of_its_file_makes_its_runs_stal
     path.write_text(json.dumps(raw))
     with pytest.raises(SpecError, match=r"objectives.base2.loss.*has no 'NOT_THERE'"):
         load(path)
+
+
+MODULES = {  # the user's modules that go wrong in the ways a user's would
+    "broken_loss.py": "import math\n\nraise RuntimeError('half written')\n",
+    "needs_more.py": "import not_installed_dependency\n",
+    "exits.py": "import sys\n\nsys.exit('no GPU here')\n",
+    "lazy.py": "def __getattr__(name):\n    raise RuntimeError('lazy attribute failed')\n",
+    "odd.py": """
+from dataclasses import dataclass
+
+from fastclip.losses import LossEntry
+from fastclip.losses.dcl import DCLLoss
+from fastclip.losses.options import CommonOptions, InfoNCEOptions
+
+
+@dataclass
+class NotFrozen(InfoNCEOptions):
+    margin: float = 0.1
+""",
+    "kinds.py": """
+from dataclasses import dataclass
+
+from fastclip.losses import LossEntry
+from fastclip.losses.dcl import DCLLoss
+from fastclip.losses.individual import FastCLIPV2Autograd, FastCLIPV2Loss
+from fastclip.losses.options import IndividualTemperatureOptions, InfoNCEOptions, TempNetOptions
+from fastclip.losses.tempnet import TempNetAutograd, TempNetLoss
+
+
+@dataclass(frozen=True)
+class Asserting(InfoNCEOptions):
+    margin: float = 0.1
+
+    def __post_init__(self):
+        super().__post_init__()
+        assert self.margin < 1, "margin must be below 1"
+
+
+@dataclass(frozen=True)
+class BoolBias(InfoNCEOptions):
+    bias: bool = False
+
+
+ASSERTING = LossEntry(Asserting, autograd=DCLLoss)
+PLAIN = LossEntry(InfoNCEOptions, autograd=DCLLoss)
+BOOL_BIAS = LossEntry(BoolBias, autograd=DCLLoss)
+INSTANCE = LossEntry(Asserting(), autograd=DCLLoss)
+MY_V2 = LossEntry(IndividualTemperatureOptions, FastCLIPV2Loss, FastCLIPV2Autograd)
+MY_TEMPNET = LossEntry(TempNetOptions, TempNetLoss, TempNetAutograd)
+""",
+}
+
+
+@pytest.fixture
+def modules(tmp_path, monkeypatch):
+    folder = tmp_path / "modules"
+    folder.mkdir()
+    for name, text in MODULES.items():
+        (folder / name).write_text(text)
+    monkeypatch.syspath_prepend(str(folder))
+    return folder
+
+
+def test_a_users_module_that_goes_wrong_is_one_line_naming_its_own_line(modules, capsys):
+    """Each says what failed and where in the user's file (not the standard library's line the error surfaced
+    at); an exit at import, a module __getattr__ that raises, an options instance and an option typed unlike the
+    trainer's key of that name are one line too (they were tracebacks, or a message pointing elsewhere)."""
+    cases = {
+        "broken_loss:X": rf"RuntimeError: half written \({modules}/broken_loss.py:3\)",
+        "needs_more:X": r"importing 'needs_more' failed: ModuleNotFoundError.*not_installed_dependency",
+        "exits:X": rf"importing 'exits' failed: it exited \(no GPU here\) \({modules}/exits.py:3\)",
+        "lazy:X": rf"reading 'X' of 'lazy' failed: RuntimeError: lazy attribute failed \({modules}/lazy.py:2\)",
+        "odd:X": rf"cannot inherit non-frozen dataclass from a frozen one \({modules}/odd.py:9\)",
+        "kinds:INSTANCE": r"must be a dataclass class \(options=YourOptions\), got an instance of Asserting",
+        "kinds:BOOL_BIAS": r"option 'bias' of BoolBias is <class 'bool'>, but the trainer's loss.bias is",
+    }
+    for name, words in cases.items():
+        with pytest.raises(UnknownLossError, match=words):
+            build_loss(name)
+        assert main(["--check", "--loss.name", name]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err and "config key 'loss.name'" in err, err
+    # an assert in the user's options: one line with the assertion's words, as a refused value is
+    assert main(["--check", "--loss.name", "kinds:ASSERTING", "--loss.extra_options.margin", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("AssertionError: margin must be below 1") and len(err.splitlines()) == 1, err
+
+
+def test_options_the_trainer_derives_are_given_by_option_not_by_loss_name(modules):
+    """A loss of the user's own on per-sample temperatures gets optim.lr_tau, one with a temperature network the
+    towers' embed_dim, as fastclip-v2 and fastclip-tempnet do (chosen by name, they got neither: lr_tau silently its
+    default, embed_dim a contradiction between 'required' and 'the trainer sets it')."""
+    from fastclip.train.config import load_config
+    from fastclip.train.net import check_loss
+
+    cfg = load_config(EMBEDDED, ["--loss.name", "kinds:MY_V2", "--optim.lr_tau", "0.05", "--loss.rho", "7.0"])
+    assert check_loss(cfg, 10).options.lr_tau == 0.05
+    cfg = load_config(EMBEDDED, ["--loss.name", "kinds:MY_TEMPNET", "--loss.rho", "7.0"])
+    assert check_loss(cfg, 10).options.embed_dim == 64  # the tiny-vit's
+
+
+def test_a_resume_that_drops_or_adds_an_extra_option_says_so():
+    from fastclip.train.config import load_config
+    from fastclip.train.preflight import changed_on_resume_note
+
+    base = ["--loss.name", NAME, "--loss.rho", "null", "--loss.gamma_min", "null", "--loss.gamma_decay_epochs", "null",
+            "--loss.gamma_schedule", "null"]  # fmt: skip
+    with_margin = load_config(EMBEDDED, [*base, "--loss.extra_options.margin", "0.3"])
+    without = load_config(EMBEDDED, base)
+    said = "resumed with settings the checkpoint was not trained with: loss.extra_options.margin"
+    assert said + " 0.3 -> 0.1" in changed_on_resume_note(without, with_margin.to_dict())
+    assert said + " 0.1 -> 0.3" in changed_on_resume_note(with_margin, without.to_dict())
+    assert (
+        changed_on_resume_note(without, load_config(EMBEDDED, [*base, "--loss.extra_options.margin", "0.1"]).to_dict())
+        is None
+    )
+
+
+def test_another_loss_name_over_a_file_leaves_out_the_files_extra_options_it_does_not_take(modules, tmp_path, capsys):
+    from fastclip.train.config import load_config
+
+    path = tmp_path / "margin.yaml"
+    path.write_text(f"loss:\n  name: {NAME}\n  temperature: 0.05\n  extra_options: {{margin: 0.25}}\n")
+    cfg = load_config(path, ["--loss.name", "kinds:PLAIN"])
+    assert cfg.loss.extra_options == {} and cfg.loss.temperature == 0.05
+    said = f"sets loss.extra_options.margin for {NAME}, which kinds:PLAIN does not take: left out"
+    assert said in capsys.readouterr().err
+    cfg = load_config(path, ["--loss.name", "kinds:ASSERTING"])  # another loss with a margin: kept
+    assert cfg.loss.extra_options == {"margin": 0.25} and "left out" not in capsys.readouterr().err
+
+
+def test_the_studys_source_hash_covers_a_package_whose_init_imports_the_loss(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.study import runner
+
+    package = tmp_path / "pkg" / "my_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from .core import MARGIN_INFONCE\n")
+    source = (USER_LOSSES / "margin_infonce.py").read_text()
+    (package / "core.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    before = runner.loss_source("my_pkg:MARGIN_INFONCE")
+    (package / "core.py").write_text(source.replace("margin: float = 0.1", "margin: float = 0.4"))
+    runner.loss_source.cache_clear()
+    assert runner.loss_source("my_pkg:MARGIN_INFONCE") != before

@@ -365,12 +365,29 @@ def deciding_args(cmd: list[str]) -> dict[str, str]:
 
 @functools.cache
 def loss_source(name: str) -> str:
-    """A hash of the file that defines a user's loss (``module:attribute``): an edit to it makes the runs made
-    before other settings, as a changed option would."""
+    """A hash of the files that define a user's loss (``module:attribute``): the module's, and those of the entry's
+    classes and their bases outside fastclip and the installed packages (a package's __init__ may only import
+    them). An edit to any makes the runs made before other settings, as a changed option would."""
     import importlib.util
+    import inspect
+    import sysconfig
 
-    origin = importlib.util.find_spec(name.partition(":")[0]).origin
-    return hashlib.sha1(Path(origin).read_bytes()).hexdigest()[:12]
+    from fastclip.losses import loss_entry
+
+    entry = loss_entry(name)
+    installed = {Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    installed.add(Path(records.REPO / "fastclip").resolve())
+    files = {Path(importlib.util.find_spec(name.partition(":")[0]).origin).resolve()}
+    for cls in (entry.options, entry.autograd, entry.fused):
+        for base in inspect.getmro(cls) if cls is not None else ():
+            with contextlib.suppress(TypeError, OSError):  # (builtins have no source file)
+                path = Path(inspect.getsourcefile(base)).resolve()
+                if not any(path.is_relative_to(root) for root in installed):
+                    files.add(path)
+    digest = hashlib.sha1()
+    for path in sorted(files):
+        digest.update(f"{path.name}\0".encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def resumable(folder: Path, code: str, args: dict) -> bool:

@@ -196,7 +196,9 @@ def loss_entry(name: str) -> LossEntry:
             "(a fastclip.losses.LossEntry)"
         )
     if name not in _IMPORTED:
-        _IMPORTED[name] = _import_entry(name)
+        from .user import import_entry
+
+        _IMPORTED[name] = import_entry(name)
     return _IMPORTED[name]
 
 
@@ -206,59 +208,14 @@ def is_import_name(name: str) -> bool:
     return bool(colon) and attribute.isidentifier() and all(part.isidentifier() for part in module_name.split("."))
 
 
-def _import_entry(name: str) -> LossEntry:
-    import importlib
-    import traceback
-
-    module_name, _, attribute = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (module_name + ".").startswith(e.name + "."):  # it, or its package, is missing
-            raise UnknownLossError(
-                f"loss {name!r}: no module {e.name!r} on the Python path; put its folder on PYTHONPATH"
-            ) from None
-        raise UnknownLossError(f"loss {name!r}: importing {module_name!r} failed: {_said(e, traceback)}") from None
-    except Exception as e:  # the user's module failed: where, in one line
-        raise UnknownLossError(f"loss {name!r}: importing {module_name!r} failed: {_said(e, traceback)}") from None
-    if not hasattr(module, attribute):
-        raise UnknownLossError(f"loss {name!r}: module {module_name!r} ({module.__file__}) has no {attribute!r}")
-    entry = getattr(module, attribute)
-    if not isinstance(entry, LossEntry):
-        raise UnknownLossError(
-            f"loss {name!r} is {f'the class {entry.__name__}' if isinstance(entry, type) else type(entry).__name__}"
-            ", not a fastclip.losses.LossEntry "
-            "(LossEntry(options=YourOptions, autograd=YourLoss))"
-        )
-    from .options import CommonOptions
-
-    if not (isinstance(entry.options, type) and dataclasses.is_dataclass(entry.options)):
-        raise UnknownLossError(f"loss {name!r}: its options must be a dataclass, got {entry.options!r}")
-    if not issubclass(entry.options, CommonOptions):
-        raise UnknownLossError(
-            f"loss {name!r}: its options {entry.options.__name__} must derive from a fastclip.losses.options class "
-            "(CommonOptions, InfoNCEOptions, SampleStateOptions, ...)"
-        )
-    for impl in (entry.fused, entry.autograd):
-        if impl is not None and not (isinstance(impl, type) and issubclass(impl, ContrastiveLoss)):
-            raise UnknownLossError(f"loss {name!r}: {impl!r} is not a fastclip.losses.ContrastiveLoss subclass")
-    if entry.fused is None and entry.autograd is None:
-        raise UnknownLossError(f"loss {name!r}: its LossEntry names no implementation (autograd=YourLoss)")
-    return entry
-
-
-def _said(error: BaseException, traceback) -> str:
-    """``Type: message (file:line)``: where in the user's module it failed."""
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    if isinstance(error, SyntaxError) and error.filename:
-        where = f" ({error.filename}:{error.lineno})"
-    return f"{type(error).__name__}: {error}{where}"
-
-
 def option_names(name: str) -> set[str]:
     """The options build_loss(name, ...) takes."""
     return {f.name for f in dataclasses.fields(loss_entry(name).options)}
+
+
+def config_option_names(name: str) -> set[str]:
+    """The options of ``name`` that a config sets (not LIBRARY_ONLY: data_size, unimodal, ... are the caller's)."""
+    return {f.name for f in dataclasses.fields(loss_entry(name).options) if f.metadata.get("config_key", True)}
 
 
 def config_options() -> dict[str, object]:
@@ -350,6 +307,7 @@ __all__ = [
     "check_options",
     "config_options",
     "option_names",
+    "config_option_names",
     "LossOptionError",
     "UnknownLossOptions",
     "LOSSES",

@@ -778,8 +778,15 @@ def _check_loss(loss: LossConfig) -> None:
     except LossOptionError as e:
         key = f"extra_options.{e.option}" if e.option in extra else e.option
         raise ConfigError(f"config key 'loss.{key}': {e.rule} (got {e.value!r})") from None
-    except (TypeError, ValueError) as e:  # (a user's options dataclass may raise either)
-        raise ConfigError(f"config section 'loss' (name {loss.name}): {e}") from None
+    except Exception as e:  # a value the options refuse; any error of a user's own options class, said as such
+        if loss.name in LOSS_NAMES and not isinstance(e, (TypeError, ValueError)):
+            raise  # (the library's own: a bug to see whole)
+        raise ConfigError(f"config section 'loss' (name {loss.name}): {loss_error_words(e)}") from None
+
+
+def loss_error_words(e: Exception) -> str:
+    """An error's message; its type too where the message alone would not say what it is (an assert's)."""
+    return str(e) if isinstance(e, (TypeError, ValueError)) and str(e) else f"{type(e).__name__}: {e}"
 
 
 def _check_extra_options(loss: LossConfig, entry) -> None:
@@ -967,10 +974,19 @@ def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> str | No
     old = section.get("name", LossConfig.name)
     if old == new:
         return None
-    dropped = [k for k, v in section.items() if k not in takes and k not in overrides["loss"] and v is not None]
+    typed = overrides["loss"]
+    dropped = [k for k, v in section.items() if k not in takes and k not in typed and v is not None]
     for key in dropped:
         del section[key]
-    refused = [k for k, v in overrides["loss"].items() if k not in takes and v is not None]
+    refused = [k for k, v in typed.items() if k not in takes and v is not None]
+    extra, typed_extra = section.get("extra_options"), typed.get("extra_options")
+    if isinstance(extra, dict) and "extra_options" in takes:  # a loss of the user's own: its entries one by one
+        typed_extra = typed_extra if isinstance(typed_extra, dict) else {}
+        left_out = [k for k in extra if k not in takes and k not in typed_extra]
+        for key in left_out:
+            del extra[key]
+        dropped += [f"extra_options.{k}" for k in left_out]
+        refused += [k for k in typed_extra if k not in takes]
     if not dropped or refused:  # (a typed option X does not take is refused when the loss is built: one line)
         return None
     return (

@@ -620,14 +620,24 @@ NOT_THE_OBJECTIVE = (  # how it is computed, or evaluated: the same objective
 def _with_loss_defaults(flat: dict, name) -> dict:
     """loss.* as the loss resolves them (a null is the library's default: spelling the default out changes
     nothing); as given where the loss cannot resolve them."""
-    from fastclip.losses import resolved_options
+    from fastclip.losses import config_option_names, resolved_options
 
-    loss = {k.removeprefix("loss."): v for k, v in flat.items() if k.startswith("loss.") and k != "loss.name"}
+    extra = "loss.extra_options."  # a loss of the user's own: its options beyond the loss.* keys
+    loss = {
+        k.removeprefix(extra).removeprefix("loss."): v
+        for k, v in flat.items()
+        if k.startswith("loss.") and k not in ("loss.name", "loss.extra_options")
+    }
     try:
         resolved = resolved_options(name, **loss)
+        own = config_option_names(name)
     except (TypeError, ValueError):  # (UnknownLossError among them: a name that is no loss)
         return flat
-    return {**flat, **{f"loss.{k}": v for k, v in resolved.items() if f"loss.{k}" in flat}}
+    keys = {k.removeprefix("loss.") for k in flat if k.startswith("loss.") and not k.startswith(extra)}
+    out = {**flat, **{f"loss.{k}": v for k, v in resolved.items() if k in keys}}
+    # every option of its own, set or not, so that one given before and dropped since (or the reverse) is compared
+    out.update({f"{extra}{k}": v for k, v in resolved.items() if k in own and k not in keys})
+    return out
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

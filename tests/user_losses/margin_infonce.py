@@ -5,6 +5,10 @@ InfoNCE with an additive margin m on the positive (as in AM-softmax): per anchor
 s = 1/τ, ℓ_i = −s(cos_ii − m) + log(exp(s(cos_ii − m)) + Σ_{j≠i} exp(s·cos_ij)). With m = 0 it is InfoNCE.
 Written once over this rank's anchors against the gathered batch (fastclip/losses/objective.py); the library
 makes it exact on any number of ranks.
+
+Its options are exactly what it implements: CommonOptions (validate, impl, direction_weights) and its own fields.
+Deriving from a richer options class (InfoNCEOptions: hard negatives, a queue, distillation, ...) would let a
+config set options this objective then ignores.
 """
 
 from __future__ import annotations
@@ -13,28 +17,36 @@ from dataclasses import dataclass
 
 import torch
 
-from fastclip.losses import LossEntry
-from fastclip.losses.objective import masked_logsumexp, weighted_directions
-from fastclip.losses.options import InfoNCEOptions, LossOptionError
-from fastclip.losses.softmax import SoftmaxObjective
+from fastclip.losses import ContrastiveLoss, LossEntry
+from fastclip.losses.objective import AutogradObjective, masked_logsumexp, weighted_directions
+from fastclip.losses.options import CommonOptions, LossOptionError
 
 
 @dataclass(frozen=True)
-class MarginOptions(InfoNCEOptions):
-    """InfoNCE's options (temperature, learn_temperature, ...: loss.* keys) and the margin (the trainer's
+class MarginOptions(CommonOptions):
+    """τ as the library's losses have it (loss.temperature, loss.learn_temperature) and the margin (the trainer's
     loss.extra_options.margin)."""
 
+    temperature: float = 0.07  # initial τ
+    learn_temperature: bool = True
     margin: float = 0.1
 
     def __post_init__(self):
         super().__post_init__()
+        if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
+            raise LossOptionError("temperature", "must be a number > 0", self.temperature)
         if not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
             raise LossOptionError("margin", "must be a number in [0, 1)", self.margin)
 
 
-class MarginInfoNCE(SoftmaxObjective):
+class MarginInfoNCE(AutogradObjective, ContrastiveLoss):
     name = "margin-infonce"
-    unimodal_form = False
+    needs_indices = True  # copies of one sample in a batch are no negatives of each other (pairs().negative)
+    min_global_batch = 2  # an anchor needs a negative
+
+    def __init__(self, options: MarginOptions):
+        super().__init__(options)
+        self._init_logit_scale(options.temperature, options.learn_temperature)
 
     def _objective(self, features, state):
         pairs = features.pairs()  # [2, B, N]: image anchors against the texts, text anchors against the images

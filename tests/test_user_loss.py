@@ -230,6 +230,7 @@ MODULES = {  # the user's modules that go wrong in the ways a user's would
     "needs_more.py": "import not_installed_dependency\n",
     "exits.py": "import sys\n\nsys.exit('no GPU here')\n",
     "lazy.py": "def __getattr__(name):\n    raise RuntimeError('lazy attribute failed')\n",
+    "uses_library.py": "from fastclip.losses import build_loss\n\nBASE = build_loss('openclip', temperature=-1)\n",
     "odd.py": """
 from dataclasses import dataclass
 
@@ -266,7 +267,33 @@ class BoolBias(InfoNCEOptions):
     bias: bool = False
 
 
+@dataclass(frozen=True)
+class Bounded(InfoNCEOptions):
+    margin: float = 0.1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.margin >= BOUND:  # (a test lowers BOUND: the user's file edited between a run and its resume)
+            raise ValueError(f"margin must be below {BOUND}")
+
+
+@dataclass(frozen=True)
+class OwnNames(InfoNCEOptions):
+    learn_bias: bool = True  # the library's siglip has one, LIBRARY_ONLY there; an option of its own here
+    hard_negative_topk: int = 0  # narrower than the trainer's int | None key, which passes no null
+
+
+@dataclass(frozen=True)
+class NamedName(InfoNCEOptions):
+    name: str = "x"
+
+
+BOUND = 1.0
 ASSERTING = LossEntry(Asserting, autograd=DCLLoss)
+BOUNDED = LossEntry(Bounded, autograd=DCLLoss)
+OWN_NAMES = LossEntry(OwnNames, autograd=DCLLoss)
+NAMED_NAME = LossEntry(NamedName, autograd=DCLLoss)
+LOSS_INSTANCE = LossEntry(InfoNCEOptions, autograd=DCLLoss(InfoNCEOptions()))
 PLAIN = LossEntry(InfoNCEOptions, autograd=DCLLoss)
 BOOL_BIAS = LossEntry(BoolBias, autograd=DCLLoss)
 INSTANCE = LossEntry(Asserting(), autograd=DCLLoss)
@@ -298,6 +325,10 @@ def test_a_users_module_that_goes_wrong_is_one_line_naming_its_own_line(modules,
         "odd:X": rf"cannot inherit non-frozen dataclass from a frozen one \({modules}/odd.py:9\)",
         "kinds:INSTANCE": r"must be a dataclass class \(options=YourOptions\), got an instance of Asserting",
         "kinds:BOOL_BIAS": r"option 'bias' of BoolBias is <class 'bool'>, but the trainer's loss.bias is",
+        # an error that surfaces in fastclip (or torch): at the user's line that called it
+        "uses_library:X": rf"temperature must be .*\({modules}/uses_library.py:3\)",
+        "kinds:LOSS_INSTANCE": r"must be a fastclip.losses.ContrastiveLoss subclass .*got an instance of DCLLoss$",
+        "kinds:NAMED_NAME": r"option 'name' of NamedName: loss.name is the trainer's own key \(it names the loss\)",
     }
     for name, words in cases.items():
         with pytest.raises(UnknownLossError, match=words):
@@ -364,7 +395,52 @@ def test_the_studys_source_hash_covers_a_package_whose_init_imports_the_loss(tmp
     source = (USER_LOSSES / "margin_infonce.py").read_text()
     (package / "core.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    from fastclip.losses import user
+
+    installed = user.installed_roots()  # the package as if pip-installed: among the installed roots
+    monkeypatch.setattr(user, "installed_roots", lambda: installed | {(tmp_path / "pkg").resolve()})
     before = runner.loss_source("my_pkg:MARGIN_INFONCE")
     (package / "core.py").write_text(source.replace("margin: float = 0.1", "margin: float = 0.4"))
     runner.loss_source.cache_clear()
     assert runner.loss_source("my_pkg:MARGIN_INFONCE") != before
+
+
+def test_options_of_a_users_own_are_settable_whatever_the_library_calls_its_own(modules):
+    """An option the library marks LIBRARY_ONLY in one of its losses (siglip's learn_bias) is the user's to set when
+    their class has it as a plain field; one narrower than the trainer's key (int for int | None) is accepted."""
+    from fastclip.train.config import load_config
+    from fastclip.train.net import check_loss
+
+    cfg = load_config(EMBEDDED, ["--loss.name", "kinds:OWN_NAMES", "--loss.extra_options.learn_bias", "false",
+                                 "--loss.hard_negative_topk", "3", "--loss.rho", "null"])  # fmt: skip
+    options = check_loss(cfg, 10).options
+    assert options.learn_bias is False and options.hard_negative_topk == 3
+
+
+def test_a_resume_whose_saved_options_the_users_class_now_refuses_is_a_note_not_a_traceback(modules):
+    """The user's options class changed between the run and its resume (here: a lower bound) so the saved config
+    no longer resolves: both sides are compared as written, and only what changed is said."""
+    import kinds
+
+    from fastclip.train.config import load_config
+    from fastclip.train.preflight import changed_on_resume_note
+
+    base = ["--loss.name", "kinds:BOUNDED", "--loss.rho", "null", "--loss.gamma_min", "null",
+            "--loss.gamma_decay_epochs", "null", "--loss.gamma_schedule", "null"]  # fmt: skip
+    saved = load_config(EMBEDDED, [*base, "--loss.extra_options.margin", "0.5"]).to_dict()
+    kinds.BOUND = 0.4
+    try:
+        now = load_config(EMBEDDED, [*base, "--loss.extra_options.margin", "0.3"])
+        note = changed_on_resume_note(now, saved)
+    finally:
+        kinds.BOUND = 1.0
+    assert note.endswith("not trained with: loss.extra_options.margin 0.5 -> 0.3"), note
+
+
+def test_an_empty_extra_options_mapping_in_a_file_is_no_left_out_note(tmp_path, capsys):
+    from fastclip.train.config import load_config
+
+    path = tmp_path / "margin.yaml"
+    path.write_text(f"loss:\n  name: {NAME}\n  extra_options: {{}}\n")
+    load_config(path, ["--loss.name", "openclip"])
+    assert "left out" not in capsys.readouterr().err

@@ -365,24 +365,26 @@ def deciding_args(cmd: list[str]) -> dict[str, str]:
 
 @functools.cache
 def loss_source(name: str) -> str:
-    """A hash of the files that define a user's loss (``module:attribute``): the module's, and those of the entry's
-    classes and their bases outside fastclip and the installed packages (a package's __init__ may only import
-    them). An edit to any makes the runs made before other settings, as a changed option would."""
+    """A hash of the files that define a user's loss (``module:attribute``): every file of its top-level package
+    (or its module's file) that the entry's classes and their bases come from, the module's own among them, and
+    those classes' files elsewhere outside fastclip and the installed packages. An edit to any makes the runs
+    made before other settings, as a changed option would."""
     import importlib.util
     import inspect
-    import sysconfig
 
     from fastclip.losses import loss_entry
+    from fastclip.losses.user import installed_roots, source_root
 
-    entry = loss_entry(name)
-    installed = {Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    installed.add(Path(records.REPO / "fastclip").resolve())
-    files = {Path(importlib.util.find_spec(name.partition(":")[0]).origin).resolve()}
+    entry, module_name = loss_entry(name), name.partition(":")[0]
+    root, installed = source_root(module_name), installed_roots()
+    files = {Path(importlib.util.find_spec(module_name).origin).resolve()}
     for cls in (entry.options, entry.autograd, entry.fused):
         for base in inspect.getmro(cls) if cls is not None else ():
             with contextlib.suppress(TypeError, OSError):  # (builtins have no source file)
                 path = Path(inspect.getsourcefile(base)).resolve()
-                if not any(path.is_relative_to(root) for root in installed):
+                if (root is not None and path.is_relative_to(root)) or not any(
+                    path.is_relative_to(r) for r in installed
+                ):
                     files.add(path)
     digest = hashlib.sha1()
     for path in sorted(files):

@@ -789,6 +789,15 @@ def loss_error_words(e: Exception) -> str:
     return str(e) if isinstance(e, (TypeError, ValueError)) and str(e) else f"{type(e).__name__}: {e}"
 
 
+# the loss options the trainer gives (fastclip/train/net.py: loss_options), from where
+TRAINER_LOSS_OPTIONS = {
+    "data_size": "from the data",
+    "lr_tau": "optim.lr_tau",
+    "embed_dim": "the towers' embed_dim",
+    "unimodal": "ssl.enabled",
+}
+
+
 def _check_extra_options(loss: LossConfig, entry) -> None:
     """loss.extra_options holds what a loss of the user's own takes beyond the loss.* keys, and only that."""
     if not loss.extra_options:
@@ -799,19 +808,21 @@ def _check_extra_options(loss: LossConfig, entry) -> None:
             "options are loss.* keys of their own: set those instead"
         )
     keys = {f.name for f in dataclasses.fields(LossConfig)}
-    library_only = {  # (any loss's: build_loss's data_size is the trainer's whether this loss takes it or not)
-        f.name
-        for options in (*(e.options for e in LOSSES.values()), entry.options)
-        for f in dataclasses.fields(options)
-        if not f.metadata.get("config_key", True)
+    # what the trainer sets (whether this loss takes it or not), and this loss's own options no config sets
+    library_only = set(TRAINER_LOSS_OPTIONS) | {
+        f.name for f in dataclasses.fields(entry.options) if not f.metadata.get("config_key", True)
     }
     for key in loss.extra_options:
         if key in keys:
             raise ConfigError(f"config key 'loss.extra_options.{key}': loss.{key} is a key of its own: set it there")
         if key in library_only:
             raise ConfigError(
-                f"config key 'loss.extra_options.{key}': the trainer sets it (data_size from the data, unimodal "
-                "from ssl.enabled, ...); leave it out"
+                f"config key 'loss.extra_options.{key}': "
+                + (
+                    f"the trainer sets it ({TRAINER_LOSS_OPTIONS[key]}); leave it out"
+                    if key in TRAINER_LOSS_OPTIONS
+                    else f"{entry.options.__name__} marks it LIBRARY_ONLY (not a config's); leave it out"
+                )
             )
 
 
@@ -975,7 +986,7 @@ def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> str | No
     if old == new:
         return None
     typed = overrides["loss"]
-    dropped = [k for k, v in section.items() if k not in takes and k not in typed and v is not None]
+    dropped = [k for k, v in section.items() if k not in takes and k not in typed and v not in (None, {})]
     for key in dropped:
         del section[key]
     refused = [k for k, v in typed.items() if k not in takes and v is not None]

@@ -617,9 +617,9 @@ NOT_THE_OBJECTIVE = (  # how it is computed, or evaluated: the same objective
 )
 
 
-def _with_loss_defaults(flat: dict, name) -> dict:
+def _with_loss_defaults(flat: dict, name) -> dict | None:
     """loss.* as the loss resolves them (a null is the library's default: spelling the default out changes
-    nothing); as given where the loss cannot resolve them."""
+    nothing); None where the loss cannot resolve them."""
     from fastclip.losses import config_option_names, resolved_options
 
     extra = "loss.extra_options."  # a loss of the user's own: its options beyond the loss.* keys
@@ -631,8 +631,8 @@ def _with_loss_defaults(flat: dict, name) -> dict:
     try:
         resolved = resolved_options(name, **loss)
         own = config_option_names(name)
-    except (TypeError, ValueError):  # (UnknownLossError among them: a name that is no loss)
-        return flat
+    except Exception:  # (a name that is no loss; a saved value a user's options class now refuses, however)
+        return None
     keys = {k.removeprefix("loss.") for k in flat if k.startswith("loss.") and not k.startswith(extra)}
     out = {**flat, **{f"loss.{k}": v for k, v in resolved.items() if k in keys}}
     # every option of its own, set or not, so that one given before and dropped since (or the reverse) is compared
@@ -655,8 +655,10 @@ def changed_on_resume_note(cfg: Config, saved: dict | None) -> str | None:
     a requeue command line that lost a flag changed the objective without a word."""
     if not saved:
         return None
-    before = _with_loss_defaults(_flat(saved), cfg.loss.name)
-    now = _with_loss_defaults(_flat(cfg.to_dict()), cfg.loss.name)
+    before, now = _flat(saved), _flat(cfg.to_dict())
+    resolved = _with_loss_defaults(before, cfg.loss.name), _with_loss_defaults(now, cfg.loss.name)
+    if None not in resolved:  # (one side that cannot be resolved: both compared as written)
+        before, now = resolved
     changed = [
         k
         for k in now

@@ -1,6 +1,7 @@
 """CPU seconds per training sample at each global batch of the study v2 plan (PLAN.md), on this machine.
 
-    python benchmarks/study/time_cells.py [--config configs/scenes-semantic.yaml] [--batches 32 128 512]
+    python benchmarks/study/time_cells.py [--config configs/scenes-semantic.yaml] [--batches 32 128 512] \
+        [-- FASTCLIP-TRAIN-FLAGS]      (e.g. -- --train.precision bf16: each setting's cost, run by run)
 
 For each batch, two short `fastclip train` runs (one process, OMP_NUM_THREADS=1, no evaluation, no checkpoint)
 of `--short` steps and of `--samples` more samples; the difference of their CPU seconds (the trainer and its
@@ -24,8 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def cpu_seconds_of_run(config: str, batch: int, steps: int, run_dir: Path) -> float:
-    cmd = [sys.executable, "-m", "fastclip", "train", "--", "--config", config]
+def cpu_seconds_of_run(config: str, batch: int, steps: int, run_dir: Path, flags: list[str] = ()) -> float:
+    cmd = [sys.executable, "-m", "fastclip", "train", "--", "--config", config, *flags]
     cmd += ["--data.batch_size", str(batch), "--train.max_steps", str(steps), "--train.run_dir", str(run_dir)]
     cmd += ["--eval.every_steps", "0", "--eval.at_end", "False", "--train.progress", "False"]
     cmd += ["--checkpoint.every_steps", "0", "--checkpoint.every_minutes", "0", "--optim.warmup_steps", "1"]
@@ -45,13 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--samples", type=int, default=8192, help="samples between the two runs (start-up varies by ~2 s)"
     )
+    parser.add_argument(
+        "flags", nargs="*", help="after --: more `fastclip train` flags for every run (--train.precision bf16, ...)"
+    )
     args = parser.parse_args(argv)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for batch in args.batches:
-            short = cpu_seconds_of_run(args.config, batch, args.short, Path(tmp) / f"{batch}-short")
+            short = cpu_seconds_of_run(args.config, batch, args.short, Path(tmp) / f"{batch}-short", args.flags)
             more = -(-args.samples // batch)  # steps
-            long = cpu_seconds_of_run(args.config, batch, args.short + more, Path(tmp) / f"{batch}-long")
+            long = cpu_seconds_of_run(args.config, batch, args.short + more, Path(tmp) / f"{batch}-long", args.flags)
             per_sample = (long - short) / (more * batch)
             out[batch] = {
                 "cpu_s_per_sample": per_sample,

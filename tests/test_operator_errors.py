@@ -1469,7 +1469,7 @@ def test_imagenet_val_without_any_scheduled_evaluation_is_named_not_ignored(tiny
     notes = [x for x in capsys.readouterr().err.splitlines() if "eval.imagenet_val" in x]
     assert notes == [
         f"fastclip train: note: eval.imagenet_val {missing} is not read: no evaluation is scheduled "
-        "(eval.every_steps 0, eval.at_end false)"
+        "(eval.every_steps 0, eval.every_epochs 0, eval.at_end false)"
     ]
 
 

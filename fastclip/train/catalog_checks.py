@@ -24,7 +24,7 @@ from fastclip.data.catalog import global_batch_too_large
 from fastclip.data.stream import shard_weights
 from fastclip.distributed import DistInfo
 from fastclip.train import net, preflight
-from fastclip.train.config import Config, ConfigError, note
+from fastclip.train.config import Config, ConfigError, note, scheduled_evaluation
 from fastclip.train.engine import check_backend
 
 
@@ -220,7 +220,7 @@ def check_eval_inputs(cfg: Config) -> None:
 
     for key in ("val", "zeroshot"):
         path = getattr(cfg.data, key)
-        evaluating = cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end)
+        evaluating = cfg.data.val is not None and scheduled_evaluation(cfg)
         pattern = key == "val" and is_pattern(path)  # shards by glob or {a..b}: found below
         if path is not None and evaluating and not Path(path).exists() and not pattern:
             raise ConfigError(f"config key 'data.{key}': {path!r} does not exist (set it to null to skip eval)")
@@ -253,10 +253,10 @@ def check_eval_inputs(cfg: Config) -> None:
             except (ValueError, OSError) as e:
                 raise ConfigError(f"config key 'data.zeroshot': {e}") from None
             check_labels_fit(path, specs, cfg.data.val)
-    if cfg.ssl.enabled and cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
+    if cfg.ssl.enabled and cfg.data.val is not None and scheduled_evaluation(cfg):
         check_val_has_labels(cfg.data.val)
     probing = cfg.eval.linear_probe or cfg.eval.knn
-    if probing and cfg.data.val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
+    if probing and cfg.data.val is not None and scheduled_evaluation(cfg):
         from fastclip.eval.training_probe import probe_train_beside
 
         probe_train = cfg.eval.probe_train or probe_train_beside(cfg.data.val)
@@ -267,7 +267,7 @@ def check_eval_inputs(cfg: Config) -> None:
                 "training data, or turn eval.linear_probe and eval.knn off"
             )
         check_knn_fits(cfg, Path(probe_train))
-    if cfg.eval.imagenet_val is not None and (cfg.eval.every_steps or cfg.eval.at_end):
+    if cfg.eval.imagenet_val is not None and scheduled_evaluation(cfg):
         from fastclip.eval.imagenet import read_variant
 
         try:
@@ -279,7 +279,7 @@ def check_eval_inputs(cfg: Config) -> None:
     elif cfg.eval.imagenet_val is not None:  # given (--imagenet-val) but never read: say so rather than ignore it
         note(
             f"fastclip train: note: eval.imagenet_val {cfg.eval.imagenet_val} is not read: no evaluation is "
-            "scheduled (eval.every_steps 0, eval.at_end false)"
+            "scheduled (eval.every_steps 0, eval.every_epochs 0, eval.at_end false)"
         )
 
 

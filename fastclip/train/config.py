@@ -253,6 +253,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every_steps: int = 200  # evaluate every N steps (0: never during training)
+    every_epochs: int = 0  # also after every N-th epoch (OpenCLIP's --val-frequency/--zeroshot-frequency); 0: not
     at_end: bool = True  # evaluate after the last step
     batch_size: int = 256
     max_samples: int | None = None  # cap on evaluated val samples (fast checks); null: all
@@ -272,6 +273,7 @@ class EvalConfig:
     def check(self) -> None:
         need = _rules(self, "eval.")
         need(self.every_steps >= 0, "every_steps", "must be >= 0")
+        need(self.every_epochs >= 0, "every_epochs", "must be >= 0")
         need(self.max_samples is None or self.max_samples >= 1, "max_samples", "must be >= 1 or null (all)")
         need(self.batch_size >= 1, "batch_size", "must be >= 1")
         need(all(k >= 1 for k in self.knn), "knn", "every k must be >= 1")
@@ -281,6 +283,7 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 500  # 0: never by step count
+    every_epochs: int = 0  # also at the end of every N-th epoch (OpenCLIP's --save-frequency); 0: not by epochs
     every_minutes: float = 10.0  # 0: never by time (rank 0's clock decides, on logging steps)
     keep_last: int = 3  # completed checkpoints kept (older ones, and any after a step resumed from, are deleted)
     at_end: bool = True
@@ -290,6 +293,7 @@ class CheckpointConfig:
     def check(self) -> None:
         need = _rules(self, "checkpoint.")
         need(self.every_steps >= 0, "every_steps", "must be >= 0")
+        need(self.every_epochs >= 0, "every_epochs", "must be >= 0")
         need(self.every_minutes >= 0, "every_minutes", "must be >= 0")
         need(self.keep_last >= 1, "keep_last", "must be >= 1")
 
@@ -493,6 +497,9 @@ FLAG_ALIASES = {
     "model": "model.arch",
     "grad_checkpointing": "model.grad_checkpointing",
     "torchcompile": "model.compile",
+    "save_frequency": "checkpoint.every_epochs",
+    "val_frequency": "eval.every_epochs",
+    "zeroshot_frequency": "eval.every_epochs",
     "lr": "optim.lr",
     "wd": "optim.wd",
     "warmup": "optim.warmup_steps",
@@ -523,15 +530,12 @@ NO_OP_FLAGS = {
 }
 REPORT_TO = ("tensorboard", "wandb")
 # OpenCLIP's per-epoch frequencies: here these are counted in steps (or minutes), under other keys
-EPOCH_FREQUENCY_FLAGS = {
-    "save_frequency": "checkpoints are written every --checkpoint.every_steps N steps and "
-    "--checkpoint.every_minutes M minutes, and at the end",
-    "zeroshot_frequency": "zero-shot (data.zeroshot, --imagenet-val) runs with every evaluation: "
-    "--eval.every_steps N, --eval.at_end true",
-    "val_frequency": "evaluation runs every --eval.every_steps N steps and at the end (--eval.at_end)",
-}
 # OpenCLIP switches (no value) that set a boolean here; "--flag true/false" works too
 SWITCH_FLAGS = ("dataset_resampled", "grad_checkpointing", "torchcompile", "ddp_static_graph")
+ONE_EVALUATION = (
+    "--val-frequency and --zeroshot-frequency are one setting (eval.every_epochs): an evaluation scores data.val "
+    "and zero-shot together, also every --eval.every_steps steps (0 turns it off)"
+)
 # OpenCLIP flags taken here with another meaning in a detail: said once, in one note at the start
 OPENCLIP_DIFFERENCES = {
     "accum_freq": "--accum-freq N splits the per-process --batch-size into N micro-batches: the global batch stays "
@@ -540,6 +544,10 @@ OPENCLIP_DIFFERENCES = {
     "report_to": "--report-to names every logger: TensorBoard is written only when it is listed",
     "pretrained": "--pretrained takes a local file (OpenCLIP's epoch_N.pt, an open_clip state dict or a fastclip "
     "export): nothing is downloaded",
+    "save_frequency": "--save-frequency N saves after every N-th epoch, and also every --checkpoint.every_steps "
+    "steps and --checkpoint.every_minutes minutes (0 turns either off)",
+    "val_frequency": ONE_EVALUATION,
+    "zeroshot_frequency": ONE_EVALUATION,
 }
 # OpenCLIP options with no counterpart key here: what to use instead, or why there is none
 OPENCLIP_UNSUPPORTED = {
@@ -671,8 +679,6 @@ def _refuse_openclip_only(flag: str) -> None:
     if (bare := flag.split("=", 1)[0]) in OPENCLIP_UNSUPPORTED or bare.startswith(("lock_image", "lock_text")):
         instead = OPENCLIP_UNSUPPORTED.get(bare, OPENCLIP_UNSUPPORTED["lock_image"])
         raise ConfigError(f"unknown option --{bare.replace('_', '-')} (an OpenCLIP option): {instead}")
-    if bare in EPOCH_FREQUENCY_FLAGS:
-        raise ConfigError(f"--{bare.replace('_', '-')} (OpenCLIP, in epochs): {EPOCH_FREQUENCY_FLAGS[bare]}")
     if flag == "name":  # OpenCLIP's run name; "name" alone would otherwise mean loss.name
         raise ConfigError(
             "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the "
@@ -1004,6 +1010,11 @@ def _leave_out_other_loss_options(data: dict, overrides: dict, path) -> str | No
         f"fastclip train: note: --loss.name {new}: {path} sets {', '.join('loss.' + k for k in dropped)} for "
         f"{old if 'name' in section else f'the default loss {old}'}, which {new} does not take: left out"
     )
+
+
+def scheduled_evaluation(cfg: Config) -> bool:
+    """Whether the run evaluates at all (by steps, by epochs or at the end)."""
+    return bool(cfg.eval.every_steps or cfg.eval.every_epochs or cfg.eval.at_end)
 
 
 def dump_config(cfg: Config) -> str:

@@ -1,6 +1,6 @@
-"""The scheduled evaluations of a run (eval.every_steps, eval.at_end), on every rank: data.val's zero-shot and
-retrieval (fastclip.eval.run_evals), eval.imagenet_val's zero-shot, eval.linear_probe / eval.knn, and for
-ssl.enabled a kNN on data.val's labels (fastclip/train/ssl.py). Each logs one metrics record "eval/..."."""
+"""The scheduled evaluations of a run (eval.every_steps, eval.every_epochs, eval.at_end), on every rank: data.val's
+zero-shot and retrieval (fastclip.eval.run_evals), eval.imagenet_val's zero-shot, eval.linear_probe / eval.knn, and
+for ssl.enabled a kNN on data.val's labels (fastclip/train/ssl.py). Each logs one metrics record "eval/..."."""
 
 from __future__ import annotations
 

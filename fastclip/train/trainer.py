@@ -223,9 +223,12 @@ class Run:
         """A stop (75) on an evaluation step checkpoints without evaluating (the signal's lead is short): the resume
         evaluates that step first, from the same state, so the run logs the curve of one never stopped."""
         cfg, step = self.cfg, self.step
-        if not (self.resume_dir is not None and step > 0 and cfg.eval.every_steps and step != self.last_step):
+        if not (self.resume_dir is not None and step > 0 and step != self.last_step):
             return False
-        if step % cfg.eval.every_steps:
+        by_steps = bool(cfg.eval.every_steps) and step % cfg.eval.every_steps == 0
+        # an epoch's end: the checkpoint stands at the start of the next epoch (the trainer ends an epoch first)
+        at_epoch_start = self.stream.batches_remaining(self.epoch) == self.stream.batches_per_epoch
+        if not (by_steps or (at_epoch_start and self.epoch_evaluation())):
             return False
         return broadcast_flag(self.info.is_main and not self.log.evaluated_at_start, self.info)
 
@@ -240,16 +243,21 @@ class Run:
             batch = to_device(batch, self.device, self.normalize, ssl=self.cfg.ssl.enabled)
             self.throughput.data += time.perf_counter() - t0
             loss, grad_norm, skip = self.train_step(*batch)
-            if guard.on_device and (self.is_logging_step() or self.checkpoint_due() or self.stop_check_due()):
+            # this step ends an epoch: the epoch cadences' steps (whatever an epoch's length at this layout)
+            ends_epoch = self.stream.batches_remaining(self.epoch) == 0
+            save_by_epoch = ends_epoch and every_nth(self.epoch + 1, self.cfg.checkpoint.every_epochs)
+            if guard.on_device and (
+                self.is_logging_step() or self.checkpoint_due() or save_by_epoch or self.stop_check_due()
+            ):
                 # the device's skip counts: on these steps only; a step refused before its loss (non-finite
                 # features: no loss to log) stays skipped whatever the device read says
                 skip = self.read_skips() or skip
             save_due = self.log_step(loss, grad_norm, skip) if self.is_logging_step() else False
-            if self.stream.batches_remaining(self.epoch) == 0:
+            if ends_epoch:
                 # before a checkpoint of this step: it then resumes in the next epoch, not in this one's end
                 # (which would report this epoch's data line a second time)
                 self.end_epoch()
-            self.after_step(skip, save_due)
+            self.after_step(skip, save_due or save_by_epoch, evaluate_by_epoch=ends_epoch and self.epoch_evaluation())
             if guard.stop:  # every rank saw the request at this step (verdict): checkpoint here and leave
                 self.save_once("checkpoint save")
                 self.log.message(stopped_line(self.step, self.stop.reason()))
@@ -317,6 +325,7 @@ class Run:
             guard.settle(bad)
 
     def checkpoint_due(self) -> bool:
+        """By step count (the epoch cadence is decided where an epoch ends: train_epoch)."""
         return bool(self.cfg.checkpoint.every_steps) and self.step % self.cfg.checkpoint.every_steps == 0
 
     def read_skips(self) -> str | None:
@@ -365,10 +374,17 @@ class Run:
         t.restart()
         return due
 
-    def after_step(self, skip: str | None, save_due: bool) -> None:
-        """Evaluation and checkpoint when due; their time is left out of the throughput."""
+    def epoch_evaluation(self) -> bool:
+        """Whether the epochs done so far (self.epoch, once an epoch has ended) call for eval.every_epochs'."""
+        return every_nth(self.epoch, self.cfg.eval.every_epochs)
+
+    def after_step(self, skip: str | None, save_due: bool, evaluate_by_epoch: bool = False) -> None:
+        """Evaluation and checkpoint when due (`save_due`, `evaluate_by_epoch`: by the clock or the epoch); their
+        time is left out of the throughput."""
         cfg, step, t_pause = self.cfg, self.step, time.perf_counter()
-        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != self.last_step and not self.guard.stop:
+        by_steps = bool(cfg.eval.every_steps) and step % cfg.eval.every_steps == 0 and step != self.last_step
+        by_epoch = evaluate_by_epoch and (step != self.last_step or not cfg.eval.at_end)  # (at_end: not twice)
+        if (by_steps or by_epoch) and not self.guard.stop:
             with self.timeouts.relaxed("evaluation"):
                 self.evaluation.evaluate(self.step, self.samples_seen)
         # no checkpoint on a skipped step: after too many in a row the last checkpoint is a good one
@@ -400,3 +416,8 @@ class Run:
         path = self.checkpoints.save(self.step)
         self.last_saved, self.last_save_time = self.step, time.time()
         self.log.message(f"checkpoint {path}")
+
+
+def every_nth(count: int, every: int) -> bool:
+    """Whether the count-th (epoch) is one of every `every`-th (0: none)."""
+    return every > 0 and count > 0 and count % every == 0

@@ -1,0 +1,74 @@
+"""Checkpoints and evaluations by epochs (checkpoint.every_epochs, eval.every_epochs: OpenCLIP's --save-frequency,
+--val-frequency and --zeroshot-frequency), one process in this one, on the tiny embedded data: 80 training
+samples in batches of 8, so an epoch is 10 steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastclip.train.cli import main
+from fastclip.train.preemption import EXIT_PREEMPTED
+
+from helpers import EMBEDDED, fault_overrides, records
+
+EPOCH = 10  # steps
+
+
+def _run(data: Path, run: Path, *flags: str, **extra) -> int:
+    settings = {
+        "train.epochs": 3,
+        "checkpoint.every_steps": 0,
+        "checkpoint.every_minutes": 0,
+        "data.val": data / "val",
+        "data.zeroshot": data / "zeroshot.json",
+        "eval.every_steps": 0,
+        "eval.max_samples": 16,
+        "eval.val_loss": False,
+        **extra,
+    }
+    return main(["--config", str(EMBEDDED), *fault_overrides(data, run, "dcl", **settings), *flags])
+
+
+def _evaluated(run: Path) -> list[int]:
+    return [r["step"] for r in records(run) if any(k.startswith("eval/") for k in r)]
+
+
+def _saved(run: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*"))
+
+
+def test_openclip_epoch_frequencies_save_and_evaluate_at_those_epochs_ends(tiny_embedded, tmp_path):
+    ends = {"eval.at_end": False, "checkpoint.at_end": False}
+    assert _run(tiny_embedded, tmp_path / "none", **ends) == 0
+    assert _evaluated(tmp_path / "none") == [] and _saved(tmp_path / "none") == []  # the same run without them
+    flags = ["--save-frequency", "1", "--zeroshot-frequency", "2", "--val-frequency", "2"]
+    assert _run(tiny_embedded, tmp_path / "run", *flags, **ends) == 0
+    assert _saved(tmp_path / "run") == [EPOCH, 2 * EPOCH, 3 * EPOCH]
+    assert _evaluated(tmp_path / "run") == [2 * EPOCH]  # the third epoch is no multiple of 2; at_end is off
+
+
+def test_the_last_epochs_evaluation_is_made_once_with_at_end(tiny_embedded, tmp_path):
+    run = tmp_path / "run"
+    assert _run(tiny_embedded, run, **{"eval.every_epochs": 1, "eval.at_end": True}) == 0
+    assert _evaluated(run) == [EPOCH, 2 * EPOCH, 3 * EPOCH]  # the end's once, not twice
+    run = tmp_path / "no_end"
+    assert _run(tiny_embedded, run, **{"eval.every_epochs": 1, "eval.at_end": False}) == 0
+    assert _evaluated(run) == [EPOCH, 2 * EPOCH, 3 * EPOCH]  # the last epoch's by its cadence
+
+
+def test_a_stop_at_an_epochs_end_is_evaluated_by_the_resume(tiny_embedded, tmp_path, monkeypatch):
+    """A stop signal at the step that ends epoch 1 checkpoints there without evaluating; the resume evaluates that
+    step first, so the run logs the evaluations of one never stopped. A stop mid-epoch owes none."""
+    straight = tmp_path / "straight"
+    cadence = {"eval.every_epochs": 1, "eval.at_end": True}
+    assert _run(tiny_embedded, straight, **cadence) == 0
+    expected = [r for r in records(straight) if any(k.startswith("eval/") for k in r)]
+    assert [r["step"] for r in expected] == [EPOCH, 2 * EPOCH, 3 * EPOCH]
+    for stop in (EPOCH, EPOCH + 5):
+        run = tmp_path / f"run{stop}"
+        monkeypatch.setenv("FASTCLIP_FAULTS", f"usr1@batch:step={stop}")
+        assert _run(tiny_embedded, run, **cadence) == EXIT_PREEMPTED
+        assert _saved(run) == [stop] and _evaluated(run) == [EPOCH] * (stop > EPOCH)
+        monkeypatch.delenv("FASTCLIP_FAULTS")
+        assert _run(tiny_embedded, run, **cadence, **{"train.resume": "latest"}) == 0
+        assert [r for r in records(run) if any(k.startswith("eval/") for k in r)] == expected

@@ -72,3 +72,33 @@ def test_a_stop_at_an_epochs_end_is_evaluated_by_the_resume(tiny_embedded, tmp_p
         monkeypatch.delenv("FASTCLIP_FAULTS")
         assert _run(tiny_embedded, run, **cadence, **{"train.resume": "latest"}) == 0
         assert [r for r in records(run) if any(k.startswith("eval/") for k in r)] == expected
+
+
+def test_the_last_steps_evaluation_by_either_cadence_is_owed_and_made_without_at_end(
+    tiny_embedded, tmp_path, monkeypatch
+):
+    """With eval.at_end false the last step is the cadences' own: evaluated by steps as by epochs, and after a stop
+    there, by the resume (it was lost for good: the resume skipped it as the last step)."""
+    for cadence in ({"eval.every_steps": EPOCH}, {"eval.every_epochs": 1}):
+        run = tmp_path / f"straight{len(cadence)}{next(iter(cadence))}"
+        assert _run(tiny_embedded, run, **cadence, **{"eval.at_end": False}) == 0
+        assert _evaluated(run) == [EPOCH, 2 * EPOCH, 3 * EPOCH], cadence
+    run = tmp_path / "stopped"
+    monkeypatch.setenv("FASTCLIP_FAULTS", f"usr1@batch:step={3 * EPOCH}")
+    assert _run(tiny_embedded, run, **{"eval.every_epochs": 1, "eval.at_end": False}) == EXIT_PREEMPTED
+    monkeypatch.delenv("FASTCLIP_FAULTS")
+    assert _evaluated(run) == [EPOCH, 2 * EPOCH]
+    assert _run(tiny_embedded, run, **{"eval.every_epochs": 1, "eval.at_end": False, "train.resume": "latest"}) == 0
+    assert _evaluated(run) == [EPOCH, 2 * EPOCH, 3 * EPOCH]
+
+
+def test_a_mid_epoch_resume_at_another_batch_owes_no_evaluation(tiny_embedded, tmp_path, monkeypatch):
+    """Stopped one step into epoch 2 and resumed at batch 16: the rest of the epoch (72 samples) is 5 batches, as a
+    whole epoch is at that batch, which read as an epoch's start and evaluated step 11."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("FASTCLIP_FAULTS", f"usr1@batch:step={EPOCH + 1}")
+    assert _run(tiny_embedded, run, **{"eval.every_epochs": 1}) == EXIT_PREEMPTED
+    monkeypatch.delenv("FASTCLIP_FAULTS")
+    more = {"eval.every_epochs": 1, "train.resume": "latest", "data.batch_size": 16, "train.resume_batch_change": True}
+    assert _run(tiny_embedded, run, **more) == 0
+    assert _evaluated(run) == [EPOCH, EPOCH + 1 + 5, EPOCH + 1 + 10]  # the ends of epochs 2 and 3, at batch 16

@@ -289,6 +289,11 @@ class TrainStream:
             self._quiet = Segment(())
             self._logged.clear()
 
+    def entered(self, epoch: int) -> bool:
+        """Whether the position is in `epoch` (a resumed stream: the saved one's epoch; a finished epoch's position
+        stays in it until the next is entered)."""
+        return self._epoch == epoch
+
     def batches_remaining(self, epoch: int) -> int:
         """How many batches `epoch(epoch)` will yield from the current position."""
         if self._epoch != epoch:

@@ -545,7 +545,8 @@ OPENCLIP_DIFFERENCES = {
     "pretrained": "--pretrained takes a local file (OpenCLIP's epoch_N.pt, an open_clip state dict or a fastclip "
     "export): nothing is downloaded",
     "save_frequency": "--save-frequency N saves after every N-th epoch, and also every --checkpoint.every_steps "
-    "steps and --checkpoint.every_minutes minutes (0 turns either off)",
+    "steps and --checkpoint.every_minutes minutes (0 turns either off); the last --checkpoint.keep_last of all of "
+    "them are kept",
     "val_frequency": ONE_EVALUATION,
     "zeroshot_frequency": ONE_EVALUATION,
 }

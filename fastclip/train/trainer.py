@@ -222,15 +222,22 @@ class Run:
     def evaluation_owed(self) -> bool:
         """A stop (75) on an evaluation step checkpoints without evaluating (the signal's lead is short): the resume
         evaluates that step first, from the same state, so the run logs the curve of one never stopped."""
-        cfg, step = self.cfg, self.step
-        if not (self.resume_dir is not None and step > 0 and step != self.last_step):
+        step = self.step
+        if not (self.resume_dir is not None and step > 0 and self.evaluates_at(step)):
             return False
-        by_steps = bool(cfg.eval.every_steps) and step % cfg.eval.every_steps == 0
-        # an epoch's end: the checkpoint stands at the start of the next epoch (the trainer ends an epoch first)
-        at_epoch_start = self.stream.batches_remaining(self.epoch) == self.stream.batches_per_epoch
-        if not (by_steps or (at_epoch_start and self.epoch_evaluation())):
+        # an epoch's end: the trainer ended the epoch before the checkpoint, whose stream has not entered the next
+        ended_epoch = not self.stream.entered(self.epoch) and self.epoch_evaluation()
+        if not (self.evaluates_by_steps(step) or ended_epoch):
             return False
         return broadcast_flag(self.info.is_main and not self.log.evaluated_at_start, self.info)
+
+    def evaluates_at(self, step: int) -> bool:
+        """A cadence's evaluation may fall on `step`: every step but the last when eval.at_end makes that one."""
+        return step != self.last_step or not self.cfg.eval.at_end
+
+    def evaluates_by_steps(self, step: int) -> bool:
+        every = self.cfg.eval.every_steps
+        return every > 0 and step % every == 0
 
     def train_epoch(self) -> None:
         """The rest of this epoch's batches (or up to the last step, or a stop)."""
@@ -381,10 +388,9 @@ class Run:
     def after_step(self, skip: str | None, save_due: bool, evaluate_by_epoch: bool = False) -> None:
         """Evaluation and checkpoint when due (`save_due`, `evaluate_by_epoch`: by the clock or the epoch); their
         time is left out of the throughput."""
-        cfg, step, t_pause = self.cfg, self.step, time.perf_counter()
-        by_steps = bool(cfg.eval.every_steps) and step % cfg.eval.every_steps == 0 and step != self.last_step
-        by_epoch = evaluate_by_epoch and (step != self.last_step or not cfg.eval.at_end)  # (at_end: not twice)
-        if (by_steps or by_epoch) and not self.guard.stop:
+        step, t_pause = self.step, time.perf_counter()
+        due = self.evaluates_by_steps(step) or evaluate_by_epoch
+        if due and self.evaluates_at(step) and not self.guard.stop:  # (the last step: at_end's, not twice)
             with self.timeouts.relaxed("evaluation"):
                 self.evaluation.evaluate(self.step, self.samples_seen)
         # no checkpoint on a skipped step: after too many in a row the last checkpoint is a good one

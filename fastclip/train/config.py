@@ -529,7 +529,6 @@ NO_OP_FLAGS = {
     "gather_with_grad": "every loss gathers the features once and computes the global-batch gradient exactly",
 }
 REPORT_TO = ("tensorboard", "wandb")
-# OpenCLIP's per-epoch frequencies: here these are counted in steps (or minutes), under other keys
 # OpenCLIP switches (no value) that set a boolean here; "--flag true/false" works too
 SWITCH_FLAGS = ("dataset_resampled", "grad_checkpointing", "torchcompile", "ddp_static_graph")
 ONE_EVALUATION = (
@@ -786,14 +785,17 @@ def _check_loss(loss: LossConfig) -> None:
         key = f"extra_options.{e.option}" if e.option in extra else e.option
         raise ConfigError(f"config key 'loss.{key}': {e.rule} (got {e.value!r})") from None
     except Exception as e:  # a value the options refuse; any error of a user's own options class, said as such
-        if loss.name in LOSS_NAMES and not isinstance(e, (TypeError, ValueError)):
-            raise  # (the library's own: a bug to see whole)
-        raise ConfigError(f"config section 'loss' (name {loss.name}): {loss_error_words(e)}") from None
+        raise loss_section_error(loss.name, e) from None
 
 
-def loss_error_words(e: Exception) -> str:
-    """An error's message; its type too where the message alone would not say what it is (an assert's)."""
-    return str(e) if isinstance(e, (TypeError, ValueError)) and str(e) else f"{type(e).__name__}: {e}"
+def loss_section_error(name: str, e: Exception) -> ConfigError:
+    """The one line for an error that loss `name`'s options raised: its message, with its type where the message
+    alone would not say what it is (an assert's). The library's own losses raise TypeError or ValueError for a
+    value: any other error of theirs is a bug, re-raised whole."""
+    if name in LOSS_NAMES and not isinstance(e, (TypeError, ValueError)):
+        raise e
+    words = str(e) if isinstance(e, (TypeError, ValueError)) and str(e) else f"{type(e).__name__}: {e}"
+    return ConfigError(f"config section 'loss' (name {name}): {words}")
 
 
 # the loss options the trainer gives (fastclip/train/net.py: loss_options), from where
@@ -814,11 +816,11 @@ def _check_extra_options(loss: LossConfig, entry) -> None:
             f"config key 'loss.extra_options': for a loss of your own (loss.name module:attribute); {loss.name}'s "
             "options are loss.* keys of their own: set those instead"
         )
+    from fastclip.losses import config_option_names, option_names
+
     keys = {f.name for f in dataclasses.fields(LossConfig)}
     # what the trainer sets (whether this loss takes it or not), and this loss's own options no config sets
-    library_only = set(TRAINER_LOSS_OPTIONS) | {
-        f.name for f in dataclasses.fields(entry.options) if not f.metadata.get("config_key", True)
-    }
+    library_only = set(TRAINER_LOSS_OPTIONS) | (option_names(loss.name) - config_option_names(loss.name))
     for key in loss.extra_options:
         if key in keys:
             raise ConfigError(f"config key 'loss.extra_options.{key}': loss.{key} is a key of its own: set it there")

@@ -21,7 +21,7 @@ from fastclip.train.config import (
     ConfigError,
     LossConfig,
     aug_options,
-    loss_error_words,
+    loss_section_error,
     section_loss_options,
 )
 from fastclip.train.momentum import MomentumTowers
@@ -121,9 +121,7 @@ def make_loss(cfg: Config, data_size: int, embed_dim: int | None = None):
             f"{', '.join(takes)}); drop {them} or set {them} to null{why}"
         ) from None
     except Exception as e:  # a value the options refuse; any error of a user's own options class, said as such
-        if cfg.loss.name in LOSS_NAMES and not isinstance(e, (TypeError, ValueError)):
-            raise  # (the library's own: a bug to see whole)
-        raise ConfigError(f"config section 'loss' (name {cfg.loss.name}): {loss_error_words(e)}") from None
+        raise loss_section_error(cfg.loss.name, e) from None
 
 
 def check_loss(cfg: Config, data_size: int):

@@ -236,8 +236,7 @@ class Run:
         return step != self.last_step or not self.cfg.eval.at_end
 
     def evaluates_by_steps(self, step: int) -> bool:
-        every = self.cfg.eval.every_steps
-        return every > 0 and step % every == 0
+        return every_nth(step, self.cfg.eval.every_steps)
 
     def train_epoch(self) -> None:
         """The rest of this epoch's batches (or up to the last step, or a stop)."""
@@ -333,7 +332,7 @@ class Run:
 
     def checkpoint_due(self) -> bool:
         """By step count (the epoch cadence is decided where an epoch ends: train_epoch)."""
-        return bool(self.cfg.checkpoint.every_steps) and self.step % self.cfg.checkpoint.every_steps == 0
+        return every_nth(self.step, self.cfg.checkpoint.every_steps)
 
     def read_skips(self) -> str | None:
         """Device mode: the skips since the last read (logged; raises after too many in a row); why this step
@@ -425,5 +424,5 @@ class Run:
 
 
 def every_nth(count: int, every: int) -> bool:
-    """Whether the count-th (epoch) is one of every `every`-th (0: none)."""
+    """Whether the count-th (step, or epoch done) is one of every `every`-th (0: none)."""
     return every > 0 and count > 0 and count % every == 0

@@ -110,6 +110,21 @@ def test_plan_counts_and_equal_budgets(tmp_path):
     assert resolve_setting({"loss.rho_frac": 0.6, "optim.lr": 1e-3}, 64) == {"loss.rho": 2.4859, "optim.lr": 1e-3}
 
 
+def test_long_seeds_are_the_first_test_seeds_run_seed_by_seed_across_the_table(tmp_path, capsys):
+    """long_seeds: the longer training's seeds, fewer than test_seeds (its cost is long_factor x a test run's), run
+    seed by seed across each table's objectives so a stopped phase leaves pairs. Not a prefix: one line."""
+    spec = load(write_spec(tmp_path, test_seeds=[1, 2, 3, 4, 5, 6, 7, 8], long_seeds=[1, 2, 3, 4, 5, 6]))
+    runs = plan(spec)
+    assert sorted(r.seed for r in runs if r.phase == "test" and r.objective == "base" and r.global_batch == 32) == [
+        1, 2, 3, 4, 5, 6, 7, 8]  # fmt: skip
+    long = [(r.global_batch, r.seed, r.objective) for r in runs if r.phase == "long"]
+    assert long == [(b, s, o) for b in (32, 64) for s in range(1, 7) for o in ("base", "new")]
+    assert load(write_spec(tmp_path, test_seeds=[1, 2, 3, 4, 5, 6, 7])).long_seeds == (1, 2, 3, 4, 5, 6, 7)
+    for seeds, words in [([2, 3, 4, 5, 6, 7], "must be the first 6 of test_seeds"), ([1, 2, 3], "at least 6")]:
+        path = write_spec(tmp_path, test_seeds=[1, 2, 3, 4, 5, 6, 7], long_seeds=seeds)
+        one_line_error(capsys, main, ["plan", str(path)], "long_seeds", words)
+
+
 def test_batch_resolved_keys_mean_one_regime_at_every_batch():
     """optim.lr_tau_b32 keeps lr_tau x steps (a learned τ's reach) fixed for a fixed sample budget; loss.bias: prior
     starts SigLIP's bias at sigmoid(b) = 1/B; anything else passes as it is."""

@@ -132,7 +132,7 @@ def cmd_plan(spec, args) -> int:
     print(
         f"test seeds: {len(spec.test_seeds)} for {headline} and for each table's winner and strongest baseline "
         f"(named on val), {len(spec.other_test_seeds)} for the others; longer training: x{spec.long_factor} epochs "
-        "for the same"
+        f"for the same, {len(spec.long_seeds)} seeds"
     )
     if args.list:
         for r in runs:

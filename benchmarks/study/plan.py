@@ -3,7 +3,8 @@
 Phases of a cell (dataset, global batch, objective):
 - tune: every grid setting x every tuning seed, scored on `val` at the end (the same number for every objective);
 - test: the chosen setting, the test seeds (headline objectives: all of them; others: other_test_seeds), on `test`;
-- long: headline objectives only, the chosen setting trained epochs x long_factor with its own schedule, on `test`.
+- long: headline objectives only, the chosen setting trained epochs x long_factor with its own schedule, on `test`,
+  for long_seeds (the first test seeds), run seed by seed across a table's objectives.
 The chosen setting is the best mean over the tuning seeds of the final val metric (a tie: the first in grid
 order); it exists once every tuning run of the cell is done, so test and long runs wait for it.
 
@@ -259,7 +260,7 @@ def final_runs(spec: Spec, dataset: str, batch: int, objective: str, setting: di
         for s in (spec.test_seeds if full else spec.other_test_seeds)
     ]
     if full:
-        runs += [Run(dataset, batch, objective, key, s, "long", epochs * spec.long_factor) for s in spec.test_seeds]
+        runs += [Run(dataset, batch, objective, key, s, "long", epochs * spec.long_factor) for s in spec.long_seeds]
     return runs
 
 
@@ -286,6 +287,10 @@ def plan(spec: Spec, only: str | Iterable[str] | None = None) -> list[Run]:
         tune += runs
         for run in final_runs(spec, dataset, batch, objective, best, full_treatment(spec, objective, named)):
             (test if run.phase == "test" else long).append(run)
+    # each table's long runs seed by seed across its objectives: a stopped phase leaves paired seeds, not one
+    # objective's every seed and another's none
+    tables_order = list(dict.fromkeys((r.dataset, r.global_batch) for r in long))
+    long.sort(key=lambda r: (tables_order.index((r.dataset, r.global_batch)), spec.long_seeds.index(r.seed)))
     return tune + test + long
 
 

@@ -94,6 +94,7 @@ class Spec:
     test_seeds: tuple[int, ...]  # headline objectives
     other_test_seeds: tuple[int, ...]  # the others (paired with the first headline seeds)
     long_factor: int  # the headline objectives' longer training: epochs x this, its own schedule
+    long_seeds: tuple[int, ...]  # the longer training's seeds: the first of test_seeds (default: all of them)
     warmup_frac: float
     curve_points: int  # evaluations per run (the curve), also its checkpoints (a killed run loses at most one)
     # evaluations per tuning run: its choice reads only the last, and evaluating never changes what trains
@@ -307,8 +308,8 @@ def load(path: Path) -> Spec:
     raw = _read(path)
     known = {
         "name", "results", "work", "datasets", "objectives", "batches", "tune_seeds", "test_seeds",
-        "other_test_seeds", "long_factor", "warmup_frac", "curve_points", "tune_curve_points", "device", "train",
-        "report_md", "summary_json", "contrasts",
+        "other_test_seeds", "long_factor", "long_seeds", "warmup_frac", "curve_points", "tune_curve_points",
+        "device", "train", "report_md", "summary_json", "contrasts",
     }  # fmt: skip
     unknown = set(raw) - known
     _need(not unknown, str(path), f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -367,6 +368,10 @@ def load(path: Path) -> Spec:
           "of test_seeds, for the comparisons to pair them")  # fmt: skip
     shared = sorted(set(tune_seeds) & (set(test_seeds) | set(other)))
     _need(not shared, f"{path}: tune_seeds", f"{shared} also test seeds; the test seeds must be fresh")
+    long_seeds = _seeds(raw.get("long_seeds", raw["test_seeds"]), f"{path}: long_seeds", 6)
+    prefix = test_seeds[: len(long_seeds)]
+    _need(long_seeds == prefix, f"{path}: long_seeds", f"must be the first {len(long_seeds)} of test_seeds "
+          f"{list(test_seeds)}, for the tuned length's runs to pair with them")  # fmt: skip
     long_factor = raw.get("long_factor", 3)
     _need(isinstance(long_factor, int) and long_factor >= 3, f"{path}: long_factor", "must be an integer >= 3")
     curve_points = raw.get("curve_points", 16)
@@ -401,6 +406,7 @@ def load(path: Path) -> Spec:
         test_seeds=test_seeds,
         other_test_seeds=other,
         long_factor=long_factor,
+        long_seeds=long_seeds,
         warmup_frac=float(warmup_frac),
         curve_points=curve_points,
         tune_curve_points=tune_points,

@@ -1719,16 +1719,46 @@ def test_at_commit_makes_a_worktree_with_this_trees_package_and_run_folders(tmp_
             assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
             assert all(w in done.stderr for w in words), done.stderr
     finally:
-        for link in (
-            *links,
-            "benchmarks/results/study_v2/timing.json",
-            "benchmarks/results/study_v2_revisits/timing.json",
-        ):
-            if (wt / link).is_symlink():
-                (wt / link).unlink()  # the links only: the folders they name are this tree's
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], capture_output=True)
+        remove_worktree(wt)
         for made in ("benchmarks/out/zz_at_commit_mine", "benchmarks/results/zz_at_commit_mine"):
             shutil.rmtree(REPO / made, ignore_errors=True)
+
+
+def remove_worktree(wt: Path) -> None:
+    """An at_commit.sh worktree gone, its links unlinked first: the folders they name are this tree's."""
+    import os
+    import subprocess
+
+    links = [wt / ".venv"]
+    for folder, dirs, files in os.walk(wt / "benchmarks"):  # (never into a link)
+        links += [Path(folder, name) for name in dirs + files]
+    for link in links:
+        if link.is_symlink():
+            link.unlink()
+    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(wt)], capture_output=True)
+
+
+def test_the_package_plans_v2_at_the_commit_its_batch_32_runs_record(tmp_path):
+    """The batch-32 table runs at its first runs' commit with this tree's package (at_commit.sh): the package must
+    load v2 there, whose fastclip predates what the package later learned (2026-12-01: loss_entry, a user's loss,
+    was imported from fastclip and `plan` failed there with an ImportError)."""
+    import subprocess
+
+    record = next((REPO / "benchmarks/results/study_v2/runs/scenes-semantic/32/dcl").rglob("*.json"))
+    commit = json.loads(record.read_text())["commit"]
+    known = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+    if known.returncode != 0:
+        pytest.skip(f"this clone lacks {commit} (shallow): `git fetch --unshallow` to run it")
+    wt = tmp_path / "wt"
+    try:
+        done = subprocess.run(["bash", str(REPO / "benchmarks/study/at_commit.sh"), commit, str(wt)],
+                              capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        done = subprocess.run([sys.executable, "-m", "benchmarks.study", "plan", "benchmarks/study/v2.yaml"],
+                              cwd=wt, capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0 and done.stdout.startswith("study study_v2: "), done.stderr[-2000:]
+    finally:
+        remove_worktree(wt)
 
 
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP", "SIGINT"])

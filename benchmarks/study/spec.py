@@ -218,6 +218,22 @@ def _name(name, where: str, what: str) -> None:
           "dataset/batch/objective/..., --cell takes patterns)")  # fmt: skip
 
 
+def _check_loss_name(name, where: str) -> None:
+    """A fastclip loss, or module:attribute naming one of the user's own (on PYTHONPATH). The package also runs a
+    table's cells at the older fastclip its runs started with (at_commit.sh), which knows its own names only."""
+    try:
+        from fastclip.losses import UnknownLossError, loss_entry
+    except ImportError:  # fastclip before 2026-12-01
+        from fastclip.losses import LOSSES
+
+        _need(name in LOSSES, where, f"unknown loss {name!r}: this fastclip knows {sorted(LOSSES)}")
+        return
+    try:
+        loss_entry(name)
+    except UnknownLossError as e:
+        _need(False, where, str(e))
+
+
 def _objective(name: str, raw: dict, where: str) -> Objective:
     _name(name, where, "objective")
     what = "must be a mapping with `loss` (a fastclip loss name, or module:attribute)"
@@ -225,12 +241,7 @@ def _objective(name: str, raw: dict, where: str) -> Objective:
     known = {"loss", "options", "grid", "baseline", "headline", "from_choice", "batches"}
     unknown = set(raw) - known
     _need(not unknown, where, f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
-    from fastclip.losses import UnknownLossError, loss_entry
-
-    try:  # a fastclip loss, or module:attribute naming one of the user's own (on PYTHONPATH)
-        loss_entry(raw["loss"])
-    except UnknownLossError as e:
-        _need(False, f"{where}.loss", str(e))
+    _check_loss_name(raw["loss"], f"{where}.loss")
     grid = raw.get("grid") or {}
     _need(isinstance(grid, dict) and grid, f"{where}.grid", "must map config keys to lists of values")
     for key, values in list(grid.items()):

@@ -1744,7 +1744,8 @@ def test_the_package_plans_v2_at_the_commit_its_batch_32_runs_record(tmp_path):
     was imported from fastclip and `plan` failed there with an ImportError)."""
     import subprocess
 
-    record = next((REPO / "benchmarks/results/study_v2/runs/scenes-semantic/32/dcl").rglob("*.json"))
+    record = next((REPO / "benchmarks/results/study_v2/runs/scenes-semantic/32/dcl").rglob("*.json"), None)
+    assert record is not None, "v2's batch-32 dcl records are committed: the table's commit is read from one"
     commit = json.loads(record.read_text())["commit"]
     known = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
     if known.returncode != 0:
@@ -1757,6 +1758,14 @@ def test_the_package_plans_v2_at_the_commit_its_batch_32_runs_record(tmp_path):
         done = subprocess.run([sys.executable, "-m", "benchmarks.study", "plan", "benchmarks/study/v2.yaml"],
                               cwd=wt, capture_output=True, text=True)  # fmt: skip
         assert done.returncode == 0 and done.stdout.startswith("study study_v2: "), done.stderr[-2000:]
+        # a loss that is no name of that fastclip's, or not text: one line there too
+        for loss, words in (("nope", "unknown loss 'nope'"), (["dcl"], "unknown loss ['dcl']")):
+            path = write_spec(tmp_path)
+            _objective_change(path, "base2", loss=loss)
+            done = subprocess.run([sys.executable, "-m", "benchmarks.study", "plan", str(path)], cwd=wt,
+                                  capture_output=True, text=True)  # fmt: skip
+            assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
+            assert "objectives.base2.loss" in done.stderr and words in done.stderr, done.stderr
     finally:
         remove_worktree(wt)
 

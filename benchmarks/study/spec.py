@@ -226,7 +226,8 @@ def _check_loss_name(name, where: str) -> None:
     except ImportError:  # fastclip before 2026-12-01
         from fastclip.losses import LOSSES
 
-        _need(name in LOSSES, where, f"unknown loss {name!r}: this fastclip knows {sorted(LOSSES)}")
+        _need(isinstance(name, str) and name in LOSSES, where, f"unknown loss {name!r}: this fastclip knows "
+              f"{sorted(LOSSES)}")  # fmt: skip
         return
     try:
         loss_entry(name)

@@ -100,10 +100,10 @@ def test_local_loss_and_gather_with_grad_are_accepted_with_one_note_each():
             "unknown option --force-quick-gelu (an OpenCLIP option): the activation comes from the architecture: use "
             "a -quickgelu one, e.g. --model.arch ViT-B-32-quickgelu",
         ),
-        (
+        (  # OpenCLIP ignores it without --lock-image; here it is a setting that would do nothing (LiT is supported)
             ["--lock-image-unlocked-groups", "2"],
-            "unknown option --lock-image-unlocked-groups (an OpenCLIP option): both towers are trained (no frozen "
-            "tower); start them from a file with --model.pretrained",
+            "config key 'model.lock_image_unlocked_groups': applies to a locked image tower only: set "
+            "model.lock_image true (OpenCLIP's --lock-image), or drop it (got 2)",
         ),
         # OpenCLIP options with an equivalent that was not named (a fresh-eyes user's run)
         (

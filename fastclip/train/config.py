@@ -116,10 +116,34 @@ class ModelConfig:
     # OpenCLIP epoch_N.pt, an open_clip state dict, a fastclip export or
     # model.pt; shapes must match; fresh optimizer and per-sample state;
     # ignored when --train.resume finds a checkpoint to continue
+    # LiT (OpenCLIP's --lock-image, --lock-text ...): a locked tower's parameters are frozen (requires_grad false: no
+    # gradient, no optimizer state), through open_clip's lock_image_tower / lock_text_tower (fastclip/models/locks.py),
+    # applied before model.pretrained or a resume loads the towers; the lock keys cannot change on resume
+    lock_image: bool = False  # freeze the image tower (usually with model.pretrained: LiT's locked image tower)
+    # leave the last N of the image tower's groups trainable (open_clip's ViT: stem, each block but the last, the
+    # last block with ln_post, the projection: layers + 2 groups); RN towers lock whole only (0)
+    lock_image_unlocked_groups: int = 0
+    # the locked groups' BatchNorm layers become FrozenBatchNorm2d: statistics and affine weights fixed, also in
+    # train mode (a locked BatchNorm otherwise still updates its running statistics); refused for a tower without any
+    lock_image_freeze_bn_stats: bool = False
+    lock_text: bool = False  # freeze the text tower
+    # leave the last N of the text tower's layer groups trainable (open_clip's text transformer: the embeddings, each
+    # block but the last, the last block with ln_final, the projection; a Hugging Face tower: its embeddings and layers)
+    lock_text_unlocked_layers: int = 0
+    # open_clip's own text tower locks its LayerNorms with the rest and needs this true; a Hugging Face tower keeps
+    # its LayerNorms trainable unless it is true
+    lock_text_freeze_layer_norm: bool = False
 
     def check(self) -> None:
         m = self.ema_momentum
-        _rules(self, "model.")(m is None or 0 < m < 1, "ema_momentum", "must be in (0, 1) or null")
+        need = _rules(self, "model.")
+        need(m is None or 0 < m < 1, "ema_momentum", "must be in (0, 1) or null")
+        for tower, count in (("image", "lock_image_unlocked_groups"), ("text", "lock_text_unlocked_layers")):
+            need(getattr(self, count) >= 0, count, "must be >= 0 (0: the whole tower is locked)")
+            lock = f"lock_{tower}"
+            for key in (count, "lock_image_freeze_bn_stats" if tower == "image" else "lock_text_freeze_layer_norm"):
+                need(getattr(self, lock) or not getattr(self, key), key, f"applies to a locked {tower} tower only: "
+                     f"set model.{lock} true (OpenCLIP's --{lock.replace('_', '-')}), or drop it")  # fmt: skip
 
 
 # The loss section: `name`, the trainer's own `validate`, and a key for every loss option (fastclip/losses/options.py,
@@ -496,6 +520,12 @@ FLAG_ALIASES = {
     "data_size": "data.data_size",
     "model": "model.arch",
     "grad_checkpointing": "model.grad_checkpointing",
+    "lock_image": "model.lock_image",
+    "lock_image_unlocked_groups": "model.lock_image_unlocked_groups",
+    "lock_image_freeze_bn_stats": "model.lock_image_freeze_bn_stats",
+    "lock_text": "model.lock_text",
+    "lock_text_unlocked_layers": "model.lock_text_unlocked_layers",
+    "lock_text_freeze_layer_norm": "model.lock_text_freeze_layer_norm",
     "torchcompile": "model.compile",
     "save_frequency": "checkpoint.every_epochs",
     "val_frequency": "eval.every_epochs",
@@ -530,7 +560,16 @@ NO_OP_FLAGS = {
 }
 REPORT_TO = ("tensorboard", "wandb")
 # OpenCLIP switches (no value) that set a boolean here; "--flag true/false" works too
-SWITCH_FLAGS = ("dataset_resampled", "grad_checkpointing", "torchcompile", "ddp_static_graph")
+SWITCH_FLAGS = (
+    "dataset_resampled",
+    "grad_checkpointing",
+    "torchcompile",
+    "ddp_static_graph",
+    "lock_image",
+    "lock_image_freeze_bn_stats",
+    "lock_text",
+    "lock_text_freeze_layer_norm",
+)
 ONE_EVALUATION = (
     "--val-frequency and --zeroshot-frequency are one setting (eval.every_epochs): an evaluation scores data.val "
     "and zero-shot together, also every --eval.every_steps steps (0 turns it off)"
@@ -556,8 +595,6 @@ OPENCLIP_UNSUPPORTED = {
     "save_most_recent": "checkpoints/latest always names the newest checkpoint",
     "force_quick_gelu": "the activation comes from the architecture: use a -quickgelu one, e.g. --model.arch "
     "ViT-B-32-quickgelu",
-    "lock_image": "both towers are trained (no frozen tower); start them from a file with --model.pretrained",
-    "lock_text": "both towers are trained (no frozen tower); start them from a file with --model.pretrained",
     "horovod": "processes are started by torchrun or srun (launch/)",
     "beta1": "use --optim.betas '[BETA1, BETA2]' (both at once; default [0.9, 0.98])",
     "beta2": "use --optim.betas '[BETA1, BETA2]' (both at once; default [0.9, 0.98])",
@@ -676,9 +713,10 @@ def _next_flag(args: list[str], i: int, index: dict[str, list[str]], out: dict) 
 
 def _refuse_openclip_only(flag: str) -> None:
     """OpenCLIP's options that have no key here, or another one: what to use instead."""
-    if (bare := flag.split("=", 1)[0]) in OPENCLIP_UNSUPPORTED or bare.startswith(("lock_image", "lock_text")):
-        instead = OPENCLIP_UNSUPPORTED.get(bare, OPENCLIP_UNSUPPORTED["lock_image"])
-        raise ConfigError(f"unknown option --{bare.replace('_', '-')} (an OpenCLIP option): {instead}")
+    if (bare := flag.split("=", 1)[0]) in OPENCLIP_UNSUPPORTED:
+        raise ConfigError(
+            f"unknown option --{bare.replace('_', '-')} (an OpenCLIP option): {OPENCLIP_UNSUPPORTED[bare]}"
+        )
     if flag == "name":  # OpenCLIP's run name; "name" alone would otherwise mean loss.name
         raise ConfigError(
             "--name is OpenCLIP's run name: here the run folder is --train.run_dir DIR (or --logs DIR, the "

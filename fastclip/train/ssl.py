@@ -56,6 +56,9 @@ def check_ssl_config(cfg: Config) -> None:
     )
     need(cfg.model.ema_momentum is None, "model.ema_momentum", f"feeds a queue or distillation, which {image_only} "
          "does not implement: set it null")  # fmt: skip
+    need(not cfg.model.lock_text, "model.lock_text", f"locks a text tower; {image_only}: drop it")
+    need(not cfg.model.lock_image, "model.lock_image", f"would leave only the projector to train; {image_only}, and "
+         "its image tower is what ssl.enabled trains: drop it")  # fmt: skip
     need(s.projector_hidden >= 1, "ssl.projector_hidden", "must be >= 1")
     need(s.projector_dim >= 1, "ssl.projector_dim", "must be >= 1")
     for key in ("flip_p", "blur_p"):

@@ -66,11 +66,24 @@ def loss_logit_bias(model_file: dict) -> torch.Tensor | None:
     return bias if isinstance(bias, torch.Tensor) else None
 
 
+BN_COUNTER = "num_batches_tracked"
+
+
 def fitted_to(model_keys, state: dict) -> dict:
     """`state` without the sigmoid bias an export carries for open_clip (logit_bias) where the model built here has
-    none: in fastclip a SigLIP loss holds its bias, not the towers (fastclip export puts it in the towers)."""
+    none: in fastclip a SigLIP loss holds its bias, not the towers (fastclip export puts it in the towers). A
+    BatchNorm's step counter where only one side has it (a tower locked with model.lock_image_freeze_bn_stats has
+    FrozenBatchNorm2d layers, which keep none): dropped from the file, or 0 where the file lacks it (what torch's
+    BatchNorm loader gives a file without one); the statistics and affine weights are the same tensors."""
     if "logit_bias" in state and "logit_bias" not in model_keys:
-        return {k: v for k, v in state.items() if k != "logit_bias"}
+        state = {k: v for k, v in state.items() if k != "logit_bias"}
+    counter = lambda key: key.endswith(f".{BN_COUNTER}")  # noqa: E731
+    stats = lambda key: key[: -len(BN_COUNTER)] + "running_mean"  # noqa: E731
+    extra = [k for k in state if counter(k) and k not in model_keys and stats(k) in model_keys]
+    missing = [k for k in model_keys if counter(k) and k not in state and stats(k) in state]
+    if extra or missing:
+        state = {k: v for k, v in state.items() if k not in extra}
+        state.update({k: torch.zeros((), dtype=torch.long) for k in missing})
     return state
 
 

@@ -351,17 +351,19 @@ def check_no_empty_shard(catalog) -> None:
 
 def check_before_launch(cfg: Config, world_size: int) -> None:
     """`fastclip train --check`: every check train makes before its first step, without a process group or a run
-    folder: the operator's input, the data and resume (check_inputs), the run folder's lock, whether the resume's
-    or --model.pretrained's weights fit the architecture (built on the meta device: shapes only), and, beyond what
-    train refuses, a 0-byte local shard."""
+    folder: the operator's input, the data and resume (check_inputs), the run folder's lock, the tower locks and
+    whether the resume's or --model.pretrained's weights fit the architecture (built on the meta device: shapes
+    only), and, beyond what train refuses, a 0-byte local shard."""
     preflight.check_operator_input(cfg, create=False)  # --check leaves no run folder
     preflight.check_run_dir_free(cfg)
     catalog = read_catalog(cfg)
     check_eval_inputs(cfg)
     check_no_empty_shard(catalog)
     _, resume_dir, model_file, pretrained = check_inputs(cfg, world_size, catalog, rank_files=True)
+    locked = cfg.model.lock_image or cfg.model.lock_text  # the locks the towers cannot take: refused here too
+    towers = preflight.meta_towers(cfg) if locked or model_file is not None or pretrained is not None else None
     if model_file is not None:
         what = f"checkpoint {resume_dir / ckpt.MODEL_FILE}"
-        preflight.check_fits(preflight.meta_towers(cfg), ckpt.towers_state(model_file), what, "train.resume")
+        preflight.check_fits(towers, ckpt.towers_state(model_file), what, "train.resume")
     elif pretrained is not None:
-        preflight.fit_pretrained(preflight.meta_towers(cfg), pretrained, cfg.model.pretrained)
+        preflight.fit_pretrained(towers, pretrained, cfg.model.pretrained)

@@ -32,8 +32,9 @@ PRECISION_WORDS = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autoca
 
 
 def start_line(cfg, info, net, stream, steps: tuple[int, int], resume_dir: Path | None, pretrained: bool) -> str:
-    """The run's first line: loss, towers (`pretrained`: model.pretrained was loaded into them), processes, engine,
-    precision, speedups (net: fastclip/train/net.py), batch, steps (first, last) and folders."""
+    """The run's first line: loss, towers (`pretrained`: model.pretrained was loaded into them), the locked towers
+    and the parameters that train, processes, engine, precision, speedups (net: fastclip/train/net.py), batch, steps
+    (first, last) and folders."""
     o = cfg.optim
     # open_clip's own "No pretrained weights loaded" warning is dropped (fastclip/models): said here once
     if resume_dir is not None:  # the checkpoint's weights: --model.pretrained only starts a new run
@@ -43,7 +44,8 @@ def start_line(cfg, info, net, stream, steps: tuple[int, int], resume_dir: Path 
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in net.model.parameters())  # ZeRO-3: full sizes
     return (
         f"fastclip train: {cfg.loss.name}, {net.built.arch} ({n_params / 1e6:.1f}M parameters, {start}), "
-        f"{info.world_size} process(es) on {info.device.type} ({info.launcher}), {net.engine.describe()}, "
+        + (f"{net.locks}, " if getattr(net, "locks", None) else "")  # model.lock_image / lock_text
+        + f"{info.world_size} process(es) on {info.device.type} ({info.launcher}), {net.engine.describe()}, "
         f"{PRECISION_WORDS[cfg.train.precision]}, "
         + "".join(f"{s}, " for s in net.speedups)
         + f"global batch {cfg.data.batch_size * info.world_size}"

@@ -165,6 +165,7 @@ class Net:
     speedups: list[str]  # GPU choices applied, for the start-up line
     loaded: object = None  # what build_net's `load` returned (the trainer: where a resume continues)
     momentum_towers: MomentumTowers | None = None  # model.ema_momentum's EMA copy of the towers
+    locks: str | None = None  # the locked towers (model.lock_image, model.lock_text), as the start line says them
 
 
 def build_towers(cfg: Config, device: str = "cpu"):
@@ -179,6 +180,21 @@ def build_towers(cfg: Config, device: str = "cpu"):
 
         built = ssl_built(built, cfg)
     return built
+
+
+def lock_towers(model: torch.nn.Module, cfg: Config) -> str | None:
+    """model.lock_image / model.lock_text (LiT) by the model's own lock methods (fastclip/models/locks.py), in place:
+    the locked parameters stop requiring gradients, so the optimizer holds no state for them. Returns the start
+    line's words for them (None without a lock); what the towers cannot take is a ConfigError naming the key."""
+    from fastclip.models.locks import LockError, LockSettings, apply_locks
+
+    settings = LockSettings.of(cfg.model)
+    if not settings.any:
+        return None
+    try:
+        return apply_locks(model, settings, cfg.model.arch)
+    except LockError as e:
+        raise ConfigError(f"config key 'model.{e.key}': {e.why}") from None
 
 
 def build_net(
@@ -198,6 +214,9 @@ def build_net(
     device = info.device
     seed_all(cfg.train.seed)
     built = build_towers(cfg)
+    # before the weights are loaded: freezing BatchNorm statistics replaces modules, which a resume or
+    # model.pretrained must load into as the run saves them
+    locks = lock_towers(built.model, cfg)
     model = built.model.to(device)
     speedups = apply_backend_flags(cfg, device)  # CUDA: TF32, cudnn.benchmark (fastclip/train/gpu.py)
     if wants_channels_last(cfg, model, device):  # convolutional towers on CUDA
@@ -218,7 +237,7 @@ def build_net(
     net = TowersWithLoss(
         model, loss_fn, precision=cfg.train.precision, compile=cfg.model.compile, momentum_towers=momentum
     )
-    return Net(built, model, loss_fn, build_engine(net, cfg, info), speedups, loaded, momentum)
+    return Net(built, model, loss_fn, build_engine(net, cfg, info), speedups, loaded, momentum, locks)
 
 
-__all__ = ["TowersWithLoss", "Net", "build_net", "loss_options", "seed_all", "temperature_to_towers"]
+__all__ = ["TowersWithLoss", "Net", "build_net", "lock_towers", "loss_options", "seed_all", "temperature_to_towers"]

@@ -564,11 +564,14 @@ def fit_pretrained(model: torch.nn.Module, state: dict, path: str) -> dict:
 
 
 def meta_towers(cfg: Config) -> torch.nn.Module:
-    """`--check`'s stand-in for the run's towers: built on the meta device (shapes only: no memory, no init)."""
-    from fastclip.train.net import build_towers
+    """`--check`'s stand-in for the run's towers: built on the meta device (shapes only: no memory, no init), and
+    locked as the run locks them (model.lock_image, model.lock_text: a ConfigError where they cannot be)."""
+    from fastclip.train.net import build_towers, lock_towers
 
     with torch.device("meta"):
-        return build_towers(cfg, device="meta").model  # an ssl run's checkpoint holds the tower + projector
+        model = build_towers(cfg, device="meta").model  # an ssl run's checkpoint holds the tower + projector
+        lock_towers(model, cfg)  # (frozen BatchNorm statistics change the towers' state_dict keys)
+        return model
 
 
 __all__ = [

@@ -1,8 +1,8 @@
 """LiT tower locking (model.lock_image / model.lock_text, OpenCLIP's --lock-image, --lock-text ...) end to end: a
 locked tower's parameters stay bitwise at their start (random init or --model.pretrained's), the other tower trains,
 the optimizer holds no state for the locked ones; open_clip's groups; frozen BatchNorm statistics; 1 process = 2
-processes, and DDP = DeepSpeed ZeRO-2/3, with a locked tower; exact resume; OpenCLIP's flags; what a tower cannot
-take is one line, exit 2, by `--check` too.
+processes, and DDP = DeepSpeed ZeRO-2/3, with a locked tower; exact resume, and a resume with other lock settings
+refused; OpenCLIP's flags; what a tower cannot take is one line, exit 2, by `--check` too.
 
 Short runs in this process (tiny-vit, tiny-vit-hf and a tiny ModifiedResNet written here, a few steps of 8 samples)
 and one 2-process spawn for every multi-process run."""
@@ -266,6 +266,37 @@ def test_compiled_towers_with_a_lock_train_as_eager_ones(single):
     assert unchanged(compiled["state_dict"], start, image) == [k for k in image if k != "visual.proj"]
     losses = [[r["loss"] for r in train_records(single.root / run)[:2]] for run in ("image_g1", "compiled")]
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+def test_resuming_with_other_lock_settings_is_one_line_naming_the_keys(single, capsys):
+    """The checkpoint's optimizer state is for the parameters its locks left trainable: another lock is refused before
+    anything is built, by the run and by --check, naming each key that differs and the values to resume with."""
+    base = [*single.runs["image_g1"], "--train.resume", "latest", "--train.max_steps", "6"]
+    text_flags = [f"--{k}={v}" for k, v in TEXT.items()]
+    checkpoint = step_dir(single.root / "image_g1", STEPS)
+    cases = [
+        (["--model.lock_image_unlocked_groups", "0"],
+         f"config key 'model.lock_image_unlocked_groups': 0 but checkpoint {checkpoint} was trained with 1: the locks "
+         "decide which parameters train, and the checkpoint's optimizer state is for those; resume with "
+         "--model.lock_image_unlocked_groups 1, or start a new run from its weights with --model.pretrained "
+         f"{checkpoint / 'model.pt'}"),
+        (["--model.lock_image", "false", "--model.lock_image_unlocked_groups", "0", *text_flags],
+         "config keys 'model.lock_image', 'model.lock_image_unlocked_groups', 'model.lock_text', "
+         "'model.lock_text_freeze_layer_norm': model.lock_image false, model.lock_image_unlocked_groups 0, "
+         "model.lock_text true, model.lock_text_freeze_layer_norm true but checkpoint "
+         f"{checkpoint} was trained with model.lock_image true, model.lock_image_unlocked_groups 1, model.lock_text "
+         "false, model.lock_text_freeze_layer_norm false: the locks decide which parameters train, and the "
+         "checkpoint's optimizer state is for those; resume with --model.lock_image true "
+         "--model.lock_image_unlocked_groups 1 --model.lock_text false --model.lock_text_freeze_layer_norm false"),
+    ]  # fmt: skip
+    before = sorted(p.name for p in (single.root / "image_g1" / "checkpoints").iterdir())
+    for changed, line in cases:
+        for check in ([], ["--check"]):
+            assert main([*base, *changed, *check]) == 2
+            said = the_error_line(capsys.readouterr().err)
+            assert said.startswith(f"fastclip train: config error: {line}"), said
+    assert sorted(p.name for p in (single.root / "image_g1" / "checkpoints").iterdir()) == before
+    assert len(train_records(single.root / "image_g1")) == STEPS
 
 
 # ----------------------------------------------------------------------------- open_clip's groups

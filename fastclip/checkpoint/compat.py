@@ -71,6 +71,9 @@ class Expected:
     queue_size: int | None = None  # loss.queue_size's slots (0: no queue); a saved queue loads only into as many
     momentum_towers: bool | None = None  # model.ema_momentum is set (None: not checked)
     ssl: bool | None = None  # ssl.enabled: an image tower + projector alone, not a CLIP model (None: not checked)
+    # the tower locks (config key -> value, model.lock_*): which parameters the saved optimizer state is for, and
+    # with frozen BatchNorm statistics the towers' modules (None: not checked)
+    locks: dict | None = None
 
 
 # ----------------------------------------------------------------------------- files
@@ -225,6 +228,7 @@ def check_config(config: dict, expected: Expected, step_dir: Path, model_file: d
                 f"config key '{key}': {now!r} but checkpoint {step_dir} was trained with {saved[section][name]!r}; "
                 f"resume with the same value, or {_start_anew(step_dir)}"
             )
+    _check_locks(saved, expected, step_dir)
     before = saved.get("train", {}).get("precision")
     if expected.precision == "fp16" and before not in (None, "fp16"):
         raise ConfigError(
@@ -232,6 +236,45 @@ def check_config(config: dict, expected: Expected, step_dir: Path, model_file: d
             f"saves no loss-scaler state for fp16 to go on from; resume with {before!r} (fp32 and bf16 resume each "
             f"other), or {_start_anew(step_dir)}"
         )
+
+
+LOCK_DEFAULTS = {  # what a checkpoint from before the lock keys existed trained with: both towers, unlocked
+    "model.lock_image": False,
+    "model.lock_image_unlocked_groups": 0,
+    "model.lock_image_freeze_bn_stats": False,
+    "model.lock_text": False,
+    "model.lock_text_unlocked_layers": 0,
+    "model.lock_text_freeze_layer_norm": False,
+}
+
+
+def _check_locks(saved: dict, expected: Expected, step_dir: Path) -> None:
+    """The same tower locks: another lock trains other parameters, which the saved optimizer state does not fit (and
+    frozen BatchNorm statistics are other modules)."""
+    if expected.locks is None:
+        return
+    model = saved.get("model", {})
+    said = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+    changed = []
+    for key, now in expected.locks.items():
+        before = model.get(key.split(".", 1)[1], LOCK_DEFAULTS.get(key))
+        if before != now:
+            changed.append((key, before, now))
+    if not changed:
+        return
+    keys = ", ".join(f"'{k}'" for k, _, _ in changed)
+    if len(changed) == 1:
+        _, before, now = changed[0]
+        now, before = said(now), said(before)
+    else:  # each key with its value
+        now = ", ".join(f"{k} {said(v)}" for k, _, v in changed)
+        before = ", ".join(f"{k} {said(v)}" for k, v, _ in changed)
+    flags = " ".join(f"--{k} {said(v)}" for k, v, _ in changed)
+    raise ConfigError(
+        f"config key{'s' * (len(changed) > 1)} {keys}: {now} but checkpoint {step_dir} was trained with {before}: "
+        f"the locks decide which parameters train, and the checkpoint's optimizer state is for those; resume with "
+        f"{flags}, or {_start_anew(step_dir)}"
+    )
 
 
 def _loss_options_changed(expected: Expected, model_file: dict) -> str:

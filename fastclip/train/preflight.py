@@ -479,6 +479,7 @@ def expected_by(cfg: Config, world_size: int, catalog, data_size: int, loss_fn: 
         queue_size=cfg.loss.queue_size or 0,
         momentum_towers=cfg.model.ema_momentum is not None,
         ssl=bool(cfg.ssl.enabled),
+        locks={f"model.{k}": v for k, v in cfg.to_dict()["model"].items() if k.startswith("lock_")},
         loss_parameters=LossParameters.shapes(loss_fn),
         loss_trainable=sum(1 for p in loss_fn.parameters() if p.requires_grad),
         loss_options={k: v for k, v in cfg.to_dict()["loss"].items() if k not in ("name", "validate")},

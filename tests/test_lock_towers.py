@@ -93,11 +93,15 @@ def single(tiny_embedded, tmp_path_factory, request):
     rn = root / "tiny-rn.json"
     rn.write_text(json.dumps(TINY_RN))
     vit_file = saved_model("tiny-vit", root / "vit.pt", seed=1)
+    # LiT's usual start, a pretrained image model alone: an image tower's own state dict (open_clip's model.visual)
+    image_file = root / "visual.pt"
+    torch.save({k[len("visual.") :]: v for k, v in load(vit_file).items() if k.startswith("visual.")}, image_file)
     rn_file = saved_model(str(rn), root / "rn.pt", seed=2, batch_norm_stats=True)
     g1 = {IMAGE: "true", "model.lock_image_unlocked_groups": 1, **MOMENTUM}
     runs = {
         "image": args(data, root / "image", **{IMAGE: "true", "model.pretrained": vit_file}),
         "image_g1": args(data, root / "image_g1", **g1),
+        "image_only": args(data, root / "image_only", **{IMAGE: "true", "model.pretrained": image_file}),
         "text": args(data, root / "text", **TEXT),
         "text_l1": args(data, root / "text_l1", **TEXT, **{"model.lock_text_unlocked_layers": 1}),
         "hf": args(data, root / "hf", **{"model.arch": "tiny-vit-hf", "model.lock_text": "true"}),
@@ -134,7 +138,11 @@ def single(tiny_embedded, tmp_path_factory, request):
         torch.compile = eager_compile
     runs["compiled"] = compiled
     yield from removed_unless_failed(
-        request, root, SimpleNamespace(root=root, runs=runs, said=said, vit_file=vit_file, rn_file=rn_file, rn=rn)
+        request,
+        root,
+        SimpleNamespace(
+            root=root, runs=runs, said=said, vit_file=vit_file, image_file=image_file, rn_file=rn_file, rn=rn
+        ),
     )
 
 
@@ -183,6 +191,44 @@ def test_a_locked_image_tower_keeps_the_pretrained_weights_while_the_text_tower_
         f"tiny-vit (7.2M parameters, towers from {single.vit_file}), image tower locked (0 of 4 groups unlocked): "
         "6.73M of 7.17M parameters train, 1 process(es)" in single.said["image"]
     )
+
+
+def test_an_image_towers_own_file_starts_the_locked_image_tower_and_the_text_tower_at_random_init(single):
+    """LiT's start: --model.pretrained names an image tower alone (keys without "visual."): that tower is the file's,
+    bitwise, to the end; the text tower starts at the run's random init and trains; the start line says both."""
+    file, end = load(single.image_file), final(single.root / "image_only")
+    start = initial_towers(single.runs["image_only"])
+    state = end["state_dict"]
+    image, text = image_names(state), text_names(state)
+    assert sorted("visual." + k for k in file) == sorted(image) and len(image) == 32
+    assert all(torch.equal(state["visual." + k], v) for k, v in file.items())
+    assert not any(torch.equal(state[k], start[k]) for k in text)  # trained from the run's own init
+    assert optimizer_holds(end) == (len(text), numel(start, text))
+    assert (
+        f"tiny-vit (7.2M parameters, image tower from {single.image_file}, text tower random init), image tower "
+        "locked (0 of 4 groups unlocked)" in single.said["image_only"]
+    )
+
+
+def test_an_image_tower_file_is_told_from_a_whole_model_and_checked_against_the_tower(tmp_path):
+    """image_tower_state: "visual."-prefixed keys or a tower's own names are an image tower's file, a whole model's
+    is not; a file of another image tower is one ConfigError naming the file and the tower."""
+    from fastclip.models import build_model
+    from fastclip.train.config import ConfigError
+    from fastclip.train.preflight import fit_pretrained, image_tower_state
+
+    model = build_model("tiny-vit").model
+    own = model.state_dict()
+    visual = {k: v for k, v in own.items() if k.startswith("visual.")}
+    bare = {k[len("visual.") :]: v for k, v in visual.items()}
+    assert image_tower_state(own, visual) == visual and image_tower_state(own, bare).keys() == visual.keys()
+    assert image_tower_state(own, own) is None and image_tower_state(own, {"token_embedding.weight": 0}) is None
+    fitted = fit_pretrained(model, bare, "v.pt")
+    assert fitted.keys() == own.keys() and all(torch.equal(fitted[k], own[k]) for k in own)
+    other = {k: v for k, v in build_model("tiny-vit-64").model.state_dict().items() if k.startswith("visual.")}
+    with pytest.raises(ConfigError, match=r"^config key 'model.pretrained': o.pt \(an image tower\) does not fit "
+                       r"the architecture's image tower: .*of another shape"):  # fmt: skip
+        fit_pretrained(model, other, "o.pt")
 
 
 def test_one_unlocked_image_group_is_the_projection_which_trains_alone(single):

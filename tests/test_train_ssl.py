@@ -181,6 +181,11 @@ def test_the_export_is_the_image_tower_that_open_clip_loads(runs, tmp_path, caps
     visual.load_state_dict(state)  # strict
     for name, value in visual.state_dict().items():
         assert torch.equal(value, saved[f"visual.{name}"]), name
+    # and it is --model.pretrained's image tower file for a CLIP model of the arch (LiT's start)
+    from fastclip.train.preflight import fit_pretrained, read_pretrained
+
+    fitted = fit_pretrained(open_clip.create_model("tiny-vit"), read_pretrained(str(out)), str(out))
+    assert all(torch.equal(fitted[f"visual.{name}"], value) for name, value in state.items())
     # the printed lines run as printed, in a fresh process (`import open_clip, torch` failed on this CPU torch)
     code = printed[printed.index("import torch") :] + "\nprint(type(visual).__name__)"
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)

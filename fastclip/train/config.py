@@ -114,12 +114,13 @@ class ModelConfig:
     ema_momentum: float | None = None
     pretrained: str | None = None  # start the towers from this file (OpenCLIP's --pretrained): an
     # OpenCLIP epoch_N.pt, an open_clip state dict, a fastclip export or
-    # model.pt; shapes must match; fresh optimizer and per-sample state;
+    # model.pt, or an image tower's alone (the text tower then random);
+    # shapes must match; fresh optimizer and per-sample state;
     # ignored when --train.resume finds a checkpoint to continue
     # LiT (OpenCLIP's --lock-image, --lock-text ...): a locked tower's parameters are frozen (requires_grad false: no
     # gradient, no optimizer state), through open_clip's lock_image_tower / lock_text_tower (fastclip/models/locks.py),
     # applied before model.pretrained or a resume loads the towers; the lock keys cannot change on resume
-    lock_image: bool = False  # freeze the image tower (usually with model.pretrained: LiT's locked image tower)
+    lock_image: bool = False  # freeze the image tower (LiT: model.pretrained an image tower's file, text random)
     # leave the last N of the image tower's groups trainable (open_clip's ViT: stem, each block but the last, the
     # last block with ln_post, the projection: layers + 2 groups); RN towers lock whole only (0)
     lock_image_unlocked_groups: int = 0

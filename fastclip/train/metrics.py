@@ -31,16 +31,16 @@ STEP_BAR = ("loss", "tau")  # beside the progress bar (and samples/s)
 PRECISION_WORDS = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast with loss scaling"}
 
 
-def start_line(cfg, info, net, stream, steps: tuple[int, int], resume_dir: Path | None, pretrained: bool) -> str:
-    """The run's first line: loss, towers (`pretrained`: model.pretrained was loaded into them), the locked towers
-    and the parameters that train, processes, engine, precision, speedups (net: fastclip/train/net.py), batch, steps
-    (first, last) and folders."""
+def start_line(cfg, info, net, stream, steps: tuple[int, int], resume_dir: Path | None, pretrained: str | None) -> str:
+    """The run's first line: loss, towers (`pretrained`: what model.pretrained's file filled, in preflight's words),
+    the locked towers and the parameters that train, processes, engine, precision, speedups (net:
+    fastclip/train/net.py), batch, steps (first, last) and folders."""
     o = cfg.optim
     # open_clip's own "No pretrained weights loaded" warning is dropped (fastclip/models): said here once
     if resume_dir is not None:  # the checkpoint's weights: --model.pretrained only starts a new run
         start = "weights from the checkpoint" + (", model.pretrained not loaded" if cfg.model.pretrained else "")
     else:
-        start = f"towers from {cfg.model.pretrained}" if pretrained else "random init"
+        start = pretrained or "random init"
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in net.model.parameters())  # ZeRO-3: full sizes
     return (
         f"fastclip train: {cfg.loss.name}, {net.built.arch} ({n_params / 1e6:.1f}M parameters, {start}), "

@@ -556,12 +556,46 @@ def check_fits(model: torch.nn.Module, state: dict, what: str, key: str | None =
         raise ConfigError(f"config key '{key}': {message}") if key else ValueError(message)
 
 
+IMAGE_TOWER = "visual."  # open_clip's image tower, in every CLIP model's state dict
+
+
+def image_tower_state(model_keys, state: dict) -> dict | None:
+    """`state` in the model's names where it holds an image tower alone (LiT's start: a pretrained image model):
+    keys that all begin with "visual.", or an image tower's own state dict (open_clip's model.visual, an ssl run's
+    export), whose keys all are the model's image tower's without the prefix; None for anything else."""
+    visual = {k for k in model_keys if k.startswith(IMAGE_TOWER)}
+    if not state or not visual:
+        return None
+    if all(k.startswith(IMAGE_TOWER) for k in state):
+        return state
+    if all(IMAGE_TOWER + k in visual for k in state):
+        return {IMAGE_TOWER + k: v for k, v in state.items()}
+    return None
+
+
 def fit_pretrained(model: torch.nn.Module, state: dict, path: str) -> dict:
     """model.pretrained's tensors as the model loads them, checked (check_fits): an export's logit_bias, where the
-    model has none, is left out (a SigLIP loss holds its bias here, not the towers)."""
-    fitted = fitted_to(model.state_dict(), state)
-    check_fits(model, fitted, path, "model.pretrained")
-    return fitted
+    model has none, is left out (a SigLIP loss holds its bias here, not the towers). A file of the image tower alone
+    (image_tower_state) fills that tower, every tensor of it, and the rest keeps its init."""
+    own = model.state_dict()
+    image = image_tower_state(own, state)
+    if image is None:
+        fitted = fitted_to(own, state)
+        check_fits(model, fitted, path, "model.pretrained")
+        return fitted
+    tower = {k: v for k, v in own.items() if k.startswith(IMAGE_TOWER)}
+    fitted = fitted_to(tower, image)
+    if mismatches := shape_mismatches(tower, fitted):
+        raise ConfigError(f"config key 'model.pretrained': {path} (an image tower) does not fit the architecture's "
+                          f"image tower: {mismatches}")  # fmt: skip
+    return {**{k: v for k, v in own.items() if k not in tower}, **fitted}
+
+
+def pretrained_words(model_keys, state: dict, path: str) -> str:
+    """The start line's words for model.pretrained's file: the towers, or the image tower alone."""
+    if image_tower_state(model_keys, state) is None:
+        return f"towers from {path}"
+    return f"image tower from {path}, text tower random init"
 
 
 def meta_towers(cfg: Config) -> torch.nn.Module:
@@ -585,6 +619,8 @@ __all__ = [
     "read_pretrained",
     "check_fits",
     "fit_pretrained",
+    "image_tower_state",
+    "pretrained_words",
     "meta_towers",
     "check_run_dir_free",
     "known_archs",

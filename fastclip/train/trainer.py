@@ -96,7 +96,7 @@ class Run:
         # checks that need the data and the world size, before anything heavy
         catalog = shared_catalog(cfg, info)
         data_size, self.resume_dir, model_file, pretrained = check_inputs(cfg, info.world_size, catalog)
-        self.pretrained = pretrained is not None
+        self.pretrained: str | None = None  # the start line's words for model.pretrained's file, once loaded
         self.saved_config = saved_config(model_file) if model_file is not None else None  # (changed_on_resume_note)
         resume = SavedCheckpoint(self.resume_dir, model_file, info) if model_file is not None else None
         # every part of the run's state, by name, added as it is built (and loaded then, resuming): fastclip/checkpoint;
@@ -140,6 +140,7 @@ class Run:
             self.checkpoints.add(shared={"state_dict": towers}, per_rank={"loss_state": LossState(loss_fn)})
             if pretrained is not None:  # strict: a partial load would train a half-random model without a word
                 model.load_state_dict(preflight.fit_pretrained(model, pretrained, cfg.model.pretrained))
+                self.pretrained = preflight.pretrained_words(model.state_dict(), pretrained, cfg.model.pretrained)
 
         momentum_state = resume.shared_state("momentum_towers") if resume is not None else None
         net = build_net(cfg, self.info, data_size, load=load, momentum_state=momentum_state)

@@ -188,13 +188,8 @@ def _lock_image(model: torch.nn.Module, s: LockSettings, arch: str) -> str:
             "lock_image_freeze_bn_stats",
             f"{arch}'s image tower ({kind}) has no BatchNorm layer, so it would change nothing: drop it",
         )
-    _call(
-        model.lock_image_tower,
-        "lock_image",
-        arch,
-        unlocked_groups=unlocked,
-        freeze_bn_stats=s.lock_image_freeze_bn_stats,
-    )
+    freeze = s.lock_image_freeze_bn_stats
+    _call(model.lock_image_tower, "lock_image", arch, unlocked_groups=unlocked, freeze_bn_stats=freeze)
     of = f" of {groups}" if groups is not None else ""
     frozen = ", BatchNorm statistics frozen" if s.lock_image_freeze_bn_stats else ""
     return f"image tower locked ({unlocked}{of} groups unlocked{frozen})"

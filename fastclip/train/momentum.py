@@ -31,7 +31,8 @@ class MomentumTowers(torch.nn.Module):
         if skipped is not None:
             weight = (1.0 - skipped.to(torch.float32)) * weight
         for (name, mine), theirs in zip(self.towers.named_parameters(), model.parameters()):
-            if name in NOT_AVERAGED:
+            # a locked parameter (model.lock_image/lock_text) never moves: its copy stays it, as a lerp would leave it
+            if name in NOT_AVERAGED or not theirs.requires_grad:
                 continue
             mine.lerp_(theirs.detach(), weight if isinstance(weight, float) else weight.to(mine.dtype))
         for mine, theirs in zip(self.towers.buffers(), model.buffers()):

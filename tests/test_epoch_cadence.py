@@ -56,6 +56,21 @@ def test_the_last_epochs_evaluation_is_made_once_with_at_end(tiny_embedded, tmp_
     assert _evaluated(run) == [EPOCH, 2 * EPOCH, 3 * EPOCH]  # the last epoch's by its cadence
 
 
+def test_a_finished_run_called_again_resumes_at_its_end_without_evaluating_it_twice(tiny_embedded, tmp_path):
+    """The quickstart's "run again": a finished run (checkpoint and evaluation at its last step) called again with
+    --train.resume latest trains nothing and logs no second evaluation of that step; a run whose final evaluation
+    is missing from its log (a crash in it, after the save) gets it then."""
+    run, again = tmp_path / "run", {"eval.at_end": True, "train.resume": "latest"}
+    assert _run(tiny_embedded, run, **{"eval.at_end": True}) == 0
+    assert _evaluated(run) == [3 * EPOCH] and _saved(run) == [3 * EPOCH]
+    assert _run(tiny_embedded, run, **again) == 0
+    assert _evaluated(run) == [3 * EPOCH]  # once (it was twice)
+    log = run / "metrics.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines() if '"eval/' not in line))
+    assert _run(tiny_embedded, run, **again) == 0
+    assert _evaluated(run) == [3 * EPOCH]
+
+
 def test_a_stop_at_an_epochs_end_is_evaluated_by_the_resume(tiny_embedded, tmp_path, monkeypatch):
     """A stop signal at the step that ends epoch 1 checkpoints there without evaluating; the resume evaluates that
     step first, so the run logs the evaluations of one never stopped. A stop mid-epoch owes none."""

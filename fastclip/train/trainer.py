@@ -198,6 +198,7 @@ class Run:
     # ---- the loop: epochs of the data stream, one optimizer step per batch
     def train(self) -> dict:
         cfg, guard = self.cfg, self.guard
+        started_at = self.step
         if self.evaluation_owed():
             with self.timeouts.relaxed("evaluation"):
                 self.evaluation.evaluate(self.step, self.samples_seen)
@@ -207,7 +208,8 @@ class Run:
         with self.timeouts.relaxed("final evaluation and checkpoint"):
             if cfg.checkpoint.at_end and self.last_saved != self.step:  # first: an evaluation error loses nothing
                 self.save()
-            if cfg.eval.at_end and self.step > 0 and not guard.stop:  # a stopped run evaluates when it completes
+            # a stopped run evaluates when it completes; a finished one called again has its evaluation already
+            if cfg.eval.at_end and self.step > 0 and not guard.stop and not self.evaluated_before(started_at):
                 self.evaluation.evaluate(self.step, self.samples_seen)
             barrier(self.info)
         return metrics.run_summary(
@@ -219,6 +221,12 @@ class Run:
             preempted=guard.stop,
             samples_per_s=self.throughput.samples_per_s(self.global_batch),
         )
+
+    def evaluated_before(self, started_at: int) -> bool:
+        """This call resumed at the step it ends on, trained none, and the log holds that step's evaluation."""
+        if self.resume_dir is None or self.step != started_at:
+            return False
+        return broadcast_flag(self.info.is_main and self.log.evaluated_at_start, self.info)
 
     def evaluation_owed(self) -> bool:
         """A stop (75) on an evaluation step checkpoints without evaluating (the signal's lead is short): the resume

@@ -215,7 +215,7 @@ def test_an_image_tower_file_is_told_from_a_whole_model_and_checked_against_the_
     is not; a file of another image tower is one ConfigError naming the file and the tower."""
     from fastclip.models import build_model
     from fastclip.train.config import ConfigError
-    from fastclip.train.preflight import fit_pretrained, image_tower_state
+    from fastclip.train.preflight import fit_pretrained, image_tower_state, pretrained_words
 
     model = build_model("tiny-vit").model
     own = model.state_dict()
@@ -223,6 +223,10 @@ def test_an_image_tower_file_is_told_from_a_whole_model_and_checked_against_the_
     bare = {k[len("visual.") :]: v for k, v in visual.items()}
     assert image_tower_state(own, visual) == visual and image_tower_state(own, bare).keys() == visual.keys()
     assert image_tower_state(own, own) is None and image_tower_state(own, {"token_embedding.weight": 0}) is None
+    assert pretrained_words(own, bare, "v.pt") == "image tower from v.pt, text tower random init"
+    assert pretrained_words(own, own, "w.pt") == "towers from w.pt"
+    ssl_keys = ["visual.conv1.weight", "projector.0.weight"]  # an ssl run's towers: no text tower
+    assert pretrained_words(ssl_keys, {"conv1.weight": 0}, "s.pt") == "image tower from s.pt, the rest random init"
     fitted = fit_pretrained(model, bare, "v.pt")
     assert fitted.keys() == own.keys() and all(torch.equal(fitted[k], own[k]) for k in own)
     other = {k: v for k, v in build_model("tiny-vit-64").model.state_dict().items() if k.startswith("visual.")}

@@ -595,7 +595,8 @@ def pretrained_words(model_keys, state: dict, path: str) -> str:
     """The start line's words for model.pretrained's file: the towers, or the image tower alone."""
     if image_tower_state(model_keys, state) is None:
         return f"towers from {path}"
-    return f"image tower from {path}, text tower random init"
+    text = any(k.startswith(("text.", "token_embedding.")) for k in model_keys)  # (an ssl run: a projector)
+    return f"image tower from {path}, {'text tower' if text else 'the rest'} random init"
 
 
 def meta_towers(cfg: Config) -> torch.nn.Module:

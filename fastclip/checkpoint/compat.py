@@ -21,6 +21,7 @@ against the architecture on the meta device.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import zipfile
@@ -44,6 +45,7 @@ from fastclip.checkpoint.records import (
 )
 from fastclip.data.stream import IDENTITY, identity_mismatches
 from fastclip.errors import CheckpointError, ConfigError
+from fastclip.models.locks import LockSettings
 
 
 @dataclass(frozen=True)
@@ -238,14 +240,8 @@ def check_config(config: dict, expected: Expected, step_dir: Path, model_file: d
         )
 
 
-LOCK_DEFAULTS = {  # what a checkpoint from before the lock keys existed trained with: both towers, unlocked
-    "model.lock_image": False,
-    "model.lock_image_unlocked_groups": 0,
-    "model.lock_image_freeze_bn_stats": False,
-    "model.lock_text": False,
-    "model.lock_text_unlocked_layers": 0,
-    "model.lock_text_freeze_layer_norm": False,
-}
+# what a checkpoint from before the lock keys existed trained with: both towers, unlocked (the keys' defaults)
+LOCK_DEFAULTS = {f"model.{f.name}": f.default for f in dataclasses.fields(LockSettings)}
 
 
 def _check_locks(saved: dict, expected: Expected, step_dir: Path) -> None:

@@ -44,7 +44,7 @@ def start_line(cfg, info, net, stream, steps: tuple[int, int], resume_dir: Path 
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in net.model.parameters())  # ZeRO-3: full sizes
     return (
         f"fastclip train: {cfg.loss.name}, {net.built.arch} ({n_params / 1e6:.1f}M parameters, {start}), "
-        + (f"{net.locks}, " if getattr(net, "locks", None) else "")  # model.lock_image / lock_text
+        + (f"{net.locks}, " if net.locks else "")  # model.lock_image / lock_text
         + f"{info.world_size} process(es) on {info.device.type} ({info.launcher}), {net.engine.describe()}, "
         f"{PRECISION_WORDS[cfg.train.precision]}, "
         + "".join(f"{s}, " for s in net.speedups)

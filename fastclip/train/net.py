@@ -188,11 +188,8 @@ def lock_towers(model: torch.nn.Module, cfg: Config) -> str | None:
     line's words for them (None without a lock); what the towers cannot take is a ConfigError naming the key."""
     from fastclip.models.locks import LockError, LockSettings, apply_locks
 
-    settings = LockSettings.of(cfg.model)
-    if not settings.any:
-        return None
     try:
-        return apply_locks(model, settings, cfg.model.arch)
+        return apply_locks(model, LockSettings.of(cfg.model), cfg.model.arch)
     except LockError as e:
         raise ConfigError(f"config key 'model.{e.key}': {e.why}") from None
 
